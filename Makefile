@@ -1,0 +1,159 @@
+# libbico build.  `make` builds the shared and static library, the `bico`
+# tool and the examples; `make check` runs every test; `make install`
+# honours PREFIX, DESTDIR, LIBDIR, INCLUDEDIR, BINDIR and PKGCONFIGDIR.
+
+VERSION_MAJOR := $(shell sed -n 's/^\#define BICO_VERSION_MAJOR \([0-9]*\)/\1/p' include/bico/version.h)
+VERSION_MINOR := $(shell sed -n 's/^\#define BICO_VERSION_MINOR \([0-9]*\)/\1/p' include/bico/version.h)
+VERSION_PATCH := $(shell sed -n 's/^\#define BICO_VERSION_PATCH \([0-9]*\)/\1/p' include/bico/version.h)
+VERSION := $(VERSION_MAJOR).$(VERSION_MINOR).$(VERSION_PATCH)
+
+PREFIX ?= /usr/local
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+BINDIR ?= $(PREFIX)/bin
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+DESTDIR ?=
+
+CC ?= cc
+CXX ?= c++
+PKG_CONFIG ?= pkg-config
+BLIS_CFLAGS ?= -I/usr/include/x86_64-linux-gnu
+LAPACK_LIBS ?= -llapack
+BLIS_LIBS ?= -lblis
+
+OPT ?= -O2 -g
+WARN := -Wall -Wextra
+CFLAGS_ALL := -std=c99 -D_POSIX_C_SOURCE=200809L $(OPT) $(WARN) -fPIC \
+              -fvisibility=hidden -Iinclude $(BLIS_CFLAGS) $(CFLAGS)
+CXXFLAGS_ALL := -std=c++17 $(OPT) $(WARN) -Iinclude $(CXXFLAGS)
+
+# SANITIZE=1: the same build with AddressSanitizer and UBSan, in its own tree.
+ifeq ($(SANITIZE),1)
+BUILD ?= build/san
+SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+CFLAGS_ALL += $(SAN)
+CXXFLAGS_ALL += $(SAN)
+LDSAN := $(SAN)
+else
+BUILD ?= build
+LDSAN :=
+endif
+
+LIB_SRCS := $(wildcard lib/*.c)
+LIB_OBJS := $(patsubst lib/%.c,$(BUILD)/obj/lib/%.o,$(LIB_SRCS))
+LIB_DEPS := $(wildcard include/bico/*.h) lib/internal.h $(wildcard lib/*.h)
+LIBS_PRIVATE := $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread
+
+SONAME := libbico.so.$(VERSION_MAJOR)
+SHLIB := $(BUILD)/lib/libbico.so.$(VERSION)
+STLIB := $(BUILD)/lib/libbico.a
+
+TOOL_SRCS := $(wildcard tools/bico/*.c)
+TOOL := $(if $(TOOL_SRCS),$(BUILD)/bin/bico)
+
+EXAMPLE_SRCS := $(wildcard examples/*.c)
+EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(EXAMPLE_SRCS))
+
+TEST_SRCS := $(wildcard test/*.cc)
+TEST_OBJS := $(patsubst test/%.cc,$(BUILD)/obj/test/%.o,$(TEST_SRCS))
+TEST_BIN := $(BUILD)/test/bico_tests
+GTEST_CFLAGS := $(shell $(PKG_CONFIG) --cflags gtest 2>/dev/null)
+GTEST_LIBS := $(shell $(PKG_CONFIG) --libs gtest_main 2>/dev/null || echo -lgtest_main -lgtest) -pthread
+
+RPATH := -Wl,-rpath,$(abspath $(BUILD)/lib)
+
+.PHONY: all lib check test install uninstall clean deps examples demo
+all: lib $(TOOL) examples
+
+lib: $(SHLIB) $(STLIB) $(BUILD)/lib/bico.pc
+
+$(BUILD)/obj/lib/%.o: lib/%.c $(LIB_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -DBICO_BUILDING_LIBRARY -c $< -o $@
+
+$(SHLIB): $(LIB_OBJS) lib/libbico.vers
+	@mkdir -p $(@D)
+	$(CC) -shared $(LDSAN) -Wl,-soname,$(SONAME) \
+	  -Wl,--version-script=lib/libbico.vers -Wl,--no-undefined \
+	  -o $@ $(LIB_OBJS) $(LIBS_PRIVATE) $(LDFLAGS)
+	ln -sf libbico.so.$(VERSION) $(BUILD)/lib/$(SONAME)
+	ln -sf $(SONAME) $(BUILD)/lib/libbico.so
+
+$(STLIB): $(LIB_OBJS)
+	@mkdir -p $(@D)
+	rm -f $@
+	ar rcs $@ $(LIB_OBJS)
+
+# bico.pc for the build tree's own use (check) is generated at install time
+# from bico.pc.in with the real paths; this copy points at PREFIX.
+$(BUILD)/lib/bico.pc: bico.pc.in include/bico/version.h
+	@mkdir -p $(@D)
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' \
+	    -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
+
+$(BUILD)/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $(TOOL_SRCS) \
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) -lm $(LDFLAGS)
+
+examples: $(EXAMPLES)
+$(BUILD)/examples/%: examples/%.c $(SHLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lm $(LDFLAGS)
+
+$(BUILD)/obj/test/%.o: test/%.cc $(wildcard test/*.h) $(LIB_DEPS)
+	@mkdir -p $(@D)
+	$(CXX) $(CXXFLAGS_ALL) $(GTEST_CFLAGS) -c $< -o $@
+
+$(TEST_BIN): $(TEST_OBJS) $(SHLIB)
+	@mkdir -p $(@D)
+	$(CXX) $(LDSAN) -o $@ $(TEST_OBJS) -L$(BUILD)/lib -lbico $(RPATH) \
+	  $(GTEST_LIBS) $(LAPACK_LIBS) $(BLIS_LIBS) -lm $(LDFLAGS)
+
+# The installed-library check: install into a staging prefix, then build an
+# example with nothing but pkg-config, dynamically and statically, and run it.
+STAGE := $(abspath $(BUILD)/stage)
+check-pkgconfig: all
+	rm -rf $(STAGE)
+	$(MAKE) --no-print-directory install PREFIX=$(STAGE) BUILD=$(BUILD) SANITIZE=$(SANITIZE) >/dev/null
+	PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CC) $(LDSAN) -o $(BUILD)/stage/hello examples/hello.c $$($(PKG_CONFIG) --cflags --libs bico)'
+	LD_LIBRARY_PATH=$(STAGE)/lib $(BUILD)/stage/hello
+	PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CC) $(LDSAN) -o $(BUILD)/stage/hello-static examples/hello.c $$($(PKG_CONFIG) --cflags bico) -L$(STAGE)/lib -Wl,-Bstatic -lbico -Wl,-Bdynamic $$($(PKG_CONFIG) --static --libs bico | sed "s/-lbico//")'
+	! ldd $(BUILD)/stage/hello-static | grep -q libbico
+	$(BUILD)/stage/hello-static
+	test -z "$$(nm -D --defined-only $(SHLIB) | awk '{print $$3}' | grep -v '^bico_' | grep -v '^BICO_')"
+	@echo "check-pkgconfig: installed library builds and runs through pkg-config (shared and static); only bico_* exported"
+
+check: $(TEST_BIN) all check-pkgconfig
+	$(TEST_BIN)
+	@if [ -d test/python ] && ls test/python/test_*.py >/dev/null 2>&1; then \
+	  PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q test/python; fi
+test: check
+
+PYTHON ?= /usr/bin/python3
+
+install: lib $(TOOL)
+	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR)/bico $(DESTDIR)$(PKGCONFIGDIR)
+	install -m 644 include/bico/*.h $(DESTDIR)$(INCLUDEDIR)/bico/
+	install -m 755 $(SHLIB) $(DESTDIR)$(LIBDIR)/
+	ln -sf libbico.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
+	ln -sf $(SONAME) $(DESTDIR)$(LIBDIR)/libbico.so
+	install -m 644 $(STLIB) $(DESTDIR)$(LIBDIR)/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' \
+	    -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@VERSION@|$(VERSION)|g' \
+	    bico.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/bico.pc
+	$(if $(TOOL),install -d $(DESTDIR)$(BINDIR) && install -m 755 $(TOOL) $(DESTDIR)$(BINDIR)/bico)
+
+uninstall:
+	rm -f $(DESTDIR)$(LIBDIR)/libbico.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME) \
+	      $(DESTDIR)$(LIBDIR)/libbico.so $(DESTDIR)$(LIBDIR)/libbico.a \
+	      $(DESTDIR)$(PKGCONFIGDIR)/bico.pc $(DESTDIR)$(BINDIR)/bico
+	rm -rf $(DESTDIR)$(INCLUDEDIR)/bico
+
+deps:
+	sh scripts/deps.sh
+
+clean:
+	rm -rf build

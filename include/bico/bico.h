@@ -1,0 +1,18 @@
+/* libbico: carry fine-tuning from one pretrained model to another.
+ *
+ * The umbrella header: include this one.  C99; the public headers use only
+ * <stddef.h> and <stdint.h>. */
+#ifndef BICO_BICO_H
+#define BICO_BICO_H
+
+#include "version.h"
+#include "status.h"
+#include "ctx.h"
+#include "xcov.h"
+#include "procrustes.h"
+#include "transport.h"
+#include "gradfix.h"
+#include "baseline.h"
+#include "depthmap.h"
+
+#endif

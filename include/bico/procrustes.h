@@ -1,0 +1,89 @@
+/* libbico: the orthogonal Procrustes solver.
+ *
+ * From a cross-covariance C (d_a x d_b) to R = U V^T, where C = U S V^T is
+ * the thin SVD: R minimises ||X_a R - X_b||_F over matrices with orthonormal
+ * rows (d_a <= d_b: R R^T = I) or columns (d_a >= d_b: R^T R = I).
+ *
+ * Options (bico_procrustes_set_param):
+ *   BICO_PROC_CENTER      0 (default) or 1: use the centered statistic
+ *                         C - n mu_a mu_b^T (needs BICO_XCOV_SUMS).
+ *   BICO_PROC_WHITEN      p in [0, 0.5], default 0: use
+ *                         (G_a + eps I)^-p C (G_b + eps I)^-p with the Gram
+ *                         matrices G (needs BICO_XCOV_GRAMS when p > 0).
+ *   BICO_PROC_WHITEN_EPS  eps > 0, default 1e-6.
+ *   BICO_PROC_RANK_TOL    relative tolerance in [0, 1), default 1e-5: a
+ *                         singular value s_i counts towards the numerical
+ *                         rank when s_i > tol * s_max.
+ *   BICO_PROC_NULL        completion of a rank-deficient statistic:
+ *                         BICO_NULL_KEEP (default; the reference behaviour:
+ *                         all min(d_a, d_b) singular pairs, the unidentified
+ *                         ones an arbitrary but valid orthonormal basis) or
+ *                         BICO_NULL_DROP (the partial isometry U_k V_k^T: the
+ *                         unidentified directions map to zero).
+ *
+ * Rank: every solve reports the numerical rank k.  A statistic of rank 0
+ * (all zero) gives, with KEEP, the rectangular identity, and with DROP, the
+ * zero matrix. */
+#ifndef BICO_PROCRUSTES_H
+#define BICO_PROCRUSTES_H
+
+#include <stddef.h>
+#include "ctx.h"
+#include "xcov.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct bico_procrustes bico_procrustes;
+
+typedef enum bico_procrustes_param {
+  BICO_PROC_CENTER = 1,
+  BICO_PROC_WHITEN = 2,
+  BICO_PROC_WHITEN_EPS = 3,
+  BICO_PROC_RANK_TOL = 4,
+  BICO_PROC_NULL = 5
+} bico_procrustes_param;
+
+typedef enum bico_null_completion {
+  BICO_NULL_KEEP = 0,
+  BICO_NULL_DROP = 1
+} bico_null_completion;
+
+BICO_API bico_status bico_procrustes_create(bico_ctx *ctx,
+                                            bico_procrustes **out);
+/* Accepts NULL. */
+BICO_API void bico_procrustes_free(bico_procrustes *p);
+
+BICO_API bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
+                                               double value);
+BICO_API bico_status bico_procrustes_get_param(const bico_procrustes *p,
+                                               int param, double *value);
+BICO_API bico_status bico_procrustes_param_bounds(int param, double *lo,
+                                                  double *hi);
+
+/* Solves from an accumulator: writes R (d_a x d_b, row stride ld_r >= d_b)
+ * and the numerical rank (rank may be NULL). */
+BICO_API bico_status bico_procrustes_solve(bico_procrustes *p,
+                                           const bico_xcov *xc, float *r,
+                                           size_t ld_r, size_t *rank);
+
+/* Solves from a cross-covariance matrix given directly (d_a x d_b, row
+ * stride ld_c).  Centering and whitening are unavailable here
+ * (BICO_E_STATE if set). */
+BICO_API bico_status bico_procrustes_solve_matrix(bico_procrustes *p,
+                                                  size_t d_a, size_t d_b,
+                                                  const double *c,
+                                                  size_t ld_c, float *r,
+                                                  size_t ld_r, size_t *rank);
+
+/* The singular values of the last solved statistic, largest first: copies
+ * min(count, cap) of them into s and stores count in *count. */
+BICO_API bico_status bico_procrustes_spectrum(const bico_procrustes *p,
+                                              double *s, size_t cap,
+                                              size_t *count);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,64 @@
+/* libbico internals shared by the library's sources; never installed. */
+#ifndef BICO_INTERNAL_H
+#define BICO_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "bico/bico.h"
+
+#define BICO_ERRMSG_CAP 1024
+
+struct bico_ctx {
+  bico_alloc_fn alloc;
+  bico_free_fn release;
+  void *opaque;
+  long threads;
+  char errmsg[BICO_ERRMSG_CAP];
+};
+
+/* Memory through the context's allocator.  bico__alloc fails the call with
+ * BICO_E_NOMEM and a message (naming `what`) when it returns NULL. */
+void *bico__alloc(bico_ctx *ctx, size_t size);
+void *bico__calloc(bico_ctx *ctx, size_t count, size_t size);
+void bico__free(bico_ctx *ctx, void *p);
+
+/* Records "detail" as ctx's last error and returns status (ctx may be NULL:
+ * then only the status is returned). printf-style. */
+bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+/* Clears ctx's last error (every public entry point calls it first). */
+void bico__clear(bico_ctx *ctx);
+
+/* a * b into *out; returns 0 on success, 1 on overflow. */
+static inline int bico__mul(size_t a, size_t b, size_t *out) {
+  if (a != 0 && b > SIZE_MAX / a) return 1;
+  *out = a * b;
+  return 0;
+}
+
+/* Scans a rows x cols row-major block (row stride ld) for NaN/Inf; returns
+ * BICO_OK or fails with BICO_E_NONFINITE naming `what`, the row and column. */
+bico_status bico__check_finite_f32(bico_ctx *ctx, const char *fn,
+                                   const char *what, const float *x,
+                                   size_t rows, size_t cols, size_t ld);
+bico_status bico__check_finite_f64(bico_ctx *ctx, const char *fn,
+                                   const char *what, const double *x,
+                                   size_t rows, size_t cols, size_t ld);
+
+/* Row-major GEMMs through BLIS with the context's thread count:
+ * C = alpha op(A) op(B) + beta C, where op is a transpose when ta/tb != 0.
+ * A is stored m x k (or k x m when ta), B k x n (or n x k when tb), all
+ * with row strides; beta = 0 means C is not read. */
+void bico__sgemm(const bico_ctx *ctx, int ta, int tb, size_t m, size_t n,
+                 size_t k, float alpha, const float *a, size_t lda,
+                 const float *b, size_t ldb, float beta, float *c,
+                 size_t ldc);
+void bico__dgemm(const bico_ctx *ctx, int ta, int tb, size_t m, size_t n,
+                 size_t k, double alpha, const double *a, size_t lda,
+                 const double *b, size_t ldb, double beta, double *c,
+                 size_t ldc);
+
+#endif
