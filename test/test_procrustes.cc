@@ -425,6 +425,16 @@ TEST(ProcrustesTest, RankTolerance) {
   std::vector<double> got = p.spectrum();
   ASSERT_EQ(got.size(), d);
   for (size_t i = 0; i < d; i++) EXPECT_NEAR(got[i], sv[i], 1e-14) << i;
+  // A singular value that is exactly zero never counts, even with tol = 0
+  // (s_i > tol * s_max is strict).
+  Mat diag(3, 3);
+  diag(0, 0) = 3, diag(1, 1) = -1;
+  size_t rank = 99;
+  p.set(BICO_PROC_RANK_TOL, 0.0);
+  p.solve_matrix(diag, &rank);
+  EXPECT_EQ(rank, size_t(2));
+  ASSERT_EQ(p.spectrum().size(), size_t(3));
+  EXPECT_EQ(p.spectrum()[2], 0.0);
 }
 
 TEST(ProcrustesTest, CenteringRemovesPlantedOffsets) {
