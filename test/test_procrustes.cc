@@ -542,6 +542,35 @@ TEST(ProcrustesTest, FullWhiteningOfALinearMapIsOrthogonal) {
   bico_xcov_free(xc);
 }
 
+// A Gram matrix with an exactly zero direction and the smallest eps the
+// bounds allow makes (G + eps I)^-p astronomically large: the solve may
+// report BICO_E_NUMERIC, but never hands back NaN or Inf.
+TEST(ProcrustesTest, ExtremeWhiteningNeverNaN) {
+  bt::Ctx ctx;
+  bt::Rng g(23);
+  const size_t n = 40, d = 4;
+  Mat xa = bt::randn(g, n, d), xb = bt::randn(g, n, d);
+  for (size_t i = 0; i < n; i++) xa(i, 1) = 0.0, xb(i, 2) = 0.0;
+  Data data(xa, xb);
+  bico_xcov *xc = accumulate(ctx, data, BICO_XCOV_GRAMS);
+  double lo, hi;
+  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_WHITEN_EPS, &lo, &hi), BICO_OK);
+  Proc p(ctx);
+  p.set(BICO_PROC_WHITEN, 0.5);
+  p.set(BICO_PROC_WHITEN_EPS, lo);
+  std::vector<float> r(d * d);
+  size_t rank = 0;
+  bico_status st = bico_procrustes_solve(p, xc, r.data(), d, &rank);
+  if (st == BICO_OK) {
+    EXPECT_TRUE(all_finite(Mat::from(r.data(), d, d, d)));
+    EXPECT_LT(semi_orth_err(Mat::from(r.data(), d, d, d)), 1e-5);
+  } else {
+    EXPECT_EQ(st, BICO_E_NUMERIC);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "overflow")) << bico_ctx_errmsg(ctx);
+  }
+  bico_xcov_free(xc);
+}
+
 TEST(ProcrustesTest, SpectrumMatchesIndependentSingularValues) {
   bt::Ctx ctx;
   bt::Rng g(21);
