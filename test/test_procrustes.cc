@@ -752,3 +752,56 @@ TEST(ProcrustesTest, EveryAllocationThroughTheContext) {
   bico_ctx_free(ctx);
   EXPECT_EQ(cnt.live, 0);
 }
+
+namespace {
+// Fails the allocation numbered `fail_at` (1-based) and every later one.
+struct Failing {
+  long live = 0, count = 0, fail_at = 0;
+};
+void *fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count >= f->fail_at && f->fail_at > 0) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
+}
+}  // namespace
+
+// Every allocation failure inside a solve is BICO_E_NOMEM, and that path
+// frees everything it took.
+TEST(ProcrustesTest, OutOfMemoryAtEveryAllocation) {
+  bt::Rng g(24);
+  Data data(bt::randn(g, 30, 5), bt::randn(g, 30, 4));
+  bool succeeded = false;
+  for (long k = 1; k < 200 && !succeeded; k++) {
+    Failing f;
+    bico_ctx *ctx = nullptr;
+    ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+    bico_xcov *xc = accumulate(ctx, data, 3);
+    bico_procrustes *p = nullptr;
+    ASSERT_EQ(bico_procrustes_create(ctx, &p), BICO_OK);
+    ASSERT_EQ(bico_procrustes_set_param(p, BICO_PROC_WHITEN, 0.5), BICO_OK);
+    const long base_live = f.live;
+    f.fail_at = f.count + k;
+    std::vector<float> r(5 * 4);
+    bico_status st = bico_procrustes_solve(p, xc, r.data(), 4, nullptr);
+    if (st == BICO_OK) {
+      succeeded = true;
+      EXPECT_EQ(f.live, base_live + 1);  // the stored spectrum
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k;
+      EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "out of memory")) << bico_ctx_errmsg(ctx);
+      EXPECT_EQ(f.live, base_live) << "leak when allocation " << k << " fails";
+    }
+    f.fail_at = 0;
+    bico_procrustes_free(p);
+    bico_xcov_free(xc);
+    EXPECT_EQ(f.live, 1);
+    bico_ctx_free(ctx);
+  }
+  EXPECT_TRUE(succeeded);
+}
