@@ -69,29 +69,51 @@ void bico__arena_free(bico__arena *a) {
 
 /* ---- UTF-8 ---- */
 
-/* Length of the valid UTF-8 sequence at s (n bytes available), or 0. */
-static size_t utf8_seq(const unsigned char *s, size_t n) {
+/* Length of the valid UTF-8 sequence at s (n bytes available), or 0 with
+ * the reason in *why. */
+static size_t utf8_seq(const unsigned char *s, size_t n, const char **why) {
   unsigned c = s[0];
+  *why = "invalid UTF-8: bad continuation byte";
   if (c < 0x80) return 1;
-  if (c < 0xC2) return 0; /* continuation byte or overlong 2-byte lead */
+  if (c < 0xC0) {
+    *why = "invalid UTF-8: stray continuation byte";
+    return 0;
+  }
+  if (c < 0xC2) {
+    *why = "overlong UTF-8 encoding";
+    return 0;
+  }
   if (c < 0xE0) {
     if (n < 2 || (s[1] & 0xC0) != 0x80) return 0;
     return 2;
   }
   if (c < 0xF0) {
     if (n < 3 || (s[1] & 0xC0) != 0x80 || (s[2] & 0xC0) != 0x80) return 0;
-    if (c == 0xE0 && s[1] < 0xA0) return 0; /* overlong */
-    if (c == 0xED && s[1] >= 0xA0) return 0; /* UTF-16 surrogate */
+    if (c == 0xE0 && s[1] < 0xA0) {
+      *why = "overlong UTF-8 encoding";
+      return 0;
+    }
+    if (c == 0xED && s[1] >= 0xA0) {
+      *why = "UTF-8-encoded surrogate";
+      return 0;
+    }
     return 3;
   }
   if (c < 0xF5) {
     if (n < 4 || (s[1] & 0xC0) != 0x80 || (s[2] & 0xC0) != 0x80 ||
         (s[3] & 0xC0) != 0x80)
       return 0;
-    if (c == 0xF0 && s[1] < 0x90) return 0; /* overlong */
-    if (c == 0xF4 && s[1] >= 0x90) return 0; /* above U+10FFFF */
+    if (c == 0xF0 && s[1] < 0x90) {
+      *why = "overlong UTF-8 encoding";
+      return 0;
+    }
+    if (c == 0xF4 && s[1] >= 0x90) {
+      *why = "UTF-8 code point above U+10FFFF";
+      return 0;
+    }
     return 4;
   }
+  *why = "invalid UTF-8 lead byte";
   return 0;
 }
 
@@ -99,7 +121,8 @@ int bico__utf8_valid(const char *s, size_t len, size_t *bad) {
   const unsigned char *p = (const unsigned char *)s;
   size_t i = 0;
   while (i < len) {
-    size_t k = utf8_seq(p + i, len - i);
+    const char *why;
+    size_t k = utf8_seq(p + i, len - i, &why);
     if (k == 0) {
       if (bad) *bad = i;
       return 0;
@@ -270,9 +293,10 @@ static int parse_string(parser *p, const char **out, size_t *out_len) {
       i += 2;
       continue;
     }
-    size_t k = utf8_seq(p->s + i, p->len - i);
+    const char *why;
+    size_t k = utf8_seq(p->s + i, p->len - i, &why);
     if (k == 0) {
-      perr(p, i, "invalid UTF-8 in a string", NULL);
+      perr(p, i, "%s in a string", why);
       return 0;
     }
     i += k;

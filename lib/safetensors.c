@@ -252,8 +252,8 @@ static bico_status parse_entry(bico_stfile *f, const char *path,
   const char *nm = shortname(name, nb, sizeof nb);
   if (v->type != BICO__JSON_OBJECT)
     return bico__fail(ctx, BICO_E_FORMAT,
-                      "stfile_open: %s: tensor '%s': entry is a %s, not an "
-                      "object",
+                      "stfile_open: %s: tensor '%s': entry is not an object "
+                      "(%s)",
                       path, nm, bico__json_type_name(v->type));
   const bico__json *jd = NULL, *js = NULL, *jo = NULL;
   for (size_t k = 0; k < v->n; k++) {
@@ -281,8 +281,8 @@ static bico_status parse_entry(bico_stfile *f, const char *path,
   /* dtype */
   if (jd->type != BICO__JSON_STRING)
     return bico__fail(ctx, BICO_E_FORMAT,
-                      "stfile_open: %s: tensor '%s': dtype is a %s, not a "
-                      "string",
+                      "stfile_open: %s: tensor '%s': dtype is not a string "
+                      "(%s)",
                       path, nm, bico__json_type_name(jd->type));
   memset(t, 0, sizeof *t);
   if (bico_dtype_from_name(jd->u.s, &t->dtype) != BICO_OK ||
@@ -301,8 +301,8 @@ static bico_status parse_entry(bico_stfile *f, const char *path,
   /* shape */
   if (js->type != BICO__JSON_ARRAY)
     return bico__fail(ctx, BICO_E_FORMAT,
-                      "stfile_open: %s: tensor '%s': shape is a %s, not an "
-                      "array",
+                      "stfile_open: %s: tensor '%s': shape is not an array "
+                      "(%s)",
                       path, nm, bico__json_type_name(js->type));
   if (js->n > MAX_NDIM)
     return bico__fail(ctx, BICO_E_FORMAT,
@@ -446,7 +446,7 @@ static bico_status load_one(bico_stfile *f, size_t file, int want_meta) {
   if (root->type != BICO__JSON_OBJECT) {
     bico__json_doc_free(doc);
     return bico__fail(ctx, BICO_E_FORMAT,
-                      "stfile_open: %s: header is a JSON %s, not an object",
+                      "stfile_open: %s: header is not a JSON object (%s)",
                       path, bico__json_type_name(root->type));
   }
   size_t first = f->count;
@@ -465,7 +465,7 @@ static bico_status load_one(bico_stfile *f, size_t file, int want_meta) {
       const bico__json *md = &mem->value;
       if (md->type != BICO__JSON_OBJECT) {
         st = bico__fail(ctx, BICO_E_FORMAT,
-                        "stfile_open: %s: __metadata__ is a %s, not an object",
+                        "stfile_open: %s: __metadata__ is not an object (%s)",
                         path, bico__json_type_name(md->type));
         break;
       }
@@ -473,8 +473,8 @@ static bico_status load_one(bico_stfile *f, size_t file, int want_meta) {
         const bico__json_member *e = &md->u.members[j];
         if (e->value.type != BICO__JSON_STRING) {
           st = bico__fail(ctx, BICO_E_FORMAT,
-                          "stfile_open: %s: __metadata__ entry '%s' is a %s, "
-                          "not a string",
+                          "stfile_open: %s: __metadata__ entry '%s' is not a "
+                          "string (%s)",
                           path, shortname(e->key, nb, sizeof nb),
                           bico__json_type_name(e->value.type));
           break;
@@ -657,8 +657,8 @@ static bico_status load_index(bico_stfile *f, const char *path) {
   }
   if (md != NULL && md->type != BICO__JSON_OBJECT) {
     st = bico__fail(ctx, BICO_E_FORMAT,
-                    "stfile_open: %s: index \"metadata\" is a %s, not an "
-                    "object",
+                    "stfile_open: %s: index \"metadata\" is not an object "
+                    "(%s)",
                     path, bico__json_type_name(md->type));
     goto done;
   }
@@ -716,8 +716,8 @@ static bico_status load_index(bico_stfile *f, const char *path) {
     const char *sh = e->value.u.s;
     if (e->value.type != BICO__JSON_STRING) {
       st = bico__fail(ctx, BICO_E_FORMAT,
-                      "stfile_open: %s: weight_map entry for tensor '%s' is a "
-                      "%s, not a file name",
+                      "stfile_open: %s: weight_map entry for tensor '%s' is "
+                      "not a file name (%s)",
                       path, shortname(e->key, nb, sizeof nb),
                       bico__json_type_name(e->value.type));
       goto done;
