@@ -1,0 +1,3 @@
+#ifndef BICO_TRANSFER_H
+#define BICO_TRANSFER_H
+#endif
