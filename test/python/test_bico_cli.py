@@ -457,3 +457,41 @@ def test_inspect_lists_modules_and_blocks(vit):
     assert "F32" in r.stdout and "[72, 24]" in r.stdout
     r = bico("inspect", vit["dir"] / "nonexistent.safetensors", ok=False)
     assert r.returncode == 1 and "nonexistent" in r.stderr
+
+
+def test_docs_calibration_snippet_matches(vit, tmp_path):
+    """The PyTorch recipe in docs/formats.md, run as written (with a stand-in
+    for safetensors.torch.save_file), gives the calibration file the tests
+    use, also when the samples come in two batches."""
+    import re
+    import types
+    text = open(os.path.join(HERE, "..", "..", "docs", "formats.md")).read()
+    sec = text[text.index("### Producing a calibration file"):]
+    code = re.search(r"```python\n(.*?)```", sec, re.S).group(1)
+    fake = types.ModuleType("safetensors.torch")
+    fake.save_file = lambda d, path: pl.save(path, {k: v.numpy() for k, v in d.items()})
+    pkg = types.ModuleType("safetensors")
+    pkg.torch = fake
+    saved = {k: sys.modules.get(k) for k in ("safetensors", "safetensors.torch")}
+    sys.modules.update({"safetensors": pkg, "safetensors.torch": fake})
+    try:
+        ns = {}
+        exec(code, ns)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    gen = torch.Generator().manual_seed(7)
+    m = vit["model"](vit["sdA"])
+    x = torch.randn(40, CFG["n"], CFG["p"], generator=gen)
+    z = torch.randn(40, CFG["classes"], generator=gen)
+    path = tmp_path / "doc.safetensors"
+    ns["calibration_file"](m, [(x[:25], z[:25]), (x[25:], z[25:])],
+                           lambda out, y: (out * y).sum(), str(path))
+    got, _, _ = pl.load(path)
+    want = pl.calibrate(m, x, lambda out: (out * z).sum())
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].shape == want[k].shape and rel(got[k], want[k]) < 1e-6, k
