@@ -624,12 +624,14 @@ static bico_status bico_update(run *r, size_t ti, float *upd, tinfo *info) {
     return BICO_OK;
   }
   size_t si;
-  if (bico_model_pair_tensor(r->mt, ti, r->ms, &si) != BICO_OK) {
+  st = bico_model_pair_tensor(r->mt, ti, r->ms, &si);
+  if (st == BICO_E_NOTFOUND) {
     snprintf(info->reason, sizeof info->reason,
              "the source has no paired tensor");
     bico__clear(ctx);
     return BICO_OK;
   }
+  if (st != BICO_OK) return st;
   info->source = tname(r->ms, si);
   size_t nd_a;
   const size_t *sh_a;
@@ -763,12 +765,14 @@ static bico_status elementwise_update(run *r, size_t ti, float *upd,
   int dtype;
   bico_model_tensor(r->mt, ti, &name, &dtype, &ndim, &shape);
   size_t si;
-  if (bico_model_pair_tensor(r->mt, ti, r->ms, &si) != BICO_OK) {
+  bico_status pst = bico_model_pair_tensor(r->mt, ti, r->ms, &si);
+  if (pst == BICO_E_NOTFOUND) {
     bico__clear(ctx);
     snprintf(info->reason, sizeof info->reason,
              "the source has no paired tensor");
     return BICO_OK;
   }
+  if (pst != BICO_OK) return pst;
   info->source = tname(r->ms, si);
   size_t nd_a;
   const size_t *sh_a;
@@ -874,9 +878,9 @@ static bico_status plan(run *r) {
   if (r->mods == NULL || r->owner == NULL) return BICO_E_NOMEM;
   for (size_t m = 0; m < r->nm; m++) {
     size_t src;
-    r->mods[m].src = bico_model_pair_module(r->mt, m, r->ms, &src) == BICO_OK
-                         ? src
-                         : NONE;
+    bico_status st = bico_model_pair_module(r->mt, m, r->ms, &src);
+    if (st != BICO_OK && st != BICO_E_NOTFOUND) return st;
+    r->mods[m].src = st == BICO_OK ? src : NONE;
     r->mods[m].k = split_for(r->t, mname(r->mt, m));
   }
   bico__clear(ctx);

@@ -363,4 +363,95 @@ TEST(TransferErrors, BadInputsNameTheCulpritAndWriteNothing) {
   EXPECT_EQ(ls.find("bico-tmp"), std::string::npos) << ls;
 }
 
+// An allocator that fails the n-th allocation and counts live blocks.
+struct Failing {
+  long count = 0, fail_at = 0, live = 0;
+};
+void *fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count == f->fail_at) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
+}
+
+TEST(TransferOom, EveryAllocationFailureIsReportedAndCleanedUp) {
+  Chain c;
+  std::string out = c.dir + "/out.safetensors", rep = c.dir + "/report.json";
+  bool done = false;
+  long k;
+  for (k = 1; k < 100000 && !done; k++) {
+    Failing f;
+    bico_ctx *ctx = nullptr;
+    ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+    f.fail_at = f.count + k;
+    bico_transfer *t = nullptr;
+    bico_status st = bico_transfer_create(ctx, &t);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A},      {BICO_FILE_SOURCE_TUNED, c.Aft},
+        {BICO_FILE_TARGET_BASE, c.B},      {BICO_FILE_SOURCE_CALIB, c.calA},
+        {BICO_FILE_TARGET_CALIB, c.calB},  {BICO_FILE_OUTPUT, out},
+        {BICO_FILE_REPORT, rep}};
+    for (auto &fl : files)
+      if (st == BICO_OK) st = bico_transfer_set_file(t, fl.first, fl.second.c_str());
+    if (st == BICO_OK) st = bico_transfer_add_split(t, "fc", 2);
+    if (st == BICO_OK) st = bico_transfer_run(t);
+    if (st == BICO_OK) {
+      done = true;
+      std::remove(out.c_str());
+      std::remove(rep.c_str());
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k << ": " << bico_ctx_errmsg(ctx);
+      EXPECT_EQ(access(out.c_str(), F_OK), -1) << "allocation " << k;
+      EXPECT_EQ(access(rep.c_str(), F_OK), -1) << "allocation " << k;
+    }
+    bico_transfer_free(t);
+    EXPECT_EQ(f.live, 1) << "leak after failing allocation " << k;
+    bico_ctx_free(ctx);
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_TRUE(done);
+  EXPECT_GT(k, 20);
+}
+
+TEST(ModelOom, EveryAllocationFailureIsReportedAndCleanedUp) {
+  bool done = false;
+  for (long k = 1; k < 100000 && !done; k++) {
+    Failing f;
+    bico_ctx *ctx = nullptr;
+    ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+    f.fail_at = f.count + k;
+    bico_model *a = nullptr, *b = nullptr;
+    bico_status st = bico_model_create(ctx, &a);
+    if (st == BICO_OK) st = bico_model_create(ctx, &b);
+    for (int i = 0; i < 40 && st == BICO_OK; i++) {
+      size_t shape[2] = {4, 4};
+      std::string n = "blocks." + std::to_string(i % 4) + ".m" + std::to_string(i) + ".weight";
+      st = bico_model_add_tensor(a, n.c_str(), 0, 2, shape);
+      if (st == BICO_OK && i < 6) {
+        n = "blocks." + std::to_string(i) + ".m.weight";
+        st = bico_model_add_tensor(b, n.c_str(), 0, 2, shape);
+      }
+    }
+    const char *prefix = nullptr;
+    if (st == BICO_OK) st = bico_model_blocks(b, &prefix, nullptr);
+    size_t sm;
+    if (st == BICO_OK) st = bico_model_pair_module(b, 0, a, &sm);
+    if (st == BICO_OK || st == BICO_E_NOTFOUND)
+      done = true;
+    else
+      EXPECT_EQ(st, BICO_E_NOMEM) << k;
+    bico_model_free(a);
+    bico_model_free(b);
+    EXPECT_EQ(f.live, 1) << "leak after failing allocation " << k;
+    bico_ctx_free(ctx);
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_TRUE(done);
+}
+
 }  // namespace
