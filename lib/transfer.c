@@ -1142,8 +1142,7 @@ static bico_status run_all(run *r) {
     const char *name;
     int dtype;
     size_t ndim;
-    const size_t *shape, fi_dummy = 0;
-    (void)fi_dummy;
+    const size_t *shape;
     bico_model_tensor(r->mt, ti, &name, &dtype, &ndim, &shape);
     size_t fi;
     bico_stfile_find(r->tb, name, &fi);

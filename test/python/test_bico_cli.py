@@ -495,3 +495,43 @@ def test_docs_calibration_snippet_matches(vit, tmp_path):
     assert sorted(got) == sorted(want)
     for k in want:
         assert got[k].shape == want[k].shape and rel(got[k], want[k]) < 1e-6, k
+
+
+@pytest.mark.parametrize("opts", [
+    ["--method", "bico-in"], ["--method", "bico-out"],
+    ["--method", "bico", "--norm-map", "grad"],
+    ["--method", "bico", "--null", "drop", "--rank-tol", "1e-3"],
+    ["--method", "bico", "--center", "--whiten", "0.25", "--threads", "2"],
+])
+def test_vit_options(vit, tmp_path, opts):
+    """Each option runs and the report shows what it did; the ranks are
+    predicted from the model, not read off the code."""
+    f = vit["files"]
+    out, rep = tmp_path / "o.safetensors", tmp_path / "r.json"
+    bico("transfer", *opts, "--source-base", f["A"], "--source-tuned", f["Aft"],
+         "--target-base", f["B"], "--source-calib", f["calA"],
+         "--target-calib", f["calB"], "--split", "attn.qkv=3",
+         "--report", rep, "--output", out, "-q")
+    o, _, _ = pl.load(out)
+    assert all(np.all(np.isfinite(v)) for v in o.values())
+    by = {e["name"]: e for e in json.load(open(rep))["tensors"]}
+    maps = by["blocks.0.mlp.fc1.weight"]["maps"]
+    if opts[1] == "bico-in":
+        assert set(maps) == {"in"}
+        # bico-in: the output side is the identity, so the bias is unchanged
+        # in value (tau itself), i.e. the update equals tau_b.
+        assert rel(o["blocks.0.mlp.fc1.bias"] - vit["sdB"]["blocks.0.mlp.fc1.bias"].numpy(),
+                   vit["tau"]["blocks.0.mlp.fc1.bias"].numpy()) < 1e-6
+    elif opts[1] == "bico-out":
+        assert set(maps) == {"out"}
+    else:
+        assert set(maps) == {"in", "out"}
+    if "grad" in opts:
+        # The final norm's output gradients are head.weight^T z: rank =
+        # number of classes.
+        assert by["norm.weight"]["maps"]["out"]["rank"] == CFG["classes"]
+    elif "--rank-tol" in opts:
+        # A coarser tolerance counts fewer singular values.
+        assert by["norm.weight"]["maps"]["in"]["rank"] < CFG["d"]
+    else:
+        assert by["norm.weight"]["maps"]["in"]["rank"] == CFG["d"]
