@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "calib.h"
@@ -1107,10 +1108,18 @@ static bico_status run_all(run *r) {
   bico_model_blocks(r->ms, &sp, &sl);
   bico_model_blocks(r->mt, &tp, &tl);
   size_t nt = bico_model_tensor_count(r->mt);
-  logf_(r, "bico: method %s, alpha %g; source blocks %s (%zu), target blocks "
-           "%s (%zu); %zu target tensors",
-        METHOD_NAME[r->method], (double)r->alpha, sp ? sp : "none", sl,
-        tp ? tp : "none", tl, nt);
+  char bsrc[160], btgt[160];
+  if (sp)
+    snprintf(bsrc, sizeof bsrc, "%zu blocks %s%s<i>", sl, sp, sp[0] ? "." : "");
+  else
+    snprintf(bsrc, sizeof bsrc, "no blocks");
+  if (tp)
+    snprintf(btgt, sizeof btgt, "%zu blocks %s%s<i>", tl, tp, tp[0] ? "." : "");
+  else
+    snprintf(btgt, sizeof btgt, "no blocks");
+  logf_(r, "bico: method %s, alpha %g; source: %s; target: %s; %zu target "
+           "tensors",
+        METHOD_NAME[r->method], (double)r->alpha, bsrc, btgt, nt);
 
   /* Writers: declare every tensor up front, in the target's order. */
   st = bico_stwriter_create(ctx, t->files[BICO_FILE_OUTPUT], &r->w);
@@ -1137,7 +1146,8 @@ static bico_status run_all(run *r) {
   bico__report_key(&r->rep, "tensors");
   bico__report_begin_array(&r->rep);
 
-  size_t step = nt / 10 ? nt / 10 : 1;
+  /* Progress only on long runs: at most every 2 seconds. */
+  time_t last = time(NULL);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     const char *name;
     int dtype;
@@ -1202,8 +1212,10 @@ static bico_status run_all(run *r) {
     if (st == BICO_OK && r->owner[ti] != NONE &&
         --r->mods[r->owner[ti]].refs == 0)
       free_maps(r, &r->mods[r->owner[ti]]);
-    if (st == BICO_OK && (ti + 1) % step == 0 && ti + 1 < nt)
-      logf_(r, "bico: %zu/%zu tensors done", ti + 1, nt);
+    if (st == BICO_OK && ti + 1 < nt && time(NULL) - last >= 2) {
+      last = time(NULL);
+      logf_(r, "bico: %zu/%zu tensors done (%s)", ti + 1, nt, name);
+    }
   }
   bico__report_end_array(&r->rep);
   bico__report_key(&r->rep, "summary");
