@@ -885,6 +885,22 @@ static bico_status plan(run *r) {
     r->mods[m].k = split_for(r->t, mname(r->mt, m));
   }
   bico__clear(ctx);
+  /* A split that matches no linear module is a typo worth stopping for. */
+  for (size_t i = 0; i < r->t->nsplits; i++) {
+    int hit = 0;
+    for (size_t m = 0; m < r->nm && !hit; m++) {
+      int kind;
+      bico_model_module(r->mt, m, NULL, &kind, NULL, NULL);
+      hit = kind == BICO_MODULE_LINEAR &&
+            ends_with_component(mname(r->mt, m), r->t->splits[i].suffix);
+    }
+    if (!hit)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "--split %s=%zu: no linear module of the target base "
+                        "ends in %s",
+                        r->t->splits[i].suffix, r->t->splits[i].k,
+                        r->t->splits[i].suffix);
+  }
   int bico = r->method == BICO_METHOD_BICO || r->method == BICO_METHOD_BICO_IN ||
              r->method == BICO_METHOD_BICO_OUT;
   for (size_t ti = 0; ti < nt; ti++) {

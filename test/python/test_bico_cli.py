@@ -419,6 +419,10 @@ def test_data_errors_name_the_culprit(vit, tmp_path):
     r = bico(*common, "--source-calib", f["calA"], "--target-calib", f["calB"],
              "--output", link, ok=False)
     assert r.returncode == 1 and open(f["B"], "rb").read() == before
+    # A --split that matches nothing is named.
+    r = bico(*common, "--source-calib", f["calA"], "--target-calib", f["calB"],
+             "--split", "attn.qvk=3", "--output", out, ok=False)
+    assert r.returncode == 1 and "attn.qvk" in r.stderr, r.stderr
     # A malformed file is named.
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{oops}  ")
