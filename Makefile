@@ -158,7 +158,7 @@ deps:
 clean:
 	rm -rf build
 
-# ---- safetensors interop helper (test/st_tool.c) ----
+# ---- safetensors/JSON interop helpers (test/st_tool.c, test/json_tool.c) ----
 # A small driver of the safetensors API that the Python interop tests
 # (test/python/test_safetensors_interop.py) run; built with the test binary.
 ST_TOOL := $(BUILD)/test/st_tool
@@ -166,4 +166,12 @@ $(ST_TOOL): test/st_tool.c $(SHLIB)
 	@mkdir -p $(@D)
 	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
 	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(LDFLAGS)
-$(TEST_BIN): | $(ST_TOOL)
+# The internal JSON reader/writer driven from Python
+# (test/python/test_json_interop.py): links the static library, where the
+# internal symbols are visible.
+JSON_TOOL := $(BUILD)/test/json_tool
+$(JSON_TOOL): test/json_tool.c lib/json.h $(STLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -Ilib -o $@ $< \
+	  $(STLIB) $(LDSAN) $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread $(LDFLAGS)
+$(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)

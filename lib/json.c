@@ -841,15 +841,19 @@ static void jw_quoted(bico__jw *w, const char *s, size_t len) {
   bico__jw_raw(w, "\"", 1);
 }
 
-void bico__jw_key(bico__jw *w, const char *key) {
+void bico__jw_key_n(bico__jw *w, const char *key, size_t len) {
   if (w->depth == 0) {
     jw_fail(w, BICO_E_INTERNAL, "key outside an object");
     return;
   }
   jw_pre(w, 1);
-  jw_quoted(w, key, strlen(key));
+  jw_quoted(w, key, len);
   bico__jw_raw(w, w->indent ? ": " : ":", w->indent ? 2 : 1);
   w->after_key = 1;
+}
+
+void bico__jw_key(bico__jw *w, const char *key) {
+  bico__jw_key_n(w, key, strlen(key));
 }
 
 void bico__jw_string_n(bico__jw *w, const char *s, size_t len) {
@@ -889,7 +893,7 @@ void bico__jw_double(bico__jw *w, double v) {
   }
   /* Locale-independent: the decimal point becomes '.'. */
   const char *dp = localeconv()->decimal_point;
-  char o[64];
+  char o[64] = {0};
   size_t k = 0;
   size_t dpl = (dp && *dp) ? strlen(dp) : 0;
   for (int i = 0; i < n && k < sizeof o - 1;) {
@@ -899,6 +903,12 @@ void bico__jw_double(bico__jw *w, double v) {
     } else {
       o[k++] = b[i++];
     }
+  }
+  /* Integral values keep a fraction ("2.0", "-0.0") so that readers such
+   * as Python's json load them as floats, not integers. */
+  if (strpbrk(o, ".eEn") == NULL && k + 2 < sizeof o) {
+    o[k++] = '.';
+    o[k++] = '0';
   }
   jw_pre(w, 0);
   bico__jw_raw(w, o, k);

@@ -113,12 +113,15 @@ void bico__jw_begin_array(bico__jw *w);
 void bico__jw_end_array(bico__jw *w);
 /* Inside an object: the key of the next value (UTF-8, escaped as needed). */
 void bico__jw_key(bico__jw *w, const char *key);
+void bico__jw_key_n(bico__jw *w, const char *key, size_t len);
 void bico__jw_string(bico__jw *w, const char *s);
 void bico__jw_string_n(bico__jw *w, const char *s, size_t len);
 void bico__jw_int(bico__jw *w, int64_t v);
 void bico__jw_uint(bico__jw *w, uint64_t v);
-/* Shortest "%.17g" form, locale-independent; NaN and Inf are written as
- * null (JSON has no literal for them). */
+/* The shortest of "%.15g".."%.17g" that reads back exactly, with ".0"
+ * added to integral values (so readers keep them floating), independent of
+ * the locale; NaN and Inf are written as null (JSON has no literal for
+ * them). */
 void bico__jw_double(bico__jw *w, double v);
 void bico__jw_bool(bico__jw *w, int v);
 void bico__jw_null(bico__jw *w);

@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -839,6 +841,45 @@ TEST(SafetensorsWriter, FileSizeLimitGivesIoErrorAndKeepsOldFile) {
   EXPECT_EQ(WEXITSTATUS(status), 0);
   EXPECT_EQ(stt::read_bytes(path), old);
   EXPECT_EQ(dir.list(), std::vector<std::string>{"big.safetensors"});
+}
+
+TEST(SafetensorsWriter, FullDiskGivesIoErrorAndKeepsOldFile) {
+  // A 64 KiB tmpfs mounted in a private mount namespace of a child process
+  // (needs root; skipped where the sandbox forbids it).
+  TempDir dir;
+  std::string mnt = dir / "small";
+  ASSERT_EQ(mkdir(mnt.c_str(), 0755), 0);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (unshare(CLONE_NEWNS) != 0) _exit(77);
+    if (mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) _exit(77);
+    if (mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=64k") != 0) _exit(77);
+    std::string path = mnt + "/out.safetensors";
+    stt::write_bytes(path, "old");
+    bico_ctx *ctx = nullptr;
+    bico_ctx_create(&ctx);
+    bico_stwriter *w = nullptr;
+    if (bico_stwriter_create(ctx, path.c_str(), &w) != BICO_OK) _exit(11);
+    size_t n = 100000;
+    if (bico_stwriter_declare(w, "big", BICO_DTYPE_F32, 1, &n) != BICO_OK) _exit(12);
+    std::vector<float> v(n, 1.0f);
+    bico_status st = bico_stwriter_write_f32(w, "big", v.data(), n);
+    std::string m = bico_ctx_errmsg(ctx);
+    bico_stwriter_free(w);
+    bico_ctx_free(ctx);
+    if (st != BICO_E_IO) _exit(13);
+    if (!contains(m, "No space left on device") || !contains(m, path)) _exit(14);
+    if (stt::read_bytes(path) != "old") _exit(15);
+    size_t entries = 0;
+    for (auto &e : std::filesystem::directory_iterator(mnt)) entries += !e.path().empty();
+    _exit(entries == 1 ? 0 : 16);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot mount a private tmpfs here";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 TEST(SafetensorsWriter, CommitReplacesAndKeepsTheOldMode) {

@@ -19,14 +19,17 @@
  * shape) are allowed.  A rejection is BICO_E_FORMAT (BICO_E_IO for an OS
  * error, BICO_E_UNSUPPORTED for a valid dtype this version cannot read such
  * as F8_E4M3) with a message naming the file, the tensor (if any) and the
- * reason.
+ * reason.  The file stays mapped until bico_stfile_close: it must not be
+ * truncated meanwhile (reading a truncated mapping raises SIGBUS); replace
+ * it by renaming a new file into place, as bico_stwriter does.
  *
  * Writing: a bico_stwriter writes into a temporary file in the output's
  * folder, named ".<basename>.bico-tmp.XXXXXX", and bico_stwriter_commit
  * renames it into place only once complete (after fsync; the folder is then
  * fsynced too).  The final path is never opened for writing, so on any
  * failure an existing file there stays byte-identical; freeing an
- * uncommitted writer removes the temporary file.
+ * uncommitted writer removes the temporary file.  A symbolic link at the
+ * output path is replaced by the new file, not followed.
  *
  * Signals: libbico installs no signal handlers.  A write beyond the process's
  * file-size limit (`ulimit -f`, RLIMIT_FSIZE) raises SIGXFSZ, which kills the
@@ -205,7 +208,8 @@ BICO_API bico_status bico_stwriter_write_raw(bico_stwriter *w,
                                              const void *data, size_t nbytes);
 
 /* Finishes: every declared tensor must have been written (else
- * BICO_E_STATE naming the first missing one).  Writes the header (padded
+ * BICO_E_STATE naming the first missing one; a tensor of zero bytes needs
+ * no write).  Writes the header (padded
  * with spaces to a multiple of 8 bytes), fsyncs, renames into place,
  * fsyncs the folder.  A new file gets mode 0666 less the umask; an existing
  * one keeps its mode.  A commit refused for a missing tensor (BICO_E_STATE)
