@@ -386,6 +386,17 @@ static void free_maps(run *r, modstate *s) {
   s->have_out = 0;
 }
 
+/* rows x cols elements of `size` bytes, with the product overflow-checked. */
+static void *alloc_mat(bico_ctx *ctx, size_t rows, size_t cols, size_t size) {
+  size_t n, bytes;
+  if (bico__mul(rows, cols, &n) || bico__mul(n, size, &bytes)) {
+    bico__fail(ctx, BICO_E_NOMEM, "a %zu x %zu matrix does not fit in memory",
+               rows, cols);
+    return NULL;
+  }
+  return bico__alloc(ctx, bytes);
+}
+
 /* Module widths: (d_out, d_in); an element-wise module has both equal. */
 static bico_status dims(const bico_model *m, size_t mi, size_t *dout,
                         size_t *din) {
@@ -415,7 +426,7 @@ static bico_status compute_side(run *r, size_t mi, int side) {
   for (size_t b = 0; b < k && st == BICO_OK; b++) {
     maps[b].da = ba;
     maps[b].db = bb;
-    maps[b].r = bico__alloc(ctx, ba * bb * sizeof(float));
+    maps[b].r = alloc_mat(ctx, ba, bb, sizeof(float));
     if (maps[b].r == NULL) st = BICO_E_NOMEM;
   }
   const char *suffix = side ? "output_grad" : "input";
@@ -444,7 +455,7 @@ static bico_status compute_side(run *r, size_t mi, int side) {
                         path, key, da, db, sm, tm);
     }
     if (st == BICO_OK) {
-      c = bico__alloc(ctx, da * db * sizeof(double));
+      c = alloc_mat(ctx, da, db, sizeof(double));
       if (c == NULL) st = BICO_E_NOMEM;
     }
     if (st == BICO_OK) st = bico_stfile_read_f64(r->stats, idx, c, da * db);
