@@ -1173,7 +1173,7 @@ static bico_status run_all(run *r) {
   bico__report_key(&r->rep, "tensors");
   bico__report_begin_array(&r->rep);
 
-  /* Progress only on long runs: at most every 2 seconds. */
+  /* Progress only on long runs: at most every 5 seconds. */
   time_t last = time(NULL);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     const char *name;
@@ -1239,7 +1239,7 @@ static bico_status run_all(run *r) {
     if (st == BICO_OK && r->owner[ti] != NONE &&
         --r->mods[r->owner[ti]].refs == 0)
       free_maps(r, &r->mods[r->owner[ti]]);
-    if (st == BICO_OK && ti + 1 < nt && time(NULL) - last >= 2) {
+    if (st == BICO_OK && ti + 1 < nt && time(NULL) - last >= 5) {
       last = time(NULL);
       logf_(r, "bico: %zu/%zu tensors done (%s)", ti + 1, nt, name);
     }
