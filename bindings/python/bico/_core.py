@@ -75,14 +75,24 @@ def version_number():
 
 class _Handle(object):
     """Owns one C handle; close() (or the context manager, or garbage
-    collection) frees it exactly once."""
+    collection) frees it exactly once.  A handle made with a context keeps
+    it alive: the context is freed only after its last handle (garbage
+    collection may finalise a context and its handles in any order)."""
     _free = None
     _ptr = None
+    ctx = None
+
+    def _adopt(self, ptr, ctx):
+        self.ctx = ctx
+        ctx._children += 1
+        self._ptr = ptr
 
     def close(self):
         p, self._ptr = self._ptr, None
         if p:
             type(self)._free(p)
+            if self.ctx is not None:
+                self.ctx._release()
 
     def __enter__(self):
         return self
@@ -107,12 +117,13 @@ class Context(_Handle):
     """bico_ctx: the allocator, the BLIS thread count and the last error.
 
     One context, and each handle made with it, is used by one thread at a
-    time.  Handles keep a reference to their context, so it lives as long as
-    they do.  Context(threads=4) sets BICO_CTX_THREADS.
+    time.  Context(threads=4) sets BICO_CTX_THREADS.  close() frees it
+    once the last handle made with it is closed.
     """
-    _free = staticmethod(fn.ctx_free)
 
     def __init__(self, threads=1):
+        self._children = 0
+        self._closing = False
         h = c_void_p()
         st = fn.ctx_create(ctypes.byref(h))
         if st != OK:
@@ -134,12 +145,28 @@ class Context(_Handle):
 
     @property
     def errmsg(self):
-        return fn.ctx_errmsg(self._alive()).decode("utf-8", "replace")
+        return fn.ctx_errmsg(self._ptr).decode("utf-8", "replace") \
+            if self._ptr else ""
+
+    def _alive(self):
+        if not self._ptr or self._closing:
+            raise ValueError("Context is closed")
+        return self._ptr
+
+    def _release(self):
+        self._children -= 1
+        if self._closing and self._children <= 0:
+            self._free_now()
+
+    def _free_now(self):
+        p, self._ptr = self._ptr, None
+        if p:
+            fn.ctx_free(p)
 
     def close(self):
-        # Handles hold a strong reference to their context, so by the time a
-        # context is collected nothing uses it any more.
-        _Handle.close(self)
+        self._closing = True
+        if self._children <= 0:
+            self._free_now()
 
 
 _local = threading.local()
@@ -225,13 +252,12 @@ class XCov(_Handle):
         h = c_void_p()
         _check(fn.xcov_create(self.ctx._alive(), int(d_a), int(d_b),
                               int(flags), ctypes.byref(h)), self.ctx)
-        self._ptr = h.value
+        self._adopt(h.value, self.ctx)
 
     @classmethod
     def _wrap(cls, ptr, ctx):
         o = cls.__new__(cls)
-        o.ctx = ctx
-        o._ptr = ptr
+        o._adopt(ptr, ctx)
         return o
 
     def add(self, x_a, x_b):
@@ -359,7 +385,7 @@ class Procrustes(_Handle):
         h = c_void_p()
         _check(fn.procrustes_create(self.ctx._alive(), ctypes.byref(h)),
                self.ctx)
-        self._ptr = h.value
+        self._adopt(h.value, self.ctx)
         for k, v in options.items():
             self.set(k, v)
 
@@ -632,7 +658,7 @@ class Votes(_Handle):
         _check(fn.votes_create(self.ctx._alive(), self.size,
                                VOTES_MEAN if mean else 0, ctypes.byref(h)),
                self.ctx)
-        self._ptr = h.value
+        self._adopt(h.value, self.ctx)
 
     def _flat(self, x, dtype, name):
         a = np.ascontiguousarray(_to_numpy(x), dtype=dtype).reshape(-1)
@@ -715,7 +741,7 @@ class DepthMap(_Handle):
         h = c_void_p()
         _check(fn.depthmap_create(self.ctx._alive(), self.l_a, self.l_b,
                                   ctypes.byref(h)), self.ctx)
-        self._ptr = h.value
+        self._adopt(h.value, self.ctx)
 
     def source(self, j):
         i = c_size_t()

@@ -55,6 +55,7 @@ class File(object):
         _check(fn.stfile_open(self.ctx._alive(), _enc(self.path),
                               ctypes.byref(h)), self.ctx)
         self._ptr = h.value
+        self.ctx._children += 1  # the context outlives the file
         self._index = {}
         self._infos = []
         for i in range(fn.stfile_count(self._ptr)):
@@ -78,6 +79,7 @@ class File(object):
         p, self._ptr = self._ptr, None
         if p:
             fn.stfile_close(p)
+            self.ctx._release()
 
     def __enter__(self):
         return self
