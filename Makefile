@@ -158,3 +158,13 @@ deps:
 
 clean:
 	rm -rf build
+
+# ---- safetensors interop helper (test/st_tool.c) ----
+# A small driver of the safetensors API that the Python interop tests
+# (test/python/test_safetensors_interop.py) run; built with the test binary.
+ST_TOOL := $(BUILD)/test/st_tool
+$(ST_TOOL): test/st_tool.c $(SHLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(LDFLAGS)
+$(TEST_BIN): | $(ST_TOOL)
