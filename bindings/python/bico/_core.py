@@ -612,7 +612,7 @@ def pad(tau, target_shape, alpha=1.0, out=None, beta=0.0, ctx=None):
 
 def _baseline(f, tau, target_shape, alpha, out, beta, ctx):
     ctx = _ctx(ctx)
-    t = np.ascontiguousarray(_to_numpy(tau), dtype=np.float32)
+    t = np.array(_to_numpy(tau), dtype=np.float32, order="C", copy=False)
     shape = tuple(int(s) for s in target_shape)
     o, back = _out_arg(out, shape, beta)
     _check(f(ctx._alive(), t.ndim, _shape_arr(t.shape), len(shape),

@@ -176,7 +176,8 @@ def write(path, tensors, metadata=None, dtypes=None, ctx=None):
         want = dtypes.pop(name, None)
         is_bf16 = str(getattr(t, "dtype", "")) == "torch.bfloat16"
         a = _to_numpy(t)
-        a = np.ascontiguousarray(a)
+        # (np.ascontiguousarray would turn a 0-d scalar into shape (1,))
+        a = a if a.flags.c_contiguous else np.array(a, order="C")
         if want is not None:
             if want not in _NAMES:
                 raise BicoError(E_ARG, "safetensors.write: unknown dtype %r "
@@ -207,11 +208,12 @@ def write(path, tensors, metadata=None, dtypes=None, ctx=None):
         for name, code, a in plan:
             if code in (F32, F16, F64) and _FROM_NP.get(a.dtype) == code:
                 b = a.astype(a.dtype.newbyteorder("<"), copy=False)
+                b = b if b.flags.c_contiguous else np.array(b, order="C")
                 _check(fn.stwriter_write_raw(w, _enc(name), b.ctypes.data,
                                              b.nbytes), ctx)
             elif code in (F32, F16, BF16, F64):
                 if a.dtype == np.float64:
-                    b = np.ascontiguousarray(a)
+                    b = a
                     _check(fn.stwriter_write_f64(w, _enc(name), b.ctypes.data,
                                                  b.size), ctx)
                 else:
@@ -220,7 +222,7 @@ def write(path, tensors, metadata=None, dtypes=None, ctx=None):
                                                  b.size), ctx)
             else:
                 want = np.dtype(_NP[code]).newbyteorder("<")
-                b = np.ascontiguousarray(a.astype(want, copy=False))
+                b = np.array(a, dtype=want, order="C")
                 _check(fn.stwriter_write_raw(w, _enc(name), b.ctypes.data,
                                              b.nbytes), ctx)
         _check(fn.stwriter_commit(w), ctx)
