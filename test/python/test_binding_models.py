@@ -9,6 +9,22 @@ import torch.nn.functional as F
 torch.set_num_threads(1)
 
 
+class RMSNorm(nn.Module):
+    """Element-wise like LayerNorm, but without LayerNorm's fixed null
+    direction: LayerNorm's input gradients are orthogonal to the ones
+    vector, which leaves every residual-stream gradient statistic one rank
+    short (METHODS.md) and its Procrustes map undetermined there."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * r * self.weight
+
+
 class Attn(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
@@ -35,11 +51,11 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, hidden):
+    def __init__(self, d, heads, hidden, norm=RMSNorm):
         super().__init__()
-        self.norm1 = nn.LayerNorm(d)
+        self.norm1 = norm(d)
         self.attn = Attn(d, heads)
-        self.norm2 = nn.LayerNorm(d)
+        self.norm2 = norm(d)
         self.mlp = Mlp(d, hidden)
 
     def forward(self, x):
@@ -53,19 +69,20 @@ class Tiny(nn.Module):
     so that every token's rows carry gradient (full-rank statistics)."""
 
     def __init__(self, din=6, d=8, heads=2, hidden=16, depth=2, tokens=5,
-                 classes=4):
+                 classes=4, norm=RMSNorm):
         super().__init__()
         self.patch_embed = nn.Linear(din, d)
         self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.5)
         self.pos_embed = nn.Parameter(torch.randn(1, tokens + 1, d) * 0.5)
-        self.blocks = nn.ModuleList([Block(d, heads, hidden)
+        self.blocks = nn.ModuleList([Block(d, heads, hidden, norm)
                                      for _ in range(depth)])
-        self.norm = nn.LayerNorm(d)
+        self.norm = norm(d)
         self.head = nn.Linear(d, classes)
         with torch.no_grad():  # generic norms: no zero-sum rows
             for m in self.modules():
-                if isinstance(m, nn.LayerNorm):
+                if isinstance(m, (nn.LayerNorm, RMSNorm)):
                     m.weight.uniform_(0.5, 1.5)
+                if isinstance(m, nn.LayerNorm):
                     m.bias.normal_(0, 0.3)
 
     def forward(self, x):

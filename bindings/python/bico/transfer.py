@@ -38,7 +38,8 @@ DEFAULT_SPLIT = {"qkv": 3, "in_proj": 3}
 
 def _split_for(module, split):
     for suffix, k in split.items():
-        if module.endswith(suffix):
+        # at a dot boundary, as the C driver matches it
+        if module == suffix or module.endswith("." + suffix):
             return int(k)
     return 1
 
@@ -134,6 +135,19 @@ class _Stats(object):
         return val
 
 
+def _default_tie(width, target, prefix):
+    """As the C driver: a linear module outside the blocks whose output has
+    the token's width and whose name contains embed, stem or patch."""
+    from ._names import split_block
+    for m, dout in _linear_modules({n: v.shape for n, v in
+                                    target.items()}).items():
+        if dout != width or split_block(m, prefix) is not None:
+            continue
+        if "embed" in m or "stem" in m or "patch" in m:
+            return m
+    return None
+
+
 def _np(sd):
     return {k: _to_numpy(v) for k, v in sd.items()}
 
@@ -143,7 +157,7 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
                         split=None, ties=None, votes=None,
                         gradfix_mode="majority", source_blocks=None,
                         target_blocks=None, report=None, return_delta=False,
-                        **procrustes_options):
+                        engine="auto", **procrustes_options):
     """A new target state dict: theta_B + alpha * tau_B for every tensor a
     method carries, theta_B unchanged otherwise (same names, shapes and
     dtypes as target_base; values are NumPy arrays, or torch tensors when
@@ -155,7 +169,27 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
     last two need XCov statistics created with sums/grams).
     report: a list to append one dict per target tensor to.
     return_delta: also return the update alone: (new, delta).
+    engine: "c" runs libbico's whole-model driver (bico_transfer, what
+    `bico transfer` runs) on temporary safetensors files; "python" composes
+    the binding's kernels here (needed for centering/whitening from XCov
+    accumulators); "auto" (default) takes "c" when the library has it and
+    the options allow.
     """
+    if engine not in ("auto", "c", "python"):
+        raise BicoError(E_ARG, "transfer: engine must be auto, c or python, "
+                        "got %r" % (engine,))
+    needs_py = bool(procrustes_options.get("center")) or bool(
+        procrustes_options.get("whiten")) or gradfix_mode != "majority"
+    from ._lib import has
+    if engine == "c" or (engine == "auto" and not needs_py
+                         and has("transfer_run")):
+        from ._driver import transfer_via_driver
+        return transfer_via_driver(
+            source_base, source_tuned, target_base, stats, method=method,
+            alpha=alpha, norm_map=norm_map, split=split, ties=ties,
+            votes=votes, source_blocks=source_blocks,
+            target_blocks=target_blocks, report=report,
+            return_delta=return_delta, **procrustes_options)
     if method not in METHODS:
         raise BicoError(E_ARG, "transfer: unknown method %r (known: %s)"
                         % (method, ", ".join(METHODS)))
@@ -175,6 +209,11 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
     ties = dict(ties or {})
     pairing = Pairing(a0.keys(), b0.keys(), source_blocks, target_blocks)
     roles = classify({n: v.shape for n, v in b0.items()})
+    for n, (role, _) in roles.items():
+        if role == "token" and n not in ties:
+            stem = _default_tie(b0[n].shape[-1], b0, pairing.prefix_b)
+            if stem is not None:
+                ties[n] = stem
     st = _Stats(stats, split, procrustes_options) if method.startswith(
         "bico") else None
     use_in = method in ("bico", "bico-in")
