@@ -400,15 +400,17 @@ class Collector(object):
                          (s.name_b + ".out_proj", s.name_a + ".out_proj",
                           din_a, din_b, 1, ("o", "og"))]
                 for mb, ma, da, db, k, (tin, tout) in parts:
-                    self._add_stat(mb, ma, da, db, da * k if tout == "qkv"
-                                   else da, db * k if tout == "qkv" else db, k)
+                    # the q/k/v gradients arrive one block at a time
+                    self._add_stat(mb, ma, da, db, da * k, db * k, k,
+                                   pre_split=True)
             else:
                 k = _split_for(s.name_b, self.split) if s.kind == "linear" \
                     else 1
                 self._add_stat(s.name_b, s.name_a, din_a, din_b, dout_a,
                                dout_b, k)
 
-    def _add_stat(self, mb, ma, din_a, din_b, dout_a, dout_b, k):
+    def _add_stat(self, mb, ma, din_a, din_b, dout_a, dout_b, k,
+                  pre_split=False):
         mk = lambda a, b: XCov(a, b, ctx=self.ctx, **self.flags)
         xin = mk(din_a, din_b)
         self.acc[mb + ".in_xcov"] = xin
@@ -421,8 +423,8 @@ class Collector(object):
             blocks = [mk(dout_a // k, dout_b // k) for _ in range(k)]
             self.acc[mb + ".out_xcov"] = blocks
             for i, x in enumerate(blocks):
-                self._taps["%s.out#%d" % (mb, i)] = (x, "%s.out#%d" % (ma, i),
-                                                     (i, k))
+                self._taps["%s.out#%d" % (mb, i)] = (
+                    x, "%s.out#%d" % (ma, i), None if pre_split else (i, k))
         else:
             xout = mk(dout_a, dout_b)
             self.acc[mb + ".out_xcov"] = xout
