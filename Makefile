@@ -168,3 +168,31 @@ $(ST_TOOL): test/st_tool.c $(SHLIB)
 	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
 	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(LDFLAGS)
 $(TEST_BIN): | $(ST_TOOL)
+
+# ---- python ----
+# The ctypes binding (bindings/python/bico) installs as a plain package into
+# PYTHONDIR; it finds the library through $BICO_LIBRARY, then the LIBDIR
+# recorded here at install time, then paths relative to the package.
+PYTHONDIR ?= $(PREFIX)/lib/python3/dist-packages
+PY_SRCS := $(wildcard bindings/python/bico/*.py)
+
+.PHONY: install-python uninstall-python check-python-install
+install: install-python
+uninstall: uninstall-python
+check: check-python-install
+
+install-python:
+	install -d $(DESTDIR)$(PYTHONDIR)/bico
+	install -m 644 $(filter-out %/_install.py,$(PY_SRCS)) $(DESTDIR)$(PYTHONDIR)/bico/
+	printf '# Written by make install.\nLIBDIR = %s\n' "'$(LIBDIR)'" > $(DESTDIR)$(PYTHONDIR)/bico/_install.py
+
+uninstall-python:
+	rm -rf $(DESTDIR)$(PYTHONDIR)/bico
+
+# The installed package imports with nothing set in the environment and
+# loads the installed library.
+check-python-install: all
+	rm -rf $(BUILD)/pystage
+	$(MAKE) --no-print-directory install PREFIX=$(abspath $(BUILD)/pystage) BUILD=$(BUILD) >/dev/null
+	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$(abspath $(BUILD)/pystage)/lib/python3/dist-packages \
+	  $(PYTHON) -c 'import bico, sys; print("installed binding:", bico.__file__, "->", bico.library_path); sys.exit(not bico.library_path.startswith("$(abspath $(BUILD)/pystage)/lib/"))'

@@ -2,7 +2,9 @@
 
 Search order (the first that loads wins; bico.library_path says which):
   1. $BICO_LIBRARY (a file path);
-  2. the install prefix, relative to this package: an installed package lives
+  2. the install prefix: the LIBDIR that `make install` recorded in
+     bico/_install.py, then paths relative to this package: an installed
+     package lives
      in <prefix>/lib/python3/dist-packages/bico (or
      <prefix>/lib/python3.X/site-packages/bico), the library in <prefix>/lib;
   3. the build tree of a source checkout: <repo>/build/lib (this file is
@@ -39,6 +41,11 @@ def _candidates():
     env = os.environ.get("BICO_LIBRARY")
     if env:
         out.append((env, "$BICO_LIBRARY"))
+    try:
+        from ._install import LIBDIR  # written by make install
+        out.append((os.path.join(LIBDIR, SONAME), "install prefix (LIBDIR)"))
+    except ImportError:
+        pass
     # <prefix>/lib/python3/dist-packages/bico -> <prefix>/lib
     libdir = os.path.normpath(os.path.join(_here, "..", "..", ".."))
     out.append((os.path.join(libdir, SONAME), "install prefix"))
