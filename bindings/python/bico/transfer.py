@@ -223,22 +223,23 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
     for name, tb in b0.items():
         src = pairing.source_name(name)
         role, module = roles[name]
-        entry = {"tensor": name, "shape": list(tb.shape), "source": src,
-                 "handled": "unchanged"}
+        # the keys of the C driver's JSON report
+        entry = {"name": name, "shape": list(tb.shape), "source": src,
+                 "handling": "unchanged"}
         upd = None
         floating = np.issubdtype(tb.dtype, np.floating) or tb.dtype.kind == "V"
         if src in a0 and floating:
             tau = (a1[src].astype(np.float32) - a0[src].astype(np.float32))
             if method == "naive":
                 upd = _naive(tau, tb.shape, alpha)
-                entry["handled"] = "naive"
+                entry["handling"] = "naive"
             elif method == "pad":
                 if tau.ndim != tb.ndim:
                     raise BicoError(E_SHAPE, "transfer: pad needs equal ranks;"
                                     " %s is %s, %s is %s" % (src, tau.shape,
                                                              name, tb.shape))
                 upd = _pad(tau, tb.shape, alpha)
-                entry["handled"] = "padded"
+                entry["handling"] = "padded"
             elif method == "gradfix":
                 upd, entry = _gradfix(name, tau, tb, votes, alpha,
                                       gradfix_mode, entry)
@@ -278,7 +279,7 @@ def _gradfix(name, tau, tb, votes, alpha, mode, entry):
         vv.add_counts(counts, int(np.abs(counts).max()) if counts.size else 0)
         v = vv
     upd, kept = v.apply(tau, alpha, mode=mode)
-    entry["handled"] = "masked"
+    entry["handling"] = "masked"
     entry["kept"] = kept / float(max(tau.size, 1))
     return upd, entry
 
@@ -298,14 +299,14 @@ def _bico_tensor(name, role, module, tau, tb, st, use_in, use_out, norm_map,
         else:
             ro = r_out[0] if isinstance(r_out, list) else r_out
             upd = _weight(t2, ro, r_in, alpha, d_out_b=dout_b, d_in_b=din_b)
-        entry.update(handled="linear", rank_in=rk_in, rank_out=rk_out)
+        entry.update(handling="linear", rank_in=rk_in, rank_out=rk_out)
         return upd.reshape(tb.shape)
     if role == "bias":
-        entry["handled"] = "vector"
+        entry["handling"] = "vector"
         if not use_out:
             return _vector(tau, None, alpha, d_b=tb.shape[0])
         r_out, rk = st.get(module, "out")
-        entry.update(handled="vector", rank_out=rk)
+        entry.update(handling="vector", rank_out=rk)
         if isinstance(r_out, list) and len(r_out) > 1:
             k = len(r_out)
             pa, pb = tau.shape[0] // k, tb.shape[0] // k
@@ -316,11 +317,11 @@ def _bico_tensor(name, role, module, tau, tb, st, use_in, use_out, norm_map,
     if role == "vector":
         side = "in" if norm_map == "act" else "out"
         if (side == "in" and not use_in) or (side == "out" and not use_out):
-            entry["handled"] = "vector"
+            entry["handling"] = "vector"
             return _vector(tau, None, alpha, d_b=tb.shape[0])
         r, rk = st.get(module, side)
         r = r[0] if isinstance(r, list) else r
-        entry.update(handled="vector", map=side, rank=rk)
+        entry.update(handling="vector", map=side, rank=rk)
         return _vector(tau, r, alpha, d_b=tb.shape[0])
     if role == "token":
         tie = ties.get(name)
@@ -333,7 +334,7 @@ def _bico_tensor(name, role, module, tau, tb, st, use_in, use_out, norm_map,
             r = r[0] if isinstance(r, list) else r
         else:
             r, rk = None, []
-        entry.update(handled="tied", tie=tie, rank=rk)
+        entry.update(handling="tied", tie=tie, rank=rk)
         return _rows(tau, r, alpha, d_b=tb.shape[-1]).reshape(
             tau.shape[:-1] + (tb.shape[-1],)) if tau.shape[:-1] == \
             tb.shape[:-1] else _tie_mismatch(name, tau, tb)
