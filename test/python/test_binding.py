@@ -61,6 +61,26 @@ def test_missing_library_lists_every_place_tried(tmp_path):
     assert str(tmp_path / "site" / "lib" / "libbico.so.1") in r.stderr
 
 
+def test_every_public_function_has_a_prototype():
+    """Every BICO_API function of include/bico/*.h is declared to ctypes
+    (argtypes and restype) and exported by the loaded library."""
+    import glob
+    import re
+    inc = os.path.join(os.path.dirname(__file__), "..", "..", "include",
+                       "bico")
+    names = set()
+    for h in glob.glob(os.path.join(inc, "*.h")):
+        text = open(h).read()
+        names |= set(re.findall(r"BICO_API[^;(]*?\b(bico_\w+)\s*\(", text))
+    assert len(names) > 90
+    assert names <= set(bico._lib.PROTOTYPES), sorted(
+        names - set(bico._lib.PROTOTYPES))
+    assert not bico._lib.missing
+    for n in names:
+        f = getattr(bico._lib.lib, n)
+        assert f.argtypes is not None, n
+
+
 # ---- errors ----
 
 def test_error_carries_status_and_library_message():

@@ -19,6 +19,8 @@ from ._core import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM,
                     E_UNSUPPORTED, E_STATE, E_INTERNAL, NULL_KEEP, NULL_DROP)
 from . import _core as _core_mod
 from . import safetensors
+from . import model
+from .model import Model, Transfer, transfer_files
 from .transfer import transfer_state_dict
 from ._names import Pairing, detect_blocks
 
@@ -32,7 +34,6 @@ class _Transport(object):
 
 
 transport = _Transport()
-gradfix = Votes  # bico.gradfix(shape) reads as the votes accumulator
 
 library_path = _lib.library_path
 library_source = _lib.library_source
@@ -41,4 +42,5 @@ __version__ = version()
 __all__ = ["BicoError", "Context", "XCov", "Procrustes", "Votes", "DepthMap",
            "depthmap", "procrustes", "transport", "naive", "pad",
            "safetensors", "transfer_state_dict", "library_path", "version",
-           "strerror", "Pairing"]
+           "strerror", "Pairing", "model", "Model", "Transfer",
+           "transfer_files"]

@@ -110,6 +110,10 @@ PROTOTYPES = {
     "bico_version_number": (c_uint, []),
     # ctx
     "bico_ctx_create": (_S, [PP]),
+    # (declared for completeness; Python callbacks as allocators would run
+    # under the GIL for every allocation, so Context does not offer it)
+    "bico_ctx_create_with_allocator": (_S, [PP, c_void_p, c_void_p,
+                                            c_void_p]),
     "bico_ctx_free": (None, [c_void_p]),
     "bico_ctx_set_param": (_S, [c_void_p, c_int, c_long]),
     "bico_ctx_get_param": (_S, [c_void_p, c_int, P(c_long)]),
@@ -262,7 +266,9 @@ PROTOTYPES = {
     "bico_stats_merge": (_S, [c_void_p, c_void_p, c_size_t, c_char_p]),
 }
 
-# bico_transfer_log_fn
+# bico_alloc_fn, bico_free_fn, bico_transfer_log_fn
+ALLOC_FN = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_size_t)
+FREE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_char_p)
 
 
