@@ -367,6 +367,31 @@ def test_failed_write_leaves_existing_file_untouched(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["keep.safetensors"]
 
 
+def test_model_graph_and_pairing(tmp_path):
+    a, b = Tiny(depth=4), Tiny(d=12, hidden=20, depth=6)
+    p = str(tmp_path / "b.safetensors")
+    bico.safetensors.write(p, b.state_dict())
+    mb = bico.Model.open(p)
+    ma = bico.Model.from_shapes({k: v.shape for k, v in
+                                 a.state_dict().items()})
+    assert mb.blocks() == ("blocks", 6) and ma.blocks() == ("blocks", 4)
+    mods = {m[0]: m for m in mb.modules()}
+    assert mods["blocks.2.attn.qkv"][1:3] == ("linear", 2)
+    assert mods["blocks.2.norm1"][1] == "elementwise"
+    assert mods["head"][2] == -1
+    assert mb.module_dims("blocks.0.mlp.fc1") == (20, 12)
+    roles = {t[0]: t[3] for t in mb.tensors()}
+    assert roles["cls_token"] == "token" and roles["head.bias"] == "bias"
+    for j in range(6):
+        i = int(np.floor(j * 3 / 5 + 0.5))
+        assert mb.source_name(ma, "blocks.%d.mlp.fc2.weight" % j) == \
+            "blocks.%d.mlp.fc2.weight" % i
+    assert mb.source_name(ma, "head.weight") == "head.weight"
+    with pytest.raises(bico.BicoError) as e:
+        mb.module_dims("blocks.9.mlp.fc1")
+    assert e.value.status == bico.E_NOTFOUND
+
+
 # ---- BiCo end to end on a small transformer ----
 
 MODS = ["patch_embed", "norm", "head"] + [

@@ -170,6 +170,34 @@ def planted_transform(sd, d, heads, hidden, depth, seed=3):
 
 # ---- reference BiCo in plain PyTorch ----
 
+def record(model, names, data, loss_fn):
+    """Input activations and output gradients of the named modules over
+    the whole calibration set, as float64 [rows, d] tensors."""
+    acts = {n: [] for n in names}
+    grads = {n: [] for n in names}
+    hs = []
+    mods = dict(model.named_modules())
+    for n in names:
+        hs.append(mods[n].register_forward_hook(
+            lambda m, i, o, n=n: acts[n].append(i[0].detach())))
+        def on_out(m, i, o, n=n):
+            o.register_hook(lambda g: grads[n].append(g.detach()))
+        hs.append(mods[n].register_forward_hook(on_out))
+    model.eval()
+    for x, y in data:
+        xr = x.clone()
+        out = model(xr)
+        loss = loss_fn(out, y)
+        torch.autograd.grad(loss, [p for p in model.parameters()])
+    for h in hs:
+        h.remove()
+    cat = lambda ts: torch.cat([t.reshape(-1, t.shape[-1]).double()
+                                for t in ts])
+    return ({n: cat(v) for n, v in acts.items()},
+            {n: cat(v) for n, v in grads.items()})
+
+
+
 def stored_statistics(source, target, data, loss_fn, modules, split=None):
     """Stores every input activation and output gradient of the named
     modules for the whole calibration set (the memory-hungry way), then
@@ -177,34 +205,10 @@ def stored_statistics(source, target, data, loss_fn, modules, split=None):
     done by the caller through `pair`)."""
     split = split or {}
 
-    def record(model, names):
-        acts = {n: [] for n in names}
-        grads = {n: [] for n in names}
-        hs = []
-        mods = dict(model.named_modules())
-        for n in names:
-            hs.append(mods[n].register_forward_hook(
-                lambda m, i, o, n=n: acts[n].append(i[0].detach())))
-            def on_out(m, i, o, n=n):
-                o.register_hook(lambda g: grads[n].append(g.detach()))
-            hs.append(mods[n].register_forward_hook(on_out))
-        model.eval()
-        for x, y in data:
-            xr = x.clone()
-            out = model(xr)
-            loss = loss_fn(out, y)
-            torch.autograd.grad(loss, [p for p in model.parameters()])
-        for h in hs:
-            h.remove()
-        cat = lambda ts: torch.cat([t.reshape(-1, t.shape[-1]).double()
-                                    for t in ts])
-        return ({n: cat(v) for n, v in acts.items()},
-                {n: cat(v) for n, v in grads.items()})
-
     names_b = list(modules)
     names_a = [modules[n] for n in names_b]
-    acts_a, grads_a = record(source, sorted(set(names_a)))
-    acts_b, grads_b = record(target, names_b)
+    acts_a, grads_a = record(source, sorted(set(names_a)), data, loss_fn)
+    acts_b, grads_b = record(target, names_b, data, loss_fn)
     stats = {}
     for nb, na in modules.items():
         stats[nb + ".in_xcov"] = acts_a[na].T @ acts_b[nb]

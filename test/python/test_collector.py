@@ -11,7 +11,7 @@ import torch.nn as nn
 import bico
 import bico.torch as bt
 from test_binding_models import (Tiny, batches, mse_loss, perturbed,
-                                 stored_statistics)
+                                 record, stored_statistics)
 
 BLOCK_MODS = ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1",
               "mlp.fc2")
@@ -221,6 +221,49 @@ def test_statistics_file_is_what_bico_transfer_reads(tmp_path):
                                 alpha=2.0, engine="python")
     for k in py:
         assert np.allclose(cli[k], py[k].numpy(), atol=1e-5), k
+
+
+def test_library_reduction_of_calibration_files_and_shard_merge(tmp_path):
+    """Raw activations written as calibration files and reduced by
+    bico_stats_from_calib give the collector's statistics; statistics files
+    of two disjoint shards merge (bico_stats_merge) into those of all."""
+    torch.manual_seed(0)
+    a, b = Tiny(), Tiny(d=12, hidden=20, depth=3)
+    data = batches(2, 8)
+    col = bt.collect_statistics(a, b, data, mse_loss, show_progress=False)
+    for name, model in (("a", a), ("b", b)):
+        mods = bt.default_modules(model)
+        acts, grads = record(model, mods, data, mse_loss)
+        calib = {}
+        for m in mods:
+            calib[m + ".input"] = acts[m].float().numpy()
+            calib[m + ".output_grad"] = grads[m].float().numpy()
+        bico.safetensors.write(str(tmp_path / (name + ".calib.safetensors")),
+                               calib)
+    out = bico.model.stats_from_calib(str(tmp_path / "a.calib.safetensors"),
+                                      str(tmp_path / "b.calib.safetensors"),
+                                      str(tmp_path / "lib.safetensors"))
+    lib = bico.safetensors.read(out)
+    mine = col.matrices()
+    assert set(lib) == set(mine)
+    for k, v in mine.items():
+        w = lib[k]
+        if "qkv.out" in k:  # the library keeps the off-diagonal blocks too
+            bw, bv = w.shape[0] // 3, w.shape[1] // 3
+            mask = np.kron(np.eye(3), np.ones((bw, bv)))
+            w = w * mask
+        assert np.allclose(w, v, rtol=1e-6, atol=1e-6 * np.abs(v).max()), k
+    parts = []
+    for i, shard in enumerate((data[:1], data[1:])):
+        p = str(tmp_path / ("shard%d.safetensors" % i))
+        bt.collect_statistics(a, b, shard, mse_loss, path=p,
+                              show_progress=False)
+        parts.append(p)
+    merged = bico.safetensors.read(bico.model.stats_merge(
+        parts, str(tmp_path / "merged.safetensors")))
+    for k, v in mine.items():
+        assert np.allclose(merged[k], v, rtol=1e-9,
+                           atol=1e-9 * np.abs(v).max()), k
 
 
 # ---- GradFix ----
