@@ -266,6 +266,27 @@ def test_library_reduction_of_calibration_files_and_shard_merge(tmp_path):
                            atol=1e-9 * np.abs(v).max()), k
 
 
+def test_driver_and_python_engines_agree_on_every_method():
+    torch.manual_seed(0)
+    a, b = Tiny(), Tiny(d=12, hidden=20, depth=3)
+    col = bt.collect_statistics(a, b, batches(2, 8), mse_loss,
+                                show_progress=False)
+    a_ft = perturbed(a)
+    runs = [dict(method=m, norm_map=n) for m in ("bico", "bico-in",
+                                                 "bico-out")
+            for n in ("act", "grad")]
+    runs += [dict(method="pad"), dict(method="bico", null="drop",
+                                      rank_tol=0.05, alpha=2.5)]
+    for kw in runs:
+        c = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col,
+                                   engine="c", **kw)
+        p = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col,
+                                   engine="python", **kw)
+        for k in c:
+            assert c[k].dtype == p[k].dtype
+            assert torch.allclose(c[k], p[k], atol=1e-5), (kw, k)
+
+
 # ---- GradFix ----
 
 @pytest.mark.parametrize("engine", ["c", "python"])

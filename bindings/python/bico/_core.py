@@ -1,11 +1,10 @@
 """Pythonic handles over the C API: contexts, accumulators, solver, kernels."""
 import ctypes
 import threading
-import weakref
 
 import numpy as np
 
-from . import _lib
+
 from ._lib import fn, c_size_t, c_uint64, c_uint, c_long, c_double, c_void_p
 
 # Status codes (frozen in include/bico/status.h).
@@ -454,12 +453,11 @@ def procrustes(c, **options):
 
 # ---- transport ----
 
-def _map_arg(r, name, d_a_expected=None):
+def _map_arg(r, name):
     """(array or None, d_a, d_b, ld) for a map; None is the identity."""
     if r is None:
         return None, None, None, 1
-    a, n, d, ld = rows_f32(r, name)
-    return a, n, d, ld
+    return rows_f32(r, name)
 
 
 def _out_arg(out, shape, beta, name="out"):
@@ -561,6 +559,9 @@ def vector(v, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
     ctx = _ctx(ctx)
     v = np.ascontiguousarray(_to_numpy(v), dtype=np.float32).reshape(-1)
     rm, ra, rb, ldr = _map_arg(r, "r")
+    if rm is not None and ra != v.size:
+        raise BicoError(E_SHAPE, "transport_vector: r has %d rows, v has %d "
+                        "elements" % (ra, v.size))
     db = rb if rm is not None else (d_b or v.size)
     o, back = _out_arg(out, (db,), beta)
     _check(fn.transport_vector(ctx._alive(), v.size, _ptr(v), _ptr(rm), ldr, db,
@@ -576,21 +577,21 @@ def rows(t, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
     [..., d_b] (embeddings, tokens)."""
     ctx = _ctx(ctx)
     a = _to_numpy(t)
-    lead = a.shape[:-1]
-    d_a = a.shape[-1]
-    a2 = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, d_a)
+    lead, d_a = a.shape[:-1], a.shape[-1]
+    a2 = np.array(a, dtype=np.float32, order="C", copy=False).reshape(-1, d_a)
     n = a2.shape[0]
     rm, ra, rb, ldr = _map_arg(r, "r")
+    if rm is not None and ra != d_a:
+        raise BicoError(E_SHAPE, "transport_rows: r has %d rows, t's last "
+                        "dimension is %d" % (ra, d_a))
     db = rb if rm is not None else (d_b or d_a)
-    o, back = _out_arg(out if out is None else out.reshape(n, db)
-                       if isinstance(out, np.ndarray) and out.flags.c_contiguous
-                       else out, (n, db), beta)
+    o, back = _out_arg(out, lead + (db,), beta)
     _check(fn.transport_rows(ctx._alive(), n, d_a, _ptr(a2), d_a, _ptr(rm), ldr,
                              db, float(alpha), float(beta), _ptr(o), db), ctx)
     if back is not None:
         back[...] = o
-        o = back
-    return o.reshape(lead + (db,)) if out is None else out
+        return back
+    return o
 
 
 # ---- baselines ----

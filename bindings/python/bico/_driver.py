@@ -9,7 +9,7 @@ import tempfile
 
 import numpy as np
 
-from ._core import BicoError, XCov, Votes, E_NOTFOUND, _to_numpy
+from ._core import XCov, Votes, _to_numpy
 from . import safetensors as _st
 from .model import transfer_files
 

@@ -295,7 +295,10 @@ def _bico_tensor(name, role, module, tau, tb, st, use_in, use_out, norm_map,
             upd = _weight_split(t2, r_out, r_in, alpha, d_out_b=dout_b,
                                 d_in_b=din_b)
         elif r_out is None and _split_for(module, st.split) > 1:
-            upd = _weight(t2, None, r_in, alpha, d_out_b=dout_b, d_in_b=din_b)
+            # block-wise identities, as the driver does
+            upd = _weight_split(t2, None, r_in, alpha,
+                                k=_split_for(module, st.split),
+                                d_out_b=dout_b, d_in_b=din_b)
         else:
             ro = r_out[0] if isinstance(r_out, list) else r_out
             upd = _weight(t2, ro, r_in, alpha, d_out_b=dout_b, d_in_b=din_b)
@@ -304,21 +307,22 @@ def _bico_tensor(name, role, module, tau, tb, st, use_in, use_out, norm_map,
     if role == "bias":
         entry["handling"] = "vector"
         if not use_out:
-            return _vector(tau, None, alpha, d_b=tb.shape[0])
+            k = _split_for(module, st.split)
+            pa, pb = tau.shape[0] // k, tb.shape[0] // k
+            return np.concatenate([_vector(tau[i * pa:(i + 1) * pa], None,
+                                           alpha, d_b=pb) for i in range(k)])
         r_out, rk = st.get(module, "out")
         entry.update(handling="vector", rank_out=rk)
         if isinstance(r_out, list) and len(r_out) > 1:
             k = len(r_out)
-            pa, pb = tau.shape[0] // k, tb.shape[0] // k
+            pa = tau.shape[0] // k
             return np.concatenate([_vector(tau[i * pa:(i + 1) * pa], r_out[i],
                                            alpha) for i in range(k)])
         ro = r_out[0] if isinstance(r_out, list) else r_out
         return _vector(tau, ro, alpha, d_b=tb.shape[0])
     if role == "vector":
+        # for all three BiCo methods, norms follow norm_map (as the driver)
         side = "in" if norm_map == "act" else "out"
-        if (side == "in" and not use_in) or (side == "out" and not use_out):
-            entry["handling"] = "vector"
-            return _vector(tau, None, alpha, d_b=tb.shape[0])
         r, rk = st.get(module, side)
         r = r[0] if isinstance(r, list) else r
         entry.update(handling="vector", map=side, rank=rk)
