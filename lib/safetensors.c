@@ -1293,7 +1293,8 @@ bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
 
 static bico_status w_state(bico_stwriter *w, const char *fn, int need_open) {
   if (w->finished)
-    return bico__fail(w->ctx, BICO_E_STATE, "%s: %s: writer already committed",
+    return bico__fail(w->ctx, BICO_E_STATE, "%s: %s: writer already committed (or its "
+                      "commit failed)",
                       fn, w->path);
   if (need_open && w->laid_out)
     return bico__fail(w->ctx, BICO_E_STATE,

@@ -900,14 +900,26 @@ static bico_status plan(run *r) {
     r->owner[ti] = owner;
     if (owner != NONE) r->mods[owner].refs++;
   }
-  /* Ties naming tensors the target lacks are mistakes worth stopping for. */
+  /* Ties that name nothing, or a tensor that is not a token, are mistakes
+   * worth stopping for. */
   for (size_t i = 0; i < r->t->nties; i++) {
-    size_t ti;
-    if (bico_model_find_tensor(r->mt, r->t->ties[i].tensor, &ti) != BICO_OK)
+    const tie_rec *tie = &r->t->ties[i];
+    size_t ti, mi;
+    int role;
+    if (bico_model_find_tensor(r->mt, tie->tensor, &ti) != BICO_OK)
       return bico__fail(ctx, BICO_E_NOTFOUND,
                         "--tie %s=%s: the target base has no tensor %s",
-                        r->t->ties[i].tensor, r->t->ties[i].module,
-                        r->t->ties[i].tensor);
+                        tie->tensor, tie->module, tie->tensor);
+    if (bico_model_find_module(r->mt, tie->module, &mi) != BICO_OK)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "--tie %s=%s: the target base has no module %s",
+                        tie->tensor, tie->module, tie->module);
+    bico_model_tensor_module(r->mt, ti, NULL, &role);
+    if (role != BICO_ROLE_TOKEN)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "--tie %s=%s: %s is not a token or embedding tensor "
+                        "(it is carried by its own module's maps)",
+                        tie->tensor, tie->module, tie->tensor);
   }
   return BICO_OK;
 }
