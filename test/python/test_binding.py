@@ -8,7 +8,8 @@ import torch
 
 import bico
 import bico.torch as bt
-from test_binding_models import (Tiny, batches, mse_loss, perturbed,
+from test_binding_models import (float32_default,  # noqa: F401
+                                 Tiny, batches, mse_loss, perturbed,
                                  planted_transform, random_orthogonal,
                                  ref_bico, ref_map, stored_statistics)
 

@@ -3,6 +3,8 @@ session."""
 import os
 import re
 
+from test_binding_models import float32_default  # noqa: F401 (autouse)
+
 
 def test_walkthrough_runs(tmp_path, capsys, monkeypatch):
     doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs",

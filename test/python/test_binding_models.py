@@ -2,11 +2,23 @@
 its function-preserving change of coordinates, and a plain-PyTorch
 reference implementation of BiCo (stored activations, torch.linalg.svd).
 Nothing here goes through libbico.  (No tests in this file.)"""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def float32_default():
+    """These tests build float32 models: pin torch's default dtype while
+    they run (another test module may change it process-wide at import),
+    and give back whatever was set."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(old)
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 import bico
 import bico.torch as bt
-from test_binding_models import (Tiny, batches, mse_loss, perturbed,
+from test_binding_models import (float32_default,  # noqa: F401
+                                 Tiny, batches, mse_loss, perturbed,
                                  record, stored_statistics)
 
 BLOCK_MODS = ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1",
