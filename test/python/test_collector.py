@@ -162,6 +162,9 @@ def test_multihead_attention_projections_are_collected(batch_first):
     ref = {k[4:]: v for k, v in ref.items()}
     assert_stats_equal(col.matrices(), ref)
     assert "forward" not in b.attn.__dict__   # the original forward is back
+    with pytest.raises(bico.BicoError) as e:
+        bt.Collector(a, b, modules=["attn.out_proj"])
+    assert "MultiheadAttention" in e.value.message
     # the file and the transfer treat "attn.in_proj" as a fused linear
     a_ft = perturbed(a)
     new = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col)

@@ -365,10 +365,20 @@ class Collector(object):
         else:
             names = list(modules)
         self.sites = []
+        mha = [n for n, m in mods_b.items()
+               if isinstance(m, nn.MultiheadAttention)]
         for nb in names:
             if nb not in mods_b:
                 raise BicoError(E_NOTFOUND, "collect: module %r does not "
                                 "exist in the target model" % nb)
+            owner = [n for n in mha if nb.startswith(n + ".")]
+            if owner:
+                raise BicoError(E_ARG, "collect: %r is inside "
+                                "nn.MultiheadAttention %r, whose forward "
+                                "bypasses its hooks; name %r instead (it "
+                                "yields %s.in_proj and %s.out_proj)"
+                                % (nb, owner[0], owner[0], owner[0],
+                                   owner[0]))
             kb = _kind(mods_b[nb])
             if kb is None:
                 raise BicoError(E_ARG, "collect: module %r is a %s, not a "
