@@ -403,7 +403,6 @@ class Collector(object):
     def _make_accumulators(self):
         self.acc = {}
         self._taps = {}
-        self._src_keys = {}  # source module -> list of its source tap keys
         for s in self.sites:
             din_a, dout_a = _dims(s.mod_a, s.kind)
             din_b, dout_b = _dims(s.mod_b, s.kind)
