@@ -176,3 +176,34 @@ $(JSON_TOOL): test/json_tool.c lib/json.h $(STLIB)
 	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -Ilib -o $@ $< \
 	  $(STLIB) $(LDSAN) $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread $(LDFLAGS)
 $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
+
+# ---- python ----
+# The ctypes binding (bindings/python/bico) installs as a plain package into
+# PYTHONDIR; it finds the library through $BICO_LIBRARY, then the LIBDIR
+# recorded here at install time, then paths relative to the package.
+PYTHONDIR ?= $(PREFIX)/lib/python3/dist-packages
+PY_SRCS := $(wildcard bindings/python/bico/*.py)
+
+.PHONY: install-python uninstall-python check-python-install
+install: install-python
+uninstall: uninstall-python
+# Python loads the library through ctypes: not under the sanitizers.
+ifneq ($(SANITIZE),1)
+check: check-python-install
+endif
+
+install-python:
+	install -d $(DESTDIR)$(PYTHONDIR)/bico
+	install -m 644 $(filter-out %/_install.py,$(PY_SRCS)) $(DESTDIR)$(PYTHONDIR)/bico/
+	printf '# Written by make install.\nLIBDIR = %s\n' "'$(LIBDIR)'" > $(DESTDIR)$(PYTHONDIR)/bico/_install.py
+
+uninstall-python:
+	rm -rf $(DESTDIR)$(PYTHONDIR)/bico
+
+# The installed package imports with nothing set in the environment and
+# loads the installed library.
+check-python-install: all
+	rm -rf $(BUILD)/pystage
+	$(MAKE) --no-print-directory install PREFIX=$(abspath $(BUILD)/pystage) BUILD=$(BUILD) >/dev/null
+	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$(abspath $(BUILD)/pystage)/lib/python3/dist-packages \
+	  $(PYTHON) -c 'import bico, sys; print("installed binding:", bico.__file__, "->", bico.library_path); sys.exit(not bico.library_path.startswith("$(abspath $(BUILD)/pystage)/lib/"))'
