@@ -160,6 +160,67 @@ static int calib_set(const demo_data *d, int per_class, demo_data *out) {
   return 0;
 }
 
+/* BiCo's exact case: B is A with permuted hidden units, so B + tau_B must
+ * compute what A_ft computes, and tau_B must equal P tau P^T.  That holds
+ * when the statistics cover every direction the task vector uses.  10
+ * samples per class (100 rows) cannot identify maps of width 784 or 256, and
+ * units that are silent on the task's images at A but wake up during
+ * fine-tuning are unidentified too; so the check calibrates on the
+ * fine-tuning images plus `plain_n` pretraining images. */
+static int exact_case(const demo_mlp *a, const demo_mlp *a_ft,
+                      const demo_mlp *b, uint64_t perm_seed,
+                      const demo_data *ft, const demo_data *plain,
+                      size_t plain_n, const demo_data *tst, demo_work *w,
+                      double a_ft_acc) {
+  demo_updates up;
+  demo_mlp cand, want;
+  demo_data cal;
+  int ret = -1;
+  if (plain_n > plain->n) plain_n = plain->n;
+  if (demo_data_slice(ft, 0, ft->n, &cal) != 0) return -1;
+  cal.n = ft->n + plain_n;
+  float *x = realloc(cal.x, cal.n * DEMO_PIX * sizeof *x);
+  uint8_t *y = realloc(cal.y, cal.n);
+  if (x) cal.x = x;
+  if (y) cal.y = y;
+  if (x == NULL || y == NULL) goto out_cal;
+  memcpy(cal.x + ft->n * DEMO_PIX, plain->x, plain_n * DEMO_PIX * sizeof *x);
+  memcpy(cal.y + ft->n, plain->y, plain_n);
+  if (demo_transfer(a, a_ft, b, &cal, BICO_NULL_KEEP, &up) != 0) goto out_cal;
+  if (demo_mlp_copy(&cand, b) != 0) goto out_up;
+  if (permute_hidden(a_ft, perm_seed, &want) != 0) goto out_cand;
+  demo_mlp_axpy(&want, &want, -1.f, b, NULL); /* the planted answer P tau P^T */
+  const demo_mlp *u = &up.upd[DEMO_M_BICO];
+  double e = 0, n = 0;
+  for (int l = 0; l < b->nl; l++) {
+    size_t nw = b->dims[l + 1] * b->dims[l], nb = b->dims[l + 1];
+    for (size_t i = 0; i < nw; i++) {
+      e += (double)(u->w[l][i] - want.w[l][i]) * (u->w[l][i] - want.w[l][i]);
+      n += (double)want.w[l][i] * want.w[l][i];
+    }
+    for (size_t i = 0; i < nb; i++) {
+      e += (double)(u->b[l][i] - want.b[l][i]) * (u->b[l][i] - want.b[l][i]);
+      n += (double)want.b[l][i] * want.b[l][i];
+    }
+  }
+  demo_mlp_axpy(&cand, b, 1.f, u, NULL);
+  double acc = demo_mlp_accuracy(&cand, w, tst);
+  int ok = fabs(acc - a_ft_acc) <= 0.5;
+  fprintf(stderr, "  exact case (calibrated on %zu images, alpha 1): bico %.2f%% vs "
+                  "A fine-tuned %.2f%%, |tau_B - P tau P^T| / |P tau P^T| = %.1e: %s\n",
+          cal.n, acc, a_ft_acc, sqrt(e / (n > 0 ? n : 1)),
+          ok ? "ok" : "CHECK FAILED (more than 0.5 points apart)");
+  ret = ok ? 0 : -1;
+  demo_mlp_free(&want);
+out_cand:
+  demo_mlp_free(&cand);
+out_up:
+  demo_updates_free(&up);
+out_cal:
+  demo_data_free(&cal);
+  return ret;
+}
+
 static void usage(FILE *f) {
   fprintf(f,
           "usage: bico-demo [--small] [--out DIR] [--data DIR]\n"
@@ -349,6 +410,26 @@ int main(int argc, char **argv) {
           fprintf(stderr, "  (alpha %g)", res->alpha[t][k][m]);
         if (*acc >= 0) fprintf(stderr, "\n");
       }
+      /* the transferred model as a file: it must load and evaluate alike */
+      demo_mlp_axpy(&cand, &b[t], (float)res->alpha[t][k][DEMO_M_BICO],
+                    &up.upd[DEMO_M_BICO], NULL);
+      snprintf(name, sizeof name, "%s/%s-bico-%s.bin", out_dir, ts->name, tn);
+      demo_mlp back;
+      if (demo_mlp_save(&cand, name, 1) != 0 || demo_mlp_load(&back, name, 1) != 0) {
+        fprintf(stderr, "CHECK FAILED: transferred model %s does not load\n", name);
+        failed = 1;
+      } else {
+        double acc = demo_mlp_accuracy(&back, &w, &tst);
+        if (acc != res->acc[t][k][DEMO_M_BICO]) {
+          fprintf(stderr, "CHECK FAILED: %s evaluates to %.2f%%, in memory %.2f%%\n",
+                  name, acc, res->acc[t][k][DEMO_M_BICO]);
+          failed = 1;
+        }
+        demo_mlp_free(&back);
+      }
+      if (ts->perm_of_a && exact_case(&a, &a_ft, &b[t], ts->seed, &ft, &pre_a,
+                                      cf->ft_n, &tst, &w, res->source_ft[k]) != 0)
+        failed = 1;
       demo_mlp_free(&cand);
       demo_work_free(&w);
       demo_updates_free(&up);
