@@ -92,6 +92,12 @@ void demo_mlp_param_grad(const demo_mlp *m, const demo_work *w, size_t n,
 /* Accuracy (percent) on a dataset. */
 double demo_mlp_accuracy(const demo_mlp *m, demo_work *w, const demo_data *d);
 
+/* Accuracies of m + alphas[k] u for k < nalpha (one pass over d; the
+ * first layer, linear in alpha, is computed once).  Returns 0 or -1. */
+int demo_mlp_line_accuracy(const demo_mlp *m, const demo_mlp *u,
+                           const float *alphas, size_t nalpha,
+                           const demo_data *d, double *acc);
+
 typedef struct demo_train_cfg {
   int epochs;
   size_t batch;
@@ -129,7 +135,8 @@ const char *demo_method_name(int method);
 /* The update each method proposes for target b: upd[method] gets b's shape
  * (valid[method] = 0 where a method does not apply).  a, a_ft: source
  * pretrained and fine-tuned; cal: calibration samples of the task.
- * ranks (may be NULL) gets a short text with the numerical rank of each map. */
+ * ranks gets a short text with the numerical rank of each map.  bico_only:
+ * skip the baselines (the exact-case check needs BiCo alone). */
 typedef struct demo_updates {
   int valid[DEMO_NMETHODS];
   demo_mlp upd[DEMO_NMETHODS];
@@ -137,7 +144,8 @@ typedef struct demo_updates {
 } demo_updates;
 
 int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
-                  const demo_data *cal, int null_mode, demo_updates *out);
+                  const demo_data *cal, int null_mode, int bico_only,
+                  demo_updates *out);
 void demo_updates_free(demo_updates *u);
 
 /* ---- report.c ---- */

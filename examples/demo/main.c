@@ -165,8 +165,9 @@ static int calib_set(const demo_data *d, int per_class, demo_data *out) {
  * when the statistics cover every direction the task vector uses.  10
  * samples per class (100 rows) cannot identify maps of width 784 or 256, and
  * units that are silent on the task's images at A but wake up during
- * fine-tuning are unidentified too; so the check calibrates on the
- * fine-tuning images plus `plain_n` pretraining images. */
+ * fine-tuning are unidentified too; so the check calibrates on up to
+ * EXACT_ROWS fine-tuning images plus `plain_n` pretraining images. */
+#define EXACT_ROWS 2000
 static int exact_case(const demo_mlp *a, const demo_mlp *a_ft,
                       const demo_mlp *b, uint64_t perm_seed,
                       const demo_data *ft, const demo_data *plain,
@@ -176,17 +177,18 @@ static int exact_case(const demo_mlp *a, const demo_mlp *a_ft,
   demo_mlp cand, want;
   demo_data cal;
   int ret = -1;
+  size_t ft_n = ft->n < EXACT_ROWS ? ft->n : EXACT_ROWS;
   if (plain_n > plain->n) plain_n = plain->n;
-  if (demo_data_slice(ft, 0, ft->n, &cal) != 0) return -1;
-  cal.n = ft->n + plain_n;
+  if (demo_data_slice(ft, 0, ft_n, &cal) != 0) return -1;
+  cal.n = ft_n + plain_n;
   float *x = realloc(cal.x, cal.n * DEMO_PIX * sizeof *x);
   uint8_t *y = realloc(cal.y, cal.n);
   if (x) cal.x = x;
   if (y) cal.y = y;
   if (x == NULL || y == NULL) goto out_cal;
-  memcpy(cal.x + ft->n * DEMO_PIX, plain->x, plain_n * DEMO_PIX * sizeof *x);
-  memcpy(cal.y + ft->n, plain->y, plain_n);
-  if (demo_transfer(a, a_ft, b, &cal, BICO_NULL_KEEP, &up) != 0) goto out_cal;
+  memcpy(cal.x + ft_n * DEMO_PIX, plain->x, plain_n * DEMO_PIX * sizeof *x);
+  memcpy(cal.y + ft_n, plain->y, plain_n);
+  if (demo_transfer(a, a_ft, b, &cal, BICO_NULL_KEEP, 1, &up) != 0) goto out_cal;
   if (demo_mlp_copy(&cand, b) != 0) goto out_up;
   if (permute_hidden(a_ft, perm_seed, &want) != 0) goto out_cand;
   demo_mlp_axpy(&want, &want, -1.f, b, NULL); /* the planted answer P tau P^T */
@@ -229,16 +231,24 @@ static void usage(FILE *f) {
           "              property that must hold fails\n"
           "  --out DIR   cache and results folder (default build/demo)\n"
           "  --data DIR  Fashion-MNIST *.gz folder\n"
-          "              (default /usr/share/datasets/fashion-mnist)\n");
+          "              (default /usr/share/datasets/fashion-mnist)\n"
+          "  --threads N BLIS threads (default 2; results do not depend on it)\n");
 }
 
 int main(int argc, char **argv) {
   const char *out_dir = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
-  int small = 0;
+  int small = 0, threads = 2;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--small") == 0) small = 1;
     else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_dir = argv[++i];
     else if (strcmp(argv[i], "--data") == 0 && i + 1 < argc) data_dir = argv[++i];
+    else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+      threads = atoi(argv[++i]);
+      if (threads < 1 || threads > 256) {
+        fprintf(stderr, "bico-demo: --threads wants 1..256, not '%s'\n", argv[i]);
+        return 2;
+      }
+    }
     else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       usage(stdout);
       return 0;
@@ -254,8 +264,10 @@ int main(int argc, char **argv) {
     fprintf(stderr, "bico-demo: cannot create %s\n", out_dir);
     return 1;
   }
-  /* one BLIS thread: the same sums in the same order on every run */
-  bli_thread_set_num_threads(1);
+  /* BLIS splits a GEMM's rows and columns among threads, never its inner
+   * (reduction) dimension, so every sum runs in the same order whatever the
+   * thread count: results do not depend on it (demo-test checks that) */
+  bli_thread_set_num_threads(threads);
   double t0 = now();
   int failed = 0;
 
@@ -268,8 +280,8 @@ int main(int argc, char **argv) {
   snprintf(pl, sizeof pl, "%s/t10k-labels-idx1-ubyte.gz", data_dir);
   if (demo_data_load(pi, pl, &test) != 0) return 1;
   fprintf(stderr, "bico-demo (%s configuration), libbico %s: Fashion-MNIST "
-                  "%zu train / %zu test images, output in %s\n",
-          cf->tag, bico_version_string(), train.n, test.n, out_dir);
+                  "%zu train / %zu test images, %d threads, output in %s\n",
+          cf->tag, bico_version_string(), train.n, test.n, threads, out_dir);
 
   /* Splits of the 60000 training images: A pretrains on the first half,
    * the targets on the second; the downstream tasks fine-tune on a slice
@@ -376,8 +388,10 @@ int main(int argc, char **argv) {
       }
       fprintf(stderr, "[3/4] task %s, target %s: transfers\n", tn, ts->name);
       demo_updates up;
-      if (demo_transfer(&a, &a_ft, &b[t], &cal, BICO_NULL_KEEP, &up) != 0) return 1;
-      fprintf(stderr, "  %s\n", up.ranks);
+      double tt = now();
+      if (demo_transfer(&a, &a_ft, &b[t], &cal, BICO_NULL_KEEP, 0, &up) != 0) return 1;
+      double te = now();
+      fprintf(stderr, "  %s (%.1f s)\n", up.ranks, te - tt);
       demo_work_alloc(&w, &b[t], 500);
       demo_mlp_copy(&cand, &b[t]);
       for (int m = 0; m < DEMO_NMETHODS; m++) {
@@ -390,16 +404,15 @@ int main(int argc, char **argv) {
           *acc = demo_mlp_accuracy(&b[t], &w, &tst);
         } else if (up.valid[m]) {
           /* alpha from the grid by validation accuracy (first best wins) */
-          double best = -1;
+          double best = -1, vacc[NALPHA];
           float best_alpha = ALPHAS[0];
-          for (size_t i = 0; i < NALPHA; i++) {
-            demo_mlp_axpy(&cand, &b[t], ALPHAS[i], &up.upd[m], NULL);
-            double v = demo_mlp_accuracy(&cand, &w, &val);
-            if (v > best) {
-              best = v;
+          if (demo_mlp_line_accuracy(&b[t], &up.upd[m], ALPHAS, NALPHA, &val, vacc) != 0)
+            return 1;
+          for (size_t i = 0; i < NALPHA; i++)
+            if (vacc[i] > best) {
+              best = vacc[i];
               best_alpha = ALPHAS[i];
             }
-          }
           demo_mlp_axpy(&cand, &b[t], best_alpha, &up.upd[m], NULL);
           *acc = demo_mlp_accuracy(&cand, &w, &tst);
           res->alpha[t][k][m] = best_alpha;
@@ -428,8 +441,9 @@ int main(int argc, char **argv) {
         demo_mlp_free(&back);
       }
       if (ts->perm_of_a && exact_case(&a, &a_ft, &b[t], ts->seed, &ft, &pre_a,
-                                      cf->ft_n, &tst, &w, res->source_ft[k]) != 0)
+                                      EXACT_ROWS, &tst, &w, res->source_ft[k]) != 0)
         failed = 1;
+      fprintf(stderr, "  (evaluation %.1f s)\n", now() - te);
       demo_mlp_free(&cand);
       demo_work_free(&w);
       demo_updates_free(&up);

@@ -243,6 +243,69 @@ double demo_mlp_accuracy(const demo_mlp *m, demo_work *w, const demo_data *d) {
   return d->n ? 100.0 * (double)right / (double)d->n : 0.0;
 }
 
+/* Forward from layer `start` on, with w->a[start] already filled. */
+static void forward_from(const demo_mlp *m, demo_work *w, size_t n, int start) {
+  for (int l = start; l < m->nl; l++) {
+    size_t din = m->dims[l], dout = m->dims[l + 1];
+    float *z = w->z[l];
+    for (size_t i = 0; i < n; i++) memcpy(z + i * dout, m->b[l], dout * sizeof(float));
+    sgemm(0, 1, n, dout, din, 1.f, w->a[l], din, m->w[l], din, 1.f, z, dout);
+    if (l + 1 < m->nl) {
+      float *a = w->a[l + 1];
+      for (size_t i = 0; i < n * dout; i++) a[i] = z[i] > 0.f ? z[i] : 0.f;
+    }
+  }
+}
+
+int demo_mlp_line_accuracy(const demo_mlp *m, const demo_mlp *u,
+                           const float *alphas, size_t nalpha,
+                           const demo_data *d, double *acc) {
+  const size_t cap = 500, c = m->dims[m->nl], h = m->dims[1], N = d->n;
+  demo_work w;
+  demo_mlp cand;
+  float *p = malloc((N ? N : 1) * h * sizeof *p), *q = malloc((N ? N : 1) * h * sizeof *q);
+  int ok = p && q && demo_work_alloc(&w, m, cap) == 0;
+  if (ok && demo_mlp_copy(&cand, m) != 0) {
+    demo_work_free(&w);
+    ok = 0;
+  }
+  if (!ok) {
+    free(p);
+    free(q);
+    return -1;
+  }
+  /* the first layer (most of the work) is linear in alpha:
+   * x (W + alpha U)^T + b + alpha u = P + alpha Q, computed once */
+  for (size_t i = 0; i < N; i++) {
+    memcpy(p + i * h, m->b[0], h * sizeof *p);
+    memcpy(q + i * h, u->b[0], h * sizeof *q);
+  }
+  sgemm(0, 1, N, h, m->dims[0], 1.f, d->x, m->dims[0], m->w[0], m->dims[0], 1.f, p, h);
+  sgemm(0, 1, N, h, m->dims[0], 1.f, d->x, m->dims[0], u->w[0], m->dims[0], 1.f, q, h);
+  for (size_t k = 0; k < nalpha; k++) {
+    size_t right = 0;
+    demo_mlp_axpy(&cand, m, alphas[k], u, NULL);
+    for (size_t lo = 0; lo < N; lo += cap) {
+      size_t n = N - lo < cap ? N - lo : cap;
+      float *z = w.z[0];
+      const float *pp = p + lo * h, *qq = q + lo * h;
+      for (size_t i = 0; i < n * h; i++) z[i] = pp[i] + alphas[k] * qq[i];
+      if (m->nl > 1) {
+        for (size_t i = 0; i < n * h; i++) w.a[1][i] = z[i] > 0.f ? z[i] : 0.f;
+        forward_from(&cand, &w, n, 1);
+      }
+      for (size_t i = 0; i < n; i++)
+        right += argmax(w.z[m->nl - 1] + i * c, c) == d->y[lo + i];
+    }
+    acc[k] = N ? 100.0 * (double)right / (double)N : 0.0;
+  }
+  demo_mlp_free(&cand);
+  demo_work_free(&w);
+  free(p);
+  free(q);
+  return 0;
+}
+
 static double now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

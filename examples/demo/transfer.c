@@ -119,7 +119,8 @@ static int calib_pass(const demo_mlp *m, const demo_data *cal, demo_work *w) {
 }
 
 int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
-                  const demo_data *cal, int null_mode, demo_updates *out) {
+                  const demo_data *cal, int null_mode, int bico_only,
+                  demo_updates *out) {
   memset(out, 0, sizeof *out);
   bico_ctx *ctx = NULL;
   bico_procrustes *pr = NULL;
@@ -141,7 +142,7 @@ int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
   int same = demo_mlp_same_shape(a, b);
   out->valid[DEMO_M_ZERO] = 1; /* the zero update */
 
-  for (int l = 0; l < b->nl; l++) {
+  for (int l = 0; l < b->nl && !bico_only; l++) {
     int s = src[l];
     size_t sw[2] = {a->dims[s + 1], a->dims[s]}, sb[1] = {a->dims[s + 1]};
     size_t tw[2] = {b->dims[l + 1], b->dims[l]}, tb[1] = {b->dims[l + 1]};
@@ -156,10 +157,10 @@ int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
     CK(bico_baseline_pad(ctx, 1, sb, 1, tb, tau.b[s], 1.f, 0.f,
                          out->upd[DEMO_M_PAD].b[l]));
   }
-  out->valid[DEMO_M_NAIVE] = same;
-  out->valid[DEMO_M_PAD] = 1;
+  out->valid[DEMO_M_NAIVE] = same && !bico_only;
+  out->valid[DEMO_M_PAD] = !bico_only;
 
-  if (same) {
+  if (same && !bico_only) {
     double kept = 0;
     if (gradfix(ctx, b, &tau, cal, &out->upd[DEMO_M_GRADFIX], &kept) != 0)
       goto fail;
