@@ -232,17 +232,28 @@ static void usage(FILE *f) {
           "  --out DIR   cache and results folder (default build/demo)\n"
           "  --data DIR  Fashion-MNIST *.gz folder\n"
           "              (default /usr/share/datasets/fashion-mnist)\n"
-          "  --threads N BLIS threads (default 2; results do not depend on it)\n");
+          "  --threads N BLIS threads (default 1; results do not depend on it)\n"
+          "  --null keep|drop\n"
+          "              completion of rank-deficient maps for the transfers\n"
+          "              (default keep, libbico's default; docs/demo.md)\n");
 }
 
 int main(int argc, char **argv) {
   const char *out_dir = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
-  int small = 0, threads = 2;
+  int small = 0, threads = 1, null_mode = BICO_NULL_KEEP;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--small") == 0) small = 1;
     else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_dir = argv[++i];
     else if (strcmp(argv[i], "--data") == 0 && i + 1 < argc) data_dir = argv[++i];
-    else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+    else if (strcmp(argv[i], "--null") == 0 && i + 1 < argc) {
+      const char *v = argv[++i];
+      if (strcmp(v, "keep") == 0) null_mode = BICO_NULL_KEEP;
+      else if (strcmp(v, "drop") == 0) null_mode = BICO_NULL_DROP;
+      else {
+        fprintf(stderr, "bico-demo: --null wants keep or drop, not '%s'\n", v);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
       threads = atoi(argv[++i]);
       if (threads < 1 || threads > 256) {
         fprintf(stderr, "bico-demo: --threads wants 1..256, not '%s'\n", argv[i]);
@@ -389,7 +400,7 @@ int main(int argc, char **argv) {
       fprintf(stderr, "[3/4] task %s, target %s: transfers\n", tn, ts->name);
       demo_updates up;
       double tt = now();
-      if (demo_transfer(&a, &a_ft, &b[t], &cal, BICO_NULL_KEEP, 0, &up) != 0) return 1;
+      if (demo_transfer(&a, &a_ft, &b[t], &cal, null_mode, 0, &up) != 0) return 1;
       double te = now();
       fprintf(stderr, "  %s (%.1f s)\n", up.ranks, te - tt);
       demo_work_alloc(&w, &b[t], 500);
