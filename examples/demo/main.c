@@ -235,12 +235,15 @@ static void usage(FILE *f) {
           "  --threads N BLIS threads (default 1; results do not depend on it)\n"
           "  --null keep|drop\n"
           "              completion of rank-deficient maps for the transfers\n"
-          "              (default keep, libbico's default; docs/demo.md)\n");
+          "              (default keep, libbico's default; docs/demo.md)\n"
+          "  --cal-per-class N\n"
+          "              calibration samples per class (default 10, as in the\n"
+          "              papers; more than the fine-tuning set holds is capped)\n");
 }
 
 int main(int argc, char **argv) {
   const char *out_dir = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
-  int small = 0, threads = 1, null_mode = BICO_NULL_KEEP;
+  int small = 0, threads = 1, null_mode = BICO_NULL_KEEP, cal_pc = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--small") == 0) small = 1;
     else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_dir = argv[++i];
@@ -251,6 +254,12 @@ int main(int argc, char **argv) {
       else if (strcmp(v, "drop") == 0) null_mode = BICO_NULL_DROP;
       else {
         fprintf(stderr, "bico-demo: --null wants keep or drop, not '%s'\n", v);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--cal-per-class") == 0 && i + 1 < argc) {
+      cal_pc = atoi(argv[++i]);
+      if (cal_pc < 1 || cal_pc > 5000) {
+        fprintf(stderr, "bico-demo: --cal-per-class wants 1..5000, not '%s'\n", argv[i]);
         return 2;
       }
     } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
@@ -269,7 +278,9 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  const config *cf = small ? &SMALL : &FULL;
+  config cfv = small ? SMALL : FULL;
+  if (cal_pc > 0) cfv.cal_per_class = cal_pc;
+  const config *cf = &cfv;
   if (out_dir == NULL) out_dir = small ? "build/demo-test" : "build/demo";
   if (mkdirs(out_dir) != 0) {
     fprintf(stderr, "bico-demo: cannot create %s\n", out_dir);
