@@ -130,11 +130,10 @@ int demo_report_svg(const demo_result *r, const char *path) {
     for (int k = 0; k < groups; k++) {
       int gx = left + k * group_w + 8;
       for (int m = 0; m < DEMO_NMETHODS; m++) {
-        double acc = -1, share, dummy;
+        double acc = -1, share;
         int gok;
         if (k < r->ntasks) acc = r->acc[t][k][m];
         else if (!average(r, t, m, &acc, &share, &gok)) acc = -1;
-        (void)dummy;
         if (acc < 0) continue;
         double h = acc * scale;
         fprintf(f, "<rect x=\"%d\" y=\"%.1f\" width=\"%d\" height=\"%.1f\" "
