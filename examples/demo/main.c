@@ -288,7 +288,8 @@ int main(int argc, char **argv) {
   }
   /* BLIS splits a GEMM's rows and columns among threads, never its inner
    * (reduction) dimension, so every sum runs in the same order whatever the
-   * thread count: results do not depend on it (demo-test checks that) */
+   * thread count: results do not depend on it.  One thread by default:
+   * BLIS's threads spin at barriers, which costs dearly on a busy machine */
   bli_thread_set_num_threads(threads);
   double t0 = now();
   int failed = 0;
