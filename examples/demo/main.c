@@ -356,6 +356,17 @@ int main(int argc, char **argv) {
     b_fp[t] = demo_hash(0, recipe);
   }
 
+  { /* how good the pretrained models are on the plain task */
+    demo_work pw;
+    for (int t = -1; t < cf->ntargets; t++) {
+      const demo_mlp *m = t < 0 ? &a : &b[t];
+      if (demo_work_alloc(&pw, m, 500) != 0) return 1;
+      fprintf(stderr, "  %-28s plain test accuracy %.1f%%\n",
+              t < 0 ? "A" : cf->targets[t].name, demo_mlp_accuracy(m, &pw, &test_base));
+      demo_work_free(&pw);
+    }
+  }
+
   demo_result *res = calloc(1, sizeof *res);
   if (res == NULL) return 1;
   res->ntargets = cf->ntargets;
@@ -389,7 +400,10 @@ int main(int argc, char **argv) {
              cf->ft_n, cf->ft_epochs, cf->ft_lr);
     if (get_model(&a_ft, out_dir, name, recipe, &a, 0, NULL, 0, &ft, &tc) != 0)
       return 1;
-    demo_work_alloc(&w, &a_ft, 500);
+    if (demo_work_alloc(&w, &a_ft, 500) != 0) {
+      fprintf(stderr, "bico-demo: out of memory\n");
+      return 1;
+    }
     res->source_ft[k] = demo_mlp_accuracy(&a_ft, &w, &tst);
     fprintf(stderr, "  A zero-shot %.1f%%, A fine-tuned %.1f%% (test)\n",
             demo_mlp_accuracy(&a, &w, &tst), res->source_ft[k]);
@@ -415,8 +429,15 @@ int main(int argc, char **argv) {
       if (demo_transfer(&a, &a_ft, &b[t], &cal, null_mode, 0, &up) != 0) return 1;
       double te = now();
       fprintf(stderr, "  %s (%.1f s)\n", up.ranks, te - tt);
-      demo_work_alloc(&w, &b[t], 500);
-      demo_mlp_copy(&cand, &b[t]);
+      if (demo_work_alloc(&w, &b[t], 500) != 0) {
+        fprintf(stderr, "bico-demo: out of memory\n");
+        return 1;
+      }
+      if (demo_mlp_copy(&cand, &b[t]) != 0) {
+        demo_work_free(&w);
+        fprintf(stderr, "bico-demo: out of memory\n");
+        return 1;
+      }
       for (int m = 0; m < DEMO_NMETHODS; m++) {
         double *acc = &res->acc[t][k][m];
         res->alpha[t][k][m] = 0;
