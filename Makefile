@@ -214,3 +214,32 @@ check-python-install: all
 	$(MAKE) --no-print-directory install PREFIX=$(abspath $(BUILD)/pystage) BUILD=$(BUILD) >/dev/null
 	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$(abspath $(BUILD)/pystage)/lib/python3/dist-packages \
 	  $(PYTHON) -c 'import bico, sys; print("installed binding:", bico.__file__, "->", bico.library_path); sys.exit(not bico.library_path.startswith("$(abspath $(BUILD)/pystage)/lib/"))'
+
+# ---- demo ----
+# `make demo`: the main job end to end on Fashion-MNIST (examples/demo/, an
+# example-local MLP trainer over BLIS; every transfer through the public API).
+# `demo-test`: its small configuration, run from an empty cache, then again
+# from the cache (the same table must come out), part of `make check`.
+DEMO_SRCS := $(wildcard examples/demo/*.c)
+DEMO_BIN := $(BUILD)/demo/bico-demo
+DEMO_TEST_DIR := $(BUILD)/demo-test
+
+$(DEMO_BIN): $(DEMO_SRCS) $(wildcard examples/demo/*.h) $(SHLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $(DEMO_SRCS) \
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lz -lm $(LDFLAGS)
+
+demo:
+	sh scripts/deps.sh
+	$(MAKE) --no-print-directory $(DEMO_BIN)
+	$(DEMO_BIN) --out $(BUILD)/demo
+
+.PHONY: demo-test
+demo-test: $(DEMO_BIN)
+	rm -rf $(DEMO_TEST_DIR)
+	$(DEMO_BIN) --small --out $(DEMO_TEST_DIR) > $(DEMO_TEST_DIR).first.txt
+	$(DEMO_BIN) --small --out $(DEMO_TEST_DIR) > $(DEMO_TEST_DIR).second.txt
+	cmp $(DEMO_TEST_DIR).first.txt $(DEMO_TEST_DIR).second.txt
+	@echo "demo-test: small configuration passed; the rerun from the cache printed the same table"
+
+check: demo-test
