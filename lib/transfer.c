@@ -1118,7 +1118,7 @@ static bico_status run_all(run *r) {
     st = bico_stwriter_create(ctx, t->files[BICO_FILE_DELTA_OUTPUT], &r->wd);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     const char *name;
-    int dtype;
+    int dtype = 0;
     size_t ndim;
     const size_t *shape;
     size_t fi;
