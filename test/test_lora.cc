@@ -808,3 +808,98 @@ TEST(LoraTransfer, ErrorsNameTheCulpritAndWriteNothing) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------
+// Allocation failures: every one is BICO_E_NOMEM, leaks nothing and writes
+// nothing.
+
+namespace {
+
+struct Failing {
+  long count = 0, fail_at = 0, live = 0;
+};
+void *fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count == f->fail_at) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
+}
+
+// Runs body(ctx) failing allocation k = 1, 2, ... until it succeeds.
+template <class F>
+void sweep(F body, const std::vector<std::string> &outputs) {
+  bool done = false;
+  long k;
+  for (k = 1; k < 100000 && !done; k++) {
+    Failing f;
+    bico_ctx *ctx = nullptr;
+    ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+    f.fail_at = f.count + k;
+    bico_status st = body(ctx);
+    if (st == BICO_OK) {
+      done = true;
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k << ": " << bico_ctx_errmsg(ctx);
+      for (auto &o : outputs)
+        EXPECT_EQ(access(o.c_str(), F_OK), -1) << "allocation " << k << ": " << o;
+    }
+    EXPECT_EQ(f.live, 1) << "leak after failing allocation " << k;
+    bico_ctx_free(ctx);
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_TRUE(done);
+  EXPECT_GT(k, 10);
+}
+
+TEST(LoraOom, OpenAndSave) {
+  PeftFixture fx;
+  write_adapter(fx.dir.path, fx.config(), fx.tensors());
+  std::string out = fx.dir / "out";
+  sweep(
+      [&](bico_ctx *ctx) {
+        bico_lora *l = nullptr;
+        bico_status st = bico_lora_open(ctx, fx.dir.path.c_str(), &l);
+        if (st == BICO_OK) st = bico_lora_save(l, out.c_str());
+        bico_lora_free(l);
+        if (st == BICO_OK) {
+          std::remove((out + "/adapter_config.json").c_str());
+          std::remove((out + "/adapter_model.safetensors").c_str());
+        }
+        rmdir(out.c_str());
+        return st;
+      },
+      {out + "/adapter_config.json", out + "/adapter_model.safetensors"});
+}
+
+TEST(LoraOom, WholeModelTransfer) {
+  LoraChain c;
+  std::string out = c.dir / "out", ckpt = c.dir / "m.safetensors", rep = c.dir / "r.json";
+  sweep(
+      [&](bico_ctx *ctx) {
+        bico_transfer *t = nullptr;
+        bico_status st = bico_transfer_create(ctx, &t);
+        const std::pair<int, std::string> files[] = {
+            {BICO_FILE_SOURCE_BASE, c.A},     {BICO_FILE_TARGET_BASE, c.B},
+            {BICO_FILE_SOURCE_CALIB, c.calA}, {BICO_FILE_TARGET_CALIB, c.calB},
+            {BICO_FILE_LORA, c.ad},           {BICO_FILE_LORA_OUTPUT, out},
+            {BICO_FILE_OUTPUT, ckpt},         {BICO_FILE_REPORT, rep}};
+        for (auto &f : files)
+          if (st == BICO_OK) st = bico_transfer_set_file(t, f.first, f.second.c_str());
+        if (st == BICO_OK) st = bico_transfer_add_split(t, "fc", 2);
+        if (st == BICO_OK) st = bico_transfer_run(t);
+        bico_transfer_free(t);
+        if (st == BICO_OK)
+          for (auto &p : {out + "/adapter_config.json", out + "/adapter_model.safetensors", ckpt, rep})
+            std::remove(p.c_str());
+        rmdir(out.c_str());
+        return st;
+      },
+      {out + "/adapter_config.json", out + "/adapter_model.safetensors", ckpt, rep});
+}
+
+}  // namespace

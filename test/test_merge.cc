@@ -321,3 +321,59 @@ TEST(MergeRun, RefusalsNameTheProblemAndWriteNothing) {
 }
 
 }  // namespace
+
+namespace {
+
+struct Failing {
+  long count = 0, fail_at = 0, live = 0;
+};
+void *fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count == f->fail_at) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
+}
+
+TEST(MergeOom, EveryAllocationFailureIsReportedAndCleanedUp) {
+  Checkpoints c;
+  std::string rep = c.dir / "rep.json", delta = c.dir / "delta.safetensors";
+  bool done = false;
+  long k;
+  for (k = 1; k < 100000 && !done; k++) {
+    Failing f;
+    bico_ctx *ctx = nullptr;
+    ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+    f.fail_at = f.count + k;
+    bico_merge *m = nullptr;
+    bico_status st = bico_merge_create(ctx, &m);
+    if (st == BICO_OK) st = bico_merge_set_file(m, BICO_MERGE_FILE_BASE, c.base.c_str());
+    if (st == BICO_OK) st = bico_merge_set_file(m, BICO_MERGE_FILE_OUTPUT, c.out.c_str());
+    if (st == BICO_OK) st = bico_merge_set_file(m, BICO_MERGE_FILE_DELTA_OUTPUT, delta.c_str());
+    if (st == BICO_OK) st = bico_merge_set_file(m, BICO_MERGE_FILE_REPORT, rep.c_str());
+    if (st == BICO_OK) st = bico_merge_set_param(m, BICO_MERGE_METHOD, BICO_MERGE_TIES);
+    if (st == BICO_OK) st = bico_merge_add_input(m, BICO_MERGE_TASK_VECTOR, c.tv1.c_str(), 1, 0.5);
+    if (st == BICO_OK) st = bico_merge_add_input(m, BICO_MERGE_TUNED, c.ft.c_str(), 1, 0.5);
+    if (st == BICO_OK) st = bico_merge_add_input(m, BICO_MERGE_LORA, c.ad.c_str(), 1, 0.5);
+    if (st == BICO_OK) st = bico_merge_run(m);
+    bico_merge_free(m);
+    if (st == BICO_OK) {
+      done = true;
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k << ": " << bico_ctx_errmsg(ctx);
+      for (auto &o : {c.out, rep, delta})
+        EXPECT_EQ(access(o.c_str(), F_OK), -1) << "allocation " << k << ": " << o;
+    }
+    EXPECT_EQ(f.live, 1) << "leak after failing allocation " << k;
+    bico_ctx_free(ctx);
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_TRUE(done);
+  EXPECT_GT(k, 20);
+}
+
+}  // namespace
