@@ -419,6 +419,10 @@ def test_data_errors_name_the_culprit(vit, tmp_path):
     r = bico(*common, "--source-calib", f["calA"], "--target-calib", f["calB"],
              "--output", link, ok=False)
     assert r.returncode == 1 and open(f["B"], "rb").read() == before
+    # A --split that matches nothing is named.
+    r = bico(*common, "--source-calib", f["calA"], "--target-calib", f["calB"],
+             "--split", "attn.qvk=3", "--output", out, ok=False)
+    assert r.returncode == 1 and "attn.qvk" in r.stderr, r.stderr
     # A malformed file is named.
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{oops}  ")
@@ -535,3 +539,41 @@ def test_vit_options(vit, tmp_path, opts):
         assert by["norm.weight"]["maps"]["in"]["rank"] < CFG["d"]
     else:
         assert by["norm.weight"]["maps"]["in"]["rank"] == CFG["d"]
+
+
+def test_sharded_target_and_dtypes_are_kept(tmp_path):
+    """A sharded target (index.json) reads as one model; the output keeps
+    each tensor's dtype; tensors without a source partner and integer
+    tensors are copied byte for byte."""
+    rng = np.random.default_rng(5)
+    A = {"a.weight": rng.standard_normal((4, 3)).astype(np.float32),
+         "b.weight": rng.standard_normal((2, 4)).astype(np.float32)}
+    tau = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in A.items()}
+    Aft = {k: A[k] + tau[k] for k in A}
+    B1 = {"a.weight": rng.standard_normal((4, 3)).astype(np.float16)}
+    B2 = {"b.weight": rng.standard_normal((2, 4)).astype(np.float64),
+          "extra.weight": rng.standard_normal((3, 3)).astype(np.float32),
+          "count": np.array([7], np.int64)}
+    pl.save(tmp_path / "A.safetensors", A)
+    pl.save(tmp_path / "Aft.safetensors", Aft)
+    pl.save(tmp_path / "B-1.safetensors", B1)
+    pl.save(tmp_path / "B-2.safetensors", B2)
+    index = {"metadata": {}, "weight_map": {**{k: "B-1.safetensors" for k in B1},
+                                            **{k: "B-2.safetensors" for k in B2}}}
+    (tmp_path / "B.safetensors.index.json").write_text(json.dumps(index))
+    out, rep = tmp_path / "o.safetensors", tmp_path / "r.json"
+    bico("transfer", "--method", "naive", "--source-base", tmp_path / "A.safetensors",
+         "--source-tuned", tmp_path / "Aft.safetensors",
+         "--target-base", tmp_path / "B.safetensors.index.json",
+         "--report", rep, "--output", out, "-q")
+    o, _, order = pl.load(out)
+    assert order == ["a.weight", "b.weight", "extra.weight", "count"]
+    assert o["a.weight"].dtype == np.float16 and o["b.weight"].dtype == np.float64
+    want_a = (B1["a.weight"].astype(np.float32) + tau["a.weight"]).astype(np.float16)
+    assert np.array_equal(o["a.weight"], want_a)
+    assert np.allclose(o["b.weight"], B2["b.weight"] + tau["b.weight"], rtol=1e-6, atol=1e-6)
+    assert o["extra.weight"].tobytes() == B2["extra.weight"].tobytes()
+    assert o["count"].tobytes() == B2["count"].tobytes()
+    by = {e["name"]: e for e in json.load(open(rep))["tensors"]}
+    assert by["extra.weight"]["handling"] == "unchanged" and by["extra.weight"]["source"] is None
+    assert "reason" in by["extra.weight"]
