@@ -753,6 +753,115 @@ TEST(LoraTransfer, PadTruncatesAndReportsEnergy) {
   EXPECT_NE(r.find("\"energy_kept\": 1"), std::string::npos) << r;
 }
 
+TEST(LoraTransfer, EmbeddingAdapterFollowsItsTiedMap) {
+  // The table's width is block 0's output space (rotated by Q in the
+  // target): E_B = E Q^T, so the table delta must come out as dE Q^T.
+  LoraChain c;
+  bt::Rng g(8);
+  const size_t V = 5;
+  Mat E = bt::randn(g, V, c.d), eA = bt::randn(g, c.r, V), eB = bt::randn(g, c.d, c.r);
+  std::string A2 = c.dir / "A2.safetensors", B2 = c.dir / "B2.safetensors", ad = c.dir / "emb";
+  write_st(A2, {{"embed.weight", T(E)}, {"blocks.0.fc.weight", T(c.W0)},
+                {"blocks.1.fc.weight", T(c.W1)}});
+  write_st(B2, {{"embed.weight", T(bt::matmul(E, bt::transpose(c.Q)))},
+                {"blocks.0.fc.weight", T(bt::matmul(c.Q, c.W0))},
+                {"blocks.1.fc.weight", T(bt::matmul(c.W1, bt::transpose(c.Q)))}});
+  mkdir(ad.c_str(), 0700);
+  write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 2}",
+                {{"embed.lora_embedding_A", T(eA)}, {"embed.lora_embedding_B", T(eB)}});
+  bt::Ctx ctx;
+  std::string out = c.dir / "out", ckpt = c.dir / "m.safetensors";
+  for (int tie = 0; tie < 2; tie++) {
+    bico_transfer *t = nullptr;
+    ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, A2},      {BICO_FILE_TARGET_BASE, B2},
+        {BICO_FILE_SOURCE_CALIB, c.calA}, {BICO_FILE_TARGET_CALIB, c.calB},
+        {BICO_FILE_LORA, ad},             {BICO_FILE_LORA_OUTPUT, out},
+        {BICO_FILE_OUTPUT, ckpt}};
+    for (auto &f : files) ASSERT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+    if (tie) {
+      ASSERT_EQ(bico_transfer_add_tie(t, "embed.weight", "blocks.0.fc"), BICO_OK);
+    }
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    if (!tie) {
+      // No map for the table: refused, naming the module, nothing written.
+      EXPECT_EQ(st, BICO_E_NOTFOUND);
+      EXPECT_TRUE(mentions(ctx, "adapter module embed")) << bico_ctx_errmsg(ctx);
+      EXPECT_TRUE(mentions(ctx, "--tie")) << bico_ctx_errmsg(ctx);
+      EXPECT_EQ(access(out.c_str(), F_OK), -1);
+      EXPECT_EQ(access(ckpt.c_str(), F_OK), -1);
+      continue;
+    }
+    ASSERT_EQ(st, BICO_OK) << bico_ctx_errmsg(ctx);
+  }
+  Mat want = bt::matmul(bt::transpose(bt::matmul(eB, eA)), bt::transpose(c.Q));  // s = 1
+  bico_lora *l = nullptr;
+  ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
+  size_t i, dout, din;
+  int kind;
+  ASSERT_EQ(bico_lora_find_module(l, "embed", &i), BICO_OK);
+  bico_lora_module(l, i, nullptr, &kind, nullptr, &dout, &din, nullptr, nullptr);
+  EXPECT_EQ(kind, BICO_LORA_EMBEDDING);
+  EXPECT_EQ(dout, c.d);
+  EXPECT_EQ(din, V);
+  std::vector<float> dense(c.d * V);
+  ASSERT_EQ(bico_lora_dense(l, i, 1.0f, 0.0f, dense.data(), V), BICO_OK);
+  EXPECT_LT(bt::relerr(bt::transpose(as_mat(dense.data(), c.d, V)), want), 1e-5);
+  bico_lora_free(l);
+  // Merged: the table delta is the transpose of the factor product.
+  auto m = read_st(ckpt), b = read_st(B2);
+  EXPECT_LT(bt::relerr(bt::sub(as_mat(m["embed.weight"], V, c.d), as_mat(b["embed.weight"], V, c.d)), want),
+            1e-5);
+}
+
+TEST(LoraTransfer, GradfixMasksTheDenseUpdateAndTruncates) {
+  // Source = target.  Votes agreeing with every sign of the update keep it
+  // all (exactly rank r again); a random vote pattern keeps the fraction
+  // counted here.
+  LoraChain c;
+  bt::Ctx ctx;
+  const double s = 2.0;
+  Mat d0 = scaled(bt::matmul(c.B0, c.A0), s), d1 = scaled(bt::matmul(c.B1, c.A1), s);
+  bt::Rng g(4);
+  Mat rv = bt::randn(g, c.d, c.d);
+  size_t agree = 0;
+  for (size_t e = 0; e < c.d * c.d; e++) agree += (rv.v[e] > 0) == (d1.v[e] > 0);
+  auto signs = [](const Mat &m, double k) {
+    Mat v = m;
+    for (auto &x : v.v) x = x > 0 ? k : -k;
+    return v;
+  };
+  std::string votes = c.dir / "votes.safetensors", out = c.dir / "out", rep = c.dir / "r.json";
+  write_st(votes, {{"blocks.0.fc.weight", T(signs(d0, 3))},
+                   {"blocks.1.fc.weight", T(signs(rv, 1))}});
+  bico_transfer *t = nullptr;
+  ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+  ASSERT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_GRADFIX), BICO_OK);
+  const std::pair<int, std::string> files[] = {
+      {BICO_FILE_SOURCE_BASE, c.A}, {BICO_FILE_TARGET_BASE, c.A},
+      {BICO_FILE_TARGET_VOTES, votes}, {BICO_FILE_LORA, c.ad},
+      {BICO_FILE_LORA_OUTPUT, out}, {BICO_FILE_REPORT, rep}};
+  for (auto &f : files) ASSERT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+  ASSERT_EQ(bico_transfer_run(t), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_transfer_free(t);
+  bico_lora *l = nullptr;
+  ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
+  size_t i;
+  std::vector<float> dense(c.d * c.d);
+  ASSERT_EQ(bico_lora_find_module(l, "blocks.0.fc", &i), BICO_OK);
+  ASSERT_EQ(bico_lora_dense(l, i, 1.0f, 0.0f, dense.data(), c.d), BICO_OK);
+  EXPECT_LT(bt::relerr(as_mat(dense.data(), c.d, c.d), d0), 1e-5);
+  bico_lora_free(l);
+  std::string r = stt::read_bytes(rep);
+  EXPECT_NE(r.find("\"kept_fraction\": 1"), std::string::npos) << r;
+  char frac[64];
+  std::snprintf(frac, sizeof frac, "\"kept_fraction\": %.9g", (double)agree / (c.d * c.d));
+  EXPECT_NE(r.find(frac), std::string::npos) << frac << "\n" << r;
+  EXPECT_NE(r.find("\"truncated\": 2"), std::string::npos) << r;
+}
+
 TEST(LoraTransfer, ErrorsNameTheCulpritAndWriteNothing) {
   LoraChain c;
   bt::Ctx ctx;
