@@ -440,7 +440,9 @@ static const char *const HARMLESS[] = {
     "auto_mapping",    "layers_to_transform", "layers_pattern",
     "exclude_modules", "loftq_config",    "eva_config",    "corda_config",
     "megatron_config", "megatron_core",   "runtime_config", "peft_version",
-    "target_modules"};
+    "target_modules",
+    /* only read with use_qalora, whose true value is refused */
+    "qalora_group_size"};
 
 static int is_empty_value(const bico__json *v) {
   switch (v->type) {

@@ -38,8 +38,10 @@ typedef struct bico__lora_hook {
   /* Frees the maps of target module mi. */
   void (*release)(void *opaque, size_t mi);
   void (*log)(void *opaque, const char *line);
+  /* Out: target tensors that received an update (bico_transfer_counts). */
+  size_t updated;
 } bico__lora_hook;
 
-bico_status bico__lora_transfer_run(const bico__lora_hook *h);
+bico_status bico__lora_transfer_run(bico__lora_hook *h);
 
 #endif

@@ -568,6 +568,28 @@ static bico_status run_lora(lrun *r) {
   bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
   st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
   size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
+  /* An adapter module the source base does not have means the adapter
+   * belongs to another model: stop rather than drop it. */
+  for (size_t i = 0; i < nl + ns && st == BICO_OK; i++) {
+    const char *n;
+    size_t idx;
+    if (i < nl) {
+      bico_lora_module(r->src, i, &n, NULL, NULL, NULL, NULL, NULL, NULL);
+      if (bico_model_find_module(h->ms, n, &idx) != BICO_OK)
+        st = bico__fail(ctx, BICO_E_NOTFOUND,
+                        "adapter %s: module %s is not a module of the source "
+                        "base (is the adapter for another model?)",
+                        h->adapter_dir, n);
+    } else {
+      bico_lora_saved(r->src, i - nl, &n, NULL, NULL, NULL, NULL);
+      if (bico_model_find_tensor(h->ms, n, &idx) != BICO_OK)
+        st = bico__fail(ctx, BICO_E_NOTFOUND,
+                        "adapter %s: saved tensor %s is not in the source base",
+                        h->adapter_dir, n);
+    }
+  }
+  if (st != BICO_OK) return st;
+  bico__clear(ctx);
   unsigned char *used = bico__calloc(ctx, nl + ns + 1, 1);
   if (used == NULL) return BICO_E_NOMEM;
   logf_(r, "bico: adapter %s: %zu modules, %zu saved tensors; method %s",
@@ -685,13 +707,14 @@ static bico_status run_lora(lrun *r) {
   return st;
 }
 
-bico_status bico__lora_transfer_run(const bico__lora_hook *h) {
+bico_status bico__lora_transfer_run(bico__lora_hook *h) {
   lrun r;
   memset(&r, 0, sizeof r);
   r.h = h;
   r.ctx = h->ctx;
   bico__report_init(&r.rep, h->ctx);
   bico_status st = run_lora(&r);
+  h->updated = r.factored + r.truncated + r.copied + r.saved;
   bico__report_free(&r.rep);
   bico_lora_free(r.src);
   bico_lora_free(r.out);

@@ -1185,7 +1185,12 @@ static bico_status lora_branch(run *r) {
   h.vector_map = lora_vector_map;
   h.release = lora_release;
   h.log = lora_log;
-  return bico__lora_transfer_run(&h);
+  bico_status st = bico__lora_transfer_run(&h);
+  if (st == BICO_OK) {
+    r->t->updated = h.updated;
+    r->t->unchanged = bico_model_tensor_count(r->mt) - h.updated;
+  }
+  return st;
 }
 
 static bico_status run_all(run *r) {

@@ -683,6 +683,10 @@ TEST(LoraTransfer, RotatedChainGivesTheRotatedAdapterAndCheckpoint) {
       {BICO_FILE_OUTPUT, ckpt},         {BICO_FILE_REPORT, rep}};
   for (auto &f : files) ASSERT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
   ASSERT_EQ(bico_transfer_run(t), BICO_OK) << bico_ctx_errmsg(ctx);
+  size_t updated = 0, unchanged = 9;
+  ASSERT_EQ(bico_transfer_counts(t, &updated, &unchanged), BICO_OK);
+  EXPECT_EQ(updated, 2u);
+  EXPECT_EQ(unchanged, 0u);
   bico_transfer_free(t);
   // The planted answer: block 0's output space and block 1's input space
   // are rotated by Q, so dW0' = Q dW0, dW1' = dW1 Q^T (s = 4 / 2).
@@ -896,6 +900,15 @@ TEST(LoraTransfer, ErrorsNameTheCulpritAndWriteNothing) {
                  {"blocks.0.fc.lora_B.weight", T(c.B0)}});
   EXPECT_EQ(run(bad), BICO_E_SHAPE);
   EXPECT_TRUE(mentions(ctx, "blocks.0.fc")) << bico_ctx_errmsg(ctx);
+  // An adapter for another model (a module the source base lacks).
+  std::string other = c.dir / "other";
+  mkdir(other.c_str(), 0700);
+  write_adapter(other, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4}",
+                {{"model.layers.0.fc.lora_A.weight", T(c.A0)},
+                 {"model.layers.0.fc.lora_B.weight", T(c.B0)}});
+  EXPECT_EQ(run(other), BICO_E_NOTFOUND);
+  EXPECT_TRUE(mentions(ctx, "module model.layers.0.fc is not a module of the source base"))
+      << bico_ctx_errmsg(ctx);
   // Missing adapter folder.
   EXPECT_EQ(run(c.dir / "nowhere"), BICO_E_IO);
   EXPECT_TRUE(mentions(ctx, "nowhere/adapter_config.json")) << bico_ctx_errmsg(ctx);
