@@ -394,14 +394,14 @@ static bico_status read_text(bico_ctx *ctx, const char *path, char **out,
     return bico__fail(ctx, BICO_E_IO, "lora_open: %s: cannot open: %s", path,
                       strerror(errno));
   struct stat sb;
-  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) ||
-      sb.st_size > 64 * 1024 * 1024) {
-    int e = errno;
+  const char *why = NULL;
+  if (fstat(fd, &sb) != 0) why = strerror(errno);
+  else if (!S_ISREG(sb.st_mode)) why = "not a regular file";
+  else if (sb.st_size > 64 * 1024 * 1024) why = "larger than 64 MiB";
+  if (why != NULL) {
+    bico_status st = bico__fail(ctx, BICO_E_IO, "lora_open: %s: %s", path, why);
     close(fd);
-    return bico__fail(ctx, BICO_E_IO, "lora_open: %s: %s", path,
-                      S_ISREG(sb.st_mode) ? (sb.st_size > 0 ? "larger than 64 MiB"
-                                                            : strerror(e))
-                                          : "not a regular file");
+    return st;
   }
   size_t n = (size_t)sb.st_size, got = 0;
   char *buf = bico__alloc(ctx, n + 1);
