@@ -127,9 +127,10 @@ static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
   return st;
 }
 
+/* A map's rank and shape, under `key` (NULL: as an array element). */
 static void report_map(lrun *r, const char *key, size_t da, size_t db,
                        size_t rank) {
-  bico__report_key(&r->rep, key);
+  if (key) bico__report_key(&r->rep, key);
   bico__report_begin_object(&r->rep);
   bico__report_key_number(&r->rep, "rank", (double)rank);
   bico__report_key(&r->rep, "shape");
@@ -231,10 +232,15 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
         st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr);
         if (st == BICO_OK) report_map(r, "in", da, db, mr);
       }
+      if (do_out && k > 1) {
+        bico__report_key(&r->rep, "out_blocks");
+        bico__report_begin_array(&r->rep);
+      }
       for (size_t j = 0; j < k && st == BICO_OK && do_out; j++) {
         st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr);
-        if (st == BICO_OK) report_map(r, k == 1 ? "out" : "out_block", da, db, mr);
+        if (st == BICO_OK) report_map(r, k == 1 ? "out" : NULL, da, db, mr);
       }
+      if (do_out && k > 1) bico__report_end_array(&r->rep);
       if (st == BICO_OK)
         st = bico_lora_transport(ctx, rank, k, dout_a, din_a, b, a,
                                  do_out ? (const float *const *)routs : NULL,

@@ -220,11 +220,18 @@ def chain(tmp_path):
                 B={k: f32(v) for k, v in B.items()})
 
 
-def test_bico_transfer_writes_the_rotated_adapter(chain):
+@pytest.mark.parametrize("stats", [False, True])
+def test_bico_transfer_writes_the_rotated_adapter(chain, stats):
     t = chain["dir"]
+    if stats:
+        bico("stats", "--source-calib", t / "calA.safetensors", "--target-calib",
+             t / "calB.safetensors", "--output", t / "S.safetensors")
+        data = ["--stats", t / "S.safetensors"]
+    else:
+        data = ["--source-calib", t / "calA.safetensors",
+                "--target-calib", t / "calB.safetensors"]
     bico("transfer", "--method", "bico", "--source-base", t / "A.safetensors",
-         "--target-base", t / "B.safetensors", "--source-calib", t / "calA.safetensors",
-         "--target-calib", t / "calB.safetensors", "--lora", t / "ad",
+         "--target-base", t / "B.safetensors", *data, "--lora", t / "ad",
          "--output-lora", t / "out", "--report", t / "rep.json", "--quiet")
     _, src, saved = read_adapter(t / "ad")
     cfg, out, saved_out = read_adapter(t / "out")
@@ -325,3 +332,18 @@ def test_lora_usage_and_refusals(chain):
              "--output", t / "m.safetensors", ok=False)
     assert r.returncode == 1 and "blocks.0.fc.weight is not in the base" in r.stderr
     assert not os.path.exists(t / "m.safetensors")
+
+
+def test_split_report_is_valid_json_with_block_maps(chain):
+    t = chain["dir"]
+    bico("transfer", "--method", "bico", "--source-base", t / "A.safetensors",
+         "--target-base", t / "B.safetensors", "--source-calib", t / "calA.safetensors",
+         "--target-calib", t / "calB.safetensors", "--lora", t / "ad", "--split", "fc=2",
+         "--output-lora", t / "out", "--report", t / "rep.json", "--quiet")
+    rep = json.load(open(t / "rep.json"))
+    mods = {m["name"]: m for m in rep["modules"]}
+    assert len(mods["layers.0.fc"]["maps"]["out_blocks"]) == 2
+    assert mods["layers.0.fc"]["maps"]["out_blocks"][0]["shape"] == [4, 4]
+    # Block-wise output maps act on B's row blocks: rank and alpha kept.
+    _, out, _ = read_adapter(t / "out")
+    assert out["layers.1.fc"][1].shape == (8, 3)
