@@ -20,59 +20,10 @@ from ._core import BicoError, Context, _Handle, _check, _ctx, E_ARG
 from ._lib import lib, c_size_t, c_int, c_double, c_float, c_char_p, c_void_p
 
 P = ctypes.POINTER
-_S = c_int
-_PROTOTYPES = {
-    "bico_lora_open": (_S, [c_void_p, c_char_p, P(c_void_p)]),
-    "bico_lora_create": (_S, [c_void_p, P(c_void_p)]),
-    "bico_lora_free": (None, [c_void_p]),
-    "bico_lora_set_flag": (_S, [c_void_p, c_int, c_int]),
-    "bico_lora_get_flag": (_S, [c_void_p, c_int, P(c_int)]),
-    "bico_lora_set_string": (_S, [c_void_p, c_int, c_char_p]),
-    "bico_lora_get_string": (_S, [c_void_p, c_int, P(c_char_p)]),
-    "bico_lora_module_count": (c_size_t, [c_void_p]),
-    "bico_lora_module": (_S, [c_void_p, c_size_t, P(c_char_p), P(c_int),
-                              P(c_size_t), P(c_size_t), P(c_size_t),
-                              P(c_double), P(c_double)]),
-    "bico_lora_factors": (_S, [c_void_p, c_size_t, P(P(c_float)),
-                               P(P(c_float))]),
-    "bico_lora_add_module": (_S, [c_void_p, c_char_p, c_int, c_size_t,
-                                  c_double, c_size_t, c_size_t, c_void_p,
-                                  c_void_p]),
-    "bico_lora_saved_count": (c_size_t, [c_void_p]),
-    "bico_lora_saved": (_S, [c_void_p, c_size_t, P(c_char_p), P(c_char_p),
-                             P(c_size_t), P(P(c_size_t)), P(P(c_float))]),
-    "bico_lora_add_saved": (_S, [c_void_p, c_char_p, c_char_p, c_size_t,
-                                 c_void_p, c_void_p]),
-    "bico_lora_save": (_S, [c_void_p, c_char_p]),
-    "bico_lora_transport": (_S, [c_void_p, c_size_t, c_size_t, c_size_t,
-                                 c_size_t, c_void_p, c_void_p, c_void_p,
-                                 c_size_t, c_size_t, c_void_p, c_size_t,
-                                 c_size_t, c_float, c_void_p, c_void_p]),
-    "bico_lora_truncate": (_S, [c_void_p, c_size_t, c_size_t, c_void_p,
-                                c_size_t, c_size_t, c_double, c_void_p,
-                                c_void_p, P(c_double)]),
-    "bico_merge_tensor": (_S, [c_void_p, c_int, c_size_t, c_size_t, c_void_p,
-                               c_void_p, c_void_p, c_int, c_void_p]),
-    "bico_merge_create": (_S, [c_void_p, P(c_void_p)]),
-    "bico_merge_free": (None, [c_void_p]),
-    "bico_merge_set_file": (_S, [c_void_p, c_int, c_char_p]),
-    "bico_merge_set_param": (_S, [c_void_p, c_int, c_double]),
-    "bico_merge_add_input": (_S, [c_void_p, c_int, c_char_p, c_double,
-                                  c_double]),
-    "bico_merge_run": (_S, [c_void_p]),
-    "bico_transfer_set_file": (_S, [c_void_p, c_int, c_char_p]),
-}
+# The prototypes of lora.h and merge.h live with all others in _lib.
+from ._lib import fn  # noqa: E402
 
 
-class _F(object):
-    pass
-
-
-fn = _F()
-for _name, (_res, _args) in _PROTOTYPES.items():
-    _f = getattr(lib, _name)  # AttributeError: a libbico without LoRA
-    _f.restype, _f.argtypes = _res, _args
-    setattr(fn, _name[5:], _f)
 
 LINEAR, EMBEDDING = 1, 2
 KINDS = {LINEAR: "linear", EMBEDDING: "embedding"}
