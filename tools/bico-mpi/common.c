@@ -151,7 +151,13 @@ void mpi_tmp_add(const char *path) {
 void mpi_tmp_forget(void) { ntmp = 0; }
 
 static void on_signal(int sig) {
+  static const char msg[] =
+      "bico-mpi: rank 0 stopped by a signal (a rank failed or the job was "
+      "cancelled); the unfinished output was removed\n";
   for (int i = 0; i < ntmp; i++) unlink(tmp_paths[i]);
+  if (ntmp > 0 && write(2, msg, sizeof msg - 1) < 0) {
+    /* nothing more to do in a signal handler */
+  }
   signal(sig, SIG_DFL);
   raise(sig);
 }

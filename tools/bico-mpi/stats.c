@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "cli.h"
 #include "mpicli.h"
@@ -368,6 +369,17 @@ int mpi_cmd_stats(int argc, char **argv) {
     MPI_Bcast(&f, 1, MPI_INT, 0, MPI_COMM_WORLD);
     agreed_fail = f;
   }
+  /* Who did what: rows, accumulation time and peak memory of each rank. */
+  double mine[3] = {secs_acc, 0, 0}, *every = NULL;
+  {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) == 0) mine[1] = (double)ru.ru_maxrss / 1024.0;
+    for (size_t i = 0; i < nitems; i++)
+      mine[2] += (double)((unsigned long long)items[i].total * (unsigned)(rank + 1) / (unsigned)size -
+                          (unsigned long long)items[i].total * (unsigned)rank / (unsigned)size);
+    if (rank == 0) every = malloc((size_t)size * sizeof mine);
+    MPI_Gather(mine, 3, MPI_DOUBLE, every, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  }
   int code = 0;
   if (rank == 0) {
     bico_stwriter_free(w); /* removes the temporary unless committed */
@@ -380,6 +392,10 @@ int mpi_cmd_stats(int argc, char **argv) {
               "%.3f s, reduction %.3f s (%.1f MB, %.1f MB/s) on rank 0; total "
               "%.3f s\n", size, nitems, secs_acc, secs_red, bytes_red / 1e6,
               secs_red > 0 ? bytes_red / 1e6 / secs_red : 0.0, total);
+      for (int r = 0; r < size && every; r++)
+        fprintf(stderr, "bico stats: rank %d: %.0f rows (all statistics), "
+                "accumulation %.3f s, peak RSS %.1f MB\n", r, every[3 * r + 2],
+                every[3 * r], every[3 * r + 1]);
       fprintf(stderr, "bico stats: wrote %s\n", out);
     }
   } else {
@@ -394,6 +410,7 @@ int mpi_cmd_stats(int argc, char **argv) {
     free(items[i].rows);
   }
   free(items);
+  free(every);
   bico_model_free(ma);
   bico_model_free(mb);
   for (size_t p = 0; p < np; p++) {

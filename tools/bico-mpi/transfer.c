@@ -19,6 +19,7 @@
 #include <string.h>
 #include <fcntl.h>
 #include <unistd.h>
+#include <sys/resource.h>
 
 #include "mpicli.h"
 
@@ -263,7 +264,7 @@ static bico_status plan(bico_ctx *ctx, const bico_model *ms,
 /* ---- rank 0: the writer ---- */
 
 typedef struct rank_info {
-  double seconds, est;
+  double seconds, est, rss_mb;
   size_t tensors, updated;
   char host[MPI_MAX_PROCESSOR_NAME + 1];
   int done;
@@ -389,7 +390,7 @@ static int handle(writer0 *s, const MPI_Status *ps) {
     line[sizeof line - 1] = '\0';
     rank_info *ri = &s->ranks[src];
     unsigned long long nt = 0, nu = 0;
-    sscanf(line, "%lf %llu %llu %256s", &ri->seconds, &nt, &nu, ri->host);
+    sscanf(line, "%lf %llu %llu %lf", &ri->seconds, &nt, &nu, &ri->rss_mb);
     ri->tensors = (size_t)nt;
     ri->updated = (size_t)nu;
     ri->done = 1;
@@ -506,7 +507,8 @@ static int write_report(const writer0 *s, const char *path, int method,
             "\"updated\": %zu, \"estimated_cost\": ",
             r ? "," : "", r, ri->host, ri->tensors, ri->updated);
     number(f, ri->est);
-    fprintf(f, ", \"seconds\": %.3f}", ri->seconds);
+    fprintf(f, ", \"seconds\": %.3f, \"peak_rss_mb\": %.1f}", ri->seconds,
+            ri->rss_mb);
   }
   fprintf(f, "]\n}\n");
   int bad = fflush(f) != 0 || fsync(fileno(f)) != 0;
@@ -531,6 +533,13 @@ static void fail_all(writer0 *s, const char *msg) {
   }
   mpi_tmp_forget();
   MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+/* This process's peak resident memory (Linux: ru_maxrss in KiB). */
+static double peak_rss_mb(void) {
+  struct rusage ru;
+  if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+  return (double)ru.ru_maxrss / 1024.0;
 }
 
 /* Host names of every rank into rank 0's table. */
@@ -698,11 +707,8 @@ bico_status mpi_transfer_run(bico_transfer *t) {
       MPI_Recv(&dummy, 1, MPI_INT, 0, TAG_MSG, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
       exit(1);
     }
-    char host[MPI_MAX_PROCESSOR_NAME + 1] = "?";
-    int len;
-    MPI_Get_processor_name(host, &len);
-    snprintf(line, sizeof line, "%.6f %zu %zu %s", secs, wk.tensors, wk.updated,
-             host);
+    snprintf(line, sizeof line, "%.6f %zu %zu %.1f", secs, wk.tensors,
+             wk.updated, peak_rss_mb());
     MPI_Send(line, (int)strlen(line) + 1, MPI_CHAR, 0, TAG_DONE, MPI_COMM_WORLD);
     free(owner);
     free(select);
@@ -721,6 +727,7 @@ bico_status mpi_transfer_run(bico_transfer *t) {
                                      msg));
   rank_info *r0 = &s.ranks[0];
   r0->seconds = secs;
+  r0->rss_mb = peak_rss_mb();
   for (size_t ti = 0; ti < nt; ti++)
     if (owner[ti] == 0 && s.entries[ti] != NULL) {
       r0->tensors++;
@@ -759,8 +766,9 @@ bico_status mpi_transfer_run(bico_transfer *t) {
   size_t updated = nt - s.count[0];
   for (int r = 0; r < g_size; r++)
     say("bico: rank %d (%s): %zu tensors (%zu updated), estimated cost %.3g, "
-        "%.3f s", r, s.ranks[r].host, s.ranks[r].tensors, s.ranks[r].updated,
-        s.ranks[r].est, s.ranks[r].seconds);
+        "%.3f s, peak RSS %.1f MB", r, s.ranks[r].host, s.ranks[r].tensors,
+        s.ranks[r].updated, s.ranks[r].est, s.ranks[r].seconds,
+        s.ranks[r].rss_mb);
   say("bico: %zu tensors updated (linear %zu, vector %zu, tied %zu, naive %zu, "
       "padded %zu, masked %zu), %zu unchanged; wrote %s (%d ranks, %.3f s)",
       updated, s.count[1], s.count[2], s.count[3], s.count[4], s.count[5],
