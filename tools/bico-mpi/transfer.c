@@ -129,6 +129,19 @@ static int by_cost(const void *a, const void *b) {
   return x->id < y->id ? -1 : x->id > y->id;
 }
 
+/* Rank 0's capacity relative to the others (it also receives and writes;
+ * while it computes, the others' sends wait): BICO_MPI_RANK0_SHARE in
+ * [0, 1], default 0.5.  0 leaves rank 0 to writing alone. */
+static double rank0_share(void) {
+  const char *e = getenv("BICO_MPI_RANK0_SHARE");
+  if (e != NULL && e[0] != '\0') {
+    char *end;
+    double v = strtod(e, &end);
+    if (*end == '\0' && v >= 0 && v <= 1) return v > 0 ? v : 1e-9;
+  }
+  return 0.5;
+}
+
 static double svd_cost(size_t a, size_t b) {
   double m = (double)(a < b ? a : b);
   return (double)a * (double)b * m;
@@ -238,7 +251,7 @@ static bico_status plan(bico_ctx *ctx, const bico_model *ms,
     int best = 0;
     double bestv = 0;
     for (int r = 0; r < g_size; r++) {
-      double cap = (r == 0 && g_size > 1) ? 0.5 : 1.0;
+      double cap = (r == 0 && g_size > 1) ? rank0_share() : 1.0;
       double v = (load[r] + g[i].cost) / cap;
       if (r == 0 || v < bestv) {
         best = r;
