@@ -128,6 +128,16 @@ def test_stats_several_files_per_rank(models):
         args += ["--source-calib", f[f"calA{i}"], "--target-calib", f[f"calB{i}"]]
     mpi(2, "stats", *args, "--output", out)
     same_tensors(out, f["stats"])
+    # --merge (rank 0 alone) of per-shard statistics gives the same sums.
+    parts = []
+    for i in range(2):
+        parts.append(d / f"part{i}.st")
+        serial("stats", "--source-calib", f[f"calA{i}"], "--target-calib",
+               f[f"calB{i}"], "--output", parts[-1])
+    merged, ref = d / "merged.st", d / "merged_ref.st"
+    mpi(3, "stats", "--merge", *parts, "--output", merged)
+    serial("stats", "--merge", *parts, "--output", ref)
+    same_tensors(merged, ref, tol=0)
 
 
 @pytest.mark.parametrize("n", [2, 3])
