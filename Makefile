@@ -206,6 +206,14 @@ check-mpi: $(MPI_TOOL) $(TOOL)
 	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \
 	  ASAN_OPTIONS=detect_leaks=0 $(PYTHON) -m pytest -q test/mpi
 check: check-mpi
+install: install-mpi
+uninstall: uninstall-mpi
+.PHONY: install-mpi uninstall-mpi
+install-mpi: $(MPI_TOOL)
+	install -d $(DESTDIR)$(BINDIR)
+	install -m 755 $(MPI_TOOL) $(DESTDIR)$(BINDIR)/bico-mpi
+uninstall-mpi:
+	rm -f $(DESTDIR)$(BINDIR)/bico-mpi
 # Scale-out figures (docs/scale-out.md): transfer and statistics at 1, 2 and
 # 4 ranks on a synthetic model; sizes via BENCH_DA, BENCH_DB, BENCH_LA,
 # BENCH_LB, BENCH_ROWS, BENCH_RANKS.

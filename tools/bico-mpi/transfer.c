@@ -5,7 +5,8 @@
  * a token with its tie module), each group gets an estimated cost (the
  * SVDs of its maps, O(d^3), plus the transport and the bytes), and the
  * groups go to the ranks greedily, largest first, to the least loaded rank
- * (rank 0 counts at half capacity: it also writes).  Every rank then runs
+ * (rank 0, which also writes, counts at half capacity with 2 or 3 ranks
+ * and gets nothing from 4 on).  Every rank then runs
  * a partial bico_transfer (bico_transfer_set_partial) over its tensors,
  * computing the maps they need; the other ranks send each update to rank
  * 0, which writes it at its place in the output (the writer lays tensors
@@ -129,9 +130,11 @@ static int by_cost(const void *a, const void *b) {
   return x->id < y->id ? -1 : x->id > y->id;
 }
 
-/* Rank 0's capacity relative to the others (it also receives and writes;
- * while it computes, the others' sends wait): BICO_MPI_RANK0_SHARE in
- * [0, 1], default 0.5.  0 leaves rank 0 to writing alone. */
+/* Rank 0's capacity relative to the others: it also receives and writes,
+ * and while it computes a tensor the others' sends wait for it.  So with
+ * 2 or 3 ranks it computes half a share, and from 4 ranks on it only
+ * writes (what it would add is less than what its stalls would cost).
+ * BICO_MPI_RANK0_SHARE in [0, 1] overrides. */
 static double rank0_share(void) {
   const char *e = getenv("BICO_MPI_RANK0_SHARE");
   if (e != NULL && e[0] != '\0') {
@@ -139,7 +142,7 @@ static double rank0_share(void) {
     double v = strtod(e, &end);
     if (*end == '\0' && v >= 0 && v <= 1) return v > 0 ? v : 1e-9;
   }
-  return 0.5;
+  return g_size >= 4 ? 1e-9 : 0.5;
 }
 
 static double svd_cost(size_t a, size_t b) {
