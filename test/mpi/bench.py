@@ -108,7 +108,8 @@ def main():
                          "--quiet")
         ranks = json.load(open(rep))["ranks"]
         per = ", ".join(f"r{x['rank']} {x['tensors']} t {x['seconds']:.2f} s "
-                        f"{x['peak_rss_mb']:.0f} MB" for x in ranks)
+                        f"cpu {x['cpu_seconds']:.2f} s {x['peak_rss_mb']:.0f} MB"
+                        for x in ranks)
         print(f"transfer  np={n}: wall {wall:.2f} s  [{per}]")
     for n in RANKS if "stats" in WHAT else []:
         wall, err = mpirun(n, "stats", "--source-calib", f["calA"], "--target-calib",
