@@ -1251,6 +1251,10 @@ static bico_status run_all(run *r) {
       if (info.handling != H_UNCHANGED)
         for (size_t e = 0; e < nb; e++) ss += (double)upd[e] * (double)upd[e];
       info.norm = sqrt(ss);
+      int role = BICO_ROLE_OTHER;
+      bico_model_tensor_module(r->mt, ti, NULL, &role);
+      if (info.handling == H_UNCHANGED && fl && nb > 0 && role != BICO_ROLE_OTHER)
+        logf_(r, "bico: unchanged: %s (%s)", name, info.reason);
     } else if (st == BICO_OK && info.handling != H_UNCHANGED) {
       double *base = bico__alloc(ctx, nb * sizeof(double));
       if (base == NULL) st = BICO_E_NOMEM;
