@@ -253,6 +253,22 @@ def test_stats_rank_failure_and_kill(models):
     assert not os.path.exists(out) and not no_leftovers(d)
 
 
+def test_stats_nan_in_one_ranks_rows_stops_every_rank(models):
+    f, d = models["f"], models["dir"]
+    cal, _, order = pl.load(f["calB"])
+    key = order[3]
+    cal[key][-1, 0] = np.nan  # the last row: rank 1's range of 2
+    bad = d / "calB_nan.st"
+    pl.save(bad, {k: cal[k] for k in order})
+    out = d / "stats_nan.st"
+    r = mpi(2, "stats", "--source-calib", f["calA"], "--target-calib", bad,
+            "--output", out, ok=False)
+    assert r.returncode != 0
+    assert "bico stats: rank 1: statistic" in r.stderr, r.stderr
+    assert str(bad) in r.stderr
+    assert not os.path.exists(out) and not no_leftovers(d)
+
+
 def test_usage_errors_match_serial(models):
     f = models["f"]
     r = mpi(2, "transfer", *COMMON(f), "--output", "x.st", ok=False)
