@@ -275,5 +275,6 @@ def test_usage_errors_match_serial(models):
     s = serial("transfer", *COMMON(f), "--output", "x.st", ok=False)
     assert r.returncode != 0 and s.returncode == 2
     assert "missing --method" in r.stderr and "missing --method" in s.stderr
+    assert r.stderr.count("missing --method") == 1  # rank 0 alone says it
     r = mpi(2, "stats", "--source-calib", f["calA"], "--output", "x.st", ok=False)
     assert r.returncode != 0 and "missing --target-calib" in r.stderr

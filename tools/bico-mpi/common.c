@@ -1,6 +1,7 @@
 /* bico-mpi: chunked messages, collective error agreement, temporary-file
  * cleanup on termination signals, test hooks. */
 #include <dirent.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -186,4 +187,23 @@ double mpi_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int saved_stderr = -1;
+
+void mpi_quiet_stderr(void) {
+  int null = open("/dev/null", O_WRONLY);
+  if (null < 0) return;
+  fflush(stderr);
+  saved_stderr = dup(2);
+  if (saved_stderr >= 0) dup2(null, 2);
+  close(null);
+}
+
+void mpi_restore_stderr(void) {
+  if (saved_stderr < 0) return;
+  fflush(stderr);
+  dup2(saved_stderr, 2);
+  close(saved_stderr);
+  saved_stderr = -1;
 }

@@ -56,4 +56,10 @@ int mpi_test_hook(int rank, size_t unit);
 
 double mpi_now(void);
 
+/* Ranks other than 0 silence stderr while the serial command parses its
+ * options (a usage error is then printed once, by rank 0) and get it back
+ * once the run is configured. */
+void mpi_quiet_stderr(void);
+void mpi_restore_stderr(void);
+
 #endif

@@ -41,6 +41,7 @@ static int g_rank, g_size;
 
 bico_status mpi_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   g_ctx = ctx;
+  mpi_restore_stderr(); /* the options parsed: the run's messages count */
   return bico_transfer_create(ctx, out);
 }
 
