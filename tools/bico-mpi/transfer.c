@@ -602,7 +602,6 @@ bico_status mpi_transfer_run(bico_transfer *t) {
   bico_model *ms = NULL, *mt = NULL;
   int *owner = NULL;
   double *est = NULL;
-  size_t *groups = NULL;
   int64_t nt64 = -1;
   bico_status st = BICO_OK;
   char msg[1200] = "";
@@ -610,8 +609,7 @@ bico_status mpi_transfer_run(bico_transfer *t) {
     mpi_install_handlers();
     s.ranks = calloc((size_t)g_size, sizeof *s.ranks);
     est = calloc((size_t)g_size, sizeof *est);
-    groups = calloc((size_t)g_size, sizeof *groups);
-    if (s.ranks == NULL || est == NULL || groups == NULL) st = BICO_E_NOMEM;
+    if (s.ranks == NULL || est == NULL) st = BICO_E_NOMEM;
     if (st == BICO_OK) st = bico_stfile_open(ctx, g_files[BICO_FILE_TARGET_BASE], &s.tb);
     if (st == BICO_OK) st = bico_stfile_open(ctx, g_files[BICO_FILE_SOURCE_BASE], &sb);
     if (st == BICO_OK) st = bico_model_from_stfile(ctx, sb, &ms);
@@ -689,7 +687,6 @@ bico_status mpi_transfer_run(bico_transfer *t) {
     free(s.entries);
     free(s.ranks);
     free(est);
-    free(groups);
     bico_stfile_close(s.tb);
     MPI_Finalize();
     exit(1);
@@ -697,23 +694,24 @@ bico_status mpi_transfer_run(bico_transfer *t) {
   size_t nt = (size_t)nt64;
   if (g_rank != 0) owner = malloc((nt ? nt : 1) * sizeof *owner);
   unsigned char *select = malloc(nt ? nt : 1);
-  int oom = owner == NULL || select == NULL;
-  if (!oom) {
-    /* In pieces: a model may have more tensors than an int counts. */
-    size_t chunk = mpi_chunk_elems();
-    for (size_t off = 0; off < nt; off += chunk)
-      MPI_Bcast(owner + off, (int)(nt - off < chunk ? nt - off : chunk), MPI_INT,
-                0, MPI_COMM_WORLD);
-    for (size_t ti = 0; ti < nt; ti++) select[ti] = owner[ti] == g_rank;
+  if (owner == NULL || select == NULL) {
+    /* Cannot take part in the broadcast below: stop everyone. */
+    char m[200];
+    snprintf(m, sizeof m, "rank %d: out of memory for the plan of %zu tensors",
+             g_rank, nt);
+    fail_all(g_rank == 0 ? &s : NULL, m);
   }
+  /* In pieces: a model may have more tensors than an int counts. */
+  size_t chunk = mpi_chunk_elems();
+  for (size_t off = 0; off < nt; off += chunk)
+    MPI_Bcast(owner + off, (int)(nt - off < chunk ? nt - off : chunk), MPI_INT,
+              0, MPI_COMM_WORLD);
+  for (size_t ti = 0; ti < nt; ti++) select[ti] = owner[ti] == g_rank;
   gather_hosts(s.ranks);
 
   worker wk;
   memset(&wk, 0, sizeof wk);
-  if (oom) {
-    st = BICO_E_NOMEM;
-  } else if (g_rank == 0) {
-    for (size_t ti = 0; ti < nt; ti++) groups[owner[ti]]++;
+  if (g_rank == 0) {
     st = bico_transfer_set_partial(t, select, nt, sink0, &s);
     if (st == BICO_OK) st = bico_transfer_run(t);
   } else {
@@ -818,7 +816,6 @@ bico_status mpi_transfer_run(bico_transfer *t) {
   free(s.entries);
   free(s.ranks);
   free(est);
-  free(groups);
   free(owner);
   free(select);
   bico_stfile_close(s.tb);
