@@ -217,8 +217,9 @@ uninstall-mpi:
 # Scale-out figures (docs/scale-out.md): transfer and statistics at 1, 2 and
 # 4 ranks on a synthetic model; sizes via BENCH_DA, BENCH_DB, BENCH_LA,
 # BENCH_LB, BENCH_ROWS, BENCH_RANKS.
-.PHONY: bench-mpi
-bench-mpi: $(MPI_TOOL)
+.PHONY: bench bench-mpi
+bench: bench-mpi
+bench-mpi: $(MPI_TOOL) $(TOOL)
 	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \
 	  $(PYTHON) test/mpi/bench.py
 endif
