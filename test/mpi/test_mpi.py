@@ -232,8 +232,8 @@ def test_killed_rank_leaves_no_output(models):
     assert r.returncode != 0
     both = r.stdout + r.stderr
     assert "signal 9" in both or "Killed" in both
-    # mpirun sent SIGTERM to rank 0, whose handler removed its temporary.
-    assert "the unfinished output was removed" in both
+    # mpirun stopped rank 0 (SIGTERM, or SIGPIPE when its output pipe
+    # closed first), whose handler removed the temporary file.
     assert not os.path.exists(out)
     assert not no_leftovers(d)
 
@@ -249,7 +249,6 @@ def test_stats_rank_failure_and_kill(models):
     assert not os.path.exists(out) and not no_leftovers(d)
     r = mpi(2, *args, env={"BICO_MPI_TEST_KILL": "1:2"}, ok=False)
     assert r.returncode != 0
-    assert "the unfinished output was removed" in r.stdout + r.stderr
     assert not os.path.exists(out) and not no_leftovers(d)
 
 

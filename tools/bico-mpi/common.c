@@ -163,7 +163,29 @@ static void on_signal(int sig) {
   raise(sig);
 }
 
+/* MPI errors stay fatal, but rank 0's temporaries go first. */
+static void on_mpi_error(MPI_Comm *comm, int *code, ...) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0, rank = -1;
+  for (int i = 0; i < ntmp; i++) unlink(tmp_paths[i]);
+  ntmp = 0;
+  MPI_Error_string(*code, text, &len);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  fprintf(stderr, "bico-mpi: rank %d: MPI error: %s\n", rank, text);
+  MPI_Abort(*comm, 1);
+}
+
+void mpi_install_error_handler(void) {
+  MPI_Errhandler eh;
+  if (MPI_Comm_create_errhandler(on_mpi_error, &eh) == MPI_SUCCESS)
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, eh);
+}
+
 void mpi_install_handlers(void) {
+  /* SIGPIPE too: when a rank dies, mpirun may close rank 0's output
+   * pipes before it sends SIGTERM, and rank 0's next progress line would
+   * then kill it without a cleanup. */
+  signal(SIGPIPE, on_signal);
   signal(SIGTERM, on_signal);
   signal(SIGINT, on_signal);
   signal(SIGHUP, on_signal);

@@ -7,6 +7,7 @@
 
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
+  mpi_install_error_handler();
   signal(SIGXFSZ, SIG_IGN);
   int rank;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -47,6 +47,8 @@ void mpi_tmp_after(const char *path);
 void mpi_tmp_add(const char *path);
 void mpi_tmp_forget(void);
 void mpi_install_handlers(void);
+/* MPI errors: remove the temporaries, print the error, MPI_Abort. */
+void mpi_install_error_handler(void);
 
 /* Test hook: BICO_MPI_TEST_KILL=R:N makes rank R raise SIGKILL on itself
  * when it reaches its N-th unit of work (tensor or statistic), and
