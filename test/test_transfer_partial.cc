@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <unistd.h>
@@ -211,6 +212,58 @@ TEST(TransferPartial, ARefusingSinkStopsTheRun) {
   EXPECT_NE(m.find("blocks.0.fc.bias"), std::string::npos) << m;
   EXPECT_FALSE(exists(p.out));
   bico_transfer_free(t);
+}
+
+struct Failing {
+  long count = 0, fail_at = 0, live = 0;
+};
+void *fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count == f->fail_at) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
+}
+
+TEST(TransferPartial, EveryAllocationFailureIsReportedAndCleanedUp) {
+  Planted p;
+  bool done = false;
+  long k;
+  for (k = 1; k < 100000 && !done; k++) {
+    Failing f;
+    bico_ctx *ctx = nullptr;
+    ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+    f.fail_at = f.count + k;
+    bico_transfer *t = nullptr;
+    bico_status st = bico_transfer_create(ctx, &t);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, p.A},     {BICO_FILE_TASK_VECTOR, p.tau},
+        {BICO_FILE_TARGET_BASE, p.B},     {BICO_FILE_SOURCE_CALIB, p.calA},
+        {BICO_FILE_TARGET_CALIB, p.calB}, {BICO_FILE_OUTPUT, p.out}};
+    for (auto &fl : files)
+      if (st == BICO_OK) st = bico_transfer_set_file(t, fl.first, fl.second.c_str());
+    unsigned char sel[4] = {0, 1, 1, 0};
+    Sink s;
+    if (st == BICO_OK) st = bico_transfer_set_partial(t, sel, 4, Sink::fn, &s);
+    if (st == BICO_OK) st = bico_transfer_run(t);
+    if (st == BICO_OK) {
+      done = true;
+      EXPECT_EQ(s.got.size(), 2u);
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k << ": " << bico_ctx_errmsg(ctx);
+    }
+    EXPECT_FALSE(exists(p.out)) << "allocation " << k;
+    bico_transfer_free(t);
+    EXPECT_EQ(f.live, 1) << "leak after failing allocation " << k;
+    bico_ctx_free(ctx);
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_TRUE(done);
+  EXPECT_GT(k, 20);
 }
 
 }  // namespace
