@@ -235,7 +235,7 @@ def test_killed_rank_leaves_no_output(models):
     # mpirun stopped rank 0 (SIGTERM, or SIGPIPE when its output pipe
     # closed first), whose handler removed the temporary file.
     assert not os.path.exists(out)
-    assert not no_leftovers(d)
+    assert not no_leftovers(d), both
 
 
 def test_stats_rank_failure_and_kill(models):

@@ -1,6 +1,8 @@
 /* bico-mpi: chunked messages, collective error agreement, temporary-file
  * cleanup on termination signals, test hooks. */
 #include <dirent.h>
+#include <sys/socket.h>
+#include <sys/types.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
@@ -111,6 +113,74 @@ static void split_path(const char *path, char *dir, size_t dcap, char *prefix,
   }
 }
 
+/* ---- the watchdog ----
+ * A signal handler cannot run when mpirun's SIGKILL comes before (or
+ * instead of) its SIGTERM, which happens on a loaded machine.  So rank 0
+ * forks a small process in its own session that holds the list of
+ * temporary files ("+path" adds one, "-" clears the list after a commit)
+ * and removes them when the connection to rank 0 closes, however rank 0
+ * ended.  It uses only async-signal-safe calls (rank 0 has threads). */
+static int watch_fd = -1;
+
+static void tell_watchdog(char op, const char *path) {
+  if (watch_fd < 0) return;
+  char line[4096 + 320];
+  int n = snprintf(line, sizeof line, "%c%s\n", op, path ? path : "");
+  if (n > 0 && (size_t)n < sizeof line)
+    (void)!send(watch_fd, line, (size_t)n, MSG_NOSIGNAL);
+}
+
+static void watchdog(int fd) {
+  static char list[MAX_TMP][4096 + 300], cur[4096 + 300];
+  static char buf[4096];
+  size_t nlist = 0, len = 0;
+  for (;;) {
+    ssize_t n = read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    for (ssize_t i = 0; i < n; i++) {
+      if (buf[i] != '\n') {
+        if (len + 1 < sizeof cur) cur[len++] = buf[i];
+        continue;
+      }
+      cur[len] = '\0';
+      if (cur[0] == '-') nlist = 0;
+      if (cur[0] == '+' && nlist < MAX_TMP) {
+        memcpy(list[nlist], cur + 1, len);
+        nlist++;
+      }
+      len = 0;
+    }
+  }
+  for (size_t i = 0; i < nlist; i++) unlink(list[i]);
+  _exit(0);
+}
+
+static void start_watchdog(void) {
+  int sv[2];
+  if (watch_fd >= 0 || socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return;
+  pid_t pid = fork();
+  if (pid < 0) {
+    close(sv[0]);
+    close(sv[1]);
+    return;
+  }
+  if (pid == 0) {
+    /* Out of rank 0's process group (mpirun's kills), stdio detached so
+     * that mpirun does not wait for it. */
+    setsid();
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
+    signal(SIGPIPE, SIG_IGN);
+    for (int f = 0; f < 1024; f++)
+      if (f != sv[1]) close(f);
+    watchdog(sv[1]);
+  }
+  close(sv[1]);
+  watch_fd = sv[0];
+  for (int i = 0; i < ntmp; i++) tell_watchdog('+', tmp_paths[i]);
+}
+
 static void scan(const char *path, int record) {
   char dir[4096], prefix[512];
   split_path(path, dir, sizeof dir, prefix, sizeof prefix);
@@ -129,6 +199,7 @@ static void scan(const char *path, int record) {
     if (!old && ntmp < MAX_TMP) {
       snprintf(tmp_paths[ntmp], sizeof tmp_paths[0], "%s/%s", dir, e->d_name);
       ntmp++;
+      tell_watchdog('+', tmp_paths[ntmp - 1]);
       break;
     }
   }
@@ -146,10 +217,14 @@ void mpi_tmp_add(const char *path) {
   if (ntmp < MAX_TMP) {
     snprintf(tmp_paths[ntmp], sizeof tmp_paths[0], "%s", path);
     ntmp++;
+    tell_watchdog('+', path);
   }
 }
 
-void mpi_tmp_forget(void) { ntmp = 0; }
+void mpi_tmp_forget(void) {
+  ntmp = 0;
+  tell_watchdog('-', NULL);
+}
 
 static void on_signal(int sig) {
   static const char msg[] =
@@ -182,6 +257,7 @@ void mpi_install_error_handler(void) {
 }
 
 void mpi_install_handlers(void) {
+  start_watchdog();
   /* SIGPIPE too: when a rank dies, mpirun may close rank 0's output
    * pipes before it sends SIGTERM, and rank 0's next progress line would
    * then kill it without a cleanup. */
