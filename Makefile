@@ -243,3 +243,50 @@ demo-test: $(DEMO_BIN)
 	@echo "demo-test: small configuration passed; the rerun from the cache printed the same table"
 
 check: demo-test
+
+# ---- mpi ----
+# `make MPI=1` also builds build/bin/bico-mpi: the bico command whose stats
+# and transfer divide their work among MPI ranks (tools/bico-mpi; the
+# library itself stays MPI-free).  The serial command's sources are compiled
+# again with tools/bico-mpi/interpose.h, so the options are the same.
+# `make check MPI=1` runs test/mpi under mpirun (2 and 3 ranks).
+ifeq ($(MPI),1)
+MPICC ?= mpicc
+MPIRUN ?= mpirun
+MPI_TOOL := $(BUILD)/bin/bico-mpi
+MPI_SRCS := $(wildcard tools/bico-mpi/*.c)
+MPI_OBJS := $(patsubst tools/bico/%.c,$(BUILD)/obj/mpi/serial/%.o,$(TOOL_SRCS)) \
+            $(patsubst tools/bico-mpi/%.c,$(BUILD)/obj/mpi/%.o,$(MPI_SRCS))
+MPI_CFLAGS := $(filter-out -fvisibility=hidden,$(CFLAGS_ALL))
+all: $(MPI_TOOL)
+$(BUILD)/obj/mpi/serial/%.o: tools/bico/%.c $(wildcard tools/bico/*.h) tools/bico-mpi/interpose.h $(LIB_DEPS)
+	@mkdir -p $(@D)
+	$(MPICC) $(MPI_CFLAGS) -include tools/bico-mpi/interpose.h -c $< -o $@
+$(BUILD)/obj/mpi/%.o: tools/bico-mpi/%.c $(wildcard tools/bico-mpi/*.h) $(wildcard tools/bico/*.h) $(LIB_DEPS)
+	@mkdir -p $(@D)
+	$(MPICC) $(MPI_CFLAGS) -Itools/bico -c $< -o $@
+$(MPI_TOOL): $(MPI_OBJS) $(SHLIB)
+	@mkdir -p $(@D)
+	$(MPICC) -o $@ $(MPI_OBJS) -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) -lm $(LDFLAGS)
+.PHONY: check-mpi
+check-mpi: $(MPI_TOOL) $(TOOL)
+	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \
+	  ASAN_OPTIONS=detect_leaks=0 $(PYTHON) -m pytest -q test/mpi
+check: check-mpi
+install: install-mpi
+uninstall: uninstall-mpi
+.PHONY: install-mpi uninstall-mpi
+install-mpi: $(MPI_TOOL)
+	install -d $(DESTDIR)$(BINDIR)
+	install -m 755 $(MPI_TOOL) $(DESTDIR)$(BINDIR)/bico-mpi
+uninstall-mpi:
+	rm -f $(DESTDIR)$(BINDIR)/bico-mpi
+# Scale-out figures (docs/scale-out.md): transfer and statistics at 1, 2 and
+# 4 ranks on a synthetic model; sizes via BENCH_DA, BENCH_DB, BENCH_LA,
+# BENCH_LB, BENCH_ROWS, BENCH_RANKS.
+.PHONY: bench bench-mpi
+bench: bench-mpi
+bench-mpi: $(MPI_TOOL) $(TOOL)
+	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \
+	  $(PYTHON) test/mpi/bench.py
+endif

@@ -45,6 +45,10 @@ struct bico_transfer {
   void *log_opaque;
   int ran;
   size_t updated, unchanged;
+  unsigned char *select; /* partial runs: tensors to compute, or NULL */
+  size_t nselect;
+  bico_transfer_sink_fn sink;
+  void *sink_opaque;
 };
 
 static const char *const FILE_OPTION[NFILES] = {
@@ -92,6 +96,7 @@ void bico_transfer_free(bico_transfer *t) {
     bico__free(ctx, t->ties[i].module);
   }
   bico__free(ctx, t->ties);
+  bico__free(ctx, t->select);
   bico__free(ctx, t);
 }
 
@@ -244,6 +249,32 @@ bico_status bico_transfer_set_log(bico_transfer *t, bico_transfer_log_fn fn,
   bico__clear(t->ctx);
   t->log = fn;
   t->log_opaque = opaque;
+  return BICO_OK;
+}
+
+bico_status bico_transfer_set_partial(bico_transfer *t,
+                                      const unsigned char *select, size_t n,
+                                      bico_transfer_sink_fn sink,
+                                      void *opaque) {
+  if (t == NULL) return BICO_E_NULL;
+  bico__clear(t->ctx);
+  if (select != NULL && sink == NULL)
+    return bico__fail(t->ctx, BICO_E_NULL, "transfer_set_partial: sink is NULL");
+  if (select != NULL && n == 0)
+    return bico__fail(t->ctx, BICO_E_SHAPE,
+                      "transfer_set_partial: n is 0 (the target base's "
+                      "tensor count)");
+  unsigned char *copy = NULL;
+  if (select != NULL) {
+    copy = bico__alloc(t->ctx, n);
+    if (copy == NULL) return BICO_E_NOMEM;
+    memcpy(copy, select, n);
+  }
+  bico__free(t->ctx, t->select);
+  t->select = copy;
+  t->nselect = select ? n : 0;
+  t->sink = select ? sink : NULL;
+  t->sink_opaque = select ? opaque : NULL;
   return BICO_OK;
 }
 
@@ -1237,7 +1268,19 @@ static bico_status run_all(run *r) {
   }
   if (st == BICO_OK) st = plan(r);
   if (st != BICO_OK) return st;
-  if (t->files[BICO_FILE_LORA] != NULL) return lora_branch(r);
+  int partial = t->select != NULL;
+  if (t->files[BICO_FILE_LORA] != NULL) {
+    if (partial)
+      return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                        "transfer_run: a partial run cannot carry a LoRA "
+                        "adapter");
+    return lora_branch(r);
+  }
+  if (partial && t->nselect != bico_model_tensor_count(r->mt))
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "transfer_run: the partial run's selection covers %zu "
+                      "tensors, the target base has %zu",
+                      t->nselect, bico_model_tensor_count(r->mt));
 
   const char *sp, *tp;
   size_t sl, tl;
@@ -1258,10 +1301,11 @@ static bico_status run_all(run *r) {
         METHOD_NAME[r->method], (double)r->alpha, bsrc, btgt, nt);
 
   /* Writers: declare every tensor up front, in the target's order. */
-  st = bico_stwriter_create(ctx, t->files[BICO_FILE_OUTPUT], &r->w);
-  if (st == BICO_OK && t->files[BICO_FILE_DELTA_OUTPUT])
+  if (!partial)
+    st = bico_stwriter_create(ctx, t->files[BICO_FILE_OUTPUT], &r->w);
+  if (st == BICO_OK && !partial && t->files[BICO_FILE_DELTA_OUTPUT])
     st = bico_stwriter_create(ctx, t->files[BICO_FILE_DELTA_OUTPUT], &r->wd);
-  for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
+  for (size_t ti = 0; ti < nt && st == BICO_OK && !partial; ti++) {
     const char *name;
     int dtype = 0;
     size_t ndim;
@@ -1285,6 +1329,12 @@ static bico_status run_all(run *r) {
   /* Progress only on long runs: at most every 5 seconds. */
   time_t last = time(NULL);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
+    if (partial && !t->select[ti]) {
+      /* Another process's tensor: only the map reference goes. */
+      if (r->owner[ti] != NONE && --r->mods[r->owner[ti]].refs == 0)
+        free_maps(r, &r->mods[r->owner[ti]]);
+      continue;
+    }
     const char *name;
     int dtype;
     size_t ndim;
@@ -1311,7 +1361,16 @@ static bico_status run_all(run *r) {
       snprintf(info.reason, sizeof info.reason, "%s",
                fl ? "empty tensor" : "not a floating-point tensor");
     }
-    if (st == BICO_OK && info.handling != H_UNCHANGED) {
+    if (st == BICO_OK && partial) {
+      double ss = 0;
+      if (info.handling != H_UNCHANGED)
+        for (size_t e = 0; e < nb; e++) ss += (double)upd[e] * (double)upd[e];
+      info.norm = sqrt(ss);
+      int role = BICO_ROLE_OTHER;
+      bico_model_tensor_module(r->mt, ti, NULL, &role);
+      if (info.handling == H_UNCHANGED && fl && nb > 0 && role != BICO_ROLE_OTHER)
+        logf_(r, "bico: unchanged: %s (%s)", name, info.reason);
+    } else if (st == BICO_OK && info.handling != H_UNCHANGED) {
       double *base = bico__alloc(ctx, nb * sizeof(double));
       if (base == NULL) st = BICO_E_NOMEM;
       if (st == BICO_OK) st = bico_stfile_read_f64(r->tb, fi, base, nb);
@@ -1340,11 +1399,26 @@ static bico_status run_all(run *r) {
       if (st == BICO_OK && fl && nb > 0 && role != BICO_ROLE_OTHER)
         logf_(r, "bico: unchanged: %s (%s)", name, info.reason);
     }
-    bico__free(ctx, upd);
     if (st == BICO_OK) {
       r->count[info.handling]++;
+      size_t at = r->rep.len;
       st = report_tensor(r, ti, &info);
+      if (st == BICO_OK && partial) {
+        /* The entry alone, without the separator before it. */
+        const char *e = r->rep.buf + at;
+        while (*e == ',' || *e == '\n' || *e == ' ') e++;
+        int changed = info.handling != H_UNCHANGED;
+        st = t->sink(t->sink_opaque, ti, name, HANDLING[info.handling],
+                     changed ? upd : NULL, changed ? nb : 0, e);
+        if (st != BICO_OK && bico_ctx_errmsg(ctx)[0] == '\0')
+          st = bico__fail(ctx, st, "transfer_run: the partial run's sink "
+                          "refused tensor %s", name);
+        /* Entries are handed over one by one: keep the buffer small. */
+        r->rep.len = at;
+        r->rep.buf[at] = '\0';
+      }
     }
+    bico__free(ctx, upd);
     if (st == BICO_OK && r->owner[ti] != NONE &&
         --r->mods[r->owner[ti]].refs == 0)
       free_maps(r, &r->mods[r->owner[ti]]);
@@ -1367,6 +1441,15 @@ static bico_status run_all(run *r) {
   /* Commit order: report to its temporary file, then the outputs, then the
    * report's rename; a failure before the last commit leaves nothing. */
   char *rep_tmp = NULL;
+  if (partial) {
+    if (st == BICO_OK) {
+      t->updated = updated;
+      t->unchanged = r->count[H_UNCHANGED];
+      logf_(r, "bico: partial run: %zu tensors updated, %zu unchanged",
+            updated, r->count[H_UNCHANGED]);
+    }
+    return st;
+  }
   if (st == BICO_OK && t->files[BICO_FILE_REPORT])
     st = bico__report_write_tmp(ctx, &r->rep, t->files[BICO_FILE_REPORT],
                                 &rep_tmp);

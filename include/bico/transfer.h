@@ -153,6 +153,38 @@ BICO_API bico_status bico_transfer_run(bico_transfer *t);
 BICO_API bico_status bico_transfer_counts(const bico_transfer *t,
                                           size_t *updated, size_t *unchanged);
 
+/* ---- Partial runs (front ends that divide a run among processes) ----
+ *
+ * A partial run computes the updates of a chosen subset of the target's
+ * tensors and hands each one to a callback instead of writing files; the
+ * bico-mpi front end gives every process a subset and lets one process
+ * write the output.  Everything else (checks, pairing, maps, messages) is
+ * the whole run's; a process computes every map its tensors need. */
+
+/* Receives, in the target's order, each selected target tensor: its index
+ * (header order of the target base, as in bico_model_from_stfile), name,
+ * handling ("linear", "vector", "tied", "naive", "padded", "masked" or
+ * "unchanged"), the update alpha tau_B (count floats; NULL and 0 when
+ * unchanged), and its report entry (one line of JSON, an element of the
+ * report's "tensors" array).  The pointers are valid during the call.  A
+ * status other than BICO_OK stops the run with that status. */
+typedef bico_status (*bico_transfer_sink_fn)(void *opaque, size_t tensor,
+                                             const char *name,
+                                             const char *handling,
+                                             const float *update, size_t count,
+                                             const char *report_entry);
+
+/* Makes later runs partial: select[i] != 0 marks the target tensors to
+ * compute (n must equal the target base's tensor count: else the run fails
+ * with BICO_E_SHAPE); sink (not NULL) receives them.  No output, delta
+ * output or report is written.  The array is copied.  select NULL restores
+ * whole runs. */
+BICO_API bico_status bico_transfer_set_partial(bico_transfer *t,
+                                               const unsigned char *select,
+                                               size_t n,
+                                               bico_transfer_sink_fn sink,
+                                               void *opaque);
+
 /* ---- Statistics files ---- */
 
 /* Reduces two calibration files to a statistics file: for every module M

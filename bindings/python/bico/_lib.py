@@ -302,6 +302,8 @@ PROTOTYPES = {
     "bico_merge_set_param": (c_int, [c_void_p, c_int, c_double]),
     "bico_merge_add_input": (c_int, [c_void_p, c_int, c_char_p, c_double,
                                   c_double]),
+    "bico_transfer_set_partial": (c_int, [c_void_p, c_void_p, c_size_t,
+                                          c_void_p, c_void_p]),
     "bico_merge_set_log": (c_int, [c_void_p, c_void_p, c_void_p]),
     "bico_lora_find_module": (c_int, [c_void_p, c_char_p, P(c_size_t)]),
     "bico_lora_dense": (c_int, [c_void_p, c_size_t, c_float, c_float,

@@ -1,0 +1,307 @@
+/* bico-mpi: chunked messages, collective error agreement, temporary-file
+ * cleanup on termination signals, test hooks. */
+#include <dirent.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "mpicli.h"
+
+size_t mpi_chunk_elems(void) {
+  const char *e = getenv("BICO_MPI_CHUNK");
+  if (e != NULL && e[0] != '\0') {
+    char *end;
+    unsigned long long v = strtoull(e, &end, 10);
+    if (*end == '\0' && v > 0 && v <= (unsigned long long)INT_MAX)
+      return (size_t)v;
+  }
+  return (size_t)1 << 24;
+}
+
+int mpi_send_long(const void *buf, size_t count, MPI_Datatype type,
+                  size_t elem_size, int dest, int tag) {
+  size_t chunk = mpi_chunk_elems();
+  const char *p = buf;
+  for (size_t off = 0; off < count; off += chunk) {
+    size_t n = count - off < chunk ? count - off : chunk;
+    int rc = MPI_Send(p + off * elem_size, (int)n, type, dest, tag,
+                      MPI_COMM_WORLD);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+int mpi_recv_long(void *buf, size_t count, MPI_Datatype type,
+                  size_t elem_size, int src, int tag) {
+  size_t chunk = mpi_chunk_elems();
+  char *p = buf;
+  for (size_t off = 0; off < count; off += chunk) {
+    size_t n = count - off < chunk ? count - off : chunk;
+    int rc = MPI_Recv(p + off * elem_size, (int)n, type, src, tag,
+                      MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+int mpi_reduce_sum_long(double *buf, size_t count, int root, int rank) {
+  size_t chunk = mpi_chunk_elems();
+  for (size_t off = 0; off < count; off += chunk) {
+    int n = (int)(count - off < chunk ? count - off : chunk);
+    int rc = rank == root
+                 ? MPI_Reduce(MPI_IN_PLACE, buf + off, n, MPI_DOUBLE, MPI_SUM,
+                              root, MPI_COMM_WORLD)
+                 : MPI_Reduce(buf + off, NULL, n, MPI_DOUBLE, MPI_SUM, root,
+                              MPI_COMM_WORLD);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+int mpi_any_failed(int local_failed, const char *local_msg, char *msg,
+                   size_t cap) {
+  int rank, size, mine, first;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  mine = local_failed ? rank : size;
+  MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (first == size) return 0;
+  char text[1024];
+  if (rank == first) {
+    snprintf(text, sizeof text, "rank %d: %s", rank,
+             local_msg && local_msg[0] ? local_msg : "failed");
+    if (rank != 0)
+      MPI_Send(text, (int)strlen(text) + 1, MPI_CHAR, 0, TAG_MSG,
+               MPI_COMM_WORLD);
+  }
+  if (rank == 0) {
+    if (first != 0)
+      MPI_Recv(text, (int)sizeof text, MPI_CHAR, first, TAG_MSG,
+               MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    text[sizeof text - 1] = '\0';
+    if (msg && cap) snprintf(msg, cap, "%s", text);
+  }
+  return 1;
+}
+
+/* ---- temporary files ---- */
+
+#define MAX_SEEN 64
+#define MAX_TMP 4
+static char seen[MAX_SEEN][256];
+static size_t nseen;
+static char tmp_paths[MAX_TMP][4096 + 300];
+static volatile sig_atomic_t ntmp;
+
+/* Folder and temporary-name prefix of an output path. */
+static void split_path(const char *path, char *dir, size_t dcap, char *prefix,
+                       size_t pcap) {
+  const char *slash = strrchr(path, '/');
+  if (slash == NULL) {
+    snprintf(dir, dcap, ".");
+    snprintf(prefix, pcap, ".%s.bico-tmp.", path);
+  } else {
+    snprintf(dir, dcap, "%.*s", (int)(slash - path) + (slash == path), path);
+    snprintf(prefix, pcap, ".%s.bico-tmp.", slash + 1);
+  }
+}
+
+/* ---- the watchdog ----
+ * A signal handler cannot run when mpirun's SIGKILL comes before (or
+ * instead of) its SIGTERM, which happens on a loaded machine.  So rank 0
+ * forks a small process in its own session that holds the list of
+ * temporary files ("+path" adds one, "-" clears the list after a commit)
+ * and removes them when the connection to rank 0 closes, however rank 0
+ * ended.  It uses only async-signal-safe calls (rank 0 has threads). */
+static int watch_fd = -1;
+
+static void tell_watchdog(char op, const char *path) {
+  if (watch_fd < 0) return;
+  char line[4096 + 320];
+  int n = snprintf(line, sizeof line, "%c%s\n", op, path ? path : "");
+  if (n > 0 && (size_t)n < sizeof line)
+    (void)!send(watch_fd, line, (size_t)n, MSG_NOSIGNAL);
+}
+
+static void watchdog(int fd) {
+  static char list[MAX_TMP][4096 + 300], cur[4096 + 300];
+  static char buf[4096];
+  size_t nlist = 0, len = 0;
+  for (;;) {
+    ssize_t n = read(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    for (ssize_t i = 0; i < n; i++) {
+      if (buf[i] != '\n') {
+        if (len + 1 < sizeof cur) cur[len++] = buf[i];
+        continue;
+      }
+      cur[len] = '\0';
+      if (cur[0] == '-') nlist = 0;
+      if (cur[0] == '+' && nlist < MAX_TMP) {
+        memcpy(list[nlist], cur + 1, len);
+        nlist++;
+      }
+      len = 0;
+    }
+  }
+  for (size_t i = 0; i < nlist; i++) unlink(list[i]);
+  _exit(0);
+}
+
+static void start_watchdog(void) {
+  int sv[2];
+  if (watch_fd >= 0 || socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return;
+  pid_t pid = fork();
+  if (pid < 0) {
+    close(sv[0]);
+    close(sv[1]);
+    return;
+  }
+  if (pid == 0) {
+    /* Out of rank 0's process group (mpirun's kills), stdio detached so
+     * that mpirun does not wait for it. */
+    setsid();
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
+    signal(SIGPIPE, SIG_IGN);
+    for (int f = 0; f < 1024; f++)
+      if (f != sv[1]) close(f);
+    watchdog(sv[1]);
+  }
+  close(sv[1]);
+  watch_fd = sv[0];
+  for (int i = 0; i < ntmp; i++) tell_watchdog('+', tmp_paths[i]);
+}
+
+static void scan(const char *path, int record) {
+  char dir[4096], prefix[512];
+  split_path(path, dir, sizeof dir, prefix, sizeof prefix);
+  DIR *d = opendir(dir);
+  if (d == NULL) return;
+  struct dirent *e;
+  size_t pl = strlen(prefix);
+  while ((e = readdir(d)) != NULL) {
+    if (strncmp(e->d_name, prefix, pl) != 0) continue;
+    if (!record) {
+      if (nseen < MAX_SEEN) snprintf(seen[nseen++], sizeof seen[0], "%s", e->d_name);
+      continue;
+    }
+    int old = 0;
+    for (size_t i = 0; i < nseen && !old; i++) old = strcmp(seen[i], e->d_name) == 0;
+    if (!old && ntmp < MAX_TMP) {
+      snprintf(tmp_paths[ntmp], sizeof tmp_paths[0], "%s/%s", dir, e->d_name);
+      ntmp++;
+      tell_watchdog('+', tmp_paths[ntmp - 1]);
+      break;
+    }
+  }
+  closedir(d);
+}
+
+void mpi_tmp_before(const char *path) {
+  nseen = 0;
+  scan(path, 0);
+}
+
+void mpi_tmp_after(const char *path) { scan(path, 1); }
+
+void mpi_tmp_add(const char *path) {
+  if (ntmp < MAX_TMP) {
+    snprintf(tmp_paths[ntmp], sizeof tmp_paths[0], "%s", path);
+    ntmp++;
+    tell_watchdog('+', path);
+  }
+}
+
+void mpi_tmp_forget(void) {
+  ntmp = 0;
+  tell_watchdog('-', NULL);
+}
+
+static void on_signal(int sig) {
+  static const char msg[] =
+      "bico-mpi: rank 0 stopped by a signal (a rank failed or the job was "
+      "cancelled); the unfinished output was removed\n";
+  for (int i = 0; i < ntmp; i++) unlink(tmp_paths[i]);
+  if (ntmp > 0 && write(2, msg, sizeof msg - 1) < 0) {
+    /* nothing more to do in a signal handler */
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+/* MPI errors stay fatal, but rank 0's temporaries go first. */
+static void on_mpi_error(MPI_Comm *comm, int *code, ...) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0, rank = -1;
+  for (int i = 0; i < ntmp; i++) unlink(tmp_paths[i]);
+  ntmp = 0;
+  MPI_Error_string(*code, text, &len);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  fprintf(stderr, "bico-mpi: rank %d: MPI error: %s\n", rank, text);
+  MPI_Abort(*comm, 1);
+}
+
+void mpi_install_error_handler(void) {
+  MPI_Errhandler eh;
+  if (MPI_Comm_create_errhandler(on_mpi_error, &eh) == MPI_SUCCESS)
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, eh);
+}
+
+void mpi_install_handlers(void) {
+  start_watchdog();
+  /* SIGPIPE too: when a rank dies, mpirun may close rank 0's output
+   * pipes before it sends SIGTERM, and rank 0's next progress line would
+   * then kill it without a cleanup. */
+  signal(SIGPIPE, on_signal);
+  signal(SIGTERM, on_signal);
+  signal(SIGINT, on_signal);
+  signal(SIGHUP, on_signal);
+}
+
+int mpi_test_hook(int rank, size_t unit) {
+  const char *names[2] = {"BICO_MPI_TEST_KILL", "BICO_MPI_TEST_FAIL"};
+  for (int k = 0; k < 2; k++) {
+    const char *e = getenv(names[k]);
+    int r;
+    unsigned long n;
+    if (e == NULL || sscanf(e, "%d:%lu", &r, &n) != 2) continue;
+    if (r != rank || (size_t)n != unit) continue;
+    if (k == 0) raise(SIGKILL);
+    return 1;
+  }
+  return 0;
+}
+
+double mpi_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int saved_stderr = -1;
+
+void mpi_quiet_stderr(void) {
+  int null = open("/dev/null", O_WRONLY);
+  if (null < 0) return;
+  fflush(stderr);
+  saved_stderr = dup(2);
+  if (saved_stderr >= 0) dup2(null, 2);
+  close(null);
+}
+
+void mpi_restore_stderr(void) {
+  if (saved_stderr < 0) return;
+  fflush(stderr);
+  dup2(saved_stderr, 2);
+  close(saved_stderr);
+  saved_stderr = -1;
+}

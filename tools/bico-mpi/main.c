@@ -1,0 +1,32 @@
+/* bico-mpi: `mpirun -np N bico-mpi stats|transfer ...` divides the work of
+ * the bico command among N ranks; the other commands run on rank 0. */
+#include <signal.h>
+#include <string.h>
+
+#include "mpicli.h"
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  mpi_install_error_handler();
+  signal(SIGXFSZ, SIG_IGN);
+  int rank;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int code, help = 0;
+  for (int i = 1; i < argc; i++)
+    help |= strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0;
+  if (help && argc >= 2 && strcmp(argv[1], "stats") == 0)
+    code = rank == 0 ? mpi_cmd_stats(argc - 1, argv + 1) : 0;
+  else if (help)
+    code = rank == 0 ? bico_serial_main(argc, argv) : 0;
+  else if (argc >= 2 && strcmp(argv[1], "stats") == 0)
+    code = mpi_cmd_stats(argc - 1, argv + 1);
+  else if (argc >= 2 && strcmp(argv[1], "transfer") == 0) {
+    if (rank != 0) mpi_quiet_stderr();
+    code = cmd_transfer(argc - 1, argv + 1);
+    mpi_restore_stderr();
+  }
+  else
+    code = rank == 0 ? bico_serial_main(argc, argv) : 0;
+  MPI_Finalize();
+  return code;
+}
