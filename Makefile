@@ -249,7 +249,10 @@ check: demo-test
 # and transfer divide their work among MPI ranks (tools/bico-mpi; the
 # library itself stays MPI-free).  The serial command's sources are compiled
 # again with tools/bico-mpi/interpose.h, so the options are the same.
-# `make check MPI=1` runs test/mpi under mpirun (2 and 3 ranks).
+# `make check MPI=1` runs test/mpi under mpirun (2 and 3 ranks).  MPI is on
+# by default where mpicc is installed (`make deps` installs it); MPI=0 turns
+# it off.
+MPI ?= $(if $(shell command -v mpicc 2>/dev/null),1,0)
 ifeq ($(MPI),1)
 MPICC ?= mpicc
 MPIRUN ?= mpirun
