@@ -158,3 +158,21 @@ deps:
 
 clean:
 	rm -rf build
+
+# ---- bench ----
+# `make bench`: the benchmark programs of bench/ against their PyTorch and
+# NumPy twins, side by side in one run (tables only, never pass/fail).
+# BENCH_FLAGS passes options to bench/run.py (e.g. --quick).
+BENCH_SRCS := $(wildcard bench/*.c)
+BENCH_BINS := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRCS))
+BENCH_FLAGS ?=
+
+.PHONY: bench bench-bins
+bench-bins: $(BENCH_BINS)
+$(BUILD)/bench/%: bench/%.c bench/common.h $(SHLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(LAPACK_LIBS) $(BLIS_LIBS) -lm $(LDFLAGS)
+
+bench: $(BENCH_BINS)
+	$(PYTHON) bench/run.py --bin $(BUILD)/bench $(BENCH_FLAGS)
