@@ -1,6 +1,7 @@
 /* Procrustes R = U V^T of a cross-covariance C: libbico's solver (SVD by
  * LAPACK dgesdd, the default) next to the other LAPACK routes (dgesvd; the
- * eigendecomposition of the smaller Gram C C^T or C^T C by dsyevd), with
+ * eigendecomposition of the smaller Gram, BICO_PROC_EIG; Newton-Schulz,
+ * BICO_PROC_POLAR), with
  * time and the orthogonality error ||R R^T - I||_F (R^T R when d_a > d_b),
  * computed in double from the float R libbico returns.
  *
@@ -70,48 +71,12 @@ static int r_dgesvd(const double *c, size_t d_a, size_t d_b, double *r) {
   return info;
 }
 
-/* R from the eigendecomposition of the smaller Gram matrix: for
- * d_a <= d_b, C C^T = Q L Q^T and R = Q L^-1/2 Q^T C; else C^T C and
- * R = C Q L^-1/2 Q^T.  Squares the condition number. */
-static int r_syevd(const double *c, size_t d_a, size_t d_b, double *r) {
-  int left = d_a <= d_b;
-  size_t k = left ? d_a : d_b, o = left ? d_b : d_a;
-  double *g = malloc(k * k * sizeof(double)), *w = malloc(k * sizeof(double));
-  double *t = malloc(k * o * sizeof(double));
-  if (left) dgemm_rm(0, 1, k, k, d_b, c, d_b, c, d_b, g, k);
-  else dgemm_rm(1, 0, k, k, d_a, c, d_b, c, d_b, g, k);
-  int ki = (int)k, info = 0, lwork = -1, liwork = -1, iwq = 0;
-  double wq;
-  dsyevd_("V", "U", &ki, g, &ki, w, &wq, &lwork, &iwq, &liwork, &info, 1, 1);
-  lwork = (int)wq;
-  liwork = iwq;
-  double *work = malloc((size_t)lwork * sizeof(double));
-  int *iwork = malloc((size_t)liwork * sizeof(int));
-  dsyevd_("V", "U", &ki, g, &ki, w, work, &lwork, iwork, &liwork, &info, 1, 1);
-  /* g holds Q^T row-major (row j = eigenvector j). */
-  if (left) {
-    dgemm_rm(0, 0, k, o, k, g, k, c, d_b, t, o); /* Q^T C */
-    for (size_t j = 0; j < k; j++) {
-      double f = w[j] > 0 ? 1 / sqrt(w[j]) : 0;
-      for (size_t i = 0; i < o; i++) t[j * o + i] *= f;
-    }
-    dgemm_rm(1, 0, k, o, k, g, k, t, o, r, d_b); /* Q (L^-1/2 Q^T C) */
-  } else {
-    dgemm_rm(0, 1, o, k, k, c, d_b, g, k, t, k); /* C Q */
-    for (size_t i = 0; i < o; i++)
-      for (size_t j = 0; j < k; j++) t[i * k + j] *= w[j] > 0 ? 1 / sqrt(w[j]) : 0;
-    dgemm_rm(0, 0, o, k, k, t, k, g, k, r, d_b); /* (C Q L^-1/2) Q^T */
-  }
-  free(g); free(w); free(t); free(work); free(iwork);
-  return info;
-}
-
 typedef struct { size_t d_a, d_b; } size2;
 
 int main(int argc, char **argv) {
   int reps = 3, big_reps = 1, machine = 0;
   long threads = sysconf(_SC_NPROCESSORS_ONLN);
-  size_t max_d = 4096, lapack_max_d = 1024;
+  size_t max_d = 4096, lapack_max_d = 768;
   const char *dump = NULL;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
@@ -142,10 +107,15 @@ int main(int argc, char **argv) {
          "# C: uniform [-0.5, 0.5) entries (seed 33); time = median of %d runs (%d for d >= 3072);\n"
          "# orth = ||R R^T - I||_F (R^T R if d_a > d_b); diff = max |R - R_bico|.\n",
          getenv("BLIS_NUM_THREADS") ? getenv("BLIS_NUM_THREADS") : "(unset)", reps, big_reps);
-  printf("%-10s | %8s %9s | %8s %9s %9s | %8s %9s %9s\n", "d_a x d_b", "bico s",
-         "orth", "gesvd s", "orth", "diff", "syevd s", "orth", "diff");
+  printf("# columns: SVD = BICO_PROC_SVD (default, dgesdd); EIG = BICO_PROC_EIG\n"
+         "# (dsyevd of the smaller Gram); POLAR = BICO_PROC_POLAR (Newton-Schulz,\n"
+         "# GEMMs only; '*' = not certified, fell back to the SVD); gesvd = raw\n"
+         "# LAPACK dgesvd + GEMM (only up to --lapack-max-d); diff vs the SVD column.\n");
+  printf("%-10s | %8s %9s | %8s %9s %9s | %8s %9s %9s  | %8s %9s %9s\n", "d_a x d_b",
+         "SVD s", "orth", "EIG s", "orth", "diff", "POLAR s", "orth", "diff",
+         "gesvd s", "orth", "diff");
   size2 sizes[] = {{768, 768}, {1024, 1024}, {768, 1024}, {3072, 3072}, {3072, 4096}, {4096, 4096}};
-  char results[6][400];
+  char results[6][600];
   int nres = 0;
   for (int k = 0; k < 6; k++) {
     size_t d_a = sizes[k].d_a, d_b = sizes[k].d_b, tot = d_a * d_b;
@@ -156,54 +126,64 @@ int main(int argc, char **argv) {
     float *r = malloc(tot * sizeof(float));
     for (size_t i = 0; i < tot; i++) c[i] = bench_uniform(33, i);
     double t[64];
-    size_t rank = 0;
-    for (int q = 0; q < rr; q++) {
-      double t0 = bench_now();
-      if (bico_procrustes_solve_matrix(p, d_a, d_b, c, d_b, r, d_b, &rank) != BICO_OK) {
-        fprintf(stderr, "solve: %s\n", bico_ctx_errmsg(ctx));
-        return 1;
+    size_t rank = 0, rank_m[3] = {0, 0, 0};
+    double tm[3], om[3], dm[3] = {0, 0, 0};
+    int certified[3] = {1, 1, 1};
+    for (int meth = 0; meth < 3; meth++) {
+      bico_procrustes_set_param(p, BICO_PROC_METHOD, meth);
+      for (int q = 0; q < rr; q++) {
+        double t0 = bench_now();
+        if (bico_procrustes_solve_matrix(p, d_a, d_b, c, d_b, r, d_b, &rank) != BICO_OK) {
+          fprintf(stderr, "solve: %s\n", bico_ctx_errmsg(ctx));
+          return 1;
+        }
+        t[q] = bench_now() - t0;
       }
-      t[q] = bench_now() - t0;
+      tm[meth] = bench_median(t, rr);
+      rank_m[meth] = rank;
+      size_t cnt = 0;
+      bico_procrustes_spectrum(p, NULL, 0, &cnt);
+      /* EIG and POLAR fall back to the SVD when uncertified; the spectrum
+       * tells (POLAR leaves none, EIG's differs from the SVD's). */
+      if (meth == 2) certified[2] = cnt == 0;
+      double *dst = meth == 0 ? rd : r2;
+      for (size_t i = 0; i < tot; i++) dst[i] = r[i];
+      om[meth] = orth_err(dst, d_a, d_b);
+      if (meth > 0) dm[meth] = max_diff(r2, rd, tot);
+      if (meth == 0 && dump) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/R_%zux%zu.f32", dump, d_a, d_b);
+        FILE *f = fopen(path, "wb");
+        if (!f || fwrite(r, sizeof(float), tot, f) != tot) { perror(path); return 1; }
+        fclose(f);
+      }
     }
-    double tb = bench_median(t, rr);
-    for (size_t i = 0; i < tot; i++) rd[i] = r[i];
-    double ob = orth_err(rd, d_a, d_b);
-    if (dump) {
-      char path[4096];
-      snprintf(path, sizeof path, "%s/R_%zux%zu.f32", dump, d_a, d_b);
-      FILE *f = fopen(path, "wb");
-      if (!f || fwrite(r, sizeof(float), tot, f) != tot) { perror(path); return 1; }
-      fclose(f);
-    }
+    bico_procrustes_set_param(p, BICO_PROC_METHOD, BICO_PROC_SVD);
     char shp[32];
     snprintf(shp, sizeof shp, "%zux%zu", d_a, d_b);
-    printf("%-10s | %8.3f %9.2e |", shp, tb, ob);
+    printf("%-10s | %8.3f %9.2e | %8.3f %9.2e %9.2e | %8.3f %9.2e %9.2e%s |", shp,
+           tm[0], om[0], tm[1], om[1], dm[1], tm[2], om[2], dm[2],
+           certified[2] ? "" : "*");
     fflush(stdout);
     int n = snprintf(results[nres], sizeof results[nres],
-                     "RESULT d_a=%zu d_b=%zu bico_s=%.6g bico_orth=%.4g rank=%zu", d_a,
-                     d_b, tb, ob, rank);
+                     "RESULT d_a=%zu d_b=%zu bico_s=%.6g bico_orth=%.4g rank=%zu "
+                     "eig_s=%.6g eig_orth=%.4g eig_diff=%.4g polar_s=%.6g "
+                     "polar_orth=%.4g polar_diff=%.4g polar_certified=%d",
+                     d_a, d_b, tm[0], om[0], rank_m[0], tm[1], om[1], dm[1], tm[2],
+                     om[2], dm[2], certified[2]);
     if (d_a <= lapack_max_d && d_b <= lapack_max_d) {
-      double tg, ts;
       for (int q = 0; q < rr; q++) {
         double t0 = bench_now();
         r_dgesvd(c, d_a, d_b, r2);
         t[q] = bench_now() - t0;
       }
-      tg = bench_median(t, rr);
+      double tg = bench_median(t, rr);
       double og = orth_err(r2, d_a, d_b), dg = max_diff(r2, rd, tot);
-      for (int q = 0; q < rr; q++) {
-        double t0 = bench_now();
-        r_syevd(c, d_a, d_b, r2);
-        t[q] = bench_now() - t0;
-      }
-      ts = bench_median(t, rr);
-      double os = orth_err(r2, d_a, d_b), ds = max_diff(r2, rd, tot);
-      printf(" %8.3f %9.2e %9.2e | %8.3f %9.2e %9.2e\n", tg, og, dg, ts, os, ds);
+      printf(" %8.3f %9.2e %9.2e\n", tg, og, dg);
       snprintf(results[nres] + n, sizeof results[nres] - (size_t)n,
-               " gesvd_s=%.6g gesvd_orth=%.4g syevd_s=%.6g syevd_orth=%.4g syevd_diff=%.4g",
-               tg, og, ts, os, ds);
+               " gesvd_s=%.6g gesvd_orth=%.4g", tg, og);
     } else {
-      printf(" %8s %9s %9s | %8s %9s %9s\n", "-", "-", "-", "-", "-", "-");
+      printf(" %8s %9s %9s\n", "-", "-", "-");
     }
     nres++;
     fflush(stdout);
