@@ -75,6 +75,7 @@ typedef struct { size_t d_a, d_b; } size2;
 
 int main(int argc, char **argv) {
   int reps = 3, big_reps = 1, machine = 0;
+  const char *only = NULL; /* "d_axd_b": run that shape alone */
   long threads = sysconf(_SC_NPROCESSORS_ONLN);
   size_t max_d = 4096, lapack_max_d = 768;
   const char *dump = NULL;
@@ -86,9 +87,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--lapack-max-d") && i + 1 < argc) lapack_max_d = (size_t)atol(argv[++i]);
     else if (!strcmp(argv[i], "--dump") && i + 1 < argc) dump = argv[++i];
     else if (!strcmp(argv[i], "--machine")) machine = 1;
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else {
       fprintf(stderr, "usage: %s [--reps R] [--big-reps R] [--threads T] [--max-d D] "
-                      "[--lapack-max-d D] [--dump DIR] [--machine]\n", argv[0]);
+                      "[--lapack-max-d D] [--dump DIR] [--machine] [--only AxB]\n", argv[0]);
       return 2;
     }
   }
@@ -119,7 +121,9 @@ int main(int argc, char **argv) {
   int nres = 0;
   for (int k = 0; k < 6; k++) {
     size_t d_a = sizes[k].d_a, d_b = sizes[k].d_b, tot = d_a * d_b;
-    if (d_a > max_d || d_b > max_d) continue;
+    char name[64];
+    snprintf(name, sizeof name, "%zux%zu", d_a, d_b);
+    if (d_a > max_d || d_b > max_d || (only && strcmp(only, name))) continue;
     int rr = (d_a >= 3072 || d_b >= 3072) ? big_reps : reps;
     double *c = malloc(tot * sizeof(double)), *rd = malloc(tot * sizeof(double));
     double *r2 = malloc(tot * sizeof(double));

@@ -58,6 +58,7 @@ static int run_xcov(bico_ctx *ctx, unsigned flags, const shape *s,
 
 int main(int argc, char **argv) {
   int reps = 3, machine = 0;
+  const char *only = NULL; /* "d_axd_b": run that shape alone */
   long threads = sysconf(_SC_NPROCESSORS_ONLN);
   size_t rows = 16384, big_rows = 0;
   for (int i = 1; i < argc; i++) {
@@ -66,8 +67,9 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--rows") && i + 1 < argc) rows = (size_t)atol(argv[++i]);
     else if (!strcmp(argv[i], "--big-rows") && i + 1 < argc) big_rows = (size_t)atol(argv[++i]);
     else if (!strcmp(argv[i], "--machine")) machine = 1;
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else {
-      fprintf(stderr, "usage: %s [--reps R] [--threads T] [--rows N] [--big-rows N] [--machine]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--reps R] [--threads T] [--rows N] [--big-rows N] [--machine] [--only AxB]\n", argv[0]);
       return 2;
     }
   }
@@ -90,9 +92,12 @@ int main(int argc, char **argv) {
   printf("%-10s %6s | %8s %7s %9s | %8s %7s %7s %9s | %8s %7s %7s %9s\n",
          "d_a x d_b", "rows", "sgemm s", "GF/s", "error",
          "exact s", "GF/s", "of sg", "error", "fast s", "GF/s", "of sg", "error");
-  char results[3][512];
+  char results[3][512] = {{0}};
   for (int k = 0; k < nshape; k++) {
     const shape *s = &shapes[k];
+    char name[64];
+    snprintf(name, sizeof name, "%zux%zu", s->d_a, s->d_b);
+    if (only && strcmp(only, name)) continue;
     size_t na = s->n * s->d_a, nb = s->n * s->d_b, nc = s->d_a * s->d_b;
     float *xa = malloc(na * sizeof(float)), *xb = malloc(nb * sizeof(float));
     float *cf = malloc(nc * sizeof(float));
@@ -154,7 +159,8 @@ int main(int argc, char **argv) {
     free(xa); free(xb); free(cf); free(ref); free(ce); free(cfast);
   }
   if (machine)
-    for (int k = 0; k < nshape; k++) printf("%s\n", results[k]);
+    for (int k = 0; k < nshape; k++)
+      if (results[k][0]) printf("%s\n", results[k]);
   bico_ctx_free(ctx);
   return 0;
 }

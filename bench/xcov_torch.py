@@ -37,6 +37,7 @@ def main():
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--big-rows", type=int, default=0)
     ap.add_argument("--machine", action="store_true")
+    ap.add_argument("--only", default=None, help="AxB: that shape alone")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     big = a.big_rows or a.rows
@@ -46,6 +47,8 @@ def main():
           f"{'torch64 s':>9} {'GF/s':>7} {'error':>9} | {'numpy32 s':>9} {'GF/s':>7} {'error':>9}")
     results = []
     for n, da, db in [(a.rows, 768, 768), (a.rows, 768, 1024), (big, 3072, 4096)]:
+        if a.only and a.only != f"{da}x{db}":
+            continue
         xa = torch.from_numpy(benchdata.fill_rows(n, da, 11))
         xb = torch.from_numpy(benchdata.fill_rows(n, db, 22))
         ref = torch.flip(xa, [0]).double().T @ torch.flip(xb, [0]).double()
