@@ -14,5 +14,8 @@
 #include "gradfix.h"
 #include "baseline.h"
 #include "depthmap.h"
+#include "safetensors.h"
+#include "model.h"
+#include "transfer.h"
 
 #endif
