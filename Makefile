@@ -183,7 +183,9 @@ $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
 # BENCH_FLAGS passes options to bench/run.py (e.g. --quick).
 BENCH_SRCS := $(wildcard bench/*.c)
 BENCH_BINS := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRCS))
+# BENCH_THREADS: BLAS threads of both sides (default: every core).
 BENCH_FLAGS ?=
+BENCH_THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 
 .PHONY: bench bench-bins
 bench-bins: $(BENCH_BINS)
@@ -192,5 +194,5 @@ $(BUILD)/bench/%: bench/%.c bench/common.h $(SHLIB)
 	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
 	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(LAPACK_LIBS) $(BLIS_LIBS) -lm $(LDFLAGS)
 
-bench: $(BENCH_BINS)
-	$(PYTHON) bench/run.py --bin $(BUILD)/bench $(BENCH_FLAGS)
+bench: $(BENCH_BINS) $(TOOL)
+	$(PYTHON) bench/run.py --bin $(BUILD)/bench --threads $(BENCH_THREADS) $(BENCH_FLAGS)

@@ -34,7 +34,7 @@ static double bench_median(double *t, int n) {
 /* splitmix64 of (seed, index): a counter-based generator, so numpy can
  * reproduce any element without running a sequential stream
  * (bench/benchdata.py has the same function). */
-static uint64_t bench_mix(uint64_t z) {
+static inline uint64_t bench_mix(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -42,14 +42,14 @@ static uint64_t bench_mix(uint64_t z) {
 }
 
 /* Uniform in [-0.5, 0.5) with 24 random bits: exact in float. */
-static float bench_uniform(uint64_t seed, uint64_t i) {
+static inline float bench_uniform(uint64_t seed, uint64_t i) {
   uint64_t z = bench_mix(seed * 0x100000001B3ull + i);
   return (float)((double)(z >> 40) * 0x1p-24 - 0.5);
 }
 
 /* Activation-like rows: x[r][j] = u(seed, r d + j) + offset_j, with a
  * per-column offset (nonzero means, as in real activations). */
-static void bench_fill_rows(float *x, size_t rows, size_t d, uint64_t seed) {
+static inline void bench_fill_rows(float *x, size_t rows, size_t d, uint64_t seed) {
   for (size_t r = 0; r < rows; r++)
     for (size_t j = 0; j < d; j++)
       x[r * d + j] =

@@ -11,7 +11,7 @@ is given, a recognised AVX-512 (skx) or AVX2 (haswell) sub-configuration is
 forced through BLIS_ARCH_TYPE, for both sides alike (PyTorch and NumPy use
 the same BLIS through libblas.so.3).
 
-Usage: run.py --bin DIR [--threads T] [--quick] [--no-arch-fix]
+Usage: run.py --bin DIR [--threads T] [--quick] [--full] [--no-arch-fix]
               [--skip-model]"""
 import argparse
 import os
@@ -86,6 +86,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     ap.add_argument("--no-arch-fix", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--full", action="store_true", help="also the 4096 x 4096 Procrustes (several minutes)")
     a = ap.parse_args()
     env = dict(os.environ)
     env["BLIS_NUM_THREADS"] = str(a.threads)
@@ -116,6 +117,9 @@ def main():
     print(f"# machine: {cpu_model()}; {os.cpu_count()} cores online; threads used: {a.threads}")
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
           "(other work on the machine inflates and scatters timings)")
+    if os.getloadavg()[0] > os.cpu_count():
+        print(f"# WARNING: load average above the core count: multi-threaded BLIS teams stall when a thread"
+              " is descheduled; compare columns within a row, not across runs")
     if note:
         print(note)
     hdr, _ = run([xb, "--only", "none", "--threads", str(a.threads)], env)
@@ -165,7 +169,9 @@ def main():
     print()
 
     # ---- 2. Procrustes ----
-    sizes = ["768x768", "1024x1024", "768x1024"] + ([] if a.quick else ["3072x3072", "3072x4096", "4096x4096"])
+    sizes = ["768x768", "1024x1024", "768x1024"] + ([] if a.quick else ["3072x3072", "3072x4096"])
+    if a.full:
+        sizes.append("4096x4096")
     print("## 2. Procrustes R = U V^T (C: uniform [-0.5, 0.5) entries, f64)")
     print("# seconds: medians of 3 runs below d = 3072, single runs from 3072 up;")
     print("# orth = ||R R^T - I||_F (R^T R when d_a > d_b); libbico's R is float32, so ~1e-6 is its storage floor;")
@@ -179,7 +185,8 @@ def main():
         for sh in sizes:
             common = ["--reps", "3", "--big-reps", "1", "--threads", str(a.threads), "--only", sh,
                       "--machine"]
-            oc, _ = run([pb] + common + ["--dump", dump], env)
+            extra_c = ["--polar-max-d", "1024", "--eig-max-d", "3072" if sh == "4096x4096" else "4096"]
+            oc, _ = run([pb] + common + extra_c + ["--dump", dump], env)
             extra = ["--f32-max-d", "3072"]
             op, _ = run([PY, os.path.join(HERE, "procrustes_torch.py")] + common + extra
                         + ["--compare", dump], env)
@@ -192,8 +199,9 @@ def main():
                     f(p.get("torch32_orth"), ".1e"), f(p.get("numpy64_s"), ".3f"),
                     f(c.get("gesvd_s"), ".3f"))
             print(" ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
-    print("# numpy64 runs up to d = 1024, torch32 up to 3072 and raw dgesvd at 768 only (time budget);"
-          " '-' = not run")
+    print("# time budget: POLAR and numpy64 run up to d = 1024, torch32 up to 3072, raw dgesvd (one run)"
+          " at 768 only,")
+    print("# EIG not at 4096x4096, 4096x4096 only with --full; '-' = not run")
     print()
 
     model = os.path.join(HERE, "bench_model.py")
