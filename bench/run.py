@@ -86,7 +86,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     ap.add_argument("--no-arch-fix", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
-    ap.add_argument("--full", action="store_true", help="also the 4096 x 4096 Procrustes (several minutes)")
+    ap.add_argument("--full", action="store_true", help="also the 4096 x 4096 Procrustes and the ViT-L/14-wide model (beyond 15 minutes)")
     a = ap.parse_args()
     env = dict(os.environ)
     env["BLIS_NUM_THREADS"] = str(a.threads)
@@ -206,7 +206,8 @@ def main():
 
     model = os.path.join(HERE, "bench_model.py")
     if not a.skip_model and os.path.exists(model):
-        cmd = [PY, model, "--bin", a.bin, "--threads", str(a.threads)] + (["--quick"] if a.quick else [])
+        cmd = ([PY, model, "--bin", a.bin, "--threads", str(a.threads)] + (["--quick"] if a.quick else [])
+               + (["--full"] if a.full else []))
         p = subprocess.run(cmd, env=env)
         if p.returncode != 0:
             raise SystemExit(f"run.py: bench_model.py failed with status {p.returncode}")

@@ -1,4 +1,5 @@
 /* bico_xcov: the cross-covariance accumulator (add, merge, serialise). */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -230,10 +231,31 @@ static void add_block(double *dst, const float *src, size_t rows, size_t cols,
 
 /* BICO_XCOV_FAST: sgemm straight on the caller's rows (strides, no copy),
  * FAST_ROWS rows at a time, each block result added in double. */
+static double max_abs(const float *x, size_t n, size_t d, size_t ld) {
+  double m = 0;
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = 0; j < d; j++) {
+      const double v = fabs((double)x[i * ld + j]);
+      if (v > m) m = v;
+    }
+  return m;
+}
+
 static bico_status add_fast(bico_xcov *xc, size_t n, const float *x_a,
                             size_t ld_a, const float *x_b, size_t ld_b) {
   bico_ctx *ctx = xc->ctx;
   const size_t d_a = xc->d_a, d_b = xc->d_b;
+  /* A block sum is at most FAST_ROWS times the largest product.  Where
+   * that could overflow single precision (finite inputs beyond ~1e17),
+   * the whole call takes the exact path, whose products cannot. */
+  const double ma = max_abs(x_a, n, d_a, ld_a), mb = max_abs(x_b, n, d_b, ld_b);
+  double big = ma * mb;
+  if (xc->flags & BICO_XCOV_GRAMS) {
+    if (ma * ma > big) big = ma * ma;
+    if (mb * mb > big) big = mb * mb;
+  }
+  if (!(big * FAST_ROWS < 0.5 * (double)FLT_MAX))
+    return add_exact(xc, n, x_a, ld_a, x_b, ld_b);
   size_t cnt = d_a * d_b, sq; /* d_a * d_b fits: the accumulator exists */
   if (xc->flags & BICO_XCOV_GRAMS) {
     size_t d = d_a > d_b ? d_a : d_b;

@@ -180,3 +180,22 @@ TEST(XcovFastTest, NonFiniteLeavesUnchanged) {
   EXPECT_EQ(get(xc, BICO_XCOV_GRAM_A, 2, 2).v, std::vector<double>(4, 0.0));
   bico_xcov_free(xc);
 }
+
+// Finite inputs whose products overflow single precision (1e20 squared):
+// the fast mode must still give the finite double-precision statistics.
+TEST(XcovFastTest, LargeValuesStayFinite) {
+  const size_t n = 6, da = 3, db = 2;
+  bt::Rng g(41);
+  auto xa = rows_of(n, da, da, [&](size_t, size_t) { return float(1e20 * g.normal()); });
+  auto xb = rows_of(n, db, db, [&](size_t, size_t) { return float(1e20 * g.normal()); });
+  bt::Ctx ctx;
+  bico_xcov *xc = nullptr;
+  ASSERT_EQ(bico_xcov_create(ctx, da, db, BICO_XCOV_FAST | BICO_XCOV_GRAMS, &xc), BICO_OK);
+  ASSERT_EQ(bico_xcov_add(xc, n, xa.data(), da, xb.data(), db), BICO_OK);
+  Mat c = get(xc, BICO_XCOV_CROSS, da, db), ref = cross(xa, da, xb, db, n, da, db);
+  for (double v : c.v) EXPECT_TRUE(std::isfinite(v));
+  EXPECT_LT(bt::relerr(c, ref), 1e-14);
+  Mat ga = get(xc, BICO_XCOV_GRAM_A, da, da);
+  EXPECT_LT(bt::relerr(ga, cross(xa, da, xa, da, n, da, da)), 1e-14);
+  bico_xcov_free(xc);
+}
