@@ -7,14 +7,10 @@
 
 #include "internal.h"
 
-/* Exact mode: rows are converted to double in blocks and multiplied with
- * dgemm.  A block of 256 rows made BLIS re-read and re-write the whole
- * double C every 256 rows (a 3072 x 4096 C is 100 MB); blocks sized to a
- * scratch of about 24 MB, between 256 and 4096 rows, keep the GEMM's K long
- * (docs/performance.md has the measurements). */
-#define EXACT_SCRATCH_BYTES ((size_t)24 << 20)
-#define EXACT_MIN_ROWS 256
-#define EXACT_MAX_ROWS 4096
+/* Exact mode: rows converted to double per dgemm.  256 rows keep the
+ * scratch a few MB; blocks of up to 4096 rows (24 MB) were measured no
+ * faster (docs/performance.md), the C update is not the bottleneck. */
+#define EXACT_ROWS 256
 /* Fast mode: rows per single-precision GEMM before its result is added to
  * the double accumulator.  Longer blocks run closer to sgemm's rate but add
  * more single-precision rounding; 2048 keeps the added error near 1e-7
@@ -180,10 +176,7 @@ static bico_status add_exact(bico_xcov *xc, size_t n, const float *x_a,
   bico_ctx *ctx = xc->ctx;
   const size_t d_a = xc->d_a, d_b = xc->d_b;
   const size_t per_row = d_a + d_b; /* cannot overflow: both index memory */
-  size_t chunk = EXACT_SCRATCH_BYTES / sizeof(double) / per_row;
-  if (chunk < EXACT_MIN_ROWS) chunk = EXACT_MIN_ROWS;
-  if (chunk > EXACT_MAX_ROWS) chunk = EXACT_MAX_ROWS;
-  if (chunk > n) chunk = n;
+  const size_t chunk = n < EXACT_ROWS ? n : EXACT_ROWS;
   size_t cnt;
   if (bico__mul(chunk, per_row, &cnt) || cnt > SIZE_MAX / sizeof(double))
     return bico__fail(ctx, BICO_E_SHAPE,
