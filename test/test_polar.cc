@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -196,4 +197,94 @@ TEST(PolarTest, EigThroughAccumulatorMatchesSvd) {
   EXPECT_LT(bt::fro(bt::sub(rs[0], rs[1])), 1e-5);
   EXPECT_GT(bt::fro(rs[0]), 1.0);  // not trivially zero
   bico_xcov_free(xc);
+}
+
+namespace {
+// Fails the allocation numbered `fail_at` (1-based) and every later one.
+struct Failing {
+  long live = 0, count = 0, fail_at = 0;
+};
+void *fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count >= f->fail_at && f->fail_at > 0) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
+}
+}  // namespace
+
+// EIG and POLAR (on a statistic they certify) and the fast accumulator:
+// every allocation failure is BICO_E_NOMEM, frees what it took, and leaves
+// an accumulator unchanged.
+TEST(PolarTest, OutOfMemoryAtEveryAllocation) {
+  bt::Rng g(47);
+  Planted pl = plant(g, 6, 5, geometric(5, 4.0, 1.0));
+  for (int method : {BICO_PROC_EIG, BICO_PROC_POLAR}) {
+    bool succeeded = false;
+    for (long k = 1; k < 100 && !succeeded; k++) {
+      Failing f;
+      bico_ctx *ctx = nullptr;
+      ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+      bico_procrustes *p = nullptr;
+      ASSERT_EQ(bico_procrustes_create(ctx, &p), BICO_OK);
+      ASSERT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, method), BICO_OK);
+      const long base_live = f.live;
+      f.fail_at = f.count + k;
+      std::vector<float> r(6 * 5);
+      size_t rank = 0;
+      bico_status st = bico_procrustes_solve_matrix(p, 6, 5, pl.c.v.data(), 5, r.data(), 5, &rank);
+      if (st == BICO_OK) {
+        succeeded = true;
+        EXPECT_EQ(rank, 5u);
+        // EIG keeps the spectrum; POLAR has none to keep.
+        EXPECT_EQ(f.live, base_live + (method == BICO_PROC_EIG ? 1 : 0));
+        EXPECT_LT(bt::fro(bt::sub(Mat::from(r.data(), 6, 5, 5), pl.r)), 1e-5);
+      } else {
+        EXPECT_EQ(st, BICO_E_NOMEM) << "method " << method << " allocation " << k;
+        EXPECT_EQ(f.live, base_live) << "leak when allocation " << k << " fails";
+      }
+      f.fail_at = 0;
+      bico_procrustes_free(p);
+      EXPECT_EQ(f.live, 1);  // the context itself
+      bico_ctx_free(ctx);
+    }
+    EXPECT_TRUE(succeeded);
+  }
+  // The fast accumulator.
+  std::vector<float> xa(40 * 3), xb(40 * 2);
+  for (auto &v : xa) v = float(g.normal());
+  for (auto &v : xb) v = float(g.normal());
+  bool succeeded = false;
+  for (long k = 1; k < 50 && !succeeded; k++) {
+    Failing f;
+    bico_ctx *ctx = nullptr;
+    ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+    bico_xcov *xc = nullptr;
+    ASSERT_EQ(bico_xcov_create(ctx, 3, 2, BICO_XCOV_FAST | BICO_XCOV_GRAMS | BICO_XCOV_SUMS, &xc),
+              BICO_OK);
+    const long base_live = f.live;
+    f.fail_at = f.count + k;
+    bico_status st = bico_xcov_add(xc, 40, xa.data(), 3, xb.data(), 2);
+    uint64_t rows = 99;
+    ASSERT_EQ(bico_xcov_info(xc, nullptr, nullptr, &rows, nullptr), BICO_OK);
+    if (st == BICO_OK) {
+      succeeded = true;
+      EXPECT_EQ(rows, 40u);
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM);
+      EXPECT_EQ(rows, 0u);
+      std::vector<double> c(6, 1.0);
+      ASSERT_EQ(bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, c.data(), 2), BICO_OK);
+      EXPECT_EQ(c, std::vector<double>(6, 0.0));
+    }
+    EXPECT_EQ(f.live, base_live);
+    f.fail_at = 0;
+    bico_xcov_free(xc);
+    bico_ctx_free(ctx);
+  }
+  EXPECT_TRUE(succeeded);
 }
