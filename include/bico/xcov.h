@@ -28,9 +28,9 @@ typedef enum bico_xcov_flag {
   BICO_XCOV_GRAMS = 2, /* keep x_a^T x_a and x_b^T x_b: enables whitening */
   /* Opt-in fast accumulation: each block of rows is multiplied in single
    * precision (BLIS sgemm straight on the caller's floats, no conversion)
-   * and only the block results are summed in double.  About twice the speed
-   * of the default, but the sum carries single-precision rounding (relative
-   * error around 1e-7 to 1e-6 instead of 1e-15; see docs/performance.md).
+   * and only the block results are summed in double.  Up to about twice the
+   * speed of the default, but the sum carries single-precision rounding
+   * (relative error around 1e-7 instead of 1e-16; docs/performance.md).
    * Without it every product is exact and summed in double.  The mode is
    * not part of the statistics: serialisation does not store it, merge
    * ignores it, and a deserialised accumulator adds in the default mode.
