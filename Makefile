@@ -293,3 +293,23 @@ bench-mpi: $(MPI_TOOL) $(TOOL)
 	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \
 	  $(PYTHON) test/mpi/bench.py
 endif
+
+# ---- bench ----
+# `make bench`: the benchmark programs of bench/ against their PyTorch and
+# NumPy twins, side by side in one run (tables only, never pass/fail).
+# BENCH_FLAGS passes options to bench/run.py (e.g. --quick).
+BENCH_SRCS := $(wildcard bench/*.c)
+BENCH_BINS := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRCS))
+# BENCH_THREADS: BLAS threads of both sides (default: every core).
+BENCH_FLAGS ?=
+BENCH_THREADS ?= $(shell nproc 2>/dev/null || echo 1)
+
+.PHONY: bench bench-bins
+bench-bins: $(BENCH_BINS)
+$(BUILD)/bench/%: bench/%.c bench/common.h $(SHLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(LAPACK_LIBS) $(BLIS_LIBS) -lm $(LDFLAGS)
+
+bench: $(BENCH_BINS) $(TOOL)
+	$(PYTHON) bench/run.py --bin $(BUILD)/bench --threads $(BENCH_THREADS) $(BENCH_FLAGS)

@@ -6,8 +6,24 @@
 #include <math.h>
 #include <string.h>
 
+#include <blis.h>
+
 #include "internal.h"
 #include "lapack.h"
+
+/* Cholesky factorisation (the polar path's rank certificate). */
+void dpotrf_(const char *uplo, const int *n, double *a, const int *lda,
+             int *info, size_t uplo_len);
+
+/* BICO_PROC_EIG is used only when sigma_min / sigma_max exceeds this (and
+ * the rank tolerance): the eigenvalues of C C^T carry absolute errors of
+ * about eps * sigma_max^2, so at sigma_min / sigma_max = 1e-4 the smallest
+ * singular value is still known to about 1e-8 relative. */
+#define EIG_MIN_RATIO 1e-4
+/* Newton-Schulz: stop once ||X X^T - I||_F is below this (one more step
+ * then squares it), give up (and use the SVD) after POLAR_MAX_ITER. */
+#define POLAR_CONVERGED 1e-7
+#define POLAR_MAX_ITER 100
 
 struct bico_procrustes {
   bico_ctx *ctx;
@@ -16,6 +32,7 @@ struct bico_procrustes {
   double eps;
   double tol;
   int null_mode;
+  int method;   /* bico_procrustes_method */
   double *spec; /* singular values of the last successful solve */
   size_t spec_count;
 };
@@ -27,6 +44,7 @@ static const char *param_name(int param) {
     case BICO_PROC_WHITEN_EPS: return "BICO_PROC_WHITEN_EPS";
     case BICO_PROC_RANK_TOL: return "BICO_PROC_RANK_TOL";
     case BICO_PROC_NULL: return "BICO_PROC_NULL";
+    case BICO_PROC_METHOD: return "BICO_PROC_METHOD";
     default: return "unknown";
   }
 }
@@ -45,6 +63,7 @@ bico_status bico_procrustes_create(bico_ctx *ctx, bico_procrustes **out) {
   p->eps = 1e-6;
   p->tol = 1e-5;
   p->null_mode = BICO_NULL_KEEP;
+  p->method = BICO_PROC_SVD;
   p->spec = NULL;
   p->spec_count = 0;
   *out = p;
@@ -69,6 +88,7 @@ bico_status bico_procrustes_param_bounds(int param, double *lo, double *hi) {
     case BICO_PROC_WHITEN_EPS: *lo = DBL_MIN; *hi = DBL_MAX; return BICO_OK;
     case BICO_PROC_RANK_TOL: *lo = 0; *hi = nextafter(1.0, 0.0); return BICO_OK;
     case BICO_PROC_NULL: *lo = BICO_NULL_KEEP; *hi = BICO_NULL_DROP; return BICO_OK;
+    case BICO_PROC_METHOD: *lo = BICO_PROC_SVD; *hi = BICO_PROC_POLAR; return BICO_OK;
     default: return BICO_E_ARG;
   }
 }
@@ -86,7 +106,8 @@ bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
     return bico__fail(ctx, BICO_E_ARG,
                       "procrustes_set_param: %s = %g is outside [%g, %g]",
                       param_name(param), value, lo, hi);
-  int integral = param == BICO_PROC_CENTER || param == BICO_PROC_NULL;
+  int integral = param == BICO_PROC_CENTER || param == BICO_PROC_NULL ||
+                 param == BICO_PROC_METHOD;
   if (integral && value != floor(value))
     return bico__fail(ctx, BICO_E_ARG,
                       "procrustes_set_param: %s = %g must be an integer",
@@ -97,6 +118,7 @@ bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
     case BICO_PROC_WHITEN_EPS: p->eps = value; break;
     case BICO_PROC_RANK_TOL: p->tol = value; break;
     case BICO_PROC_NULL: p->null_mode = (int)value; break;
+    case BICO_PROC_METHOD: p->method = (int)value; break;
   }
   return BICO_OK;
 }
@@ -114,6 +136,7 @@ bico_status bico_procrustes_get_param(const bico_procrustes *p, int param,
     case BICO_PROC_WHITEN_EPS: *value = p->eps; return BICO_OK;
     case BICO_PROC_RANK_TOL: *value = p->tol; return BICO_OK;
     case BICO_PROC_NULL: *value = p->null_mode; return BICO_OK;
+    case BICO_PROC_METHOD: *value = p->method; return BICO_OK;
     default:
       return bico__fail(ctx, BICO_E_ARG,
                         "procrustes_get_param: unknown parameter %d", param);
@@ -223,6 +246,189 @@ done:
   return st;
 }
 
+/* Lower triangle of the row-major k x k g = op(m) op(m)^T in double: the
+ * smaller Gram of m (d_a x d_b): m m^T when left, else m^T m.  Row-major
+ * lower is LAPACK's column-major upper ("U"). */
+static void gram_lower(const bico_ctx *ctx, int left, size_t d_a, size_t d_b,
+                       const double *m, double *g) {
+  size_t k = left ? d_a : d_b, kk = left ? d_b : d_a;
+  double one = 1.0, zero = 0.0;
+  rntm_t rntm;
+  bli_rntm_init(&rntm);
+  bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
+  /* left: g = m m^T, m is k x kk with row stride d_b.
+   * right: g = m^T m, m^T is k x kk with row stride 1, column stride d_b. */
+  bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)kk, &one,
+               (double *)m, left ? (inc_t)d_b : 1, left ? 1 : (inc_t)d_b,
+               &zero, g, (inc_t)k, 1, NULL, &rntm);
+}
+
+static void store_r(const double *m, size_t d_a, size_t d_b, float *r,
+                    size_t ld_r) {
+  for (size_t i = 0; i < d_a; i++)
+    for (size_t j = 0; j < d_b; j++) r[i * ld_r + j] = (float)m[i * d_b + j];
+}
+
+/* BICO_PROC_EIG: C C^T = Q L Q^T (d_a <= d_b), R = Q L^-1/2 Q^T C; or
+ * C^T C = Q L Q^T, R = C Q L^-1/2 Q^T.  Sets *done = 0 without touching
+ * m, r or the spectrum when the spectrum is not certified (the caller then
+ * runs the SVD). */
+static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
+                            size_t d_b, double *m, float *r, size_t ld_r,
+                            size_t *rank, int *done) {
+  bico_ctx *ctx = p->ctx;
+  const int left = d_a <= d_b;
+  const size_t k = left ? d_a : d_b, o = left ? d_b : d_a;
+  const int ki = (int)k;
+  int info = 0, lwork = -1, liwork = -1, iwq = 0;
+  double wq = 0;
+  bico_status st = BICO_OK;
+  double *g = NULL, *w = NULL, *t = NULL, *work = NULL, *s = NULL;
+  int *iwork = NULL;
+  *done = 0;
+
+  g = bico__calloc(ctx, k, k * sizeof(double));
+  w = bico__calloc(ctx, k, sizeof(double));
+  t = bico__calloc(ctx, k, o * sizeof(double));
+  if (g == NULL || w == NULL || t == NULL) { st = BICO_E_NOMEM; goto done; }
+  gram_lower(ctx, left, d_a, d_b, m, g);
+  dsyevd_("V", "U", &ki, g, &ki, w, &wq, &lwork, &iwq, &liwork, &info, 1, 1);
+  if (info != 0 || query_to_int(wq, &lwork) || iwq < 1) {
+    st = bico__fail(ctx, BICO_E_INTERNAL,
+                    "%s: dsyevd workspace query failed (info %d)", fn, info);
+    goto done;
+  }
+  liwork = iwq;
+  work = bico__calloc(ctx, (size_t)lwork, sizeof(double));
+  iwork = bico__calloc(ctx, (size_t)liwork, sizeof(int));
+  if (work == NULL || iwork == NULL) { st = BICO_E_NOMEM; goto done; }
+  dsyevd_("V", "U", &ki, g, &ki, w, work, &lwork, iwork, &liwork, &info, 1, 1);
+  if (info < 0) {
+    st = bico__fail(ctx, BICO_E_INTERNAL, "%s: dsyevd rejected argument %d",
+                    fn, -info);
+    goto done;
+  }
+  /* Eigenvalues ascending.  Not converged or not certified: the SVD. */
+  const double ratio = p->tol * (1.0 + 1e-3) > EIG_MIN_RATIO
+                           ? p->tol * (1.0 + 1e-3)
+                           : EIG_MIN_RATIO;
+  if (info > 0 || !(w[k - 1] > 0) || !(w[0] > ratio * ratio * w[k - 1]))
+    goto done;
+  s = bico__calloc(ctx, k, sizeof(double));
+  if (s == NULL) { st = BICO_E_NOMEM; goto done; }
+  /* Row j of the row-major g is eigenvector j: g = Q^T. */
+  if (left) {
+    bico__dgemm(ctx, 0, 0, k, o, k, 1.0, g, k, m, d_b, 0.0, t, o);
+    for (size_t j = 0; j < k; j++) {
+      const double f = 1.0 / sqrt(w[j]);
+      for (size_t i = 0; i < o; i++) t[j * o + i] *= f;
+    }
+    bico__dgemm(ctx, 1, 0, k, o, k, 1.0, g, k, t, o, 0.0, m, d_b);
+  } else {
+    bico__dgemm(ctx, 0, 1, o, k, k, 1.0, m, d_b, g, k, 0.0, t, k);
+    for (size_t i = 0; i < o; i++)
+      for (size_t j = 0; j < k; j++) t[i * k + j] /= sqrt(w[j]);
+    bico__dgemm(ctx, 0, 0, o, k, k, 1.0, t, k, g, k, 0.0, m, d_b);
+  }
+  store_r(m, d_a, d_b, r, ld_r);
+  for (size_t i = 0; i < k; i++) s[i] = sqrt(w[k - 1 - i]);
+  bico__free(ctx, p->spec);
+  p->spec = s;
+  p->spec_count = k;
+  s = NULL;
+  if (rank) *rank = k; /* every s_i exceeds ratio * s_max >= tol * s_max */
+  *done = 1;
+done:
+  bico__free(ctx, g);
+  bico__free(ctx, w);
+  bico__free(ctx, t);
+  bico__free(ctx, work);
+  bico__free(ctx, iwork);
+  bico__free(ctx, s);
+  return st;
+}
+
+/* BICO_PROC_POLAR: Newton-Schulz X <- 1.5 X - 0.5 (X X^T) X (the smaller
+ * Gram on the side it fits) from X0 = C / ||C||_F, whose singular values
+ * lie in (0, 1]: each step maps s to 1.5 s - 0.5 s^3, growing small ones
+ * by 1.5 and converging quadratically near 1.  Only GEMMs.  Certified when
+ * it converges and H = C R^T (R^T C when d_a > d_b; H = U S U^T) minus
+ * tol ||C||_F I has a Cholesky factor: then every singular value exceeds
+ * tol ||C||_F >= tol s_max, the rank is full and R is unique (KEEP and DROP
+ * agree).  Else *done = 0 and m is untouched. */
+static bico_status polar_core(bico_procrustes *p, size_t d_a,
+                              size_t d_b, double *m, float *r, size_t ld_r,
+                              size_t *rank, int *done) {
+  bico_ctx *ctx = p->ctx;
+  const int left = d_a <= d_b;
+  const size_t k = left ? d_a : d_b, total = d_a * d_b;
+  bico_status st = BICO_OK;
+  double *x = NULL, *y = NULL, *a = NULL;
+  *done = 0;
+
+  double fro = 0;
+  for (size_t i = 0; i < total; i++) fro += m[i] * m[i];
+  fro = sqrt(fro);
+  if (!(fro > 0) || !isfinite(fro)) return BICO_OK;
+  x = bico__calloc(ctx, total, sizeof(double));
+  y = bico__calloc(ctx, total, sizeof(double));
+  a = bico__calloc(ctx, k, k * sizeof(double));
+  if (x == NULL || y == NULL || a == NULL) { st = BICO_E_NOMEM; goto done; }
+  for (size_t i = 0; i < total; i++) x[i] = m[i] / fro;
+  int converged = 0;
+  for (int it = 0; it < POLAR_MAX_ITER && !converged; it++) {
+    if (left)
+      bico__dgemm(ctx, 0, 1, k, k, d_b, 1.0, x, d_b, x, d_b, 0.0, a, k);
+    else
+      bico__dgemm(ctx, 1, 0, k, k, d_a, 1.0, x, d_b, x, d_b, 0.0, a, k);
+    double dev = 0;
+    for (size_t i = 0; i < k; i++)
+      for (size_t j = 0; j < k; j++) {
+        const double e = a[i * k + j] - (i == j);
+        dev += e * e;
+      }
+    if (!isfinite(dev)) break;
+    converged = sqrt(dev) < POLAR_CONVERGED;
+    /* y = 1.5 x - 0.5 a x (left) or 1.5 x - 0.5 x a */
+    memcpy(y, x, total * sizeof(double));
+    if (left)
+      bico__dgemm(ctx, 0, 0, d_a, d_b, k, -0.5, a, k, x, d_b, 1.5, y, d_b);
+    else
+      bico__dgemm(ctx, 0, 0, d_a, d_b, k, -0.5, x, d_b, a, k, 1.5, y, d_b);
+    double *sw = x;
+    x = y;
+    y = sw;
+  }
+  if (!converged) goto done;
+  /* Certificate: a = H - tol ||C||_F I must be positive definite. */
+  if (left)
+    bico__dgemm(ctx, 0, 1, k, k, d_b, 1.0, m, d_b, x, d_b, 0.0, a, k);
+  else
+    bico__dgemm(ctx, 1, 0, k, k, d_a, 1.0, x, d_b, m, d_b, 0.0, a, k);
+  for (size_t i = 0; i < k; i++) {
+    for (size_t j = 0; j < i; j++) {
+      const double h = 0.5 * (a[i * k + j] + a[j * k + i]);
+      a[i * k + j] = a[j * k + i] = h;
+    }
+    a[i * k + i] -= p->tol * fro;
+  }
+  const int ki = (int)k;
+  int info = 0;
+  dpotrf_("U", &ki, a, &ki, &info, 1);
+  if (info != 0) goto done;
+  store_r(x, d_a, d_b, r, ld_r);
+  bico__free(ctx, p->spec);
+  p->spec = NULL;
+  p->spec_count = 0;
+  if (rank) *rank = k;
+  *done = 1;
+done:
+  bico__free(ctx, x);
+  bico__free(ctx, y);
+  bico__free(ctx, a);
+  return st;
+}
+
 /* R from the statistic m (d_a x d_b, row-major, contiguous; destroyed).
  *
  * LAPACK is column-major: the row-major m is, as LAPACK sees it, the
@@ -259,6 +465,17 @@ static bico_status solve_core(bico_procrustes *p, const char *fn,
 
   int zero = 1;
   for (size_t i = 0; i < total && zero; i++) zero = m[i] == 0.0;
+
+  if (!zero && p->method != BICO_PROC_SVD) {
+    int done = 0;
+    st = p->method == BICO_PROC_EIG
+             ? eig_core(p, fn, d_a, d_b, m, r, ld_r, rank, &done)
+             : polar_core(p, d_a, d_b, m, r, ld_r, rank, &done);
+    if (st != BICO_OK || done) {
+      bico__free(ctx, s);
+      return st;
+    }
+  }
 
   if (!zero) {
     const int mi = (int)d_b, ni = (int)d_a, mni = (int)mn;

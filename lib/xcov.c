@@ -1,18 +1,30 @@
 /* bico_xcov: the cross-covariance accumulator (add, merge, serialise). */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
+#include <blis.h>
+
 #include "internal.h"
 
-/* Rows converted to double per GEMM: large enough for BLIS to run at speed,
- * small enough that the scratch stays a few MB for wide layers. */
-#define CHUNK_ROWS 256
+/* Exact mode: rows converted to double per dgemm.  256 rows keep the
+ * scratch a few MB; blocks of up to 4096 rows (24 MB) were measured no
+ * faster (docs/performance.md), the C update is not the bottleneck. */
+#define EXACT_ROWS 256
+/* Fast mode: rows per single-precision GEMM before its result is added to
+ * the double accumulator.  Longer blocks run closer to sgemm's rate but add
+ * more single-precision rounding; 2048 keeps the added error near 1e-7
+ * relative (docs/performance.md). */
+#define FAST_ROWS 2048
 
 #define XCOV_MAGIC "BICOXCOV"
 #define XCOV_FORMAT_VERSION 1u
 /* magic 8, version u32, d_a u64, d_b u64, rows u64, flags u32 */
 #define XCOV_HEADER_BYTES 40u
+/* Flags that shape the stored statistics (and the serialised layout). */
 #define XCOV_ALL_FLAGS ((unsigned)(BICO_XCOV_SUMS | BICO_XCOV_GRAMS))
+/* Flags bico_xcov_create accepts: the layout flags and the add mode. */
+#define XCOV_CREATE_FLAGS (XCOV_ALL_FLAGS | (unsigned)BICO_XCOV_FAST)
 
 struct bico_xcov {
   bico_ctx *ctx;
@@ -106,11 +118,12 @@ bico_status bico_xcov_create(bico_ctx *ctx, size_t d_a, size_t d_b,
                       "xcov_create: dimensions must be positive, got d_a = "
                       "%zu, d_b = %zu",
                       d_a, d_b);
-  if (flags & ~XCOV_ALL_FLAGS)
+  if (flags & ~XCOV_CREATE_FLAGS)
     return bico__fail(ctx, BICO_E_ARG,
                       "xcov_create: unknown flags 0x%x (known: "
-                      "BICO_XCOV_SUMS = 1, BICO_XCOV_GRAMS = 2)",
-                      flags & ~XCOV_ALL_FLAGS);
+                      "BICO_XCOV_SUMS = 1, BICO_XCOV_GRAMS = 2, "
+                      "BICO_XCOV_FAST = 8)",
+                      flags & ~XCOV_CREATE_FLAGS);
   return make(ctx, "xcov_create", d_a, d_b, flags, out);
 }
 
@@ -119,6 +132,159 @@ void bico_xcov_free(bico_xcov *xc) {
   bico_ctx *ctx = xc->ctx;
   bico__free(ctx, xc->data);
   bico__free(ctx, xc);
+}
+
+/* Grams are accumulated with syrk (half the work of a GEMM) into the upper
+ * triangle; the lower one is restored from it after every add, so the
+ * stored matrix stays the full symmetric one. */
+static void mirror_upper(double *g, size_t d) {
+  for (size_t i = 1; i < d; i++)
+    for (size_t j = 0; j < i; j++) g[i * d + j] = g[j * d + i];
+}
+
+static void runtime_for(const bico_ctx *ctx, rntm_t *rntm) {
+  bli_rntm_init(rntm);
+  bli_rntm_set_num_threads((dim_t)ctx->threads, rntm);
+}
+
+/* Upper triangle of g (d x d, row-major) += y^T y for y m x d, row stride
+ * ld. */
+static void dsyrk_upper(const bico_ctx *ctx, size_t d, size_t m,
+                        const double *y, size_t ld, double *g) {
+  double one = 1.0;
+  rntm_t rntm;
+  runtime_for(ctx, &rntm);
+  bli_dsyrk_ex(BLIS_UPPER, BLIS_TRANSPOSE, (dim_t)d, (dim_t)m, &one,
+               (double *)y, (inc_t)ld, 1, &one, g, (inc_t)d, 1, NULL, &rntm);
+}
+
+/* Upper triangle of f (d x d) = y^T y in single precision. */
+static void ssyrk_upper(const bico_ctx *ctx, size_t d, size_t m,
+                        const float *y, size_t ld, float *f) {
+  float one = 1.0f, zero = 0.0f;
+  rntm_t rntm;
+  runtime_for(ctx, &rntm);
+  bli_ssyrk_ex(BLIS_UPPER, BLIS_TRANSPOSE, (dim_t)d, (dim_t)m, &one,
+               (float *)y, (inc_t)ld, 1, &zero, f, (inc_t)d, 1, NULL, &rntm);
+}
+
+/* Default mode.  float -> double is exact, and so is every product of two
+ * such values: only the summation order separates this from an exact
+ * result. */
+static bico_status add_exact(bico_xcov *xc, size_t n, const float *x_a,
+                             size_t ld_a, const float *x_b, size_t ld_b) {
+  bico_ctx *ctx = xc->ctx;
+  const size_t d_a = xc->d_a, d_b = xc->d_b;
+  const size_t per_row = d_a + d_b; /* cannot overflow: both index memory */
+  const size_t chunk = n < EXACT_ROWS ? n : EXACT_ROWS;
+  size_t cnt;
+  if (bico__mul(chunk, per_row, &cnt) || cnt > SIZE_MAX / sizeof(double))
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "xcov_add: scratch of %zu rows x %zu overflows", chunk,
+                      per_row);
+  double *scratch = bico__alloc(ctx, cnt * sizeof(double));
+  if (scratch == NULL) return BICO_E_NOMEM;
+  double *ya = scratch, *yb = scratch + chunk * d_a;
+
+  for (size_t r0 = 0; r0 < n; r0 += chunk) {
+    size_t m = n - r0 < chunk ? n - r0 : chunk;
+    for (size_t i = 0; i < m; i++) {
+      const float *pa = x_a + (r0 + i) * ld_a;
+      const float *pb = x_b + (r0 + i) * ld_b;
+      double *qa = ya + i * d_a, *qb = yb + i * d_b;
+      for (size_t j = 0; j < d_a; j++) qa[j] = pa[j];
+      for (size_t j = 0; j < d_b; j++) qb[j] = pb[j];
+    }
+    bico__dgemm(ctx, 1, 0, d_a, d_b, m, 1.0, ya, d_a, yb, d_b, 1.0, xc->c,
+                d_b);
+    if (xc->flags & BICO_XCOV_SUMS) {
+      for (size_t i = 0; i < m; i++) {
+        const double *qa = ya + i * d_a, *qb = yb + i * d_b;
+        for (size_t j = 0; j < d_a; j++) xc->sum_a[j] += qa[j];
+        for (size_t j = 0; j < d_b; j++) xc->sum_b[j] += qb[j];
+      }
+    }
+    if (xc->flags & BICO_XCOV_GRAMS) {
+      dsyrk_upper(ctx, d_a, m, ya, d_a, xc->g_a);
+      dsyrk_upper(ctx, d_b, m, yb, d_b, xc->g_b);
+    }
+  }
+  bico__free(ctx, scratch);
+  return BICO_OK;
+}
+
+/* dst (rows x cols, contiguous) += src; upper != 0 adds only the upper
+ * triangle of a square block. */
+static void add_block(double *dst, const float *src, size_t rows, size_t cols,
+                      int upper) {
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = upper ? i : 0; j < cols; j++)
+      dst[i * cols + j] += (double)src[i * cols + j];
+}
+
+/* BICO_XCOV_FAST: sgemm straight on the caller's rows (strides, no copy),
+ * FAST_ROWS rows at a time, each block result added in double. */
+static double max_abs(const float *x, size_t n, size_t d, size_t ld) {
+  double m = 0;
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = 0; j < d; j++) {
+      const double v = fabs((double)x[i * ld + j]);
+      if (v > m) m = v;
+    }
+  return m;
+}
+
+static bico_status add_fast(bico_xcov *xc, size_t n, const float *x_a,
+                            size_t ld_a, const float *x_b, size_t ld_b) {
+  bico_ctx *ctx = xc->ctx;
+  const size_t d_a = xc->d_a, d_b = xc->d_b;
+  /* A block sum is at most FAST_ROWS times the largest product.  Where
+   * that could overflow single precision (finite inputs beyond ~1e17),
+   * the whole call takes the exact path, whose products cannot. */
+  const double ma = max_abs(x_a, n, d_a, ld_a), mb = max_abs(x_b, n, d_b, ld_b);
+  double big = ma * mb;
+  if (xc->flags & BICO_XCOV_GRAMS) {
+    if (ma * ma > big) big = ma * ma;
+    if (mb * mb > big) big = mb * mb;
+  }
+  if (!(big * FAST_ROWS < 0.5 * (double)FLT_MAX))
+    return add_exact(xc, n, x_a, ld_a, x_b, ld_b);
+  size_t cnt = d_a * d_b, sq; /* d_a * d_b fits: the accumulator exists */
+  if (xc->flags & BICO_XCOV_GRAMS) {
+    size_t d = d_a > d_b ? d_a : d_b;
+    if (bico__mul(d, d, &sq))
+      return bico__fail(ctx, BICO_E_SHAPE, "xcov_add: %zu x %zu overflows",
+                        d, d);
+    if (sq > cnt) cnt = sq;
+  }
+  if (cnt > SIZE_MAX / sizeof(float))
+    return bico__fail(ctx, BICO_E_SHAPE, "xcov_add: scratch overflows");
+  float *f = bico__alloc(ctx, cnt * sizeof(float));
+  if (f == NULL) return BICO_E_NOMEM;
+
+  for (size_t r0 = 0; r0 < n; r0 += FAST_ROWS) {
+    size_t m = n - r0 < FAST_ROWS ? n - r0 : FAST_ROWS;
+    const float *pa = x_a + r0 * ld_a, *pb = x_b + r0 * ld_b;
+    bico__sgemm(ctx, 1, 0, d_a, d_b, m, 1.0f, pa, ld_a, pb, ld_b, 0.0f, f,
+                d_b);
+    add_block(xc->c, f, d_a, d_b, 0);
+    if (xc->flags & BICO_XCOV_GRAMS) {
+      ssyrk_upper(ctx, d_a, m, pa, ld_a, f);
+      add_block(xc->g_a, f, d_a, d_a, 1);
+      ssyrk_upper(ctx, d_b, m, pb, ld_b, f);
+      add_block(xc->g_b, f, d_b, d_b, 1);
+    }
+  }
+  /* Column sums are exact in double whatever the mode: they are cheap. */
+  if (xc->flags & BICO_XCOV_SUMS) {
+    for (size_t i = 0; i < n; i++) {
+      const float *qa = x_a + i * ld_a, *qb = x_b + i * ld_b;
+      for (size_t j = 0; j < d_a; j++) xc->sum_a[j] += qa[j];
+      for (size_t j = 0; j < d_b; j++) xc->sum_b[j] += qb[j];
+    }
+  }
+  bico__free(ctx, f);
+  return BICO_OK;
 }
 
 bico_status bico_xcov_add(bico_xcov *xc, size_t n, const float *x_a,
@@ -147,45 +313,13 @@ bico_status bico_xcov_add(bico_xcov *xc, size_t n, const float *x_a,
   st = bico__check_finite_f32(ctx, "xcov_add", "x_b", x_b, n, xc->d_b, ld_b);
   if (st != BICO_OK) return st;
 
-  const size_t d_a = xc->d_a, d_b = xc->d_b;
-  const size_t chunk = n < CHUNK_ROWS ? n : CHUNK_ROWS;
-  size_t per_row = d_a + d_b, cnt;
-  if (bico__mul(chunk, per_row, &cnt) || cnt > SIZE_MAX / sizeof(double))
-    return bico__fail(ctx, BICO_E_SHAPE,
-                      "xcov_add: scratch of %zu rows x %zu overflows", chunk,
-                      per_row);
-  double *scratch = bico__alloc(ctx, cnt * sizeof(double));
-  if (scratch == NULL) return BICO_E_NOMEM;
-  double *ya = scratch, *yb = scratch + chunk * d_a;
-
-  for (size_t r0 = 0; r0 < n; r0 += chunk) {
-    size_t m = n - r0 < chunk ? n - r0 : chunk;
-    /* float -> double is exact, and so is every product of two such values:
-     * only the summation order separates this from an exact result. */
-    for (size_t i = 0; i < m; i++) {
-      const float *pa = x_a + (r0 + i) * ld_a;
-      const float *pb = x_b + (r0 + i) * ld_b;
-      double *qa = ya + i * d_a, *qb = yb + i * d_b;
-      for (size_t j = 0; j < d_a; j++) qa[j] = pa[j];
-      for (size_t j = 0; j < d_b; j++) qb[j] = pb[j];
-    }
-    bico__dgemm(ctx, 1, 0, d_a, d_b, m, 1.0, ya, d_a, yb, d_b, 1.0, xc->c,
-                d_b);
-    if (xc->flags & BICO_XCOV_SUMS) {
-      for (size_t i = 0; i < m; i++) {
-        const double *qa = ya + i * d_a, *qb = yb + i * d_b;
-        for (size_t j = 0; j < d_a; j++) xc->sum_a[j] += qa[j];
-        for (size_t j = 0; j < d_b; j++) xc->sum_b[j] += qb[j];
-      }
-    }
-    if (xc->flags & BICO_XCOV_GRAMS) {
-      bico__dgemm(ctx, 1, 0, d_a, d_a, m, 1.0, ya, d_a, ya, d_a, 1.0, xc->g_a,
-                  d_a);
-      bico__dgemm(ctx, 1, 0, d_b, d_b, m, 1.0, yb, d_b, yb, d_b, 1.0, xc->g_b,
-                  d_b);
-    }
+  st = (xc->flags & BICO_XCOV_FAST) ? add_fast(xc, n, x_a, ld_a, x_b, ld_b)
+                                    : add_exact(xc, n, x_a, ld_a, x_b, ld_b);
+  if (st != BICO_OK) return st;
+  if (xc->flags & BICO_XCOV_GRAMS) {
+    mirror_upper(xc->g_a, xc->d_a);
+    mirror_upper(xc->g_b, xc->d_b);
   }
-  bico__free(ctx, scratch);
   xc->rows += (uint64_t)n;
   return BICO_OK;
 }
@@ -196,13 +330,14 @@ bico_status bico_xcov_add_matrix(bico_xcov *xc, const double *c, size_t ld_c,
   bico_ctx *ctx = xc->ctx;
   bico__clear(ctx);
   if (c == NULL) return bico__fail(ctx, BICO_E_NULL, "xcov_add_matrix: c is NULL");
-  if (xc->flags != 0)
+  if (xc->flags & XCOV_ALL_FLAGS)
     return bico__fail(ctx, BICO_E_STATE,
                       "xcov_add_matrix: the accumulator keeps %s%s%s, which "
                       "cannot be recovered from a cross-covariance alone; "
                       "create it without flags",
                       (xc->flags & BICO_XCOV_SUMS) ? "sums (BICO_XCOV_SUMS)" : "",
-                      xc->flags == XCOV_ALL_FLAGS ? " and " : "",
+                      (xc->flags & XCOV_ALL_FLAGS) == XCOV_ALL_FLAGS ? " and "
+                                                                   : "",
                       (xc->flags & BICO_XCOV_GRAMS) ? "Grams (BICO_XCOV_GRAMS)"
                                                     : "");
   if (ld_c < xc->d_b)
@@ -239,10 +374,11 @@ bico_status bico_xcov_merge(bico_xcov *dst, const bico_xcov *src) {
     return bico__fail(ctx, BICO_E_SHAPE,
                       "xcov_merge: dst is %zu x %zu but src is %zu x %zu",
                       dst->d_a, dst->d_b, src->d_a, src->d_b);
-  if (dst->flags != src->flags)
+  /* The add mode (BICO_XCOV_FAST) does not change what is stored. */
+  if ((dst->flags & XCOV_ALL_FLAGS) != (src->flags & XCOV_ALL_FLAGS))
     return bico__fail(ctx, BICO_E_ARG,
                       "xcov_merge: dst has flags %u but src has flags %u",
-                      dst->flags, src->flags);
+                      dst->flags & XCOV_ALL_FLAGS, src->flags & XCOV_ALL_FLAGS);
   if (src->rows > UINT64_MAX - dst->rows)
     return bico__fail(ctx, BICO_E_SHAPE, "xcov_merge: row count %llu + %llu overflows",
                       (unsigned long long)dst->rows,
@@ -390,7 +526,7 @@ bico_status bico_xcov_serialize(const bico_xcov *xc, void *buf, size_t cap,
   put_u64(p + 12, (uint64_t)xc->d_a);
   put_u64(p + 20, (uint64_t)xc->d_b);
   put_u64(p + 28, xc->rows);
-  put_u32(p + 36, (uint32_t)xc->flags);
+  put_u32(p + 36, (uint32_t)(xc->flags & XCOV_ALL_FLAGS));
   p += XCOV_HEADER_BYTES;
   for (size_t i = 0; i < xc->count; i++, p += 8) {
     uint64_t bits;

@@ -24,6 +24,25 @@
  *                         BICO_NULL_DROP (the partial isometry U_k V_k^T: the
  *                         unidentified directions map to zero).
  *
+ *   BICO_PROC_METHOD      how U V^T is computed (bico_procrustes_method):
+ *                         BICO_PROC_SVD (default): thin SVD by LAPACK
+ *                         dgesdd (dgesvd if it fails);
+ *                         BICO_PROC_EIG: eigendecomposition (dsyevd) of the
+ *                         smaller Gram matrix C C^T or C^T C, then
+ *                         R = (C C^T)^-1/2 C; about twice as fast, used only
+ *                         when it certifies sigma_min / sigma_max above
+ *                         max(1e-4, RANK_TOL) (full rank: KEEP and DROP
+ *                         agree, rank and spectrum as with the SVD to about
+ *                         1e-8 relative), otherwise the solve falls back to
+ *                         the SVD;
+ *                         BICO_PROC_POLAR: GEMM-only scaled Newton-Schulz
+ *                         polar iteration in double, used only when it
+ *                         converges and a Cholesky test certifies
+ *                         sigma_min > RANK_TOL * ||C||_F, otherwise the SVD;
+ *                         after a polar solve the spectrum is not known
+ *                         (bico_procrustes_spectrum reports count 0).
+ *                         docs/performance.md has the timings.
+ *
  * Rank: every solve reports the numerical rank k.  A statistic of rank 0
  * (all zero) gives, with KEEP, the rectangular identity, and with DROP, the
  * zero matrix. */
@@ -45,8 +64,15 @@ typedef enum bico_procrustes_param {
   BICO_PROC_WHITEN = 2,
   BICO_PROC_WHITEN_EPS = 3,
   BICO_PROC_RANK_TOL = 4,
-  BICO_PROC_NULL = 5
+  BICO_PROC_NULL = 5,
+  BICO_PROC_METHOD = 6
 } bico_procrustes_param;
+
+typedef enum bico_procrustes_method {
+  BICO_PROC_SVD = 0,
+  BICO_PROC_EIG = 1,
+  BICO_PROC_POLAR = 2
+} bico_procrustes_method;
 
 typedef enum bico_null_completion {
   BICO_NULL_KEEP = 0,

@@ -25,7 +25,17 @@ typedef struct bico_xcov bico_xcov;
 /* Flags for bico_xcov_create (bitwise or). */
 typedef enum bico_xcov_flag {
   BICO_XCOV_SUMS = 1,  /* keep column sums of x_a and x_b: enables centering */
-  BICO_XCOV_GRAMS = 2  /* keep x_a^T x_a and x_b^T x_b: enables whitening */
+  BICO_XCOV_GRAMS = 2, /* keep x_a^T x_a and x_b^T x_b: enables whitening */
+  /* Opt-in fast accumulation: each block of rows is multiplied in single
+   * precision (BLIS sgemm straight on the caller's floats, no conversion)
+   * and only the block results are summed in double.  Up to about twice the
+   * speed of the default, but the sum carries single-precision rounding
+   * (relative error around 1e-7 instead of 1e-16; docs/performance.md).
+   * Without it every product is exact and summed in double.  The mode is
+   * not part of the statistics: serialisation does not store it, merge
+   * ignores it, and a deserialised accumulator adds in the default mode.
+   * (The value 4 is left unused.) */
+  BICO_XCOV_FAST = 8
 } bico_xcov_flag;
 
 /* Which matrix bico_xcov_matrix returns. */
