@@ -14,5 +14,6 @@
 #include "gradfix.h"
 #include "baseline.h"
 #include "depthmap.h"
+#include "safetensors.h"
 
 #endif

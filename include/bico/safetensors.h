@@ -1,0 +1,219 @@
+/* libbico: safetensors files (reader, sharded checkpoints, atomic writer).
+ *
+ * The format (huggingface/safetensors): an 8-byte little-endian unsigned
+ * header length N, N bytes of JSON header, then the data buffer.  The header
+ * maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]}
+ * (offsets relative to the start of the data buffer) and may hold a
+ * "__metadata__" object of string values.  Data are little-endian and
+ * row-major.
+ *
+ * Reading: bico_stfile_open memory-maps the file read-only and validates the
+ * whole header before returning: header length (at most 100,000,000 bytes
+ * and within the file), strict JSON (RFC 8259: no trailing commas, no NaN
+ * literals, valid escapes and UTF-8, duplicate keys rejected, nesting depth
+ * limited), unique tensor names, known dtypes, shapes of non-negative
+ * integers whose byte size does not overflow, data_offsets with
+ * end - begin == byte size, offsets that tile the data buffer from 0 with no
+ * gap, overlap or trailing byte, unknown keys in a tensor entry rejected,
+ * and "__metadata__" holding strings only.  Zero-size tensors (a 0 in the
+ * shape) are allowed.  A rejection is BICO_E_FORMAT (BICO_E_IO for an OS
+ * error, BICO_E_UNSUPPORTED for a valid dtype this version cannot read such
+ * as F8_E4M3) with a message naming the file, the tensor (if any) and the
+ * reason.
+ *
+ * Writing: a bico_stwriter writes into a temporary file in the output's
+ * folder, named ".<basename>.bico-tmp.XXXXXX", and bico_stwriter_commit
+ * renames it into place only once complete (after fsync; the folder is then
+ * fsynced too).  The final path is never opened for writing, so on any
+ * failure an existing file there stays byte-identical; freeing an
+ * uncommitted writer removes the temporary file.
+ *
+ * Signals: libbico installs no signal handlers.  A write beyond the process's
+ * file-size limit (`ulimit -f`, RLIMIT_FSIZE) raises SIGXFSZ, which kills the
+ * process by default; callers that set such a limit should ignore SIGXFSZ
+ * (signal(SIGXFSZ, SIG_IGN)) so that the write fails with EFBIG and the
+ * writer reports BICO_E_IO instead. */
+#ifndef BICO_SAFETENSORS_H
+#define BICO_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "ctx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element types.  Values are explicit and frozen. */
+typedef enum bico_dtype {
+  BICO_DTYPE_F32 = 1,
+  BICO_DTYPE_F16 = 2,
+  BICO_DTYPE_BF16 = 3,
+  BICO_DTYPE_F64 = 4,
+  BICO_DTYPE_I8 = 5,
+  BICO_DTYPE_I16 = 6,
+  BICO_DTYPE_I32 = 7,
+  BICO_DTYPE_I64 = 8,
+  BICO_DTYPE_U8 = 9,
+  BICO_DTYPE_U16 = 10,
+  BICO_DTYPE_U32 = 11,
+  BICO_DTYPE_U64 = 12,
+  BICO_DTYPE_BOOL = 13
+} bico_dtype;
+
+/* The safetensors name of a dtype ("F32", "BF16", ...); NULL if unknown. */
+BICO_API const char *bico_dtype_name(int dtype);
+/* Bytes per element (BOOL: 1); 0 if unknown. */
+BICO_API size_t bico_dtype_size(int dtype);
+/* The dtype whose safetensors name is `name` (exact, case-sensitive) into
+ * *dtype; BICO_E_NOTFOUND if none.  No context: returns the status only. */
+BICO_API bico_status bico_dtype_from_name(const char *name, int *dtype);
+
+/* ---- Reading ---- */
+
+typedef struct bico_stfile bico_stfile;
+
+/* Opens and validates a safetensors file (O_RDONLY, O_CLOEXEC, mmap).  A
+ * path ending in ".json" is a sharded checkpoint's index
+ * (model.safetensors.index.json): its "weight_map" maps each tensor name to
+ * a shard file name in the index's own folder (no '/' allowed); every shard
+ * is opened and validated, and together they read as one file.  A tensor
+ * the weight_map lists but its shard lacks, or a tensor a shard holds that
+ * the weight_map does not assign to that shard, is BICO_E_FORMAT naming the
+ * files and the tensor.  The handle keeps a pointer to ctx (which must
+ * outlive it) and reports failures there. */
+BICO_API bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
+                                      bico_stfile **out);
+/* Unmaps and frees; accepts NULL.  Pointers obtained from the handle die
+ * with it. */
+BICO_API void bico_stfile_close(bico_stfile *f);
+
+/* Number of tensors (0 for NULL).  Tensors are indexed 0..count-1 in header
+ * order (for a sharded checkpoint: shards in order of first appearance in
+ * the weight_map, each in its header order). */
+BICO_API size_t bico_stfile_count(const bico_stfile *f);
+
+/* Describes tensor `index`; any out-pointer may be NULL.  *name, *shape stay
+ * valid until bico_stfile_close.  ndim may be 0 (a scalar, one element). */
+BICO_API bico_status bico_stfile_tensor_info(const bico_stfile *f,
+                                             size_t index, const char **name,
+                                             int *dtype, size_t *ndim,
+                                             const size_t **shape);
+/* Element count (product of the shape) and byte size of tensor `index`;
+ * either out-pointer may be NULL. */
+BICO_API bico_status bico_stfile_tensor_size(const bico_stfile *f,
+                                             size_t index, size_t *numel,
+                                             size_t *nbytes);
+/* The path of the file holding tensor `index` (the shard, for a sharded
+ * checkpoint); valid until close. */
+BICO_API bico_status bico_stfile_tensor_path(const bico_stfile *f,
+                                             size_t index, const char **path);
+
+/* Looks a tensor up by name (O(log n)); BICO_E_NOTFOUND naming it if
+ * absent. */
+BICO_API bico_status bico_stfile_find(const bico_stfile *f, const char *name,
+                                      size_t *index);
+
+/* The raw little-endian bytes of tensor `index`, inside the read-only
+ * mapping (valid until close; not necessarily aligned). */
+BICO_API bico_status bico_stfile_data(const bico_stfile *f, size_t index,
+                                      const void **data, size_t *nbytes);
+
+/* Converts tensor `index` to float into out; count must equal its element
+ * count (else BICO_E_SHAPE).  Every dtype converts: F16/BF16 exactly, F64
+ * and the integer types rounded to nearest (F64 beyond float's range gives
+ * +-Inf), BOOL to 0/1.  NaN and Inf in the file are passed through: use
+ * bico_stfile_check_finite to refuse them. */
+BICO_API bico_status bico_stfile_read_f32(const bico_stfile *f, size_t index,
+                                          float *out, size_t count);
+/* Elements [first, first + count) of tensor `index` in row-major order
+ * (for streaming large tensors row block by row block); the range must lie
+ * inside the tensor (else BICO_E_SHAPE). */
+BICO_API bico_status bico_stfile_read_f32_range(const bico_stfile *f,
+                                                size_t index, size_t first,
+                                                size_t count, float *out);
+/* The same into double (F64 exactly; I64/U64 rounded to nearest). */
+BICO_API bico_status bico_stfile_read_f64(const bico_stfile *f, size_t index,
+                                          double *out, size_t count);
+BICO_API bico_status bico_stfile_read_f64_range(const bico_stfile *f,
+                                                size_t index, size_t first,
+                                                size_t count, double *out);
+
+/* BICO_OK if tensor `index` holds no NaN or Inf (integer dtypes always
+ * pass); else BICO_E_NONFINITE naming the file, tensor and element. */
+BICO_API bico_status bico_stfile_check_finite(const bico_stfile *f,
+                                              size_t index);
+
+/* The "__metadata__" entries, in header order.  For a sharded checkpoint:
+ * the index's "metadata" object, strings as they are and numbers as their
+ * JSON text (other values are skipped). */
+BICO_API size_t bico_stfile_metadata_count(const bico_stfile *f);
+BICO_API bico_status bico_stfile_metadata_at(const bico_stfile *f, size_t i,
+                                             const char **key,
+                                             const char **value);
+/* The value for `key`; BICO_E_NOTFOUND if absent. */
+BICO_API bico_status bico_stfile_metadata_get(const bico_stfile *f,
+                                              const char *key,
+                                              const char **value);
+
+/* ---- Writing ---- */
+
+typedef struct bico_stwriter bico_stwriter;
+
+/* Starts writing `path`: creates the temporary file in its folder at once
+ * (so an unwritable folder fails here, BICO_E_IO).  A path that is an
+ * existing directory is BICO_E_ARG.  Then: bico_stwriter_add_metadata and
+ * bico_stwriter_declare for every tensor, then one write per tensor (any
+ * order), then bico_stwriter_commit. */
+BICO_API bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
+                                          bico_stwriter **out);
+/* Removes the temporary file unless committed, and frees; accepts NULL. */
+BICO_API void bico_stwriter_free(bico_stwriter *w);
+
+/* Adds a "__metadata__" entry (UTF-8 strings; a repeated key is
+ * BICO_E_ARG).  Only before the first write (else BICO_E_STATE). */
+BICO_API bico_status bico_stwriter_add_metadata(bico_stwriter *w,
+                                                const char *key,
+                                                const char *value);
+
+/* Declares a tensor: name (UTF-8, not "__metadata__", unique: else
+ * BICO_E_ARG), dtype (any bico_dtype), ndim (0..64) extents (0 allowed).
+ * Tensors are laid out in declaration order.  Only before the first write
+ * (else BICO_E_STATE). */
+BICO_API bico_status bico_stwriter_declare(bico_stwriter *w, const char *name,
+                                           int dtype, size_t ndim,
+                                           const size_t *shape);
+
+/* Writes a declared tensor's data once (a second write is BICO_E_STATE;
+ * an undeclared name BICO_E_NOTFOUND).  count must equal the element count
+ * (else BICO_E_SHAPE).  write_f32/write_f64 convert to the declared dtype,
+ * which must be F32, F16, BF16 or F64 (else BICO_E_ARG), rounding to nearest
+ * even; NaN and Inf pass through, but a finite value that overflows the
+ * declared dtype (70000 into F16) is BICO_E_NONFINITE naming the tensor and
+ * element.  write_raw copies nbytes little-endian bytes as they are (nbytes
+ * must equal the byte size: BICO_E_SHAPE).  A failed write leaves the
+ * tensor unwritten, so it may be retried. */
+BICO_API bico_status bico_stwriter_write_f32(bico_stwriter *w,
+                                             const char *name,
+                                             const float *data, size_t count);
+BICO_API bico_status bico_stwriter_write_f64(bico_stwriter *w,
+                                             const char *name,
+                                             const double *data,
+                                             size_t count);
+BICO_API bico_status bico_stwriter_write_raw(bico_stwriter *w,
+                                             const char *name,
+                                             const void *data, size_t nbytes);
+
+/* Finishes: every declared tensor must have been written (else
+ * BICO_E_STATE naming the first missing one).  Writes the header (padded
+ * with spaces to a multiple of 8 bytes), fsyncs, renames into place,
+ * fsyncs the folder.  A new file gets mode 0666 less the umask; an existing
+ * one keeps its mode.  A commit refused for a missing tensor (BICO_E_STATE)
+ * may be retried after writing it; after any other outcome only
+ * bico_stwriter_free is allowed. */
+BICO_API bico_status bico_stwriter_commit(bico_stwriter *w);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
