@@ -158,3 +158,81 @@ deps:
 
 clean:
 	rm -rf build
+
+# ---- robustness ----
+# Fuzzing, the ABI gate, header hygiene and leak checking (docs/reliability.md).
+.PHONY: fuzz fuzz-build abi-check abi-baseline header-check leak-check
+
+# make fuzz FUZZ_SECONDS=N: each libFuzzer target in test/fuzz/ runs N seconds
+# over a copy of its seed corpus (new inputs and crash files go to
+# build/fuzz/<target>/); any crash fails.  The library's sources are compiled
+# straight into each fuzzer, so targets may use internal headers.
+FUZZ_SECONDS ?= 60
+FUZZ_CC ?= clang
+FUZZ_SAN := -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+            -fno-omit-frame-pointer
+FUZZ_TARGETS := $(patsubst test/fuzz/%.c,%,$(wildcard test/fuzz/fuzz_*.c))
+FUZZ_BINS := $(patsubst %,build/fuzz/bin/%,$(FUZZ_TARGETS))
+
+build/fuzz/bin/%: test/fuzz/%.c $(wildcard test/fuzz/*.h) $(LIB_SRCS) $(LIB_DEPS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) -std=c99 -D_POSIX_C_SOURCE=200809L -g -O1 $(FUZZ_SAN) \
+	  -Iinclude -Ilib $(BLIS_CFLAGS) -o $@ $< $(LIB_SRCS) \
+	  $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread
+
+fuzz-build: $(FUZZ_BINS)
+
+fuzz: $(FUZZ_BINS)
+	sh scripts/fuzz.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
+# make abi-check: the library's ABI (abidw, public types only) against the
+# committed baseline; abidiff's exit status bit 8 (incompatible change) or
+# an error fails.  Additions pass.  The library is built with -g in its own
+# tree so that the result does not depend on the caller's flags.
+ABI_BUILD := build/abi
+ABI_LIB := $(ABI_BUILD)/lib/libbico.so.$(VERSION)
+ABI_BASELINE := abi/libbico.so.$(VERSION_MAJOR).abi
+ABIDW_FLAGS := --no-corpus-path --no-comp-dir-path --no-show-locs \
+               --no-elf-needed --type-id-style hash --exported-interfaces-only \
+               --headers-dir include/bico --drop-private-types
+
+$(ABI_LIB): $(LIB_SRCS) $(LIB_DEPS) lib/libbico.vers
+	$(MAKE) --no-print-directory BUILD=$(ABI_BUILD) SANITIZE= OPT='-O2 -g' lib
+
+$(ABI_BUILD)/libbico.abi: $(ABI_LIB)
+	abidw $(ABIDW_FLAGS) --out-file $@ $(ABI_LIB)
+
+abi-baseline: $(ABI_BUILD)/libbico.abi
+	@mkdir -p abi
+	cp $< $(ABI_BASELINE)
+	@echo "abi-baseline: wrote $(ABI_BASELINE); commit it"
+
+abi-check: $(ABI_BUILD)/libbico.abi
+	@test -f $(ABI_BASELINE) || { echo "abi-check: no baseline $(ABI_BASELINE) (make abi-baseline)"; exit 1; }
+	@rc=0; abidiff --no-show-locs $(ABI_BASELINE) $< || rc=$$?; \
+	if [ $$((rc & 11)) -ne 0 ]; then \
+	  echo "abi-check: FAILED (abidiff status $$rc: 8 = incompatible change, 1/2 = error)"; exit 1; \
+	elif [ $$rc -ne 0 ]; then \
+	  echo "abi-check: compatible changes only (additions); update the baseline at release"; \
+	else echo "abi-check: ABI identical to $(ABI_BASELINE)"; fi
+
+# make header-check: every public header alone as C99 and C++11 (pedantic,
+# -Werror), with $(CC)/$(CXX) and with clang when present; exports bico_* only.
+header-check: $(SHLIB)
+	sh scripts/header-check.sh $(SHLIB) '$(CC)' '$(CXX)'
+	@if command -v clang >/dev/null 2>&1 && [ "$(CC)" != clang ]; then \
+	  sh scripts/header-check.sh $(SHLIB) clang clang++; fi
+
+# make leak-check: the GoogleTest suite under valgrind memcheck; a definite
+# leak or any memory error fails.  Suppressions (third-party frames only)
+# are in test/valgrind.supp.  LEAK_FILTER narrows the suite.
+LEAK_FILTER ?= *
+VALGRIND ?= valgrind
+leak-check:
+	@if [ "$(SANITIZE)" = 1 ]; then echo "leak-check: run without SANITIZE=1"; exit 1; fi
+	$(MAKE) --no-print-directory $(TEST_BIN)
+	$(VALGRIND) --tool=memcheck --leak-check=full --errors-for-leak-kinds=definite \
+	  --error-exitcode=1 --suppressions=test/valgrind.supp --num-callers=30 \
+	  $(TEST_BIN) --gtest_filter='$(LEAK_FILTER)'
+
+check: header-check
