@@ -1,0 +1,87 @@
+/* Depth mapping: target block j takes source block
+ * round(j (l_a - 1) / (l_b - 1)), halves rounding up, in exact integer
+ * arithmetic (no floating point, no overflow for any size_t). */
+#include "internal.h"
+
+struct bico_depthmap {
+  bico_ctx *ctx;
+  size_t l_a, l_b;
+};
+
+bico_status bico_depthmap_create(bico_ctx *ctx, size_t l_a, size_t l_b,
+                                 bico_depthmap **out) {
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "depthmap_create: out is NULL");
+  *out = NULL;
+  if (l_a == 0 || l_b == 0)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "depthmap_create: block counts must be >= 1 (l_a = %zu, "
+                      "l_b = %zu)",
+                      l_a, l_b);
+  bico_depthmap *m = bico__alloc(ctx, sizeof *m);
+  if (m == NULL) return BICO_E_NOMEM;
+  m->ctx = ctx;
+  m->l_a = l_a;
+  m->l_b = l_b;
+  *out = m;
+  return BICO_OK;
+}
+
+void bico_depthmap_free(bico_depthmap *m) {
+  if (m != NULL) bico__free(m->ctx, m);
+}
+
+/* (a + b) mod q for a, b < q, without overflow; *carry = 1 when the sum
+ * reached q. */
+static size_t addmod(size_t a, size_t b, size_t q, size_t *carry) {
+  if (a >= q - b) {
+    *carry = 1;
+    return a - (q - b);
+  }
+  *carry = 0;
+  return a + b;
+}
+
+/* a b = quot q + rem with 0 <= rem < q, for a <= q (so quot <= b), by
+ * shift-and-add on (quotient, remainder) pairs: no intermediate exceeds
+ * b or q. */
+static void muldiv(size_t a, size_t b, size_t q, size_t *quot, size_t *rem) {
+  size_t xq = b / q, xr = b % q; /* x = b 2^s as xq q + xr */
+  size_t rq = 0, rr = 0, c;
+  while (a != 0) {
+    if (a & 1) {
+      rr = addmod(rr, xr, q, &c);
+      rq += xq + c;
+    }
+    a >>= 1;
+    if (a != 0) {
+      xr = addmod(xr, xr, q, &c);
+      xq = 2 * xq + c;
+    }
+  }
+  *quot = rq;
+  *rem = rr;
+}
+
+bico_status bico_depthmap_source(const bico_depthmap *m, size_t j, size_t *i) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  if (i == NULL)
+    return bico__fail(m->ctx, BICO_E_NULL, "depthmap_source: i is NULL");
+  if (j >= m->l_b)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "depthmap_source: target block %zu is out of range "
+                      "(%zu blocks)",
+                      j, m->l_b);
+  if (m->l_a == 1 || m->l_b == 1) {
+    *i = 0;
+    return BICO_OK;
+  }
+  size_t p = m->l_a - 1, q = m->l_b - 1, quot, rem;
+  muldiv(j, p, q, &quot, &rem);
+  /* Round half up: add one when rem / q >= 1/2, i.e. rem >= q - rem. */
+  *i = quot + (rem >= q - rem ? 1 : 0);
+  return BICO_OK;
+}

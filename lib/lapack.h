@@ -1,0 +1,34 @@
+/* Prototypes of the Fortran LAPACK routines libbico calls (reference LAPACK,
+ * -llapack, 32-bit integers).  gfortran passes the length of every
+ * CHARACTER argument as a hidden trailing size_t (GCC >= 8); declaring them
+ * keeps the calls correct instead of relying on the callee ignoring them.
+ * Internal; never installed. */
+#ifndef BICO_LAPACK_H
+#define BICO_LAPACK_H
+
+#include <stddef.h>
+
+/* Thin/full SVD by divide and conquer. */
+void dgesdd_(const char *jobz, const int *m, const int *n, double *a,
+             const int *lda, double *s, double *u, const int *ldu, double *vt,
+             const int *ldvt, double *work, const int *lwork, int *iwork,
+             int *info, size_t jobz_len);
+
+/* SVD by QR iteration: slower, the fallback when dgesdd does not converge. */
+void dgesvd_(const char *jobu, const char *jobvt, const int *m, const int *n,
+             double *a, const int *lda, double *s, double *u, const int *ldu,
+             double *vt, const int *ldvt, double *work, const int *lwork,
+             int *info, size_t jobu_len, size_t jobvt_len);
+
+/* Symmetric eigendecomposition by divide and conquer. */
+void dsyevd_(const char *jobz, const char *uplo, const int *n, double *a,
+             const int *lda, double *w, double *work, const int *lwork,
+             int *iwork, const int *liwork, int *info, size_t jobz_len,
+             size_t uplo_len);
+
+/* Symmetric eigendecomposition by QR iteration (fallback for dsyevd). */
+void dsyev_(const char *jobz, const char *uplo, const int *n, double *a,
+            const int *lda, double *w, double *work, const int *lwork,
+            int *info, size_t jobz_len, size_t uplo_len);
+
+#endif

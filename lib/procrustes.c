@@ -1,0 +1,463 @@
+/* bico_procrustes: from a cross-covariance C to R = U V^T (thin SVD in
+ * double through LAPACK), with centering, whitening, numerical rank and the
+ * completion of a rank-deficient statistic. */
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+#include "lapack.h"
+
+struct bico_procrustes {
+  bico_ctx *ctx;
+  int center;
+  double whiten;
+  double eps;
+  double tol;
+  int null_mode;
+  double *spec; /* singular values of the last successful solve */
+  size_t spec_count;
+};
+
+static const char *param_name(int param) {
+  switch (param) {
+    case BICO_PROC_CENTER: return "BICO_PROC_CENTER";
+    case BICO_PROC_WHITEN: return "BICO_PROC_WHITEN";
+    case BICO_PROC_WHITEN_EPS: return "BICO_PROC_WHITEN_EPS";
+    case BICO_PROC_RANK_TOL: return "BICO_PROC_RANK_TOL";
+    case BICO_PROC_NULL: return "BICO_PROC_NULL";
+    default: return "unknown";
+  }
+}
+
+bico_status bico_procrustes_create(bico_ctx *ctx, bico_procrustes **out) {
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "procrustes_create: out is NULL");
+  *out = NULL;
+  bico_procrustes *p = bico__alloc(ctx, sizeof *p);
+  if (p == NULL) return BICO_E_NOMEM;
+  p->ctx = ctx;
+  p->center = 0;
+  p->whiten = 0.0;
+  p->eps = 1e-6;
+  p->tol = 1e-5;
+  p->null_mode = BICO_NULL_KEEP;
+  p->spec = NULL;
+  p->spec_count = 0;
+  *out = p;
+  return BICO_OK;
+}
+
+void bico_procrustes_free(bico_procrustes *p) {
+  if (p == NULL) return;
+  bico_ctx *ctx = p->ctx;
+  bico__free(ctx, p->spec);
+  bico__free(ctx, p);
+}
+
+/* Bounds are inclusive.  RANK_TOL must stay below 1 (else nothing would
+ * count towards the rank), so its upper bound is the double just below 1;
+ * WHITEN_EPS must be positive, so its lower bound is the smallest normal. */
+bico_status bico_procrustes_param_bounds(int param, double *lo, double *hi) {
+  if (lo == NULL || hi == NULL) return BICO_E_NULL;
+  switch (param) {
+    case BICO_PROC_CENTER: *lo = 0; *hi = 1; return BICO_OK;
+    case BICO_PROC_WHITEN: *lo = 0; *hi = 0.5; return BICO_OK;
+    case BICO_PROC_WHITEN_EPS: *lo = DBL_MIN; *hi = DBL_MAX; return BICO_OK;
+    case BICO_PROC_RANK_TOL: *lo = 0; *hi = nextafter(1.0, 0.0); return BICO_OK;
+    case BICO_PROC_NULL: *lo = BICO_NULL_KEEP; *hi = BICO_NULL_DROP; return BICO_OK;
+    default: return BICO_E_ARG;
+  }
+}
+
+bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
+                                      double value) {
+  if (p == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = p->ctx;
+  bico__clear(ctx);
+  double lo, hi;
+  if (bico_procrustes_param_bounds(param, &lo, &hi) != BICO_OK)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "procrustes_set_param: unknown parameter %d", param);
+  if (!(value >= lo && value <= hi)) /* also rejects NaN */
+    return bico__fail(ctx, BICO_E_ARG,
+                      "procrustes_set_param: %s = %g is outside [%g, %g]",
+                      param_name(param), value, lo, hi);
+  int integral = param == BICO_PROC_CENTER || param == BICO_PROC_NULL;
+  if (integral && value != floor(value))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "procrustes_set_param: %s = %g must be an integer",
+                      param_name(param), value);
+  switch (param) {
+    case BICO_PROC_CENTER: p->center = (int)value; break;
+    case BICO_PROC_WHITEN: p->whiten = value; break;
+    case BICO_PROC_WHITEN_EPS: p->eps = value; break;
+    case BICO_PROC_RANK_TOL: p->tol = value; break;
+    case BICO_PROC_NULL: p->null_mode = (int)value; break;
+  }
+  return BICO_OK;
+}
+
+bico_status bico_procrustes_get_param(const bico_procrustes *p, int param,
+                                      double *value) {
+  if (p == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = p->ctx;
+  bico__clear(ctx);
+  if (value == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "procrustes_get_param: value is NULL");
+  switch (param) {
+    case BICO_PROC_CENTER: *value = p->center; return BICO_OK;
+    case BICO_PROC_WHITEN: *value = p->whiten; return BICO_OK;
+    case BICO_PROC_WHITEN_EPS: *value = p->eps; return BICO_OK;
+    case BICO_PROC_RANK_TOL: *value = p->tol; return BICO_OK;
+    case BICO_PROC_NULL: *value = p->null_mode; return BICO_OK;
+    default:
+      return bico__fail(ctx, BICO_E_ARG,
+                        "procrustes_get_param: unknown parameter %d", param);
+  }
+}
+
+bico_status bico_procrustes_spectrum(const bico_procrustes *p, double *s,
+                                     size_t cap, size_t *count) {
+  if (p == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = p->ctx;
+  bico__clear(ctx);
+  if (count == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "procrustes_spectrum: count is NULL");
+  if (s == NULL && cap > 0)
+    return bico__fail(ctx, BICO_E_NULL,
+                      "procrustes_spectrum: s is NULL with cap = %zu", cap);
+  size_t n = p->spec_count < cap ? p->spec_count : cap;
+  if (n > 0) memcpy(s, p->spec, n * sizeof(double));
+  *count = p->spec_count;
+  return BICO_OK;
+}
+
+/* Workspace size from a LAPACK query, as an int LAPACK accepts. */
+static int query_to_int(double w, int *out) {
+  if (!(w >= 1.0) || w >= (double)INT_MAX) {
+    if (w >= 1.0) return 1;
+    w = 1.0;
+  }
+  *out = (int)ceil(w);
+  return 0;
+}
+
+/* Replaces the symmetric n x n matrix g by (max(g, 0) + eps I)^(-power),
+ * through the eigendecomposition g = Q diag(w) Q^T.  Clamping the
+ * eigenvalues keeps the tiny negative ones rounding gives a PSD Gram from
+ * blowing up. */
+static bico_status inverse_power(bico_procrustes *p, const char *fn,
+                                 double *g, size_t n, double power) {
+  bico_ctx *ctx = p->ctx;
+  const int ni = (int)n;
+  int info = 0, lwork = -1, liwork = -1, iwq = 0;
+  double wq = 0;
+  bico_status st = BICO_OK;
+  double *w = NULL, *work = NULL, *tmp = NULL, *save = NULL;
+  int *iwork = NULL;
+
+  w = bico__calloc(ctx, n, sizeof(double));
+  tmp = bico__calloc(ctx, n * n, sizeof(double));
+  save = bico__calloc(ctx, n * n, sizeof(double));
+  if (w == NULL || tmp == NULL || save == NULL) { st = BICO_E_NOMEM; goto done; }
+  memcpy(save, g, n * n * sizeof(double));
+
+  /* g is symmetric, so row- and column-major storage are the same. */
+  dsyevd_("V", "U", &ni, g, &ni, w, &wq, &lwork, &iwq, &liwork, &info, 1, 1);
+  if (info != 0 || query_to_int(wq, &lwork) || iwq < 1) {
+    st = bico__fail(ctx, BICO_E_INTERNAL,
+                    "%s: dsyevd workspace query failed (info %d)", fn, info);
+    goto done;
+  }
+  liwork = iwq;
+  work = bico__calloc(ctx, (size_t)lwork, sizeof(double));
+  iwork = bico__calloc(ctx, (size_t)liwork, sizeof(int));
+  if (work == NULL || iwork == NULL) { st = BICO_E_NOMEM; goto done; }
+  dsyevd_("V", "U", &ni, g, &ni, w, work, &lwork, iwork, &liwork, &info, 1, 1);
+  if (info > 0) {
+    /* Divide and conquer failed: retry with the QR algorithm. */
+    memcpy(g, save, n * n * sizeof(double));
+    bico__free(ctx, work);
+    work = NULL;
+    lwork = -1;
+    dsyev_("V", "U", &ni, g, &ni, w, &wq, &lwork, &info, 1, 1);
+    if (info != 0 || query_to_int(wq, &lwork)) {
+      st = bico__fail(ctx, BICO_E_INTERNAL,
+                      "%s: dsyev workspace query failed (info %d)", fn, info);
+      goto done;
+    }
+    work = bico__calloc(ctx, (size_t)lwork, sizeof(double));
+    if (work == NULL) { st = BICO_E_NOMEM; goto done; }
+    dsyev_("V", "U", &ni, g, &ni, w, work, &lwork, &info, 1, 1);
+    if (info > 0) {
+      st = bico__fail(ctx, BICO_E_NUMERIC,
+                      "%s: the eigendecomposition of the %zu x %zu Gram "
+                      "matrix did not converge (dsyevd, dsyev info %d)",
+                      fn, n, n, info);
+      goto done;
+    }
+  }
+  if (info < 0) {
+    st = bico__fail(ctx, BICO_E_INTERNAL, "%s: dsyevd rejected argument %d",
+                    fn, -info);
+    goto done;
+  }
+  /* Column j of the column-major Q is row j of the row-major buffer qt:
+   * qt = Q^T.  Result Q f(W) Q^T = qt^T (f(W) qt). */
+  for (size_t j = 0; j < n; j++) {
+    double f = pow((w[j] > 0 ? w[j] : 0.0) + p->eps, -power);
+    for (size_t i = 0; i < n; i++) tmp[j * n + i] = f * g[j * n + i];
+  }
+  memcpy(save, g, n * n * sizeof(double));
+  bico__dgemm(ctx, 1, 0, n, n, n, 1.0, save, n, tmp, n, 0.0, g, n);
+done:
+  bico__free(ctx, w);
+  bico__free(ctx, tmp);
+  bico__free(ctx, save);
+  bico__free(ctx, work);
+  bico__free(ctx, iwork);
+  return st;
+}
+
+/* R from the statistic m (d_a x d_b, row-major, contiguous; destroyed).
+ *
+ * LAPACK is column-major: the row-major m is, as LAPACK sees it, the
+ * d_b x d_a matrix M^T.  Its thin SVD M^T = U' S V'^T gives M = V' S U'^T,
+ * so U = V' and V = U', and R = U V^T = V' U'^T.  Read back row-major, the
+ * column-major U' buffer (d_b x mn, ld d_b) is U'^T (mn x d_b) and the
+ * column-major V'^T buffer (mn x d_a, ld mn) is V' (d_a x mn): R is the
+ * plain row-major product of those two buffers. */
+static bico_status solve_core(bico_procrustes *p, const char *fn,
+                              size_t d_a, size_t d_b, double *m, float *r,
+                              size_t ld_r, size_t *rank) {
+  bico_ctx *ctx = p->ctx;
+  const size_t mn = d_a < d_b ? d_a : d_b;
+  bico_status st = BICO_OK;
+  double *s = NULL, *u = NULL, *vt = NULL, *work = NULL, *save = NULL;
+  int *iwork = NULL;
+  size_t k = 0;
+
+  if (d_a > INT_MAX || d_b > INT_MAX || (d_a * d_b) / d_a != d_b)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: %zu x %zu exceeds what LAPACK can index", fn, d_a,
+                      d_b);
+  const size_t total = d_a * d_b;
+  /* The input was checked finite; only whitening can overflow here. */
+  for (size_t i = 0; i < total; i++)
+    if (!isfinite(m[i]))
+      return bico__fail(ctx, BICO_E_NUMERIC,
+                        "%s: the whitened statistic overflowed at row %zu, "
+                        "column %zu",
+                        fn, i / d_b, i % d_b);
+
+  s = bico__calloc(ctx, mn, sizeof(double));
+  if (s == NULL) return BICO_E_NOMEM;
+
+  int zero = 1;
+  for (size_t i = 0; i < total && zero; i++) zero = m[i] == 0.0;
+
+  if (!zero) {
+    const int mi = (int)d_b, ni = (int)d_a, mni = (int)mn;
+    int info = 0, lwork = -1;
+    double wq = 0;
+    u = bico__calloc(ctx, mn, d_b * sizeof(double));
+    vt = bico__calloc(ctx, mn, d_a * sizeof(double));
+    save = bico__calloc(ctx, total, sizeof(double));
+    iwork = bico__calloc(ctx, mn, 8 * sizeof(int));
+    if (u == NULL || vt == NULL || save == NULL || iwork == NULL) {
+      st = BICO_E_NOMEM;
+      goto done;
+    }
+    memcpy(save, m, total * sizeof(double)); /* dgesdd destroys its input */
+    dgesdd_("S", &mi, &ni, m, &mi, s, u, &mi, vt, &mni, &wq, &lwork, iwork,
+            &info, 1);
+    if (info != 0 || query_to_int(wq, &lwork)) {
+      st = bico__fail(ctx, BICO_E_INTERNAL,
+                      "%s: dgesdd workspace query failed (info %d)", fn, info);
+      goto done;
+    }
+    work = bico__calloc(ctx, (size_t)lwork, sizeof(double));
+    if (work == NULL) { st = BICO_E_NOMEM; goto done; }
+    dgesdd_("S", &mi, &ni, m, &mi, s, u, &mi, vt, &mni, work, &lwork, iwork,
+            &info, 1);
+    if (info > 0) {
+      /* dgesdd did not converge: the slower QR-based dgesvd usually does. */
+      memcpy(m, save, total * sizeof(double));
+      bico__free(ctx, work);
+      work = NULL;
+      lwork = -1;
+      dgesvd_("S", "S", &mi, &ni, m, &mi, s, u, &mi, vt, &mni, &wq, &lwork,
+              &info, 1, 1);
+      if (info != 0 || query_to_int(wq, &lwork)) {
+        st = bico__fail(ctx, BICO_E_INTERNAL,
+                        "%s: dgesvd workspace query failed (info %d)", fn,
+                        info);
+        goto done;
+      }
+      work = bico__calloc(ctx, (size_t)lwork, sizeof(double));
+      if (work == NULL) { st = BICO_E_NOMEM; goto done; }
+      dgesvd_("S", "S", &mi, &ni, m, &mi, s, u, &mi, vt, &mni, work, &lwork,
+              &info, 1, 1);
+      if (info > 0) {
+        st = bico__fail(ctx, BICO_E_NUMERIC,
+                        "%s: the SVD of the %zu x %zu statistic did not "
+                        "converge (dgesdd, then dgesvd info %d)",
+                        fn, d_a, d_b, info);
+        goto done;
+      }
+    }
+    if (info < 0) {
+      st = bico__fail(ctx, BICO_E_INTERNAL, "%s: LAPACK rejected argument %d",
+                      fn, -info);
+      goto done;
+    }
+    const double cut = p->tol * s[0];
+    for (size_t i = 0; i < mn; i++)
+      if (s[i] > cut) k++;
+  }
+
+  /* m is free now: it receives R in double. */
+  if (zero || s[0] == 0.0) {
+    k = 0;
+    memset(m, 0, total * sizeof(double));
+    /* No direction is identified: KEEP falls back to the rectangular
+     * identity (a valid semi-orthogonal map), DROP maps everything to 0. */
+    if (p->null_mode == BICO_NULL_KEEP)
+      for (size_t i = 0; i < mn; i++) m[i * d_b + i] = 1.0;
+  } else {
+    size_t kk = p->null_mode == BICO_NULL_KEEP ? mn : k;
+    bico__dgemm(ctx, 0, 0, d_a, d_b, kk, 1.0, vt, mn, u, d_b, 0.0, m, d_b);
+  }
+  for (size_t i = 0; i < d_a; i++)
+    for (size_t j = 0; j < d_b; j++) r[i * ld_r + j] = (float)m[i * d_b + j];
+
+  bico__free(ctx, p->spec);
+  p->spec = s;
+  p->spec_count = mn;
+  s = NULL;
+  if (rank) *rank = k;
+done:
+  bico__free(ctx, s);
+  bico__free(ctx, u);
+  bico__free(ctx, vt);
+  bico__free(ctx, save);
+  bico__free(ctx, work);
+  bico__free(ctx, iwork);
+  return st;
+}
+
+bico_status bico_procrustes_solve(bico_procrustes *p, const bico_xcov *xc,
+                                  float *r, size_t ld_r, size_t *rank) {
+  static const char fn[] = "procrustes_solve";
+  if (p == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = p->ctx;
+  bico__clear(ctx);
+  if (xc == NULL || r == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      xc == NULL ? "xc" : "r");
+  size_t d_a = 0, d_b = 0;
+  unsigned flags = 0;
+  bico_xcov_info(xc, &d_a, &d_b, NULL, &flags);
+  if (p->center && !(flags & BICO_XCOV_SUMS))
+    return bico__fail(ctx, BICO_E_STATE,
+                      "%s: centering (BICO_PROC_CENTER = 1) needs an "
+                      "accumulator created with BICO_XCOV_SUMS",
+                      fn);
+  if (p->whiten > 0 && !(flags & BICO_XCOV_GRAMS))
+    return bico__fail(ctx, BICO_E_STATE,
+                      "%s: whitening (BICO_PROC_WHITEN = %g) needs an "
+                      "accumulator created with BICO_XCOV_GRAMS",
+                      fn, p->whiten);
+  if (ld_r < d_b)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: row stride ld_r = %zu is below d_b = %zu", fn, ld_r,
+                      d_b);
+  size_t total;
+  if (bico__mul(d_a, d_b, &total))
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: %zu x %zu overflows", fn, d_a,
+                      d_b);
+  bico_status st = BICO_OK;
+  double *m = NULL, *ga = NULL, *gb = NULL, *t = NULL;
+  m = bico__calloc(ctx, total, sizeof(double));
+  if (m == NULL) return BICO_E_NOMEM;
+  /* The accumulator's own ctx records nothing here: every condition it
+   * could fail on (flags, strides) was checked above. */
+  if (bico_xcov_matrix(xc, BICO_XCOV_CROSS, p->center, m, d_b) != BICO_OK) {
+    st = bico__fail(ctx, BICO_E_INTERNAL, "%s: reading the accumulator failed",
+                    fn);
+    goto done;
+  }
+  if (p->whiten > 0) {
+    /* With centering on, the Grams are centered too, so that C and its
+     * whitening describe the same (mean-free) data. */
+    ga = bico__calloc(ctx, d_a, d_a * sizeof(double));
+    gb = bico__calloc(ctx, d_b, d_b * sizeof(double));
+    t = bico__calloc(ctx, total, sizeof(double));
+    if (ga == NULL || gb == NULL || t == NULL) { st = BICO_E_NOMEM; goto done; }
+    if (bico_xcov_matrix(xc, BICO_XCOV_GRAM_A, p->center, ga, d_a) != BICO_OK ||
+        bico_xcov_matrix(xc, BICO_XCOV_GRAM_B, p->center, gb, d_b) != BICO_OK) {
+      st = bico__fail(ctx, BICO_E_INTERNAL,
+                      "%s: reading the Gram matrices failed", fn);
+      goto done;
+    }
+    st = inverse_power(p, fn, ga, d_a, p->whiten);
+    if (st == BICO_OK) st = inverse_power(p, fn, gb, d_b, p->whiten);
+    if (st != BICO_OK) goto done;
+    bico__dgemm(ctx, 0, 0, d_a, d_b, d_a, 1.0, ga, d_a, m, d_b, 0.0, t, d_b);
+    bico__dgemm(ctx, 0, 0, d_a, d_b, d_b, 1.0, t, d_b, gb, d_b, 0.0, m, d_b);
+  }
+  st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank);
+done:
+  bico__free(ctx, m);
+  bico__free(ctx, ga);
+  bico__free(ctx, gb);
+  bico__free(ctx, t);
+  return st;
+}
+
+bico_status bico_procrustes_solve_matrix(bico_procrustes *p, size_t d_a,
+                                         size_t d_b, const double *c,
+                                         size_t ld_c, float *r, size_t ld_r,
+                                         size_t *rank) {
+  static const char fn[] = "procrustes_solve_matrix";
+  if (p == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = p->ctx;
+  bico__clear(ctx);
+  if (c == NULL || r == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      c == NULL ? "c" : "r");
+  if (p->center || p->whiten > 0)
+    return bico__fail(ctx, BICO_E_STATE,
+                      "%s: %s needs an accumulator (use procrustes_solve); a "
+                      "bare matrix carries no sums or Grams",
+                      fn,
+                      p->center ? "centering (BICO_PROC_CENTER)"
+                                : "whitening (BICO_PROC_WHITEN)");
+  if (d_a == 0 || d_b == 0)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: dimensions must be positive, got d_a = %zu, d_b = "
+                      "%zu",
+                      fn, d_a, d_b);
+  if (ld_c < d_b || ld_r < d_b)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: row stride %s = %zu is below d_b = %zu", fn,
+                      ld_c < d_b ? "ld_c" : "ld_r", ld_c < d_b ? ld_c : ld_r,
+                      d_b);
+  size_t total;
+  if (bico__mul(d_a, d_b, &total))
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: %zu x %zu overflows", fn, d_a,
+                      d_b);
+  bico_status st = bico__check_finite_f64(ctx, fn, "c", c, d_a, d_b, ld_c);
+  if (st != BICO_OK) return st;
+  double *m = bico__calloc(ctx, total, sizeof(double));
+  if (m == NULL) return BICO_E_NOMEM;
+  for (size_t i = 0; i < d_a; i++)
+    memcpy(m + i * d_b, c + i * ld_c, d_b * sizeof(double));
+  st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank);
+  bico__free(ctx, m);
+  return st;
+}
