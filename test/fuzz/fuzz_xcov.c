@@ -60,26 +60,42 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   free(c);
 
-  bico_procrustes *p = NULL;
-  FUZZ_REQUIRE(bico_procrustes_create(ctx, &p) == BICO_OK);
-  float *r = malloc(d_a * d_b * sizeof *r);
-  FUZZ_REQUIRE(r != NULL);
-  size_t rank = 0;
-  st = bico_procrustes_solve(p, xc, r, d_b, &rank);
-  if (st == BICO_OK) {
-    FUZZ_REQUIRE(rank <= (d_a < d_b ? d_a : d_b));
-    for (size_t i = 0; i < d_a * d_b; i++) {
-      FUZZ_REQUIRE(isfinite(r[i]));
-      /* Entries of a matrix with orthonormal rows or columns. */
-      FUZZ_REQUIRE(fabsf(r[i]) <= 1.0f + 1e-3f);
+  /* The solver in the configurations the flags allow: plain, centered,
+   * whitened, both, and with the rank-dropping completion. */
+  for (int config = 0; config < 5; config++) {
+    int center = config == 1 || config == 3;
+    double whiten = (config == 2 || config == 3) ? 0.5 : 0.0;
+    if (center && !(flags & BICO_XCOV_SUMS)) continue;
+    if (whiten > 0 && !(flags & BICO_XCOV_GRAMS)) continue;
+    bico_procrustes *p = NULL;
+    FUZZ_REQUIRE(bico_procrustes_create(ctx, &p) == BICO_OK);
+    FUZZ_REQUIRE(bico_procrustes_set_param(p, BICO_PROC_CENTER, center) ==
+                 BICO_OK);
+    FUZZ_REQUIRE(bico_procrustes_set_param(p, BICO_PROC_WHITEN, whiten) ==
+                 BICO_OK);
+    if (config == 4)
+      FUZZ_REQUIRE(bico_procrustes_set_param(p, BICO_PROC_NULL,
+                                             BICO_NULL_DROP) == BICO_OK);
+    float *r = malloc(d_a * d_b * sizeof *r);
+    FUZZ_REQUIRE(r != NULL);
+    size_t rank = 0;
+    st = bico_procrustes_solve(p, xc, r, d_b, &rank);
+    if (st == BICO_OK) {
+      FUZZ_REQUIRE(rank <= (d_a < d_b ? d_a : d_b));
+      for (size_t i = 0; i < d_a * d_b; i++) {
+        FUZZ_REQUIRE(isfinite(r[i]));
+        /* Entries of a matrix with orthonormal rows or columns (or a
+         * partial isometry). */
+        FUZZ_REQUIRE(fabsf(r[i]) <= 1.0f + 1e-3f);
+      }
+    } else {
+      fuzz_check_failure(ctx, st);
+      FUZZ_REQUIRE(st == BICO_E_NUMERIC || st == BICO_E_NONFINITE ||
+                   st == BICO_E_NOMEM);
     }
-  } else {
-    fuzz_check_failure(ctx, st);
-    FUZZ_REQUIRE(st == BICO_E_NUMERIC || st == BICO_E_NONFINITE ||
-                 st == BICO_E_NOMEM || st == BICO_E_STATE);
+    free(r);
+    bico_procrustes_free(p);
   }
-  free(r);
-  bico_procrustes_free(p);
   bico_xcov_free(xc);
   bico_ctx_free(ctx);
   return 0;
