@@ -514,3 +514,56 @@ TEST(XcovTest, EveryAllocationThroughTheContext) {
   bico_ctx_free(ctx);
   EXPECT_EQ(cnt.live, 0);
 }
+
+namespace {
+struct Failing {
+  long live = 0, count = 0, fail_at = 0;
+};
+void *fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count >= f->fail_at && f->fail_at > 0) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
+}
+}  // namespace
+
+// Allocation failures in create, add and deserialize: BICO_E_NOMEM, nothing
+// leaked, and add leaves the accumulator as it was.
+TEST(XcovTest, OutOfMemory) {
+  Failing f;
+  bico_ctx *ctx = nullptr;
+  ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+  bico_xcov *xc = nullptr;
+  for (long k = 1; k <= 2; k++) {  // the handle, then its data
+    f.fail_at = f.count + k;
+    EXPECT_EQ(bico_xcov_create(ctx, 3, 2, 3, &xc), BICO_E_NOMEM);
+    EXPECT_EQ(xc, nullptr);
+    EXPECT_EQ(f.live, 1);
+  }
+  f.fail_at = 0;
+  ASSERT_EQ(bico_xcov_create(ctx, 3, 2, 3, &xc), BICO_OK);
+  bt::Rng g(10);
+  FRows a(bt::randn(g, 5, 3), 3), b(bt::randn(g, 5, 2), 2);
+  const std::vector<unsigned char> before = ser(xc);
+  f.fail_at = f.count + 1;
+  EXPECT_EQ(bico_xcov_add(xc, 5, a.row(0), 3, b.row(0), 2), BICO_E_NOMEM);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "out of memory"));
+  f.fail_at = 0;
+  EXPECT_EQ(ser(xc), before);
+  for (long k = 1; k <= 2; k++) {
+    bico_xcov *back = nullptr;
+    f.fail_at = f.count + k;
+    EXPECT_EQ(bico_xcov_deserialize(ctx, before.data(), before.size(), &back),
+              BICO_E_NOMEM);
+    EXPECT_EQ(back, nullptr);
+    f.fail_at = 0;
+  }
+  bico_xcov_free(xc);
+  EXPECT_EQ(f.live, 1);
+  bico_ctx_free(ctx);
+}
