@@ -1,0 +1,214 @@
+// Context, status and version API: allocator hooks, parameters, messages.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bico/bico.h"
+#include "testutil.h"
+
+namespace {
+
+TEST(Status, VersionMacrosMatchLibrary) {
+  EXPECT_EQ(bico_version_number(), (unsigned)BICO_VERSION_NUMBER);
+  EXPECT_STREQ(bico_version_string(), BICO_VERSION_STRING);
+  std::string s = std::to_string(BICO_VERSION_MAJOR) + "." +
+                  std::to_string(BICO_VERSION_MINOR) + "." +
+                  std::to_string(BICO_VERSION_PATCH);
+  EXPECT_EQ(s, bico_version_string());
+  EXPECT_EQ(bico_version_number(),
+            (unsigned)(BICO_VERSION_MAJOR * 10000 + BICO_VERSION_MINOR * 100 +
+                       BICO_VERSION_PATCH));
+}
+
+TEST(Status, StrerrorTextsAreDistinct) {
+  std::set<std::string> seen;
+  for (int c = BICO_OK; c <= BICO_E_INTERNAL; c++) {
+    const char *t = bico_strerror(c);
+    ASSERT_NE(t, nullptr);
+    EXPECT_GT(std::strlen(t), 0u) << c;
+    EXPECT_STRNE(t, "unknown status") << c;
+    EXPECT_TRUE(seen.insert(t).second) << "duplicate text for " << c;
+  }
+  for (int c : {-1, BICO_E_INTERNAL + 1, 9999})
+    EXPECT_STREQ(bico_strerror(c), "unknown status");
+}
+
+TEST(Ctx, CreateAndFree) {
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_create(nullptr));
+  bico_ctx *ctx = nullptr;
+  ASSERT_EQ(BICO_OK, bico_ctx_create(&ctx));
+  ASSERT_NE(ctx, nullptr);
+  EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
+  long th = 0;
+  ASSERT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &th));
+  EXPECT_EQ(th, 1);  // documented default
+  bico_ctx_free(ctx);
+  bico_ctx_free(nullptr);
+  EXPECT_NE(bico_ctx_errmsg(nullptr), nullptr);
+}
+
+struct Counter {
+  long allocs = 0, frees = 0;
+  size_t bytes = 0;
+  long limit = -1;  // >= 0: refuse every allocation after this many
+};
+void *count_alloc(void *o, size_t n) {
+  Counter *c = static_cast<Counter *>(o);
+  if (c->limit >= 0 && c->allocs >= c->limit) return nullptr;
+  c->allocs++;
+  c->bytes += n;
+  return std::malloc(n);
+}
+void count_free(void *o, void *p) {
+  if (p != nullptr) static_cast<Counter *>(o)->frees++;
+  std::free(p);
+}
+
+TEST(Ctx, AllocatorHooksAreUsed) {
+  Counter c;
+  bico_ctx *ctx = nullptr;
+  EXPECT_EQ(BICO_E_NULL,
+            bico_ctx_create_with_allocator(&ctx, nullptr, count_free, &c));
+  EXPECT_EQ(BICO_E_NULL,
+            bico_ctx_create_with_allocator(&ctx, count_alloc, nullptr, &c));
+  EXPECT_EQ(BICO_E_NULL,
+            bico_ctx_create_with_allocator(nullptr, count_alloc, count_free, &c));
+  ASSERT_EQ(BICO_OK,
+            bico_ctx_create_with_allocator(&ctx, count_alloc, count_free, &c));
+  EXPECT_EQ(c.allocs, 1);  // the context itself
+
+  // A weight transport with both maps needs one temporary.
+  bt::Rng g(51);
+  auto tau = bt::randn(g, 6, 5).f32(), ro = bt::randn(g, 6, 4).f32(),
+       ri = bt::randn(g, 5, 3).f32();
+  std::vector<float> out(12);
+  long a0 = c.allocs, f0 = c.frees;
+  ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, 6, 5, tau.data(), 5, ro.data(),
+                                           4, 4, ri.data(), 3, 3, 1.0f, 0.0f,
+                                           out.data(), 3));
+  EXPECT_EQ(c.allocs - a0, 1);
+  EXPECT_EQ(c.frees - f0, 1);
+  // One-sided transports need none.
+  a0 = c.allocs;
+  ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, 6, 5, tau.data(), 5, nullptr,
+                                           4, 4, ri.data(), 3, 3, 1.0f, 0.0f,
+                                           out.data(), 3));
+  EXPECT_EQ(c.allocs, a0);
+
+  // Handles allocate through their context too.
+  bico_votes *v = nullptr;
+  bico_depthmap *m = nullptr;
+  a0 = c.allocs;
+  ASSERT_EQ(BICO_OK, bico_votes_create(ctx, 10, BICO_VOTES_MEAN, &v));
+  ASSERT_EQ(BICO_OK, bico_depthmap_create(ctx, 3, 5, &m));
+  EXPECT_GT(c.allocs, a0 + 1);
+  bico_votes_free(v);
+  bico_depthmap_free(m);
+  EXPECT_EQ(c.allocs, c.frees + 1);  // only the context is left
+  bico_ctx_free(ctx);
+  EXPECT_EQ(c.allocs, c.frees);
+}
+
+// An allocator that refuses: creation fails, and so does a transport whose
+// temporary cannot be had, with a message, leaving out untouched.
+TEST(Ctx, AllocationFailureIsReported) {
+  Counter c;
+  c.limit = 0;
+  bico_ctx *ctx = nullptr;
+  ASSERT_EQ(BICO_E_NOMEM,
+            bico_ctx_create_with_allocator(&ctx, count_alloc, count_free, &c));
+  EXPECT_EQ(ctx, nullptr);
+  c.limit = 1;
+  ASSERT_EQ(BICO_OK,
+            bico_ctx_create_with_allocator(&ctx, count_alloc, count_free, &c));
+  float tau[4] = {1, 2, 3, 4}, r[4] = {1, 0, 0, 1}, out[4] = {7, 7, 7, 7};
+  EXPECT_EQ(BICO_E_NOMEM, bico_transport_weight(ctx, 2, 2, tau, 2, r, 2, 2, r,
+                                                2, 2, 1.0f, 0.0f, out, 2));
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("out of memory"),
+            std::string::npos);
+  for (float x : out) EXPECT_EQ(x, 7.0f);
+  bico_votes *v = nullptr;
+  EXPECT_EQ(BICO_E_NOMEM, bico_votes_create(ctx, 4, 0, &v));
+  EXPECT_EQ(v, nullptr);
+  // votes_create's second allocation fails: the first is given back.
+  c.limit = 2;
+  EXPECT_EQ(BICO_E_NOMEM, bico_votes_create(ctx, 4, 0, &v));
+  EXPECT_EQ(c.allocs, c.frees + 1);
+  bico_ctx_free(ctx);
+  EXPECT_EQ(c.allocs, c.frees);
+}
+
+TEST(Ctx, ThreadsParameter) {
+  bt::Ctx ctx;
+  long lo = 0, hi = 0, v = 0;
+  ASSERT_EQ(BICO_OK, bico_ctx_param_bounds(BICO_CTX_THREADS, &lo, &hi));
+  EXPECT_EQ(lo, 1);
+  EXPECT_EQ(hi, 1024);
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_param_bounds(BICO_CTX_THREADS, nullptr, &hi));
+  EXPECT_EQ(BICO_E_ARG, bico_ctx_param_bounds(999, &lo, &hi));
+
+  for (long t : {lo, 2L, hi}) {
+    ASSERT_EQ(BICO_OK, bico_ctx_set_param(ctx, BICO_CTX_THREADS, t));
+    ASSERT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &v));
+    EXPECT_EQ(v, t);
+  }
+  ASSERT_EQ(BICO_OK, bico_ctx_set_param(ctx, BICO_CTX_THREADS, 3));
+  for (long bad : {lo - 1, hi + 1, -5L}) {
+    EXPECT_EQ(BICO_E_ARG, bico_ctx_set_param(ctx, BICO_CTX_THREADS, bad));
+    std::string msg = bico_ctx_errmsg(ctx);
+    EXPECT_NE(msg.find(std::to_string(bad)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[1, 1024]"), std::string::npos) << msg;
+  }
+  ASSERT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &v));
+  EXPECT_EQ(v, 3);  // a rejected value changes nothing
+  EXPECT_EQ(BICO_E_ARG, bico_ctx_set_param(ctx, 42, 1));
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("unknown parameter 42"),
+            std::string::npos);
+  EXPECT_EQ(BICO_E_ARG, bico_ctx_get_param(ctx, 42, &v));
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_get_param(ctx, BICO_CTX_THREADS, nullptr));
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_set_param(nullptr, BICO_CTX_THREADS, 1));
+}
+
+// More threads must not change the answer beyond rounding.
+TEST(Ctx, ThreadedTransportAgrees) {
+  bt::Rng g(52);
+  bt::Ctx one, two;
+  ASSERT_EQ(BICO_OK, bico_ctx_set_param(two, BICO_CTX_THREADS, 2));
+  const size_t m = 96, n = 80;
+  auto tau = bt::randn(g, m, n).f32(), ro = bt::randn(g, m, m).f32(),
+       ri = bt::randn(g, n, n).f32();
+  std::vector<float> a(m * n), b(m * n);
+  ASSERT_EQ(BICO_OK, bico_transport_weight(one, m, n, tau.data(), n, ro.data(),
+                                           m, m, ri.data(), n, n, 1.0f, 0.0f,
+                                           a.data(), n));
+  ASSERT_EQ(BICO_OK, bico_transport_weight(two, m, n, tau.data(), n, ro.data(),
+                                           m, m, ri.data(), n, n, 1.0f, 0.0f,
+                                           b.data(), n));
+  bt::Mat ma = bt::Mat::from(a.data(), m, n, n), mb = bt::Mat::from(b.data(), m, n, n);
+  EXPECT_LT(bt::relerr(ma, mb), 1e-5);
+}
+
+TEST(Ctx, ErrmsgClearedBySuccessfulCall) {
+  bt::Ctx ctx;
+  EXPECT_EQ(BICO_E_ARG, bico_ctx_set_param(ctx, BICO_CTX_THREADS, 0));
+  EXPECT_STRNE(bico_ctx_errmsg(ctx), "");
+  ASSERT_EQ(BICO_OK, bico_ctx_set_param(ctx, BICO_CTX_THREADS, 1));
+  EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
+
+  // Across functions: a failed transport, then a successful baseline.
+  float tau[4] = {1, 2, 3, 4}, out[4];
+  EXPECT_EQ(BICO_E_SHAPE, bico_transport_weight(ctx, 2, 2, tau, 1, nullptr, 2,
+                                                2, nullptr, 2, 2, 1.0f, 0.0f,
+                                                out, 2));
+  EXPECT_STRNE(bico_ctx_errmsg(ctx), "");
+  const size_t s[] = {4};
+  ASSERT_EQ(BICO_OK,
+            bico_baseline_naive(ctx, 1, s, 1, s, tau, 1.0f, 0.0f, out));
+  EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
+}
+
+}  // namespace
