@@ -159,6 +159,24 @@ deps:
 clean:
 	rm -rf build
 
+# ---- safetensors/JSON interop helpers (test/st_tool.c, test/json_tool.c) ----
+# A small driver of the safetensors API that the Python interop tests
+# (test/python/test_safetensors_interop.py) run; built with the test binary.
+ST_TOOL := $(BUILD)/test/st_tool
+$(ST_TOOL): test/st_tool.c $(SHLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(LDFLAGS)
+# The internal JSON reader/writer driven from Python
+# (test/python/test_json_interop.py): links the static library, where the
+# internal symbols are visible.
+JSON_TOOL := $(BUILD)/test/json_tool
+$(JSON_TOOL): test/json_tool.c lib/json.h $(STLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -Ilib -o $@ $< \
+	  $(STLIB) $(LDSAN) $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread $(LDFLAGS)
+$(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
+
 # ---- robustness ----
 # Fuzzing, the ABI gate, header hygiene and leak checking (docs/reliability.md).
 .PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump header-check leak-check

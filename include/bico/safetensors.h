@@ -19,7 +19,9 @@
  * shape) are allowed.  A rejection is BICO_E_FORMAT (BICO_E_IO for an OS
  * error, BICO_E_UNSUPPORTED for a valid dtype this version cannot read such
  * as F8_E4M3) with a message naming the file, the tensor (if any) and the
- * reason.
+ * reason.  The file stays mapped until bico_stfile_close: it must not be
+ * truncated meanwhile (reading a truncated mapping raises SIGBUS); replace
+ * it by renaming a new file into place, as bico_stwriter does.
  *
  * Writing: a bico_stwriter writes into a temporary file in the output's
  * folder, named ".<basename>.bico-tmp.XXXXXX", and bico_stwriter_commit
