@@ -94,7 +94,7 @@ $(BUILD)/lib/bico.pc: bico.pc.in include/bico/version.h
 $(BUILD)/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB)
 	@mkdir -p $(@D)
 	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $(TOOL_SRCS) \
-	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) -lm $(LDFLAGS)
+	  -L$(BUILD)/lib -lbico $(RPATH) -Wl,-rpath,'$$ORIGIN/../lib' $(LDSAN) -lm $(LDFLAGS)
 
 examples: $(EXAMPLES)
 $(BUILD)/examples/%: examples/%.c $(SHLIB)

@@ -15,5 +15,7 @@
 #include "baseline.h"
 #include "depthmap.h"
 #include "safetensors.h"
+#include "model.h"
+#include "transfer.h"
 
 #endif

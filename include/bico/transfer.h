@@ -1,0 +1,164 @@
+/* libbico: whole-model transfer and calibration statistics.
+ *
+ * bico_transfer carries a task vector from a source checkpoint to a target
+ * checkpoint, tensor by tensor, and writes the result as a safetensors
+ * file; it is what the `bico transfer` command runs.  Files are named with
+ * bico_transfer_set_file, options set with bico_transfer_set_param and the
+ * splits/ties added one by one; bico_transfer_run does the work.
+ *
+ * Methods (BICO_TRANSFER_METHOD):
+ *   BICO_METHOD_BICO      per linear target module M paired with source
+ *                         module S: tau_B = R_out^T tau_S R_in, R_in from
+ *                         the input statistics of (S, M), R_out from the
+ *                         output-gradient statistics; biases R_out^T b;
+ *   BICO_METHOD_BICO_IN   input map only (R_out the rectangular identity);
+ *   BICO_METHOD_BICO_OUT  output map only (R_in the rectangular identity);
+ *   BICO_METHOD_GRADFIX   sign-vote masks from the target's votes file;
+ *   BICO_METHOD_NAIVE     theta_B + alpha tau (every paired shape equal);
+ *   BICO_METHOD_PAD       tau zero-padded/truncated to the target shape.
+ * For the three BiCo methods, element-wise modules (norms) are carried by
+ * the map chosen with BICO_TRANSFER_NORM_MAP (their input activations'
+ * map, default, or their output gradients'), and token tensors (cls_token,
+ * pos_embed, embedding tables: role TOKEN) along their last dimension by
+ * the output map of the module they are tied to (bico_transfer_add_tie;
+ * default: the linear "stem" module outside the blocks whose output width
+ * equals the token width and whose name contains "embed", "stem" or
+ * "patch"; an element-wise module tied this way lends its norm map).  A
+ * token with no such module is left unchanged and reported.
+ *
+ * Statistics come from two calibration files (source and target: tensors
+ * "<module>.input" and "<module>.output_grad", [rows, d] or [..., d],
+ * rows corresponding) or from one statistics file ("<target
+ * module>.in_xcov" [d_A,in, d_B,in] and ".out_xcov" [d_A,out, d_B,out]),
+ * see docs/formats.md.  Pairing of target and source modules and tensors is
+ * bico_model's (name outside the blocks, depth map inside).
+ *
+ * The output holds every tensor of the target base with its name, shape
+ * and dtype: theta_B + alpha tau_B where a method produced an update,
+ * theta_B otherwise; it is written atomically (nothing is written, and an
+ * existing file is untouched, when the run fails).  An output path that
+ * names one of the inputs is refused. */
+#ifndef BICO_TRANSFER_H
+#define BICO_TRANSFER_H
+
+#include <stddef.h>
+#include "ctx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct bico_transfer bico_transfer;
+
+typedef enum bico_method {
+  BICO_METHOD_BICO = 1,
+  BICO_METHOD_BICO_IN = 2,
+  BICO_METHOD_BICO_OUT = 3,
+  BICO_METHOD_GRADFIX = 4,
+  BICO_METHOD_NAIVE = 5,
+  BICO_METHOD_PAD = 6
+} bico_method;
+
+typedef enum bico_norm_map {
+  BICO_NORM_MAP_ACT = 0, /* map of the norm's input activations */
+  BICO_NORM_MAP_GRAD = 1 /* map of the norm's output gradients */
+} bico_norm_map;
+
+/* Files (bico_transfer_set_file).  NULL unsets. */
+typedef enum bico_transfer_file {
+  BICO_FILE_SOURCE_BASE = 1,   /* required */
+  BICO_FILE_SOURCE_TUNED = 2,  /* this or TASK_VECTOR */
+  BICO_FILE_TASK_VECTOR = 3,   /* tau itself, named like the source */
+  BICO_FILE_TARGET_BASE = 4,   /* required */
+  BICO_FILE_SOURCE_CALIB = 5,  /* with TARGET_CALIB, or STATS: BiCo */
+  BICO_FILE_TARGET_CALIB = 6,
+  BICO_FILE_STATS = 7,
+  BICO_FILE_TARGET_VOTES = 8,  /* GradFix */
+  BICO_FILE_OUTPUT = 9,        /* required */
+  BICO_FILE_DELTA_OUTPUT = 10, /* optional: alpha tau_B alone */
+  BICO_FILE_REPORT = 11        /* optional: JSON report */
+} bico_transfer_file;
+
+/* Numeric options (bico_transfer_set_param), with bounds from
+ * bico_transfer_param_bounds. */
+typedef enum bico_transfer_param {
+  BICO_TRANSFER_METHOD = 1,       /* bico_method; default BICO */
+  BICO_TRANSFER_ALPHA = 2,        /* > 0, finite; default 1 */
+  BICO_TRANSFER_NORM_MAP = 3,     /* bico_norm_map; default ACT */
+  BICO_TRANSFER_NULL = 4,         /* bico_null_completion; default KEEP */
+  BICO_TRANSFER_RANK_TOL = 5,     /* [0, 1); default 1e-5 */
+  BICO_TRANSFER_CENTER = 6,       /* 0 or 1; default 0 */
+  BICO_TRANSFER_WHITEN = 7        /* [0, 0.5]; default 0 */
+} bico_transfer_param;
+
+/* String options (bico_transfer_set_string).  NULL restores the default. */
+typedef enum bico_transfer_string {
+  BICO_TRANSFER_BLOCKS = 1,       /* block container of both models */
+  BICO_TRANSFER_SOURCE_BLOCKS = 2,/* of the source only */
+  BICO_TRANSFER_TARGET_BLOCKS = 3 /* of the target only */
+} bico_transfer_string;
+
+/* A line of progress or summary text (no trailing newline). */
+typedef void (*bico_transfer_log_fn)(void *opaque, const char *line);
+
+BICO_API bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out);
+/* Accepts NULL. */
+BICO_API void bico_transfer_free(bico_transfer *t);
+
+BICO_API bico_status bico_transfer_set_file(bico_transfer *t, int which,
+                                            const char *path);
+BICO_API bico_status bico_transfer_set_param(bico_transfer *t, int param,
+                                             double value);
+BICO_API bico_status bico_transfer_get_param(const bico_transfer *t,
+                                             int param, double *value);
+BICO_API bico_status bico_transfer_param_bounds(int param, double *lo,
+                                                double *hi);
+BICO_API bico_status bico_transfer_set_string(bico_transfer *t, int which,
+                                              const char *value);
+/* Target modules whose names end in `suffix` (at a dot boundary, e.g.
+ * "attn.qkv") have their output split in k >= 1 equal blocks, each with
+ * its own output map (fused q, k, v projections: k = 3).  A later call for
+ * the same suffix replaces k. */
+BICO_API bico_status bico_transfer_add_split(bico_transfer *t,
+                                             const char *suffix, size_t k);
+/* Target tensor `tensor` (role TOKEN) lives, along its last dimension, in
+ * the output space of target module `module`. */
+BICO_API bico_status bico_transfer_add_tie(bico_transfer *t,
+                                           const char *tensor,
+                                           const char *module);
+/* Progress and summary lines; fn NULL for silence (the default). */
+BICO_API bico_status bico_transfer_set_log(bico_transfer *t,
+                                           bico_transfer_log_fn fn,
+                                           void *opaque);
+
+/* Runs the transfer.  On failure nothing is written (the report neither)
+ * and ctx's message names the file, tensor, module or option at fault. */
+BICO_API bico_status bico_transfer_run(bico_transfer *t);
+
+/* After a successful run: counts of target tensors by handling; any
+ * out-pointer may be NULL.  updated: tensors that received an update
+ * (linear, vector, tied, naive, padded, masked); unchanged: the rest. */
+BICO_API bico_status bico_transfer_counts(const bico_transfer *t,
+                                          size_t *updated, size_t *unchanged);
+
+/* ---- Statistics files ---- */
+
+/* Reduces two calibration files to a statistics file: for every module M
+ * of the target calibration file with "M.input"/"M.output_grad", the
+ * source's paired module (by the depth map over the two files' own block
+ * containers, detected from the calibration names unless blocks is given)
+ * provides the other side; writes "M.in_xcov" and "M.out_xcov" (F64).
+ * Modules the source lacks are an error naming them. */
+BICO_API bico_status bico_stats_from_calib(bico_ctx *ctx,
+                                           const char *source_calib,
+                                           const char *target_calib,
+                                           const char *blocks,
+                                           const char *output);
+/* Sums n statistics files (same tensors and shapes) into output. */
+BICO_API bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
+                                      size_t n, const char *output);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,378 @@
+/* Calibration and statistics files: streaming rows into accumulators,
+ * bico_stats_from_calib and bico_stats_merge. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "calib.h"
+
+/* Rows per chunk: about 4 M floats per side, so memory stays near the
+ * statistics' size whatever the calibration set's. */
+#define CHUNK_FLOATS ((size_t)1 << 22)
+
+static int is_float(int dtype) {
+  return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
+         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
+}
+
+bico_status bico__calib_find(bico_ctx *ctx, const bico_stfile *f,
+                             const char *path, const char *key, size_t width,
+                             size_t *index, size_t *rows) {
+  size_t i;
+  if (bico_stfile_find(f, key, &i) != BICO_OK)
+    return bico__fail(ctx, BICO_E_NOTFOUND,
+                      "calibration file %s has no tensor %s", path, key);
+  int dtype;
+  size_t ndim, numel;
+  const size_t *shape;
+  bico_status st = bico_stfile_tensor_info(f, i, NULL, &dtype, &ndim, &shape);
+  if (st == BICO_OK) st = bico_stfile_tensor_size(f, i, &numel, NULL);
+  if (st != BICO_OK) return st;
+  if (!is_float(dtype))
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "calibration file %s: tensor %s has dtype %s, expected "
+                      "a floating-point type",
+                      path, key, bico_dtype_name(dtype));
+  if (ndim == 0 || shape[ndim - 1] != width)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "calibration file %s: tensor %s has last dimension %zu, "
+                      "but the module's width is %zu",
+                      path, key, ndim ? shape[ndim - 1] : (size_t)0, width);
+  *index = i;
+  *rows = numel / width;
+  return BICO_OK;
+}
+
+bico_status bico__calib_accumulate(bico_ctx *ctx, const char *module,
+                                   const bico_stfile *fa, const char *path_a,
+                                   size_t ia, size_t da,
+                                   const bico_stfile *fb, const char *path_b,
+                                   size_t ib, size_t db, size_t k,
+                                   bico_xcov **xcs) {
+  size_t na, nb;
+  bico_status st = bico_stfile_tensor_size(fa, ia, &na, NULL);
+  if (st == BICO_OK) st = bico_stfile_tensor_size(fb, ib, &nb, NULL);
+  if (st != BICO_OK) return st;
+  size_t rows_a = na / da, rows_b = nb / db;
+  if (rows_a != rows_b)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "module %s: source calibration (%s) has %zu rows, target "
+                      "calibration (%s) has %zu",
+                      module, path_a, rows_a, path_b, rows_b);
+  if (k == 0 || da % k || db % k)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "module %s: widths %zu and %zu do not split in %zu "
+                      "blocks",
+                      module, da, db, k);
+  size_t wide = da > db ? da : db;
+  size_t chunk = CHUNK_FLOATS / wide;
+  if (chunk == 0) chunk = 1;
+  if (chunk > rows_a) chunk = rows_a ? rows_a : 1;
+  float *xa = bico__alloc(ctx, chunk * da * sizeof(float));
+  float *xb = bico__alloc(ctx, chunk * db * sizeof(float));
+  if (xa == NULL || xb == NULL) {
+    bico__free(ctx, xa);
+    bico__free(ctx, xb);
+    return BICO_E_NOMEM;
+  }
+  for (size_t r = 0; r < rows_a && st == BICO_OK; r += chunk) {
+    size_t n = rows_a - r < chunk ? rows_a - r : chunk;
+    st = bico_stfile_read_f32_range(fa, ia, r * da, n * da, xa);
+    if (st == BICO_OK) st = bico_stfile_read_f32_range(fb, ib, r * db, n * db, xb);
+    for (size_t b = 0; b < k && st == BICO_OK; b++) {
+      st = bico_xcov_add(xcs[b], n, xa + b * (da / k), da, xb + b * (db / k),
+                         db);
+      if (st != BICO_OK) {
+        /* Keep xcov's detail (which row holds NaN) and add the module. */
+        char detail[512];
+        snprintf(detail, sizeof detail, "%s", bico_ctx_errmsg(ctx));
+        bico__fail(ctx, st, "module %s, calibration rows %zu..%zu: %s", module,
+                   r, r + n - 1, detail);
+      }
+    }
+  }
+  bico__free(ctx, xa);
+  bico__free(ctx, xb);
+  return st;
+}
+
+static int same_file(const struct stat *a, const char *path) {
+  struct stat b;
+  if (stat(path, &b) != 0) return 0;
+  return a->st_dev == b.st_dev && a->st_ino == b.st_ino;
+}
+
+bico_status bico__check_distinct(bico_ctx *ctx, const char *fn,
+                                 const char *what, const char *output,
+                                 const char *input, const bico_stfile *f) {
+  struct stat so;
+  if (output == NULL || stat(output, &so) != 0) return BICO_OK;
+  if (input != NULL && same_file(&so, input))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "%s: the %s %s is the input file %s; refusing to "
+                      "overwrite an input",
+                      fn, what, output, input);
+  if (f != NULL) {
+    const char *last = NULL;
+    size_t n = bico_stfile_count(f);
+    for (size_t i = 0; i < n; i++) {
+      const char *p;
+      if (bico_stfile_tensor_path(f, i, &p) != BICO_OK) continue;
+      if (last != NULL && strcmp(p, last) == 0) continue;
+      last = p;
+      if (same_file(&so, p))
+        return bico__fail(ctx, BICO_E_ARG,
+                          "%s: the %s %s is the input file %s; refusing to "
+                          "overwrite an input",
+                          fn, what, output, p);
+    }
+  }
+  return BICO_OK;
+}
+
+/* ---- bico_stats_from_calib ---- */
+
+typedef struct stat_item {
+  size_t module;       /* target calibration model's module */
+  size_t ia, ib;       /* source and target calibration tensors */
+  size_t da, db;
+  const char *suffix;  /* "in_xcov" or "out_xcov" */
+  char *name;          /* output tensor name */
+} stat_item;
+
+static const char *const SIDES[2][2] = {{"input", "in_xcov"},
+                                        {"output_grad", "out_xcov"}};
+
+static bico_status last_dim(const bico_stfile *f, size_t i, size_t *d) {
+  size_t ndim;
+  const size_t *shape;
+  bico_status st = bico_stfile_tensor_info(f, i, NULL, NULL, &ndim, &shape);
+  if (st != BICO_OK) return st;
+  *d = ndim ? shape[ndim - 1] : 0;
+  return BICO_OK;
+}
+
+bico_status bico_stats_from_calib(bico_ctx *ctx, const char *source_calib,
+                                  const char *target_calib, const char *blocks,
+                                  const char *output) {
+  static const char fn[] = "stats_from_calib";
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (source_calib == NULL || target_calib == NULL || output == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      source_calib == NULL   ? "source_calib"
+                      : target_calib == NULL ? "target_calib"
+                                             : "output");
+  bico_stfile *fa = NULL, *fb = NULL;
+  bico_model *ma = NULL, *mb = NULL;
+  bico_stwriter *w = NULL;
+  stat_item *items = NULL;
+  size_t nitems = 0;
+  double *c = NULL;
+  bico_status st = bico_stfile_open(ctx, source_calib, &fa);
+  if (st == BICO_OK) st = bico_stfile_open(ctx, target_calib, &fb);
+  if (st == BICO_OK)
+    st = bico__check_distinct(ctx, fn, "output", output, source_calib, fa);
+  if (st == BICO_OK)
+    st = bico__check_distinct(ctx, fn, "output", output, target_calib, fb);
+  if (st == BICO_OK) st = bico_model_from_stfile(ctx, fa, &ma);
+  if (st == BICO_OK) st = bico_model_from_stfile(ctx, fb, &mb);
+  if (st == BICO_OK && blocks != NULL) st = bico_model_set_blocks(ma, blocks);
+  if (st == BICO_OK && blocks != NULL) st = bico_model_set_blocks(mb, blocks);
+  size_t nmod = st == BICO_OK ? bico_model_module_count(mb) : 0;
+  if (st == BICO_OK) {
+    items = bico__calloc(ctx, 2 * (nmod ? nmod : 1), sizeof *items);
+    if (items == NULL) st = BICO_E_NOMEM;
+  }
+  /* Plan: every (module, side) of the target file with a partner. */
+  for (size_t m = 0; m < nmod && st == BICO_OK; m++) {
+    const char *mname;
+    st = bico_model_module(mb, m, &mname, NULL, NULL, NULL);
+    if (st != BICO_OK) break;
+    for (int s = 0; s < 2 && st == BICO_OK; s++) {
+      size_t klen = strlen(mname) + 16;
+      char *key = bico__alloc(ctx, klen);
+      char *src = bico__alloc(ctx, klen + 64);
+      if (key == NULL || src == NULL) {
+        bico__free(ctx, key);
+        bico__free(ctx, src);
+        st = BICO_E_NOMEM;
+        break;
+      }
+      snprintf(key, klen, "%s%s%s", mname, *mname ? "." : "", SIDES[s][0]);
+      size_t ib, ia;
+      if (bico_stfile_find(fb, key, &ib) == BICO_OK) {
+        st = bico_model_map_name(mb, ma, key, src, klen + 64, NULL);
+        if (st == BICO_OK && bico_stfile_find(fa, src, &ia) != BICO_OK)
+          st = bico__fail(ctx, BICO_E_NOTFOUND,
+                          "%s: target calibration %s has %s, but source "
+                          "calibration %s lacks its partner %s",
+                          fn, target_calib, key, source_calib, src);
+        stat_item *it = &items[nitems];
+        size_t rows;
+        if (st == BICO_OK) st = last_dim(fa, ia, &it->da);
+        if (st == BICO_OK) st = last_dim(fb, ib, &it->db);
+        /* dtype and rank checks, with messages naming file and tensor */
+        if (st == BICO_OK)
+          st = bico__calib_find(ctx, fa, source_calib, src, it->da, &ia, &rows);
+        if (st == BICO_OK)
+          st = bico__calib_find(ctx, fb, target_calib, key, it->db, &ib, &rows);
+        if (st == BICO_OK) {
+          it->module = m;
+          it->ia = ia;
+          it->ib = ib;
+          it->suffix = SIDES[s][1];
+          size_t nl = strlen(mname) + 16;
+          it->name = bico__alloc(ctx, nl);
+          if (it->name == NULL) {
+            st = BICO_E_NOMEM;
+          } else {
+            snprintf(it->name, nl, "%s%s%s", mname, *mname ? "." : "",
+                     it->suffix);
+            nitems++;
+          }
+        }
+      }
+      bico__free(ctx, key);
+      bico__free(ctx, src);
+    }
+  }
+  if (st == BICO_OK && nitems == 0)
+    st = bico__fail(ctx, BICO_E_NOTFOUND,
+                    "%s: target calibration %s holds no \"<module>.input\" or "
+                    "\"<module>.output_grad\" tensor",
+                    fn, target_calib);
+  if (st == BICO_OK) st = bico_stwriter_create(ctx, output, &w);
+  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "format", "bico-stats");
+  for (size_t i = 0; i < nitems && st == BICO_OK; i++) {
+    size_t shape[2] = {items[i].da, items[i].db};
+    st = bico_stwriter_declare(w, items[i].name, BICO_DTYPE_F64, 2, shape);
+  }
+  for (size_t i = 0; i < nitems && st == BICO_OK; i++) {
+    stat_item *it = &items[i];
+    const char *mname;
+    bico_xcov *xc = NULL;
+    if (st == BICO_OK) st = bico_xcov_create(ctx, it->da, it->db, 0, &xc);
+    if (st == BICO_OK) {
+      bico_model_module(mb, it->module, &mname, NULL, NULL, NULL);
+      st = bico__calib_accumulate(ctx, mname, fa, source_calib, it->ia, it->da,
+                                  fb, target_calib, it->ib, it->db, 1, &xc);
+    }
+    if (st == BICO_OK) {
+      c = bico__alloc(ctx, it->da * it->db * sizeof(double));
+      if (c == NULL) st = BICO_E_NOMEM;
+    }
+    if (st == BICO_OK) st = bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, c, it->db);
+    if (st == BICO_OK)
+      st = bico_stwriter_write_f64(w, it->name, c, it->da * it->db);
+    bico__free(ctx, c);
+    c = NULL;
+    bico_xcov_free(xc);
+  }
+  if (st == BICO_OK) st = bico_stwriter_commit(w);
+  bico_stwriter_free(w);
+  for (size_t i = 0; i < nitems; i++) bico__free(ctx, items[i].name);
+  bico__free(ctx, items);
+  bico_model_free(ma);
+  bico_model_free(mb);
+  bico_stfile_close(fa);
+  bico_stfile_close(fb);
+  return st;
+}
+
+/* ---- bico_stats_merge ---- */
+
+bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
+                             size_t n, const char *output) {
+  static const char fn[] = "stats_merge";
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (inputs == NULL || output == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      inputs == NULL ? "inputs" : "output");
+  if (n == 0)
+    return bico__fail(ctx, BICO_E_ARG, "%s: no input statistics files", fn);
+  for (size_t i = 0; i < n; i++)
+    if (inputs[i] == NULL)
+      return bico__fail(ctx, BICO_E_NULL, "%s: inputs[%zu] is NULL", fn, i);
+  bico_stfile **fs = bico__calloc(ctx, n, sizeof *fs);
+  if (fs == NULL) return BICO_E_NOMEM;
+  bico_status st = BICO_OK;
+  for (size_t i = 0; i < n && st == BICO_OK; i++) {
+    st = bico_stfile_open(ctx, inputs[i], &fs[i]);
+    if (st == BICO_OK)
+      st = bico__check_distinct(ctx, fn, "output", output, inputs[i], fs[i]);
+  }
+  size_t nt = st == BICO_OK ? bico_stfile_count(fs[0]) : 0;
+  /* Same tensor set and shapes in every file. */
+  for (size_t i = 1; i < n && st == BICO_OK; i++) {
+    if (bico_stfile_count(fs[i]) != nt)
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: %s holds %zu tensors, %s holds %zu", fn, inputs[i],
+                      bico_stfile_count(fs[i]), inputs[0], nt);
+    for (size_t t = 0; t < nt && st == BICO_OK; t++) {
+      const char *name;
+      size_t nd0, nd1, j;
+      const size_t *s0, *s1;
+      int dt;
+      st = bico_stfile_tensor_info(fs[0], t, &name, &dt, &nd0, &s0);
+      if (st != BICO_OK) break;
+      if (!is_float(dt)) {
+        st = bico__fail(ctx, BICO_E_FORMAT,
+                        "%s: %s: tensor %s is not floating point", fn,
+                        inputs[0], name);
+        break;
+      }
+      if (bico_stfile_find(fs[i], name, &j) != BICO_OK) {
+        st = bico__fail(ctx, BICO_E_FORMAT, "%s: %s lacks tensor %s (in %s)",
+                        fn, inputs[i], name, inputs[0]);
+        break;
+      }
+      st = bico_stfile_tensor_info(fs[i], j, NULL, &dt, &nd1, &s1);
+      if (st != BICO_OK) break;
+      if (!is_float(dt) || nd0 != nd1 ||
+          (nd0 && memcmp(s0, s1, nd0 * sizeof *s0) != 0))
+        st = bico__fail(ctx, BICO_E_SHAPE,
+                        "%s: tensor %s differs in shape or type between %s "
+                        "and %s",
+                        fn, name, inputs[0], inputs[i]);
+    }
+  }
+  bico_stwriter *w = NULL;
+  if (st == BICO_OK) st = bico_stwriter_create(ctx, output, &w);
+  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "format", "bico-stats");
+  for (size_t t = 0; t < nt && st == BICO_OK; t++) {
+    const char *name;
+    size_t nd;
+    const size_t *s;
+    st = bico_stfile_tensor_info(fs[0], t, &name, NULL, &nd, &s);
+    if (st == BICO_OK) st = bico_stwriter_declare(w, name, BICO_DTYPE_F64, nd, s);
+  }
+  for (size_t t = 0; t < nt && st == BICO_OK; t++) {
+    const char *name;
+    size_t numel;
+    st = bico_stfile_tensor_info(fs[0], t, &name, NULL, NULL, NULL);
+    if (st == BICO_OK) st = bico_stfile_tensor_size(fs[0], t, &numel, NULL);
+    if (st != BICO_OK) break;
+    double *acc = bico__calloc(ctx, numel ? numel : 1, sizeof(double));
+    double *tmp = bico__alloc(ctx, (numel ? numel : 1) * sizeof(double));
+    if (acc == NULL || tmp == NULL) st = BICO_E_NOMEM;
+    for (size_t i = 0; i < n && st == BICO_OK; i++) {
+      size_t j;
+      st = bico_stfile_find(fs[i], name, &j);
+      if (st == BICO_OK) st = bico_stfile_read_f64(fs[i], j, tmp, numel);
+      if (st == BICO_OK)
+        st = bico__check_finite_f64(ctx, fn, name, tmp, 1, numel, numel);
+      for (size_t e = 0; e < numel && st == BICO_OK; e++) acc[e] += tmp[e];
+    }
+    if (st == BICO_OK) st = bico_stwriter_write_f64(w, name, acc, numel);
+    bico__free(ctx, acc);
+    bico__free(ctx, tmp);
+  }
+  if (st == BICO_OK) st = bico_stwriter_commit(w);
+  bico_stwriter_free(w);
+  for (size_t i = 0; i < n; i++) bico_stfile_close(fs[i]);
+  bico__free(ctx, fs);
+  return st;
+}

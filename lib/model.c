@@ -1,0 +1,816 @@
+/* bico_model: tensor names and shapes -> modules -> blocks -> pairs. */
+#include <ctype.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define MAX_NDIM 64
+#define NONE SIZE_MAX
+
+typedef struct tensor_rec {
+  char *name;
+  int dtype;
+  size_t ndim;
+  size_t *shape;
+  size_t module;
+  int role;
+} tensor_rec;
+
+typedef struct module_rec {
+  char *name;
+  int kind;
+  long block;
+  size_t first, count; /* slice of mod_tensors */
+  size_t weight;       /* tensor index of a LINEAR/EMBEDDING weight or NONE */
+  size_t d_out, d_in;
+} module_rec;
+
+struct bico_model {
+  bico_ctx *ctx;
+  tensor_rec *t;
+  size_t nt, capt;
+  size_t *hash; /* open addressing over tensor indices, NONE = empty */
+  size_t hcap;
+  char *override; /* block prefix set by the caller */
+  int has_override;
+  /* analysis cache */
+  int analyzed;
+  module_rec *mods;
+  size_t nm;
+  size_t *mod_tensors;
+  size_t *mod_sorted; /* module indices sorted by name */
+  char *prefix;       /* NULL: no blocks */
+  size_t nblocks;
+};
+
+static uint64_t fnv(const char *s, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; i++) {
+    h ^= (unsigned char)s[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+static char *dupn(bico_ctx *ctx, const char *s, size_t n) {
+  char *p = bico__alloc(ctx, n + 1);
+  if (p != NULL) {
+    memcpy(p, s, n);
+    p[n] = '\0';
+  }
+  return p;
+}
+
+static int is_float_dtype(int dtype) {
+  return dtype == 0 || dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
+         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
+}
+
+bico_status bico_model_create(bico_ctx *ctx, bico_model **out) {
+  if (out != NULL) *out = NULL;
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "model_create: out is NULL");
+  bico_model *m = bico__calloc(ctx, 1, sizeof *m);
+  if (m == NULL) return BICO_E_NOMEM;
+  m->ctx = ctx;
+  *out = m;
+  return BICO_OK;
+}
+
+static void drop_analysis(bico_model *m) {
+  bico_ctx *ctx = m->ctx;
+  for (size_t i = 0; i < m->nm; i++) bico__free(ctx, m->mods[i].name);
+  bico__free(ctx, m->mods);
+  bico__free(ctx, m->mod_tensors);
+  bico__free(ctx, m->mod_sorted);
+  bico__free(ctx, m->prefix);
+  m->mods = NULL;
+  m->mod_tensors = m->mod_sorted = NULL;
+  m->prefix = NULL;
+  m->nm = m->nblocks = 0;
+  m->analyzed = 0;
+}
+
+void bico_model_free(bico_model *m) {
+  if (m == NULL) return;
+  bico_ctx *ctx = m->ctx;
+  drop_analysis(m);
+  for (size_t i = 0; i < m->nt; i++) {
+    bico__free(ctx, m->t[i].name);
+    bico__free(ctx, m->t[i].shape);
+  }
+  bico__free(ctx, m->t);
+  bico__free(ctx, m->hash);
+  bico__free(ctx, m->override);
+  bico__free(ctx, m);
+}
+
+static size_t hash_find(const bico_model *m, const char *name) {
+  if (m->hcap == 0) return NONE;
+  size_t mask = m->hcap - 1;
+  size_t h = (size_t)fnv(name, strlen(name)) & mask;
+  for (;;) {
+    size_t i = m->hash[h];
+    if (i == NONE) return NONE;
+    if (strcmp(m->t[i].name, name) == 0) return i;
+    h = (h + 1) & mask;
+  }
+}
+
+static bico_status hash_grow(bico_model *m) {
+  size_t cap = m->hcap ? m->hcap * 2 : 64;
+  size_t *h = bico__alloc(m->ctx, cap * sizeof *h);
+  if (h == NULL) return BICO_E_NOMEM;
+  for (size_t i = 0; i < cap; i++) h[i] = NONE;
+  for (size_t i = 0; i < m->nt; i++) {
+    size_t k = (size_t)fnv(m->t[i].name, strlen(m->t[i].name)) & (cap - 1);
+    while (h[k] != NONE) k = (k + 1) & (cap - 1);
+    h[k] = i;
+  }
+  bico__free(m->ctx, m->hash);
+  m->hash = h;
+  m->hcap = cap;
+  return BICO_OK;
+}
+
+bico_status bico_model_add_tensor(bico_model *m, const char *name, int dtype,
+                                  size_t ndim, const size_t *shape) {
+  if (m == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = m->ctx;
+  bico__clear(ctx);
+  if (name == NULL || (ndim > 0 && shape == NULL))
+    return bico__fail(ctx, BICO_E_NULL, "model_add_tensor: %s is NULL",
+                      name == NULL ? "name" : "shape");
+  if (name[0] == '\0')
+    return bico__fail(ctx, BICO_E_ARG, "model_add_tensor: empty name");
+  if (ndim > MAX_NDIM)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "model_add_tensor: tensor %s has %zu dimensions (at "
+                      "most %d)",
+                      name, ndim, MAX_NDIM);
+  if (dtype != 0 && bico_dtype_size(dtype) == 0)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "model_add_tensor: tensor %s has unknown dtype %d", name,
+                      dtype);
+  if (hash_find(m, name) != NONE)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "model_add_tensor: tensor %s registered twice", name);
+  if (m->nt == m->capt) {
+    size_t cap = m->capt ? m->capt * 2 : 32;
+    tensor_rec *t = bico__alloc(ctx, cap * sizeof *t);
+    if (t == NULL) return BICO_E_NOMEM;
+    if (m->nt) memcpy(t, m->t, m->nt * sizeof *t);
+    bico__free(ctx, m->t);
+    m->t = t;
+    m->capt = cap;
+  }
+  if ((m->nt + 1) * 2 > m->hcap) {
+    bico_status st = hash_grow(m);
+    if (st != BICO_OK) return st;
+  }
+  tensor_rec *r = &m->t[m->nt];
+  memset(r, 0, sizeof *r);
+  r->name = dupn(ctx, name, strlen(name));
+  r->shape = bico__alloc(ctx, (ndim ? ndim : 1) * sizeof(size_t));
+  if (r->name == NULL || r->shape == NULL) {
+    bico__free(ctx, r->name);
+    bico__free(ctx, r->shape);
+    return BICO_E_NOMEM;
+  }
+  if (ndim) memcpy(r->shape, shape, ndim * sizeof(size_t));
+  r->ndim = ndim;
+  r->dtype = dtype;
+  size_t k = (size_t)fnv(name, strlen(name)) & (m->hcap - 1);
+  while (m->hash[k] != NONE) k = (k + 1) & (m->hcap - 1);
+  m->hash[k] = m->nt;
+  m->nt++;
+  drop_analysis(m);
+  return BICO_OK;
+}
+
+bico_status bico_model_from_stfile(bico_ctx *ctx, const bico_stfile *f,
+                                   bico_model **out) {
+  if (out != NULL) *out = NULL;
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (f == NULL || out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "model_from_stfile: %s is NULL",
+                      f == NULL ? "f" : "out");
+  bico_model *m;
+  bico_status st = bico_model_create(ctx, &m);
+  if (st != BICO_OK) return st;
+  size_t n = bico_stfile_count(f);
+  for (size_t i = 0; i < n; i++) {
+    const char *name;
+    int dtype;
+    size_t ndim;
+    const size_t *shape;
+    st = bico_stfile_tensor_info(f, i, &name, &dtype, &ndim, &shape);
+    if (st == BICO_OK) st = bico_model_add_tensor(m, name, dtype, ndim, shape);
+    if (st != BICO_OK) {
+      bico_model_free(m);
+      return st;
+    }
+  }
+  *out = m;
+  return BICO_OK;
+}
+
+bico_status bico_model_set_blocks(bico_model *m, const char *prefix) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  char *p = NULL;
+  if (prefix != NULL) {
+    p = dupn(m->ctx, prefix, strlen(prefix));
+    if (p == NULL) return BICO_E_NOMEM;
+  }
+  bico__free(m->ctx, m->override);
+  m->override = p;
+  m->has_override = prefix != NULL;
+  drop_analysis(m);
+  return BICO_OK;
+}
+
+/* ---- analysis ---- */
+
+typedef struct cand {
+  const char *s;
+  size_t len;
+} cand;
+
+static int cand_cmp(const void *a, const void *b) {
+  const cand *x = a, *y = b;
+  size_t n = x->len < y->len ? x->len : y->len;
+  int c = memcmp(x->s, y->s, n);
+  if (c != 0) return c;
+  return (x->len > y->len) - (x->len < y->len);
+}
+
+/* If name = prefix(plen) "." digits "." rest (or digits "." rest when
+ * plen == 0), stores the block index and the offset of rest (or of the end
+ * for a module "P.<j>" itself) and returns 1. */
+static int split_block(const char *name, const char *prefix, size_t plen,
+                       long *block, size_t *rest) {
+  const char *p = name;
+  if (plen > 0) {
+    if (strncmp(name, prefix, plen) != 0 || name[plen] != '.') return 0;
+    p = name + plen + 1;
+  }
+  if (!isdigit((unsigned char)*p)) return 0;
+  const char *q = p;
+  long v = 0;
+  while (isdigit((unsigned char)*q)) {
+    if (v > 100000000L) return 0;
+    v = v * 10 + (*q - '0');
+    q++;
+  }
+  if (*q != '.' && *q != '\0') return 0;
+  if (q - p > 1 && *p == '0') return 0; /* "01" is not a block index */
+  *block = v;
+  *rest = (size_t)(q - name) + (*q == '.' ? 1 : 0);
+  return 1;
+}
+
+static bico_status detect_blocks(bico_model *m) {
+  bico_ctx *ctx = m->ctx;
+  if (m->has_override) {
+    size_t plen = strlen(m->override);
+    long maxb = -1;
+    for (size_t i = 0; i < m->nt; i++) {
+      long b;
+      size_t rest;
+      if (split_block(m->t[i].name, m->override, plen, &b, &rest) &&
+          m->t[i].name[rest] != '\0' && b > maxb)
+        maxb = b;
+    }
+    if (maxb < 0)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "model: no tensor is named \"%s.<int>.<rest>\" (block "
+                        "container given by the caller)",
+                        m->override);
+    m->prefix = dupn(ctx, m->override, plen);
+    if (m->prefix == NULL) return BICO_E_NOMEM;
+    m->nblocks = (size_t)maxb + 1;
+    return BICO_OK;
+  }
+  /* Every (tensor, prefix) where the component after the prefix is an
+   * integer and something follows it. */
+  size_t ncand = 0, cap = 0;
+  for (size_t i = 0; i < m->nt; i++)
+    for (const char *c = m->t[i].name; *c; c++)
+      if (*c == '.') cap++;
+  cand *cs = bico__alloc(ctx, (cap + 1) * sizeof *cs);
+  if (cs == NULL) return BICO_E_NOMEM;
+  for (size_t i = 0; i < m->nt; i++) {
+    const char *name = m->t[i].name;
+    size_t start = 0; /* start of the current component */
+    for (size_t k = 0;; k++) {
+      if (name[k] == '.' || name[k] == '\0') {
+        int digits = k > start;
+        for (size_t z = start; z < k; z++)
+          if (!isdigit((unsigned char)name[z])) digits = 0;
+        if (digits && name[k] == '.' && (k - start == 1 || name[start] != '0')) {
+          cs[ncand].s = name;
+          cs[ncand].len = start == 0 ? 0 : start - 1;
+          ncand++;
+        }
+        if (name[k] == '\0') break;
+        start = k + 1;
+      }
+    }
+  }
+  qsort(cs, ncand, sizeof *cs, cand_cmp);
+  size_t best = NONE, bestn = 0;
+  for (size_t i = 0; i < ncand;) {
+    size_t j = i + 1;
+    while (j < ncand && cand_cmp(&cs[i], &cs[j]) == 0) j++;
+    size_t n = j - i;
+    if (n > bestn || (n == bestn && best != NONE && cs[i].len < cs[best].len)) {
+      best = i;
+      bestn = n;
+    }
+    i = j;
+  }
+  bico_status st = BICO_OK;
+  if (best != NONE) {
+    m->prefix = dupn(ctx, cs[best].s, cs[best].len);
+    if (m->prefix == NULL) {
+      st = BICO_E_NOMEM;
+    } else {
+      long maxb = -1;
+      for (size_t i = 0; i < m->nt; i++) {
+        long b;
+        size_t rest;
+        if (split_block(m->t[i].name, m->prefix, cs[best].len, &b, &rest) &&
+            m->t[i].name[rest] != '\0' && b > maxb)
+          maxb = b;
+      }
+      m->nblocks = (size_t)(maxb + 1);
+    }
+  }
+  bico__free(ctx, cs);
+  return st;
+}
+
+static const char *last_component(const char *s) {
+  const char *d = strrchr(s, '.');
+  return d ? d + 1 : s;
+}
+
+static int embedding_name(const char *module) {
+  const char *c = last_component(module);
+  if (strcmp(c, "wte") == 0 || strcmp(c, "wpe") == 0) return 1;
+  return strstr(c, "embed") != NULL && strstr(c, "patch") == NULL;
+}
+
+static int mod_cmp_ctx_sort(const module_rec *mods, size_t a, size_t b) {
+  return strcmp(mods[a].name, mods[b].name);
+}
+
+/* Sorts module indices by name (insertion into a merge sort would need a
+ * context pointer that qsort lacks: a plain bottom-up merge sort). */
+static bico_status sort_modules(bico_model *m) {
+  size_t n = m->nm;
+  m->mod_sorted = bico__alloc(m->ctx, (n ? n : 1) * sizeof(size_t));
+  size_t *tmp = bico__alloc(m->ctx, (n ? n : 1) * sizeof(size_t));
+  if (m->mod_sorted == NULL || tmp == NULL) {
+    bico__free(m->ctx, tmp);
+    return BICO_E_NOMEM;
+  }
+  size_t *a = m->mod_sorted, *b = tmp;
+  for (size_t i = 0; i < n; i++) a[i] = i;
+  for (size_t w = 1; w < n; w *= 2) {
+    for (size_t lo = 0; lo < n; lo += 2 * w) {
+      size_t mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+      size_t i = lo, j = mid, k = lo;
+      while (i < mid && j < hi)
+        b[k++] = mod_cmp_ctx_sort(m->mods, a[i], a[j]) <= 0 ? a[i++] : a[j++];
+      while (i < mid) b[k++] = a[i++];
+      while (j < hi) b[k++] = a[j++];
+    }
+    size_t *s = a;
+    a = b;
+    b = s;
+  }
+  if (a != m->mod_sorted) {
+    memcpy(m->mod_sorted, a, n * sizeof(size_t));
+    bico__free(m->ctx, a);
+  } else {
+    bico__free(m->ctx, b);
+  }
+  return BICO_OK;
+}
+
+static size_t module_len(const char *name) {
+  const char *d = strrchr(name, '.');
+  return d ? (size_t)(d - name) : 0;
+}
+
+static bico_status build_modules(bico_model *m) {
+  bico_ctx *ctx = m->ctx;
+  size_t cap = m->nt ? m->nt : 1;
+  m->mods = bico__calloc(ctx, cap, sizeof *m->mods);
+  m->mod_tensors = bico__alloc(ctx, cap * sizeof(size_t));
+  size_t *count = bico__calloc(ctx, cap, sizeof(size_t));
+  if (m->mods == NULL || m->mod_tensors == NULL || count == NULL) {
+    bico__free(ctx, count);
+    return BICO_E_NOMEM;
+  }
+  /* Group: a small hash from module name to module index. */
+  size_t hcap = 64;
+  while (hcap < 2 * cap) hcap *= 2;
+  size_t *h = bico__alloc(ctx, hcap * sizeof *h);
+  if (h == NULL) {
+    bico__free(ctx, count);
+    return BICO_E_NOMEM;
+  }
+  for (size_t i = 0; i < hcap; i++) h[i] = NONE;
+  bico_status st = BICO_OK;
+  for (size_t i = 0; i < m->nt && st == BICO_OK; i++) {
+    const char *name = m->t[i].name;
+    size_t len = module_len(name);
+    size_t k = (size_t)fnv(name, len) & (hcap - 1);
+    while (h[k] != NONE) {
+      const char *mn = m->mods[h[k]].name;
+      if (strlen(mn) == len && memcmp(mn, name, len) == 0) break;
+      k = (k + 1) & (hcap - 1);
+    }
+    if (h[k] == NONE) {
+      module_rec *r = &m->mods[m->nm];
+      r->name = dupn(ctx, name, len);
+      if (r->name == NULL) {
+        st = BICO_E_NOMEM;
+        break;
+      }
+      r->weight = NONE;
+      r->block = -1;
+      h[k] = m->nm++;
+    }
+    m->t[i].module = h[k];
+    count[h[k]]++;
+  }
+  bico__free(ctx, h);
+  if (st != BICO_OK) {
+    bico__free(ctx, count);
+    return st;
+  }
+  size_t off = 0;
+  for (size_t i = 0; i < m->nm; i++) {
+    m->mods[i].first = off;
+    off += count[i];
+    count[i] = 0;
+  }
+  for (size_t i = 0; i < m->nt; i++) {
+    module_rec *r = &m->mods[m->t[i].module];
+    m->mod_tensors[r->first + count[m->t[i].module]++] = i;
+  }
+  for (size_t i = 0; i < m->nm; i++) m->mods[i].count = count[i];
+  bico__free(ctx, count);
+
+  /* Kinds and roles. */
+  size_t plen = m->prefix ? strlen(m->prefix) : 0;
+  for (size_t i = 0; i < m->nm; i++) {
+    module_rec *r = &m->mods[i];
+    const int root = r->name[0] == '\0';
+    size_t vec_len = 0;
+    for (size_t k = 0; k < r->count; k++) {
+      tensor_rec *t = &m->t[m->mod_tensors[r->first + k]];
+      if (!is_float_dtype(t->dtype)) continue;
+      if (!root && t->ndim >= 2 &&
+          strcmp(last_component(t->name), "weight") == 0)
+        r->weight = m->mod_tensors[r->first + k];
+      if (t->ndim == 1 && vec_len == 0) vec_len = t->shape[0];
+    }
+    if (r->weight != NONE) {
+      tensor_rec *w = &m->t[r->weight];
+      r->kind = (w->ndim == 2 && embedding_name(r->name))
+                    ? BICO_MODULE_EMBEDDING
+                    : BICO_MODULE_LINEAR;
+      r->d_out = w->shape[0];
+      r->d_in = 1;
+      for (size_t d = 1; d < w->ndim; d++) r->d_in *= w->shape[d];
+    } else if (!root && vec_len > 0) {
+      r->kind = BICO_MODULE_ELEMENTWISE;
+      r->d_out = r->d_in = vec_len;
+    } else {
+      r->kind = BICO_MODULE_OTHER;
+    }
+    for (size_t k = 0; k < r->count; k++) {
+      size_t ti = m->mod_tensors[r->first + k];
+      tensor_rec *t = &m->t[ti];
+      int role = BICO_ROLE_OTHER;
+      if (!is_float_dtype(t->dtype)) {
+        role = BICO_ROLE_OTHER;
+      } else if (ti == r->weight) {
+        role = r->kind == BICO_MODULE_LINEAR ? BICO_ROLE_WEIGHT
+                                             : BICO_ROLE_TOKEN;
+      } else if (t->ndim >= 2) {
+        role = BICO_ROLE_TOKEN;
+      } else if (t->ndim == 1) {
+        if (r->kind == BICO_MODULE_LINEAR && t->shape[0] == r->d_out)
+          role = BICO_ROLE_BIAS;
+        else if (r->kind == BICO_MODULE_ELEMENTWISE)
+          role = BICO_ROLE_VECTOR;
+      }
+      t->role = role;
+    }
+    long b;
+    size_t rest;
+    if (m->prefix && split_block(r->name, m->prefix, plen, &b, &rest))
+      r->block = b;
+  }
+  return sort_modules(m);
+}
+
+/* Computes the cache on first use; the handle is logically const. */
+static bico_status analyze(const bico_model *cm) {
+  bico_model *m = (bico_model *)cm;
+  if (m->analyzed) return BICO_OK;
+  drop_analysis(m);
+  bico_status st = detect_blocks(m);
+  if (st == BICO_OK) st = build_modules(m);
+  if (st != BICO_OK) {
+    drop_analysis(m);
+    return st;
+  }
+  m->analyzed = 1;
+  return BICO_OK;
+}
+
+/* ---- queries ---- */
+
+size_t bico_model_tensor_count(const bico_model *m) {
+  return m ? m->nt : 0;
+}
+
+static bico_status check_tensor(const bico_model *m, const char *fn,
+                                size_t i) {
+  if (i >= m->nt)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "%s: tensor index %zu out of range (model has %zu)", fn,
+                      i, m->nt);
+  return BICO_OK;
+}
+
+bico_status bico_model_tensor(const bico_model *m, size_t i, const char **name,
+                              int *dtype, size_t *ndim, const size_t **shape) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  bico_status st = check_tensor(m, "model_tensor", i);
+  if (st != BICO_OK) return st;
+  if (name) *name = m->t[i].name;
+  if (dtype) *dtype = m->t[i].dtype;
+  if (ndim) *ndim = m->t[i].ndim;
+  if (shape) *shape = m->t[i].shape;
+  return BICO_OK;
+}
+
+bico_status bico_model_find_tensor(const bico_model *m, const char *name,
+                                   size_t *i) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  if (name == NULL || i == NULL)
+    return bico__fail(m->ctx, BICO_E_NULL, "model_find_tensor: %s is NULL",
+                      name == NULL ? "name" : "i");
+  size_t k = hash_find(m, name);
+  if (k == NONE)
+    return bico__fail(m->ctx, BICO_E_NOTFOUND,
+                      "model_find_tensor: no tensor named %s", name);
+  *i = k;
+  return BICO_OK;
+}
+
+bico_status bico_model_tensor_module(const bico_model *m, size_t i,
+                                     size_t *module, int *role) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  bico_status st = check_tensor(m, "model_tensor_module", i);
+  if (st == BICO_OK) st = analyze(m);
+  if (st != BICO_OK) return st;
+  if (module) *module = m->t[i].module;
+  if (role) *role = m->t[i].role;
+  return BICO_OK;
+}
+
+size_t bico_model_module_count(const bico_model *m) {
+  if (m == NULL || analyze(m) != BICO_OK) return 0;
+  return m->nm;
+}
+
+static bico_status check_module(const bico_model *m, const char *fn,
+                                size_t i) {
+  bico_status st = analyze(m);
+  if (st != BICO_OK) return st;
+  if (i >= m->nm)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "%s: module index %zu out of range (model has %zu)", fn,
+                      i, m->nm);
+  return BICO_OK;
+}
+
+bico_status bico_model_module(const bico_model *m, size_t i, const char **name,
+                              int *kind, long *block, size_t *ntensors) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  bico_status st = check_module(m, "model_module", i);
+  if (st != BICO_OK) return st;
+  const module_rec *r = &m->mods[i];
+  if (name) *name = r->name;
+  if (kind) *kind = r->kind;
+  if (block) *block = r->block;
+  if (ntensors) *ntensors = r->count;
+  return BICO_OK;
+}
+
+bico_status bico_model_module_tensor(const bico_model *m, size_t i, size_t k,
+                                     size_t *tensor) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  if (tensor == NULL)
+    return bico__fail(m->ctx, BICO_E_NULL,
+                      "model_module_tensor: tensor is NULL");
+  bico_status st = check_module(m, "model_module_tensor", i);
+  if (st != BICO_OK) return st;
+  if (k >= m->mods[i].count)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "model_module_tensor: module %s has %zu tensors, asked "
+                      "for number %zu",
+                      m->mods[i].name, m->mods[i].count, k);
+  *tensor = m->mod_tensors[m->mods[i].first + k];
+  return BICO_OK;
+}
+
+bico_status bico_model_find_module(const bico_model *m, const char *name,
+                                   size_t *i) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  if (name == NULL || i == NULL)
+    return bico__fail(m->ctx, BICO_E_NULL, "model_find_module: %s is NULL",
+                      name == NULL ? "name" : "i");
+  bico_status st = analyze(m);
+  if (st != BICO_OK) return st;
+  size_t lo = 0, hi = m->nm;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    int c = strcmp(m->mods[m->mod_sorted[mid]].name, name);
+    if (c == 0) {
+      *i = m->mod_sorted[mid];
+      return BICO_OK;
+    }
+    if (c < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return bico__fail(m->ctx, BICO_E_NOTFOUND,
+                    "model_find_module: no module named %s", name);
+}
+
+bico_status bico_model_module_dims(const bico_model *m, size_t i,
+                                   size_t *d_out, size_t *d_in) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  bico_status st = check_module(m, "model_module_dims", i);
+  if (st != BICO_OK) return st;
+  const module_rec *r = &m->mods[i];
+  if (r->kind != BICO_MODULE_LINEAR && r->kind != BICO_MODULE_ELEMENTWISE)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "model_module_dims: module %s is neither linear nor "
+                      "element-wise",
+                      r->name);
+  if (d_out) *d_out = r->d_out;
+  if (d_in) *d_in = r->d_in;
+  return BICO_OK;
+}
+
+bico_status bico_model_blocks(const bico_model *m, const char **prefix,
+                              size_t *count) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  bico_status st = analyze(m);
+  if (st != BICO_OK) return st;
+  if (prefix) *prefix = m->prefix;
+  if (count) *count = m->prefix ? m->nblocks : 0;
+  return BICO_OK;
+}
+
+bico_status bico_model_map_name(const bico_model *target,
+                                const bico_model *source, const char *name,
+                                char *buf, size_t cap, size_t *len) {
+  if (target == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = target->ctx;
+  bico__clear(ctx);
+  if (source == NULL || name == NULL || buf == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "model_map_name: %s is NULL",
+                      source == NULL ? "source" : name == NULL ? "name" : "buf");
+  bico_status st = analyze(target);
+  if (st == BICO_OK) st = analyze(source);
+  if (st != BICO_OK) return st;
+  long j;
+  size_t rest;
+  size_t n;
+  if (target->prefix &&
+      split_block(name, target->prefix, strlen(target->prefix), &j, &rest)) {
+    if (source->prefix == NULL)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "model_map_name: %s lies in the target's blocks (%s) "
+                        "but the source has no repeated blocks",
+                        name, target->prefix);
+    bico_depthmap *dm;
+    st = bico_depthmap_create(ctx, source->nblocks, target->nblocks, &dm);
+    size_t i = 0;
+    if (st == BICO_OK) st = bico_depthmap_source(dm, (size_t)j, &i);
+    bico_depthmap_free(dm);
+    if (st != BICO_OK) return st;
+    const char *tail = name + rest;
+    int w;
+    if (source->prefix[0] == '\0')
+      w = snprintf(buf, cap, "%zu%s%s", i, *tail ? "." : "", tail);
+    else
+      w = snprintf(buf, cap, "%s.%zu%s%s", source->prefix, i, *tail ? "." : "",
+                   tail);
+    n = (size_t)w;
+  } else {
+    n = strlen(name);
+    if (n < cap) memcpy(buf, name, n + 1);
+  }
+  if (n >= cap) {
+    if (cap > 0) buf[0] = '\0';
+    return bico__fail(ctx, BICO_E_ARG,
+                      "model_map_name: buffer of %zu bytes too small for the "
+                      "source name of %s (%zu bytes)",
+                      cap, name, n + 1);
+  }
+  if (len) *len = n;
+  return BICO_OK;
+}
+
+/* Maps `name` into a fresh heap buffer (NULL and a status on failure). */
+static bico_status map_alloc(const bico_model *target, const bico_model *source,
+                             const char *name, char **out) {
+  size_t cap = strlen(name) + 64;
+  char *buf = bico__alloc(target->ctx, cap);
+  if (buf == NULL) return BICO_E_NOMEM;
+  bico_status st = bico_model_map_name(target, source, name, buf, cap, NULL);
+  if (st != BICO_OK) {
+    bico__free(target->ctx, buf);
+    return st;
+  }
+  *out = buf;
+  return BICO_OK;
+}
+
+bico_status bico_model_pair_module(const bico_model *target, size_t i,
+                                   const bico_model *source,
+                                   size_t *source_module) {
+  if (target == NULL) return BICO_E_NULL;
+  bico__clear(target->ctx);
+  if (source == NULL || source_module == NULL)
+    return bico__fail(target->ctx, BICO_E_NULL,
+                      "model_pair_module: %s is NULL",
+                      source == NULL ? "source" : "source_module");
+  bico_status st = check_module(target, "model_pair_module", i);
+  if (st != BICO_OK) return st;
+  char *name;
+  st = map_alloc(target, source, target->mods[i].name, &name);
+  if (st != BICO_OK) return st;
+  st = bico_model_find_module(source, name, source_module);
+  if (st == BICO_E_NOTFOUND)
+    bico__fail(target->ctx, st,
+               "model_pair_module: target module %s pairs with source module "
+               "%s, which the source lacks",
+               target->mods[i].name, name);
+  bico__free(target->ctx, name);
+  return st;
+}
+
+bico_status bico_model_pair_tensor(const bico_model *target, size_t i,
+                                   const bico_model *source,
+                                   size_t *source_tensor) {
+  if (target == NULL) return BICO_E_NULL;
+  bico__clear(target->ctx);
+  if (source == NULL || source_tensor == NULL)
+    return bico__fail(target->ctx, BICO_E_NULL,
+                      "model_pair_tensor: %s is NULL",
+                      source == NULL ? "source" : "source_tensor");
+  bico_status st = check_tensor(target, "model_pair_tensor", i);
+  if (st != BICO_OK) return st;
+  char *name;
+  st = map_alloc(target, source, target->t[i].name, &name);
+  if (st != BICO_OK) return st;
+  size_t k = hash_find(source, name);
+  if (k == NONE)
+    st = bico__fail(target->ctx, BICO_E_NOTFOUND,
+                    "model_pair_tensor: target tensor %s pairs with source "
+                    "tensor %s, which the source lacks",
+                    target->t[i].name, name);
+  else
+    *source_tensor = k;
+  bico__free(target->ctx, name);
+  return st;
+}

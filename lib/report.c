@@ -1,0 +1,211 @@
+/* JSON text for the transfer report, written atomically. */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "report.h"
+
+void bico__report_init(bico__report *r, bico_ctx *ctx) {
+  memset(r, 0, sizeof *r);
+  r->ctx = ctx;
+}
+
+void bico__report_free(bico__report *r) {
+  bico__free(r->ctx, r->buf);
+  r->buf = NULL;
+  r->len = r->cap = 0;
+}
+
+static void put(bico__report *r, const char *s, size_t n) {
+  if (r->status != BICO_OK) return;
+  if (r->len + n + 1 > r->cap) {
+    size_t cap = r->cap ? r->cap : 4096;
+    while (r->len + n + 1 > cap) cap *= 2;
+    char *b = bico__alloc(r->ctx, cap);
+    if (b == NULL) {
+      r->status = BICO_E_NOMEM;
+      return;
+    }
+    if (r->len) memcpy(b, r->buf, r->len);
+    bico__free(r->ctx, r->buf);
+    r->buf = b;
+    r->cap = cap;
+  }
+  memcpy(r->buf + r->len, s, n);
+  r->len += n;
+  r->buf[r->len] = '\0';
+}
+
+static void puts_(bico__report *r, const char *s) { put(r, s, strlen(s)); }
+
+static void sep(bico__report *r) {
+  if (r->after_key) {
+    r->after_key = 0;
+    return;
+  }
+  if (r->need_comma) puts_(r, ",");
+  if (r->depth > 0 && r->depth <= 2) {
+    puts_(r, "\n");
+    for (int i = 0; i < r->depth; i++) puts_(r, "  ");
+  }
+}
+
+void bico__report_begin_object(bico__report *r) {
+  sep(r);
+  puts_(r, "{");
+  r->need_comma = 0;
+  r->depth++;
+}
+
+void bico__report_end_object(bico__report *r) {
+  r->depth--;
+  puts_(r, "}");
+  r->need_comma = 1;
+  if (r->depth == 0) puts_(r, "\n");
+}
+
+void bico__report_begin_array(bico__report *r) {
+  sep(r);
+  puts_(r, "[");
+  r->need_comma = 0;
+  r->depth++;
+}
+
+void bico__report_end_array(bico__report *r) {
+  r->depth--;
+  puts_(r, "]");
+  r->need_comma = 1;
+}
+
+static void quoted(bico__report *r, const char *s) {
+  puts_(r, "\"");
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    char esc[8];
+    if (*p == '"' || *p == '\\') {
+      esc[0] = '\\';
+      esc[1] = (char)*p;
+      put(r, esc, 2);
+    } else if (*p < 0x20) {
+      snprintf(esc, sizeof esc, "\\u%04x", *p);
+      puts_(r, esc);
+    } else {
+      put(r, (const char *)p, 1);
+    }
+  }
+  puts_(r, "\"");
+}
+
+void bico__report_key(bico__report *r, const char *key) {
+  /* Keys inside deep objects stay on one line. */
+  int d = r->depth;
+  if (d > 2) r->depth = 3;
+  sep(r);
+  r->depth = d;
+  quoted(r, key);
+  puts_(r, ": ");
+  r->after_key = 1;
+}
+
+void bico__report_string(bico__report *r, const char *s) {
+  sep(r);
+  quoted(r, s);
+  r->need_comma = 1;
+}
+
+void bico__report_number(bico__report *r, double x) {
+  int d = r->depth;
+  r->depth = 3; /* array elements inline */
+  sep(r);
+  r->depth = d;
+  char b[40];
+  if (!isfinite(x))
+    snprintf(b, sizeof b, "null");
+  else if (x == floor(x) && fabs(x) < 9e15)
+    snprintf(b, sizeof b, "%.0f", x);
+  else
+    snprintf(b, sizeof b, "%.9g", x);
+  puts_(r, b);
+  r->need_comma = 1;
+}
+
+void bico__report_key_string(bico__report *r, const char *key, const char *s) {
+  bico__report_key(r, key);
+  bico__report_string(r, s);
+}
+
+void bico__report_key_number(bico__report *r, const char *key, double x) {
+  bico__report_key(r, key);
+  bico__report_number(r, x);
+}
+
+void bico__report_key_null(bico__report *r, const char *key) {
+  bico__report_key(r, key);
+  r->after_key = 0;
+  puts_(r, "null");
+  r->need_comma = 1;
+}
+
+bico_status bico__report_write_tmp(bico_ctx *ctx, const bico__report *r,
+                                   const char *path, char **tmp) {
+  *tmp = NULL;
+  const char *slash = strrchr(path, '/');
+  size_t dlen = slash ? (size_t)(slash - path) + 1 : 0;
+  const char *base = slash ? slash + 1 : path;
+  size_t n = dlen + strlen(base) + 64;
+  char *t = bico__alloc(ctx, n);
+  if (t == NULL) return BICO_E_NOMEM;
+  /* O_EXCL with mode 0666 lets the umask apply, as for any new file. */
+  int fd = -1;
+  for (unsigned k = 0; k < 1000 && fd < 0; k++) {
+    snprintf(t, n, "%.*s.%s.bico-tmp.%ld.%u", (int)dlen, path, base,
+             (long)getpid(), k);
+    fd = open(t, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
+    bico_status st = bico__fail(ctx, BICO_E_IO,
+                                "report %s: cannot create a temporary file "
+                                "in its folder: %s",
+                                path, strerror(errno));
+    bico__free(ctx, t);
+    return st;
+  }
+  size_t off = 0;
+  while (off < r->len) {
+    ssize_t w = write(fd, r->buf + off, r->len - off);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      bico_status st = bico__fail(ctx, BICO_E_IO, "report %s: write failed: %s",
+                                  path, w < 0 ? strerror(errno) : "no space");
+      close(fd);
+      unlink(t);
+      bico__free(ctx, t);
+      return st;
+    }
+    off += (size_t)w;
+  }
+  if (fsync(fd) != 0 || close(fd) != 0) {
+    bico_status st = bico__fail(ctx, BICO_E_IO, "report %s: %s", path,
+                                strerror(errno));
+    unlink(t);
+    bico__free(ctx, t);
+    return st;
+  }
+  *tmp = t;
+  return BICO_OK;
+}
+
+bico_status bico__report_commit(bico_ctx *ctx, const char *tmp,
+                                const char *path) {
+  if (rename(tmp, path) != 0) {
+    bico_status st = bico__fail(ctx, BICO_E_IO, "report %s: rename failed: %s",
+                                path, strerror(errno));
+    unlink(tmp);
+    return st;
+  }
+  return BICO_OK;
+}

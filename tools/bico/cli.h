@@ -1,0 +1,36 @@
+/* The bico command: shared helpers of the subcommands. */
+#ifndef BICO_CLI_H
+#define BICO_CLI_H
+
+#include <stddef.h>
+#include "bico/bico.h"
+
+/* Exit codes: 0 success, 1 failure, 2 usage error. */
+#define CLI_FAIL 1
+#define CLI_USAGE 2
+
+int cmd_transfer(int argc, char **argv);
+int cmd_stats(int argc, char **argv);
+int cmd_inspect(int argc, char **argv);
+
+/* Prints "bico <cmd>: <message>" to stderr and returns code. */
+int cli_error(const char *cmd, int code, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+/* Matches argv[*i] against a long option "--name" taking a value, given
+ * either as "--name=value" or as the next argument.  Returns 1 and sets
+ * *value when it matches, 0 when not, -1 when the value is missing. */
+int cli_opt(int argc, char **argv, int *i, const char *name,
+            const char **value);
+
+/* Parses a finite double / a positive size; 0 on success. */
+int cli_double(const char *s, double *out);
+int cli_size(const char *s, size_t *out);
+
+/* Reports a library failure: the status text and the context's detail. */
+int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
+
+#endif

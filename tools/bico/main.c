@@ -1,0 +1,100 @@
+/* bico: carry fine-tuning between checkpoints.  The command is a thin
+ * front end: every decision is the library's (bico_transfer, bico_model,
+ * bico_stats_*). */
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+static const char USAGE[] =
+    "usage: bico <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  transfer   carry a task vector from a source to a target checkpoint\n"
+    "  stats      reduce calibration files to a statistics file, or merge\n"
+    "             statistics files\n"
+    "  inspect    list a checkpoint's tensors, modules and blocks\n"
+    "\n"
+    "bico <command> --help shows the command's options; bico --version the\n"
+    "library version.  See the bico(1) manual page (docs/bico.1.md).\n";
+
+int cli_error(const char *cmd, int code, const char *fmt, ...) {
+  va_list ap;
+  fprintf(stderr, "bico%s%s: ", cmd ? " " : "", cmd ? cmd : "");
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputc('\n', stderr);
+  if (code == CLI_USAGE)
+    fprintf(stderr, "run 'bico %s --help' for the options\n", cmd ? cmd : "");
+  return code;
+}
+
+int cli_opt(int argc, char **argv, int *i, const char *name,
+            const char **value) {
+  const char *a = argv[*i];
+  size_t n = strlen(name);
+  if (strncmp(a, name, n) != 0) return 0;
+  if (a[n] == '=') {
+    *value = a + n + 1;
+    return 1;
+  }
+  if (a[n] != '\0') return 0;
+  if (*i + 1 >= argc) return -1;
+  *value = argv[++*i];
+  return 1;
+}
+
+int cli_double(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (end == s || *end != '\0' || errno == ERANGE) return -1;
+  *out = v;
+  return 0;
+}
+
+int cli_size(const char *s, size_t *out) {
+  char *end;
+  errno = 0;
+  if (s[0] == '-' || s[0] == '\0') return -1;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (*end != '\0' || errno == ERANGE || v == 0) return -1;
+  *out = (size_t)v;
+  return 0;
+}
+
+int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st) {
+  const char *detail = ctx ? bico_ctx_errmsg(ctx) : "";
+  return cli_error(cmd, CLI_FAIL, "%s", detail[0] ? detail : bico_strerror(st));
+}
+
+int main(int argc, char **argv) {
+  /* A file-size limit (ulimit -f) then makes a write fail with EFBIG,
+   * reported as an error, instead of killing the process mid-write. */
+  signal(SIGXFSZ, SIG_IGN);
+  if (argc < 2) {
+    fputs(USAGE, stderr);
+    return CLI_USAGE;
+  }
+  const char *cmd = argv[1];
+  if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 ||
+      strcmp(cmd, "help") == 0) {
+    fputs(USAGE, stdout);
+    return 0;
+  }
+  if (strcmp(cmd, "--version") == 0) {
+    printf("bico %s\n", bico_version_string());
+    return 0;
+  }
+  if (strcmp(cmd, "transfer") == 0) return cmd_transfer(argc - 1, argv + 1);
+  if (strcmp(cmd, "stats") == 0) return cmd_stats(argc - 1, argv + 1);
+  if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 1, argv + 1);
+  fprintf(stderr, "bico: unknown command '%s'\n\n", cmd);
+  fputs(USAGE, stderr);
+  return CLI_USAGE;
+}

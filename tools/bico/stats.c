@@ -1,0 +1,74 @@
+/* bico stats: calibration files -> statistics file; merging. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static const char *const CMD = "stats";
+
+static const char HELP[] =
+    "usage: bico stats --source-calib A.calib.safetensors\n"
+    "                  --target-calib B.calib.safetensors\n"
+    "                  [--blocks NAME] --output S.safetensors\n"
+    "       bico stats --merge S1.safetensors S2.safetensors ... "
+    "--output S.safetensors\n";
+
+int cmd_stats(int argc, char **argv) {
+  const char *src = NULL, *tgt = NULL, *out = NULL, *blocks = NULL;
+  int merge = 0;
+  const char **inputs = (const char **)argv; /* reuses argv's storage */
+  size_t ninputs = 0;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v;
+    int r;
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      fputs(HELP, stdout);
+      return 0;
+    }
+    if (strcmp(a, "--merge") == 0) {
+      merge = 1;
+      continue;
+    }
+#define VALUE(name, var)                                                   \
+  if ((r = cli_opt(argc, argv, &i, name, &v)) != 0) {                      \
+    if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", \
+                                name);                                     \
+    var = v;                                                               \
+    continue;                                                              \
+  }
+    VALUE("--source-calib", src)
+    VALUE("--target-calib", tgt)
+    VALUE("--output", out)
+    VALUE("-o", out)
+    VALUE("--blocks", blocks)
+#undef VALUE
+    if (a[0] == '-' && a[1] != '\0')
+      return cli_error(CMD, CLI_USAGE, "unknown option %s", a);
+    inputs[ninputs++] = a;
+  }
+  if (out == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
+  if (merge) {
+    if (src || tgt || blocks)
+      return cli_error(CMD, CLI_USAGE,
+                       "--merge takes statistics files, not calibration "
+                       "options");
+    if (ninputs == 0)
+      return cli_error(CMD, CLI_USAGE, "--merge needs statistics files");
+  } else {
+    if (ninputs > 0)
+      return cli_error(CMD, CLI_USAGE, "unexpected argument %s (use --merge "
+                       "to merge statistics files)", inputs[0]);
+    if (src == NULL || tgt == NULL)
+      return cli_error(CMD, CLI_USAGE, "missing --%s-calib",
+                       src == NULL ? "source" : "target");
+  }
+  bico_ctx *ctx;
+  if (bico_ctx_create(&ctx) != BICO_OK)
+    return cli_error(CMD, CLI_FAIL, "out of memory");
+  bico_status st = merge ? bico_stats_merge(ctx, inputs, ninputs, out)
+                         : bico_stats_from_calib(ctx, src, tgt, blocks, out);
+  int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+  if (st == BICO_OK) fprintf(stderr, "bico stats: wrote %s\n", out);
+  bico_ctx_free(ctx);
+  return code;
+}

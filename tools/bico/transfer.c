@@ -1,0 +1,252 @@
+/* bico transfer: options -> bico_transfer -> run. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static const char *const CMD = "transfer";
+
+static const char HELP[] =
+    "usage: bico transfer --method {bico|bico-in|bico-out|gradfix|naive|pad}\n"
+    "    --source-base A.safetensors\n"
+    "    (--source-tuned A_ft.safetensors | --task-vector TAU.safetensors)\n"
+    "    --target-base B.safetensors\n"
+    "    [--source-calib A.calib.safetensors --target-calib "
+    "B.calib.safetensors\n"
+    "     | --stats S.safetensors]                  bico, bico-in, bico-out\n"
+    "    [--target-votes V.safetensors]            gradfix\n"
+    "    [--alpha 1.0]                             any positive number\n"
+    "    [--blocks NAME]                           container of repeated "
+    "blocks\n"
+    "    [--split SUFFIX=K]...                     output split in K blocks\n"
+    "    [--tie TENSOR=MODULE]...                  TENSOR lives in MODULE's "
+    "output\n"
+    "    [--norm-map act|grad]                     map carrying norm "
+    "parameters\n"
+    "    [--null keep|drop] [--rank-tol T]         rank-deficient maps\n"
+    "    [--center] [--whiten P]\n"
+    "    [--threads N]\n"
+    "    [--delta-output D.safetensors] [--report R.json] [--quiet]\n"
+    "    --output B_ft.safetensors\n";
+
+static const struct {
+  const char *opt;
+  int file;
+} FILES[] = {
+    {"--source-base", BICO_FILE_SOURCE_BASE},
+    {"--source-tuned", BICO_FILE_SOURCE_TUNED},
+    {"--task-vector", BICO_FILE_TASK_VECTOR},
+    {"--target-base", BICO_FILE_TARGET_BASE},
+    {"--source-calib", BICO_FILE_SOURCE_CALIB},
+    {"--target-calib", BICO_FILE_TARGET_CALIB},
+    {"--stats", BICO_FILE_STATS},
+    {"--target-votes", BICO_FILE_TARGET_VOTES},
+    {"--output", BICO_FILE_OUTPUT},
+    {"--delta-output", BICO_FILE_DELTA_OUTPUT},
+    {"--report", BICO_FILE_REPORT},
+};
+#define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
+
+static const char *const METHODS[] = {NULL,      "bico",  "bico-in", "bico-out",
+                                      "gradfix", "naive", "pad"};
+
+static void log_line(void *opaque, const char *line) {
+  (void)opaque;
+  fprintf(stderr, "%s\n", line);
+}
+
+/* Splits "A=B" at the last '=' into a (NUL-terminated copy) and b. */
+static int split_eq(const char *s, char *a, size_t cap, const char **b) {
+  const char *eq = strrchr(s, '=');
+  if (eq == NULL || eq == s || eq[1] == '\0' || (size_t)(eq - s) >= cap)
+    return -1;
+  memcpy(a, s, (size_t)(eq - s));
+  a[eq - s] = '\0';
+  *b = eq + 1;
+  return 0;
+}
+
+int cmd_transfer(int argc, char **argv) {
+  const char *files[NFILE_OPTS] = {0};
+  const char *method = NULL, *blocks = NULL, *norm_map = NULL, *null_mode = NULL;
+  double alpha = 1.0, rank_tol = -1, whiten = 0;
+  int center = 0, quiet = 0;
+  size_t threads = 1;
+  const char *splits[256], *ties[256];
+  size_t nsplits = 0, nties = 0;
+
+  for (int i = 1; i < argc; i++) {
+    const char *v = NULL;
+    const char *a = argv[i];
+    int r = 0;
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      fputs(HELP, stdout);
+      return 0;
+    }
+    if (strcmp(a, "--center") == 0) {
+      center = 1;
+      continue;
+    }
+    if (strcmp(a, "--quiet") == 0 || strcmp(a, "-q") == 0) {
+      quiet = 1;
+      continue;
+    }
+    size_t f;
+    for (f = 0; f < NFILE_OPTS; f++)
+      if ((r = cli_opt(argc, argv, &i, FILES[f].opt, &v)) != 0) break;
+    if (f == NFILE_OPTS && (r = cli_opt(argc, argv, &i, "-o", &v)) != 0)
+      f = 8; /* --output */
+    if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", a);
+    if (r > 0) {
+      if (files[f] != NULL)
+        return cli_error(CMD, CLI_USAGE, "option %s given twice", FILES[f].opt);
+      if (v[0] == '\0')
+        return cli_error(CMD, CLI_USAGE, "option %s has an empty path",
+                         FILES[f].opt);
+      files[f] = v;
+      continue;
+    }
+#define VALUE(name, var)                                                   \
+  if ((r = cli_opt(argc, argv, &i, name, &v)) != 0) {                      \
+    if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", \
+                                name);                                     \
+    var;                                                                   \
+    continue;                                                              \
+  }
+    VALUE("--method", method = v)
+    VALUE("--blocks", blocks = v)
+    VALUE("--norm-map", norm_map = v)
+    VALUE("--null", null_mode = v)
+    VALUE("--alpha", if (cli_double(v, &alpha) || !(alpha > 0)) return cli_error(
+                         CMD, CLI_USAGE,
+                         "--alpha %s: expected a positive number", v))
+    VALUE("--rank-tol",
+          if (cli_double(v, &rank_tol) || rank_tol < 0 || rank_tol >= 1)
+              return cli_error(CMD, CLI_USAGE,
+                               "--rank-tol %s: expected a number in [0, 1)", v))
+    VALUE("--whiten",
+          if (cli_double(v, &whiten) || whiten < 0 || whiten > 0.5)
+              return cli_error(CMD, CLI_USAGE,
+                               "--whiten %s: expected a number in [0, 0.5]", v))
+    VALUE("--threads",
+          if (cli_size(v, &threads) || threads > 1024) return cli_error(
+              CMD, CLI_USAGE, "--threads %s: expected an integer in 1..1024",
+              v))
+    VALUE("--split", if (nsplits == 256) return cli_error(
+                         CMD, CLI_USAGE, "too many --split options");
+          splits[nsplits++] = v)
+    VALUE("--tie", if (nties == 256) return cli_error(
+                       CMD, CLI_USAGE, "too many --tie options");
+          ties[nties++] = v)
+#undef VALUE
+    if (a[0] == '-')
+      return cli_error(CMD, CLI_USAGE, "unknown option %s", a);
+    return cli_error(CMD, CLI_USAGE, "unexpected argument %s", a);
+  }
+
+  /* Usage checks: what is missing or contradictory is a usage error (2). */
+  if (method == NULL)
+    return cli_error(CMD, CLI_USAGE, "missing --method");
+  int m = 0;
+  for (int k = 1; k <= 6; k++)
+    if (strcmp(method, METHODS[k]) == 0) m = k;
+  if (m == 0)
+    return cli_error(CMD, CLI_USAGE,
+                     "unknown method '%s' (bico, bico-in, bico-out, gradfix, "
+                     "naive or pad)",
+                     method);
+  if (files[0] == NULL) return cli_error(CMD, CLI_USAGE, "missing --source-base");
+  if (files[3] == NULL) return cli_error(CMD, CLI_USAGE, "missing --target-base");
+  if (files[8] == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
+  if ((files[1] == NULL) == (files[2] == NULL))
+    return cli_error(CMD, CLI_USAGE,
+                     "give one of --source-tuned and --task-vector");
+  int bico = m <= BICO_METHOD_BICO_OUT;
+  int calib = files[4] != NULL || files[5] != NULL;
+  if (bico) {
+    if (calib && (files[4] == NULL || files[5] == NULL))
+      return cli_error(CMD, CLI_USAGE, "missing --%s-calib (source and target "
+                       "calibration files go together)",
+                       files[4] == NULL ? "source" : "target");
+    if (calib && files[6] != NULL)
+      return cli_error(CMD, CLI_USAGE,
+                       "give calibration files or --stats, not both");
+    if (!calib && files[6] == NULL)
+      return cli_error(CMD, CLI_USAGE,
+                       "method %s needs --source-calib and --target-calib, or "
+                       "--stats",
+                       method);
+    if (files[6] != NULL && (center || whiten > 0))
+      return cli_error(CMD, CLI_USAGE,
+                       "--center and --whiten need calibration files, not "
+                       "--stats");
+  }
+  if (m == BICO_METHOD_GRADFIX && files[7] == NULL)
+    return cli_error(CMD, CLI_USAGE, "method gradfix needs --target-votes");
+  int nm = -1, nl = -1;
+  if (norm_map != NULL) {
+    if (strcmp(norm_map, "act") == 0) nm = BICO_NORM_MAP_ACT;
+    else if (strcmp(norm_map, "grad") == 0) nm = BICO_NORM_MAP_GRAD;
+    else return cli_error(CMD, CLI_USAGE, "--norm-map %s: expected act or grad",
+                          norm_map);
+  }
+  if (null_mode != NULL) {
+    if (strcmp(null_mode, "keep") == 0) nl = BICO_NULL_KEEP;
+    else if (strcmp(null_mode, "drop") == 0) nl = BICO_NULL_DROP;
+    else return cli_error(CMD, CLI_USAGE, "--null %s: expected keep or drop",
+                          null_mode);
+  }
+
+  bico_ctx *ctx = NULL;
+  bico_transfer *t = NULL;
+  if (bico_ctx_create(&ctx) != BICO_OK)
+    return cli_error(CMD, CLI_FAIL, "out of memory");
+  bico_status st = bico_ctx_set_param(ctx, BICO_CTX_THREADS, (long)threads);
+  if (st == BICO_OK) st = bico_transfer_create(ctx, &t);
+  for (size_t f = 0; f < NFILE_OPTS && st == BICO_OK; f++)
+    if (files[f]) st = bico_transfer_set_file(t, FILES[f].file, files[f]);
+  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, m);
+  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, alpha);
+  if (st == BICO_OK && nm >= 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_NORM_MAP, nm);
+  if (st == BICO_OK && nl >= 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_NULL, nl);
+  if (st == BICO_OK && rank_tol >= 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_RANK_TOL, rank_tol);
+  if (st == BICO_OK && center)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_CENTER, 1);
+  if (st == BICO_OK && whiten > 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_WHITEN, whiten);
+  if (st == BICO_OK && blocks)
+    st = bico_transfer_set_string(t, BICO_TRANSFER_BLOCKS, blocks);
+  int code = CLI_FAIL;
+  for (size_t k = 0; k < nsplits && st == BICO_OK; k++) {
+    char suffix[1024];
+    const char *kv;
+    size_t kk;
+    if (split_eq(splits[k], suffix, sizeof suffix, &kv) || cli_size(kv, &kk)) {
+      code = cli_error(CMD, CLI_USAGE,
+                       "--split %s: expected SUFFIX=K with K a positive integer",
+                       splits[k]);
+      goto out;
+    }
+    st = bico_transfer_add_split(t, suffix, kk);
+  }
+  for (size_t k = 0; k < nties && st == BICO_OK; k++) {
+    char tensor[1024];
+    const char *module;
+    if (split_eq(ties[k], tensor, sizeof tensor, &module)) {
+      code = cli_error(CMD, CLI_USAGE, "--tie %s: expected TENSOR=MODULE",
+                       ties[k]);
+      goto out;
+    }
+    st = bico_transfer_add_tie(t, tensor, module);
+  }
+  if (st == BICO_OK && !quiet) st = bico_transfer_set_log(t, log_line, NULL);
+  if (st == BICO_OK) st = bico_transfer_run(t);
+  code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+out:
+  bico_transfer_free(t);
+  bico_ctx_free(ctx);
+  return code;
+}
