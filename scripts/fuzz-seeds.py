@@ -144,8 +144,48 @@ def xcov_seeds():
     write(t, "bad_dims", b"BICOXCOV" + struct.pack("<IQQQI", 1, 2**62, 2**62, 0, 0))
 
 
+def calib_stats_seeds():
+    t = "fuzz_calib_stats"
+    rows, d = 8, 4
+    mods = ["blocks.0.fc", "blocks.1.fc"]
+
+    def f32s(n, k):
+        return f32(*[((i * 7 + k * 3) % 11 - 5) / 4.0 for i in range(n)])
+
+    cal = st_bytes([(m + s, "F32", (rows, d), f32s(rows * d, i))
+                    for i, m in enumerate(mods)
+                    for s in (".input", ".output_grad")])
+    cal3d = st_bytes([(m + s, "F32", (2, rows // 2, d), f32s(rows * d, i + 5))
+                      for i, m in enumerate(mods)
+                      for s in (".input", ".output_grad")])
+    eye = struct.pack("<16d", *[1.0 if i % 5 == 0 else 0.0 for i in range(16)])
+    stats = st_bytes([(m + s, "F64", (d, d), eye) for m in mods
+                      for s in (".in_xcov", ".out_xcov")],
+                     metadata={"rows": "8"})
+    stats_zero = st_bytes([(m + s, "F64", (d, d), bytes(128)) for m in mods
+                           for s in (".in_xcov", ".out_xcov")])
+    params = [("blocks.0.fc.weight", (d, d)), ("blocks.0.fc.bias", (d,)),
+              ("blocks.1.fc.weight", (d, d)), ("blocks.1.fc.bias", (d,))]
+    votes_i32 = st_bytes([(n, "I32", s, struct.pack("<%di" % math.prod(s),
+                           *[(i % 5) - 2 for i in range(math.prod(s))]))
+                          for n, s in params])
+    votes_f32 = st_bytes([(n, "F32", s, f32(*[float((i % 3) - 1) for i in range(math.prod(s))]))
+                          for n, s in params])
+    write(t, "0_stats", b"\x00" + stats)
+    write(t, "0_stats_zero", b"\x00" + stats_zero)
+    write(t, "1_calib_target", b"\x01" + cal)
+    write(t, "1_calib_target_center", b"\x09" + cal)
+    write(t, "1_calib_target_whiten", b"\x11" + cal3d)
+    write(t, "1_calib_target_both", b"\x19" + cal)
+    write(t, "2_calib_source", b"\x02" + cal3d)
+    write(t, "3_votes_i32", b"\x03" + votes_i32)
+    write(t, "3_votes_f32", b"\x03" + votes_f32)
+    write(t, "4_stats_from_calib", b"\x04" + cal)
+
+
 if __name__ == "__main__":
     safetensors_seeds()
     index_seeds()
     json_seeds()
     xcov_seeds()
+    calib_stats_seeds()
