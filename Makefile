@@ -179,7 +179,7 @@ $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
 
 # ---- robustness ----
 # Fuzzing, the ABI gate, header hygiene and leak checking (docs/reliability.md).
-.PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump header-check leak-check
+.PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump header-check leak-check check-robust
 
 # make fuzz FUZZ_SECONDS=N: each libFuzzer target in test/fuzz/ runs N seconds
 # over a copy of its seed corpus (new inputs and crash files go to
@@ -207,8 +207,9 @@ fuzz: $(FUZZ_BINS)
 # committed baseline.  Fails on anything abidiff reports besides added
 # symbols and harmless enumerator additions: removals (status bit 8) and
 # changed signatures, types or enumerator values (bit 4; abidiff does not
-# count a changed pointee type as "incompatible", but callers break).  The library is built with -g in its own
-# tree so that the result does not depend on the caller's flags.
+# count a changed pointee type as "incompatible", but callers break).  The
+# library is built with -g in its own tree so that the result does not
+# depend on the caller's flags.
 ABI_BUILD := build/abi
 ABI_LIB := $(ABI_BUILD)/lib/libbico.so.$(VERSION)
 ABI_BASELINE := abi/libbico.so.$(VERSION_MAJOR).abi
@@ -256,4 +257,12 @@ leak-check:
 	  --error-exitcode=1 --suppressions=test/valgrind.supp --num-callers=30 \
 	  $(TEST_BIN) --gtest_filter='$(LEAK_FILTER)'
 
-check: header-check
+# make check-robust: nothing on disk is lost when `bico transfer` is killed
+# (SIGKILL at random moments), hits a file-size limit or meets a read-only
+# folder; inputs are opened read-only (test/robust/no_data_lost.py).
+ROBUST_KILLS ?= 12
+check-robust: $(TOOL)
+	@if [ -n "$(TOOL)" ]; then $(PYTHON) test/robust/no_data_lost.py $(TOOL) $(ROBUST_KILLS); \
+	else echo "check-robust: no bico command in this tree; skipped"; fi
+
+check: header-check check-robust
