@@ -30,7 +30,8 @@ CXXFLAGS_ALL := -std=c++17 $(OPT) $(WARN) -Iinclude $(CXXFLAGS)
 # SANITIZE=1: the same build with AddressSanitizer and UBSan, in its own tree.
 ifeq ($(SANITIZE),1)
 BUILD ?= build/san
-SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+SAN := -fsanitize=address,undefined,float-cast-overflow -fno-omit-frame-pointer \
+       -fno-sanitize-recover=undefined,float-cast-overflow
 CFLAGS_ALL += $(SAN)
 CXXFLAGS_ALL += $(SAN)
 LDSAN := $(SAN)
