@@ -193,10 +193,17 @@ FUZZ_SAN := -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined 
 FUZZ_TARGETS := $(patsubst test/fuzz/%.c,%,$(wildcard test/fuzz/fuzz_*.c))
 FUZZ_BINS := $(patsubst %,build/fuzz/bin/%,$(FUZZ_TARGETS))
 
-build/fuzz/bin/%: test/fuzz/%.c $(wildcard test/fuzz/*.h) $(LIB_SRCS) $(LIB_DEPS)
+FUZZ_CFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -g -O1 -Iinclude -Ilib $(BLIS_CFLAGS)
+FUZZ_OBJS := $(patsubst lib/%.c,build/fuzz/obj/%.o,$(LIB_SRCS))
+
+# The library's objects once, instrumented for every target.
+$(FUZZ_OBJS): build/fuzz/obj/%.o: lib/%.c $(LIB_DEPS)
 	@mkdir -p $(@D)
-	$(FUZZ_CC) -std=c99 -D_POSIX_C_SOURCE=200809L -g -O1 $(FUZZ_SAN) \
-	  -Iinclude -Ilib $(BLIS_CFLAGS) -o $@ $< $(LIB_SRCS) \
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(subst fuzzer,fuzzer-no-link,$(FUZZ_SAN)) -c $< -o $@
+
+$(FUZZ_BINS): build/fuzz/bin/%: test/fuzz/%.c $(wildcard test/fuzz/*.h) $(FUZZ_OBJS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_SAN) -o $@ $< $(FUZZ_OBJS) \
 	  $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread
 
 fuzz-build: $(FUZZ_BINS)
