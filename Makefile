@@ -180,7 +180,7 @@ $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
 
 # ---- robustness ----
 # Fuzzing, the ABI gate, header hygiene and leak checking (docs/reliability.md).
-.PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump header-check leak-check check-robust
+.PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump header-check leak-check check-robust tsan-check
 
 # make fuzz FUZZ_SECONDS=N: each libFuzzer target in test/fuzz/ runs N seconds
 # over a copy of its seed corpus (new inputs and crash files go to
@@ -264,6 +264,17 @@ leak-check:
 	$(VALGRIND) --tool=memcheck --leak-check=full --errors-for-leak-kinds=definite \
 	  --error-exitcode=1 --suppressions=test/valgrind.supp --num-callers=30 \
 	  $(TEST_BIN) --gtest_filter='$(LEAK_FILTER)'
+
+# make tsan-check: the thread tests under ThreadSanitizer (library and tests
+# built with -fsanitize=thread in build/tsan).  BLIS and libgomp are not
+# instrumented; test/tsan.supp names what of theirs is suppressed and why.
+TSAN_FILTER ?= RobustThreads.*:Planted.TwoContexts*
+tsan-check:
+	$(MAKE) --no-print-directory BUILD=build/tsan SANITIZE= OPT='-O1 -g' \
+	  CFLAGS=-fsanitize=thread CXXFLAGS=-fsanitize=thread LDFLAGS=-fsanitize=thread \
+	  build/tsan/test/bico_tests
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66 suppressions=$(abspath test/tsan.supp)" \
+	  build/tsan/test/bico_tests --gtest_filter='$(TSAN_FILTER)'
 
 # make check-robust: nothing on disk is lost when `bico transfer` is killed
 # (SIGKILL at random moments), hits a file-size limit or meets a read-only
