@@ -260,8 +260,14 @@ bico_status bico_stats_from_calib(bico_ctx *ctx, const char *source_calib,
                                   fb, target_calib, it->ib, it->db, 1, &xc);
     }
     if (st == BICO_OK) {
-      c = bico__alloc(ctx, it->da * it->db * sizeof(double));
-      if (c == NULL) st = BICO_E_NOMEM;
+      size_t n;
+      c = bico__mul(it->da, it->db, &n) || n > SIZE_MAX / sizeof(double)
+              ? NULL
+              : bico__alloc(ctx, n * sizeof(double));
+      if (c == NULL)
+        st = bico__fail(ctx, BICO_E_NOMEM,
+                        "%s: no memory for the statistic %s (%zu x %zu)", fn,
+                        it->name, it->da, it->db);
     }
     if (st == BICO_OK) st = bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, c, it->db);
     if (st == BICO_OK)

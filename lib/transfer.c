@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "calib.h"
@@ -385,6 +386,17 @@ static void free_maps(run *r, modstate *s) {
   s->have_out = 0;
 }
 
+/* rows x cols elements of `size` bytes, with the product overflow-checked. */
+static void *alloc_mat(bico_ctx *ctx, size_t rows, size_t cols, size_t size) {
+  size_t n, bytes;
+  if (bico__mul(rows, cols, &n) || bico__mul(n, size, &bytes)) {
+    bico__fail(ctx, BICO_E_NOMEM, "a %zu x %zu matrix does not fit in memory",
+               rows, cols);
+    return NULL;
+  }
+  return bico__alloc(ctx, bytes);
+}
+
 /* Module widths: (d_out, d_in); an element-wise module has both equal. */
 static bico_status dims(const bico_model *m, size_t mi, size_t *dout,
                         size_t *din) {
@@ -414,7 +426,7 @@ static bico_status compute_side(run *r, size_t mi, int side) {
   for (size_t b = 0; b < k && st == BICO_OK; b++) {
     maps[b].da = ba;
     maps[b].db = bb;
-    maps[b].r = bico__alloc(ctx, ba * bb * sizeof(float));
+    maps[b].r = alloc_mat(ctx, ba, bb, sizeof(float));
     if (maps[b].r == NULL) st = BICO_E_NOMEM;
   }
   const char *suffix = side ? "output_grad" : "input";
@@ -443,7 +455,7 @@ static bico_status compute_side(run *r, size_t mi, int side) {
                         path, key, da, db, sm, tm);
     }
     if (st == BICO_OK) {
-      c = bico__alloc(ctx, da * db * sizeof(double));
+      c = alloc_mat(ctx, da, db, sizeof(double));
       if (c == NULL) st = BICO_E_NOMEM;
     }
     if (st == BICO_OK) st = bico_stfile_read_f64(r->stats, idx, c, da * db);
@@ -886,6 +898,22 @@ static bico_status plan(run *r) {
     r->mods[m].k = split_for(r->t, mname(r->mt, m));
   }
   bico__clear(ctx);
+  /* A split that matches no linear module is a typo worth stopping for. */
+  for (size_t i = 0; i < r->t->nsplits; i++) {
+    int hit = 0;
+    for (size_t m = 0; m < r->nm && !hit; m++) {
+      int kind;
+      bico_model_module(r->mt, m, NULL, &kind, NULL, NULL);
+      hit = kind == BICO_MODULE_LINEAR &&
+            ends_with_component(mname(r->mt, m), r->t->splits[i].suffix);
+    }
+    if (!hit)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "--split %s=%zu: no linear module of the target base "
+                        "ends in %s",
+                        r->t->splits[i].suffix, r->t->splits[i].k,
+                        r->t->splits[i].suffix);
+  }
   int bico = r->method == BICO_METHOD_BICO || r->method == BICO_METHOD_BICO_IN ||
              r->method == BICO_METHOD_BICO_OUT;
   for (size_t ti = 0; ti < nt; ti++) {
@@ -1109,10 +1137,18 @@ static bico_status run_all(run *r) {
   bico_model_blocks(r->ms, &sp, &sl);
   bico_model_blocks(r->mt, &tp, &tl);
   size_t nt = bico_model_tensor_count(r->mt);
-  logf_(r, "bico: method %s, alpha %g; source blocks %s (%zu), target blocks "
-           "%s (%zu); %zu target tensors",
-        METHOD_NAME[r->method], (double)r->alpha, sp ? sp : "none", sl,
-        tp ? tp : "none", tl, nt);
+  char bsrc[160], btgt[160];
+  if (sp)
+    snprintf(bsrc, sizeof bsrc, "%zu blocks %s%s<i>", sl, sp, sp[0] ? "." : "");
+  else
+    snprintf(bsrc, sizeof bsrc, "no blocks");
+  if (tp)
+    snprintf(btgt, sizeof btgt, "%zu blocks %s%s<i>", tl, tp, tp[0] ? "." : "");
+  else
+    snprintf(btgt, sizeof btgt, "no blocks");
+  logf_(r, "bico: method %s, alpha %g; source: %s; target: %s; %zu target "
+           "tensors",
+        METHOD_NAME[r->method], (double)r->alpha, bsrc, btgt, nt);
 
   /* Writers: declare every tensor up front, in the target's order. */
   st = bico_stwriter_create(ctx, t->files[BICO_FILE_OUTPUT], &r->w);
@@ -1120,7 +1156,7 @@ static bico_status run_all(run *r) {
     st = bico_stwriter_create(ctx, t->files[BICO_FILE_DELTA_OUTPUT], &r->wd);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     const char *name;
-    int dtype;
+    int dtype = 0;
     size_t ndim;
     const size_t *shape;
     size_t fi;
@@ -1139,13 +1175,13 @@ static bico_status run_all(run *r) {
   bico__report_key(&r->rep, "tensors");
   bico__report_begin_array(&r->rep);
 
-  size_t step = nt / 10 ? nt / 10 : 1;
+  /* Progress only on long runs: at most every 5 seconds. */
+  time_t last = time(NULL);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     const char *name;
     int dtype;
     size_t ndim;
-    const size_t *shape, fi_dummy = 0;
-    (void)fi_dummy;
+    const size_t *shape;
     bico_model_tensor(r->mt, ti, &name, &dtype, &ndim, &shape);
     size_t fi;
     bico_stfile_find(r->tb, name, &fi);
@@ -1205,8 +1241,10 @@ static bico_status run_all(run *r) {
     if (st == BICO_OK && r->owner[ti] != NONE &&
         --r->mods[r->owner[ti]].refs == 0)
       free_maps(r, &r->mods[r->owner[ti]]);
-    if (st == BICO_OK && (ti + 1) % step == 0 && ti + 1 < nt)
-      logf_(r, "bico: %zu/%zu tensors done", ti + 1, nt);
+    if (st == BICO_OK && ti + 1 < nt && time(NULL) - last >= 5) {
+      last = time(NULL);
+      logf_(r, "bico: %zu/%zu tensors done (%s)", ti + 1, nt, name);
+    }
   }
   bico__report_end_array(&r->rep);
   bico__report_key(&r->rep, "summary");

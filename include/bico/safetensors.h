@@ -28,7 +28,8 @@
  * renames it into place only once complete (after fsync; the folder is then
  * fsynced too).  The final path is never opened for writing, so on any
  * failure an existing file there stays byte-identical; freeing an
- * uncommitted writer removes the temporary file.
+ * uncommitted writer removes the temporary file.  A symbolic link at the
+ * output path is replaced by the new file, not followed.
  *
  * Signals: libbico installs no signal handlers.  A write beyond the process's
  * file-size limit (`ulimit -f`, RLIMIT_FSIZE) raises SIGXFSZ, which kills the
@@ -207,7 +208,8 @@ BICO_API bico_status bico_stwriter_write_raw(bico_stwriter *w,
                                              const void *data, size_t nbytes);
 
 /* Finishes: every declared tensor must have been written (else
- * BICO_E_STATE naming the first missing one).  Writes the header (padded
+ * BICO_E_STATE naming the first missing one; a tensor of zero bytes needs
+ * no write).  Writes the header (padded
  * with spaces to a multiple of 8 bytes), fsyncs, renames into place,
  * fsyncs the folder.  A new file gets mode 0666 less the umask; an existing
  * one keeps its mode.  A commit refused for a missing tensor (BICO_E_STATE)

@@ -33,6 +33,10 @@
  * see docs/formats.md.  Pairing of target and source modules and tensors is
  * bico_model's (name outside the blocks, depth map inside).
  *
+ * Threads: the BLIS thread count is the context's (BICO_CTX_THREADS).
+ * Memory: maps are computed when the first tensor needing them comes up and
+ * freed after the last; calibration rows are streamed in chunks.
+ *
  * The output holds every tensor of the target base with its name, shape
  * and dtype: theta_B + alpha tau_B where a method produced an update,
  * theta_B otherwise; it is written atomically (nothing is written, and an

@@ -419,6 +419,10 @@ def test_data_errors_name_the_culprit(vit, tmp_path):
     r = bico(*common, "--source-calib", f["calA"], "--target-calib", f["calB"],
              "--output", link, ok=False)
     assert r.returncode == 1 and open(f["B"], "rb").read() == before
+    # A --split that matches nothing is named.
+    r = bico(*common, "--source-calib", f["calA"], "--target-calib", f["calB"],
+             "--split", "attn.qvk=3", "--output", out, ok=False)
+    assert r.returncode == 1 and "attn.qvk" in r.stderr, r.stderr
     # A malformed file is named.
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{oops}  ")
@@ -495,3 +499,81 @@ def test_docs_calibration_snippet_matches(vit, tmp_path):
     assert sorted(got) == sorted(want)
     for k in want:
         assert got[k].shape == want[k].shape and rel(got[k], want[k]) < 1e-6, k
+
+
+@pytest.mark.parametrize("opts", [
+    ["--method", "bico-in"], ["--method", "bico-out"],
+    ["--method", "bico", "--norm-map", "grad"],
+    ["--method", "bico", "--null", "drop", "--rank-tol", "1e-3"],
+    ["--method", "bico", "--center", "--whiten", "0.25", "--threads", "2"],
+])
+def test_vit_options(vit, tmp_path, opts):
+    """Each option runs and the report shows what it did; the ranks are
+    predicted from the model, not read off the code."""
+    f = vit["files"]
+    out, rep = tmp_path / "o.safetensors", tmp_path / "r.json"
+    bico("transfer", *opts, "--source-base", f["A"], "--source-tuned", f["Aft"],
+         "--target-base", f["B"], "--source-calib", f["calA"],
+         "--target-calib", f["calB"], "--split", "attn.qkv=3",
+         "--report", rep, "--output", out, "-q")
+    o, _, _ = pl.load(out)
+    assert all(np.all(np.isfinite(v)) for v in o.values())
+    by = {e["name"]: e for e in json.load(open(rep))["tensors"]}
+    maps = by["blocks.0.mlp.fc1.weight"]["maps"]
+    if opts[1] == "bico-in":
+        assert set(maps) == {"in"}
+        # bico-in: the output side is the identity, so the bias is unchanged
+        # in value (tau itself), i.e. the update equals tau_b.
+        assert rel(o["blocks.0.mlp.fc1.bias"] - vit["sdB"]["blocks.0.mlp.fc1.bias"].numpy(),
+                   vit["tau"]["blocks.0.mlp.fc1.bias"].numpy()) < 1e-6
+    elif opts[1] == "bico-out":
+        assert set(maps) == {"out"}
+    else:
+        assert set(maps) == {"in", "out"}
+    if "grad" in opts:
+        # The final norm's output gradients are head.weight^T z: rank =
+        # number of classes.
+        assert by["norm.weight"]["maps"]["out"]["rank"] == CFG["classes"]
+    elif "--rank-tol" in opts:
+        # A coarser tolerance counts fewer singular values.
+        assert by["norm.weight"]["maps"]["in"]["rank"] < CFG["d"]
+    else:
+        assert by["norm.weight"]["maps"]["in"]["rank"] == CFG["d"]
+
+
+def test_sharded_target_and_dtypes_are_kept(tmp_path):
+    """A sharded target (index.json) reads as one model; the output keeps
+    each tensor's dtype; tensors without a source partner and integer
+    tensors are copied byte for byte."""
+    rng = np.random.default_rng(5)
+    A = {"a.weight": rng.standard_normal((4, 3)).astype(np.float32),
+         "b.weight": rng.standard_normal((2, 4)).astype(np.float32)}
+    tau = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in A.items()}
+    Aft = {k: A[k] + tau[k] for k in A}
+    B1 = {"a.weight": rng.standard_normal((4, 3)).astype(np.float16)}
+    B2 = {"b.weight": rng.standard_normal((2, 4)).astype(np.float64),
+          "extra.weight": rng.standard_normal((3, 3)).astype(np.float32),
+          "count": np.array([7], np.int64)}
+    pl.save(tmp_path / "A.safetensors", A)
+    pl.save(tmp_path / "Aft.safetensors", Aft)
+    pl.save(tmp_path / "B-1.safetensors", B1)
+    pl.save(tmp_path / "B-2.safetensors", B2)
+    index = {"metadata": {}, "weight_map": {**{k: "B-1.safetensors" for k in B1},
+                                            **{k: "B-2.safetensors" for k in B2}}}
+    (tmp_path / "B.safetensors.index.json").write_text(json.dumps(index))
+    out, rep = tmp_path / "o.safetensors", tmp_path / "r.json"
+    bico("transfer", "--method", "naive", "--source-base", tmp_path / "A.safetensors",
+         "--source-tuned", tmp_path / "Aft.safetensors",
+         "--target-base", tmp_path / "B.safetensors.index.json",
+         "--report", rep, "--output", out, "-q")
+    o, _, order = pl.load(out)
+    assert order == ["a.weight", "b.weight", "extra.weight", "count"]
+    assert o["a.weight"].dtype == np.float16 and o["b.weight"].dtype == np.float64
+    want_a = (B1["a.weight"].astype(np.float32) + tau["a.weight"]).astype(np.float16)
+    assert np.array_equal(o["a.weight"], want_a)
+    assert np.allclose(o["b.weight"], B2["b.weight"] + tau["b.weight"], rtol=1e-6, atol=1e-6)
+    assert o["extra.weight"].tobytes() == B2["extra.weight"].tobytes()
+    assert o["count"].tobytes() == B2["count"].tobytes()
+    by = {e["name"]: e for e in json.load(open(rep))["tensors"]}
+    assert by["extra.weight"]["handling"] == "unchanged" and by["extra.weight"]["source"] is None
+    assert "reason" in by["extra.weight"]
