@@ -384,10 +384,9 @@ bico_status bico_procrustes_solve(bico_procrustes *p, const bico_xcov *xc,
   double *m = NULL, *ga = NULL, *gb = NULL, *t = NULL;
   m = bico__calloc(ctx, total, sizeof(double));
   if (m == NULL) return BICO_E_NOMEM;
-  /* Flags and strides were checked above; the one failure left is
-   * overflow in centering. */
-  /* Centering can overflow on extreme (finite) statistics (found by
-   * fuzzing): that is the caller's data, not a bug, so say so on ctx. */
+  /* Flags and strides were checked above; the one failure left is overflow
+   * in centering extreme (finite) statistics (found by fuzzing): the
+   * caller's data, not a bug, so say so on ctx. */
   st = bico_xcov_matrix(xc, BICO_XCOV_CROSS, p->center, m, d_b);
   if (st != BICO_OK) {
     st = bico__fail(ctx, st, "%s: the centered statistic overflows double "
