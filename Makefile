@@ -179,7 +179,8 @@ $(JSON_TOOL): test/json_tool.c lib/json.h $(STLIB)
 $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
 
 # ---- robustness ----
-# Fuzzing, the ABI gate, header hygiene and leak checking (docs/reliability.md).
+# Fuzzing, the ABI gate, header hygiene, leak and thread checking, and the
+# no-data-lost test of the command (docs/reliability.md).
 .PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump header-check leak-check check-robust tsan-check
 
 # make fuzz FUZZ_SECONDS=N: each libFuzzer target in test/fuzz/ runs N seconds
