@@ -22,7 +22,7 @@
   } while (0)
 
 /* The scratch folder: one per process, made on first use under $TMPDIR
- * (scripts/fuzz.sh points it into build/fuzz/<target>/tmp). */
+ * (scripts/fuzz.sh points it into /dev/shm, or build/fuzz/<target>/tmp). */
 static const char *fuzz_dir(void) {
   static char dir[4096];
   if (dir[0] == '\0') {
