@@ -126,12 +126,19 @@ check-pkgconfig: all
 	test -z "$$(nm -D --defined-only $(SHLIB) | awk '{print $$3}' | grep -v '^bico_' | grep -v '^BICO_')"
 	@echo "check-pkgconfig: installed library builds and runs through pkg-config (shared and static); only bico_* exported"
 
+# Under the sanitizers, only the Python tests that drive the (sanitized)
+# programs: the binding loads the library into an unsanitized interpreter
+# through ctypes.
+ifeq ($(SANITIZE),1)
+PYTEST_FILES = $(filter-out test/python/test_binding%,$(shell grep -L -E '^ *(import bico|from bico)' test/python/test_*.py))
+else
+PYTEST_FILES = test/python
+endif
+
 check: $(TEST_BIN) all check-pkgconfig
 	$(TEST_BIN)
-	@# Python loads the library through ctypes: not under the sanitizers.
-	@if [ "$(SANITIZE)" != 1 ] && ls test/python/test_*.py >/dev/null 2>&1; then \
-	  PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
-	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q test/python; fi
+	PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q $(PYTEST_FILES)
 test: check
 
 PYTHON ?= /usr/bin/python3
@@ -177,6 +184,66 @@ $(JSON_TOOL): test/json_tool.c lib/json.h $(STLIB)
 	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -Ilib -o $@ $< \
 	  $(STLIB) $(LDSAN) $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread $(LDFLAGS)
 $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
+
+# ---- python ----
+# The ctypes binding (bindings/python/bico) installs as a plain package into
+# PYTHONDIR; it finds the library through $BICO_LIBRARY, then the LIBDIR
+# recorded here at install time, then paths relative to the package.
+PYTHONDIR ?= $(PREFIX)/lib/python3/dist-packages
+PY_SRCS := $(wildcard bindings/python/bico/*.py)
+
+.PHONY: install-python uninstall-python check-python-install
+install: install-python
+uninstall: uninstall-python
+# Python loads the library through ctypes: not under the sanitizers.
+ifneq ($(SANITIZE),1)
+check: check-python-install
+endif
+
+install-python:
+	install -d $(DESTDIR)$(PYTHONDIR)/bico
+	install -m 644 $(filter-out %/_install.py,$(PY_SRCS)) $(DESTDIR)$(PYTHONDIR)/bico/
+	printf '# Written by make install.\nLIBDIR = %s\n' "'$(LIBDIR)'" > $(DESTDIR)$(PYTHONDIR)/bico/_install.py
+
+uninstall-python:
+	rm -rf $(DESTDIR)$(PYTHONDIR)/bico
+
+# The installed package imports with nothing set in the environment and
+# loads the installed library.
+check-python-install: all
+	rm -rf $(BUILD)/pystage
+	$(MAKE) --no-print-directory install PREFIX=$(abspath $(BUILD)/pystage) BUILD=$(BUILD) >/dev/null
+	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$(abspath $(BUILD)/pystage)/lib/python3/dist-packages \
+	  $(PYTHON) -c 'import bico, sys; print("installed binding:", bico.__file__, "->", bico.library_path); sys.exit(not bico.library_path.startswith("$(abspath $(BUILD)/pystage)/lib/"))'
+
+# ---- demo ----
+# `make demo`: the main job end to end on Fashion-MNIST (examples/demo/, an
+# example-local MLP trainer over BLIS; every transfer through the public API).
+# `demo-test`: its small configuration, run from an empty cache, then again
+# from the cache (the same table must come out), part of `make check`.
+DEMO_SRCS := $(wildcard examples/demo/*.c)
+DEMO_BIN := $(BUILD)/demo/bico-demo
+DEMO_TEST_DIR := $(BUILD)/demo-test
+
+$(DEMO_BIN): $(DEMO_SRCS) $(wildcard examples/demo/*.h) $(SHLIB)
+	@mkdir -p $(@D)
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $(DEMO_SRCS) \
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lz -lm $(LDFLAGS)
+
+demo:
+	sh scripts/deps.sh
+	$(MAKE) --no-print-directory $(DEMO_BIN)
+	$(DEMO_BIN) --out $(BUILD)/demo
+
+.PHONY: demo-test
+demo-test: $(DEMO_BIN)
+	rm -rf $(DEMO_TEST_DIR)
+	$(DEMO_BIN) --small --out $(DEMO_TEST_DIR) > $(DEMO_TEST_DIR).first.txt
+	$(DEMO_BIN) --small --out $(DEMO_TEST_DIR) > $(DEMO_TEST_DIR).second.txt
+	cmp $(DEMO_TEST_DIR).first.txt $(DEMO_TEST_DIR).second.txt
+	@echo "demo-test: small configuration passed; the rerun from the cache printed the same table"
+
+check: demo-test
 
 # ---- robustness ----
 # Fuzzing, the ABI gate, header hygiene, leak and thread checking, and the

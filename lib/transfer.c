@@ -15,10 +15,11 @@
 #include <unistd.h>
 
 #include "calib.h"
+#include "lora_internal.h"
 #include "report.h"
 
 #define NONE SIZE_MAX
-#define NFILES 12
+#define NFILES 14
 #define NPARAMS 8
 #define NSTRINGS 4
 
@@ -49,7 +50,8 @@ struct bico_transfer {
 static const char *const FILE_OPTION[NFILES] = {
     NULL,           "source base",  "source tuned",  "task vector",
     "target base",  "source calib", "target calib",  "stats",
-    "target votes", "output",       "delta output",  "report"};
+    "target votes", "output",       "delta output",  "report",
+    "source adapter", "output adapter"};
 
 static char *dupstr(bico_ctx *ctx, const char *s) {
   size_t n = strlen(s);
@@ -1019,13 +1021,29 @@ static bico_status check_setup(run *r) {
   bico_transfer *t = r->t;
   bico_ctx *ctx = r->ctx;
   const char *const *f = (const char *const *)t->files;
-  if (f[BICO_FILE_SOURCE_BASE] == NULL || f[BICO_FILE_TARGET_BASE] == NULL ||
-      f[BICO_FILE_OUTPUT] == NULL)
+  int lora = f[BICO_FILE_LORA] != NULL;
+  if (lora && f[BICO_FILE_SOURCE_BASE] != NULL &&
+      f[BICO_FILE_TARGET_BASE] != NULL &&
+      (f[BICO_FILE_OUTPUT] != NULL || f[BICO_FILE_LORA_OUTPUT] != NULL)) {
+    if (f[BICO_FILE_SOURCE_TUNED] != NULL || f[BICO_FILE_TASK_VECTOR] != NULL ||
+        f[BICO_FILE_DELTA_OUTPUT] != NULL)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "transfer_run: with a source adapter, give no %s",
+                        f[BICO_FILE_DELTA_OUTPUT] != NULL
+                            ? "delta output"
+                            : "source tuned checkpoint or task vector");
+  } else if (f[BICO_FILE_LORA_OUTPUT] != NULL && !lora) {
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: an output adapter needs a source "
+                      "adapter");
+  } else if (f[BICO_FILE_SOURCE_BASE] == NULL ||
+             f[BICO_FILE_TARGET_BASE] == NULL || f[BICO_FILE_OUTPUT] == NULL)
     return bico__fail(ctx, BICO_E_ARG, "transfer_run: missing the %s file",
                       f[BICO_FILE_SOURCE_BASE] == NULL   ? "source base"
                       : f[BICO_FILE_TARGET_BASE] == NULL ? "target base"
                                                          : "output");
-  if ((f[BICO_FILE_SOURCE_TUNED] == NULL) == (f[BICO_FILE_TASK_VECTOR] == NULL))
+  if (!lora &&
+      (f[BICO_FILE_SOURCE_TUNED] == NULL) == (f[BICO_FILE_TASK_VECTOR] == NULL))
     return bico__fail(ctx, BICO_E_ARG,
                       "transfer_run: give exactly one of the source tuned "
                       "checkpoint and the task vector");
@@ -1087,6 +1105,96 @@ static bico_status check_outputs(run *r) {
   return BICO_OK;
 }
 
+/* ---- The LoRA branch (lib/lora_transfer.c) reaches the maps through
+ * these callbacks. ---- */
+
+static size_t lora_split(void *opaque, size_t mi) {
+  return ((run *)opaque)->mods[mi].k;
+}
+
+static bico_status lora_map(void *opaque, size_t mi, int side, size_t block,
+                            const float **rm, size_t *da, size_t *db,
+                            size_t *rank) {
+  run *r = opaque;
+  modstate *s = &r->mods[mi];
+  if (s->src == NONE)
+    return bico__fail(r->ctx, BICO_E_NOTFOUND,
+                      "module %s has no partner in the source",
+                      mname(r->mt, mi));
+  bico_status st = need_side(r, mi, side);
+  if (st != BICO_OK) return st;
+  const map_t *m = side ? &s->out[block] : &s->in;
+  *rm = m->r;
+  *da = m->da;
+  *db = m->db;
+  *rank = m->rank;
+  return BICO_OK;
+}
+
+static bico_status lora_vector_map(void *opaque, size_t ti, size_t *mi,
+                                   int *side, int *identity) {
+  run *r = opaque;
+  size_t owner = r->owner[ti];
+  if (owner == NONE) return BICO_E_NOTFOUND;
+  int kind, role;
+  bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
+  bico_model_tensor_module(r->mt, ti, NULL, &role);
+  *mi = owner;
+  *side = kind == BICO_MODULE_ELEMENTWISE
+              ? r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD
+              : 1;
+  *identity = role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR &&
+              r->method == BICO_METHOD_BICO_IN;
+  return BICO_OK;
+}
+
+static void lora_release(void *opaque, size_t mi) {
+  run *r = opaque;
+  free_maps(r, &r->mods[mi]);
+}
+
+static void lora_log(void *opaque, const char *line) {
+  run *r = opaque;
+  if (r->t->log) r->t->log(r->t->log_opaque, line);
+}
+
+static bico_status lora_branch(run *r) {
+  const char *const *f = (const char *const *)r->t->files;
+  if (f[BICO_FILE_LORA_OUTPUT] != NULL &&
+      strcmp(f[BICO_FILE_LORA_OUTPUT], f[BICO_FILE_LORA]) == 0)
+    return bico__fail(r->ctx, BICO_E_ARG,
+                      "transfer_run: the output adapter %s is the source "
+                      "adapter",
+                      f[BICO_FILE_LORA]);
+  bico__lora_hook h;
+  memset(&h, 0, sizeof h);
+  h.ctx = r->ctx;
+  h.ms = r->ms;
+  h.mt = r->mt;
+  h.sb = r->sb;
+  h.tb = r->tb;
+  h.votes = r->votes;
+  h.votes_path = f[BICO_FILE_TARGET_VOTES];
+  h.method = r->method;
+  h.alpha = r->alpha;
+  h.adapter_dir = f[BICO_FILE_LORA];
+  h.out_dir = f[BICO_FILE_LORA_OUTPUT];
+  h.out_ckpt = f[BICO_FILE_OUTPUT];
+  h.report_path = f[BICO_FILE_REPORT];
+  h.opaque = r;
+  h.split = lora_split;
+  h.map = lora_map;
+  h.vector_map = lora_vector_map;
+  h.release = lora_release;
+  h.log = lora_log;
+  bico_status st = bico__lora_transfer_run(&h);
+  if (st == BICO_OK) {
+    r->t->updated = h.updated;
+    r->t->unchanged = bico_model_tensor_count(r->mt) - h.updated;
+  }
+  return st;
+}
+
 static bico_status run_all(run *r) {
   bico_transfer *t = r->t;
   bico_ctx *ctx = r->ctx;
@@ -1131,6 +1239,7 @@ static bico_status run_all(run *r) {
   }
   if (st == BICO_OK) st = plan(r);
   if (st != BICO_OK) return st;
+  if (t->files[BICO_FILE_LORA] != NULL) return lora_branch(r);
 
   const char *sp, *tp;
   size_t sl, tl;

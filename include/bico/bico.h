@@ -17,5 +17,7 @@
 #include "safetensors.h"
 #include "model.h"
 #include "transfer.h"
+#include "lora.h"
+#include "merge.h"
 
 #endif

@@ -1,8 +1,11 @@
 /* libbico: the orthogonal Procrustes solver.
  *
- * From a cross-covariance C (d_a x d_b) to R = U V^T, where C = U S V^T is
- * the thin SVD: R minimises ||X_a R - X_b||_F over matrices with orthonormal
- * rows (d_a <= d_b: R R^T = I) or columns (d_a >= d_b: R^T R = I).
+ * From a cross-covariance C = X_a^T X_b (d_a x d_b) to R = U V^T, where
+ * C = U S V^T is the thin SVD.  R maximises trace(R^T C) over matrices with
+ * orthonormal rows (d_a <= d_b: R R^T = I) or orthonormal columns
+ * (d_a >= d_b: R^T R = I).  For d_a <= d_b that is the minimiser of
+ * ||X_a R - X_b||_F; for d_a >= d_b, of ||X_a - X_b R^T||_F (there
+ * ||X_a R||_F depends on R, so the first form is not what is solved).
  *
  * Options (bico_procrustes_set_param):
  *   BICO_PROC_CENTER      0 (default) or 1: use the centered statistic

@@ -80,7 +80,15 @@ typedef enum bico_transfer_file {
   BICO_FILE_TARGET_VOTES = 8,  /* GradFix */
   BICO_FILE_OUTPUT = 9,        /* required */
   BICO_FILE_DELTA_OUTPUT = 10, /* optional: alpha tau_B alone */
-  BICO_FILE_REPORT = 11        /* optional: JSON report */
+  BICO_FILE_REPORT = 11,       /* optional: JSON report */
+  /* LoRA (see lora.h): a source PEFT adapter folder instead of SOURCE_TUNED
+   * or TASK_VECTOR; the result is a PEFT adapter folder for the target
+   * (LORA_OUTPUT), a full target checkpoint (OUTPUT: the adapter merged
+   * into the target base), or both.  DELTA_OUTPUT is not used; after such
+   * a run bico_transfer_counts counts as updated the target weights that
+   * received an adapter module and the modules_to_save tensors. */
+  BICO_FILE_LORA = 12,
+  BICO_FILE_LORA_OUTPUT = 13
 } bico_transfer_file;
 
 /* Numeric options (bico_transfer_set_param), with bounds from

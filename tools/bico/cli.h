@@ -12,6 +12,13 @@
 int cmd_transfer(int argc, char **argv);
 int cmd_stats(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
+int cmd_merge(int argc, char **argv); /* tools/bico/merge.c */
+
+/* Usage rules of `bico transfer --lora` (tools/bico/lora_opts.c): 0 when
+ * the combination of files is valid, else the usage error's exit code. */
+int lora_cli_check(const char *cmd, const char *tuned, const char *task_vector,
+                   const char *output, const char *delta_output,
+                   const char *output_lora, int merge_into_base);
 
 /* Prints "bico <cmd>: <message>" to stderr and returns code. */
 int cli_error(const char *cmd, int code, const char *fmt, ...)

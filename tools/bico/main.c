@@ -18,6 +18,8 @@ static const char USAGE[] =
     "  stats      reduce calibration files to a statistics file, or merge\n"
     "             statistics files\n"
     "  inspect    list a checkpoint's tensors, modules and blocks\n"
+    "  merge      combine several task vectors or adapters in the target's\n"
+    "             coordinates (task arithmetic, TIES)\n"
     "\n"
     "bico <command> --help shows the command's options; bico --version the\n"
     "library version.  See the bico(1) manual page (docs/bico.1.md).\n";
@@ -94,6 +96,7 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "transfer") == 0) return cmd_transfer(argc - 1, argv + 1);
   if (strcmp(cmd, "stats") == 0) return cmd_stats(argc - 1, argv + 1);
   if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 1, argv + 1);
+  if (strcmp(cmd, "merge") == 0) return cmd_merge(argc - 1, argv + 1);
   fprintf(stderr, "bico: unknown command '%s'\n\n", cmd);
   fputs(USAGE, stderr);
   return CLI_USAGE;

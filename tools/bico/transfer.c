@@ -27,7 +27,12 @@ static const char HELP[] =
     "    [--center] [--whiten P]\n"
     "    [--threads N]\n"
     "    [--delta-output D.safetensors] [--report R.json] [--quiet]\n"
-    "    --output B_ft.safetensors\n";
+    "    --output B_ft.safetensors\n"
+    "\n"
+    "LoRA (docs/lora.md): --lora ADAPTER_DIR instead of --source-tuned or\n"
+    "--task-vector, and --output-lora OUT_DIR (a PEFT adapter for the target,\n"
+    "factored: no dense update is built for the BiCo methods) and/or\n"
+    "--merge-into-base --output B_ft.safetensors (the full target checkpoint).\n";
 
 static const struct {
   const char *opt;
@@ -44,6 +49,8 @@ static const struct {
     {"--output", BICO_FILE_OUTPUT},
     {"--delta-output", BICO_FILE_DELTA_OUTPUT},
     {"--report", BICO_FILE_REPORT},
+    {"--lora", BICO_FILE_LORA},               /* LoRA: index 11 */
+    {"--output-lora", BICO_FILE_LORA_OUTPUT}, /* LoRA: index 12 */
 };
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
@@ -70,7 +77,7 @@ int cmd_transfer(int argc, char **argv) {
   const char *files[NFILE_OPTS] = {0};
   const char *method = NULL, *blocks = NULL, *norm_map = NULL, *null_mode = NULL;
   double alpha = 1.0, rank_tol = -1, whiten = 0;
-  int center = 0, quiet = 0;
+  int center = 0, quiet = 0, merge_into_base = 0;
   size_t threads = 1;
   const char *splits[256], *ties[256];
   size_t nsplits = 0, nties = 0;
@@ -85,6 +92,10 @@ int cmd_transfer(int argc, char **argv) {
     }
     if (strcmp(a, "--center") == 0) {
       center = 1;
+      continue;
+    }
+    if (strcmp(a, "--merge-into-base") == 0) {
+      merge_into_base = 1;
       continue;
     }
     if (strcmp(a, "--quiet") == 0 || strcmp(a, "-q") == 0) {
@@ -157,10 +168,20 @@ int cmd_transfer(int argc, char **argv) {
                      method);
   if (files[0] == NULL) return cli_error(CMD, CLI_USAGE, "missing --source-base");
   if (files[3] == NULL) return cli_error(CMD, CLI_USAGE, "missing --target-base");
-  if (files[8] == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
-  if ((files[1] == NULL) == (files[2] == NULL))
-    return cli_error(CMD, CLI_USAGE,
-                     "give one of --source-tuned and --task-vector");
+  if (files[11] != NULL) {
+    /* LoRA: lora_cli_check (tools/bico/lora_opts.c) owns these rules. */
+    int rc = lora_cli_check(CMD, files[1], files[2], files[8], files[9],
+                            files[12], merge_into_base);
+    if (rc) return rc;
+  } else {
+    if (files[12] != NULL || merge_into_base)
+      return cli_error(CMD, CLI_USAGE, "%s needs --lora",
+                       files[12] != NULL ? "--output-lora" : "--merge-into-base");
+    if (files[8] == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
+    if ((files[1] == NULL) == (files[2] == NULL))
+      return cli_error(CMD, CLI_USAGE,
+                       "give one of --source-tuned and --task-vector");
+  }
   int bico = m <= BICO_METHOD_BICO_OUT;
   int calib = files[4] != NULL || files[5] != NULL;
   if (bico) {

@@ -1,0 +1,46 @@
+"""bico: Python binding of libbico (ctypes), and bico.torch, the PyTorch
+calibration collector.
+
+    import bico
+    print(bico.library_path)           # which libbico.so was loaded
+    xc = bico.XCov(d_a, d_b); xc.add(x_a, x_b)
+    R, rank = bico.Procrustes(rank_tol=1e-5).solve(xc)
+    tau_b = bico.transport.weight(tau_a, R_out, R_in)
+
+Failures of the library raise bico.BicoError(status, message), message being
+bico_ctx_errmsg of the call.  See docs/python.md.
+"""
+from . import _lib
+from ._core import (BicoError, Context, XCov, Procrustes, Votes, DepthMap,
+                    default_context, depthmap, procrustes, strerror, version,
+                    version_number, naive, pad)
+from ._core import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM,
+                    E_NUMERIC, E_FORMAT, E_IO, E_VERSION, E_NOTFOUND,
+                    E_UNSUPPORTED, E_STATE, E_INTERNAL, NULL_KEEP, NULL_DROP)
+from . import _core as _core_mod
+from . import safetensors
+from . import model
+from .model import Model, Transfer, transfer_files
+from .transfer import transfer_state_dict
+from ._names import Pairing, detect_blocks
+
+
+class _Transport(object):
+    """bico.transport.weight / weight_split / vector / rows."""
+    weight = staticmethod(_core_mod.weight)
+    weight_split = staticmethod(_core_mod.weight_split)
+    vector = staticmethod(_core_mod.vector)
+    rows = staticmethod(_core_mod.rows)
+
+
+transport = _Transport()
+
+library_path = _lib.library_path
+library_source = _lib.library_source
+__version__ = version()
+
+__all__ = ["BicoError", "Context", "XCov", "Procrustes", "Votes", "DepthMap",
+           "depthmap", "procrustes", "transport", "naive", "pad",
+           "safetensors", "transfer_state_dict", "library_path", "version",
+           "strerror", "Pairing", "model", "Model", "Transfer",
+           "transfer_files"]

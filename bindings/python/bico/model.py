@@ -1,0 +1,294 @@
+"""Model graphs (bico_model) and the whole-model transfer driver
+(bico_transfer), the engine behind `bico transfer`.
+
+    m = bico.Model.open("vit.safetensors")
+    m.modules()      # [(name, kind, block, [tensor names])]
+    bico.transfer_files(source_base="A.safetensors",
+                        source_tuned="A_ft.safetensors",
+                        target_base="B.safetensors", stats="S.safetensors",
+                        output="B_ft.safetensors", alpha=1.0)
+"""
+import ctypes
+import os
+import sys
+
+from ._core import BicoError, Context, _Handle, _check, E_ARG
+from ._lib import fn, c_size_t, c_int, c_long, c_char_p, c_void_p, c_double
+from ._lib import LOG_FN
+from . import safetensors as _st
+
+KINDS = {1: "linear", 2: "elementwise", 3: "embedding", 4: "other"}
+ROLES = {1: "weight", 2: "bias", 3: "vector", 4: "token", 5: "other"}
+
+
+def _enc(s):
+    return s.encode("utf-8")
+
+
+def _dec(b):
+    return b.decode("utf-8") if b is not None else None
+
+
+class Model(_Handle):
+    """bico_model: tensors grouped into modules, the block container, and
+    the pairing of a target's names with a source's (include/bico/model.h).
+
+    Model.open(path) reads names, shapes and dtypes of a safetensors file
+    (or sharded index); Model.from_shapes({name: shape}) registers them."""
+    _free = staticmethod(fn.model_free)
+
+    def __init__(self, ctx=None):
+        ctx = Context() if ctx is None else ctx
+        h = c_void_p()
+        _check(fn.model_create(ctx._alive(), ctypes.byref(h)), ctx)
+        self._adopt(h.value, ctx)
+
+    @classmethod
+    def open(cls, path, ctx=None):
+        ctx = Context() if ctx is None else ctx
+        with _st.File(path, ctx) as f:
+            h = c_void_p()
+            _check(fn.model_from_stfile(ctx._alive(), f._ptr,
+                                        ctypes.byref(h)), ctx)
+        o = cls.__new__(cls)
+        o._adopt(h.value, ctx)
+        return o
+
+    @classmethod
+    def from_shapes(cls, shapes, ctx=None):
+        """shapes: {name: shape} (a state dict's {k: v.shape} will do)."""
+        m = cls(ctx)
+        for name, shape in shapes.items():
+            m.add_tensor(name, tuple(getattr(shape, "shape", shape)))
+        return m
+
+    def add_tensor(self, name, shape, dtype=0):
+        arr = (c_size_t * max(len(shape), 1))(*shape)
+        _check(fn.model_add_tensor(self._alive(), _enc(name), int(dtype),
+                                   len(shape), arr), self.ctx)
+
+    def set_blocks(self, prefix):
+        _check(fn.model_set_blocks(self._alive(), None if prefix is None
+                                   else _enc(prefix)), self.ctx)
+
+    def tensors(self):
+        """[(name, shape, module name, role)]."""
+        out = []
+        for i in range(fn.model_tensor_count(self._alive())):
+            name, nd, shp = c_char_p(), c_size_t(), ctypes.POINTER(c_size_t)()
+            _check(fn.model_tensor(self._ptr, i, ctypes.byref(name), None,
+                                   ctypes.byref(nd), ctypes.byref(shp)),
+                   self.ctx)
+            mod, role = c_size_t(), c_int()
+            _check(fn.model_tensor_module(self._ptr, i, ctypes.byref(mod),
+                                          ctypes.byref(role)), self.ctx)
+            out.append((_dec(name.value), tuple(shp[k] for k in range(
+                nd.value)), self._module_name(mod.value),
+                ROLES.get(role.value, role.value)))
+        return out
+
+    def _module_name(self, i):
+        name = c_char_p()
+        _check(fn.model_module(self._ptr, i, ctypes.byref(name), None, None,
+                               None), self.ctx)
+        return _dec(name.value)
+
+    def modules(self):
+        """[(name, kind, block index or -1, [tensor names])]."""
+        out = []
+        for i in range(fn.model_module_count(self._alive())):
+            name, kind, block, nt = c_char_p(), c_int(), c_long(), c_size_t()
+            _check(fn.model_module(self._ptr, i, ctypes.byref(name),
+                                   ctypes.byref(kind), ctypes.byref(block),
+                                   ctypes.byref(nt)), self.ctx)
+            ts = []
+            for k in range(nt.value):
+                ti = c_size_t()
+                _check(fn.model_module_tensor(self._ptr, i, k,
+                                              ctypes.byref(ti)), self.ctx)
+                tn = c_char_p()
+                _check(fn.model_tensor(self._ptr, ti.value, ctypes.byref(tn),
+                                       None, None, None), self.ctx)
+                ts.append(_dec(tn.value))
+            out.append((_dec(name.value), KINDS.get(kind.value, kind.value),
+                        block.value, ts))
+        return out
+
+    def module_dims(self, name):
+        """(d_out, d_in) of a linear or element-wise module."""
+        i = c_size_t()
+        _check(fn.model_find_module(self._alive(), _enc(name),
+                                    ctypes.byref(i)), self.ctx)
+        do, di = c_size_t(), c_size_t()
+        _check(fn.model_module_dims(self._ptr, i.value, ctypes.byref(do),
+                                    ctypes.byref(di)), self.ctx)
+        return do.value, di.value
+
+    def blocks(self):
+        """(container prefix or None, block count)."""
+        p, n = c_char_p(), c_size_t()
+        _check(fn.model_blocks(self._alive(), ctypes.byref(p),
+                               ctypes.byref(n)), self.ctx)
+        return _dec(p.value), n.value
+
+    def source_name(self, source, name):
+        """The source name paired with target name `name` (self is the
+        target)."""
+        n = c_size_t()
+        cap = len(_enc(name)) + 64
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            st = fn.model_map_name(self._alive(), source._alive(), _enc(name),
+                                   buf, cap, ctypes.byref(n))
+            if st == 0:
+                return _dec(buf.value)
+            if n.value + 1 > cap:
+                cap = n.value + 1
+                continue
+            _check(st, self.ctx)
+
+
+# ---- the driver ----
+
+METHODS = {"bico": 1, "bico-in": 2, "bico-out": 3, "gradfix": 4, "naive": 5,
+           "pad": 6}
+FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
+         "target_base": 4, "source_calib": 5, "target_calib": 6, "stats": 7,
+         "target_votes": 8, "output": 9, "delta_output": 10, "report": 11}
+PARAMS = {"method": 1, "alpha": 2, "norm_map": 3, "null": 4, "rank_tol": 5,
+          "center": 6, "whiten": 7}
+STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3}
+_ENUMS = {"method": METHODS, "norm_map": {"act": 0, "grad": 1},
+          "null": {"keep": 0, "drop": 1}}
+
+
+class Transfer(_Handle):
+    """bico_transfer: set files and options, then run().
+
+    Transfer(ctx=None, log=None): log is a callable taking one line of
+    progress/summary text (None: silent; True: lines to stderr)."""
+    _free = staticmethod(fn.transfer_free)
+
+    def __init__(self, ctx=None, log=None):
+        ctx = Context() if ctx is None else ctx
+        h = c_void_p()
+        _check(fn.transfer_create(ctx._alive(), ctypes.byref(h)), ctx)
+        self._adopt(h.value, ctx)
+        self._log_cb = None
+        if log:
+            self.set_log(log)
+
+    def set_file(self, which, path):
+        if which not in FILES:
+            raise BicoError(E_ARG, "Transfer: unknown file %r (known: %s)"
+                            % (which, ", ".join(sorted(FILES))))
+        _check(fn.transfer_set_file(self._alive(), FILES[which],
+                                    None if path is None
+                                    else _enc(os.fspath(path))), self.ctx)
+
+    def set(self, name, value):
+        if name in STRINGS:
+            _check(fn.transfer_set_string(self._alive(), STRINGS[name],
+                                          None if value is None
+                                          else _enc(value)), self.ctx)
+            return
+        if name not in PARAMS:
+            raise BicoError(E_ARG, "Transfer: unknown option %r" % (name,))
+        if isinstance(value, str):
+            table = _ENUMS.get(name, {})
+            if value not in table:
+                raise BicoError(E_ARG, "Transfer: %s must be one of %s, got %r"
+                                % (name, ", ".join(table), value))
+            value = table[value]
+        _check(fn.transfer_set_param(self._alive(), PARAMS[name],
+                                     float(value)), self.ctx)
+
+    def get(self, name):
+        v = c_double()
+        _check(fn.transfer_get_param(self._alive(), PARAMS[name],
+                                     ctypes.byref(v)), self.ctx)
+        return v.value
+
+    def add_split(self, suffix, k):
+        _check(fn.transfer_add_split(self._alive(), _enc(suffix), int(k)),
+               self.ctx)
+
+    def add_tie(self, tensor, module):
+        _check(fn.transfer_add_tie(self._alive(), _enc(tensor),
+                                   _enc(module)), self.ctx)
+
+    def set_log(self, log):
+        if log is True:
+            log = lambda line: sys.stderr.write(line + "\n")
+        if log is None:
+            self._log_cb = None
+            _check(fn.transfer_set_log(self._alive(), None, None), self.ctx)
+            return
+        # the CFUNCTYPE object must live as long as the handle uses it
+        self._log_cb = LOG_FN(lambda opaque, line: log(_dec(line)))
+        _check(fn.transfer_set_log(self._alive(),
+                                   ctypes.cast(self._log_cb, c_void_p), None),
+               self.ctx)
+
+    def run(self):
+        _check(fn.transfer_run(self._alive()), self.ctx)
+        return self.counts()
+
+    def counts(self):
+        """(updated, unchanged) target tensors of the last run."""
+        u, n = c_size_t(), c_size_t()
+        _check(fn.transfer_counts(self._alive(), ctypes.byref(u),
+                                  ctypes.byref(n)), self.ctx)
+        return u.value, n.value
+
+
+def transfer_files(source_base, target_base, output, source_tuned=None,
+                   task_vector=None, stats=None, source_calib=None,
+                   target_calib=None, target_votes=None, delta_output=None,
+                   report=None, method="bico", alpha=1.0, split=None,
+                   ties=None, log=None, **options):
+    """Runs the C driver on files: what `bico transfer` does.  options:
+    norm_map ("act"|"grad"), null ("keep"|"drop"), rank_tol, center,
+    whiten, blocks, source_blocks, target_blocks.  split {suffix: k}, ties
+    {tensor: module}.  Returns (updated, unchanged) tensor counts."""
+    with Transfer(log=log) as t:
+        for k, v in (("source_base", source_base),
+                     ("target_base", target_base), ("output", output),
+                     ("source_tuned", source_tuned),
+                     ("task_vector", task_vector), ("stats", stats),
+                     ("source_calib", source_calib),
+                     ("target_calib", target_calib),
+                     ("target_votes", target_votes),
+                     ("delta_output", delta_output), ("report", report)):
+            if v is not None:
+                t.set_file(k, v)
+        t.set("method", method)
+        t.set("alpha", alpha)
+        for k, v in options.items():
+            t.set(k, v)
+        for suffix, k in (split or {}).items():
+            t.add_split(suffix, k)
+        for tensor, module in (ties or {}).items():
+            t.add_tie(tensor, module)
+        return t.run()
+
+
+def stats_from_calib(source_calib, target_calib, output, blocks=None,
+                     ctx=None):
+    """Reduces two calibration files to a statistics file."""
+    ctx = Context() if ctx is None else ctx
+    _check(fn.stats_from_calib(ctx._alive(), _enc(os.fspath(source_calib)),
+                               _enc(os.fspath(target_calib)),
+                               None if blocks is None else _enc(blocks),
+                               _enc(os.fspath(output))), ctx)
+    return output
+
+
+def stats_merge(inputs, output, ctx=None):
+    """Sums statistics files (same tensors and shapes) into output."""
+    ctx = Context() if ctx is None else ctx
+    enc = [_enc(os.fspath(p)) for p in inputs]
+    arr = (c_char_p * max(len(enc), 1))(*enc)
+    _check(fn.stats_merge(ctx._alive(), ctypes.cast(arr, c_void_p), len(enc),
+                          _enc(os.fspath(output))), ctx)
+    return output

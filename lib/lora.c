@@ -1,0 +1,1281 @@
+/* PEFT LoRA adapters: reading, writing, factored transport, truncation. */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "json.h"
+#include "lapack.h"
+#include "lora_internal.h"
+#include "report.h"
+
+#define PREFIX "base_model.model."
+#define PREFIX_LEN 17
+#define NSTR 3
+
+typedef struct lmod {
+  char *name;
+  int kind;
+  size_t rank, dout, din;
+  double alpha;
+  float *b, *a;
+} lmod;
+
+typedef struct lsaved {
+  char *name, *module;
+  size_t ndim, numel;
+  size_t *shape;
+  float *data;
+} lsaved;
+
+struct bico_lora {
+  bico_ctx *ctx;
+  lmod *mods;
+  size_t nmods, capm;
+  lsaved *saved;
+  size_t nsaved, caps;
+  int rslora, fifo;
+  char *strings[NSTR];
+};
+
+static char *dupn(bico_ctx *ctx, const char *s, size_t n) {
+  char *p = bico__alloc(ctx, n + 1);
+  if (p == NULL) return NULL;
+  memcpy(p, s, n);
+  p[n] = '\0';
+  return p;
+}
+
+static char *dupstr(bico_ctx *ctx, const char *s) {
+  return dupn(ctx, s, strlen(s));
+}
+
+bico_status bico_lora_create(bico_ctx *ctx, bico_lora **out) {
+  if (out != NULL) *out = NULL;
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "lora_create: out is NULL");
+  bico_lora *l = bico__calloc(ctx, 1, sizeof *l);
+  if (l == NULL) return BICO_E_NOMEM;
+  l->ctx = ctx;
+  *out = l;
+  return BICO_OK;
+}
+
+void bico_lora_free(bico_lora *l) {
+  if (l == NULL) return;
+  bico_ctx *ctx = l->ctx;
+  for (size_t i = 0; i < l->nmods; i++) {
+    bico__free(ctx, l->mods[i].name);
+    bico__free(ctx, l->mods[i].b);
+    bico__free(ctx, l->mods[i].a);
+  }
+  bico__free(ctx, l->mods);
+  for (size_t i = 0; i < l->nsaved; i++) {
+    bico__free(ctx, l->saved[i].name);
+    bico__free(ctx, l->saved[i].module);
+    bico__free(ctx, l->saved[i].shape);
+    bico__free(ctx, l->saved[i].data);
+  }
+  bico__free(ctx, l->saved);
+  for (int i = 0; i < NSTR; i++) bico__free(ctx, l->strings[i]);
+  bico__free(ctx, l);
+}
+
+bico_status bico_lora_set_flag(bico_lora *l, int flag, int on) {
+  if (l == NULL) return BICO_E_NULL;
+  bico__clear(l->ctx);
+  if (flag == BICO_LORA_RSLORA) l->rslora = on != 0;
+  else if (flag == BICO_LORA_FAN_IN_FAN_OUT) l->fifo = on != 0;
+  else
+    return bico__fail(l->ctx, BICO_E_ARG, "lora_set_flag: unknown flag %d",
+                      flag);
+  return BICO_OK;
+}
+
+bico_status bico_lora_get_flag(const bico_lora *l, int flag, int *on) {
+  if (l == NULL) return BICO_E_NULL;
+  bico__clear(l->ctx);
+  if (on == NULL) return bico__fail(l->ctx, BICO_E_NULL, "lora_get_flag: on is NULL");
+  if (flag == BICO_LORA_RSLORA) *on = l->rslora;
+  else if (flag == BICO_LORA_FAN_IN_FAN_OUT) *on = l->fifo;
+  else
+    return bico__fail(l->ctx, BICO_E_ARG, "lora_get_flag: unknown flag %d",
+                      flag);
+  return BICO_OK;
+}
+
+bico_status bico_lora_set_string(bico_lora *l, int which, const char *value) {
+  if (l == NULL) return BICO_E_NULL;
+  bico__clear(l->ctx);
+  if (which < 1 || which >= NSTR)
+    return bico__fail(l->ctx, BICO_E_ARG, "lora_set_string: unknown option %d",
+                      which);
+  char *p = NULL;
+  if (value != NULL && (p = dupstr(l->ctx, value)) == NULL) return BICO_E_NOMEM;
+  bico__free(l->ctx, l->strings[which]);
+  l->strings[which] = p;
+  return BICO_OK;
+}
+
+bico_status bico_lora_get_string(const bico_lora *l, int which,
+                                 const char **value) {
+  if (l == NULL) return BICO_E_NULL;
+  bico__clear(l->ctx);
+  if (value == NULL)
+    return bico__fail(l->ctx, BICO_E_NULL, "lora_get_string: value is NULL");
+  if (which < 1 || which >= NSTR)
+    return bico__fail(l->ctx, BICO_E_ARG, "lora_get_string: unknown option %d",
+                      which);
+  *value = l->strings[which];
+  return BICO_OK;
+}
+
+size_t bico_lora_module_count(const bico_lora *l) {
+  return l ? l->nmods : 0;
+}
+
+static double scale_of(const bico_lora *l, const lmod *m) {
+  return l->rslora ? m->alpha / sqrt((double)m->rank)
+                   : m->alpha / (double)m->rank;
+}
+
+bico_status bico_lora_module(const bico_lora *l, size_t i, const char **name,
+                             int *kind, size_t *rank, size_t *d_out,
+                             size_t *d_in, double *alpha, double *scale) {
+  if (l == NULL) return BICO_E_NULL;
+  bico__clear(l->ctx);
+  if (i >= l->nmods)
+    return bico__fail(l->ctx, BICO_E_ARG,
+                      "lora_module: index %zu out of range (%zu modules)", i,
+                      l->nmods);
+  const lmod *m = &l->mods[i];
+  if (name) *name = m->name;
+  if (kind) *kind = m->kind;
+  if (rank) *rank = m->rank;
+  if (d_out) *d_out = m->dout;
+  if (d_in) *d_in = m->din;
+  if (alpha) *alpha = m->alpha;
+  if (scale) *scale = scale_of(l, m);
+  return BICO_OK;
+}
+
+static size_t find_mod(const bico_lora *l, const char *name) {
+  for (size_t i = 0; i < l->nmods; i++)
+    if (strcmp(l->mods[i].name, name) == 0) return i;
+  return SIZE_MAX;
+}
+
+bico_status bico_lora_find_module(const bico_lora *l, const char *name,
+                                  size_t *i) {
+  if (l == NULL) return BICO_E_NULL;
+  bico__clear(l->ctx);
+  if (name == NULL || i == NULL)
+    return bico__fail(l->ctx, BICO_E_NULL, "lora_find_module: %s is NULL",
+                      name == NULL ? "name" : "i");
+  size_t k = find_mod(l, name);
+  if (k == SIZE_MAX)
+    return bico__fail(l->ctx, BICO_E_NOTFOUND,
+                      "lora_find_module: the adapter has no module %s", name);
+  *i = k;
+  return BICO_OK;
+}
+
+bico_status bico_lora_factors(const bico_lora *l, size_t i, const float **b,
+                              const float **a) {
+  if (l == NULL) return BICO_E_NULL;
+  bico__clear(l->ctx);
+  if (i >= l->nmods)
+    return bico__fail(l->ctx, BICO_E_ARG,
+                      "lora_factors: index %zu out of range (%zu modules)", i,
+                      l->nmods);
+  if (b) *b = l->mods[i].b;
+  if (a) *a = l->mods[i].a;
+  return BICO_OK;
+}
+
+/* Takes ownership of b and a (freed on failure too). */
+static bico_status push_module(bico_lora *l, char *name, int kind, size_t rank,
+                               double alpha, size_t dout, size_t din, float *b,
+                               float *a) {
+  bico_ctx *ctx = l->ctx;
+  if (l->nmods == l->capm) {
+    size_t cap = l->capm ? 2 * l->capm : 8;
+    lmod *p = bico__alloc(ctx, cap * sizeof *p);
+    if (p == NULL) {
+      bico__free(ctx, name);
+      bico__free(ctx, b);
+      bico__free(ctx, a);
+      return BICO_E_NOMEM;
+    }
+    if (l->nmods) memcpy(p, l->mods, l->nmods * sizeof *p);
+    bico__free(ctx, l->mods);
+    l->mods = p;
+    l->capm = cap;
+  }
+  lmod *m = &l->mods[l->nmods++];
+  m->name = name;
+  m->kind = kind;
+  m->rank = rank;
+  m->alpha = alpha;
+  m->dout = dout;
+  m->din = din;
+  m->b = b;
+  m->a = a;
+  return BICO_OK;
+}
+
+bico_status bico_lora_add_module(bico_lora *l, const char *name, int kind,
+                                 size_t rank, double alpha, size_t d_out,
+                                 size_t d_in, const float *b, const float *a) {
+  if (l == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = l->ctx;
+  bico__clear(ctx);
+  const char *fn = "lora_add_module";
+  if (name == NULL || b == NULL || a == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      name == NULL ? "name" : b == NULL ? "b" : "a");
+  if (name[0] == '\0')
+    return bico__fail(ctx, BICO_E_ARG, "%s: empty module name", fn);
+  if (kind != BICO_LORA_LINEAR && kind != BICO_LORA_EMBEDDING)
+    return bico__fail(ctx, BICO_E_ARG, "%s: module %s: unknown kind %d", fn,
+                      name, kind);
+  if (rank == 0 || d_out == 0 || d_in == 0)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: module %s: rank %zu, d_out %zu, d_in %zu must all "
+                      "be at least 1",
+                      fn, name, rank, d_out, d_in);
+  if (!isfinite(alpha) || !(alpha > 0))
+    return bico__fail(ctx, isfinite(alpha) ? BICO_E_ARG : BICO_E_NONFINITE,
+                      "%s: module %s: alpha %g must be a positive number", fn,
+                      name, alpha);
+  if (find_mod(l, name) != SIZE_MAX)
+    return bico__fail(ctx, BICO_E_ARG, "%s: module %s added twice", fn, name);
+  size_t nb, na;
+  if (bico__mul(d_out, rank, &nb) || bico__mul(rank, d_in, &na) ||
+      bico__mul(nb, sizeof(float), &nb) || bico__mul(na, sizeof(float), &na))
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: module %s: sizes overflow", fn,
+                      name);
+  bico_status st = bico__check_finite_f32(ctx, fn, "b", b, d_out, rank, rank);
+  if (st == BICO_OK)
+    st = bico__check_finite_f32(ctx, fn, "a", a, rank, d_in, d_in);
+  if (st != BICO_OK) return st;
+  char *n = dupstr(ctx, name);
+  float *bc = bico__alloc(ctx, nb), *ac = bico__alloc(ctx, na);
+  if (n == NULL || bc == NULL || ac == NULL) {
+    bico__free(ctx, n);
+    bico__free(ctx, bc);
+    bico__free(ctx, ac);
+    return BICO_E_NOMEM;
+  }
+  memcpy(bc, b, nb);
+  memcpy(ac, a, na);
+  return push_module(l, n, kind, rank, alpha, d_out, d_in, bc, ac);
+}
+
+size_t bico_lora_saved_count(const bico_lora *l) {
+  return l ? l->nsaved : 0;
+}
+
+bico_status bico_lora_saved(const bico_lora *l, size_t i, const char **name,
+                            const char **module, size_t *ndim,
+                            const size_t **shape, const float **data) {
+  if (l == NULL) return BICO_E_NULL;
+  bico__clear(l->ctx);
+  if (i >= l->nsaved)
+    return bico__fail(l->ctx, BICO_E_ARG,
+                      "lora_saved: index %zu out of range (%zu saved tensors)",
+                      i, l->nsaved);
+  const lsaved *s = &l->saved[i];
+  if (name) *name = s->name;
+  if (module) *module = s->module;
+  if (ndim) *ndim = s->ndim;
+  if (shape) *shape = s->shape;
+  if (data) *data = s->data;
+  return BICO_OK;
+}
+
+/* Takes ownership of data. */
+static bico_status push_saved(bico_lora *l, const char *name,
+                              const char *module, size_t ndim,
+                              const size_t *shape, size_t numel, float *data) {
+  bico_ctx *ctx = l->ctx;
+  if (l->nsaved == l->caps) {
+    size_t cap = l->caps ? 2 * l->caps : 4;
+    lsaved *p = bico__alloc(ctx, cap * sizeof *p);
+    if (p == NULL) {
+      bico__free(ctx, data);
+      return BICO_E_NOMEM;
+    }
+    if (l->nsaved) memcpy(p, l->saved, l->nsaved * sizeof *p);
+    bico__free(ctx, l->saved);
+    l->saved = p;
+    l->caps = cap;
+  }
+  lsaved s;
+  s.name = dupstr(ctx, name);
+  s.module = dupstr(ctx, module);
+  s.shape = bico__alloc(ctx, (ndim ? ndim : 1) * sizeof(size_t));
+  s.ndim = ndim;
+  s.numel = numel;
+  s.data = data;
+  if (s.name == NULL || s.module == NULL || s.shape == NULL) {
+    bico__free(ctx, s.name);
+    bico__free(ctx, s.module);
+    bico__free(ctx, s.shape);
+    bico__free(ctx, data);
+    return BICO_E_NOMEM;
+  }
+  if (ndim) memcpy(s.shape, shape, ndim * sizeof(size_t));
+  l->saved[l->nsaved++] = s;
+  return BICO_OK;
+}
+
+static int find_saved(const bico_lora *l, const char *name) {
+  for (size_t i = 0; i < l->nsaved; i++)
+    if (strcmp(l->saved[i].name, name) == 0) return 1;
+  return 0;
+}
+
+bico_status bico_lora_add_saved(bico_lora *l, const char *name,
+                                const char *module, size_t ndim,
+                                const size_t *shape, const float *data) {
+  if (l == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = l->ctx;
+  bico__clear(ctx);
+  const char *fn = "lora_add_saved";
+  if (name == NULL || module == NULL || data == NULL ||
+      (ndim > 0 && shape == NULL))
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      name == NULL     ? "name"
+                      : module == NULL ? "module"
+                      : data == NULL   ? "data"
+                                       : "shape");
+  size_t ml = strlen(module);
+  if (module[0] == '\0' || strncmp(name, module, ml) != 0 || name[ml] != '.' ||
+      name[ml + 1] == '\0')
+    return bico__fail(ctx, BICO_E_ARG,
+                      "%s: tensor name \"%s\" does not start with its module "
+                      "\"%s\" and a dot",
+                      fn, name, module);
+  if (ndim > 64)
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: %s has %zu dimensions (max 64)",
+                      fn, name, ndim);
+  if (find_saved(l, name))
+    return bico__fail(ctx, BICO_E_ARG, "%s: tensor %s added twice", fn, name);
+  size_t numel = 1;
+  for (size_t d = 0; d < ndim; d++)
+    if (bico__mul(numel, shape[d], &numel))
+      return bico__fail(ctx, BICO_E_SHAPE, "%s: %s: size overflows", fn, name);
+  size_t bytes;
+  if (bico__mul(numel, sizeof(float), &bytes))
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: %s: size overflows", fn, name);
+  bico_status st = bico__check_finite_f32(ctx, fn, name, data, 1, numel, numel);
+  if (st != BICO_OK) return st;
+  float *copy = bico__alloc(ctx, bytes ? bytes : 1);
+  if (copy == NULL) return BICO_E_NOMEM;
+  if (bytes) memcpy(copy, data, bytes);
+  return push_saved(l, name, module, ndim, shape, numel, copy);
+}
+
+/* ==================================================================== */
+/* Reading                                                                */
+
+static bico_status read_text(bico_ctx *ctx, const char *path, char **out,
+                             size_t *len) {
+  *out = NULL;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return bico__fail(ctx, BICO_E_IO, "lora_open: %s: cannot open: %s", path,
+                      strerror(errno));
+  struct stat sb;
+  const char *why = NULL;
+  if (fstat(fd, &sb) != 0) why = strerror(errno);
+  else if (!S_ISREG(sb.st_mode)) why = "not a regular file";
+  else if (sb.st_size > 64 * 1024 * 1024) why = "larger than 64 MiB";
+  if (why != NULL) {
+    bico_status st = bico__fail(ctx, BICO_E_IO, "lora_open: %s: %s", path, why);
+    close(fd);
+    return st;
+  }
+  size_t n = (size_t)sb.st_size, got = 0;
+  char *buf = bico__alloc(ctx, n + 1);
+  if (buf == NULL) {
+    close(fd);
+    return BICO_E_NOMEM;
+  }
+  while (got < n) {
+    ssize_t r = read(fd, buf + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      int e = r < 0 ? errno : EIO;
+      close(fd);
+      bico__free(ctx, buf);
+      return bico__fail(ctx, BICO_E_IO, "lora_open: %s: read failed: %s", path,
+                        strerror(e));
+    }
+    got += (size_t)r;
+  }
+  close(fd);
+  buf[n] = '\0';
+  *out = buf;
+  *len = n;
+  return BICO_OK;
+}
+
+typedef struct config {
+  size_t r;
+  double alpha;
+  const bico__json *rank_pattern, *alpha_pattern, *to_save;
+} config;
+
+/* Fields that describe training or provenance, not the weights. */
+static const char *const HARMLESS[] = {
+    "revision",        "inference_mode",  "lora_dropout",  "init_lora_weights",
+    "auto_mapping",    "layers_to_transform", "layers_pattern",
+    "exclude_modules", "loftq_config",    "eva_config",    "corda_config",
+    "megatron_config", "megatron_core",   "runtime_config", "peft_version",
+    "target_modules",
+    /* only read with use_qalora, whose true value is refused */
+    "qalora_group_size"};
+
+static int is_empty_value(const bico__json *v) {
+  switch (v->type) {
+    case BICO__JSON_NULL: return 1;
+    case BICO__JSON_BOOL: return !v->u.b;
+    case BICO__JSON_ARRAY:
+    case BICO__JSON_OBJECT: return v->n == 0;
+    default: return 0;
+  }
+}
+
+static int positive_number(const bico__json *v, double *x) {
+  if (v->type == BICO__JSON_INT) *x = (double)v->u.i;
+  else if (v->type == BICO__JSON_REAL) *x = v->u.d;
+  else return 0;
+  return isfinite(*x) && *x > 0;
+}
+
+static bico_status check_pattern(bico_ctx *ctx, const char *path,
+                                 const char *field, const bico__json *v,
+                                 int integral) {
+  if (v->type == BICO__JSON_NULL) return BICO_OK;
+  if (v->type != BICO__JSON_OBJECT)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: field %s should be an object, not %s",
+                      path, field, bico__json_type_name(v->type));
+  for (size_t i = 0; i < v->n; i++) {
+    const bico__json_member *m = &v->u.members[i];
+    double x;
+    if (strpbrk(m->key, "*+?()[]{}|^$\\") != NULL)
+      return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                        "lora_open: %s: field %s: key \"%s\" is a regular "
+                        "expression; only module names (matched as suffixes) "
+                        "are supported",
+                        path, field, m->key);
+    if (!positive_number(&m->value, &x) ||
+        (integral && m->value.type != BICO__JSON_INT))
+      return bico__fail(ctx, BICO_E_FORMAT,
+                        "lora_open: %s: field %s: value of \"%s\" should be a "
+                        "positive %s",
+                        path, field, m->key, integral ? "integer" : "number");
+  }
+  return BICO_OK;
+}
+
+static bico_status parse_config(bico_lora *l, const char *path,
+                                const bico__json *root, config *c) {
+  bico_ctx *ctx = l->ctx;
+  memset(c, 0, sizeof *c);
+  if (root->type != BICO__JSON_OBJECT)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: the config is %s, not an object", path,
+                      bico__json_type_name(root->type));
+  int have_r = 0, have_alpha = 0;
+  for (size_t i = 0; i < root->n; i++) {
+    const char *k = root->u.members[i].key;
+    const bico__json *v = &root->u.members[i].value;
+    bico_status st = BICO_OK;
+    double x;
+    if (strcmp(k, "peft_type") == 0) {
+      if (v->type != BICO__JSON_STRING || strcmp(v->u.s, "LORA") != 0)
+        return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                          "lora_open: %s: peft_type is %s%s%s; only \"LORA\" "
+                          "adapters are supported",
+                          path, v->type == BICO__JSON_STRING ? "\"" : "",
+                          v->type == BICO__JSON_STRING
+                              ? v->u.s
+                              : bico__json_type_name(v->type),
+                          v->type == BICO__JSON_STRING ? "\"" : "");
+    } else if (strcmp(k, "r") == 0) {
+      if (v->type != BICO__JSON_INT || v->u.i < 1)
+        return bico__fail(ctx, BICO_E_FORMAT,
+                          "lora_open: %s: field r should be a positive integer",
+                          path);
+      c->r = (size_t)v->u.i;
+      have_r = 1;
+    } else if (strcmp(k, "lora_alpha") == 0) {
+      if (!positive_number(v, &x))
+        return bico__fail(ctx, BICO_E_FORMAT,
+                          "lora_open: %s: field lora_alpha should be a "
+                          "positive number",
+                          path);
+      c->alpha = x;
+      have_alpha = 1;
+    } else if (strcmp(k, "use_rslora") == 0 ||
+               strcmp(k, "fan_in_fan_out") == 0) {
+      if (v->type != BICO__JSON_BOOL)
+        return bico__fail(ctx, BICO_E_FORMAT,
+                          "lora_open: %s: field %s should be true or false",
+                          path, k);
+      if (k[0] == 'u') l->rslora = v->u.b;
+      else l->fifo = v->u.b;
+    } else if (strcmp(k, "rank_pattern") == 0) {
+      st = check_pattern(ctx, path, k, v, 1);
+      c->rank_pattern = v;
+    } else if (strcmp(k, "alpha_pattern") == 0) {
+      st = check_pattern(ctx, path, k, v, 0);
+      c->alpha_pattern = v;
+    } else if (strcmp(k, "modules_to_save") == 0) {
+      if (v->type != BICO__JSON_NULL) {
+        if (v->type != BICO__JSON_ARRAY)
+          return bico__fail(ctx, BICO_E_FORMAT,
+                            "lora_open: %s: field modules_to_save should be "
+                            "a list of module names",
+                            path);
+        for (size_t j = 0; j < v->n; j++)
+          if (v->u.items[j].type != BICO__JSON_STRING ||
+              v->u.items[j].n == 0)
+            return bico__fail(ctx, BICO_E_FORMAT,
+                              "lora_open: %s: modules_to_save entry %zu is "
+                              "not a module name",
+                              path, j);
+        c->to_save = v;
+      }
+    } else if (strcmp(k, "use_dora") == 0) {
+      if (v->type != BICO__JSON_BOOL || v->u.b)
+        return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                          "lora_open: %s: field use_dora is true: DoRA "
+                          "adapters (magnitude vectors) are not supported",
+                          path);
+    } else if (strcmp(k, "bias") == 0) {
+      if (v->type != BICO__JSON_STRING || strcmp(v->u.s, "none") != 0)
+        return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                          "lora_open: %s: field bias is %s%s%s: trained bias "
+                          "tensors in an adapter are not supported (only "
+                          "\"none\")",
+                          path, v->type == BICO__JSON_STRING ? "\"" : "",
+                          v->type == BICO__JSON_STRING
+                              ? v->u.s
+                              : bico__json_type_name(v->type),
+                          v->type == BICO__JSON_STRING ? "\"" : "");
+    } else if (strcmp(k, "task_type") == 0 ||
+               strcmp(k, "base_model_name_or_path") == 0) {
+      if (v->type == BICO__JSON_STRING) {
+        int which = k[0] == 't' ? BICO_LORA_TASK_TYPE : BICO_LORA_BASE_MODEL;
+        char *p = dupstr(ctx, v->u.s);
+        if (p == NULL) return BICO_E_NOMEM;
+        bico__free(ctx, l->strings[which]);
+        l->strings[which] = p;
+      } else if (v->type != BICO__JSON_NULL) {
+        return bico__fail(ctx, BICO_E_FORMAT,
+                          "lora_open: %s: field %s should be a string or null",
+                          path, k);
+      }
+    } else {
+      int harmless = 0;
+      for (size_t h = 0; h < sizeof HARMLESS / sizeof *HARMLESS; h++)
+        if (strcmp(k, HARMLESS[h]) == 0) harmless = 1;
+      /* Anything else may change what the weights mean: only its default
+       * (null, false, empty) is safe to pass over. */
+      if (!harmless && !is_empty_value(v))
+        return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                          "lora_open: %s: field %s is set (%s) and this "
+                          "version does not implement it; refusing rather "
+                          "than ignoring it",
+                          path, k, bico__json_type_name(v->type));
+    }
+    if (st != BICO_OK) return st;
+  }
+  if (!have_r || !have_alpha)
+    return bico__fail(ctx, BICO_E_FORMAT, "lora_open: %s: field %s is missing",
+                      path, have_r ? "lora_alpha" : "r");
+  return BICO_OK;
+}
+
+/* The pattern entry for module `name`: a key equal to it or a dotted suffix
+ * of it (the first such key, as PEFT takes). */
+static const bico__json_member *pattern_for(const bico__json *p,
+                                            const char *name) {
+  if (p == NULL || p->type != BICO__JSON_OBJECT) return NULL;
+  size_t n = strlen(name);
+  for (size_t i = 0; i < p->n; i++) {
+    const bico__json_member *m = &p->u.members[i];
+    size_t k = m->key_len;
+    if (k > n || strcmp(name + n - k, m->key) != 0) continue;
+    if (k == n || name[n - k - 1] == '.') return m;
+  }
+  return NULL;
+}
+
+static int saved_module(const config *c, const char *module) {
+  if (c->to_save == NULL) return 0;
+  size_t n = strlen(module);
+  for (size_t j = 0; j < c->to_save->n; j++) {
+    const char *e = c->to_save->u.items[j].u.s;
+    size_t k = strlen(e);
+    if (k > n || strcmp(module + n - k, e) != 0) continue;
+    if (k == n || module[n - k - 1] == '.') return 1;
+  }
+  return 0;
+}
+
+static int ends_with(const char *s, size_t n, const char *suf, size_t *cut) {
+  size_t k = strlen(suf);
+  if (k >= n || memcmp(s + n - k, suf, k) != 0) return 0;
+  *cut = n - k;
+  return 1;
+}
+
+typedef struct pending {
+  char *module;
+  int kind;
+  size_t ia, ib; /* tensor indices, SIZE_MAX when absent */
+} pending;
+
+static bico_status load_factor(bico_lora *l, const bico_stfile *f,
+                               const char *path, size_t idx, float **out,
+                               size_t numel) {
+  bico_ctx *ctx = l->ctx;
+  float *p = bico__alloc(ctx, numel * sizeof(float));
+  if (p == NULL) return BICO_E_NOMEM;
+  bico_status st = bico_stfile_read_f32(f, idx, p, numel);
+  if (st == BICO_OK) st = bico_stfile_check_finite(f, idx);
+  if (st != BICO_OK) {
+    bico__free(ctx, p);
+    (void)path;
+    return st;
+  }
+  *out = p;
+  return BICO_OK;
+}
+
+static bico_status load_tensors(bico_lora *l, const char *path,
+                                const bico_stfile *f, const config *c) {
+  bico_ctx *ctx = l->ctx;
+  size_t nt = bico_stfile_count(f), np = 0;
+  pending *pend = bico__calloc(ctx, nt ? nt : 1, sizeof *pend);
+  if (pend == NULL) return BICO_E_NOMEM;
+  bico_status st = BICO_OK;
+  static const struct {
+    const char *suffix;
+    int kind, is_a;
+  } FACT[4] = {{".lora_A.weight", BICO_LORA_LINEAR, 1},
+               {".lora_B.weight", BICO_LORA_LINEAR, 0},
+               {".lora_embedding_A", BICO_LORA_EMBEDDING, 1},
+               {".lora_embedding_B", BICO_LORA_EMBEDDING, 0}};
+  for (size_t t = 0; t < nt && st == BICO_OK; t++) {
+    const char *name;
+    size_t ndim, numel;
+    const size_t *shape;
+    st = bico_stfile_tensor_info(f, t, &name, NULL, &ndim, &shape);
+    if (st == BICO_OK) st = bico_stfile_tensor_size(f, t, &numel, NULL);
+    if (st != BICO_OK) break;
+    if (strncmp(name, PREFIX, PREFIX_LEN) != 0 || name[PREFIX_LEN] == '\0') {
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: tensor %s does not start with \"%s\"",
+                      path, name, PREFIX);
+      break;
+    }
+    const char *rest = name + PREFIX_LEN;
+    size_t n = strlen(rest), cut = 0;
+    if (strstr(rest, "lora_magnitude_vector") != NULL) {
+      st = bico__fail(ctx, BICO_E_UNSUPPORTED,
+                      "lora_open: %s: tensor %s is a DoRA magnitude vector; "
+                      "DoRA adapters are not supported",
+                      path, name);
+      break;
+    }
+    int fi = -1;
+    for (int q = 0; q < 4 && fi < 0; q++)
+      if (ends_with(rest, n, FACT[q].suffix, &cut)) fi = q;
+    if (fi < 0) {
+      const char *dot = strrchr(rest, '.');
+      char *module = dot ? dupn(ctx, rest, (size_t)(dot - rest)) : NULL;
+      if (dot != NULL && module == NULL) {
+        st = BICO_E_NOMEM;
+        break;
+      }
+      if (module == NULL || strstr(rest, ".lora_") != NULL ||
+          !saved_module(c, module)) {
+        st = bico__fail(ctx, BICO_E_FORMAT,
+                        "lora_open: %s: tensor %s is neither a LoRA factor "
+                        "nor part of a module in modules_to_save",
+                        path, name);
+        bico__free(ctx, module);
+        break;
+      }
+      float *data = NULL;
+      if (numel == 0) {
+        data = bico__calloc(ctx, 1, sizeof(float));
+        if (data == NULL) st = BICO_E_NOMEM;
+      } else {
+        st = load_factor(l, f, path, t, &data, numel);
+      }
+
+      if (st == BICO_OK)
+        st = push_saved(l, rest, module, ndim, shape, numel, data);
+      bico__free(ctx, module);
+      continue;
+    }
+    if (ndim != 2) {
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "lora_open: %s: factor %s has %zu dimensions, expected 2",
+                      path, name, ndim);
+      break;
+    }
+    size_t p;
+    for (p = 0; p < np; p++)
+      if (strlen(pend[p].module) == cut &&
+          strncmp(pend[p].module, rest, cut) == 0)
+        break;
+    if (p == np) {
+      pend[np].module = dupn(ctx, rest, cut);
+      if (pend[np].module == NULL) {
+        st = BICO_E_NOMEM;
+        break;
+      }
+      pend[np].kind = FACT[fi].kind;
+      pend[np].ia = pend[np].ib = SIZE_MAX;
+      np++;
+    }
+    if (pend[p].kind != FACT[fi].kind) {
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: module %s has both linear and embedding "
+                      "factors",
+                      path, pend[p].module);
+      break;
+    }
+    if (FACT[fi].is_a) pend[p].ia = t;
+    else pend[p].ib = t;
+  }
+  for (size_t p = 0; p < np && st == BICO_OK; p++) {
+    const pending *e = &pend[p];
+    const char *an = e->kind == BICO_LORA_LINEAR ? "lora_A" : "lora_embedding_A";
+    const char *bn = e->kind == BICO_LORA_LINEAR ? "lora_B" : "lora_embedding_B";
+    if (e->ia == SIZE_MAX || e->ib == SIZE_MAX) {
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: module %s has %s but no %s", path,
+                      e->module, e->ia == SIZE_MAX ? bn : an,
+                      e->ia == SIZE_MAX ? an : bn);
+      break;
+    }
+    const size_t *sa, *sb;
+    bico_stfile_tensor_info(f, e->ia, NULL, NULL, NULL, &sa);
+    bico_stfile_tensor_info(f, e->ib, NULL, NULL, NULL, &sb);
+    size_t r = sa[0], din = sa[1], dout = sb[0];
+    if (sb[1] != r || r == 0 || din == 0 || dout == 0) {
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "lora_open: %s: module %s: %s is [%zu, %zu] and %s "
+                      "[%zu, %zu]; their ranks must agree and be non-zero",
+                      path, e->module, an, sa[0], sa[1], bn, sb[0], sb[1]);
+      break;
+    }
+    const bico__json_member *rp = pattern_for(c->rank_pattern, e->module);
+    const bico__json_member *ap = pattern_for(c->alpha_pattern, e->module);
+    size_t rc = rp ? (size_t)rp->value.u.i : c->r;
+    double alpha = c->alpha;
+    if (ap) positive_number(&ap->value, &alpha);
+    if (rc != r) {
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "lora_open: %s: module %s: the factors have rank %zu but "
+                      "the config gives r = %zu%s%s%s",
+                      path, e->module, r, rc,
+                      rp ? " (rank_pattern key \"" : "",
+                      rp ? rp->key : "", rp ? "\")" : "");
+      break;
+    }
+    float *a = NULL, *b = NULL;
+    st = load_factor(l, f, path, e->ia, &a, r * din);
+    if (st == BICO_OK) st = load_factor(l, f, path, e->ib, &b, dout * r);
+    char *nm = st == BICO_OK ? dupstr(ctx, e->module) : NULL;
+    if (st == BICO_OK && nm == NULL) st = BICO_E_NOMEM;
+    if (st != BICO_OK) {
+      bico__free(ctx, a);
+      bico__free(ctx, b);
+      break;
+    }
+    st = push_module(l, nm, e->kind, r, alpha, dout, din, b, a);
+  }
+  for (size_t p = 0; p < np; p++) bico__free(ctx, pend[p].module);
+  bico__free(ctx, pend);
+  return st;
+}
+
+static char *join(bico_ctx *ctx, const char *dir, const char *file) {
+  size_t a = strlen(dir), b = strlen(file);
+  char *p = bico__alloc(ctx, a + b + 2);
+  if (p == NULL) return NULL;
+  memcpy(p, dir, a);
+  size_t o = a;
+  if (a == 0 || dir[a - 1] != '/') p[o++] = '/';
+  memcpy(p + o, file, b + 1);
+  return p;
+}
+
+bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
+  if (out != NULL) *out = NULL;
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (dir == NULL || out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "lora_open: %s is NULL",
+                      dir == NULL ? "dir" : "out");
+  if (dir[0] == '\0')
+    return bico__fail(ctx, BICO_E_ARG, "lora_open: empty folder name");
+  bico_lora *l = NULL;
+  bico_status st = bico_lora_create(ctx, &l);
+  if (st != BICO_OK) return st;
+  char *cpath = join(ctx, dir, "adapter_config.json");
+  char *tpath = join(ctx, dir, "adapter_model.safetensors");
+  char *text = NULL;
+  size_t len = 0;
+  bico__json_doc *doc = NULL;
+  bico_stfile *f = NULL;
+  config c;
+  if (cpath == NULL || tpath == NULL) st = BICO_E_NOMEM;
+  if (st == BICO_OK) st = read_text(ctx, cpath, &text, &len);
+  if (st == BICO_OK) {
+    char what[600];
+    snprintf(what, sizeof what, "lora_open: %s", cpath);
+    st = bico__json_parse(ctx, what, text, len, &doc);
+  }
+  if (st == BICO_OK) st = parse_config(l, cpath, &doc->root, &c);
+  if (st == BICO_OK) {
+    st = bico_stfile_open(ctx, tpath, &f);
+    if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), tpath) == NULL)
+      st = bico__fail(ctx, st, "lora_open: %s: %s", tpath,
+                      bico_ctx_errmsg(ctx));
+  }
+  if (st == BICO_OK) st = load_tensors(l, tpath, f, &c);
+  if (st == BICO_OK && l->nmods == 0)
+    st = bico__fail(ctx, BICO_E_FORMAT,
+                    "lora_open: %s holds no LoRA factors", tpath);
+  bico_stfile_close(f);
+  bico__json_doc_free(doc);
+  bico__free(ctx, text);
+  bico__free(ctx, cpath);
+  bico__free(ctx, tpath);
+  if (st != BICO_OK) {
+    bico_lora_free(l);
+    return st;
+  }
+  *out = l;
+  return BICO_OK;
+}
+
+/* ==================================================================== */
+/* Writing                                                                */
+
+static int cmp_str(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The most common value among n (ties: the smallest). */
+static double mode_of(const double *v, size_t n) {
+  double best = v[0];
+  size_t bc = 0;
+  for (size_t i = 0; i < n; i++) {
+    size_t c = 0;
+    for (size_t j = 0; j < n; j++) c += v[j] == v[i];
+    if (c > bc || (c == bc && v[i] < best)) {
+      best = v[i];
+      bc = c;
+    }
+  }
+  return best;
+}
+
+static bico_status build_config(const bico_lora *l, bico__jw *w) {
+  bico_ctx *ctx = l->ctx;
+  size_t n = l->nmods;
+  double *ranks = bico__alloc(ctx, n * sizeof(double));
+  double *alphas = bico__alloc(ctx, n * sizeof(double));
+  const char **names = bico__alloc(ctx, (n + l->nsaved + 1) * sizeof *names);
+  if (ranks == NULL || alphas == NULL || names == NULL) {
+    bico__free(ctx, ranks);
+    bico__free(ctx, alphas);
+    bico__free(ctx, names);
+    return BICO_E_NOMEM;
+  }
+  for (size_t i = 0; i < n; i++) {
+    ranks[i] = (double)l->mods[i].rank;
+    alphas[i] = l->mods[i].alpha;
+  }
+  double r = mode_of(ranks, n), alpha = mode_of(alphas, n);
+  bico__jw_begin_object(w);
+  bico__jw_key(w, "peft_type");
+  bico__jw_string(w, "LORA");
+  bico__jw_key(w, "task_type");
+  if (l->strings[BICO_LORA_TASK_TYPE]) bico__jw_string(w, l->strings[BICO_LORA_TASK_TYPE]);
+  else bico__jw_null(w);
+  bico__jw_key(w, "base_model_name_or_path");
+  if (l->strings[BICO_LORA_BASE_MODEL]) bico__jw_string(w, l->strings[BICO_LORA_BASE_MODEL]);
+  else bico__jw_null(w);
+  bico__jw_key(w, "r");
+  bico__jw_uint(w, (uint64_t)r);
+  bico__jw_key(w, "lora_alpha");
+  if (alpha == floor(alpha) && alpha < 9e15) bico__jw_int(w, (int64_t)alpha);
+  else bico__jw_double(w, alpha);
+  bico__jw_key(w, "rank_pattern");
+  bico__jw_begin_object(w);
+  for (size_t i = 0; i < n; i++)
+    if (ranks[i] != r) {
+      bico__jw_key(w, l->mods[i].name);
+      bico__jw_uint(w, (uint64_t)l->mods[i].rank);
+    }
+  bico__jw_end_object(w);
+  bico__jw_key(w, "alpha_pattern");
+  bico__jw_begin_object(w);
+  for (size_t i = 0; i < n; i++)
+    if (alphas[i] != alpha) {
+      bico__jw_key(w, l->mods[i].name);
+      double a = l->mods[i].alpha;
+      if (a == floor(a) && a < 9e15) bico__jw_int(w, (int64_t)a);
+      else bico__jw_double(w, a);
+    }
+  bico__jw_end_object(w);
+  for (size_t i = 0; i < n; i++) names[i] = l->mods[i].name;
+  qsort(names, n, sizeof *names, cmp_str);
+  bico__jw_key(w, "target_modules");
+  bico__jw_begin_array(w);
+  for (size_t i = 0; i < n; i++) bico__jw_string(w, names[i]);
+  bico__jw_end_array(w);
+  bico__jw_key(w, "modules_to_save");
+  size_t ns = 0;
+  for (size_t i = 0; i < l->nsaved; i++) {
+    size_t j;
+    for (j = 0; j < ns; j++)
+      if (strcmp(names[j], l->saved[i].module) == 0) break;
+    if (j == ns) names[ns++] = l->saved[i].module;
+  }
+  if (ns == 0) {
+    bico__jw_null(w);
+  } else {
+    qsort(names, ns, sizeof *names, cmp_str);
+    bico__jw_begin_array(w);
+    for (size_t i = 0; i < ns; i++) bico__jw_string(w, names[i]);
+    bico__jw_end_array(w);
+  }
+  bico__jw_key(w, "use_rslora");
+  bico__jw_bool(w, l->rslora);
+  bico__jw_key(w, "fan_in_fan_out");
+  bico__jw_bool(w, l->fifo);
+  bico__jw_key(w, "bias");
+  bico__jw_string(w, "none");
+  bico__jw_key(w, "use_dora");
+  bico__jw_bool(w, 0);
+  bico__jw_key(w, "lora_dropout");
+  bico__jw_double(w, 0.0);
+  bico__jw_key(w, "inference_mode");
+  bico__jw_bool(w, 1);
+  bico__jw_end_object(w);
+  bico__jw_raw(w, "\n", 1);
+  bico__free(ctx, ranks);
+  bico__free(ctx, alphas);
+  bico__free(ctx, names);
+  return bico__jw_finish(w);
+}
+
+static bico_status write_tensors(const bico_lora *l, bico_stwriter *w) {
+  bico_ctx *ctx = l->ctx;
+  size_t cap = 64;
+  for (size_t i = 0; i < l->nmods; i++)
+    if (strlen(l->mods[i].name) + 64 > cap) cap = strlen(l->mods[i].name) + 64;
+  for (size_t i = 0; i < l->nsaved; i++)
+    if (strlen(l->saved[i].name) + 64 > cap) cap = strlen(l->saved[i].name) + 64;
+  char *nm = bico__alloc(ctx, cap);
+  if (nm == NULL) return BICO_E_NOMEM;
+  bico_status st = bico_stwriter_add_metadata(w, "format", "pt");
+  /* Declare everything, then write: the writer's order. */
+  for (int pass = 0; pass < 2 && st == BICO_OK; pass++) {
+    for (size_t i = 0; i < l->nmods && st == BICO_OK; i++) {
+      const lmod *m = &l->mods[i];
+      int lin = m->kind == BICO_LORA_LINEAR;
+      size_t sa[2] = {m->rank, m->din}, sb[2] = {m->dout, m->rank};
+      snprintf(nm, cap, PREFIX "%s.%s", m->name, lin ? "lora_A.weight" : "lora_embedding_A");
+      st = pass ? bico_stwriter_write_f32(w, nm, m->a, m->rank * m->din)
+                : bico_stwriter_declare(w, nm, BICO_DTYPE_F32, 2, sa);
+      snprintf(nm, cap, PREFIX "%s.%s", m->name, lin ? "lora_B.weight" : "lora_embedding_B");
+      if (st == BICO_OK)
+        st = pass ? bico_stwriter_write_f32(w, nm, m->b, m->dout * m->rank)
+                  : bico_stwriter_declare(w, nm, BICO_DTYPE_F32, 2, sb);
+    }
+    for (size_t i = 0; i < l->nsaved && st == BICO_OK; i++) {
+      const lsaved *s = &l->saved[i];
+      snprintf(nm, cap, PREFIX "%s", s->name);
+      if (pass == 0)
+        st = bico_stwriter_declare(w, nm, BICO_DTYPE_F32, s->ndim, s->shape);
+      else if (s->numel > 0)
+        st = bico_stwriter_write_f32(w, nm, s->data, s->numel);
+    }
+  }
+  bico__free(ctx, nm);
+  return st;
+}
+
+bico_status bico_lora_save(const bico_lora *l, const char *dir) {
+  if (l == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = l->ctx;
+  bico__clear(ctx);
+  if (dir == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "lora_save: dir is NULL");
+  if (dir[0] == '\0')
+    return bico__fail(ctx, BICO_E_ARG, "lora_save: empty folder name");
+  if (l->nmods == 0)
+    return bico__fail(ctx, BICO_E_STATE,
+                      "lora_save: the adapter has no modules (%s not written)",
+                      dir);
+  if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+    return bico__fail(ctx, BICO_E_IO, "lora_save: cannot create folder %s: %s",
+                      dir, strerror(errno));
+  struct stat sb;
+  if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+    return bico__fail(ctx, BICO_E_IO, "lora_save: %s is not a folder", dir);
+  char *cpath = join(ctx, dir, "adapter_config.json");
+  char *tpath = join(ctx, dir, "adapter_model.safetensors");
+  char *tmp = NULL;
+  bico_stwriter *w = NULL;
+  bico__jw jw;
+  bico__jw_init(&jw, ctx, 2);
+  bico_status st = cpath && tpath ? BICO_OK : BICO_E_NOMEM;
+  if (st == BICO_OK) st = build_config(l, &jw);
+  if (st == BICO_OK) {
+    bico__report text;
+    memset(&text, 0, sizeof text);
+    text.buf = jw.buf;
+    text.len = jw.len;
+    st = bico__report_write_tmp(ctx, &text, cpath, &tmp);
+  }
+  if (st == BICO_OK) st = bico_stwriter_create(ctx, tpath, &w);
+  if (st == BICO_OK) st = write_tensors(l, w);
+  if (st == BICO_OK) st = bico_stwriter_commit(w);
+  if (tmp != NULL) {
+    if (st == BICO_OK) st = bico__report_commit(ctx, tmp, cpath);
+    else unlink(tmp);
+  }
+  bico_stwriter_free(w);
+  bico__jw_free(&jw);
+  bico__free(ctx, tmp);
+  bico__free(ctx, cpath);
+  bico__free(ctx, tpath);
+  return st;
+}
+
+/* ==================================================================== */
+/* Kernels                                                                */
+
+bico_status bico_lora_dense(const bico_lora *l, size_t i, float alpha,
+                            float beta, float *out, size_t ld) {
+  if (l == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = l->ctx;
+  bico__clear(ctx);
+  if (out == NULL) return bico__fail(ctx, BICO_E_NULL, "lora_dense: out is NULL");
+  if (i >= l->nmods)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "lora_dense: index %zu out of range (%zu modules)", i,
+                      l->nmods);
+  const lmod *m = &l->mods[i];
+  if (ld < m->din)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "lora_dense: ld %zu is below d_in %zu (module %s)", ld,
+                      m->din, m->name);
+  if (!isfinite(alpha) || !isfinite(beta))
+    return bico__fail(ctx, BICO_E_NONFINITE,
+                      "lora_dense: alpha %g or beta %g is not finite",
+                      (double)alpha, (double)beta);
+  bico__sgemm(ctx, 0, 0, m->dout, m->din, m->rank,
+              (float)(alpha * scale_of(l, m)), m->b, m->rank, m->a, m->din,
+              beta, out, ld);
+  return BICO_OK;
+}
+
+bico_status bico_lora_transport(bico_ctx *ctx, size_t rank, size_t k,
+                                size_t dout_a, size_t din_a, const float *b,
+                                const float *a, const float *const *r_outs,
+                                size_t ld_rout, size_t dout_b,
+                                const float *r_in, size_t ld_rin, size_t din_b,
+                                float alpha, float *b_out, float *a_out) {
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  const char *fn = "lora_transport";
+  if (b == NULL || a == NULL || b_out == NULL || a_out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      b == NULL   ? "b"
+                      : a == NULL ? "a"
+                      : b_out == NULL ? "b_out"
+                                      : "a_out");
+  if (rank == 0 || k == 0 || dout_a == 0 || din_a == 0 || dout_b == 0 ||
+      din_b == 0)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: rank %zu, k %zu, dout_a %zu, din_a %zu, dout_b %zu, "
+                      "din_b %zu must all be at least 1",
+                      fn, rank, k, dout_a, din_a, dout_b, din_b);
+  if (dout_a % k || dout_b % k)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: output widths %zu and %zu do not split in %zu "
+                      "blocks",
+                      fn, dout_a, dout_b, k);
+  size_t ba = dout_a / k, bb = dout_b / k;
+  int any_out = 0;
+  for (size_t j = 0; r_outs && j < k; j++) any_out |= r_outs[j] != NULL;
+  if (any_out && ld_rout < bb)
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: ld_rout %zu is below %zu", fn,
+                      ld_rout, bb);
+  if (r_in && ld_rin < din_b)
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: ld_rin %zu is below din_b %zu",
+                      fn, ld_rin, din_b);
+  if (!isfinite(alpha))
+    return bico__fail(ctx, BICO_E_NONFINITE, "%s: alpha %g is not finite", fn,
+                      (double)alpha);
+  bico_status st = bico__check_finite_f32(ctx, fn, "b", b, dout_a, rank, rank);
+  if (st == BICO_OK) st = bico__check_finite_f32(ctx, fn, "a", a, rank, din_a, din_a);
+  for (size_t j = 0; st == BICO_OK && r_outs && j < k; j++)
+    if (r_outs[j])
+      st = bico__check_finite_f32(ctx, fn, "r_outs[j]", r_outs[j], ba, bb, ld_rout);
+  if (st == BICO_OK && r_in)
+    st = bico__check_finite_f32(ctx, fn, "r_in", r_in, din_a, din_b, ld_rin);
+  if (st != BICO_OK) return st;
+  /* B' block j = alpha R_j^T B_j: [bb, ba] x [ba, rank]. */
+  for (size_t j = 0; j < k; j++) {
+    const float *bj = b + j * ba * rank;
+    float *oj = b_out + j * bb * rank;
+    const float *rj = r_outs ? r_outs[j] : NULL;
+    if (rj) {
+      bico__sgemm(ctx, 1, 0, bb, rank, ba, alpha, rj, ld_rout, bj, rank, 0.0f,
+                  oj, rank);
+    } else {
+      size_t m = ba < bb ? ba : bb;
+      for (size_t i = 0; i < bb; i++)
+        for (size_t c = 0; c < rank; c++)
+          oj[i * rank + c] = i < m ? alpha * bj[i * rank + c] : 0.0f;
+    }
+  }
+  /* A' = A R_in: [rank, din_a] x [din_a, din_b]. */
+  if (r_in) {
+    bico__sgemm(ctx, 0, 0, rank, din_b, din_a, 1.0f, a, din_a, r_in, ld_rin,
+                0.0f, a_out, din_b);
+  } else {
+    size_t m = din_a < din_b ? din_a : din_b;
+    for (size_t i = 0; i < rank; i++)
+      for (size_t c = 0; c < din_b; c++)
+        a_out[i * din_b + c] = c < m ? a[i * din_a + c] : 0.0f;
+  }
+  return BICO_OK;
+}
+
+static int to_int(size_t v, int *out) {
+  if (v > 2147483647u) return 1;
+  *out = (int)v;
+  return 0;
+}
+
+bico_status bico_lora_truncate(bico_ctx *ctx, size_t d_out, size_t d_in,
+                               const float *dense, size_t ld, size_t rank,
+                               double scale, float *b_out, float *a_out,
+                               double *energy) {
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  const char *fn = "lora_truncate";
+  if (dense == NULL || b_out == NULL || a_out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      dense == NULL ? "dense" : b_out == NULL ? "b_out" : "a_out");
+  if (d_out == 0 || d_in == 0 || rank == 0)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: d_out %zu, d_in %zu, rank %zu must all be at least 1",
+                      fn, d_out, d_in, rank);
+  if (ld < d_in)
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: ld %zu is below d_in %zu", fn, ld,
+                      d_in);
+  if (!isfinite(scale) || !(scale > 0))
+    return bico__fail(ctx, isfinite(scale) ? BICO_E_ARG : BICO_E_NONFINITE,
+                      "%s: scale %g must be a positive number", fn, scale);
+  int mi, ni;
+  size_t total;
+  if (to_int(d_out, &mi) || to_int(d_in, &ni) || bico__mul(d_out, d_in, &total))
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: %zu x %zu is too large for LAPACK",
+                      fn, d_out, d_in);
+  bico_status st = bico__check_finite_f32(ctx, fn, "dense", dense, d_out, d_in, ld);
+  if (st != BICO_OK) return st;
+  size_t mn = d_out < d_in ? d_out : d_in;
+  const int mni = (int)mn;
+  double *m = bico__alloc(ctx, total * sizeof(double));
+  double *s = bico__calloc(ctx, mn, sizeof(double));
+  double *u = bico__calloc(ctx, mn, d_out * sizeof(double));
+  double *vt = bico__calloc(ctx, mn, d_in * sizeof(double));
+  int *iwork = bico__calloc(ctx, mn, 8 * sizeof(int));
+  double *work = NULL;
+  if (m == NULL || s == NULL || u == NULL || vt == NULL || iwork == NULL) {
+    st = BICO_E_NOMEM;
+    goto done;
+  }
+  /* Column-major copy for LAPACK. */
+  double ss = 0;
+  for (size_t i = 0; i < d_out; i++)
+    for (size_t j = 0; j < d_in; j++) {
+      double x = dense[i * ld + j];
+      m[i + j * d_out] = x;
+      ss += x * x;
+    }
+  if (ss > 0) {
+    int info = 0, lwork = -1;
+    double wq = 0;
+    dgesdd_("S", &mi, &ni, m, &mi, s, u, &mi, vt, &mni, &wq, &lwork, iwork,
+            &info, 1);
+    if (info != 0 || !(wq < 2147483647.0)) {
+      st = bico__fail(ctx, BICO_E_INTERNAL,
+                      "%s: dgesdd workspace query failed (info %d)", fn, info);
+      goto done;
+    }
+    lwork = (int)wq + 1;
+    work = bico__alloc(ctx, (size_t)lwork * sizeof(double));
+    if (work == NULL) {
+      st = BICO_E_NOMEM;
+      goto done;
+    }
+    dgesdd_("S", &mi, &ni, m, &mi, s, u, &mi, vt, &mni, work, &lwork, iwork,
+            &info, 1);
+    if (info != 0) {
+      st = bico__fail(ctx, info > 0 ? BICO_E_NUMERIC : BICO_E_INTERNAL,
+                      "%s: the SVD of the %zu x %zu update failed (dgesdd info "
+                      "%d)",
+                      fn, d_out, d_in, info);
+      goto done;
+    }
+  }
+  double kept = 0, all = 0;
+  for (size_t c = 0; c < mn; c++) {
+    all += s[c] * s[c];
+    if (c < rank) kept += s[c] * s[c];
+  }
+  if (energy) *energy = all > 0 ? kept / all : 1.0;
+  for (size_t c = 0; c < rank; c++) {
+    double g = c < mn ? sqrt(s[c] / scale) : 0.0;
+    for (size_t i = 0; i < d_out; i++)
+      b_out[i * rank + c] = c < mn ? (float)(u[i + c * d_out] * g) : 0.0f;
+    for (size_t j = 0; j < d_in; j++)
+      a_out[c * d_in + j] = c < mn ? (float)(vt[c + j * mn] * g) : 0.0f;
+  }
+done:
+  bico__free(ctx, m);
+  bico__free(ctx, s);
+  bico__free(ctx, u);
+  bico__free(ctx, vt);
+  bico__free(ctx, iwork);
+  bico__free(ctx, work);
+  return st;
+}

@@ -1,0 +1,728 @@
+/* Whole-model transfer of a LoRA adapter: the branch of bico_transfer_run
+ * taken when a source adapter is set (see lora_internal.h).
+ *
+ * Per target module whose paired source module carries an adapter:
+ *   bico, bico-in, bico-out   factored: B' = alpha R_out^T B, A' = A R_in
+ *                             (block-wise for split outputs), no dense
+ *                             d_out x d_in matrix;
+ *   naive                     the factors as they are (shapes must match);
+ *   pad, gradfix              dense update, the method, then the best
+ *                             rank-r factors (truncated SVD; the report
+ *                             gives the energy kept).
+ * modules_to_save tensors are full weights: their task vector (saved minus
+ * the source base) is carried like any tensor of bico_transfer and added to
+ * the target base. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "lora_internal.h"
+#include "report.h"
+
+typedef struct lrun {
+  const bico__lora_hook *h;
+  bico_ctx *ctx;
+  bico_lora *src, *out;
+  bico__report rep;
+  size_t factored, truncated, copied, saved;
+} lrun;
+
+static void logf_(lrun *r, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void logf_(lrun *r, const char *fmt, ...) {
+  if (r->h->log == NULL) return;
+  char line[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  r->h->log(r->h->opaque, line);
+}
+
+static int is_bico(int method) {
+  return method == BICO_METHOD_BICO || method == BICO_METHOD_BICO_IN ||
+         method == BICO_METHOD_BICO_OUT;
+}
+
+static void transpose(const float *in, size_t rows, size_t cols, float *out) {
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) out[j * rows + i] = in[i * cols + j];
+}
+
+/* naive, pad or gradfix on a dense update tau (source shape sa) into upd
+ * (target tensor ti's shape), scaled by alpha; *kept gets GradFix's kept
+ * fraction (or -1). */
+static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
+                                const size_t *sa, const float *tau,
+                                float *upd, double *kept) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  const char *name;
+  size_t ndim;
+  const size_t *shape;
+  bico_model_tensor(h->mt, ti, &name, NULL, &ndim, &shape);
+  *kept = -1;
+  if (h->method == BICO_METHOD_NAIVE)
+    return bico_baseline_naive(ctx, nd_a, sa, ndim, shape, tau, h->alpha, 0.0f,
+                               upd);
+  if (h->method == BICO_METHOD_PAD)
+    return bico_baseline_pad(ctx, nd_a, sa, ndim, shape, tau, h->alpha, 0.0f,
+                             upd);
+  /* GradFix: the target's votes for this tensor. */
+  size_t nb = 1;
+  for (size_t d = 0; d < ndim; d++) nb *= shape[d];
+  size_t na = 1;
+  for (size_t d = 0; d < nd_a; d++) na *= sa[d];
+  if (na != nb || nd_a != ndim || memcmp(sa, shape, ndim * sizeof *sa) != 0)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "gradfix transfer needs equal shapes: target tensor %s "
+                      "differs from the source's",
+                      name);
+  size_t vi, vnd;
+  const size_t *vsh;
+  if (bico_stfile_find(h->votes, name, &vi) != BICO_OK)
+    return bico__fail(ctx, BICO_E_NOTFOUND, "votes file %s has no tensor %s",
+                      h->votes_path, name);
+  bico_status st = bico_stfile_tensor_info(h->votes, vi, NULL, NULL, &vnd, &vsh);
+  if (st == BICO_OK &&
+      (vnd != ndim || memcmp(vsh, shape, ndim * sizeof *vsh) != 0))
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "votes file %s: tensor %s has a different shape than "
+                      "the target's",
+                      h->votes_path, name);
+  float *v = bico__alloc(ctx, nb * sizeof(float));
+  int32_t *counts = bico__alloc(ctx, nb * sizeof(int32_t));
+  bico_votes *votes = NULL;
+  if (v == NULL || counts == NULL) st = BICO_E_NOMEM;
+  if (st == BICO_OK) st = bico_stfile_read_f32(h->votes, vi, v, nb);
+  uint32_t samples = 1;
+  for (size_t e = 0; e < nb && st == BICO_OK; e++) {
+    float x = v[e];
+    if (!isfinite(x) || x != floorf(x) || fabsf(x) > 2147483647.0f) {
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "votes file %s: tensor %s element %zu is %g, not an "
+                      "integer vote count",
+                      h->votes_path, name, e, (double)x);
+    } else {
+      counts[e] = (int32_t)x;
+      uint32_t a = (uint32_t)(counts[e] < 0 ? -(int64_t)counts[e] : counts[e]);
+      if (a > samples) samples = a;
+    }
+  }
+  if (st == BICO_OK) st = bico_votes_create(ctx, nb, 0, &votes);
+  if (st == BICO_OK) st = bico_votes_add_counts(votes, counts, samples);
+  size_t k = 0;
+  if (st == BICO_OK)
+    st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, tau, h->alpha, 0.0f,
+                            upd, &k);
+  if (st == BICO_OK) *kept = nb ? (double)k / (double)nb : 0.0;
+  bico_votes_free(votes);
+  bico__free(ctx, v);
+  bico__free(ctx, counts);
+  return st;
+}
+
+/* A map's rank and shape, under `key` (NULL: as an array element). */
+static void report_map(lrun *r, const char *key, size_t da, size_t db,
+                       size_t rank) {
+  if (key) bico__report_key(&r->rep, key);
+  bico__report_begin_object(&r->rep);
+  bico__report_key_number(&r->rep, "rank", (double)rank);
+  bico__report_key(&r->rep, "shape");
+  bico__report_begin_array(&r->rep);
+  bico__report_number(&r->rep, (double)da);
+  bico__report_number(&r->rep, (double)db);
+  bico__report_end_array(&r->rep);
+  bico__report_end_object(&r->rep);
+}
+
+/* Carries adapter module li (source module sm) to target module mi. */
+static bico_status do_module(lrun *r, size_t li, size_t mi) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  const char *lname, *tm;
+  int kind, tkind;
+  size_t rank, dout_a, din_a;
+  double lalpha, scale;
+  bico_lora_module(r->src, li, &lname, &kind, &rank, &dout_a, &din_a, &lalpha,
+                   &scale);
+  bico_model_module(h->mt, mi, &tm, &tkind, NULL, NULL);
+  const float *b, *a;
+  bico_lora_factors(r->src, li, &b, &a);
+  int fifo = 0;
+  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  bico__clear(ctx);
+
+  /* The target tensor the adapter updates: <module>.weight. */
+  size_t tl = strlen(tm) + 8, ti, ts;
+  char *wname = bico__alloc(ctx, tl);
+  if (wname == NULL) return BICO_E_NOMEM;
+  snprintf(wname, tl, "%s.weight", tm);
+  bico_status st = bico_model_find_tensor(h->mt, wname, &ti);
+  size_t sl = strlen(lname) + 8;
+  char *sname = st == BICO_OK ? bico__alloc(ctx, sl) : NULL;
+  if (st == BICO_OK && sname == NULL) st = BICO_E_NOMEM;
+  if (st == BICO_OK) {
+    snprintf(sname, sl, "%s.weight", lname);
+    st = bico_model_find_tensor(h->ms, sname, &ts);
+  }
+  size_t nd_t = 0, nd_s = 0;
+  const size_t *sh_t = NULL, *sh_s = NULL;
+  if (st == BICO_OK) {
+    bico_model_tensor(h->mt, ti, NULL, NULL, &nd_t, &sh_t);
+    bico_model_tensor(h->ms, ts, NULL, NULL, &nd_s, &sh_s);
+    /* The adapter's update in the weight's layout. */
+    size_t er = kind == BICO_LORA_EMBEDDING || fifo ? din_a : dout_a;
+    size_t ec = kind == BICO_LORA_EMBEDDING || fifo ? dout_a : din_a;
+    if (nd_s != 2 || nd_t != 2 || sh_s[0] != er || sh_s[1] != ec)
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: its update is [%zu, %zu] but the "
+                      "source base's %s is not 2-D of that shape",
+                      lname, er, ec, sname);
+  }
+  if (st != BICO_OK) {
+    bico__free(ctx, wname);
+    bico__free(ctx, sname);
+    return st;
+  }
+  size_t er_t = sh_t[0], ec_t = sh_t[1];
+  int flip = kind == BICO_LORA_EMBEDDING || fifo;
+  size_t dout_b = flip ? ec_t : er_t, din_b = flip ? er_t : ec_t;
+  float *nb = bico__alloc(ctx, dout_b * rank * sizeof(float));
+  float *na = bico__alloc(ctx, rank * din_b * sizeof(float));
+  float *dense = NULL, *upd = NULL;
+  const char *handling = "factored";
+  double energy = -1, kept = -1;
+  size_t k = 1;
+  if (nb == NULL || na == NULL) st = BICO_E_NOMEM;
+  bico__report_begin_object(&r->rep);
+  bico__report_key_string(&r->rep, "name", tm);
+  bico__report_key_string(&r->rep, "source", lname);
+  bico__report_key_string(&r->rep, "kind",
+                          kind == BICO_LORA_LINEAR ? "linear" : "embedding");
+  bico__report_key_number(&r->rep, "rank", (double)rank);
+  bico__report_key(&r->rep, "maps");
+  bico__report_begin_object(&r->rep);
+  if (st == BICO_OK && is_bico(h->method) && fifo) {
+    st = bico__fail(ctx, BICO_E_UNSUPPORTED,
+                    "adapter module %s: fan_in_fan_out adapters (transposed "
+                    "base weights) cannot be carried by the BiCo methods yet; "
+                    "the driver's maps assume [d_out, d_in] weights",
+                    lname);
+  } else if (st == BICO_OK && is_bico(h->method) &&
+             kind == BICO_LORA_LINEAR) {
+    if (tkind != BICO_MODULE_LINEAR) {
+      st = bico__fail(ctx, BICO_E_ARG,
+                      "adapter module %s: target module %s is not linear", lname,
+                      tm);
+    } else {
+      int do_in = h->method != BICO_METHOD_BICO_OUT;
+      int do_out = h->method != BICO_METHOD_BICO_IN;
+      k = h->split(h->opaque, mi);
+      const float *rin = NULL;
+      size_t da, db, mr;
+      const float **routs = bico__calloc(ctx, k, sizeof *routs);
+      if (routs == NULL) st = BICO_E_NOMEM;
+      if (st == BICO_OK && do_in) {
+        st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr);
+        if (st == BICO_OK) report_map(r, "in", da, db, mr);
+      }
+      if (do_out && k > 1) {
+        bico__report_key(&r->rep, "out_blocks");
+        bico__report_begin_array(&r->rep);
+      }
+      for (size_t j = 0; j < k && st == BICO_OK && do_out; j++) {
+        st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr);
+        if (st == BICO_OK) report_map(r, k == 1 ? "out" : NULL, da, db, mr);
+      }
+      if (do_out && k > 1) bico__report_end_array(&r->rep);
+      if (st == BICO_OK)
+        st = bico_lora_transport(ctx, rank, k, dout_a, din_a, b, a,
+                                 do_out ? (const float *const *)routs : NULL,
+                                 dout_b / k, dout_b, rin, din_b, din_b,
+                                 h->alpha, nb, na);
+      bico__free(ctx, routs);
+    }
+  } else if (st == BICO_OK && is_bico(h->method)) {
+    /* Embedding: the table's last dimension (B's rows) by the map of the
+     * module the table is tied to; the vocabulary (A's columns) stays. */
+    size_t om;
+    int side = 1, identity = 0;
+    const float *rr = NULL;
+    size_t da = dout_a, db = dout_b, mr = 0;
+    if (din_a != din_b) {
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: the vocabularies differ (%zu source "
+                      "rows, %zu target rows of %s)",
+                      lname, din_a, din_b, wname);
+    } else if (h->vector_map(h->opaque, ti, &om, &side, &identity) !=
+               BICO_OK) {
+      bico__clear(ctx);
+      st = bico__fail(ctx, BICO_E_NOTFOUND,
+                      "adapter module %s: no module is tied to %s, so no map "
+                      "carries its embedding adapter (see --tie)",
+                      lname, wname);
+    } else if (!identity) {
+      if (side == 1 && h->split(h->opaque, om) != 1)
+        st = bico__fail(ctx, BICO_E_ARG,
+                        "adapter module %s: the map's module has a split output",
+                        lname);
+      if (st == BICO_OK) st = h->map(h->opaque, om, side, 0, &rr, &da, &db, &mr);
+      if (st == BICO_OK) report_map(r, side ? "out" : "in", da, db, mr);
+    }
+    if (st == BICO_OK && (da != dout_a || db != dout_b))
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: the map is %zu x %zu but the "
+                      "embedding widths are %zu and %zu",
+                      lname, da, db, dout_a, dout_b);
+    const float *rl[1] = {rr};
+    if (st == BICO_OK)
+      st = bico_lora_transport(ctx, rank, 1, dout_a, din_a, b, a,
+                               rr ? rl : NULL, dout_b, dout_b, NULL, din_b,
+                               din_b, h->alpha, nb, na);
+  } else if (st == BICO_OK && h->method == BICO_METHOD_NAIVE) {
+    if (dout_a != dout_b || din_a != din_b) {
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "naive transfer needs equal shapes: adapter module %s "
+                      "updates [%zu, %zu], target %s is [%zu, %zu]",
+                      lname, sh_s[0], sh_s[1], wname, er_t, ec_t);
+    } else {
+      for (size_t e = 0; e < dout_b * rank; e++) nb[e] = h->alpha * b[e];
+      memcpy(na, a, rank * din_b * sizeof(float));
+      handling = "copied";
+    }
+  } else if (st == BICO_OK) {
+    /* pad, gradfix: dense, the method, back to rank r. */
+    size_t ns = dout_a * din_a, nt = dout_b * din_b;
+    dense = bico__alloc(ctx, ns * sizeof(float));
+    upd = bico__alloc(ctx, nt * sizeof(float));
+    float *tmp = bico__alloc(ctx, (ns > nt ? ns : nt) * sizeof(float));
+    if (dense == NULL || upd == NULL || tmp == NULL) st = BICO_E_NOMEM;
+    if (st == BICO_OK) st = bico_lora_dense(r->src, li, 1.0f, 0.0f, tmp, din_a);
+    if (st == BICO_OK) {
+      if (flip) transpose(tmp, dout_a, din_a, dense);
+      else memcpy(dense, tmp, ns * sizeof(float));
+      st = dense_method(r, ti, nd_s, sh_s, dense, upd, &kept);
+    }
+    if (st == BICO_OK) {
+      const float *fo = upd;
+      if (flip) {
+        transpose(upd, er_t, ec_t, tmp);
+        fo = tmp;
+      }
+      st = bico_lora_truncate(ctx, dout_b, din_b, fo, din_b, rank, scale, nb,
+                              na, &energy);
+    }
+    bico__free(ctx, tmp);
+    handling = "truncated";
+  }
+  bico__report_end_object(&r->rep);
+  bico__report_key_string(&r->rep, "handling", handling);
+  if (energy >= 0) bico__report_key_number(&r->rep, "energy_kept", energy);
+  if (kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", kept);
+  bico__report_end_object(&r->rep);
+  if (st == BICO_OK)
+    st = bico_lora_add_module(r->out, tm, kind, rank, lalpha, dout_b, din_b, nb,
+                              na);
+  if (st == BICO_OK) {
+    if (energy >= 0) {
+      r->truncated++;
+      logf_(r, "bico: %s <- %s: rank %zu, %.4f of the energy kept", tm, lname,
+            rank, energy);
+    } else if (strcmp(handling, "copied") == 0) {
+      r->copied++;
+    } else {
+      r->factored++;
+    }
+  }
+  h->release(h->opaque, mi);
+  bico__free(ctx, dense);
+  bico__free(ctx, upd);
+  bico__free(ctx, nb);
+  bico__free(ctx, na);
+  bico__free(ctx, wname);
+  bico__free(ctx, sname);
+  if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), lname) == NULL)
+    st = bico__fail(ctx, st, "adapter module %s: %s", lname,
+                    bico_ctx_errmsg(ctx)[0] ? bico_ctx_errmsg(ctx)
+                                            : bico_strerror(st));
+  return st;
+}
+
+/* A modules_to_save tensor (source saved index k) -> target tensor ti. */
+static bico_status do_saved(lrun *r, size_t k, size_t ti) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  const char *sname, *tname, *tmod;
+  size_t nd_a, nd_b, mi;
+  const size_t *sa, *sb;
+  const float *data;
+  int role, dtype;
+  bico_lora_saved(r->src, k, &sname, NULL, &nd_a, &sa, &data);
+  bico_model_tensor(h->mt, ti, &tname, &dtype, &nd_b, &sb);
+  bico_model_tensor_module(h->mt, ti, &mi, &role);
+  bico_model_module(h->mt, mi, &tmod, NULL, NULL, NULL);
+  size_t na = 1, nb = 1;
+  for (size_t d = 0; d < nd_a; d++) na *= sa[d];
+  for (size_t d = 0; d < nd_b; d++) nb *= sb[d];
+  size_t bi, fi;
+  bico_status st = bico_stfile_find(h->sb, sname, &bi);
+  size_t nd_base;
+  const size_t *sh_base;
+  if (st == BICO_OK)
+    st = bico_stfile_tensor_info(h->sb, bi, NULL, NULL, &nd_base, &sh_base);
+  if (st == BICO_OK &&
+      (nd_base != nd_a || memcmp(sh_base, sa, nd_a * sizeof *sa) != 0))
+    st = bico__fail(ctx, BICO_E_SHAPE,
+                    "saved tensor %s: its shape differs from the source base's",
+                    sname);
+  float *tau = st == BICO_OK ? bico__alloc(ctx, (na ? na : 1) * sizeof(float)) : NULL;
+  float *upd = st == BICO_OK ? bico__calloc(ctx, nb ? nb : 1, sizeof(float)) : NULL;
+  float *full = st == BICO_OK ? bico__alloc(ctx, (nb ? nb : 1) * sizeof(float)) : NULL;
+  if (st == BICO_OK && (tau == NULL || upd == NULL || full == NULL))
+    st = BICO_E_NOMEM;
+  if (st == BICO_OK && na) st = bico_stfile_read_f32(h->sb, bi, tau, na);
+  if (st == BICO_OK) st = bico_stfile_check_finite(h->sb, bi);
+  for (size_t e = 0; e < na && st == BICO_OK; e++) tau[e] = data[e] - tau[e];
+  double kept = -1;
+  if (st == BICO_OK && na && nb) {
+    if (!is_bico(h->method)) {
+      st = dense_method(r, ti, nd_a, sa, tau, upd, &kept);
+    } else if (role == BICO_ROLE_WEIGHT) {
+      size_t dout_a = sa[0], din_a = na / sa[0], dout_b = sb[0],
+             din_b = nb / sb[0];
+      int do_in = h->method != BICO_METHOD_BICO_OUT;
+      int do_out = h->method != BICO_METHOD_BICO_IN;
+      size_t kk = h->split(h->opaque, mi), da, db, mr;
+      const float *rin = NULL;
+      const float **routs = bico__calloc(ctx, kk, sizeof *routs);
+      if (routs == NULL) st = BICO_E_NOMEM;
+      if (st == BICO_OK && do_in) st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr);
+      for (size_t j = 0; j < kk && st == BICO_OK && do_out; j++)
+        st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr);
+      if (st == BICO_OK)
+        st = bico_transport_weight_split(
+            ctx, kk, dout_a, din_a, tau, din_a,
+            do_out ? (const float *const *)routs : NULL, dout_b / kk, dout_b,
+            rin, din_b, din_b, h->alpha, 0.0f, upd, din_b);
+      bico__free(ctx, routs);
+    } else if (role == BICO_ROLE_BIAS) {
+      int do_out = h->method != BICO_METHOD_BICO_IN;
+      size_t kk = h->split(h->opaque, mi), da, db, mr;
+      if (na % kk || nb % kk)
+        st = bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
+                        tname, kk);
+      for (size_t j = 0; j < kk && st == BICO_OK; j++) {
+        const float *rr = NULL;
+        if (do_out) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr);
+        if (st == BICO_OK)
+          st = bico_transport_vector(ctx, na / kk, tau + j * (na / kk), rr,
+                                     nb / kk, nb / kk, h->alpha, 0.0f,
+                                     upd + j * (nb / kk));
+      }
+    } else if (role == BICO_ROLE_VECTOR || role == BICO_ROLE_TOKEN) {
+      size_t om, da, db, mr;
+      int side, identity = 0;
+      const float *rr = NULL;
+      size_t la = sa[nd_a - 1], lb = sb[nd_b - 1];
+      if (h->vector_map(h->opaque, ti, &om, &side, &identity) != BICO_OK) {
+        bico__clear(ctx);
+        st = bico__fail(ctx, BICO_E_NOTFOUND,
+                        "saved tensor %s: no map carries target tensor %s "
+                        "(see --tie)",
+                        sname, tname);
+      } else if (!identity) {
+        st = h->map(h->opaque, om, side, 0, &rr, &da, &db, &mr);
+        if (st == BICO_OK && (da != la || db != lb))
+          st = bico__fail(ctx, BICO_E_SHAPE,
+                          "saved tensor %s: the map is %zu x %zu, the last "
+                          "dimensions are %zu and %zu",
+                          sname, da, db, la, lb);
+      }
+      if (st == BICO_OK && na / la != nb / lb)
+        st = bico__fail(ctx, BICO_E_SHAPE,
+                        "saved tensor %s: leading dimensions differ from the "
+                        "target's %s",
+                        sname, tname);
+      if (st == BICO_OK)
+        st = bico_transport_rows(ctx, na / la, la, tau, la, rr, lb, lb,
+                                 h->alpha, 0.0f, upd, lb);
+    } else {
+      st = bico__fail(ctx, BICO_E_UNSUPPORTED,
+                      "saved tensor %s: target tensor %s is of a kind no "
+                      "method carries",
+                      sname, tname);
+    }
+  }
+  if (st == BICO_OK) st = bico_stfile_find(h->tb, tname, &fi);
+  if (st == BICO_OK && nb) st = bico_stfile_read_f32(h->tb, fi, full, nb);
+  if (st == BICO_OK) st = bico_stfile_check_finite(h->tb, fi);
+  for (size_t e = 0; e < nb && st == BICO_OK; e++) full[e] += upd[e];
+  if (st == BICO_OK)
+    st = bico_lora_add_saved(r->out, tname, tmod, nd_b, sb, full);
+  bico__report_begin_object(&r->rep);
+  bico__report_key_string(&r->rep, "name", tname);
+  bico__report_key_string(&r->rep, "source", sname);
+  bico__report_key_string(&r->rep, "handling", "saved");
+  if (kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", kept);
+  bico__report_end_object(&r->rep);
+  if (st == BICO_OK) r->saved++;
+  bico__free(ctx, tau);
+  bico__free(ctx, upd);
+  bico__free(ctx, full);
+  if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), sname) == NULL)
+    st = bico__fail(ctx, st, "saved tensor %s: %s", sname,
+                    bico_ctx_errmsg(ctx)[0] ? bico_ctx_errmsg(ctx)
+                                            : bico_strerror(st));
+  return st;
+}
+
+/* The full target checkpoint: base + s B' A' where an adapter module
+ * landed, the saved tensors, the base elsewhere. */
+static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  size_t nt = bico_model_tensor_count(h->mt);
+  int fifo = 0;
+  bico_lora_get_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  bico_status st = BICO_OK;
+  for (int pass = 0; pass < 2 && st == BICO_OK; pass++)
+    for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
+      const char *name;
+      size_t ndim, fi, mi;
+      const size_t *shape;
+      int dtype;
+      bico_model_tensor(h->mt, ti, &name, NULL, &ndim, &shape);
+      st = bico_stfile_find(h->tb, name, &fi);
+      if (st == BICO_OK)
+        st = bico_stfile_tensor_info(h->tb, fi, NULL, &dtype, NULL, NULL);
+      if (st != BICO_OK) break;
+      if (pass == 0) {
+        st = bico_stwriter_declare(w, name, dtype, ndim, shape);
+        continue;
+      }
+      const char *mod;
+      bico_model_tensor_module(h->mt, ti, &mi, NULL);
+      bico_model_module(h->mt, mi, &mod, NULL, NULL, NULL);
+      size_t li = SIZE_MAX, si = SIZE_MAX;
+      size_t ml = strlen(mod);
+      if (strncmp(name, mod, ml) == 0 && strcmp(name + ml, ml ? ".weight" : "weight") == 0 &&
+          bico_lora_find_module(r->out, mod, &li) != BICO_OK)
+        li = SIZE_MAX;
+      for (size_t k = 0; k < bico_lora_saved_count(r->out); k++) {
+        const char *sn;
+        bico_lora_saved(r->out, k, &sn, NULL, NULL, NULL, NULL);
+        if (strcmp(sn, name) == 0) si = k;
+      }
+      bico__clear(ctx);
+      size_t numel = 1;
+      for (size_t d = 0; d < ndim; d++) numel *= shape[d];
+      if (si != SIZE_MAX) {
+        const float *data;
+        bico_lora_saved(r->out, si, NULL, NULL, NULL, NULL, &data);
+        st = bico_stwriter_write_f32(w, name, data, numel);
+      } else if (li != SIZE_MAX) {
+        int kind;
+        size_t dout, din;
+        bico_lora_module(r->out, li, NULL, &kind, NULL, &dout, &din, NULL, NULL);
+        int flip = kind == BICO_LORA_EMBEDDING || fifo;
+        double *base = bico__alloc(ctx, numel * sizeof(double));
+        float *d = bico__alloc(ctx, numel * sizeof(float));
+        if (base == NULL || d == NULL) st = BICO_E_NOMEM;
+        if (st == BICO_OK) st = bico_stfile_read_f64(h->tb, fi, base, numel);
+        if (st == BICO_OK) st = bico_stfile_check_finite(h->tb, fi);
+        if (st == BICO_OK) st = bico_lora_dense(r->out, li, 1.0f, 0.0f, d, din);
+        for (size_t i = 0; i < dout && st == BICO_OK; i++)
+          for (size_t j = 0; j < din; j++)
+            base[flip ? j * dout + i : i * din + j] += d[i * din + j];
+        if (st == BICO_OK) st = bico_stwriter_write_f64(w, name, base, numel);
+        bico__free(ctx, base);
+        bico__free(ctx, d);
+      } else {
+        const void *data;
+        size_t nbytes;
+        st = bico_stfile_data(h->tb, fi, &data, &nbytes);
+        if (st == BICO_OK && nbytes)
+          st = bico_stwriter_write_raw(w, name, data, nbytes);
+      }
+      if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), name) == NULL)
+        st = bico__fail(ctx, st, "tensor %s: %s", name, bico_ctx_errmsg(ctx));
+    }
+  return st;
+}
+
+static const char *const METHOD_NAME[7] = {
+    NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
+
+static bico_status run_lora(lrun *r) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = bico_lora_open(ctx, h->adapter_dir, &r->src);
+  if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
+  if (st != BICO_OK) return st;
+  int on = 0;
+  bico_lora_get_flag(r->src, BICO_LORA_RSLORA, &on);
+  bico_lora_set_flag(r->out, BICO_LORA_RSLORA, on);
+  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
+  bico_lora_set_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
+  const char *tt = NULL;
+  bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
+  st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
+  size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
+  /* An adapter module the source base does not have means the adapter
+   * belongs to another model: stop rather than drop it. */
+  for (size_t i = 0; i < nl + ns && st == BICO_OK; i++) {
+    const char *n;
+    size_t idx;
+    if (i < nl) {
+      bico_lora_module(r->src, i, &n, NULL, NULL, NULL, NULL, NULL, NULL);
+      if (bico_model_find_module(h->ms, n, &idx) != BICO_OK)
+        st = bico__fail(ctx, BICO_E_NOTFOUND,
+                        "adapter %s: module %s is not a module of the source "
+                        "base (is the adapter for another model?)",
+                        h->adapter_dir, n);
+    } else {
+      bico_lora_saved(r->src, i - nl, &n, NULL, NULL, NULL, NULL);
+      if (bico_model_find_tensor(h->ms, n, &idx) != BICO_OK)
+        st = bico__fail(ctx, BICO_E_NOTFOUND,
+                        "adapter %s: saved tensor %s is not in the source base",
+                        h->adapter_dir, n);
+    }
+  }
+  if (st != BICO_OK) return st;
+  bico__clear(ctx);
+  unsigned char *used = bico__calloc(ctx, nl + ns + 1, 1);
+  if (used == NULL) return BICO_E_NOMEM;
+  logf_(r, "bico: adapter %s: %zu modules, %zu saved tensors; method %s",
+        h->adapter_dir, nl, ns, METHOD_NAME[h->method]);
+  bico__report_begin_object(&r->rep);
+  bico__report_key_string(&r->rep, "method", METHOD_NAME[h->method]);
+  bico__report_key_number(&r->rep, "alpha", (double)h->alpha);
+  bico__report_key_string(&r->rep, "adapter", h->adapter_dir);
+  bico__report_key(&r->rep, "modules");
+  bico__report_begin_array(&r->rep);
+  size_t nm = bico_model_module_count(h->mt);
+  for (size_t mi = 0; mi < nm && st == BICO_OK; mi++) {
+    size_t si, li;
+    bico_status ps = bico_model_pair_module(h->mt, mi, h->ms, &si);
+    if (ps == BICO_E_NOTFOUND) {
+      bico__clear(ctx);
+      continue;
+    }
+    if (ps != BICO_OK) {
+      st = ps;
+      break;
+    }
+    const char *sm;
+    bico_model_module(h->ms, si, &sm, NULL, NULL, NULL);
+    if (bico_lora_find_module(r->src, sm, &li) != BICO_OK) {
+      bico__clear(ctx);
+      continue;
+    }
+    used[li] = 1;
+    st = do_module(r, li, mi);
+  }
+  bico__report_end_array(&r->rep);
+  bico__report_key(&r->rep, "saved");
+  bico__report_begin_array(&r->rep);
+  size_t nt = bico_model_tensor_count(h->mt);
+  for (size_t ti = 0; ti < nt && st == BICO_OK && ns; ti++) {
+    size_t si;
+    bico_status ps = bico_model_pair_tensor(h->mt, ti, h->ms, &si);
+    if (ps == BICO_E_NOTFOUND) {
+      bico__clear(ctx);
+      continue;
+    }
+    if (ps != BICO_OK) {
+      st = ps;
+      break;
+    }
+    const char *sn;
+    bico_model_tensor(h->ms, si, &sn, NULL, NULL, NULL);
+    for (size_t k = 0; k < ns && st == BICO_OK; k++) {
+      const char *kn;
+      bico_lora_saved(r->src, k, &kn, NULL, NULL, NULL, NULL);
+      if (strcmp(kn, sn) != 0) continue;
+      used[nl + k] = 1;
+      st = do_saved(r, k, ti);
+    }
+  }
+  bico__report_end_array(&r->rep);
+  /* What the target has no place for is reported, never silently lost. */
+  bico__report_key(&r->rep, "unused");
+  bico__report_begin_array(&r->rep);
+  size_t unused = 0;
+  for (size_t i = 0; i < nl + ns && st == BICO_OK; i++) {
+    if (used[i]) continue;
+    const char *n;
+    if (i < nl) bico_lora_module(r->src, i, &n, NULL, NULL, NULL, NULL, NULL, NULL);
+    else bico_lora_saved(r->src, i - nl, &n, NULL, NULL, NULL, NULL);
+    bico__report_string(&r->rep, n);
+    logf_(r, "bico: unused: adapter %s %s has no partner in the target",
+          i < nl ? "module" : "saved tensor", n);
+    unused++;
+  }
+  bico__report_end_array(&r->rep);
+  bico__report_key(&r->rep, "summary");
+  bico__report_begin_object(&r->rep);
+  bico__report_key_number(&r->rep, "factored", (double)r->factored);
+  bico__report_key_number(&r->rep, "truncated", (double)r->truncated);
+  bico__report_key_number(&r->rep, "copied", (double)r->copied);
+  bico__report_key_number(&r->rep, "saved", (double)r->saved);
+  bico__report_key_number(&r->rep, "unused", (double)unused);
+  bico__report_end_object(&r->rep);
+  bico__report_end_object(&r->rep);
+  bico__free(ctx, used);
+  if (st == BICO_OK) st = r->rep.status;
+  if (st == BICO_OK && bico_lora_module_count(r->out) == 0)
+    st = bico__fail(ctx, BICO_E_NOTFOUND,
+                    "adapter %s: none of its modules pairs with a target "
+                    "module",
+                    h->adapter_dir);
+  if (st != BICO_OK) return st;
+
+  /* Outputs: report to a temporary file, checkpoint and adapter committed,
+   * then the report renamed; a failure before leaves nothing new. */
+  char *rep_tmp = NULL;
+  bico_stwriter *w = NULL;
+  if (h->report_path)
+    st = bico__report_write_tmp(ctx, &r->rep, h->report_path, &rep_tmp);
+  if (st == BICO_OK && h->out_ckpt) {
+    st = bico_stwriter_create(ctx, h->out_ckpt, &w);
+    if (st == BICO_OK) st = write_checkpoint(r, w);
+  }
+  if (st == BICO_OK && h->out_dir) st = bico_lora_save(r->out, h->out_dir);
+  if (st == BICO_OK && w) st = bico_stwriter_commit(w);
+  bico_stwriter_free(w);
+  if (rep_tmp) {
+    if (st == BICO_OK) st = bico__report_commit(ctx, rep_tmp, h->report_path);
+    else unlink(rep_tmp);
+    bico__free(ctx, rep_tmp);
+  }
+  if (st == BICO_OK)
+    logf_(r, "bico: %zu adapter modules factored, %zu truncated, %zu copied, "
+             "%zu saved tensors, %zu unused; wrote %s%s%s",
+          r->factored, r->truncated, r->copied, r->saved, unused,
+          h->out_dir ? h->out_dir : "", h->out_dir && h->out_ckpt ? " and " : "",
+          h->out_ckpt ? h->out_ckpt : "");
+  return st;
+}
+
+bico_status bico__lora_transfer_run(bico__lora_hook *h) {
+  lrun r;
+  memset(&r, 0, sizeof r);
+  r.h = h;
+  r.ctx = h->ctx;
+  bico__report_init(&r.rep, h->ctx);
+  bico_status st = run_lora(&r);
+  h->updated = r.factored + r.truncated + r.copied + r.saved;
+  bico__report_free(&r.rep);
+  bico_lora_free(r.src);
+  bico_lora_free(r.out);
+  return st;
+}

@@ -1,0 +1,379 @@
+// Merging task vectors through the public API: task arithmetic and TIES
+// against a hand-worked example and against a reference implemented here
+// (from the description of TIES-merging and mergekit's options, not from
+// lib/merge.c), then whole checkpoints with every kind of input and the
+// refusals.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "st_testutil.h"
+#include "testutil.h"
+
+namespace {
+
+using Vec = std::vector<float>;
+
+bool mentions(bico_ctx *ctx, const std::string &what) {
+  return std::string(bico_ctx_errmsg(ctx)).find(what) != std::string::npos;
+}
+
+Vec merge(bico_ctx *ctx, int method, const std::vector<Vec> &taus,
+          const std::vector<double> &w, const std::vector<double> &d,
+          int normalize, bico_status want = BICO_OK) {
+  std::vector<const float *> p;
+  for (auto &t : taus) p.push_back(t.data());
+  Vec out(taus[0].size(), -99.0f);
+  EXPECT_EQ(bico_merge_tensor(ctx, method, taus.size(), out.size(), p.data(),
+                              w.data(), d.empty() ? nullptr : d.data(),
+                              normalize, out.data()),
+            want)
+      << bico_ctx_errmsg(ctx);
+  return out;
+}
+
+TEST(MergeTensor, HandWorkedExample) {
+  bt::Ctx ctx;
+  // Weighted: t1 = [2, -3, 1, 0], 0.5 t2 = [-0.5, -0.5, 1, 2.5]; mass
+  // [1.5, -3.5, 2, 2.5] elects [+, -, +, +].
+  std::vector<Vec> taus = {{2, -3, 1, 0}, {-1, -1, 2, 5}};
+  std::vector<double> w = {1.0, 0.5};
+  Vec ties = merge(ctx, BICO_MERGE_TIES, taus, w, {}, 1);
+  Vec want = {2.0f, (float)(-3.5 / 1.5), (float)(2.0 / 1.5), 5.0f};
+  for (size_t i = 0; i < 4; i++) EXPECT_FLOAT_EQ(ties[i], want[i]) << i;
+  Vec ties_sum = merge(ctx, BICO_MERGE_TIES, taus, w, {}, 0);
+  Vec want_sum = {2.0f, -3.5f, 2.0f, 2.5f};
+  for (size_t i = 0; i < 4; i++) EXPECT_FLOAT_EQ(ties_sum[i], want_sum[i]) << i;
+  Vec lin = merge(ctx, BICO_MERGE_LINEAR, taus, w, {}, 0);
+  Vec want_lin = {1.5f, -3.5f, 2.0f, 2.5f};
+  for (size_t i = 0; i < 4; i++) EXPECT_FLOAT_EQ(lin[i], want_lin[i]) << i;
+  Vec lin_n = merge(ctx, BICO_MERGE_LINEAR, taus, w, {}, 1);
+  for (size_t i = 0; i < 4; i++) EXPECT_FLOAT_EQ(lin_n[i], (float)(want_lin[i] / 1.5)) << i;
+  // Density 0.5 keeps 2 of 4: t1 -> [0, -3, 0, 0]... |2| and |-3| kept:
+  // [2, -3, 0, 0]; t2 -> [0, 0, 2, 5].  No conflicts remain.
+  Vec trimmed = merge(ctx, BICO_MERGE_TIES, taus, w, {0.5, 0.5}, 1);
+  Vec want_t = {2.0f, -3.0f, 2.0f, 5.0f};
+  for (size_t i = 0; i < 4; i++) EXPECT_FLOAT_EQ(trimmed[i], want_t[i]) << i;
+  // Magnitude ties go to the earlier entry: [1, -1, 1] at density 1/3
+  // keeps entry 0 only.
+  Vec tie = merge(ctx, BICO_MERGE_TIES, {{1, -1, 1}}, {1.0}, {0.34}, 1);
+  EXPECT_EQ(tie, (Vec{1, 0, 0}));
+}
+
+// TIES as the paper and mergekit describe it, written independently.
+Vec ties_reference(const std::vector<Vec> &taus, const std::vector<double> &w,
+                   const std::vector<double> &d, bool normalize) {
+  size_t n = taus[0].size(), T = taus.size();
+  std::vector<std::vector<double>> kept(T, std::vector<double>(n, 0.0));
+  for (size_t t = 0; t < T; t++) {
+    std::vector<size_t> idx(n);
+    std::iota(idx.begin(), idx.end(), 0);
+    std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
+      return std::fabs(taus[t][a]) > std::fabs(taus[t][b]);
+    });
+    size_t k = d[t] >= 1 ? n : (size_t)std::floor(d[t] * n);
+    for (size_t j = 0; j < k; j++) kept[t][idx[j]] = w[t] * taus[t][idx[j]];
+  }
+  Vec out(n);
+  for (size_t i = 0; i < n; i++) {
+    double mass = 0;
+    for (size_t t = 0; t < T; t++) mass += kept[t][i];
+    double sign = mass >= 0 ? 1 : -1, num = 0, den = 0;
+    for (size_t t = 0; t < T; t++)
+      if (kept[t][i] * sign > 0) {
+        num += kept[t][i];
+        den += w[t];
+      }
+    out[i] = (float)(normalize && den != 0 ? num / den : num);
+  }
+  return out;
+}
+
+TEST(MergeTensor, TiesMatchesAnIndependentReference) {
+  bt::Ctx ctx;
+  bt::Rng g(17);
+  for (int trial = 0; trial < 20; trial++) {
+    size_t T = 1 + trial % 4, n = 50 + trial * 7;
+    std::vector<Vec> taus(T, Vec(n));
+    std::vector<double> w(T), d(T);
+    for (size_t t = 0; t < T; t++) {
+      // Quantised values: many exact magnitude ties and zeros.
+      for (auto &x : taus[t]) x = (float)std::round(g.normal() * 3) / 2;
+      w[t] = trial % 3 == 0 ? 1.0 : 0.2 + g.uniform() * 1.5;
+      if (trial % 5 == 4 && t == 0) w[t] = -0.7;  // a subtracted task
+      d[t] = 0.1 + 0.9 * g.uniform();
+    }
+    int norm = trial % 2;
+    Vec got = merge(ctx, BICO_MERGE_TIES, taus, w, d, norm);
+    Vec want = ties_reference(taus, w, d, norm);
+    for (size_t i = 0; i < n; i++)
+      ASSERT_NEAR(got[i], want[i], 1e-5 * (1 + std::fabs(want[i])))
+          << "trial " << trial << " entry " << i;
+  }
+}
+
+TEST(MergeTensor, BadInputIsRefused) {
+  bt::Ctx ctx;
+  std::vector<Vec> taus = {{1, 2}, {3, 4}};
+  merge(ctx, BICO_MERGE_LINEAR, taus, {1, 1}, {0.5, 1}, 0, BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "TIES only")) << bico_ctx_errmsg(ctx);
+  merge(ctx, BICO_MERGE_TIES, taus, {1, 1}, {0.0, 1}, 0, BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "densities[0] is 0")) << bico_ctx_errmsg(ctx);
+  merge(ctx, BICO_MERGE_TIES, taus, {1, NAN}, {}, 0, BICO_E_NONFINITE);
+  EXPECT_TRUE(mentions(ctx, "weights[1]")) << bico_ctx_errmsg(ctx);
+  merge(ctx, 7, taus, {1, 1}, {}, 0, BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "unknown method 7"));
+  merge(ctx, BICO_MERGE_TIES, {{1, NAN}}, {1}, {}, 0, BICO_E_NONFINITE);
+  float out[1];
+  EXPECT_EQ(bico_merge_tensor(ctx, BICO_MERGE_TIES, 0, 1, nullptr, nullptr,
+                              nullptr, 0, out),
+            BICO_E_NULL);
+}
+
+// ---------------------------------------------------------------------------
+// Whole checkpoints
+
+struct Tensor {
+  std::vector<size_t> shape;
+  Vec v;
+};
+using File = std::vector<std::pair<std::string, Tensor>>;
+
+void write_st(const std::string &path, const File &f) {
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK);
+  for (auto &e : f)
+    ASSERT_EQ(bico_stwriter_declare(w, e.first.c_str(), BICO_DTYPE_F32,
+                                    e.second.shape.size(), e.second.shape.data()),
+              BICO_OK);
+  for (auto &e : f)
+    ASSERT_EQ(bico_stwriter_write_f32(w, e.first.c_str(), e.second.v.data(), e.second.v.size()),
+              BICO_OK);
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK);
+  bico_stwriter_free(w);
+}
+
+std::map<std::string, Vec> read_st(const std::string &path) {
+  bt::Ctx ctx;
+  bico_stfile *f = nullptr;
+  std::map<std::string, Vec> out;
+  EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
+  if (!f) return out;
+  for (size_t i = 0; i < bico_stfile_count(f); i++) {
+    const char *name;
+    size_t n;
+    bico_stfile_tensor_info(f, i, &name, nullptr, nullptr, nullptr);
+    bico_stfile_tensor_size(f, i, &n, nullptr);
+    Vec v(n);
+    bico_stfile_read_f32(f, i, v.data(), n);
+    out[name] = v;
+  }
+  bico_stfile_close(f);
+  return out;
+}
+
+Vec randv(bt::Rng &g, size_t n, double s = 1.0) {
+  Vec v(n);
+  for (auto &x : v) x = (float)(s * g.normal());
+  return v;
+}
+
+struct Checkpoints {
+  stt::TempDir dir;
+  bt::Rng g{5};
+  Vec W = randv(g, 12), b = randv(g, 3), t1W = randv(g, 12, 0.1),
+      t1b = randv(g, 3, 0.1), t2W = randv(g, 12, 0.1), ftW = randv(g, 12, 0.1),
+      ftb = randv(g, 3, 0.1), loB = randv(g, 3 * 2), loA = randv(g, 2 * 4);
+  std::string base = dir / "base.safetensors", tv1 = dir / "tv1.safetensors",
+              tv2 = dir / "tv2.safetensors", ft = dir / "ft.safetensors",
+              ad = dir / "adapter", out = dir / "out.safetensors";
+  Checkpoints() {
+    write_st(base, {{"fc.weight", {{3, 4}, W}}, {"fc.bias", {{3}, b}}});
+    write_st(tv1, {{"fc.weight", {{3, 4}, t1W}}, {"fc.bias", {{3}, t1b}}});
+    write_st(tv2, {{"fc.weight", {{3, 4}, t2W}}});  // no bias: zero for this task
+    Vec ftw(12), ftbv(3);
+    for (size_t i = 0; i < 12; i++) ftw[i] = W[i] + ftW[i];
+    for (size_t i = 0; i < 3; i++) ftbv[i] = b[i] + ftb[i];
+    write_st(ft, {{"fc.weight", {{3, 4}, ftw}}, {"fc.bias", {{3}, ftbv}}});
+    mkdir(ad.c_str(), 0700);
+    stt::write_bytes(ad + "/adapter_config.json",
+                     "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 3}");
+    write_st(ad + "/adapter_model.safetensors",
+             {{"base_model.model.fc.lora_A.weight", {{2, 4}, loA}},
+              {"base_model.model.fc.lora_B.weight", {{3, 2}, loB}}});
+  }
+  // The adapter's dense update 1.5 B A, computed here.
+  Vec lora_dense() const {
+    Vec d(12, 0.0f);
+    for (size_t i = 0; i < 3; i++)
+      for (size_t j = 0; j < 4; j++) {
+        double s = 0;
+        for (size_t k = 0; k < 2; k++) s += (double)loB[i * 2 + k] * loA[k * 4 + j];
+        d[i * 4 + j] = (float)(1.5 * s);
+      }
+    return d;
+  }
+};
+
+struct Merger {
+  bico_merge *m = nullptr;
+  explicit Merger(bico_ctx *ctx) { EXPECT_EQ(bico_merge_create(ctx, &m), BICO_OK); }
+  ~Merger() { bico_merge_free(m); }
+};
+
+TEST(MergeRun, EveryInputKindAgainstTheReference) {
+  Checkpoints c;
+  bt::Ctx ctx;
+  for (int method : {BICO_MERGE_LINEAR, BICO_MERGE_TIES}) {
+    Merger mg(ctx);
+    std::string delta = c.dir / "delta.safetensors", rep = c.dir / "rep.json";
+    ASSERT_EQ(bico_merge_set_file(mg.m, BICO_MERGE_FILE_BASE, c.base.c_str()), BICO_OK);
+    ASSERT_EQ(bico_merge_set_file(mg.m, BICO_MERGE_FILE_OUTPUT, c.out.c_str()), BICO_OK);
+    ASSERT_EQ(bico_merge_set_file(mg.m, BICO_MERGE_FILE_DELTA_OUTPUT, delta.c_str()), BICO_OK);
+    ASSERT_EQ(bico_merge_set_file(mg.m, BICO_MERGE_FILE_REPORT, rep.c_str()), BICO_OK);
+    ASSERT_EQ(bico_merge_set_param(mg.m, BICO_MERGE_METHOD, method), BICO_OK);
+    ASSERT_EQ(bico_merge_set_param(mg.m, BICO_MERGE_ALPHA, 0.8), BICO_OK);
+    double d = method == BICO_MERGE_TIES ? 0.5 : 1.0;
+    ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TASK_VECTOR, c.tv1.c_str(), 1.0, d), BICO_OK);
+    ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TASK_VECTOR, c.tv2.c_str(), 0.5, d), BICO_OK);
+    ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TUNED, c.ft.c_str(), 0.7, d), BICO_OK);
+    ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_LORA, c.ad.c_str(), 1.2, d), BICO_OK);
+    ASSERT_EQ(bico_merge_run(mg.m), BICO_OK) << bico_ctx_errmsg(ctx);
+    auto o = read_st(c.out), dl = read_st(delta);
+    // Weight: four tasks; bias: tv1 and ft only (tv2 and the adapter lack it).
+    std::vector<Vec> tw = {c.t1W, c.t2W, c.ftW, c.lora_dense()};
+    std::vector<double> ww = {1.0, 0.5, 0.7, 1.2}, dw(4, d);
+    std::vector<Vec> tb = {c.t1b, c.ftb};
+    std::vector<double> wb = {1.0, 0.7}, db(2, d);
+    Vec mw(12), mb(3);
+    if (method == BICO_MERGE_TIES) {
+      mw = ties_reference(tw, ww, dw, true);
+      mb = ties_reference(tb, wb, db, true);
+    } else {
+      for (size_t i = 0; i < 12; i++)
+        for (size_t t = 0; t < 4; t++) mw[i] += (float)(ww[t] * tw[t][i]);
+      for (size_t i = 0; i < 3; i++) mb[i] = (float)(c.t1b[i] + 0.7 * c.ftb[i]);
+    }
+    for (size_t i = 0; i < 12; i++) {
+      EXPECT_NEAR(o["fc.weight"][i], c.W[i] + 0.8 * mw[i], 1e-5) << method << " " << i;
+      EXPECT_NEAR(dl["fc.weight"][i], 0.8 * mw[i], 1e-5) << method << " " << i;
+    }
+    for (size_t i = 0; i < 3; i++)
+      EXPECT_NEAR(o["fc.bias"][i], c.b[i] + 0.8 * mb[i], 1e-5) << method << " " << i;
+    std::string r = stt::read_bytes(rep);
+    EXPECT_NE(r.find("\"tasks\": 4"), std::string::npos) << r;
+    EXPECT_NE(r.find("\"tasks\": 2"), std::string::npos) << r;
+  }
+}
+
+TEST(MergeRun, RefusalsNameTheProblemAndWriteNothing) {
+  Checkpoints c;
+  bt::Ctx ctx;
+  auto run = [&](const std::string &input, int kind, double density, int method,
+                 const std::string &out) {
+    Merger mg(ctx);
+    bico_merge_set_file(mg.m, BICO_MERGE_FILE_BASE, c.base.c_str());
+    bico_merge_set_file(mg.m, BICO_MERGE_FILE_OUTPUT, out.c_str());
+    bico_merge_set_param(mg.m, BICO_MERGE_METHOD, method);
+    bico_merge_add_input(mg.m, BICO_MERGE_TASK_VECTOR, c.tv1.c_str(), 1.0, density);
+    bico_merge_add_input(mg.m, kind, input.c_str(), 1.0, density);
+    return bico_merge_run(mg.m);
+  };
+  std::string extra = c.dir / "extra.safetensors", shape = c.dir / "shape.safetensors",
+              nan = c.dir / "nan.safetensors";
+  write_st(extra, {{"head.weight", {{2}, {1, 2}}}});
+  write_st(shape, {{"fc.bias", {{4}, {1, 2, 3, 4}}}});
+  write_st(nan, {{"fc.bias", {{3}, {1, NAN, 3}}}});
+  EXPECT_EQ(run(extra, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_NOTFOUND);
+  EXPECT_TRUE(mentions(ctx, "head.weight is not in the base")) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(run(shape, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_SHAPE);
+  EXPECT_TRUE(mentions(ctx, "fc.bias has a different shape")) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(run(nan, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_NONFINITE);
+  EXPECT_TRUE(mentions(ctx, "fc.bias")) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(run(c.tv2, BICO_MERGE_TASK_VECTOR, 0.5, BICO_MERGE_LINEAR, c.out), BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "TIES only")) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(run(c.tv2, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.tv1), BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, c.tv1)) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(run(c.dir / "none", BICO_MERGE_LORA, 1, BICO_MERGE_LINEAR, c.out), BICO_E_IO);
+  EXPECT_TRUE(mentions(ctx, "none/adapter_config.json")) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(access(c.out.c_str(), F_OK), -1);
+  // An existing output stays byte-identical after a failed run.
+  stt::write_bytes(c.out, "keep me");
+  EXPECT_EQ(run(extra, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_NOTFOUND);
+  EXPECT_EQ(stt::read_bytes(c.out), "keep me");
+  Merger mg(ctx);
+  EXPECT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TUNED, "x", 1.0, 1.5), BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "density 1.5")) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(bico_merge_set_param(mg.m, BICO_MERGE_ALPHA, 0.0), BICO_E_ARG);
+  bico_merge_set_file(mg.m, BICO_MERGE_FILE_BASE, c.base.c_str());
+  bico_merge_set_file(mg.m, BICO_MERGE_FILE_OUTPUT, c.out.c_str());
+  EXPECT_EQ(bico_merge_run(mg.m), BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "no inputs")) << bico_ctx_errmsg(ctx);
+}
+
+}  // namespace
+
+namespace {
+
+struct Failing {
+  long count = 0, fail_at = 0, live = 0;
+};
+void *fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count == f->fail_at) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
+}
+
+TEST(MergeOom, EveryAllocationFailureIsReportedAndCleanedUp) {
+  Checkpoints c;
+  std::string rep = c.dir / "rep.json", delta = c.dir / "delta.safetensors";
+  bool done = false;
+  long k;
+  for (k = 1; k < 100000 && !done; k++) {
+    Failing f;
+    bico_ctx *ctx = nullptr;
+    ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
+    f.fail_at = f.count + k;
+    bico_merge *m = nullptr;
+    bico_status st = bico_merge_create(ctx, &m);
+    if (st == BICO_OK) st = bico_merge_set_file(m, BICO_MERGE_FILE_BASE, c.base.c_str());
+    if (st == BICO_OK) st = bico_merge_set_file(m, BICO_MERGE_FILE_OUTPUT, c.out.c_str());
+    if (st == BICO_OK) st = bico_merge_set_file(m, BICO_MERGE_FILE_DELTA_OUTPUT, delta.c_str());
+    if (st == BICO_OK) st = bico_merge_set_file(m, BICO_MERGE_FILE_REPORT, rep.c_str());
+    if (st == BICO_OK) st = bico_merge_set_param(m, BICO_MERGE_METHOD, BICO_MERGE_TIES);
+    if (st == BICO_OK) st = bico_merge_add_input(m, BICO_MERGE_TASK_VECTOR, c.tv1.c_str(), 1, 0.5);
+    if (st == BICO_OK) st = bico_merge_add_input(m, BICO_MERGE_TUNED, c.ft.c_str(), 1, 0.5);
+    if (st == BICO_OK) st = bico_merge_add_input(m, BICO_MERGE_LORA, c.ad.c_str(), 1, 0.5);
+    if (st == BICO_OK) st = bico_merge_run(m);
+    bico_merge_free(m);
+    if (st == BICO_OK) {
+      done = true;
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k << ": " << bico_ctx_errmsg(ctx);
+      for (auto &o : {c.out, rep, delta})
+        EXPECT_EQ(access(o.c_str(), F_OK), -1) << "allocation " << k << ": " << o;
+    }
+    EXPECT_EQ(f.live, 1) << "leak after failing allocation " << k;
+    bico_ctx_free(ctx);
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_TRUE(done);
+  EXPECT_GT(k, 20);
+}
+
+}  // namespace

@@ -1,0 +1,177 @@
+/* bico merge: options -> bico_merge -> run. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static const char *const CMD = "merge";
+
+static const char HELP[] =
+    "usage: bico merge --base B.safetensors [--method linear|ties]\n"
+    "    INPUT [--weight W] [--density D]  INPUT [--weight W] ...\n"
+    "    [--alpha 1.0] [--normalize | --no-normalize]\n"
+    "    [--delta-output D.safetensors] [--report R.json] [--quiet]\n"
+    "    --output B_merged.safetensors\n"
+    "\n"
+    "INPUT is one of (all in the target's coordinates, named like the base):\n"
+    "    --task-vector TAU.safetensors   an update (bico transfer "
+    "--delta-output)\n"
+    "    --tuned B_ft.safetensors        a fine-tuned target checkpoint\n"
+    "    --lora ADAPTER_DIR              a PEFT LoRA adapter for the target\n"
+    "--weight (default 1) and --density (default 1, TIES only: the fraction\n"
+    "of entries kept by magnitude) apply to the input before them.  TIES\n"
+    "normalises by the agreeing weights by default, linear does not.  The\n"
+    "result is base + alpha * merged.  See docs/lora.md.\n";
+
+static void log_line(void *opaque, const char *line) {
+  (void)opaque;
+  fprintf(stderr, "%s\n", line);
+}
+
+#define MAX_INPUTS 256
+
+int cmd_merge(int argc, char **argv) {
+  const char *base = NULL, *output = NULL, *delta = NULL, *report = NULL,
+             *method = NULL;
+  double alpha = 1.0;
+  int normalize = -1, quiet = 0;
+  struct {
+    int kind;
+    const char *path;
+    double weight, density;
+  } in[MAX_INPUTS];
+  size_t nin = 0;
+  static const struct {
+    const char *opt;
+    int kind;
+  } KINDS[3] = {{"--task-vector", BICO_MERGE_TASK_VECTOR},
+                {"--tuned", BICO_MERGE_TUNED},
+                {"--lora", BICO_MERGE_LORA}};
+
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = NULL;
+    int r = 0;
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      fputs(HELP, stdout);
+      return 0;
+    }
+    if (strcmp(a, "--quiet") == 0 || strcmp(a, "-q") == 0) {
+      quiet = 1;
+      continue;
+    }
+    if (strcmp(a, "--normalize") == 0 || strcmp(a, "--no-normalize") == 0) {
+      normalize = strcmp(a, "--normalize") == 0;
+      continue;
+    }
+    int matched = 0;
+    for (int k = 0; k < 3 && !matched; k++) {
+      if ((r = cli_opt(argc, argv, &i, KINDS[k].opt, &v)) == 0) continue;
+      if (r < 0)
+        return cli_error(CMD, CLI_USAGE, "option %s needs a value", KINDS[k].opt);
+      if (v[0] == '\0')
+        return cli_error(CMD, CLI_USAGE, "option %s has an empty path",
+                         KINDS[k].opt);
+      if (nin == MAX_INPUTS)
+        return cli_error(CMD, CLI_USAGE, "too many inputs (at most %d)",
+                         MAX_INPUTS);
+      in[nin].kind = KINDS[k].kind;
+      in[nin].path = v;
+      in[nin].weight = 1.0;
+      in[nin].density = 1.0;
+      nin++;
+      matched = 1;
+    }
+    if (matched) continue;
+#define VALUE(name, var)                                                   \
+  if ((r = cli_opt(argc, argv, &i, name, &v)) != 0) {                      \
+    if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", \
+                                name);                                     \
+    var;                                                                   \
+    continue;                                                              \
+  }
+#define PATH(name, var)                                                     \
+  VALUE(name, if (var != NULL) return cli_error(CMD, CLI_USAGE,             \
+                                                "option %s given twice",    \
+                                                name);                      \
+        if (v[0] == '\0') return cli_error(CMD, CLI_USAGE,                  \
+                                           "option %s has an empty path",   \
+                                           name);                           \
+        var = v)
+    PATH("--base", base)
+    PATH("--output", output)
+    PATH("-o", output)
+    PATH("--delta-output", delta)
+    PATH("--report", report)
+    VALUE("--method", method = v)
+    VALUE("--alpha", if (cli_double(v, &alpha) || !(alpha > 0)) return cli_error(
+                         CMD, CLI_USAGE,
+                         "--alpha %s: expected a positive number", v))
+    VALUE("--weight",
+          if (nin == 0) return cli_error(CMD, CLI_USAGE,
+                                         "--weight %s comes before any input; "
+                                         "it applies to the input before it",
+                                         v);
+          if (cli_double(v, &in[nin - 1].weight))
+              return cli_error(CMD, CLI_USAGE, "--weight %s: expected a number",
+                               v))
+    VALUE("--density",
+          if (nin == 0) return cli_error(CMD, CLI_USAGE,
+                                         "--density %s comes before any "
+                                         "input; it applies to the input "
+                                         "before it",
+                                         v);
+          if (cli_double(v, &in[nin - 1].density) ||
+              !(in[nin - 1].density > 0 && in[nin - 1].density <= 1))
+              return cli_error(CMD, CLI_USAGE,
+                               "--density %s: expected a number in (0, 1]", v))
+#undef PATH
+#undef VALUE
+    if (a[0] == '-') return cli_error(CMD, CLI_USAGE, "unknown option %s", a);
+    return cli_error(CMD, CLI_USAGE, "unexpected argument %s", a);
+  }
+  if (base == NULL) return cli_error(CMD, CLI_USAGE, "missing --base");
+  if (output == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
+  if (nin == 0)
+    return cli_error(CMD, CLI_USAGE,
+                     "no inputs: give --task-vector, --tuned or --lora");
+  int m = BICO_MERGE_LINEAR;
+  if (method != NULL) {
+    if (strcmp(method, "linear") == 0 || strcmp(method, "task_arithmetic") == 0)
+      m = BICO_MERGE_LINEAR;
+    else if (strcmp(method, "ties") == 0)
+      m = BICO_MERGE_TIES;
+    else
+      return cli_error(CMD, CLI_USAGE,
+                       "unknown method '%s' (linear or ties)", method);
+  }
+  for (size_t k = 0; k < nin; k++)
+    if (m == BICO_MERGE_LINEAR && in[k].density != 1)
+      return cli_error(CMD, CLI_USAGE,
+                       "--density applies to --method ties (input %s has "
+                       "density %g)",
+                       in[k].path, in[k].density);
+
+  bico_ctx *ctx = NULL;
+  bico_merge *mg = NULL;
+  if (bico_ctx_create(&ctx) != BICO_OK)
+    return cli_error(CMD, CLI_FAIL, "out of memory");
+  bico_status st = bico_merge_create(ctx, &mg);
+  if (st == BICO_OK) st = bico_merge_set_file(mg, BICO_MERGE_FILE_BASE, base);
+  if (st == BICO_OK) st = bico_merge_set_file(mg, BICO_MERGE_FILE_OUTPUT, output);
+  if (st == BICO_OK && delta)
+    st = bico_merge_set_file(mg, BICO_MERGE_FILE_DELTA_OUTPUT, delta);
+  if (st == BICO_OK && report)
+    st = bico_merge_set_file(mg, BICO_MERGE_FILE_REPORT, report);
+  if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_METHOD, m);
+  if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_ALPHA, alpha);
+  if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_NORMALIZE, normalize);
+  for (size_t k = 0; k < nin && st == BICO_OK; k++)
+    st = bico_merge_add_input(mg, in[k].kind, in[k].path, in[k].weight,
+                              in[k].density);
+  if (st == BICO_OK && !quiet) st = bico_merge_set_log(mg, log_line, NULL);
+  if (st == BICO_OK) st = bico_merge_run(mg);
+  int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+  bico_merge_free(mg);
+  bico_ctx_free(ctx);
+  return code;
+}
