@@ -183,9 +183,40 @@ def calib_stats_seeds():
     write(t, "4_stats_from_calib", b"\x04" + cal)
 
 
+def lora_seeds():
+    t = "fuzz_lora"
+    sep = b"\n@@@\n"
+    pre = "base_model.model."
+    cfg = {"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+           "target_modules": ["fc", "embed"], "use_rslora": False,
+           "fan_in_fan_out": False, "bias": "none", "use_dora": False,
+           "task_type": "CAUSAL_LM", "rank_pattern": {"blocks.1.fc": 1},
+           "alpha_pattern": {"blocks.1.fc": 8}, "modules_to_save": ["classifier"],
+           "base_model_name_or_path": "tiny"}
+    ts = [(pre + "blocks.0.fc.lora_A.weight", "F32", (2, 4), f32(*[0.1 * i for i in range(8)])),
+          (pre + "blocks.0.fc.lora_B.weight", "F32", (3, 2), f32(*[0.2 * i - 0.5 for i in range(6)])),
+          (pre + "blocks.1.fc.lora_A.weight", "F32", (1, 3), f32(1, -1, 0.5)),
+          (pre + "blocks.1.fc.lora_B.weight", "F32", (3, 1), f32(2, 0, -2)),
+          (pre + "embed.lora_embedding_A", "F32", (2, 5), f32(*[0.05 * i for i in range(10)])),
+          (pre + "embed.lora_embedding_B", "F32", (4, 2), f32(*[0.1 * i for i in range(8)])),
+          (pre + "classifier.weight", "F32", (2, 3), f32(1, 2, 3, 4, 5, 6))]
+    write(t, "full", json.dumps(cfg).encode() + sep + st_bytes(ts))
+    rs = dict(cfg, use_rslora=True, fan_in_fan_out=True)
+    write(t, "rslora_fifo", json.dumps(rs).encode() + sep + st_bytes(ts[:2]))
+    small = {"peft_type": "LORA", "r": 2, "lora_alpha": 2}
+    write(t, "minimal", json.dumps(small).encode() + sep + st_bytes(ts[:2]))
+    bf = [(n, "BF16", s, b"\x80\x3f" * math.prod(s)) for n, _, s, _ in ts[:2]]
+    write(t, "bf16", json.dumps(small).encode() + sep + st_bytes(bf))
+    # Refused: DoRA, a rank that disagrees, a lora_A without lora_B.
+    write(t, "bad_dora", json.dumps(dict(small, use_dora=True)).encode() + sep + st_bytes(ts[:2]))
+    write(t, "bad_rank", json.dumps(dict(small, r=3)).encode() + sep + st_bytes(ts[:2]))
+    write(t, "bad_lonely_a", json.dumps(small).encode() + sep + st_bytes(ts[:1]))
+
+
 if __name__ == "__main__":
     safetensors_seeds()
     index_seeds()
     json_seeds()
     xcov_seeds()
     calib_stats_seeds()
+    lora_seeds()

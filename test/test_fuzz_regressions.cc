@@ -16,6 +16,7 @@
 
 #include "bico/bico.h"
 #include "bico/safetensors.h"
+#include "bico/lora.h"
 #include "bico/transfer.h"
 #include "st_testutil.h"
 #include "testutil.h"
@@ -194,6 +195,49 @@ TEST(FuzzRegressions, XcovDeserialize) {
     }
     bico_procrustes_free(p);
     bico_xcov_free(xc);
+  }
+}
+
+// As fuzz_lora.c: the config before the first "\n@@@\n", the safetensors
+// file after it; an accepted adapter saves and reopens with the same modules.
+TEST(FuzzRegressions, LoraAdapter) {
+  auto in = inputs("fuzz_lora");
+  ASSERT_FALSE(in.empty()) << "no inputs under " << fuzz_root();
+  const std::string sep = "\n@@@\n";
+  for (auto &i : in) {
+    SCOPED_TRACE(i.name);
+    TempDir dir;
+    size_t q = i.bytes.find(sep);
+    stt::write_bytes(dir / "adapter_config.json", i.bytes.substr(0, q));
+    stt::write_bytes(dir / "adapter_model.safetensors",
+                     q == std::string::npos ? "" : i.bytes.substr(q + sep.size()));
+    bt::Ctx ctx;
+    bico_lora *l = nullptr;
+    bico_status st = bico_lora_open(ctx, dir.path.c_str(), &l);
+    if (st != BICO_OK) {
+      expect_clean_failure(ctx, st);
+      EXPECT_EQ(l, nullptr);
+      continue;
+    }
+    ASSERT_EQ(bico_lora_save(l, (dir / "saved").c_str()), BICO_OK) << bico_ctx_errmsg(ctx);
+    bico_lora *again = nullptr;
+    ASSERT_EQ(bico_lora_open(ctx, (dir / "saved").c_str(), &again), BICO_OK)
+        << bico_ctx_errmsg(ctx);
+    EXPECT_EQ(bico_lora_module_count(again), bico_lora_module_count(l));
+    for (size_t k = 0; k < bico_lora_module_count(l); k++) {
+      const char *name = nullptr;
+      size_t r1 = 0, o1 = 0, i1 = 0, j = 0, r2 = 0, o2 = 0, i2 = 0;
+      ASSERT_EQ(bico_lora_module(l, k, &name, nullptr, &r1, &o1, &i1, nullptr, nullptr),
+                BICO_OK);
+      ASSERT_EQ(bico_lora_find_module(again, name, &j), BICO_OK) << name;
+      ASSERT_EQ(bico_lora_module(again, j, nullptr, nullptr, &r2, &o2, &i2, nullptr, nullptr),
+                BICO_OK);
+      EXPECT_EQ(r1, r2);
+      EXPECT_EQ(o1, o2);
+      EXPECT_EQ(i1, i2);
+    }
+    bico_lora_free(again);
+    bico_lora_free(l);
   }
 }
 
