@@ -130,7 +130,7 @@ check-pkgconfig: all
 # programs: the binding loads the library into an unsanitized interpreter
 # through ctypes.
 ifeq ($(SANITIZE),1)
-PYTEST_FILES = $(filter-out test/python/test_binding%,$(shell grep -L -E '^ *(import bico|from bico)' test/python/test_*.py))
+PYTEST_FILES = $(filter-out test/python/test_binding%,$(shell grep -L -E '^ *(import bico|from bico)|importorskip."bico' test/python/test_*.py))
 else
 PYTEST_FILES = test/python
 endif
