@@ -30,7 +30,8 @@ CXXFLAGS_ALL := -std=c++17 $(OPT) $(WARN) -Iinclude $(CXXFLAGS)
 # SANITIZE=1: the same build with AddressSanitizer and UBSan, in its own tree.
 ifeq ($(SANITIZE),1)
 BUILD ?= build/san
-SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+SAN := -fsanitize=address,undefined,float-cast-overflow -fno-omit-frame-pointer \
+       -fno-sanitize-recover=undefined,float-cast-overflow
 CFLAGS_ALL += $(SAN)
 CXXFLAGS_ALL += $(SAN)
 LDSAN := $(SAN)
@@ -129,7 +130,7 @@ check-pkgconfig: all
 # programs: the binding loads the library into an unsanitized interpreter
 # through ctypes.
 ifeq ($(SANITIZE),1)
-PYTEST_FILES = $(filter-out test/python/test_binding%,$(shell grep -L -E '^ *(import bico|from bico)' test/python/test_*.py))
+PYTEST_FILES = $(filter-out test/python/test_binding%,$(shell grep -L -E '^ *(import bico|from bico)|importorskip."bico' test/python/test_*.py))
 else
 PYTEST_FILES = test/python
 endif
@@ -313,3 +314,112 @@ $(BUILD)/bench/%: bench/%.c bench/common.h $(SHLIB)
 
 bench: $(BENCH_BINS) $(TOOL)
 	$(PYTHON) bench/run.py --bin $(BUILD)/bench --threads $(BENCH_THREADS) $(BENCH_FLAGS)
+
+# ---- robustness ----
+# Fuzzing, the ABI gate, header hygiene, leak and thread checking, and the
+# no-data-lost test of the command (docs/reliability.md).
+.PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump header-check leak-check check-robust tsan-check
+
+# make fuzz FUZZ_SECONDS=N: each libFuzzer target in test/fuzz/ runs N seconds
+# over a copy of its seed corpus (new inputs and crash files go to
+# build/fuzz/<target>/); any crash fails.  The library's sources are compiled
+# straight into each fuzzer, so targets may use internal headers.
+FUZZ_SECONDS ?= 60
+FUZZ_CC ?= clang
+FUZZ_SAN := -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+            -fno-omit-frame-pointer
+FUZZ_TARGETS := $(patsubst test/fuzz/%.c,%,$(wildcard test/fuzz/fuzz_*.c))
+FUZZ_BINS := $(patsubst %,build/fuzz/bin/%,$(FUZZ_TARGETS))
+
+FUZZ_CFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -g -O1 -Iinclude -Ilib $(BLIS_CFLAGS)
+FUZZ_OBJS := $(patsubst lib/%.c,build/fuzz/obj/%.o,$(LIB_SRCS))
+
+# The library's objects once, instrumented for every target.
+$(FUZZ_OBJS): build/fuzz/obj/%.o: lib/%.c $(LIB_DEPS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(subst fuzzer,fuzzer-no-link,$(FUZZ_SAN)) -c $< -o $@
+
+$(FUZZ_BINS): build/fuzz/bin/%: test/fuzz/%.c $(wildcard test/fuzz/*.h) $(FUZZ_OBJS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_SAN) -o $@ $< $(FUZZ_OBJS) \
+	  $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread
+
+fuzz-build: $(FUZZ_BINS)
+
+fuzz: $(FUZZ_BINS)
+	sh scripts/fuzz.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+
+# make abi-check: the library's ABI (abidw, public types only) against the
+# committed baseline.  Fails on anything abidiff reports besides added
+# symbols and harmless enumerator additions: removals (status bit 8) and
+# changed signatures, types or enumerator values (bit 4; abidiff does not
+# count a changed pointee type as "incompatible", but callers break).  The
+# library is built with -g in its own tree so that the result does not
+# depend on the caller's flags.
+ABI_BUILD := build/abi
+ABI_LIB := $(ABI_BUILD)/lib/libbico.so.$(VERSION)
+ABI_BASELINE := abi/libbico.so.$(VERSION_MAJOR).abi
+ABIDW_FLAGS := --no-corpus-path --no-comp-dir-path --no-show-locs \
+               --no-elf-needed --type-id-style hash --exported-interfaces-only \
+               --headers-dir include/bico --drop-private-types
+
+# Recipes, not rules, build the library there: a rule for $(ABI_LIB) would
+# also match the sub-make's own $(SHLIB) and recurse.
+abi-dump:
+	$(MAKE) --no-print-directory BUILD=$(ABI_BUILD) SANITIZE= OPT='-O2 -g' lib
+	abidw $(ABIDW_FLAGS) --out-file $(ABI_BUILD)/libbico.abi $(ABI_LIB)
+
+abi-baseline: abi-dump
+	@mkdir -p abi
+	cp $(ABI_BUILD)/libbico.abi $(ABI_BASELINE)
+	@echo "abi-baseline: wrote $(ABI_BASELINE); commit it"
+
+abi-check: abi-dump
+	@test -f $(ABI_BASELINE) || { echo "abi-check: no baseline $(ABI_BASELINE) (make abi-baseline)"; exit 1; }
+	@rc=0; abidiff --no-show-locs --no-added-syms $(ABI_BASELINE) $(ABI_BUILD)/libbico.abi || rc=$$?; \
+	if [ $$rc -ne 0 ]; then \
+	  echo "abi-check: FAILED (abidiff status $$rc; 8 = incompatible, 4 = changed function or type): see above"; exit 1; fi; \
+	rc=0; abidiff --no-show-locs $(ABI_BASELINE) $(ABI_BUILD)/libbico.abi >$(ABI_BUILD)/additions.txt || rc=$$?; \
+	if [ $$rc -ne 0 ]; then cat $(ABI_BUILD)/additions.txt; \
+	  echo "abi-check: additions only (each needs a version-script node and a CHANGELOG line)"; \
+	else echo "abi-check: ABI identical to $(ABI_BASELINE)"; fi
+
+# make header-check: every public header alone as C99 and C++11 (pedantic,
+# -Werror), with $(CC)/$(CXX) and with clang when present; exports bico_* only.
+header-check: $(SHLIB)
+	sh scripts/header-check.sh $(SHLIB) '$(CC)' '$(CXX)'
+	@if command -v clang >/dev/null 2>&1 && [ "$(CC)" != clang ]; then \
+	  sh scripts/header-check.sh $(SHLIB) clang clang++; fi
+
+# make leak-check: the GoogleTest suite under valgrind memcheck; a definite
+# leak or any memory error fails.  Suppressions (third-party frames only)
+# are in test/valgrind.supp.  LEAK_FILTER narrows the suite.
+LEAK_FILTER ?= *
+VALGRIND ?= valgrind
+leak-check:
+	@if [ "$(SANITIZE)" = 1 ]; then echo "leak-check: run without SANITIZE=1"; exit 1; fi
+	$(MAKE) --no-print-directory $(TEST_BIN)
+	$(VALGRIND) --tool=memcheck --leak-check=full --errors-for-leak-kinds=definite \
+	  --error-exitcode=1 --suppressions=test/valgrind.supp --num-callers=30 \
+	  $(TEST_BIN) --gtest_filter='$(LEAK_FILTER)'
+
+# make tsan-check: the thread tests under ThreadSanitizer (library and tests
+# built with -fsanitize=thread in build/tsan).  BLIS and libgomp are not
+# instrumented; test/tsan.supp names what of theirs is suppressed and why.
+TSAN_FILTER ?= RobustThreads.*:Planted.TwoContexts*
+tsan-check:
+	$(MAKE) --no-print-directory BUILD=build/tsan SANITIZE= OPT='-O1 -g' \
+	  CFLAGS=-fsanitize=thread CXXFLAGS=-fsanitize=thread LDFLAGS=-fsanitize=thread \
+	  build/tsan/test/bico_tests
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66 suppressions=$(abspath test/tsan.supp)" \
+	  build/tsan/test/bico_tests --gtest_filter='$(TSAN_FILTER)'
+
+# make check-robust: nothing on disk is lost when `bico transfer` is killed
+# (SIGKILL at random moments), hits a file-size limit or meets a read-only
+# folder; inputs are opened read-only (test/robust/no_data_lost.py).
+ROBUST_KILLS ?= 12
+check-robust: $(TOOL)
+	@if [ -n "$(TOOL)" ]; then $(PYTHON) test/robust/no_data_lost.py $(TOOL) $(ROBUST_KILLS); \
+	else echo "check-robust: no bico command in this tree; skipped"; fi
+
+check: header-check check-robust

@@ -109,10 +109,15 @@ void bico__free(bico_ctx *ctx, void *p) {
 bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt,
                        ...) {
   if (ctx == NULL) return status;
+  /* Format into a copy first: callers prefix the previous message by
+   * passing bico_ctx_errmsg(ctx) as an argument, and vsnprintf into the
+   * buffer it reads from is undefined (found by make leak-check). */
+  char buf[BICO_ERRMSG_CAP];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(ctx->errmsg, sizeof ctx->errmsg, fmt, ap);
+  vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
+  memcpy(ctx->errmsg, buf, sizeof buf);
   return status;
 }
 

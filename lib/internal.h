@@ -23,7 +23,8 @@ void *bico__calloc(bico_ctx *ctx, size_t count, size_t size);
 void bico__free(bico_ctx *ctx, void *p);
 
 /* Records "detail" as ctx's last error and returns status (ctx may be NULL:
- * then only the status is returned). printf-style. */
+ * then only the status is returned). printf-style; an argument may be
+ * bico_ctx_errmsg(ctx) itself (to prefix the previous message). */
 bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 3, 4)))

@@ -1257,6 +1257,11 @@ bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
   w->tmp = bico__alloc(ctx, dirlen + blen + 32);
   w->buf = bico__alloc(ctx, WBUF);
   if (!w->path || !w->dir || !w->tmp || !w->buf) {
+    /* w->tmp holds no name yet (uninitialised, possibly a stale path from
+     * reused memory): free must not unlink it.  Found by valgrind
+     * (make leak-check). */
+    bico__free(ctx, w->tmp);
+    w->tmp = NULL;
     bico_stwriter_free(w);
     return BICO_E_NOMEM;
   }

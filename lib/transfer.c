@@ -883,7 +883,9 @@ static bico_status elementwise_update(run *r, size_t ti, float *upd,
     uint32_t samples = 1;
     for (size_t e = 0; e < nb && st == BICO_OK; e++) {
       float x = v[e];
-      if (!isfinite(x) || x != floorf(x) || fabsf(x) > 2147483647.0f)
+      /* 2147483647.0f rounds up to 2^31, which int32 cannot hold (found by
+       * fuzzing: test/fuzz/regressions/fuzz_calib_stats). */
+      if (!isfinite(x) || x != floorf(x) || fabsf(x) >= 2147483648.0f)
         st = bico__fail(ctx, BICO_E_FORMAT,
                         "votes file %s: tensor %s element %zu is %g, not an "
                         "integer vote count",

@@ -450,6 +450,12 @@ bico_status bico_xcov_matrix(const bico_xcov *xc, int which, int centered,
       for (size_t j = 0; j < cols; j++)
         out[i * ld_out + j] = m[i * cols + j] - ui * v[j];
     }
+    /* Finite inputs near DBL_MAX (deserialised data) can overflow here;
+     * found by fuzzing (test/fuzz/regressions/fuzz_xcov). */
+    bico_status st = bico__check_finite_f64(ctx, "xcov_matrix",
+                                            "the centered matrix", out, rows,
+                                            cols, ld_out);
+    if (st != BICO_OK) return st;
   } else {
     for (size_t i = 0; i < rows; i++)
       memcpy(out + i * ld_out, m + i * cols, cols * sizeof(double));

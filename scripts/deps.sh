@@ -4,7 +4,7 @@
 set -e
 PKGS="build-essential pkg-config libblis-dev liblapack-dev gfortran libgtest-dev \
 python3 python3-numpy python3-pytest python3-torch dataset-fashion-mnist zlib1g-dev \
-libopenmpi-dev openmpi-bin time"
+libopenmpi-dev openmpi-bin time valgrind clang libclang-rt-14-dev abigail-tools"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" \

@@ -1,0 +1,55 @@
+#!/bin/sh
+# Runs each libFuzzer target for SECONDS over a copy of its seed corpus.
+# Usage: scripts/fuzz.sh SECONDS TARGET...   (binaries in build/fuzz/bin/)
+# Committed corpora (test/fuzz/corpus/<t>/) and regressions
+# (test/fuzz/regressions/<t>/) are only read; new inputs go to
+# build/fuzz/<t>/corpus, crash files to build/fuzz/<t>/.  A summary line per
+# target goes to build/fuzz/summary.txt.  Exits 1 if any target crashed.
+set -u
+secs=$1; shift
+summary=build/fuzz/summary.txt
+mkdir -p build/fuzz
+: > "$summary"
+failed=""
+for t in "$@"; do
+  bin=build/fuzz/bin/$t
+  work=build/fuzz/$t
+  rm -rf "$work"; mkdir -p "$work/corpus"
+  # Scratch files (targets that read files write each input to one) go to
+  # memory when /dev/shm exists: the speed is then the parser's, not the
+  # disk's.
+  scratch=$(mktemp -d /dev/shm/bico-fuzz-XXXXXX 2>/dev/null) || {
+    scratch=$(pwd)/$work/tmp; mkdir -p "$scratch"; }
+  seeds=0
+  if [ -d "test/fuzz/corpus/$t" ]; then
+    cp test/fuzz/corpus/"$t"/* "$work/corpus/" 2>/dev/null || true
+    seeds=$(ls "test/fuzz/corpus/$t" | wc -l)
+  fi
+  extra=""
+  [ -d "test/fuzz/regressions/$t" ] && extra="test/fuzz/regressions/$t"
+  dict=""
+  [ -f "test/fuzz/$t.dict" ] && dict="-dict=test/fuzz/$t.dict"
+  echo "fuzz: $t for ${secs}s ($seeds seeds)"
+  # rss/malloc limits turn an attacker-sized allocation into a failure.
+  TMPDIR=$scratch "$bin" -max_total_time="$secs" -timeout=10 \
+    -rss_limit_mb=2048 -malloc_limit_mb=1024 -print_final_stats=1 \
+    -artifact_prefix="$work/" $dict "$work/corpus" $extra \
+    > "$work/log.txt" 2>&1
+  rc=$?
+  rm -rf "$scratch"
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log.txt" | tail -1)
+  corpus=$(ls "$work/corpus" | wc -l)
+  cov=$(grep -o 'cov: [0-9]*' "$work/log.txt" | tail -1 | sed 's/cov: //')
+  line="$t: rc=$rc seconds=$secs executions=${execs:-?} seeds=$seeds corpus_after=$corpus coverage_edges=${cov:-?}"
+  echo "$line" | tee -a "$summary"
+  if [ $rc -ne 0 ]; then
+    failed="$failed $t"
+    tail -n 60 "$work/log.txt"
+    ls "$work"/crash-* "$work"/leak-* "$work"/oom-* "$work"/timeout-* 2>/dev/null
+  fi
+done
+if [ -n "$failed" ]; then
+  echo "fuzz: FAILED:$failed (crash inputs under build/fuzz/<target>/; add each to test/fuzz/regressions/<target>/ once fixed)"
+  exit 1
+fi
+echo "fuzz: no crash in $# targets (summary in $summary)"

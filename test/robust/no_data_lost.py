@@ -1,0 +1,221 @@
+#!/usr/bin/python3
+"""Nothing on disk is lost: `bico transfer` interrupted or refused leaves the
+previous output byte-identical and no half-written file under its name.
+
+  1. SIGKILL at random moments of a run (reading, computing, writing,
+     fsync, rename): afterwards the output is byte-identical either to the
+     previous file or to the complete new result, never anything else; a
+     leftover temporary file is named ".<output>.bico-tmp.XXXXXX".
+  2. A file-size limit (RLIMIT_FSIZE, `ulimit -f`) below the output's size:
+     the run fails with a message, the previous output is intact and no
+     temporary file remains.
+  3. A read-only output folder: the run fails with a message naming the
+     output, nothing in the folder changes.
+  4. Inputs are opened read-only: a run by an unprivileged user whose
+     inputs are mode 0444 (someone else's) succeeds.
+When run as root (permissions do not bind root), 3 and 4 run the command
+as the user nobody.  Usage: no_data_lost.py BICO_BINARY [KILLS]
+The models are written here with numpy, not with libbico.
+"""
+import hashlib
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+BICO = os.path.abspath(sys.argv[1])
+KILLS = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+NOBODY = 65534
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def write_st(path, tensors):
+    """A safetensors file from {name: float32 array} (the format's spec)."""
+    header, off, blobs = {}, 0, []
+    for name, a in tensors.items():
+        b = np.ascontiguousarray(a, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [off, off + len(b)]}
+        off += len(b)
+        blobs.append(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def listing(d):
+    return sorted(os.listdir(d))
+
+
+def as_nobody():
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def run(args, alpha, out, preexec=None, **kw):
+    cmd = [BICO, "transfer", "--method", "naive", "--quiet",
+           "--source-base", args["A"], "--task-vector", args["tau"],
+           "--target-base", args["B"], "--alpha", str(alpha), "--output", out]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=preexec, **kw)
+
+
+def main():
+    root = tempfile.mkdtemp(prefix="bico-robust-")
+    try:
+        os.chmod(root, 0o755)
+        inputs = os.path.join(root, "in")
+        os.mkdir(inputs)
+        rng = np.random.default_rng(7)
+        # 8 tensors of 512 x 1024 floats: a 16 MiB output, so that a run
+        # spends measurable time in each phase.
+        names = ["blocks.%d.fc.weight" % i for i in range(8)]
+        shapes = {n: (512, 1024) for n in names}
+        files = {}
+        for key in ("A", "tau", "B"):
+            files[key] = os.path.join(inputs, key + ".safetensors")
+            write_st(files[key], {n: rng.standard_normal(shapes[n], dtype=np.float32)
+                                  for n in names})
+            os.chmod(files[key], 0o444)
+        os.chmod(inputs, 0o555)
+        input_sha = {key: sha(path) for key, path in files.items()}
+
+        outdir = os.path.join(root, "out")
+        os.mkdir(outdir)
+        out = os.path.join(outdir, "B_ft.safetensors")
+        # The previous output (alpha 1) and the new one (alpha 0.5), from
+        # complete runs.
+        newfile = os.path.join(root, "new.safetensors")
+        t0 = time.monotonic()
+        p = run(files, 0.5, newfile)
+        _, err = p.communicate()
+        full = time.monotonic() - t0
+        check(p.returncode == 0, "complete run succeeds (%.2fs)" % full)
+        if p.returncode != 0:
+            print(err.decode())
+            return
+        p = run(files, 1.0, out)
+        p.communicate()
+        check(p.returncode == 0, "previous output written")
+        old_sha, new_sha = sha(out), sha(newfile)
+        saved = os.path.join(root, "old.safetensors")
+        shutil.copyfile(out, saved)
+
+        # 1. SIGKILL at random moments.
+        rnd = random.Random(int(os.environ.get("BICO_ROBUST_SEED", "1")))
+        outcomes = {"old": 0, "new": 0}
+        leftovers = 0
+        for k in range(KILLS):
+            shutil.copyfile(saved, out)
+            for name in listing(outdir):
+                if name != os.path.basename(out):
+                    os.unlink(os.path.join(outdir, name))
+            delay = rnd.uniform(0.0, full * 1.1)
+            p = run(files, 0.5, out)
+            time.sleep(delay)
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+            h = sha(out)
+            state = "old" if h == old_sha else "new" if h == new_sha else None
+            check(state is not None,
+                  "kill %d at %.3fs: output is the previous or the complete new file" % (k, delay))
+            if state:
+                outcomes[state] += 1
+            others = [n for n in listing(outdir) if n != os.path.basename(out)]
+            check(all(n.startswith(".B_ft.safetensors.bico-tmp.") for n in others),
+                  "kill %d: leftovers are recognisable temporaries %s" % (k, others))
+            leftovers += len(others)
+        print("kills: %d, previous output kept %d times, new output complete %d "
+              "times, %d recognisable temporaries left" %
+              (KILLS, outcomes["old"], outcomes["new"], leftovers))
+        check(outcomes["old"] > 0, "some kills landed before the rename")
+        # The next run works and gives the right answer despite leftovers.
+        p = run(files, 0.5, out)
+        p.communicate()
+        check(p.returncode == 0 and sha(out) == new_sha,
+              "a run after the kills writes the complete new output")
+        for name in listing(outdir):
+            if name != os.path.basename(out):
+                os.unlink(os.path.join(outdir, name))
+
+        # 2. A file-size limit below the output's size.
+        shutil.copyfile(saved, out)
+        limit = os.path.getsize(saved) // 2
+
+        def fsize_limit():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+        p = run(files, 0.5, out, preexec=fsize_limit)
+        _, err = p.communicate()
+        err = err.decode()
+        check(p.returncode not in (0, -signal.SIGXFSZ),
+              "file-size limit: the run fails with an error, not a signal "
+              "(exit %d)" % p.returncode)
+        check(err.strip() != "", "file-size limit: message %r" % err.strip()[:200])
+        check(sha(out) == old_sha, "file-size limit: previous output byte-identical")
+        check(listing(outdir) == [os.path.basename(out)],
+              "file-size limit: no temporary left %s" % listing(outdir))
+
+        # 3. A read-only output folder (as nobody when root).
+        root_user = os.getuid() == 0
+        pre = as_nobody if root_user else None
+        os.chmod(outdir, 0o555)
+        before = listing(outdir)
+        p = run(files, 0.5, out, preexec=pre)
+        _, err = p.communicate()
+        err = err.decode()
+        check(p.returncode != 0, "read-only folder: the run fails (exit %d)" % p.returncode)
+        check(os.path.basename(out) in err or outdir in err,
+              "read-only folder: message names the output: %r" % err.strip()[:200])
+        check(sha(out) == old_sha and listing(outdir) == before,
+              "read-only folder: nothing changed")
+
+        # 4. Inputs opened read-only: someone else's 0444 files suffice.
+        writable = os.path.join(root, "w")
+        os.mkdir(writable)
+        os.chmod(writable, 0o777)
+        p = run(files, 0.5, os.path.join(writable, "o.safetensors"), preexec=pre)
+        _, err = p.communicate()
+        check(p.returncode == 0 and sha(os.path.join(writable, "o.safetensors")) == new_sha,
+              "read-only inputs (mode 0444%s): the run succeeds %s" %
+              (", user nobody" if root_user else "", err.decode().strip()[:200]))
+        for key in files:
+            check(stat.S_IMODE(os.stat(files[key]).st_mode) == 0o444 and
+                  sha(files[key]) == input_sha[key],
+                  "input %s untouched after every run" % key)
+    finally:
+        for dirpath, dirnames, _ in os.walk(root):
+            for d in dirnames:
+                os.chmod(os.path.join(dirpath, d), 0o755)
+        shutil.rmtree(root, ignore_errors=True)
+    if failures:
+        print("no_data_lost: %d FAILED" % len(failures))
+        sys.exit(1)
+    print("no_data_lost: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
