@@ -55,5 +55,11 @@ for s in $(nm -D --defined-only "$shlib" | awk '{print $3}' | grep '^bico_'); do
   s=${s%%@*}
   grep -qw "$s" include/bico/*.h || { echo "header-check: $s is exported but declared in no public header"; fail=1; }
 done
+# Every function a public header declares is exported: a declaration
+# missing from lib/libbico.vers would link in no program.
+for s in $(sed -n 's/.*BICO_API[^;(]*[^a-z_]\(bico_[a-z0-9_]*\) *(.*/\1/p' include/bico/*.h); do
+  nm -D --defined-only "$shlib" | awk '{print $3}' | grep -q "^$s@" ||
+    { echo "header-check: $s is declared but not exported (add it to lib/libbico.vers)"; fail=1; }
+done
 [ $fail = 0 ] || exit 1
 echo "header-check: $n public headers compile alone as C99 and C++11 (-pedantic -Werror); exports are bico_* only"
