@@ -795,6 +795,24 @@ static bico_status bico_update(run *r, size_t ti, float *upd, tinfo *info) {
                              0.0f, upd, db_last);
     info->handling = role == BICO_ROLE_VECTOR ? H_VECTOR : H_TIED;
   }
+  /* A map fitted on an all-zero statistic (a dead layer: no activation or
+   * no gradient reached it) identifies nothing; its completion would move
+   * the update arbitrarily, so the tensor is left unchanged and the report
+   * says why. */
+  if (st == BICO_OK && info->handling != H_UNCHANGED) {
+    const char *dead = NULL;
+    for (int m = 0; m < 2 && dead == NULL; m++)
+      if (info->maps[m] != NULL && info->maps[m]->rank == 0)
+        dead = info->map_names[m];
+    for (size_t b = 0; b < info->nsplit && dead == NULL; b++)
+      if (info->split_maps[b].rank == 0) dead = "out";
+    if (dead != NULL) {
+      snprintf(info->reason, sizeof info->reason,
+               "the statistic of its %s map is all zero (a dead layer)",
+               dead);
+      info->handling = H_UNCHANGED;
+    }
+  }
 done:
   bico__free(ctx, tau);
   return st;

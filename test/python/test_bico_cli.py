@@ -287,6 +287,41 @@ def test_mlp_widened_exact_on_source_subspace(mlp):
     assert rel(yb, ya @ F.T) < 1e-4
 
 
+def test_dead_layer_is_left_unchanged_and_reported(mlp, tmp_path):
+    """A module whose calibration gradients are all zero (no loss reached
+    it) has an all-zero output statistic: its tensors are left unchanged,
+    the report says why, and nothing in the output is NaN; the other module
+    is still transferred."""
+    f = mlp["files"]
+    calA, _, _ = pl.load(f["calA"])
+    calB, _, _ = pl.load(f["calB"])
+    for cal in (calA, calB):
+        cal["mlp.fc2.output_grad"] = np.zeros_like(cal["mlp.fc2.output_grad"])
+    pa, pb = str(tmp_path / "deadA.safetensors"), str(tmp_path / "deadB.safetensors")
+    pl.save(pa, calA)
+    pl.save(pb, calB)
+    out, rep = tmp_path / "out.safetensors", tmp_path / "r.json"
+    bico("transfer", "--method", "bico", "--source-base", f["A"],
+         "--source-tuned", f["Aft"], "--target-base", f["B"],
+         "--source-calib", pa, "--target-calib", pb,
+         "--report", rep, "--output", out, "-q")
+    o, _, _ = pl.load(out)
+    B = mlp["B"]
+    for k in o:
+        assert np.all(np.isfinite(o[k])), k
+    for k in ("mlp.fc2.weight", "mlp.fc2.bias"):
+        assert np.array_equal(o[k], B[k].numpy().astype(np.float32)), k
+    assert not np.array_equal(o["mlp.fc1.weight"],
+                              B["mlp.fc1.weight"].numpy().astype(np.float32))
+    r = json.load(open(rep))
+    ents = r["tensors"] if isinstance(r, dict) else r
+    byname = {e["name"]: e for e in ents}
+    for k in ("mlp.fc2.weight", "mlp.fc2.bias"):
+        assert byname[k]["handling"] == "unchanged", byname[k]
+        assert "dead layer" in json.dumps(byname[k]), byname[k]
+    assert byname["mlp.fc1.weight"]["handling"] == "linear"
+
+
 def test_naive_refuses_different_shapes_and_keeps_output(mlp):
     f, d = mlp["files"], mlp["dir"]
     out = d / "existing.safetensors"
