@@ -12,7 +12,7 @@ forced through BLIS_ARCH_TYPE, for both sides alike (PyTorch and NumPy use
 the same BLIS through libblas.so.3).
 
 Usage: run.py --bin DIR [--threads T] [--quick] [--full] [--no-arch-fix]
-              [--skip-model]"""
+              [--skip-model] [--sections xcov,procrustes,model,lora]"""
 import argparse
 import os
 import re
@@ -86,8 +86,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     ap.add_argument("--no-arch-fix", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
-    ap.add_argument("--sections", default="xcov,procrustes,model",
-                    help="comma-separated subset of xcov, procrustes, model")
+    ap.add_argument("--sections", default="xcov,procrustes,model,lora",
+                    help="comma-separated subset of xcov, procrustes, model, lora")
     ap.add_argument("--full", action="store_true", help="also the 4096 x 4096 Procrustes and the ViT-L/14-wide model (beyond 15 minutes)")
     a = ap.parse_args()
     env = dict(os.environ)
@@ -218,6 +218,14 @@ def main():
         p = subprocess.run(cmd, env=env)
         if p.returncode != 0:
             raise SystemExit(f"run.py: bench_model.py failed with status {p.returncode}")
+    # ---- 5. LoRA: factored transport against dense + truncate (C only) ----
+    lb = os.path.join(a.bin, "bench_lora")
+    if "lora" in sections and os.path.exists(lb):
+        print("## 5. LoRA module transport: peak memory, factored vs dense + truncate")
+        out, _ = run([lb, "--threads", str(a.threads), "--reps", "1" if a.quick else "5"], env)
+        print("\n".join(l for l in out.splitlines()
+                        if not l.startswith(("# LoRA transport", "# cores", "# BLAS"))))
+        print(flush=True)
     print(f"# total wall time of make bench's runs: {time.time() - t_start:.0f} s")
 
 
