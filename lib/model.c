@@ -614,18 +614,10 @@ bico_status bico_model_find_module(const bico_model *m, const char *name,
                       name == NULL ? "name" : "i");
   bico_status st = analyze(m);
   if (st != BICO_OK) return st;
-  size_t lo = 0, hi = m->nm;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    int c = strcmp(m->mods[m->mod_sorted[mid]].name, name);
-    if (c == 0) {
-      *i = m->mod_sorted[mid];
-      return BICO_OK;
-    }
-    if (c < 0)
-      lo = mid + 1;
-    else
-      hi = mid;
+  size_t k = bico__sorted_find(m->mod_sorted, m->nm, name, module_key, m);
+  if (k != NONE) {
+    *i = k;
+    return BICO_OK;
   }
   return bico__fail(m->ctx, BICO_E_NOTFOUND,
                     "model_find_module: no module named %s", name);

@@ -936,6 +936,10 @@ bico_status bico_stfile_tensor_path(const bico_stfile *f, size_t index,
   return BICO_OK;
 }
 
+static const char *f_key(const void *f, size_t i) {
+  return ((const bico_stfile *)f)->tensors[i].name;
+}
+
 bico_status bico_stfile_find(const bico_stfile *f, const char *name,
                              size_t *index) {
   if (f == NULL) return BICO_E_NULL;
@@ -943,18 +947,10 @@ bico_status bico_stfile_find(const bico_stfile *f, const char *name,
   if (name == NULL || index == NULL)
     return bico__fail(f->ctx, BICO_E_NULL, "stfile_find: %s is NULL",
                       name == NULL ? "name" : "index");
-  size_t lo = 0, hi = f->count;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    int c = strcmp(f->tensors[f->by_name[mid]].name, name);
-    if (c == 0) {
-      *index = f->by_name[mid];
-      return BICO_OK;
-    }
-    if (c < 0)
-      lo = mid + 1;
-    else
-      hi = mid;
+  size_t k = bico__sorted_find(f->by_name, f->count, name, f_key, f);
+  if (k != SIZE_MAX) {
+    *index = k;
+    return BICO_OK;
   }
   char nb[160];
   return bico__fail(f->ctx, BICO_E_NOTFOUND, "stfile_find: %s: no tensor '%s'",

@@ -58,3 +58,18 @@ void bico__strindex_insert(bico__strindex *ix, size_t i,
                            bico__strindex_key_fn key, const void *owner) {
   place(ix->slot, ix->cap, key(owner, i), i + 1);
 }
+
+size_t bico__sorted_find(const size_t *order, size_t n, const char *name,
+                         bico__strindex_key_fn key, const void *owner) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    int c = strcmp(key(owner, order[mid]), name);
+    if (c == 0) return order[mid];
+    if (c < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return SIZE_MAX;
+}

@@ -38,4 +38,10 @@ bico_status bico__strindex_reserve(bico_ctx *ctx, bico__strindex *ix,
 void bico__strindex_insert(bico__strindex *ix, size_t i,
                            bico__strindex_key_fn key, const void *owner);
 
+/* Binary search for name among the owner's entries order[0..n-1], sorted
+ * by key (strcmp); the entry (a value of order), or SIZE_MAX.  For the
+ * read-only indices that keep a sorted permutation instead of a table. */
+size_t bico__sorted_find(const size_t *order, size_t n, const char *name,
+                         bico__strindex_key_fn key, const void *owner);
+
 #endif
