@@ -106,6 +106,23 @@ void bico__free(bico_ctx *ctx, void *p) {
   if (p != NULL) ctx->release(ctx->opaque, p);
 }
 
+void *bico__grow(bico_ctx *ctx, void *p, size_t count, size_t *cap,
+                 size_t first, size_t elem) {
+  if (count < *cap) return p;
+  size_t ncap = *cap ? *cap * 2 : first, bytes;
+  if (ncap < *cap || bico__mul(ncap, elem, &bytes)) {
+    bico__fail(ctx, BICO_E_NOMEM, "allocation of %zu x %zu bytes overflows",
+               ncap, elem);
+    return NULL;
+  }
+  void *q = bico__alloc(ctx, bytes);
+  if (q == NULL) return NULL;
+  if (count) memcpy(q, p, count * elem);
+  bico__free(ctx, p);
+  *cap = ncap;
+  return q;
+}
+
 bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt,
                        ...) {
   if (ctx == NULL) return status;

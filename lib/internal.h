@@ -22,6 +22,15 @@ void *bico__alloc(bico_ctx *ctx, size_t size);
 void *bico__calloc(bico_ctx *ctx, size_t count, size_t size);
 void bico__free(bico_ctx *ctx, void *p);
 
+/* Dynamic arrays: when count == *cap, moves the first count elements of p
+ * (elem bytes each) into a new block of 2 * *cap elements (first when *cap
+ * is 0), frees p and returns the new block; otherwise returns p.  On
+ * failure returns NULL (BICO_E_NOMEM, message set) and leaves p and *cap
+ * as they were.  A new block rather than realloc: the context's allocator
+ * has no realloc. */
+void *bico__grow(bico_ctx *ctx, void *p, size_t count, size_t *cap,
+                 size_t first, size_t elem);
+
 /* Records "detail" as ctx's last error and returns status (ctx may be NULL:
  * then only the status is returned). printf-style; an argument may be
  * bico_ctx_errmsg(ctx) itself (to prefix the previous message). */

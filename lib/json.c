@@ -176,18 +176,13 @@ static const char *show_byte(parser *p, char *buf, size_t cap) {
 }
 
 static int push(parser *p, const bico__json_member *m) {
-  if (p->top == p->cap) {
-    size_t ncap = p->cap ? p->cap * 2 : 64;
-    bico__json_member *ns = bico__alloc(p->ctx, ncap * sizeof *ns);
-    if (ns == NULL) {
-      p->err = BICO_E_NOMEM;
-      return 0;
-    }
-    if (p->top) memcpy(ns, p->stack, p->top * sizeof *ns);
-    bico__free(p->ctx, p->stack);
-    p->stack = ns;
-    p->cap = ncap;
+  bico__json_member *ns =
+      bico__grow(p->ctx, p->stack, p->top, &p->cap, 64, sizeof *ns);
+  if (ns == NULL) {
+    p->err = BICO_E_NOMEM;
+    return 0;
   }
+  p->stack = ns;
   p->stack[p->top++] = *m;
   return 1;
 }

@@ -204,20 +204,14 @@ static bico_status push_module(bico_lora *l, char *name, int kind, size_t rank,
                                double alpha, size_t dout, size_t din, float *b,
                                float *a) {
   bico_ctx *ctx = l->ctx;
-  if (l->nmods == l->capm) {
-    size_t cap = l->capm ? 2 * l->capm : 8;
-    lmod *p = bico__alloc(ctx, cap * sizeof *p);
-    if (p == NULL) {
-      bico__free(ctx, name);
-      bico__free(ctx, b);
-      bico__free(ctx, a);
-      return BICO_E_NOMEM;
-    }
-    if (l->nmods) memcpy(p, l->mods, l->nmods * sizeof *p);
-    bico__free(ctx, l->mods);
-    l->mods = p;
-    l->capm = cap;
+  lmod *p = bico__grow(ctx, l->mods, l->nmods, &l->capm, 8, sizeof *p);
+  if (p == NULL) {
+    bico__free(ctx, name);
+    bico__free(ctx, b);
+    bico__free(ctx, a);
+    return BICO_E_NOMEM;
   }
+  l->mods = p;
   lmod *m = &l->mods[l->nmods++];
   m->name = name;
   m->kind = kind;
@@ -305,18 +299,12 @@ static bico_status push_saved(bico_lora *l, const char *name,
                               const char *module, size_t ndim,
                               const size_t *shape, size_t numel, float *data) {
   bico_ctx *ctx = l->ctx;
-  if (l->nsaved == l->caps) {
-    size_t cap = l->caps ? 2 * l->caps : 4;
-    lsaved *p = bico__alloc(ctx, cap * sizeof *p);
-    if (p == NULL) {
-      bico__free(ctx, data);
-      return BICO_E_NOMEM;
-    }
-    if (l->nsaved) memcpy(p, l->saved, l->nsaved * sizeof *p);
-    bico__free(ctx, l->saved);
-    l->saved = p;
-    l->caps = cap;
+  lsaved *p = bico__grow(ctx, l->saved, l->nsaved, &l->caps, 4, sizeof *p);
+  if (p == NULL) {
+    bico__free(ctx, data);
+    return BICO_E_NOMEM;
   }
+  l->saved = p;
   lsaved s;
   s.name = dupstr(ctx, name);
   s.module = dupstr(ctx, module);

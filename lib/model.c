@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "strindex.h"
 
 #define MAX_NDIM 64
 #define NONE SIZE_MAX
@@ -32,8 +33,7 @@ struct bico_model {
   bico_ctx *ctx;
   tensor_rec *t;
   size_t nt, capt;
-  size_t *hash; /* open addressing over tensor indices, NONE = empty */
-  size_t hcap;
+  bico__strindex by_name; /* tensor name -> index */
   char *override; /* block prefix set by the caller */
   int has_override;
   /* analysis cache */
@@ -45,15 +45,6 @@ struct bico_model {
   char *prefix;       /* NULL: no blocks */
   size_t nblocks;
 };
-
-static uint64_t fnv(const char *s, size_t n) {
-  uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < n; i++) {
-    h ^= (unsigned char)s[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 static char *dupn(bico_ctx *ctx, const char *s, size_t n) {
   char *p = bico__alloc(ctx, n + 1);
@@ -67,6 +58,14 @@ static char *dupn(bico_ctx *ctx, const char *s, size_t n) {
 static int is_float_dtype(int dtype) {
   return dtype == 0 || dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
          dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
+}
+
+static const char *tensor_key(const void *m, size_t i) {
+  return ((const bico_model *)m)->t[i].name;
+}
+
+static const char *module_key(const void *m, size_t i) {
+  return ((const bico_model *)m)->mods[i].name;
 }
 
 bico_status bico_model_create(bico_ctx *ctx, bico_model **out) {
@@ -105,37 +104,14 @@ void bico_model_free(bico_model *m) {
     bico__free(ctx, m->t[i].shape);
   }
   bico__free(ctx, m->t);
-  bico__free(ctx, m->hash);
+  bico__strindex_free(ctx, &m->by_name);
   bico__free(ctx, m->override);
   bico__free(ctx, m);
 }
 
+/* NONE (== SIZE_MAX) when absent. */
 static size_t hash_find(const bico_model *m, const char *name) {
-  if (m->hcap == 0) return NONE;
-  size_t mask = m->hcap - 1;
-  size_t h = (size_t)fnv(name, strlen(name)) & mask;
-  for (;;) {
-    size_t i = m->hash[h];
-    if (i == NONE) return NONE;
-    if (strcmp(m->t[i].name, name) == 0) return i;
-    h = (h + 1) & mask;
-  }
-}
-
-static bico_status hash_grow(bico_model *m) {
-  size_t cap = m->hcap ? m->hcap * 2 : 64;
-  size_t *h = bico__alloc(m->ctx, cap * sizeof *h);
-  if (h == NULL) return BICO_E_NOMEM;
-  for (size_t i = 0; i < cap; i++) h[i] = NONE;
-  for (size_t i = 0; i < m->nt; i++) {
-    size_t k = (size_t)fnv(m->t[i].name, strlen(m->t[i].name)) & (cap - 1);
-    while (h[k] != NONE) k = (k + 1) & (cap - 1);
-    h[k] = i;
-  }
-  bico__free(m->ctx, m->hash);
-  m->hash = h;
-  m->hcap = cap;
-  return BICO_OK;
+  return bico__strindex_find(&m->by_name, name, strlen(name), tensor_key, m);
 }
 
 bico_status bico_model_add_tensor(bico_model *m, const char *name, int dtype,
@@ -160,19 +136,12 @@ bico_status bico_model_add_tensor(bico_model *m, const char *name, int dtype,
   if (hash_find(m, name) != NONE)
     return bico__fail(ctx, BICO_E_ARG,
                       "model_add_tensor: tensor %s registered twice", name);
-  if (m->nt == m->capt) {
-    size_t cap = m->capt ? m->capt * 2 : 32;
-    tensor_rec *t = bico__alloc(ctx, cap * sizeof *t);
-    if (t == NULL) return BICO_E_NOMEM;
-    if (m->nt) memcpy(t, m->t, m->nt * sizeof *t);
-    bico__free(ctx, m->t);
-    m->t = t;
-    m->capt = cap;
-  }
-  if ((m->nt + 1) * 2 > m->hcap) {
-    bico_status st = hash_grow(m);
-    if (st != BICO_OK) return st;
-  }
+  tensor_rec *t = bico__grow(ctx, m->t, m->nt, &m->capt, 32, sizeof *t);
+  if (t == NULL) return BICO_E_NOMEM;
+  m->t = t;
+  bico_status st = bico__strindex_reserve(ctx, &m->by_name, m->nt + 1,
+                                          tensor_key, m);
+  if (st != BICO_OK) return st;
   tensor_rec *r = &m->t[m->nt];
   memset(r, 0, sizeof *r);
   r->name = dupn(ctx, name, strlen(name));
@@ -185,9 +154,7 @@ bico_status bico_model_add_tensor(bico_model *m, const char *name, int dtype,
   if (ndim) memcpy(r->shape, shape, ndim * sizeof(size_t));
   r->ndim = ndim;
   r->dtype = dtype;
-  size_t k = (size_t)fnv(name, strlen(name)) & (m->hcap - 1);
-  while (m->hash[k] != NONE) k = (k + 1) & (m->hcap - 1);
-  m->hash[k] = m->nt;
+  bico__strindex_insert(&m->by_name, m->nt, tensor_key, m);
   m->nt++;
   drop_analysis(m);
   return BICO_OK;
@@ -421,26 +388,18 @@ static bico_status build_modules(bico_model *m) {
     bico__free(ctx, count);
     return BICO_E_NOMEM;
   }
-  /* Group: a small hash from module name to module index. */
-  size_t hcap = 64;
-  while (hcap < 2 * cap) hcap *= 2;
-  size_t *h = bico__alloc(ctx, hcap * sizeof *h);
-  if (h == NULL) {
+  /* Group: a small index from module name to module index. */
+  bico__strindex h = {NULL, 0};
+  bico_status st = bico__strindex_reserve(ctx, &h, cap, module_key, m);
+  if (st != BICO_OK) {
     bico__free(ctx, count);
-    return BICO_E_NOMEM;
+    return st;
   }
-  for (size_t i = 0; i < hcap; i++) h[i] = NONE;
-  bico_status st = BICO_OK;
   for (size_t i = 0; i < m->nt && st == BICO_OK; i++) {
     const char *name = m->t[i].name;
     size_t len = module_len(name);
-    size_t k = (size_t)fnv(name, len) & (hcap - 1);
-    while (h[k] != NONE) {
-      const char *mn = m->mods[h[k]].name;
-      if (strlen(mn) == len && memcmp(mn, name, len) == 0) break;
-      k = (k + 1) & (hcap - 1);
-    }
-    if (h[k] == NONE) {
+    size_t k = bico__strindex_find(&h, name, len, module_key, m);
+    if (k == NONE) {
       module_rec *r = &m->mods[m->nm];
       r->name = dupn(ctx, name, len);
       if (r->name == NULL) {
@@ -449,12 +408,13 @@ static bico_status build_modules(bico_model *m) {
       }
       r->weight = NONE;
       r->block = -1;
-      h[k] = m->nm++;
+      k = m->nm++;
+      bico__strindex_insert(&h, k, module_key, m);
     }
-    m->t[i].module = h[k];
-    count[h[k]]++;
+    m->t[i].module = k;
+    count[k]++;
   }
-  bico__free(ctx, h);
+  bico__strindex_free(ctx, &h);
   if (st != BICO_OK) {
     bico__free(ctx, count);
     return st;
@@ -654,18 +614,10 @@ bico_status bico_model_find_module(const bico_model *m, const char *name,
                       name == NULL ? "name" : "i");
   bico_status st = analyze(m);
   if (st != BICO_OK) return st;
-  size_t lo = 0, hi = m->nm;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    int c = strcmp(m->mods[m->mod_sorted[mid]].name, name);
-    if (c == 0) {
-      *i = m->mod_sorted[mid];
-      return BICO_OK;
-    }
-    if (c < 0)
-      lo = mid + 1;
-    else
-      hi = mid;
+  size_t k = bico__sorted_find(m->mod_sorted, m->nm, name, module_key, m);
+  if (k != NONE) {
+    *i = k;
+    return BICO_OK;
   }
   return bico__fail(m->ctx, BICO_E_NOTFOUND,
                     "model_find_module: no module named %s", name);

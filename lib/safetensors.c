@@ -12,6 +12,7 @@
 
 #include "internal.h"
 #include "json.h"
+#include "strindex.h"
 
 #define HEADER_LIMIT 100000000u
 #define MAX_NDIM 64
@@ -216,15 +217,10 @@ static const char *shortname(const char *s, char *buf, size_t cap) {
 }
 
 static int tensor_push(bico_stfile *f, const st_tensor *t) {
-  if (f->count == f->cap) {
-    size_t ncap = f->cap ? f->cap * 2 : 64;
-    st_tensor *nt = bico__alloc(f->ctx, ncap * sizeof *nt);
-    if (nt == NULL) return 0;
-    if (f->count) memcpy(nt, f->tensors, f->count * sizeof *nt);
-    bico__free(f->ctx, f->tensors);
-    f->tensors = nt;
-    f->cap = ncap;
-  }
+  st_tensor *nt = bico__grow(f->ctx, f->tensors, f->count, &f->cap, 64,
+                             sizeof *nt);
+  if (nt == NULL) return 0;
+  f->tensors = nt;
   f->tensors[f->count++] = *t;
   return 1;
 }
@@ -940,6 +936,10 @@ bico_status bico_stfile_tensor_path(const bico_stfile *f, size_t index,
   return BICO_OK;
 }
 
+static const char *f_key(const void *f, size_t i) {
+  return ((const bico_stfile *)f)->tensors[i].name;
+}
+
 bico_status bico_stfile_find(const bico_stfile *f, const char *name,
                              size_t *index) {
   if (f == NULL) return BICO_E_NULL;
@@ -947,18 +947,10 @@ bico_status bico_stfile_find(const bico_stfile *f, const char *name,
   if (name == NULL || index == NULL)
     return bico__fail(f->ctx, BICO_E_NULL, "stfile_find: %s is NULL",
                       name == NULL ? "name" : "index");
-  size_t lo = 0, hi = f->count;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    int c = strcmp(f->tensors[f->by_name[mid]].name, name);
-    if (c == 0) {
-      *index = f->by_name[mid];
-      return BICO_OK;
-    }
-    if (c < 0)
-      lo = mid + 1;
-    else
-      hi = mid;
+  size_t k = bico__sorted_find(f->by_name, f->count, name, f_key, f);
+  if (k != SIZE_MAX) {
+    *index = k;
+    return BICO_OK;
   }
   char nb[160];
   return bico__fail(f->ctx, BICO_E_NOTFOUND, "stfile_find: %s: no tensor '%s'",
@@ -1134,8 +1126,7 @@ struct bico_stwriter {
   int fd;
   wt_tensor *t;
   size_t count, cap;
-  size_t *hash; /* open addressing: tensor index + 1, 0 = empty */
-  size_t hcap;
+  bico__strindex by_name; /* tensor name -> index */
   char **meta; /* key, value pairs */
   size_t nmeta, metacap;
   uint64_t data_start; /* 8 + padded header length once laid out */
@@ -1145,39 +1136,20 @@ struct bico_stwriter {
 
 #define WBUF 65536
 
-static size_t hash_str(const char *s) {
-  uint64_t h = 1469598103934665603ull;
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return (size_t)h;
+static const char *w_key(const void *w, size_t i) {
+  return ((const bico_stwriter *)w)->t[i].name;
 }
 
 /* Index of the tensor named name, or SIZE_MAX. */
 static size_t w_lookup(const bico_stwriter *w, const char *name) {
-  if (w->hcap == 0) return SIZE_MAX;
-  for (size_t h = hash_str(name) & (w->hcap - 1);; h = (h + 1) & (w->hcap - 1)) {
-    if (w->hash[h] == 0) return SIZE_MAX;
-    if (strcmp(w->t[w->hash[h] - 1].name, name) == 0) return w->hash[h] - 1;
-  }
+  return bico__strindex_find(&w->by_name, name, strlen(name), w_key, w);
 }
 
 static int w_hash_insert(bico_stwriter *w, size_t idx) {
-  if ((w->count + 1) * 2 > w->hcap) {
-    size_t ncap = w->hcap ? w->hcap * 2 : 64;
-    size_t *nh = bico__calloc(w->ctx, ncap, sizeof *nh);
-    if (nh == NULL) return 0;
-    for (size_t k = 0; k < w->hcap; k++)
-      if (w->hash[k]) {
-        size_t h = hash_str(w->t[w->hash[k] - 1].name) & (ncap - 1);
-        while (nh[h]) h = (h + 1) & (ncap - 1);
-        nh[h] = w->hash[k];
-      }
-    bico__free(w->ctx, w->hash);
-    w->hash = nh;
-    w->hcap = ncap;
-  }
-  size_t h = hash_str(w->t[idx].name) & (w->hcap - 1);
-  while (w->hash[h]) h = (h + 1) & (w->hcap - 1);
-  w->hash[h] = idx + 1;
+  if (bico__strindex_reserve(w->ctx, &w->by_name, w->count + 1, w_key, w) !=
+      BICO_OK)
+    return 0;
+  bico__strindex_insert(&w->by_name, idx, w_key, w);
   return 1;
 }
 
@@ -1219,7 +1191,7 @@ void bico_stwriter_free(bico_stwriter *w) {
   for (size_t k = 0; k < 2 * w->nmeta; k++) bico__free(ctx, w->meta[k]);
   bico__free(ctx, w->meta);
   bico__free(ctx, w->t);
-  bico__free(ctx, w->hash);
+  bico__strindex_free(ctx, &w->by_name);
   bico__free(ctx, w->buf);
   bico__free(ctx, w->path);
   bico__free(ctx, w->tmp);
@@ -1330,15 +1302,11 @@ bico_status bico_stwriter_add_metadata(bico_stwriter *w, const char *key,
       return bico__fail(w->ctx, BICO_E_ARG,
                         "stwriter_add_metadata: key '%s' added twice",
                         shortname(key, kb, sizeof kb));
-  if (w->nmeta == w->metacap) {
-    size_t ncap = w->metacap ? w->metacap * 2 : 8;
-    char **nm = bico__alloc(w->ctx, 2 * ncap * sizeof *nm);
-    if (nm == NULL) return BICO_E_NOMEM;
-    if (w->nmeta) memcpy(nm, w->meta, 2 * w->nmeta * sizeof *nm);
-    bico__free(w->ctx, w->meta);
-    w->meta = nm;
-    w->metacap = ncap;
-  }
+  /* key, value pairs: an element is two pointers */
+  char **nm = bico__grow(w->ctx, w->meta, w->nmeta, &w->metacap, 8,
+                         2 * sizeof *nm);
+  if (nm == NULL) return BICO_E_NOMEM;
+  w->meta = nm;
   char *k = w_strdup(w->ctx, key), *v = w_strdup(w->ctx, value);
   if (!k || !v) {
     bico__free(w->ctx, k);
@@ -1395,15 +1363,9 @@ bico_status bico_stwriter_declare(bico_stwriter *w, const char *name,
   if (w_lookup(w, name) != SIZE_MAX)
     return bico__fail(ctx, BICO_E_ARG,
                       "stwriter_declare: tensor '%s' declared twice", nm);
-  if (w->count == w->cap) {
-    size_t ncap = w->cap ? w->cap * 2 : 64;
-    wt_tensor *nt = bico__alloc(ctx, ncap * sizeof *nt);
-    if (nt == NULL) return BICO_E_NOMEM;
-    if (w->count) memcpy(nt, w->t, w->count * sizeof *nt);
-    bico__free(ctx, w->t);
-    w->t = nt;
-    w->cap = ncap;
-  }
+  wt_tensor *nt = bico__grow(ctx, w->t, w->count, &w->cap, 64, sizeof *nt);
+  if (nt == NULL) return BICO_E_NOMEM;
+  w->t = nt;
   wt_tensor *t = &w->t[w->count];
   memset(t, 0, sizeof *t);
   t->name = w_strdup(ctx, name);
