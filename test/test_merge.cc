@@ -324,20 +324,9 @@ TEST(MergeRun, RefusalsNameTheProblemAndWriteNothing) {
 
 namespace {
 
-struct Failing {
-  long count = 0, fail_at = 0, live = 0;
-};
-void *fail_alloc(void *o, size_t n) {
-  auto *f = static_cast<Failing *>(o);
-  if (++f->count == f->fail_at) return nullptr;
-  f->live++;
-  return std::malloc(n);
-}
-void fail_free(void *o, void *p) {
-  if (p == nullptr) return;
-  static_cast<Failing *>(o)->live--;
-  std::free(p);
-}
+using bt::Failing;
+using bt::fail_free;
+const bico_alloc_fn fail_alloc = bt::fail_once_alloc;
 
 TEST(MergeOom, EveryAllocationFailureIsReportedAndCleanedUp) {
   Checkpoints c;

@@ -755,20 +755,9 @@ TEST(ProcrustesTest, EveryAllocationThroughTheContext) {
 
 namespace {
 // Fails the allocation numbered `fail_at` (1-based) and every later one.
-struct Failing {
-  long live = 0, count = 0, fail_at = 0;
-};
-void *fail_alloc(void *o, size_t n) {
-  auto *f = static_cast<Failing *>(o);
-  if (++f->count >= f->fail_at && f->fail_at > 0) return nullptr;
-  f->live++;
-  return std::malloc(n);
-}
-void fail_free(void *o, void *p) {
-  if (p == nullptr) return;
-  static_cast<Failing *>(o)->live--;
-  std::free(p);
-}
+using bt::Failing;
+using bt::fail_free;
+const bico_alloc_fn fail_alloc = bt::fail_from_alloc;
 }  // namespace
 
 // Every allocation failure inside a solve is BICO_E_NOMEM, and that path

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "bico/bico.h"
@@ -133,6 +134,32 @@ inline Mat rand_perm(Rng &g, size_t n) {
   Mat m(n, n);
   for (size_t i = 0; i < n; i++) m(i, p[i]) = 1.0;
   return m;
+}
+
+// An allocator for allocation-failure sweeps through
+// bico_ctx_create_with_allocator: counts allocations, fails the fail_at-th
+// one (fail_once_alloc) or every one from the fail_at-th on
+// (fail_from_alloc; fail_at 0 never fails), and tracks the blocks still
+// live so a test can assert that every failure path freed what it took.
+struct Failing {
+  long count = 0, fail_at = 0, live = 0;
+};
+inline void *fail_once_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count == f->fail_at) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+inline void *fail_from_alloc(void *o, size_t n) {
+  auto *f = static_cast<Failing *>(o);
+  if (++f->count >= f->fail_at && f->fail_at > 0) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+inline void fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<Failing *>(o)->live--;
+  std::free(p);
 }
 
 // RAII owner of a context for tests.
