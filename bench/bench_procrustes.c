@@ -118,7 +118,7 @@ int main(int argc, char **argv) {
   printf("%-10s | %8s %9s | %8s %9s %9s | %8s %9s %9s  | %8s %9s %9s\n", "d_a x d_b",
          "SVD s", "orth", "EIG s", "orth", "diff", "POLAR s", "orth", "diff",
          "gesvd s", "orth", "diff");
-  size2 sizes[] = {{768, 768}, {1024, 1024}, {768, 1024}, {3072, 3072}, {3072, 4096}, {4096, 4096}};
+  size2 sizes[] = {{768, 768}, {1024, 1024}, {768, 1024}, {3072, 3072}, {3072, 4096}, {3072, 3584}, {4096, 4096}};
   char results[6][600];
   int nres = 0;
   for (int k = 0; k < 6; k++) {

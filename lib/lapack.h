@@ -31,4 +31,18 @@ void dsyev_(const char *jobz, const char *uplo, const int *n, double *a,
             const int *lda, double *w, double *work, const int *lwork,
             int *info, size_t jobz_len, size_t uplo_len);
 
+/* Symmetric eigendecomposition by relatively robust representations (the
+ * EIG route: eigenvectors into a separate array, small workspace). */
+void dsyevr_(const char *jobz, const char *range, const char *uplo,
+             const int *n, double *a, const int *lda, const double *vl,
+             const double *vu, const int *il, const int *iu,
+             const double *abstol, int *m, double *w, double *z,
+             const int *ldz, int *isuppz, double *work, const int *lwork,
+             int *iwork, const int *liwork, int *info, size_t jobz_len,
+             size_t range_len, size_t uplo_len);
+
+/* Cholesky factorisation (the certificates of the EIG and polar routes). */
+void dpotrf_(const char *uplo, const int *n, double *a, const int *lda,
+             int *info, size_t uplo_len);
+
 #endif

@@ -11,15 +11,14 @@
 #include "internal.h"
 #include "lapack.h"
 
-/* Cholesky factorisation (the polar path's rank certificate). */
-void dpotrf_(const char *uplo, const int *n, double *a, const int *lda,
-             int *info, size_t uplo_len);
 
 /* BICO_PROC_EIG is used only when sigma_min / sigma_max exceeds this (and
  * the rank tolerance): the eigenvalues of C C^T carry absolute errors of
  * about eps * sigma_max^2, so at sigma_min / sigma_max = 1e-4 the smallest
  * singular value is still known to about 1e-8 relative. */
 #define EIG_MIN_RATIO 1e-4
+/* Rows of R formed per GEMM by the EIG route (a panel of doubles). */
+#define EIG_PANEL 256
 /* Newton-Schulz: stop once ||X X^T - I||_F is below this (one more step
  * then squares it), give up (and use the SVD) after POLAR_MAX_ITER. */
 #define POLAR_CONVERGED 1e-7
@@ -63,7 +62,7 @@ bico_status bico_procrustes_create(bico_ctx *ctx, bico_procrustes **out) {
   p->eps = 1e-6;
   p->tol = 1e-5;
   p->null_mode = BICO_NULL_KEEP;
-  p->method = BICO_PROC_SVD;
+  p->method = BICO_PROC_EIG;
   p->spec = NULL;
   p->spec_count = 0;
   *out = p;
@@ -247,19 +246,20 @@ done:
 }
 
 /* Lower triangle of the row-major k x k g = op(m) op(m)^T in double: the
- * smaller Gram of m (d_a x d_b): m m^T when left, else m^T m.  Row-major
+ * smaller Gram of m (d_a x d_b, row stride ld): m m^T when left, else
+ * m^T m.  Row-major
  * lower is LAPACK's column-major upper ("U"). */
 static void gram_lower(const bico_ctx *ctx, int left, size_t d_a, size_t d_b,
-                       const double *m, double *g) {
+                       const double *m, size_t ld, double *g) {
   size_t k = left ? d_a : d_b, kk = left ? d_b : d_a;
   double one = 1.0, zero = 0.0;
   rntm_t rntm;
   bli_rntm_init(&rntm);
   bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
-  /* left: g = m m^T, m is k x kk with row stride d_b.
-   * right: g = m^T m, m^T is k x kk with row stride 1, column stride d_b. */
+  /* left: g = m m^T, m is k x kk with row stride ld.
+   * right: g = m^T m, m^T is k x kk with row stride 1, column stride ld. */
   bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)kk, &one,
-               (double *)m, left ? (inc_t)d_b : 1, left ? 1 : (inc_t)d_b,
+               (double *)m, left ? (inc_t)ld : 1, left ? 1 : (inc_t)ld,
                &zero, g, (inc_t)k, 1, NULL, &rntm);
 }
 
@@ -269,68 +269,115 @@ static void store_r(const double *m, size_t d_a, size_t d_b, float *r,
     for (size_t j = 0; j < d_b; j++) r[i * ld_r + j] = (float)m[i * d_b + j];
 }
 
-/* BICO_PROC_EIG: C C^T = Q L Q^T (d_a <= d_b), R = Q L^-1/2 Q^T C; or
- * C^T C = Q L Q^T, R = C Q L^-1/2 Q^T.  Sets *done = 0 without touching
- * m, r or the spectrum when the spectrum is not certified (the caller then
- * runs the SVD). */
+/* BICO_PROC_EIG: for d_a <= d_b, C C^T = Q L Q^T and R = P C with
+ * P = Q L^-1/2 Q^T; for d_a > d_b, C^T C = Q L Q^T and R = C P.  Reads C
+ * in place (row stride ld_c; never written) and needs two k x k matrices
+ * (k = min(d_a, d_b)) besides small vectors: the Gram, destroyed by the
+ * eigensolver and reused for P, and the eigenvectors.  R is formed in row
+ * panels, so no d_a x d_b double buffer is needed.
+ *
+ * Certificate first: a Cholesky factor of G - ratio^2 ||G||_F I proves
+ * lambda_min > ratio^2 ||G||_F >= ratio^2 lambda_max at the cost of a third
+ * of a GEMM, so a rank-deficient or badly conditioned statistic hands over
+ * to the SVD before the eigendecomposition is paid for; the eigenvalues are
+ * then checked against the same bound.  Sets *done = 0 without touching
+ * r or the spectrum when either test fails (the caller runs the SVD). */
 static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
-                            size_t d_b, double *m, float *r, size_t ld_r,
-                            size_t *rank, int *done) {
+                            size_t d_b, const double *c, size_t ld_c,
+                            float *r, size_t ld_r, size_t *rank, int *done) {
   bico_ctx *ctx = p->ctx;
   const int left = d_a <= d_b;
   const size_t k = left ? d_a : d_b, o = left ? d_b : d_a;
   const int ki = (int)k;
-  int info = 0, lwork = -1, liwork = -1, iwq = 0;
-  double wq = 0;
+  int info = 0, lwork = -1, liwork = -1, iwq = 0, found = 0, il = 0, iu = 0;
+  double wq = 0, vl = 0, vu = 0, abstol = 0;
   bico_status st = BICO_OK;
-  double *g = NULL, *w = NULL, *t = NULL, *work = NULL, *s = NULL;
-  int *iwork = NULL;
+  double *g = NULL, *z = NULL, *w = NULL, *work = NULL, *s = NULL,
+         *panel = NULL;
+  int *iwork = NULL, *isuppz = NULL;
   *done = 0;
 
+  const double ratio = p->tol * (1.0 + 1e-3) > EIG_MIN_RATIO
+                           ? p->tol * (1.0 + 1e-3)
+                           : EIG_MIN_RATIO;
   g = bico__calloc(ctx, k, k * sizeof(double));
+  z = bico__calloc(ctx, k, k * sizeof(double));
   w = bico__calloc(ctx, k, sizeof(double));
-  t = bico__calloc(ctx, k, o * sizeof(double));
-  if (g == NULL || w == NULL || t == NULL) { st = BICO_E_NOMEM; goto done; }
-  gram_lower(ctx, left, d_a, d_b, m, g);
-  dsyevd_("V", "U", &ki, g, &ki, w, &wq, &lwork, &iwq, &liwork, &info, 1, 1);
+  isuppz = bico__calloc(ctx, k, 2 * sizeof(int));
+  if (g == NULL || z == NULL || w == NULL || isuppz == NULL) {
+    st = BICO_E_NOMEM;
+    goto done;
+  }
+  gram_lower(ctx, left, d_a, d_b, c, ld_c, g);
+  /* ||G||_F from the lower triangle; z = G - ratio^2 ||G||_F I. */
+  double fro = 0;
+  for (size_t i = 0; i < k; i++) {
+    fro += g[i * k + i] * g[i * k + i];
+    for (size_t j = 0; j < i; j++) fro += 2.0 * g[i * k + j] * g[i * k + j];
+  }
+  fro = sqrt(fro);
+  if (!(fro > 0) || !isfinite(fro)) goto done;
+  memcpy(z, g, k * k * sizeof(double));
+  for (size_t i = 0; i < k; i++) z[i * k + i] -= ratio * ratio * fro;
+  dpotrf_("U", &ki, z, &ki, &info, 1);
+  if (info != 0) goto done; /* not certified: the SVD */
+
+  dsyevr_("V", "A", "U", &ki, g, &ki, &vl, &vu, &il, &iu, &abstol, &found, w,
+          z, &ki, isuppz, &wq, &lwork, &iwq, &liwork, &info, 1, 1, 1);
   if (info != 0 || query_to_int(wq, &lwork) || iwq < 1) {
     st = bico__fail(ctx, BICO_E_INTERNAL,
-                    "%s: dsyevd workspace query failed (info %d)", fn, info);
+                    "%s: dsyevr workspace query failed (info %d)", fn, info);
     goto done;
   }
   liwork = iwq;
   work = bico__calloc(ctx, (size_t)lwork, sizeof(double));
   iwork = bico__calloc(ctx, (size_t)liwork, sizeof(int));
   if (work == NULL || iwork == NULL) { st = BICO_E_NOMEM; goto done; }
-  dsyevd_("V", "U", &ki, g, &ki, w, work, &lwork, iwork, &liwork, &info, 1, 1);
+  dsyevr_("V", "A", "U", &ki, g, &ki, &vl, &vu, &il, &iu, &abstol, &found, w,
+          z, &ki, isuppz, work, &lwork, iwork, &liwork, &info, 1, 1, 1);
   if (info < 0) {
-    st = bico__fail(ctx, BICO_E_INTERNAL, "%s: dsyevd rejected argument %d",
+    st = bico__fail(ctx, BICO_E_INTERNAL, "%s: dsyevr rejected argument %d",
                     fn, -info);
     goto done;
   }
   /* Eigenvalues ascending.  Not converged or not certified: the SVD. */
-  const double ratio = p->tol * (1.0 + 1e-3) > EIG_MIN_RATIO
-                           ? p->tol * (1.0 + 1e-3)
-                           : EIG_MIN_RATIO;
-  if (info > 0 || !(w[k - 1] > 0) || !(w[0] > ratio * ratio * w[k - 1]))
+  if (info > 0 || found != ki || !(w[k - 1] > 0) ||
+      !(w[0] > ratio * ratio * w[k - 1]))
     goto done;
   s = bico__calloc(ctx, k, sizeof(double));
   if (s == NULL) { st = BICO_E_NOMEM; goto done; }
-  /* Row j of the row-major g is eigenvector j: g = Q^T. */
-  if (left) {
-    bico__dgemm(ctx, 0, 0, k, o, k, 1.0, g, k, m, d_b, 0.0, t, o);
-    for (size_t j = 0; j < k; j++) {
-      const double f = 1.0 / sqrt(w[j]);
-      for (size_t i = 0; i < o; i++) t[j * o + i] *= f;
-    }
-    bico__dgemm(ctx, 1, 0, k, o, k, 1.0, g, k, t, o, 0.0, m, d_b);
-  } else {
-    bico__dgemm(ctx, 0, 1, o, k, k, 1.0, m, d_b, g, k, 0.0, t, k);
-    for (size_t i = 0; i < o; i++)
-      for (size_t j = 0; j < k; j++) t[i * k + j] /= sqrt(w[j]);
-    bico__dgemm(ctx, 0, 0, o, k, k, 1.0, t, k, g, k, 0.0, m, d_b);
+  /* Row j of the row-major z is eigenvector j (z = Q^T).  Scale it by
+   * lambda_j^-1/4: then P = z^T z, one SYRK into g (lower), mirrored. */
+  for (size_t j = 0; j < k; j++) {
+    const double f = 1.0 / sqrt(sqrt(w[j]));
+    for (size_t i = 0; i < k; i++) z[j * k + i] *= f;
   }
-  store_r(m, d_a, d_b, r, ld_r);
+  {
+    double one = 1.0, zero = 0.0;
+    rntm_t rntm;
+    bli_rntm_init(&rntm);
+    bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
+    /* z^T is k x k with row stride 1, column stride k. */
+    bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)k, &one, z, 1,
+                 (inc_t)k, &zero, g, (inc_t)k, 1, NULL, &rntm);
+  }
+  for (size_t i = 0; i < k; i++)
+    for (size_t j = 0; j < i; j++) g[j * k + i] = g[i * k + j];
+  /* R in panels of EIG_PANEL rows: left R = P C, right R = C P. */
+  const size_t pr = EIG_PANEL < d_a ? EIG_PANEL : d_a;
+  panel = bico__calloc(ctx, pr, d_b * sizeof(double));
+  if (panel == NULL) { st = BICO_E_NOMEM; goto done; }
+  for (size_t i0 = 0; i0 < d_a; i0 += pr) {
+    const size_t n = d_a - i0 < pr ? d_a - i0 : pr;
+    if (left)
+      bico__dgemm(ctx, 0, 0, n, d_b, k, 1.0, g + i0 * k, k, c, ld_c, 0.0,
+                  panel, d_b);
+    else
+      bico__dgemm(ctx, 0, 0, n, d_b, k, 1.0, c + i0 * ld_c, ld_c, g, k, 0.0,
+                  panel, d_b);
+    store_r(panel, n, d_b, r + i0 * ld_r, ld_r);
+  }
+  (void)o;
   for (size_t i = 0; i < k; i++) s[i] = sqrt(w[k - 1 - i]);
   bico__free(ctx, p->spec);
   p->spec = s;
@@ -340,11 +387,13 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
   *done = 1;
 done:
   bico__free(ctx, g);
+  bico__free(ctx, z);
   bico__free(ctx, w);
-  bico__free(ctx, t);
   bico__free(ctx, work);
   bico__free(ctx, iwork);
+  bico__free(ctx, isuppz);
   bico__free(ctx, s);
+  bico__free(ctx, panel);
   return st;
 }
 
@@ -439,7 +488,7 @@ done:
  * plain row-major product of those two buffers. */
 static bico_status solve_core(bico_procrustes *p, const char *fn,
                               size_t d_a, size_t d_b, double *m, float *r,
-                              size_t ld_r, size_t *rank) {
+                              size_t ld_r, size_t *rank, int try_alt) {
   bico_ctx *ctx = p->ctx;
   const size_t mn = d_a < d_b ? d_a : d_b;
   bico_status st = BICO_OK;
@@ -466,10 +515,10 @@ static bico_status solve_core(bico_procrustes *p, const char *fn,
   int zero = 1;
   for (size_t i = 0; i < total && zero; i++) zero = m[i] == 0.0;
 
-  if (!zero && p->method != BICO_PROC_SVD) {
+  if (!zero && try_alt && p->method != BICO_PROC_SVD) {
     int done = 0;
     st = p->method == BICO_PROC_EIG
-             ? eig_core(p, fn, d_a, d_b, m, r, ld_r, rank, &done)
+             ? eig_core(p, fn, d_a, d_b, m, d_b, r, ld_r, rank, &done)
              : polar_core(p, d_a, d_b, m, r, ld_r, rank, &done);
     if (st != BICO_OK || done) {
       bico__free(ctx, s);
@@ -631,7 +680,7 @@ bico_status bico_procrustes_solve(bico_procrustes *p, const bico_xcov *xc,
     bico__dgemm(ctx, 0, 0, d_a, d_b, d_a, 1.0, ga, d_a, m, d_b, 0.0, t, d_b);
     bico__dgemm(ctx, 0, 0, d_a, d_b, d_b, 1.0, t, d_b, gb, d_b, 0.0, m, d_b);
   }
-  st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank);
+  st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank, 1);
 done:
   bico__free(ctx, m);
   bico__free(ctx, ga);
@@ -674,11 +723,20 @@ bico_status bico_procrustes_solve_matrix(bico_procrustes *p, size_t d_a,
                       d_b);
   bico_status st = bico__check_finite_f64(ctx, fn, "c", c, d_a, d_b, ld_c);
   if (st != BICO_OK) return st;
+  int try_alt = 1;
+  if (p->method == BICO_PROC_EIG && d_a <= INT_MAX && d_b <= INT_MAX) {
+    /* Straight from the caller's matrix: no d_a x d_b copy unless the
+     * certificate fails and the SVD (which destroys its input) runs. */
+    int done = 0;
+    st = eig_core(p, fn, d_a, d_b, c, ld_c, r, ld_r, rank, &done);
+    if (st != BICO_OK || done) return st;
+    try_alt = 0;
+  }
   double *m = bico__calloc(ctx, total, sizeof(double));
   if (m == NULL) return BICO_E_NOMEM;
   for (size_t i = 0; i < d_a; i++)
     memcpy(m + i * d_b, c + i * ld_c, d_b * sizeof(double));
-  st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank);
+  st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank, try_alt);
   bico__free(ctx, m);
   return st;
 }

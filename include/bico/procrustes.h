@@ -25,16 +25,21 @@
  *                         unidentified directions map to zero).
  *
  *   BICO_PROC_METHOD      how U V^T is computed (bico_procrustes_method):
- *                         BICO_PROC_SVD (default): thin SVD by LAPACK
+ *                         BICO_PROC_EIG (default): eigendecomposition
+ *                         (dsyevr) of the smaller Gram matrix C C^T or
+ *                         C^T C, then R = (C C^T)^-1/2 C; two to four times
+ *                         faster than the SVD and about half its memory,
+ *                         used only when it certifies sigma_min / sigma_max
+ *                         above max(1e-4, RANK_TOL) (a Cholesky test before
+ *                         the eigensolver, the eigenvalues after it); then
+ *                         the rank is full, KEEP and DROP agree, and R and
+ *                         the spectrum equal the SVD's to about 1e-8
+ *                         relative.  Otherwise (rank-deficient or badly
+ *                         conditioned statistics) the solve is the SVD's,
+ *                         bit for bit, at the extra cost of one Gram matrix
+ *                         and its Cholesky test;
+ *                         BICO_PROC_SVD: always the thin SVD by LAPACK
  *                         dgesdd (dgesvd if it fails);
- *                         BICO_PROC_EIG: eigendecomposition (dsyevd) of the
- *                         smaller Gram matrix C C^T or C^T C, then
- *                         R = (C C^T)^-1/2 C; about twice as fast, used only
- *                         when it certifies sigma_min / sigma_max above
- *                         max(1e-4, RANK_TOL) (full rank: KEEP and DROP
- *                         agree, rank and spectrum as with the SVD to about
- *                         1e-8 relative), otherwise the solve falls back to
- *                         the SVD;
  *                         BICO_PROC_POLAR: GEMM-only scaled Newton-Schulz
  *                         polar iteration in double, used only when it
  *                         converges and a Cholesky test certifies
