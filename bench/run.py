@@ -182,7 +182,8 @@ def main():
         print("## 2. Procrustes R = U V^T (C: uniform [-0.5, 0.5) entries, f64)")
         print("# seconds: medians of 3 runs below d = 3072, single runs from 3072 up;")
         print("# orth = ||R R^T - I||_F (R^T R when d_a > d_b); libbico's R is float32, so ~1e-6 is its storage floor;")
-        print("# diff = max |R - R_bico SVD|. SVD = default (dgesdd), EIG = BICO_PROC_EIG (dsyevd of the smaller Gram),")
+        print("# diff = max |R - R_bico SVD|. SVD = BICO_PROC_SVD (dgesdd), EIG = BICO_PROC_EIG, the default (dsyevr of the")
+        print("# smaller Gram after a Cholesky certificate),")
         print("# POLAR = BICO_PROC_POLAR (Newton-Schulz, GEMM only); '*' = not certified, fell back to the SVD.")
         cols = ("shape", "SVD s", "orth", "EIG s", "orth", "diff", "POLAR s", "orth", "torch64 s",
                 "orth", "diff", "torch32 s", "orth", "numpy64 s", "gesvd s")

@@ -71,4 +71,25 @@ void bico__dgemm(const bico_ctx *ctx, int ta, int tb, size_t m, size_t n,
                  const double *b, size_t ldb, double beta, double *c,
                  size_t ldc);
 
+/* Releases the resident pages of tensor `index` of a safetensors reader
+ * (after its data pointer has been used; the data stays readable). */
+void bico__stfile_drop(const bico_stfile *f, size_t index);
+
+/* A statistic read block by block: rows [i0, i0 + ni) x columns
+ * [j0, j0 + nj) of C into out (row stride ld); release (may be NULL) says
+ * a pass over C is over (a file-backed reader drops its pages). */
+typedef struct bico__creader {
+  bico_status (*block)(void *opaque, size_t i0, size_t ni, size_t j0,
+                       size_t nj, double *out, size_t ld);
+  void (*release)(void *opaque);
+  void *opaque;
+} bico__creader;
+
+/* bico_procrustes_solve_matrix on a statistic that is read, not held: the
+ * EIG route reads it in panels (never a d_a x d_b double copy); the SVD
+ * reads it whole.  Same results as solve_matrix on the same values. */
+bico_status bico__procrustes_solve_reader(bico_procrustes *p, size_t d_a,
+                                          size_t d_b, const bico__creader *rd,
+                                          float *r, size_t ld_r, size_t *rank);
+
 #endif

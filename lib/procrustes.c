@@ -245,56 +245,58 @@ done:
   return st;
 }
 
-/* Lower triangle of the row-major k x k g = op(m) op(m)^T in double: the
- * smaller Gram of m (d_a x d_b, row stride ld): m m^T when left, else
- * m^T m.  Row-major
- * lower is LAPACK's column-major upper ("U"). */
-static void gram_lower(const bico_ctx *ctx, int left, size_t d_a, size_t d_b,
-                       const double *m, size_t ld, double *g) {
-  size_t k = left ? d_a : d_b, kk = left ? d_b : d_a;
-  double one = 1.0, zero = 0.0;
-  rntm_t rntm;
-  bli_rntm_init(&rntm);
-  bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
-  /* left: g = m m^T, m is k x kk with row stride ld.
-   * right: g = m^T m, m^T is k x kk with row stride 1, column stride ld. */
-  bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)kk, &one,
-               (double *)m, left ? (inc_t)ld : 1, left ? 1 : (inc_t)ld,
-               &zero, g, (inc_t)k, 1, NULL, &rntm);
-}
-
 static void store_r(const double *m, size_t d_a, size_t d_b, float *r,
                     size_t ld_r) {
   for (size_t i = 0; i < d_a; i++)
     for (size_t j = 0; j < d_b; j++) r[i * ld_r + j] = (float)m[i * d_b + j];
 }
 
+/* The statistic as the EIG route reads it: blocks of C in double. */
+typedef struct dense_src {
+  const double *c;
+  size_t ld;
+} dense_src;
+
+static bico_status matrix_block(void *opaque, size_t i0, size_t ni, size_t j0,
+                                size_t nj, double *out, size_t ld) {
+  const dense_src *m = opaque;
+  for (size_t i = 0; i < ni; i++)
+    memcpy(out + i * ld, m->c + (i0 + i) * m->ld + j0, nj * sizeof(double));
+  return BICO_OK;
+}
+
 /* BICO_PROC_EIG: for d_a <= d_b, C C^T = Q L Q^T and R = P C with
- * P = Q L^-1/2 Q^T; for d_a > d_b, C^T C = Q L Q^T and R = C P.  Reads C
- * in place (row stride ld_c; never written) and needs two k x k matrices
- * (k = min(d_a, d_b)) besides small vectors: the Gram, destroyed by the
- * eigensolver and reused for P, and the eigenvectors.  R is formed in row
- * panels, so no d_a x d_b double buffer is needed.
+ * P = Q L^-1/2 Q^T; for d_a > d_b, C^T C = Q L Q^T and R = C P.  C is
+ * read through rd in panels of EIG_PANEL columns (d_a <= d_b) or rows
+ * (d_a > d_b), twice: once for the Gram, once for R.  Besides the panels
+ * it needs two k x k matrices (k = min(d_a, d_b)): the Gram, destroyed by
+ * the eigensolver and reused for P, and the eigenvectors; no d_a x d_b
+ * double buffer.
  *
  * Certificate first: a Cholesky factor of G - ratio^2 ||G||_F I proves
  * lambda_min > ratio^2 ||G||_F >= ratio^2 lambda_max at the cost of a third
  * of a GEMM, so a rank-deficient or badly conditioned statistic hands over
  * to the SVD before the eigendecomposition is paid for; the eigenvalues are
  * then checked against the same bound.  Sets *done = 0 without touching
- * r or the spectrum when either test fails (the caller runs the SVD). */
+ * r or the spectrum when either test fails (the caller runs the SVD); a
+ * non-finite entry of C fails the solve (BICO_E_NONFINITE). */
 static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
-                            size_t d_b, const double *c, size_t ld_c,
-                            float *r, size_t ld_r, size_t *rank, int *done) {
+                            size_t d_b, const bico__creader *rd, float *r,
+                            size_t ld_r, size_t *rank, int *done) {
   bico_ctx *ctx = p->ctx;
   const int left = d_a <= d_b;
   const size_t k = left ? d_a : d_b, o = left ? d_b : d_a;
+  const size_t pw = EIG_PANEL < o ? EIG_PANEL : o;
   const int ki = (int)k;
   int info = 0, lwork = -1, liwork = -1, iwq = 0, found = 0, il = 0, iu = 0;
-  double wq = 0, vl = 0, vu = 0, abstol = 0;
+  double wq = 0, vl = 0, vu = 0, abstol = 0, one = 1.0, zero = 0.0;
   bico_status st = BICO_OK;
   double *g = NULL, *z = NULL, *w = NULL, *work = NULL, *s = NULL,
-         *panel = NULL;
+         *cp = NULL, *op = NULL;
   int *iwork = NULL, *isuppz = NULL;
+  rntm_t rntm;
+  bli_rntm_init(&rntm);
+  bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
   *done = 0;
 
   const double ratio = p->tol * (1.0 + 1e-3) > EIG_MIN_RATIO
@@ -304,11 +306,40 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
   z = bico__calloc(ctx, k, k * sizeof(double));
   w = bico__calloc(ctx, k, sizeof(double));
   isuppz = bico__calloc(ctx, k, 2 * sizeof(int));
-  if (g == NULL || z == NULL || w == NULL || isuppz == NULL) {
+  cp = bico__calloc(ctx, k, pw * sizeof(double));
+  op = bico__calloc(ctx, k, pw * sizeof(double));
+  if (g == NULL || z == NULL || w == NULL || isuppz == NULL || cp == NULL ||
+      op == NULL) {
     st = BICO_E_NOMEM;
     goto done;
   }
-  gram_lower(ctx, left, d_a, d_b, c, ld_c, g);
+  /* Pass 1: G (lower, row-major) = sum over panels of Cp Cp^T (left, Cp
+   * k x n, row stride n) or Cp^T Cp (right, Cp n x k, row stride k). */
+  for (size_t t0 = 0; t0 < o; t0 += pw) {
+    const size_t n = o - t0 < pw ? o - t0 : pw;
+    st = left ? rd->block(rd->opaque, 0, k, t0, n, cp, n)
+              : rd->block(rd->opaque, t0, n, 0, k, cp, k);
+    if (st != BICO_OK) goto done;
+    const size_t rows = left ? k : n, cols = left ? n : k;
+    for (size_t i = 0; i < rows; i++)
+      for (size_t j = 0; j < cols; j++)
+        if (!isfinite(cp[i * cols + j])) {
+          const double v = cp[i * cols + j];
+          st = bico__fail(ctx, BICO_E_NONFINITE,
+                          "%s: c holds %s at row %zu, column %zu", fn,
+                          isnan(v) ? "NaN" : "Inf", left ? i : t0 + i,
+                          left ? t0 + j : j);
+          goto done;
+        }
+    double *beta = t0 == 0 ? &zero : &one;
+    if (left)
+      bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)n, &one, cp,
+                   (inc_t)n, 1, beta, g, (inc_t)k, 1, NULL, &rntm);
+    else
+      bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)n, &one, cp,
+                   1, (inc_t)k, beta, g, (inc_t)k, 1, NULL, &rntm);
+  }
+  if (rd->release) rd->release(rd->opaque);
   /* ||G||_F from the lower triangle; z = G - ratio^2 ||G||_F I. */
   double fro = 0;
   for (size_t i = 0; i < k; i++) {
@@ -352,32 +383,29 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
     const double f = 1.0 / sqrt(sqrt(w[j]));
     for (size_t i = 0; i < k; i++) z[j * k + i] *= f;
   }
-  {
-    double one = 1.0, zero = 0.0;
-    rntm_t rntm;
-    bli_rntm_init(&rntm);
-    bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
-    /* z^T is k x k with row stride 1, column stride k. */
-    bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)k, &one, z, 1,
-                 (inc_t)k, &zero, g, (inc_t)k, 1, NULL, &rntm);
-  }
+  /* z^T is k x k with row stride 1, column stride k. */
+  bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)k, &one, z, 1,
+               (inc_t)k, &zero, g, (inc_t)k, 1, NULL, &rntm);
   for (size_t i = 0; i < k; i++)
     for (size_t j = 0; j < i; j++) g[j * k + i] = g[i * k + j];
-  /* R in panels of EIG_PANEL rows: left R = P C, right R = C P. */
-  const size_t pr = EIG_PANEL < d_a ? EIG_PANEL : d_a;
-  panel = bico__calloc(ctx, pr, d_b * sizeof(double));
-  if (panel == NULL) { st = BICO_E_NOMEM; goto done; }
-  for (size_t i0 = 0; i0 < d_a; i0 += pr) {
-    const size_t n = d_a - i0 < pr ? d_a - i0 : pr;
-    if (left)
-      bico__dgemm(ctx, 0, 0, n, d_b, k, 1.0, g + i0 * k, k, c, ld_c, 0.0,
-                  panel, d_b);
-    else
-      bico__dgemm(ctx, 0, 0, n, d_b, k, 1.0, c + i0 * ld_c, ld_c, g, k, 0.0,
-                  panel, d_b);
-    store_r(panel, n, d_b, r + i0 * ld_r, ld_r);
+  /* Pass 2: R panel by panel, left R[:, t] = P Cp, right R[t, :] = Cp P. */
+  for (size_t t0 = 0; t0 < o; t0 += pw) {
+    const size_t n = o - t0 < pw ? o - t0 : pw;
+    if (left) {
+      st = rd->block(rd->opaque, 0, k, t0, n, cp, n);
+      if (st != BICO_OK) goto done;
+      bico__dgemm(ctx, 0, 0, k, n, k, 1.0, g, k, cp, n, 0.0, op, n);
+      for (size_t i = 0; i < k; i++)
+        for (size_t j = 0; j < n; j++)
+          r[i * ld_r + t0 + j] = (float)op[i * n + j];
+    } else {
+      st = rd->block(rd->opaque, t0, n, 0, k, cp, k);
+      if (st != BICO_OK) goto done;
+      bico__dgemm(ctx, 0, 0, n, k, k, 1.0, cp, k, g, k, 0.0, op, k);
+      store_r(op, n, k, r + t0 * ld_r, ld_r);
+    }
   }
-  (void)o;
+  if (rd->release) rd->release(rd->opaque);
   for (size_t i = 0; i < k; i++) s[i] = sqrt(w[k - 1 - i]);
   bico__free(ctx, p->spec);
   p->spec = s;
@@ -386,6 +414,7 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
   if (rank) *rank = k; /* every s_i exceeds ratio * s_max >= tol * s_max */
   *done = 1;
 done:
+  if (rd->release) rd->release(rd->opaque);
   bico__free(ctx, g);
   bico__free(ctx, z);
   bico__free(ctx, w);
@@ -393,7 +422,8 @@ done:
   bico__free(ctx, iwork);
   bico__free(ctx, isuppz);
   bico__free(ctx, s);
-  bico__free(ctx, panel);
+  bico__free(ctx, cp);
+  bico__free(ctx, op);
   return st;
 }
 
@@ -517,8 +547,10 @@ static bico_status solve_core(bico_procrustes *p, const char *fn,
 
   if (!zero && try_alt && p->method != BICO_PROC_SVD) {
     int done = 0;
+    dense_src src = {m, d_b};
+    const bico__creader rd = {matrix_block, NULL, &src};
     st = p->method == BICO_PROC_EIG
-             ? eig_core(p, fn, d_a, d_b, m, d_b, r, ld_r, rank, &done)
+             ? eig_core(p, fn, d_a, d_b, &rd, r, ld_r, rank, &done)
              : polar_core(p, d_a, d_b, m, r, ld_r, rank, &done);
     if (st != BICO_OK || done) {
       bico__free(ctx, s);
@@ -728,7 +760,9 @@ bico_status bico_procrustes_solve_matrix(bico_procrustes *p, size_t d_a,
     /* Straight from the caller's matrix: no d_a x d_b copy unless the
      * certificate fails and the SVD (which destroys its input) runs. */
     int done = 0;
-    st = eig_core(p, fn, d_a, d_b, c, ld_c, r, ld_r, rank, &done);
+    dense_src src = {c, ld_c};
+    const bico__creader rd = {matrix_block, NULL, &src};
+    st = eig_core(p, fn, d_a, d_b, &rd, r, ld_r, rank, &done);
     if (st != BICO_OK || done) return st;
     try_alt = 0;
   }
@@ -737,6 +771,40 @@ bico_status bico_procrustes_solve_matrix(bico_procrustes *p, size_t d_a,
   for (size_t i = 0; i < d_a; i++)
     memcpy(m + i * d_b, c + i * ld_c, d_b * sizeof(double));
   st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank, try_alt);
+  bico__free(ctx, m);
+  return st;
+}
+
+bico_status bico__procrustes_solve_reader(bico_procrustes *p, size_t d_a,
+                                          size_t d_b, const bico__creader *rd,
+                                          float *r, size_t ld_r,
+                                          size_t *rank) {
+  static const char fn[] = "procrustes_solve_matrix";
+  if (p == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = p->ctx;
+  bico__clear(ctx);
+  if (p->center || p->whiten > 0)
+    return bico__fail(ctx, BICO_E_STATE,
+                      "%s: centering and whitening need an accumulator", fn);
+  size_t total;
+  if (d_a == 0 || d_b == 0 || ld_r < d_b || bico__mul(d_a, d_b, &total) ||
+      d_a > INT_MAX || d_b > INT_MAX)
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: bad shape %zu x %zu", fn, d_a,
+                      d_b);
+  int try_alt = 1;
+  bico_status st;
+  if (p->method == BICO_PROC_EIG) {
+    int done = 0;
+    st = eig_core(p, fn, d_a, d_b, rd, r, ld_r, rank, &done);
+    if (st != BICO_OK || done) return st;
+    try_alt = 0;
+  }
+  double *m = bico__calloc(ctx, total, sizeof(double));
+  if (m == NULL) return BICO_E_NOMEM;
+  st = rd->block(rd->opaque, 0, d_a, 0, d_b, m, d_b);
+  if (rd->release) rd->release(rd->opaque);
+  if (st == BICO_OK) st = bico__check_finite_f64(ctx, fn, "c", m, d_a, d_b, d_b);
+  if (st == BICO_OK) st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank, try_alt);
   bico__free(ctx, m);
   return st;
 }

@@ -1,4 +1,7 @@
 /* safetensors: validating mmap reader, sharded index, atomic writer. */
+/* madvise(MADV_DONTNEED) is not in POSIX (posix_madvise's DONTNEED is a
+ * no-op in glibc). */
+#define _DEFAULT_SOURCE 1
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -977,6 +980,25 @@ static int host_little_endian(void) {
   return b == 1;
 }
 
+/* Releases the resident pages that lie wholly inside [p, p + n) of a
+ * read-only mapping: after a tensor has been copied out or scanned, its
+ * pages need not stay in the process's resident set (a later access reads
+ * them again from the page cache).  This keeps a run that streams through
+ * checkpoints larger than memory at the size of its working buffers. */
+static void drop_pages(const unsigned char *p, size_t n) {
+  static long page = 0;
+  if (page == 0) page = sysconf(_SC_PAGESIZE);
+  if (page <= 0 || n < (size_t)page) return;
+  uintptr_t a = ((uintptr_t)p + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
+  uintptr_t b = ((uintptr_t)p + n) & ~((uintptr_t)page - 1);
+  if (b > a) (void)madvise((void *)a, b - a, MADV_DONTNEED);
+}
+
+void bico__stfile_drop(const bico_stfile *f, size_t index) {
+  if (f != NULL && index < f->count)
+    drop_pages(f->tensors[index].data, f->tensors[index].nbytes);
+}
+
 static bico_status read_range(const bico_stfile *f, const char *fn,
                               size_t index, size_t first, size_t count,
                               void *out, int to_f64) {
@@ -1011,6 +1033,7 @@ static bico_status read_range(const bico_stfile *f, const char *fn,
       for (size_t k = 0; k < count; k++) o[k] = elem_f64(p + k * es, t->dtype);
     }
   }
+  drop_pages(p, count * es);
   return BICO_OK;
 }
 
@@ -1069,6 +1092,7 @@ bico_status bico_stfile_check_finite(const bico_stfile *f, size_t index) {
                         isnan(v) ? "NaN" : "Inf", k);
     }
   }
+  drop_pages(t->data, t->nbytes);
   return BICO_OK;
 }
 

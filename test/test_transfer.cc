@@ -444,3 +444,120 @@ TEST(ModelOom, EveryAllocationFailureIsReportedAndCleanedUp) {
 }
 
 }  // namespace
+
+// ---- The solver pool (BICO_TRANSFER_WORKERS) ----
+
+TEST(TransferPipeline, ParamsDefaultsAndBounds) {
+  bt::Ctx ctx;
+  Transfer tr(ctx);
+  double v = -1;
+  ASSERT_EQ(bico_transfer_get_param(tr.t, BICO_TRANSFER_PROC_METHOD, &v), BICO_OK);
+  EXPECT_EQ(v, BICO_PROC_EIG);
+  ASSERT_EQ(bico_transfer_get_param(tr.t, BICO_TRANSFER_WORKERS, &v), BICO_OK);
+  EXPECT_EQ(v, 1);
+  ASSERT_EQ(bico_transfer_get_param(tr.t, BICO_TRANSFER_SOLVE_MEMORY, &v), BICO_OK);
+  EXPECT_EQ(v, 0);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 0), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 1.5), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 1025), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_PROC_METHOD, 3), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_SOLVE_MEMORY, -1), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 4), BICO_OK);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_PROC_METHOD, BICO_PROC_SVD), BICO_OK);
+}
+
+// Every worker count, with and without a memory cap that forces one solve
+// at a time, from calibration files and from a statistics file, and with
+// each Procrustes route: the planted answer, and outputs and reports
+// byte-identical to the single-threaded run.
+TEST(TransferPipeline, WorkersGiveTheSerialBytes) {
+  Chain c;
+  bt::Ctx ctx;
+  std::string stats = c.dir + "/stats.safetensors";
+  ASSERT_EQ(bico_stats_from_calib(ctx, c.calA.c_str(), c.calB.c_str(), nullptr,
+                                  stats.c_str()),
+            BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  std::string out = c.dir + "/out.safetensors", rep = c.dir + "/report.json";
+  for (int from_stats : {0, 1}) {
+    for (int method : {BICO_PROC_EIG, BICO_PROC_SVD}) {
+      std::string want_out, want_rep;
+      for (double workers : {1.0, 2.0, 3.0, 8.0}) {
+        for (double cap : {0.0, 1.0}) {
+          SCOPED_TRACE(testing::Message() << "stats " << from_stats << " method " << method
+                                          << " workers " << workers << " cap " << cap);
+          Transfer tr(ctx);
+          tr.file(BICO_FILE_SOURCE_BASE, c.A);
+          tr.file(BICO_FILE_SOURCE_TUNED, c.Aft);
+          tr.file(BICO_FILE_TARGET_BASE, c.B);
+          if (from_stats) {
+            tr.file(BICO_FILE_STATS, stats);
+          } else {
+            tr.file(BICO_FILE_SOURCE_CALIB, c.calA);
+            tr.file(BICO_FILE_TARGET_CALIB, c.calB);
+          }
+          tr.file(BICO_FILE_OUTPUT, out);
+          tr.file(BICO_FILE_REPORT, rep);
+          ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_PROC_METHOD, method), BICO_OK);
+          ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, workers), BICO_OK);
+          ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_SOLVE_MEMORY, cap), BICO_OK);
+          ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+          c.expect_exact(out);
+          if (want_out.empty()) {
+            want_out = slurp(out);
+            want_rep = slurp(rep);
+          } else {
+            EXPECT_EQ(slurp(out), want_out);
+            EXPECT_EQ(slurp(rep), want_rep);
+          }
+        }
+      }
+    }
+  }
+}
+
+// A failure inside a worker (a statistic the file lacks, a statistic with
+// the wrong shape) reaches the caller with the message a serial run gives,
+// and nothing is written.
+TEST(TransferPipeline, WorkerFailuresNameTheCulprit) {
+  Chain c;
+  bt::Ctx ctx;
+  std::string stats = c.dir + "/stats.safetensors", bad = c.dir + "/delta.safetensors";
+  ASSERT_EQ(bico_stats_from_calib(ctx, c.calA.c_str(), c.calB.c_str(), nullptr,
+                                  stats.c_str()),
+            BICO_OK);
+  std::string out = c.dir + "/out.safetensors";
+  auto s = read(stats);
+  for (int variant : {0, 1}) {
+    File f;
+    for (auto &e : s) {
+      if (e.first == "blocks.1.fc.out_xcov") {
+        if (variant == 0) continue;  // missing
+        Tensor t = e.second;         // wrong shape
+        t.shape = {c.d / 2, c.d * 2};
+        f.push_back({e.first, t});
+        continue;
+      }
+      f.push_back(e);
+    }
+    write(bad, f);
+    std::string serial_msg;
+    for (double workers : {1.0, 3.0}) {
+      SCOPED_TRACE(testing::Message() << "variant " << variant << " workers " << workers);
+      Transfer tr(ctx);
+      tr.file(BICO_FILE_SOURCE_BASE, c.A);
+      tr.file(BICO_FILE_SOURCE_TUNED, c.Aft);
+      tr.file(BICO_FILE_TARGET_BASE, c.B);
+      tr.file(BICO_FILE_STATS, bad);
+      tr.file(BICO_FILE_OUTPUT, out);
+      ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, workers), BICO_OK);
+      EXPECT_EQ(bico_transfer_run(tr.t), variant == 0 ? BICO_E_NOTFOUND : BICO_E_SHAPE);
+      std::string msg = bico_ctx_errmsg(ctx);
+      EXPECT_NE(msg.find("blocks.1.fc.out_xcov"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(bad), std::string::npos) << msg;
+      if (serial_msg.empty()) serial_msg = msg;
+      else EXPECT_EQ(msg, serial_msg);
+      EXPECT_EQ(access(out.c_str(), F_OK), -1);
+    }
+  }
+}

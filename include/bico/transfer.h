@@ -100,8 +100,29 @@ typedef enum bico_transfer_param {
   BICO_TRANSFER_NULL = 4,         /* bico_null_completion; default KEEP */
   BICO_TRANSFER_RANK_TOL = 5,     /* [0, 1); default 1e-5 */
   BICO_TRANSFER_CENTER = 6,       /* 0 or 1; default 0 */
-  BICO_TRANSFER_WHITEN = 7        /* [0, 0.5]; default 0 */
+  BICO_TRANSFER_WHITEN = 7,       /* [0, 0.5]; default 0 */
+  BICO_TRANSFER_PROC_METHOD = 8,  /* bico_procrustes_method; default EIG */
+  BICO_TRANSFER_WORKERS = 9,      /* solver threads, 1..1024; default 1 */
+  BICO_TRANSFER_SOLVE_MEMORY = 10 /* bytes, >= 0; default 0 (no limit) */
 } bico_transfer_param;
+
+/* Pipelining (BICO_TRANSFER_WORKERS > 1, BiCo methods on checkpoints;
+ * LoRA adapters are solved in the calling thread): the maps are solved by that many threads, each with its own
+ * context (the caller's allocator, which must then be thread-safe), its
+ * own Procrustes solver and its own handles on the statistics or
+ * calibration files, while the calling thread reads task vectors, applies
+ * the maps and writes the output in the target's order.  Workers solve the
+ * maps in the order the tensors need them, at most WORKERS maps ahead of
+ * the tensor being written; the output is byte-identical to a run with one
+ * worker.  BLIS threads: every GEMM of a worker, like the calling
+ * thread's, uses the context's BICO_CTX_THREADS; the BLAS calls inside
+ * LAPACK follow BLIS's process-wide setting (BLIS_NUM_THREADS).  With
+ * WORKERS > 1, keep both at (cores / WORKERS): BLIS teams spin at their
+ * barriers, and oversubscribed cores stall them (bico transfer does this
+ * for --threads N --workers W).  BICO_TRANSFER_SOLVE_MEMORY caps the estimated working set
+ * of the solves in flight (statistic, eigen- or SVD workspace, maps): a
+ * worker waits while starting its next solve would exceed it, unless no
+ * other solve is running. */
 
 /* String options (bico_transfer_set_string).  NULL restores the default. */
 typedef enum bico_transfer_string {

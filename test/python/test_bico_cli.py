@@ -612,3 +612,37 @@ def test_sharded_target_and_dtypes_are_kept(tmp_path):
     by = {e["name"]: e for e in json.load(open(rep))["tensors"]}
     assert by["extra.weight"]["handling"] == "unchanged" and by["extra.weight"]["source"] is None
     assert "reason" in by["extra.weight"]
+
+
+def test_workers_and_proc_methods_give_the_same_answer(vit, tmp_path):
+    """--threads/--workers: the maps are solved by W threads while the main
+    thread writes; the output and report are byte-identical to one thread
+    (on the planted ViT: splits, ties, norms, rank-deficient residual maps
+    that fall back to the SVD).  --proc-method svd and polar reach the same
+    planted answer.  Bad values are usage errors."""
+    f = vit["files"]
+    common = ["transfer", "--method", "bico", "--source-base", f["A"],
+              "--source-tuned", f["Aft"], "--target-base", f["B"],
+              "--source-calib", f["calA"], "--target-calib", f["calB"],
+              "--split", "attn.qkv=3",
+              "-q"]
+    runs = {}
+    for opts in (["--threads", "1"], ["--threads", "3"], ["--threads", "2", "--workers", "1"],
+                 ["--threads", "4", "--workers", "2"],
+                 ["--threads", "3", "--solve-memory", "1K"]):
+        key = " ".join(opts)
+        out, rep = tmp_path / f"o{len(runs)}.safetensors", tmp_path / f"r{len(runs)}.json"
+        bico(*common, *opts, "--report", rep, "--output", out)
+        runs[key] = (open(out, "rb").read(), open(rep, "rb").read())
+    first = runs["--threads 1"]
+    for key, got in runs.items():
+        assert got == first, key
+    for method in ("svd", "polar", "eig"):
+        out = tmp_path / f"{method}.safetensors"
+        bico(*common, "--proc-method", method, "--threads", "2", "--output", out)
+        check_vit_exact(vit, out)
+    for bad in (["--workers", "0"], ["--workers", "x"], ["--proc-method", "qr"],
+                ["--solve-memory", "12Q"], ["--solve-memory", "-1"]):
+        r = bico(*common, *bad, "--output", tmp_path / "bad.safetensors", ok=False)
+        assert r.returncode == 2 and bad[0] in r.stderr, (bad, r.stderr)
+        assert not os.path.exists(tmp_path / "bad.safetensors")

@@ -1,5 +1,6 @@
 /* bico transfer: options -> bico_transfer -> run. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -25,7 +26,11 @@ static const char HELP[] =
     "parameters\n"
     "    [--null keep|drop] [--rank-tol T]         rank-deficient maps\n"
     "    [--center] [--whiten P]\n"
-    "    [--threads N]\n"
+    "    [--threads N] [--workers W]               N threads in all; W map\n"
+    "                                              solvers (default N)\n"
+    "    [--proc-method eig|svd|polar]             Procrustes route (eig)\n"
+    "    [--solve-memory SIZE]                     cap on the solves in\n"
+    "                                              flight, e.g. 600M, 2G\n"
     "    [--delta-output D.safetensors] [--report R.json] [--quiet]\n"
     "    --output B_ft.safetensors\n"
     "\n"
@@ -73,12 +78,28 @@ static int split_eq(const char *s, char *a, size_t cap, const char **b) {
   return 0;
 }
 
+/* "123", "600M", "2G": bytes (K, M, G are powers of 1024). */
+static int parse_bytes(const char *s, double *out) {
+  char *end;
+  double v = strtod(s, &end);
+  if (end == s || !(v >= 0) || v > 9e15) return -1;
+  double unit = 1;
+  if (*end == 'K' || *end == 'k') unit = 1024.0, end++;
+  else if (*end == 'M' || *end == 'm') unit = 1024.0 * 1024, end++;
+  else if (*end == 'G' || *end == 'g') unit = 1024.0 * 1024 * 1024, end++;
+  if (*end != '\0' || v * unit > 9e15) return -1;
+  *out = (double)(long long)(v * unit);
+  return 0;
+}
+
 int cmd_transfer(int argc, char **argv) {
   const char *files[NFILE_OPTS] = {0};
   const char *method = NULL, *blocks = NULL, *norm_map = NULL, *null_mode = NULL;
   double alpha = 1.0, rank_tol = -1, whiten = 0;
   int center = 0, quiet = 0, merge_into_base = 0;
-  size_t threads = 1;
+  size_t threads = 1, workers = 0;
+  double solve_memory = 0;
+  const char *proc_method = NULL;
   const char *splits[256], *ties[256];
   size_t nsplits = 0, nties = 0;
 
@@ -142,6 +163,17 @@ int cmd_transfer(int argc, char **argv) {
     VALUE("--threads",
           if (cli_size(v, &threads) || threads > 1024) return cli_error(
               CMD, CLI_USAGE, "--threads %s: expected an integer in 1..1024",
+              v))
+    VALUE("--workers",
+          if (cli_size(v, &workers) || workers > 1024) return cli_error(
+              CMD, CLI_USAGE, "--workers %s: expected an integer in 1..1024",
+              v))
+    VALUE("--proc-method", proc_method = v)
+    VALUE("--solve-memory",
+          if (parse_bytes(v, &solve_memory)) return cli_error(
+              CMD, CLI_USAGE,
+              "--solve-memory %s: expected bytes, optionally with K, M or G "
+              "(powers of 1024)",
               v))
     VALUE("--split", if (nsplits == 256) return cli_error(
                          CMD, CLI_USAGE, "too many --split options");
@@ -218,11 +250,32 @@ int cmd_transfer(int argc, char **argv) {
                           null_mode);
   }
 
+  int pm = BICO_PROC_EIG;
+  if (proc_method) {
+    if (strcmp(proc_method, "eig") == 0) pm = BICO_PROC_EIG;
+    else if (strcmp(proc_method, "svd") == 0) pm = BICO_PROC_SVD;
+    else if (strcmp(proc_method, "polar") == 0) pm = BICO_PROC_POLAR;
+    else return cli_error(CMD, CLI_USAGE,
+                          "--proc-method %s: expected eig, svd or polar",
+                          proc_method);
+  }
+  if (workers == 0) workers = threads;
+  size_t blas_threads = threads;
+  if (workers > 1) {
+    /* N threads in all: each solver (and the writing thread) runs BLIS with
+     * its share, and so do the BLAS calls inside LAPACK, which follow
+     * BLIS's process-wide count, read when BLIS first starts. */
+    blas_threads = threads / workers ? threads / workers : 1;
+    char share[32];
+    snprintf(share, sizeof share, "%zu", blas_threads);
+    setenv("BLIS_NUM_THREADS", share, 1);
+  }
+
   bico_ctx *ctx = NULL;
   bico_transfer *t = NULL;
   if (bico_ctx_create(&ctx) != BICO_OK)
     return cli_error(CMD, CLI_FAIL, "out of memory");
-  bico_status st = bico_ctx_set_param(ctx, BICO_CTX_THREADS, (long)threads);
+  bico_status st = bico_ctx_set_param(ctx, BICO_CTX_THREADS, (long)blas_threads);
   if (st == BICO_OK) st = bico_transfer_create(ctx, &t);
   for (size_t f = 0; f < NFILE_OPTS && st == BICO_OK; f++)
     if (files[f]) st = bico_transfer_set_file(t, FILES[f].file, files[f]);
@@ -240,6 +293,12 @@ int cmd_transfer(int argc, char **argv) {
     st = bico_transfer_set_param(t, BICO_TRANSFER_WHITEN, whiten);
   if (st == BICO_OK && blocks)
     st = bico_transfer_set_string(t, BICO_TRANSFER_BLOCKS, blocks);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_PROC_METHOD, pm);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_WORKERS, (double)workers);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_SOLVE_MEMORY, solve_memory);
   int code = CLI_FAIL;
   for (size_t k = 0; k < nsplits && st == BICO_OK; k++) {
     char suffix[1024];

@@ -156,10 +156,12 @@ FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
          "target_base": 4, "source_calib": 5, "target_calib": 6, "stats": 7,
          "target_votes": 8, "output": 9, "delta_output": 10, "report": 11}
 PARAMS = {"method": 1, "alpha": 2, "norm_map": 3, "null": 4, "rank_tol": 5,
-          "center": 6, "whiten": 7}
+          "center": 6, "whiten": 7, "proc_method": 8, "workers": 9,
+          "solve_memory": 10}
 STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3}
 _ENUMS = {"method": METHODS, "norm_map": {"act": 0, "grad": 1},
-          "null": {"keep": 0, "drop": 1}}
+          "null": {"keep": 0, "drop": 1},
+          "proc_method": {"svd": 0, "eig": 1, "polar": 2}}
 
 
 class Transfer(_Handle):
@@ -249,7 +251,8 @@ def transfer_files(source_base, target_base, output, source_tuned=None,
                    ties=None, log=None, **options):
     """Runs the C driver on files: what `bico transfer` does.  options:
     norm_map ("act"|"grad"), null ("keep"|"drop"), rank_tol, center,
-    whiten, blocks, source_blocks, target_blocks.  split {suffix: k}, ties
+    whiten, proc_method ("eig"|"svd"|"polar"), workers (solver threads),
+    solve_memory (bytes), blocks, source_blocks, target_blocks.  split {suffix: k}, ties
     {tensor: module}.  Returns (updated, unchanged) tensor counts."""
     with Transfer(log=log) as t:
         for k, v in (("source_base", source_base),
