@@ -422,7 +422,7 @@ leak-check:
 # make tsan-check: the thread tests under ThreadSanitizer (library and tests
 # built with -fsanitize=thread in build/tsan).  BLIS and libgomp are not
 # instrumented; test/tsan.supp names what of theirs is suppressed and why.
-TSAN_FILTER ?= RobustThreads.*:Planted.TwoContexts*
+TSAN_FILTER ?= RobustThreads.*:Planted.TwoContexts*:TransferPipeline.*
 tsan-check:
 	$(MAKE) --no-print-directory BUILD=build/tsan SANITIZE= OPT='-O1 -g' \
 	  CFLAGS=-fsanitize=thread CXXFLAGS=-fsanitize=thread LDFLAGS=-fsanitize=thread \

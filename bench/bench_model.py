@@ -7,9 +7,10 @@ Runs (full depth by default):
   3. ViT-B/16 (12 blocks, 768, MLP 3072) -> ViT-B/16-plus-like (12 blocks,
      896, MLP 3584), --threads T, libbico and the PyTorch twin;
   4. scaling, libbico alone: the same with --threads 1, and the target
-     widened and deepened to ViT-L/14 shapes (24 blocks, 1024, MLP 4096)
-     with --threads T.  --full adds the PyTorch twin to the scaling rows.
---blocks N runs N source and N target blocks (N and 2N for L/14) instead.
+     widened and deepened to ViT-L/14 shapes (twice the source's depth,
+     1024, MLP 4096) with --threads T; at a third of the depth (4 -> 4 and
+     4 -> 8 blocks) unless --full (12 -> 12 and 12 -> 24).
+--blocks N runs N source and N target blocks (scaling rows N/3) instead.
 
 Usage: bench_model.py --bin DIR [--threads T] [--blocks N] [--quick]
                       [--full] [--keep DIR]"""
@@ -56,7 +57,7 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--blocks", type=int, default=12)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--full", action="store_true", help="the PyTorch twin on the scaling rows too")
+    ap.add_argument("--full", action="store_true", help="the scaling rows at full depth")
     ap.add_argument("--keep", default=None, help="keep the generated files in this directory")
     a = ap.parse_args()
     bico = os.path.join(os.path.dirname(os.path.abspath(a.bin)), "bin", "bico")
@@ -65,12 +66,17 @@ def main():
         return
     ap_threads = max(1, a.threads)
     nb = a.blocks
+    # The scaling rows run a third of the depth unless --full: at full depth
+    # they take 6 minutes more than the 15 of make bench (docs/performance.md
+    # has both).  Per-block cost does not depend on depth (blocks are
+    # independent), so the short rows still show the growth.
+    sb = nb if a.full else max(1, nb // 3)
     # (name, d_a, mlp_a, blocks_a, d_b, mlp_b, blocks_b, threads, with torch)
     configs = [("B/16 -> B/16+", 768, 3072, nb, 896, 3584, nb, ap_threads, True),
-               ("B/16 -> B/16+", 768, 3072, nb, 896, 3584, nb, 1, a.full),
-               ("B/16 -> L/14", 768, 3072, nb, 1024, 4096, 2 * nb, ap_threads, a.full)]
+               ("B/16 -> B/16+", 768, 3072, sb, 896, 3584, sb, 1, False),
+               ("B/16 -> L/14", 768, 3072, sb, 1024, 4096, 2 * sb, ap_threads, False)]
     if ap_threads == 1:
-        configs[1] = configs[1][:7] + (2, a.full)
+        configs[1] = configs[1][:7] + (2, False)
     if a.quick:
         configs = [(n, da // 8, ma // 8, la, db // 8, mb // 8, lb, t, True)
                    for n, da, ma, la, db, mb, lb, t, _ in configs]
@@ -119,7 +125,7 @@ def main():
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
     print("# RSS/B = bico's peak RSS over the target checkpoint's size (target <= 1.5); '-' = twin not run")
-    print("# (scaling rows run libbico alone unless --full); blocks = source -> target depth")
+    print("# scaling rows: libbico alone, at a third of the depth unless --full; blocks = source -> target depth")
     print()
 
 

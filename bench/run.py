@@ -88,7 +88,7 @@ def main():
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--sections", default="xcov,procrustes,model,lora",
                     help="comma-separated subset of xcov, procrustes, model, lora")
-    ap.add_argument("--full", action="store_true", help="also the 4096 x 4096 Procrustes and the ViT-L/14-wide model (beyond 15 minutes)")
+    ap.add_argument("--full", action="store_true", help="also the 4096 x 4096 Procrustes and the scaling rows at full depth (beyond 15 minutes)")
     a = ap.parse_args()
     env = dict(os.environ)
     env["BLIS_NUM_THREADS"] = str(a.threads)

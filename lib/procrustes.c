@@ -19,6 +19,8 @@
 #define EIG_MIN_RATIO 1e-4
 /* Rows of R formed per GEMM by the EIG route (a panel of doubles). */
 #define EIG_PANEL 256
+/* Power steps estimating lambda_max of the Gram for the Cholesky test. */
+#define EIG_POWER_STEPS 8
 /* Newton-Schulz: stop once ||X X^T - I||_F is below this (one more step
  * then squares it), give up (and use the SVD) after POLAR_MAX_ITER. */
 #define POLAR_CONVERGED 1e-7
@@ -273,11 +275,12 @@ static bico_status matrix_block(void *opaque, size_t i0, size_t ni, size_t j0,
  * the eigensolver and reused for P, and the eigenvectors; no d_a x d_b
  * double buffer.
  *
- * Certificate first: a Cholesky factor of G - ratio^2 ||G||_F I proves
- * lambda_min > ratio^2 ||G||_F >= ratio^2 lambda_max at the cost of a third
- * of a GEMM, so a rank-deficient or badly conditioned statistic hands over
- * to the SVD before the eigendecomposition is paid for; the eigenvalues are
- * then checked against the same bound.  Sets *done = 0 without touching
+ * Test first: a Cholesky factor of G - ratio^2 lambda_est I, with
+ * lambda_est <= lambda_max from a few power steps, exists whenever the
+ * certificate below can hold, and costs a third of a GEMM: a rank-deficient
+ * or badly conditioned statistic hands over to the SVD before the
+ * eigendecomposition is paid for.  The certificate itself is on the
+ * computed eigenvalues: lambda_min > ratio^2 lambda_max.  Sets *done = 0 without touching
  * r or the spectrum when either test fails (the caller runs the SVD); a
  * non-finite entry of C fails the solve (BICO_E_NONFINITE). */
 static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
@@ -292,7 +295,7 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
   double wq = 0, vl = 0, vu = 0, abstol = 0, one = 1.0, zero = 0.0;
   bico_status st = BICO_OK;
   double *g = NULL, *z = NULL, *w = NULL, *work = NULL, *s = NULL,
-         *cp = NULL, *op = NULL;
+         *cp = NULL, *op = NULL, *pv = NULL;
   int *iwork = NULL, *isuppz = NULL;
   rntm_t rntm;
   bli_rntm_init(&rntm);
@@ -308,8 +311,9 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
   isuppz = bico__calloc(ctx, k, 2 * sizeof(int));
   cp = bico__calloc(ctx, k, pw * sizeof(double));
   op = bico__calloc(ctx, k, pw * sizeof(double));
+  pv = bico__calloc(ctx, k, 2 * sizeof(double));
   if (g == NULL || z == NULL || w == NULL || isuppz == NULL || cp == NULL ||
-      op == NULL) {
+      op == NULL || pv == NULL) {
     st = BICO_E_NOMEM;
     goto done;
   }
@@ -340,16 +344,31 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
                    1, (inc_t)k, beta, g, (inc_t)k, 1, NULL, &rntm);
   }
   if (rd->release) rd->release(rd->opaque);
-  /* ||G||_F from the lower triangle; z = G - ratio^2 ||G||_F I. */
-  double fro = 0;
-  for (size_t i = 0; i < k; i++) {
-    fro += g[i * k + i] * g[i * k + i];
-    for (size_t j = 0; j < i; j++) fro += 2.0 * g[i * k + j] * g[i * k + j];
+  /* lambda_max from below: a few power steps on G from the all-ones
+   * vector (op holds the iterates).  A low estimate only lets more
+   * statistics through to the eigensolver, whose eigenvalues decide. */
+  double lmax = 0;
+  {
+    double *x = pv, *y = pv + k;
+    for (size_t i = 0; i < k; i++) x[i] = 1.0 / sqrt((double)k);
+    for (int it = 0; it < EIG_POWER_STEPS; it++) {
+      bli_dsymv_ex(BLIS_LOWER, BLIS_NO_CONJUGATE, BLIS_NO_CONJUGATE, (dim_t)k,
+                   &one, g, (inc_t)k, 1, x, 1, &zero, y, 1, NULL, &rntm);
+      double xy = 0, yy = 0;
+      for (size_t i = 0; i < k; i++) {
+        xy += x[i] * y[i];
+        yy += y[i] * y[i];
+      }
+      if (xy > lmax) lmax = xy; /* Rayleigh quotient <= lambda_max */
+      if (!(yy > 0) || !isfinite(yy)) break;
+      const double f = 1.0 / sqrt(yy);
+      for (size_t i = 0; i < k; i++) x[i] = y[i] * f;
+    }
   }
-  fro = sqrt(fro);
-  if (!(fro > 0) || !isfinite(fro)) goto done;
+  if (!(lmax > 0) || !isfinite(lmax)) goto done;
+  /* z = G - ratio^2 lambda_est I must have a Cholesky factor. */
   memcpy(z, g, k * k * sizeof(double));
-  for (size_t i = 0; i < k; i++) z[i * k + i] -= ratio * ratio * fro;
+  for (size_t i = 0; i < k; i++) z[i * k + i] -= ratio * ratio * lmax;
   dpotrf_("U", &ki, z, &ki, &info, 1);
   if (info != 0) goto done; /* not certified: the SVD */
 
@@ -424,6 +443,7 @@ done:
   bico__free(ctx, s);
   bico__free(ctx, cp);
   bico__free(ctx, op);
+  bico__free(ctx, pv);
   return st;
 }
 
