@@ -175,6 +175,13 @@ def test_multihead_attention_projections_are_collected(batch_first):
                                 engine="python")
     for k in new:
         assert torch.allclose(new[k], py[k], atol=1e-5), k
+    # the C driver's pool and Procrustes routes: the same answer
+    for opts in (dict(workers=3), dict(proc_method="svd", workers=2),
+                 dict(proc_method="polar", solve_memory=1)):
+        other = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(),
+                                       col, engine="c", **opts)
+        for k in new:
+            assert torch.allclose(new[k], other[k], atol=1e-5), (opts, k)
 
 
 class _Call(nn.Module):

@@ -99,7 +99,8 @@ def transfer_via_driver(source_base, source_tuned, target_base, stats,
             _st.write(p("votes.safetensors"), vt)
             files["target_votes"] = p("votes.safetensors")
         opts = dict(norm_map=norm_map)
-        for k in ("null", "rank_tol", "center", "whiten"):
+        for k in ("null", "rank_tol", "center", "whiten", "proc_method",
+                  "workers", "solve_memory"):
             if k in procrustes_options:
                 opts[k] = procrustes_options.pop(k)
         if procrustes_options:
