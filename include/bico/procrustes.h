@@ -27,7 +27,7 @@
  *   BICO_PROC_METHOD      how U V^T is computed (bico_procrustes_method):
  *                         BICO_PROC_EIG (default): eigendecomposition
  *                         (dsyevr) of the smaller Gram matrix C C^T or
- *                         C^T C, then R = (C C^T)^-1/2 C; two to four times
+ *                         C^T C, then R = (C C^T)^-1/2 C; two to three times
  *                         faster than the SVD and about half its memory,
  *                         used only when it certifies sigma_min / sigma_max
  *                         above max(1e-4, RANK_TOL) (a Cholesky test before
