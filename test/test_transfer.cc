@@ -4,6 +4,8 @@
 // rotation (testutil's reference algebra), not from the code under test.
 #include <gtest/gtest.h>
 
+#include <atomic>
+
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -559,5 +561,78 @@ TEST(TransferPipeline, WorkerFailuresNameTheCulprit) {
       else EXPECT_EQ(msg, serial_msg);
       EXPECT_EQ(access(out.c_str(), F_OK), -1);
     }
+  }
+}
+
+// Allocation failures anywhere, including inside the solver threads (whose
+// contexts share the caller's allocator; this one is thread-safe): the run
+// reports BICO_E_NOMEM, writes nothing and frees every block, whichever
+// thread hit the failure.
+namespace {
+struct AtomicFailing {
+  std::atomic<long> count{0}, live{0};
+  long fail_at = 0;
+};
+void *atomic_fail_alloc(void *o, size_t n) {
+  auto *f = static_cast<AtomicFailing *>(o);
+  if (++f->count == f->fail_at) return nullptr;
+  f->live++;
+  return std::malloc(n);
+}
+void atomic_fail_free(void *o, void *p) {
+  if (p == nullptr) return;
+  static_cast<AtomicFailing *>(o)->live--;
+  std::free(p);
+}
+}  // namespace
+
+TEST(TransferPipeline, AllocationFailuresInWorkersAreReportedAndCleanedUp) {
+  Chain c;
+  bt::Ctx plain;
+  std::string stats = c.dir + "/stats.safetensors";
+  ASSERT_EQ(bico_stats_from_calib(plain, c.calA.c_str(), c.calB.c_str(), nullptr,
+                                  stats.c_str()),
+            BICO_OK);
+  std::string out = c.dir + "/out.safetensors";
+  for (int from_stats : {0, 1}) {
+    bool done = false;
+    long k;
+    for (k = 1; k < 100000 && !done; k++) {
+      AtomicFailing f;
+      bico_ctx *ctx = nullptr;
+      ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, atomic_fail_alloc, atomic_fail_free, &f),
+                BICO_OK);
+      f.fail_at = f.count + k;
+      bico_transfer *t = nullptr;
+      bico_status st = bico_transfer_create(ctx, &t);
+      std::vector<std::pair<int, std::string>> files = {
+          {BICO_FILE_SOURCE_BASE, c.A}, {BICO_FILE_SOURCE_TUNED, c.Aft},
+          {BICO_FILE_TARGET_BASE, c.B}, {BICO_FILE_OUTPUT, out}};
+      if (from_stats) {
+        files.push_back({BICO_FILE_STATS, stats});
+      } else {
+        files.push_back({BICO_FILE_SOURCE_CALIB, c.calA});
+        files.push_back({BICO_FILE_TARGET_CALIB, c.calB});
+      }
+      for (auto &fl : files)
+        if (st == BICO_OK) st = bico_transfer_set_file(t, fl.first, fl.second.c_str());
+      if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_WORKERS, 3);
+      if (st == BICO_OK) st = bico_transfer_add_split(t, "fc", 2);
+      if (st == BICO_OK) st = bico_transfer_run(t);
+      if (st == BICO_OK) {
+        done = true;
+        std::remove(out.c_str());
+      } else {
+        EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k << ": " << bico_ctx_errmsg(ctx);
+        EXPECT_EQ(access(out.c_str(), F_OK), -1) << "allocation " << k;
+      }
+      bico_transfer_free(t);
+      EXPECT_EQ(f.live.load(), 1) << "leak after failing allocation " << k;
+      bico_ctx_free(ctx);
+      if (::testing::Test::HasFailure()) break;
+    }
+    std::printf("[ oom      ] %s: succeeded at allocation %ld\n", from_stats ? "stats" : "calib", k - 1);
+    EXPECT_TRUE(done);
+    EXPECT_GT(k, 20);
   }
 }
