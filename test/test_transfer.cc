@@ -4,8 +4,6 @@
 // rotation (testutil's reference algebra), not from the code under test.
 #include <gtest/gtest.h>
 
-#include <atomic>
-
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -564,28 +562,10 @@ TEST(TransferPipeline, WorkerFailuresNameTheCulprit) {
   }
 }
 
-// Allocation failures anywhere, including inside the solver threads (whose
-// contexts share the caller's allocator; this one is thread-safe): the run
-// reports BICO_E_NOMEM, writes nothing and frees every block, whichever
-// thread hit the failure.
-namespace {
-struct AtomicFailing {
-  std::atomic<long> count{0}, live{0};
-  long fail_at = 0;
-};
-void *atomic_fail_alloc(void *o, size_t n) {
-  auto *f = static_cast<AtomicFailing *>(o);
-  if (++f->count == f->fail_at) return nullptr;
-  f->live++;
-  return std::malloc(n);
-}
-void atomic_fail_free(void *o, void *p) {
-  if (p == nullptr) return;
-  static_cast<AtomicFailing *>(o)->live--;
-  std::free(p);
-}
-}  // namespace
-
+// Allocation failures anywhere, including inside the solver threads
+// (whose contexts share the caller's allocator; bt::Failing counts
+// atomically): the run reports BICO_E_NOMEM, writes nothing and frees
+// every block, whichever thread hit the failure.
 TEST(TransferPipeline, AllocationFailuresInWorkersAreReportedAndCleanedUp) {
   Chain c;
   bt::Ctx plain;
@@ -598,10 +578,9 @@ TEST(TransferPipeline, AllocationFailuresInWorkersAreReportedAndCleanedUp) {
     bool done = false;
     long k;
     for (k = 1; k < 100000 && !done; k++) {
-      AtomicFailing f;
+      Failing f;
       bico_ctx *ctx = nullptr;
-      ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, atomic_fail_alloc, atomic_fail_free, &f),
-                BICO_OK);
+      ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, fail_alloc, fail_free, &f), BICO_OK);
       f.fail_at = f.count + k;
       bico_transfer *t = nullptr;
       bico_status st = bico_transfer_create(ctx, &t);
@@ -627,7 +606,7 @@ TEST(TransferPipeline, AllocationFailuresInWorkersAreReportedAndCleanedUp) {
         EXPECT_EQ(access(out.c_str(), F_OK), -1) << "allocation " << k;
       }
       bico_transfer_free(t);
-      EXPECT_EQ(f.live.load(), 1) << "leak after failing allocation " << k;
+      EXPECT_EQ(f.live, 1) << "leak after failing allocation " << k;
       bico_ctx_free(ctx);
       if (::testing::Test::HasFailure()) break;
     }

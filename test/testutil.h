@@ -5,6 +5,7 @@
 #ifndef BICO_TESTUTIL_H
 #define BICO_TESTUTIL_H
 
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -141,8 +142,11 @@ inline Mat rand_perm(Rng &g, size_t n) {
 // one (fail_once_alloc) or every one from the fail_at-th on
 // (fail_from_alloc; fail_at 0 never fails), and tracks the blocks still
 // live so a test can assert that every failure path freed what it took.
+// The counters are atomic: a transfer with solver threads allocates from
+// several threads through one allocator.
 struct Failing {
-  long count = 0, fail_at = 0, live = 0;
+  std::atomic<long> count{0}, live{0};
+  long fail_at = 0;
 };
 inline void *fail_once_alloc(void *o, size_t n) {
   auto *f = static_cast<Failing *>(o);
