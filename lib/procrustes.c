@@ -280,9 +280,10 @@ static bico_status matrix_block(void *opaque, size_t i0, size_t ni, size_t j0,
  * certificate below can hold, and costs a third of a GEMM: a rank-deficient
  * or badly conditioned statistic hands over to the SVD before the
  * eigendecomposition is paid for.  The certificate itself is on the
- * computed eigenvalues: lambda_min > ratio^2 lambda_max.  Sets *done = 0 without touching
- * r or the spectrum when either test fails (the caller runs the SVD); a
- * non-finite entry of C fails the solve (BICO_E_NONFINITE). */
+ * computed eigenvalues: lambda_min > ratio^2 lambda_max.  Sets *done = 0
+ * without touching r or the spectrum when either test fails (the caller
+ * runs the SVD); a non-finite entry of C fails the solve
+ * (BICO_E_NONFINITE). */
 static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
                             size_t d_b, const bico__creader *rd, float *r,
                             size_t ld_r, size_t *rank, int *done) {
@@ -414,9 +415,7 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
       st = rd->block(rd->opaque, 0, k, t0, n, cp, n);
       if (st != BICO_OK) goto done;
       bico__dgemm(ctx, 0, 0, k, n, k, 1.0, g, k, cp, n, 0.0, op, n);
-      for (size_t i = 0; i < k; i++)
-        for (size_t j = 0; j < n; j++)
-          r[i * ld_r + t0 + j] = (float)op[i * n + j];
+      store_r(op, k, n, r + t0, ld_r);
     } else {
       st = rd->block(rd->opaque, t0, n, 0, k, cp, k);
       if (st != BICO_OK) goto done;
@@ -668,6 +667,33 @@ done:
   return st;
 }
 
+/* A bare statistic (checked arguments, total = d_a d_b) read through rd:
+ * the EIG route straight from the reader, in panels; otherwise (another
+ * method, or EIG not certified) the whole matrix into one buffer, which
+ * the SVD destroys. */
+static bico_status solve_read(bico_procrustes *p, const char *fn, size_t d_a,
+                              size_t d_b, size_t total,
+                              const bico__creader *rd, float *r, size_t ld_r,
+                              size_t *rank) {
+  bico_ctx *ctx = p->ctx;
+  int try_alt = 1;
+  bico_status st;
+  if (p->method == BICO_PROC_EIG && d_a <= INT_MAX && d_b <= INT_MAX) {
+    int done = 0;
+    st = eig_core(p, fn, d_a, d_b, rd, r, ld_r, rank, &done);
+    if (st != BICO_OK || done) return st;
+    try_alt = 0;
+  }
+  double *m = bico__calloc(ctx, total, sizeof(double));
+  if (m == NULL) return BICO_E_NOMEM;
+  st = rd->block(rd->opaque, 0, d_a, 0, d_b, m, d_b);
+  if (rd->release) rd->release(rd->opaque);
+  if (st == BICO_OK) st = bico__check_finite_f64(ctx, fn, "c", m, d_a, d_b, d_b);
+  if (st == BICO_OK) st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank, try_alt);
+  bico__free(ctx, m);
+  return st;
+}
+
 bico_status bico_procrustes_solve(bico_procrustes *p, const bico_xcov *xc,
                                   float *r, size_t ld_r, size_t *rank) {
   static const char fn[] = "procrustes_solve";
@@ -773,26 +799,10 @@ bico_status bico_procrustes_solve_matrix(bico_procrustes *p, size_t d_a,
   if (bico__mul(d_a, d_b, &total))
     return bico__fail(ctx, BICO_E_SHAPE, "%s: %zu x %zu overflows", fn, d_a,
                       d_b);
-  bico_status st = bico__check_finite_f64(ctx, fn, "c", c, d_a, d_b, ld_c);
-  if (st != BICO_OK) return st;
-  int try_alt = 1;
-  if (p->method == BICO_PROC_EIG && d_a <= INT_MAX && d_b <= INT_MAX) {
-    /* Straight from the caller's matrix: no d_a x d_b copy unless the
-     * certificate fails and the SVD (which destroys its input) runs. */
-    int done = 0;
-    dense_src src = {c, ld_c};
-    const bico__creader rd = {matrix_block, NULL, &src};
-    st = eig_core(p, fn, d_a, d_b, &rd, r, ld_r, rank, &done);
-    if (st != BICO_OK || done) return st;
-    try_alt = 0;
-  }
-  double *m = bico__calloc(ctx, total, sizeof(double));
-  if (m == NULL) return BICO_E_NOMEM;
-  for (size_t i = 0; i < d_a; i++)
-    memcpy(m + i * d_b, c + i * ld_c, d_b * sizeof(double));
-  st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank, try_alt);
-  bico__free(ctx, m);
-  return st;
+  /* Every route checks C for NaN and Inf as it reads it. */
+  dense_src src = {c, ld_c};
+  const bico__creader rd = {matrix_block, NULL, &src};
+  return solve_read(p, fn, d_a, d_b, total, &rd, r, ld_r, rank);
 }
 
 bico_status bico__procrustes_solve_reader(bico_procrustes *p, size_t d_a,
@@ -811,20 +821,5 @@ bico_status bico__procrustes_solve_reader(bico_procrustes *p, size_t d_a,
       d_a > INT_MAX || d_b > INT_MAX)
     return bico__fail(ctx, BICO_E_SHAPE, "%s: bad shape %zu x %zu", fn, d_a,
                       d_b);
-  int try_alt = 1;
-  bico_status st;
-  if (p->method == BICO_PROC_EIG) {
-    int done = 0;
-    st = eig_core(p, fn, d_a, d_b, rd, r, ld_r, rank, &done);
-    if (st != BICO_OK || done) return st;
-    try_alt = 0;
-  }
-  double *m = bico__calloc(ctx, total, sizeof(double));
-  if (m == NULL) return BICO_E_NOMEM;
-  st = rd->block(rd->opaque, 0, d_a, 0, d_b, m, d_b);
-  if (rd->release) rd->release(rd->opaque);
-  if (st == BICO_OK) st = bico__check_finite_f64(ctx, fn, "c", m, d_a, d_b, d_b);
-  if (st == BICO_OK) st = solve_core(p, fn, d_a, d_b, m, r, ld_r, rank, try_alt);
-  bico__free(ctx, m);
-  return st;
+  return solve_read(p, fn, d_a, d_b, total, rd, r, ld_r, rank);
 }

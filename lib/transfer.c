@@ -489,8 +489,10 @@ static bico_status side_job(run *r, size_t mi, int side, sidejob *j) {
   j->da = side ? dout_a : din_a;
   j->db = side ? dout_b : din_b;
   j->k = side ? s->k : 1;
-  /* The statistic in double, two k x k eigen matrices (or the SVD's
-   * larger set, counted the same: an estimate), the maps in float. */
+  /* An estimate: a d_a x d_b double (the accumulator from calibration
+   * files, or the SVD's copy of the statistic; the EIG route reads a
+   * statistics file in panels instead), two k x k eigen matrices, the
+   * maps in float. */
   size_t mn = j->da < j->db ? j->da : j->db;
   j->cost = 8 * j->da * j->db + 16 * mn * mn / (j->k ? j->k : 1) +
             4 * j->da * j->db / (j->k ? j->k : 1);
@@ -508,6 +510,9 @@ typedef struct stat_src {
 static bico_status stat_block(void *opaque, size_t i0, size_t ni, size_t j0,
                               size_t nj, double *out, size_t ld) {
   const stat_src *s = opaque;
+  if (nj == s->ld && ld == nj) /* whole rows: one contiguous range */
+    return bico_stfile_read_f64_range(s->f, s->idx, (s->r0 + i0) * s->ld,
+                                      ni * nj, out);
   bico_status st = BICO_OK;
   for (size_t i = 0; i < ni && st == BICO_OK; i++)
     st = bico_stfile_read_f64_range(s->f, s->idx,
