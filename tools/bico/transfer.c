@@ -259,7 +259,8 @@ int cmd_transfer(int argc, char **argv) {
                           "--proc-method %s: expected eig, svd or polar",
                           proc_method);
   }
-  if (workers == 0) workers = threads;
+  /* Only the BiCo methods solve maps; the others keep N BLIS threads. */
+  if (workers == 0) workers = bico ? threads : 1;
   size_t blas_threads = threads;
   if (workers > 1) {
     /* N threads in all: each solver (and the writing thread) runs BLIS with
