@@ -38,6 +38,9 @@ int cli_double(const char *s, double *out);
 int cli_size(const char *s, size_t *out);
 
 /* Reports a library failure: the status text and the context's detail. */
+/* Chooses BLIS's kernels for the process before BLIS starts (may execute
+ * the program again with BLIS_ARCH_TYPE set); tools/bico/blisarch.c. */
+void cli_blis_arch(char **argv, int verbose);
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
 
 #endif
