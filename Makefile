@@ -100,7 +100,7 @@ $(BUILD)/lib/bico.pc: bico.pc.in include/bico/version.h
 # install` links its own copy whose RUNPATH is $(LIBDIR) alone, so an
 # installed program never reaches into the source tree.
 TOOL_LINK = $(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $(TOOL_SRCS) \
-	  -L$(BUILD)/lib -lbico $(BLIS_LIBS) $(LDSAN) -lm $(LDFLAGS)
+	  -L$(BUILD)/lib -lbico $(BLIS_LIBS) -lyaml $(LDSAN) -lm $(LDFLAGS)
 $(BUILD)/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB)
 	@mkdir -p $(@D)
 	$(TOOL_LINK) -Wl,-rpath,'$$ORIGIN/../lib'
@@ -343,7 +343,7 @@ $(BUILD)/obj/mpi/%.o: tools/bico-mpi/%.c $(wildcard tools/bico-mpi/*.h) $(wildca
 	$(MPICC) $(MPI_CFLAGS) -Itools/bico -c $< -o $@
 $(MPI_TOOL): $(MPI_OBJS) $(SHLIB)
 	@mkdir -p $(@D)
-	$(MPICC) -o $@ $(MPI_OBJS) -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lm $(LDFLAGS)
+	$(MPICC) -o $@ $(MPI_OBJS) -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lyaml -lm $(LDFLAGS)
 .PHONY: check-mpi
 check-mpi: $(MPI_TOOL) $(TOOL)
 	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \
