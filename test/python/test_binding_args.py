@@ -333,3 +333,18 @@ def test_transfer_state_dict_returns_the_kind_it_was_given(engine):
     import bico.torch as bt
     m.load_state_dict(bt.transfer_state_dict(
         a0, a1, m.state_dict(), method="naive", engine=engine))
+
+
+def test_has_is_false_for_what_the_library_lacks():
+    assert bico._lib.has("transport_weight")
+    assert not bico._lib.has("no_such_function")
+
+
+def test_python_engine_refuses_statistics_that_are_no_floats(tmp_path):
+    p = str(tmp_path / "stats.safetensors")
+    bico.safetensors.write(p, {"fc.in_xcov": np.ones((2, 2), np.int8),
+                               "fc.out_xcov": np.eye(2)})
+    sd = {"fc.weight": np.ones((2, 2), np.float32)}
+    with pytest.raises(bico.BicoError) as e:
+        bico.transfer_state_dict(sd, sd, sd, p, engine="python")
+    assert e.value.status == bico.E_FORMAT and "I8" in e.value.message

@@ -25,6 +25,7 @@ from hypothesis import given, settings, HealthCheck, strategies as st  # noqa
 REFUSED = (bico.BicoError, TypeError, ValueError)
 SET = settings(max_examples=int(__import__("os").environ.get(
     "BICO_HYPOTHESIS_EXAMPLES", "40")), deadline=None, derandomize=True,
+    database=None,
     suppress_health_check=list(HealthCheck))
 
 LAYOUTS = ["c", "fortran", "strided", "big-endian", "float64", "int16",

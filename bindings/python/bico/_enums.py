@@ -52,9 +52,9 @@ _METHOD_TABLE = {"bico": 1, "bico-in": 2, "bico-out": 3, "gradfix": 4,
 
 def _methods_from_library():
     """{name: value} from bico_method_name when the library has it."""
-    f = getattr(fn, "method_name", None)
-    if f is None or not has("method_name"):
+    if not has("method_name"):
         return None
+    f = fn.method_name
     out = {}
     for v in range(0, 64):
         raw = f(v)

@@ -230,6 +230,8 @@ class Transfer(_Handle):
     def set_log(self, log):
         if log is True:
             log = lambda line: sys.stderr.write(line + "\n")
+        if log is not None and not callable(log):
+            raise TypeError("Transfer: log must be callable, True or None")
         if log is None:
             self._log_cb = None
             _check(fn.transfer_set_log(self._alive(), None, None), self.ctx)

@@ -26,7 +26,7 @@ fused module a list of per-block XCov), or a path to a statistics file.
 import numpy as np
 
 from ._core import (BicoError, Procrustes, Votes, XCov, E_NOTFOUND, E_SHAPE,
-                    E_ARG, weight as _weight, weight_split as _weight_split,
+                    E_ARG, E_FORMAT, weight as _weight, weight_split as _weight_split,
                     vector as _vector, rows as _rows, naive as _naive,
                     pad as _pad)
 from ._args import plain as _to_numpy
@@ -76,13 +76,26 @@ def classify(names_shapes):
     return out
 
 
+def _read_stats(path):
+    """A statistics file's matrices as float64; the format holds F64 or F32
+    (an integer or BOOL tensor is no cross-covariance)."""
+    from . import safetensors
+    with safetensors.File(path) as f:
+        for n in f.keys():
+            dt, _ = f.info(n)
+            if dt not in ("F64", "F32"):
+                raise BicoError(E_FORMAT, "transfer: statistics file %s: "
+                                "tensor %s is %s; statistics are F64 or F32"
+                                % (f.path, n, dt))
+        return {n: f.get(n, np.float64) for n in f.keys()}
+
+
 class _Stats(object):
     """Maps solved lazily from a statistics dict, cached per module."""
 
     def __init__(self, stats, split, procrustes_options):
         if isinstance(stats, str) or hasattr(stats, "__fspath__"):
-            from . import safetensors
-            stats = safetensors.read(str(stats), dtype=np.float64)
+            stats = _read_stats(stats)
         self.stats = stats or {}
         self.split = split
         self.opts = procrustes_options
