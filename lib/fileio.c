@@ -29,6 +29,17 @@ char *bico__strdup(bico_ctx *ctx, const char *s) {
   return bico__strndup(ctx, s, strlen(s));
 }
 
+char *bico__path_join(bico_ctx *ctx, const char *dir, const char *file) {
+  size_t a = strlen(dir), b = strlen(file);
+  char *p = bico__alloc(ctx, a + b + 2);
+  if (p == NULL) return NULL;
+  memcpy(p, dir, a);
+  size_t o = a;
+  if (a == 0 || dir[a - 1] != '/') p[o++] = '/';
+  memcpy(p + o, file, b + 1);
+  return p;
+}
+
 static const char *kind_of(mode_t m) {
   if (S_ISDIR(m)) return "a folder";
   if (S_ISFIFO(m)) return "a FIFO";
@@ -204,13 +215,14 @@ bico_status bico__check_files(bico_ctx *ctx, const char *fn,
   for (size_t i = 0; i < n && st == BICO_OK; i++)
     if (u[i].path != NULL && u[i].output)
       st = check_dest(ctx, fn, &u[i], &ids[i]);
+  /* Each output against every other entry: outputs are few, inputs may
+   * be 100k shards, so this stays linear in the inputs. */
   for (size_t i = 0; i < n && st == BICO_OK; i++) {
-    if (u[i].path == NULL) continue;
-    for (size_t j = i + 1; j < n && st == BICO_OK; j++) {
-      if (u[j].path == NULL || !(u[i].output || u[j].output)) continue;
+    if (u[i].path == NULL || !u[i].output) continue;
+    for (size_t j = 0; j < n && st == BICO_OK; j++) {
+      if (j == i || u[j].path == NULL || (u[j].output && j < i)) continue;
       if (!fid_same(&ids[i], &ids[j])) continue;
-      const bico__fileuse *o = u[i].output ? &u[i] : &u[j];
-      const bico__fileuse *x = o == &u[i] ? &u[j] : &u[i];
+      const bico__fileuse *o = &u[i], *x = &u[j];
       st = bico__fail(ctx, BICO_E_ARG,
                       "%s: the %s %s is the same file as the %s %s; refusing "
                       "to overwrite %s (nothing was written)",

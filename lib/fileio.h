@@ -28,6 +28,9 @@
 char *bico__strdup(bico_ctx *ctx, const char *s);
 char *bico__strndup(bico_ctx *ctx, const char *s, size_t n);
 
+/* dir + "/" + file (no second '/' when dir ends in one). */
+char *bico__path_join(bico_ctx *ctx, const char *dir, const char *file);
+
 /* Opens `path` read-only (O_CLOEXEC) without blocking and checks that it
  * is a regular file; *fd gets the descriptor (blocking again) and *size its
  * length.  BICO_E_IO naming fn and the path otherwise ("is a FIFO, not a

@@ -783,16 +783,7 @@ static bico_status load_tensors(bico_lora *l, const char *path,
   return st;
 }
 
-static char *join(bico_ctx *ctx, const char *dir, const char *file) {
-  size_t a = strlen(dir), b = strlen(file);
-  char *p = bico__alloc(ctx, a + b + 2);
-  if (p == NULL) return NULL;
-  memcpy(p, dir, a);
-  size_t o = a;
-  if (a == 0 || dir[a - 1] != '/') p[o++] = '/';
-  memcpy(p + o, file, b + 1);
-  return p;
-}
+#define join bico__path_join
 
 bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
   if (out != NULL) *out = NULL;
@@ -1004,9 +995,61 @@ static bico_status write_tensors(const bico_lora *l, bico_stwriter *w) {
   return st;
 }
 
-/* Writes both files of an adapter to temporary files, checks both
- * destinations, then commits both: a failure anywhere leaves the folder as
- * it was (a folder this call created is removed again). */
+bico_status bico__lora_save_begin(const bico_lora *l, const char *fn,
+                                  const char *dir, bico__lora_out *o) {
+  bico_ctx *ctx = l->ctx;
+  memset(o, 0, sizeof *o);
+  o->cfg.fd = -1;
+  o->ctx = ctx;
+  if (l->nmods == 0)
+    return bico__fail(ctx, BICO_E_STATE,
+                      "%s: the adapter has no modules (%s not written)", fn,
+                      dir);
+  char *cpath = join(ctx, dir, "adapter_config.json");
+  char *tpath = join(ctx, dir, "adapter_model.safetensors");
+  o->dir = bico__strdup(ctx, dir);
+  bico_status st = cpath && tpath && o->dir ? BICO_OK : BICO_E_NOMEM;
+  bico__fileuse use[2] = {{"output adapter weights", tpath, 1, 1},
+                          {"output adapter config", cpath, 1, 1}};
+  if (st == BICO_OK) st = bico__check_files(ctx, fn, use, 2);
+  if (st == BICO_OK) {
+    if (mkdir(dir, 0777) == 0)
+      o->made = 1;
+    else if (errno != EEXIST)
+      st = bico__fail(ctx, BICO_E_IO, "%s: cannot create folder %s: %s", fn,
+                      dir, strerror(errno));
+  }
+  struct stat sb;
+  if (st == BICO_OK && (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode)))
+    st = bico__fail(ctx, BICO_E_IO, "%s: %s is not a folder", fn, dir);
+  bico__jw jw;
+  bico__jw_init(&jw, ctx, 2);
+  if (st == BICO_OK) st = build_config(l, &jw);
+  if (st == BICO_OK)
+    st = bico__report_tmp(ctx, fn, "output adapter config", jw.buf, jw.len,
+                          cpath, &o->cfg);
+  bico__jw_free(&jw);
+  if (st == BICO_OK) st = bico_stwriter_create(ctx, tpath, &o->w);
+  if (st == BICO_OK) st = write_tensors(l, o->w);
+  if (st == BICO_OK) st = bico__stwriter_finish(o->w, &o->weights);
+  bico__free(ctx, cpath);
+  bico__free(ctx, tpath);
+  return st;
+}
+
+void bico__lora_save_end(bico__lora_out *o, int committed) {
+  if (o->ctx == NULL) return;
+  bico_stwriter_free(o->w);
+  bico__tmp_discard(o->ctx, &o->cfg);
+  /* A folder this run created goes again unless the files landed. */
+  if (!committed && o->made && o->dir) (void)rmdir(o->dir);
+  bico__free(o->ctx, o->dir);
+  memset(o, 0, sizeof *o);
+}
+
+/* Both files of an adapter go to temporary files, both destinations are
+ * checked, then both are committed: a failure anywhere leaves the folder
+ * as it was (a folder this call created is removed again). */
 bico_status bico_lora_save(const bico_lora *l, const char *dir) {
   if (l == NULL) return BICO_E_NULL;
   bico_ctx *ctx = l->ctx;
@@ -1015,49 +1058,13 @@ bico_status bico_lora_save(const bico_lora *l, const char *dir) {
     return bico__fail(ctx, BICO_E_NULL, "lora_save: dir is NULL");
   if (dir[0] == '\0')
     return bico__fail(ctx, BICO_E_ARG, "lora_save: empty folder name");
-  if (l->nmods == 0)
-    return bico__fail(ctx, BICO_E_STATE,
-                      "lora_save: the adapter has no modules (%s not written)",
-                      dir);
-  char *cpath = join(ctx, dir, "adapter_config.json");
-  char *tpath = join(ctx, dir, "adapter_model.safetensors");
-  if (cpath == NULL || tpath == NULL) {
-    bico__free(ctx, cpath);
-    bico__free(ctx, tpath);
-    return BICO_E_NOMEM;
-  }
-  bico__fileuse use[2] = {{"adapter weights", tpath, 1, 1},
-                          {"adapter config", cpath, 1, 1}};
-  bico_status st = bico__check_files(ctx, "lora_save", use, 2);
-  int made = 0;
+  bico__lora_out o;
+  bico_status st = bico__lora_save_begin(l, "lora_save", dir, &o);
   if (st == BICO_OK) {
-    if (mkdir(dir, 0777) == 0)
-      made = 1;
-    else if (errno != EEXIST)
-      st = bico__fail(ctx, BICO_E_IO, "lora_save: cannot create folder %s: %s",
-                      dir, strerror(errno));
+    bico__tmpfile *outs[2] = {o.weights, &o.cfg};
+    st = bico__commit(ctx, "lora_save", outs, 2);
   }
-  struct stat sb;
-  if (st == BICO_OK && (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode)))
-    st = bico__fail(ctx, BICO_E_IO, "lora_save: %s is not a folder", dir);
-  bico__tmpfile cfg = {NULL, NULL, -1, 0}, *outs[2] = {NULL, &cfg};
-  bico_stwriter *w = NULL;
-  bico__jw jw;
-  bico__jw_init(&jw, ctx, 2);
-  if (st == BICO_OK) st = build_config(l, &jw);
-  if (st == BICO_OK)
-    st = bico__report_tmp(ctx, "lora_save", "adapter config", jw.buf, jw.len,
-                          cpath, &cfg);
-  if (st == BICO_OK) st = bico_stwriter_create(ctx, tpath, &w);
-  if (st == BICO_OK) st = write_tensors(l, w);
-  if (st == BICO_OK) st = bico__stwriter_finish(w, &outs[0]);
-  if (st == BICO_OK) st = bico__commit(ctx, "lora_save", outs, 2);
-  bico_stwriter_free(w);
-  bico__tmp_discard(ctx, &cfg);
-  bico__jw_free(&jw);
-  if (st != BICO_OK && made) (void)rmdir(dir);
-  bico__free(ctx, cpath);
-  bico__free(ctx, tpath);
+  bico__lora_save_end(&o, st == BICO_OK);
   return st;
 }
 

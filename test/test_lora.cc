@@ -925,7 +925,7 @@ TEST(LoraTransfer, ErrorsNameTheCulpritAndWriteNothing) {
            {BICO_FILE_LORA, c.ad}, {BICO_FILE_LORA_OUTPUT, c.ad}})
     bico_transfer_set_file(t, f.first, f.second.c_str());
   EXPECT_EQ(bico_transfer_run(t), BICO_E_ARG);
-  EXPECT_TRUE(mentions(ctx, "is the source adapter")) << bico_ctx_errmsg(ctx);
+  EXPECT_TRUE(mentions(ctx, "is the same file as the source adapter")) << bico_ctx_errmsg(ctx);
   bico_transfer_free(t);
   EXPECT_EQ(access(out.c_str(), F_OK), -1);
 }
