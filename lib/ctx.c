@@ -68,17 +68,30 @@ bico_status bico_ctx_set_param(bico_ctx *ctx, int param, long value) {
   return BICO_OK;
 }
 
+/* A query: records its own failures, leaves the last error alone on
+ * success (ctx.h).  The cast is the one place a const handle's error record
+ * is written: it is not part of the handle's observable value. */
 bico_status bico_ctx_get_param(const bico_ctx *ctx, int param, long *value) {
-  if (ctx == NULL || value == NULL) return BICO_E_NULL;
+  if (ctx == NULL) return BICO_E_NULL;
+  if (value == NULL)
+    return bico__fail((bico_ctx *)ctx, BICO_E_NULL,
+                      "ctx_get_param: value is NULL");
   switch (param) {
     case BICO_CTX_THREADS: *value = ctx->threads; return BICO_OK;
-    default: return BICO_E_ARG;
+    default:
+      return bico__fail((bico_ctx *)ctx, BICO_E_ARG,
+                        "ctx_get_param: unknown parameter %d", param);
   }
 }
 
 const char *bico_ctx_errmsg(const bico_ctx *ctx) {
   if (ctx == NULL) return "no context (NULL)";
   return ctx->errmsg;
+}
+
+bico_status bico_ctx_errcode(const bico_ctx *ctx) {
+  if (ctx == NULL) return BICO_E_NULL;
+  return ctx->errcode;
 }
 
 /* ---- internal helpers ---- */
@@ -135,11 +148,14 @@ bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt,
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
   memcpy(ctx->errmsg, buf, sizeof buf);
+  ctx->errcode = status;
   return status;
 }
 
 void bico__clear(bico_ctx *ctx) {
-  if (ctx != NULL) ctx->errmsg[0] = '\0';
+  if (ctx == NULL) return;
+  ctx->errcode = BICO_OK;
+  ctx->errmsg[0] = '\0';
 }
 
 bico_status bico__check_finite_f32(bico_ctx *ctx, const char *fn,

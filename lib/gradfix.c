@@ -136,7 +136,6 @@ bico_status bico_votes_merge(bico_votes *dst, const bico_votes *src) {
 bico_status bico_votes_info(const bico_votes *v, size_t *n, uint64_t *samples,
                             unsigned *flags) {
   if (v == NULL) return BICO_E_NULL;
-  bico__clear(v->ctx);
   if (n != NULL) *n = v->n;
   if (samples != NULL) *samples = v->samples;
   if (flags != NULL) *flags = v->flags;
@@ -145,7 +144,6 @@ bico_status bico_votes_info(const bico_votes *v, size_t *n, uint64_t *samples,
 
 bico_status bico_votes_counts(const bico_votes *v, int32_t *out) {
   if (v == NULL) return BICO_E_NULL;
-  bico__clear(v->ctx);
   if (out == NULL)
     return bico__fail(v->ctx, BICO_E_NULL, "votes_counts: out is NULL");
   for (size_t i = 0; i < v->n; i++) out[i] = v->votes[i];
@@ -178,7 +176,6 @@ static int keep(const bico_votes *v, int mode, size_t i, float t) {
 bico_status bico_gradfix_mask(const bico_votes *v, int mode, const float *tau,
                               uint8_t *mask, size_t *kept) {
   if (v == NULL) return BICO_E_NULL;
-  bico__clear(v->ctx);
   const char *fn = "gradfix_mask";
   if (mask == NULL)
     return bico__fail(v->ctx, BICO_E_NULL, "%s: mask is NULL", fn);
@@ -197,7 +194,6 @@ bico_status bico_gradfix_apply(const bico_votes *v, int mode, const float *tau,
                                float alpha, float beta, float *out,
                                size_t *kept) {
   if (v == NULL) return BICO_E_NULL;
-  bico__clear(v->ctx);
   const char *fn = "gradfix_apply";
   if (out == NULL) return bico__fail(v->ctx, BICO_E_NULL, "%s: out is NULL", fn);
   if (!isfinite(alpha) || !isfinite(beta))

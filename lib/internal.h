@@ -13,6 +13,7 @@ struct bico_ctx {
   bico_free_fn release;
   void *opaque;
   long threads;
+  bico_status errcode; /* the status of the last failure, BICO_OK if none */
   char errmsg[BICO_ERRMSG_CAP];
 };
 
@@ -31,15 +32,18 @@ void bico__free(bico_ctx *ctx, void *p);
 void *bico__grow(bico_ctx *ctx, void *p, size_t count, size_t *cap,
                  size_t first, size_t elem);
 
-/* Records "detail" as ctx's last error and returns status (ctx may be NULL:
- * then only the status is returned). printf-style; an argument may be
- * bico_ctx_errmsg(ctx) itself (to prefix the previous message). */
+/* Records status and "detail" as ctx's last error and returns status (ctx
+ * may be NULL: then only the status is returned). printf-style; an argument
+ * may be bico_ctx_errmsg(ctx) itself (to prefix the previous message). */
 bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 3, 4)))
 #endif
     ;
-/* Clears ctx's last error (every public entry point calls it first). */
+/* Clears ctx's last error (code and message).  The rule of ctx.h: every
+ * entry point that acts (takes a non-const handle or a context) calls it
+ * first; queries (const handles only) never call it, they only record their
+ * own failures. */
 void bico__clear(bico_ctx *ctx);
 
 /* a * b into *out; returns 0 on success, 1 on overflow. */
@@ -70,6 +74,11 @@ void bico__dgemm(const bico_ctx *ctx, int ta, int tb, size_t m, size_t n,
                  size_t k, double alpha, const double *a, size_t lda,
                  const double *b, size_t ldb, double beta, double *c,
                  size_t ldc);
+
+/* The depth map of depthmap.h without a handle: the source block of target
+ * block j < l_b (l_a, l_b >= 1).  For queries, which must not create
+ * handles (creating one clears the context's last error). */
+size_t bico__depth_source(size_t l_a, size_t l_b, size_t j);
 
 /* Releases the resident pages of tensor `index` of a safetensors reader
  * (after its data pointer has been used; the data stays readable). */

@@ -128,7 +128,6 @@ bico_status bico_procrustes_get_param(const bico_procrustes *p, int param,
                                       double *value) {
   if (p == NULL) return BICO_E_NULL;
   bico_ctx *ctx = p->ctx;
-  bico__clear(ctx);
   if (value == NULL)
     return bico__fail(ctx, BICO_E_NULL, "procrustes_get_param: value is NULL");
   switch (param) {
@@ -148,7 +147,6 @@ bico_status bico_procrustes_spectrum(const bico_procrustes *p, double *s,
                                      size_t cap, size_t *count) {
   if (p == NULL) return BICO_E_NULL;
   bico_ctx *ctx = p->ctx;
-  bico__clear(ctx);
   if (count == NULL)
     return bico__fail(ctx, BICO_E_NULL, "procrustes_spectrum: count is NULL");
   if (s == NULL && cap > 0)

@@ -1,6 +1,7 @@
 // Context, status and version API: allocator hooks, parameters, messages.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <set>
@@ -209,6 +210,134 @@ TEST(Ctx, ErrmsgClearedBySuccessfulCall) {
   ASSERT_EQ(BICO_OK,
             bico_baseline_naive(ctx, 1, s, 1, s, tau, 1.0f, 0.0f, out));
   EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
+  EXPECT_EQ(BICO_OK, bico_ctx_errcode(ctx));
+}
+
+TEST(Ctx, ErrcodeIsTheStatusOfTheLastFailure) {
+  bt::Ctx ctx;
+  EXPECT_EQ(BICO_OK, bico_ctx_errcode(ctx));  // fresh context: nothing failed
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_errcode(nullptr));
+  bico_xcov *xc = nullptr;
+  ASSERT_EQ(BICO_OK, bico_xcov_create(ctx, 2, 3, 0, &xc));
+  float a[2] = {1, NAN}, b[3] = {1, 2, 3}, out[6];
+  double sa[2], sb[3];
+  // Each failing call, of several kinds and handles, leaves exactly its own
+  // status and a non-empty message; a successful action then clears both.
+  const bico_status want[4] = {BICO_E_NONFINITE, BICO_E_ARG, BICO_E_SHAPE,
+                               BICO_E_STATE};
+  for (int k = 0; k < 4; k++) {
+    bico_status got = BICO_OK;
+    switch (k) {
+      case 0: got = bico_xcov_add(xc, 1, a, 2, b, 3); break;
+      case 1: got = bico_ctx_set_param(ctx, BICO_CTX_THREADS, 5000); break;
+      case 2:
+        got = bico_transport_weight(ctx, 2, 2, a, 1, nullptr, 2, 2, nullptr,
+                                    2, 2, 1.0f, 0.0f, out, 2);
+        break;
+      case 3: got = bico_xcov_sums(xc, sa, sb); break;
+    }
+    EXPECT_EQ(want[k], got);
+    EXPECT_EQ(got, bico_ctx_errcode(ctx)) << k;
+    EXPECT_STRNE(bico_ctx_errmsg(ctx), "") << k;
+    ASSERT_EQ(BICO_OK, bico_ctx_set_param(ctx, BICO_CTX_THREADS, 1));
+    EXPECT_EQ(BICO_OK, bico_ctx_errcode(ctx));
+    EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
+  }
+  bico_xcov_free(xc);
+}
+
+// After a failure, a caller inspects its handles to explain it: no query
+// (a call on const handles) may wipe the failure's code or message.
+TEST(Ctx, QueriesPreserveTheLastError) {
+  bt::Ctx ctx;
+  bico_xcov *xc = nullptr;
+  bico_procrustes *p = nullptr;
+  bico_votes *v = nullptr;
+  bico_depthmap *dm = nullptr;
+  bico_model *ma = nullptr, *mb = nullptr;
+  ASSERT_EQ(BICO_OK, bico_xcov_create(ctx, 2, 2, BICO_XCOV_SUMS, &xc));
+  ASSERT_EQ(BICO_OK, bico_procrustes_create(ctx, &p));
+  ASSERT_EQ(BICO_OK, bico_votes_create(ctx, 2, 0, &v));
+  ASSERT_EQ(BICO_OK, bico_depthmap_create(ctx, 3, 5, &dm));
+  ASSERT_EQ(BICO_OK, bico_model_create(ctx, &ma));
+  ASSERT_EQ(BICO_OK, bico_model_create(ctx, &mb));
+  const size_t w[2] = {4, 4};
+  for (int b = 0; b < 3; b++) {
+    std::string n = "blocks." + std::to_string(b) + ".fc.weight";
+    ASSERT_EQ(BICO_OK, bico_model_add_tensor(ma, n.c_str(), 0, 2, w));
+    ASSERT_EQ(BICO_OK, bico_model_add_tensor(mb, n.c_str(), 0, 2, w));
+  }
+  float x[4] = {1, 2, 3, 4}, bad[2] = {1, NAN}, tau[2] = {1, -1}, o[2];
+  ASSERT_EQ(BICO_OK, bico_xcov_add(xc, 2, x, 2, x, 2));
+  double c[4];
+  size_t rank;
+  float r[4];
+  ASSERT_EQ(BICO_OK, bico_procrustes_solve(p, xc, r, 2, &rank));
+
+  // The failure to preserve.
+  ASSERT_EQ(BICO_E_NONFINITE, bico_xcov_add(xc, 1, bad, 2, x, 2));
+  const std::string msg = bico_ctx_errmsg(ctx);
+  ASSERT_NE(msg, "");
+  auto same = [&](const char *what) {
+    EXPECT_EQ(BICO_E_NONFINITE, bico_ctx_errcode(ctx)) << what;
+    EXPECT_EQ(msg, bico_ctx_errmsg(ctx)) << what;
+  };
+  size_t da, db, n, i, cnt;
+  uint64_t rows;
+  unsigned fl;
+  double d, lo, hi;
+  long l, llo, lhi;
+  const char *name;
+  int kind, dt, role;
+  long block;
+  uint8_t mask[2];
+  int32_t counts[2];
+  char buf[64];
+  std::vector<unsigned char> ser(4096);
+  EXPECT_EQ(BICO_OK, bico_xcov_info(xc, &da, &db, &rows, &fl)); same("xcov_info");
+  EXPECT_EQ(BICO_OK, bico_xcov_matrix(xc, BICO_XCOV_CROSS, 1, c, 2)); same("xcov_matrix");
+  EXPECT_EQ(BICO_OK, bico_xcov_sums(xc, c, c + 2)); same("xcov_sums");
+  EXPECT_EQ(BICO_OK, bico_xcov_serialized_size(xc, &n)); same("xcov_serialized_size");
+  EXPECT_EQ(BICO_OK, bico_xcov_serialize(xc, ser.data(), ser.size(), &n)); same("xcov_serialize");
+  EXPECT_EQ(BICO_OK, bico_procrustes_get_param(p, BICO_PROC_RANK_TOL, &d)); same("procrustes_get_param");
+  EXPECT_EQ(BICO_OK, bico_procrustes_param_bounds(BICO_PROC_WHITEN, &lo, &hi)); same("procrustes_param_bounds");
+  EXPECT_EQ(BICO_OK, bico_procrustes_spectrum(p, c, 2, &cnt)); same("procrustes_spectrum");
+  EXPECT_EQ(BICO_OK, bico_votes_info(v, &n, &rows, &fl)); same("votes_info");
+  EXPECT_EQ(BICO_OK, bico_votes_counts(v, counts)); same("votes_counts");
+  EXPECT_EQ(BICO_OK, bico_gradfix_mask(v, BICO_GRADFIX_MAJORITY, tau, mask, &n)); same("gradfix_mask");
+  EXPECT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, tau, 1.0f, 0.0f, o, &n)); same("gradfix_apply");
+  EXPECT_EQ(BICO_OK, bico_depthmap_source(dm, 4, &i)); same("depthmap_source");
+  EXPECT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &l)); same("ctx_get_param");
+  EXPECT_EQ(BICO_OK, bico_ctx_param_bounds(BICO_CTX_THREADS, &llo, &lhi)); same("ctx_param_bounds");
+  EXPECT_EQ(3u, bico_model_tensor_count(mb)); same("model_tensor_count");
+  EXPECT_EQ(3u, bico_model_module_count(mb)); same("model_module_count");
+  EXPECT_EQ(BICO_OK, bico_model_tensor(mb, 1, &name, &dt, &n, nullptr)); same("model_tensor");
+  EXPECT_EQ(BICO_OK, bico_model_find_tensor(mb, "blocks.2.fc.weight", &i)); same("model_find_tensor");
+  EXPECT_EQ(BICO_OK, bico_model_tensor_module(mb, 1, &i, &role)); same("model_tensor_module");
+  EXPECT_EQ(BICO_OK, bico_model_module(mb, 1, &name, &kind, &block, &n)); same("model_module");
+  EXPECT_EQ(BICO_OK, bico_model_module_tensor(mb, 1, 0, &i)); same("model_module_tensor");
+  EXPECT_EQ(BICO_OK, bico_model_find_module(mb, "blocks.1.fc", &i)); same("model_find_module");
+  EXPECT_EQ(BICO_OK, bico_model_module_dims(mb, 1, &da, &db)); same("model_module_dims");
+  EXPECT_EQ(BICO_OK, bico_model_blocks(mb, &name, &n)); same("model_blocks");
+  EXPECT_EQ(BICO_OK, bico_model_map_name(mb, ma, "blocks.2.fc", buf, sizeof buf, &n)); same("model_map_name");
+  EXPECT_EQ(BICO_OK, bico_model_pair_module(mb, 2, ma, &i)); same("model_pair_module");
+  EXPECT_EQ(BICO_OK, bico_model_pair_tensor(mb, 2, ma, &i)); same("model_pair_tensor");
+  (void)bico_strerror(BICO_E_ARG); same("strerror");
+
+  // A query that fails records its own failure ...
+  EXPECT_EQ(BICO_E_ARG, bico_depthmap_source(dm, 5, &i));
+  EXPECT_EQ(BICO_E_ARG, bico_ctx_errcode(ctx));
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("target block 5"), std::string::npos);
+  // ... and an action that succeeds clears the record.
+  ASSERT_EQ(BICO_OK, bico_xcov_add(xc, 1, x, 2, x, 2));
+  EXPECT_EQ(BICO_OK, bico_ctx_errcode(ctx));
+  EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
+  bico_model_free(mb);
+  bico_model_free(ma);
+  bico_depthmap_free(dm);
+  bico_votes_free(v);
+  bico_procrustes_free(p);
+  bico_xcov_free(xc);
 }
 
 }  // namespace

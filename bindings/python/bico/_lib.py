@@ -119,6 +119,7 @@ PROTOTYPES = {
     "bico_ctx_get_param": (_S, [c_void_p, c_int, P(c_long)]),
     "bico_ctx_param_bounds": (_S, [c_int, P(c_long), P(c_long)]),
     "bico_ctx_errmsg": (c_char_p, [c_void_p]),
+    "bico_ctx_errcode": (_S, [c_void_p]),
     # xcov
     "bico_xcov_create": (_S, [c_void_p, c_size_t, c_size_t, c_uint, PP]),
     "bico_xcov_free": (None, [c_void_p]),
