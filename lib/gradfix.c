@@ -154,7 +154,7 @@ bico_status bico_votes_counts(const bico_votes *v, int32_t *out) {
 static bico_status check_mask_args(const bico_votes *v, const char *fn,
                                    int mode, const float *tau) {
   if (tau == NULL) return bico__fail(v->ctx, BICO_E_NULL, "%s: tau is NULL", fn);
-  if (mode != BICO_GRADFIX_MAJORITY && mode != BICO_GRADFIX_MEAN)
+  if (mode != 0 && mode != BICO_GRADFIX_MAJORITY && mode != BICO_GRADFIX_MEAN)
     return bico__fail(v->ctx, BICO_E_ARG, "%s: unknown mode %d", fn, mode);
   if (mode == BICO_GRADFIX_MEAN && v->sum == NULL)
     return bico__fail(v->ctx, BICO_E_STATE,

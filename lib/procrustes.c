@@ -88,8 +88,9 @@ bico_status bico_procrustes_param_bounds(int param, double *lo, double *hi) {
     case BICO_PROC_WHITEN: *lo = 0; *hi = 0.5; return BICO_OK;
     case BICO_PROC_WHITEN_EPS: *lo = DBL_MIN; *hi = DBL_MAX; return BICO_OK;
     case BICO_PROC_RANK_TOL: *lo = 0; *hi = nextafter(1.0, 0.0); return BICO_OK;
-    case BICO_PROC_NULL: *lo = BICO_NULL_KEEP; *hi = BICO_NULL_DROP; return BICO_OK;
-    case BICO_PROC_METHOD: *lo = BICO_PROC_SVD; *hi = BICO_PROC_POLAR; return BICO_OK;
+    /* Choices: 0 is the default (status.h). */
+    case BICO_PROC_NULL: *lo = 0; *hi = BICO_NULL_DROP; return BICO_OK;
+    case BICO_PROC_METHOD: *lo = 0; *hi = BICO_PROC_POLAR; return BICO_OK;
     default: return BICO_E_ARG;
   }
 }
@@ -118,8 +119,12 @@ bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
     case BICO_PROC_WHITEN: p->whiten = value; break;
     case BICO_PROC_WHITEN_EPS: p->eps = value; break;
     case BICO_PROC_RANK_TOL: p->tol = value; break;
-    case BICO_PROC_NULL: p->null_mode = (int)value; break;
-    case BICO_PROC_METHOD: p->method = (int)value; break;
+    case BICO_PROC_NULL:
+      p->null_mode = value == 0 ? BICO_NULL_KEEP : (int)value;
+      break;
+    case BICO_PROC_METHOD:
+      p->method = value == 0 ? BICO_PROC_EIG : (int)value;
+      break;
   }
   return BICO_OK;
 }

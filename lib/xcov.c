@@ -427,8 +427,8 @@ bico_status bico_xcov_matrix(const bico_xcov *xc, int which, int centered,
       break;
     default:
       return bico__fail(ctx, BICO_E_ARG,
-                        "xcov_matrix: which = %d is not BICO_XCOV_CROSS (0), "
-                        "GRAM_A (1) or GRAM_B (2)",
+                        "xcov_matrix: which = %d is not BICO_XCOV_CROSS (1), "
+                        "GRAM_A (2) or GRAM_B (3)",
                         which);
   }
   if (centered && !(xc->flags & BICO_XCOV_SUMS))

@@ -341,3 +341,143 @@ TEST(Ctx, QueriesPreserveTheLastError) {
 }
 
 }  // namespace
+
+namespace {
+
+typedef const char *(*NameFn)(int);
+typedef bico_status (*FromNameFn)(const char *, int *);
+
+struct EnumCase {
+  const char *what;
+  NameFn name;
+  FromNameFn from;
+  std::vector<int> members;  // every enumerator of the header
+  bool flags;                // powers of two, else 1..N (status: 0..N)
+};
+
+// The enumerations of status.h, ctx.h, xcov.h, procrustes.h, gradfix.h and
+// model.h, listed here by their identifiers (an independent copy of the
+// headers' lists): each value has a name, the name leads back to it, the
+// names are distinct, and the values follow the rule of status.h.
+TEST(Names, EveryEnumeratorRoundTripsAndFollowsTheRule) {
+  const EnumCase cases[] = {
+      {"status", bico_status_name, bico_status_from_name,
+       {BICO_OK, BICO_E_NULL, BICO_E_ARG, BICO_E_SHAPE, BICO_E_NONFINITE,
+        BICO_E_NOMEM, BICO_E_NUMERIC, BICO_E_FORMAT, BICO_E_IO,
+        BICO_E_VERSION, BICO_E_NOTFOUND, BICO_E_UNSUPPORTED, BICO_E_STATE,
+        BICO_E_INTERNAL},
+       false},
+      {"ctx_param", bico_ctx_param_name, bico_ctx_param_from_name,
+       {BICO_CTX_THREADS}, false},
+      {"xcov_flag", bico_xcov_flag_name, bico_xcov_flag_from_name,
+       {BICO_XCOV_SUMS, BICO_XCOV_GRAMS, BICO_XCOV_FAST}, true},
+      {"xcov_which", bico_xcov_which_name, bico_xcov_which_from_name,
+       {BICO_XCOV_CROSS, BICO_XCOV_GRAM_A, BICO_XCOV_GRAM_B}, false},
+      {"procrustes_param", bico_procrustes_param_name,
+       bico_procrustes_param_from_name,
+       {BICO_PROC_CENTER, BICO_PROC_WHITEN, BICO_PROC_WHITEN_EPS,
+        BICO_PROC_RANK_TOL, BICO_PROC_NULL, BICO_PROC_METHOD},
+       false},
+      {"procrustes_method", bico_procrustes_method_name,
+       bico_procrustes_method_from_name,
+       {BICO_PROC_SVD, BICO_PROC_EIG, BICO_PROC_POLAR}, false},
+      {"procrustes_null", bico_procrustes_null_name,
+       bico_procrustes_null_from_name, {BICO_NULL_KEEP, BICO_NULL_DROP},
+       false},
+      {"votes_flag", bico_votes_flag_name, bico_votes_flag_from_name,
+       {BICO_VOTES_MEAN}, true},
+      {"gradfix_mode", bico_gradfix_mode_name, bico_gradfix_mode_from_name,
+       {BICO_GRADFIX_MAJORITY, BICO_GRADFIX_MEAN}, false},
+      {"module_kind", bico_model_module_kind_name,
+       bico_model_module_kind_from_name,
+       {BICO_MODULE_LINEAR, BICO_MODULE_ELEMENTWISE, BICO_MODULE_EMBEDDING,
+        BICO_MODULE_OTHER},
+       false},
+      {"tensor_role", bico_model_tensor_role_name,
+       bico_model_tensor_role_from_name,
+       {BICO_ROLE_WEIGHT, BICO_ROLE_BIAS, BICO_ROLE_VECTOR, BICO_ROLE_TOKEN,
+        BICO_ROLE_OTHER},
+       false},
+  };
+  for (const EnumCase &c : cases) {
+    std::set<std::string> seen;
+    std::set<int> values(c.members.begin(), c.members.end());
+    const bool status = std::string(c.what) == "status";
+    for (size_t k = 0; k < c.members.size(); k++) {
+      const int v = c.members[k];
+      if (c.flags) {
+        EXPECT_TRUE(v > 0 && (v & (v - 1)) == 0) << c.what << " " << v;
+      } else {
+        // Contiguous from 1 (status codes from 0, BICO_OK).
+        EXPECT_EQ(v, (int)k + (status ? 0 : 1)) << c.what;
+      }
+      const char *n = c.name(v);
+      ASSERT_NE(n, nullptr) << c.what << " " << v;
+      EXPECT_TRUE(seen.insert(n).second) << c.what << " repeats " << n;
+      int back = -12345;
+      EXPECT_EQ(BICO_OK, c.from(n, &back)) << n;
+      EXPECT_EQ(v, back) << n;
+    }
+    // Values that are not members have no name.
+    for (int v : {-1, 0, 1000, 1 << 20}) {
+      if (!values.count(v)) {
+        EXPECT_EQ(c.name(v), nullptr) << c.what << " " << v;
+      }
+    }
+    int out = 7;
+    EXPECT_EQ(BICO_E_NULL, c.from(nullptr, &out)) << c.what;
+    EXPECT_EQ(BICO_E_NULL, c.from(c.name(c.members[0]), nullptr)) << c.what;
+    EXPECT_EQ(BICO_E_NOTFOUND, c.from("no-such-name", &out)) << c.what;
+    EXPECT_EQ(BICO_E_NOTFOUND, c.from("", &out)) << c.what;
+    EXPECT_EQ(out, 7) << c.what;  // untouched on failure
+  }
+}
+
+// The spellings command lines, reports and bindings rely on.
+TEST(Names, DocumentedSpellings) {
+  EXPECT_STREQ(bico_status_name(BICO_E_SHAPE), "BICO_E_SHAPE");
+  EXPECT_STREQ(bico_status_name(BICO_OK), "BICO_OK");
+  EXPECT_STREQ(bico_procrustes_method_name(BICO_PROC_EIG), "eig");
+  EXPECT_STREQ(bico_procrustes_method_name(BICO_PROC_SVD), "svd");
+  EXPECT_STREQ(bico_procrustes_method_name(BICO_PROC_POLAR), "polar");
+  EXPECT_STREQ(bico_procrustes_null_name(BICO_NULL_KEEP), "keep");
+  EXPECT_STREQ(bico_procrustes_null_name(BICO_NULL_DROP), "drop");
+  EXPECT_STREQ(bico_procrustes_param_name(BICO_PROC_RANK_TOL), "rank_tol");
+  EXPECT_STREQ(bico_gradfix_mode_name(BICO_GRADFIX_MAJORITY), "majority");
+  EXPECT_STREQ(bico_model_tensor_role_name(BICO_ROLE_TOKEN), "token");
+  EXPECT_STREQ(bico_ctx_param_name(BICO_CTX_THREADS), "threads");
+  int v = -1;
+  // Exact spelling: no case folding, no identifier form for the words.
+  EXPECT_EQ(BICO_E_NOTFOUND, bico_procrustes_method_from_name("EIG", &v));
+  EXPECT_EQ(BICO_E_NOTFOUND, bico_procrustes_method_from_name("eig ", &v));
+  EXPECT_EQ(BICO_E_NOTFOUND, bico_status_from_name("shape", &v));
+  // No default alias has a name: 0 is not a member.
+  EXPECT_EQ(bico_procrustes_method_name(0), nullptr);
+  EXPECT_EQ(bico_gradfix_mode_name(0), nullptr);
+}
+
+// 0 asks for the default of a choice that has one; elsewhere it is refused.
+TEST(Names, ZeroIsTheDefaultOnlyWhereOneExists) {
+  bt::Ctx ctx;
+  bico_votes *v = nullptr;
+  ASSERT_EQ(BICO_OK, bico_votes_create(ctx, 3, 0, &v));
+  const int32_t votes[3] = {2, -2, 0};
+  ASSERT_EQ(BICO_OK, bico_votes_add_counts(v, votes, 2));
+  const float tau[3] = {1, 1, 1};
+  uint8_t m0[3], m1[3];
+  size_t k0, k1;
+  ASSERT_EQ(BICO_OK, bico_gradfix_mask(v, 0, tau, m0, &k0));
+  ASSERT_EQ(BICO_OK, bico_gradfix_mask(v, BICO_GRADFIX_MAJORITY, tau, m1, &k1));
+  EXPECT_EQ(0, std::memcmp(m0, m1, 3));
+  EXPECT_EQ(k0, 1u);  // only the first vote agrees with tau's sign
+  EXPECT_EQ(BICO_E_ARG, bico_gradfix_mask(v, 3, tau, m0, &k0));
+  bico_votes_free(v);
+  bico_xcov *xc = nullptr;
+  ASSERT_EQ(BICO_OK, bico_xcov_create(ctx, 2, 2, 0, &xc));
+  double c[4];
+  EXPECT_EQ(BICO_E_ARG, bico_xcov_matrix(xc, 0, 0, c, 2));  // no default
+  EXPECT_EQ(BICO_OK, bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, c, 2));
+  bico_xcov_free(xc);
+}
+
+}  // namespace

@@ -437,9 +437,9 @@ TEST(XcovTest, NullPointersAndZeroDims) {
   EXPECT_EQ(rows, uint64_t(0));
   EXPECT_EQ(bico_xcov_info(nullptr, nullptr, nullptr, nullptr, nullptr), BICO_E_NULL);
   double out[6], s[3];
-  EXPECT_EQ(bico_xcov_matrix(nullptr, 0, 0, out, 3), BICO_E_NULL);
-  EXPECT_EQ(bico_xcov_matrix(xc, 0, 0, nullptr, 3), BICO_E_NULL);
-  EXPECT_EQ(bico_xcov_matrix(xc, 0, 0, out, 2), BICO_E_SHAPE);
+  EXPECT_EQ(bico_xcov_matrix(nullptr, BICO_XCOV_CROSS, 0, out, 3), BICO_E_NULL);
+  EXPECT_EQ(bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, nullptr, 3), BICO_E_NULL);
+  EXPECT_EQ(bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, out, 2), BICO_E_SHAPE);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "ld_out = 2"));
   EXPECT_EQ(bico_xcov_matrix(xc, 7, 0, out, 3), BICO_E_ARG);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "which = 7"));

@@ -49,6 +49,9 @@ BICO_API bico_status bico_ctx_set_param(bico_ctx *ctx, int param, long value);
 BICO_API bico_status bico_ctx_get_param(const bico_ctx *ctx, int param,
                                         long *value);
 BICO_API bico_status bico_ctx_param_bounds(int param, long *lo, long *hi);
+/* Parameter names: "threads". */
+BICO_API const char *bico_ctx_param_name(int param);
+BICO_API bico_status bico_ctx_param_from_name(const char *name, int *param);
 
 /* ---- The last error ----
  *

@@ -25,10 +25,17 @@ typedef enum bico_votes_flag {
   BICO_VOTES_MEAN = 1 /* also keep the summed gradient (enables MEAN mode) */
 } bico_votes_flag;
 
+/* 0 asks for the default, MAJORITY. */
 typedef enum bico_gradfix_mode {
-  BICO_GRADFIX_MAJORITY = 0,
-  BICO_GRADFIX_MEAN = 1
+  BICO_GRADFIX_MAJORITY = 1,
+  BICO_GRADFIX_MEAN = 2
 } bico_gradfix_mode;
+
+/* Names: flags ("mean") and modes ("majority", "mean"). */
+BICO_API const char *bico_votes_flag_name(int flag);
+BICO_API bico_status bico_votes_flag_from_name(const char *name, int *flag);
+BICO_API const char *bico_gradfix_mode_name(int mode);
+BICO_API bico_status bico_gradfix_mode_from_name(const char *name, int *mode);
 
 /* Creates an accumulator for a tensor of n elements (flags: bico_votes_flag).
  * The handle keeps a pointer to ctx, which must outlive it. */

@@ -40,10 +40,17 @@ typedef enum bico_xcov_flag {
 
 /* Which matrix bico_xcov_matrix returns. */
 typedef enum bico_xcov_which {
-  BICO_XCOV_CROSS = 0,  /* x_a^T x_b, d_a x d_b */
-  BICO_XCOV_GRAM_A = 1, /* x_a^T x_a, d_a x d_a (needs BICO_XCOV_GRAMS) */
-  BICO_XCOV_GRAM_B = 2  /* x_b^T x_b, d_b x d_b (needs BICO_XCOV_GRAMS) */
-} bico_xcov_which;
+  BICO_XCOV_CROSS = 1,  /* x_a^T x_b, d_a x d_b */
+  BICO_XCOV_GRAM_A = 2, /* x_a^T x_a, d_a x d_a (needs BICO_XCOV_GRAMS) */
+  BICO_XCOV_GRAM_B = 3  /* x_b^T x_b, d_b x d_b (needs BICO_XCOV_GRAMS) */
+} bico_xcov_which;     /* no default: 0 is BICO_E_ARG */
+
+/* Names of the flags ("sums", "grams", "fast"; one flag, not a
+ * combination) and of the matrices ("cross", "gram_a", "gram_b"). */
+BICO_API const char *bico_xcov_flag_name(int flag);
+BICO_API bico_status bico_xcov_flag_from_name(const char *name, int *flag);
+BICO_API const char *bico_xcov_which_name(int which);
+BICO_API bico_status bico_xcov_which_from_name(const char *name, int *which);
 
 /* Creates an empty accumulator for d_a x d_b statistics.  The handle keeps
  * a pointer to ctx (which must outlive it) and reports failures there. */

@@ -160,8 +160,8 @@ PARAMS = {"method": 1, "alpha": 2, "norm_map": 3, "null": 4, "rank_tol": 5,
           "solve_memory": 10}
 STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3}
 _ENUMS = {"method": METHODS, "norm_map": {"act": 0, "grad": 1},
-          "null": {"keep": 0, "drop": 1},
-          "proc_method": {"svd": 0, "eig": 1, "polar": 2}}
+          "null": {"keep": 1, "drop": 2},
+          "proc_method": {"svd": 1, "eig": 2, "polar": 3}}
 
 
 class Transfer(_Handle):
