@@ -75,6 +75,15 @@ void bico__dgemm(const bico_ctx *ctx, int ta, int tb, size_t m, size_t n,
                  const double *b, size_t ldb, double beta, double *c,
                  size_t ldc);
 
+/* The option grammar (params.h): 1 iff value lies in the set that lo, hi
+ * and flags describe; bico__param_check fails the call with BICO_E_ARG and
+ * "fn: name = v is outside [lo, hi)" otherwise.  For every handle's
+ * set_param, so that all of them accept and word alike. */
+int bico__param_ok(double value, double lo, double hi, unsigned flags);
+bico_status bico__param_check(bico_ctx *ctx, const char *fn, const char *name,
+                              double value, double lo, double hi,
+                              unsigned flags);
+
 /* The depth map of depthmap.h without a handle: the source block of target
  * block j < l_b (l_a, l_b >= 1).  For queries, which must not create
  * handles (creating one clears the context's last error). */

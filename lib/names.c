@@ -59,6 +59,12 @@ static const name_entry bico_status_names[] = {
     {BICO_E_INTERNAL, "BICO_E_INTERNAL"}};
 NAME_PAIR(bico_status)
 
+static const name_entry bico_param_flag_names[] = {
+    {BICO_PARAM_LO_OPEN, "lo_open"},
+    {BICO_PARAM_HI_OPEN, "hi_open"},
+    {BICO_PARAM_INTEGER, "integer"}};
+NAME_PAIR(bico_param_flag)
+
 static const name_entry bico_ctx_param_names[] = {
     {BICO_CTX_THREADS, "threads"}};
 NAME_PAIR(bico_ctx_param)

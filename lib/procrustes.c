@@ -78,21 +78,26 @@ void bico_procrustes_free(bico_procrustes *p) {
   bico__free(ctx, p);
 }
 
-/* Bounds are inclusive.  RANK_TOL must stay below 1 (else nothing would
- * count towards the rank), so its upper bound is the double just below 1;
- * WHITEN_EPS must be positive, so its lower bound is the smallest normal. */
-bico_status bico_procrustes_param_bounds(int param, double *lo, double *hi) {
-  if (lo == NULL || hi == NULL) return BICO_E_NULL;
+/* In the grammar of params.h.  WHITEN_EPS must be positive and RANK_TOL
+ * below 1 (else nothing would count towards the rank): open ends. */
+bico_status bico_procrustes_param_bounds(int param, double *lo, double *hi,
+                                         unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
+  const unsigned integer = BICO_PARAM_INTEGER;
   switch (param) {
-    case BICO_PROC_CENTER: *lo = 0; *hi = 1; return BICO_OK;
-    case BICO_PROC_WHITEN: *lo = 0; *hi = 0.5; return BICO_OK;
-    case BICO_PROC_WHITEN_EPS: *lo = DBL_MIN; *hi = DBL_MAX; return BICO_OK;
-    case BICO_PROC_RANK_TOL: *lo = 0; *hi = nextafter(1.0, 0.0); return BICO_OK;
+    case BICO_PROC_CENTER: *lo = 0, *hi = 1, *flags = integer; break;
+    case BICO_PROC_WHITEN: *lo = 0, *hi = 0.5, *flags = 0; break;
+    case BICO_PROC_WHITEN_EPS:
+      *lo = 0, *hi = HUGE_VAL;
+      *flags = BICO_PARAM_LO_OPEN | BICO_PARAM_HI_OPEN;
+      break;
+    case BICO_PROC_RANK_TOL: *lo = 0, *hi = 1, *flags = BICO_PARAM_HI_OPEN; break;
     /* Choices: 0 is the default (status.h). */
-    case BICO_PROC_NULL: *lo = 0; *hi = BICO_NULL_DROP; return BICO_OK;
-    case BICO_PROC_METHOD: *lo = 0; *hi = BICO_PROC_POLAR; return BICO_OK;
+    case BICO_PROC_NULL: *lo = 0, *hi = BICO_NULL_DROP, *flags = integer; break;
+    case BICO_PROC_METHOD: *lo = 0, *hi = BICO_PROC_POLAR, *flags = integer; break;
     default: return BICO_E_ARG;
   }
+  return BICO_OK;
 }
 
 bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
@@ -101,19 +106,13 @@ bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
   bico_ctx *ctx = p->ctx;
   bico__clear(ctx);
   double lo, hi;
-  if (bico_procrustes_param_bounds(param, &lo, &hi) != BICO_OK)
+  unsigned flags;
+  if (bico_procrustes_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
     return bico__fail(ctx, BICO_E_ARG,
                       "procrustes_set_param: unknown parameter %d", param);
-  if (!(value >= lo && value <= hi)) /* also rejects NaN */
-    return bico__fail(ctx, BICO_E_ARG,
-                      "procrustes_set_param: %s = %g is outside [%g, %g]",
-                      param_name(param), value, lo, hi);
-  int integral = param == BICO_PROC_CENTER || param == BICO_PROC_NULL ||
-                 param == BICO_PROC_METHOD;
-  if (integral && value != floor(value))
-    return bico__fail(ctx, BICO_E_ARG,
-                      "procrustes_set_param: %s = %g must be an integer",
-                      param_name(param), value);
+  bico_status st = bico__param_check(ctx, "procrustes_set_param",
+                                     param_name(param), value, lo, hi, flags);
+  if (st != BICO_OK) return st;
   switch (param) {
     case BICO_PROC_CENTER: p->center = (int)value; break;
     case BICO_PROC_WHITEN: p->whiten = value; break;

@@ -44,7 +44,7 @@ TEST(Ctx, CreateAndFree) {
   ASSERT_EQ(BICO_OK, bico_ctx_create(&ctx));
   ASSERT_NE(ctx, nullptr);
   EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
-  long th = 0;
+  double th = 0;
   ASSERT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &th));
   EXPECT_EQ(th, 1);  // documented default
   bico_ctx_free(ctx);
@@ -145,24 +145,32 @@ TEST(Ctx, AllocationFailureIsReported) {
 
 TEST(Ctx, ThreadsParameter) {
   bt::Ctx ctx;
-  long lo = 0, hi = 0, v = 0;
-  ASSERT_EQ(BICO_OK, bico_ctx_param_bounds(BICO_CTX_THREADS, &lo, &hi));
+  double lo = 0, hi = 0, v = 0;
+  unsigned fl = 0;
+  ASSERT_EQ(BICO_OK, bico_ctx_param_bounds(BICO_CTX_THREADS, &lo, &hi, &fl));
   EXPECT_EQ(lo, 1);
   EXPECT_EQ(hi, 1024);
-  EXPECT_EQ(BICO_E_NULL, bico_ctx_param_bounds(BICO_CTX_THREADS, nullptr, &hi));
-  EXPECT_EQ(BICO_E_ARG, bico_ctx_param_bounds(999, &lo, &hi));
+  EXPECT_EQ(fl, unsigned(BICO_PARAM_INTEGER));
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_param_bounds(BICO_CTX_THREADS, nullptr, &hi, &fl));
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_param_bounds(BICO_CTX_THREADS, &lo, &hi, nullptr));
+  EXPECT_EQ(BICO_E_ARG, bico_ctx_param_bounds(999, &lo, &hi, &fl));
 
-  for (long t : {lo, 2L, hi}) {
+  for (double t : {lo, 2.0, hi}) {
     ASSERT_EQ(BICO_OK, bico_ctx_set_param(ctx, BICO_CTX_THREADS, t));
     ASSERT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &v));
     EXPECT_EQ(v, t);
   }
   ASSERT_EQ(BICO_OK, bico_ctx_set_param(ctx, BICO_CTX_THREADS, 3));
-  for (long bad : {lo - 1, hi + 1, -5L}) {
-    EXPECT_EQ(BICO_E_ARG, bico_ctx_set_param(ctx, BICO_CTX_THREADS, bad));
+  for (long bad : {0L, 1025L, -5L}) {
+    EXPECT_EQ(BICO_E_ARG, bico_ctx_set_param(ctx, BICO_CTX_THREADS, (double)bad));
     std::string msg = bico_ctx_errmsg(ctx);
     EXPECT_NE(msg.find(std::to_string(bad)), std::string::npos) << msg;
     EXPECT_NE(msg.find("[1, 1024]"), std::string::npos) << msg;
+  }
+  // Not an integer, or not finite: refused by the same grammar.
+  for (double bad : {2.5, (double)NAN, (double)INFINITY}) {
+    EXPECT_EQ(BICO_E_ARG, bico_ctx_set_param(ctx, BICO_CTX_THREADS, bad));
+    EXPECT_EQ(BICO_E_ARG, bico_ctx_errcode(ctx));
   }
   ASSERT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &v));
   EXPECT_EQ(v, 3);  // a rejected value changes nothing
@@ -285,8 +293,8 @@ TEST(Ctx, QueriesPreserveTheLastError) {
   size_t da, db, n, i, cnt;
   uint64_t rows;
   unsigned fl;
-  double d, lo, hi;
-  long l, llo, lhi;
+  double d, lo, hi, l, llo, lhi;
+  unsigned bf;
   const char *name;
   int kind, dt, role;
   long block;
@@ -300,7 +308,7 @@ TEST(Ctx, QueriesPreserveTheLastError) {
   EXPECT_EQ(BICO_OK, bico_xcov_serialized_size(xc, &n)); same("xcov_serialized_size");
   EXPECT_EQ(BICO_OK, bico_xcov_serialize(xc, ser.data(), ser.size(), &n)); same("xcov_serialize");
   EXPECT_EQ(BICO_OK, bico_procrustes_get_param(p, BICO_PROC_RANK_TOL, &d)); same("procrustes_get_param");
-  EXPECT_EQ(BICO_OK, bico_procrustes_param_bounds(BICO_PROC_WHITEN, &lo, &hi)); same("procrustes_param_bounds");
+  EXPECT_EQ(BICO_OK, bico_procrustes_param_bounds(BICO_PROC_WHITEN, &lo, &hi, &bf)); same("procrustes_param_bounds");
   EXPECT_EQ(BICO_OK, bico_procrustes_spectrum(p, c, 2, &cnt)); same("procrustes_spectrum");
   EXPECT_EQ(BICO_OK, bico_votes_info(v, &n, &rows, &fl)); same("votes_info");
   EXPECT_EQ(BICO_OK, bico_votes_counts(v, counts)); same("votes_counts");
@@ -308,7 +316,7 @@ TEST(Ctx, QueriesPreserveTheLastError) {
   EXPECT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, tau, 1.0f, 0.0f, o, &n)); same("gradfix_apply");
   EXPECT_EQ(BICO_OK, bico_depthmap_source(dm, 4, &i)); same("depthmap_source");
   EXPECT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &l)); same("ctx_get_param");
-  EXPECT_EQ(BICO_OK, bico_ctx_param_bounds(BICO_CTX_THREADS, &llo, &lhi)); same("ctx_param_bounds");
+  EXPECT_EQ(BICO_OK, bico_ctx_param_bounds(BICO_CTX_THREADS, &llo, &lhi, &bf)); same("ctx_param_bounds");
   EXPECT_EQ(3u, bico_model_tensor_count(mb)); same("model_tensor_count");
   EXPECT_EQ(3u, bico_model_module_count(mb)); same("model_module_count");
   EXPECT_EQ(BICO_OK, bico_model_tensor(mb, 1, &name, &dt, &n, nullptr)); same("model_tensor");

@@ -7,6 +7,7 @@
 
 #include "version.h"
 #include "status.h"
+#include "params.h"
 #include "ctx.h"
 #include "xcov.h"
 #include "procrustes.h"

@@ -16,6 +16,7 @@
 
 #include <stddef.h>
 #include "status.h"
+#include "params.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -39,16 +40,18 @@ BICO_API bico_status bico_ctx_create_with_allocator(bico_ctx **out,
  * first. */
 BICO_API void bico_ctx_free(bico_ctx *ctx);
 
-/* Context parameters, set with bico_ctx_set_param. */
+/* Context parameters, in the grammar of params.h. */
 typedef enum bico_ctx_param {
   BICO_CTX_THREADS = 1 /* threads for BLIS calls made with this context;
-                          1..1024, default 1 */
+                          integers 1..1024, default 1 */
 } bico_ctx_param;
 
-BICO_API bico_status bico_ctx_set_param(bico_ctx *ctx, int param, long value);
+BICO_API bico_status bico_ctx_set_param(bico_ctx *ctx, int param,
+                                        double value);
 BICO_API bico_status bico_ctx_get_param(const bico_ctx *ctx, int param,
-                                        long *value);
-BICO_API bico_status bico_ctx_param_bounds(int param, long *lo, long *hi);
+                                        double *value);
+BICO_API bico_status bico_ctx_param_bounds(int param, double *lo, double *hi,
+                                           unsigned *flags);
 /* Parameter names: "threads". */
 BICO_API const char *bico_ctx_param_name(int param);
 BICO_API bico_status bico_ctx_param_from_name(const char *name, int *param);

@@ -109,7 +109,7 @@ BICO_API bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
 BICO_API bico_status bico_procrustes_get_param(const bico_procrustes *p,
                                                int param, double *value);
 BICO_API bico_status bico_procrustes_param_bounds(int param, double *lo,
-                                                  double *hi);
+                                                  double *hi, unsigned *flags);
 
 /* Solves from an accumulator: writes R (d_a x d_b, row stride ld_r >= d_b)
  * and the numerical rank (rank may be NULL). */

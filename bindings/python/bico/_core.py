@@ -133,10 +133,10 @@ class Context(_Handle):
 
     @property
     def threads(self):
-        v = c_long()
+        v = ctypes.c_double()
         _check(fn.ctx_get_param(self._alive(), CTX_THREADS, ctypes.byref(v)),
                self)
-        return v.value
+        return int(v.value)
 
     @threads.setter
     def threads(self, n):
