@@ -17,6 +17,16 @@ struct bico_ctx {
   char errmsg[BICO_ERRMSG_CAP];
 };
 
+/* Sign votes (votes.c), read by the masks of gradfix.c. */
+struct bico_votes {
+  bico_ctx *ctx;
+  size_t n;
+  unsigned flags;
+  uint64_t samples;
+  int32_t *votes; /* sum_k sign(-g_k); |votes[i]| <= samples <= INT32_MAX */
+  double *sum;    /* sum_k -g_k, only with BICO_VOTES_MEAN */
+};
+
 /* Memory through the context's allocator.  bico__alloc fails the call with
  * BICO_E_NOMEM and a message (naming `what`) when it returns NULL. */
 void *bico__alloc(bico_ctx *ctx, size_t size);

@@ -1071,8 +1071,8 @@ static bico_status bico_update(run *r, size_t ti, float *upd, tinfo *info) {
         info->maps[1] = &s->out[0];
         info->map_names[1] = "out";
       }
-      st = bico_transport_weight(ctx, dout_a, din_a, tau, din_a, rout, dout_b,
-                                 dout_b, rin, din_b, din_b, r->alpha, 0.0f,
+      st = bico_transport_weight(ctx, dout_a, din_a, dout_b, din_b, r->alpha, tau,
+                                 din_a, rout, dout_b, rin, din_b, 0.0f,
                                  upd, din_b);
     } else {
       const float **routs = bico__calloc(ctx, s->k, sizeof *routs);
@@ -1086,9 +1086,9 @@ static bico_status bico_update(run *r, size_t ti, float *upd, tinfo *info) {
         info->nsplit = s->k;
       }
       st = bico_transport_weight_split(
-          ctx, s->k, dout_a, din_a, tau, din_a,
-          do_out ? (const float *const *)routs : NULL, dout_b / s->k, dout_b,
-          rin, din_b, din_b, r->alpha, 0.0f, upd, din_b);
+          ctx, s->k, dout_a, din_a, dout_b, din_b,
+          r->alpha, tau, din_a,
+          do_out ? (const float *const *)routs : NULL, dout_b / s->k, rin, din_b, 0.0f, upd, din_b);
       bico__free(ctx, routs);
     }
     info->handling = H_LINEAR;
@@ -1101,8 +1101,8 @@ static bico_status bico_update(run *r, size_t ti, float *upd, tinfo *info) {
       goto done;
     }
     for (size_t b = 0; b < k && st == BICO_OK; b++)
-      st = bico_transport_vector(ctx, ba, tau + b * ba,
-                                 do_out ? s->out[b].r : NULL, bb, bb, r->alpha,
+      st = bico_transport_vector(ctx, ba, bb,
+                                 r->alpha, tau + b * ba, do_out ? s->out[b].r : NULL, bb,
                                  0.0f, upd + b * bb);
     if (do_out && k == 1) {
       info->maps[1] = &s->out[0];
@@ -1149,8 +1149,8 @@ static bico_status bico_update(run *r, size_t ti, float *upd, tinfo *info) {
       info->maps[0] = mp;
       info->map_names[0] = side ? "out" : "in";
     }
-    st = bico_transport_rows(ctx, na / da_last, da_last, tau, da_last,
-                             mp ? mp->r : NULL, db_last, db_last, r->alpha,
+    st = bico_transport_rows(ctx, na / da_last, da_last, db_last, r->alpha,
+                             tau, da_last, mp ? mp->r : NULL, db_last,
                              0.0f, upd, db_last);
     info->handling = role == BICO_ROLE_VECTOR ? H_VECTOR : H_TIED;
   }
@@ -1215,7 +1215,7 @@ static bico_status elementwise_update(run *r, size_t ti, float *upd,
   if (tau == NULL) return BICO_E_NOMEM;
   bico_status st = read_tau(r, si, tau, na);
   if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_NAIVE) {
-    st = bico_baseline_naive(ctx, nd_a, sh_a, ndim, shape, tau, r->alpha, 0.0f,
+    st = bico_baseline_naive(ctx, nd_a, sh_a, ndim, shape, r->alpha, tau, 0.0f,
                              upd);
     info->handling = H_NAIVE;
   } else if (st == BICO_OK && na > 0 && nb > 0 && r->method == BICO_METHOD_PAD) {
@@ -1228,7 +1228,7 @@ static bico_status elementwise_update(run *r, size_t ti, float *upd,
                       "target tensor %s is %s, source tensor %s is %s",
                       name, b, info->source, a);
     } else {
-      st = bico_baseline_pad(ctx, nd_a, sh_a, ndim, shape, tau, r->alpha, 0.0f,
+      st = bico_baseline_pad(ctx, nd_a, sh_a, ndim, shape, r->alpha, tau, 0.0f,
                              upd);
       info->handling = H_PADDED;
     }
@@ -1277,7 +1277,7 @@ static bico_status elementwise_update(run *r, size_t ti, float *upd,
     if (st == BICO_OK) st = bico_votes_add_counts(votes, counts, samples);
     size_t kept = 0;
     if (st == BICO_OK)
-      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, tau, r->alpha, 0.0f,
+      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, r->alpha, tau, 0.0f,
                               upd, &kept);
     if (st == BICO_OK) {
       info->kept = nb ? (double)kept / (double)nb : 0.0;

@@ -324,8 +324,8 @@ bico_status bico_xcov_add(bico_xcov *xc, size_t n, const float *x_a,
   return BICO_OK;
 }
 
-bico_status bico_xcov_add_matrix(bico_xcov *xc, const double *c, size_t ld_c,
-                                 uint64_t rows) {
+bico_status bico_xcov_add_matrix(bico_xcov *xc, uint64_t rows, const double *c,
+                                 size_t ld_c) {
   if (xc == NULL) return BICO_E_NULL;
   bico_ctx *ctx = xc->ctx;
   bico__clear(ctx);

@@ -88,15 +88,15 @@ TEST(Ctx, AllocatorHooksAreUsed) {
        ri = bt::randn(g, 5, 3).f32();
   std::vector<float> out(12);
   long a0 = c.allocs, f0 = c.frees;
-  ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, 6, 5, tau.data(), 5, ro.data(),
-                                           4, 4, ri.data(), 3, 3, 1.0f, 0.0f,
+  ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, 6, 5, 4, 3, 1.0f,
+                                           tau.data(), 5, ro.data(), 4, ri.data(), 3, 0.0f,
                                            out.data(), 3));
   EXPECT_EQ(c.allocs - a0, 1);
   EXPECT_EQ(c.frees - f0, 1);
   // One-sided transports need none.
   a0 = c.allocs;
-  ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, 6, 5, tau.data(), 5, nullptr,
-                                           4, 4, ri.data(), 3, 3, 1.0f, 0.0f,
+  ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, 6, 5, 4, 3, 1.0f,
+                                           tau.data(), 5, nullptr, 4, ri.data(), 3, 0.0f,
                                            out.data(), 3));
   EXPECT_EQ(c.allocs, a0);
 
@@ -127,8 +127,8 @@ TEST(Ctx, AllocationFailureIsReported) {
   ASSERT_EQ(BICO_OK,
             bico_ctx_create_with_allocator(&ctx, count_alloc, count_free, &c));
   float tau[4] = {1, 2, 3, 4}, r[4] = {1, 0, 0, 1}, out[4] = {7, 7, 7, 7};
-  EXPECT_EQ(BICO_E_NOMEM, bico_transport_weight(ctx, 2, 2, tau, 2, r, 2, 2, r,
-                                                2, 2, 1.0f, 0.0f, out, 2));
+  EXPECT_EQ(BICO_E_NOMEM, bico_transport_weight(ctx, 2, 2, 2, 2, 1.0f, tau, 2, r,
+                                                2, r, 2, 0.0f, out, 2));
   EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("out of memory"),
             std::string::npos);
   for (float x : out) EXPECT_EQ(x, 7.0f);
@@ -191,11 +191,11 @@ TEST(Ctx, ThreadedTransportAgrees) {
   auto tau = bt::randn(g, m, n).f32(), ro = bt::randn(g, m, m).f32(),
        ri = bt::randn(g, n, n).f32();
   std::vector<float> a(m * n), b(m * n);
-  ASSERT_EQ(BICO_OK, bico_transport_weight(one, m, n, tau.data(), n, ro.data(),
-                                           m, m, ri.data(), n, n, 1.0f, 0.0f,
+  ASSERT_EQ(BICO_OK, bico_transport_weight(one, m, n, m, n, 1.0f,
+                                           tau.data(), n, ro.data(), m, ri.data(), n, 0.0f,
                                            a.data(), n));
-  ASSERT_EQ(BICO_OK, bico_transport_weight(two, m, n, tau.data(), n, ro.data(),
-                                           m, m, ri.data(), n, n, 1.0f, 0.0f,
+  ASSERT_EQ(BICO_OK, bico_transport_weight(two, m, n, m, n, 1.0f,
+                                           tau.data(), n, ro.data(), m, ri.data(), n, 0.0f,
                                            b.data(), n));
   bt::Mat ma = bt::Mat::from(a.data(), m, n, n), mb = bt::Mat::from(b.data(), m, n, n);
   EXPECT_LT(bt::relerr(ma, mb), 1e-5);
@@ -210,13 +210,13 @@ TEST(Ctx, ErrmsgClearedBySuccessfulCall) {
 
   // Across functions: a failed transport, then a successful baseline.
   float tau[4] = {1, 2, 3, 4}, out[4];
-  EXPECT_EQ(BICO_E_SHAPE, bico_transport_weight(ctx, 2, 2, tau, 1, nullptr, 2,
-                                                2, nullptr, 2, 2, 1.0f, 0.0f,
+  EXPECT_EQ(BICO_E_SHAPE, bico_transport_weight(ctx, 2, 2, 2, 2, 1.0f, tau,
+                                                1, nullptr, 2, nullptr, 2, 0.0f,
                                                 out, 2));
   EXPECT_STRNE(bico_ctx_errmsg(ctx), "");
   const size_t s[] = {4};
   ASSERT_EQ(BICO_OK,
-            bico_baseline_naive(ctx, 1, s, 1, s, tau, 1.0f, 0.0f, out));
+            bico_baseline_naive(ctx, 1, s, 1, s, 1.0f, tau, 0.0f, out));
   EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
   EXPECT_EQ(BICO_OK, bico_ctx_errcode(ctx));
 }
@@ -239,8 +239,8 @@ TEST(Ctx, ErrcodeIsTheStatusOfTheLastFailure) {
       case 0: got = bico_xcov_add(xc, 1, a, 2, b, 3); break;
       case 1: got = bico_ctx_set_param(ctx, BICO_CTX_THREADS, 5000); break;
       case 2:
-        got = bico_transport_weight(ctx, 2, 2, a, 1, nullptr, 2, 2, nullptr,
-                                    2, 2, 1.0f, 0.0f, out, 2);
+        got = bico_transport_weight(ctx, 2, 2, 2, 2, 1.0f, a, 1, nullptr,
+                                    2, nullptr, 2, 0.0f, out, 2);
         break;
       case 3: got = bico_xcov_sums(xc, sa, sb); break;
     }
@@ -313,7 +313,7 @@ TEST(Ctx, QueriesPreserveTheLastError) {
   EXPECT_EQ(BICO_OK, bico_votes_info(v, &n, &rows, &fl)); same("votes_info");
   EXPECT_EQ(BICO_OK, bico_votes_counts(v, counts)); same("votes_counts");
   EXPECT_EQ(BICO_OK, bico_gradfix_mask(v, BICO_GRADFIX_MAJORITY, tau, mask, &n)); same("gradfix_mask");
-  EXPECT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, tau, 1.0f, 0.0f, o, &n)); same("gradfix_apply");
+  EXPECT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, 1.0f, tau, 0.0f, o, &n)); same("gradfix_apply");
   EXPECT_EQ(BICO_OK, bico_depthmap_source(dm, 4, &i)); same("depthmap_source");
   EXPECT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &l)); same("ctx_get_param");
   EXPECT_EQ(BICO_OK, bico_ctx_param_bounds(BICO_CTX_THREADS, &llo, &lhi, &bf)); same("ctx_param_bounds");

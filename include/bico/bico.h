@@ -12,6 +12,7 @@
 #include "xcov.h"
 #include "procrustes.h"
 #include "transport.h"
+#include "votes.h"
 #include "gradfix.h"
 #include "baseline.h"
 #include "depthmap.h"

@@ -70,8 +70,8 @@ BICO_API bico_status bico_xcov_add(bico_xcov *xc, size_t n,
 /* Adds a cross-covariance computed elsewhere (d_a x d_b, row stride ld_c)
  * covering `rows` rows.  Only for accumulators created without flags (sums
  * and Grams cannot be recovered from C alone): else BICO_E_STATE. */
-BICO_API bico_status bico_xcov_add_matrix(bico_xcov *xc, const double *c,
-                                          size_t ld_c, uint64_t rows);
+BICO_API bico_status bico_xcov_add_matrix(bico_xcov *xc, uint64_t rows,
+                                          const double *c, size_t ld_c);
 
 /* dst += src.  Dimensions and flags must match. */
 BICO_API bico_status bico_xcov_merge(bico_xcov *dst, const bico_xcov *src);

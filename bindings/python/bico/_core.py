@@ -284,7 +284,7 @@ class XCov(_Handle):
         if c.shape != (da, db):
             raise BicoError(E_SHAPE, "xcov_add_matrix: matrix is %s, the "
                             "accumulator is %d x %d" % (c.shape, da, db))
-        _check(fn.xcov_add_matrix(self._alive(), _ptr(c), db, int(rows)),
+        _check(fn.xcov_add_matrix(self._alive(), int(rows), _ptr(c), db),
                self.ctx)
         return self
 
@@ -494,9 +494,9 @@ def weight(tau, r_out=None, r_in=None, alpha=1.0, out=None, beta=0.0,
     if ri is not None and ia != din_a:
         raise BicoError(E_SHAPE, "transport_weight: r_in has %d rows, tau has "
                         "%d columns (d_in of the source)" % (ia, din_a))
-    _check(fn.transport_weight(ctx._alive(), dout_a, din_a, _ptr(t), ldt,
-                               _ptr(ro), ldo, dout_b, _ptr(ri), ldi, din_b,
-                               float(alpha), float(beta), _ptr(o), din_b), ctx)
+    _check(fn.transport_weight(ctx._alive(), dout_a, din_a, dout_b, din_b,
+                               float(alpha), _ptr(t), ldt, _ptr(ro), ldo, _ptr(ri),
+                               ldi, float(beta), _ptr(o), din_b), ctx)
     if back is not None:
         back[...] = o
         return back
@@ -544,9 +544,9 @@ def weight_split(tau, r_outs, r_in=None, alpha=1.0, out=None, beta=0.0,
     else:
         arr_t = ctypes.c_void_p * k
         arr_p = arr_t(*[_ptr(m) for m in mats])
-    _check(fn.transport_weight_split(ctx._alive(), k, dout_a, din_a, _ptr(t),
-                                     ldt, arr_p, ldr, dout_b, _ptr(ri), ldi,
-                                     din_b, float(alpha), float(beta), _ptr(o),
+    _check(fn.transport_weight_split(ctx._alive(), k, dout_a, din_a, dout_b,
+                                     din_b, float(alpha), _ptr(t), ldt, arr_p, ldr,
+                                     _ptr(ri), ldi, float(beta), _ptr(o),
                                      din_b), ctx)
     if back is not None:
         back[...] = o
@@ -564,8 +564,8 @@ def vector(v, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
                         "elements" % (ra, v.size))
     db = rb if rm is not None else (d_b or v.size)
     o, back = _out_arg(out, (db,), beta)
-    _check(fn.transport_vector(ctx._alive(), v.size, _ptr(v), _ptr(rm), ldr, db,
-                               float(alpha), float(beta), _ptr(o)), ctx)
+    _check(fn.transport_vector(ctx._alive(), v.size, db, float(alpha), _ptr(v), _ptr(rm),
+                               ldr, float(beta), _ptr(o)), ctx)
     if back is not None:
         back[...] = o
         return back
@@ -586,8 +586,8 @@ def rows(t, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
                         "dimension is %d" % (ra, d_a))
     db = rb if rm is not None else (d_b or d_a)
     o, back = _out_arg(out, lead + (db,), beta)
-    _check(fn.transport_rows(ctx._alive(), n, d_a, _ptr(a2), d_a, _ptr(rm), ldr,
-                             db, float(alpha), float(beta), _ptr(o), db), ctx)
+    _check(fn.transport_rows(ctx._alive(), n, d_a, db, float(alpha), _ptr(a2), d_a,
+                             _ptr(rm), ldr, float(beta), _ptr(o), db), ctx)
     if back is not None:
         back[...] = o
         return back
@@ -617,7 +617,7 @@ def _baseline(f, tau, target_shape, alpha, out, beta, ctx):
     shape = tuple(int(s) for s in target_shape)
     o, back = _out_arg(out, shape, beta)
     _check(f(ctx._alive(), t.ndim, _shape_arr(t.shape), len(shape),
-             _shape_arr(shape), _ptr(t), float(alpha), float(beta), _ptr(o)),
+             _shape_arr(shape), float(alpha), _ptr(t), float(beta), _ptr(o)),
            ctx)
     if back is not None:
         back[...] = o
@@ -724,8 +724,8 @@ class Votes(_Handle):
                                 "%d elements" % self.size)
             o = out.reshape(-1)
         kept = c_size_t()
-        _check(fn.gradfix_apply(self._alive(), _mode(mode), _ptr(t),
-                                float(alpha), float(beta), _ptr(o),
+        _check(fn.gradfix_apply(self._alive(), _mode(mode), float(alpha),
+                                _ptr(t), float(beta), _ptr(o),
                                 ctypes.byref(kept)), self.ctx)
         return (o.reshape(self.shape) if out is None else out), kept.value
 
