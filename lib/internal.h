@@ -4,6 +4,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+/* The library sees its experimental section (experimental.h). */
+#define BICO_EXPERIMENTAL
 #include "bico/bico.h"
 
 #define BICO_ERRMSG_CAP 1024

@@ -849,3 +849,46 @@ bico_status bico__procrustes_solve_reader(bico_procrustes *p, size_t d_a,
                       d_b);
   return solve_read(p, fn, d_a, d_b, total, rd, r, ld_r, rank);
 }
+
+/* ---- experimental.h ---- */
+
+typedef struct caller_reader {
+  bico_ctx *ctx;
+  bico_block_read_fn read;
+  bico_block_release_fn release;
+  void *opaque;
+} caller_reader;
+
+/* The caller's failure comes back unchanged, and on record (ctx.h). */
+static bico_status caller_block(void *o, size_t i0, size_t ni, size_t j0,
+                                size_t nj, double *out, size_t ld) {
+  caller_reader *c = o;
+  bico_status st = c->read(c->opaque, i0, ni, j0, nj, out, ld);
+  if (st != BICO_OK)
+    return bico__fail(c->ctx, st,
+                      "procrustes_solve_blocks: reading rows %zu..%zu, "
+                      "columns %zu..%zu of C failed: %s",
+                      i0, i0 + ni, j0, j0 + nj, bico_strerror(st));
+  return BICO_OK;
+}
+
+static void caller_release(void *o) {
+  caller_reader *c = o;
+  if (c->release != NULL) c->release(c->opaque);
+}
+
+bico_status bico_procrustes_solve_blocks(bico_procrustes *p, size_t d_a,
+                                         size_t d_b, bico_block_read_fn read,
+                                         bico_block_release_fn release,
+                                         void *opaque, float *r, size_t ld_r,
+                                         size_t *rank) {
+  if (p == NULL) return BICO_E_NULL;
+  if (read == NULL) {
+    bico__clear(p->ctx);
+    return bico__fail(p->ctx, BICO_E_NULL,
+                      "procrustes_solve_blocks: read is NULL");
+  }
+  caller_reader c = {p->ctx, read, release, opaque};
+  const bico__creader rd = {caller_block, caller_release, &c};
+  return bico__procrustes_solve_reader(p, d_a, d_b, &rd, r, ld_r, rank);
+}

@@ -21,5 +21,8 @@
 #include "transfer.h"
 #include "lora.h"
 #include "merge.h"
+/* Declares nothing unless BICO_EXPERIMENTAL is defined: interfaces without
+ * an ABI promise (experimental.h). */
+#include "experimental.h"
 
 #endif

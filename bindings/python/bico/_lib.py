@@ -172,6 +172,11 @@ PROTOTYPES = {
                                           c_size_t, P(c_size_t)]),
     "bico_procrustes_spectrum": (_S, [c_void_p, c_void_p, c_size_t,
                                       P(c_size_t)]),
+    # experimental.h (no ABI promise): read(opaque, i0, ni, j0, nj, out, ld)
+    # and release(opaque) are C callbacks (ctypes.CFUNCTYPE).
+    "bico_procrustes_solve_blocks": (_S, [c_void_p, c_size_t, c_size_t,
+                                          c_void_p, c_void_p, c_void_p,
+                                          c_void_p, c_size_t, P(c_size_t)]),
     # transport
     "bico_transport_weight": (_S, [c_void_p, c_size_t, c_size_t, c_size_t,
                                    c_size_t, c_float, c_void_p, c_size_t,
