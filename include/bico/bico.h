@@ -21,6 +21,7 @@
 #include "transfer.h"
 #include "lora.h"
 #include "merge.h"
+#include "fit.h"
 /* Declares nothing unless BICO_EXPERIMENTAL is defined: interfaces without
  * an ABI promise (experimental.h). */
 #include "experimental.h"
