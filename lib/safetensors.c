@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "fileio.h"
+#include "modelpath.h"
 #include "st_internal.h"
 #include "strindex.h"
 
@@ -47,6 +48,11 @@ bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
     return bico__fail(ctx, BICO_E_NULL, "stfile_open: %s is NULL",
                       out == NULL ? "out" : "path");
   *out = NULL;
+  /* A Hugging Face model folder stands for its weights file. */
+  char resolved[4096];
+  const char *given = path;
+  bico_status rs = bico__model_file(ctx, given, resolved, sizeof resolved, &path);
+  if (rs != BICO_OK) return rs;
   bico_stfile *f = bico__calloc(ctx, 1, sizeof *f);
   if (f == NULL) return BICO_E_NOMEM;
   f->ctx = ctx;
@@ -92,6 +98,11 @@ bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
   if (st != BICO_OK) {
     if (st == BICO_E_NOMEM && bico_ctx_errmsg(ctx)[0] == '\0')
       bico__fail(ctx, st, "stfile_open: %s: out of memory", path);
+    else if (st == BICO_E_FORMAT && bico__looks_like_pickle(path))
+      bico__fail(ctx, st,
+                 "%s: a PyTorch pickle, not safetensors: convert it with "
+                 "`python3 -m bico.convert %s OUT.safetensors`",
+                 path, given);
     bico_stfile_close(f);
     return st;
   }

@@ -91,7 +91,12 @@ typedef struct bico_stfile bico_stfile;
  * is opened and validated, and together they read as one file.  A tensor
  * the weight_map lists but its shard lacks, or a tensor a shard holds that
  * the weight_map does not assign to that shard, is BICO_E_FORMAT naming the
- * files and the tensor.  The handle keeps a pointer to ctx (which must
+ * files and the tensor.  A folder (a Hugging Face model folder) stands for
+ * its model.safetensors.index.json, else its model.safetensors, else its
+ * single *.safetensors file; a folder holding a PEFT adapter or PyTorch
+ * pickles is BICO_E_FORMAT, one with nothing to read BICO_E_NOTFOUND, and a
+ * PyTorch pickle given as a file is BICO_E_FORMAT with the conversion
+ * command in the message.  The handle keeps a pointer to ctx (which must
  * outlive it) and reports failures there. */
 BICO_API bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
                                       bico_stfile **out);
