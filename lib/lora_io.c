@@ -269,6 +269,64 @@ static bico_status load_factor(bico_lora *l, const bico_stfile *f,
   return BICO_OK;
 }
 
+/* Each module's A and B: present, shapes agreeing with each other and
+ * with the config's rank, then loaded. */
+static bico_status pair_factors(bico_lora *l, const char *path,
+                                const bico_stfile *f, const config *c,
+                                const pending *pend, size_t np) {
+  bico_ctx *ctx = l->ctx;
+  bico_status st = BICO_OK;
+  for (size_t p = 0; p < np && st == BICO_OK; p++) {
+    const pending *e = &pend[p];
+    const char *an = e->kind == BICO_LORA_LINEAR ? "lora_A" : "lora_embedding_A";
+    const char *bn = e->kind == BICO_LORA_LINEAR ? "lora_B" : "lora_embedding_B";
+    if (e->ia == SIZE_MAX || e->ib == SIZE_MAX) {
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: module %s has %s but no %s", path,
+                      e->module, e->ia == SIZE_MAX ? bn : an,
+                      e->ia == SIZE_MAX ? an : bn);
+      break;
+    }
+    const size_t *sa, *sb;
+    bico_stfile_tensor_info(f, e->ia, NULL, NULL, NULL, &sa);
+    bico_stfile_tensor_info(f, e->ib, NULL, NULL, NULL, &sb);
+    size_t r = sa[0], din = sa[1], dout = sb[0];
+    if (sb[1] != r || r == 0 || din == 0 || dout == 0) {
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "lora_open: %s: module %s: %s is [%zu, %zu] and %s "
+                      "[%zu, %zu]; their ranks must agree and be non-zero",
+                      path, e->module, an, sa[0], sa[1], bn, sb[0], sb[1]);
+      break;
+    }
+    const bico__json_member *rp = pattern_for(c->rank_pattern, e->module);
+    const bico__json_member *ap = pattern_for(c->alpha_pattern, e->module);
+    size_t rc = rp ? (size_t)rp->value.u.i : c->r;
+    double alpha = c->alpha;
+    if (ap) positive_number(&ap->value, &alpha);
+    if (rc != r) {
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "lora_open: %s: module %s: the factors have rank %zu but "
+                      "the config gives r = %zu%s%s%s",
+                      path, e->module, r, rc,
+                      rp ? " (rank_pattern key \"" : "",
+                      rp ? rp->key : "", rp ? "\")" : "");
+      break;
+    }
+    float *a = NULL, *b = NULL;
+    st = load_factor(l, f, path, e->ia, &a, r * din);
+    if (st == BICO_OK) st = load_factor(l, f, path, e->ib, &b, dout * r);
+    char *nm = st == BICO_OK ? dupstr(ctx, e->module) : NULL;
+    if (st == BICO_OK && nm == NULL) st = BICO_E_NOMEM;
+    if (st != BICO_OK) {
+      bico__free(ctx, a);
+      bico__free(ctx, b);
+      break;
+    }
+    st = bico__lora_push_module(l, nm, e->kind, r, alpha, dout, din, b, a);
+  }
+  return st;
+}
+
 static bico_status load_tensors(bico_lora *l, const char *path,
                                 const bico_stfile *f, const config *c) {
   bico_ctx *ctx = l->ctx;
@@ -371,54 +429,7 @@ static bico_status load_tensors(bico_lora *l, const char *path,
     if (FACT[fi].is_a) pend[p].ia = t;
     else pend[p].ib = t;
   }
-  for (size_t p = 0; p < np && st == BICO_OK; p++) {
-    const pending *e = &pend[p];
-    const char *an = e->kind == BICO_LORA_LINEAR ? "lora_A" : "lora_embedding_A";
-    const char *bn = e->kind == BICO_LORA_LINEAR ? "lora_B" : "lora_embedding_B";
-    if (e->ia == SIZE_MAX || e->ib == SIZE_MAX) {
-      st = bico__fail(ctx, BICO_E_FORMAT,
-                      "lora_open: %s: module %s has %s but no %s", path,
-                      e->module, e->ia == SIZE_MAX ? bn : an,
-                      e->ia == SIZE_MAX ? an : bn);
-      break;
-    }
-    const size_t *sa, *sb;
-    bico_stfile_tensor_info(f, e->ia, NULL, NULL, NULL, &sa);
-    bico_stfile_tensor_info(f, e->ib, NULL, NULL, NULL, &sb);
-    size_t r = sa[0], din = sa[1], dout = sb[0];
-    if (sb[1] != r || r == 0 || din == 0 || dout == 0) {
-      st = bico__fail(ctx, BICO_E_SHAPE,
-                      "lora_open: %s: module %s: %s is [%zu, %zu] and %s "
-                      "[%zu, %zu]; their ranks must agree and be non-zero",
-                      path, e->module, an, sa[0], sa[1], bn, sb[0], sb[1]);
-      break;
-    }
-    const bico__json_member *rp = pattern_for(c->rank_pattern, e->module);
-    const bico__json_member *ap = pattern_for(c->alpha_pattern, e->module);
-    size_t rc = rp ? (size_t)rp->value.u.i : c->r;
-    double alpha = c->alpha;
-    if (ap) positive_number(&ap->value, &alpha);
-    if (rc != r) {
-      st = bico__fail(ctx, BICO_E_SHAPE,
-                      "lora_open: %s: module %s: the factors have rank %zu but "
-                      "the config gives r = %zu%s%s%s",
-                      path, e->module, r, rc,
-                      rp ? " (rank_pattern key \"" : "",
-                      rp ? rp->key : "", rp ? "\")" : "");
-      break;
-    }
-    float *a = NULL, *b = NULL;
-    st = load_factor(l, f, path, e->ia, &a, r * din);
-    if (st == BICO_OK) st = load_factor(l, f, path, e->ib, &b, dout * r);
-    char *nm = st == BICO_OK ? dupstr(ctx, e->module) : NULL;
-    if (st == BICO_OK && nm == NULL) st = BICO_E_NOMEM;
-    if (st != BICO_OK) {
-      bico__free(ctx, a);
-      bico__free(ctx, b);
-      break;
-    }
-    st = bico__lora_push_module(l, nm, e->kind, r, alpha, dout, din, b, a);
-  }
+  if (st == BICO_OK) st = pair_factors(l, path, f, c, pend, np);
   for (size_t p = 0; p < np; p++) bico__free(ctx, pend[p].module);
   bico__free(ctx, pend);
   bico__strindex_free(ctx, &ix);
