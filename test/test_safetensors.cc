@@ -596,8 +596,10 @@ TEST(SafetensorsReader, OsErrorsNameTheFile) {
   EXPECT_EQ(f, nullptr);
   EXPECT_TRUE(contains(errmsg(ctx), missing));
   EXPECT_TRUE(contains(errmsg(ctx), "No such file")) << errmsg(ctx);
-  EXPECT_EQ(bico_stfile_open(ctx, dir.path.c_str(), &f), BICO_E_IO);
-  EXPECT_TRUE(contains(errmsg(ctx), "not a regular file")) << errmsg(ctx);
+  // A folder is a Hugging Face model folder; this one holds nothing to read.
+  EXPECT_EQ(bico_stfile_open(ctx, dir.path.c_str(), &f), BICO_E_NOTFOUND);
+  EXPECT_TRUE(contains(errmsg(ctx), "without model.safetensors")) << errmsg(ctx);
+  EXPECT_TRUE(contains(errmsg(ctx), dir.path)) << errmsg(ctx);
   EXPECT_EQ(bico_stfile_open(ctx, nullptr, &f), BICO_E_NULL);
   EXPECT_EQ(bico_stfile_open(nullptr, missing.c_str(), &f), BICO_E_NULL);
   std::string empty = dir / "empty.safetensors";
