@@ -350,3 +350,19 @@ def test_python_engine_refuses_statistics_that_are_no_floats(tmp_path):
     with pytest.raises(bico.BicoError) as e:
         bico.transfer_state_dict(sd, sd, sd, p, engine="python")
     assert e.value.status == bico.E_FORMAT and "I8" in e.value.message
+
+
+def test_method_and_norm_map_names_come_from_the_library():
+    import ctypes
+    from bico import _enums
+    assert set(_enums.METHODS) == {"bico", "bico-in", "bico-out", "gradfix",
+                                   "naive", "pad"}
+    assert set(_enums.NORM_MAPS) == {"act", "grad"}
+    for table, from_name in ((_enums.METHODS, bico._lib.fn.method_from_name),
+                             (_enums.NORM_MAPS,
+                              bico._lib.fn.norm_map_from_name)):
+        for name, v in table.items():
+            out = ctypes.c_int(-1)
+            assert from_name(name.encode(), ctypes.byref(out)) == 0
+            assert out.value == v
+    assert bico.model.METHODS is _enums.METHODS

@@ -155,3 +155,31 @@ def test_sharded_index(tmp_path):
         {"weight_map": wmap}))
     r = run(src / "pytorch_model.bin.index.json", tmp_path / "out2")
     assert r.returncode == 1 and names[0] in r.stderr
+
+
+def test_model_folder_converts_into_a_model_folder(tmp_path):
+    """A Hugging Face folder of pickles (what the library's message tells
+    users to convert) becomes a folder the library reads as a model, with
+    config.json and tokenizer files copied."""
+    sd = sample_state_dict()
+    src = tmp_path / "hf"
+    src.mkdir()
+    torch.save(sd, src / "pytorch_model.bin")
+    (src / "config.json").write_text('{"model_type": "bert"}')
+    (src / "vocab.txt").write_text("[PAD]\n")
+    r = run(src, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors",
+                                       "vocab.txt"]
+    assert (out / "config.json").read_text() == '{"model_type": "bert"}'
+    same(bico.safetensors.read(str(out / "model.safetensors")), sd)
+    # the file command the library suggests, into a folder not yet made
+    r = run(src / "pytorch_model.bin", tmp_path / "new" / "model.safetensors")
+    assert r.returncode == 0, r.stderr
+    same(bico.safetensors.read(str(tmp_path / "new" / "model.safetensors")),
+         sd)
+    with pytest.raises(bico.BicoError):
+        bc.convert(src, tmp_path / "x.safetensors")
+    with pytest.raises(bico.BicoError):
+        bc.convert(tmp_path / "new", tmp_path / "o2")   # no pickles there

@@ -175,7 +175,11 @@ def size(v, name, lo=0, hi=SIZE_MAX):
 
 
 def sizes(shape, name):
-    """A tuple of dimensions, each a size_t."""
+    """A tuple of dimensions, each a size_t (an array of them must have an
+    integer dtype, even when empty)."""
+    if isinstance(shape, np.ndarray) and shape.dtype.kind not in "iu":
+        raise TypeError("%s must be integers, got an array of %s"
+                        % (name, shape.dtype))
     try:
         items = list(shape)
     except TypeError:

@@ -1,16 +1,16 @@
 """The enumerations of include/bico/*.h, in one module.
 
-Where the library offers a name lookup (bico_dtype_name /
-bico_dtype_from_name; bico_method_name / bico_method_from_name once the
-library exports them), the tables are read from the library at import, so
-the binding cannot drift from it; the other values are frozen in the
-headers and written here once.  Every wrapper imports its table from here.
+Where the library offers a name lookup (bico_dtype_from_name,
+bico_method_name, bico_norm_map_name), the tables are read from the
+library at import, so the binding cannot drift from it; the other values
+are frozen in the headers and written here once.  Every wrapper imports
+its table from here.
 """
 import ctypes
 
 import numpy as np
 
-from ._lib import fn, has
+from ._lib import fn
 from ._status import BicoError, E_ARG
 
 
@@ -45,26 +45,24 @@ GRADFIX_MODES = {"majority": 1, "vote": 1, "mean": 2}
 MODULE_KINDS = {1: "linear", 2: "elementwise", 3: "embedding", 4: "other"}
 TENSOR_ROLES = {1: "weight", 2: "bias", 3: "vector", 4: "token", 5: "other"}
 
-# ---- transfer.h ----
-_METHOD_TABLE = {"bico": 1, "bico-in": 2, "bico-out": 3, "gradfix": 4,
-                 "naive": 5, "pad": 6}
+# ---- transfer.h: method and norm-map names from the library ----
 
-
-def _methods_from_library():
-    """{name: value} from bico_method_name when the library has it."""
-    if not has("method_name"):
-        return None
-    f = fn.method_name
+def _names_from_library(name_fn, what):
+    """{name: value} of an enumeration whose bico_*_name gives NULL for an
+    unknown value (the values are small: see the enum rule in the
+    headers)."""
     out = {}
-    for v in range(0, 64):
-        raw = f(v)
+    for v in range(256):
+        raw = name_fn(v)
         if raw:
             out[raw.decode()] = v
-    return out or None
+    if not out:
+        raise ImportError("bico: the library names no %s" % what)
+    return out
 
 
-METHODS = _methods_from_library() or _METHOD_TABLE
-NORM_MAPS = {"act": 0, "grad": 1}
+METHODS = _names_from_library(fn.method_name, "method")
+NORM_MAPS = _names_from_library(fn.norm_map_name, "norm map")
 TRANSFER_FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
                   "target_base": 4, "source_calib": 5, "target_calib": 6,
                   "stats": 7, "target_votes": 8, "output": 9,

@@ -3,6 +3,7 @@ writer.
 
     python3 -m bico.convert pytorch_model.bin model.safetensors
     python3 -m bico.convert pytorch_model.bin.index.json out_folder/
+    python3 -m bico.convert hf_model_folder/ out_folder/
 
 The pickle is read with torch.load(weights_only=True), which rebuilds
 tensors and plain containers and refuses any other object (a pickle can
@@ -17,7 +18,10 @@ storage (tied weights) as separate copies, with the metadata
 A sharded checkpoint's index (pytorch_model.bin.index.json) converts
 shard by shard (one shard in memory at a time) into the output folder:
 pytorch_model-00001-of-00002.bin becomes model-00001-of-00002.safetensors,
-and model.safetensors.index.json maps every tensor to its new shard.
+and model.safetensors.index.json maps every tensor to its new shard.  A
+model folder (pytorch_model.bin or its index, config.json, tokenizer
+files) converts into a model folder: the weights as above, the other
+files copied.
 """
 import argparse
 import inspect
@@ -161,26 +165,74 @@ def convert_index(index, out_dir, trust_pickle=False, skip_non_tensors=False):
     return out
 
 
+_WEIGHTS = (".bin", ".pt", ".pth", ".safetensors", ".index.json", ".tmp")
+
+
+def copy_companions(src_dir, out_dir):
+    """Copies the files of a model folder that are not weights (config.json,
+    tokenizer and generation files) into out_dir, so that it is a complete
+    model folder; existing files there are kept.  Returns their names."""
+    import shutil
+    copied = []
+    for name in sorted(os.listdir(src_dir)):
+        p = os.path.join(src_dir, name)
+        if name.startswith(".") or name.endswith(_WEIGHTS) or \
+                not os.path.isfile(p):
+            continue
+        q = os.path.join(out_dir, name)
+        if os.path.lexists(q) or os.path.abspath(p) == os.path.abspath(q):
+            continue
+        shutil.copyfile(p, q)
+        copied.append(name)
+    return copied
+
+
 def convert(src, dst, trust_pickle=False, skip_non_tensors=False):
-    """src: a pickle or a pickle index (.json); dst: a .safetensors file
-    for a pickle (or a folder, which gets model.safetensors), a folder for
-    an index.  Returns what was written (file or index path)."""
+    """src: a pickle, a pickle index (.json), or a model folder holding
+    pytorch_model.bin or pytorch_model.bin.index.json; dst: a .safetensors
+    file for a pickle (or a folder, which gets model.safetensors), a folder
+    for an index or a model folder (which also gets the folder's other
+    files: config.json, tokenizer files).  Returns what was written (the
+    file or the index path)."""
     src, dst = os.fspath(src), os.fspath(dst)
+    folder = None
+    if os.path.isdir(src):
+        folder = src
+        for name in ("pytorch_model.bin.index.json", "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(src, name)):
+                src = os.path.join(src, name)
+                break
+        else:
+            raise BicoError(E_IO, "convert: %s holds neither "
+                            "pytorch_model.bin nor "
+                            "pytorch_model.bin.index.json" % src)
+        if dst.endswith(".safetensors") or dst.endswith(".json"):
+            raise BicoError(E_ARG, "convert: a model folder converts into a "
+                            "folder, not %s" % dst)
     if not os.path.isfile(src):
         raise BicoError(E_IO, "convert: %s is not a file" % src)
     if src.endswith(".json"):
         if dst.endswith(".safetensors") or dst.endswith(".json"):
             raise BicoError(E_ARG, "convert: a sharded checkpoint converts "
                             "into a folder, not %s" % dst)
-        return convert_index(src, dst, trust_pickle, skip_non_tensors)
-    if os.path.isdir(dst):
-        dst = os.path.join(dst, "model.safetensors")
+        out = convert_index(src, dst, trust_pickle, skip_non_tensors)
+        copy_companions(os.path.dirname(os.path.abspath(src)), dst)
+        return out
+    if folder is not None or os.path.isdir(dst) or dst.endswith(os.sep):
+        os.makedirs(dst, exist_ok=True)
+        out_dir, dst = dst, os.path.join(dst, "model.safetensors")
+    else:
+        out_dir = None
     if dst.endswith(".json"):
         raise BicoError(E_ARG, "convert: %s names an index; give a "
                         ".safetensors file" % dst)
     if os.path.exists(dst) and os.path.samefile(src, dst):
         raise BicoError(E_ARG, "convert: the output is the input (%s)" % src)
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
     convert_file(src, dst, trust_pickle, skip_non_tensors)
+    if folder is not None:
+        copy_companions(folder, out_dir)
     return dst
 
 
@@ -189,9 +241,10 @@ def main(argv=None):
         prog="python3 -m bico.convert",
         description="Convert a PyTorch checkpoint (.bin/.pt pickle, or a "
         "sharded pytorch_model.bin.index.json) to safetensors.")
-    ap.add_argument("input", help="a .bin/.pt/.pth file, or a .index.json")
+    ap.add_argument("input", help="a .bin/.pt/.pth file, a .index.json, or "
+                    "a model folder holding them")
     ap.add_argument("output", help="a .safetensors file (a folder for an "
-                    "index)")
+                    "index or a model folder)")
     ap.add_argument("--trust-pickle", action="store_true",
                     help="load any pickled object (runs code from the file: "
                     "only for files you trust)")
