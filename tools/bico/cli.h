@@ -38,6 +38,13 @@ int cli_double(const char *s, double *out);
 int cli_size(const char *s, size_t *out);
 
 /* Reports a library failure: the status text and the context's detail. */
+/* Chooses BLIS's kernels for the process before BLIS starts (may execute
+ * the program again with BLIS_ARCH_TYPE set); tools/bico/blisarch.c. */
+void cli_blis_arch(char **argv, int verbose);
+/* Replaces `--config F.yaml` in a subcommand's arguments (argv[0] the
+ * subcommand) by the options the YAML file stands for; 0, or the exit code
+ * of an error already printed.  tools/bico/config.c. */
+int cli_config_expand(const char *cmd, int *argc, char ***argv);
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
 
 #endif

@@ -21,7 +21,10 @@ static const char HELP[] =
     "--weight (default 1) and --density (default 1, TIES only: the fraction\n"
     "of entries kept by magnitude) apply to the input before them.  TIES\n"
     "normalises by the agreeing weights by default, linear does not.  The\n"
-    "result is base + alpha * merged.  See docs/lora.md.\n";
+    "result is base + alpha * merged.  See docs/lora.md.\n"
+    "--config F.yaml stands for options (mergekit's schema: merge_method,\n"
+    "base_model, models with parameters weight/density, parameters); see\n"
+    "man bico.\n";
 
 static void log_line(void *opaque, const char *line) {
   (void)opaque;

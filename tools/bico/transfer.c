@@ -37,7 +37,11 @@ static const char HELP[] =
     "LoRA (docs/lora.md): --lora ADAPTER_DIR instead of --source-tuned or\n"
     "--task-vector, and --output-lora OUT_DIR (a PEFT adapter for the target,\n"
     "factored: no dense update is built for the BiCo methods) and/or\n"
-    "--merge-into-base --output B_ft.safetensors (the full target checkpoint).\n";
+    "--merge-into-base --output B_ft.safetensors (the full target checkpoint).\n"
+    "\n"
+    "--config F.yaml stands for options: each key foo_bar: VALUE is\n"
+    "--foo-bar VALUE (true: a flag; a list repeats it; split/tie take a\n"
+    "mapping); see man bico.\n";
 
 static const struct {
   const char *opt;
