@@ -45,7 +45,7 @@ import bico.torch as bt  # noqa: E402
 from bico.fit import Fit  # noqa: E402
 
 ORACLE = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0]
-RESULTS_VERSION = 1
+RESULTS_VERSION = 2
 
 
 def loss_fn(out, y):
@@ -214,7 +214,8 @@ def cell(case, method, variant, calib):
     if method == "fit":
         ridge = variant.get("ridge", 1e-2)
         new = bt.transfer_model(A, Aft, B, batches, method="fit",
-                                loss_fn=loss_fn, ridge=ridge)
+                                loss_fn=loss_fn, ridge=ridge,
+                                shared_out=variant.get("shared_out", ()))
         delta = delta_of(new, case.b0)
         res["alpha"] = 1.0
     elif method == "head-fit":
@@ -261,9 +262,11 @@ ROWS = [
     ("bico whiten 0.5", "bico", {"whiten": 0.5}, 100, "all"),
     ("bico 400 calib", "bico", {}, 400, "all"),
     ("head fit alone", "head-fit", {}, 100, "all"),
+    ("fit shared head", "fit", {"shared_out": ["head"]}, 100, "all"),
     ("fit c=1e-3", "fit", {"ridge": 1e-3}, 100, "all"),
     ("fit c=1e-1", "fit", {"ridge": 1e-1}, 100, "all"),
     ("fit 400 calib", "fit", {}, 400, "all"),
+    ("fit 1000 calib", "fit", {}, 1000, "all"),
 ]
 
 
@@ -377,9 +380,9 @@ def print_table(table, rows, tasks, targets):
         if not al:
             continue
         print("%-22s" % label + "".join(
-            "%*s" % (w, "%g/%g/%s" % (r["alpha"], r["alpha_oracle"],
-                                      "%g" % r["alpha_entropy"]
-                                      if "alpha_entropy" in r else "-"))
+            "%*s" % (w, "%.2g/%.2g/%s" % (r["alpha"], r["alpha_oracle"],
+                                          "%.2g" % r["alpha_entropy"]
+                                          if "alpha_entropy" in r else "-"))
             for r in al))
     ent = [(label, [gap(table[c][label]["acc_entropy"], table[c]["ends"])
                     for c in cids if label in table[c]

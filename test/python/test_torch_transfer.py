@@ -67,6 +67,30 @@ def test_fit_on_itself_reproduces_the_tuned_model():
                           atol=1e-4)
 
 
+def test_shared_out_head_takes_the_change_as_it_is():
+    """shared_out=["head"]: the head's D is not mapped.  Under a planted
+    permutation of the residual stream the head's outputs (the classes)
+    stay put, so the result is still exact; naming a non-linear module or
+    one of another width is an error."""
+    a, aft, _ = models()
+    T = planted_transform(a.state_dict(), 8, 2, 16, 2)
+    b = Tiny().eval()
+    b.load_state_dict(T(a.state_dict()))
+    sd = bt.transfer_model(a, aft, b, batches(), method="fit",
+                           loss_fn=mse_loss, ridge=0.0, shared_out=["head"])
+    fresh = batches(seed=12)
+    got, want = outputs(b, sd, fresh), outputs(aft, aft.state_dict(), fresh)
+    assert float((got - want).abs().max()) <= 1e-3 * float(
+        want.abs().max())
+    with pytest.raises(bico.BicoError, match="no nn.Linear"):
+        bt.transfer_model(a, aft, b, batches(), method="fit",
+                          loss_fn=mse_loss, shared_out=["norm"])
+    wide = Tiny(d=12, heads=2, hidden=24).eval()
+    with pytest.raises(bico.BicoError, match="shared_out"):
+        bt.transfer_model(a, aft, wide, batches(), method="fit",
+                          loss_fn=mse_loss, shared_out=["patch_embed"])
+
+
 def test_fit_follows_a_change_of_coordinates():
     """B is A written in other coordinates (permuted residual stream and
     MLP units, rotated head spaces): the fit recovers T(A_ft)'s function."""

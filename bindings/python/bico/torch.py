@@ -753,8 +753,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    loss_fn=None, alpha=1.0, step=None, forward=None,
                    modules=None, split=None, ties=None, norm_map="act",
                    votes=None, gradfix_mode="majority", source_blocks=None,
-                   target_blocks=None, ridge=1e-2, report=None,
-                   show_progress=False, **options):
+                   target_blocks=None, ridge=1e-2, shared_out=(),
+                   report=None, show_progress=False, **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -771,6 +771,9 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     block; every nn.Linear of the target with a Linear source partner gets
     its update by bico.fit.Fit with ridge c = ridge; everything else
     (norms, tokens, embeddings, nn.MultiheadAttention) is carried by BiCo.
+    shared_out (fit): target modules whose outputs are in the same
+    coordinates as their source partner's (a classifier head over the same
+    classes): D is used as it is, no output map.
     alpha: a positive number, or "match" / "entropy" to choose it without
     labels (choose_alpha on the calibration batches; not for fit, which
     scales the output change D by alpha and sets its own size: keep 1).
@@ -829,7 +832,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         if method == "fit":
             return _fit(source, source_tuned, target, batches, forward, col,
                         a0, a1, b0, alpha, ridge, topts, report,
-                        show_progress)
+                        show_progress, tuple(shared_out or ()))
         rep = [] if report is None else report
         a = 1.0 if auto else alpha
         new, delta = transfer_state_dict(a0, a1, b0, col, method=method,
@@ -858,8 +861,13 @@ def _apply(b0, delta, alpha):
 
 
 def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
-         alpha, ridge, topts, report, show_progress):
+         alpha, ridge, topts, report, show_progress, shared_out):
     from . import torch_fit
+    names = dict(target.named_modules())
+    for n in shared_out:
+        if not isinstance(names.get(n), nn.Linear):
+            raise BicoError(E_NOTFOUND, "transfer_model: shared_out names "
+                            "%r, which is no nn.Linear of the target" % (n,))
     try:
         from .fit import Fit
     except ImportError as e:
@@ -883,7 +891,8 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     freport = [] if report is not None else None
     out = torch_fit.fit_model(
         source, source_tuned, target, batches, _on(forward, _device(target)),
-        maps, pairing, start, alpha, ridge, Fit, freport, show_progress)
+        maps, pairing, start, alpha, ridge, Fit, freport, show_progress,
+        shared_out)
     if report is not None:
         done = set(e["name"] for e in freport)
         report.extend(e for e in rep if e["name"].rsplit(".", 1)[0]
@@ -908,7 +917,7 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
         raise BicoError(E_ARG, "choose_alpha: rule must be 'match' or "
                         "'entropy', got %r" % (rule,))
     grid = list(grid) if grid is not None else \
-        [float(x) for x in np.round(np.geomspace(0.1, 8.0, 33), 4)]
+        [float(x) for x in np.round(np.geomspace(0.1, 8.0, 25), 4)]
     if not grid or any(not g > 0 for g in grid):
         raise BicoError(E_ARG, "choose_alpha: the grid must hold positive "
                         "numbers")

@@ -184,7 +184,7 @@ def _carry(d, r):
 
 def fit_model(source, source_tuned, target, batches, forward, maps,
               pairing, start_state, alpha, ridge, fit_class, report,
-              show_progress=False):
+              show_progress=False, shared_out=()):
     """Returns the working target's state dict after the fit.  maps: from
     Collector.maps() (R_out per target module); start_state: the target
     state dict to start from (BiCo's carried norms/tokens, original linear
@@ -236,7 +236,15 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
             xw = rw.run(seg, [name], side="in")[name]
             lin = tmods[name]
             wl = dict(work.named_modules())[name]
-            r_out = _out_map(maps, name)
+            if name in shared_out:
+                if lin.out_features != smods[s].out_features:
+                    raise BicoError(E_SHAPE, "transfer_model: shared_out "
+                                    "module %s has %d outputs, its source "
+                                    "%s %d" % (name, lin.out_features, s,
+                                               smods[s].out_features))
+                r_out = np.eye(lin.out_features)
+            else:
+                r_out = _out_map(maps, name)
             f = fit_class(lin.in_features, lin.out_features,
                           bias=lin.bias is not None, ridge=ridge)
             for bi in range(len(batches)):
