@@ -48,7 +48,7 @@ static void sep(bico__report *r) {
     return;
   }
   if (r->need_comma) puts_(r, ",");
-  if (r->depth > 0 && r->depth <= 2) {
+  if (!r->compact && r->depth > 0 && r->depth <= 2) {
     puts_(r, "\n");
     for (int i = 0; i < r->depth; i++) puts_(r, "  ");
   }
@@ -65,7 +65,7 @@ void bico__report_end_object(bico__report *r) {
   r->depth--;
   puts_(r, "}");
   r->need_comma = 1;
-  if (r->depth == 0) puts_(r, "\n");
+  if (r->depth == 0 && !r->compact) puts_(r, "\n");
 }
 
 void bico__report_begin_array(bico__report *r) {

@@ -12,6 +12,7 @@ typedef struct bico__report {
   size_t len, cap;
   bico_status status;
   int need_comma, after_key, depth;
+  int compact; /* one line, no trailing newline (set after init) */
 } bico__report;
 
 void bico__report_init(bico__report *r, bico_ctx *ctx);

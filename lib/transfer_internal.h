@@ -1,0 +1,162 @@
+/* The transfer driver's private types (internal).
+ *
+ * bico_transfer_run is split by concept:
+ *   transfer.c         the handle, its options, and the run's top level;
+ *   transfer_plan.c    checks of the setup, which module's maps each target
+ *                      tensor takes (pairing, ties, splits);
+ *   transfer_maps.c    solving maps: on demand in the calling thread or
+ *                      ahead of need in the solver pool;
+ *   transfer_update.c  the update of one tensor, by method and role;
+ *   transfer_output.c  the report entries, the output writers and the
+ *                      partial-run sink.
+ * A run's state (struct run) lives for one bico_transfer_run call. */
+#ifndef BICO_TRANSFER_INTERNAL_H
+#define BICO_TRANSFER_INTERNAL_H
+
+#include <stdio.h>
+
+#include "internal.h"
+#include "report.h"
+
+#define BICO__NONE SIZE_MAX
+#define BICO__NFILES 14
+#define BICO__NPARAMS 11
+#define BICO__NSTRINGS 4
+
+typedef struct bico__split_rec {
+  char *suffix;
+  size_t k;
+} bico__split_rec;
+
+typedef struct bico__tie_rec {
+  char *tensor, *module;
+} bico__tie_rec;
+
+struct bico_transfer {
+  bico_ctx *ctx;
+  char *files[BICO__NFILES];
+  double param[BICO__NPARAMS];
+  char *strings[BICO__NSTRINGS];
+  bico__split_rec *splits;
+  size_t nsplits;
+  bico__tie_rec *ties;
+  size_t nties;
+  bico_transfer_log_fn log;
+  void *log_opaque;
+  int ran;
+  size_t updated, unchanged;
+  unsigned char *select; /* partial runs: tensors to compute, or NULL */
+  size_t nselect;
+  bico_transfer_sink_fn sink;
+  void *sink_opaque;
+};
+
+/* What each file slot is called in messages. */
+extern const char *const bico__xfer_file_option[BICO__NFILES];
+
+typedef struct bico__map {
+  float *r; /* da x db; NULL before computed */
+  size_t da, db, rank;
+} bico__map;
+
+/* Per target module: its source partner, its maps once solved. */
+typedef struct bico__modstate {
+  size_t src; /* paired source module or BICO__NONE */
+  size_t k;   /* output split */
+  int have_in, have_out;
+  bico__map in;
+  bico__map *out; /* k maps */
+  size_t refs;    /* target tensors still to use the maps */
+  size_t job[2];  /* solver pool job index + 1 per side, 0 = none */
+} bico__modstate;
+
+enum bico__handling {
+  BICO__H_UNCHANGED = 0,
+  BICO__H_LINEAR,
+  BICO__H_VECTOR,
+  BICO__H_TIED,
+  BICO__H_NAIVE,
+  BICO__H_PADDED,
+  BICO__H_MASKED,
+  BICO__H_COUNT
+};
+extern const char *const bico__xfer_handling[BICO__H_COUNT];
+/* Method names by bico_method value (index 0 unused). */
+extern const char *const bico__xfer_method_name[7];
+
+/* What happened to one tensor, for the report. */
+typedef struct bico__tinfo {
+  int handling;
+  const char *source; /* source tensor name or NULL */
+  char reason[256];
+  const bico__map *maps[2]; /* in/out (or the one map used) */
+  const char *map_names[2];
+  const bico__map *split_maps; /* k output maps of a split module */
+  size_t nsplit;
+  double kept; /* GradFix kept fraction; < 0 when none */
+  double norm;
+} bico__tinfo;
+
+struct bico__pool;
+
+typedef struct bico__run {
+  bico_transfer *t;
+  bico_ctx *ctx;
+  int method;
+  float alpha;
+  bico_stfile *sb, *sft, *tv, *tb, *sc, *tc, *stats, *votes;
+  bico_model *ms, *mt;
+  bico_procrustes *proc;
+  bico__modstate *mods;
+  size_t nm;
+  size_t *owner; /* per target tensor: the module whose maps it uses */
+  bico_stwriter *w, *wd;
+  bico__report rep;
+  size_t count[BICO__H_COUNT];
+  struct bico__pool *pool; /* solver threads, or NULL */
+} bico__run;
+
+/* ---- transfer_plan.c ---- */
+void bico__xfer_log(bico__run *r, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* Prefixes ctx's message with context ("tensor X: ...") unless it names
+ * `name` already. */
+bico_status bico__xfer_wrap(bico_ctx *ctx, bico_status st, const char *what,
+                            const char *name);
+const char *bico__xfer_tname(const bico_model *m, size_t i);
+const char *bico__xfer_mname(const bico_model *m, size_t i);
+size_t bico__xfer_numel(size_t ndim, const size_t *shape);
+int bico__xfer_is_bico(int method);
+bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f);
+bico_status bico__xfer_check_setup(bico__run *r);
+bico_status bico__xfer_check_outputs(bico__run *r);
+bico_status bico__xfer_plan(bico__run *r);
+/* Which sides of which module target tensor ti will ask for (the pool
+ * solves them ahead). */
+void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
+                              int need[2]);
+
+/* ---- transfer_maps.c ---- */
+void bico__xfer_free_maps(bico__run *r, bico__modstate *s);
+/* Drops target tensor ti's reference to its maps (freed after the last). */
+void bico__xfer_release(bico__run *r, size_t ti);
+bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select);
+void bico__xfer_pool_stop(bico__run *r);
+/* Makes the maps of one side of target module mi available in r->mods. */
+bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
+
+/* ---- transfer_update.c ---- */
+/* The update alpha tau_B of target tensor ti into upd (its numel floats),
+ * or info->handling BICO__H_UNCHANGED with a reason. */
+bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
+                              bico__tinfo *info);
+
+/* ---- transfer_output.c ---- */
+bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
+                                     size_t ti, const bico__tinfo *info);
+bico_status bico__xfer_write_all(bico__run *r);
+
+#endif

@@ -1,0 +1,322 @@
+/* The transfer driver's plan: checks of the setup before anything is
+ * opened or written, and which target module's maps each target tensor
+ * takes (pairing with the source, splits, ties and the stem rule). */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "calib.h"
+#include "transfer_internal.h"
+
+void bico__xfer_log(bico__run *r, const char *fmt, ...) {
+  if (r->t->log == NULL) return;
+  char line[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  r->t->log(r->t->log_opaque, line);
+}
+
+/* Prefixes ctx's message with context ("tensor X: ..."). */
+bico_status bico__xfer_wrap(bico_ctx *ctx, bico_status st, const char *what,
+                        const char *name) {
+  char detail[BICO_ERRMSG_CAP];
+  snprintf(detail, sizeof detail, "%s", bico_ctx_errmsg(ctx));
+  if (strstr(detail, name) != NULL)
+    return st; /* already names it */
+  return bico__fail(ctx, st, "%s %s: %s", what, name,
+                    detail[0] ? detail : bico_strerror(st));
+}
+
+static int ends_with_component(const char *name, const char *suffix) {
+  size_t n = strlen(name), s = strlen(suffix);
+  if (s > n || strcmp(name + n - s, suffix) != 0) return 0;
+  return s == n || name[n - s - 1] == '.';
+}
+
+static size_t split_for(const bico_transfer *t, const char *module) {
+  for (size_t i = t->nsplits; i-- > 0;)
+    if (ends_with_component(module, t->splits[i].suffix)) return t->splits[i].k;
+  return 1;
+}
+
+const char *bico__xfer_tname(const bico_model *m, size_t i) {
+  const char *n = "";
+  bico_model_tensor(m, i, &n, NULL, NULL, NULL);
+  return n;
+}
+
+const char *bico__xfer_mname(const bico_model *m, size_t i) {
+  const char *n = "";
+  bico_model_module(m, i, &n, NULL, NULL, NULL);
+  return n;
+}
+
+size_t bico__xfer_numel(size_t ndim, const size_t *shape) {
+  size_t n = 1;
+  for (size_t d = 0; d < ndim; d++) n *= shape[d];
+  return n;
+}
+
+int bico__xfer_is_bico(int method) {
+  return method == BICO_METHOD_BICO || method == BICO_METHOD_BICO_IN ||
+         method == BICO_METHOD_BICO_OUT;
+}
+
+bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
+  const char *path = r->t->files[which];
+  if (path == NULL) return BICO_OK;
+  bico_status st = bico_stfile_open(r->ctx, path, f);
+  if (st != BICO_OK) return bico__xfer_wrap(r->ctx, st, bico__xfer_file_option[which], path);
+  return BICO_OK;
+}
+
+
+/* The tie module of target tensor ti (role TOKEN): explicit or the stem. */
+static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
+  const char *name = bico__xfer_tname(r->mt, ti);
+  *mi = BICO__NONE;
+  for (size_t i = r->t->nties; i-- > 0;)
+    if (strcmp(r->t->ties[i].tensor, name) == 0) {
+      bico_status st = bico_model_find_module(r->mt, r->t->ties[i].module, mi);
+      if (st != BICO_OK)
+        return bico__fail(r->ctx, BICO_E_NOTFOUND,
+                          "--tie %s=%s: the target has no module %s", name,
+                          r->t->ties[i].module, r->t->ties[i].module);
+      int kind;
+      bico_model_module(r->mt, *mi, NULL, &kind, NULL, NULL);
+      if (kind != BICO_MODULE_LINEAR && kind != BICO_MODULE_ELEMENTWISE)
+        return bico__fail(r->ctx, BICO_E_ARG,
+                          "--tie %s=%s: module %s is neither linear nor "
+                          "element-wise, so it has no map",
+                          name, r->t->ties[i].module, r->t->ties[i].module);
+      return BICO_OK;
+    }
+  /* Default: the stem, a linear module outside the blocks whose output has
+   * the token's width and whose name says so. */
+  size_t ndim;
+  const size_t *shape;
+  bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
+  size_t width = ndim ? shape[ndim - 1] : 0;
+  for (size_t m = 0; m < r->nm; m++) {
+    const char *n;
+    int kind;
+    long block;
+    bico_model_module(r->mt, m, &n, &kind, &block, NULL);
+    if (kind != BICO_MODULE_LINEAR || block >= 0) continue;
+    size_t dout;
+    bico_model_module_dims(r->mt, m, &dout, NULL);
+    if (dout != width) continue;
+    if (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch")) {
+      *mi = m;
+      break;
+    }
+  }
+  return BICO_OK;
+}
+
+/* Which module's maps each target tensor uses (BICO__NONE: none), and the
+ * reference counts that free them after the last user. */
+bico_status bico__xfer_plan(bico__run *r) {
+  bico_ctx *ctx = r->ctx;
+  size_t nt = bico_model_tensor_count(r->mt);
+  r->nm = bico_model_module_count(r->mt);
+  r->mods = bico__calloc(ctx, r->nm ? r->nm : 1, sizeof *r->mods);
+  r->owner = bico__alloc(ctx, (nt ? nt : 1) * sizeof *r->owner);
+  if (r->mods == NULL || r->owner == NULL) return BICO_E_NOMEM;
+  for (size_t m = 0; m < r->nm; m++) {
+    size_t src;
+    bico_status st = bico_model_pair_module(r->mt, m, r->ms, &src);
+    if (st != BICO_OK && st != BICO_E_NOTFOUND) return st;
+    r->mods[m].src = st == BICO_OK ? src : BICO__NONE;
+    r->mods[m].k = split_for(r->t, bico__xfer_mname(r->mt, m));
+  }
+  bico__clear(ctx);
+  /* A split that matches no linear module is a typo worth stopping for. */
+  for (size_t i = 0; i < r->t->nsplits; i++) {
+    int hit = 0;
+    for (size_t m = 0; m < r->nm && !hit; m++) {
+      int kind;
+      bico_model_module(r->mt, m, NULL, &kind, NULL, NULL);
+      hit = kind == BICO_MODULE_LINEAR &&
+            ends_with_component(bico__xfer_mname(r->mt, m), r->t->splits[i].suffix);
+    }
+    if (!hit)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "--split %s=%zu: no linear module of the target base "
+                        "ends in %s",
+                        r->t->splits[i].suffix, r->t->splits[i].k,
+                        r->t->splits[i].suffix);
+  }
+  int bico = r->method == BICO_METHOD_BICO || r->method == BICO_METHOD_BICO_IN ||
+             r->method == BICO_METHOD_BICO_OUT;
+  for (size_t ti = 0; ti < nt; ti++) {
+    r->owner[ti] = BICO__NONE;
+    if (!bico) continue;
+    size_t mi;
+    int role, dtype;
+    bico_status st = bico_model_tensor_module(r->mt, ti, &mi, &role);
+    if (st != BICO_OK) return st;
+    bico_model_tensor(r->mt, ti, NULL, &dtype, NULL, NULL);
+    size_t owner = BICO__NONE;
+    if (role == BICO_ROLE_WEIGHT || role == BICO_ROLE_BIAS ||
+        role == BICO_ROLE_VECTOR)
+      owner = mi;
+    else if (role == BICO_ROLE_TOKEN && (st = tie_module(r, ti, &owner)) != BICO_OK)
+      return st;
+    if (owner != BICO__NONE && r->mods[owner].src == BICO__NONE) owner = BICO__NONE;
+    r->owner[ti] = owner;
+    if (owner != BICO__NONE) r->mods[owner].refs++;
+  }
+  /* Ties that name nothing, or a tensor that is not a token, are mistakes
+   * worth stopping for. */
+  for (size_t i = 0; i < r->t->nties; i++) {
+    const bico__tie_rec *tie = &r->t->ties[i];
+    size_t ti, mi;
+    int role;
+    if (bico_model_find_tensor(r->mt, tie->tensor, &ti) != BICO_OK)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "--tie %s=%s: the target base has no tensor %s",
+                        tie->tensor, tie->module, tie->tensor);
+    if (bico_model_find_module(r->mt, tie->module, &mi) != BICO_OK)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "--tie %s=%s: the target base has no module %s",
+                        tie->tensor, tie->module, tie->module);
+    bico_model_tensor_module(r->mt, ti, NULL, &role);
+    if (role != BICO_ROLE_TOKEN)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "--tie %s=%s: %s is not a token or embedding tensor "
+                        "(it is carried by its own module's maps)",
+                        tie->tensor, tie->module, tie->tensor);
+  }
+  return BICO_OK;
+}
+
+const char *const bico__xfer_method_name[7] = {
+    NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
+
+bico_status bico__xfer_check_setup(bico__run *r) {
+  bico_transfer *t = r->t;
+  bico_ctx *ctx = r->ctx;
+  const char *const *f = (const char *const *)t->files;
+  int lora = f[BICO_FILE_LORA] != NULL;
+  if (lora && f[BICO_FILE_SOURCE_BASE] != NULL &&
+      f[BICO_FILE_TARGET_BASE] != NULL &&
+      (f[BICO_FILE_OUTPUT] != NULL || f[BICO_FILE_LORA_OUTPUT] != NULL)) {
+    if (f[BICO_FILE_SOURCE_TUNED] != NULL || f[BICO_FILE_TASK_VECTOR] != NULL ||
+        f[BICO_FILE_DELTA_OUTPUT] != NULL)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "transfer_run: with a source adapter, give no %s",
+                        f[BICO_FILE_DELTA_OUTPUT] != NULL
+                            ? "delta output"
+                            : "source tuned checkpoint or task vector");
+  } else if (f[BICO_FILE_LORA_OUTPUT] != NULL && !lora) {
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: an output adapter needs a source "
+                      "adapter");
+  } else if (f[BICO_FILE_SOURCE_BASE] == NULL ||
+             f[BICO_FILE_TARGET_BASE] == NULL || f[BICO_FILE_OUTPUT] == NULL)
+    return bico__fail(ctx, BICO_E_ARG, "transfer_run: missing the %s file",
+                      f[BICO_FILE_SOURCE_BASE] == NULL   ? "source base"
+                      : f[BICO_FILE_TARGET_BASE] == NULL ? "target base"
+                                                         : "output");
+  if (!lora &&
+      (f[BICO_FILE_SOURCE_TUNED] == NULL) == (f[BICO_FILE_TASK_VECTOR] == NULL))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: give exactly one of the source tuned "
+                      "checkpoint and the task vector");
+  int bico = r->method <= BICO_METHOD_BICO_OUT;
+  if (bico) {
+    int calib = f[BICO_FILE_SOURCE_CALIB] != NULL || f[BICO_FILE_TARGET_CALIB] != NULL;
+    if (calib && (f[BICO_FILE_SOURCE_CALIB] == NULL ||
+                  f[BICO_FILE_TARGET_CALIB] == NULL))
+      return bico__fail(ctx, BICO_E_ARG,
+                        "transfer_run: the %s calibration file is missing "
+                        "(source and target go together)",
+                        f[BICO_FILE_SOURCE_CALIB] == NULL ? "source" : "target");
+    if (calib == (f[BICO_FILE_STATS] != NULL))
+      return bico__fail(ctx, BICO_E_ARG,
+                        "transfer_run: method %s needs either calibration "
+                        "files (source and target) or a statistics file%s",
+                        bico__xfer_method_name[r->method],
+                        calib ? ", not both" : "");
+    if (f[BICO_FILE_STATS] != NULL &&
+        (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
+      return bico__fail(ctx, BICO_E_ARG,
+                        "transfer_run: centering and whitening need "
+                        "calibration files; a statistics file holds only the "
+                        "cross-covariances");
+  }
+  if (r->method == BICO_METHOD_GRADFIX && f[BICO_FILE_TARGET_VOTES] == NULL)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: method gradfix needs the target votes "
+                      "file");
+  /* Outputs must be distinct from each other. */
+  const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT, BICO_FILE_REPORT};
+  for (int i = 0; i < 3; i++)
+    for (int j = i + 1; j < 3; j++)
+      if (f[outs[i]] && f[outs[j]] && strcmp(f[outs[i]], f[outs[j]]) == 0)
+        return bico__fail(ctx, BICO_E_ARG,
+                          "transfer_run: the %s and the %s are the same path "
+                          "%s",
+                          bico__xfer_file_option[outs[i]], bico__xfer_file_option[outs[j]], f[outs[i]]);
+  return BICO_OK;
+}
+
+bico_status bico__xfer_check_outputs(bico__run *r) {
+  static const int ins[8] = {BICO_FILE_SOURCE_BASE,  BICO_FILE_SOURCE_TUNED,
+                             BICO_FILE_TASK_VECTOR,  BICO_FILE_TARGET_BASE,
+                             BICO_FILE_SOURCE_CALIB, BICO_FILE_TARGET_CALIB,
+                             BICO_FILE_STATS,        BICO_FILE_TARGET_VOTES};
+  bico_stfile *fs[8] = {r->sb, r->sft, r->tv, r->tb, r->sc, r->tc, r->stats,
+                        r->votes};
+  const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT, BICO_FILE_REPORT};
+  for (int o = 0; o < 3; o++)
+    for (int i = 0; i < 8; i++) {
+      if (r->t->files[outs[o]] == NULL || r->t->files[ins[i]] == NULL) continue;
+      bico_status st = bico__check_distinct(r->ctx, "transfer_run",
+                                            bico__xfer_file_option[outs[o]],
+                                            r->t->files[outs[o]],
+                                            r->t->files[ins[i]], fs[i]);
+      if (st != BICO_OK) return st;
+    }
+  return BICO_OK;
+}
+
+/* Which sides of which module target tensor ti will ask for: bico_update's
+ * decisions up to its need_side calls, from the models alone.  A wrong
+ * guess costs time, never correctness: an unneeded job's result (or
+ * failure) is dropped, and a side without a job is solved when asked. */
+void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod, int need[2]) {
+  need[0] = need[1] = 0;
+  *mod = BICO__NONE;
+  size_t mi, si, owner = r->owner[ti];
+  int role;
+  if (owner == BICO__NONE) return;
+  if (bico_model_tensor_module(r->mt, ti, &mi, &role) != BICO_OK) return;
+  if (bico_model_pair_tensor(r->mt, ti, r->ms, &si) != BICO_OK) return;
+  int do_in = r->method != BICO_METHOD_BICO_OUT;
+  int do_out = r->method != BICO_METHOD_BICO_IN;
+  if (role == BICO_ROLE_WEIGHT) {
+    *mod = mi;
+    need[0] = do_in;
+    need[1] = do_out;
+  } else if (role == BICO_ROLE_BIAS) {
+    *mod = mi;
+    need[1] = do_out;
+  } else if (role == BICO_ROLE_VECTOR || role == BICO_ROLE_TOKEN) {
+    int kind;
+    bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
+    int side = kind == BICO_MODULE_ELEMENTWISE
+                   ? (r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD)
+                   : 1;
+    if (role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR && !do_out)
+      return;
+    if (side == 1 && r->mods[owner].k != 1) return;
+    *mod = owner;
+    need[side] = 1;
+  }
+}

@@ -1,0 +1,380 @@
+/* The transfer driver's updates: alpha tau_B of one target tensor, by
+ * method (BiCo maps, naive, pad, GradFix) and by the tensor's role. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "transfer_internal.h"
+
+/* Reads the source task vector of source tensor si into tau (numel). */
+static bico_status read_tau(bico__run *r, size_t si, float *tau, size_t numel) {
+  bico_ctx *ctx = r->ctx;
+  const char *name;
+  size_t ndim;
+  const size_t *shape;
+  bico_model_tensor(r->ms, si, &name, NULL, &ndim, &shape);
+  bico_stfile *f = r->tv ? r->tv : r->sft;
+  const char *path =
+      r->t->files[r->tv ? BICO_FILE_TASK_VECTOR : BICO_FILE_SOURCE_TUNED];
+  size_t idx, nd2;
+  const size_t *sh2;
+  if (bico_stfile_find(f, name, &idx) != BICO_OK)
+    return bico__fail(ctx, BICO_E_NOTFOUND, "%s %s has no tensor %s",
+                      r->tv ? "task vector" : "source tuned", path, name);
+  bico_status st = bico_stfile_tensor_info(f, idx, NULL, NULL, &nd2, &sh2);
+  if (st != BICO_OK) return st;
+  if (nd2 != ndim || (ndim && memcmp(shape, sh2, ndim * sizeof *shape) != 0))
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s %s: tensor %s has a different shape than in the "
+                      "source base",
+                      r->tv ? "task vector" : "source tuned", path, name);
+  st = bico_stfile_read_f32(f, idx, tau, numel);
+  if (st == BICO_OK) st = bico_stfile_check_finite(f, idx);
+  if (st != BICO_OK || r->tv) return st;
+  size_t bi;
+  st = bico_stfile_find(r->sb, name, &bi);
+  if (st == BICO_OK) st = bico_stfile_check_finite(r->sb, bi);
+  float *base = st == BICO_OK ? bico__alloc(ctx, numel * sizeof(float)) : NULL;
+  if (st == BICO_OK && base == NULL) st = BICO_E_NOMEM;
+  if (st == BICO_OK) st = bico_stfile_read_f32(r->sb, bi, base, numel);
+  if (st == BICO_OK)
+    for (size_t e = 0; e < numel; e++) tau[e] -= base[e];
+  bico__free(ctx, base);
+  return st;
+}
+
+static void shape_str(char *buf, size_t cap, size_t ndim, const size_t *shape) {
+  size_t o = 0;
+  o += (size_t)snprintf(buf + o, cap - o, "[");
+  for (size_t d = 0; d < ndim && o < cap; d++)
+    o += (size_t)snprintf(buf + o, cap - o, "%s%zu", d ? ", " : "", shape[d]);
+  if (o < cap) snprintf(buf + o, cap - o, "]");
+}
+
+/* Target tensor ti and its paired source tensor's task vector. */
+typedef struct pairing {
+  const char *name;   /* target tensor */
+  size_t ndim, nb;    /* its rank and numel */
+  const size_t *shape;
+  size_t nd_a, na;    /* the source tensor's */
+  const size_t *sh_a;
+  float *tau;         /* na floats */
+} pairing;
+
+static bico_status weight_update(bico__run *r, size_t mi, const pairing *p,
+                                 float *upd, bico__tinfo *info) {
+  bico_ctx *ctx = r->ctx;
+  bico__modstate *s = &r->mods[mi];
+  int do_in = r->method != BICO_METHOD_BICO_OUT;
+  int do_out = r->method != BICO_METHOD_BICO_IN;
+  size_t dout_b, din_b, dout_a, din_a;
+  bico_model_module_dims(r->mt, mi, &dout_b, &din_b);
+  bico_model_module_dims(r->ms, s->src, &dout_a, &din_a);
+  if (dout_a * din_a != p->na)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "source tensor %s does not have its module's shape",
+                      info->source);
+  bico_status st = BICO_OK;
+  if (do_in && (st = bico__xfer_need_side(r, mi, 0)) != BICO_OK) return st;
+  if (do_out && (st = bico__xfer_need_side(r, mi, 1)) != BICO_OK) return st;
+  const float *rin = do_in ? s->in.r : NULL;
+  if (do_in) {
+    info->maps[0] = &s->in;
+    info->map_names[0] = "in";
+  }
+  if (s->k == 1) {
+    const float *rout = do_out ? s->out[0].r : NULL;
+    if (do_out) {
+      info->maps[1] = &s->out[0];
+      info->map_names[1] = "out";
+    }
+    st = bico_transport_weight(ctx, dout_a, din_a, p->tau, din_a, rout, dout_b,
+                               dout_b, rin, din_b, din_b, r->alpha, 0.0f, upd,
+                               din_b);
+  } else {
+    const float **routs = bico__calloc(ctx, s->k, sizeof *routs);
+    if (routs == NULL) return BICO_E_NOMEM;
+    for (size_t b = 0; b < s->k; b++) routs[b] = do_out ? s->out[b].r : NULL;
+    if (do_out) {
+      info->split_maps = s->out;
+      info->nsplit = s->k;
+    }
+    st = bico_transport_weight_split(
+        ctx, s->k, dout_a, din_a, p->tau, din_a,
+        do_out ? (const float *const *)routs : NULL, dout_b / s->k, dout_b,
+        rin, din_b, din_b, r->alpha, 0.0f, upd, din_b);
+    bico__free(ctx, routs);
+  }
+  info->handling = BICO__H_LINEAR;
+  return st;
+}
+
+static bico_status bias_update(bico__run *r, size_t mi, const pairing *p,
+                               float *upd, bico__tinfo *info) {
+  bico_ctx *ctx = r->ctx;
+  bico__modstate *s = &r->mods[mi];
+  int do_out = r->method != BICO_METHOD_BICO_IN;
+  bico_status st = BICO_OK;
+  if (do_out && (st = bico__xfer_need_side(r, mi, 1)) != BICO_OK) return st;
+  size_t k = s->k, ba = p->na / k, bb = p->nb / k;
+  if (p->na % k || p->nb % k)
+    return bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
+                      p->name, k);
+  for (size_t b = 0; b < k && st == BICO_OK; b++)
+    st = bico_transport_vector(ctx, ba, p->tau + b * ba,
+                               do_out ? s->out[b].r : NULL, bb, bb, r->alpha,
+                               0.0f, upd + b * bb);
+  if (do_out && k == 1) {
+    info->maps[1] = &s->out[0];
+    info->map_names[1] = "out";
+  } else if (do_out) {
+    info->split_maps = s->out;
+    info->nsplit = k;
+  }
+  info->handling = BICO__H_VECTOR;
+  return st;
+}
+
+/* A norm's vector by its norm map; a token by its tie module's map. */
+static bico_status vector_update(bico__run *r, int role, size_t owner,
+                                 const pairing *p, float *upd,
+                                 bico__tinfo *info) {
+  bico__modstate *s = &r->mods[owner];
+  int do_out = r->method != BICO_METHOD_BICO_IN;
+  int kind;
+  bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
+  int side = kind == BICO_MODULE_ELEMENTWISE
+                 ? (r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD)
+                 : 1;
+  int identity = role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR &&
+                 !do_out;
+  size_t da_last = p->nd_a ? p->sh_a[p->nd_a - 1] : 1;
+  size_t db_last = p->ndim ? p->shape[p->ndim - 1] : 1;
+  if (p->na / da_last != p->nb / db_last) {
+    snprintf(info->reason, sizeof info->reason,
+             "leading dimensions differ from the source's (%zu rows "
+             "against %zu)",
+             p->na / da_last, p->nb / db_last);
+    return BICO_OK;
+  }
+  if (side == 1 && s->k != 1 && !identity) {
+    snprintf(info->reason, sizeof info->reason,
+             "its map's module %s has a split output",
+             bico__xfer_mname(r->mt, owner));
+    return BICO_OK;
+  }
+  const bico__map *mp = NULL;
+  if (!identity) {
+    bico_status st = bico__xfer_need_side(r, owner, side);
+    if (st != BICO_OK) return st;
+    mp = side ? &s->out[0] : &s->in;
+    if (mp->da != da_last || mp->db != db_last) {
+      snprintf(info->reason, sizeof info->reason,
+               "the map of module %s is %zu x %zu, the tensor's last "
+               "dimensions are %zu (source) and %zu",
+               bico__xfer_mname(r->mt, owner), mp->da, mp->db, da_last,
+               db_last);
+      return BICO_OK;
+    }
+    info->maps[0] = mp;
+    info->map_names[0] = side ? "out" : "in";
+  }
+  info->handling = role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
+  return bico_transport_rows(r->ctx, p->na / da_last, da_last, p->tau,
+                             da_last, mp ? mp->r : NULL, db_last, db_last,
+                             r->alpha, 0.0f, upd, db_last);
+}
+
+/* A map fitted on an all-zero statistic (a dead layer: no activation or
+ * no gradient reached it) identifies nothing; its completion would move
+ * the update arbitrarily, so the tensor is left unchanged and the report
+ * says why. */
+static void refuse_dead_maps(bico__tinfo *info) {
+  const char *dead = NULL;
+  for (int m = 0; m < 2 && dead == NULL; m++)
+    if (info->maps[m] != NULL && info->maps[m]->rank == 0)
+      dead = info->map_names[m];
+  for (size_t b = 0; b < info->nsplit && dead == NULL; b++)
+    if (info->split_maps[b].rank == 0) dead = "out";
+  if (dead != NULL) {
+    snprintf(info->reason, sizeof info->reason,
+             "the statistic of its %s map is all zero (a dead layer)", dead);
+    info->handling = BICO__H_UNCHANGED;
+  }
+}
+
+/* Computes the update (alpha tau_B) of target tensor ti into upd, or
+ * leaves info->handling BICO__H_UNCHANGED with a reason. */
+static bico_status bico_update(bico__run *r, size_t ti, float *upd,
+                               bico__tinfo *info) {
+  bico_ctx *ctx = r->ctx;
+  pairing p;
+  memset(&p, 0, sizeof p);
+  bico_model_tensor(r->mt, ti, &p.name, NULL, &p.ndim, &p.shape);
+  size_t mi;
+  int role;
+  bico_status st = bico_model_tensor_module(r->mt, ti, &mi, &role);
+  if (st != BICO_OK) return st;
+  if (role == BICO_ROLE_OTHER) {
+    snprintf(info->reason, sizeof info->reason,
+             "no method changes this kind of tensor");
+    return BICO_OK;
+  }
+  size_t owner = r->owner[ti];
+  if (owner == BICO__NONE) {
+    snprintf(info->reason, sizeof info->reason,
+             role == BICO_ROLE_TOKEN
+                 ? "no module is tied to it (see --tie)"
+                 : "its module has no partner in the source");
+    return BICO_OK;
+  }
+  size_t si;
+  st = bico_model_pair_tensor(r->mt, ti, r->ms, &si);
+  if (st == BICO_E_NOTFOUND) {
+    snprintf(info->reason, sizeof info->reason,
+             "the source has no paired tensor");
+    bico__clear(ctx);
+    return BICO_OK;
+  }
+  if (st != BICO_OK) return st;
+  info->source = bico__xfer_tname(r->ms, si);
+  bico_model_tensor(r->ms, si, NULL, NULL, &p.nd_a, &p.sh_a);
+  p.na = bico__xfer_numel(p.nd_a, p.sh_a);
+  p.nb = bico__xfer_numel(p.ndim, p.shape);
+  p.tau = bico__alloc(ctx, (p.na ? p.na : 1) * sizeof(float));
+  if (p.tau == NULL) return BICO_E_NOMEM;
+  st = read_tau(r, si, p.tau, p.na);
+  if (st == BICO_OK && role == BICO_ROLE_WEIGHT)
+    st = weight_update(r, mi, &p, upd, info);
+  else if (st == BICO_OK && role == BICO_ROLE_BIAS)
+    st = bias_update(r, mi, &p, upd, info);
+  else if (st == BICO_OK)
+    st = vector_update(r, role, owner, &p, upd, info);
+  if (st == BICO_OK && info->handling != BICO__H_UNCHANGED)
+    refuse_dead_maps(info);
+  bico__free(ctx, p.tau);
+  return st;
+}
+
+/* naive, pad and gradfix: tensor by tensor. */
+static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
+                                      bico__tinfo *info) {
+  bico_ctx *ctx = r->ctx;
+  const char *name;
+  size_t ndim;
+  const size_t *shape;
+  int dtype;
+  bico_model_tensor(r->mt, ti, &name, &dtype, &ndim, &shape);
+  size_t si;
+  bico_status pst = bico_model_pair_tensor(r->mt, ti, r->ms, &si);
+  if (pst == BICO_E_NOTFOUND) {
+    bico__clear(ctx);
+    snprintf(info->reason, sizeof info->reason,
+             "the source has no paired tensor");
+    return BICO_OK;
+  }
+  if (pst != BICO_OK) return pst;
+  info->source = bico__xfer_tname(r->ms, si);
+  size_t nd_a;
+  const size_t *sh_a;
+  bico_model_tensor(r->ms, si, NULL, NULL, &nd_a, &sh_a);
+  int same = nd_a == ndim && (ndim == 0 || memcmp(sh_a, shape, ndim * sizeof *shape) == 0);
+  if (!same && r->method != BICO_METHOD_PAD) {
+    char a[128], b[128];
+    shape_str(a, sizeof a, nd_a, sh_a);
+    shape_str(b, sizeof b, ndim, shape);
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s transfer needs equal shapes: target tensor %s is %s, "
+                      "source tensor %s is %s",
+                      r->method == BICO_METHOD_NAIVE ? "naive" : "gradfix",
+                      name, b, info->source, a);
+  }
+  size_t na = bico__xfer_numel(nd_a, sh_a), nb = bico__xfer_numel(ndim, shape);
+  float *tau = bico__alloc(ctx, (na ? na : 1) * sizeof(float));
+  if (tau == NULL) return BICO_E_NOMEM;
+  bico_status st = read_tau(r, si, tau, na);
+  if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_NAIVE) {
+    st = bico_baseline_naive(ctx, nd_a, sh_a, ndim, shape, tau, r->alpha, 0.0f,
+                             upd);
+    info->handling = BICO__H_NAIVE;
+  } else if (st == BICO_OK && na > 0 && nb > 0 && r->method == BICO_METHOD_PAD) {
+    if (nd_a != ndim) {
+      char a[128], b[128];
+      shape_str(a, sizeof a, nd_a, sh_a);
+      shape_str(b, sizeof b, ndim, shape);
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "pad transfer needs the same number of dimensions: "
+                      "target tensor %s is %s, source tensor %s is %s",
+                      name, b, info->source, a);
+    } else {
+      st = bico_baseline_pad(ctx, nd_a, sh_a, ndim, shape, tau, r->alpha, 0.0f,
+                             upd);
+      info->handling = BICO__H_PADDED;
+    }
+  } else if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_GRADFIX) {
+    const char *vpath = r->t->files[BICO_FILE_TARGET_VOTES];
+    size_t vi, vnd;
+    const size_t *vsh;
+    int32_t *counts = NULL;
+    float *v = NULL;
+    bico_votes *votes = NULL;
+    if (bico_stfile_find(r->votes, name, &vi) != BICO_OK) {
+      st = bico__fail(ctx, BICO_E_NOTFOUND,
+                      "votes file %s has no tensor %s", vpath, name);
+    } else {
+      st = bico_stfile_tensor_info(r->votes, vi, NULL, NULL, &vnd, &vsh);
+      if (st == BICO_OK &&
+          (vnd != ndim || (ndim && memcmp(vsh, shape, ndim * sizeof *vsh))))
+        st = bico__fail(ctx, BICO_E_SHAPE,
+                        "votes file %s: tensor %s has a different shape than "
+                        "the target's",
+                        vpath, name);
+    }
+    if (st == BICO_OK) {
+      v = bico__alloc(ctx, nb * sizeof(float));
+      counts = bico__alloc(ctx, nb * sizeof(int32_t));
+      if (v == NULL || counts == NULL) st = BICO_E_NOMEM;
+    }
+    if (st == BICO_OK) st = bico_stfile_read_f32(r->votes, vi, v, nb);
+    uint32_t samples = 1;
+    for (size_t e = 0; e < nb && st == BICO_OK; e++) {
+      float x = v[e];
+      /* 2147483647.0f rounds up to 2^31, which int32 cannot hold (found by
+       * fuzzing: test/fuzz/regressions/fuzz_calib_stats). */
+      if (!isfinite(x) || x != floorf(x) || fabsf(x) >= 2147483648.0f)
+        st = bico__fail(ctx, BICO_E_FORMAT,
+                        "votes file %s: tensor %s element %zu is %g, not an "
+                        "integer vote count",
+                        vpath, name, e, (double)x);
+      else {
+        counts[e] = (int32_t)x;
+        uint32_t a = (uint32_t)(counts[e] < 0 ? -(int64_t)counts[e] : counts[e]);
+        if (a > samples) samples = a;
+      }
+    }
+    if (st == BICO_OK) st = bico_votes_create(ctx, nb, 0, &votes);
+    if (st == BICO_OK) st = bico_votes_add_counts(votes, counts, samples);
+    size_t kept = 0;
+    if (st == BICO_OK)
+      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, tau, r->alpha, 0.0f,
+                              upd, &kept);
+    if (st == BICO_OK) {
+      info->kept = nb ? (double)kept / (double)nb : 0.0;
+      info->handling = BICO__H_MASKED;
+    }
+    bico_votes_free(votes);
+    bico__free(ctx, v);
+    bico__free(ctx, counts);
+  }
+  bico__free(ctx, tau);
+  return st;
+}
+
+
+bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
+                              bico__tinfo *info) {
+  return bico__xfer_is_bico(r->method) ? bico_update(r, ti, upd, info)
+                                       : elementwise_update(r, ti, upd, info);
+}
