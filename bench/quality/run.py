@@ -36,16 +36,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "python"))
 import config  # noqa: E402
 import vit  # noqa: E402
 
-try:
-    import bico.fit  # noqa: F401
-except ImportError:  # until the C solver's wrapper is in the package
-    import fit_standin
-    sys.modules["bico.fit"] = fit_standin
 import bico.torch as bt  # noqa: E402
 from bico.fit import Fit  # noqa: E402
 
 ORACLE = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0]
-RESULTS_VERSION = 2
+RESULTS_VERSION = 3
 
 
 def loss_fn(out, y):

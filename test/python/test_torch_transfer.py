@@ -2,8 +2,6 @@
 answers and an independent layer-by-layer reference, the other methods
 against transfer_state_dict, label-free alpha, and bad input."""
 import copy
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -16,14 +14,6 @@ from test_binding_models import (float32_default,  # noqa: F401
                                  Tiny, batches, mse_loss, perturbed,
                                  planted_transform, ref_bico, ref_map,
                                  stored_statistics)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-try:
-    import bico.fit  # noqa: F401
-except ImportError:  # until the solver's wrapper is merged
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench", "quality"))
-    import fit_standin
-    sys.modules["bico.fit"] = fit_standin
 
 BLOCK_MODS = ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1",
               "mlp.fc2")
