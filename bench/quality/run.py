@@ -293,7 +293,13 @@ def main():
             store = json.load(f)
 
     def save():
-        tmp = rpath + ".tmp"
+        # merge with what another run may have written meanwhile
+        if os.path.exists(rpath):
+            with open(rpath) as f:
+                disk = json.load(f)
+            disk.update(store)
+            store.update(disk)
+        tmp = rpath + ".tmp.%d" % os.getpid()
         with open(tmp, "w") as f:
             json.dump(store, f, indent=1, sort_keys=True)
         os.replace(tmp, rpath)
@@ -318,7 +324,11 @@ def main():
             for label, method, variant, calib, shapes in rows:
                 if shapes == "same" and tname != "same":
                     continue
-                k = key_of(cid, label, method, variant, calib)
+                # non-fit cells depend on choose_alpha's rule (version 2)
+                k = key_of(cid, label, method, variant, calib) \
+                    if method in ("fit", "head-fit") or variant.get(
+                        "per_layer") else key_of(cid, label, method,
+                                                 variant, calib, "match2")
                 if k not in store:
                     case = case or Case(task, tname, log)
                     t1 = time.time()

@@ -296,3 +296,46 @@ def test_bad_input():
         bt.choose_alpha(a, aft, b, {}, data, rule="labels")
     with pytest.raises(bico.BicoError, match="grid"):
         bt.choose_alpha(a, aft, b, {}, data, grid=[0.0, 1.0])
+
+
+def test_centering_and_whitening_options_reach_the_statistics():
+    """center/whiten need sums/Grams in the accumulators: transfer_model
+    collects them and gives what transfer_state_dict gives on a Collector
+    built with them."""
+    a, aft, b = models(d=12, heads=2, hidden=24, depth=3)
+    data = batches()
+    got = bt.transfer_model(a, aft, b, data, method="bico", loss_fn=mse_loss,
+                            whiten=0.5, center=True)
+    col = bt.collect_statistics(a, b, data, mse_loss, sums=True, grams=True,
+                                show_progress=False)
+    want = bt.transfer_state_dict(a.state_dict(), aft.state_dict(),
+                                  b.state_dict(), col, method="bico",
+                                  whiten=0.5, center=True)
+    plain = bt.transfer_model(a, aft, b, data, method="bico",
+                              loss_fn=mse_loss)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert any(not torch.allclose(got[k], plain[k]) for k in want)
+
+
+def test_match_alpha_takes_the_first_crossing():
+    """An output change 1.5 sin(theta w) (sin theta = 2/3: change 1 at
+    w = 1, a peak of 1.5, back to 1 at w = 3.305): the closest candidate
+    overall is the late near-tie 3.3; match takes the first crossing
+    (between 0.9 and 1.2), and of those two the closer, 0.9."""
+    theta = float(np.arcsin(2.0 / 3.0))
+
+    class Sat(nn.Module):
+        def __init__(self, w=0.0):
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor(w))
+
+        def forward(self, x):
+            return x * (1.0 + 1.5 * torch.sin(theta * self.w))
+    a, aft, b = Sat(), Sat(1.0), Sat()
+    data = [torch.ones(1, 4)]
+    delta = {"w": np.array(1.0, np.float32)}
+    best, scores = bt.choose_alpha(a, aft, b, delta, data,
+                                   grid=[0.5, 0.9, 1.2, 3.3])
+    assert min(scores, key=scores.get) == 3.3
+    assert best == 0.9

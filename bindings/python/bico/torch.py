@@ -823,6 +823,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                                  modules=modules, split=split, step=step,
                                  source_blocks=source_blocks,
                                  target_blocks=target_blocks,
+                                 sums=bool(options.get("center")),
+                                 grams=bool(options.get("whiten")),
                                  show_progress=show_progress)
     if method == "gradfix" and votes is None:
         votes = collect_votes(target, batches, loss_fn, step=step,
@@ -907,10 +909,13 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
     without labels on the calibration batches; returns (alpha, {alpha:
     score}).
 
-    rule "match": the alpha whose output change on the target,
-    ||f(theta_B + alpha delta) - f(theta_B)||, is closest (in log ratio) to
-    the change the fine-tune made to the source, ||f_A_ft - f_A||, on the
-    same inputs.  rule "entropy": the alpha with the least mean prediction
+    rule "match": the smallest alpha at which the output change on the
+    target, ||f(theta_B + alpha delta) - f(theta_B)||, reaches the change
+    the fine-tune made to the source, ||f_A_ft - f_A||, on the same inputs
+    (or the candidate just below it when that is closer in log ratio; the
+    closest overall when it never does).  The change saturates for large
+    alpha, so the closest overall would be an arbitrary pick among
+    near-ties.  rule "entropy": the alpha with the least mean prediction
     entropy of the updated target.  grid: the candidates (default 0.1 ..
     8, geometric)."""
     if rule not in ("match", "entropy"):
@@ -934,7 +939,7 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
             want = sum(float((_output(fa(source_tuned.eval(), b)).float() -
                               _output(fa(source.eval(), b)).float())
                              .pow(2).sum()) for b in batches)
-        scores = {}
+        scores, signed = {}, {}
         for g in grid:
             sd = {k: (v.float() + g * torch.as_tensor(
                 np.asarray(delta[k])).to(v.device)).to(v.dtype)
@@ -944,11 +949,22 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
             if rule == "match":
                 got = sum(float((o - r).pow(2).sum())
                           for o, r in zip(outs, ref_b))
-                scores[g] = abs(math.log((got + 1e-30) / (want + 1e-30)))
+                signed[g] = math.log((got + 1e-30) / (want + 1e-30))
+                scores[g] = abs(signed[g])
             else:
                 ent = [-(torch.log_softmax(o, -1).exp() *
                          torch.log_softmax(o, -1)).sum(-1).mean()
                        for o in outs]
                 scores[g] = float(sum(ent) / len(ent))
+    if rule == "match":
+        # the output change saturates (and may wobble) past the right
+        # size: take the first candidate where it reaches the source's,
+        # or the one before it if that is closer, not the global argmin
+        grid = sorted(grid)
+        for i, g in enumerate(grid):
+            if signed[g] >= 0:
+                if i and scores[grid[i - 1]] < scores[g]:
+                    return grid[i - 1], scores
+                return g, scores
     best = min(grid, key=lambda g: scores[g])
     return best, scores
