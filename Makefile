@@ -149,9 +149,10 @@ check-pkgconfig: all
 	MANPATH=$(STAGE)/share/man man bico 2>/dev/null | grep -q 'carry a fine-tuning'
 	@echo "check-pkgconfig: installed library builds and runs through pkg-config (shared and static); only bico_* exported"
 
-# Under the sanitizers, only the Python tests that drive the (sanitized)
-# programs: the binding loads the library into an unsanitized interpreter
-# through ctypes.
+# Under the sanitizers, the Python tests that drive the (sanitized)
+# programs run here; the binding's own tests (which load the library into
+# the interpreter through ctypes) run in check-python-asan, with the ASan
+# runtime preloaded.
 ifeq ($(SANITIZE),1)
 PYTEST_FILES = $(filter-out test/python/test_binding%,$(shell grep -L -E '^ *(import bico|from bico)|importorskip."bico' test/python/test_*.py))
 else
@@ -246,6 +247,27 @@ install-python:
 
 uninstall-python:
 	rm -rf $(DESTDIR)$(PYTHONDIR)/bico
+
+# The binding under AddressSanitizer.  A sanitized libbico loads into a
+# plain interpreter only when the ASan runtime comes first in the process:
+# preload it (leak detection off: the interpreter does not free everything
+# at exit).  `make check SANITIZE=1` runs the binding's tests this way;
+# `make check-python-asan` does it from a normal build (it builds the
+# sanitized tree).
+ASAN_RT = $(shell $(CC) -print-file-name=libasan.so)
+PY_BINDING_TESTS = $(shell grep -l -E '^ *(import bico|from bico)|importorskip."bico' test/python/test_*.py)
+.PHONY: check-python-asan
+ifeq ($(SANITIZE),1)
+check: check-python-asan
+check-python-asan: all
+	LD_PRELOAD=$(ASAN_RT) ASAN_OPTIONS=detect_leaks=0 \
+	  PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q -p no:cacheprovider \
+	  $(PY_BINDING_TESTS)
+else
+check-python-asan:
+	$(MAKE) --no-print-directory SANITIZE=1 check-python-asan
+endif
 
 # The installed package imports with nothing set in the environment and
 # loads the installed library.

@@ -9,6 +9,25 @@
 
 #include "internal.h"
 
+/* Which maps carry target tensor ti (role dispatch, BiCo methods): the
+ * one rule the whole-model driver, its solver pool and the LoRA branch
+ * follow (bico__xfer_route). */
+enum bico__route_kind {
+  BICO__ROUTE_NONE = 0, /* left unchanged: `reason` says why */
+  BICO__ROUTE_WEIGHT,   /* R_out^T tau R_in with module's maps */
+  BICO__ROUTE_BIAS,     /* R_out^T b, block-wise for a split output */
+  BICO__ROUTE_ROWS      /* each row along its last dimension by one map */
+};
+typedef struct bico__route {
+  int kind;        /* bico__route_kind */
+  int role;        /* the tensor's bico_role */
+  size_t module;   /* target module whose maps carry it */
+  int need[2];     /* sides it asks for: 0 input map, 1 output map(s) */
+  int side;        /* ROWS: the side of the one map */
+  int identity;    /* ROWS: the method leaves that side alone (no map) */
+  char reason[192];
+} bico__route;
+
 typedef struct bico__lora_hook {
   bico_ctx *ctx;
   const bico_model *ms, *mt;       /* source and target base models */
@@ -28,13 +47,8 @@ typedef struct bico__lora_hook {
    * output, k blocks), computed on first use; *r is da x db row-major. */
   bico_status (*map)(void *opaque, size_t mi, int side, size_t block,
                      const float **r, size_t *da, size_t *db, size_t *rank);
-  /* The module and side whose map carries target tensor ti (role TOKEN or
-   * VECTOR) along its last dimension, as the driver's tie and norm-map
-   * rules choose; *identity set when the method leaves that side alone
-   * (input-map-only transfer of a token tied to a linear module).
-   * BICO_E_NOTFOUND (no message) when none. */
-  bico_status (*vector_map)(void *opaque, size_t ti, size_t *mi, int *side,
-                            int *identity);
+  /* The route of target tensor ti (see bico__route). */
+  void (*route)(void *opaque, size_t ti, bico__route *out);
   /* Frees the maps of target module mi. */
   void (*release)(void *opaque, size_t mi);
   void (*log)(void *opaque, const char *line);
@@ -43,5 +57,25 @@ typedef struct bico__lora_hook {
 } bico__lora_hook;
 
 bico_status bico__lora_transfer_run(bico__lora_hook *h);
+
+/* bico_lora_save in two steps, so that a run commits the adapter together
+ * with its other outputs (lib/fileio.h): begin checks both destinations,
+ * creates the folder if missing and leaves both files complete in
+ * temporary files (weights, cfg); the caller passes them to bico__commit,
+ * then calls end (which removes what was not committed, and the folder if
+ * begin created it and nothing landed).  end is safe after a failed
+ * begin. */
+#include "fileio.h"
+typedef struct bico__lora_out {
+  bico_ctx *ctx;
+  bico_stwriter *w;
+  bico__tmpfile *weights; /* inside w, once finished */
+  bico__tmpfile cfg;
+  char *dir;
+  int made;
+} bico__lora_out;
+bico_status bico__lora_save_begin(const bico_lora *l, const char *fn,
+                                  const char *dir, bico__lora_out *o);
+void bico__lora_save_end(bico__lora_out *o, int committed);
 
 #endif

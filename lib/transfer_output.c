@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fileio.h"
 #include "transfer_internal.h"
 
 const char *const bico__xfer_handling[BICO__H_COUNT] = {
@@ -213,21 +214,27 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
   return st;
 }
 
-/* Commit order: the report to its temporary file, then the outputs, then
- * the report's rename; a failure before the last commit leaves nothing. */
+/* Every output complete in its temporary file, then all destinations
+ * checked and committed together (lib/fileio.c): a failure before the
+ * renames leaves nothing new. */
 static bico_status commit(bico__run *r) {
   bico_ctx *ctx = r->ctx;
   const char *report = r->t->files[BICO_FILE_REPORT];
-  char *rep_tmp = NULL;
-  bico_status st = BICO_OK;
-  if (report) st = bico__report_write_tmp(ctx, &r->rep, report, &rep_tmp);
-  if (st == BICO_OK && r->wd) st = bico_stwriter_commit(r->wd);
-  if (st == BICO_OK) st = bico_stwriter_commit(r->w);
-  if (rep_tmp != NULL) {
-    if (st == BICO_OK) st = bico__report_commit(ctx, rep_tmp, report);
-    else unlink(rep_tmp);
-    bico__free(ctx, rep_tmp);
+  bico__tmpfile rep = {NULL, NULL, -1, 0}, *outs[3];
+  size_t n = 0;
+  bico_status st = bico__stwriter_finish(r->w, &outs[n]);
+  if (st == BICO_OK) n++;
+  if (st == BICO_OK && r->wd) {
+    st = bico__stwriter_finish(r->wd, &outs[n]);
+    if (st == BICO_OK) n++;
   }
+  if (st == BICO_OK && report) {
+    st = bico__report_tmp(ctx, "transfer_run", "report", r->rep.buf,
+                          r->rep.len, report, &rep);
+    if (st == BICO_OK) outs[n++] = &rep;
+  }
+  if (st == BICO_OK) st = bico__commit(ctx, "transfer_run", outs, n);
+  bico__tmp_discard(ctx, &rep);
   return st;
 }
 
@@ -248,7 +255,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
   size_t nt = bico_model_tensor_count(r->mt);
   bico_status st = partial ? BICO_OK : declare_outputs(r);
   bico__report_begin_object(&r->rep);
-  bico__report_key_string(&r->rep, "method", bico__xfer_method_name[r->method]);
+  bico__report_key_string(&r->rep, "method", bico_method_name(r->method));
   bico__report_key_number(&r->rep, "alpha", (double)r->alpha);
   bico__report_key(&r->rep, "tensors");
   bico__report_begin_array(&r->rep);

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "calib.h"
+#include "fileio.h"
 #include "transfer_internal.h"
 
 void bico__xfer_log(bico__run *r, const char *fmt, ...) {
@@ -195,8 +196,6 @@ bico_status bico__xfer_plan(bico__run *r) {
   return BICO_OK;
 }
 
-const char *const bico__xfer_method_name[7] = {
-    NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
 
 bico_status bico__xfer_check_setup(bico__run *r) {
   bico_transfer *t = r->t;
@@ -241,7 +240,7 @@ bico_status bico__xfer_check_setup(bico__run *r) {
       return bico__fail(ctx, BICO_E_ARG,
                         "transfer_run: method %s needs either calibration "
                         "files (source and target) or a statistics file%s",
-                        bico__xfer_method_name[r->method],
+                        bico_method_name(r->method),
                         calib ? ", not both" : "");
     if (f[BICO_FILE_STATS] != NULL &&
         (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
@@ -266,57 +265,142 @@ bico_status bico__xfer_check_setup(bico__run *r) {
   return BICO_OK;
 }
 
+/* Appends every file an open input reads (the shards of an index). */
+static size_t add_shards(bico__fileuse *u, size_t n, const char *what,
+                         const bico_stfile *f) {
+  const char *last = NULL;
+  size_t nt = bico_stfile_count(f);
+  for (size_t i = 0; i < nt; i++) {
+    const char *p;
+    if (bico_stfile_tensor_path(f, i, &p) != BICO_OK) continue;
+    if (last != NULL && strcmp(p, last) == 0) continue;
+    last = p;
+    u[n++] = (bico__fileuse){what, p, 0, 0};
+  }
+  return n;
+}
+
+/* Every input and output of the run compared by identity (lib/fileio.c):
+ * "ad/", "./ad", links and hard links are the same file; outputs must be
+ * regular files in existing folders.  LoRA adapters count with both of
+ * their files. */
 bico_status bico__xfer_check_outputs(bico__run *r) {
   static const int ins[8] = {BICO_FILE_SOURCE_BASE,  BICO_FILE_SOURCE_TUNED,
                              BICO_FILE_TASK_VECTOR,  BICO_FILE_TARGET_BASE,
                              BICO_FILE_SOURCE_CALIB, BICO_FILE_TARGET_CALIB,
                              BICO_FILE_STATS,        BICO_FILE_TARGET_VOTES};
+  static const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT,
+                              BICO_FILE_REPORT};
+  bico_ctx *ctx = r->ctx;
+  const char *const *f = (const char *const *)r->t->files;
   bico_stfile *fs[8] = {r->sb, r->sft, r->tv, r->tb, r->sc, r->tc, r->stats,
                         r->votes};
-  const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT, BICO_FILE_REPORT};
-  for (int o = 0; o < 3; o++)
-    for (int i = 0; i < 8; i++) {
-      if (r->t->files[outs[o]] == NULL || r->t->files[ins[i]] == NULL) continue;
-      bico_status st = bico__check_distinct(r->ctx, "transfer_run",
-                                            bico__xfer_file_option[outs[o]],
-                                            r->t->files[outs[o]],
-                                            r->t->files[ins[i]], fs[i]);
-      if (st != BICO_OK) return st;
+  size_t cap = 16;
+  for (int i = 0; i < 8; i++) cap += bico_stfile_count(fs[i]);
+  bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
+  char *lp[4] = {NULL, NULL, NULL, NULL};
+  const char *ld[2] = {f[BICO_FILE_LORA], f[BICO_FILE_LORA_OUTPUT]};
+  for (int k = 0; k < 2; k++)
+    if (ld[k] != NULL) {
+      lp[2 * k] = bico__path_join(ctx, ld[k], "adapter_model.safetensors");
+      lp[2 * k + 1] = bico__path_join(ctx, ld[k], "adapter_config.json");
     }
-  return BICO_OK;
+  bico_status st = u == NULL ? BICO_E_NOMEM : BICO_OK;
+  for (int k = 0; k < 4; k++)
+    if (ld[k / 2] != NULL && lp[k] == NULL) st = BICO_E_NOMEM;
+  size_t n = 0;
+  if (st == BICO_OK) {
+    for (int i = 0; i < 8; i++) {
+      if (f[ins[i]] == NULL) continue;
+      const char *what = bico__xfer_file_option[ins[i]];
+      u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0};
+      if (fs[i] != NULL) n = add_shards(u, n, what, fs[i]);
+    }
+    static const char *const lw[4] = {
+        "source adapter weights", "source adapter config",
+        "output adapter weights", "output adapter config"};
+    for (int k = 0; k < 4; k++)
+      if (lp[k] != NULL) u[n++] = (bico__fileuse){lw[k], lp[k], k >= 2, 1};
+    for (int o = 0; o < 3; o++)
+      if (f[outs[o]] != NULL)
+        u[n++] = (bico__fileuse){bico__xfer_file_option[outs[o]], f[outs[o]],
+                                 1, 0};
+    st = bico__check_files(ctx, "transfer_run", u, n);
+  }
+  for (int k = 0; k < 4; k++) bico__free(ctx, lp[k]);
+  bico__free(ctx, u);
+  return st;
 }
 
-/* Which sides of which module target tensor ti will ask for: bico_update's
- * decisions up to its need_side calls, from the models alone.  A wrong
- * guess costs time, never correctness: an unneeded job's result (or
- * failure) is dropped, and a side without a job is solved when asked. */
-void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod, int need[2]) {
-  need[0] = need[1] = 0;
-  *mod = BICO__NONE;
-  size_t mi, si, owner = r->owner[ti];
-  int role;
-  if (owner == BICO__NONE) return;
-  if (bico_model_tensor_module(r->mt, ti, &mi, &role) != BICO_OK) return;
-  if (bico_model_pair_tensor(r->mt, ti, r->ms, &si) != BICO_OK) return;
+void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out) {
+  memset(out, 0, sizeof *out);
+  out->module = BICO__NONE;
+  size_t mi;
+  int role = BICO_ROLE_OTHER;
+  bico_model_tensor_module(r->mt, ti, &mi, &role);
+  out->role = role;
+  if (role == BICO_ROLE_OTHER) {
+    snprintf(out->reason, sizeof out->reason,
+             "no method changes this kind of tensor");
+    return;
+  }
+  size_t owner = r->owner[ti];
+  if (owner == BICO__NONE) {
+    snprintf(out->reason, sizeof out->reason, "%s",
+             role == BICO_ROLE_TOKEN ? "no module is tied to it (see --tie)"
+                                     : "its module has no partner in the "
+                                       "source");
+    return;
+  }
   int do_in = r->method != BICO_METHOD_BICO_OUT;
   int do_out = r->method != BICO_METHOD_BICO_IN;
+  out->module = owner;
   if (role == BICO_ROLE_WEIGHT) {
-    *mod = mi;
-    need[0] = do_in;
-    need[1] = do_out;
-  } else if (role == BICO_ROLE_BIAS) {
-    *mod = mi;
-    need[1] = do_out;
-  } else if (role == BICO_ROLE_VECTOR || role == BICO_ROLE_TOKEN) {
-    int kind;
-    bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
-    int side = kind == BICO_MODULE_ELEMENTWISE
-                   ? (r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD)
-                   : 1;
-    if (role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR && !do_out)
-      return;
-    if (side == 1 && r->mods[owner].k != 1) return;
-    *mod = owner;
-    need[side] = 1;
+    out->kind = BICO__ROUTE_WEIGHT;
+    out->need[0] = do_in;
+    out->need[1] = do_out;
+    return;
   }
+  if (role == BICO_ROLE_BIAS) {
+    out->kind = BICO__ROUTE_BIAS;
+    out->need[1] = do_out;
+    return;
+  }
+  /* A norm's vector by its norm map; a token by its tie module's output
+   * map (an element-wise tie module lends its norm map). */
+  int kind;
+  bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
+  out->side = kind == BICO_MODULE_ELEMENTWISE
+                  ? r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD
+                  : 1;
+  out->identity = role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR &&
+                  !do_out;
+  if (out->side == 1 && r->mods[owner].k != 1 && !out->identity) {
+    snprintf(out->reason, sizeof out->reason,
+             "its map's module %s has a split output",
+             bico__xfer_mname(r->mt, owner));
+    out->module = BICO__NONE;
+    return;
+  }
+  out->kind = BICO__ROUTE_ROWS;
+  out->need[out->side] = !out->identity;
+}
+
+/* Which sides of which module target tensor ti will ask for: the route,
+ * for tensors with a source partner.  A wrong guess costs time, never
+ * correctness: an unneeded job's result (or failure) is dropped, and a
+ * side without a job is solved when asked. */
+void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
+                              int need[2]) {
+  need[0] = need[1] = 0;
+  *mod = BICO__NONE;
+  bico__route rt;
+  bico__xfer_route(r, ti, &rt);
+  size_t si;
+  if (rt.kind == BICO__ROUTE_NONE ||
+      bico_model_pair_tensor(r->mt, ti, r->ms, &si) != BICO_OK)
+    return;
+  *mod = rt.module;
+  need[0] = rt.need[0];
+  need[1] = rt.need[1];
 }

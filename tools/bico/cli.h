@@ -37,6 +37,17 @@ int cli_opt(int argc, char **argv, int *i, const char *name,
 int cli_double(const char *s, double *out);
 int cli_size(const char *s, size_t *out);
 
+/* Signals (tools/bico/cleanup.c): cli_cleanup_add registers the folder of
+ * an output file (is_dir: the path is itself a folder, as an output
+ * adapter); cli_cleanup_install makes SIGINT, SIGTERM and SIGHUP remove
+ * this process's temporary files there before the process dies. */
+void cli_cleanup_add(const char *path, int is_dir);
+void cli_cleanup_install(void);
+
+/* Parses an --alpha value: a positive number that a float holds (the
+ * library computes in float: 1e39 would be +Inf).  0 on success. */
+int cli_alpha(const char *s, double *out);
+
 /* Reports a library failure: the status text and the context's detail. */
 /* Chooses BLIS's kernels for the process before BLIS starts (may execute
  * the program again with BLIS_ARCH_TYPE set); tools/bico/blisarch.c. */

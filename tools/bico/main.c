@@ -2,6 +2,7 @@
  * front end: every decision is the library's (bico_transfer, bico_model,
  * bico_stats_*). */
 #include <errno.h>
+#include <float.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -57,6 +58,13 @@ int cli_double(const char *s, double *out) {
   errno = 0;
   double v = strtod(s, &end);
   if (end == s || *end != '\0' || errno == ERANGE) return -1;
+  *out = v;
+  return 0;
+}
+
+int cli_alpha(const char *s, double *out) {
+  double v;
+  if (cli_double(s, &v) || !(v > 0) || v > FLT_MAX) return -1;
   *out = v;
   return 0;
 }

@@ -106,9 +106,10 @@ int cmd_merge(int argc, char **argv) {
     PATH("--delta-output", delta)
     PATH("--report", report)
     VALUE("--method", method = v)
-    VALUE("--alpha", if (cli_double(v, &alpha) || !(alpha > 0)) return cli_error(
+    VALUE("--alpha", if (cli_alpha(v, &alpha)) return cli_error(
                          CMD, CLI_USAGE,
-                         "--alpha %s: expected a positive number", v))
+                         "--alpha %s: expected a positive number of at most "
+                         "3.4e38 (float range)", v))
     VALUE("--weight",
           if (nin == 0) return cli_error(CMD, CLI_USAGE,
                                          "--weight %s comes before any input; "
@@ -172,6 +173,10 @@ int cmd_merge(int argc, char **argv) {
     st = bico_merge_add_input(mg, in[k].kind, in[k].path, in[k].weight,
                               in[k].density);
   if (st == BICO_OK && !quiet) st = bico_merge_set_log(mg, log_line, NULL);
+  cli_cleanup_add(output, 0);
+  cli_cleanup_add(delta, 0);
+  cli_cleanup_add(report, 0);
+  cli_cleanup_install();
   if (st == BICO_OK) st = bico_merge_run(mg);
   int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
   bico_merge_free(mg);

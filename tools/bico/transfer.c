@@ -63,9 +63,6 @@ static const struct {
 };
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
-static const char *const METHODS[] = {NULL,      "bico",  "bico-in", "bico-out",
-                                      "gradfix", "naive", "pad"};
-
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
   fprintf(stderr, "%s\n", line);
@@ -153,9 +150,10 @@ int cmd_transfer(int argc, char **argv) {
     VALUE("--blocks", blocks = v)
     VALUE("--norm-map", norm_map = v)
     VALUE("--null", null_mode = v)
-    VALUE("--alpha", if (cli_double(v, &alpha) || !(alpha > 0)) return cli_error(
+    VALUE("--alpha", if (cli_alpha(v, &alpha)) return cli_error(
                          CMD, CLI_USAGE,
-                         "--alpha %s: expected a positive number", v))
+                         "--alpha %s: expected a positive number of at most "
+                         "3.4e38 (float range)", v))
     VALUE("--rank-tol",
           if (cli_double(v, &rank_tol) || rank_tol < 0 || rank_tol >= 1)
               return cli_error(CMD, CLI_USAGE,
@@ -195,9 +193,7 @@ int cmd_transfer(int argc, char **argv) {
   if (method == NULL)
     return cli_error(CMD, CLI_USAGE, "missing --method");
   int m = 0;
-  for (int k = 1; k <= 6; k++)
-    if (strcmp(method, METHODS[k]) == 0) m = k;
-  if (m == 0)
+  if (bico_method_from_name(method, &m) != BICO_OK)
     return cli_error(CMD, CLI_USAGE,
                      "unknown method '%s' (bico, bico-in, bico-out, gradfix, "
                      "naive or pad)",
@@ -242,9 +238,8 @@ int cmd_transfer(int argc, char **argv) {
     return cli_error(CMD, CLI_USAGE, "method gradfix needs --target-votes");
   int nm = -1, nl = -1;
   if (norm_map != NULL) {
-    if (strcmp(norm_map, "act") == 0) nm = BICO_NORM_MAP_ACT;
-    else if (strcmp(norm_map, "grad") == 0) nm = BICO_NORM_MAP_GRAD;
-    else return cli_error(CMD, CLI_USAGE, "--norm-map %s: expected act or grad",
+    if (bico_norm_map_from_name(norm_map, &nm) != BICO_OK)
+      return cli_error(CMD, CLI_USAGE, "--norm-map %s: expected act or grad",
                           norm_map);
   }
   if (null_mode != NULL) {
@@ -328,6 +323,11 @@ int cmd_transfer(int argc, char **argv) {
     st = bico_transfer_add_tie(t, tensor, module);
   }
   if (st == BICO_OK && !quiet) st = bico_transfer_set_log(t, log_line, NULL);
+  cli_cleanup_add(files[8], 0);  /* --output */
+  cli_cleanup_add(files[9], 0);  /* --delta-output */
+  cli_cleanup_add(files[10], 0); /* --report */
+  cli_cleanup_add(files[12], 1); /* --output-lora */
+  cli_cleanup_install();
   if (st == BICO_OK) st = bico_transfer_run(t);
   code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
 out:

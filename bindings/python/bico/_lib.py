@@ -249,6 +249,10 @@ PROTOTYPES = {
     "bico_model_pair_tensor": (_S, [c_void_p, c_size_t, c_void_p,
                                     P(c_size_t)]),
     # whole-model transfer
+    "bico_method_name": (c_char_p, [c_int]),
+    "bico_method_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_norm_map_name": (c_char_p, [c_int]),
+    "bico_norm_map_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_transfer_create": (_S, [c_void_p, PP]),
     "bico_transfer_free": (None, [c_void_p]),
     "bico_transfer_set_file": (_S, [c_void_p, c_int, c_char_p]),
@@ -349,4 +353,5 @@ for _name, (_res, _args) in PROTOTYPES.items():
 
 def has(name):
     """True when the loaded library exports bico_<name>."""
-    return not isinstance(getattr(fn, name, None), _Missing)
+    f = getattr(fn, name, None)
+    return f is not None and not isinstance(f, _Missing)
