@@ -246,7 +246,7 @@ def cell(case, method, variant, calib):
 ROWS = [
     ("naive", "naive", {}, 100, "same"),
     ("gradfix", "gradfix", {}, 100, "same"),
-    ("pad", "pad", {}, 100, "all"),
+    ("pad", "pad", {}, 100, "same"),
     ("bico", "bico", {}, 100, "all"),
     ("bico-in", "bico-in", {}, 100, "all"),
     ("bico-out", "bico-out", {}, 100, "all"),
