@@ -280,6 +280,8 @@ def main():
                     help="comma-separated row labels (default: all)")
     ap.add_argument("--fresh", action="store_true",
                     help="recompute every cell (models stay cached)")
+    ap.add_argument("--cached", action="store_true",
+                    help="print only the cells already computed")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
@@ -313,6 +315,8 @@ def main():
             case = None
             cid = "%s/%s" % (task, tname)
             k = key_of(cid, "ends")
+            if args.cached and k not in store:
+                continue
             if k not in store:
                 case = case or Case(task, tname, log)
                 store[k] = {"zs": case.acc(case.b0),
@@ -329,6 +333,8 @@ def main():
                     if method in ("fit", "head-fit") or variant.get(
                         "per_layer") else key_of(cid, label, method,
                                                  variant, calib, "match2")
+                if args.cached and k not in store:
+                    continue
                 if k not in store:
                     case = case or Case(task, tname, log)
                     t1 = time.time()
@@ -356,14 +362,16 @@ def print_table(table, rows, tasks, targets):
     print("targets: " + ", ".join("%s = width %d depth %d" % (
         n, c["width"], c["depth"]) for n, c in config.TARGETS.items()))
     head = "%-22s" % "method" + "".join("%*s" % (w, c) for c in cids)
-    print(head + "%*s%*s" % (10, "mean gap", 12, "oracle-a"))
-    def line(label, vals, mean, extra=""):
+    print(head + "%*s%*s%*s" % (10, "mean gap", 10, "oracle-a", 10,
+                                  "bico same"))
+    def line(label, vals, mean, extra="", ref=""):
         print("%-22s" % label + "".join("%*s" % (w, v) for v in vals)
-              + "%*s%*s" % (10, mean, 12, extra))
+              + "%*s%*s%*s" % (10, mean, 10, extra, 10, ref))
     line("zero-shot", ["%.1f" % (100 * table[c]["ends"]["zs"])
                        for c in cids], "0")
+    rows = [r for r in rows if any(r[0] in table[c] for c in cids)]
     for label, *_ in rows:
-        vals, gaps, gapso = [], [], []
+        vals, gaps, gapso, ref = [], [], [], []
         for c in cids:
             r = table[c].get(label)
             if r is None:
@@ -372,22 +380,23 @@ def print_table(table, rows, tasks, targets):
             g = gap(r["acc"], table[c]["ends"])
             gaps.append(g)
             gapso.append(gap(r["acc_oracle"], table[c]["ends"]))
+            if "bico" in table[c]:
+                ref.append(gap(table[c]["bico"]["acc"], table[c]["ends"]))
             vals.append("%.1f %4.0f%%" % (100 * r["acc"], 100 * g))
-        line(label, vals, "%.0f%%" % (100 * np.mean(gaps)) if gaps else "-",
-             "%.0f%%" % (100 * np.mean(gapso)) if gapso else "-")
+        pc = lambda v: "%.0f%%" % (100 * np.mean(v)) if v else "-"
+        line(label, vals, pc(gaps), pc(gapso), pc(ref))
     line("fine-tuned", ["%.1f" % (100 * table[c]["ends"]["ft"])
                         for c in cids], "100%")
     print()
     print("alpha chosen without labels (match) / by validation labels / "
           "by entropy:")
+    print("%-22s" % "method" + "".join("%*s" % (w, c) for c in cids))
     for label, *_ in rows:
-        al = [table[c][label] for c in cids if label in table[c]]
-        if not al:
-            continue
+        al = [table[c].get(label) for c in cids]
         print("%-22s" % label + "".join(
-            "%*s" % (w, "%.2g/%.2g/%s" % (r["alpha"], r["alpha_oracle"],
-                                          "%.2g" % r["alpha_entropy"]
-                                          if "alpha_entropy" in r else "-"))
+            "%*s" % (w, "-" if r is None else "%.2g/%.2g/%s" % (
+                r["alpha"], r["alpha_oracle"], "%.2g" % r["alpha_entropy"]
+                if "alpha_entropy" in r else "-"))
             for r in al))
     ent = [(label, [gap(table[c][label]["acc_entropy"], table[c]["ends"])
                     for c in cids if label in table[c]
