@@ -342,6 +342,12 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
     bico__report_end_object(&r->rep);
   }
   if (st == BICO_OK)
+    st = bico__xfer_check_finite(ctx, m.nb, m.dout_b * m.rank,
+                                 "adapter module", m.tm);
+  if (st == BICO_OK)
+    st = bico__xfer_check_finite(ctx, m.na, m.rank * m.din_b,
+                                 "adapter module", m.tm);
+  if (st == BICO_OK)
     st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
                               m.din_b, m.nb, m.na);
   if (st == BICO_OK) {
@@ -500,6 +506,8 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   if (st == BICO_OK) st = bico_stfile_check_finite(h->tb, fi);
   for (size_t e = 0; e < nb && st == BICO_OK; e++) full[e] += upd[e];
   if (st == BICO_OK)
+    st = bico__xfer_check_finite(ctx, full, nb, "saved tensor", tname);
+  if (st == BICO_OK)
     st = bico_lora_add_saved(r->out, tname, tmod, nd_b, sb, full);
   bico__report_begin_object(&r->rep);
   bico__report_key_string(&r->rep, "name", tname);
@@ -576,6 +584,8 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
         for (size_t i = 0; i < dout && st == BICO_OK; i++)
           for (size_t j = 0; j < din; j++)
             base[flip ? j * dout + i : i * din + j] += d[i * din + j];
+        if (st == BICO_OK)
+          st = bico__xfer_check_finite_f64(ctx, base, numel, "tensor", name);
         if (st == BICO_OK) st = bico_stwriter_write_f64(w, name, base, numel);
         bico__free(ctx, base);
         bico__free(ctx, d);

@@ -9,6 +9,7 @@
  * tensor, or handed to the partial-run sink (transfer_output.c).  Maps are
  * computed when the first tensor that needs them comes up and freed after
  * the last, so memory stays near the largest module's needs. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -127,7 +128,10 @@ bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
   if (lo == NULL || hi == NULL) return BICO_E_NULL;
   switch (param) {
     case BICO_TRANSFER_METHOD: *lo = 1; *hi = 6; return BICO_OK;
-    case BICO_TRANSFER_ALPHA: *lo = 0; *hi = HUGE_VAL; return BICO_OK;
+    case BICO_TRANSFER_ALPHA: /* used as a float */
+      *lo = 0;
+      *hi = FLT_MAX;
+      return BICO_OK;
     case BICO_TRANSFER_NORM_MAP:
     case BICO_TRANSFER_NULL:
     case BICO_TRANSFER_CENTER: *lo = 0; *hi = 1; return BICO_OK;
@@ -158,7 +162,7 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
                  param == BICO_TRANSFER_WORKERS ||
                  param == BICO_TRANSFER_SOLVE_MEMORY;
   int ok = isfinite(value) && value >= lo && value <= hi;
-  if (param == BICO_TRANSFER_ALPHA) ok = isfinite(value) && value > 0;
+  if (param == BICO_TRANSFER_ALPHA) ok = ok && value > 0;
   if (param == BICO_TRANSFER_RANK_TOL) ok = ok && value < 1;
   if (integral && ok && value != floor(value)) ok = 0;
   if (!ok)

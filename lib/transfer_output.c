@@ -69,6 +69,30 @@ bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
 }
 
 
+static bico_status nonfinite(bico_ctx *ctx, const char *what,
+                             const char *name, size_t e, double x) {
+  return bico__fail(ctx, BICO_E_NONFINITE,
+                    "%s %s: element %zu of the result is %g (does alpha "
+                    "times the task vector overflow float32?); nothing was "
+                    "written",
+                    what, name, e, x);
+}
+
+bico_status bico__xfer_check_finite(bico_ctx *ctx, const float *v, size_t n,
+                                    const char *what, const char *name) {
+  for (size_t e = 0; e < n; e++)
+    if (!isfinite(v[e])) return nonfinite(ctx, what, name, e, (double)v[e]);
+  return BICO_OK;
+}
+
+bico_status bico__xfer_check_finite_f64(bico_ctx *ctx, const double *v,
+                                        size_t n, const char *what,
+                                        const char *name) {
+  for (size_t e = 0; e < n; e++)
+    if (!isfinite(v[e])) return nonfinite(ctx, what, name, e, v[e]);
+  return BICO_OK;
+}
+
 static int is_float(int dtype) {
   return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
          dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
@@ -192,6 +216,10 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
     if (upd == NULL) return BICO_E_NOMEM;
     st = bico__xfer_update(r, ti, upd, &info);
     if (st != BICO_OK) st = bico__xfer_wrap(ctx, st, "tensor", a.name);
+    /* Every written (or sunk) value finite: an overflowing alpha tau
+     * fails the run here, before anything is committed. */
+    if (st == BICO_OK && info.handling != BICO__H_UNCHANGED)
+      st = bico__xfer_check_finite(ctx, upd, a.nb, "tensor", a.name);
   } else {
     snprintf(info.reason, sizeof info.reason, "%s",
              a.fl ? "empty tensor" : "not a floating-point tensor");

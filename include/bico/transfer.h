@@ -106,7 +106,7 @@ typedef enum bico_transfer_file {
  * bico_transfer_param_bounds. */
 typedef enum bico_transfer_param {
   BICO_TRANSFER_METHOD = 1,       /* bico_method; default BICO */
-  BICO_TRANSFER_ALPHA = 2,        /* > 0, finite; default 1 */
+  BICO_TRANSFER_ALPHA = 2,        /* (0, FLT_MAX]; default 1 */
   BICO_TRANSFER_NORM_MAP = 3,     /* bico_norm_map; default ACT */
   BICO_TRANSFER_NULL = 4,         /* bico_null_completion; default KEEP */
   BICO_TRANSFER_RANK_TOL = 5,     /* [0, 1); default 1e-5 */

@@ -59,6 +59,13 @@ static const struct {
 };
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
+/* The library's bounds: (0, FLT_MAX]. */
+static int alpha_ok(double alpha) {
+  double lo, hi;
+  bico_transfer_param_bounds(BICO_TRANSFER_ALPHA, &lo, &hi);
+  return alpha > lo && alpha <= hi;
+}
+
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
   fprintf(stderr, "%s\n", line);
@@ -146,9 +153,10 @@ int cmd_transfer(int argc, char **argv) {
     VALUE("--blocks", blocks = v)
     VALUE("--norm-map", norm_map = v)
     VALUE("--null", null_mode = v)
-    VALUE("--alpha", if (cli_double(v, &alpha) || !(alpha > 0)) return cli_error(
+    VALUE("--alpha", if (cli_double(v, &alpha) || !alpha_ok(alpha)) return cli_error(
                          CMD, CLI_USAGE,
-                         "--alpha %s: expected a positive number", v))
+                         "--alpha %s: expected a positive number a float "
+                         "holds", v))
     VALUE("--rank-tol",
           if (cli_double(v, &rank_tol) || rank_tol < 0 || rank_tol >= 1)
               return cli_error(CMD, CLI_USAGE,
