@@ -603,23 +603,12 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
 }
 
 
-static bico_status run_lora(lrun *r) {
+/* An adapter module or saved tensor the source base does not have means
+ * the adapter belongs to another model: stop rather than drop it. */
+static bico_status check_adapter_names(lrun *r, size_t nl, size_t ns) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
-  bico_status st = bico_lora_open(ctx, h->adapter_dir, &r->src);
-  if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
-  if (st != BICO_OK) return st;
-  int on = 0;
-  bico_lora_get_flag(r->src, BICO_LORA_RSLORA, &on);
-  bico_lora_set_flag(r->out, BICO_LORA_RSLORA, on);
-  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
-  bico_lora_set_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
-  const char *tt = NULL;
-  bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
-  st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
-  size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
-  /* An adapter module the source base does not have means the adapter
-   * belongs to another model: stop rather than drop it. */
+  bico_status st = BICO_OK;
   for (size_t i = 0; i < nl + ns && st == BICO_OK; i++) {
     const char *n;
     size_t idx;
@@ -638,6 +627,25 @@ static bico_status run_lora(lrun *r) {
                         h->adapter_dir, n);
     }
   }
+  return st;
+}
+
+static bico_status run_lora(lrun *r) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = bico_lora_open(ctx, h->adapter_dir, &r->src);
+  if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
+  if (st != BICO_OK) return st;
+  int on = 0;
+  bico_lora_get_flag(r->src, BICO_LORA_RSLORA, &on);
+  bico_lora_set_flag(r->out, BICO_LORA_RSLORA, on);
+  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
+  bico_lora_set_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
+  const char *tt = NULL;
+  bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
+  st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
+  size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
+  if (st == BICO_OK) st = check_adapter_names(r, nl, ns);
   if (st != BICO_OK) return st;
   bico__clear(ctx);
   unsigned char *used = bico__calloc(ctx, nl + ns + 1, 1);

@@ -206,10 +206,9 @@ TEST(TransferFinite, PartialRunStopsBeforeTheSink) {
   bico_transfer *t = f.make(ctx, 2e38, false);
   unsigned char sel[2] = {1, 1};
   int calls = 0;
-  auto sink = [](void *o, size_t, const char *, const char *, const float *u,
-                 size_t n, const char *) -> bico_status {
-    for (size_t e = 0; e < n; e++)
-      if (!std::isfinite(u[e])) ADD_FAILURE() << "non-finite element " << e;
+  auto sink = [](void *o, const bico_transfer_tensor *x) -> bico_status {
+    for (size_t e = 0; e < x->count; e++)
+      if (!std::isfinite(x->update[e])) ADD_FAILURE() << "non-finite element " << e;
     ++*static_cast<int *>(o);
     return BICO_OK;
   };

@@ -59,6 +59,8 @@ static const struct {
 };
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
+int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
+
 /* The library's bounds: (0, FLT_MAX]. */
 static int alpha_ok(double alpha) {
   double lo, hi;
@@ -324,6 +326,10 @@ int cmd_transfer(int argc, char **argv) {
       goto out;
     }
     st = bico_transfer_add_tie(t, tensor, module);
+  }
+  if (st == BICO_OK && cli_transfer_runner != NULL) {
+    code = cli_transfer_runner(t, ctx, quiet);
+    goto out;
   }
   if (st == BICO_OK && !quiet) st = bico_transfer_set_log(t, log_line, NULL);
   if (st == BICO_OK) st = bico_transfer_run(t);
