@@ -12,6 +12,7 @@ LIBDIR ?= $(PREFIX)/lib
 INCLUDEDIR ?= $(PREFIX)/include
 BINDIR ?= $(PREFIX)/bin
 PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+MANDIR ?= $(PREFIX)/share/man
 DESTDIR ?=
 
 CC ?= cc
@@ -51,6 +52,9 @@ STLIB := $(BUILD)/lib/libbico.a
 
 TOOL_SRCS := $(wildcard tools/bico/*.c)
 TOOL := $(if $(TOOL_SRCS),$(BUILD)/bin/bico)
+
+MAN_SRCS := $(wildcard docs/*.1.md)
+MAN_PAGES := $(patsubst docs/%.md,$(BUILD)/man/%,$(MAN_SRCS))
 
 EXAMPLE_SRCS := $(wildcard examples/*.c)
 EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(EXAMPLE_SRCS))
@@ -92,10 +96,19 @@ $(BUILD)/lib/bico.pc: bico.pc.in include/bico/version.h
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' \
 	    -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
 
+# The build tree's bico finds build/lib through $$ORIGIN/../lib; `make
+# install` links its own copy whose RUNPATH is $(LIBDIR) alone, so an
+# installed program never reaches into the source tree.
+TOOL_LINK = $(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $(TOOL_SRCS) \
+	  -L$(BUILD)/lib -lbico $(BLIS_LIBS) -lyaml $(LDSAN) -lm $(LDFLAGS)
 $(BUILD)/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB)
 	@mkdir -p $(@D)
-	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $(TOOL_SRCS) \
-	  -L$(BUILD)/lib -lbico $(RPATH) -Wl,-rpath,'$$ORIGIN/../lib' $(LDSAN) -lm $(LDFLAGS)
+	$(TOOL_LINK) -Wl,-rpath,'$$ORIGIN/../lib'
+$(BUILD)/inst/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB) FORCE
+	@mkdir -p $(@D)
+	$(TOOL_LINK) -Wl,-rpath,$(LIBDIR)
+.PHONY: FORCE
+FORCE:
 
 examples: $(EXAMPLES)
 $(BUILD)/examples/%: examples/%.c $(SHLIB)
@@ -123,12 +136,23 @@ check-pkgconfig: all
 	PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CC) $(LDSAN) -o $(BUILD)/stage/hello-static examples/hello.c $$($(PKG_CONFIG) --cflags bico) -L$(STAGE)/lib -Wl,-Bstatic -lbico -Wl,-Bdynamic $$($(PKG_CONFIG) --static --libs bico | sed "s/-lbico//")'
 	! ldd $(BUILD)/stage/hello-static | grep -q libbico
 	$(BUILD)/stage/hello-static
+	@# A fully static program: every private library named by --static.
+	$(if $(LDSAN),,PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CC) -static -o $(BUILD)/stage/hello-allstatic examples/hello.c $$($(PKG_CONFIG) --cflags bico) $$($(PKG_CONFIG) --static --libs bico)' 2>$(BUILD)/stage/allstatic.log || { cat $(BUILD)/stage/allstatic.log; exit 1; })
+	$(if $(LDSAN),,$(BUILD)/stage/hello-allstatic >/dev/null)
 	test -z "$$(nm -D --defined-only $(SHLIB) | awk '{print $$3}' | grep -v '^bico_' | grep -v '^BICO_')"
+	@if [ -n "$(TOOL)" ]; then rp=$$(readelf -d $(STAGE)/bin/bico | sed -n 's/.*R.*PATH.*\[\(.*\)\]/\1/p'); \
+	  echo "installed bico RUNPATH: $$rp"; \
+	  case ":$$rp:" in *:$(abspath $(BUILD))/lib:*|*ORIGIN*) echo "check-pkgconfig: installed bico reaches into the source tree"; exit 1;; esac; \
+	  test "$$rp" = "$(STAGE)/lib"; \
+	  env -u LD_LIBRARY_PATH $(STAGE)/bin/bico --version; fi
+	MANPATH=$(STAGE)/share/man man -w bico | grep -q '^$(STAGE)/share/man/man1/bico.1'
+	MANPATH=$(STAGE)/share/man man bico 2>/dev/null | grep -q 'carry a fine-tuning'
 	@echo "check-pkgconfig: installed library builds and runs through pkg-config (shared and static); only bico_* exported"
 
-# Under the sanitizers, only the Python tests that drive the (sanitized)
-# programs: the binding loads the library into an unsanitized interpreter
-# through ctypes.
+# Under the sanitizers, the Python tests that drive the (sanitized)
+# programs run here; the binding's own tests (which load the library into
+# the interpreter through ctypes) run in check-python-asan, with the ASan
+# runtime preloaded.
 ifeq ($(SANITIZE),1)
 PYTEST_FILES = $(filter-out test/python/test_binding%,$(shell grep -L -E '^ *(import bico|from bico)|importorskip."bico' test/python/test_*.py))
 else
@@ -143,7 +167,7 @@ test: check
 
 PYTHON ?= /usr/bin/python3
 
-install: lib $(TOOL)
+install: lib $(TOOL) $(if $(TOOL),$(BUILD)/inst/bin/bico) $(MAN_PAGES)
 	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR)/bico $(DESTDIR)$(PKGCONFIGDIR)
 	install -m 644 include/bico/*.h $(DESTDIR)$(INCLUDEDIR)/bico/
 	install -m 755 $(SHLIB) $(DESTDIR)$(LIBDIR)/
@@ -153,12 +177,26 @@ install: lib $(TOOL)
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@LIBDIR@|$(LIBDIR)|g' \
 	    -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@VERSION@|$(VERSION)|g' \
 	    bico.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/bico.pc
-	$(if $(TOOL),install -d $(DESTDIR)$(BINDIR) && install -m 755 $(TOOL) $(DESTDIR)$(BINDIR)/bico)
+	$(if $(TOOL),install -d $(DESTDIR)$(BINDIR) && install -m 755 $(BUILD)/inst/bin/bico $(DESTDIR)$(BINDIR)/bico)
+	install -d $(DESTDIR)$(MANDIR)/man1
+	install -m 644 $(MAN_PAGES) $(DESTDIR)$(MANDIR)/man1/
+
+# Manual pages, generated from their Markdown source (docs/*.1.md): one
+# text for the installed `man bico` and the docs folder.
+PANDOC ?= pandoc
+$(BUILD)/man/%.1: docs/%.1.md include/bico/version.h
+	@mkdir -p $(@D)
+	$(PANDOC) -s -t man --shift-heading-level-by=-1 -M section=1 \
+	  -M header="libbico manual" -M footer="libbico $(VERSION)" $< -o $@.tmp
+	mv $@.tmp $@
+man: $(MAN_PAGES)
+.PHONY: man
 
 uninstall:
 	rm -f $(DESTDIR)$(LIBDIR)/libbico.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME) \
 	      $(DESTDIR)$(LIBDIR)/libbico.so $(DESTDIR)$(LIBDIR)/libbico.a \
-	      $(DESTDIR)$(PKGCONFIGDIR)/bico.pc $(DESTDIR)$(BINDIR)/bico
+	      $(DESTDIR)$(PKGCONFIGDIR)/bico.pc $(DESTDIR)$(BINDIR)/bico \
+	      $(patsubst $(BUILD)/man/%,$(DESTDIR)$(MANDIR)/man1/%,$(MAN_PAGES))
 	rm -rf $(DESTDIR)$(INCLUDEDIR)/bico
 
 deps:
@@ -189,7 +227,9 @@ $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
 # The ctypes binding (bindings/python/bico) installs as a plain package into
 # PYTHONDIR; it finds the library through $BICO_LIBRARY, then the LIBDIR
 # recorded here at install time, then paths relative to the package.
-PYTHONDIR ?= $(PREFIX)/lib/python3/dist-packages
+# Asked of the interpreter (scripts/pythondir.py): a folder on its sys.path
+# for /usr/local and /usr on Debian, PREFIX/lib/python3.X/site-packages else.
+PYTHONDIR ?= $(shell $(PYTHON) scripts/pythondir.py $(PREFIX))
 PY_SRCS := $(wildcard bindings/python/bico/*.py)
 
 .PHONY: install-python uninstall-python check-python-install
@@ -208,13 +248,51 @@ install-python:
 uninstall-python:
 	rm -rf $(DESTDIR)$(PYTHONDIR)/bico
 
+# The binding under AddressSanitizer.  A sanitized libbico loads into a
+# plain interpreter only when the ASan runtime comes first in the process:
+# preload it (leak detection off: the interpreter does not free everything
+# at exit).  `make check SANITIZE=1` runs the binding's tests this way;
+# `make check-python-asan` does it from a normal build (it builds the
+# sanitized tree).
+ASAN_RT = $(shell $(CC) -print-file-name=libasan.so)
+PY_BINDING_TESTS = $(shell grep -l -E '^ *(import bico|from bico)|importorskip."bico' test/python/test_*.py)
+.PHONY: check-python-asan
+ifeq ($(SANITIZE),1)
+check: check-python-asan
+check-python-asan: all
+	LD_PRELOAD=$(ASAN_RT) ASAN_OPTIONS=detect_leaks=0 \
+	  PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q -p no:cacheprovider \
+	  $(PY_BINDING_TESTS)
+else
+check-python-asan:
+	$(MAKE) --no-print-directory SANITIZE=1 check-python-asan
+endif
+
 # The installed package imports with nothing set in the environment and
 # loads the installed library.
 check-python-install: all
 	rm -rf $(BUILD)/pystage
 	$(MAKE) --no-print-directory install PREFIX=$(abspath $(BUILD)/pystage) BUILD=$(BUILD) >/dev/null
-	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$(abspath $(BUILD)/pystage)/lib/python3/dist-packages \
+	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$$($(PYTHON) $(abspath scripts/pythondir.py) $(abspath $(BUILD)/pystage)) \
 	  $(PYTHON) -c 'import bico, sys; print("installed binding:", bico.__file__, "->", bico.library_path); sys.exit(not bico.library_path.startswith("$(abspath $(BUILD)/pystage)/lib/"))'
+	@d=$$($(PYTHON) scripts/pythondir.py /usr/local); $(PYTHON) -c "import sys; sys.exit(0 if '$$d' in sys.path else 1)" || \
+	  { echo "check-python-install: $$d (PREFIX=/usr/local) is not on $(PYTHON)'s sys.path"; exit 1; }
+	@echo "check-python-install: PREFIX=/usr/local installs into $$($(PYTHON) scripts/pythondir.py /usr/local), on sys.path"
+
+# `pip install ./bindings/python` into a fresh venv, offline (--no-index:
+# the in-tree build backend needs nothing from an index), then the package
+# loads the build's library.
+.PHONY: check-python-pip
+ifneq ($(SANITIZE),1)
+check: check-python-pip
+endif
+check-python-pip: all
+	rm -rf $(BUILD)/venv
+	$(PYTHON) -m venv --system-site-packages $(BUILD)/venv
+	$(BUILD)/venv/bin/pip install -q --no-index --no-cache-dir ./bindings/python
+	cd / && BICO_LIBRARY=$(abspath $(SHLIB)) $(abspath $(BUILD))/venv/bin/python -c \
+	  'import bico, sys; print("pip-installed binding:", bico.__file__, bico.version()); sys.exit(not bico.__file__.startswith("$(abspath $(BUILD))/venv/"))'
 
 # ---- demo ----
 # `make demo`: the main job end to end on Fashion-MNIST (examples/demo/, an
@@ -288,7 +366,7 @@ $(BUILD)/obj/mpi/%.o: tools/bico-mpi/%.c $(wildcard tools/bico-mpi/*.h) $(wildca
 	$(MPICC) $(MPI_CFLAGS) -Itools/bico -c $< -o $@
 $(MPI_TOOL): $(MPI_OBJS) $(SHLIB)
 	@mkdir -p $(@D)
-	$(MPICC) -o $@ $(MPI_OBJS) -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) -lm $(LDFLAGS)
+	$(MPICC) -o $@ $(MPI_OBJS) -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lyaml -lm $(LDFLAGS)
 .PHONY: check-mpi
 check-mpi: $(MPI_TOOL) $(TOOL)
 	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include "calib.h"
+#include "fileio.h"
 
 /* Rows per chunk: about 4 M floats per side, so memory stays near the
  * statistics' size whatever the calibration set's. */
@@ -99,38 +100,26 @@ bico_status bico__calib_accumulate(bico_ctx *ctx, const char *module,
   return st;
 }
 
-static int same_file(const struct stat *a, const char *path) {
-  struct stat b;
-  if (stat(path, &b) != 0) return 0;
-  return a->st_dev == b.st_dev && a->st_ino == b.st_ino;
-}
-
 bico_status bico__check_distinct(bico_ctx *ctx, const char *fn,
                                  const char *what, const char *output,
                                  const char *input, const bico_stfile *f) {
-  struct stat so;
-  if (output == NULL || stat(output, &so) != 0) return BICO_OK;
-  if (input != NULL && same_file(&so, input))
-    return bico__fail(ctx, BICO_E_ARG,
-                      "%s: the %s %s is the input file %s; refusing to "
-                      "overwrite an input",
-                      fn, what, output, input);
-  if (f != NULL) {
-    const char *last = NULL;
-    size_t n = bico_stfile_count(f);
-    for (size_t i = 0; i < n; i++) {
-      const char *p;
-      if (bico_stfile_tensor_path(f, i, &p) != BICO_OK) continue;
-      if (last != NULL && strcmp(p, last) == 0) continue;
-      last = p;
-      if (same_file(&so, p))
-        return bico__fail(ctx, BICO_E_ARG,
-                          "%s: the %s %s is the input file %s; refusing to "
-                          "overwrite an input",
-                          fn, what, output, p);
-    }
+  if (output == NULL) return BICO_OK;
+  size_t nt = bico_stfile_count(f), n = 0;
+  bico__fileuse *u = bico__alloc(ctx, (nt + 2) * sizeof *u);
+  if (u == NULL) return BICO_E_NOMEM;
+  u[n++] = (bico__fileuse){what, output, 1, 0};
+  if (input != NULL) u[n++] = (bico__fileuse){"input file", input, 0, 0};
+  const char *last = input;
+  for (size_t i = 0; i < nt; i++) {
+    const char *p;
+    if (bico_stfile_tensor_path(f, i, &p) != BICO_OK) continue;
+    if (last != NULL && strcmp(p, last) == 0) continue;
+    u[n++] = (bico__fileuse){"input file", p, 0, 0};
+    last = p;
   }
-  return BICO_OK;
+  bico_status st = bico__check_files(ctx, fn, u, n);
+  bico__free(ctx, u);
+  return st;
 }
 
 /* ---- bico_stats_from_calib ---- */

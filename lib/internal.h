@@ -71,9 +71,15 @@ void bico__dgemm(const bico_ctx *ctx, int ta, int tb, size_t m, size_t n,
                  const double *b, size_t ldb, double beta, double *c,
                  size_t ldc);
 
-/* Releases the resident pages of tensor `index` of a safetensors reader
- * (after its data pointer has been used; the data stays readable). */
+/* Frees the copy bico_stfile_data made (after its pointer has been used;
+ * a later bico_stfile_data reads again). */
 void bico__stfile_drop(const bico_stfile *f, size_t index);
+
+/* bico_stwriter_commit without the rename: the temporary file is complete,
+ * fsynced and closed, and *tf (owned by w) goes to bico__commit
+ * (lib/fileio.h) together with a run's other outputs. */
+struct bico__tmpfile;
+bico_status bico__stwriter_finish(bico_stwriter *w, struct bico__tmpfile **tf);
 
 /* A statistic read block by block: rows [i0, i0 + ni) x columns
  * [j0, j0 + nj) of C into out (row stride ld); release (may be NULL) says

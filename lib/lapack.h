@@ -45,4 +45,15 @@ void dsyevr_(const char *jobz, const char *range, const char *uplo,
 void dpotrf_(const char *uplo, const int *n, double *a, const int *lda,
              int *info, size_t uplo_len);
 
+/* Solves A X = B with the Cholesky factor from dpotrf (the fit's solve). */
+void dpotrs_(const char *uplo, const int *n, const int *nrhs, const double *a,
+             const int *lda, double *b, const int *ldb, int *info,
+             size_t uplo_len);
+
+/* Cholesky factorisation with complete pivoting of a positive semidefinite
+ * matrix: its rank (the fit's numerical rank of X'^T X'). */
+void dpstrf_(const char *uplo, const int *n, double *a, const int *lda,
+             int *piv, int *rank, const double *tol, double *work, int *info,
+             size_t uplo_len);
+
 #endif

@@ -12,6 +12,8 @@
 #include "lapack.h"
 #include "lora_internal.h"
 #include "report.h"
+#include "fileio.h"
+#include "strindex.h"
 
 #define PREFIX "base_model.model."
 #define PREFIX_LEN 17
@@ -40,19 +42,11 @@ struct bico_lora {
   size_t nsaved, caps;
   int rslora, fifo;
   char *strings[NSTR];
+  bico__strindex by_name; /* module name -> index into mods */
 };
 
-static char *dupn(bico_ctx *ctx, const char *s, size_t n) {
-  char *p = bico__alloc(ctx, n + 1);
-  if (p == NULL) return NULL;
-  memcpy(p, s, n);
-  p[n] = '\0';
-  return p;
-}
-
-static char *dupstr(bico_ctx *ctx, const char *s) {
-  return dupn(ctx, s, strlen(s));
-}
+#define dupn bico__strndup
+#define dupstr bico__strdup
 
 bico_status bico_lora_create(bico_ctx *ctx, bico_lora **out) {
   if (out != NULL) *out = NULL;
@@ -76,6 +70,7 @@ void bico_lora_free(bico_lora *l) {
     bico__free(ctx, l->mods[i].a);
   }
   bico__free(ctx, l->mods);
+  bico__strindex_free(ctx, &l->by_name);
   for (size_t i = 0; i < l->nsaved; i++) {
     bico__free(ctx, l->saved[i].name);
     bico__free(ctx, l->saved[i].module);
@@ -165,10 +160,12 @@ bico_status bico_lora_module(const bico_lora *l, size_t i, const char **name,
   return BICO_OK;
 }
 
+static const char *mod_key(const void *owner, size_t i) {
+  return ((const bico_lora *)owner)->mods[i].name;
+}
+
 static size_t find_mod(const bico_lora *l, const char *name) {
-  for (size_t i = 0; i < l->nmods; i++)
-    if (strcmp(l->mods[i].name, name) == 0) return i;
-  return SIZE_MAX;
+  return bico__strindex_find(&l->by_name, name, strlen(name), mod_key, l);
 }
 
 bico_status bico_lora_find_module(const bico_lora *l, const char *name,
@@ -212,6 +209,13 @@ static bico_status push_module(bico_lora *l, char *name, int kind, size_t rank,
     return BICO_E_NOMEM;
   }
   l->mods = p;
+  if (bico__strindex_reserve(ctx, &l->by_name, l->nmods + 1, mod_key, l) !=
+      BICO_OK) {
+    bico__free(ctx, name);
+    bico__free(ctx, b);
+    bico__free(ctx, a);
+    return BICO_E_NOMEM;
+  }
   lmod *m = &l->mods[l->nmods++];
   m->name = name;
   m->kind = kind;
@@ -221,6 +225,7 @@ static bico_status push_module(bico_lora *l, char *name, int kind, size_t rank,
   m->din = din;
   m->b = b;
   m->a = a;
+  bico__strindex_insert(&l->by_name, l->nmods - 1, mod_key, l);
   return BICO_OK;
 }
 
@@ -374,46 +379,11 @@ bico_status bico_lora_add_saved(bico_lora *l, const char *name,
 /* ==================================================================== */
 /* Reading                                                                */
 
+/* adapter_config.json: small, and never a FIFO (lib/fileio.c). */
 static bico_status read_text(bico_ctx *ctx, const char *path, char **out,
                              size_t *len) {
-  *out = NULL;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return bico__fail(ctx, BICO_E_IO, "lora_open: %s: cannot open: %s", path,
-                      strerror(errno));
-  struct stat sb;
-  const char *why = NULL;
-  if (fstat(fd, &sb) != 0) why = strerror(errno);
-  else if (!S_ISREG(sb.st_mode)) why = "not a regular file";
-  else if (sb.st_size > 64 * 1024 * 1024) why = "larger than 64 MiB";
-  if (why != NULL) {
-    bico_status st = bico__fail(ctx, BICO_E_IO, "lora_open: %s: %s", path, why);
-    close(fd);
-    return st;
-  }
-  size_t n = (size_t)sb.st_size, got = 0;
-  char *buf = bico__alloc(ctx, n + 1);
-  if (buf == NULL) {
-    close(fd);
-    return BICO_E_NOMEM;
-  }
-  while (got < n) {
-    ssize_t r = read(fd, buf + got, n - got);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      int e = r < 0 ? errno : EIO;
-      close(fd);
-      bico__free(ctx, buf);
-      return bico__fail(ctx, BICO_E_IO, "lora_open: %s: read failed: %s", path,
-                        strerror(e));
-    }
-    got += (size_t)r;
-  }
-  close(fd);
-  buf[n] = '\0';
-  *out = buf;
-  *len = n;
-  return BICO_OK;
+  return bico__read_file(ctx, "lora_open", "adapter config", path,
+                         (size_t)64 << 20, out, len);
 }
 
 typedef struct config {
@@ -636,6 +606,10 @@ typedef struct pending {
   size_t ia, ib; /* tensor indices, SIZE_MAX when absent */
 } pending;
 
+static const char *pend_key(const void *owner, size_t i) {
+  return ((const pending *)owner)[i].module;
+}
+
 static bico_status load_factor(bico_lora *l, const bico_stfile *f,
                                const char *path, size_t idx, float **out,
                                size_t numel) {
@@ -659,6 +633,7 @@ static bico_status load_tensors(bico_lora *l, const char *path,
   size_t nt = bico_stfile_count(f), np = 0;
   pending *pend = bico__calloc(ctx, nt ? nt : 1, sizeof *pend);
   if (pend == NULL) return BICO_E_NOMEM;
+  bico__strindex ix = {NULL, 0};
   bico_status st = BICO_OK;
   static const struct {
     const char *suffix;
@@ -727,12 +702,11 @@ static bico_status load_tensors(bico_lora *l, const char *path,
                       path, name, ndim);
       break;
     }
-    size_t p;
-    for (p = 0; p < np; p++)
-      if (strlen(pend[p].module) == cut &&
-          strncmp(pend[p].module, rest, cut) == 0)
-        break;
-    if (p == np) {
+    /* A hash of the modules seen: a linear search made 40k modules
+     * quadratic. */
+    size_t p = bico__strindex_find(&ix, rest, cut, pend_key, pend);
+    if (p == SIZE_MAX) {
+      p = np;
       pend[np].module = dupn(ctx, rest, cut);
       if (pend[np].module == NULL) {
         st = BICO_E_NOMEM;
@@ -741,6 +715,9 @@ static bico_status load_tensors(bico_lora *l, const char *path,
       pend[np].kind = FACT[fi].kind;
       pend[np].ia = pend[np].ib = SIZE_MAX;
       np++;
+      st = bico__strindex_reserve(ctx, &ix, np, pend_key, pend);
+      if (st != BICO_OK) break;
+      bico__strindex_insert(&ix, p, pend_key, pend);
     }
     if (pend[p].kind != FACT[fi].kind) {
       st = bico__fail(ctx, BICO_E_FORMAT,
@@ -802,19 +779,11 @@ static bico_status load_tensors(bico_lora *l, const char *path,
   }
   for (size_t p = 0; p < np; p++) bico__free(ctx, pend[p].module);
   bico__free(ctx, pend);
+  bico__strindex_free(ctx, &ix);
   return st;
 }
 
-static char *join(bico_ctx *ctx, const char *dir, const char *file) {
-  size_t a = strlen(dir), b = strlen(file);
-  char *p = bico__alloc(ctx, a + b + 2);
-  if (p == NULL) return NULL;
-  memcpy(p, dir, a);
-  size_t o = a;
-  if (a == 0 || dir[a - 1] != '/') p[o++] = '/';
-  memcpy(p + o, file, b + 1);
-  return p;
-}
+#define join bico__path_join
 
 bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
   if (out != NULL) *out = NULL;
@@ -873,17 +842,25 @@ static int cmp_str(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-/* The most common value among n (ties: the smallest). */
-static double mode_of(const double *v, size_t n) {
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* The most common value among v[0..n) (ties: the smallest), n > 0; sorts
+ * v.  O(n log n): counting pairs took 25 s for 40k modules. */
+static double mode_of(double *v, size_t n) {
+  qsort(v, n, sizeof *v, cmp_double);
   double best = v[0];
   size_t bc = 0;
-  for (size_t i = 0; i < n; i++) {
-    size_t c = 0;
-    for (size_t j = 0; j < n; j++) c += v[j] == v[i];
-    if (c > bc || (c == bc && v[i] < best)) {
+  for (size_t i = 0; i < n;) {
+    size_t j = i;
+    while (j < n && v[j] == v[i]) j++;
+    if (j - i > bc) {
       best = v[i];
-      bc = c;
+      bc = j - i;
     }
+    i = j;
   }
   return best;
 }
@@ -905,6 +882,10 @@ static bico_status build_config(const bico_lora *l, bico__jw *w) {
     alphas[i] = l->mods[i].alpha;
   }
   double r = mode_of(ranks, n), alpha = mode_of(alphas, n);
+  for (size_t i = 0; i < n; i++) {
+    ranks[i] = (double)l->mods[i].rank;
+    alphas[i] = l->mods[i].alpha;
+  }
   bico__jw_begin_object(w);
   bico__jw_key(w, "peft_type");
   bico__jw_string(w, "LORA");
@@ -944,17 +925,15 @@ static bico_status build_config(const bico_lora *l, bico__jw *w) {
   for (size_t i = 0; i < n; i++) bico__jw_string(w, names[i]);
   bico__jw_end_array(w);
   bico__jw_key(w, "modules_to_save");
+  /* Distinct saved modules, sorted (sort, then drop repeats). */
   size_t ns = 0;
-  for (size_t i = 0; i < l->nsaved; i++) {
-    size_t j;
-    for (j = 0; j < ns; j++)
-      if (strcmp(names[j], l->saved[i].module) == 0) break;
-    if (j == ns) names[ns++] = l->saved[i].module;
-  }
+  for (size_t i = 0; i < l->nsaved; i++) names[i] = l->saved[i].module;
+  qsort(names, l->nsaved, sizeof *names, cmp_str);
+  for (size_t i = 0; i < l->nsaved; i++)
+    if (ns == 0 || strcmp(names[ns - 1], names[i]) != 0) names[ns++] = names[i];
   if (ns == 0) {
     bico__jw_null(w);
   } else {
-    qsort(names, ns, sizeof *names, cmp_str);
     bico__jw_begin_array(w);
     for (size_t i = 0; i < ns; i++) bico__jw_string(w, names[i]);
     bico__jw_end_array(w);
@@ -1016,6 +995,61 @@ static bico_status write_tensors(const bico_lora *l, bico_stwriter *w) {
   return st;
 }
 
+bico_status bico__lora_save_begin(const bico_lora *l, const char *fn,
+                                  const char *dir, bico__lora_out *o) {
+  bico_ctx *ctx = l->ctx;
+  memset(o, 0, sizeof *o);
+  o->cfg.fd = -1;
+  o->ctx = ctx;
+  if (l->nmods == 0)
+    return bico__fail(ctx, BICO_E_STATE,
+                      "%s: the adapter has no modules (%s not written)", fn,
+                      dir);
+  char *cpath = join(ctx, dir, "adapter_config.json");
+  char *tpath = join(ctx, dir, "adapter_model.safetensors");
+  o->dir = bico__strdup(ctx, dir);
+  bico_status st = cpath && tpath && o->dir ? BICO_OK : BICO_E_NOMEM;
+  bico__fileuse use[2] = {{"output adapter weights", tpath, 1, 1},
+                          {"output adapter config", cpath, 1, 1}};
+  if (st == BICO_OK) st = bico__check_files(ctx, fn, use, 2);
+  if (st == BICO_OK) {
+    if (mkdir(dir, 0777) == 0)
+      o->made = 1;
+    else if (errno != EEXIST)
+      st = bico__fail(ctx, BICO_E_IO, "%s: cannot create folder %s: %s", fn,
+                      dir, strerror(errno));
+  }
+  struct stat sb;
+  if (st == BICO_OK && (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode)))
+    st = bico__fail(ctx, BICO_E_IO, "%s: %s is not a folder", fn, dir);
+  bico__jw jw;
+  bico__jw_init(&jw, ctx, 2);
+  if (st == BICO_OK) st = build_config(l, &jw);
+  if (st == BICO_OK)
+    st = bico__report_tmp(ctx, fn, "output adapter config", jw.buf, jw.len,
+                          cpath, &o->cfg);
+  bico__jw_free(&jw);
+  if (st == BICO_OK) st = bico_stwriter_create(ctx, tpath, &o->w);
+  if (st == BICO_OK) st = write_tensors(l, o->w);
+  if (st == BICO_OK) st = bico__stwriter_finish(o->w, &o->weights);
+  bico__free(ctx, cpath);
+  bico__free(ctx, tpath);
+  return st;
+}
+
+void bico__lora_save_end(bico__lora_out *o, int committed) {
+  if (o->ctx == NULL) return;
+  bico_stwriter_free(o->w);
+  bico__tmp_discard(o->ctx, &o->cfg);
+  /* A folder this run created goes again unless the files landed. */
+  if (!committed && o->made && o->dir) (void)rmdir(o->dir);
+  bico__free(o->ctx, o->dir);
+  memset(o, 0, sizeof *o);
+}
+
+/* Both files of an adapter go to temporary files, both destinations are
+ * checked, then both are committed: a failure anywhere leaves the folder
+ * as it was (a folder this call created is removed again). */
 bico_status bico_lora_save(const bico_lora *l, const char *dir) {
   if (l == NULL) return BICO_E_NULL;
   bico_ctx *ctx = l->ctx;
@@ -1024,43 +1058,13 @@ bico_status bico_lora_save(const bico_lora *l, const char *dir) {
     return bico__fail(ctx, BICO_E_NULL, "lora_save: dir is NULL");
   if (dir[0] == '\0')
     return bico__fail(ctx, BICO_E_ARG, "lora_save: empty folder name");
-  if (l->nmods == 0)
-    return bico__fail(ctx, BICO_E_STATE,
-                      "lora_save: the adapter has no modules (%s not written)",
-                      dir);
-  if (mkdir(dir, 0777) != 0 && errno != EEXIST)
-    return bico__fail(ctx, BICO_E_IO, "lora_save: cannot create folder %s: %s",
-                      dir, strerror(errno));
-  struct stat sb;
-  if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
-    return bico__fail(ctx, BICO_E_IO, "lora_save: %s is not a folder", dir);
-  char *cpath = join(ctx, dir, "adapter_config.json");
-  char *tpath = join(ctx, dir, "adapter_model.safetensors");
-  char *tmp = NULL;
-  bico_stwriter *w = NULL;
-  bico__jw jw;
-  bico__jw_init(&jw, ctx, 2);
-  bico_status st = cpath && tpath ? BICO_OK : BICO_E_NOMEM;
-  if (st == BICO_OK) st = build_config(l, &jw);
+  bico__lora_out o;
+  bico_status st = bico__lora_save_begin(l, "lora_save", dir, &o);
   if (st == BICO_OK) {
-    bico__report text;
-    memset(&text, 0, sizeof text);
-    text.buf = jw.buf;
-    text.len = jw.len;
-    st = bico__report_write_tmp(ctx, &text, cpath, &tmp);
+    bico__tmpfile *outs[2] = {o.weights, &o.cfg};
+    st = bico__commit(ctx, "lora_save", outs, 2);
   }
-  if (st == BICO_OK) st = bico_stwriter_create(ctx, tpath, &w);
-  if (st == BICO_OK) st = write_tensors(l, w);
-  if (st == BICO_OK) st = bico_stwriter_commit(w);
-  if (tmp != NULL) {
-    if (st == BICO_OK) st = bico__report_commit(ctx, tmp, cpath);
-    else unlink(tmp);
-  }
-  bico_stwriter_free(w);
-  bico__jw_free(&jw);
-  bico__free(ctx, tmp);
-  bico__free(ctx, cpath);
-  bico__free(ctx, tpath);
+  bico__lora_save_end(&o, st == BICO_OK);
   return st;
 }
 

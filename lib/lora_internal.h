@@ -67,4 +67,24 @@ bico_status bico__xfer_check_finite_f64(bico_ctx *ctx, const double *v,
                                         size_t n, const char *what,
                                         const char *name);
 
+/* bico_lora_save in two steps, so that a run commits the adapter together
+ * with its other outputs (lib/fileio.h): begin checks both destinations,
+ * creates the folder if missing and leaves both files complete in
+ * temporary files (weights, cfg); the caller passes them to bico__commit,
+ * then calls end (which removes what was not committed, and the folder if
+ * begin created it and nothing landed).  end is safe after a failed
+ * begin. */
+#include "fileio.h"
+typedef struct bico__lora_out {
+  bico_ctx *ctx;
+  bico_stwriter *w;
+  bico__tmpfile *weights; /* inside w, once finished */
+  bico__tmpfile cfg;
+  char *dir;
+  int made;
+} bico__lora_out;
+bico_status bico__lora_save_begin(const bico_lora *l, const char *fn,
+                                  const char *dir, bico__lora_out *o);
+void bico__lora_save_end(bico__lora_out *o, int committed);
+
 #endif

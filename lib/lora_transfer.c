@@ -738,24 +738,34 @@ static bico_status run_lora(lrun *r) {
                     h->adapter_dir);
   if (st != BICO_OK) return st;
 
-  /* Outputs: report to a temporary file, checkpoint and adapter committed,
-   * then the report renamed; a failure before leaves nothing new. */
-  char *rep_tmp = NULL;
+  /* Outputs: every file complete in its temporary file first, then all
+   * destinations checked and committed together (lib/fileio.c); a failure
+   * before leaves nothing new. */
+  bico__tmpfile rep = {NULL, NULL, -1, 0}, *outs[4];
+  size_t nout = 0;
   bico_stwriter *w = NULL;
+  bico__lora_out lo;
+  memset(&lo, 0, sizeof lo);
   if (h->report_path)
-    st = bico__report_write_tmp(ctx, &r->rep, h->report_path, &rep_tmp);
+    st = bico__report_tmp(ctx, "transfer_run", "report", r->rep.buf,
+                          r->rep.len, h->report_path, &rep);
   if (st == BICO_OK && h->out_ckpt) {
     st = bico_stwriter_create(ctx, h->out_ckpt, &w);
     if (st == BICO_OK) st = write_checkpoint(r, w);
+    if (st == BICO_OK) st = bico__stwriter_finish(w, &outs[nout++]);
   }
-  if (st == BICO_OK && h->out_dir) st = bico_lora_save(r->out, h->out_dir);
-  if (st == BICO_OK && w) st = bico_stwriter_commit(w);
+  if (st == BICO_OK && h->out_dir) {
+    st = bico__lora_save_begin(r->out, "transfer_run", h->out_dir, &lo);
+    if (st == BICO_OK) {
+      outs[nout++] = lo.weights;
+      outs[nout++] = &lo.cfg;
+    }
+  }
+  if (st == BICO_OK && h->report_path) outs[nout++] = &rep;
+  if (st == BICO_OK) st = bico__commit(ctx, "transfer_run", outs, nout);
+  bico__lora_save_end(&lo, st == BICO_OK);
   bico_stwriter_free(w);
-  if (rep_tmp) {
-    if (st == BICO_OK) st = bico__report_commit(ctx, rep_tmp, h->report_path);
-    else unlink(rep_tmp);
-    bico__free(ctx, rep_tmp);
-  }
+  bico__tmp_discard(ctx, &rep);
   if (st == BICO_OK)
     logf_(r, "bico: %zu adapter modules factored, %zu truncated, %zu copied, "
              "%zu saved tensors, %zu unused; wrote %s%s%s",

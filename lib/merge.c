@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "calib.h"
+#include "fileio.h"
 #include "report.h"
 
 static int cmp_desc(const void *a, const void *b) {
@@ -149,12 +150,7 @@ struct bico_merge {
 static const char *const FILE_NAME[5] = {NULL, "base", "output",
                                          "delta output", "report"};
 
-static char *dupstr(bico_ctx *ctx, const char *s) {
-  size_t n = strlen(s);
-  char *p = bico__alloc(ctx, n + 1);
-  if (p) memcpy(p, s, n + 1);
-  return p;
-}
+#define dupstr bico__strdup
 
 bico_status bico_merge_create(bico_ctx *ctx, bico_merge **out) {
   if (out != NULL) *out = NULL;
@@ -445,6 +441,139 @@ static bico_status input_tau(bico_merge *m, input *in, const char *name,
   return st;
 }
 
+/* Every input (base, checkpoints with their shards, adapters with both
+ * files) and every output compared by identity (lib/fileio.c). */
+static bico_status check_files(bico_merge *m, const bico_stfile *base) {
+  bico_ctx *ctx = m->ctx;
+  const char *const *f = (const char *const *)m->files;
+  size_t cap = 8 + bico_stfile_count(base);
+  for (size_t i = 0; i < m->nin; i++)
+    cap += 2 + (m->in[i].f ? bico_stfile_count(m->in[i].f) : 0);
+  bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
+  char **lp = bico__calloc(ctx, 2 * m->nin + 1, sizeof *lp);
+  bico_status st = u && lp ? BICO_OK : BICO_E_NOMEM;
+  size_t n = 0;
+  const bico_stfile *fs = base;
+  for (size_t i = 0; i <= m->nin && st == BICO_OK; i++) {
+    const char *what = i == 0 ? "base" : "input";
+    const char *path = i == 0 ? f[BICO_MERGE_FILE_BASE] : m->in[i - 1].path;
+    if (i > 0) fs = m->in[i - 1].f;
+    if (i > 0 && m->in[i - 1].kind == BICO_MERGE_LORA) {
+      lp[2 * i - 2] = bico__path_join(ctx, path, "adapter_model.safetensors");
+      lp[2 * i - 1] = bico__path_join(ctx, path, "adapter_config.json");
+      if (!lp[2 * i - 2] || !lp[2 * i - 1]) st = BICO_E_NOMEM;
+      u[n++] = (bico__fileuse){"input adapter weights", lp[2 * i - 2], 0, 0};
+      u[n++] = (bico__fileuse){"input adapter config", lp[2 * i - 1], 0, 0};
+      continue;
+    }
+    u[n++] = (bico__fileuse){what, path, 0, 0};
+    const char *last = path;
+    size_t nt = fs ? bico_stfile_count(fs) : 0;
+    for (size_t k = 0; k < nt; k++) {
+      const char *p;
+      if (bico_stfile_tensor_path(fs, k, &p) != BICO_OK || strcmp(p, last) == 0)
+        continue;
+      u[n++] = (bico__fileuse){what, p, 0, 0};
+      last = p;
+    }
+  }
+  for (int o = 2; o <= 4 && st == BICO_OK; o++)
+    if (f[o] != NULL) u[n++] = (bico__fileuse){FILE_NAME[o], f[o], 1, 0};
+  if (st == BICO_OK) st = bico__check_files(ctx, "merge_run", u, n);
+  for (size_t i = 0; lp && i < 2 * m->nin; i++) bico__free(ctx, lp[i]);
+  bico__free(ctx, lp);
+  bico__free(ctx, u);
+  return st;
+}
+
+typedef struct mscratch {
+  float **taus;
+  double *ws, *ds;
+} mscratch;
+
+/* Base tensor ti: the merged update written (and its report entry), or the
+ * base's bytes as they are. */
+static bico_status merge_one(bico_merge *m, const bico_stfile *base, size_t ti,
+                             mscratch *sc, bico_stwriter *w, bico_stwriter *wd,
+                             bico__report *rep, size_t *merged_count) {
+  bico_ctx *ctx = m->ctx;
+  int method = (int)m->param[BICO_MERGE_METHOD];
+  int normalize = m->param[BICO_MERGE_NORMALIZE] < 0
+                      ? method == BICO_MERGE_TIES
+                      : (int)m->param[BICO_MERGE_NORMALIZE];
+  float alpha = (float)m->param[BICO_MERGE_ALPHA];
+  bico_status st = BICO_OK;
+  const char *name;
+  int dtype;
+  size_t n;
+  bico_stfile_tensor_info(base, ti, &name, &dtype, NULL, NULL);
+  bico_stfile_tensor_size(base, ti, &n, NULL);
+  size_t used = 0;
+  double *b = NULL;
+  float *out = NULL;
+  if (is_float(dtype) && n > 0) {
+    b = bico__alloc(ctx, n * sizeof(double));
+    out = bico__alloc(ctx, n * sizeof(float));
+    if (b == NULL || out == NULL) st = BICO_E_NOMEM;
+    if (st == BICO_OK) st = bico_stfile_read_f64(base, ti, b, n);
+    if (st == BICO_OK) st = bico_stfile_check_finite(base, ti);
+    for (size_t i = 0; i < m->nin && st == BICO_OK; i++) {
+      float *tau = bico__alloc(ctx, n * sizeof(float));
+      int has = 0;
+      if (tau == NULL) st = BICO_E_NOMEM;
+      if (st == BICO_OK) st = input_tau(m, &m->in[i], name, b, n, tau, &has);
+      if (st == BICO_OK && has) {
+        sc->taus[used] = tau;
+        sc->ws[used] = m->in[i].weight;
+        sc->ds[used] = m->in[i].density;
+        used++;
+      } else {
+        bico__free(ctx, tau);
+      }
+    }
+    if (st == BICO_OK && used > 0)
+      st = bico_merge_tensor(ctx, method, used, n, (const float *const *)sc->taus,
+                             sc->ws, sc->ds, normalize, out);
+    if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), name) == NULL)
+      st = bico__fail(ctx, st, "merge_run: tensor %s: %s", name,
+                      bico_ctx_errmsg(ctx));
+  }
+  double ss = 0;
+  if (st == BICO_OK && used > 0) {
+    for (size_t e = 0; e < n; e++) {
+      out[e] *= alpha;
+      ss += (double)out[e] * out[e];
+      b[e] += out[e];
+    }
+    st = bico_stwriter_write_f64(w, name, b, n);
+    if (st == BICO_OK && wd) st = bico_stwriter_write_f32(wd, name, out, n);
+    (*merged_count)++;
+  } else if (st == BICO_OK) {
+    const void *data;
+    size_t nbytes;
+    st = bico_stfile_data(base, ti, &data, &nbytes);
+    if (st == BICO_OK && nbytes) st = bico_stwriter_write_raw(w, name, data, nbytes);
+    if (st == BICO_OK && wd && is_float(dtype) && n > 0) {
+      memset(out, 0, n * sizeof(float));
+      st = bico_stwriter_write_f32(wd, name, out, n);
+    }
+  }
+  if (st == BICO_OK) {
+    bico__report_begin_object(rep);
+    bico__report_key_string(rep, "name", name);
+    bico__report_key_number(rep, "tasks", (double)used);
+    bico__report_key_number(rep, "update_norm", sqrt(ss));
+    bico__report_end_object(rep);
+  }
+  for (size_t i = 0; i < used; i++) {
+    bico__free(ctx, sc->taus[i]);
+    sc->taus[i] = NULL;
+  }
+  bico__free(ctx, b);
+  bico__free(ctx, out);
+  return st;
+}
+
 static bico_status merge_all(bico_merge *m, bico_stfile **basep,
                              bico_stwriter **wp, bico_stwriter **wdp,
                              bico__report *rep) {
@@ -480,16 +609,7 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
     else st = bico_stfile_open(ctx, in->path, &in->f);
     if (st == BICO_OK) st = check_input(m, base, in);
   }
-  /* Outputs must not name an input. */
-  for (int o = 2; o <= 4 && st == BICO_OK; o++) {
-    if (f[o] == NULL) continue;
-    st = bico__check_distinct(ctx, "merge_run", FILE_NAME[o], f[o],
-                              f[BICO_MERGE_FILE_BASE], base);
-    for (size_t i = 0; i < m->nin && st == BICO_OK; i++)
-      if (m->in[i].f)
-        st = bico__check_distinct(ctx, "merge_run", FILE_NAME[o], f[o],
-                                  m->in[i].path, m->in[i].f);
-  }
+  if (st == BICO_OK) st = check_files(m, base);
   if (st != BICO_OK) return st;
   static const char *const MN[3] = {NULL, "linear", "ties"};
   logf_(m, "bico merge: %s of %zu inputs, alpha %g%s", MN[method], m->nin,
@@ -525,84 +645,17 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
   bico__report_end_array(rep);
   bico__report_key(rep, "tensors");
   bico__report_begin_array(rep);
-  float **taus = bico__calloc(ctx, m->nin, sizeof *taus);
-  double *ws = bico__alloc(ctx, m->nin * sizeof(double));
-  double *ds = bico__alloc(ctx, m->nin * sizeof(double));
-  if (taus == NULL || ws == NULL || ds == NULL) st = BICO_E_NOMEM;
+  mscratch sc;
+  sc.taus = bico__calloc(ctx, m->nin, sizeof *sc.taus);
+  sc.ws = bico__alloc(ctx, m->nin * sizeof(double));
+  sc.ds = bico__alloc(ctx, m->nin * sizeof(double));
+  if (sc.taus == NULL || sc.ws == NULL || sc.ds == NULL) st = BICO_E_NOMEM;
   size_t merged_count = 0;
-  for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
-    const char *name;
-    int dtype;
-    size_t n;
-    bico_stfile_tensor_info(base, ti, &name, &dtype, NULL, NULL);
-    bico_stfile_tensor_size(base, ti, &n, NULL);
-    size_t used = 0;
-    double *b = NULL;
-    float *out = NULL;
-    if (is_float(dtype) && n > 0) {
-      b = bico__alloc(ctx, n * sizeof(double));
-      out = bico__alloc(ctx, n * sizeof(float));
-      if (b == NULL || out == NULL) st = BICO_E_NOMEM;
-      if (st == BICO_OK) st = bico_stfile_read_f64(base, ti, b, n);
-      if (st == BICO_OK) st = bico_stfile_check_finite(base, ti);
-      for (size_t i = 0; i < m->nin && st == BICO_OK; i++) {
-        float *tau = bico__alloc(ctx, n * sizeof(float));
-        int has = 0;
-        if (tau == NULL) st = BICO_E_NOMEM;
-        if (st == BICO_OK) st = input_tau(m, &m->in[i], name, b, n, tau, &has);
-        if (st == BICO_OK && has) {
-          taus[used] = tau;
-          ws[used] = m->in[i].weight;
-          ds[used] = m->in[i].density;
-          used++;
-        } else {
-          bico__free(ctx, tau);
-        }
-      }
-      if (st == BICO_OK && used > 0)
-        st = bico_merge_tensor(ctx, method, used, n, (const float *const *)taus,
-                               ws, ds, normalize, out);
-      if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), name) == NULL)
-        st = bico__fail(ctx, st, "merge_run: tensor %s: %s", name,
-                        bico_ctx_errmsg(ctx));
-    }
-    double ss = 0;
-    if (st == BICO_OK && used > 0) {
-      for (size_t e = 0; e < n; e++) {
-        out[e] *= alpha;
-        ss += (double)out[e] * out[e];
-        b[e] += out[e];
-      }
-      st = bico_stwriter_write_f64(*wp, name, b, n);
-      if (st == BICO_OK && *wdp) st = bico_stwriter_write_f32(*wdp, name, out, n);
-      merged_count++;
-    } else if (st == BICO_OK) {
-      const void *data;
-      size_t nbytes;
-      st = bico_stfile_data(base, ti, &data, &nbytes);
-      if (st == BICO_OK && nbytes) st = bico_stwriter_write_raw(*wp, name, data, nbytes);
-      if (st == BICO_OK && *wdp && is_float(dtype) && n > 0) {
-        memset(out, 0, n * sizeof(float));
-        st = bico_stwriter_write_f32(*wdp, name, out, n);
-      }
-    }
-    if (st == BICO_OK) {
-      bico__report_begin_object(rep);
-      bico__report_key_string(rep, "name", name);
-      bico__report_key_number(rep, "tasks", (double)used);
-      bico__report_key_number(rep, "update_norm", sqrt(ss));
-      bico__report_end_object(rep);
-    }
-    for (size_t i = 0; i < used; i++) {
-      bico__free(ctx, taus[i]);
-      taus[i] = NULL;
-    }
-    bico__free(ctx, b);
-    bico__free(ctx, out);
-  }
-  bico__free(ctx, taus);
-  bico__free(ctx, ws);
-  bico__free(ctx, ds);
+  for (size_t ti = 0; ti < nt && st == BICO_OK; ti++)
+    st = merge_one(m, base, ti, &sc, *wp, *wdp, rep, &merged_count);
+  bico__free(ctx, sc.taus);
+  bico__free(ctx, sc.ws);
+  bico__free(ctx, sc.ds);
   bico__report_end_array(rep);
   bico__report_key_number(rep, "merged_tensors", (double)merged_count);
   bico__report_end_object(rep);
@@ -622,16 +675,20 @@ bico_status bico_merge_run(bico_merge *m) {
   bico__report rep;
   bico__report_init(&rep, ctx);
   bico_status st = merge_all(m, &base, &w, &wd, &rep);
-  char *tmp = NULL;
+  /* Every output complete in its temporary file, then all destinations
+   * checked and committed together (lib/fileio.c). */
   const char *rp = m->files[BICO_MERGE_FILE_REPORT];
-  if (st == BICO_OK && rp) st = bico__report_write_tmp(ctx, &rep, rp, &tmp);
-  if (st == BICO_OK && wd) st = bico_stwriter_commit(wd);
-  if (st == BICO_OK) st = bico_stwriter_commit(w);
-  if (tmp) {
-    if (st == BICO_OK) st = bico__report_commit(ctx, tmp, rp);
-    else unlink(tmp);
-    bico__free(ctx, tmp);
+  bico__tmpfile rt = {NULL, NULL, -1, 0}, *outs[3];
+  size_t no = 0;
+  if (st == BICO_OK) st = bico__stwriter_finish(w, &outs[no++]);
+  if (st == BICO_OK && wd) st = bico__stwriter_finish(wd, &outs[no++]);
+  if (st == BICO_OK && rp) {
+    st = bico__report_tmp(ctx, "merge_run", "report", rep.buf, rep.len, rp,
+                          &rt);
+    outs[no++] = &rt;
   }
+  if (st == BICO_OK) st = bico__commit(ctx, "merge_run", outs, no);
+  bico__tmp_discard(ctx, &rt);
   bico_stwriter_free(w);
   bico_stwriter_free(wd);
   bico__report_free(&rep);

@@ -1,12 +1,15 @@
 /* JSON text for the transfer report, written atomically. */
 #include <errno.h>
 #include <fcntl.h>
+#include <locale.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "fileio.h"
+#include "json.h"
 #include "report.h"
 
 void bico__report_init(bico__report *r, bico_ctx *ctx) {
@@ -128,13 +131,30 @@ void bico__report_number(bico__report *r, double x) {
   sep(r);
   r->depth = d;
   char b[40];
-  if (!isfinite(x))
-    snprintf(b, sizeof b, "null");
-  else if (x == floor(x) && fabs(x) < 9e15)
+  if (!isfinite(x)) {
+    puts_(r, "null");
+  } else if (x == floor(x) && fabs(x) < 9e15) {
     snprintf(b, sizeof b, "%.0f", x);
-  else
-    snprintf(b, sizeof b, "%.9g", x);
-  puts_(r, b);
+    puts_(r, b);
+  } else {
+    /* Nine significant digits (float precision, as bico-mpi writes them)
+     * with '.' whatever the locale: a bare %g wrote "0,5" under a German
+     * LC_NUMERIC, which is not JSON. */
+    int n = snprintf(b, sizeof b, "%.9g", x);
+    const char *dp = localeconv()->decimal_point;
+    size_t dl = dp ? strlen(dp) : 0;
+    char o[48];
+    size_t k = 0;
+    for (int i = 0; i < n && k + 1 < sizeof o;) {
+      if (dl && strncmp(b + i, dp, dl) == 0) {
+        o[k++] = '.';
+        i += (int)dl;
+      } else {
+        o[k++] = b[i++];
+      }
+    }
+    put(r, o, k);
+  }
   r->need_comma = 1;
 }
 
@@ -155,63 +175,32 @@ void bico__report_key_null(bico__report *r, const char *key) {
   r->need_comma = 1;
 }
 
+bico_status bico__report_tmp(bico_ctx *ctx, const char *fn, const char *what,
+                            const char *text, size_t len, const char *path,
+                            bico__tmpfile *t) {
+  bico_status st = bico__tmp_create(ctx, fn, what, path, t);
+  if (st == BICO_OK) st = bico__tmp_write(ctx, fn, t, text, len);
+  if (st == BICO_OK) st = bico__tmp_finish(ctx, fn, t);
+  if (st != BICO_OK) bico__tmp_discard(ctx, t);
+  return st;
+}
+
 bico_status bico__report_write_tmp(bico_ctx *ctx, const bico__report *r,
                                    const char *path, char **tmp) {
   *tmp = NULL;
-  const char *slash = strrchr(path, '/');
-  size_t dlen = slash ? (size_t)(slash - path) + 1 : 0;
-  const char *base = slash ? slash + 1 : path;
-  size_t n = dlen + strlen(base) + 64;
-  char *t = bico__alloc(ctx, n);
-  if (t == NULL) return BICO_E_NOMEM;
-  /* O_EXCL with mode 0666 lets the umask apply, as for any new file. */
-  int fd = -1;
-  for (unsigned k = 0; k < 1000 && fd < 0; k++) {
-    snprintf(t, n, "%.*s.%s.bico-tmp.%ld.%u", (int)dlen, path, base,
-             (long)getpid(), k);
-    fd = open(t, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0) {
-    bico_status st = bico__fail(ctx, BICO_E_IO,
-                                "report %s: cannot create a temporary file "
-                                "in its folder: %s",
-                                path, strerror(errno));
-    bico__free(ctx, t);
-    return st;
-  }
-  size_t off = 0;
-  while (off < r->len) {
-    ssize_t w = write(fd, r->buf + off, r->len - off);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      bico_status st = bico__fail(ctx, BICO_E_IO, "report %s: write failed: %s",
-                                  path, w < 0 ? strerror(errno) : "no space");
-      close(fd);
-      unlink(t);
-      bico__free(ctx, t);
-      return st;
-    }
-    off += (size_t)w;
-  }
-  if (fsync(fd) != 0 || close(fd) != 0) {
-    bico_status st = bico__fail(ctx, BICO_E_IO, "report %s: %s", path,
-                                strerror(errno));
-    unlink(t);
-    bico__free(ctx, t);
-    return st;
-  }
-  *tmp = t;
+  bico__tmpfile t;
+  bico_status st = bico__report_tmp(ctx, "transfer_run", "report", r->buf,
+                                    r->len, path, &t);
+  if (st != BICO_OK) return st;
+  *tmp = t.tmp;
+  bico__free(ctx, t.path);
   return BICO_OK;
 }
 
 bico_status bico__report_commit(bico_ctx *ctx, const char *tmp,
                                 const char *path) {
-  if (rename(tmp, path) != 0) {
-    bico_status st = bico__fail(ctx, BICO_E_IO, "report %s: rename failed: %s",
-                                path, strerror(errno));
-    unlink(tmp);
-    return st;
-  }
-  return BICO_OK;
+  /* The caller keeps and frees both names. */
+  bico__tmpfile t = {(char *)path, (char *)tmp, -1, 0};
+  bico__tmpfile *tp = &t;
+  return bico__commit(ctx, "transfer_run", &tp, 1);
 }

@@ -30,7 +30,16 @@ void bico__report_key_null(bico__report *r, const char *key);
 /* A value given as JSON text (one line), e.g. a stored report entry. */
 void bico__report_raw(bico__report *r, const char *json);
 
-/* Writes the text to a new temporary file next to `path` (its name into
+/* Writes text[0..len) to a finished temporary file for `path` (role
+ * `what` in messages), ready for bico__commit with the run's other
+ * outputs (lib/fileio.h). */
+struct bico__tmpfile;
+bico_status bico__report_tmp(bico_ctx *ctx, const char *fn, const char *what,
+                            const char *text, size_t len, const char *path,
+                            struct bico__tmpfile *t);
+
+/* Older form, kept for callers not yet on bico__commit:
+ * writes the text to a new temporary file next to `path` (its name into
  * *tmp, allocated with ctx) ... */
 bico_status bico__report_write_tmp(bico_ctx *ctx, const bico__report *r,
                                    const char *path, char **tmp);

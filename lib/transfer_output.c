@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fileio.h"
 #include "transfer_internal.h"
 
 const char *const bico__xfer_handling[BICO__H_COUNT] = {
@@ -249,19 +250,27 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
   return st;
 }
 
+/* Every output complete in its temporary file, then all destinations
+ * checked and committed together (lib/fileio.c): a failure before the
+ * renames leaves nothing new. */
 bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
                               const char *report, bico_stwriter *w,
                               bico_stwriter *wd) {
-  char *rep_tmp = NULL;
-  bico_status st = BICO_OK;
-  if (report) st = bico__report_write_tmp(ctx, rep, report, &rep_tmp);
-  if (st == BICO_OK && wd) st = bico_stwriter_commit(wd);
-  if (st == BICO_OK) st = bico_stwriter_commit(w);
-  if (rep_tmp != NULL) {
-    if (st == BICO_OK) st = bico__report_commit(ctx, rep_tmp, report);
-    else unlink(rep_tmp);
-    bico__free(ctx, rep_tmp);
+  bico__tmpfile rt = {NULL, NULL, -1, 0}, *outs[3];
+  size_t n = 0;
+  bico_status st = bico__stwriter_finish(w, &outs[n]);
+  if (st == BICO_OK) n++;
+  if (st == BICO_OK && wd) {
+    st = bico__stwriter_finish(wd, &outs[n]);
+    if (st == BICO_OK) n++;
   }
+  if (st == BICO_OK && report) {
+    st = bico__report_tmp(ctx, "transfer_run", "report", rep->buf, rep->len,
+                          report, &rt);
+    if (st == BICO_OK) outs[n++] = &rt;
+  }
+  if (st == BICO_OK) st = bico__commit(ctx, "transfer_run", outs, n);
+  bico__tmp_discard(ctx, &rt);
   return st;
 }
 

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "calib.h"
+#include "fileio.h"
 #include "transfer_internal.h"
 
 void bico__xfer_log(bico__run *r, const char *fmt, ...) {
@@ -75,7 +76,48 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
 }
 
 
-/* The tie module of target tensor ti (role TOKEN): explicit or the stem. */
+/* The module whose map carries a token tensor of the given width when the
+ * user named none: the first module, in this order, whose map lives in the
+ * space the token is added to:
+ * 1. the stem: a linear module outside the blocks, of that output width,
+ *    named embed/stem/patch (ViT's patch_embed.proj: cls_token, pos_embed);
+ * 2. an element-wise module outside the blocks, of that width, named
+ *    embed* (BERT's embeddings.LayerNorm reads the sum of the word,
+ *    position and token-type embeddings): its norm map;
+ * 3. the first element-wise module of the first block, by name, of that
+ *    width (pre-norm decoders: Llama's model.layers.0.input_layernorm and
+ *    GPT-2's h.0.ln_1 read the embeddings first): its norm map.
+ * BICO__NONE when there is none: the token is left unchanged and the
+ * report says so. */
+static size_t default_tie(bico__run *r, size_t width) {
+  size_t elem_embed = BICO__NONE, first_block = BICO__NONE;
+  long first_index = -1;
+  for (size_t m = 0; m < r->nm; m++) {
+    const char *n;
+    int kind;
+    long block;
+    bico_model_module(r->mt, m, &n, &kind, &block, NULL);
+    size_t dout;
+    bico_model_module_dims(r->mt, m, &dout, NULL);
+    if (dout != width) continue;
+    if (kind == BICO_MODULE_LINEAR && block < 0 &&
+        (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch")))
+      return m;
+    if (kind != BICO_MODULE_ELEMENTWISE) continue;
+    if (block < 0 && strstr(n, "embed") && elem_embed == BICO__NONE)
+      elem_embed = m;
+    if (block >= 0 &&
+        (first_index < 0 || block < first_index ||
+         (block == first_index &&
+          strcmp(n, bico__xfer_mname(r->mt, first_block)) < 0))) {
+      first_index = block;
+      first_block = m;
+    }
+  }
+  return elem_embed != BICO__NONE ? elem_embed : first_block;
+}
+
+/* The tie module of target tensor ti (role TOKEN): explicit or default_tie. */
 static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
   const char *name = bico__xfer_tname(r->mt, ti);
   *mi = BICO__NONE;
@@ -95,26 +137,10 @@ static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
                           name, r->t->ties[i].module, r->t->ties[i].module);
       return BICO_OK;
     }
-  /* Default: the stem, a linear module outside the blocks whose output has
-   * the token's width and whose name says so. */
   size_t ndim;
   const size_t *shape;
   bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
-  size_t width = ndim ? shape[ndim - 1] : 0;
-  for (size_t m = 0; m < r->nm; m++) {
-    const char *n;
-    int kind;
-    long block;
-    bico_model_module(r->mt, m, &n, &kind, &block, NULL);
-    if (kind != BICO_MODULE_LINEAR || block >= 0) continue;
-    size_t dout;
-    bico_model_module_dims(r->mt, m, &dout, NULL);
-    if (dout != width) continue;
-    if (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch")) {
-      *mi = m;
-      break;
-    }
-  }
+  *mi = default_tie(r, ndim ? shape[ndim - 1] : 0);
   return BICO_OK;
 }
 
@@ -264,24 +290,71 @@ bico_status bico__xfer_check_setup(bico__run *r) {
   return BICO_OK;
 }
 
+/* Appends every file an open input reads (the shards of an index). */
+static size_t add_shards(bico__fileuse *u, size_t n, const char *what,
+                         const bico_stfile *f) {
+  const char *last = NULL;
+  size_t nt = bico_stfile_count(f);
+  for (size_t i = 0; i < nt; i++) {
+    const char *p;
+    if (bico_stfile_tensor_path(f, i, &p) != BICO_OK) continue;
+    if (last != NULL && strcmp(p, last) == 0) continue;
+    last = p;
+    u[n++] = (bico__fileuse){what, p, 0, 0};
+  }
+  return n;
+}
+
+/* Every input and output of the run compared by identity (lib/fileio.c):
+ * "ad/", "./ad", links and hard links are the same file; outputs must be
+ * regular files in existing folders.  LoRA adapters count with both of
+ * their files. */
 bico_status bico__xfer_check_outputs(bico__run *r) {
   static const int ins[8] = {BICO_FILE_SOURCE_BASE,  BICO_FILE_SOURCE_TUNED,
                              BICO_FILE_TASK_VECTOR,  BICO_FILE_TARGET_BASE,
                              BICO_FILE_SOURCE_CALIB, BICO_FILE_TARGET_CALIB,
                              BICO_FILE_STATS,        BICO_FILE_TARGET_VOTES};
+  static const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT,
+                              BICO_FILE_REPORT};
+  bico_ctx *ctx = r->ctx;
+  const char *const *f = (const char *const *)r->t->files;
   bico_stfile *fs[8] = {r->sb, r->sft, r->tv, r->tb, r->sc, r->tc, r->stats,
                         r->votes};
-  const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT, BICO_FILE_REPORT};
-  for (int o = 0; o < 3; o++)
-    for (int i = 0; i < 8; i++) {
-      if (r->t->files[outs[o]] == NULL || r->t->files[ins[i]] == NULL) continue;
-      bico_status st = bico__check_distinct(r->ctx, "transfer_run",
-                                            bico__xfer_file_option[outs[o]],
-                                            r->t->files[outs[o]],
-                                            r->t->files[ins[i]], fs[i]);
-      if (st != BICO_OK) return st;
+  size_t cap = 16;
+  for (int i = 0; i < 8; i++) cap += bico_stfile_count(fs[i]);
+  bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
+  char *lp[4] = {NULL, NULL, NULL, NULL};
+  const char *ld[2] = {f[BICO_FILE_LORA], f[BICO_FILE_LORA_OUTPUT]};
+  for (int k = 0; k < 2; k++)
+    if (ld[k] != NULL) {
+      lp[2 * k] = bico__path_join(ctx, ld[k], "adapter_model.safetensors");
+      lp[2 * k + 1] = bico__path_join(ctx, ld[k], "adapter_config.json");
     }
-  return BICO_OK;
+  bico_status st = u == NULL ? BICO_E_NOMEM : BICO_OK;
+  for (int k = 0; k < 4; k++)
+    if (ld[k / 2] != NULL && lp[k] == NULL) st = BICO_E_NOMEM;
+  size_t n = 0;
+  if (st == BICO_OK) {
+    for (int i = 0; i < 8; i++) {
+      if (f[ins[i]] == NULL) continue;
+      const char *what = bico__xfer_file_option[ins[i]];
+      u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0};
+      if (fs[i] != NULL) n = add_shards(u, n, what, fs[i]);
+    }
+    static const char *const lw[4] = {
+        "source adapter weights", "source adapter config",
+        "output adapter weights", "output adapter config"};
+    for (int k = 0; k < 4; k++)
+      if (lp[k] != NULL) u[n++] = (bico__fileuse){lw[k], lp[k], k >= 2, 1};
+    for (int o = 0; o < 3; o++)
+      if (f[outs[o]] != NULL)
+        u[n++] = (bico__fileuse){bico__xfer_file_option[outs[o]], f[outs[o]],
+                                 1, 0};
+    st = bico__check_files(ctx, "transfer_run", u, n);
+  }
+  for (int k = 0; k < 4; k++) bico__free(ctx, lp[k]);
+  bico__free(ctx, u);
+  return st;
 }
 
 void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out) {

@@ -19,5 +19,6 @@
 #include "transfer.h"
 #include "lora.h"
 #include "merge.h"
+#include "fit.h"
 
 #endif

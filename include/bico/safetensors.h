@@ -7,7 +7,7 @@
  * "__metadata__" object of string values.  Data are little-endian and
  * row-major.
  *
- * Reading: bico_stfile_open memory-maps the file read-only and validates the
+ * Reading: bico_stfile_open opens the file read-only and validates the
  * whole header before returning: header length (at most 100,000,000 bytes
  * and within the file), strict JSON (RFC 8259: no trailing commas, no NaN
  * literals, valid escapes and UTF-8, duplicate keys rejected, nesting depth
@@ -19,17 +19,24 @@
  * shape) are allowed.  A rejection is BICO_E_FORMAT (BICO_E_IO for an OS
  * error, BICO_E_UNSUPPORTED for a valid dtype this version cannot read such
  * as F8_E4M3) with a message naming the file, the tensor (if any) and the
- * reason.  The file stays mapped until bico_stfile_close: it must not be
- * truncated meanwhile (reading a truncated mapping raises SIGBUS); replace
- * it by renaming a new file into place, as bico_stwriter does.
+ * reason.  Only a regular file is opened (after following symbolic links):
+ * a FIFO, device or folder is BICO_E_IO, and opening never blocks.  Tensor
+ * data are read with pread into the caller's buffers, never mapped, so a
+ * file truncated while open makes the read fail with BICO_E_IO instead of
+ * raising SIGBUS in the host process.  The file stays open until
+ * bico_stfile_close: replace it by renaming a new file into place, as
+ * bico_stwriter does.
  *
  * Writing: a bico_stwriter writes into a temporary file in the output's
- * folder, named ".<basename>.bico-tmp.XXXXXX", and bico_stwriter_commit
- * renames it into place only once complete (after fsync; the folder is then
- * fsynced too).  The final path is never opened for writing, so on any
- * failure an existing file there stays byte-identical; freeing an
- * uncommitted writer removes the temporary file.  A symbolic link at the
- * output path is replaced by the new file, not followed.
+ * folder, named ".<basename>.bico-tmp.<pid>.XXXXXX" (the basename cut to
+ * 200 bytes), and bico_stwriter_commit renames it into place only once
+ * complete (after fsync; the folder is then fsynced too).  The final path
+ * is never opened for writing, so on any failure an existing file there
+ * stays byte-identical; freeing an uncommitted writer removes the temporary
+ * file, and creating a writer removes the temporary files for the same
+ * output that processes no longer running left behind (a kill -9, a power
+ * cut).  A symbolic link at the output path is replaced by the new file,
+ * not followed; a folder, FIFO, device or socket there is refused.
  *
  * Signals: libbico installs no signal handlers.  A write beyond the process's
  * file-size limit (`ulimit -f`, RLIMIT_FSIZE) raises SIGXFSZ, which kills the
@@ -76,14 +83,20 @@ BICO_API bico_status bico_dtype_from_name(const char *name, int *dtype);
 
 typedef struct bico_stfile bico_stfile;
 
-/* Opens and validates a safetensors file (O_RDONLY, O_CLOEXEC, mmap).  A
+/* Opens and validates a safetensors file (O_RDONLY, O_CLOEXEC; regular
+ * files only).  A
  * path ending in ".json" is a sharded checkpoint's index
  * (model.safetensors.index.json): its "weight_map" maps each tensor name to
  * a shard file name in the index's own folder (no '/' allowed); every shard
  * is opened and validated, and together they read as one file.  A tensor
  * the weight_map lists but its shard lacks, or a tensor a shard holds that
  * the weight_map does not assign to that shard, is BICO_E_FORMAT naming the
- * files and the tensor.  The handle keeps a pointer to ctx (which must
+ * files and the tensor.  A folder (a Hugging Face model folder) stands for
+ * its model.safetensors.index.json, else its model.safetensors, else its
+ * single *.safetensors file; a folder holding a PEFT adapter or PyTorch
+ * pickles is BICO_E_FORMAT, one with nothing to read BICO_E_NOTFOUND, and a
+ * PyTorch pickle given as a file is BICO_E_FORMAT with the conversion
+ * command in the message.  The handle keeps a pointer to ctx (which must
  * outlive it) and reports failures there. */
 BICO_API bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
                                       bico_stfile **out);
@@ -117,8 +130,10 @@ BICO_API bico_status bico_stfile_tensor_path(const bico_stfile *f,
 BICO_API bico_status bico_stfile_find(const bico_stfile *f, const char *name,
                                       size_t *index);
 
-/* The raw little-endian bytes of tensor `index`, inside the read-only
- * mapping (valid until close; not necessarily aligned). */
+/* The raw little-endian bytes of tensor `index`, copied into a buffer the
+ * handle owns: valid until the next bico_stfile_data call on the same
+ * handle or close (copy them to keep them).  Not to be called from two
+ * threads at once on one handle; the read functions below may be. */
 BICO_API bico_status bico_stfile_data(const bico_stfile *f, size_t index,
                                       const void **data, size_t *nbytes);
 
@@ -212,7 +227,9 @@ BICO_API bico_status bico_stwriter_write_raw(bico_stwriter *w,
  * no write).  Writes the header (padded
  * with spaces to a multiple of 8 bytes), fsyncs, renames into place,
  * fsyncs the folder.  A new file gets mode 0666 less the umask; an existing
- * one keeps its mode.  A commit refused for a missing tensor (BICO_E_STATE)
+ * one keeps its permission bits (never setuid, setgid or sticky).  A
+ * destination that became a folder or another non-regular file meanwhile
+ * is BICO_E_IO and nothing is renamed.  A commit refused for a missing tensor (BICO_E_STATE)
  * may be retried after writing it; after any other outcome only
  * bico_stwriter_free is allowed. */
 BICO_API bico_status bico_stwriter_commit(bico_stwriter *w);

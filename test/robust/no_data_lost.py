@@ -5,7 +5,9 @@ previous output byte-identical and no half-written file under its name.
   1. SIGKILL at random moments of a run (reading, computing, writing,
      fsync, rename): afterwards the output is byte-identical either to the
      previous file or to the complete new result, never anything else; a
-     leftover temporary file is named ".<output>.bico-tmp.XXXXXX".
+     leftover temporary file is named ".<output>.bico-tmp.<pid>.XXXXXX"
+     and the next run removes it.  SIGTERM and SIGINT leave no temporary
+     file at all.
   2. A file-size limit (RLIMIT_FSIZE, `ulimit -f`) below the output's size:
      the run fails with a message, the previous output is intact and no
      temporary file remains.
@@ -14,7 +16,10 @@ previous output byte-identical and no half-written file under its name.
   4. Inputs are opened read-only: a run by an unprivileged user whose
      inputs are mode 0444 (someone else's) succeeds.
 When run as root (permissions do not bind root), 3 and 4 run the command
-as the user nobody.  Usage: no_data_lost.py BICO_BINARY [KILLS]
+as the user nobody, from a copy of the command and its library in the
+test's own folder: the checkout may lie where nobody cannot enter (/root,
+a 0700 home).  If nobody still cannot run it, 3 and 4 are skipped with a
+message.  Usage: no_data_lost.py BICO_BINARY [KILLS]
 The models are written here with numpy, not with libbico.
 """
 import hashlib
@@ -75,8 +80,35 @@ def as_nobody():
     os.setuid(NOBODY)
 
 
-def run(args, alpha, out, preexec=None, **kw):
-    cmd = [BICO, "transfer", "--method", "naive", "--quiet",
+def reachable_copy(root):
+    """The command and its library copied under root (mode 0755), where
+    the user nobody can run them (the binary finds the library through
+    its $ORIGIN/../lib run path); None if nobody still cannot run it."""
+    tool = os.path.join(root, "tool")
+    for sub in ("bin", "lib"):
+        os.makedirs(os.path.join(tool, sub), mode=0o755, exist_ok=True)
+    binary = os.path.join(tool, "bin", "bico")
+    shutil.copy2(BICO, binary)
+    libdir = os.path.join(os.path.dirname(os.path.dirname(BICO)), "lib")
+    for name in os.listdir(libdir):
+        if name.startswith("libbico.so"):
+            shutil.copyfile(os.path.join(libdir, name),
+                            os.path.join(tool, "lib", name))
+    for dirpath, dirnames, filenames in os.walk(tool):
+        for n in dirnames + filenames:
+            os.chmod(os.path.join(dirpath, n), 0o755)
+    p = subprocess.run([binary, "--version"], preexec_fn=as_nobody,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if p.returncode != 0:
+        print("skip read-only folder and read-only inputs as nobody: the "
+              "copied command does not run as uid %d (%s)" %
+              (NOBODY, p.stderr.decode().strip()[:200]))
+        return None
+    return binary
+
+
+def run(args, alpha, out, preexec=None, binary=None, **kw):
+    cmd = [binary or BICO, "transfer", "--method", "naive", "--quiet",
            "--source-base", args["A"], "--task-vector", args["tau"],
            "--target-base", args["B"], "--alpha", str(alpha), "--output", out]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -157,9 +189,28 @@ def main():
         p.communicate()
         check(p.returncode == 0 and sha(out) == new_sha,
               "a run after the kills writes the complete new output")
+        # ... and removes the temporaries the killed processes left.
+        check(leftovers == 0 or listing(outdir) == [os.path.basename(out)],
+              "a run after the kills removes their stale temporaries %s" %
+              listing(outdir))
         for name in listing(outdir):
             if name != os.path.basename(out):
                 os.unlink(os.path.join(outdir, name))
+
+        # 1b. SIGTERM and SIGINT at random moments: the command removes its
+        # temporaries before it dies; the output is old or new.
+        for k, sig in enumerate([signal.SIGTERM, signal.SIGINT] * (KILLS // 4 + 1)):
+            shutil.copyfile(saved, out)
+            delay = rnd.uniform(0.0, full * 1.1)
+            p = run(files, 0.5, out)
+            time.sleep(delay)
+            p.send_signal(sig)
+            p.communicate()
+            h = sha(out)
+            check(h in (old_sha, new_sha) and
+                  listing(outdir) == [os.path.basename(out)],
+                  "%s %d at %.3fs: output old or new, no temporary left %s" %
+                  (signal.Signals(sig).name, k, delay, listing(outdir)))
 
         # 2. A file-size limit below the output's size.
         shutil.copyfile(saved, out)
@@ -182,26 +233,29 @@ def main():
         # 3. A read-only output folder (as nobody when root).
         root_user = os.getuid() == 0
         pre = as_nobody if root_user else None
-        os.chmod(outdir, 0o555)
-        before = listing(outdir)
-        p = run(files, 0.5, out, preexec=pre)
-        _, err = p.communicate()
-        err = err.decode()
-        check(p.returncode != 0, "read-only folder: the run fails (exit %d)" % p.returncode)
-        check(os.path.basename(out) in err or outdir in err,
-              "read-only folder: message names the output: %r" % err.strip()[:200])
-        check(sha(out) == old_sha and listing(outdir) == before,
-              "read-only folder: nothing changed")
+        binary = reachable_copy(root) if root_user else BICO
+        if binary is not None:
+            os.chmod(outdir, 0o555)
+            before = listing(outdir)
+            p = run(files, 0.5, out, preexec=pre, binary=binary)
+            _, err = p.communicate()
+            err = err.decode()
+            check(p.returncode != 0, "read-only folder: the run fails (exit %d)" % p.returncode)
+            check(os.path.basename(out) in err or outdir in err,
+                  "read-only folder: message names the output: %r" % err.strip()[:200])
+            check(sha(out) == old_sha and listing(outdir) == before,
+                  "read-only folder: nothing changed")
 
-        # 4. Inputs opened read-only: someone else's 0444 files suffice.
-        writable = os.path.join(root, "w")
-        os.mkdir(writable)
-        os.chmod(writable, 0o777)
-        p = run(files, 0.5, os.path.join(writable, "o.safetensors"), preexec=pre)
-        _, err = p.communicate()
-        check(p.returncode == 0 and sha(os.path.join(writable, "o.safetensors")) == new_sha,
-              "read-only inputs (mode 0444%s): the run succeeds %s" %
-              (", user nobody" if root_user else "", err.decode().strip()[:200]))
+            # 4. Inputs opened read-only: someone else's 0444 files suffice.
+            writable = os.path.join(root, "w")
+            os.mkdir(writable)
+            os.chmod(writable, 0o777)
+            p = run(files, 0.5, os.path.join(writable, "o.safetensors"), preexec=pre,
+                    binary=binary)
+            _, err = p.communicate()
+            check(p.returncode == 0 and sha(os.path.join(writable, "o.safetensors")) == new_sha,
+                  "read-only inputs (mode 0444%s): the run succeeds %s" %
+                  (", user nobody" if root_user else "", err.decode().strip()[:200]))
         for key in files:
             check(stat.S_IMODE(os.stat(files[key]).st_mode) == 0o444 and
                   sha(files[key]) == input_sha[key],

@@ -44,7 +44,25 @@ int cli_opt(int argc, char **argv, int *i, const char *name,
 int cli_double(const char *s, double *out);
 int cli_size(const char *s, size_t *out);
 
+/* Signals (tools/bico/cleanup.c): cli_cleanup_add registers the folder of
+ * an output file (is_dir: the path is itself a folder, as an output
+ * adapter); cli_cleanup_install makes SIGINT, SIGTERM and SIGHUP remove
+ * this process's temporary files there before the process dies. */
+void cli_cleanup_add(const char *path, int is_dir);
+void cli_cleanup_install(void);
+
+/* Parses an --alpha value: a positive number that a float holds (the
+ * library computes in float: 1e39 would be +Inf).  0 on success. */
+int cli_alpha(const char *s, double *out);
+
 /* Reports a library failure: the status text and the context's detail. */
+/* Chooses BLIS's kernels for the process before BLIS starts (may execute
+ * the program again with BLIS_ARCH_TYPE set); tools/bico/blisarch.c. */
+void cli_blis_arch(char **argv, int verbose);
+/* Replaces `--config F.yaml` in a subcommand's arguments (argv[0] the
+ * subcommand) by the options the YAML file stands for; 0, or the exit code
+ * of an error already printed.  tools/bico/config.c. */
+int cli_config_expand(const char *cmd, int *argc, char ***argv);
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
 
 #endif

@@ -2,6 +2,7 @@
  * front end: every decision is the library's (bico_transfer, bico_model,
  * bico_stats_*). */
 #include <errno.h>
+#include <float.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -22,7 +23,8 @@ static const char USAGE[] =
     "             coordinates (task arithmetic, TIES)\n"
     "\n"
     "bico <command> --help shows the command's options; bico --version the\n"
-    "library version.  See the bico(1) manual page (docs/bico.1.md).\n";
+    "library version; --verbose (any command) names the BLIS kernels in use.\n"
+    "The manual: man bico (docs/bico.1.md in the source tree).\n";
 
 int cli_error(const char *cmd, int code, const char *fmt, ...) {
   va_list ap;
@@ -60,6 +62,13 @@ int cli_double(const char *s, double *out) {
   return 0;
 }
 
+int cli_alpha(const char *s, double *out) {
+  double v;
+  if (cli_double(s, &v) || !(v > 0) || v > FLT_MAX) return -1;
+  *out = v;
+  return 0;
+}
+
 int cli_size(const char *s, size_t *out) {
   char *end;
   errno = 0;
@@ -79,6 +88,18 @@ int bico_cli_main(int argc, char **argv) {
   /* A file-size limit (ulimit -f) then makes a write fail with EFBIG,
    * reported as an error, instead of killing the process mid-write. */
   signal(SIGXFSZ, SIG_IGN);
+  /* --verbose anywhere: say which BLIS kernels run (and why). */
+  int verbose = 0;
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--verbose") == 0) verbose = 1;
+  cli_blis_arch(argv, verbose);
+  if (verbose) {
+    int k = 1;
+    for (int i = 1; i < argc; i++)
+      if (strcmp(argv[i], "--verbose") != 0) argv[k++] = argv[i];
+    argv[k] = NULL;
+    argc = k;
+  }
   if (argc < 2) {
     fputs(USAGE, stderr);
     return CLI_USAGE;
@@ -93,10 +114,16 @@ int bico_cli_main(int argc, char **argv) {
     printf("bico %s\n", bico_version_string());
     return 0;
   }
-  if (strcmp(cmd, "transfer") == 0) return cmd_transfer(argc - 1, argv + 1);
+  if (strcmp(cmd, "transfer") == 0 || strcmp(cmd, "merge") == 0) {
+    int sub_argc = argc - 1;
+    char **sub_argv = argv + 1;
+    int r = cli_config_expand(cmd, &sub_argc, &sub_argv);
+    if (r != 0) return r;
+    return strcmp(cmd, "merge") == 0 ? cmd_merge(sub_argc, sub_argv)
+                                     : cmd_transfer(sub_argc, sub_argv);
+  }
   if (strcmp(cmd, "stats") == 0) return cmd_stats(argc - 1, argv + 1);
   if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 1, argv + 1);
-  if (strcmp(cmd, "merge") == 0) return cmd_merge(argc - 1, argv + 1);
   fprintf(stderr, "bico: unknown command '%s'\n\n", cmd);
   fputs(USAGE, stderr);
   return CLI_USAGE;

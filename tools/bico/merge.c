@@ -21,7 +21,10 @@ static const char HELP[] =
     "--weight (default 1) and --density (default 1, TIES only: the fraction\n"
     "of entries kept by magnitude) apply to the input before them.  TIES\n"
     "normalises by the agreeing weights by default, linear does not.  The\n"
-    "result is base + alpha * merged.  See docs/lora.md.\n";
+    "result is base + alpha * merged.  See docs/lora.md.\n"
+    "--config F.yaml stands for options (mergekit's schema: merge_method,\n"
+    "base_model, models with parameters weight/density, parameters); see\n"
+    "man bico.\n";
 
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
@@ -103,9 +106,10 @@ int cmd_merge(int argc, char **argv) {
     PATH("--delta-output", delta)
     PATH("--report", report)
     VALUE("--method", method = v)
-    VALUE("--alpha", if (cli_double(v, &alpha) || !(alpha > 0)) return cli_error(
+    VALUE("--alpha", if (cli_alpha(v, &alpha)) return cli_error(
                          CMD, CLI_USAGE,
-                         "--alpha %s: expected a positive number", v))
+                         "--alpha %s: expected a positive number of at most "
+                         "3.4e38 (float range)", v))
     VALUE("--weight",
           if (nin == 0) return cli_error(CMD, CLI_USAGE,
                                          "--weight %s comes before any input; "
@@ -169,6 +173,10 @@ int cmd_merge(int argc, char **argv) {
     st = bico_merge_add_input(mg, in[k].kind, in[k].path, in[k].weight,
                               in[k].density);
   if (st == BICO_OK && !quiet) st = bico_merge_set_log(mg, log_line, NULL);
+  cli_cleanup_add(output, 0);
+  cli_cleanup_add(delta, 0);
+  cli_cleanup_add(report, 0);
+  cli_cleanup_install();
   if (st == BICO_OK) st = bico_merge_run(mg);
   int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
   bico_merge_free(mg);

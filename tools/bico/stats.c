@@ -65,6 +65,8 @@ int cmd_stats(int argc, char **argv) {
   bico_ctx *ctx;
   if (bico_ctx_create(&ctx) != BICO_OK)
     return cli_error(CMD, CLI_FAIL, "out of memory");
+  cli_cleanup_add(out, 0);
+  cli_cleanup_install();
   bico_status st = merge ? bico_stats_merge(ctx, inputs, ninputs, out)
                          : bico_stats_from_calib(ctx, src, tgt, blocks, out);
   int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);

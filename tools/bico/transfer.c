@@ -37,7 +37,11 @@ static const char HELP[] =
     "LoRA (docs/lora.md): --lora ADAPTER_DIR instead of --source-tuned or\n"
     "--task-vector, and --output-lora OUT_DIR (a PEFT adapter for the target,\n"
     "factored: no dense update is built for the BiCo methods) and/or\n"
-    "--merge-into-base --output B_ft.safetensors (the full target checkpoint).\n";
+    "--merge-into-base --output B_ft.safetensors (the full target checkpoint).\n"
+    "\n"
+    "--config F.yaml stands for options: each key foo_bar: VALUE is\n"
+    "--foo-bar VALUE (true: a flag; a list repeats it; split/tie take a\n"
+    "mapping); see man bico.\n";
 
 static const struct {
   const char *opt;
@@ -60,13 +64,6 @@ static const struct {
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
 int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
-
-/* The library's bounds: (0, FLT_MAX]. */
-static int alpha_ok(double alpha) {
-  double lo, hi;
-  bico_transfer_param_bounds(BICO_TRANSFER_ALPHA, &lo, &hi);
-  return alpha > lo && alpha <= hi;
-}
 
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
@@ -155,10 +152,10 @@ int cmd_transfer(int argc, char **argv) {
     VALUE("--blocks", blocks = v)
     VALUE("--norm-map", norm_map = v)
     VALUE("--null", null_mode = v)
-    VALUE("--alpha", if (cli_double(v, &alpha) || !alpha_ok(alpha)) return cli_error(
+    VALUE("--alpha", if (cli_alpha(v, &alpha)) return cli_error(
                          CMD, CLI_USAGE,
-                         "--alpha %s: expected a positive number a float "
-                         "holds", v))
+                         "--alpha %s: expected a positive number of at most "
+                         "3.4e38 (float range)", v))
     VALUE("--rank-tol",
           if (cli_double(v, &rank_tol) || rank_tol < 0 || rank_tol >= 1)
               return cli_error(CMD, CLI_USAGE,
@@ -332,6 +329,11 @@ int cmd_transfer(int argc, char **argv) {
     goto out;
   }
   if (st == BICO_OK && !quiet) st = bico_transfer_set_log(t, log_line, NULL);
+  cli_cleanup_add(files[8], 0);  /* --output */
+  cli_cleanup_add(files[9], 0);  /* --delta-output */
+  cli_cleanup_add(files[10], 0); /* --report */
+  cli_cleanup_add(files[12], 1); /* --output-lora */
+  cli_cleanup_install();
   if (st == BICO_OK) st = bico_transfer_run(t);
   code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
 out:

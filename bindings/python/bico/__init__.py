@@ -19,6 +19,7 @@ from ._core import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM,
                     E_UNSUPPORTED, E_STATE, E_INTERNAL, NULL_KEEP, NULL_DROP)
 from . import _core as _core_mod
 from . import safetensors
+from . import fit
 from . import model
 from .model import Model, Transfer, transfer_files
 from .transfer import transfer_state_dict

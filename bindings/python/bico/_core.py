@@ -7,61 +7,15 @@ import numpy as np
 
 from ._lib import fn, c_size_t, c_uint64, c_uint, c_long, c_double, c_void_p
 
-# Status codes (frozen in include/bico/status.h).
-OK = 0
-E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM, E_NUMERIC = 1, 2, 3, 4, 5, 6
-E_FORMAT, E_IO, E_VERSION, E_NOTFOUND, E_UNSUPPORTED = 7, 8, 9, 10, 11
-E_STATE, E_INTERNAL = 12, 13
-
-# xcov flags / which
-XCOV_SUMS, XCOV_GRAMS = 1, 2
-XCOV_CROSS, XCOV_GRAM_A, XCOV_GRAM_B = 0, 1, 2
-# procrustes params
-PROC_CENTER, PROC_WHITEN, PROC_WHITEN_EPS, PROC_RANK_TOL, PROC_NULL = 1, 2, 3, 4, 5
-NULL_KEEP, NULL_DROP = 0, 1
-# gradfix
-VOTES_MEAN = 1
-GRADFIX_MAJORITY, GRADFIX_MEAN = 0, 1
-# ctx params
-CTX_THREADS = 1
-
-
-def strerror(status):
-    """Static text of a status code (bico_strerror)."""
-    return fn.strerror(int(status)).decode("utf-8", "replace")
-
-
-class BicoError(Exception):
-    """A libbico call failed.
-
-    status:   the bico_status code (int);
-    strerror: bico_strerror(status);
-    message:  bico_ctx_errmsg of the context the call reported to (the
-              detail, naming the function and the values), or strerror when
-              the call had no context to report to.
-    """
-
-    def __init__(self, status, message=None):
-        self.status = int(status)
-        self.strerror = strerror(status)
-        self.message = message or self.strerror
-        Exception.__init__(self, self.status, self.message)
-
-    def __str__(self):
-        if self.message and self.message != self.strerror:
-            return "%s (%s, status %d)" % (self.message, self.strerror,
-                                          self.status)
-        return "%s (status %d)" % (self.strerror, self.status)
-
-
-def _check(status, ctx=None):
-    if status != OK:
-        msg = ""
-        if ctx is not None and ctx._ptr:
-            raw = fn.ctx_errmsg(ctx._ptr)
-            msg = raw.decode("utf-8", "replace") if raw else ""
-        raise BicoError(status, msg or None)
-
+from ._status import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE,  # noqa: F401
+                      E_NOMEM, E_NUMERIC, E_FORMAT, E_IO, E_VERSION,
+                      E_NOTFOUND, E_UNSUPPORTED, E_STATE, E_INTERNAL,
+                      BicoError, strerror, check as _check)
+from . import _args as A
+from ._args import rows_f32, ptr as _ptr  # noqa: F401
+from ._enums import (choose, XCOV_SUMS, XCOV_GRAMS, XCOV_WHICH, PROC_PARAMS,
+                     PROC_NULL_NAMES, PROC_METHOD_NAMES, VOTES_MEAN,
+                     GRADFIX_MODES, CTX_THREADS, NULL_KEEP, NULL_DROP)  # noqa: F401
 
 def version():
     """The linked library's version string, e.g. "1.0.0"."""
@@ -129,7 +83,11 @@ class Context(_Handle):
             raise BicoError(st)
         self._ptr = h.value
         if threads != 1:
-            self.threads = threads
+            try:
+                self.threads = threads
+            except Exception:
+                self.close()
+                raise
 
     @property
     def threads(self):
@@ -140,7 +98,8 @@ class Context(_Handle):
 
     @threads.setter
     def threads(self, n):
-        _check(fn.ctx_set_param(self._alive(), CTX_THREADS, int(n)), self)
+        n = A.size(n, "threads", lo=-2 ** 63, hi=2 ** 63 - 1)
+        _check(fn.ctx_set_param(self._alive(), CTX_THREADS, n), self)
 
     @property
     def errmsg(self):
@@ -184,51 +143,10 @@ def _ctx(ctx):
 
 
 # ---- array helpers ----
+# Every array argument goes through bico._args before a C call; the names
+# below stay for the modules that used them.
 
-def _to_numpy(x):
-    """NumPy view of x; torch tensors (any device) come through .numpy()."""
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor, no import
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if str(t.dtype) in ("torch.bfloat16", "torch.float16"):
-            t = t.float()
-        return t.numpy()
-    return np.asarray(x)
-
-
-def rows_f32(x, name="x"):
-    """(array, n, d, ld) for a 2-D float32 block, without a copy when x is
-    float32 with unit column stride and a row stride that is a whole number
-    of elements >= d (C-contiguous rows, or a column slice of such); any
-    other input is copied to a contiguous float32 array."""
-    a = _to_numpy(x)
-    if a.ndim != 2:
-        raise ValueError("%s must be 2-D (rows x d), got shape %s"
-                         % (name, a.shape))
-    n, d = a.shape
-    if a.dtype == np.float32 and a.strides[1] == 4 and n > 0 and d > 0:
-        s0 = a.strides[0]
-        if n == 1:
-            return a, n, d, d
-        if s0 > 0 and s0 % 4 == 0 and s0 // 4 >= d:
-            return a, n, d, s0 // 4
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    return a, n, d, max(d, 1)
-
-
-def _mat_f32(x, name):
-    """A C-contiguous float32 2-D array (copied only if needed)."""
-    a = np.ascontiguousarray(_to_numpy(x), dtype=np.float32)
-    if a.ndim != 2:
-        raise ValueError("%s must be 2-D, got shape %s" % (name, a.shape))
-    return a
-
-
-def _ptr(a):
-    return a.ctypes.data if a is not None else None
+_to_numpy = A.plain
 
 
 # ---- cross-covariance ----
@@ -245,12 +163,14 @@ class XCov(_Handle):
 
     def __init__(self, d_a, d_b, sums=False, grams=False, flags=None,
                  ctx=None):
-        self.ctx = Context() if ctx is None else ctx
+        d_a, d_b = A.size(d_a, "d_a"), A.size(d_b, "d_b")
         if flags is None:
             flags = (XCOV_SUMS if sums else 0) | (XCOV_GRAMS if grams else 0)
+        flags = A.size(flags, "flags", hi=0xFFFFFFFF)
+        self.ctx = Context() if ctx is None else ctx
         h = c_void_p()
-        _check(fn.xcov_create(self.ctx._alive(), int(d_a), int(d_b),
-                              int(flags), ctypes.byref(h)), self.ctx)
+        _check(fn.xcov_create(self.ctx._alive(), d_a, d_b, flags,
+                              ctypes.byref(h)), self.ctx)
         self._adopt(h.value, self.ctx)
 
     @classmethod
@@ -261,35 +181,31 @@ class XCov(_Handle):
 
     def add(self, x_a, x_b):
         """Adds corresponding rows of x_a (n x d_a) and x_b (n x d_b)."""
-        a, na, _, lda = rows_f32(x_a, "x_a")
-        b, nb, _, ldb = rows_f32(x_b, "x_b")
+        da, db = self.dims
+        a, na, _, lda = rows_f32(x_a, "x_a", da)
+        b, nb, _, ldb = rows_f32(x_b, "x_b", db)
         if na != nb:
             # The C call takes one n; check here so the message names both.
             raise BicoError(E_SHAPE, "xcov_add: x_a has %d rows, x_b has %d"
                             % (na, nb))
-        # The library checks d_a/d_b against the accumulator through ld;
-        # pass the widths explicitly by checking them here too.
-        da, db = self.dims
-        if a.shape[1] != da or b.shape[1] != db:
-            raise BicoError(E_SHAPE, "xcov_add: rows are %d and %d wide, the "
-                            "accumulator is %d x %d" % (a.shape[1], b.shape[1],
-                                                        da, db))
         _check(fn.xcov_add(self._alive(), na, _ptr(a), lda, _ptr(b), ldb),
                self.ctx)
         return self
 
     def add_matrix(self, c, rows):
-        c = np.ascontiguousarray(_to_numpy(c), dtype=np.float64)
+        """Adds a cross-covariance c [d_a, d_b] summed over `rows` rows."""
         da, db = self.dims
-        if c.shape != (da, db):
-            raise BicoError(E_SHAPE, "xcov_add_matrix: matrix is %s, the "
-                            "accumulator is %d x %d" % (c.shape, da, db))
-        _check(fn.xcov_add_matrix(self._alive(), _ptr(c), db, int(rows)),
+        c = A.f64(c, "c", shape=(da, db), why="the accumulator's d_a x d_b")
+        rows = A.size(rows, "rows", hi=2 ** 64 - 1)
+        _check(fn.xcov_add_matrix(self._alive(), _ptr(c), db, rows),
                self.ctx)
         return self
 
     def merge(self, other):
         """self += other (same dimensions and flags)."""
+        if not isinstance(other, XCov):
+            raise TypeError("merge takes a bico.XCov, got %s"
+                            % type(other).__name__)
         _check(fn.xcov_merge(self._alive(), other._alive()), self.ctx)
         return self
 
@@ -314,14 +230,12 @@ class XCov(_Handle):
 
     def matrix(self, which="cross", centered=False):
         """The accumulated matrix as a float64 array."""
-        w = {"cross": XCOV_CROSS, "gram_a": XCOV_GRAM_A,
-             "gram_b": XCOV_GRAM_B}.get(which, which)
+        w = choose(XCOV_WHICH, which, "XCov.matrix: which")
         da, db = self.dims
-        shape = {XCOV_CROSS: (da, db), XCOV_GRAM_A: (da, da),
-                 XCOV_GRAM_B: (db, db)}.get(w, (da, db))
+        shape = {0: (da, db), 1: (da, da), 2: (db, db)}[w]
         out = np.empty(shape, dtype=np.float64)
-        _check(fn.xcov_matrix(self._alive(), int(w), int(bool(centered)),
-                              _ptr(out), shape[1]), self.ctx)
+        _check(fn.xcov_matrix(self._alive(), w, int(bool(centered)),
+                              _ptr(out), max(shape[1], 1)), self.ctx)
         return out
 
     def sums(self):
@@ -345,8 +259,12 @@ class XCov(_Handle):
 
     @classmethod
     def from_bytes(cls, data, ctx=None):
-        ctx = Context() if ctx is None else ctx
+        if isinstance(data, str) or not isinstance(
+                data, (bytes, bytearray, memoryview)):
+            raise TypeError("XCov.from_bytes takes bytes, got %s"
+                            % type(data).__name__)
         data = bytes(data)
+        ctx = Context() if ctx is None else ctx
         h = c_void_p()
         _check(fn.xcov_deserialize(ctx._alive(), data, len(data),
                                    ctypes.byref(h)), ctx)
@@ -363,21 +281,17 @@ class XCov(_Handle):
 
 # ---- Procrustes ----
 
-_NULL_NAMES = {"keep": NULL_KEEP, "drop": NULL_DROP}
-
-
 class Procrustes(_Handle):
     """bico_procrustes: C -> R = U V^T.
 
     Procrustes(center=False, whiten=0.0, whiten_eps=1e-6, rank_tol=1e-5,
-    null="keep"|"drop", ctx=None); solve(xcov) -> (R float32 [d_a, d_b],
-    rank); solve_matrix(C) -> (R, rank); spectrum() -> singular values of
-    the last solve.
+    null="keep"|"drop", method="eig"|"svd"|"polar", ctx=None);
+    solve(xcov) -> (R float32 [d_a, d_b], rank); solve_matrix(C) -> (R,
+    rank); spectrum() -> singular values of the last solve.
     """
     _free = staticmethod(fn.procrustes_free)
-    _PARAMS = {"center": PROC_CENTER, "whiten": PROC_WHITEN,
-               "whiten_eps": PROC_WHITEN_EPS, "rank_tol": PROC_RANK_TOL,
-               "null": PROC_NULL}
+    _PARAMS = PROC_PARAMS
+    _NAMES = {"null": PROC_NULL_NAMES, "method": PROC_METHOD_NAMES}
 
     def __init__(self, ctx=None, **options):
         self.ctx = Context() if ctx is None else ctx
@@ -392,15 +306,16 @@ class Procrustes(_Handle):
         if name not in self._PARAMS:
             raise TypeError("Procrustes: unknown option %r (known: %s)"
                             % (name, ", ".join(sorted(self._PARAMS))))
-        if name == "null" and isinstance(value, str):
-            if value not in _NULL_NAMES:
-                raise ValueError("Procrustes: null must be 'keep' or 'drop', "
-                                 "got %r" % value)
-            value = _NULL_NAMES[value]
+        if name in self._NAMES and isinstance(value, str):
+            value = choose(self._NAMES[name], value, "Procrustes: " + name)
+        value = A.scalar_f64(value, "Procrustes: " + name)
         _check(fn.procrustes_set_param(self._alive(), self._PARAMS[name],
-                                       float(value)), self.ctx)
+                                       value), self.ctx)
 
     def get(self, name):
+        if name not in self._PARAMS:
+            raise TypeError("Procrustes: unknown option %r (known: %s)"
+                            % (name, ", ".join(sorted(self._PARAMS))))
         v = c_double()
         _check(fn.procrustes_get_param(self._alive(), self._PARAMS[name],
                                        ctypes.byref(v)), self.ctx)
@@ -408,20 +323,22 @@ class Procrustes(_Handle):
 
     def solve(self, xcov):
         """R from an accumulator: (R [d_a, d_b] float32, numerical rank)."""
+        if not isinstance(xcov, XCov):
+            raise TypeError("Procrustes.solve takes a bico.XCov (use "
+                            "solve_matrix for an array), got %s"
+                            % type(xcov).__name__)
         da, db = xcov.dims
         r = np.empty((da, db), dtype=np.float32)
         rank = c_size_t()
-        _check(fn.procrustes_solve(self._alive(), xcov._alive(), _ptr(r), db,
-                                   ctypes.byref(rank)), self.ctx)
+        _check(fn.procrustes_solve(self._alive(), xcov._alive(), _ptr(r),
+                                   max(db, 1), ctypes.byref(rank)), self.ctx)
         return r, rank.value
 
     def solve_matrix(self, c):
         """R from a cross-covariance given as a 2-D array."""
-        c = _to_numpy(c)
-        if c.ndim != 2:
-            raise ValueError("solve_matrix: C must be 2-D, got shape %s"
-                             % (c.shape,))
-        if not (c.dtype == np.float64 and c.strides[1] == 8
+        c = A.expect_ndim(A.real(c, "C"), 2, "C", "d_a x d_b")
+        if not (c.dtype == np.float64 and c.dtype.isnative and c.size
+                and c.strides[1] == 8 and c.strides[0] > 0
                 and c.strides[0] % 8 == 0 and c.strides[0] // 8 >= c.shape[1]):
             c = np.ascontiguousarray(c, dtype=np.float64)
         da, db = c.shape
@@ -453,27 +370,29 @@ def procrustes(c, **options):
 
 # ---- transport ----
 
-def _map_arg(r, name):
-    """(array or None, d_a, d_b, ld) for a map; None is the identity."""
+def _map_arg(r, name, rows, why):
+    """(array or None, d_a, d_b, ld) for a map of `rows` rows; None is the
+    identity."""
     if r is None:
         return None, None, None, 1
-    return rows_f32(r, name)
+    a, ra, rb, ld = rows_f32(r, name)
+    if ra != rows:
+        raise BicoError(E_SHAPE, "%s has %d rows, expected %d (%s)"
+                        % (name, ra, rows, why))
+    return a, ra, rb, ld
 
 
-def _out_arg(out, shape, beta, name="out"):
-    if out is None:
-        if beta != 0:
-            raise ValueError("beta != 0 needs an out array to add to")
-        return np.zeros(shape, dtype=np.float32), None
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32:
-        raise TypeError("%s must be a float32 NumPy array" % name)
-    if tuple(out.shape) != tuple(shape):
-        raise BicoError(E_SHAPE, "%s has shape %s, expected %s"
-                        % (name, tuple(out.shape), tuple(shape)))
-    if out.flags.c_contiguous:
-        return out, None
-    tmp = np.ascontiguousarray(out)
-    return tmp, out
+def _width(given, from_map, default, name):
+    """A target width: the map's when there is one (a d_*_b given beside it
+    must agree), else the one given, else the source's."""
+    if given is not None:
+        given = A.size(given, name, lo=1)
+        if from_map is not None and given != from_map:
+            raise BicoError(E_SHAPE, "%s = %d, but the map is %d wide"
+                            % (name, given, from_map))
+    if from_map is not None:
+        return from_map
+    return given if given is not None else default
 
 
 def weight(tau, r_out=None, r_in=None, alpha=1.0, out=None, beta=0.0,
@@ -483,24 +402,17 @@ def weight(tau, r_out=None, r_in=None, alpha=1.0, out=None, beta=0.0,
     target width comes from d_out_b / d_in_b (default: the source's)."""
     ctx = _ctx(ctx)
     t, dout_a, din_a, ldt = rows_f32(tau, "tau")
-    ro, ra, rb, ldo = _map_arg(r_out, "r_out")
-    ri, ia, ib, ldi = _map_arg(r_in, "r_in")
-    dout_b = rb if ro is not None else (d_out_b or dout_a)
-    din_b = ib if ri is not None else (d_in_b or din_a)
-    o, back = _out_arg(out, (dout_b, din_b), beta)
-    if ro is not None and ra != dout_a:
-        raise BicoError(E_SHAPE, "transport_weight: r_out has %d rows, tau has "
-                        "%d (d_out of the source)" % (ra, dout_a))
-    if ri is not None and ia != din_a:
-        raise BicoError(E_SHAPE, "transport_weight: r_in has %d rows, tau has "
-                        "%d columns (d_in of the source)" % (ia, din_a))
+    ro, ra, rb, ldo = _map_arg(r_out, "r_out", dout_a, "d_out of tau")
+    ri, ia, ib, ldi = _map_arg(r_in, "r_in", din_a, "d_in of tau")
+    dout_b = _width(d_out_b, rb, dout_a, "d_out_b")
+    din_b = _width(d_in_b, ib, din_a, "d_in_b")
+    alpha = A.scalar_f32(alpha, "alpha")
+    beta = A.scalar_f32(beta, "beta")
+    o, back = A.out_f32(out, (dout_b, din_b), beta=beta, inputs=(t, ro, ri))
     _check(fn.transport_weight(ctx._alive(), dout_a, din_a, _ptr(t), ldt,
                                _ptr(ro), ldo, dout_b, _ptr(ri), ldi, din_b,
                                float(alpha), float(beta), _ptr(o), din_b), ctx)
-    if back is not None:
-        back[...] = o
-        return back
-    return o
+    return A.finish(o, back)
 
 
 def weight_split(tau, r_outs, r_in=None, alpha=1.0, out=None, beta=0.0,
@@ -512,14 +424,24 @@ def weight_split(tau, r_outs, r_in=None, alpha=1.0, out=None, beta=0.0,
     t, dout_a, din_a, ldt = rows_f32(tau, "tau")
     if r_outs is None:
         if k is None:
-            raise ValueError("weight_split: give r_outs or k")
-        arrs = [None] * int(k)
+            raise BicoError(E_ARG, "weight_split: give r_outs or k")
+        k = A.size(k, "k", lo=1)
+        arrs = [None] * k
     else:
         arrs = list(r_outs)
-        if k is not None and int(k) != len(arrs):
-            raise ValueError("weight_split: k=%d but %d maps" % (k, len(arrs)))
+        if not arrs:
+            raise BicoError(E_SHAPE, "weight_split: r_outs is empty")
+        if k is not None and A.size(k, "k", lo=1) != len(arrs):
+            raise BicoError(E_SHAPE, "weight_split: k=%d but %d maps"
+                            % (k, len(arrs)))
         k = len(arrs)
-    mats = [None if r is None else _mat_f32(r, "r_outs[%d]" % i)
+    if dout_a % k:
+        raise BicoError(E_SHAPE, "transport_weight_split: tau's %d rows do "
+                        "not split into %d blocks" % (dout_a, k))
+    ba = dout_a // k
+    mats = [None if r is None else A.f32(r, "r_outs[%d]" % i,
+                                         shape=(ba, None),
+                                         why="d_out of tau / k")
             for i, r in enumerate(arrs)]
     given = [m for m in mats if m is not None]
     shapes = set(m.shape for m in given)
@@ -527,18 +449,20 @@ def weight_split(tau, r_outs, r_in=None, alpha=1.0, out=None, beta=0.0,
         raise BicoError(E_SHAPE, "transport_weight_split: block maps differ in "
                         "shape: %s" % sorted(shapes))
     if given:
-        ba, bb = given[0].shape
-        if ba * k != dout_a:
-            raise BicoError(E_SHAPE, "transport_weight_split: %d blocks of %d "
-                            "rows do not make tau's %d rows" % (k, ba, dout_a))
-        dout_b = bb * k
-        ldr = bb
+        bb = given[0].shape[1]
+        dout_b = _width(d_out_b, bb * k, dout_a, "d_out_b")
     else:
-        dout_b = d_out_b or dout_a
-        ldr = max(dout_b // max(k, 1), 1)
-    ri, ia, ib, ldi = _map_arg(r_in, "r_in")
-    din_b = ib if ri is not None else (d_in_b or din_a)
-    o, back = _out_arg(out, (dout_b, din_b), beta)
+        dout_b = _width(d_out_b, None, dout_a, "d_out_b")
+        if dout_b % k:
+            raise BicoError(E_SHAPE, "transport_weight_split: d_out_b = %d "
+                            "does not split into %d blocks" % (dout_b, k))
+    ldr = max(dout_b // k, 1)
+    ri, ia, ib, ldi = _map_arg(r_in, "r_in", din_a, "d_in of tau")
+    din_b = _width(d_in_b, ib, din_a, "d_in_b")
+    alpha = A.scalar_f32(alpha, "alpha")
+    beta = A.scalar_f32(beta, "beta")
+    o, back = A.out_f32(out, (dout_b, din_b), beta=beta,
+                        inputs=[t, ri] + given)
     if r_outs is None:
         arr_p = None
     else:
@@ -548,50 +472,43 @@ def weight_split(tau, r_outs, r_in=None, alpha=1.0, out=None, beta=0.0,
                                      ldt, arr_p, ldr, dout_b, _ptr(ri), ldi,
                                      din_b, float(alpha), float(beta), _ptr(o),
                                      din_b), ctx)
-    if back is not None:
-        back[...] = o
-        return back
-    return o
+    return A.finish(o, back)
 
 
 def vector(v, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
     """alpha R^T v (+ beta out): v [d_a] -> [d_b]."""
     ctx = _ctx(ctx)
-    v = np.ascontiguousarray(_to_numpy(v), dtype=np.float32).reshape(-1)
-    rm, ra, rb, ldr = _map_arg(r, "r")
-    if rm is not None and ra != v.size:
-        raise BicoError(E_SHAPE, "transport_vector: r has %d rows, v has %d "
-                        "elements" % (ra, v.size))
-    db = rb if rm is not None else (d_b or v.size)
-    o, back = _out_arg(out, (db,), beta)
+    v = A.f32(v, "v", ndim=1)
+    rm, ra, rb, ldr = _map_arg(r, "r", v.size, "the length of v")
+    db = _width(d_b, rb, v.size, "d_b")
+    alpha = A.scalar_f32(alpha, "alpha")
+    beta = A.scalar_f32(beta, "beta")
+    o, back = A.out_f32(out, (db,), beta=beta, inputs=(v, rm))
     _check(fn.transport_vector(ctx._alive(), v.size, _ptr(v), _ptr(rm), ldr, db,
                                float(alpha), float(beta), _ptr(o)), ctx)
-    if back is not None:
-        back[...] = o
-        return back
-    return o
+    return A.finish(o, back)
 
 
 def rows(t, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
     """alpha t R (+ beta out) along the last dimension: t [..., d_a] ->
     [..., d_b] (embeddings, tokens)."""
     ctx = _ctx(ctx)
-    a = _to_numpy(t)
+    a = A.real(t, "t")
+    if a.ndim < 1:
+        raise BicoError(E_SHAPE, "t must have a last dimension, got a scalar")
     lead, d_a = a.shape[:-1], a.shape[-1]
-    a2 = np.array(a, dtype=np.float32, order="C", copy=False).reshape(-1, d_a)
+    a2 = np.asarray(a, dtype=np.float32, order="C").reshape(-1, d_a) \
+        if d_a else np.zeros((int(np.prod(lead)), 0), np.float32)
     n = a2.shape[0]
-    rm, ra, rb, ldr = _map_arg(r, "r")
-    if rm is not None and ra != d_a:
-        raise BicoError(E_SHAPE, "transport_rows: r has %d rows, t's last "
-                        "dimension is %d" % (ra, d_a))
-    db = rb if rm is not None else (d_b or d_a)
-    o, back = _out_arg(out, lead + (db,), beta)
-    _check(fn.transport_rows(ctx._alive(), n, d_a, _ptr(a2), d_a, _ptr(rm), ldr,
-                             db, float(alpha), float(beta), _ptr(o), db), ctx)
-    if back is not None:
-        back[...] = o
-        return back
-    return o
+    rm, ra, rb, ldr = _map_arg(r, "r", d_a, "t's last dimension")
+    db = _width(d_b, rb, d_a, "d_b")
+    alpha = A.scalar_f32(alpha, "alpha")
+    beta = A.scalar_f32(beta, "beta")
+    o, back = A.out_f32(out, lead + (db,), beta=beta, inputs=(a2, rm))
+    _check(fn.transport_rows(ctx._alive(), n, d_a, _ptr(a2), max(d_a, 1),
+                             _ptr(rm), ldr, db, float(alpha), float(beta),
+                             _ptr(o), max(db, 1)), ctx)
+    return A.finish(o, back)
 
 
 # ---- baselines ----
@@ -613,31 +530,21 @@ def pad(tau, target_shape, alpha=1.0, out=None, beta=0.0, ctx=None):
 
 def _baseline(f, tau, target_shape, alpha, out, beta, ctx):
     ctx = _ctx(ctx)
-    t = np.array(_to_numpy(tau), dtype=np.float32, order="C", copy=False)
-    shape = tuple(int(s) for s in target_shape)
-    o, back = _out_arg(out, shape, beta)
+    t = A.f32(tau, "tau")
+    shape = A.sizes(target_shape, "target_shape")
+    alpha = A.scalar_f32(alpha, "alpha")
+    beta = A.scalar_f32(beta, "beta")
+    o, back = A.out_f32(out, shape, beta=beta, inputs=(t,))
     _check(f(ctx._alive(), t.ndim, _shape_arr(t.shape), len(shape),
              _shape_arr(shape), _ptr(t), float(alpha), float(beta), _ptr(o)),
            ctx)
-    if back is not None:
-        back[...] = o
-        return back
-    return o
+    return A.finish(o, back)
 
 
 # ---- GradFix ----
 
-_MODES = {"majority": GRADFIX_MAJORITY, "vote": GRADFIX_MAJORITY,
-          "mean": GRADFIX_MEAN}
-
-
 def _mode(m):
-    if isinstance(m, str):
-        if m not in _MODES:
-            raise ValueError("gradfix mode must be 'majority' or 'mean', got %r"
-                             % m)
-        return _MODES[m]
-    return int(m)
+    return choose(GRADFIX_MODES, m, "gradfix mode")
 
 
 class Votes(_Handle):
@@ -646,44 +553,59 @@ class Votes(_Handle):
     Votes(shape_or_n, mean=False, ctx=None); add(grad) per sample (v +=
     sign(-g)); add_counts(votes, samples); merge(other); counts();
     mask(tau, mode) -> (uint8 mask, kept); apply(tau, alpha, out, beta,
-    mode) -> (update, kept).  Results take the shape given at creation.
+    mode) -> (update, kept).  Arrays have the shape given at creation (or
+    are flat with as many elements); results take that shape.
     """
     _free = staticmethod(fn.votes_free)
 
     def __init__(self, shape, mean=False, ctx=None):
+        self.shape = A.sizes(shape, "shape") if not np.isscalar(shape) \
+            else (A.size(shape, "n"),)
+        self.size = int(np.prod(self.shape, dtype=object))
+        A.size(self.size, "number of elements")
         self.ctx = Context() if ctx is None else ctx
-        self.shape = (int(shape),) if np.isscalar(shape) else \
-            tuple(int(s) for s in shape)
-        self.size = int(np.prod(self.shape, dtype=np.int64))
         h = c_void_p()
         _check(fn.votes_create(self.ctx._alive(), self.size,
                                VOTES_MEAN if mean else 0, ctypes.byref(h)),
                self.ctx)
         self._adopt(h.value, self.ctx)
 
-    def _flat(self, x, dtype, name):
-        a = np.ascontiguousarray(_to_numpy(x), dtype=dtype).reshape(-1)
-        if a.size != self.size:
-            raise BicoError(E_SHAPE, "votes: %s has %d elements, the "
-                            "accumulator %d (shape %s)" % (name, a.size,
-                                                           self.size,
-                                                           self.shape))
-        return a
+    def _check_shape(self, a, name):
+        if a.shape != self.shape and not (a.ndim == 1
+                                          and a.size == self.size):
+            raise BicoError(E_SHAPE, "votes: %s has shape %s, the "
+                            "accumulator %s (or flat, %d elements)"
+                            % (name, A.shape_str(a.shape),
+                               A.shape_str(self.shape), self.size))
+
+    def _flat(self, x, name):
+        a = A.real(x, name)
+        self._check_shape(a, name)
+        return np.asarray(a, dtype=np.float32, order="C").reshape(-1)
 
     def add(self, grad):
-        g = self._flat(grad, np.float32, "grad")
+        g = self._flat(grad, "grad")
         _check(fn.votes_add_grad(self._alive(), _ptr(g)), self.ctx)
         return self
 
     add_grad = add
 
     def add_counts(self, votes, samples):
-        v = self._flat(votes, np.int32, "votes")
-        _check(fn.votes_add_counts(self._alive(), _ptr(v), int(samples)),
+        """Adds vote counts made elsewhere: each the sum of `samples` signs,
+        so |vote| <= samples < 2**32."""
+        samples = A.size(samples, "samples", hi=0xFFFFFFFF)
+        lim = min(samples, 2 ** 31 - 1)
+        a = A.real(votes, "votes")
+        self._check_shape(a, "votes")
+        v = A.int_array(a, "votes", -lim, lim, np.int32).reshape(-1)
+        _check(fn.votes_add_counts(self._alive(), _ptr(v), samples),
                self.ctx)
         return self
 
     def merge(self, other):
+        if not isinstance(other, Votes):
+            raise TypeError("merge takes a bico.Votes, got %s"
+                            % type(other).__name__)
         _check(fn.votes_merge(self._alive(), other._alive()), self.ctx)
         return self
 
@@ -704,30 +626,30 @@ class Votes(_Handle):
         return out.reshape(self.shape)
 
     def mask(self, tau, mode="majority"):
-        t = self._flat(tau, np.float32, "tau")
+        t = self._flat(tau, "tau")
+        mode = _mode(mode)
         m = np.empty(self.size, dtype=np.uint8)
         kept = c_size_t()
-        _check(fn.gradfix_mask(self._alive(), _mode(mode), _ptr(t), _ptr(m),
+        _check(fn.gradfix_mask(self._alive(), mode, _ptr(t), _ptr(m),
                                ctypes.byref(kept)), self.ctx)
         return m.reshape(self.shape), kept.value
 
     def apply(self, tau, alpha=1.0, out=None, beta=0.0, mode="majority"):
-        t = self._flat(tau, np.float32, "tau")
-        if out is None:
-            if beta != 0:
-                raise ValueError("beta != 0 needs an out array")
-            o = np.zeros(self.size, dtype=np.float32)
-        else:
-            if not (isinstance(out, np.ndarray) and out.dtype == np.float32
-                    and out.flags.c_contiguous and out.size == self.size):
-                raise TypeError("out must be a C-contiguous float32 array of "
-                                "%d elements" % self.size)
-            o = out.reshape(-1)
+        t = self._flat(tau, "tau")
+        mode = _mode(mode)
+        alpha = A.scalar_f32(alpha, "alpha")
+        beta = A.scalar_f32(beta, "beta")
+        shape = self.shape
+        if isinstance(out, np.ndarray) and out.shape != self.shape:
+            self._check_shape(out, "out")  # flat is the other shape taken
+            shape = out.shape
+        o, back = A.out_f32(out, shape, beta=beta, inputs=(t,))
         kept = c_size_t()
-        _check(fn.gradfix_apply(self._alive(), _mode(mode), _ptr(t),
+        _check(fn.gradfix_apply(self._alive(), mode, _ptr(t),
                                 float(alpha), float(beta), _ptr(o),
                                 ctypes.byref(kept)), self.ctx)
-        return (o.reshape(self.shape) if out is None else out), kept.value
+        res = A.finish(o, back)
+        return (res.reshape(self.shape) if out is None else res), kept.value
 
 
 # ---- depth map ----
@@ -737,16 +659,17 @@ class DepthMap(_Handle):
     _free = staticmethod(fn.depthmap_free)
 
     def __init__(self, l_a, l_b, ctx=None):
+        self.l_a, self.l_b = A.size(l_a, "l_a"), A.size(l_b, "l_b")
         self.ctx = Context() if ctx is None else ctx
-        self.l_a, self.l_b = int(l_a), int(l_b)
         h = c_void_p()
         _check(fn.depthmap_create(self.ctx._alive(), self.l_a, self.l_b,
                                   ctypes.byref(h)), self.ctx)
         self._adopt(h.value, self.ctx)
 
     def source(self, j):
+        j = A.size(j, "j")
         i = c_size_t()
-        _check(fn.depthmap_source(self._alive(), int(j), ctypes.byref(i)),
+        _check(fn.depthmap_source(self._alive(), j, ctypes.byref(i)),
                self.ctx)
         return i.value
 

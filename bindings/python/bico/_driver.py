@@ -9,9 +9,29 @@ import tempfile
 
 import numpy as np
 
-from ._core import XCov, Votes, _to_numpy
+from ._core import XCov, Votes
+from ._args import plain as _to_numpy
+from ._enums import DEFAULT_SPLIT
 from . import safetensors as _st
 from .model import transfer_files
+
+
+def _is_torch(x):
+    return hasattr(x, "detach") and hasattr(x, "cpu")
+
+
+def like_target(value, ref, keep_dtype=True):
+    """value (a NumPy array) in the kind of ref, the target's tensor: a
+    torch tensor of ref's dtype on ref's device when ref is one, else a
+    NumPy array of ref's dtype (float32 when keep_dtype is False: the
+    update alone).  The one rule of transfer_state_dict's output."""
+    if _is_torch(ref):
+        import torch
+        t = torch.from_numpy(np.ascontiguousarray(value))
+        return t.to(device=ref.device,
+                    dtype=ref.dtype if keep_dtype else torch.float32)
+    want = _to_numpy(ref).dtype if keep_dtype else np.float32
+    return np.asarray(value, dtype=want)
 
 
 def _rename(name):
@@ -57,8 +77,6 @@ def transfer_via_driver(source_base, source_tuned, target_base, stats,
                         ties=None, votes=None, source_blocks=None,
                         target_blocks=None, report=None, return_delta=False,
                         **procrustes_options):
-    from .transfer import DEFAULT_SPLIT
-    torch_out = any(hasattr(v, "detach") for v in target_base.values())
     split = dict(DEFAULT_SPLIT if split is None else split)
     with tempfile.TemporaryDirectory(prefix="bico-") as d:
         p = lambda n: os.path.join(d, n)
@@ -121,12 +139,10 @@ def transfer_via_driver(source_base, source_tuned, target_base, stats,
             report.extend(rep.get("tensors", rep) if isinstance(rep, dict)
                           else rep)
     new = {_unrename(k, originals): v for k, v in out.items()}
-    new = {k: new[k] for k in target_base}  # the target's order
-    if torch_out:
-        import torch
-        new = {k: torch.from_numpy(np.ascontiguousarray(v)).to(
-            target_base[k].dtype) for k, v in new.items()}
+    new = {k: like_target(new[k], target_base[k]) for k in target_base}
     if return_delta:
         delta = {_unrename(k, originals): v for k, v in delta.items()}
+        delta = {k: like_target(v, target_base[k], keep_dtype=False)
+                 for k, v in delta.items()}
         return new, delta
     return new

@@ -363,4 +363,5 @@ for _name, (_res, _args) in PROTOTYPES.items():
 
 def has(name):
     """True when the loaded library exports bico_<name>."""
-    return not isinstance(getattr(fn, name, None), _Missing)
+    f = getattr(fn, name, None)
+    return f is not None and not isinstance(f, _Missing)

@@ -7,6 +7,15 @@ from ._core import depthmap
 _INT = re.compile(r"^[0-9]+$")
 
 
+def split_for(module, split):
+    """k when module ends in a suffix of split ({suffix: k}) at a dot
+    boundary, as the C driver matches it; else 1."""
+    for suffix, k in split.items():
+        if module == suffix or module.endswith("." + suffix):
+            return int(k)
+    return 1
+
+
 def module_of(name):
     """("blocks.3.mlp.fc1", "weight") for "blocks.3.mlp.fc1.weight"."""
     if "." not in name:

@@ -12,37 +12,31 @@ ctypes wrappers over the C API; see docs/lora.md.
              "merged.safetensors", method="ties")
 """
 import ctypes
-import os
 
 import numpy as np
 
-from ._core import BicoError, Context, _Handle, _check, _ctx, E_ARG
-from ._lib import lib, c_size_t, c_int, c_double, c_float, c_char_p, c_void_p
+from ._core import BicoError, Context, _Handle, _check, _ctx, E_SHAPE
+from . import _args as A
+from ._enums import (choose, LORA_KINDS, LORA_FLAGS, LORA_STRINGS,
+                     MERGE_METHODS, MERGE_INPUTS, MERGE_FILES, MERGE_PARAMS,
+                     TRANSFER_FILES)
+from ._lib import fn, c_size_t, c_int, c_double, c_float, c_char_p, c_void_p
 
 P = ctypes.POINTER
-# The prototypes of lora.h and merge.h live with all others in _lib.
-from ._lib import fn  # noqa: E402
+
+LINEAR, EMBEDDING = LORA_KINDS["linear"], LORA_KINDS["embedding"]
+KINDS = {v: k for k, v in LORA_KINDS.items()}
+FILE_LORA, FILE_LORA_OUTPUT = TRANSFER_FILES["lora"], \
+    TRANSFER_FILES["lora_output"]
 
 
-
-LINEAR, EMBEDDING = 1, 2
-KINDS = {LINEAR: "linear", EMBEDDING: "embedding"}
-_FLAGS = {"rslora": 1, "fan_in_fan_out": 2}
-_STRINGS = {"task_type": 1, "base_model": 2}
-_MERGE_METHODS = {"linear": 1, "task_arithmetic": 1, "ties": 2}
-_MERGE_INPUTS = {"task_vector": 1, "tuned": 2, "lora": 3}
-FILE_LORA, FILE_LORA_OUTPUT = 12, 13
+def _enc(s, name="path"):
+    return A.cstr(s, name, path=True)
 
 
-def _enc(s):
-    return os.fspath(s).encode("utf-8")
-
-
-def _f32(x, name):
-    a = np.ascontiguousarray(np.asarray(x), dtype=np.float32)
-    if a.ndim != 2:
-        raise BicoError(E_ARG, "%s must be 2-D, got shape %s" % (name, a.shape))
-    return a
+def _f32(x, name, shape=None, why=""):
+    """A C-contiguous 2-D float32 array (of the given shape)."""
+    return A.f32(x, name, ndim=2, shape=shape, why=why)
 
 
 def _p(a):
@@ -70,24 +64,27 @@ class Adapter(_Handle):
 
     def flag(self, name):
         v = c_int()
-        _check(fn.lora_get_flag(self._alive(), _FLAGS[name], ctypes.byref(v)),
-               self.ctx)
+        _check(fn.lora_get_flag(self._alive(), choose(LORA_FLAGS, name,
+                                                      "LoRA flag"),
+                                ctypes.byref(v)), self.ctx)
         return bool(v.value)
 
     def set_flag(self, name, on):
-        _check(fn.lora_set_flag(self._alive(), _FLAGS[name], int(bool(on))),
-               self.ctx)
+        _check(fn.lora_set_flag(self._alive(), choose(LORA_FLAGS, name,
+                                                      "LoRA flag"),
+                                int(bool(on))), self.ctx)
 
     def string(self, name):
         v = c_char_p()
-        _check(fn.lora_get_string(self._alive(), _STRINGS[name],
+        _check(fn.lora_get_string(self._alive(), choose(LORA_STRINGS, name,
+                                                        "LoRA string"),
                                   ctypes.byref(v)), self.ctx)
         return v.value.decode() if v.value is not None else None
 
     def set_string(self, name, value):
-        _check(fn.lora_set_string(self._alive(), _STRINGS[name],
-                                  None if value is None else value.encode()),
-               self.ctx)
+        which = choose(LORA_STRINGS, name, "LoRA string")
+        _check(fn.lora_set_string(self._alive(), which, None if value is None
+                                  else A.cstr(value, name)), self.ctx)
 
     def modules(self):
         """{name: (kind, B [d_out, r], A [r, d_in], alpha, scale)}, copies."""
@@ -128,17 +125,22 @@ class Adapter(_Handle):
         return out
 
     def add_module(self, name, b, a, alpha, kind="linear"):
-        b, a = _f32(b, "b"), _f32(a, "a")
-        k = {v: key for key, v in KINDS.items()}[kind]
-        _check(fn.lora_add_module(self._alive(), name.encode(), k, a.shape[0],
-                                  float(alpha), b.shape[0], a.shape[1], _p(b),
-                                  _p(a)), self.ctx)
+        """Adds module `name`: b [d_out, r], a [r, d_in], lora_alpha."""
+        nm = A.cstr(name, "name")
+        k = choose(LORA_KINDS, kind, "LoRA module kind")
+        b = _f32(b, "b")
+        a = _f32(a, "a", shape=(b.shape[1], None), why="r, the columns of b")
+        _check(fn.lora_add_module(self._alive(), nm, k, a.shape[0],
+                                  A.scalar_f64(alpha, "alpha"), b.shape[0],
+                                  a.shape[1], _p(b), _p(a)), self.ctx)
 
     def add_saved(self, name, module, array):
-        x = np.ascontiguousarray(np.asarray(array), dtype=np.float32)
+        """Adds a modules_to_save tensor (any shape, stored as float32)."""
+        nm, mod = A.cstr(name, "name"), A.cstr(module, "module")
+        x = A.f32(array, "array")
         shape = (c_size_t * max(x.ndim, 1))(*x.shape)
-        _check(fn.lora_add_saved(self._alive(), name.encode(), module.encode(),
-                                 x.ndim, ctypes.cast(shape, c_void_p), _p(x)),
+        _check(fn.lora_add_saved(self._alive(), nm, mod, x.ndim,
+                                 ctypes.cast(shape, c_void_p), _p(x)),
                self.ctx)
 
     def save(self, folder):
@@ -151,15 +153,44 @@ def transport(b, a, r_out=None, r_in=None, alpha=1.0, d_out=None, d_in=None,
     block maps (fused qkv); None entries, or None, are the rectangular
     identity (then d_out / d_in give the target widths)."""
     ctx = _ctx(ctx)
-    b, a = _f32(b, "b"), _f32(a, "a")
+    b = _f32(b, "b")
+    a = _f32(a, "a", shape=(b.shape[1], None), why="the rank, b's columns")
     rank, dout_a, din_a = a.shape[0], b.shape[0], a.shape[1]
-    routs = r_out if isinstance(r_out, (list, tuple)) else [r_out]
-    routs = [None if r is None else _f32(r, "r_out") for r in routs]
+    routs = list(r_out) if isinstance(r_out, (list, tuple)) else [r_out]
     k = len(routs)
-    bb = next((r.shape[1] for r in routs if r is not None), None)
-    dout_b = bb * k if bb is not None else (d_out or dout_a)
-    ri = None if r_in is None else _f32(r_in, "r_in")
-    din_b = ri.shape[1] if ri is not None else (d_in or din_a)
+    if k == 0:
+        raise BicoError(E_SHAPE, "lora.transport: r_out is an empty list")
+    if dout_a % k:
+        raise BicoError(E_SHAPE, "lora.transport: b's %d rows do not split "
+                        "into %d blocks" % (dout_a, k))
+    routs = [None if r is None else
+             _f32(r, "r_out[%d]" % i if k > 1 else "r_out",
+                  shape=(dout_a // k, None), why="b's rows / %d" % k)
+             for i, r in enumerate(routs)]
+    widths = set(r.shape[1] for r in routs if r is not None)
+    if len(widths) > 1:
+        raise BicoError(E_SHAPE, "lora.transport: block maps differ in "
+                        "width: %s" % sorted(widths))
+    if widths:
+        dout_b = widths.pop() * k
+        if d_out is not None and A.size(d_out, "d_out") != dout_b:
+            raise BicoError(E_SHAPE, "lora.transport: d_out = %d, the maps "
+                            "give %d" % (d_out, dout_b))
+    else:
+        dout_b = dout_a if d_out is None else A.size(d_out, "d_out", lo=1)
+        if dout_b % k:
+            raise BicoError(E_SHAPE, "lora.transport: d_out = %d does not "
+                            "split into %d blocks" % (dout_b, k))
+    ri = None if r_in is None else _f32(r_in, "r_in", shape=(din_a, None),
+                                        why="a's columns")
+    if ri is not None:
+        din_b = ri.shape[1]
+        if d_in is not None and A.size(d_in, "d_in") != din_b:
+            raise BicoError(E_SHAPE, "lora.transport: d_in = %d, r_in gives "
+                            "%d" % (d_in, din_b))
+    else:
+        din_b = din_a if d_in is None else A.size(d_in, "d_in", lo=1)
+    alpha = A.scalar_f32(alpha, "alpha")
     arr = (c_void_p * k)(*[None if r is None else r.ctypes.data for r in routs])
     bo = np.empty((dout_b, rank), np.float32)
     ao = np.empty((rank, din_b), np.float32)
@@ -175,27 +206,40 @@ def truncate(dense, rank, scale=1.0, ctx=None):
     ctx = _ctx(ctx)
     d = _f32(dense, "dense")
     m, n = d.shape
+    rank = A.size(rank, "rank", lo=1)
+    scale = A.scalar_f64(scale, "scale")
     bo = np.empty((m, rank), np.float32)
     ao = np.empty((rank, n), np.float32)
     e = c_double()
-    _check(fn.lora_truncate(ctx._alive(), m, n, _p(d), n, rank, float(scale),
+    _check(fn.lora_truncate(ctx._alive(), m, n, _p(d), max(n, 1), rank, scale,
                             _p(bo), _p(ao), ctypes.byref(e)), ctx)
     return bo, ao, e.value
 
 
 def merge_tensors(taus, weights, densities=None, method="linear",
                   normalize=None, ctx=None):
-    """bico_merge_tensor over same-shaped arrays; normalize None: the
-    method's default (TIES yes, linear no)."""
+    """bico_merge_tensor over same-shaped arrays (one weight, and one
+    density when given, per array); normalize None: the method's default
+    (TIES yes, linear no)."""
     ctx = _ctx(ctx)
-    xs = [np.ascontiguousarray(np.asarray(t), dtype=np.float32) for t in taus]
+    m = choose(MERGE_METHODS, method, "merge method")
+    if isinstance(taus, np.ndarray) or not hasattr(taus, "__iter__"):
+        raise TypeError("merge_tensors: taus must be a list of arrays")
+    xs = [A.f32(t, "taus[%d]" % i) for i, t in enumerate(taus)]
+    if not xs:
+        raise BicoError(E_SHAPE, "merge_tensors: no task vectors")
     shape = xs[0].shape
-    m = _MERGE_METHODS[method]
+    for i, x in enumerate(xs):
+        if x.shape != shape:
+            raise BicoError(E_SHAPE, "merge_tensors: taus[%d] has shape %s, "
+                            "taus[0] %s" % (i, A.shape_str(x.shape),
+                                            A.shape_str(shape)))
+    w = A.f64(weights, "weights", shape=(len(xs),), why="one per task vector")
+    d = None if densities is None else A.f64(
+        densities, "densities", shape=(len(xs),), why="one per task vector")
     if normalize is None:
-        normalize = m == 2
+        normalize = m == MERGE_METHODS["ties"]
     ptrs = (c_void_p * len(xs))(*[x.ctypes.data for x in xs])
-    w = np.asarray(weights, np.float64)
-    d = None if densities is None else np.asarray(densities, np.float64)
     out = np.empty(shape, np.float32)
     _check(fn.merge_tensor(ctx._alive(), m, len(xs), out.size,
                            ctypes.cast(ptrs, c_void_p), _p(w), _p(d),
@@ -207,21 +251,32 @@ def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
           delta_output=None, report=None, ctx=None):
     """What `bico merge` runs.  inputs: (kind, path, weight, density) with
     kind "task_vector", "tuned" or "lora"."""
+    m = choose(MERGE_METHODS, method, "merge method")
+    alpha = A.scalar_f64(alpha, "alpha")
+    files = [(MERGE_FILES[w], _enc(p, w)) for w, p in
+             (("base", base), ("output", output),
+              ("delta_output", delta_output), ("report", report))
+             if p is not None]
+    ins = []
+    for i, item in enumerate(inputs):
+        kind, path, weight, density = item
+        ins.append((choose(MERGE_INPUTS, kind, "merge input kind"),
+                    _enc(path, "inputs[%d] path" % i),
+                    A.scalar_f64(weight, "inputs[%d] weight" % i),
+                    A.scalar_f64(density, "inputs[%d] density" % i)))
     ctx = Context() if ctx is None else ctx
     h = c_void_p()
     _check(fn.merge_create(ctx._alive(), ctypes.byref(h)), ctx)
     try:
-        for which, path in ((1, base), (2, output), (3, delta_output),
-                            (4, report)):
-            if path is not None:
-                _check(fn.merge_set_file(h, which, _enc(path)), ctx)
-        _check(fn.merge_set_param(h, 1, _MERGE_METHODS[method]), ctx)
-        _check(fn.merge_set_param(h, 2, float(alpha)), ctx)
-        _check(fn.merge_set_param(h, 3, -1 if normalize is None
+        for which, path in files:
+            _check(fn.merge_set_file(h, which, path), ctx)
+        _check(fn.merge_set_param(h, MERGE_PARAMS["method"], m), ctx)
+        _check(fn.merge_set_param(h, MERGE_PARAMS["alpha"], alpha), ctx)
+        _check(fn.merge_set_param(h, MERGE_PARAMS["normalize"],
+                                  -1 if normalize is None
                                   else int(bool(normalize))), ctx)
-        for kind, path, weight, density in inputs:
-            _check(fn.merge_add_input(h, _MERGE_INPUTS[kind], _enc(path),
-                                      float(weight), float(density)), ctx)
+        for kind, path, weight, density in ins:
+            _check(fn.merge_add_input(h, kind, path, weight, density), ctx)
         _check(fn.merge_run(h), ctx)
     finally:
         fn.merge_free(h)
@@ -244,9 +299,9 @@ def transfer(source_base, target_base, adapter, output_lora=None,
                      ("output", merged_output)):
             if v is not None:
                 t.set_file(k, v)
-        for slot, v in ((FILE_LORA, adapter), (FILE_LORA_OUTPUT, output_lora)):
+        for k, v in (("lora", adapter), ("lora_output", output_lora)):
             if v is not None:
-                _check(fn.transfer_set_file(t._alive(), slot, _enc(v)), t.ctx)
+                t.set_file(k, v)
         t.set("method", method)
         t.set("alpha", alpha)
         for k, v in options.items():

@@ -9,20 +9,24 @@
                         output="B_ft.safetensors", alpha=1.0)
 """
 import ctypes
-import os
 import sys
 
 from ._core import BicoError, Context, _Handle, _check, E_ARG
+from . import _args as A
+from ._enums import (choose, MODULE_KINDS as KINDS, TENSOR_ROLES as ROLES,
+                     METHODS, TRANSFER_FILES as FILES,
+                     TRANSFER_PARAMS as PARAMS, TRANSFER_STRINGS as STRINGS,
+                     TRANSFER_ENUMS as _ENUMS, DTYPE_NAMES)
+
+__all__ = ["Model", "Transfer", "transfer_files", "stats_from_calib",
+           "stats_merge", "KINDS", "ROLES", "METHODS", "FILES", "PARAMS"]
 from ._lib import fn, c_size_t, c_int, c_long, c_char_p, c_void_p, c_double
 from ._lib import LOG_FN
 from . import safetensors as _st
 
-KINDS = {1: "linear", 2: "elementwise", 3: "embedding", 4: "other"}
-ROLES = {1: "weight", 2: "bias", 3: "vector", 4: "token", 5: "other"}
 
-
-def _enc(s):
-    return s.encode("utf-8")
+def _enc(s, name="name"):
+    return A.cstr(s, name)
 
 
 def _dec(b):
@@ -63,13 +67,20 @@ class Model(_Handle):
         return m
 
     def add_tensor(self, name, shape, dtype=0):
+        """Registers a tensor: name, shape and dtype (a safetensors dtype
+        name or code; 0: unknown)."""
+        nm = _enc(name)
+        shape = A.sizes(shape, "shape")
+        if isinstance(dtype, str) or dtype != 0:
+            dtype = choose({v: k for k, v in DTYPE_NAMES.items()}, dtype,
+                           "dtype")
         arr = (c_size_t * max(len(shape), 1))(*shape)
-        _check(fn.model_add_tensor(self._alive(), _enc(name), int(dtype),
-                                   len(shape), arr), self.ctx)
+        _check(fn.model_add_tensor(self._alive(), nm, dtype, len(shape), arr),
+               self.ctx)
 
     def set_blocks(self, prefix):
         _check(fn.model_set_blocks(self._alive(), None if prefix is None
-                                   else _enc(prefix)), self.ctx)
+                                   else _enc(prefix, "prefix")), self.ctx)
 
     def tensors(self):
         """[(name, shape, module name, role)]."""
@@ -134,11 +145,14 @@ class Model(_Handle):
     def source_name(self, source, name):
         """The source name paired with target name `name` (self is the
         target)."""
+        if not isinstance(source, Model):
+            raise TypeError("source_name: source must be a bico.model.Model")
+        nm = _enc(name)
         n = c_size_t()
-        cap = len(_enc(name)) + 64
+        cap = len(nm) + 64
         while True:
             buf = ctypes.create_string_buffer(cap)
-            st = fn.model_map_name(self._alive(), source._alive(), _enc(name),
+            st = fn.model_map_name(self._alive(), source._alive(), nm,
                                    buf, cap, ctypes.byref(n))
             if st == 0:
                 return _dec(buf.value)
@@ -149,20 +163,6 @@ class Model(_Handle):
 
 
 # ---- the driver ----
-
-METHODS = {"bico": 1, "bico-in": 2, "bico-out": 3, "gradfix": 4, "naive": 5,
-           "pad": 6}
-FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
-         "target_base": 4, "source_calib": 5, "target_calib": 6, "stats": 7,
-         "target_votes": 8, "output": 9, "delta_output": 10, "report": 11}
-PARAMS = {"method": 1, "alpha": 2, "norm_map": 3, "null": 4, "rank_tol": 5,
-          "center": 6, "whiten": 7, "proc_method": 8, "workers": 9,
-          "solve_memory": 10}
-STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3}
-_ENUMS = {"method": METHODS, "norm_map": {"act": 0, "grad": 1},
-          "null": {"keep": 0, "drop": 1},
-          "proc_method": {"svd": 0, "eig": 1, "polar": 2}}
-
 
 class Transfer(_Handle):
     """bico_transfer: set files and options, then run().
@@ -186,42 +186,52 @@ class Transfer(_Handle):
                             % (which, ", ".join(sorted(FILES))))
         _check(fn.transfer_set_file(self._alive(), FILES[which],
                                     None if path is None
-                                    else _enc(os.fspath(path))), self.ctx)
+                                    else A.cstr(path, which, path=True)),
+               self.ctx)
 
     def set(self, name, value):
+        """An option: a string (blocks, source_blocks, target_blocks), a
+        name (method, norm_map, null, proc_method) or a number."""
         if name in STRINGS:
             _check(fn.transfer_set_string(self._alive(), STRINGS[name],
                                           None if value is None
-                                          else _enc(value)), self.ctx)
+                                          else _enc(value, name)), self.ctx)
             return
         if name not in PARAMS:
-            raise BicoError(E_ARG, "Transfer: unknown option %r" % (name,))
-        if isinstance(value, str):
-            table = _ENUMS.get(name, {})
-            if value not in table:
-                raise BicoError(E_ARG, "Transfer: %s must be one of %s, got %r"
-                                % (name, ", ".join(table), value))
-            value = table[value]
-        _check(fn.transfer_set_param(self._alive(), PARAMS[name],
-                                     float(value)), self.ctx)
+            raise BicoError(E_ARG, "Transfer: unknown option %r (known: %s)"
+                            % (name, ", ".join(sorted(set(PARAMS) |
+                                                      set(STRINGS)))))
+        if name in _ENUMS:
+            value = choose(_ENUMS[name], value, "Transfer: " + name)
+        elif isinstance(value, str):
+            raise BicoError(E_ARG, "Transfer: %s takes a number, got %r"
+                            % (name, value))
+        value = A.scalar_f64(value, "Transfer: " + name)
+        _check(fn.transfer_set_param(self._alive(), PARAMS[name], value),
+               self.ctx)
 
     def get(self, name):
+        if name not in PARAMS:
+            raise BicoError(E_ARG, "Transfer: unknown option %r (known: %s)"
+                            % (name, ", ".join(sorted(PARAMS))))
         v = c_double()
         _check(fn.transfer_get_param(self._alive(), PARAMS[name],
                                      ctypes.byref(v)), self.ctx)
         return v.value
 
     def add_split(self, suffix, k):
-        _check(fn.transfer_add_split(self._alive(), _enc(suffix), int(k)),
-               self.ctx)
+        _check(fn.transfer_add_split(self._alive(), _enc(suffix, "suffix"),
+                                     A.size(k, "split k")), self.ctx)
 
     def add_tie(self, tensor, module):
-        _check(fn.transfer_add_tie(self._alive(), _enc(tensor),
-                                   _enc(module)), self.ctx)
+        _check(fn.transfer_add_tie(self._alive(), _enc(tensor, "tensor"),
+                                   _enc(module, "module")), self.ctx)
 
     def set_log(self, log):
         if log is True:
             log = lambda line: sys.stderr.write(line + "\n")
+        if log is not None and not callable(log):
+            raise TypeError("Transfer: log must be callable, True or None")
         if log is None:
             self._log_cb = None
             _check(fn.transfer_set_log(self._alive(), None, None), self.ctx)
@@ -280,18 +290,21 @@ def stats_from_calib(source_calib, target_calib, output, blocks=None,
                      ctx=None):
     """Reduces two calibration files to a statistics file."""
     ctx = Context() if ctx is None else ctx
-    _check(fn.stats_from_calib(ctx._alive(), _enc(os.fspath(source_calib)),
-                               _enc(os.fspath(target_calib)),
-                               None if blocks is None else _enc(blocks),
-                               _enc(os.fspath(output))), ctx)
+    args = (A.cstr(source_calib, "source_calib", path=True),
+            A.cstr(target_calib, "target_calib", path=True),
+            None if blocks is None else _enc(blocks, "blocks"),
+            A.cstr(output, "output", path=True))
+    _check(fn.stats_from_calib(ctx._alive(), *args), ctx)
     return output
 
 
 def stats_merge(inputs, output, ctx=None):
     """Sums statistics files (same tensors and shapes) into output."""
+    enc = [A.cstr(p, "inputs[%d]" % i, path=True)
+           for i, p in enumerate(inputs)]
+    out = A.cstr(output, "output", path=True)
     ctx = Context() if ctx is None else ctx
-    enc = [_enc(os.fspath(p)) for p in inputs]
     arr = (c_char_p * max(len(enc), 1))(*enc)
     _check(fn.stats_merge(ctx._alive(), ctypes.cast(arr, c_void_p), len(enc),
-                          _enc(os.fspath(output))), ctx)
+                          out), ctx)
     return output

@@ -16,28 +16,50 @@ import ctypes
 
 import numpy as np
 
-from ._core import BicoError, Context, _check, _to_numpy, E_ARG
+from ._core import BicoError, Context, _check, E_ARG
+from . import _args as A
+from ._enums import (DTYPES as _NAMES, NP_OF_DTYPE as _NP,
+                     DTYPE_OF_NP as _FROM_NP, FLOAT_DTYPES as _FLOATS)
 from ._lib import fn, c_size_t, c_int, c_char_p, c_void_p
 
-F32, F16, BF16, F64, I8, I16, I32, I64, U8, U16, U32, U64, BOOL = range(1, 14)
-
-_NP = {F32: np.float32, F16: np.float16, F64: np.float64, I8: np.int8,
-       I16: np.int16, I32: np.int32, I64: np.int64, U8: np.uint8,
-       U16: np.uint16, U32: np.uint32, U64: np.uint64, BOOL: np.bool_}
-_FROM_NP = {np.dtype(v): k for k, v in _NP.items()}
-_NAMES = {"F32": F32, "F16": F16, "BF16": BF16, "F64": F64, "I8": I8,
-          "I16": I16, "I32": I32, "I64": I64, "U8": U8, "U16": U16,
-          "U32": U32, "U64": U64, "BOOL": BOOL}
+# the dtype codes, as the library numbers them (bico_dtype_from_name)
+F32, F16, BF16, F64 = (_NAMES[k] for k in ("F32", "F16", "BF16", "F64"))
+I8, I16, I32, I64 = (_NAMES[k] for k in ("I8", "I16", "I32", "I64"))
+U8, U16, U32, U64 = (_NAMES[k] for k in ("U8", "U16", "U32", "U64"))
+BOOL = _NAMES["BOOL"]
 
 
 def dtype_name(dtype):
     """The safetensors name of a dtype code ("F32", ...)."""
-    r = fn.dtype_name(int(dtype))
+    r = fn.dtype_name(A.size(dtype, "dtype", hi=2 ** 31 - 1))
     return r.decode() if r else None
 
 
-def _enc(s):
-    return s.encode("utf-8")
+def _enc(s, name="name"):
+    return A.cstr(s, name)
+
+
+def _native(a):
+    """a in native byte order (the plan below compares native dtypes)."""
+    if a.dtype.byteorder not in "=|" and not a.dtype.isnative:
+        return a.astype(a.dtype.newbyteorder("="))
+    return a
+
+
+def _exact(a, code, name):
+    """a converted to the integer or bool dtype `code` when every value
+    converts exactly; an error naming the tensor otherwise."""
+    want = _NP[code]
+    if a.dtype == want:
+        return a
+    if want == np.bool_:
+        if a.size and not np.all((a == 0) | (a == 1)):
+            raise BicoError(E_ARG, "safetensors.write: %s holds values other "
+                            "than 0 and 1, which BOOL cannot" % name)
+        return a.astype(np.bool_)
+    info = np.iinfo(want)
+    return A.int_array(a, "safetensors.write: " + name, int(info.min),
+                       int(info.max), want)
 
 
 class File(object):
@@ -49,10 +71,11 @@ class File(object):
 
     def __init__(self, path, ctx=None):
         self.ctx = Context() if ctx is None else ctx
-        self.path = str(path)
         self._ptr = None
+        self.path = str(path)
         h = c_void_p()
-        _check(fn.stfile_open(self.ctx._alive(), _enc(self.path),
+        _check(fn.stfile_open(self.ctx._alive(),
+                              A.cstr(path, "path", path=True),
                               ctypes.byref(h)), self.ctx)
         self._ptr = h.value
         self.ctx._children += 1  # the context outlives the file
@@ -166,23 +189,42 @@ def read(path, dtype=None, with_metadata=False, ctx=None):
 
 
 def write(path, tensors, metadata=None, dtypes=None, ctx=None):
-    """Writes {name: array-like} atomically.  dtypes: {name: "BF16"|"F16"|
-    "F32"|"F64"} overrides the stored dtype of float tensors (converted by
-    the library, round to nearest even)."""
-    ctx = Context() if ctx is None else ctx
+    """Writes {name: array-like} atomically.  Each tensor is stored in its
+    own dtype (torch bfloat16 as BF16, float16 as F16, big-endian arrays
+    as their native counterpart); dtypes: {name: "BF16"|"F16"|"F32"|"F64"}
+    overrides that for float tensors (converted by the library, round to
+    nearest even); an integer or BOOL dtype is taken only when every value
+    converts exactly.  Names and metadata may not contain NUL characters."""
+    path_b = A.cstr(path, "path", path=True)
+    if not hasattr(tensors, "items"):
+        raise TypeError("safetensors.write: tensors must be a mapping "
+                        "{name: array}")
     dtypes = dict(dtypes or {})
+    meta = [(A.cstr(str(k), "metadata key"), A.cstr(str(v), "metadata value"))
+            for k, v in (metadata or {}).items()]
     plan = []
     for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError("safetensors.write: tensor names must be str, "
+                            "got %r" % (name,))
+        nm = _enc(name, "tensor name")
         want = dtypes.pop(name, None)
         is_bf16 = str(getattr(t, "dtype", "")) == "torch.bfloat16"
-        a = _to_numpy(t)
+        a = _native(A.plain(t))
         # (np.ascontiguousarray would turn a 0-d scalar into shape (1,))
         a = a if a.flags.c_contiguous else np.array(a, order="C")
         if want is not None:
             if want not in _NAMES:
                 raise BicoError(E_ARG, "safetensors.write: unknown dtype %r "
-                                "for %s" % (want, name))
+                                "for %s (known: %s)"
+                                % (want, name, ", ".join(sorted(_NAMES))))
             code = _NAMES[want]
+            if a.dtype.kind not in "biuf":
+                raise BicoError(E_ARG, "safetensors.write: tensor %s has "
+                                "dtype %s, which safetensors cannot hold"
+                                % (name, a.dtype))
+            if code not in _FLOATS:
+                a = _exact(a, code, name)
         elif is_bf16:
             code = BF16
         else:
@@ -191,40 +233,39 @@ def write(path, tensors, metadata=None, dtypes=None, ctx=None):
                                 "dtype %s, which safetensors cannot hold"
                                 % (name, a.dtype))
             code = _FROM_NP[a.dtype]
-        plan.append((name, code, a))
+        plan.append((name, nm, code, a))
     if dtypes:
         raise BicoError(E_ARG, "safetensors.write: dtypes names tensors not "
                         "written: %s" % ", ".join(sorted(dtypes)))
+    ctx = Context() if ctx is None else ctx
     h = c_void_p()
-    _check(fn.stwriter_create(ctx._alive(), _enc(str(path)), ctypes.byref(h)),
-           ctx)
+    _check(fn.stwriter_create(ctx._alive(), path_b, ctypes.byref(h)), ctx)
     w = h.value
     try:
-        for k, v in (metadata or {}).items():
-            _check(fn.stwriter_add_metadata(w, _enc(str(k)), _enc(str(v))), ctx)
-        for name, code, a in plan:
+        for k, v in meta:
+            _check(fn.stwriter_add_metadata(w, k, v), ctx)
+        for name, nm, code, a in plan:
             shp = (c_size_t * max(a.ndim, 1))(*a.shape)
-            _check(fn.stwriter_declare(w, _enc(name), code, a.ndim, shp), ctx)
-        for name, code, a in plan:
-            if code in (F32, F16, F64) and _FROM_NP.get(a.dtype) == code:
+            _check(fn.stwriter_declare(w, nm, code, a.ndim, shp), ctx)
+        for name, nm, code, a in plan:
+            if code in _FLOATS and _FROM_NP.get(a.dtype) == code:
                 b = a.astype(a.dtype.newbyteorder("<"), copy=False)
                 b = b if b.flags.c_contiguous else np.array(b, order="C")
-                _check(fn.stwriter_write_raw(w, _enc(name), b.ctypes.data,
-                                             b.nbytes), ctx)
-            elif code in (F32, F16, BF16, F64):
+                _check(fn.stwriter_write_raw(w, nm, b.ctypes.data, b.nbytes),
+                       ctx)
+            elif code in _FLOATS:
                 if a.dtype == np.float64:
-                    b = a
-                    _check(fn.stwriter_write_f64(w, _enc(name), b.ctypes.data,
-                                                 b.size), ctx)
+                    _check(fn.stwriter_write_f64(w, nm, a.ctypes.data,
+                                                 a.size), ctx)
                 else:
                     b = np.ascontiguousarray(a, dtype=np.float32)
-                    _check(fn.stwriter_write_f32(w, _enc(name), b.ctypes.data,
+                    _check(fn.stwriter_write_f32(w, nm, b.ctypes.data,
                                                  b.size), ctx)
             else:
                 want = np.dtype(_NP[code]).newbyteorder("<")
                 b = np.array(a, dtype=want, order="C")
-                _check(fn.stwriter_write_raw(w, _enc(name), b.ctypes.data,
-                                             b.nbytes), ctx)
+                _check(fn.stwriter_write_raw(w, nm, b.ctypes.data, b.nbytes),
+                       ctx)
         _check(fn.stwriter_commit(w), ctx)
     finally:
         fn.stwriter_free(w)

@@ -701,14 +701,15 @@ def save_votes(path, votes):
 
 def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
                         method="bico", alpha=1.0, **options):
-    """A new target state dict (torch tensors in the target's dtypes):
-    theta_B + alpha * tau_B.  stats: a Collector, a statistics dict, or a
-    statistics file path.  See bico.transfer.transfer_state_dict for the
-    options (norm_map, split, ties, votes, rank_tol, null, ...)."""
+    """A new target state dict: theta_B + alpha * tau_B.  stats: a
+    Collector, a statistics dict, or a statistics file path.  What comes
+    out follows bico.transfer.transfer_state_dict's rule: each value has
+    the kind of target_base's value (a torch tensor of the same dtype on
+    the same device for a torch tensor, so that load_state_dict takes the
+    result; a NumPy array for a NumPy array).  See there for the options
+    (norm_map, split, ties, votes, rank_tol, null, ...)."""
     if isinstance(stats, Collector):
         options.setdefault("split", stats.split)
         stats = stats.statistics()
-    sb = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-          for k, v in target_base.items()}
-    return _transfer_np(source_base, source_tuned, sb, stats, method=method,
-                        alpha=alpha, **options)
+    return _transfer_np(source_base, source_tuned, target_base, stats,
+                        method=method, alpha=alpha, **options)

@@ -26,22 +26,15 @@ fused module a list of per-block XCov), or a path to a statistics file.
 import numpy as np
 
 from ._core import (BicoError, Procrustes, Votes, XCov, E_NOTFOUND, E_SHAPE,
-                    E_ARG, weight as _weight, weight_split as _weight_split,
+                    E_ARG, E_FORMAT, weight as _weight, weight_split as _weight_split,
                     vector as _vector, rows as _rows, naive as _naive,
-                    pad as _pad, _to_numpy)
-from ._names import Pairing, module_of
+                    pad as _pad)
+from ._args import plain as _to_numpy
+from ._driver import transfer_via_driver, like_target
+from ._enums import METHODS as _METHOD_CODES, DEFAULT_SPLIT, choose
+from ._names import Pairing, module_of, split_block, split_for as _split_for
 
-METHODS = ("bico", "bico-in", "bico-out", "naive", "pad", "gradfix")
-
-DEFAULT_SPLIT = {"qkv": 3, "in_proj": 3}
-
-
-def _split_for(module, split):
-    for suffix, k in split.items():
-        # at a dot boundary, as the C driver matches it
-        if module == suffix or module.endswith("." + suffix):
-            return int(k)
-    return 1
+METHODS = tuple(_METHOD_CODES)
 
 
 def _linear_modules(names_shapes):
@@ -83,13 +76,26 @@ def classify(names_shapes):
     return out
 
 
+def _read_stats(path):
+    """A statistics file's matrices as float64; the format holds F64 or F32
+    (an integer or BOOL tensor is no cross-covariance)."""
+    from . import safetensors
+    with safetensors.File(path) as f:
+        for n in f.keys():
+            dt, _ = f.info(n)
+            if dt not in ("F64", "F32"):
+                raise BicoError(E_FORMAT, "transfer: statistics file %s: "
+                                "tensor %s is %s; statistics are F64 or F32"
+                                % (f.path, n, dt))
+        return {n: f.get(n, np.float64) for n in f.keys()}
+
+
 class _Stats(object):
     """Maps solved lazily from a statistics dict, cached per module."""
 
     def __init__(self, stats, split, procrustes_options):
         if isinstance(stats, str) or hasattr(stats, "__fspath__"):
-            from . import safetensors
-            stats = safetensors.read(str(stats), dtype=np.float64)
+            stats = _read_stats(stats)
         self.stats = stats or {}
         self.split = split
         self.opts = procrustes_options
@@ -138,7 +144,6 @@ class _Stats(object):
 def _default_tie(width, target, prefix):
     """As the C driver: a linear module outside the blocks whose output has
     the token's width and whose name contains embed, stem or patch."""
-    from ._names import split_block
     for m, dout in _linear_modules({n: v.shape for n, v in
                                     target.items()}).items():
         if dout != width or split_block(m, prefix) is not None:
@@ -159,16 +164,21 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
                         target_blocks=None, report=None, return_delta=False,
                         engine="auto", **procrustes_options):
     """A new target state dict: theta_B + alpha * tau_B for every tensor a
-    method carries, theta_B unchanged otherwise (same names, shapes and
-    dtypes as target_base; values are NumPy arrays, or torch tensors when
-    target_base held torch tensors).
+    method carries, theta_B unchanged otherwise, with target_base's names,
+    shapes and dtypes.
+
+    The rule for what comes out: each value has the kind of target_base's
+    value of that name; a torch tensor gives a torch tensor (same dtype,
+    same device), anything else a NumPy array (same dtype).  So a torch
+    state dict gives one that load_state_dict takes, a NumPy one (e.g. from
+    bico.safetensors.read) gives NumPy arrays.  With return_delta=True the
+    update alone comes as a second dict, float32, of the same kinds.
 
     method: bico | bico-in | bico-out (needs stats), naive, pad, gradfix
     (needs votes: {target tensor: bico.Votes or int vote array}).
     procrustes_options: rank_tol, null ("keep"|"drop"), center, whiten (the
     last two need XCov statistics created with sums/grams).
     report: a list to append one dict per target tensor to.
-    return_delta: also return the update alone: (new, delta).
     engine: "c" runs libbico's whole-model driver (bico_transfer, what
     `bico transfer` runs) on temporary safetensors files; "python" composes
     the binding's kernels here (needed for centering/whitening from XCov
@@ -178,28 +188,24 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
     if engine not in ("auto", "c", "python"):
         raise BicoError(E_ARG, "transfer: engine must be auto, c or python, "
                         "got %r" % (engine,))
+    choose(_METHOD_CODES, method, "transfer: method")
     needs_py = bool(procrustes_options.get("center")) or bool(
         procrustes_options.get("whiten")) or gradfix_mode != "majority"
     from ._lib import has
     if engine == "c" or (engine == "auto" and not needs_py
                          and has("transfer_run")):
-        from ._driver import transfer_via_driver
         return transfer_via_driver(
             source_base, source_tuned, target_base, stats, method=method,
             alpha=alpha, norm_map=norm_map, split=split, ties=ties,
             votes=votes, source_blocks=source_blocks,
             target_blocks=target_blocks, report=report,
             return_delta=return_delta, **procrustes_options)
-    if method not in METHODS:
-        raise BicoError(E_ARG, "transfer: unknown method %r (known: %s)"
-                        % (method, ", ".join(METHODS)))
     if norm_map not in ("act", "grad"):
         raise BicoError(E_ARG, "transfer: norm_map must be 'act' or 'grad', "
                         "got %r" % (norm_map,))
     if not alpha > 0:
         raise BicoError(E_ARG, "transfer: alpha must be positive, got %r"
                         % (alpha,))
-    torch_out = any(hasattr(v, "detach") for v in target_base.values())
     a0, a1, b0 = _np(source_base), _np(source_tuned), _np(target_base)
     for n in a0:
         if n not in a1:
@@ -257,11 +263,12 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
             res = tb.copy()
         new[name] = res
         rep.append(entry)
-    if torch_out:
-        import torch
-        new = {k: torch.from_numpy(np.ascontiguousarray(v)).to(
-            target_base[k].dtype) for k, v in new.items()}
-    return (new, delta) if return_delta else new
+    new = {k: like_target(v, target_base[k]) for k, v in new.items()}
+    if return_delta:
+        delta = {k: like_target(v, target_base[k], keep_dtype=False)
+                 for k, v in delta.items()}
+        return new, delta
+    return new
 
 
 def _gradfix(name, tau, tb, votes, alpha, mode, entry):

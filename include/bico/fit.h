@@ -1,0 +1,179 @@
+/* libbico: the sequential functional fit (docs/fit.md).
+ *
+ * Instead of rotating the source's task vector, the fit asks each target
+ * linear layer to change its output the way the fine-tune changed the
+ * source's, on calibration inputs, in forward order.  For one layer with
+ * weight W_B (d_out x d_in, row-major) and bias b_B:
+ *
+ *   X'  = the layer's inputs on the target with the updates of all earlier
+ *         layers applied (n x d_in);
+ *   X_B = the layer's inputs on the original target (n x d_in);
+ *   D_B = the desired change of the layer's output, in the target's output
+ *         coordinates (n x d_out);
+ *
+ * and, with ~ meaning "a column of ones appended" when the fit has a bias,
+ *
+ *   [dW db] = argmin ||X~' [W_B+dW, b_B+db]^T - (X~_B [W_B, b_B]^T + D_B)||^2
+ *                    + lambda ||dW||^2,     lambda = c tr(X'^T X') / d_in
+ *
+ * (no penalty on the bias).  The solution needs only the cross-products
+ * G = X~'^T X~', K = X~'^T X~_B and E = X~'^T D_B, which bico_fit_add
+ * accumulates in double precision from batches of rows (memory is
+ * O(d_in (d_in + d_out)) whatever the number of rows), and which add up
+ * over shards of the calibration data (bico_fit_merge).  The normal
+ * equations are (G + lambda P) Delta = (K - G) Theta + E, with Theta =
+ * [W_B, b_B]^T, Delta = [dW, db]^T and P the identity on the weight rows
+ * (zero on the bias row).
+ *
+ * bico_fit_run (below) is the sequential driver: it calls back into the
+ * host's own forward pass for each layer's rows, solves, and hands each
+ * update back before it asks for the next layer. */
+#ifndef BICO_FIT_H
+#define BICO_FIT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "ctx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct bico_fit bico_fit;
+
+/* Flags for bico_fit_create (bitwise or). */
+typedef enum bico_fit_flag {
+  BICO_FIT_BIAS = 1 /* fit a bias too: a column of ones is appended to X'
+                       and X_B */
+} bico_fit_flag;
+
+/* Options (bico_fit_set_param):
+ *   BICO_FIT_RIDGE     c >= 0, default 1e-2: lambda = c tr(X'^T X') / d_in.
+ *                      c = 0 is the plain least-squares fit (minimum-norm
+ *                      solution when X' is rank-deficient).
+ *   BICO_FIT_RANK_TOL  relative tolerance in [0, 1), default 1e-10: the
+ *                      numerical rank of G counts the pivots of a pivoted
+ *                      Cholesky factorisation of G above tol * max_i G_ii
+ *                      (G holds squares: 1e-10 there is about 1e-5 on the
+ *                      singular values of X~').  0 takes LAPACK's default
+ *                      (n eps max_i G_ii).  The same tolerance, relative to
+ *                      the largest eigenvalue, drops directions in the
+ *                      eigen-solve fallback. */
+typedef enum bico_fit_param {
+  BICO_FIT_RIDGE = 1,
+  BICO_FIT_RANK_TOL = 2
+} bico_fit_param;
+
+/* Creates an empty fit for a layer with d_in inputs and d_out outputs.  The
+ * handle keeps a pointer to ctx (which must outlive it) and reports
+ * failures there. */
+BICO_API bico_status bico_fit_create(bico_ctx *ctx, size_t d_in, size_t d_out,
+                                     unsigned flags, bico_fit **out);
+/* Frees the fit; accepts NULL. */
+BICO_API void bico_fit_free(bico_fit *f);
+
+BICO_API bico_status bico_fit_set_param(bico_fit *f, int param, double value);
+BICO_API bico_status bico_fit_get_param(const bico_fit *f, int param,
+                                        double *value);
+/* Inclusive bounds of a parameter's values; BICO_E_ARG for an unknown one. */
+BICO_API bico_status bico_fit_param_bounds(int param, double *lo, double *hi);
+
+/* Adds n corresponding rows: x_new (X', n x d_in, row stride ld_new),
+ * x_orig (X_B, n x d_in, ld_orig) and delta (D_B, n x d_out, ld_delta).
+ * n = 0 is a no-op.  NaN or Inf in any input is BICO_E_NONFINITE and leaves
+ * the fit unchanged. */
+BICO_API bico_status bico_fit_add(bico_fit *f, size_t n, const float *x_new,
+                                  size_t ld_new, const float *x_orig,
+                                  size_t ld_orig, const float *delta,
+                                  size_t ld_delta);
+
+/* dst += src (the statistics of disjoint shards add up).  Dimensions and
+ * flags must match; dst's options are kept. */
+BICO_API bico_status bico_fit_merge(bico_fit *dst, const bico_fit *src);
+
+/* Empties the statistics (options are kept): the handle can then serve the
+ * next layer of the same shape. */
+BICO_API bico_status bico_fit_reset(bico_fit *f);
+
+/* Dimensions, rows added so far and flags; any out-pointer may be NULL. */
+BICO_API bico_status bico_fit_info(const bico_fit *f, size_t *d_in,
+                                   size_t *d_out, uint64_t *rows,
+                                   unsigned *flags);
+
+/* Solves for the update of W_B (d_out x d_in, row stride ld_w >= d_in) and
+ * b_B (d_out floats; must be NULL without BICO_FIT_BIAS, non-NULL with it):
+ * writes dW (d_out x d_in, row stride ld_dw >= d_in) and db (d_out floats;
+ * NULL exactly when b_b is) and the numerical rank of G (rank may be NULL).
+ * The solve is a Cholesky factorisation of G + lambda P; where that fails
+ * (c = 0 and G singular, or too badly conditioned for the factorisation),
+ * an eigendecomposition gives the minimum-norm solution.  With no rows,
+ * dW and db are zero and the rank is 0.  The statistics are kept: more rows
+ * may be added and the fit solved again. */
+BICO_API bico_status bico_fit_solve(bico_fit *f, const float *w_b,
+                                    size_t ld_w, const float *b_b, float *dw,
+                                    size_t ld_dw, float *db, size_t *rank);
+
+/* ---- The sequential driver ----
+ *
+ * bico_fit_run fits a model's linear layers one after the other, in
+ * forward order, calling back into the host for everything that needs the
+ * model: the host owns the weights and runs its own forward passes;
+ * libbico accumulates, solves and hands each update back before it asks
+ * for the next layer's rows, so those rows already see the update.  For
+ * layer l the host's callbacks do this:
+ *
+ *   layer(opaque, l, &d_in, &d_out, &w, &ld_w, &b)
+ *       the layer's shape and its current weight W_B (d_out x d_in, row
+ *       stride ld_w) and bias b_B (d_out floats, or NULL for a layer
+ *       without bias: then no bias is fitted).  The pointers must stay
+ *       valid until update returns for this layer.
+ *   rows(opaque, l, fit)
+ *       runs the calibration data through the target with the updates of
+ *       layers 0..l-1 applied (X', the layer's inputs), through the
+ *       original target (X_B), and computes the desired output change D_B
+ *       (typically D R_out: the source partner's output on the fine-tuned
+ *       source minus its output on the source, carried into the target's
+ *       output coordinates); passes the rows to bico_fit_add(fit, ...), in
+ *       as many batches as it likes.  It may also set the fit's options for
+ *       this layer (bico_fit_set_param); each layer's fit starts with
+ *       BICO_FIT_RIDGE = ridge and the other options at their defaults.
+ *   update(opaque, l, dw, ld_dw, db, rank)
+ *       the solved update (dW d_out x d_in with row stride ld_dw, db d_out
+ *       floats or NULL without bias) and the numerical rank of X~'^T X~';
+ *       the host applies it (W_B + dW, b_B + db, or a scaled version) to
+ *       the model its next forward passes run.  The buffers are valid
+ *       during the call only.
+ *
+ * A callback returns BICO_OK to go on; any other status stops the run and
+ * is returned, with a message naming the layer and the callback (and the
+ * detail of a failed libbico call made inside it, if that is what it
+ * returns).  The layers before the failing one have had their updates
+ * applied by then. */
+
+/* The host's side of bico_fit_run.  `size` must be set to
+ * sizeof(bico_fit_runner) as the caller compiled it: later versions may
+ * append fields and read them only when size covers them.  The callbacks
+ * are called from the thread that called bico_fit_run. */
+typedef struct bico_fit_runner {
+  size_t size;   /* sizeof(bico_fit_runner) */
+  void *opaque;  /* passed to every callback */
+  size_t layers; /* number of linear layers to fit, in forward order */
+  bico_status (*layer)(void *opaque, size_t l, size_t *d_in, size_t *d_out,
+                       const float **w, size_t *ld_w, const float **b);
+  bico_status (*rows)(void *opaque, size_t l, bico_fit *fit);
+  bico_status (*update)(void *opaque, size_t l, const float *dw,
+                        size_t ld_dw, const float *db, size_t rank);
+} bico_fit_runner;
+
+/* Runs the sequential fit over runner->layers layers (0 is a no-op), with
+ * ridge c = `ridge` (BICO_FIT_RIDGE's range) for every layer unless the
+ * rows callback changes it.  Memory: one layer's statistics and update at a
+ * time (through ctx's allocator). */
+BICO_API bico_status bico_fit_run(bico_ctx *ctx,
+                                  const bico_fit_runner *runner,
+                                  double ridge);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,430 @@
+/* File plumbing: strings, non-blocking inputs, identity, atomic commit. */
+#define _DEFAULT_SOURCE 1 /* DT_* names, O_DIRECTORY */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "fileio.h"
+
+/* The base name is cut so that ".<base>.bico-tmp.<pid>.XXXXXX" fits
+ * NAME_MAX (255) with room for a 10-digit pid. */
+#define TMP_BASE_MAX 200
+
+char *bico__strndup(bico_ctx *ctx, const char *s, size_t n) {
+  char *p = bico__alloc(ctx, n + 1);
+  if (p == NULL) return NULL;
+  memcpy(p, s, n);
+  p[n] = '\0';
+  return p;
+}
+
+char *bico__strdup(bico_ctx *ctx, const char *s) {
+  return bico__strndup(ctx, s, strlen(s));
+}
+
+char *bico__path_join(bico_ctx *ctx, const char *dir, const char *file) {
+  size_t a = strlen(dir), b = strlen(file);
+  char *p = bico__alloc(ctx, a + b + 2);
+  if (p == NULL) return NULL;
+  memcpy(p, dir, a);
+  size_t o = a;
+  if (a == 0 || dir[a - 1] != '/') p[o++] = '/';
+  memcpy(p + o, file, b + 1);
+  return p;
+}
+
+static const char *kind_of(mode_t m) {
+  if (S_ISDIR(m)) return "a folder";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "of another type";
+}
+
+bico_status bico__open_input(bico_ctx *ctx, const char *fn, const char *path,
+                             int *fd, uint64_t *size) {
+  *fd = -1;
+  /* O_NONBLOCK: opening a FIFO without a writer would wait forever. */
+  int d = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (d < 0)
+    return bico__fail(ctx, BICO_E_IO, "%s: %s: cannot open: %s", fn, path,
+                      strerror(errno));
+  struct stat st;
+  if (fstat(d, &st) != 0) {
+    int e = errno;
+    close(d);
+    return bico__fail(ctx, BICO_E_IO, "%s: %s: cannot stat: %s", fn, path,
+                      strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(d);
+    return bico__fail(ctx, BICO_E_IO, "%s: %s is %s, not a regular file", fn,
+                      path, kind_of(st.st_mode));
+  }
+  int fl = fcntl(d, F_GETFL);
+  if (fl >= 0) (void)fcntl(d, F_SETFL, fl & ~O_NONBLOCK);
+  *fd = d;
+  if (size) *size = (uint64_t)st.st_size;
+  return BICO_OK;
+}
+
+int bico__pread_all(int fd, void *buf, size_t n, uint64_t off) {
+  unsigned char *p = buf;
+  while (n > 0) {
+    ssize_t r = pread(fd, p, n, (off_t)off);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return errno;
+    if (r == 0) return EIO;
+    p += r;
+    n -= (size_t)r;
+    off += (uint64_t)r;
+  }
+  return 0;
+}
+
+bico_status bico__read_file(bico_ctx *ctx, const char *fn, const char *what,
+                            const char *path, size_t limit, char **out,
+                            size_t *len) {
+  *out = NULL;
+  *len = 0;
+  int fd;
+  uint64_t size;
+  bico_status st = bico__open_input(ctx, fn, path, &fd, &size);
+  if (st != BICO_OK) return st;
+  if (size > (uint64_t)limit) {
+    close(fd);
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: %s: %s of %llu bytes exceeds the limit of %zu bytes",
+                      fn, path, what, (unsigned long long)size, limit);
+  }
+  size_t n = (size_t)size;
+  char *buf = bico__alloc(ctx, n + 1);
+  if (buf == NULL) {
+    close(fd);
+    return BICO_E_NOMEM;
+  }
+  int e = bico__pread_all(fd, buf, n, 0);
+  close(fd);
+  if (e != 0) {
+    bico__free(ctx, buf);
+    return bico__fail(ctx, BICO_E_IO, "%s: %s: read failed: %s", fn, path,
+                      e == EIO ? "the file shrank while being read"
+                               : strerror(e));
+  }
+  buf[n] = '\0';
+  *out = buf;
+  *len = n;
+  return BICO_OK;
+}
+
+/* ---- identity ---- */
+
+/* The folder part of path ("." when none; "/" for "/x") into buf. */
+static void dir_of(const char *path, char *buf, size_t cap) {
+  const char *slash = strrchr(path, '/');
+  if (slash == NULL)
+    snprintf(buf, cap, ".");
+  else if (slash == path)
+    snprintf(buf, cap, "/");
+  else
+    snprintf(buf, cap, "%.*s", (int)(slash - path), path);
+}
+
+static const char *base_of(const char *path) {
+  const char *slash = strrchr(path, '/');
+  return slash ? slash + 1 : path;
+}
+
+typedef struct fid {
+  int exists, dir_known;
+  dev_t dev, ddev;
+  ino_t ino, dino;
+  mode_t mode;      /* after following links */
+  const char *name; /* base name, inside the path */
+} fid;
+
+static void fid_of(const char *path, fid *f) {
+  memset(f, 0, sizeof *f);
+  struct stat st;
+  if (stat(path, &st) == 0) {
+    f->exists = 1;
+    f->dev = st.st_dev;
+    f->ino = st.st_ino;
+    f->mode = st.st_mode;
+  }
+  size_t cap = strlen(path) + 2;
+  char *dir = malloc(cap);
+  if (dir == NULL) return;
+  dir_of(path, dir, cap);
+  if (stat(dir, &st) == 0 && S_ISDIR(st.st_mode)) {
+    f->dir_known = 1;
+    f->ddev = st.st_dev;
+    f->dino = st.st_ino;
+  }
+  free(dir);
+  f->name = base_of(path);
+}
+
+static int fid_same(const fid *a, const fid *b) {
+  if (a->exists && b->exists && a->dev == b->dev && a->ino == b->ino) return 1;
+  return a->dir_known && b->dir_known && a->ddev == b->ddev &&
+         a->dino == b->dino && strcmp(a->name, b->name) == 0;
+}
+
+/* An output's destination: a regular file, a dangling link (replaced) or
+ * nothing, in an existing folder. */
+static bico_status check_dest(bico_ctx *ctx, const char *fn,
+                              const bico__fileuse *u, const fid *f) {
+  struct stat ls;
+  const char *base = base_of(u->path);
+  if (base[0] == '\0' || strcmp(base, ".") == 0 || strcmp(base, "..") == 0)
+    return bico__fail(ctx, BICO_E_ARG, "%s: the %s '%s' names no file", fn,
+                      u->what, u->path);
+  if (lstat(u->path, &ls) == 0) {
+    mode_t m = S_ISLNK(ls.st_mode) && f->exists ? f->mode : ls.st_mode;
+    if (!S_ISREG(m) && !S_ISLNK(m))
+      return bico__fail(ctx, BICO_E_ARG,
+                        "%s: the %s %s is %s; outputs must be regular files "
+                        "(nothing was written)",
+                        fn, u->what, u->path, kind_of(m));
+  }
+  if (!f->dir_known && !u->newdir)
+    return bico__fail(ctx, BICO_E_IO,
+                      "%s: the %s %s: its folder does not exist (nothing was "
+                      "written)",
+                      fn, u->what, u->path);
+  return BICO_OK;
+}
+
+bico_status bico__check_files(bico_ctx *ctx, const char *fn,
+                              const bico__fileuse *u, size_t n) {
+  if (n == 0) return BICO_OK;
+  fid *ids = bico__alloc(ctx, n * sizeof *ids);
+  if (ids == NULL) return BICO_E_NOMEM;
+  bico_status st = BICO_OK;
+  for (size_t i = 0; i < n; i++)
+    if (u[i].path != NULL) fid_of(u[i].path, &ids[i]);
+  for (size_t i = 0; i < n && st == BICO_OK; i++)
+    if (u[i].path != NULL && u[i].output)
+      st = check_dest(ctx, fn, &u[i], &ids[i]);
+  /* Each output against every other entry: outputs are few, inputs may
+   * be 100k shards, so this stays linear in the inputs. */
+  for (size_t i = 0; i < n && st == BICO_OK; i++) {
+    if (u[i].path == NULL || !u[i].output) continue;
+    for (size_t j = 0; j < n && st == BICO_OK; j++) {
+      if (j == i || u[j].path == NULL || (u[j].output && j < i)) continue;
+      if (!fid_same(&ids[i], &ids[j])) continue;
+      const bico__fileuse *o = &u[i], *x = &u[j];
+      st = bico__fail(ctx, BICO_E_ARG,
+                      "%s: the %s %s is the same file as the %s %s; refusing "
+                      "to overwrite %s (nothing was written)",
+                      fn, o->what, o->path, x->what, x->path,
+                      x->output ? "one output with another" : "an input");
+    }
+  }
+  bico__free(ctx, ids);
+  return st;
+}
+
+/* ---- temporary files ---- */
+
+/* The umask without changing it (umask() is process-wide and racy):
+ * Linux reports it in /proc/self/status; elsewhere assume 022. */
+static mode_t current_umask(void) {
+  mode_t m = 022;
+  FILE *fp = fopen("/proc/self/status", "r");
+  if (fp == NULL) return m;
+  char line[256];
+  while (fgets(line, sizeof line, fp)) {
+    unsigned v;
+    if (sscanf(line, "Umask: %o", &v) == 1) {
+      m = (mode_t)(v & 0777);
+      break;
+    }
+  }
+  fclose(fp);
+  return m;
+}
+
+/* Removes ".<base>.bico-tmp.<pid>.*" files in dir whose process is gone
+ * (kill(pid, 0) says ESRCH) and that belong to this user.  A pid that was
+ * reused keeps its files: they are removed by a later run. */
+static void remove_stale(const char *dir, const char *base, size_t blen) {
+  DIR *d = opendir(dir);
+  if (d == NULL) return;
+  int dfd = dirfd(d);
+  size_t ml = strlen(BICO__TMP_MARK);
+  pid_t self = getpid();
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    const char *n = e->d_name;
+    if (n[0] != '.' || strncmp(n + 1, base, blen) != 0 ||
+        strncmp(n + 1 + blen, BICO__TMP_MARK, ml) != 0)
+      continue;
+    const char *p = n + 1 + blen + ml;
+    char *end;
+    errno = 0;
+    long pid = strtol(p, &end, 10);
+    if (end == p || *end != '.' || errno != 0 || pid <= 0 ||
+        pid == (long)self)
+      continue;
+    if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+    struct stat st;
+    if (fstatat(dfd, n, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode) || st.st_uid != geteuid())
+      continue;
+    (void)unlinkat(dfd, n, 0);
+  }
+  closedir(d);
+}
+
+bico_status bico__tmp_create(bico_ctx *ctx, const char *fn, const char *what,
+                             const char *path, bico__tmpfile *t) {
+  memset(t, 0, sizeof *t);
+  t->fd = -1;
+  size_t plen = strlen(path);
+  const char *base = base_of(path);
+  if (plen == 0 || base[0] == '\0' || strcmp(base, ".") == 0 ||
+      strcmp(base, "..") == 0)
+    return bico__fail(ctx, BICO_E_ARG, "%s: the %s '%s' names no file", fn,
+                      what, path);
+  struct stat st;
+  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
+    return bico__fail(ctx, BICO_E_ARG, "%s: the %s %s is a folder", fn, what,
+                      path);
+  size_t blen = strlen(base) > TMP_BASE_MAX ? TMP_BASE_MAX : strlen(base);
+  size_t dcap = plen + 2, tcap = plen + blen + 64;
+  char *dir = bico__alloc(ctx, dcap);
+  t->path = bico__strdup(ctx, path);
+  t->tmp = bico__alloc(ctx, tcap);
+  if (dir == NULL || t->path == NULL || t->tmp == NULL) {
+    bico__free(ctx, dir);
+    bico__free(ctx, t->tmp);
+    t->tmp = NULL;
+    bico__tmp_discard(ctx, t);
+    return BICO_E_NOMEM;
+  }
+  dir_of(path, dir, dcap);
+  remove_stale(dir, base, blen);
+  snprintf(t->tmp, tcap, "%s/.%.*s%s%ld.XXXXXX", dir, (int)blen, base,
+           BICO__TMP_MARK, (long)getpid());
+  t->fd = mkstemp(t->tmp);
+  if (t->fd < 0) {
+    int e = errno;
+    bico_status s = bico__fail(ctx, BICO_E_IO,
+                               "%s: the %s %s: cannot create a temporary file "
+                               "in folder '%s': %s",
+                               fn, what, path, dir, strerror(e));
+    bico__free(ctx, dir);
+    bico__free(ctx, t->tmp);
+    t->tmp = NULL;
+    bico__tmp_discard(ctx, t);
+    return s;
+  }
+  bico__free(ctx, dir);
+  (void)fcntl(t->fd, F_SETFD, FD_CLOEXEC);
+  return BICO_OK;
+}
+
+bico_status bico__tmp_write(bico_ctx *ctx, const char *fn, bico__tmpfile *t,
+                            const void *buf, size_t len) {
+  const unsigned char *p = buf;
+  while (len > 0) {
+    ssize_t w = write(t->fd, p, len);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0)
+      return bico__fail(ctx, BICO_E_IO,
+                        "%s: %s: write to temporary file %s failed: %s", fn,
+                        t->path, t->tmp,
+                        w < 0 ? strerror(errno) : "no progress");
+    p += w;
+    len -= (size_t)w;
+  }
+  return BICO_OK;
+}
+
+bico_status bico__tmp_finish(bico_ctx *ctx, const char *fn, bico__tmpfile *t) {
+  struct stat old;
+  /* Permission bits only: a setuid/setgid/sticky destination must not
+   * lend those bits to new content. */
+  mode_t mode = stat(t->path, &old) == 0 && S_ISREG(old.st_mode)
+                    ? (old.st_mode & 0777)
+                    : (0666 & ~current_umask());
+  const char *step = NULL;
+  if (fchmod(t->fd, mode) != 0)
+    step = "chmod";
+  else if (fsync(t->fd) != 0)
+    step = "fsync";
+  int fd = t->fd;
+  t->fd = -1;
+  if (close(fd) != 0 && step == NULL) step = "close";
+  if (step != NULL)
+    return bico__fail(ctx, BICO_E_IO, "%s: %s: %s of the temporary file %s: %s",
+                      fn, t->path, step, t->tmp, strerror(errno));
+  return BICO_OK;
+}
+
+void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t) {
+  if (t->fd >= 0) close(t->fd);
+  t->fd = -1;
+  if (t->tmp != NULL && !t->gone) unlink(t->tmp);
+  t->gone = 1;
+  bico__free(ctx, t->tmp);
+  bico__free(ctx, t->path);
+  t->tmp = t->path = NULL;
+}
+
+static void sync_dir(const char *path) {
+  size_t cap = strlen(path) + 2;
+  char *dir = malloc(cap);
+  if (dir == NULL) return;
+  dir_of(path, dir, cap);
+  int dfd = open(dir, O_RDONLY | O_CLOEXEC | O_DIRECTORY);
+  free(dir);
+  if (dfd < 0) return;
+  (void)fsync(dfd); /* EINVAL/EROFS on some file systems: nothing to do */
+  close(dfd);
+}
+
+bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
+                         size_t n) {
+  bico_status st = BICO_OK;
+  for (size_t i = 0; i < n && st == BICO_OK; i++) {
+    struct stat ls, ts;
+    if (t[i]->tmp == NULL || t[i]->gone || t[i]->fd >= 0) {
+      st = bico__fail(ctx, BICO_E_INTERNAL, "%s: %s: temporary file not "
+                      "finished", fn, t[i]->path);
+      break;
+    }
+    if (lstat(t[i]->path, &ls) != 0) continue;
+    mode_t m = ls.st_mode;
+    if (S_ISLNK(m) && stat(t[i]->path, &ts) == 0) m = ts.st_mode;
+    if (!S_ISREG(m) && !S_ISLNK(m))
+      st = bico__fail(ctx, BICO_E_IO,
+                      "%s: %s is %s, not a regular file; nothing was written",
+                      fn, t[i]->path, kind_of(m));
+  }
+  for (size_t i = 0; i < n && st == BICO_OK; i++) {
+    if (rename(t[i]->tmp, t[i]->path) != 0) {
+      st = bico__fail(ctx, BICO_E_IO, "%s: %s: cannot rename %s into place: %s",
+                      fn, t[i]->path, t[i]->tmp, strerror(errno));
+      break;
+    }
+    t[i]->gone = 1;
+    sync_dir(t[i]->path);
+  }
+  for (size_t i = 0; i < n; i++)
+    if (t[i]->tmp != NULL && !t[i]->gone) {
+      unlink(t[i]->tmp);
+      t[i]->gone = 1;
+    }
+  return st;
+}

@@ -1,0 +1,75 @@
+/* safetensors internals shared by its sources (never installed):
+ *   lib/st_convert.c  dtypes and element conversion
+ *   lib/st_header.c   one file: open, header validation
+ *   lib/st_index.c    sharded checkpoints (model.safetensors.index.json)
+ *   lib/safetensors.c the reader's public functions (pread, no mapping)
+ *   lib/st_writer.c   the atomic writer */
+#ifndef BICO_ST_INTERNAL_H
+#define BICO_ST_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "internal.h"
+#include "json.h"
+
+#define BICO__ST_HEADER_LIMIT 100000000u
+#define BICO__ST_MAX_NDIM 64
+
+typedef struct bico__st_tensor {
+  const char *name;
+  int dtype;
+  size_t ndim;
+  size_t *shape;
+  size_t numel, nbytes;
+  uint64_t begin; /* offset in the data buffer */
+  uint64_t off;   /* offset of the first byte in its file */
+  size_t file;    /* index into files */
+} bico__st_tensor;
+
+typedef struct bico__st_file {
+  char *path;
+  int fd; /* -1 when not open */
+  uint64_t size;
+} bico__st_file;
+
+typedef struct bico__st_meta {
+  const char *key, *value;
+} bico__st_meta;
+
+struct bico_stfile {
+  bico_ctx *ctx;
+  const char *path; /* as opened (the index, for a sharded checkpoint) */
+  bico__arena arena; /* names, shapes, metadata, paths */
+  bico__st_file *files;
+  size_t nfiles;
+  bico__st_tensor *tensors;
+  size_t count, cap;
+  size_t *by_name; /* tensor indices sorted by name */
+  bico__st_meta *meta;
+  size_t nmeta;
+  /* bico_stfile_data's copy of the last tensor asked for. */
+  void *raw;
+  size_t rawcap;
+};
+
+/* A name for messages: long ones cut with "...". */
+const char *bico__st_shortname(const char *s, char *buf, size_t cap);
+
+int bico__st_is_float(int dtype);
+uint64_t bico__st_load_le(const unsigned char *p, size_t n);
+void bico__st_store_le(unsigned char *p, uint64_t v, size_t n);
+/* Nearest value (ties to even) of a binary format with ebits exponent and
+ * mbits mantissa bits, as its bit pattern (overflow: Inf). */
+uint64_t bico__st_round(double x, int ebits, int mbits);
+/* One element of dtype d at p (little-endian, any alignment). */
+double bico__st_elem_f64(const unsigned char *p, int d);
+float bico__st_elem_f32(const unsigned char *p, int d);
+
+/* Opens files[file] (its path already set) and validates its header,
+ * appending its tensors; want_meta keeps "__metadata__". */
+bico_status bico__st_load_one(bico_stfile *f, size_t file, int want_meta);
+/* Opens every shard an index names (f->files allocated here). */
+bico_status bico__st_load_index(bico_stfile *f, const char *path);
+
+#endif

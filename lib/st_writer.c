@@ -1,0 +1,521 @@
+/* safetensors writer: declare, write (any order), commit atomically. */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fileio.h"
+#include "st_internal.h"
+#include "strindex.h"
+
+#define HEADER_LIMIT BICO__ST_HEADER_LIMIT
+#define MAX_NDIM BICO__ST_MAX_NDIM
+#define shortname bico__st_shortname
+#define store_le bico__st_store_le
+#define round_to_format bico__st_round
+#define is_float_dtype bico__st_is_float
+
+typedef struct wt_tensor {
+  char *name;
+  int dtype;
+  size_t ndim;
+  size_t *shape;
+  size_t numel, nbytes;
+  uint64_t begin;
+  int written;
+} wt_tensor;
+
+struct bico_stwriter {
+  bico_ctx *ctx;
+  char *path;
+  bico__tmpfile tf; /* the temporary file in the destination's folder */
+  wt_tensor *t;
+  size_t count, cap;
+  bico__strindex by_name; /* tensor name -> index */
+  char **meta; /* key, value pairs */
+  size_t nmeta, metacap;
+  uint64_t data_start; /* 8 + padded header length once laid out */
+  int laid_out, finished;
+  unsigned char *buf; /* conversion buffer */
+};
+
+#define WBUF 65536
+
+static const char *w_key(const void *w, size_t i) {
+  return ((const bico_stwriter *)w)->t[i].name;
+}
+
+/* Index of the tensor named name, or SIZE_MAX. */
+static size_t w_lookup(const bico_stwriter *w, const char *name) {
+  return bico__strindex_find(&w->by_name, name, strlen(name), w_key, w);
+}
+
+static int w_hash_insert(bico_stwriter *w, size_t idx) {
+  if (bico__strindex_reserve(w->ctx, &w->by_name, w->count + 1, w_key, w) !=
+      BICO_OK)
+    return 0;
+  bico__strindex_insert(&w->by_name, idx, w_key, w);
+  return 1;
+}
+
+void bico_stwriter_free(bico_stwriter *w) {
+  if (w == NULL) return;
+  bico_ctx *ctx = w->ctx;
+  bico__tmp_discard(ctx, &w->tf);
+  for (size_t k = 0; k < w->count; k++) {
+    bico__free(ctx, w->t[k].name);
+    bico__free(ctx, w->t[k].shape);
+  }
+  for (size_t k = 0; k < 2 * w->nmeta; k++) bico__free(ctx, w->meta[k]);
+  bico__free(ctx, w->meta);
+  bico__free(ctx, w->t);
+  bico__strindex_free(ctx, &w->by_name);
+  bico__free(ctx, w->buf);
+  bico__free(ctx, w->path);
+  bico__free(ctx, w);
+}
+
+bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
+                                 bico_stwriter **out) {
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (out == NULL || path == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "stwriter_create: %s is NULL",
+                      out == NULL ? "out" : "path");
+  *out = NULL;
+  size_t plen = strlen(path);
+  if (plen == 0 || path[plen - 1] == '/')
+    return bico__fail(ctx, BICO_E_ARG,
+                      "stwriter_create: '%s' names no file", path);
+  struct stat st;
+  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "stwriter_create: %s is a directory", path);
+  bico_stwriter *w = bico__calloc(ctx, 1, sizeof *w);
+  if (w == NULL) return BICO_E_NOMEM;
+  w->ctx = ctx;
+  w->tf.fd = -1;
+  w->path = bico__strdup(ctx, path);
+  w->buf = bico__alloc(ctx, WBUF);
+  if (!w->path || !w->buf) {
+    bico_stwriter_free(w);
+    return BICO_E_NOMEM;
+  }
+  bico_status s = bico__tmp_create(ctx, "stwriter_create", "output", path,
+                                   &w->tf);
+  if (s != BICO_OK) {
+    bico_stwriter_free(w);
+    return s;
+  }
+  *out = w;
+  return BICO_OK;
+}
+
+static bico_status w_state(bico_stwriter *w, const char *fn, int need_open) {
+  if (w->finished)
+    return bico__fail(w->ctx, BICO_E_STATE, "%s: %s: writer already committed (or its "
+                      "commit failed)",
+                      fn, w->path);
+  if (need_open && w->laid_out)
+    return bico__fail(w->ctx, BICO_E_STATE,
+                      "%s: %s: tensor data already written; declarations and "
+                      "metadata must come first",
+                      fn, w->path);
+  return BICO_OK;
+}
+
+bico_status bico_stwriter_add_metadata(bico_stwriter *w, const char *key,
+                                       const char *value) {
+  if (w == NULL) return BICO_E_NULL;
+  bico__clear(w->ctx);
+  if (key == NULL || value == NULL)
+    return bico__fail(w->ctx, BICO_E_NULL, "stwriter_add_metadata: %s is NULL",
+                      key == NULL ? "key" : "value");
+  bico_status st = w_state(w, "stwriter_add_metadata", 1);
+  if (st != BICO_OK) return st;
+  char kb[160];
+  if (!bico__utf8_valid(key, strlen(key), NULL) ||
+      !bico__utf8_valid(value, strlen(value), NULL))
+    return bico__fail(w->ctx, BICO_E_ARG,
+                      "stwriter_add_metadata: key or value of '%s' is not "
+                      "valid UTF-8",
+                      shortname(key, kb, sizeof kb));
+  for (size_t k = 0; k < w->nmeta; k++)
+    if (strcmp(w->meta[2 * k], key) == 0)
+      return bico__fail(w->ctx, BICO_E_ARG,
+                        "stwriter_add_metadata: key '%s' added twice",
+                        shortname(key, kb, sizeof kb));
+  /* key, value pairs: an element is two pointers */
+  char **nm = bico__grow(w->ctx, w->meta, w->nmeta, &w->metacap, 8,
+                         2 * sizeof *nm);
+  if (nm == NULL) return BICO_E_NOMEM;
+  w->meta = nm;
+  char *k = bico__strdup(w->ctx, key), *v = bico__strdup(w->ctx, value);
+  if (!k || !v) {
+    bico__free(w->ctx, k);
+    bico__free(w->ctx, v);
+    return BICO_E_NOMEM;
+  }
+  w->meta[2 * w->nmeta] = k;
+  w->meta[2 * w->nmeta + 1] = v;
+  w->nmeta++;
+  return BICO_OK;
+}
+
+bico_status bico_stwriter_declare(bico_stwriter *w, const char *name,
+                                  int dtype, size_t ndim,
+                                  const size_t *shape) {
+  if (w == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = w->ctx;
+  bico__clear(ctx);
+  if (name == NULL || (shape == NULL && ndim > 0))
+    return bico__fail(ctx, BICO_E_NULL, "stwriter_declare: %s is NULL",
+                      name == NULL ? "name" : "shape");
+  bico_status st = w_state(w, "stwriter_declare", 1);
+  if (st != BICO_OK) return st;
+  char nb[160];
+  const char *nm = shortname(name, nb, sizeof nb);
+  if (strcmp(name, "__metadata__") == 0)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "stwriter_declare: '__metadata__' is reserved, not a "
+                      "tensor name");
+  if (!bico__utf8_valid(name, strlen(name), NULL))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "stwriter_declare: tensor name '%s' is not valid UTF-8",
+                      nm);
+  if (bico_dtype_size(dtype) == 0)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "stwriter_declare: tensor '%s': unknown dtype %d", nm,
+                      dtype);
+  if (ndim > MAX_NDIM)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "stwriter_declare: tensor '%s': %zu dimensions, more "
+                      "than %d",
+                      nm, ndim, MAX_NDIM);
+  size_t numel = 1, nbytes;
+  for (size_t k = 0; k < ndim; k++)
+    if ((uint64_t)shape[k] > (uint64_t)INT64_MAX ||
+        bico__mul(numel, shape[k], &numel))
+      return bico__fail(ctx, BICO_E_SHAPE,
+                        "stwriter_declare: tensor '%s': shape overflows", nm);
+  if (bico__mul(numel, bico_dtype_size(dtype), &nbytes) ||
+      nbytes > (size_t)INT64_MAX)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "stwriter_declare: tensor '%s': byte size overflows",
+                      nm);
+  if (w_lookup(w, name) != SIZE_MAX)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "stwriter_declare: tensor '%s' declared twice", nm);
+  wt_tensor *nt = bico__grow(ctx, w->t, w->count, &w->cap, 64, sizeof *nt);
+  if (nt == NULL) return BICO_E_NOMEM;
+  w->t = nt;
+  wt_tensor *t = &w->t[w->count];
+  memset(t, 0, sizeof *t);
+  t->name = bico__strdup(ctx, name);
+  t->shape = bico__alloc(ctx, (ndim ? ndim : 1) * sizeof(size_t));
+  if (!t->name || !t->shape) {
+    bico__free(ctx, t->name);
+    bico__free(ctx, t->shape);
+    return BICO_E_NOMEM;
+  }
+  if (ndim) memcpy(t->shape, shape, ndim * sizeof(size_t));
+  t->dtype = dtype;
+  t->ndim = ndim;
+  t->numel = numel;
+  t->nbytes = nbytes;
+  if (!w_hash_insert(w, w->count)) {
+    bico__free(ctx, t->name);
+    bico__free(ctx, t->shape);
+    return BICO_E_NOMEM;
+  }
+  w->count++;
+  return BICO_OK;
+}
+
+/* pwrite all of buf at off, retrying short writes and EINTR. */
+static bico_status w_pwrite(bico_stwriter *w, const char *fn, const void *buf,
+                            size_t n, uint64_t off) {
+  const unsigned char *p = buf;
+  while (n > 0) {
+    ssize_t r = pwrite(w->tf.fd, p, n, (off_t)off);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0)
+      return bico__fail(w->ctx, BICO_E_IO,
+                        "%s: %s: write to temporary file %s failed: %s", fn,
+                        w->path, w->tf.tmp, strerror(errno));
+    if (r == 0)
+      return bico__fail(w->ctx, BICO_E_IO,
+                        "%s: %s: write to temporary file %s made no progress",
+                        fn, w->path, w->tf.tmp);
+    p += r;
+    n -= (size_t)r;
+    off += (uint64_t)r;
+  }
+  return BICO_OK;
+}
+
+/* Fixes the layout and writes the header: after this the set of tensors is
+ * frozen. */
+static bico_status w_layout(bico_stwriter *w, const char *fn) {
+  if (w->laid_out) return BICO_OK;
+  bico_ctx *ctx = w->ctx;
+  uint64_t off = 0;
+  for (size_t k = 0; k < w->count; k++) {
+    w->t[k].begin = off;
+    off += w->t[k].nbytes;
+  }
+  bico__jw jw;
+  bico__jw_init(&jw, ctx, 0);
+  bico__jw_begin_object(&jw);
+  if (w->nmeta > 0) {
+    bico__jw_key(&jw, "__metadata__");
+    bico__jw_begin_object(&jw);
+    for (size_t k = 0; k < w->nmeta; k++) {
+      bico__jw_key(&jw, w->meta[2 * k]);
+      bico__jw_string(&jw, w->meta[2 * k + 1]);
+    }
+    bico__jw_end_object(&jw);
+  }
+  for (size_t k = 0; k < w->count; k++) {
+    const wt_tensor *t = &w->t[k];
+    bico__jw_key(&jw, t->name);
+    bico__jw_begin_object(&jw);
+    bico__jw_key(&jw, "dtype");
+    bico__jw_string(&jw, bico_dtype_name(t->dtype));
+    bico__jw_key(&jw, "shape");
+    bico__jw_begin_array(&jw);
+    for (size_t d = 0; d < t->ndim; d++) bico__jw_uint(&jw, t->shape[d]);
+    bico__jw_end_array(&jw);
+    bico__jw_key(&jw, "data_offsets");
+    bico__jw_begin_array(&jw);
+    bico__jw_uint(&jw, t->begin);
+    bico__jw_uint(&jw, t->begin + t->nbytes);
+    bico__jw_end_array(&jw);
+    bico__jw_end_object(&jw);
+  }
+  bico__jw_end_object(&jw);
+  /* Spaces up to a multiple of 8, so the data buffer starts aligned. */
+  while (jw.err == BICO_OK && jw.len % 8 != 0) bico__jw_raw(&jw, " ", 1);
+  bico_status st = bico__jw_finish(&jw);
+  if (st != BICO_OK) {
+    bico__jw_free(&jw);
+    return st == BICO_E_NOMEM
+               ? bico__fail(ctx, st, "%s: %s: out of memory for the header", fn,
+                            w->path)
+               : st;
+  }
+  if (jw.len > HEADER_LIMIT) {
+    size_t n = jw.len;
+    bico__jw_free(&jw);
+    return bico__fail(ctx, BICO_E_ARG,
+                      "%s: %s: header of %zu bytes exceeds the %u-byte limit "
+                      "readers accept",
+                      fn, w->path, n, HEADER_LIMIT);
+  }
+  unsigned char lenb[8];
+  store_le(lenb, jw.len, 8);
+  st = w_pwrite(w, fn, lenb, 8, 0);
+  if (st == BICO_OK) st = w_pwrite(w, fn, jw.buf, jw.len, 8);
+  uint64_t start = 8 + (uint64_t)jw.len;
+  bico__jw_free(&jw);
+  if (st != BICO_OK) return st;
+  /* Reserve the space now: a full disk fails here, before any data. */
+  uint64_t total = start + off;
+  if (total > 0) {
+    int e = posix_fallocate(w->tf.fd, 0, (off_t)total);
+    if (e == ENOSPC || e == EFBIG || e == EIO)
+      return bico__fail(ctx, BICO_E_IO,
+                        "%s: %s: cannot reserve %llu bytes for temporary file "
+                        "%s: %s",
+                        fn, w->path, (unsigned long long)total, w->tf.tmp,
+                        strerror(e));
+  }
+  w->data_start = start;
+  w->laid_out = 1;
+  return BICO_OK;
+}
+
+/* Checks for a write of tensor `name`; returns its index in *idx. */
+static bico_status w_prepare(bico_stwriter *w, const char *fn,
+                             const char *name, const void *data,
+                             size_t *idx) {
+  bico__clear(w->ctx);
+  if (name == NULL)
+    return bico__fail(w->ctx, BICO_E_NULL, "%s: name is NULL", fn);
+  bico_status st = w_state(w, fn, 0);
+  if (st != BICO_OK) return st;
+  char nb[160];
+  size_t k = w_lookup(w, name);
+  if (k == SIZE_MAX)
+    return bico__fail(w->ctx, BICO_E_NOTFOUND,
+                      "%s: %s: tensor '%s' was not declared", fn, w->path,
+                      shortname(name, nb, sizeof nb));
+  if (w->t[k].written)
+    return bico__fail(w->ctx, BICO_E_STATE,
+                      "%s: %s: tensor '%s' already written", fn, w->path,
+                      shortname(name, nb, sizeof nb));
+  if (data == NULL && w->t[k].nbytes > 0)
+    return bico__fail(w->ctx, BICO_E_NULL, "%s: data is NULL", fn);
+  *idx = k;
+  return BICO_OK;
+}
+
+static bico_status w_count(bico_stwriter *w, const char *fn, size_t k,
+                           size_t count) {
+  if (count != w->t[k].numel) {
+    char nb[160];
+    return bico__fail(w->ctx, BICO_E_SHAPE,
+                      "%s: %s: tensor '%s' has %zu elements, count is %zu", fn,
+                      w->path, shortname(w->t[k].name, nb, sizeof nb),
+                      w->t[k].numel, count);
+  }
+  return BICO_OK;
+}
+
+/* Converts doubles (or floats, widened exactly) into the declared dtype and
+ * writes them in WBUF-sized pieces. */
+static bico_status w_convert(bico_stwriter *w, const char *fn, size_t k,
+                             const float *fs, const double *ds) {
+  wt_tensor *t = &w->t[k];
+  char nb[160];
+  if (!is_float_dtype(t->dtype))
+    return bico__fail(w->ctx, BICO_E_ARG,
+                      "%s: %s: tensor '%s' is declared %s; float data convert "
+                      "only to F32, F16, BF16 or F64 (use write_raw)",
+                      fn, w->path, shortname(t->name, nb, sizeof nb),
+                      bico_dtype_name(t->dtype));
+  /* Overflow check first, so a refused tensor leaves nothing behind. */
+  int eb = 0, mb = 0;
+  switch (t->dtype) {
+    case BICO_DTYPE_F32: eb = 8; mb = 23; break;
+    case BICO_DTYPE_F16: eb = 5; mb = 10; break;
+    case BICO_DTYPE_BF16: eb = 8; mb = 7; break;
+    default: break;
+  }
+  if (eb && !(fs != NULL && t->dtype == BICO_DTYPE_F32)) {
+    double maxv = ldexp(2.0 - ldexp(1.0, -mb), (1 << (eb - 1)) - 1);
+    double halfulp = ldexp(1.0, (1 << (eb - 1)) - 1 - mb - 1);
+    for (size_t i = 0; i < t->numel; i++) {
+      double v = fs ? (double)fs[i] : ds[i];
+      if (isfinite(v) && fabs(v) >= maxv + halfulp)
+        return bico__fail(w->ctx, BICO_E_NONFINITE,
+                          "%s: %s: tensor '%s': element %zu = %g overflows "
+                          "%s",
+                          fn, w->path, shortname(t->name, nb, sizeof nb), i, v,
+                          bico_dtype_name(t->dtype));
+    }
+  }
+  bico_status st = w_layout(w, fn);
+  if (st != BICO_OK) return st;
+  size_t es = bico_dtype_size(t->dtype), per = WBUF / es;
+  uint64_t off = w->data_start + t->begin;
+  for (size_t i = 0; i < t->numel; i += per) {
+    size_t n = t->numel - i < per ? t->numel - i : per;
+    for (size_t j = 0; j < n; j++) {
+      double v = fs ? (double)fs[i + j] : ds[i + j];
+      unsigned char *o = w->buf + j * es;
+      uint64_t bits;
+      switch (t->dtype) {
+        case BICO_DTYPE_F32:
+          if (fs) {
+            uint32_t b32;
+            memcpy(&b32, &fs[i + j], 4);
+            bits = b32;
+          } else {
+            bits = round_to_format(v, 8, 23);
+          }
+          break;
+        case BICO_DTYPE_F16: bits = round_to_format(v, 5, 10); break;
+        case BICO_DTYPE_BF16: bits = round_to_format(v, 8, 7); break;
+        default: memcpy(&bits, &v, 8); break;
+      }
+      store_le(o, bits, es);
+    }
+    st = w_pwrite(w, fn, w->buf, n * es, off);
+    if (st != BICO_OK) return st;
+    off += n * es;
+  }
+  t->written = 1;
+  return BICO_OK;
+}
+
+bico_status bico_stwriter_write_f32(bico_stwriter *w, const char *name,
+                                    const float *data, size_t count) {
+  if (w == NULL) return BICO_E_NULL;
+  size_t k;
+  bico_status st = w_prepare(w, "stwriter_write_f32", name, data, &k);
+  if (st == BICO_OK) st = w_count(w, "stwriter_write_f32", k, count);
+  if (st == BICO_OK) st = w_convert(w, "stwriter_write_f32", k, data, NULL);
+  return st;
+}
+
+bico_status bico_stwriter_write_f64(bico_stwriter *w, const char *name,
+                                    const double *data, size_t count) {
+  if (w == NULL) return BICO_E_NULL;
+  size_t k;
+  bico_status st = w_prepare(w, "stwriter_write_f64", name, data, &k);
+  if (st == BICO_OK) st = w_count(w, "stwriter_write_f64", k, count);
+  if (st == BICO_OK) st = w_convert(w, "stwriter_write_f64", k, NULL, data);
+  return st;
+}
+
+bico_status bico_stwriter_write_raw(bico_stwriter *w, const char *name,
+                                    const void *data, size_t nbytes) {
+  if (w == NULL) return BICO_E_NULL;
+  const char *fn = "stwriter_write_raw";
+  size_t k;
+  bico_status st = w_prepare(w, fn, name, data, &k);
+  if (st != BICO_OK) return st;
+  wt_tensor *t = &w->t[k];
+  if (nbytes != t->nbytes) {
+    char nb[160];
+    return bico__fail(w->ctx, BICO_E_SHAPE,
+                      "%s: %s: tensor '%s' needs %zu bytes, got %zu", fn,
+                      w->path, shortname(t->name, nb, sizeof nb), t->nbytes,
+                      nbytes);
+  }
+  st = w_layout(w, fn);
+  if (st == BICO_OK && nbytes > 0)
+    st = w_pwrite(w, fn, data, nbytes, w->data_start + t->begin);
+  if (st == BICO_OK) t->written = 1;
+  return st;
+}
+
+/* Everything but the rename: the header, the mode, fsync and close. */
+static bico_status w_finish(bico_stwriter *w, const char *fn) {
+  bico_ctx *ctx = w->ctx;
+  bico__clear(ctx);
+  bico_status st = w_state(w, fn, 0);
+  if (st != BICO_OK) return st;
+  for (size_t k = 0; k < w->count; k++)
+    if (!w->t[k].written && w->t[k].nbytes > 0) {
+      char nb[160];
+      return bico__fail(ctx, BICO_E_STATE,
+                        "%s: %s: tensor '%s' was declared but not written", fn,
+                        w->path, shortname(w->t[k].name, nb, sizeof nb));
+    }
+  /* From here any failure ends the writer: only free remains. */
+  w->finished = 1;
+  st = w_layout(w, fn);
+  if (st == BICO_OK) st = bico__tmp_finish(ctx, fn, &w->tf);
+  return st;
+}
+
+bico_status bico__stwriter_finish(bico_stwriter *w, bico__tmpfile **tf) {
+  if (w == NULL) return BICO_E_NULL;
+  bico_status st = w_finish(w, "stwriter_commit");
+  *tf = st == BICO_OK ? &w->tf : NULL;
+  return st;
+}
+
+bico_status bico_stwriter_commit(bico_stwriter *w) {
+  if (w == NULL) return BICO_E_NULL;
+  bico__tmpfile *tf = NULL;
+  bico_status st = bico__stwriter_finish(w, &tf);
+  if (st == BICO_OK) st = bico__commit(w->ctx, "stwriter_commit", &tf, 1);
+  return st;
+}

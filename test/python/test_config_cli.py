@@ -1,0 +1,150 @@
+"""`bico transfer --config` and `bico merge --config`: a YAML file stands for
+the command's own options.  The reference is the same run spelled out with
+flags: outputs must be byte-identical.  Bad files are usage errors (exit 2)
+that name the file and the line."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import planted as pl  # noqa: E402
+
+BUILD = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
+BICO = os.path.join(BUILD, "bin", "bico")
+
+
+def bico(*args, ok=True):
+    r = subprocess.run([BICO, *map(str, args)], capture_output=True, text=True)
+    if ok and r.returncode != 0:
+        raise AssertionError(f"bico {' '.join(map(str, args))} failed "
+                             f"({r.returncode}):\n{r.stderr}")
+    return r
+
+
+def same_bytes(p, q):
+    with open(p, "rb") as f, open(q, "rb") as g:
+        return f.read() == g.read()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cfg")
+    rng = np.random.default_rng(3)
+    shapes = {"l0.weight": (6, 4), "l0.bias": (6,), "l1.weight": (3, 6)}
+    base = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    files = {"B": d / "B.safetensors"}
+    pl.save(str(files["B"]), base)
+    for i in range(3):
+        ft = {k: v + 0.1 * rng.standard_normal(v.shape).astype(np.float32)
+              for k, v in base.items()}
+        files[f"ft{i}"] = d / f"ft{i}.safetensors"
+        pl.save(str(files[f"ft{i}"]), ft)
+        tv = {k: ft[k] - base[k] for k in base}
+        files[f"tv{i}"] = d / f"tv{i}.safetensors"
+        pl.save(str(files[f"tv{i}"]), tv)
+    return d, files
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_merge_mergekit_schema_equals_flags(ckpts, tmp_path):
+    d, f = ckpts
+    cfg = write(tmp_path / "merge.yaml", f"""\
+# a mergekit-style file: the base is listed among the models, dtype ignored
+merge_method: ties
+base_model: {f['B']}
+models:
+  - model: {f['B']}
+  - model: {f['ft0']}
+    parameters:
+      weight: 0.7
+      density: 0.5
+  - model: {f['ft1']}
+    parameters: {{weight: 0.3, density: 0.8}}
+  - task_vector: {f['tv2']}
+parameters:
+  normalize: false
+  lambda: 1.5
+dtype: float16
+output: {tmp_path / 'yaml.safetensors'}
+""")
+    r = bico("merge", "--config", cfg, "--quiet")
+    assert "'dtype' ignored" in r.stderr
+    bico("merge", "--quiet", "--method", "ties", "--base", f["B"],
+         "--tuned", f["ft0"], "--weight", 0.7, "--density", 0.5,
+         "--tuned", f["ft1"], "--weight", 0.3, "--density", 0.8,
+         "--task-vector", f["tv2"], "--no-normalize", "--alpha", 1.5,
+         "--output", tmp_path / "flags.safetensors")
+    assert same_bytes(tmp_path / "yaml.safetensors", tmp_path / "flags.safetensors")
+    # Not a no-op: the merged model differs from the base.
+    a, _, _ = pl.load(str(tmp_path / "yaml.safetensors"))
+    b, _, _ = pl.load(str(f["B"]))
+    assert any(not np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_merge_config_then_command_line_options(ckpts, tmp_path):
+    d, f = ckpts
+    cfg = write(tmp_path / "m.yaml", f"base_model: {f['B']}\nmodels:\n"
+                f"  - task_vector: {f['tv0']}\n")
+    # --config=F form; --output from the command line after it.
+    bico("merge", f"--config={cfg}", "--output", tmp_path / "a.safetensors", "--quiet")
+    bico("merge", "--base", f["B"], "--task-vector", f["tv0"],
+         "--output", tmp_path / "b.safetensors", "--quiet")
+    assert same_bytes(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    # A repeat of a single-valued option is the parser's usual error.
+    r = bico("merge", "--config", cfg, "--base", f["B"], "--output",
+             tmp_path / "c.safetensors", ok=False)
+    assert r.returncode == 2 and "--base given twice" in r.stderr
+
+
+def test_transfer_generic_keys_equal_flags(ckpts, tmp_path):
+    d, f = ckpts
+    cfg = write(tmp_path / "t.yaml", f"""\
+method: naive
+source_base: {f['B']}
+source_tuned: {f['ft0']}
+target_base: {f['B']}
+alpha: 0.5
+quiet: true
+output: {tmp_path / 'yaml.safetensors'}
+""")
+    bico("transfer", "--config", cfg)
+    bico("transfer", "--method", "naive", "--source-base", f["B"],
+         "--source-tuned", f["ft0"], "--target-base", f["B"], "--alpha", 0.5,
+         "--quiet", "--output", tmp_path / "flags.safetensors")
+    assert same_bytes(tmp_path / "yaml.safetensors", tmp_path / "flags.safetensors")
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("merge_method: [ties\n", "line"),                  # not YAML
+    ("- a\n- b\n", "top level must be a mapping"),
+    ("base_model: B\nmodels: {a: 1}\n", "'models' is a list"),
+    ("base_model: B\nmodels:\n  - model: x\n    colour: red\n", "unknown key 'colour'"),
+    ("base_model: B\nmodels:\n  - model: x\n    parameters: {epsilon: 1}\n",
+     "model parameter 'epsilon'"),
+    ("config: other.yaml\n", "cannot name another"),
+    ("bogus_option: 1\n", "unknown option --bogus-option"),
+    ("", "empty"),
+])
+def test_bad_merge_configs_are_usage_errors(tmp_path, text, needle):
+    cfg = write(tmp_path / "bad.yaml", text)
+    r = bico("merge", "--config", cfg, "--output", tmp_path / "o.safetensors", ok=False)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr, r.stderr
+    if needle not in ("unknown option --bogus-option",):
+        assert str(cfg) in r.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_missing_config_file(tmp_path):
+    r = bico("transfer", "--config", tmp_path / "nope.yaml", ok=False)
+    assert r.returncode == 2 and "nope.yaml" in r.stderr and "cannot open" in r.stderr
+    r = bico("merge", "--config", ok=False)
+    assert r.returncode == 2 and "--config needs a value" in r.stderr

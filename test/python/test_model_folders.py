@@ -1,0 +1,138 @@
+"""Hugging Face model folders as inputs: every command that opens a model
+accepts the folder (config.json + model.safetensors, or the sharded index);
+folders and files that hold something else are named for what they are."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import planted as pl  # noqa: E402
+
+BUILD = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
+BICO = os.path.join(BUILD, "bin", "bico")
+
+
+def bico(*args, ok=True):
+    r = subprocess.run([BICO, *map(str, args)], capture_output=True, text=True)
+    if ok and r.returncode != 0:
+        raise AssertionError(f"bico {' '.join(map(str, args))} failed "
+                             f"({r.returncode}):\n{r.stderr}")
+    return r
+
+
+def same_bytes(p, q):
+    with open(p, "rb") as f, open(q, "rb") as g:
+        return f.read() == g.read()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("folders")
+    rng = np.random.default_rng(11)
+    shapes = {"l0.weight": (6, 4), "l0.bias": (6,), "l1.weight": (3, 6),
+              "l1.bias": (3,)}
+    base = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    ft = {k: v + 0.1 * rng.standard_normal(v.shape).astype(np.float32)
+          for k, v in base.items()}
+    out = {}
+    for name, sd in (("A", base), ("Aft", ft)):
+        f = d / f"{name}.safetensors"
+        pl.save(str(f), sd, {"format": "pt"})
+        out[name] = f
+        folder = d / f"{name}_hf"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "mlp"}))
+        (folder / "tokenizer.json").write_text("{}")
+        pl.save(str(folder / "model.safetensors"), sd, {"format": "pt"})
+        out[name + "_hf"] = folder
+    # A sharded folder: two shards and the index.
+    sh = d / "A_sharded"
+    sh.mkdir()
+    names = list(base)
+    parts = {"model-00001-of-00002.safetensors": names[:2],
+             "model-00002-of-00002.safetensors": names[2:]}
+    wm = {}
+    for fn, keys in parts.items():
+        pl.save(str(sh / fn), {k: base[k] for k in keys})
+        wm.update({k: fn for k in keys})
+    (sh / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": wm}))
+    out["A_sharded"] = sh
+    return d, out
+
+
+def test_folders_equal_files_for_transfer(models, tmp_path):
+    d, m = models
+    bico("transfer", "--method", "naive", "--quiet", "--source-base", m["A"],
+         "--source-tuned", m["Aft"], "--target-base", m["A"],
+         "--output", tmp_path / "files.safetensors")
+    bico("transfer", "--method", "naive", "--quiet", "--source-base", m["A_hf"],
+         "--source-tuned", str(m["Aft_hf"]) + "/", "--target-base", m["A_sharded"],
+         "--output", tmp_path / "folders.safetensors")
+    a, _, _ = pl.load(str(tmp_path / "files.safetensors"))
+    b, _, _ = pl.load(str(tmp_path / "folders.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+def test_inspect_and_merge_take_folders(models, tmp_path):
+    d, m = models
+    r = bico("inspect", m["A_hf"])
+    assert "l0" in r.stdout
+    bico("merge", "--quiet", "--base", m["A_hf"], "--tuned", m["Aft_hf"],
+         "--output", tmp_path / "m1.safetensors")
+    bico("merge", "--quiet", "--base", m["A"], "--tuned", m["Aft"],
+         "--output", tmp_path / "m2.safetensors")
+    assert same_bytes(tmp_path / "m1.safetensors", tmp_path / "m2.safetensors")
+
+
+def test_folders_that_hold_something_else(models, tmp_path):
+    d, m = models
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = bico("inspect", empty, ok=False)
+    assert r.returncode == 1 and "without model.safetensors" in r.stderr and str(empty) in r.stderr
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    pl.save(str(adapter / "adapter_model.safetensors"), {"x": np.zeros(2, np.float32)})
+    r = bico("inspect", adapter, ok=False)
+    assert r.returncode == 1 and "PEFT adapter" in r.stderr and "--lora" in r.stderr
+
+    pt = tmp_path / "pt"
+    pt.mkdir()
+    torch.save({"l0.weight": torch.zeros(2, 2)}, pt / "pytorch_model.bin")
+    r = bico("inspect", pt, ok=False)
+    assert r.returncode == 1 and "PyTorch pickles" in r.stderr and "bico.convert" in r.stderr
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_pickle_file_is_named_with_the_converter(tmp_path, legacy):
+    f = tmp_path / "model.bin"
+    kw = dict(_use_new_zipfile_serialization=False) if legacy else {}
+    torch.save({"l0.weight": torch.zeros(2, 2)}, f, **kw)
+    r = bico("inspect", f, ok=False)
+    assert r.returncode == 1
+    assert "a PyTorch pickle, not safetensors" in r.stderr, r.stderr
+    assert f"python3 -m bico.convert {f}" in r.stderr
+
+
+def test_a_single_oddly_named_safetensors_in_a_folder(models, tmp_path):
+    d, m = models
+    folder = tmp_path / "one"
+    folder.mkdir()
+    a, _, _ = pl.load(str(m["A"]))
+    pl.save(str(folder / "weights.safetensors"), a)
+    r = bico("inspect", folder)
+    assert "l0" in r.stdout
+    pl.save(str(folder / "other.safetensors"), a)
+    r = bico("inspect", folder, ok=False)
+    assert r.returncode == 1 and "without model.safetensors" in r.stderr

@@ -1,0 +1,91 @@
+/* Temporary files on SIGINT, SIGTERM and SIGHUP: the library writes each
+ * output to ".<base>.bico-tmp.<pid>.XXXXXX" in the output's folder (see
+ * include/bico/safetensors.h) and renames it at the end.  A signal would
+ * leave those behind, so the handler removes this process's ones from the
+ * registered folders and then dies of the signal as it would have.  Only
+ * async-signal-safe calls run in the handler (open, getdents64, unlinkat,
+ * close, sigaction, raise); the names it matches are built beforehand.
+ * Files left by a kill -9 are removed by the next run (lib/fileio.c). */
+#define _GNU_SOURCE 1
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+
+#define MAX_DIRS 8
+#define DIR_CAP 4096
+
+static char dirs[MAX_DIRS][DIR_CAP];
+static int ndirs;
+static char mark[64]; /* ".bico-tmp.<pid>." */
+
+void cli_cleanup_add(const char *path, int is_dir) {
+  if (path == NULL || ndirs == MAX_DIRS) return;
+  const char *slash = is_dir ? NULL : strrchr(path, '/');
+  char *d = dirs[ndirs];
+  if (is_dir)
+    snprintf(d, DIR_CAP, "%s", path);
+  else if (slash == NULL)
+    snprintf(d, DIR_CAP, ".");
+  else if (slash == path)
+    snprintf(d, DIR_CAP, "/");
+  else
+    snprintf(d, DIR_CAP, "%.*s", (int)(slash - path), path);
+  for (int i = 0; i < ndirs; i++)
+    if (strcmp(dirs[i], d) == 0) return;
+  ndirs++;
+}
+
+static int has_mark(const char *name) {
+  size_t n = strlen(name), m = strlen(mark);
+  if (name[0] != '.') return 0;
+  for (size_t i = 0; i + m <= n; i++)
+    if (memcmp(name + i, mark, m) == 0) return 1;
+  return 0;
+}
+
+static void remove_ours(const char *dir) {
+  static char buf[32768];
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  for (;;) {
+    ssize_t n = getdents64(fd, buf, sizeof buf);
+    if (n <= 0) break;
+    for (ssize_t off = 0; off < n;) {
+      struct dirent64 *e = (struct dirent64 *)(buf + off);
+      if (has_mark(e->d_name)) (void)unlinkat(fd, e->d_name, 0);
+      off += e->d_reclen;
+    }
+  }
+  close(fd);
+}
+
+static void on_signal(int sig) {
+  for (int i = 0; i < ndirs; i++) remove_ours(dirs[i]);
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = SIG_DFL;
+  sigaction(sig, &sa, NULL);
+  raise(sig);
+}
+
+void cli_cleanup_install(void) {
+  snprintf(mark, sizeof mark, ".bico-tmp.%ld.", (long)getpid());
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  const int sigs[3] = {SIGINT, SIGTERM, SIGHUP};
+  for (int i = 0; i < 3; i++) sigaddset(&sa.sa_mask, sigs[i]);
+  for (int i = 0; i < 3; i++) {
+    struct sigaction old;
+    /* A signal the caller ignores (nohup) stays ignored. */
+    if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN)
+      continue;
+    sigaction(sigs[i], &sa, NULL);
+  }
+}
