@@ -342,8 +342,9 @@ check: demo-test
 # ---- mpi ----
 # `make MPI=1` also builds build/bin/bico-mpi: the bico command whose stats
 # and transfer divide their work among MPI ranks (tools/bico-mpi; the
-# library itself stays MPI-free).  The serial command's sources are compiled
-# again with tools/bico-mpi/interpose.h, so the options are the same.
+# library itself stays MPI-free).  It links the serial command's objects
+# (all but its entry point, tools/bico/bico.c), so the options are the
+# same, and hands the configured transfer to its own runner.
 # `make check MPI=1` runs test/mpi under mpirun (2 and 3 ranks).  MPI is on
 # by default where mpicc is installed (`make deps` installs it); MPI=0 turns
 # it off.
@@ -353,13 +354,13 @@ MPICC ?= mpicc
 MPIRUN ?= mpirun
 MPI_TOOL := $(BUILD)/bin/bico-mpi
 MPI_SRCS := $(wildcard tools/bico-mpi/*.c)
-MPI_OBJS := $(patsubst tools/bico/%.c,$(BUILD)/obj/mpi/serial/%.o,$(TOOL_SRCS)) \
+MPI_OBJS := $(patsubst tools/bico/%.c,$(BUILD)/obj/mpi/serial/%.o,$(filter-out tools/bico/bico.c,$(TOOL_SRCS))) \
             $(patsubst tools/bico-mpi/%.c,$(BUILD)/obj/mpi/%.o,$(MPI_SRCS))
 MPI_CFLAGS := $(filter-out -fvisibility=hidden,$(CFLAGS_ALL))
 all: $(MPI_TOOL)
-$(BUILD)/obj/mpi/serial/%.o: tools/bico/%.c $(wildcard tools/bico/*.h) tools/bico-mpi/interpose.h $(LIB_DEPS)
+$(BUILD)/obj/mpi/serial/%.o: tools/bico/%.c $(wildcard tools/bico/*.h) $(LIB_DEPS)
 	@mkdir -p $(@D)
-	$(MPICC) $(MPI_CFLAGS) -include tools/bico-mpi/interpose.h -c $< -o $@
+	$(MPICC) $(MPI_CFLAGS) -c $< -o $@
 $(BUILD)/obj/mpi/%.o: tools/bico-mpi/%.c $(wildcard tools/bico-mpi/*.h) $(wildcard tools/bico/*.h) $(LIB_DEPS)
 	@mkdir -p $(@D)
 	$(MPICC) $(MPI_CFLAGS) -Itools/bico -c $< -o $@

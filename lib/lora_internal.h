@@ -67,6 +67,15 @@ typedef struct bico__lora_hook {
 
 bico_status bico__lora_transfer_run(bico__lora_hook *h);
 
+/* Every value the driver writes is finite: BICO_E_NONFINITE naming `what`
+ * ("tensor", "adapter module", ...) `name` and the first bad element of
+ * v[0..n) otherwise (lib/transfer_output.c). */
+bico_status bico__xfer_check_finite(bico_ctx *ctx, const float *v, size_t n,
+                                    const char *what, const char *name);
+bico_status bico__xfer_check_finite_f64(bico_ctx *ctx, const double *v,
+                                        size_t n, const char *what,
+                                        const char *name);
+
 /* bico_lora_save in two steps, so that a run commits the adapter together
  * with its other outputs (lib/fileio.h): begin checks both destinations,
  * creates the folder if missing and leaves both files complete in

@@ -342,6 +342,12 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
     bico__report_end_object(&r->rep);
   }
   if (st == BICO_OK)
+    st = bico__xfer_check_finite(ctx, m.nb, m.dout_b * m.rank,
+                                 "adapter module", m.tm);
+  if (st == BICO_OK)
+    st = bico__xfer_check_finite(ctx, m.na, m.rank * m.din_b,
+                                 "adapter module", m.tm);
+  if (st == BICO_OK)
     st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
                               m.din_b, m.nb, m.na);
   if (st == BICO_OK) {
@@ -502,6 +508,8 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   if (st == BICO_OK) st = bico_stfile_check_finite(h->tb, fi);
   for (size_t e = 0; e < nb && st == BICO_OK; e++) full[e] += upd[e];
   if (st == BICO_OK)
+    st = bico__xfer_check_finite(ctx, full, nb, "saved tensor", tname);
+  if (st == BICO_OK)
     st = bico_lora_add_saved(r->out, tname, tmod, nd_b, sb, full);
   bico__report_begin_object(&r->rep);
   bico__report_key_string(&r->rep, "name", tname);
@@ -578,6 +586,8 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
         for (size_t i = 0; i < dout && st == BICO_OK; i++)
           for (size_t j = 0; j < din; j++)
             base[flip ? j * dout + i : i * din + j] += d[i * din + j];
+        if (st == BICO_OK)
+          st = bico__xfer_check_finite_f64(ctx, base, numel, "tensor", name);
         if (st == BICO_OK) st = bico_stwriter_write_f64(w, name, base, numel);
         bico__free(ctx, base);
         bico__free(ctx, d);
@@ -595,23 +605,12 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
 }
 
 
-static bico_status run_lora(lrun *r) {
+/* An adapter module or saved tensor the source base does not have means
+ * the adapter belongs to another model: stop rather than drop it. */
+static bico_status check_adapter_names(lrun *r, size_t nl, size_t ns) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
-  bico_status st = bico_lora_open(ctx, h->adapter_dir, &r->src);
-  if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
-  if (st != BICO_OK) return st;
-  int on = 0;
-  bico_lora_get_flag(r->src, BICO_LORA_RSLORA, &on);
-  bico_lora_set_flag(r->out, BICO_LORA_RSLORA, on);
-  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
-  bico_lora_set_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
-  const char *tt = NULL;
-  bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
-  st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
-  size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
-  /* An adapter module the source base does not have means the adapter
-   * belongs to another model: stop rather than drop it. */
+  bico_status st = BICO_OK;
   for (size_t i = 0; i < nl + ns && st == BICO_OK; i++) {
     const char *n;
     size_t idx;
@@ -630,6 +629,25 @@ static bico_status run_lora(lrun *r) {
                         h->adapter_dir, n);
     }
   }
+  return st;
+}
+
+static bico_status run_lora(lrun *r) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = bico_lora_open(ctx, h->adapter_dir, &r->src);
+  if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
+  if (st != BICO_OK) return st;
+  int on = 0;
+  bico_lora_get_flag(r->src, BICO_LORA_RSLORA, &on);
+  bico_lora_set_flag(r->out, BICO_LORA_RSLORA, on);
+  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
+  bico_lora_set_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
+  const char *tt = NULL;
+  bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
+  st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
+  size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
+  if (st == BICO_OK) st = check_adapter_names(r, nl, ns);
   if (st != BICO_OK) return st;
   bico__clear(ctx);
   unsigned char *used = bico__calloc(ctx, nl + ns + 1, 1);

@@ -71,6 +71,12 @@ void bico__report_end_object(bico__report *r) {
   if (r->depth == 0 && !r->compact) puts_(r, "\n");
 }
 
+void bico__report_raw(bico__report *r, const char *json) {
+  sep(r);
+  puts_(r, json);
+  r->need_comma = 1;
+}
+
 void bico__report_begin_array(bico__report *r) {
   sep(r);
   puts_(r, "[");

@@ -27,6 +27,8 @@ void bico__report_number(bico__report *r, double x);
 void bico__report_key_string(bico__report *r, const char *key, const char *s);
 void bico__report_key_number(bico__report *r, const char *key, double x);
 void bico__report_key_null(bico__report *r, const char *key);
+/* A value given as JSON text (one line), e.g. a stored report entry. */
+void bico__report_raw(bico__report *r, const char *json);
 
 /* Writes text[0..len) to a finished temporary file for `path` (role
  * `what` in messages), ready for bico__commit with the run's other

@@ -9,6 +9,7 @@
  * tensor, or handed to the partial-run sink (transfer_output.c).  Maps are
  * computed when the first tensor that needs them comes up and freed after
  * the last, so memory stays near the largest module's needs. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -59,6 +60,12 @@ bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
   return BICO_E_ARG;
 }
 
+const char *bico_handling_name(int handling) {
+  return handling >= 0 && handling < BICO__H_COUNT
+             ? bico__xfer_handling[handling]
+             : NULL;
+}
+
 static char *dupstr(bico_ctx *ctx, const char *s) {
   size_t n = strlen(s);
   char *p = bico__alloc(ctx, n + 1);
@@ -102,6 +109,8 @@ void bico_transfer_free(bico_transfer *t) {
   }
   bico__free(ctx, t->ties);
   bico__free(ctx, t->select);
+  bico__xfer_asm_free(t);
+  bico__xfer_plan_clear(t);
   bico__free(ctx, t);
 }
 
@@ -123,11 +132,24 @@ bico_status bico_transfer_set_file(bico_transfer *t, int which,
   return BICO_OK;
 }
 
+bico_status bico_transfer_get_file(const bico_transfer *t, int which,
+                                   const char **path) {
+  if (t == NULL || path == NULL) return BICO_E_NULL;
+  if (which < 1 || which >= BICO__NFILES)
+    return bico__fail(t->ctx, BICO_E_ARG,
+                      "transfer_get_file: unknown file slot %d", which);
+  *path = t->files[which];
+  return BICO_OK;
+}
+
 bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
   if (lo == NULL || hi == NULL) return BICO_E_NULL;
   switch (param) {
     case BICO_TRANSFER_METHOD: *lo = 1; *hi = 6; return BICO_OK;
-    case BICO_TRANSFER_ALPHA: *lo = 0; *hi = HUGE_VAL; return BICO_OK;
+    case BICO_TRANSFER_ALPHA: /* used as a float */
+      *lo = 0;
+      *hi = FLT_MAX;
+      return BICO_OK;
     case BICO_TRANSFER_NULL: *lo = 0; *hi = BICO_NULL_DROP; return BICO_OK;
     case BICO_TRANSFER_NORM_MAP:
     case BICO_TRANSFER_CENTER: *lo = 0; *hi = 1; return BICO_OK;
@@ -158,7 +180,7 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
                  param == BICO_TRANSFER_WORKERS ||
                  param == BICO_TRANSFER_SOLVE_MEMORY;
   int ok = isfinite(value) && value >= lo && value <= hi;
-  if (param == BICO_TRANSFER_ALPHA) ok = isfinite(value) && value > 0;
+  if (param == BICO_TRANSFER_ALPHA) ok = ok && value > 0;
   if (param == BICO_TRANSFER_RANK_TOL) ok = ok && value < 1;
   if (integral && ok && value != floor(value)) ok = 0;
   if (!ok)
@@ -446,15 +468,20 @@ static void describe_blocks(const bico_model *m, char *buf, size_t cap) {
     snprintf(buf, cap, "no blocks");
 }
 
+bico_status bico__xfer_setup(bico__run *r) {
+  bico_status st = bico__xfer_check_setup(r);
+  if (st == BICO_OK) st = open_inputs(r);
+  if (st == BICO_OK) st = load_models(r);
+  if (st == BICO_OK && bico__xfer_is_bico(r->method)) st = make_solver(r);
+  if (st == BICO_OK) st = bico__xfer_plan(r);
+  return st;
+}
+
 static bico_status run_all(bico__run *r) {
   bico_transfer *t = r->t;
   bico_ctx *ctx = r->ctx;
   int bico = bico__xfer_is_bico(r->method);
-  bico_status st = bico__xfer_check_setup(r);
-  if (st == BICO_OK) st = open_inputs(r);
-  if (st == BICO_OK) st = load_models(r);
-  if (st == BICO_OK && bico) st = make_solver(r);
-  if (st == BICO_OK) st = bico__xfer_plan(r);
+  bico_status st = bico__xfer_setup(r);
   if (st != BICO_OK) return st;
   int partial = t->select != NULL;
   if (t->files[BICO_FILE_LORA] != NULL) {
@@ -475,38 +502,48 @@ static bico_status run_all(bico__run *r) {
   describe_blocks(r->mt, btgt, sizeof btgt);
   bico__xfer_log(r, "bico: method %s, alpha %g; source: %s; target: %s; %zu "
                     "target tensors",
-                 bico_method_name(r->method), (double)r->alpha, bsrc,
-                 btgt, nt);
+                 bico_method_name(r->method), (double)r->alpha, bsrc, btgt,
+                 nt);
   if (bico) st = bico__xfer_pool_start(r, partial ? t->select : NULL);
   if (st == BICO_OK) st = bico__xfer_write_all(r);
   return st;
 }
 
+void bico__xfer_run_init(bico__run *r, bico_transfer *t) {
+  memset(r, 0, sizeof *r);
+  r->t = t;
+  r->ctx = t->ctx;
+  r->method = (int)t->param[BICO_TRANSFER_METHOD];
+  r->alpha = (float)t->param[BICO_TRANSFER_ALPHA];
+  bico__report_init(&r->rep, t->ctx);
+}
+
+void bico__xfer_run_free(bico__run *r) {
+  bico_ctx *ctx = r->ctx;
+  bico__xfer_pool_stop(r);
+  for (size_t m = 0; m < r->nm && r->mods; m++)
+    bico__xfer_free_maps(r, &r->mods[m]);
+  bico__free(ctx, r->mods);
+  bico__free(ctx, r->owner);
+  bico_stwriter_free(r->w);
+  bico_stwriter_free(r->wd);
+  bico_procrustes_free(r->proc);
+  bico_model_free(r->ms);
+  bico_model_free(r->mt);
+  bico_stfile *fs[8] = {r->sb, r->sft,  r->tv,    r->tb,
+                        r->sc, r->tc, r->stats, r->votes};
+  for (int i = 0; i < 8; i++) bico_stfile_close(fs[i]);
+  bico__report_free(&r->rep);
+}
+
 bico_status bico_transfer_run(bico_transfer *t) {
   if (t == NULL) return BICO_E_NULL;
-  bico_ctx *ctx = t->ctx;
-  bico__clear(ctx);
+  bico__clear(t->ctx);
   t->ran = 0;
   bico__run r;
-  memset(&r, 0, sizeof r);
-  r.t = t;
-  r.ctx = ctx;
-  r.method = (int)t->param[BICO_TRANSFER_METHOD];
-  r.alpha = (float)t->param[BICO_TRANSFER_ALPHA];
-  bico__report_init(&r.rep, ctx);
+  bico__xfer_run_init(&r, t);
   bico_status st = run_all(&r);
-  bico__xfer_pool_stop(&r);
-  for (size_t m = 0; m < r.nm && r.mods; m++) bico__xfer_free_maps(&r, &r.mods[m]);
-  bico__free(ctx, r.mods);
-  bico__free(ctx, r.owner);
-  bico_stwriter_free(r.w);
-  bico_stwriter_free(r.wd);
-  bico_procrustes_free(r.proc);
-  bico_model_free(r.ms);
-  bico_model_free(r.mt);
-  bico_stfile *fs[8] = {r.sb, r.sft, r.tv, r.tb, r.sc, r.tc, r.stats, r.votes};
-  for (int i = 0; i < 8; i++) bico_stfile_close(fs[i]);
-  bico__report_free(&r.rep);
+  bico__xfer_run_free(&r);
   if (st == BICO_OK) t->ran = 1;
   return st;
 }

@@ -50,6 +50,12 @@ struct bico_transfer {
   size_t nselect;
   bico_transfer_sink_fn sink;
   void *sink_opaque;
+  /* bico_transfer_plan: tensors by group (plan_start: ng + 1 offsets) */
+  int planned;
+  size_t plan_nt, plan_ng;
+  size_t *plan_tensors, *plan_start;
+  double *plan_cost;
+  struct bico__asm *as; /* the assembler, between begin and commit */
 };
 
 /* What each file slot is called in messages. */
@@ -115,6 +121,17 @@ typedef struct bico__run {
   struct bico__pool *pool; /* solver threads, or NULL */
 } bico__run;
 
+/* ---- transfer.c ---- */
+void bico__xfer_run_init(bico__run *r, bico_transfer *t);
+/* Everything before the first tensor: checks, inputs, models, the solver,
+ * the plan. */
+bico_status bico__xfer_setup(bico__run *r);
+void bico__xfer_run_free(bico__run *r);
+
+/* ---- transfer_assemble.c ---- */
+void bico__xfer_plan_clear(bico_transfer *t);
+void bico__xfer_asm_free(bico_transfer *t);
+
 /* ---- transfer_plan.c ---- */
 void bico__xfer_log(bico__run *r, const char *fmt, ...)
 #ifdef __GNUC__
@@ -157,6 +174,33 @@ bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
                               bico__tinfo *info);
 
 /* ---- transfer_output.c ---- */
+/* Target tensor index i as the target base's file holds it. */
+typedef struct bico__xfer_tensor {
+  const char *name;
+  int dtype, fl; /* fl: a floating-point dtype */
+  size_t ndim, nb, fi;
+  const size_t *shape;
+} bico__xfer_tensor;
+bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
+                              bico__xfer_tensor *x);
+/* Creates the output (and delta output, when path_d) writers with every
+ * tensor of tb declared, in its order. */
+bico_status bico__xfer_declare(bico_ctx *ctx, const char *path,
+                               const char *path_d, const bico_stfile *tb,
+                               bico_stwriter **w, bico_stwriter **wd);
+/* Writes one tensor: theta_B + upd (upd NULL: the base's bytes), and upd
+ * (or zeros) to wd; *norm gets ||upd||. */
+bico_status bico__xfer_write_one(bico_ctx *ctx, const bico_stfile *tb,
+                                 const bico__xfer_tensor *x, bico_stwriter *w,
+                                 bico_stwriter *wd, const float *upd,
+                                 double *norm);
+/* The report around the tensors' entries. */
+void bico__xfer_report_head(bico__report *rep, int method, float alpha);
+void bico__xfer_report_tail(bico__report *rep, const size_t *count);
+/* Report to its temporary, then wd, w, then the report's rename. */
+bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
+                              const char *report, bico_stwriter *w,
+                              bico_stwriter *wd);
 bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
                                      size_t ti, const bico__tinfo *info);
 bico_status bico__xfer_write_all(bico__run *r);

@@ -70,89 +70,113 @@ bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
 }
 
 
+static bico_status nonfinite(bico_ctx *ctx, const char *what,
+                             const char *name, size_t e, double x) {
+  return bico__fail(ctx, BICO_E_NONFINITE,
+                    "%s %s: element %zu of the result is %g (does alpha "
+                    "times the task vector overflow float32?); nothing was "
+                    "written",
+                    what, name, e, x);
+}
+
+bico_status bico__xfer_check_finite(bico_ctx *ctx, const float *v, size_t n,
+                                    const char *what, const char *name) {
+  for (size_t e = 0; e < n; e++)
+    if (!isfinite(v[e])) return nonfinite(ctx, what, name, e, (double)v[e]);
+  return BICO_OK;
+}
+
+bico_status bico__xfer_check_finite_f64(bico_ctx *ctx, const double *v,
+                                        size_t n, const char *what,
+                                        const char *name) {
+  for (size_t e = 0; e < n; e++)
+    if (!isfinite(v[e])) return nonfinite(ctx, what, name, e, v[e]);
+  return BICO_OK;
+}
+
 static int is_float(int dtype) {
   return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
          dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
 }
 
-/* Target tensor ti as the target base's file holds it. */
-typedef struct tensor_at {
-  const char *name;
-  int dtype, fl;
-  size_t ndim, nb, fi;
-  const size_t *shape;
-} tensor_at;
-
-static bico_status locate(bico__run *r, size_t ti, tensor_at *a) {
-  bico_model_tensor(r->mt, ti, &a->name, NULL, &a->ndim, &a->shape);
-  bico_status st = bico_stfile_find(r->tb, a->name, &a->fi);
-  if (st == BICO_OK)
-    st = bico_stfile_tensor_info(r->tb, a->fi, NULL, &a->dtype, NULL, NULL);
-  a->nb = bico__xfer_numel(a->ndim, a->shape);
-  a->fl = is_float(a->dtype);
-  return st;
+bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
+                              bico__xfer_tensor *x) {
+  (void)ctx;
+  bico_status st =
+      bico_stfile_tensor_info(tb, i, &x->name, &x->dtype, &x->ndim, &x->shape);
+  if (st != BICO_OK) return st;
+  x->fi = i;
+  x->nb = bico__xfer_numel(x->ndim, x->shape);
+  x->fl = is_float(x->dtype);
+  return BICO_OK;
 }
 
-/* Whole runs: the writers, with every tensor declared up front in the
- * target's order (the delta output holds the floating-point ones). */
-static bico_status declare_outputs(bico__run *r) {
-  bico_ctx *ctx = r->ctx;
-  const bico_transfer *t = r->t;
-  bico_status st = bico_stwriter_create(ctx, t->files[BICO_FILE_OUTPUT], &r->w);
-  if (st == BICO_OK && t->files[BICO_FILE_DELTA_OUTPUT])
-    st = bico_stwriter_create(ctx, t->files[BICO_FILE_DELTA_OUTPUT], &r->wd);
-  size_t nt = bico_model_tensor_count(r->mt);
+/* Target tensor ti of the run, found by its name. */
+static bico_status locate(bico__run *r, size_t ti, bico__xfer_tensor *x) {
+  size_t fi;
+  bico_status st = bico_stfile_find(r->tb, bico__xfer_tname(r->mt, ti), &fi);
+  return st == BICO_OK ? bico__xfer_locate(r->ctx, r->tb, fi, x) : st;
+}
+
+bico_status bico__xfer_declare(bico_ctx *ctx, const char *path,
+                               const char *path_d, const bico_stfile *tb,
+                               bico_stwriter **w, bico_stwriter **wd) {
+  bico_status st = bico_stwriter_create(ctx, path, w);
+  if (st == BICO_OK && path_d) st = bico_stwriter_create(ctx, path_d, wd);
+  size_t nt = bico_stfile_count(tb);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
-    tensor_at a;
-    st = locate(r, ti, &a);
+    bico__xfer_tensor x;
+    st = bico__xfer_locate(ctx, tb, ti, &x);
     if (st == BICO_OK)
-      st = bico_stwriter_declare(r->w, a.name, a.dtype, a.ndim, a.shape);
-    if (st == BICO_OK && r->wd && a.fl)
-      st = bico_stwriter_declare(r->wd, a.name, a.dtype, a.ndim, a.shape);
+      st = bico_stwriter_declare(*w, x.name, x.dtype, x.ndim, x.shape);
+    if (st == BICO_OK && path_d && x.fl)
+      st = bico_stwriter_declare(*wd, x.name, x.dtype, x.ndim, x.shape);
   }
   return st;
 }
 
-/* Whole runs: theta_B + upd where the tensor changed (and upd to the delta
- * output), the target base's bytes as they are elsewhere. */
-static bico_status write_tensor(bico__run *r, const tensor_at *a, float *upd,
-                                bico__tinfo *info) {
-  bico_ctx *ctx = r->ctx;
+bico_status bico__xfer_write_one(bico_ctx *ctx, const bico_stfile *tb,
+                                 const bico__xfer_tensor *x, bico_stwriter *w,
+                                 bico_stwriter *wd, const float *upd,
+                                 double *norm) {
   bico_status st = BICO_OK;
-  if (info->handling != BICO__H_UNCHANGED) {
-    double *base = bico__alloc(ctx, a->nb * sizeof(double));
+  *norm = 0;
+  if (upd != NULL) {
+    double *base = bico__alloc(ctx, (x->nb ? x->nb : 1) * sizeof(double));
     if (base == NULL) return BICO_E_NOMEM;
-    st = bico_stfile_read_f64(r->tb, a->fi, base, a->nb);
-    if (st == BICO_OK) st = bico_stfile_check_finite(r->tb, a->fi);
+    st = bico_stfile_read_f64(tb, x->fi, base, x->nb);
+    if (st == BICO_OK) st = bico_stfile_check_finite(tb, x->fi);
     double ss = 0;
-    for (size_t e = 0; e < a->nb && st == BICO_OK; e++) {
+    for (size_t e = 0; e < x->nb && st == BICO_OK; e++) {
       ss += (double)upd[e] * (double)upd[e];
       base[e] += (double)upd[e];
     }
-    info->norm = sqrt(ss);
-    if (st == BICO_OK) st = bico_stwriter_write_f64(r->w, a->name, base, a->nb);
-    if (st == BICO_OK && r->wd)
-      st = bico_stwriter_write_f32(r->wd, a->name, upd, a->nb);
+    *norm = sqrt(ss);
+    if (st == BICO_OK) st = bico_stwriter_write_f64(w, x->name, base, x->nb);
+    if (st == BICO_OK && wd)
+      st = bico_stwriter_write_f32(wd, x->name, upd, x->nb);
     bico__free(ctx, base);
     return st;
   }
   const void *data;
   size_t nbytes;
-  st = bico_stfile_data(r->tb, a->fi, &data, &nbytes);
-  if (st == BICO_OK) st = bico_stwriter_write_raw(r->w, a->name, data, nbytes);
-  bico__stfile_drop(r->tb, a->fi);
-  if (st == BICO_OK && r->wd && a->fl) {
-    if (upd) memset(upd, 0, a->nb * sizeof(float));
-    static const float zero = 0.0f;
-    st = bico_stwriter_write_f32(r->wd, a->name, upd ? upd : &zero, a->nb);
+  st = bico_stfile_data(tb, x->fi, &data, &nbytes);
+  if (st == BICO_OK) st = bico_stwriter_write_raw(w, x->name, data, nbytes);
+  bico__stfile_drop(tb, x->fi);
+  if (st == BICO_OK && wd && x->fl) {
+    float *zero = bico__calloc(ctx, x->nb ? x->nb : 1, sizeof *zero);
+    if (zero == NULL) return BICO_E_NOMEM;
+    st = bico_stwriter_write_f32(wd, x->name, zero, x->nb);
+    bico__free(ctx, zero);
   }
   return st;
 }
 
 /* Partial runs: the update and its report entry (rendered on its own) go
  * to the sink. */
-static bico_status sink_tensor(bico__run *r, size_t ti, const tensor_at *a,
-                               const float *upd, bico__tinfo *info) {
+static bico_status sink_tensor(bico__run *r, size_t ti,
+                               const bico__xfer_tensor *a, const float *upd,
+                               bico__tinfo *info) {
   bico_ctx *ctx = r->ctx;
   bico_transfer *t = r->t;
   int changed = info->handling != BICO__H_UNCHANGED;
@@ -165,9 +189,16 @@ static bico_status sink_tensor(bico__run *r, size_t ti, const tensor_at *a,
   entry.compact = 1;
   bico_status st = bico__xfer_report_tensor(&entry, r->mt, ti, info);
   if (st == BICO_OK) {
-    st = t->sink(t->sink_opaque, ti, a->name,
-                 bico__xfer_handling[info->handling], changed ? upd : NULL,
-                 changed ? a->nb : 0, entry.buf);
+    bico_transfer_tensor x;
+    memset(&x, 0, sizeof x);
+    x.size = sizeof x;
+    x.index = ti;
+    x.name = a->name;
+    x.handling = info->handling;
+    x.update = changed ? upd : NULL;
+    x.count = changed ? a->nb : 0;
+    x.report_entry = entry.buf;
+    st = t->sink(t->sink_opaque, &x);
     if (st != BICO_OK && bico_ctx_errmsg(ctx)[0] == '\0')
       st = bico__fail(ctx, st, "transfer_run: the partial run's sink "
                       "refused tensor %s", a->name);
@@ -181,7 +212,7 @@ static bico_status sink_tensor(bico__run *r, size_t ti, const tensor_at *a,
 static bico_status one_tensor(bico__run *r, size_t ti) {
   bico_ctx *ctx = r->ctx;
   int partial = r->t->select != NULL;
-  tensor_at a;
+  bico__xfer_tensor a;
   bico_status st = locate(r, ti, &a);
   if (st != BICO_OK) return st;
   bico__tinfo info;
@@ -193,19 +224,24 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
     if (upd == NULL) return BICO_E_NOMEM;
     st = bico__xfer_update(r, ti, upd, &info);
     if (st != BICO_OK) st = bico__xfer_wrap(ctx, st, "tensor", a.name);
+    /* Every written (or sunk) value finite: an overflowing alpha tau
+     * fails the run here, before anything is committed. */
+    if (st == BICO_OK && info.handling != BICO__H_UNCHANGED)
+      st = bico__xfer_check_finite(ctx, upd, a.nb, "tensor", a.name);
   } else {
     snprintf(info.reason, sizeof info.reason, "%s",
              a.fl ? "empty tensor" : "not a floating-point tensor");
   }
+  int changed = info.handling != BICO__H_UNCHANGED;
   if (st == BICO_OK)
     st = partial ? sink_tensor(r, ti, &a, upd, &info)
-                 : write_tensor(r, &a, upd, &info);
+                 : bico__xfer_write_one(ctx, r->tb, &a, r->w, r->wd,
+                                        changed ? upd : NULL, &info.norm);
   if (st == BICO_OK) {
     /* (after a failure, no accessor may clear the context's message) */
     int role = BICO_ROLE_OTHER;
     bico_model_tensor_module(r->mt, ti, NULL, &role);
-    if (info.handling == BICO__H_UNCHANGED && a.fl && a.nb > 0 &&
-        role != BICO_ROLE_OTHER)
+    if (!changed && a.fl && a.nb > 0 && role != BICO_ROLE_OTHER)
       bico__xfer_log(r, "bico: unchanged: %s (%s)", a.name, info.reason);
     r->count[info.handling]++;
     if (!partial) st = bico__xfer_report_tensor(&r->rep, r->mt, ti, &info);
@@ -217,48 +253,55 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
 /* Every output complete in its temporary file, then all destinations
  * checked and committed together (lib/fileio.c): a failure before the
  * renames leaves nothing new. */
-static bico_status commit(bico__run *r) {
-  bico_ctx *ctx = r->ctx;
-  const char *report = r->t->files[BICO_FILE_REPORT];
-  bico__tmpfile rep = {NULL, NULL, -1, 0}, *outs[3];
+bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
+                              const char *report, bico_stwriter *w,
+                              bico_stwriter *wd) {
+  bico__tmpfile rt = {NULL, NULL, -1, 0}, *outs[3];
   size_t n = 0;
-  bico_status st = bico__stwriter_finish(r->w, &outs[n]);
+  bico_status st = bico__stwriter_finish(w, &outs[n]);
   if (st == BICO_OK) n++;
-  if (st == BICO_OK && r->wd) {
-    st = bico__stwriter_finish(r->wd, &outs[n]);
+  if (st == BICO_OK && wd) {
+    st = bico__stwriter_finish(wd, &outs[n]);
     if (st == BICO_OK) n++;
   }
   if (st == BICO_OK && report) {
-    st = bico__report_tmp(ctx, "transfer_run", "report", r->rep.buf,
-                          r->rep.len, report, &rep);
-    if (st == BICO_OK) outs[n++] = &rep;
+    st = bico__report_tmp(ctx, "transfer_run", "report", rep->buf, rep->len,
+                          report, &rt);
+    if (st == BICO_OK) outs[n++] = &rt;
   }
   if (st == BICO_OK) st = bico__commit(ctx, "transfer_run", outs, n);
-  bico__tmp_discard(ctx, &rep);
+  bico__tmp_discard(ctx, &rt);
   return st;
 }
 
-static void report_summary(bico__run *r) {
-  bico__report_end_array(&r->rep);
-  bico__report_key(&r->rep, "summary");
-  bico__report_begin_object(&r->rep);
+void bico__xfer_report_head(bico__report *rep, int method, float alpha) {
+  bico__report_begin_object(rep);
+  bico__report_key_string(rep, "method", bico_method_name(method));
+  bico__report_key_number(rep, "alpha", (double)alpha);
+  bico__report_key(rep, "tensors");
+  bico__report_begin_array(rep);
+}
+
+void bico__xfer_report_tail(bico__report *rep, const size_t *count) {
+  bico__report_end_array(rep);
+  bico__report_key(rep, "summary");
+  bico__report_begin_object(rep);
   for (int h = 0; h < BICO__H_COUNT; h++)
-    bico__report_key_number(&r->rep, bico__xfer_handling[h],
-                            (double)r->count[h]);
-  bico__report_end_object(&r->rep);
-  bico__report_end_object(&r->rep);
+    bico__report_key_number(rep, bico__xfer_handling[h], (double)count[h]);
+  bico__report_end_object(rep);
+  bico__report_end_object(rep);
 }
 
 bico_status bico__xfer_write_all(bico__run *r) {
   bico_transfer *t = r->t;
   int partial = t->select != NULL;
   size_t nt = bico_model_tensor_count(r->mt);
-  bico_status st = partial ? BICO_OK : declare_outputs(r);
-  bico__report_begin_object(&r->rep);
-  bico__report_key_string(&r->rep, "method", bico_method_name(r->method));
-  bico__report_key_number(&r->rep, "alpha", (double)r->alpha);
-  bico__report_key(&r->rep, "tensors");
-  bico__report_begin_array(&r->rep);
+  bico_status st = partial ? BICO_OK
+                           : bico__xfer_declare(
+                                 r->ctx, t->files[BICO_FILE_OUTPUT],
+                                 t->files[BICO_FILE_DELTA_OUTPUT], r->tb,
+                                 &r->w, &r->wd);
+  bico__xfer_report_head(&r->rep, r->method, r->alpha);
   /* Progress only on long runs: at most every 5 seconds. */
   time_t last = time(NULL);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
@@ -272,9 +315,11 @@ bico_status bico__xfer_write_all(bico__run *r) {
                      bico__xfer_tname(r->mt, ti));
     }
   }
-  report_summary(r);
+  bico__xfer_report_tail(&r->rep, r->count);
   if (st == BICO_OK) st = r->rep.status;
-  if (st == BICO_OK && !partial) st = commit(r);
+  if (st == BICO_OK && !partial)
+    st = bico__xfer_commit(r->ctx, &r->rep, t->files[BICO_FILE_REPORT], r->w,
+                           r->wd);
   if (st != BICO_OK) return st;
   size_t updated = 0;
   for (int h = 0; h < BICO__H_COUNT; h++)

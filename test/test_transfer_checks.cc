@@ -3,7 +3,9 @@
 // and the method and norm-map names from the library.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <sys/stat.h>
 #include <utility>
@@ -107,6 +109,129 @@ TEST(TransferVotes, LargestRepresentableCountIsAccepted) {
     bt::Ctx ctx;
     EXPECT_EQ(f.run(ctx, lora), BICO_OK) << bico_ctx_errmsg(ctx);
   }
+}
+
+// ---------------------------------------------------------------------------
+// Every written value finite.  A naive transfer with alpha = 2e38 of a task
+// vector of 2s makes alpha tau = 4e38, past float32's largest value: the
+// run must fail naming the tensor and leave every output as it was.
+
+struct Overflow {
+  stt::TempDir dir;
+  std::string base = dir / "base.st", tau = dir / "tau.st",
+              out = dir / "out.st", delta = dir / "delta.st",
+              report = dir / "report.json", ad = dir / "adapter",
+              out_ad = dir / "out_adapter";
+  explicit Overflow(float t) {
+    write_f32(base, {{"blocks.0.fc.weight", {2, 3}, filled(6, 0.5f)},
+                     {"blocks.0.fc.bias", {2}, filled(2, 0.25f)}});
+    std::vector<float> w = filled(6, 0.0f);
+    w[4] = t;  // one element overflows
+    write_f32(tau, {{"blocks.0.fc.weight", {2, 3}, w},
+                    {"blocks.0.fc.bias", {2}, filled(2, 0.0f)}});
+    mkdir(ad.c_str(), 0700);
+    stt::write_bytes(ad + "/adapter_config.json",
+                     "{\"peft_type\": \"LORA\", \"r\": 1, \"lora_alpha\": 1, "
+                     "\"target_modules\": [\"fc\"], \"bias\": \"none\"}");
+    write_f32(ad + "/adapter_model.safetensors",
+              {{"base_model.model.blocks.0.fc.lora_A.weight", {1, 3}, filled(3, 1.0f)},
+               {"base_model.model.blocks.0.fc.lora_B.weight", {2, 1}, {0.0f, t}}});
+  }
+  bico_transfer *make(bico_ctx *ctx, double alpha, bool lora) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_NAIVE), BICO_OK);
+    EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, alpha), BICO_OK);
+    bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, base.c_str());
+    bico_transfer_set_file(t, BICO_FILE_TARGET_BASE, base.c_str());
+    bico_transfer_set_file(t, BICO_FILE_OUTPUT, out.c_str());
+    bico_transfer_set_file(t, BICO_FILE_REPORT, report.c_str());
+    if (lora) {
+      bico_transfer_set_file(t, BICO_FILE_LORA, ad.c_str());
+      bico_transfer_set_file(t, BICO_FILE_LORA_OUTPUT, out_ad.c_str());
+    } else {
+      bico_transfer_set_file(t, BICO_FILE_TASK_VECTOR, tau.c_str());
+      bico_transfer_set_file(t, BICO_FILE_DELTA_OUTPUT, delta.c_str());
+    }
+    return t;
+  }
+};
+
+TEST(TransferFinite, OverflowingUpdateFailsAndWritesNothing) {
+  for (bool lora : {false, true}) {
+    SCOPED_TRACE(lora ? "lora" : "checkpoint");
+    Overflow f(2.0f);
+    for (auto &p : {f.out, f.delta, f.report}) stt::write_bytes(p, "before");
+    bt::Ctx ctx;
+    bico_transfer *t = f.make(ctx, 2e38, lora);
+    EXPECT_EQ(bico_transfer_run(t), BICO_E_NONFINITE);
+    std::string m = bico_ctx_errmsg(ctx);
+    EXPECT_NE(m.find(lora ? "blocks.0.fc" : "blocks.0.fc.weight"), std::string::npos) << m;
+    EXPECT_NE(m.find("element"), std::string::npos) << m;
+    bico_transfer_free(t);
+    for (auto &p : {f.out, f.delta, f.report}) EXPECT_EQ(stt::read_bytes(p), "before") << p;
+    struct stat sb;
+    EXPECT_NE(stat(f.out_ad.c_str(), &sb), 0);
+    // Nothing else was left in the folder (no temporaries).
+    std::vector<std::string> want = {"adapter", "base.st", "delta.st", "out.st",
+                                     "report.json", "tau.st"};
+    EXPECT_EQ(f.dir.list(), want);
+  }
+}
+
+// The same run with alpha 1e38 fits float32: the output is base + alpha tau
+// computed here, so the check refuses only what overflows.
+TEST(TransferFinite, LargestFittingUpdateIsWritten) {
+  Overflow f(2.0f);
+  bt::Ctx ctx;
+  bico_transfer *t = f.make(ctx, 1e38, false);
+  ASSERT_EQ(bico_transfer_run(t), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_transfer_free(t);
+  bico_stfile *o = nullptr;
+  ASSERT_EQ(bico_stfile_open(ctx, f.out.c_str(), &o), BICO_OK);
+  size_t i;
+  ASSERT_EQ(bico_stfile_find(o, "blocks.0.fc.weight", &i), BICO_OK);
+  std::vector<float> got(6);
+  ASSERT_EQ(bico_stfile_read_f32(o, i, got.data(), 6), BICO_OK);
+  EXPECT_EQ(got[0], 0.5f);
+  EXPECT_EQ(got[4], (float)(0.5 + (double)(float)1e38 * 2.0));
+  EXPECT_TRUE(std::isfinite(got[4]));
+  bico_stfile_close(o);
+}
+
+// Partial runs: the sink never sees a non-finite update.
+TEST(TransferFinite, PartialRunStopsBeforeTheSink) {
+  Overflow f(2.0f);
+  bt::Ctx ctx;
+  bico_transfer *t = f.make(ctx, 2e38, false);
+  unsigned char sel[2] = {1, 1};
+  int calls = 0;
+  auto sink = [](void *o, const bico_transfer_tensor *x) -> bico_status {
+    for (size_t e = 0; e < x->count; e++)
+      if (!std::isfinite(x->update[e])) ADD_FAILURE() << "non-finite element " << e;
+    ++*static_cast<int *>(o);
+    return BICO_OK;
+  };
+  ASSERT_EQ(bico_transfer_set_partial(t, sel, 2, sink, &calls), BICO_OK);
+  EXPECT_EQ(bico_transfer_run(t), BICO_E_NONFINITE);
+  EXPECT_LE(calls, 1);  // the bias (index 0 or 1) at most
+  bico_transfer_free(t);
+}
+
+// alpha is used as a float: the bounds say so and larger values are
+// refused when set (bico transfer turns that into a usage error).
+TEST(TransferFinite, AlphaBoundsAreFloat32s) {
+  double lo, hi;
+  ASSERT_EQ(bico_transfer_param_bounds(BICO_TRANSFER_ALPHA, &lo, &hi), BICO_OK);
+  EXPECT_EQ(lo, 0.0);
+  EXPECT_EQ(hi, (double)std::numeric_limits<float>::max());
+  bt::Ctx ctx;
+  bico_transfer *t = nullptr;
+  ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, 1e39), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, hi), BICO_OK);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, INFINITY), BICO_E_NONFINITE);
+  bico_transfer_free(t);
 }
 
 // The names the manual gives for --method and --norm-map, both ways.

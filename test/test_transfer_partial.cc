@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "st_testutil.h"
 #include "testutil.h"
 
 namespace {
@@ -101,14 +102,16 @@ struct Got {
 struct Sink {
   std::vector<Got> got;
   int fail_at = -1;  // refuse the call with this index
-  static bico_status fn(void *o, size_t tensor, const char *name,
-                        const char *handling, const float *update, size_t count,
-                        const char *entry) {
+  static bico_status fn(void *o, const bico_transfer_tensor *x) {
     Sink *s = static_cast<Sink *>(o);
+    EXPECT_GE(x->size, sizeof *x);
     if ((int)s->got.size() == s->fail_at) return BICO_E_IO;
-    Got g{tensor, name, handling, entry,
-          update ? std::vector<float>(update, update + count) : std::vector<float>(),
-          update == nullptr};
+    const char *h = bico_handling_name(x->handling);
+    EXPECT_NE(h, nullptr);
+    Got g{x->index, x->name, h ? h : "", x->report_entry,
+          x->update ? std::vector<float>(x->update, x->update + x->count)
+                    : std::vector<float>(),
+          x->update == nullptr};
     s->got.push_back(g);
     return BICO_OK;
   }
@@ -256,3 +259,152 @@ TEST(TransferPartial, EveryAllocationFailureIsReportedAndCleanedUp) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------
+// The plan and the assembler (what bico-mpi builds on).
+
+// A sink that forwards straight into an assembler on another handle.
+struct Forward {
+  bico_transfer *to;
+  static bico_status fn(void *o, const bico_transfer_tensor *x) {
+    return bico_transfer_assemble_put(static_cast<Forward *>(o)->to, x->index,
+                                      x->handling, x->update, x->count,
+                                      x->report_entry);
+  }
+};
+
+TEST(TransferPlan, GroupsCoverEveryTensorOnceAndKeepModulesTogether) {
+  Planted p;
+  bt::Ctx ctx;
+  bico_transfer *t = p.make(ctx);
+  size_t nt = 9, ng = 9;
+  EXPECT_EQ(bico_transfer_plan_size(t, &nt, &ng), BICO_E_STATE);
+  ASSERT_EQ(bico_transfer_plan(t), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(bico_transfer_plan_size(t, &nt, &ng), BICO_OK);
+  EXPECT_EQ(nt, 4u);
+  EXPECT_EQ(ng, 2u);  // blocks.0.fc and blocks.1.fc, weight with bias
+  std::vector<int> group_of(nt, -1);
+  for (size_t g = 0; g < ng; g++) {
+    double cost = 0;
+    size_t n = 0;
+    const size_t *ts = nullptr;
+    ASSERT_EQ(bico_transfer_plan_group(t, g, &cost, &n, &ts), BICO_OK);
+    // At least the two d x d map solves of the module (d^3 each).
+    EXPECT_GE(cost, 2.0 * p.d * p.d * p.d);
+    for (size_t k = 0; k < n; k++) {
+      ASSERT_LT(ts[k], nt);
+      EXPECT_EQ(group_of[ts[k]], -1);
+      group_of[ts[k]] = (int)g;
+      if (k) {
+        EXPECT_LT(ts[k - 1], ts[k]);
+      }
+    }
+  }
+  for (size_t i = 0; i < nt; i++) EXPECT_NE(group_of[i], -1) << i;
+  EXPECT_EQ(group_of[0], group_of[1]);  // blocks.0.fc.weight, .bias
+  EXPECT_EQ(group_of[2], group_of[3]);
+  EXPECT_NE(group_of[0], group_of[2]);
+  EXPECT_EQ(bico_transfer_plan_group(t, ng, nullptr, nullptr, nullptr), BICO_E_ARG);
+  bico_transfer_free(t);
+}
+
+// Two partial runs (one per group) assembled on a third handle give the
+// whole run's output and report byte for byte.
+TEST(TransferPlan, AssembledHalvesEqualTheWholeRun) {
+  Planted p;
+  bt::Ctx ctx;
+  bico_transfer *whole = p.make(ctx);
+  ASSERT_EQ(bico_transfer_run(whole), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_transfer_free(whole);
+  std::string want_out = stt::read_bytes(p.out), want_rep = stt::read_bytes(p.report);
+  std::remove(p.out.c_str());
+  std::remove(p.report.c_str());
+
+  bico_transfer *as = p.make(ctx);
+  EXPECT_EQ(bico_transfer_assemble_begin(as), BICO_E_STATE);  // no plan yet
+  ASSERT_EQ(bico_transfer_plan(as), BICO_OK);
+  ASSERT_EQ(bico_transfer_assemble_begin(as), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(bico_transfer_assemble_commit(as), BICO_E_STATE);  // nothing put
+  Forward fw{as};
+  for (size_t g = 0; g < 2; g++) {
+    size_t n;
+    const size_t *ts;
+    ASSERT_EQ(bico_transfer_plan_group(as, 1 - g, nullptr, &n, &ts), BICO_OK);
+    unsigned char sel[4] = {0, 0, 0, 0};
+    for (size_t k = 0; k < n; k++) sel[ts[k]] = 1;
+    bt::Ctx c2;
+    bico_transfer *part = p.make(c2);
+    ASSERT_EQ(bico_transfer_set_partial(part, sel, 4, Forward::fn, &fw), BICO_OK);
+    ASSERT_EQ(bico_transfer_run(part), BICO_OK) << bico_ctx_errmsg(c2) << bico_ctx_errmsg(ctx);
+    bico_transfer_free(part);
+  }
+  EXPECT_FALSE(exists(p.out));  // nothing before the commit
+  ASSERT_EQ(bico_transfer_assemble_commit(as), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(stt::read_bytes(p.out), want_out);
+  EXPECT_EQ(stt::read_bytes(p.report), want_rep);
+  size_t updated = 0;
+  ASSERT_EQ(bico_transfer_counts(as, &updated, nullptr), BICO_OK);
+  EXPECT_EQ(updated, 4u);
+  bico_transfer_free(as);
+}
+
+TEST(TransferPlan, BadPutsAreRefusedAndAnAbandonedAssemblyLeavesNothing) {
+  Planted p;
+  bt::Ctx ctx;
+  bico_transfer *t = p.make(ctx);
+  std::vector<float> upd(p.d * p.d, 0.5f);
+  EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_LINEAR, upd.data(),
+                                       upd.size(), "{}"),
+            BICO_E_STATE);
+  ASSERT_EQ(bico_transfer_plan(t), BICO_OK);
+  ASSERT_EQ(bico_transfer_assemble_begin(t), BICO_OK);
+  const char *e = "{\"name\": \"x\"}";
+  EXPECT_EQ(bico_transfer_assemble_put(t, 4, BICO_HANDLING_LINEAR, upd.data(), upd.size(), e),
+            BICO_E_ARG);  // out of range
+  EXPECT_EQ(bico_transfer_assemble_put(t, 0, 7, upd.data(), upd.size(), e), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_UNCHANGED, upd.data(), upd.size(), e),
+            BICO_E_ARG);  // unchanged with an update
+  EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_LINEAR, upd.data(), 5, e),
+            BICO_E_SHAPE);
+  EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_LINEAR, upd.data(), upd.size(),
+                                       nullptr),
+            BICO_E_NULL);
+  upd[3] = INFINITY;
+  EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_LINEAR, upd.data(), upd.size(), e),
+            BICO_E_NONFINITE);
+  upd[3] = 0.5f;
+  ASSERT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_LINEAR, upd.data(), upd.size(), e),
+            BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_LINEAR, upd.data(), upd.size(), e),
+            BICO_E_ARG);  // twice
+  EXPECT_EQ(bico_transfer_assemble_commit(t), BICO_E_STATE);  // 1 of 4
+  bico_transfer_free(t);
+  EXPECT_FALSE(exists(p.out));
+  EXPECT_FALSE(exists(p.report));
+  // Nothing else in the folder: the temporaries went with the handle.
+  std::vector<std::string> left;
+  for (auto &f : std::filesystem::directory_iterator(p.dir))
+    left.push_back(f.path().filename().string());
+  std::sort(left.begin(), left.end());
+  std::vector<std::string> want = {"A.st", "B.st", "calA.st", "calB.st", "tau.st"};
+  EXPECT_EQ(left, want);
+}
+
+TEST(TransferPlan, HandlingNamesAndFileGetter) {
+  EXPECT_STREQ(bico_handling_name(BICO_HANDLING_UNCHANGED), "unchanged");
+  EXPECT_STREQ(bico_handling_name(BICO_HANDLING_MASKED), "masked");
+  EXPECT_EQ(bico_handling_name(7), nullptr);
+  EXPECT_EQ(bico_handling_name(-1), nullptr);
+  Planted p;
+  bt::Ctx ctx;
+  bico_transfer *t = p.make(ctx);
+  const char *path = nullptr;
+  ASSERT_EQ(bico_transfer_get_file(t, BICO_FILE_OUTPUT, &path), BICO_OK);
+  EXPECT_EQ(std::string(path), p.out);
+  ASSERT_EQ(bico_transfer_get_file(t, BICO_FILE_DELTA_OUTPUT, &path), BICO_OK);
+  EXPECT_EQ(path, nullptr);
+  EXPECT_EQ(bico_transfer_get_file(t, 0, &path), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_get_file(t, 14, &path), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_get_file(t, 1, nullptr), BICO_E_NULL);
+  bico_transfer_free(t);
+}

@@ -106,7 +106,7 @@ typedef enum bico_transfer_file {
  * bico_transfer_param_bounds. */
 typedef enum bico_transfer_param {
   BICO_TRANSFER_METHOD = 1,       /* bico_method; default BICO */
-  BICO_TRANSFER_ALPHA = 2,        /* > 0, finite; default 1 */
+  BICO_TRANSFER_ALPHA = 2,        /* (0, FLT_MAX]; default 1 */
   BICO_TRANSFER_NORM_MAP = 3,     /* bico_norm_map; default ACT */
   BICO_TRANSFER_NULL = 4,         /* bico_null_completion; default KEEP */
   BICO_TRANSFER_RANK_TOL = 5,     /* [0, 1); default 1e-5 */
@@ -185,26 +185,50 @@ BICO_API bico_status bico_transfer_run(bico_transfer *t);
 BICO_API bico_status bico_transfer_counts(const bico_transfer *t,
                                           size_t *updated, size_t *unchanged);
 
-/* ---- Partial runs (front ends that divide a run among processes) ----
+/* ---- Dividing a run among processes (bico-mpi) ----
  *
- * A partial run computes the updates of a chosen subset of the target's
- * tensors and hands each one to a callback instead of writing files; the
- * bico-mpi front end gives every process a subset and lets one process
- * write the output.  Everything else (checks, pairing, maps, messages) is
- * the whole run's; a process computes every map its tensors need. */
+ * A front end that divides a run plans it (bico_transfer_plan: groups of
+ * target tensors that share maps, each with an estimated cost), gives each
+ * process a set of groups, and lets every process compute its tensors with
+ * a partial run (bico_transfer_set_partial: updates go to a callback,
+ * nothing is written); one process assembles the output from the updates
+ * by tensor index (bico_transfer_assemble_*).  The front end only moves
+ * data: checks, pairing, maps, arithmetic, writing and the report are the
+ * library's, so the output equals a single process's byte for byte. */
 
-/* Receives, in the target's order, each selected target tensor: its index
- * (header order of the target base, as in bico_model_from_stfile), name,
- * handling ("linear", "vector", "tied", "naive", "padded", "masked" or
- * "unchanged"), the update alpha tau_B (count floats; NULL and 0 when
- * unchanged), and its report entry (one line of JSON, an element of the
- * report's "tensors" array).  The pointers are valid during the call.  A
- * status other than BICO_OK stops the run with that status. */
-typedef bico_status (*bico_transfer_sink_fn)(void *opaque, size_t tensor,
-                                             const char *name,
-                                             const char *handling,
-                                             const float *update, size_t count,
-                                             const char *report_entry);
+/* What a partial run did to one target tensor. */
+typedef enum bico_handling {
+  BICO_HANDLING_UNCHANGED = 0,
+  BICO_HANDLING_LINEAR = 1,
+  BICO_HANDLING_VECTOR = 2,
+  BICO_HANDLING_TIED = 3,
+  BICO_HANDLING_NAIVE = 4,
+  BICO_HANDLING_PADDED = 5,
+  BICO_HANDLING_MASKED = 6
+} bico_handling;
+/* "unchanged", "linear", ... as in the report; NULL for an unknown value. */
+BICO_API const char *bico_handling_name(int handling);
+
+/* One computed target tensor, as a partial run hands it over.  `size` is
+ * sizeof(bico_transfer_tensor) in the library that filled it: later
+ * versions add fields at the end only, and a caller reads a field only
+ * when size covers it.  Pointers are valid during the callback. */
+typedef struct bico_transfer_tensor {
+  size_t size;
+  size_t index;             /* header order of the target base */
+  const char *name;
+  int handling;             /* bico_handling */
+  const float *update;      /* alpha tau_B, count floats (finite); NULL
+                               when unchanged */
+  size_t count;
+  const char *report_entry; /* the tensor's report entry: pass it to
+                               bico_transfer_assemble_put unchanged */
+} bico_transfer_tensor;
+
+/* Receives each selected target tensor, in the target's order.  A status
+ * other than BICO_OK stops the run with that status. */
+typedef bico_status (*bico_transfer_sink_fn)(void *opaque,
+                                             const bico_transfer_tensor *t);
 
 /* Makes later runs partial: select[i] != 0 marks the target tensors to
  * compute (n must equal the target base's tensor count: else the run fails
@@ -216,6 +240,48 @@ BICO_API bico_status bico_transfer_set_partial(bico_transfer *t,
                                                size_t n,
                                                bico_transfer_sink_fn sink,
                                                void *opaque);
+
+/* Plans the configured run without computing anything: every check of a
+ * run up to the first map (inputs opened, models paired, splits and ties
+ * resolved).  Then the target's tensors fall in groups: the tensors whose
+ * maps one target module provides (its weight, bias, norm vectors, tied
+ * tokens), and every other tensor alone; each group has an estimated cost
+ * in floating-point operations (solving its maps, the transport, reading
+ * and writing its tensors).  Sending each group whole to one process
+ * computes every map once. */
+BICO_API bico_status bico_transfer_plan(bico_transfer *t);
+/* After a successful plan: the target base's tensor count and the number
+ * of groups. */
+BICO_API bico_status bico_transfer_plan_size(const bico_transfer *t,
+                                             size_t *tensors, size_t *groups);
+/* Group g (< groups): its cost and its count tensor indices (ascending;
+ * valid until the next plan or free). */
+BICO_API bico_status bico_transfer_plan_group(const bico_transfer *t, size_t g,
+                                              double *cost, size_t *count,
+                                              const size_t **tensors);
+
+/* The assembler: begin opens the target base and creates the output (and
+ * delta output) as a whole run would, under temporary names; put takes
+ * one tensor's result (update NULL when unchanged), in any order, and
+ * writes it (theta_B + update, rounded once to the target's dtype, or the
+ * base's bytes); commit, once every tensor is in, writes the report and
+ * renames the files into place (the report last).  A failure, or free
+ * before commit, leaves nothing.  A put of an index twice, out of range,
+ * with a count other than the tensor's, or with a non-finite value fails
+ * with BICO_E_ARG / BICO_E_SHAPE / BICO_E_NONFINITE.  A LoRA run cannot be
+ * assembled (BICO_E_UNSUPPORTED). */
+BICO_API bico_status bico_transfer_assemble_begin(bico_transfer *t);
+BICO_API bico_status bico_transfer_assemble_put(bico_transfer *t, size_t index,
+                                                int handling,
+                                                const float *update,
+                                                size_t count,
+                                                const char *report_entry);
+BICO_API bico_status bico_transfer_assemble_commit(bico_transfer *t);
+
+/* The path set for a file slot (NULL when unset), valid until the slot
+ * changes. */
+BICO_API bico_status bico_transfer_get_file(const bico_transfer *t, int which,
+                                            const char **path);
 
 /* ---- Statistics files ---- */
 

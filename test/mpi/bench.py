@@ -5,10 +5,10 @@ width DB, MLP ratio 4, LA and LB blocks) with a statistics file, and a
 calibration set, are written to a temporary folder; then the whole-model
 transfer (bico, --stats) runs at 1, 2 and 4 ranks, and the statistics
 reduction (bico-mpi stats) at 1, 2 and 4 ranks.  Prints one line per run:
-wall time, and each rank's time and peak memory from the report.  Sizes
+wall time, and each rank's time and peak memory from its log lines.  Sizes
 come from the environment (BENCH_DA, BENCH_DB, BENCH_LA, BENCH_LB,
 BENCH_ROWS, BENCH_RANKS, BENCH_WHAT="transfer stats").  Numbers depend on the machine: the ranks share its cores."""
-import json
+import re
 import os
 import subprocess
 import sys
@@ -100,17 +100,33 @@ def main():
     print(f"# target: {nparam / 1e6:.1f} M parameters, {len(B)} tensors; "
           f"source width {DA} x {LA} blocks, target {DB} x {LB}; "
           f"{os.cpu_count()} cores")
+    cpu1 = 0.0
     for n in RANKS if "transfer" in WHAT else []:
         out, rep = os.path.join(d, f"out{n}.st"), os.path.join(d, f"rep{n}.json")
-        wall, _ = mpirun(n, "transfer", "--method", "bico", "--source-base", f["A"],
-                         "--task-vector", f["tau"], "--target-base", f["B"],
-                         "--stats", f["stats"], "--output", out, "--report", rep,
-                         "--quiet")
-        ranks = json.load(open(rep))["ranks"]
-        per = ", ".join(f"r{x['rank']} {x['tensors']} t {x['seconds']:.2f} s "
-                        f"cpu {x['cpu_seconds']:.2f} s {x['peak_rss_mb']:.0f} MB"
-                        for x in ranks)
-        print(f"transfer  np={n}: wall {wall:.2f} s  [{per}]")
+        wall, err = mpirun(n, "transfer", "--method", "bico", "--source-base", f["A"],
+                           "--task-vector", f["tau"], "--target-base", f["B"],
+                           "--stats", f["stats"], "--output", out, "--report", rep)
+        # One line per rank: "bico: rank R (host): N tensors (U updated),
+        # estimated cost C, S s (CPU S s), peak RSS M MB".
+        per, cpus = [], []
+        for line in err.splitlines():
+            m = re.search(r"bico: rank (\d+) \(.*?\): (\d+) tensors .*?, "
+                          r"([0-9.]+) s \(CPU ([0-9.]+) s\), peak RSS ([0-9.]+) MB",
+                          line)
+            if m:
+                cpus.append(float(m.group(4)))
+                per.append(f"r{m.group(1)} {m.group(2)} t {float(m.group(3)):.2f} s "
+                           f"cpu {float(m.group(4)):.2f} s {float(m.group(5)):.0f} MB")
+        if not per:  # one rank: the whole run's own figures
+            per = ["single process"]
+        per = ", ".join(per)
+        # On a shared machine wall time follows the other jobs; the busiest
+        # rank's CPU seconds against one rank's say what the division gave.
+        if n == 1 and cpus:
+            cpu1 = cpus[0]
+        ratio = (f"; busiest rank's CPU {max(cpus) / cpu1:.2f} of 1 rank's"
+                 if cpus and n > 1 and cpu1 else "")
+        print(f"transfer  np={n}: wall {wall:.2f} s  [{per}]{ratio}")
     for n in RANKS if "stats" in WHAT else []:
         wall, err = mpirun(n, "stats", "--source-calib", f["calA"], "--target-calib",
                            f["calB"], "--output", os.path.join(d, f"s{n}.st"))

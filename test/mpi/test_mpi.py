@@ -7,6 +7,7 @@ whose own correctness test/python/test_bico_cli.py establishes.  Models and
 calibration data are random (test/e2e/planted.py writes the files)."""
 import glob
 import json
+import re
 import os
 import subprocess
 import sys
@@ -157,25 +158,24 @@ def test_transfer_equals_serial_with_report(models, n):
     same_tensors(outd, refd)
     # Same maps, same arithmetic: the checkpoint is even byte-identical.
     assert open(out, "rb").read() == open(ref, "rb").read()
-    a, b = json.load(open(outr)), json.load(open(refr))
-    assert a["method"] == b["method"] and a["alpha"] == b["alpha"]
-    assert a["summary"] == b["summary"] and a["summary"]["linear"] > 0
-    assert len(a["tensors"]) == len(b["tensors"])
-    seen = set()
-    for ta, tb in zip(a["tensors"], b["tensors"]):
-        rk = ta.pop("rank")
-        assert 0 <= rk < n
-        seen.add(rk)
-        norm_a, norm_b = ta.pop("update_norm"), tb.pop("update_norm")
-        assert abs(norm_a - norm_b) <= 1e-6 * max(abs(norm_b), 1e-30)
-        assert ta == tb
-    # Which rank did what, and how long it took.
-    assert [x["rank"] for x in a["ranks"]] == list(range(n))
-    assert sum(x["tensors"] for x in a["ranks"]) == len(a["tensors"])
-    assert all(x["seconds"] >= 0 and x["host"] for x in a["ranks"])
-    assert len(seen) >= 2  # the work was shared
+    # The library assembles the report from the ranks' entries: the same
+    # text as the single process's.
+    assert open(outr, "rb").read() == open(refr, "rb").read()
+    a = json.load(open(outr))
+    assert a["summary"]["linear"] > 0
+    # Which rank did what: one log line per rank.
+    per = {}
+    for line in r.stderr.splitlines():
+        m = re.search(r"bico: rank (\d+) \((.+?)\): (\d+) tensors \((\d+) "
+                      r"updated\).* ([0-9.]+) s \(CPU", line)
+        if m:
+            per[int(m.group(1))] = int(m.group(3))
+            assert m.group(2) and float(m.group(5)) >= 0
+    assert sorted(per) == list(range(n)), r.stderr
+    assert sum(per.values()) == len(a["tensors"])
+    assert sum(1 for v in per.values() if v > 0) >= 2  # the work was shared
     if n == 3:
-        assert a["ranks"][0]["tensors"] == 0 and seen == {1, 2}
+        assert per[0] == 0
     for k in range(n):
         assert f"rank {k} (" in r.stderr
     assert not no_leftovers(d)

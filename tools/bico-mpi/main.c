@@ -21,16 +21,17 @@ int main(int argc, char **argv) {
   if (help && argc >= 2 && strcmp(argv[1], "stats") == 0)
     code = rank == 0 ? mpi_cmd_stats(argc - 1, argv + 1) : 0;
   else if (help)
-    code = rank == 0 ? bico_serial_main(argc, argv) : 0;
+    code = rank == 0 ? bico_cli_main(argc, argv) : 0;
   else if (argc >= 2 && strcmp(argv[1], "stats") == 0)
     code = mpi_cmd_stats(argc - 1, argv + 1);
   else if (argc >= 2 && strcmp(argv[1], "transfer") == 0) {
     if (rank != 0) mpi_quiet_stderr();
+    cli_transfer_runner = mpi_transfer_run;
     code = cmd_transfer(argc - 1, argv + 1);
     mpi_restore_stderr();
   }
   else
-    code = rank == 0 ? bico_serial_main(argc, argv) : 0;
+    code = rank == 0 ? bico_cli_main(argc, argv) : 0;
   MPI_Finalize();
   return code;
 }

@@ -9,10 +9,11 @@
 
 #include "bico/bico.h"
 
-/* The serial command's entry points (tools/bico), reused as they are. */
-int bico_serial_main(int argc, char **argv);
-int cmd_inspect(int argc, char **argv);
-int cmd_transfer(int argc, char **argv);
+/* The serial command (tools/bico), reused as it is. */
+#include "cli.h"
+
+/* The transfer divided among ranks (cli_transfer_runner). */
+int mpi_transfer_run(bico_transfer *t, bico_ctx *ctx, int quiet);
 
 int mpi_cmd_stats(int argc, char **argv);
 

@@ -10,6 +10,13 @@
 #define CLI_USAGE 2
 
 int cmd_transfer(int argc, char **argv);
+/* The command's dispatcher (main in tools/bico/bico.c calls it; bico-mpi
+ * reuses it for the commands it does not divide). */
+int bico_cli_main(int argc, char **argv);
+/* cmd_transfer runs the configured transfer with this when set (bico-mpi
+ * divides it among ranks), else with bico_transfer_run; it returns the
+ * exit code and prints its own messages. */
+extern int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
 int cmd_stats(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_merge(int argc, char **argv); /* tools/bico/merge.c */

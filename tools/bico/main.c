@@ -84,7 +84,7 @@ int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st) {
   return cli_error(cmd, CLI_FAIL, "%s", detail[0] ? detail : bico_strerror(st));
 }
 
-int main(int argc, char **argv) {
+int bico_cli_main(int argc, char **argv) {
   /* A file-size limit (ulimit -f) then makes a write fail with EFBIG,
    * reported as an error, instead of killing the process mid-write. */
   signal(SIGXFSZ, SIG_IGN);

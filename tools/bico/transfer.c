@@ -63,6 +63,8 @@ static const struct {
 };
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
+int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
+
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
   fprintf(stderr, "%s\n", line);
@@ -321,6 +323,10 @@ int cmd_transfer(int argc, char **argv) {
       goto out;
     }
     st = bico_transfer_add_tie(t, tensor, module);
+  }
+  if (st == BICO_OK && cli_transfer_runner != NULL) {
+    code = cli_transfer_runner(t, ctx, quiet);
+    goto out;
   }
   if (st == BICO_OK && !quiet) st = bico_transfer_set_log(t, log_line, NULL);
   cli_cleanup_add(files[8], 0);  /* --output */
