@@ -445,7 +445,9 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
                     "saved tensor %s: leading dimensions differ from the "
                     "target's %s",
                     p->sname, p->tname);
-  if (st == BICO_OK)
+  if (st == BICO_OK && rt.scale && rr != NULL && p->na == la)
+    bico__transport_scale(la, lb, tau, rr, lb, h->alpha, upd);
+  else if (st == BICO_OK)
     st = bico_transport_rows(ctx, p->na / la, la, lb, h->alpha, tau, la, rr,
                              lb, 0.0f, upd, lb);
   return st;

@@ -141,6 +141,17 @@ static bico_status bias_update(bico__run *r, const bico__route *rt,
   return st;
 }
 
+void bico__transport_scale(size_t d_a, size_t d_b, const float *tau,
+                           const float *r, size_t ld_r, float alpha,
+                           float *out) {
+  for (size_t j = 0; j < d_b; j++) out[j] = 0.0f;
+  for (size_t i = 0; i < d_a; i++) {
+    const float *ri = r + i * ld_r;
+    float t = alpha * tau[i];
+    for (size_t j = 0; j < d_b; j++) out[j] += ri[j] * ri[j] * t;
+  }
+}
+
 /* A norm's vector or a token, row by row along its last dimension. */
 static bico_status rows_update(bico__run *r, const bico__route *rt,
                                const pairing *p, float *upd,
@@ -175,6 +186,11 @@ static bico_status rows_update(bico__run *r, const bico__route *rt,
   }
   info->handling =
       rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
+  if (rt->scale && mp != NULL && p->na == da_last) {
+    bico__transport_scale(da_last, db_last, p->tau, mp->r, db_last, r->alpha,
+                          upd);
+    return BICO_OK;
+  }
   return bico_transport_rows(r->ctx, p->na / da_last, da_last, db_last,
                              r->alpha, p->tau, da_last, mp ? mp->r : NULL,
                              db_last, 0.0f, upd, db_last);
