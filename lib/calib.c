@@ -1,6 +1,7 @@
 /* Calibration and statistics files: streaming rows into accumulators,
  * bico_stats_from_calib and bico_stats_merge. */
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -421,5 +422,62 @@ bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
   bico_stwriter_free(w);
   for (size_t i = 0; i < n; i++) bico_stfile_close(fs[i]);
   bico__free(ctx, fs);
+  return st;
+}
+
+/* Vote counts as floats -> int32, refusing what is not an integer below
+ * 2^31 in magnitude.  2147483647.0f rounds up to 2^31, which int32 cannot
+ * hold (found by fuzzing: test/fuzz/regressions/fuzz_calib_stats), hence
+ * the comparison with 2^31 itself. */
+static bico_status decode_votes(bico_ctx *ctx, const char *path,
+                                const char *name, const float *v, size_t n,
+                                int32_t *counts, uint32_t *samples) {
+  *samples = 1;
+  for (size_t e = 0; e < n; e++) {
+    float x = v[e];
+    if (!isfinite(x) || x != floorf(x) || fabsf(x) >= 2147483648.0f)
+      return bico__fail(ctx, BICO_E_FORMAT,
+                        "votes file %s: tensor %s element %zu is %g, not an "
+                        "integer vote count",
+                        path, name, e, (double)x);
+    counts[e] = (int32_t)x;
+    uint32_t a = (uint32_t)(counts[e] < 0 ? -(int64_t)counts[e] : counts[e]);
+    if (a > *samples) *samples = a;
+  }
+  return BICO_OK;
+}
+
+bico_status bico__calib_votes(bico_ctx *ctx, const bico_stfile *f,
+                              const char *path, const char *name, size_t ndim,
+                              const size_t *shape, bico_votes **out) {
+  *out = NULL;
+  size_t vi, vnd, n = 1;
+  const size_t *vsh;
+  for (size_t d = 0; d < ndim; d++) n *= shape[d];
+  if (bico_stfile_find(f, name, &vi) != BICO_OK)
+    return bico__fail(ctx, BICO_E_NOTFOUND, "votes file %s has no tensor %s",
+                      path, name);
+  bico_status st = bico_stfile_tensor_info(f, vi, NULL, NULL, &vnd, &vsh);
+  if (st == BICO_OK &&
+      (vnd != ndim || (ndim && memcmp(vsh, shape, ndim * sizeof *vsh) != 0)))
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "votes file %s: tensor %s has a different shape than "
+                      "the target's",
+                      path, name);
+  if (st != BICO_OK) return st;
+  float *v = bico__alloc(ctx, (n ? n : 1) * sizeof(float));
+  int32_t *counts = bico__alloc(ctx, (n ? n : 1) * sizeof(int32_t));
+  uint32_t samples = 1;
+  if (v == NULL || counts == NULL) st = BICO_E_NOMEM;
+  if (st == BICO_OK) st = bico_stfile_read_f32(f, vi, v, n);
+  if (st == BICO_OK) st = decode_votes(ctx, path, name, v, n, counts, &samples);
+  if (st == BICO_OK) st = bico_votes_create(ctx, n, 0, out);
+  if (st == BICO_OK) st = bico_votes_add_counts(*out, counts, samples);
+  if (st != BICO_OK) {
+    bico_votes_free(*out);
+    *out = NULL;
+  }
+  bico__free(ctx, v);
+  bico__free(ctx, counts);
   return st;
 }

@@ -24,6 +24,16 @@ bico_status bico__calib_accumulate(bico_ctx *ctx, const char *module,
                                    size_t ib, size_t db, size_t k,
                                    bico_xcov **xcs);
 
+/* Reads target tensor `name`'s votes (shape ndim/shape) from a votes
+ * file: every element an integer vote count v with |v| < 2^31 (a float
+ * that rounds to 2^31 is refused: int32 cannot hold it), the samples the
+ * largest |v| (at least 1).  On success *out is a new bico_votes holding
+ * the counts.  The one reader of votes files (checkpoint and LoRA GradFix
+ * paths alike). */
+bico_status bico__calib_votes(bico_ctx *ctx, const bico_stfile *f,
+                              const char *path, const char *name, size_t ndim,
+                              const size_t *shape, bico_votes **out);
+
 /* Refuses an output path that is the same file as `input` or any file an
  * open input reads (shards).  fn names the caller; what names the output
  * option ("output", "delta output", ...). */

@@ -9,6 +9,34 @@
 
 #include "internal.h"
 
+/* Which maps carry target tensor ti (role dispatch, BiCo methods): the
+ * one rule the whole-model driver, its solver pool and the LoRA branch
+ * follow (bico__xfer_route). */
+enum bico__route_kind {
+  BICO__ROUTE_NONE = 0, /* left unchanged: `reason` says why */
+  BICO__ROUTE_WEIGHT,   /* R_out^T tau R_in with module's maps */
+  BICO__ROUTE_BIAS,     /* R_out^T b, block-wise for a split output */
+  BICO__ROUTE_ROWS      /* each row along its last dimension by one map */
+};
+typedef struct bico__route {
+  int kind;        /* bico__route_kind */
+  int role;        /* the tensor's bico_role */
+  size_t module;   /* target module whose maps carry it */
+  int need[2];     /* sides it asks for: 0 input map, 1 output map(s) */
+  int side;        /* ROWS: the side of the one map */
+  int identity;    /* ROWS: the method leaves that side alone (no map) */
+  int scale;       /* ROWS: a norm's scale, an operator diag(g): moved as
+                      diag(R^T diag(tau) R) = (R o R)^T tau, not R^T tau */
+  char reason[192];
+} bico__route;
+
+/* out[j] = beta out[j] + alpha sum_i r[i ld_r + j]^2 tau[i] for j < d_b:
+ * the diagonal of R^T diag(tau) R for R [d_a, d_b] (a norm's scale under a
+ * residual-stream map; lib/transfer_update.c). */
+void bico__transport_scale(size_t d_a, size_t d_b, const float *tau,
+                           const float *r, size_t ld_r, float alpha,
+                           float *out);
+
 typedef struct bico__lora_hook {
   bico_ctx *ctx;
   const bico_model *ms, *mt;       /* source and target base models */
@@ -28,13 +56,8 @@ typedef struct bico__lora_hook {
    * output, k blocks), computed on first use; *r is da x db row-major. */
   bico_status (*map)(void *opaque, size_t mi, int side, size_t block,
                      const float **r, size_t *da, size_t *db, size_t *rank);
-  /* The module and side whose map carries target tensor ti (role TOKEN or
-   * VECTOR) along its last dimension, as the driver's tie and norm-map
-   * rules choose; *identity set when the method leaves that side alone
-   * (input-map-only transfer of a token tied to a linear module).
-   * BICO_E_NOTFOUND (no message) when none. */
-  bico_status (*vector_map)(void *opaque, size_t ti, size_t *mi, int *side,
-                            int *identity);
+  /* The route of target tensor ti (see bico__route). */
+  void (*route)(void *opaque, size_t ti, bico__route *out);
   /* Frees the maps of target module mi. */
   void (*release)(void *opaque, size_t mi);
   void (*log)(void *opaque, const char *line);

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "calib.h"
 #include "lora_internal.h"
 #include "report.h"
 
@@ -68,10 +69,10 @@ static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
   bico_model_tensor(h->mt, ti, &name, NULL, &ndim, &shape);
   *kept = -1;
   if (h->method == BICO_METHOD_NAIVE)
-    return bico_baseline_naive(ctx, nd_a, sa, ndim, shape, tau, h->alpha, 0.0f,
+    return bico_baseline_naive(ctx, nd_a, sa, ndim, shape, h->alpha, tau, 0.0f,
                                upd);
   if (h->method == BICO_METHOD_PAD)
-    return bico_baseline_pad(ctx, nd_a, sa, ndim, shape, tau, h->alpha, 0.0f,
+    return bico_baseline_pad(ctx, nd_a, sa, ndim, shape, h->alpha, tau, 0.0f,
                              upd);
   /* GradFix: the target's votes for this tensor. */
   size_t nb = 1;
@@ -83,47 +84,15 @@ static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
                       "gradfix transfer needs equal shapes: target tensor %s "
                       "differs from the source's",
                       name);
-  size_t vi, vnd;
-  const size_t *vsh;
-  if (bico_stfile_find(h->votes, name, &vi) != BICO_OK)
-    return bico__fail(ctx, BICO_E_NOTFOUND, "votes file %s has no tensor %s",
-                      h->votes_path, name);
-  bico_status st = bico_stfile_tensor_info(h->votes, vi, NULL, NULL, &vnd, &vsh);
-  if (st == BICO_OK &&
-      (vnd != ndim || memcmp(vsh, shape, ndim * sizeof *vsh) != 0))
-    return bico__fail(ctx, BICO_E_SHAPE,
-                      "votes file %s: tensor %s has a different shape than "
-                      "the target's",
-                      h->votes_path, name);
-  float *v = bico__alloc(ctx, nb * sizeof(float));
-  int32_t *counts = bico__alloc(ctx, nb * sizeof(int32_t));
   bico_votes *votes = NULL;
-  if (v == NULL || counts == NULL) st = BICO_E_NOMEM;
-  if (st == BICO_OK) st = bico_stfile_read_f32(h->votes, vi, v, nb);
-  uint32_t samples = 1;
-  for (size_t e = 0; e < nb && st == BICO_OK; e++) {
-    float x = v[e];
-    if (!isfinite(x) || x != floorf(x) || fabsf(x) > 2147483647.0f) {
-      st = bico__fail(ctx, BICO_E_FORMAT,
-                      "votes file %s: tensor %s element %zu is %g, not an "
-                      "integer vote count",
-                      h->votes_path, name, e, (double)x);
-    } else {
-      counts[e] = (int32_t)x;
-      uint32_t a = (uint32_t)(counts[e] < 0 ? -(int64_t)counts[e] : counts[e]);
-      if (a > samples) samples = a;
-    }
-  }
-  if (st == BICO_OK) st = bico_votes_create(ctx, nb, 0, &votes);
-  if (st == BICO_OK) st = bico_votes_add_counts(votes, counts, samples);
+  bico_status st = bico__calib_votes(ctx, h->votes, h->votes_path, name, ndim,
+                                     shape, &votes);
   size_t k = 0;
   if (st == BICO_OK)
-    st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, tau, h->alpha, 0.0f,
+    st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, h->alpha, tau, 0.0f,
                             upd, &k);
   if (st == BICO_OK) *kept = nb ? (double)k / (double)nb : 0.0;
   bico_votes_free(votes);
-  bico__free(ctx, v);
-  bico__free(ctx, counts);
   return st;
 }
 
@@ -141,216 +110,346 @@ static void report_map(lrun *r, const char *key, size_t da, size_t db,
   bico__report_end_object(&r->rep);
 }
 
-/* Carries adapter module li (source module sm) to target module mi. */
+/* One adapter module on its way to a target module. */
+typedef struct lmod {
+  size_t li, mi, ti;   /* adapter module, target module, target weight */
+  const char *lname, *tm;
+  int kind, tkind, fifo, flip;
+  size_t rank, dout_a, din_a, dout_b, din_b;
+  double lalpha, scale;
+  const float *b, *a;  /* source factors */
+  size_t nd_s;         /* the source base weight's shape */
+  const size_t *sh_s;
+  size_t er_t, ec_t;   /* the target weight's shape */
+  char *wname, *sname; /* target and source weight names */
+  float *nb, *na;      /* the new factors */
+  const char *handling;
+  double energy, kept;
+  size_t k;            /* output split */
+} lmod;
+
+/* Names, shapes and factors of adapter module li and target module mi. */
+static bico_status lmod_locate(lrun *r, lmod *m) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_lora_module(r->src, m->li, &m->lname, &m->kind, &m->rank, &m->dout_a,
+                   &m->din_a, &m->lalpha, &m->scale);
+  bico_model_module(h->mt, m->mi, &m->tm, &m->tkind, NULL, NULL);
+  bico_lora_factors(r->src, m->li, &m->b, &m->a);
+  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &m->fifo);
+  bico__clear(ctx);
+  m->flip = m->kind == BICO_LORA_EMBEDDING || m->fifo;
+  /* The target tensor the adapter updates: <module>.weight. */
+  size_t tl = strlen(m->tm) + 8, sl = strlen(m->lname) + 8, ts;
+  m->wname = bico__alloc(ctx, tl);
+  m->sname = bico__alloc(ctx, sl);
+  if (m->wname == NULL || m->sname == NULL) return BICO_E_NOMEM;
+  snprintf(m->wname, tl, "%s.weight", m->tm);
+  snprintf(m->sname, sl, "%s.weight", m->lname);
+  bico_status st = bico_model_find_tensor(h->mt, m->wname, &m->ti);
+  if (st == BICO_OK) st = bico_model_find_tensor(h->ms, m->sname, &ts);
+  if (st != BICO_OK) return st;
+  size_t nd_t;
+  const size_t *sh_t;
+  bico_model_tensor(h->mt, m->ti, NULL, NULL, &nd_t, &sh_t);
+  bico_model_tensor(h->ms, ts, NULL, NULL, &m->nd_s, &m->sh_s);
+  /* The adapter's update in the weight's layout. */
+  size_t er = m->flip ? m->din_a : m->dout_a;
+  size_t ec = m->flip ? m->dout_a : m->din_a;
+  if (m->nd_s != 2 || nd_t != 2 || m->sh_s[0] != er || m->sh_s[1] != ec)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: its update is [%zu, %zu] but the "
+                      "source base's %s is not 2-D of that shape",
+                      m->lname, er, ec, m->sname);
+  m->er_t = sh_t[0];
+  m->ec_t = sh_t[1];
+  m->dout_b = m->flip ? m->ec_t : m->er_t;
+  m->din_b = m->flip ? m->er_t : m->ec_t;
+  size_t nfb = m->dout_b * m->rank, nfa = m->rank * m->din_b;
+  m->nb = bico__alloc(ctx, (nfb ? nfb : 1) * sizeof(float));
+  m->na = bico__alloc(ctx, (nfa ? nfa : 1) * sizeof(float));
+  if (m->nb == NULL || m->na == NULL) return BICO_E_NOMEM;
+  return BICO_OK;
+}
+
+/* BiCo on a linear adapter: B' = alpha R_out^T B, A' = A R_in (block-wise
+ * for a split output), the sides as the target weight's route asks. */
+static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  if (m->tkind != BICO_MODULE_LINEAR || rt->kind != BICO__ROUTE_WEIGHT)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "adapter module %s: target module %s is not linear",
+                      m->lname, m->tm);
+  int do_in = rt->need[0], do_out = rt->need[1];
+  m->k = h->split(h->opaque, m->mi);
+  const float *rin = NULL;
+  size_t da, db, mr;
+  const float **routs = bico__calloc(ctx, m->k, sizeof *routs);
+  if (routs == NULL) return BICO_E_NOMEM;
+  bico_status st = BICO_OK;
+  if (do_in) {
+    st = h->map(h->opaque, m->mi, 0, 0, &rin, &da, &db, &mr);
+    if (st == BICO_OK) report_map(r, "in", da, db, mr);
+  }
+  if (do_out && m->k > 1) {
+    bico__report_key(&r->rep, "out_blocks");
+    bico__report_begin_array(&r->rep);
+  }
+  for (size_t j = 0; j < m->k && st == BICO_OK && do_out; j++) {
+    st = h->map(h->opaque, m->mi, 1, j, &routs[j], &da, &db, &mr);
+    if (st == BICO_OK) report_map(r, m->k == 1 ? "out" : NULL, da, db, mr);
+  }
+  if (do_out && m->k > 1) bico__report_end_array(&r->rep);
+  if (st == BICO_OK)
+    st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->b,
+                             m->a, do_out ? (const float *const *)routs : NULL,
+                             m->dout_b / m->k, m->dout_b, rin, m->din_b,
+                             m->din_b, h->alpha, m->nb, m->na);
+  bico__free(ctx, routs);
+  return st;
+}
+
+/* BiCo on an embedding adapter: the table's last dimension (B's rows) by
+ * the map the target table's route names; the vocabulary (A's columns)
+ * stays. */
+static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  const float *rr = NULL;
+  size_t da = m->dout_a, db = m->dout_b, mr = 0;
+  bico_status st = BICO_OK;
+  if (m->din_a != m->din_b)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: the vocabularies differ (%zu source "
+                      "rows, %zu target rows of %s)",
+                      m->lname, m->din_a, m->din_b, m->wname);
+  if (rt->kind != BICO__ROUTE_ROWS)
+    return bico__fail(ctx, BICO_E_NOTFOUND,
+                      "adapter module %s: no map carries its embedding "
+                      "adapter: target %s: %s",
+                      m->lname, m->wname, rt->reason);
+  if (!rt->identity) {
+    st = h->map(h->opaque, rt->module, rt->side, 0, &rr, &da, &db, &mr);
+    if (st == BICO_OK) report_map(r, rt->side ? "out" : "in", da, db, mr);
+  }
+  if (st == BICO_OK && (da != m->dout_a || db != m->dout_b))
+    st = bico__fail(ctx, BICO_E_SHAPE,
+                    "adapter module %s: the map is %zu x %zu but the "
+                    "embedding widths are %zu and %zu",
+                    m->lname, da, db, m->dout_a, m->dout_b);
+  const float *rl[1] = {rr};
+  if (st == BICO_OK)
+    st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->b, m->a,
+                             rr ? rl : NULL, m->dout_b, m->dout_b, NULL,
+                             m->din_b, m->din_b, h->alpha, m->nb, m->na);
+  return st;
+}
+
+/* pad, gradfix: the dense update, the method, back to rank r. */
+static bico_status carry_dense(lrun *r, lmod *m) {
+  bico_ctx *ctx = r->ctx;
+  size_t ns = m->dout_a * m->din_a, nt = m->dout_b * m->din_b;
+  float *dense = bico__alloc(ctx, (ns ? ns : 1) * sizeof(float));
+  float *upd = bico__alloc(ctx, (nt ? nt : 1) * sizeof(float));
+  float *tmp = bico__alloc(ctx, (ns > nt ? ns : nt ? nt : 1) * sizeof(float));
+  bico_status st = BICO_OK;
+  if (dense == NULL || upd == NULL || tmp == NULL) st = BICO_E_NOMEM;
+  if (st == BICO_OK)
+    st = bico_lora_dense(r->src, m->li, 1.0f, 0.0f, tmp, m->din_a);
+  if (st == BICO_OK) {
+    if (m->flip) transpose(tmp, m->dout_a, m->din_a, dense);
+    else memcpy(dense, tmp, ns * sizeof(float));
+    st = dense_method(r, m->ti, m->nd_s, m->sh_s, dense, upd, &m->kept);
+  }
+  if (st == BICO_OK) {
+    const float *fo = upd;
+    if (m->flip) {
+      transpose(upd, m->er_t, m->ec_t, tmp);
+      fo = tmp;
+    }
+    st = bico_lora_truncate(ctx, m->dout_b, m->din_b, fo, m->din_b, m->rank,
+                            m->scale, m->nb, m->na, &m->energy);
+  }
+  m->handling = "truncated";
+  bico__free(ctx, tmp);
+  bico__free(ctx, dense);
+  bico__free(ctx, upd);
+  return st;
+}
+
+/* The new factors of m by the run's method. */
+static bico_status carry(lrun *r, lmod *m) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  if (is_bico(h->method) && m->fifo)
+    return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                      "adapter module %s: fan_in_fan_out adapters (transposed "
+                      "base weights) cannot be carried by the BiCo methods "
+                      "yet; the driver's maps assume [d_out, d_in] weights",
+                      m->lname);
+  if (is_bico(h->method)) {
+    bico__route rt;
+    h->route(h->opaque, m->ti, &rt);
+    return m->kind == BICO_LORA_LINEAR ? carry_linear(r, m, &rt)
+                                       : carry_embedding(r, m, &rt);
+  }
+  if (h->method == BICO_METHOD_NAIVE) {
+    if (m->dout_a != m->dout_b || m->din_a != m->din_b)
+      return bico__fail(ctx, BICO_E_SHAPE,
+                        "naive transfer needs equal shapes: adapter module %s "
+                        "updates [%zu, %zu], target %s is [%zu, %zu]",
+                        m->lname, m->sh_s[0], m->sh_s[1], m->wname, m->er_t,
+                        m->ec_t);
+    for (size_t e = 0; e < m->dout_b * m->rank; e++)
+      m->nb[e] = h->alpha * m->b[e];
+    memcpy(m->na, m->a, m->rank * m->din_b * sizeof(float));
+    m->handling = "copied";
+    return BICO_OK;
+  }
+  return carry_dense(r, m);
+}
+
+/* Carries adapter module li to target module mi (paired with li's source
+ * module), with its report entry. */
 static bico_status do_module(lrun *r, size_t li, size_t mi) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
-  const char *lname, *tm;
-  int kind, tkind;
-  size_t rank, dout_a, din_a;
-  double lalpha, scale;
-  bico_lora_module(r->src, li, &lname, &kind, &rank, &dout_a, &din_a, &lalpha,
-                   &scale);
-  bico_model_module(h->mt, mi, &tm, &tkind, NULL, NULL);
-  const float *b, *a;
-  bico_lora_factors(r->src, li, &b, &a);
-  int fifo = 0;
-  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
-  bico__clear(ctx);
-
-  /* The target tensor the adapter updates: <module>.weight. */
-  size_t tl = strlen(tm) + 8, ti, ts;
-  char *wname = bico__alloc(ctx, tl);
-  if (wname == NULL) return BICO_E_NOMEM;
-  snprintf(wname, tl, "%s.weight", tm);
-  bico_status st = bico_model_find_tensor(h->mt, wname, &ti);
-  size_t sl = strlen(lname) + 8;
-  char *sname = st == BICO_OK ? bico__alloc(ctx, sl) : NULL;
-  if (st == BICO_OK && sname == NULL) st = BICO_E_NOMEM;
+  lmod m;
+  memset(&m, 0, sizeof m);
+  m.li = li;
+  m.mi = mi;
+  m.handling = "factored";
+  m.energy = m.kept = -1;
+  m.k = 1;
+  bico_status st = lmod_locate(r, &m);
   if (st == BICO_OK) {
-    snprintf(sname, sl, "%s.weight", lname);
-    st = bico_model_find_tensor(h->ms, sname, &ts);
+    bico__report_begin_object(&r->rep);
+    bico__report_key_string(&r->rep, "name", m.tm);
+    bico__report_key_string(&r->rep, "source", m.lname);
+    bico__report_key_string(&r->rep, "kind", m.kind == BICO_LORA_LINEAR
+                                                 ? "linear"
+                                                 : "embedding");
+    bico__report_key_number(&r->rep, "rank", (double)m.rank);
+    bico__report_key(&r->rep, "maps");
+    bico__report_begin_object(&r->rep);
+    st = carry(r, &m);
+    bico__report_end_object(&r->rep);
+    bico__report_key_string(&r->rep, "handling", m.handling);
+    if (m.energy >= 0)
+      bico__report_key_number(&r->rep, "energy_kept", m.energy);
+    if (m.kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", m.kept);
+    bico__report_end_object(&r->rep);
   }
-  size_t nd_t = 0, nd_s = 0;
-  const size_t *sh_t = NULL, *sh_s = NULL;
-  if (st == BICO_OK) {
-    bico_model_tensor(h->mt, ti, NULL, NULL, &nd_t, &sh_t);
-    bico_model_tensor(h->ms, ts, NULL, NULL, &nd_s, &sh_s);
-    /* The adapter's update in the weight's layout. */
-    size_t er = kind == BICO_LORA_EMBEDDING || fifo ? din_a : dout_a;
-    size_t ec = kind == BICO_LORA_EMBEDDING || fifo ? dout_a : din_a;
-    if (nd_s != 2 || nd_t != 2 || sh_s[0] != er || sh_s[1] != ec)
-      st = bico__fail(ctx, BICO_E_SHAPE,
-                      "adapter module %s: its update is [%zu, %zu] but the "
-                      "source base's %s is not 2-D of that shape",
-                      lname, er, ec, sname);
-  }
-  if (st != BICO_OK) {
-    bico__free(ctx, wname);
-    bico__free(ctx, sname);
-    return st;
-  }
-  size_t er_t = sh_t[0], ec_t = sh_t[1];
-  int flip = kind == BICO_LORA_EMBEDDING || fifo;
-  size_t dout_b = flip ? ec_t : er_t, din_b = flip ? er_t : ec_t;
-  float *nb = bico__alloc(ctx, dout_b * rank * sizeof(float));
-  float *na = bico__alloc(ctx, rank * din_b * sizeof(float));
-  float *dense = NULL, *upd = NULL;
-  const char *handling = "factored";
-  double energy = -1, kept = -1;
-  size_t k = 1;
-  if (nb == NULL || na == NULL) st = BICO_E_NOMEM;
-  bico__report_begin_object(&r->rep);
-  bico__report_key_string(&r->rep, "name", tm);
-  bico__report_key_string(&r->rep, "source", lname);
-  bico__report_key_string(&r->rep, "kind",
-                          kind == BICO_LORA_LINEAR ? "linear" : "embedding");
-  bico__report_key_number(&r->rep, "rank", (double)rank);
-  bico__report_key(&r->rep, "maps");
-  bico__report_begin_object(&r->rep);
-  if (st == BICO_OK && is_bico(h->method) && fifo) {
-    st = bico__fail(ctx, BICO_E_UNSUPPORTED,
-                    "adapter module %s: fan_in_fan_out adapters (transposed "
-                    "base weights) cannot be carried by the BiCo methods yet; "
-                    "the driver's maps assume [d_out, d_in] weights",
-                    lname);
-  } else if (st == BICO_OK && is_bico(h->method) &&
-             kind == BICO_LORA_LINEAR) {
-    if (tkind != BICO_MODULE_LINEAR) {
-      st = bico__fail(ctx, BICO_E_ARG,
-                      "adapter module %s: target module %s is not linear", lname,
-                      tm);
-    } else {
-      int do_in = h->method != BICO_METHOD_BICO_OUT;
-      int do_out = h->method != BICO_METHOD_BICO_IN;
-      k = h->split(h->opaque, mi);
-      const float *rin = NULL;
-      size_t da, db, mr;
-      const float **routs = bico__calloc(ctx, k, sizeof *routs);
-      if (routs == NULL) st = BICO_E_NOMEM;
-      if (st == BICO_OK && do_in) {
-        st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr);
-        if (st == BICO_OK) report_map(r, "in", da, db, mr);
-      }
-      if (do_out && k > 1) {
-        bico__report_key(&r->rep, "out_blocks");
-        bico__report_begin_array(&r->rep);
-      }
-      for (size_t j = 0; j < k && st == BICO_OK && do_out; j++) {
-        st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr);
-        if (st == BICO_OK) report_map(r, k == 1 ? "out" : NULL, da, db, mr);
-      }
-      if (do_out && k > 1) bico__report_end_array(&r->rep);
-      if (st == BICO_OK)
-        st = bico_lora_transport(ctx, rank, k, dout_a, din_a, b, a,
-                                 do_out ? (const float *const *)routs : NULL,
-                                 dout_b / k, dout_b, rin, din_b, din_b,
-                                 h->alpha, nb, na);
-      bico__free(ctx, routs);
-    }
-  } else if (st == BICO_OK && is_bico(h->method)) {
-    /* Embedding: the table's last dimension (B's rows) by the map of the
-     * module the table is tied to; the vocabulary (A's columns) stays. */
-    size_t om;
-    int side = 1, identity = 0;
-    const float *rr = NULL;
-    size_t da = dout_a, db = dout_b, mr = 0;
-    if (din_a != din_b) {
-      st = bico__fail(ctx, BICO_E_SHAPE,
-                      "adapter module %s: the vocabularies differ (%zu source "
-                      "rows, %zu target rows of %s)",
-                      lname, din_a, din_b, wname);
-    } else if (h->vector_map(h->opaque, ti, &om, &side, &identity) !=
-               BICO_OK) {
-      bico__clear(ctx);
-      st = bico__fail(ctx, BICO_E_NOTFOUND,
-                      "adapter module %s: no module is tied to %s, so no map "
-                      "carries its embedding adapter (see --tie)",
-                      lname, wname);
-    } else if (!identity) {
-      if (side == 1 && h->split(h->opaque, om) != 1)
-        st = bico__fail(ctx, BICO_E_ARG,
-                        "adapter module %s: the map's module has a split output",
-                        lname);
-      if (st == BICO_OK) st = h->map(h->opaque, om, side, 0, &rr, &da, &db, &mr);
-      if (st == BICO_OK) report_map(r, side ? "out" : "in", da, db, mr);
-    }
-    if (st == BICO_OK && (da != dout_a || db != dout_b))
-      st = bico__fail(ctx, BICO_E_SHAPE,
-                      "adapter module %s: the map is %zu x %zu but the "
-                      "embedding widths are %zu and %zu",
-                      lname, da, db, dout_a, dout_b);
-    const float *rl[1] = {rr};
-    if (st == BICO_OK)
-      st = bico_lora_transport(ctx, rank, 1, dout_a, din_a, b, a,
-                               rr ? rl : NULL, dout_b, dout_b, NULL, din_b,
-                               din_b, h->alpha, nb, na);
-  } else if (st == BICO_OK && h->method == BICO_METHOD_NAIVE) {
-    if (dout_a != dout_b || din_a != din_b) {
-      st = bico__fail(ctx, BICO_E_SHAPE,
-                      "naive transfer needs equal shapes: adapter module %s "
-                      "updates [%zu, %zu], target %s is [%zu, %zu]",
-                      lname, sh_s[0], sh_s[1], wname, er_t, ec_t);
-    } else {
-      for (size_t e = 0; e < dout_b * rank; e++) nb[e] = h->alpha * b[e];
-      memcpy(na, a, rank * din_b * sizeof(float));
-      handling = "copied";
-    }
-  } else if (st == BICO_OK) {
-    /* pad, gradfix: dense, the method, back to rank r. */
-    size_t ns = dout_a * din_a, nt = dout_b * din_b;
-    dense = bico__alloc(ctx, ns * sizeof(float));
-    upd = bico__alloc(ctx, nt * sizeof(float));
-    float *tmp = bico__alloc(ctx, (ns > nt ? ns : nt) * sizeof(float));
-    if (dense == NULL || upd == NULL || tmp == NULL) st = BICO_E_NOMEM;
-    if (st == BICO_OK) st = bico_lora_dense(r->src, li, 1.0f, 0.0f, tmp, din_a);
-    if (st == BICO_OK) {
-      if (flip) transpose(tmp, dout_a, din_a, dense);
-      else memcpy(dense, tmp, ns * sizeof(float));
-      st = dense_method(r, ti, nd_s, sh_s, dense, upd, &kept);
-    }
-    if (st == BICO_OK) {
-      const float *fo = upd;
-      if (flip) {
-        transpose(upd, er_t, ec_t, tmp);
-        fo = tmp;
-      }
-      st = bico_lora_truncate(ctx, dout_b, din_b, fo, din_b, rank, scale, nb,
-                              na, &energy);
-    }
-    bico__free(ctx, tmp);
-    handling = "truncated";
-  }
-  bico__report_end_object(&r->rep);
-  bico__report_key_string(&r->rep, "handling", handling);
-  if (energy >= 0) bico__report_key_number(&r->rep, "energy_kept", energy);
-  if (kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", kept);
-  bico__report_end_object(&r->rep);
   if (st == BICO_OK)
-    st = bico_lora_add_module(r->out, tm, kind, rank, lalpha, dout_b, din_b, nb,
-                              na);
+    st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
+                              m.din_b, m.nb, m.na);
   if (st == BICO_OK) {
-    if (energy >= 0) {
+    if (m.energy >= 0) {
       r->truncated++;
-      logf_(r, "bico: %s <- %s: rank %zu, %.4f of the energy kept", tm, lname,
-            rank, energy);
-    } else if (strcmp(handling, "copied") == 0) {
+      logf_(r, "bico: %s <- %s: rank %zu, %.4f of the energy kept", m.tm,
+            m.lname, m.rank, m.energy);
+    } else if (strcmp(m.handling, "copied") == 0) {
       r->copied++;
     } else {
       r->factored++;
     }
   }
   h->release(h->opaque, mi);
-  bico__free(ctx, dense);
-  bico__free(ctx, upd);
-  bico__free(ctx, nb);
-  bico__free(ctx, na);
-  bico__free(ctx, wname);
-  bico__free(ctx, sname);
-  if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), lname) == NULL)
-    st = bico__fail(ctx, st, "adapter module %s: %s", lname,
+  bico__free(ctx, m.nb);
+  bico__free(ctx, m.na);
+  bico__free(ctx, m.wname);
+  bico__free(ctx, m.sname);
+  if (st != BICO_OK && m.lname != NULL &&
+      strstr(bico_ctx_errmsg(ctx), m.lname) == NULL)
+    st = bico__fail(ctx, st, "adapter module %s: %s", m.lname,
                     bico_ctx_errmsg(ctx)[0] ? bico_ctx_errmsg(ctx)
                                             : bico_strerror(st));
+  return st;
+}
+
+/* A saved tensor and its target tensor. */
+typedef struct tensor_pair {
+  const char *sname, *tname;
+  size_t nd_a;
+  const size_t *sa;
+  size_t na, nd_b;
+  const size_t *sb;
+  size_t nb;
+} tensor_pair;
+
+/* A saved tensor's update by the maps its target tensor's route names. */
+static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
+                              const float *tau, float *upd) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico__route rt;
+  h->route(h->opaque, ti, &rt);
+  size_t mi = rt.module, kk = 1, da, db, mr;
+  if (rt.kind == BICO__ROUTE_NONE)
+    return rt.role == BICO_ROLE_OTHER
+               ? bico__fail(ctx, BICO_E_UNSUPPORTED,
+                            "saved tensor %s: target tensor %s is of a kind "
+                            "no method carries",
+                            p->sname, p->tname)
+               : bico__fail(ctx, BICO_E_NOTFOUND,
+                            "saved tensor %s: no map carries target tensor "
+                            "%s: %s",
+                            p->sname, p->tname, rt.reason);
+  if (rt.kind != BICO__ROUTE_ROWS) kk = h->split(h->opaque, mi);
+  bico_status st = BICO_OK;
+  if (rt.kind == BICO__ROUTE_WEIGHT) {
+    size_t dout_a = p->sa[0], din_a = p->na / p->sa[0], dout_b = p->sb[0],
+           din_b = p->nb / p->sb[0];
+    const float *rin = NULL;
+    const float **routs = bico__calloc(ctx, kk, sizeof *routs);
+    if (routs == NULL) return BICO_E_NOMEM;
+    if (rt.need[0]) st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr);
+    for (size_t j = 0; j < kk && st == BICO_OK && rt.need[1]; j++)
+      st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr);
+    if (st == BICO_OK)
+      st = bico_transport_weight_split(
+          ctx, kk, dout_a, din_a, dout_b, din_b,
+          h->alpha, tau, din_a,
+          rt.need[1] ? (const float *const *)routs : NULL, dout_b / kk, rin, din_b, 0.0f, upd, din_b);
+    bico__free(ctx, routs);
+    return st;
+  }
+  if (rt.kind == BICO__ROUTE_BIAS) {
+    size_t na = p->na, nb = p->nb;
+    if (na % kk || nb % kk)
+      return bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
+                        p->tname, kk);
+    for (size_t j = 0; j < kk && st == BICO_OK; j++) {
+      const float *rr = NULL;
+      if (rt.need[1]) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr);
+      if (st == BICO_OK)
+        st = bico_transport_vector(ctx, na / kk, nb / kk, h->alpha,
+                                   tau + j * (na / kk), rr, nb / kk, 0.0f,
+                                   upd + j * (nb / kk));
+    }
+    return st;
+  }
+  const float *rr = NULL;
+  size_t la = p->sa[p->nd_a - 1], lb = p->sb[p->nd_b - 1];
+  if (!rt.identity) {
+    st = h->map(h->opaque, mi, rt.side, 0, &rr, &da, &db, &mr);
+    if (st == BICO_OK && (da != la || db != lb))
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "saved tensor %s: the map is %zu x %zu, the last "
+                      "dimensions are %zu and %zu",
+                      p->sname, da, db, la, lb);
+  }
+  if (st == BICO_OK && p->na / la != p->nb / lb)
+    st = bico__fail(ctx, BICO_E_SHAPE,
+                    "saved tensor %s: leading dimensions differ from the "
+                    "target's %s",
+                    p->sname, p->tname);
+  if (st == BICO_OK && rt.scale && rr != NULL && p->na == la)
+    bico__transport_scale(la, lb, tau, rr, lb, h->alpha, upd);
+  else if (st == BICO_OK)
+    st = bico_transport_rows(ctx, p->na / la, la, lb, h->alpha, tau, la, rr,
+                             lb, 0.0f, upd, lb);
   return st;
 }
 
@@ -393,70 +492,9 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   if (st == BICO_OK && na && nb) {
     if (!is_bico(h->method)) {
       st = dense_method(r, ti, nd_a, sa, tau, upd, &kept);
-    } else if (role == BICO_ROLE_WEIGHT) {
-      size_t dout_a = sa[0], din_a = na / sa[0], dout_b = sb[0],
-             din_b = nb / sb[0];
-      int do_in = h->method != BICO_METHOD_BICO_OUT;
-      int do_out = h->method != BICO_METHOD_BICO_IN;
-      size_t kk = h->split(h->opaque, mi), da, db, mr;
-      const float *rin = NULL;
-      const float **routs = bico__calloc(ctx, kk, sizeof *routs);
-      if (routs == NULL) st = BICO_E_NOMEM;
-      if (st == BICO_OK && do_in) st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr);
-      for (size_t j = 0; j < kk && st == BICO_OK && do_out; j++)
-        st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr);
-      if (st == BICO_OK)
-        st = bico_transport_weight_split(
-            ctx, kk, dout_a, din_a, tau, din_a,
-            do_out ? (const float *const *)routs : NULL, dout_b / kk, dout_b,
-            rin, din_b, din_b, h->alpha, 0.0f, upd, din_b);
-      bico__free(ctx, routs);
-    } else if (role == BICO_ROLE_BIAS) {
-      int do_out = h->method != BICO_METHOD_BICO_IN;
-      size_t kk = h->split(h->opaque, mi), da, db, mr;
-      if (na % kk || nb % kk)
-        st = bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
-                        tname, kk);
-      for (size_t j = 0; j < kk && st == BICO_OK; j++) {
-        const float *rr = NULL;
-        if (do_out) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr);
-        if (st == BICO_OK)
-          st = bico_transport_vector(ctx, na / kk, tau + j * (na / kk), rr,
-                                     nb / kk, nb / kk, h->alpha, 0.0f,
-                                     upd + j * (nb / kk));
-      }
-    } else if (role == BICO_ROLE_VECTOR || role == BICO_ROLE_TOKEN) {
-      size_t om, da, db, mr;
-      int side, identity = 0;
-      const float *rr = NULL;
-      size_t la = sa[nd_a - 1], lb = sb[nd_b - 1];
-      if (h->vector_map(h->opaque, ti, &om, &side, &identity) != BICO_OK) {
-        bico__clear(ctx);
-        st = bico__fail(ctx, BICO_E_NOTFOUND,
-                        "saved tensor %s: no map carries target tensor %s "
-                        "(see --tie)",
-                        sname, tname);
-      } else if (!identity) {
-        st = h->map(h->opaque, om, side, 0, &rr, &da, &db, &mr);
-        if (st == BICO_OK && (da != la || db != lb))
-          st = bico__fail(ctx, BICO_E_SHAPE,
-                          "saved tensor %s: the map is %zu x %zu, the last "
-                          "dimensions are %zu and %zu",
-                          sname, da, db, la, lb);
-      }
-      if (st == BICO_OK && na / la != nb / lb)
-        st = bico__fail(ctx, BICO_E_SHAPE,
-                        "saved tensor %s: leading dimensions differ from the "
-                        "target's %s",
-                        sname, tname);
-      if (st == BICO_OK)
-        st = bico_transport_rows(ctx, na / la, la, tau, la, rr, lb, lb,
-                                 h->alpha, 0.0f, upd, lb);
     } else {
-      st = bico__fail(ctx, BICO_E_UNSUPPORTED,
-                      "saved tensor %s: target tensor %s is of a kind no "
-                      "method carries",
-                      sname, tname);
+      tensor_pair p = {sname, tname, nd_a, sa, na, nd_b, sb, nb};
+      st = saved_bico(r, ti, &p, tau, upd);
     }
   }
   if (st == BICO_OK) st = bico_stfile_find(h->tb, tname, &fi);
@@ -556,8 +594,6 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
   return st;
 }
 
-static const char *const METHOD_NAME[7] = {
-    NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
 
 static bico_status run_lora(lrun *r) {
   const bico__lora_hook *h = r->h;
@@ -599,9 +635,9 @@ static bico_status run_lora(lrun *r) {
   unsigned char *used = bico__calloc(ctx, nl + ns + 1, 1);
   if (used == NULL) return BICO_E_NOMEM;
   logf_(r, "bico: adapter %s: %zu modules, %zu saved tensors; method %s",
-        h->adapter_dir, nl, ns, METHOD_NAME[h->method]);
+        h->adapter_dir, nl, ns, bico_method_name(h->method));
   bico__report_begin_object(&r->rep);
-  bico__report_key_string(&r->rep, "method", METHOD_NAME[h->method]);
+  bico__report_key_string(&r->rep, "method", bico_method_name(h->method));
   bico__report_key_number(&r->rep, "alpha", (double)h->alpha);
   bico__report_key_string(&r->rep, "adapter", h->adapter_dir);
   bico__report_key(&r->rep, "modules");

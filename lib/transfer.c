@@ -22,6 +22,43 @@ const char *const bico__xfer_file_option[BICO__NFILES] = {
     "target votes", "output",       "delta output",  "report",
     "source adapter", "output adapter"};
 
+static const char *const METHOD_NAME[] = {
+    NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
+static const char *const NORM_MAP_NAME[] = {"act", "grad"};
+#define COUNT(a) (sizeof(a) / sizeof *(a))
+
+const char *bico_method_name(int method) {
+  return method >= 0 && (size_t)method < COUNT(METHOD_NAME)
+             ? METHOD_NAME[method]
+             : NULL;
+}
+
+bico_status bico_method_from_name(const char *name, int *method) {
+  if (name == NULL || method == NULL) return BICO_E_NULL;
+  for (size_t i = 1; i < COUNT(METHOD_NAME); i++)
+    if (strcmp(name, METHOD_NAME[i]) == 0) {
+      *method = (int)i;
+      return BICO_OK;
+    }
+  return BICO_E_ARG;
+}
+
+const char *bico_norm_map_name(int norm_map) {
+  return norm_map >= 0 && (size_t)norm_map < COUNT(NORM_MAP_NAME)
+             ? NORM_MAP_NAME[norm_map]
+             : NULL;
+}
+
+bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
+  if (name == NULL || norm_map == NULL) return BICO_E_NULL;
+  for (size_t i = 0; i < COUNT(NORM_MAP_NAME); i++)
+    if (strcmp(name, NORM_MAP_NAME[i]) == 0) {
+      *norm_map = (int)i;
+      return BICO_OK;
+    }
+  return BICO_E_ARG;
+}
+
 static char *dupstr(bico_ctx *ctx, const char *s) {
   size_t n = strlen(s);
   char *p = bico__alloc(ctx, n + 1);
@@ -91,8 +128,8 @@ bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
   switch (param) {
     case BICO_TRANSFER_METHOD: *lo = 1; *hi = 6; return BICO_OK;
     case BICO_TRANSFER_ALPHA: *lo = 0; *hi = HUGE_VAL; return BICO_OK;
+    case BICO_TRANSFER_NULL: *lo = 0; *hi = BICO_NULL_DROP; return BICO_OK;
     case BICO_TRANSFER_NORM_MAP:
-    case BICO_TRANSFER_NULL:
     case BICO_TRANSFER_CENTER: *lo = 0; *hi = 1; return BICO_OK;
     case BICO_TRANSFER_RANK_TOL: *lo = 0; *hi = 1; return BICO_OK;
     case BICO_TRANSFER_WHITEN: *lo = 0; *hi = 0.5; return BICO_OK;
@@ -293,21 +330,8 @@ static bico_status lora_map(void *opaque, size_t mi, int side, size_t block,
   return BICO_OK;
 }
 
-static bico_status lora_vector_map(void *opaque, size_t ti, size_t *mi,
-                                   int *side, int *identity) {
-  bico__run *r = opaque;
-  size_t owner = r->owner[ti];
-  if (owner == BICO__NONE) return BICO_E_NOTFOUND;
-  int kind, role;
-  bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
-  bico_model_tensor_module(r->mt, ti, NULL, &role);
-  *mi = owner;
-  *side = kind == BICO_MODULE_ELEMENTWISE
-              ? r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD
-              : 1;
-  *identity = role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR &&
-              r->method == BICO_METHOD_BICO_IN;
-  return BICO_OK;
+static void lora_route(void *opaque, size_t ti, bico__route *out) {
+  bico__xfer_route(opaque, ti, out);
 }
 
 static void lora_release(void *opaque, size_t mi) {
@@ -346,7 +370,7 @@ static bico_status lora_branch(bico__run *r) {
   h.opaque = r;
   h.split = lora_split;
   h.map = lora_map;
-  h.vector_map = lora_vector_map;
+  h.route = lora_route;
   h.release = lora_release;
   h.log = lora_log;
   bico_status st = bico__lora_transfer_run(&h);
@@ -451,7 +475,7 @@ static bico_status run_all(bico__run *r) {
   describe_blocks(r->mt, btgt, sizeof btgt);
   bico__xfer_log(r, "bico: method %s, alpha %g; source: %s; target: %s; %zu "
                     "target tensors",
-                 bico__xfer_method_name[r->method], (double)r->alpha, bsrc,
+                 bico_method_name(r->method), (double)r->alpha, bsrc,
                  btgt, nt);
   if (bico) st = bico__xfer_pool_start(r, partial ? t->select : NULL);
   if (st == BICO_OK) st = bico__xfer_write_all(r);

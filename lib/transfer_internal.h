@@ -16,6 +16,7 @@
 #include <stdio.h>
 
 #include "internal.h"
+#include "lora_internal.h"
 #include "report.h"
 
 #define BICO__NONE SIZE_MAX
@@ -81,8 +82,6 @@ enum bico__handling {
   BICO__H_COUNT
 };
 extern const char *const bico__xfer_handling[BICO__H_COUNT];
-/* Method names by bico_method value (index 0 unused). */
-extern const char *const bico__xfer_method_name[7];
 
 /* What happened to one tensor, for the report. */
 typedef struct bico__tinfo {
@@ -134,6 +133,9 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f);
 bico_status bico__xfer_check_setup(bico__run *r);
 bico_status bico__xfer_check_outputs(bico__run *r);
 bico_status bico__xfer_plan(bico__run *r);
+/* Role dispatch: which maps carry target tensor ti (after
+ * bico__xfer_plan; BiCo methods). */
+void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out);
 /* Which sides of which module target tensor ti will ask for (the pool
  * solves them ahead). */
 void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,

@@ -255,7 +255,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
   size_t nt = bico_model_tensor_count(r->mt);
   bico_status st = partial ? BICO_OK : declare_outputs(r);
   bico__report_begin_object(&r->rep);
-  bico__report_key_string(&r->rep, "method", bico__xfer_method_name[r->method]);
+  bico__report_key_string(&r->rep, "method", bico_method_name(r->method));
   bico__report_key_number(&r->rep, "alpha", (double)r->alpha);
   bico__report_key(&r->rep, "tensors");
   bico__report_begin_array(&r->rep);

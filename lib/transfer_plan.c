@@ -76,7 +76,48 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
 }
 
 
-/* The tie module of target tensor ti (role TOKEN): explicit or the stem. */
+/* The module whose map carries a token tensor of the given width when the
+ * user named none: the first module, in this order, whose map lives in the
+ * space the token is added to:
+ * 1. the stem: a linear module outside the blocks, of that output width,
+ *    named embed/stem/patch (ViT's patch_embed.proj: cls_token, pos_embed);
+ * 2. an element-wise module outside the blocks, of that width, named
+ *    embed* (BERT's embeddings.LayerNorm reads the sum of the word,
+ *    position and token-type embeddings): its norm map;
+ * 3. the first element-wise module of the first block, by name, of that
+ *    width (pre-norm decoders: Llama's model.layers.0.input_layernorm and
+ *    GPT-2's h.0.ln_1 read the embeddings first): its norm map.
+ * BICO__NONE when there is none: the token is left unchanged and the
+ * report says so. */
+static size_t default_tie(bico__run *r, size_t width) {
+  size_t elem_embed = BICO__NONE, first_block = BICO__NONE;
+  long first_index = -1;
+  for (size_t m = 0; m < r->nm; m++) {
+    const char *n;
+    int kind;
+    long block;
+    bico_model_module(r->mt, m, &n, &kind, &block, NULL);
+    size_t dout;
+    bico_model_module_dims(r->mt, m, &dout, NULL);
+    if (dout != width) continue;
+    if (kind == BICO_MODULE_LINEAR && block < 0 &&
+        (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch")))
+      return m;
+    if (kind != BICO_MODULE_ELEMENTWISE) continue;
+    if (block < 0 && strstr(n, "embed") && elem_embed == BICO__NONE)
+      elem_embed = m;
+    if (block >= 0 &&
+        (first_index < 0 || block < first_index ||
+         (block == first_index &&
+          strcmp(n, bico__xfer_mname(r->mt, first_block)) < 0))) {
+      first_index = block;
+      first_block = m;
+    }
+  }
+  return elem_embed != BICO__NONE ? elem_embed : first_block;
+}
+
+/* The tie module of target tensor ti (role TOKEN): explicit or default_tie. */
 static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
   const char *name = bico__xfer_tname(r->mt, ti);
   *mi = BICO__NONE;
@@ -96,26 +137,10 @@ static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
                           name, r->t->ties[i].module, r->t->ties[i].module);
       return BICO_OK;
     }
-  /* Default: the stem, a linear module outside the blocks whose output has
-   * the token's width and whose name says so. */
   size_t ndim;
   const size_t *shape;
   bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
-  size_t width = ndim ? shape[ndim - 1] : 0;
-  for (size_t m = 0; m < r->nm; m++) {
-    const char *n;
-    int kind;
-    long block;
-    bico_model_module(r->mt, m, &n, &kind, &block, NULL);
-    if (kind != BICO_MODULE_LINEAR || block >= 0) continue;
-    size_t dout;
-    bico_model_module_dims(r->mt, m, &dout, NULL);
-    if (dout != width) continue;
-    if (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch")) {
-      *mi = m;
-      break;
-    }
-  }
+  *mi = default_tie(r, ndim ? shape[ndim - 1] : 0);
   return BICO_OK;
 }
 
@@ -196,8 +221,6 @@ bico_status bico__xfer_plan(bico__run *r) {
   return BICO_OK;
 }
 
-const char *const bico__xfer_method_name[7] = {
-    NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
 
 bico_status bico__xfer_check_setup(bico__run *r) {
   bico_transfer *t = r->t;
@@ -242,7 +265,7 @@ bico_status bico__xfer_check_setup(bico__run *r) {
       return bico__fail(ctx, BICO_E_ARG,
                         "transfer_run: method %s needs either calibration "
                         "files (source and target) or a statistics file%s",
-                        bico__xfer_method_name[r->method],
+                        bico_method_name(r->method),
                         calib ? ", not both" : "");
     if (f[BICO_FILE_STATS] != NULL &&
         (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
@@ -334,37 +357,83 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
   return st;
 }
 
-/* Which sides of which module target tensor ti will ask for: bico_update's
- * decisions up to its need_side calls, from the models alone.  A wrong
- * guess costs time, never correctness: an unneeded job's result (or
- * failure) is dropped, and a side without a job is solved when asked. */
-void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod, int need[2]) {
-  need[0] = need[1] = 0;
-  *mod = BICO__NONE;
-  size_t mi, si, owner = r->owner[ti];
-  int role;
-  if (owner == BICO__NONE) return;
-  if (bico_model_tensor_module(r->mt, ti, &mi, &role) != BICO_OK) return;
-  if (bico_model_pair_tensor(r->mt, ti, r->ms, &si) != BICO_OK) return;
+void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out) {
+  memset(out, 0, sizeof *out);
+  out->module = BICO__NONE;
+  size_t mi;
+  int role = BICO_ROLE_OTHER;
+  bico_model_tensor_module(r->mt, ti, &mi, &role);
+  out->role = role;
+  if (role == BICO_ROLE_OTHER) {
+    snprintf(out->reason, sizeof out->reason,
+             "no method changes this kind of tensor");
+    return;
+  }
+  size_t owner = r->owner[ti];
+  if (owner == BICO__NONE) {
+    snprintf(out->reason, sizeof out->reason, "%s",
+             role == BICO_ROLE_TOKEN ? "no module is tied to it (see --tie)"
+                                     : "its module has no partner in the "
+                                       "source");
+    return;
+  }
   int do_in = r->method != BICO_METHOD_BICO_OUT;
   int do_out = r->method != BICO_METHOD_BICO_IN;
+  out->module = owner;
   if (role == BICO_ROLE_WEIGHT) {
-    *mod = mi;
-    need[0] = do_in;
-    need[1] = do_out;
-  } else if (role == BICO_ROLE_BIAS) {
-    *mod = mi;
-    need[1] = do_out;
-  } else if (role == BICO_ROLE_VECTOR || role == BICO_ROLE_TOKEN) {
-    int kind;
-    bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
-    int side = kind == BICO_MODULE_ELEMENTWISE
-                   ? (r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD)
-                   : 1;
-    if (role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR && !do_out)
-      return;
-    if (side == 1 && r->mods[owner].k != 1) return;
-    *mod = owner;
-    need[side] = 1;
+    out->kind = BICO__ROUTE_WEIGHT;
+    out->need[0] = do_in;
+    out->need[1] = do_out;
+    return;
   }
+  if (role == BICO_ROLE_BIAS) {
+    out->kind = BICO__ROUTE_BIAS;
+    out->need[1] = do_out;
+    return;
+  }
+  /* A norm's vector by its norm map; a token by its tie module's output
+   * map (an element-wise tie module lends its norm map). */
+  int kind;
+  bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
+  out->side = kind == BICO_MODULE_ELEMENTWISE
+                  ? r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD
+                  : 1;
+  out->identity = role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR &&
+                  !do_out;
+  if (out->side == 1 && r->mods[owner].k != 1 && !out->identity) {
+    snprintf(out->reason, sizeof out->reason,
+             "its map's module %s has a split output",
+             bico__xfer_mname(r->mt, owner));
+    out->module = BICO__NONE;
+    return;
+  }
+  out->kind = BICO__ROUTE_ROWS;
+  out->need[out->side] = !out->identity;
+  /* An element-wise module's "weight" is its scale (LayerNorm, RMSNorm):
+   * an operator, not a vector; its "bias" and tokens are vectors. */
+  const char *tname = NULL;
+  bico_model_tensor(r->mt, ti, &tname, NULL, NULL, NULL);
+  size_t len = tname ? strlen(tname) : 0;
+  out->scale = role == BICO_ROLE_VECTOR && kind == BICO_MODULE_ELEMENTWISE &&
+               (len == 6 ? strcmp(tname, "weight") == 0
+                         : len > 6 && strcmp(tname + len - 7, ".weight") == 0);
+}
+
+/* Which sides of which module target tensor ti will ask for: the route,
+ * for tensors with a source partner.  A wrong guess costs time, never
+ * correctness: an unneeded job's result (or failure) is dropped, and a
+ * side without a job is solved when asked. */
+void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
+                              int need[2]) {
+  need[0] = need[1] = 0;
+  *mod = BICO__NONE;
+  bico__route rt;
+  bico__xfer_route(r, ti, &rt);
+  size_t si;
+  if (rt.kind == BICO__ROUTE_NONE ||
+      bico_model_pair_tensor(r->mt, ti, r->ms, &si) != BICO_OK)
+    return;
+  *mod = rt.module;
+  need[0] = rt.need[0];
+  need[1] = rt.need[1];
 }

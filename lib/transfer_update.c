@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "calib.h"
 #include "transfer_internal.h"
 
 /* Reads the source task vector of source tensor si into tau (numel). */
@@ -63,12 +64,13 @@ typedef struct pairing {
   float *tau;         /* na floats */
 } pairing;
 
-static bico_status weight_update(bico__run *r, size_t mi, const pairing *p,
-                                 float *upd, bico__tinfo *info) {
+static bico_status weight_update(bico__run *r, const bico__route *rt,
+                                 const pairing *p, float *upd,
+                                 bico__tinfo *info) {
   bico_ctx *ctx = r->ctx;
+  size_t mi = rt->module;
   bico__modstate *s = &r->mods[mi];
-  int do_in = r->method != BICO_METHOD_BICO_OUT;
-  int do_out = r->method != BICO_METHOD_BICO_IN;
+  int do_in = rt->need[0], do_out = rt->need[1];
   size_t dout_b, din_b, dout_a, din_a;
   bico_model_module_dims(r->mt, mi, &dout_b, &din_b);
   bico_model_module_dims(r->ms, s->src, &dout_a, &din_a);
@@ -90,8 +92,8 @@ static bico_status weight_update(bico__run *r, size_t mi, const pairing *p,
       info->maps[1] = &s->out[0];
       info->map_names[1] = "out";
     }
-    st = bico_transport_weight(ctx, dout_a, din_a, p->tau, din_a, rout, dout_b,
-                               dout_b, rin, din_b, din_b, r->alpha, 0.0f, upd,
+    st = bico_transport_weight(ctx, dout_a, din_a, dout_b, din_b, r->alpha, p->tau,
+                               din_a, rout, dout_b, rin, din_b, 0.0f, upd,
                                din_b);
   } else {
     const float **routs = bico__calloc(ctx, s->k, sizeof *routs);
@@ -102,20 +104,22 @@ static bico_status weight_update(bico__run *r, size_t mi, const pairing *p,
       info->nsplit = s->k;
     }
     st = bico_transport_weight_split(
-        ctx, s->k, dout_a, din_a, p->tau, din_a,
-        do_out ? (const float *const *)routs : NULL, dout_b / s->k, dout_b,
-        rin, din_b, din_b, r->alpha, 0.0f, upd, din_b);
+        ctx, s->k, dout_a, din_a, dout_b, din_b,
+        r->alpha, p->tau, din_a,
+        do_out ? (const float *const *)routs : NULL, dout_b / s->k, rin, din_b, 0.0f, upd, din_b);
     bico__free(ctx, routs);
   }
   info->handling = BICO__H_LINEAR;
   return st;
 }
 
-static bico_status bias_update(bico__run *r, size_t mi, const pairing *p,
-                               float *upd, bico__tinfo *info) {
+static bico_status bias_update(bico__run *r, const bico__route *rt,
+                               const pairing *p, float *upd,
+                               bico__tinfo *info) {
   bico_ctx *ctx = r->ctx;
+  size_t mi = rt->module;
   bico__modstate *s = &r->mods[mi];
-  int do_out = r->method != BICO_METHOD_BICO_IN;
+  int do_out = rt->need[1];
   bico_status st = BICO_OK;
   if (do_out && (st = bico__xfer_need_side(r, mi, 1)) != BICO_OK) return st;
   size_t k = s->k, ba = p->na / k, bb = p->nb / k;
@@ -123,8 +127,8 @@ static bico_status bias_update(bico__run *r, size_t mi, const pairing *p,
     return bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
                       p->name, k);
   for (size_t b = 0; b < k && st == BICO_OK; b++)
-    st = bico_transport_vector(ctx, ba, p->tau + b * ba,
-                               do_out ? s->out[b].r : NULL, bb, bb, r->alpha,
+    st = bico_transport_vector(ctx, ba, bb,
+                               r->alpha, p->tau + b * ba, do_out ? s->out[b].r : NULL, bb,
                                0.0f, upd + b * bb);
   if (do_out && k == 1) {
     info->maps[1] = &s->out[0];
@@ -137,19 +141,24 @@ static bico_status bias_update(bico__run *r, size_t mi, const pairing *p,
   return st;
 }
 
-/* A norm's vector by its norm map; a token by its tie module's map. */
-static bico_status vector_update(bico__run *r, int role, size_t owner,
-                                 const pairing *p, float *upd,
-                                 bico__tinfo *info) {
+void bico__transport_scale(size_t d_a, size_t d_b, const float *tau,
+                           const float *r, size_t ld_r, float alpha,
+                           float *out) {
+  for (size_t j = 0; j < d_b; j++) out[j] = 0.0f;
+  for (size_t i = 0; i < d_a; i++) {
+    const float *ri = r + i * ld_r;
+    float t = alpha * tau[i];
+    for (size_t j = 0; j < d_b; j++) out[j] += ri[j] * ri[j] * t;
+  }
+}
+
+/* A norm's vector or a token, row by row along its last dimension. */
+static bico_status rows_update(bico__run *r, const bico__route *rt,
+                               const pairing *p, float *upd,
+                               bico__tinfo *info) {
+  size_t owner = rt->module;
+  int side = rt->side, identity = rt->identity;
   bico__modstate *s = &r->mods[owner];
-  int do_out = r->method != BICO_METHOD_BICO_IN;
-  int kind;
-  bico_model_module(r->mt, owner, NULL, &kind, NULL, NULL);
-  int side = kind == BICO_MODULE_ELEMENTWISE
-                 ? (r->t->param[BICO_TRANSFER_NORM_MAP] == BICO_NORM_MAP_GRAD)
-                 : 1;
-  int identity = role == BICO_ROLE_TOKEN && kind == BICO_MODULE_LINEAR &&
-                 !do_out;
   size_t da_last = p->nd_a ? p->sh_a[p->nd_a - 1] : 1;
   size_t db_last = p->ndim ? p->shape[p->ndim - 1] : 1;
   if (p->na / da_last != p->nb / db_last) {
@@ -157,12 +166,6 @@ static bico_status vector_update(bico__run *r, int role, size_t owner,
              "leading dimensions differ from the source's (%zu rows "
              "against %zu)",
              p->na / da_last, p->nb / db_last);
-    return BICO_OK;
-  }
-  if (side == 1 && s->k != 1 && !identity) {
-    snprintf(info->reason, sizeof info->reason,
-             "its map's module %s has a split output",
-             bico__xfer_mname(r->mt, owner));
     return BICO_OK;
   }
   const bico__map *mp = NULL;
@@ -181,10 +184,16 @@ static bico_status vector_update(bico__run *r, int role, size_t owner,
     info->maps[0] = mp;
     info->map_names[0] = side ? "out" : "in";
   }
-  info->handling = role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
-  return bico_transport_rows(r->ctx, p->na / da_last, da_last, p->tau,
-                             da_last, mp ? mp->r : NULL, db_last, db_last,
-                             r->alpha, 0.0f, upd, db_last);
+  info->handling =
+      rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
+  if (rt->scale && mp != NULL && p->na == da_last) {
+    bico__transport_scale(da_last, db_last, p->tau, mp->r, db_last, r->alpha,
+                          upd);
+    return BICO_OK;
+  }
+  return bico_transport_rows(r->ctx, p->na / da_last, da_last, db_last,
+                             r->alpha, p->tau, da_last, mp ? mp->r : NULL,
+                             db_last, 0.0f, upd, db_last);
 }
 
 /* A map fitted on an all-zero statistic (a dead layer: no activation or
@@ -213,25 +222,14 @@ static bico_status bico_update(bico__run *r, size_t ti, float *upd,
   pairing p;
   memset(&p, 0, sizeof p);
   bico_model_tensor(r->mt, ti, &p.name, NULL, &p.ndim, &p.shape);
-  size_t mi;
-  int role;
-  bico_status st = bico_model_tensor_module(r->mt, ti, &mi, &role);
-  if (st != BICO_OK) return st;
-  if (role == BICO_ROLE_OTHER) {
-    snprintf(info->reason, sizeof info->reason,
-             "no method changes this kind of tensor");
-    return BICO_OK;
-  }
-  size_t owner = r->owner[ti];
-  if (owner == BICO__NONE) {
-    snprintf(info->reason, sizeof info->reason,
-             role == BICO_ROLE_TOKEN
-                 ? "no module is tied to it (see --tie)"
-                 : "its module has no partner in the source");
+  bico__route rt;
+  bico__xfer_route(r, ti, &rt);
+  if (rt.kind == BICO__ROUTE_NONE) {
+    snprintf(info->reason, sizeof info->reason, "%s", rt.reason);
     return BICO_OK;
   }
   size_t si;
-  st = bico_model_pair_tensor(r->mt, ti, r->ms, &si);
+  bico_status st = bico_model_pair_tensor(r->mt, ti, r->ms, &si);
   if (st == BICO_E_NOTFOUND) {
     snprintf(info->reason, sizeof info->reason,
              "the source has no paired tensor");
@@ -246,12 +244,12 @@ static bico_status bico_update(bico__run *r, size_t ti, float *upd,
   p.tau = bico__alloc(ctx, (p.na ? p.na : 1) * sizeof(float));
   if (p.tau == NULL) return BICO_E_NOMEM;
   st = read_tau(r, si, p.tau, p.na);
-  if (st == BICO_OK && role == BICO_ROLE_WEIGHT)
-    st = weight_update(r, mi, &p, upd, info);
-  else if (st == BICO_OK && role == BICO_ROLE_BIAS)
-    st = bias_update(r, mi, &p, upd, info);
+  if (st == BICO_OK && rt.kind == BICO__ROUTE_WEIGHT)
+    st = weight_update(r, &rt, &p, upd, info);
+  else if (st == BICO_OK && rt.kind == BICO__ROUTE_BIAS)
+    st = bias_update(r, &rt, &p, upd, info);
   else if (st == BICO_OK)
-    st = vector_update(r, role, owner, &p, upd, info);
+    st = rows_update(r, &rt, &p, upd, info);
   if (st == BICO_OK && info->handling != BICO__H_UNCHANGED)
     refuse_dead_maps(info);
   bico__free(ctx, p.tau);
@@ -296,7 +294,7 @@ static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
   if (tau == NULL) return BICO_E_NOMEM;
   bico_status st = read_tau(r, si, tau, na);
   if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_NAIVE) {
-    st = bico_baseline_naive(ctx, nd_a, sh_a, ndim, shape, tau, r->alpha, 0.0f,
+    st = bico_baseline_naive(ctx, nd_a, sh_a, ndim, shape, r->alpha, tau, 0.0f,
                              upd);
     info->handling = BICO__H_NAIVE;
   } else if (st == BICO_OK && na > 0 && nb > 0 && r->method == BICO_METHOD_PAD) {
@@ -309,64 +307,23 @@ static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
                       "target tensor %s is %s, source tensor %s is %s",
                       name, b, info->source, a);
     } else {
-      st = bico_baseline_pad(ctx, nd_a, sh_a, ndim, shape, tau, r->alpha, 0.0f,
+      st = bico_baseline_pad(ctx, nd_a, sh_a, ndim, shape, r->alpha, tau, 0.0f,
                              upd);
       info->handling = BICO__H_PADDED;
     }
   } else if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_GRADFIX) {
-    const char *vpath = r->t->files[BICO_FILE_TARGET_VOTES];
-    size_t vi, vnd;
-    const size_t *vsh;
-    int32_t *counts = NULL;
-    float *v = NULL;
     bico_votes *votes = NULL;
-    if (bico_stfile_find(r->votes, name, &vi) != BICO_OK) {
-      st = bico__fail(ctx, BICO_E_NOTFOUND,
-                      "votes file %s has no tensor %s", vpath, name);
-    } else {
-      st = bico_stfile_tensor_info(r->votes, vi, NULL, NULL, &vnd, &vsh);
-      if (st == BICO_OK &&
-          (vnd != ndim || (ndim && memcmp(vsh, shape, ndim * sizeof *vsh))))
-        st = bico__fail(ctx, BICO_E_SHAPE,
-                        "votes file %s: tensor %s has a different shape than "
-                        "the target's",
-                        vpath, name);
-    }
-    if (st == BICO_OK) {
-      v = bico__alloc(ctx, nb * sizeof(float));
-      counts = bico__alloc(ctx, nb * sizeof(int32_t));
-      if (v == NULL || counts == NULL) st = BICO_E_NOMEM;
-    }
-    if (st == BICO_OK) st = bico_stfile_read_f32(r->votes, vi, v, nb);
-    uint32_t samples = 1;
-    for (size_t e = 0; e < nb && st == BICO_OK; e++) {
-      float x = v[e];
-      /* 2147483647.0f rounds up to 2^31, which int32 cannot hold (found by
-       * fuzzing: test/fuzz/regressions/fuzz_calib_stats). */
-      if (!isfinite(x) || x != floorf(x) || fabsf(x) >= 2147483648.0f)
-        st = bico__fail(ctx, BICO_E_FORMAT,
-                        "votes file %s: tensor %s element %zu is %g, not an "
-                        "integer vote count",
-                        vpath, name, e, (double)x);
-      else {
-        counts[e] = (int32_t)x;
-        uint32_t a = (uint32_t)(counts[e] < 0 ? -(int64_t)counts[e] : counts[e]);
-        if (a > samples) samples = a;
-      }
-    }
-    if (st == BICO_OK) st = bico_votes_create(ctx, nb, 0, &votes);
-    if (st == BICO_OK) st = bico_votes_add_counts(votes, counts, samples);
+    st = bico__calib_votes(ctx, r->votes, r->t->files[BICO_FILE_TARGET_VOTES],
+                           name, ndim, shape, &votes);
     size_t kept = 0;
     if (st == BICO_OK)
-      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, tau, r->alpha, 0.0f,
+      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, r->alpha, tau, 0.0f,
                               upd, &kept);
     if (st == BICO_OK) {
       info->kept = nb ? (double)kept / (double)nb : 0.0;
       info->handling = BICO__H_MASKED;
     }
     bico_votes_free(votes);
-    bico__free(ctx, v);
-    bico__free(ctx, counts);
   }
   bico__free(ctx, tau);
   return st;

@@ -68,6 +68,17 @@ typedef enum bico_norm_map {
   BICO_NORM_MAP_GRAD = 1 /* map of the norm's output gradients */
 } bico_norm_map;
 
+/* Names of the methods ("bico", "bico-in", "bico-out", "gradfix", "naive",
+ * "pad") and norm maps ("act", "grad"), as the bico command, the report
+ * and the bindings spell them: FFI callers take them from here rather than
+ * copying the table.  *_name gives NULL for an unknown value (static
+ * text otherwise); *_from_name gives BICO_E_NULL for a NULL argument and
+ * BICO_E_ARG for an unknown name (leaving *out alone). */
+BICO_API const char *bico_method_name(int method);
+BICO_API bico_status bico_method_from_name(const char *name, int *method);
+BICO_API const char *bico_norm_map_name(int norm_map);
+BICO_API bico_status bico_norm_map_from_name(const char *name, int *norm_map);
+
 /* Files (bico_transfer_set_file).  NULL unsets. */
 typedef enum bico_transfer_file {
   BICO_FILE_SOURCE_BASE = 1,   /* required */

@@ -63,9 +63,6 @@ static const struct {
 };
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
-static const char *const METHODS[] = {NULL,      "bico",  "bico-in", "bico-out",
-                                      "gradfix", "naive", "pad"};
-
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
   fprintf(stderr, "%s\n", line);
@@ -196,9 +193,7 @@ int cmd_transfer(int argc, char **argv) {
   if (method == NULL)
     return cli_error(CMD, CLI_USAGE, "missing --method");
   int m = 0;
-  for (int k = 1; k <= 6; k++)
-    if (strcmp(method, METHODS[k]) == 0) m = k;
-  if (m == 0)
+  if (bico_method_from_name(method, &m) != BICO_OK)
     return cli_error(CMD, CLI_USAGE,
                      "unknown method '%s' (bico, bico-in, bico-out, gradfix, "
                      "naive or pad)",
@@ -243,9 +238,8 @@ int cmd_transfer(int argc, char **argv) {
     return cli_error(CMD, CLI_USAGE, "method gradfix needs --target-votes");
   int nm = -1, nl = -1;
   if (norm_map != NULL) {
-    if (strcmp(norm_map, "act") == 0) nm = BICO_NORM_MAP_ACT;
-    else if (strcmp(norm_map, "grad") == 0) nm = BICO_NORM_MAP_GRAD;
-    else return cli_error(CMD, CLI_USAGE, "--norm-map %s: expected act or grad",
+    if (bico_norm_map_from_name(norm_map, &nm) != BICO_OK)
+      return cli_error(CMD, CLI_USAGE, "--norm-map %s: expected act or grad",
                           norm_map);
   }
   if (null_mode != NULL) {

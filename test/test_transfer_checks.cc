@@ -1,0 +1,150 @@
+// Rules the transfer driver applies on every path: vote counts decoded one
+// way for checkpoints and LoRA adapters alike, every written value finite,
+// and the method and norm-map names from the library.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <sys/stat.h>
+#include <utility>
+#include <vector>
+
+#include "st_testutil.h"
+#include "testutil.h"
+
+namespace {
+
+struct Named {
+  std::string name;
+  std::vector<size_t> shape;
+  std::vector<float> v;
+};
+
+void write_f32(const std::string &path, const std::vector<Named> &f) {
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK);
+  for (auto &e : f)
+    ASSERT_EQ(bico_stwriter_declare(w, e.name.c_str(), BICO_DTYPE_F32,
+                                    e.shape.size(), e.shape.data()),
+              BICO_OK);
+  for (auto &e : f)
+    ASSERT_EQ(bico_stwriter_write_f32(w, e.name.c_str(), e.v.data(), e.v.size()),
+              BICO_OK);
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter_free(w);
+}
+
+std::vector<float> filled(size_t n, float x) { return std::vector<float>(n, x); }
+
+// One 4 x 4 linear layer; votes all +1 except element 5, which is `bad`.
+struct Votes {
+  stt::TempDir dir;
+  std::string base = dir / "base.st", tuned = dir / "tuned.st",
+              votes = dir / "votes.st", ad = dir / "adapter",
+              out = dir / "out.st", out_ad = dir / "out_adapter";
+  explicit Votes(float bad) {
+    write_f32(base, {{"blocks.0.fc.weight", {4, 4}, filled(16, 0.5f)}});
+    write_f32(tuned, {{"blocks.0.fc.weight", {4, 4}, filled(16, 0.75f)}});
+    std::vector<float> v = filled(16, 1.0f);
+    v[5] = bad;
+    write_f32(votes, {{"blocks.0.fc.weight", {4, 4}, v}});
+    mkdir(ad.c_str(), 0700);
+    stt::write_bytes(ad + "/adapter_config.json",
+                     "{\"peft_type\": \"LORA\", \"r\": 1, \"lora_alpha\": 1, "
+                     "\"target_modules\": [\"fc\"], \"bias\": \"none\"}");
+    write_f32(ad + "/adapter_model.safetensors",
+              {{"base_model.model.blocks.0.fc.lora_A.weight", {1, 4}, filled(4, 0.1f)},
+               {"base_model.model.blocks.0.fc.lora_B.weight", {4, 1}, filled(4, 0.2f)}});
+  }
+  // GradFix from a tuned checkpoint (lora false) or from the adapter.
+  bico_status run(bico_ctx *ctx, bool lora) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_GRADFIX);
+    bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, base.c_str());
+    bico_transfer_set_file(t, BICO_FILE_TARGET_BASE, base.c_str());
+    bico_transfer_set_file(t, BICO_FILE_TARGET_VOTES, votes.c_str());
+    if (lora) {
+      bico_transfer_set_file(t, BICO_FILE_LORA, ad.c_str());
+      bico_transfer_set_file(t, BICO_FILE_LORA_OUTPUT, out_ad.c_str());
+    } else {
+      bico_transfer_set_file(t, BICO_FILE_SOURCE_TUNED, tuned.c_str());
+      bico_transfer_set_file(t, BICO_FILE_OUTPUT, out.c_str());
+    }
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  }
+};
+
+// 2147483647.0f rounds to 2^31, which int32 cannot hold: both GradFix
+// paths must refuse it (the LoRA path once cast it to int32 unchecked).
+TEST(TransferVotes, TwoToThe31IsRefusedOnBothPaths) {
+  for (bool lora : {false, true}) {
+    SCOPED_TRACE(lora ? "lora" : "checkpoint");
+    for (float bad : {2147483648.0f, -2147483648.0f, 2147483647.0f, 1.5f,
+                      std::nanf("")}) {
+      Votes f(bad);
+      bt::Ctx ctx;
+      EXPECT_EQ(f.run(ctx, lora), BICO_E_FORMAT) << bad;
+      std::string m = bico_ctx_errmsg(ctx);
+      EXPECT_NE(m.find("element 5"), std::string::npos) << m;
+      EXPECT_NE(m.find("blocks.0.fc.weight"), std::string::npos) << m;
+      struct stat sb;
+      EXPECT_NE(stat(f.out.c_str(), &sb), 0);
+      EXPECT_NE(stat(f.out_ad.c_str(), &sb), 0);
+    }
+  }
+}
+
+// The largest count int32 holds below 2^31 that float32 represents
+// exactly (2^31 - 128) is accepted on both paths.
+TEST(TransferVotes, LargestRepresentableCountIsAccepted) {
+  for (bool lora : {false, true}) {
+    SCOPED_TRACE(lora ? "lora" : "checkpoint");
+    Votes f(-2147483520.0f);
+    bt::Ctx ctx;
+    EXPECT_EQ(f.run(ctx, lora), BICO_OK) << bico_ctx_errmsg(ctx);
+  }
+}
+
+// The names the manual gives for --method and --norm-map, both ways.
+TEST(TransferNames, MethodsAndNormMapsRoundTrip) {
+  const std::pair<int, const char *> methods[] = {
+      {BICO_METHOD_BICO, "bico"},       {BICO_METHOD_BICO_IN, "bico-in"},
+      {BICO_METHOD_BICO_OUT, "bico-out"}, {BICO_METHOD_GRADFIX, "gradfix"},
+      {BICO_METHOD_NAIVE, "naive"},     {BICO_METHOD_PAD, "pad"}};
+  for (auto &m : methods) {
+    ASSERT_NE(bico_method_name(m.first), nullptr);
+    EXPECT_STREQ(bico_method_name(m.first), m.second);
+    int v = -1;
+    EXPECT_EQ(bico_method_from_name(m.second, &v), BICO_OK);
+    EXPECT_EQ(v, m.first);
+  }
+  const std::pair<int, const char *> norms[] = {{BICO_NORM_MAP_ACT, "act"},
+                                                {BICO_NORM_MAP_GRAD, "grad"}};
+  for (auto &m : norms) {
+    EXPECT_STREQ(bico_norm_map_name(m.first), m.second);
+    int v = -1;
+    EXPECT_EQ(bico_norm_map_from_name(m.second, &v), BICO_OK);
+    EXPECT_EQ(v, m.first);
+  }
+}
+
+TEST(TransferNames, UnknownValuesAndNamesAreRefused) {
+  for (int bad : {-1, 0, 7, 1000}) EXPECT_EQ(bico_method_name(bad), nullptr) << bad;
+  for (int bad : {-1, 2, 1000}) EXPECT_EQ(bico_norm_map_name(bad), nullptr) << bad;
+  int v = 42;
+  for (const char *bad : {"", "BICO", "bico ", "bicoin", "gradfix\n", "ACT"}) {
+    EXPECT_EQ(bico_method_from_name(bad, &v), BICO_E_ARG) << bad;
+    EXPECT_EQ(bico_norm_map_from_name(bad, &v), BICO_E_ARG) << bad;
+  }
+  EXPECT_EQ(v, 42);  // untouched on failure
+  EXPECT_EQ(bico_method_from_name(nullptr, &v), BICO_E_NULL);
+  EXPECT_EQ(bico_method_from_name("bico", nullptr), BICO_E_NULL);
+  EXPECT_EQ(bico_norm_map_from_name(nullptr, &v), BICO_E_NULL);
+  EXPECT_EQ(bico_norm_map_from_name("act", nullptr), BICO_E_NULL);
+}
+
+}  // namespace
