@@ -14,6 +14,7 @@
 #include "lora_impl.h"
 #include "lora_internal.h"
 #include "report.h"
+#include "strindex.h"
 
 #define dupn bico__strndup
 #define dupstr bico__strdup
@@ -210,17 +211,44 @@ static bico_status parse_config(bico_lora *l, const char *path,
 
 /* The pattern entry for module `name`: a key equal to it or a dotted suffix
  * of it (the first such key, as PEFT takes). */
-static const bico__json_member *pattern_for(const bico__json *p,
+/* A rank_pattern / alpha_pattern object with a hash of its keys: the
+ * entry for a module is the first key (in the object's order) that is the
+ * module's name or a '.'-separated suffix of it, as PEFT takes.  Looking
+ * up each suffix keeps this linear in the modules; scanning every key per
+ * module was quadratic for adapters with large patterns. */
+typedef struct patidx {
+  const bico__json *p;
+  bico__strindex ix;
+} patidx;
+
+static const char *pat_key(const void *owner, size_t i) {
+  return ((const bico__json *)owner)->u.members[i].key;
+}
+
+static bico_status patidx_init(bico_ctx *ctx, const bico__json *p,
+                               patidx *x) {
+  x->p = p != NULL && p->type == BICO__JSON_OBJECT ? p : NULL;
+  x->ix.slot = NULL;
+  x->ix.cap = 0;
+  if (x->p == NULL || x->p->n == 0) return BICO_OK;
+  bico_status st = bico__strindex_reserve(ctx, &x->ix, x->p->n, pat_key, x->p);
+  for (size_t i = 0; i < x->p->n && st == BICO_OK; i++)
+    if (strlen(x->p->u.members[i].key) == x->p->u.members[i].key_len)
+      bico__strindex_insert(&x->ix, i, pat_key, x->p);
+  return st;
+}
+
+static const bico__json_member *pattern_for(const patidx *x,
                                             const char *name) {
-  if (p == NULL || p->type != BICO__JSON_OBJECT) return NULL;
-  size_t n = strlen(name);
-  for (size_t i = 0; i < p->n; i++) {
-    const bico__json_member *m = &p->u.members[i];
-    size_t k = m->key_len;
-    if (k > n || strcmp(name + n - k, m->key) != 0) continue;
-    if (k == n || name[n - k - 1] == '.') return m;
+  if (x->p == NULL || x->ix.cap == 0) return NULL;
+  size_t best = SIZE_MAX;
+  for (const char *s = name; s != NULL;) {
+    size_t k = bico__strindex_find(&x->ix, s, strlen(s), pat_key, x->p);
+    if (k < best) best = k;
+    s = strchr(s, '.');
+    if (s != NULL) s++;
   }
-  return NULL;
+  return best == SIZE_MAX ? NULL : &x->p->u.members[best];
 }
 
 static int saved_module(const config *c, const char *module) {
@@ -275,7 +303,10 @@ static bico_status pair_factors(bico_lora *l, const char *path,
                                 const bico_stfile *f, const config *c,
                                 const pending *pend, size_t np) {
   bico_ctx *ctx = l->ctx;
-  bico_status st = BICO_OK;
+  patidx pats[2];
+  bico_status st = patidx_init(ctx, c->rank_pattern, &pats[0]);
+  bico_status s2 = patidx_init(ctx, c->alpha_pattern, &pats[1]);
+  if (st == BICO_OK) st = s2;
   for (size_t p = 0; p < np && st == BICO_OK; p++) {
     const pending *e = &pend[p];
     const char *an = e->kind == BICO_LORA_LINEAR ? "lora_A" : "lora_embedding_A";
@@ -298,8 +329,8 @@ static bico_status pair_factors(bico_lora *l, const char *path,
                       path, e->module, an, sa[0], sa[1], bn, sb[0], sb[1]);
       break;
     }
-    const bico__json_member *rp = pattern_for(c->rank_pattern, e->module);
-    const bico__json_member *ap = pattern_for(c->alpha_pattern, e->module);
+    const bico__json_member *rp = pattern_for(&pats[0], e->module);
+    const bico__json_member *ap = pattern_for(&pats[1], e->module);
     size_t rc = rp ? (size_t)rp->value.u.i : c->r;
     double alpha = c->alpha;
     if (ap) positive_number(&ap->value, &alpha);
@@ -324,6 +355,8 @@ static bico_status pair_factors(bico_lora *l, const char *path,
     }
     st = bico__lora_push_module(l, nm, e->kind, r, alpha, dout, din, b, a);
   }
+  bico__strindex_free(ctx, &pats[0].ix);
+  bico__strindex_free(ctx, &pats[1].ix);
   return st;
 }
 

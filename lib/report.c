@@ -1,12 +1,10 @@
-/* JSON text for the transfer report, written atomically. */
-#include <errno.h>
-#include <fcntl.h>
+/* JSON text for the reports (transfer, merge), written through the
+ * temporary-file commit of lib/fileio.c. */
 #include <locale.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "fileio.h"
 #include "json.h"
@@ -183,24 +181,4 @@ bico_status bico__report_tmp(bico_ctx *ctx, const char *fn, const char *what,
   if (st == BICO_OK) st = bico__tmp_finish(ctx, fn, t);
   if (st != BICO_OK) bico__tmp_discard(ctx, t);
   return st;
-}
-
-bico_status bico__report_write_tmp(bico_ctx *ctx, const bico__report *r,
-                                   const char *path, char **tmp) {
-  *tmp = NULL;
-  bico__tmpfile t;
-  bico_status st = bico__report_tmp(ctx, "transfer_run", "report", r->buf,
-                                    r->len, path, &t);
-  if (st != BICO_OK) return st;
-  *tmp = t.tmp;
-  bico__free(ctx, t.path);
-  return BICO_OK;
-}
-
-bico_status bico__report_commit(bico_ctx *ctx, const char *tmp,
-                                const char *path) {
-  /* The caller keeps and frees both names. */
-  bico__tmpfile t = {(char *)path, (char *)tmp, -1, 0};
-  bico__tmpfile *tp = &t;
-  return bico__commit(ctx, "transfer_run", &tp, 1);
 }

@@ -38,13 +38,4 @@ bico_status bico__report_tmp(bico_ctx *ctx, const char *fn, const char *what,
                             const char *text, size_t len, const char *path,
                             struct bico__tmpfile *t);
 
-/* Older form, kept for callers not yet on bico__commit:
- * writes the text to a new temporary file next to `path` (its name into
- * *tmp, allocated with ctx) ... */
-bico_status bico__report_write_tmp(bico_ctx *ctx, const bico__report *r,
-                                   const char *path, char **tmp);
-/* ... and renames it into place. */
-bico_status bico__report_commit(bico_ctx *ctx, const char *tmp,
-                                const char *path);
-
 #endif

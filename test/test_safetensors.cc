@@ -599,7 +599,8 @@ TEST(SafetensorsReader, OsErrorsNameTheFile) {
   // A folder is a Hugging Face model folder (lib/modelpath.c): one holding
   // no checkpoint is NOTFOUND, naming what it looked for.
   EXPECT_EQ(bico_stfile_open(ctx, dir.path.c_str(), &f), BICO_E_NOTFOUND);
-  EXPECT_TRUE(contains(errmsg(ctx), "model.safetensors")) << errmsg(ctx);
+  EXPECT_TRUE(contains(errmsg(ctx), "without model.safetensors")) << errmsg(ctx);
+  EXPECT_TRUE(contains(errmsg(ctx), dir.path)) << errmsg(ctx);
   // A FIFO is not a regular file (and does not block the open).
   std::string fifo = dir / "fifo.safetensors";
   ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
