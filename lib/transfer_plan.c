@@ -409,6 +409,14 @@ void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out) {
   }
   out->kind = BICO__ROUTE_ROWS;
   out->need[out->side] = !out->identity;
+  /* An element-wise module's "weight" is its scale (LayerNorm, RMSNorm):
+   * an operator, not a vector; its "bias" and tokens are vectors. */
+  const char *tname = NULL;
+  bico_model_tensor(r->mt, ti, &tname, NULL, NULL, NULL);
+  size_t len = tname ? strlen(tname) : 0;
+  out->scale = role == BICO_ROLE_VECTOR && kind == BICO_MODULE_ELEMENTWISE &&
+               (len == 6 ? strcmp(tname, "weight") == 0
+                         : len > 6 && strcmp(tname + len - 7, ".weight") == 0);
 }
 
 /* Which sides of which module target tensor ti will ask for: the route,

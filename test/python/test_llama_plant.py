@@ -66,9 +66,9 @@ def test_bico_on_planted_llama_folders(tmp_path):
     in other coordinates, tied embedding, generic full-rank statistics):
     every linear weight and the tied embedding come out as the planted
     T(tau), with no extra flags (the embedding through the first block's
-    input_layernorm map).  Norm scales are checked separately: with signed
-    residual permutations the vector rule is wrong by construction (the
-    decoder-LLM issue's operator rule fixes it)."""
+    input_layernorm map), and the RMSNorm scales too: under signed residual
+    permutations only the operator rule (R o R)^T tau is right (the vector
+    rule R^T tau flips their signs)."""
     import subprocess
     import numpy as np
     import planted as pl
@@ -99,6 +99,4 @@ def test_bico_on_planted_llama_folders(tmp_path):
     for k, t in B.items():
         want = (t + tauB[k]).numpy()
         err = np.abs(got[k] - want).max() / max(np.abs(tauB[k].numpy()).max(), 1e-12)
-        if k.endswith("norm.weight"):
-            continue
         assert err < 2e-3, (k, err)
