@@ -409,6 +409,21 @@ $(BUILD)/bench/%: bench/%.c bench/common.h $(SHLIB)
 bench: $(BENCH_BINS) $(TOOL)
 	$(PYTHON) bench/run.py --bin $(BUILD)/bench --threads $(BENCH_THREADS) $(BENCH_FLAGS)
 
+# `make bench-quality`: how much of the zero-shot -> fine-tuned gap each
+# method closes on small Fashion-MNIST ViTs (docs/quality.md).  Trained
+# models and results are cached in $(BUILD)/quality (a rerun prints from the
+# cache); QUALITY_FLAGS passes options to bench/quality/run.py (--fresh,
+# --tasks, --targets, --rows).  One thread, niced: a shared machine.
+QUALITY_FLAGS ?=
+.PHONY: bench-quality
+bench-quality: all
+	cd bench/quality && BICO_QUALITY_CACHE=$(abspath $(BUILD))/quality \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) OMP_NUM_THREADS=1 \
+	  nice $(PYTHON) prepare.py >&2
+	cd bench/quality && BICO_QUALITY_CACHE=$(abspath $(BUILD))/quality \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) OMP_NUM_THREADS=1 \
+	  nice $(PYTHON) run.py $(QUALITY_FLAGS)
+
 # ---- robustness ----
 # Fuzzing, the ABI gate, header hygiene, leak and thread checking, and the
 # no-data-lost test of the command (docs/reliability.md).

@@ -47,6 +47,50 @@ bico_status bico__calib_find(bico_ctx *ctx, const bico_stfile *f,
   return BICO_OK;
 }
 
+/* After a non-finite row in rows [r, r + n): the side (0: a, 1: b) and
+ * element of the first value that is finite in the file (F64) but beyond
+ * float's range, which the float reader turned into Inf; -1 if none (a
+ * genuine NaN or Inf). */
+static int beyond_float(const bico_stfile *fa, size_t ia, const bico_stfile *fb,
+                        size_t ib, size_t r, size_t n, size_t da, size_t db,
+                        size_t *row, size_t *col) {
+  for (int side = 0; side < 2; side++) {
+    const bico_stfile *f = side ? fb : fa;
+    size_t i = side ? ib : ia, d = side ? db : da;
+    int dt = 0;
+    bico_stfile_tensor_info(f, i, NULL, &dt, NULL, NULL);
+    if (dt != BICO_DTYPE_F64) continue;
+    for (size_t q = 0; q < n; q++)
+      for (size_t c = 0; c < d; c++) {
+        double v;
+        if (bico_stfile_read_f64_range(f, i, (r + q) * d + c, 1, &v) != BICO_OK)
+          return -1;
+        /* FLT_MAX plus half an ulp: from there the float reader rounds to
+         * Inf. */
+        if (isfinite(v) && fabs(v) >= 0x1.ffffffp+127) {
+          *row = r + q;
+          *col = c;
+          return side;
+        }
+      }
+  }
+  return -1;
+}
+
+static bico_status over(bico_ctx *ctx, const char *module, const char *path,
+                        size_t row, size_t col, float *xa, float *xb,
+                        const bico_stfile *f, size_t i, size_t d) {
+  double v = 0;
+  bico_stfile_read_f64_range(f, i, row * d + col, 1, &v);
+  bico__free(ctx, xa);
+  bico__free(ctx, xb);
+  return bico__fail(ctx, BICO_E_NONFINITE,
+                    "module %s: calibration file %s, row %zu column %zu: the "
+                    "F64 value %g is beyond float's range (+-3.4e38), where "
+                    "statistics are accumulated",
+                    module, path, row, col, v);
+}
+
 bico_status bico__calib_accumulate(bico_ctx *ctx, const char *module,
                                    const bico_stfile *fa, const char *path_a,
                                    size_t ia, size_t da,
@@ -86,6 +130,13 @@ bico_status bico__calib_accumulate(bico_ctx *ctx, const char *module,
     for (size_t b = 0; b < k && st == BICO_OK; b++) {
       st = bico_xcov_add(xcs[b], n, xa + b * (da / k), da, xb + b * (db / k),
                          db);
+      if (st == BICO_E_NONFINITE) {
+        size_t row, col;
+        int side = beyond_float(fa, ia, fb, ib, r, n, da, db, &row, &col);
+        if (side >= 0)
+          return over(ctx, module, side ? path_b : path_a, row, col, xa, xb,
+                      side ? fb : fa, side ? ib : ia, side ? db : da);
+      }
       if (st != BICO_OK) {
         /* Keep xcov's detail (which row holds NaN) and add the module. */
         char detail[512];

@@ -68,6 +68,66 @@ static bico_status index_meta(bico_stfile *f, const bico__json *md) {
   return BICO_OK;
 }
 
+/* Every weight_map entry must be in its shard and every shard tensor in
+ * the weight_map under that shard. */
+static bico_status check_assignment(bico_stfile *f, const char *path,
+                                    wm_entry *ents, size_t nw,
+                                    const char **shards) {
+  bico_ctx *ctx = f->ctx;
+  bico_status st = BICO_OK;
+  qsort(ents, nw, sizeof *ents, cmp_wm);
+  for (size_t k = 0; k < f->count; k++) {
+    const st_tensor *t = &f->tensors[k];
+    wm_entry key = {t->name, 0};
+    const wm_entry *hit = bsearch(&key, ents, nw, sizeof *ents, cmp_wm);
+    char nb[160];
+    if (hit == NULL) {
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "stfile_open: %s: shard '%s' holds tensor '%s' that the "
+                      "weight_map does not list",
+                      path, shards[t->file], shortname(t->name, nb, sizeof nb));
+      return st;
+    }
+    if (hit->shard != t->file) {
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "stfile_open: %s: tensor '%s' is in shard '%s' but the "
+                      "weight_map assigns it to '%s'",
+                      path, shortname(t->name, nb, sizeof nb),
+                      shards[t->file], shards[hit->shard]);
+      return st;
+    }
+  }
+  if (f->count != nw) {
+    /* Some listed tensor is missing: find it for the message. */
+    st_tensor **byname = bico__alloc(ctx, (f->count ? f->count : 1) * sizeof *byname);
+    if (byname == NULL) {
+      st = BICO_E_NOMEM;
+      return st;
+    }
+    for (size_t k = 0; k < f->count; k++) byname[k] = &f->tensors[k];
+    qsort(byname, f->count, sizeof *byname, cmp_name);
+    for (size_t k = 0; k < nw; k++) {
+      st_tensor probe;
+      probe.name = ents[k].tensor;
+      st_tensor *pp = &probe;
+      if (bsearch(&pp, byname, f->count, sizeof *byname, cmp_name) == NULL) {
+        char nb[160];
+        st = bico__fail(ctx, BICO_E_FORMAT,
+                        "stfile_open: %s: weight_map lists tensor '%s' in "
+                        "shard '%s', which does not hold it",
+                        path, shortname(ents[k].tensor, nb, sizeof nb),
+                        shards[ents[k].shard]);
+        break;
+      }
+    }
+    bico__free(ctx, byname);
+    if (st == BICO_OK)
+      st = bico__fail(ctx, BICO_E_INTERNAL,
+                      "stfile_open: %s: tensor count mismatch", path);
+  }
+  return st;
+}
+
 bico_status bico__st_load_index(bico_stfile *f, const char *path) {
   bico_ctx *ctx = f->ctx;
   char *text = NULL;
@@ -173,58 +233,7 @@ bico_status bico__st_load_index(bico_stfile *f, const char *path) {
       goto done;
     }
   }
-  /* Every weight_map entry must be in its shard and every shard tensor in
-   * the weight_map under that shard. */
-  qsort(ents, nw, sizeof *ents, cmp_wm);
-  for (size_t k = 0; k < f->count; k++) {
-    const st_tensor *t = &f->tensors[k];
-    wm_entry key = {t->name, 0};
-    const wm_entry *hit = bsearch(&key, ents, nw, sizeof *ents, cmp_wm);
-    char nb[160];
-    if (hit == NULL) {
-      st = bico__fail(ctx, BICO_E_FORMAT,
-                      "stfile_open: %s: shard '%s' holds tensor '%s' that the "
-                      "weight_map does not list",
-                      path, shards[t->file], shortname(t->name, nb, sizeof nb));
-      goto done;
-    }
-    if (hit->shard != t->file) {
-      st = bico__fail(ctx, BICO_E_FORMAT,
-                      "stfile_open: %s: tensor '%s' is in shard '%s' but the "
-                      "weight_map assigns it to '%s'",
-                      path, shortname(t->name, nb, sizeof nb),
-                      shards[t->file], shards[hit->shard]);
-      goto done;
-    }
-  }
-  if (f->count != nw) {
-    /* Some listed tensor is missing: find it for the message. */
-    st_tensor **byname = bico__alloc(ctx, (f->count ? f->count : 1) * sizeof *byname);
-    if (byname == NULL) {
-      st = BICO_E_NOMEM;
-      goto done;
-    }
-    for (size_t k = 0; k < f->count; k++) byname[k] = &f->tensors[k];
-    qsort(byname, f->count, sizeof *byname, cmp_name);
-    for (size_t k = 0; k < nw; k++) {
-      st_tensor probe;
-      probe.name = ents[k].tensor;
-      st_tensor *pp = &probe;
-      if (bsearch(&pp, byname, f->count, sizeof *byname, cmp_name) == NULL) {
-        char nb[160];
-        st = bico__fail(ctx, BICO_E_FORMAT,
-                        "stfile_open: %s: weight_map lists tensor '%s' in "
-                        "shard '%s', which does not hold it",
-                        path, shortname(ents[k].tensor, nb, sizeof nb),
-                        shards[ents[k].shard]);
-        break;
-      }
-    }
-    bico__free(ctx, byname);
-    if (st == BICO_OK)
-      st = bico__fail(ctx, BICO_E_INTERNAL,
-                      "stfile_open: %s: tensor count mismatch", path);
-  }
+  st = check_assignment(f, path, ents, nw, shards);
 done:
   bico__strindex_free(ctx, &ix);
   bico__free(ctx, ents);

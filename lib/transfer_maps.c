@@ -157,7 +157,15 @@ static bico_status solve_side(bico__run *r, solver *sv, const sidejob *j,
     if (st == BICO_OK) {
       size_t ndim;
       const size_t *shape;
-      st = bico_stfile_tensor_info(sv->stats, idx, NULL, NULL, &ndim, &shape);
+      int dt = 0;
+      st = bico_stfile_tensor_info(sv->stats, idx, NULL, &dt, &ndim, &shape);
+      /* docs/formats.md: statistics are F64 (or F32); a BOOL or I8 tensor
+       * under that name is not one. */
+      if (st == BICO_OK && dt != BICO_DTYPE_F64 && dt != BICO_DTYPE_F32)
+        st = bico__fail(ctx, BICO_E_FORMAT,
+                        "statistics file %s: tensor %s is %s; statistics are "
+                        "F64 or F32",
+                        path, key, bico_dtype_name(dt));
       if (st == BICO_OK && (ndim != 2 || shape[0] != da || shape[1] != db))
         st = bico__fail(ctx, BICO_E_SHAPE,
                         "statistics file %s: tensor %s should be [%zu, %zu] "

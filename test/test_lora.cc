@@ -6,7 +6,9 @@
 // counted through the context's allocator.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include <sys/stat.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #include "st_testutil.h"
@@ -928,6 +931,160 @@ TEST(LoraTransfer, ErrorsNameTheCulpritAndWriteNothing) {
   EXPECT_TRUE(mentions(ctx, "is the same file as the source adapter")) << bico_ctx_errmsg(ctx);
   bico_transfer_free(t);
   EXPECT_EQ(access(out.c_str(), F_OK), -1);
+}
+
+// Issue 14: an output that is an input under another spelling was written
+// over it with exit 0.  Every spelling must be refused, with the source
+// adapter and the target base byte-identical afterwards.
+TEST(LoraTransfer, OutputsThatAreInputsUnderAnotherSpellingAreRefused) {
+  LoraChain c;
+  bt::Ctx ctx;
+  const std::string ad_w = c.ad + "/adapter_model.safetensors";
+  const std::string ad_c = c.ad + "/adapter_config.json";
+  const std::string before_w = stt::read_bytes(ad_w), before_c = stt::read_bytes(ad_c);
+  const std::string before_b = stt::read_bytes(c.B);
+  std::string link = c.dir / "adlink";
+  ASSERT_EQ(symlink(c.ad.c_str(), link.c_str()), 0);
+  std::string cwd_rel;  // "./<dir>/adapter" from the folder above
+  auto run = [&](int slot, const std::string &path, int slot2 = 0,
+                 const std::string &path2 = "") {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A},     {BICO_FILE_TARGET_BASE, c.B},
+        {BICO_FILE_SOURCE_CALIB, c.calA}, {BICO_FILE_TARGET_CALIB, c.calB},
+        {BICO_FILE_LORA, c.ad}};
+    for (auto &f : files) bico_transfer_set_file(t, f.first, f.second.c_str());
+    bico_transfer_set_file(t, slot, path.c_str());
+    if (slot2) bico_transfer_set_file(t, slot2, path2.c_str());
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  for (const std::string &spelling :
+       {c.ad + "/", c.ad + "/.", c.dir / "./adapter", link, link + "/"}) {
+    SCOPED_TRACE("--output-lora " + spelling);
+    EXPECT_EQ(run(BICO_FILE_LORA_OUTPUT, spelling), BICO_E_ARG);
+    EXPECT_TRUE(mentions(ctx, "same file as the source adapter")) << bico_ctx_errmsg(ctx);
+  }
+  // --merge-into-base style: the checkpoint written onto the adapter's
+  // weights, or onto the target base through a symbolic link.
+  EXPECT_EQ(run(BICO_FILE_OUTPUT, c.ad + "//adapter_model.safetensors"), BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "source adapter weights")) << bico_ctx_errmsg(ctx);
+  std::string blink = c.dir / "B-link.safetensors";
+  ASSERT_EQ(symlink(c.B.c_str(), blink.c_str()), 0);
+  EXPECT_EQ(run(BICO_FILE_OUTPUT, blink), BICO_E_ARG);
+  // The report onto the output adapter's config (an existing, empty
+  // folder; a missing one fails too, for the report's missing folder).
+  std::string out = c.dir / "out";
+  EXPECT_EQ(run(BICO_FILE_LORA_OUTPUT, out, BICO_FILE_REPORT,
+                out + "/./adapter_config.json"),
+            BICO_E_IO);
+  mkdir(out.c_str(), 0755);
+  EXPECT_EQ(run(BICO_FILE_LORA_OUTPUT, out, BICO_FILE_REPORT,
+                out + "/./adapter_config.json"),
+            BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "output adapter config")) << bico_ctx_errmsg(ctx);
+  EXPECT_TRUE(std::filesystem::is_empty(out));
+  EXPECT_EQ(stt::read_bytes(ad_w), before_w);
+  EXPECT_EQ(stt::read_bytes(ad_c), before_c);
+  EXPECT_EQ(stt::read_bytes(c.B), before_b);
+}
+
+// Issue 14: with --output-lora D where D/adapter_config.json is a folder,
+// the weights were replaced and then the run failed, calling the config a
+// "report".  Now every destination is checked first: nothing changes.
+TEST(LoraTransfer, AFailedDestinationLeavesEveryOutputAsItWas) {
+  LoraChain c;
+  bt::Ctx ctx;
+  std::string out = c.dir / "out", ck = c.dir / "ck.safetensors";
+  mkdir(out.c_str(), 0755);
+  const std::string old_w = "old weights", old_ck = "old checkpoint";
+  stt::write_bytes(out + "/adapter_model.safetensors", old_w);
+  stt::write_bytes(ck, old_ck);
+  auto run = [&](const std::string &report) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A},     {BICO_FILE_TARGET_BASE, c.B},
+        {BICO_FILE_SOURCE_CALIB, c.calA}, {BICO_FILE_TARGET_CALIB, c.calB},
+        {BICO_FILE_LORA, c.ad},           {BICO_FILE_LORA_OUTPUT, out},
+        {BICO_FILE_OUTPUT, ck}};
+    for (auto &f : files) bico_transfer_set_file(t, f.first, f.second.c_str());
+    if (!report.empty()) bico_transfer_set_file(t, BICO_FILE_REPORT, report.c_str());
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  // The config's place is a folder.
+  mkdir((out + "/adapter_config.json").c_str(), 0755);
+  EXPECT_NE(run(""), BICO_OK);
+  EXPECT_TRUE(mentions(ctx, "adapter config")) << bico_ctx_errmsg(ctx);
+  EXPECT_FALSE(mentions(ctx, "report")) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(stt::read_bytes(out + "/adapter_model.safetensors"), old_w);
+  EXPECT_EQ(stt::read_bytes(ck), old_ck);
+  rmdir((out + "/adapter_config.json").c_str());
+  // The report names a folder.
+  std::string rdir = c.dir / "rdir";
+  mkdir(rdir.c_str(), 0755);
+  EXPECT_NE(run(rdir), BICO_OK);
+  EXPECT_EQ(stt::read_bytes(out + "/adapter_model.safetensors"), old_w);
+  EXPECT_EQ(stt::read_bytes(ck), old_ck);
+  EXPECT_EQ(access((out + "/adapter_config.json").c_str(), F_OK), -1);
+  // The report is a FIFO: refused, and still a FIFO.
+  std::string fifo = c.dir / "fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0);
+  EXPECT_EQ(run(fifo), BICO_E_ARG);
+  struct stat sb;
+  ASSERT_EQ(lstat(fifo.c_str(), &sb), 0);
+  EXPECT_TRUE(S_ISFIFO(sb.st_mode));
+  EXPECT_EQ(stt::read_bytes(ck), old_ck);
+  // All destinations fine: everything lands, no temporary left.
+  EXPECT_EQ(run(c.dir / "report.json"), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_NE(stt::read_bytes(ck), old_ck);
+  EXPECT_NE(stt::read_bytes(out + "/adapter_model.safetensors"), old_w);
+  for (const std::string &d : {c.dir.path, out})
+    for (auto &e : std::filesystem::directory_iterator(d))
+      EXPECT_EQ(e.path().filename().string().find("bico-tmp"), std::string::npos);
+}
+
+// Issue 14: an adapter with 40k modules took 25 s to save (mode_of counted
+// pairs) and its lookups were linear.  Near-linear now: 40k modules, each
+// added, looked up and saved, well inside a generous bound.
+TEST(LoraScale, FortyThousandModulesAreNearLinear) {
+  stt::TempDir dir;
+  bt::Ctx ctx;
+  bico_lora *l = nullptr;
+  ASSERT_EQ(bico_lora_create(ctx, &l), BICO_OK);
+  const size_t n = 40000;
+  const float b[2] = {0.5f, -0.25f}, a[2] = {1.0f, 2.0f};
+  auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < n; i++) {
+    std::string name = "layers." + std::to_string(i) + ".q";
+    // Ranks all 1; alphas 1..3 in thirds: the mode is the one kept in r /
+    // lora_alpha, the rest go to alpha_pattern.
+    ASSERT_EQ(bico_lora_add_module(l, name.c_str(), BICO_LORA_LINEAR, 1,
+                                   1.0 + (double)(i % 3 == 0), 2, 1, b, a),
+              BICO_OK);
+  }
+  size_t k = 0;
+  ASSERT_EQ(bico_lora_find_module(l, "layers.39999.q", &k), BICO_OK);
+  EXPECT_EQ(k, n - 1);
+  std::string ad = dir / "ad";
+  ASSERT_EQ(bico_lora_save(l, ad.c_str()), BICO_OK) << bico_ctx_errmsg(ctx);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(secs, 10.0) << "40k modules took " << secs << " s";
+  std::string cfg = stt::read_bytes(ad + "/adapter_config.json");
+  // 2/3 of the modules have alpha 1: that is the mode.
+  EXPECT_NE(cfg.find("\"lora_alpha\": 1,"), std::string::npos) << cfg.substr(0, 300);
+  bico_lora_free(l);
+  bico_lora *back = nullptr;
+  t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(bico_lora_open(ctx, ad.c_str(), &back), BICO_OK) << bico_ctx_errmsg(ctx);
+  secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(secs, 10.0) << "opening 40k modules took " << secs << " s";
+  EXPECT_EQ(bico_lora_module_count(back), n);
+  bico_lora_free(back);
 }
 
 }  // namespace

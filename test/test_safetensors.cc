@@ -596,10 +596,15 @@ TEST(SafetensorsReader, OsErrorsNameTheFile) {
   EXPECT_EQ(f, nullptr);
   EXPECT_TRUE(contains(errmsg(ctx), missing));
   EXPECT_TRUE(contains(errmsg(ctx), "No such file")) << errmsg(ctx);
-  // A folder is a Hugging Face model folder; this one holds nothing to read.
+  // A folder is a Hugging Face model folder (lib/modelpath.c): one holding
+  // no checkpoint is NOTFOUND, naming what it looked for.
   EXPECT_EQ(bico_stfile_open(ctx, dir.path.c_str(), &f), BICO_E_NOTFOUND);
-  EXPECT_TRUE(contains(errmsg(ctx), "without model.safetensors")) << errmsg(ctx);
-  EXPECT_TRUE(contains(errmsg(ctx), dir.path)) << errmsg(ctx);
+  EXPECT_TRUE(contains(errmsg(ctx), "model.safetensors")) << errmsg(ctx);
+  // A FIFO is not a regular file (and does not block the open).
+  std::string fifo = dir / "fifo.safetensors";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(bico_stfile_open(ctx, fifo.c_str(), &f), BICO_E_IO);
+  EXPECT_TRUE(contains(errmsg(ctx), "not a regular file")) << errmsg(ctx);
   EXPECT_EQ(bico_stfile_open(ctx, nullptr, &f), BICO_E_NULL);
   EXPECT_EQ(bico_stfile_open(nullptr, missing.c_str(), &f), BICO_E_NULL);
   std::string empty = dir / "empty.safetensors";

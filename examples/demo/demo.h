@@ -129,23 +129,26 @@ int demo_task_apply(int task, const demo_data *d, demo_data *out);
 /* ---- transfer.c ---- */
 
 enum { DEMO_M_ZERO, DEMO_M_NAIVE, DEMO_M_PAD, DEMO_M_GRADFIX, DEMO_M_BICO,
-       DEMO_M_BICO_IN, DEMO_M_BICO_OUT, DEMO_M_FT, DEMO_NMETHODS };
+       DEMO_M_BICO_IN, DEMO_M_BICO_OUT, DEMO_M_FIT, DEMO_M_FT, DEMO_NMETHODS };
 const char *demo_method_name(int method);
 
 /* The update each method proposes for target b: upd[method] gets b's shape
  * (valid[method] = 0 where a method does not apply).  a, a_ft: source
  * pretrained and fine-tuned; cal: calibration samples of the task.
  * ranks gets a short text with the numerical rank of each map.  bico_only:
- * skip the baselines (the exact-case check needs BiCo alone). */
+ * skip the baselines and the fit (the exact-case check needs BiCo alone).
+ * fit_ridge: the sequential fit's c (BICO_FIT_RIDGE); fit_orig_inputs: the
+ * ablation that takes every layer's inputs from the original target (no
+ * recalibration). */
 typedef struct demo_updates {
   int valid[DEMO_NMETHODS];
   demo_mlp upd[DEMO_NMETHODS];
-  char ranks[512];
+  char ranks[768];
 } demo_updates;
 
 int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
                   const demo_data *cal, int null_mode, int bico_only,
-                  demo_updates *out);
+                  double fit_ridge, int fit_orig_inputs, demo_updates *out);
 void demo_updates_free(demo_updates *u);
 
 /* ---- report.c ---- */

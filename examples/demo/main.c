@@ -4,7 +4,8 @@
  * 2. Fine-tune A (the task vectors) and each target (the upper bound) on
  *    downstream tasks.
  * 3. Carry A's task vectors to each target with every method, through
- *    libbico's public API, alpha chosen on a validation split.
+ *    libbico's public API (BiCo, its ablations, the baselines and the
+ *    sequential fit), alpha chosen on a validation split.
  * 4. Report test accuracy and the share of the zero-shot -> fine-tuned gap
  *    closed, as text, Markdown and SVG.
  *
@@ -188,7 +189,7 @@ static int exact_case(const demo_mlp *a, const demo_mlp *a_ft,
   if (x == NULL || y == NULL) goto out_cal;
   memcpy(cal.x + ft_n * DEMO_PIX, plain->x, plain_n * DEMO_PIX * sizeof *x);
   memcpy(cal.y + ft_n, plain->y, plain_n);
-  if (demo_transfer(a, a_ft, b, &cal, BICO_NULL_KEEP, 1, &up) != 0) goto out_cal;
+  if (demo_transfer(a, a_ft, b, &cal, BICO_NULL_KEEP, 1, 0.0, 0, &up) != 0) goto out_cal;
   if (demo_mlp_copy(&cand, b) != 0) goto out_up;
   if (permute_hidden(a_ft, perm_seed, &want) != 0) goto out_cand;
   demo_mlp_axpy(&want, &want, -1.f, b, NULL); /* the planted answer P tau P^T */
@@ -238,12 +239,22 @@ static void usage(FILE *f) {
           "              (default keep, libbico's default; docs/demo.md)\n"
           "  --cal-per-class N\n"
           "              calibration samples per class (default 10, as in the\n"
-          "              papers; more than the fine-tuning set holds is capped)\n");
+          "              papers; more than the fine-tuning set holds is capped)\n"
+          "  --fit-ridge C\n"
+          "              the sequential fit's ridge c (BICO_FIT_RIDGE, default\n"
+          "              1e-2; docs/fit.md)\n"
+          "  --fit-inputs updated|original\n"
+          "              the fit's layer inputs: from the target with the\n"
+          "              earlier layers' updates applied (default), or from\n"
+          "              the original target (the ablation without\n"
+          "              recalibration)\n");
 }
 
 int main(int argc, char **argv) {
   const char *out_dir = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
   int small = 0, threads = 1, null_mode = BICO_NULL_KEEP, cal_pc = 0;
+  double fit_ridge = 1e-2;
+  int fit_orig = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--small") == 0) small = 1;
     else if (strcmp(argv[i], "--out") == 0 && i + 1 < argc) out_dir = argv[++i];
@@ -260,6 +271,22 @@ int main(int argc, char **argv) {
       cal_pc = atoi(argv[++i]);
       if (cal_pc < 1 || cal_pc > 5000) {
         fprintf(stderr, "bico-demo: --cal-per-class wants 1..5000, not '%s'\n", argv[i]);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--fit-ridge") == 0 && i + 1 < argc) {
+      char *end = NULL;
+      fit_ridge = strtod(argv[++i], &end);
+      if (end == argv[i] || *end != '\0' || !(fit_ridge >= 0 && fit_ridge <= 1e6)) {
+        fprintf(stderr, "bico-demo: --fit-ridge wants a number in [0, 1e6], not '%s'\n",
+                argv[i]);
+        return 2;
+      }
+    } else if (strcmp(argv[i], "--fit-inputs") == 0 && i + 1 < argc) {
+      const char *v = argv[++i];
+      if (strcmp(v, "updated") == 0) fit_orig = 0;
+      else if (strcmp(v, "original") == 0) fit_orig = 1;
+      else {
+        fprintf(stderr, "bico-demo: --fit-inputs wants updated or original, not '%s'\n", v);
         return 2;
       }
     } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
@@ -426,7 +453,9 @@ int main(int argc, char **argv) {
       fprintf(stderr, "[3/4] task %s, target %s: transfers\n", tn, ts->name);
       demo_updates up;
       double tt = now();
-      if (demo_transfer(&a, &a_ft, &b[t], &cal, null_mode, 0, &up) != 0) return 1;
+      if (demo_transfer(&a, &a_ft, &b[t], &cal, null_mode, 0, fit_ridge, fit_orig,
+                        &up) != 0)
+        return 1;
       double te = now();
       fprintf(stderr, "  %s (%.1f s)\n", up.ranks, te - tt);
       if (demo_work_alloc(&w, &b[t], 500) != 0) {

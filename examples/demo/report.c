@@ -92,7 +92,7 @@ void demo_report_text(FILE *f, const demo_result *r, int md) {
 
 static const char *const COLORS[DEMO_NMETHODS] = {
     "#9e9e9e", "#8d6e63", "#ffb300", "#7cb342", "#1e88e5", "#64b5f6",
-    "#3949ab", "#e53935"};
+    "#3949ab", "#8e24aa", "#e53935"};
 
 int demo_report_svg(const demo_result *r, const char *path) {
   FILE *f = fopen(path, "w");
@@ -100,7 +100,7 @@ int demo_report_svg(const demo_result *r, const char *path) {
     fprintf(stderr, "demo: cannot write %s\n", path);
     return -1;
   }
-  const int panel_h = 230, top = 50, left = 50, group_w = 150, bar_w = 16;
+  const int panel_h = 230, top = 50, left = 50, group_w = 160, bar_w = 16;
   int groups = r->ntasks + 1;
   int width = left + groups * group_w + 20;
   int height = top + r->ntargets * (panel_h + 40) + 20;
@@ -113,7 +113,7 @@ int demo_report_svg(const demo_result *r, const char *path) {
   for (int m = 0; m < DEMO_NMETHODS; m++) /* legend */
     fprintf(f, "<rect x=\"%d\" y=\"28\" width=\"10\" height=\"10\" "
                "fill=\"%s\"/><text x=\"%d\" y=\"37\">%s</text>\n",
-            left + m * 95, COLORS[m], left + m * 95 + 14, demo_method_name(m));
+            left + m * 88, COLORS[m], left + m * 88 + 14, demo_method_name(m));
   for (int t = 0; t < r->ntargets; t++) {
     int y0 = top + t * (panel_h + 40) + 30; /* panel top */
     int yb = y0 + panel_h - 20;             /* axis */

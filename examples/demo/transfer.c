@@ -11,7 +11,7 @@
 
 static const char *const NAMES[DEMO_NMETHODS] = {
     "zero-shot", "naive", "pad", "gradfix", "bico", "bico-in", "bico-out",
-    "fine-tuned"};
+    "fit", "fine-tuned"};
 
 const char *demo_method_name(int method) {
   return method >= 0 && method < DEMO_NMETHODS ? NAMES[method] : "?";
@@ -109,6 +109,131 @@ fail:
   return ret;
 }
 
+/* The sequential functional fit through bico_fit_run: the demo is the host
+ * that owns the model and runs its forward passes; libbico accumulates,
+ * solves and hands back each layer's update before the next layer's rows
+ * are asked for (docs/fit.md). */
+typedef struct fit_host {
+  const demo_mlp *a, *b; /* the source and the original target */
+  demo_mlp cur;          /* b plus the updates fitted so far */
+  demo_mlp *upd;         /* where the updates go */
+  const demo_data *cal;
+  const int *src;        /* source layer of each target layer */
+  const demo_work *wa, *wf, *wb; /* A, A_ft, B on the calibration rows */
+  float *const *rout;    /* R_out per target layer, [d_out,A x d_out,B] */
+  demo_work wc;          /* forward pass of cur */
+  float *d;              /* D_B of one layer, [n x d_out,B] */
+  int orig_inputs;       /* ablation: X' = X_B (no recalibration) */
+  char *log;
+  size_t log_cap, log_off;
+} fit_host;
+
+static bico_status fit_layer(void *o, size_t l, size_t *d_in, size_t *d_out,
+                             const float **w, size_t *ld_w, const float **b) {
+  fit_host *h = o;
+  *d_in = h->b->dims[l];
+  *d_out = h->b->dims[l + 1];
+  *w = h->b->w[l]; /* not updated yet: layers are fitted in forward order */
+  *ld_w = *d_in;
+  *b = h->b->b[l];
+  return BICO_OK;
+}
+
+static bico_status fit_rows(void *o, size_t l, bico_fit *fit) {
+  fit_host *h = o;
+  const size_t n = h->cal->n, s = (size_t)h->src[l];
+  const size_t doa = h->a->dims[s + 1], dob = h->b->dims[l + 1];
+  const size_t din = h->b->dims[l];
+  /* X': layer l's inputs on the target with layers < l updated */
+  demo_mlp_forward(&h->cur, &h->wc, n, h->cal->x);
+  /* D_B = (Y_{A_ft,s} - Y_{A,s}) R_out: what fine-tuning changed in the
+   * source partner's output (A_ft on its own forward pass), carried into
+   * B's output coordinates by BiCo's output map */
+  const float *zf = h->wf->z[s], *za = h->wa->z[s], *r = h->rout[l];
+  for (size_t i = 0; i < n; i++) {
+    float *di = h->d + i * dob;
+    for (size_t j = 0; j < dob; j++) di[j] = 0.f;
+    for (size_t k = 0; k < doa; k++) {
+      const float dk = zf[i * doa + k] - za[i * doa + k];
+      if (dk == 0.f) continue;
+      const float *rk = r + k * dob;
+      for (size_t j = 0; j < dob; j++) di[j] += dk * rk[j];
+    }
+  }
+  const float *xn = h->orig_inputs ? h->wb->a[l] : h->wc.a[l];
+  return bico_fit_add(fit, n, xn, din, h->wb->a[l], din, h->d, dob);
+}
+
+static bico_status fit_update(void *o, size_t l, const float *dw, size_t ld,
+                              const float *db, size_t rank) {
+  fit_host *h = o;
+  const size_t din = h->b->dims[l], dout = h->b->dims[l + 1];
+  for (size_t i = 0; i < dout; i++) {
+    for (size_t j = 0; j < din; j++) {
+      h->upd->w[l][i * din + j] = dw[i * ld + j];
+      h->cur.w[l][i * din + j] = h->b->w[l][i * din + j] + dw[i * ld + j];
+    }
+    h->upd->b[l][i] = db[i];
+    h->cur.b[l][i] = h->b->b[l][i] + db[i];
+  }
+  if (h->log_off < h->log_cap)
+    h->log_off += (size_t)snprintf(h->log + h->log_off,
+                                   h->log_cap - h->log_off, " L%zu %zu/%zu", l,
+                                   rank, din + 1);
+  if (h->log_off >= h->log_cap) h->log_off = h->log_cap - 1;
+  return BICO_OK;
+}
+
+/* The fit over every layer of b, with the output maps routs[l]. */
+static int run_fit(bico_ctx *ctx, const demo_mlp *a, const demo_mlp *a_ft,
+                   const demo_mlp *b, const demo_data *cal, const int *src,
+                   const demo_work *wa, const demo_work *wb,
+                   float *const *routs, double ridge, int orig_inputs,
+                   demo_mlp *upd, demo_updates *out, size_t *off) {
+  fit_host h;
+  demo_work wf = {0};
+  size_t dmax = 0;
+  int ret = -1;
+  memset(&h, 0, sizeof h);
+  for (int l = 0; l < b->nl; l++)
+    if (b->dims[l + 1] > dmax) dmax = b->dims[l + 1];
+  h.a = a;
+  h.b = b;
+  h.upd = upd;
+  h.cal = cal;
+  h.src = src;
+  h.wa = wa;
+  h.wb = wb;
+  h.wf = &wf;
+  h.rout = routs;
+  h.orig_inputs = orig_inputs;
+  h.log = out->ranks + *off;
+  h.log_cap = sizeof out->ranks - *off;
+  if (demo_mlp_copy(&h.cur, b) != 0 || demo_work_alloc(&h.wc, b, cal->n) != 0 ||
+      demo_work_alloc(&wf, a_ft, cal->n) != 0 ||
+      (h.d = malloc(cal->n * dmax * sizeof *h.d)) == NULL)
+    goto fail;
+  demo_mlp_forward(a_ft, &wf, cal->n, cal->x);
+  h.log_off = (size_t)snprintf(h.log, h.log_cap, "; fit ranks:");
+  bico_fit_runner r;
+  memset(&r, 0, sizeof r);
+  r.size = sizeof r;
+  r.opaque = &h;
+  r.layers = (size_t)b->nl;
+  r.layer = fit_layer;
+  r.rows = fit_rows;
+  r.update = fit_update;
+  CK(bico_fit_run(ctx, &r, ridge));
+  *off += h.log_off;
+  ret = 0;
+fail:
+  free(h.d);
+  demo_work_free(&wf);
+  demo_work_free(&h.wc);
+  demo_mlp_free(&h.cur);
+  return ret;
+}
+
 /* The calibration pass of one pretrained model: input activations and
  * output gradients of every layer for the calibration rows, in order. */
 static int calib_pass(const demo_mlp *m, const demo_data *cal, demo_work *w) {
@@ -120,7 +245,7 @@ static int calib_pass(const demo_mlp *m, const demo_data *cal, demo_work *w) {
 
 int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
                   const demo_data *cal, int null_mode, int bico_only,
-                  demo_updates *out) {
+                  double fit_ridge, int fit_orig_inputs, demo_updates *out) {
   memset(out, 0, sizeof *out);
   bico_ctx *ctx = NULL;
   bico_procrustes *pr = NULL;
@@ -128,6 +253,7 @@ int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
   demo_work wa = {0}, wb = {0};
   demo_mlp tau = {0};
   float *rin = NULL, *rout = NULL;
+  float *routs[DEMO_MAXL] = {0}; /* kept for the fit */
   int src[DEMO_MAXL];
   int ret = -1;
   size_t off = 0;
@@ -216,13 +342,21 @@ int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
     bico_xcov_free(xout);
     xin = xout = NULL;
     free(rin);
-    free(rout);
+    routs[l] = rout;
     rin = rout = NULL;
   }
   out->valid[DEMO_M_BICO] = out->valid[DEMO_M_BICO_IN] =
       out->valid[DEMO_M_BICO_OUT] = 1;
+
+  if (!bico_only) {
+    if (run_fit(ctx, a, a_ft, b, cal, src, &wa, &wb, routs, fit_ridge,
+                fit_orig_inputs, &out->upd[DEMO_M_FIT], out, &off) != 0)
+      goto fail;
+    out->valid[DEMO_M_FIT] = 1;
+  }
   ret = 0;
 fail:
+  for (int l = 0; l < DEMO_MAXL; l++) free(routs[l]);
   free(rin);
   free(rout);
   bico_xcov_free(xin);

@@ -236,3 +236,26 @@ def test_run_recovers_planted_update_of_a_relu_net():
         bico.fit.run(3, lambda l: (cur_w[l], cur_b[l]), nan_rows,
                      lambda *a: None)
     assert e.value.status == bico.E_NONFINITE
+
+
+BAD = {
+    "complex": lambda: np.ones((2, 2), np.complex64),
+    "object": lambda: np.array([[object(), 1], [2, 3]], dtype=object),
+    "strings": lambda: np.array([["a", "b"], ["c", "d"]]),
+    "ragged": lambda: [[1.0, 2.0], [3.0]],
+    "mapping": lambda: {"a": 1},
+    "3-D": lambda: np.ones((2, 2, 2), np.float32),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_every_array_argument_refuses_bad_arrays(kind):
+    ok = np.ones((2, 2), np.float32)
+    calls = [lambda x: Fit(2, 2).add(x, ok, ok),
+             lambda x: Fit(2, 2).add(ok, x, ok),
+             lambda x: Fit(2, 2).add(ok, ok, x),
+             lambda x: Fit(2, 2).solve(x, np.ones(2)),
+             lambda x: Fit(2, 2).solve(ok, x)]
+    for call in calls:
+        with pytest.raises((bico.BicoError, TypeError, ValueError)):
+            call(BAD[kind]())

@@ -212,6 +212,14 @@ def main():
                   "%s %d at %.3fs: output old or new, no temporary left %s" %
                   (signal.Signals(sig).name, k, delay, listing(outdir)))
 
+        # 1c. --alpha beyond float range is a usage error (exit 2), not a
+        # run that writes +Inf or fails late.
+        p = run(files, "1e39", os.path.join(root, "inf.safetensors"))
+        _, err = p.communicate()
+        check(p.returncode == 2 and b"--alpha" in err and
+              not os.path.exists(os.path.join(root, "inf.safetensors")),
+              "--alpha 1e39: usage error (exit %d) %r" % (p.returncode, err[:120]))
+
         # 2. A file-size limit below the output's size.
         shutil.copyfile(saved, out)
         limit = os.path.getsize(saved) // 2

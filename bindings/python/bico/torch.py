@@ -51,7 +51,8 @@ from .transfer import DEFAULT_SPLIT, _split_for
 from .transfer import transfer_state_dict as _transfer_np
 
 __all__ = ["Collector", "collect_statistics", "collect_votes", "save_votes",
-           "transfer_state_dict", "default_modules", "progress"]
+           "transfer_state_dict", "transfer_model", "choose_alpha",
+           "default_modules", "progress"]
 
 
 # ---- progress ----
@@ -713,3 +714,258 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
         stats = stats.statistics()
     return _transfer_np(source_base, source_tuned, target_base, stats,
                         method=method, alpha=alpha, **options)
+
+
+# ---- whole models ----
+
+MODEL_METHODS = ("bico", "bico-in", "bico-out", "naive", "pad", "gradfix",
+                 "fit")
+_PROCRUSTES_KEYS = ("rank_tol", "null", "center", "whiten", "method",
+                    "completion")
+
+
+def _default_forward(model, batch):
+    """The model's output on a batch without its labels: model(x) for
+    (x, y), model(**b) for a dict, model(b) otherwise."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return model(batch[0])
+    return model(batch)
+
+
+def _output(out):
+    """Logits of a model output: the tensor, .logits, or a tuple's first."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise BicoError(E_ARG, "choose_alpha: cannot read logits from a %s"
+                    % type(out).__name__)
+
+
+def _on(forward, dev):
+    return lambda m, b: forward(m, _to_device(b, dev))
+
+
+def transfer_model(source, source_tuned, target, batches, method="fit",
+                   loss_fn=None, alpha=1.0, step=None, forward=None,
+                   modules=None, split=None, ties=None, norm_map="act",
+                   votes=None, gradfix_mode="majority", source_blocks=None,
+                   target_blocks=None, ridge=1e-2, shared_out=(),
+                   report=None, show_progress=False, **options):
+    """A new state dict for target (torch tensors, the target's names and
+    dtypes) carrying the fine-tune source -> source_tuned to target.
+
+    source, source_tuned, target: nn.Modules (source and source_tuned of one
+    architecture).  batches: the calibration batches, iterated several
+    times (a list is safest); a batch is what Collector.collect takes.
+    loss_fn / step: the calibration loss, for BiCo's gradient statistics and
+    GradFix's votes.  forward(model, batch): the model's output on a batch
+    (default: model(x) for (x, y), model(**batch), model(batch)).
+
+    method: bico | bico-in | bico-out (maps from statistics collected here),
+    gradfix (votes collected here on the target unless votes= is given),
+    naive, pad, or fit: the sequential functional fit (METHODS.md), block by
+    block; every nn.Linear of the target with a Linear source partner gets
+    its update by bico.fit.Fit with ridge c = ridge; everything else
+    (norms, tokens, embeddings, nn.MultiheadAttention) is carried by BiCo.
+    shared_out (fit): target modules whose outputs are in the same
+    coordinates as their source partner's (a classifier head over the same
+    classes): D is used as it is, no output map.
+    alpha: a positive number, or "match" / "entropy" to choose it without
+    labels (choose_alpha on the calibration batches; not for fit, which
+    scales the output change D by alpha and sets its own size: keep 1).
+    The other options (split, ties, norm_map, source_blocks, target_blocks,
+    rank_tol, null, center, whiten, ...) are those of transfer_state_dict.
+    report: a list that receives one dict per target tensor (fit: one per
+    fitted layer, with rows, rank and update_norm; and "alpha" when it was
+    chosen).
+    """
+    if method not in MODEL_METHODS:
+        raise BicoError(E_ARG, "transfer_model: unknown method %r (known: "
+                        "%s)" % (method, ", ".join(MODEL_METHODS)))
+    for name, m in (("source", source), ("source_tuned", source_tuned),
+                    ("target", target)):
+        if not isinstance(m, nn.Module):
+            raise BicoError(E_ARG, "transfer_model: %s must be an nn.Module, "
+                            "got %s" % (name, type(m).__name__))
+    auto = alpha if isinstance(alpha, str) else None
+    if auto is not None and auto not in ("match", "entropy"):
+        raise BicoError(E_ARG, "transfer_model: alpha must be a positive "
+                        "number, 'match' or 'entropy', got %r" % (alpha,))
+    if auto is not None and method == "fit":
+        raise BicoError(E_ARG, "transfer_model: fit takes a numeric alpha "
+                        "(it fits the size of the output change itself)")
+    if auto is None and not (isinstance(alpha, (int, float))
+                             and alpha > 0 and math.isfinite(alpha)):
+        raise BicoError(E_ARG, "transfer_model: alpha must be a positive "
+                        "number, got %r" % (alpha,))
+    if not (isinstance(ridge, (int, float)) and ridge >= 0):
+        raise BicoError(E_ARG, "transfer_model: ridge must be >= 0, got %r"
+                        % (ridge,))
+    batches = list(batches)
+    if not batches:
+        raise BicoError(E_ARG, "transfer_model: no calibration batches")
+    a0, a1 = source.state_dict(), source_tuned.state_dict()
+    if set(a0) != set(a1) or any(a0[k].shape != a1[k].shape for k in a0):
+        raise BicoError(E_SHAPE, "transfer_model: source and source_tuned "
+                        "have different parameters")
+    b0 = target.state_dict()
+    forward = forward or _default_forward
+    topts = dict(norm_map=norm_map, split=split, ties=ties,
+                 source_blocks=source_blocks, target_blocks=target_blocks,
+                 gradfix_mode=gradfix_mode, **options)
+    col = None
+    if method.startswith("bico") or method == "fit":
+        col = collect_statistics(source, target, batches, loss_fn,
+                                 modules=modules, split=split, step=step,
+                                 source_blocks=source_blocks,
+                                 target_blocks=target_blocks,
+                                 sums=bool(options.get("center")),
+                                 grams=bool(options.get("whiten")),
+                                 show_progress=show_progress)
+    if method == "gradfix" and votes is None:
+        votes = collect_votes(target, batches, loss_fn, step=step,
+                              mean=gradfix_mode == "mean",
+                              show_progress=show_progress)
+    try:
+        if method == "fit":
+            return _fit(source, source_tuned, target, batches, forward, col,
+                        a0, a1, b0, alpha, ridge, topts, report,
+                        show_progress, tuple(shared_out or ()))
+        rep = [] if report is None else report
+        a = 1.0 if auto else alpha
+        new, delta = transfer_state_dict(a0, a1, b0, col, method=method,
+                                         alpha=a, votes=votes, report=rep,
+                                         return_delta=True, **topts)
+        if auto is None:
+            return new
+        best, _ = choose_alpha(source, source_tuned, target, delta, batches,
+                               rule=auto, forward=forward)
+        rep.append({"alpha": best, "rule": auto})
+        return _apply(b0, delta, best)
+    finally:
+        if col is not None:
+            col.close()
+
+
+def _apply(b0, delta, alpha):
+    out = {}
+    for k, v in b0.items():
+        if k in delta:
+            d = torch.as_tensor(np.asarray(delta[k]))
+            out[k] = (v.detach().float().cpu() + alpha * d).to(v.dtype)
+        else:
+            out[k] = v.detach().cpu().clone()
+    return out
+
+
+def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
+         alpha, ridge, topts, report, show_progress, shared_out):
+    from . import torch_fit
+    names = dict(target.named_modules())
+    for n in shared_out:
+        if not isinstance(names.get(n), nn.Linear):
+            raise BicoError(E_NOTFOUND, "transfer_model: shared_out names "
+                            "%r, which is no nn.Linear of the target" % (n,))
+    try:
+        from .fit import Fit
+    except ImportError as e:
+        raise BicoError(E_STATE, "transfer_model: method fit needs bico.fit "
+                        "(%s)" % e)
+    procrustes = {k: v for k, v in topts.items() if k in _PROCRUSTES_KEYS}
+    maps = col.maps(**procrustes)
+    pairing = Pairing(list(a0), list(b0), topts.get("source_blocks"),
+                      topts.get("target_blocks"))
+    # BiCo carries what the fit does not own (norms, tokens, MHA)
+    rep = []
+    new_bico = transfer_state_dict(a0, a1, b0, col, method="bico",
+                                   alpha=alpha, report=rep, **topts)
+    fitted = set()
+    for n, m in target.named_modules():
+        if isinstance(m, nn.Linear) and n in maps:
+            fitted.update((n + "." + p) if n else p
+                          for p, _ in m.named_parameters(recurse=False))
+    start = {k: (b0[k] if k in fitted else new_bico[k].to(b0[k].device))
+             for k in b0}
+    freport = [] if report is not None else None
+    out = torch_fit.fit_model(
+        source, source_tuned, target, batches, _on(forward, _device(target)),
+        maps, pairing, start, alpha, ridge, Fit, freport, show_progress,
+        shared_out)
+    if report is not None:
+        done = set(e["name"] for e in freport)
+        report.extend(e for e in rep if e["name"].rsplit(".", 1)[0]
+                      not in done)
+        report.extend(freport)
+    return {k: v.cpu() for k, v in out.items()}
+
+
+def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
+                 forward=None, grid=None):
+    """The scale alpha of an update delta ({target tensor: array}) chosen
+    without labels on the calibration batches; returns (alpha, {alpha:
+    score}).
+
+    rule "match": the smallest alpha at which the output change on the
+    target, ||f(theta_B + alpha delta) - f(theta_B)||, reaches the change
+    the fine-tune made to the source, ||f_A_ft - f_A||, on the same inputs
+    (or the candidate just below it when that is closer in log ratio; the
+    closest overall when it never does).  The change saturates for large
+    alpha, so the closest overall would be an arbitrary pick among
+    near-ties.  rule "entropy": the alpha with the least mean prediction
+    entropy of the updated target.  grid: the candidates (default 0.1 ..
+    8, geometric)."""
+    if rule not in ("match", "entropy"):
+        raise BicoError(E_ARG, "choose_alpha: rule must be 'match' or "
+                        "'entropy', got %r" % (rule,))
+    grid = list(grid) if grid is not None else \
+        [float(x) for x in np.round(np.geomspace(0.1, 8.0, 25), 4)]
+    if not grid or any(not g > 0 for g in grid):
+        raise BicoError(E_ARG, "choose_alpha: the grid must hold positive "
+                        "numbers")
+    forward = forward or _default_forward
+    batches = list(batches)
+    import copy
+    work = copy.deepcopy(target).eval()
+    base = {k: v.detach().clone() for k, v in target.state_dict().items()}
+    fb = _on(forward, _device(target))
+    with torch.no_grad():
+        ref_b = [_output(fb(target.eval(), b)).float() for b in batches]
+        if rule == "match":
+            fa = _on(forward, _device(source))
+            want = sum(float((_output(fa(source_tuned.eval(), b)).float() -
+                              _output(fa(source.eval(), b)).float())
+                             .pow(2).sum()) for b in batches)
+        scores, signed = {}, {}
+        for g in grid:
+            sd = {k: (v.float() + g * torch.as_tensor(
+                np.asarray(delta[k])).to(v.device)).to(v.dtype)
+                if k in delta else v for k, v in base.items()}
+            work.load_state_dict(sd)
+            outs = [_output(fb(work, b)).float() for b in batches]
+            if rule == "match":
+                got = sum(float((o - r).pow(2).sum())
+                          for o, r in zip(outs, ref_b))
+                signed[g] = math.log((got + 1e-30) / (want + 1e-30))
+                scores[g] = abs(signed[g])
+            else:
+                ent = [-(torch.log_softmax(o, -1).exp() *
+                         torch.log_softmax(o, -1)).sum(-1).mean()
+                       for o in outs]
+                scores[g] = float(sum(ent) / len(ent))
+    if rule == "match":
+        # the output change saturates (and may wobble) past the right
+        # size: take the first candidate where it reaches the source's,
+        # or the one before it if that is closer, not the global argmin
+        grid = sorted(grid)
+        for i, g in enumerate(grid):
+            if signed[g] >= 0:
+                if i and scores[grid[i - 1]] < scores[g]:
+                    return grid[i - 1], scores
+                return g, scores
+    best = min(grid, key=lambda g: scores[g])
+    return best, scores

@@ -1,0 +1,319 @@
+"""The sequential functional fit over PyTorch models (bico.torch's
+transfer_model(method="fit")), processed block by block as GPTQ does.
+
+Four models run side by side on the calibration batches: the source A, the
+tuned source A_ft, the original target B and the working target B' (B with
+the updates fitted so far).  Each keeps, per batch, only the input of the
+segment being processed: the stem (everything before the first block), one
+block, or the tail (everything after the last block).  For every nn.Linear
+of a target segment, in the order its forward calls them:
+
+  D   = Y_{A_ft,s} - Y_{A,s}   the source partner's output change, each on
+                               its own model's forward pass;
+  D_B = alpha D R_out          BiCo's output map (per block of a fused qkv);
+  X'  = the layer's input on B', X_B its input on B;
+
+and bico.fit.Fit solves the ridge problem for [dW db], which is applied to
+B' before the next layer's inputs are taken.  Then the segment runs once
+more on B' to give the next segment its inputs.  Memory: one segment's
+inputs for four models, plus one segment's layer rows.
+"""
+import copy
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ._core import BicoError, E_ARG, E_SHAPE, E_STATE
+
+
+class _Stop(Exception):
+    pass
+
+
+def _first(out):
+    """A block's hidden-state output: the tensor, or a tuple's first."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0],
+                                                             torch.Tensor):
+        return out[0]
+    raise BicoError(E_ARG, "transfer_model: a block returned %s; fit needs "
+                    "a tensor or a tuple whose first element is the hidden "
+                    "state" % type(out).__name__)
+
+
+def _rows(t):
+    t = t.detach()
+    return t.reshape(-1, t.shape[-1]).float().cpu()
+
+
+class _Runner(object):
+    """One model's walk through its segments on the calibration batches."""
+
+    def __init__(self, model, blocks_name, batches, forward):
+        self.model = model
+        self.blocks = model.get_submodule(blocks_name) if blocks_name \
+            is not None else None
+        if self.blocks is not None and not isinstance(
+                self.blocks, (nn.ModuleList, nn.Sequential)):
+            raise BicoError(E_ARG, "transfer_model: %r is a %s, not an "
+                            "nn.ModuleList/Sequential of blocks"
+                            % (blocks_name, type(self.blocks).__name__))
+        self.n = len(self.blocks) if self.blocks is not None else 0
+        self.batches = batches
+        self.forward = forward
+        self.state = None  # per batch: (args, kwargs) of the next block
+        self.pos = -1      # the block whose input self.state holds
+
+    def _capture(self, names, side):
+        """Forward hooks storing each named module's input or output rows,
+        per call, into self.got[name][-1]."""
+        mods = dict(self.model.named_modules())
+        hooks = []
+        for n in names:
+            def hook(m, inp, out, n=n):
+                t = inp[0] if side == "in" else out
+                self.got[n][-1].append(_rows(t))
+            hooks.append(mods[n].register_forward_hook(hook))
+        return hooks
+
+    def run(self, segment, names=(), side="in", advance=False, order=None):
+        """Runs segment ("stem", block index, "tail" or "all") on every
+        batch; returns {name: [per batch: [per call: rows]]}.  advance:
+        keep the segment's output as the next block's input.  order: a
+        list that receives module names in first-call order."""
+        self.got = {n: [] for n in names}
+        hooks = self._capture(names, side)
+        if order is not None:
+            mods = dict(self.model.named_modules())
+            for n, m in mods.items():
+                if isinstance(m, nn.Linear):
+                    hooks.append(m.register_forward_hook(
+                        lambda m, i, o, n=n: order.append(n)
+                        if n not in order else None))
+        new_state = []
+        try:
+            with torch.no_grad():
+                for bi, batch in enumerate(self.batches):
+                    for n in names:
+                        self.got[n].append([])
+                    if segment == "all":
+                        self.forward(self.model, batch)
+                    elif segment == "stem":
+                        new_state.append(self._stem(batch))
+                    elif segment == "tail":
+                        self._tail(batch, bi)
+                    else:
+                        args, kw = self.state[bi]
+                        out = self.blocks[segment](*args, **kw)
+                        new_state.append(((_first(out),) + tuple(args[1:]),
+                                          kw))
+        finally:
+            for h in hooks:
+                h.remove()
+        if advance:
+            self.state = new_state
+            self.pos = 0 if segment == "stem" else segment + 1
+        return self.got
+
+    def _stem(self, batch):
+        box = []
+
+        def catch(m, args, kwargs):
+            box.append((tuple(args), dict(kwargs)))
+            raise _Stop()
+        h = _pre_hook(self.blocks[0], catch)
+        try:
+            self.forward(self.model, batch)
+        except _Stop:
+            pass
+        finally:
+            h.remove()
+        if not box:
+            raise BicoError(E_STATE, "transfer_model: the first block never "
+                            "ran in the model's forward")
+        return box[0]
+
+    def _tail(self, batch, bi):
+        """The whole forward with the last block's output replaced by the
+        stored state (the blocks before it run but nothing reads them)."""
+        args, _ = self.state[bi]
+        hidden = args[0]
+
+        def replace(m, inp, out):
+            if isinstance(out, torch.Tensor):
+                return hidden
+            return (hidden,) + tuple(out[1:])
+        h = self.blocks[self.n - 1].register_forward_hook(replace)
+        try:
+            self.forward(self.model, batch)
+        finally:
+            h.remove()
+
+    def advance_to(self, j):
+        """Runs blocks until self.state holds block j's input."""
+        while self.pos < j:
+            self.run(self.pos, advance=True)
+
+
+def _pre_hook(module, fn):
+    try:
+        return module.register_forward_pre_hook(fn, with_kwargs=True)
+    except TypeError:  # torch < 2.0: positional arguments only
+        return module.register_forward_pre_hook(
+            lambda m, args: fn(m, args, {}))
+
+
+def _out_map(maps, module):
+    """R_out of a target module: a matrix, or a list per fused block."""
+    r = maps[module]["out"]
+    if isinstance(r, list):
+        return [x[0] for x in r]
+    return r[0]
+
+
+def _carry(d, r):
+    """D [n, d_out,A] -> D R_out [n, d_out,B]; r a list for fused blocks."""
+    if isinstance(r, list):
+        k = len(r)
+        w = d.shape[1] // k
+        return np.hstack([d[:, i * w:(i + 1) * w] @ r[i] for i in range(k)])
+    return d @ r
+
+
+def fit_model(source, source_tuned, target, batches, forward, maps,
+              pairing, start_state, alpha, ridge, fit_class, report,
+              show_progress=False, shared_out=()):
+    """Returns the working target's state dict after the fit.  maps: from
+    Collector.maps() (R_out per target module); start_state: the target
+    state dict to start from (BiCo's carried norms/tokens, original linear
+    weights)."""
+    work = copy.deepcopy(target)
+    work.load_state_dict(start_state)
+    for m in (source, source_tuned, target, work):
+        m.eval()
+    tmods = dict(target.named_modules())
+    smods = dict(source.named_modules())
+    linear = [n for n, m in tmods.items() if isinstance(m, nn.Linear)
+              and pairing.source_name(n) in smods
+              and isinstance(smods[pairing.source_name(n)], nn.Linear)
+              and n in maps and "out" in maps[n]]
+    pb, pa = pairing.prefix_b, pairing.prefix_a
+    runners = [_Runner(m, p, batches, forward) for m, p in
+               ((source, pa), (source_tuned, pa), (target, pb), (work, pb))]
+    ra, rt, rb, rw = runners
+    if (rb.n == 0) != (ra.n == 0):
+        raise BicoError(E_ARG, "transfer_model: one model has repeated "
+                        "blocks and the other not")
+    if rb.n == 0:
+        segments = ["all"]
+    else:
+        segments = ["stem"] + list(range(rb.n)) + ["tail"]
+    depth = pairing.depth
+    stem = _stem_linears(target, rb, batches[0], forward) if rb.n else set()
+    for seg in segments:
+        # this segment's target linears, and their source partners
+        own = [n for n in linear if _segment_of(n, pb, rb.n, stem) == seg]
+        src = sorted(set(pairing.source_name(n) for n in own))
+        if seg in ("stem", "all"):
+            sseg = seg
+        elif seg == "tail":
+            for r in (ra, rt):
+                r.advance_to(ra.n)
+            sseg = "tail"
+        else:
+            sseg = depth[seg]
+            for r in (ra, rt):
+                r.advance_to(sseg)
+        ya = ra.run(sseg, src, side="out", advance=sseg == "stem")
+        yt = rt.run(sseg, src, side="out", advance=sseg == "stem")
+        order = []
+        xb = rb.run(seg, own, side="in", advance=seg not in ("tail", "all"),
+                    order=order)
+        for name in [n for n in order if n in own]:
+            s = pairing.source_name(name)
+            xw = rw.run(seg, [name], side="in")[name]
+            lin = tmods[name]
+            wl = dict(work.named_modules())[name]
+            if name in shared_out:
+                if lin.out_features != smods[s].out_features:
+                    raise BicoError(E_SHAPE, "transfer_model: shared_out "
+                                    "module %s has %d outputs, its source "
+                                    "%s %d" % (name, lin.out_features, s,
+                                               smods[s].out_features))
+                r_out = np.eye(lin.out_features)
+            else:
+                r_out = _out_map(maps, name)
+            f = fit_class(lin.in_features, lin.out_features,
+                          bias=lin.bias is not None, ridge=ridge)
+            for bi in range(len(batches)):
+                calls = (xw[bi], xb[name][bi], ya[s][bi], yt[s][bi])
+                if len(set(len(c) for c in calls)) != 1:
+                    raise BicoError(E_STATE, "transfer_model: %s ran %d "
+                                    "times in the target, its source %s %d "
+                                    "times (batch %d)" % (name, len(calls[0]),
+                                                          s, len(calls[2]),
+                                                          bi))
+                for x1, x0, y0, y1 in zip(*calls):
+                    if y0.shape[0] != x1.shape[0]:
+                        raise BicoError(E_SHAPE, "transfer_model: %s has %d "
+                                        "rows in the target, %s %d in the "
+                                        "source (batch %d): source and "
+                                        "target must see the same tokens"
+                                        % (name, x1.shape[0], s, y0.shape[0],
+                                           bi))
+                    d = (y1 - y0).double().numpy()
+                    db_ = alpha * _carry(d, r_out)
+                    f.add(np.ascontiguousarray(x1.numpy()),
+                          np.ascontiguousarray(x0.numpy()),
+                          np.ascontiguousarray(db_, dtype=np.float32))
+            w = lin.weight.detach().float().cpu().numpy()
+            b = lin.bias.detach().float().cpu().numpy() \
+                if lin.bias is not None else None
+            dw, dbias = f.solve(w, b)
+            with torch.no_grad():
+                wl.weight.copy_(torch.from_numpy(w + dw).to(wl.weight))
+                if b is not None:
+                    wl.bias.copy_(torch.from_numpy(b + dbias).to(wl.bias))
+            if report is not None:
+                report.append({"name": name, "source": s,
+                               "handling": "fit", "rows": int(f.rows),
+                               "rank": int(f.rank),
+                               "update_norm": float(np.sqrt(
+                                   np.sum(np.square(dw)) + (
+                                       0.0 if dbias is None else
+                                       np.sum(np.square(dbias)))))})
+        if seg not in ("tail", "all"):
+            rw.run(seg, advance=True)
+        for r in runners:
+            r.got = {}
+    return {k: v.detach().clone() for k, v in work.state_dict().items()}
+
+
+def _segment_of(module, prefix, n_blocks, stem):
+    from ._names import split_block
+    if n_blocks == 0:
+        return "all"
+    sb = split_block(module, prefix)
+    if sb is not None:
+        return sb[0]
+    return "stem" if module in stem else "tail"
+
+
+def _stem_linears(model, runner, batch, forward):
+    """Names of the linears outside the blocks that run before the first
+    block (the others run after the last one)."""
+    seen, started = set(), []
+    hooks = [m.register_forward_hook(
+        lambda m, i, o, n=n: seen.add(n) if not started else None)
+        for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    hooks.append(runner.blocks[0].register_forward_pre_hook(
+        lambda m, a: started.append(1)))
+    try:
+        with torch.no_grad():
+            forward(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
