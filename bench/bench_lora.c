@@ -140,7 +140,7 @@ int main(int argc, char **argv) {
         cnt.peak = base;
         t0 = bench_now();
         if (bico_lora_dense(l, 0, 1.0f, 0.0f, dense, d) != BICO_OK) die(ctx, "lora_dense");
-        if (bico_transport_weight(ctx, d, d, dense, d, rout, d, d, rin, d, d, 1.0f, 0.0f,
+        if (bico_transport_weight(ctx, d, d, d, d, 1.0f, dense, d, rout, d, rin, d, 0.0f,
                                   moved, d) != BICO_OK)
           die(ctx, "transport_weight");
         if (bico_lora_truncate(ctx, d, d, moved, d, r, scale, bo, ao, NULL) != BICO_OK)

@@ -80,8 +80,8 @@ static bico_status shape_mismatch(bico_ctx *ctx, const char *fn,
 
 bico_status bico_baseline_naive(bico_ctx *ctx, size_t ndim_a,
                                 const size_t *shape_a, size_t ndim_b,
-                                const size_t *shape_b, const float *tau,
-                                float alpha, float beta, float *out) {
+                                const size_t *shape_b, float alpha,
+                                const float *tau, float beta, float *out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   const char *fn = "baseline_naive";
@@ -102,8 +102,8 @@ bico_status bico_baseline_naive(bico_ctx *ctx, size_t ndim_a,
 
 bico_status bico_baseline_pad(bico_ctx *ctx, size_t ndim_a,
                               const size_t *shape_a, size_t ndim_b,
-                              const size_t *shape_b, const float *tau,
-                              float alpha, float beta, float *out) {
+                              const size_t *shape_b, float alpha,
+                              const float *tau, float beta, float *out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   const char *fn = "baseline_pad";

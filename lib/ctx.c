@@ -44,41 +44,58 @@ void bico_ctx_free(bico_ctx *ctx) {
   ctx->release(ctx->opaque, ctx);
 }
 
-bico_status bico_ctx_param_bounds(int param, long *lo, long *hi) {
-  if (lo == NULL || hi == NULL) return BICO_E_NULL;
+bico_status bico_ctx_param_bounds(int param, double *lo, double *hi,
+                                  unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
   switch (param) {
-    case BICO_CTX_THREADS: *lo = 1; *hi = 1024; return BICO_OK;
+    case BICO_CTX_THREADS:
+      *lo = 1, *hi = 1024, *flags = BICO_PARAM_INTEGER;
+      return BICO_OK;
     default: return BICO_E_ARG;
   }
 }
 
-bico_status bico_ctx_set_param(bico_ctx *ctx, int param, long value) {
+bico_status bico_ctx_set_param(bico_ctx *ctx, int param, double value) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
-  long lo, hi;
-  if (bico_ctx_param_bounds(param, &lo, &hi) != BICO_OK)
+  double lo, hi;
+  unsigned flags;
+  if (bico_ctx_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
     return bico__fail(ctx, BICO_E_ARG, "ctx_set_param: unknown parameter %d",
                       param);
-  if (value < lo || value > hi)
-    return bico__fail(ctx, BICO_E_ARG,
-                      "ctx_set_param: value %ld for parameter %d is outside "
-                      "[%ld, %ld]",
-                      value, param, lo, hi);
-  ctx->threads = value;
+  bico_status st = bico__param_check(ctx, "ctx_set_param",
+                                     bico_ctx_param_name(param), value, lo, hi,
+                                     flags);
+  if (st != BICO_OK) return st;
+  ctx->threads = (long)value;
   return BICO_OK;
 }
 
-bico_status bico_ctx_get_param(const bico_ctx *ctx, int param, long *value) {
-  if (ctx == NULL || value == NULL) return BICO_E_NULL;
+/* A query: records its own failures, leaves the last error alone on
+ * success (ctx.h).  The cast is the one place a const handle's error record
+ * is written: it is not part of the handle's observable value. */
+bico_status bico_ctx_get_param(const bico_ctx *ctx, int param,
+                               double *value) {
+  if (ctx == NULL) return BICO_E_NULL;
+  if (value == NULL)
+    return bico__fail((bico_ctx *)ctx, BICO_E_NULL,
+                      "ctx_get_param: value is NULL");
   switch (param) {
-    case BICO_CTX_THREADS: *value = ctx->threads; return BICO_OK;
-    default: return BICO_E_ARG;
+    case BICO_CTX_THREADS: *value = (double)ctx->threads; return BICO_OK;
+    default:
+      return bico__fail((bico_ctx *)ctx, BICO_E_ARG,
+                        "ctx_get_param: unknown parameter %d", param);
   }
 }
 
 const char *bico_ctx_errmsg(const bico_ctx *ctx) {
   if (ctx == NULL) return "no context (NULL)";
   return ctx->errmsg;
+}
+
+bico_status bico_ctx_errcode(const bico_ctx *ctx) {
+  if (ctx == NULL) return BICO_E_NULL;
+  return ctx->errcode;
 }
 
 /* ---- internal helpers ---- */
@@ -135,11 +152,14 @@ bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt,
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
   memcpy(ctx->errmsg, buf, sizeof buf);
+  ctx->errcode = status;
   return status;
 }
 
 void bico__clear(bico_ctx *ctx) {
-  if (ctx != NULL) ctx->errmsg[0] = '\0';
+  if (ctx == NULL) return;
+  ctx->errcode = BICO_OK;
+  ctx->errmsg[0] = '\0';
 }
 
 bico_status bico__check_finite_f32(bico_ctx *ctx, const char *fn,

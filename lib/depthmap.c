@@ -65,9 +65,16 @@ static void muldiv(size_t a, size_t b, size_t q, size_t *quot, size_t *rem) {
   *rem = rr;
 }
 
+size_t bico__depth_source(size_t l_a, size_t l_b, size_t j) {
+  if (l_a == 1 || l_b == 1) return 0;
+  size_t p = l_a - 1, q = l_b - 1, quot, rem;
+  muldiv(j, p, q, &quot, &rem);
+  /* Round half up: add one when rem / q >= 1/2, i.e. rem >= q - rem. */
+  return quot + (rem >= q - rem ? 1 : 0);
+}
+
 bico_status bico_depthmap_source(const bico_depthmap *m, size_t j, size_t *i) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   if (i == NULL)
     return bico__fail(m->ctx, BICO_E_NULL, "depthmap_source: i is NULL");
   if (j >= m->l_b)
@@ -75,13 +82,6 @@ bico_status bico_depthmap_source(const bico_depthmap *m, size_t j, size_t *i) {
                       "depthmap_source: target block %zu is out of range "
                       "(%zu blocks)",
                       j, m->l_b);
-  if (m->l_a == 1 || m->l_b == 1) {
-    *i = 0;
-    return BICO_OK;
-  }
-  size_t p = m->l_a - 1, q = m->l_b - 1, quot, rem;
-  muldiv(j, p, q, &quot, &rem);
-  /* Round half up: add one when rem / q >= 1/2, i.e. rem >= q - rem. */
-  *i = quot + (rem >= q - rem ? 1 : 0);
+  *i = bico__depth_source(m->l_a, m->l_b, j);
   return BICO_OK;
 }

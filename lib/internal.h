@@ -4,6 +4,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+/* The library sees its experimental section (experimental.h). */
+#define BICO_EXPERIMENTAL
 #include "bico/bico.h"
 
 #define BICO_ERRMSG_CAP 1024
@@ -13,7 +15,18 @@ struct bico_ctx {
   bico_free_fn release;
   void *opaque;
   long threads;
+  bico_status errcode; /* the status of the last failure, BICO_OK if none */
   char errmsg[BICO_ERRMSG_CAP];
+};
+
+/* Sign votes (votes.c), read by the masks of gradfix.c. */
+struct bico_votes {
+  bico_ctx *ctx;
+  size_t n;
+  unsigned flags;
+  uint64_t samples;
+  int32_t *votes; /* sum_k sign(-g_k); |votes[i]| <= samples <= INT32_MAX */
+  double *sum;    /* sum_k -g_k, only with BICO_VOTES_MEAN */
 };
 
 /* Memory through the context's allocator.  bico__alloc fails the call with
@@ -31,15 +44,18 @@ void bico__free(bico_ctx *ctx, void *p);
 void *bico__grow(bico_ctx *ctx, void *p, size_t count, size_t *cap,
                  size_t first, size_t elem);
 
-/* Records "detail" as ctx's last error and returns status (ctx may be NULL:
- * then only the status is returned). printf-style; an argument may be
- * bico_ctx_errmsg(ctx) itself (to prefix the previous message). */
+/* Records status and "detail" as ctx's last error and returns status (ctx
+ * may be NULL: then only the status is returned). printf-style; an argument
+ * may be bico_ctx_errmsg(ctx) itself (to prefix the previous message). */
 bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 3, 4)))
 #endif
     ;
-/* Clears ctx's last error (every public entry point calls it first). */
+/* Clears ctx's last error (code and message).  The rule of ctx.h: every
+ * entry point that acts (takes a non-const handle or a context) calls it
+ * first; queries (const handles only) never call it, they only record their
+ * own failures. */
 void bico__clear(bico_ctx *ctx);
 
 /* a * b into *out; returns 0 on success, 1 on overflow. */
@@ -70,6 +86,20 @@ void bico__dgemm(const bico_ctx *ctx, int ta, int tb, size_t m, size_t n,
                  size_t k, double alpha, const double *a, size_t lda,
                  const double *b, size_t ldb, double beta, double *c,
                  size_t ldc);
+
+/* The option grammar (params.h): 1 iff value lies in the set that lo, hi
+ * and flags describe; bico__param_check fails the call with BICO_E_ARG and
+ * "fn: name = v is outside [lo, hi)" otherwise.  For every handle's
+ * set_param, so that all of them accept and word alike. */
+int bico__param_ok(double value, double lo, double hi, unsigned flags);
+bico_status bico__param_check(bico_ctx *ctx, const char *fn, const char *name,
+                              double value, double lo, double hi,
+                              unsigned flags);
+
+/* The depth map of depthmap.h without a handle: the source block of target
+ * block j < l_b (l_a, l_b >= 1).  For queries, which must not create
+ * handles (creating one clears the context's last error). */
+size_t bico__depth_source(size_t l_a, size_t l_b, size_t j);
 
 /* Frees the copy bico_stfile_data made (after its pointer has been used;
  * a later bico_stfile_data reads again). */

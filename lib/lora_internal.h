@@ -25,8 +25,17 @@ typedef struct bico__route {
   int need[2];     /* sides it asks for: 0 input map, 1 output map(s) */
   int side;        /* ROWS: the side of the one map */
   int identity;    /* ROWS: the method leaves that side alone (no map) */
+  int scale;       /* ROWS: a norm's scale, an operator diag(g): moved as
+                      diag(R^T diag(tau) R) = (R o R)^T tau, not R^T tau */
   char reason[192];
 } bico__route;
+
+/* out[j] = beta out[j] + alpha sum_i r[i ld_r + j]^2 tau[i] for j < d_b:
+ * the diagonal of R^T diag(tau) R for R [d_a, d_b] (a norm's scale under a
+ * residual-stream map; lib/transfer_update.c). */
+void bico__transport_scale(size_t d_a, size_t d_b, const float *tau,
+                           const float *r, size_t ld_r, float alpha,
+                           float *out);
 
 typedef struct bico__lora_hook {
   bico_ctx *ctx;

@@ -69,10 +69,10 @@ static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
   bico_model_tensor(h->mt, ti, &name, NULL, &ndim, &shape);
   *kept = -1;
   if (h->method == BICO_METHOD_NAIVE)
-    return bico_baseline_naive(ctx, nd_a, sa, ndim, shape, tau, h->alpha, 0.0f,
+    return bico_baseline_naive(ctx, nd_a, sa, ndim, shape, h->alpha, tau, 0.0f,
                                upd);
   if (h->method == BICO_METHOD_PAD)
-    return bico_baseline_pad(ctx, nd_a, sa, ndim, shape, tau, h->alpha, 0.0f,
+    return bico_baseline_pad(ctx, nd_a, sa, ndim, shape, h->alpha, tau, 0.0f,
                              upd);
   /* GradFix: the target's votes for this tensor. */
   size_t nb = 1;
@@ -89,7 +89,7 @@ static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
                                      shape, &votes);
   size_t k = 0;
   if (st == BICO_OK)
-    st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, tau, h->alpha, 0.0f,
+    st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, h->alpha, tau, 0.0f,
                             upd, &k);
   if (st == BICO_OK) *kept = nb ? (double)k / (double)nb : 0.0;
   bico_votes_free(votes);
@@ -409,9 +409,9 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
       st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr);
     if (st == BICO_OK)
       st = bico_transport_weight_split(
-          ctx, kk, dout_a, din_a, tau, din_a,
-          rt.need[1] ? (const float *const *)routs : NULL, dout_b / kk, dout_b,
-          rin, din_b, din_b, h->alpha, 0.0f, upd, din_b);
+          ctx, kk, dout_a, din_a, dout_b, din_b,
+          h->alpha, tau, din_a,
+          rt.need[1] ? (const float *const *)routs : NULL, dout_b / kk, rin, din_b, 0.0f, upd, din_b);
     bico__free(ctx, routs);
     return st;
   }
@@ -424,8 +424,8 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
       const float *rr = NULL;
       if (rt.need[1]) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr);
       if (st == BICO_OK)
-        st = bico_transport_vector(ctx, na / kk, tau + j * (na / kk), rr,
-                                   nb / kk, nb / kk, h->alpha, 0.0f,
+        st = bico_transport_vector(ctx, na / kk, nb / kk, h->alpha,
+                                   tau + j * (na / kk), rr, nb / kk, 0.0f,
                                    upd + j * (nb / kk));
     }
     return st;
@@ -445,9 +445,11 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
                     "saved tensor %s: leading dimensions differ from the "
                     "target's %s",
                     p->sname, p->tname);
-  if (st == BICO_OK)
-    st = bico_transport_rows(ctx, p->na / la, la, tau, la, rr, lb, lb,
-                             h->alpha, 0.0f, upd, lb);
+  if (st == BICO_OK && rt.scale && rr != NULL && p->na == la)
+    bico__transport_scale(la, lb, tau, rr, lb, h->alpha, upd);
+  else if (st == BICO_OK)
+    st = bico_transport_rows(ctx, p->na / la, la, lb, h->alpha, tau, la, rr,
+                             lb, 0.0f, upd, lb);
   return st;
 }
 

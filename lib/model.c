@@ -520,7 +520,6 @@ static bico_status check_tensor(const bico_model *m, const char *fn,
 bico_status bico_model_tensor(const bico_model *m, size_t i, const char **name,
                               int *dtype, size_t *ndim, const size_t **shape) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   bico_status st = check_tensor(m, "model_tensor", i);
   if (st != BICO_OK) return st;
   if (name) *name = m->t[i].name;
@@ -533,7 +532,6 @@ bico_status bico_model_tensor(const bico_model *m, size_t i, const char **name,
 bico_status bico_model_find_tensor(const bico_model *m, const char *name,
                                    size_t *i) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   if (name == NULL || i == NULL)
     return bico__fail(m->ctx, BICO_E_NULL, "model_find_tensor: %s is NULL",
                       name == NULL ? "name" : "i");
@@ -548,7 +546,6 @@ bico_status bico_model_find_tensor(const bico_model *m, const char *name,
 bico_status bico_model_tensor_module(const bico_model *m, size_t i,
                                      size_t *module, int *role) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   bico_status st = check_tensor(m, "model_tensor_module", i);
   if (st == BICO_OK) st = analyze(m);
   if (st != BICO_OK) return st;
@@ -576,7 +573,6 @@ static bico_status check_module(const bico_model *m, const char *fn,
 bico_status bico_model_module(const bico_model *m, size_t i, const char **name,
                               int *kind, long *block, size_t *ntensors) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   bico_status st = check_module(m, "model_module", i);
   if (st != BICO_OK) return st;
   const module_rec *r = &m->mods[i];
@@ -590,7 +586,6 @@ bico_status bico_model_module(const bico_model *m, size_t i, const char **name,
 bico_status bico_model_module_tensor(const bico_model *m, size_t i, size_t k,
                                      size_t *tensor) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   if (tensor == NULL)
     return bico__fail(m->ctx, BICO_E_NULL,
                       "model_module_tensor: tensor is NULL");
@@ -608,7 +603,6 @@ bico_status bico_model_module_tensor(const bico_model *m, size_t i, size_t k,
 bico_status bico_model_find_module(const bico_model *m, const char *name,
                                    size_t *i) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   if (name == NULL || i == NULL)
     return bico__fail(m->ctx, BICO_E_NULL, "model_find_module: %s is NULL",
                       name == NULL ? "name" : "i");
@@ -626,7 +620,6 @@ bico_status bico_model_find_module(const bico_model *m, const char *name,
 bico_status bico_model_module_dims(const bico_model *m, size_t i,
                                    size_t *d_out, size_t *d_in) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   bico_status st = check_module(m, "model_module_dims", i);
   if (st != BICO_OK) return st;
   const module_rec *r = &m->mods[i];
@@ -643,7 +636,6 @@ bico_status bico_model_module_dims(const bico_model *m, size_t i,
 bico_status bico_model_blocks(const bico_model *m, const char **prefix,
                               size_t *count) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
   bico_status st = analyze(m);
   if (st != BICO_OK) return st;
   if (prefix) *prefix = m->prefix;
@@ -656,7 +648,6 @@ bico_status bico_model_map_name(const bico_model *target,
                                 char *buf, size_t cap, size_t *len) {
   if (target == NULL) return BICO_E_NULL;
   bico_ctx *ctx = target->ctx;
-  bico__clear(ctx);
   if (source == NULL || name == NULL || buf == NULL)
     return bico__fail(ctx, BICO_E_NULL, "model_map_name: %s is NULL",
                       source == NULL ? "source" : name == NULL ? "name" : "buf");
@@ -673,12 +664,12 @@ bico_status bico_model_map_name(const bico_model *target,
                         "model_map_name: %s lies in the target's blocks (%s) "
                         "but the source has no repeated blocks",
                         name, target->prefix);
-    bico_depthmap *dm;
-    st = bico_depthmap_create(ctx, source->nblocks, target->nblocks, &dm);
-    size_t i = 0;
-    if (st == BICO_OK) st = bico_depthmap_source(dm, (size_t)j, &i);
-    bico_depthmap_free(dm);
-    if (st != BICO_OK) return st;
+    if ((size_t)j >= target->nblocks)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "model_map_name: %s names target block %ld, out of "
+                        "range (%zu blocks)",
+                        name, j, target->nblocks);
+    size_t i = bico__depth_source(source->nblocks, target->nblocks, (size_t)j);
     const char *tail = name + rest;
     int w;
     if (source->prefix[0] == '\0')
@@ -721,7 +712,6 @@ bico_status bico_model_pair_module(const bico_model *target, size_t i,
                                    const bico_model *source,
                                    size_t *source_module) {
   if (target == NULL) return BICO_E_NULL;
-  bico__clear(target->ctx);
   if (source == NULL || source_module == NULL)
     return bico__fail(target->ctx, BICO_E_NULL,
                       "model_pair_module: %s is NULL",
@@ -745,7 +735,6 @@ bico_status bico_model_pair_tensor(const bico_model *target, size_t i,
                                    const bico_model *source,
                                    size_t *source_tensor) {
   if (target == NULL) return BICO_E_NULL;
-  bico__clear(target->ctx);
   if (source == NULL || source_tensor == NULL)
     return bico__fail(target->ctx, BICO_E_NULL,
                       "model_pair_tensor: %s is NULL",

@@ -78,20 +78,26 @@ void bico_procrustes_free(bico_procrustes *p) {
   bico__free(ctx, p);
 }
 
-/* Bounds are inclusive.  RANK_TOL must stay below 1 (else nothing would
- * count towards the rank), so its upper bound is the double just below 1;
- * WHITEN_EPS must be positive, so its lower bound is the smallest normal. */
-bico_status bico_procrustes_param_bounds(int param, double *lo, double *hi) {
-  if (lo == NULL || hi == NULL) return BICO_E_NULL;
+/* In the grammar of params.h.  WHITEN_EPS must be positive and RANK_TOL
+ * below 1 (else nothing would count towards the rank): open ends. */
+bico_status bico_procrustes_param_bounds(int param, double *lo, double *hi,
+                                         unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
+  const unsigned integer = BICO_PARAM_INTEGER;
   switch (param) {
-    case BICO_PROC_CENTER: *lo = 0; *hi = 1; return BICO_OK;
-    case BICO_PROC_WHITEN: *lo = 0; *hi = 0.5; return BICO_OK;
-    case BICO_PROC_WHITEN_EPS: *lo = DBL_MIN; *hi = DBL_MAX; return BICO_OK;
-    case BICO_PROC_RANK_TOL: *lo = 0; *hi = nextafter(1.0, 0.0); return BICO_OK;
-    case BICO_PROC_NULL: *lo = BICO_NULL_KEEP; *hi = BICO_NULL_DROP; return BICO_OK;
-    case BICO_PROC_METHOD: *lo = BICO_PROC_SVD; *hi = BICO_PROC_POLAR; return BICO_OK;
+    case BICO_PROC_CENTER: *lo = 0, *hi = 1, *flags = integer; break;
+    case BICO_PROC_WHITEN: *lo = 0, *hi = 0.5, *flags = 0; break;
+    case BICO_PROC_WHITEN_EPS:
+      *lo = 0, *hi = HUGE_VAL;
+      *flags = BICO_PARAM_LO_OPEN | BICO_PARAM_HI_OPEN;
+      break;
+    case BICO_PROC_RANK_TOL: *lo = 0, *hi = 1, *flags = BICO_PARAM_HI_OPEN; break;
+    /* Choices: 0 is the default (status.h). */
+    case BICO_PROC_NULL: *lo = 0, *hi = BICO_NULL_DROP, *flags = integer; break;
+    case BICO_PROC_METHOD: *lo = 0, *hi = BICO_PROC_POLAR, *flags = integer; break;
     default: return BICO_E_ARG;
   }
+  return BICO_OK;
 }
 
 bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
@@ -100,26 +106,24 @@ bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
   bico_ctx *ctx = p->ctx;
   bico__clear(ctx);
   double lo, hi;
-  if (bico_procrustes_param_bounds(param, &lo, &hi) != BICO_OK)
+  unsigned flags;
+  if (bico_procrustes_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
     return bico__fail(ctx, BICO_E_ARG,
                       "procrustes_set_param: unknown parameter %d", param);
-  if (!(value >= lo && value <= hi)) /* also rejects NaN */
-    return bico__fail(ctx, BICO_E_ARG,
-                      "procrustes_set_param: %s = %g is outside [%g, %g]",
-                      param_name(param), value, lo, hi);
-  int integral = param == BICO_PROC_CENTER || param == BICO_PROC_NULL ||
-                 param == BICO_PROC_METHOD;
-  if (integral && value != floor(value))
-    return bico__fail(ctx, BICO_E_ARG,
-                      "procrustes_set_param: %s = %g must be an integer",
-                      param_name(param), value);
+  bico_status st = bico__param_check(ctx, "procrustes_set_param",
+                                     param_name(param), value, lo, hi, flags);
+  if (st != BICO_OK) return st;
   switch (param) {
     case BICO_PROC_CENTER: p->center = (int)value; break;
     case BICO_PROC_WHITEN: p->whiten = value; break;
     case BICO_PROC_WHITEN_EPS: p->eps = value; break;
     case BICO_PROC_RANK_TOL: p->tol = value; break;
-    case BICO_PROC_NULL: p->null_mode = (int)value; break;
-    case BICO_PROC_METHOD: p->method = (int)value; break;
+    case BICO_PROC_NULL:
+      p->null_mode = value == 0 ? BICO_NULL_KEEP : (int)value;
+      break;
+    case BICO_PROC_METHOD:
+      p->method = value == 0 ? BICO_PROC_EIG : (int)value;
+      break;
   }
   return BICO_OK;
 }
@@ -128,7 +132,6 @@ bico_status bico_procrustes_get_param(const bico_procrustes *p, int param,
                                       double *value) {
   if (p == NULL) return BICO_E_NULL;
   bico_ctx *ctx = p->ctx;
-  bico__clear(ctx);
   if (value == NULL)
     return bico__fail(ctx, BICO_E_NULL, "procrustes_get_param: value is NULL");
   switch (param) {
@@ -148,7 +151,6 @@ bico_status bico_procrustes_spectrum(const bico_procrustes *p, double *s,
                                      size_t cap, size_t *count) {
   if (p == NULL) return BICO_E_NULL;
   bico_ctx *ctx = p->ctx;
-  bico__clear(ctx);
   if (count == NULL)
     return bico__fail(ctx, BICO_E_NULL, "procrustes_spectrum: count is NULL");
   if (s == NULL && cap > 0)
@@ -846,4 +848,47 @@ bico_status bico__procrustes_solve_reader(bico_procrustes *p, size_t d_a,
     return bico__fail(ctx, BICO_E_SHAPE, "%s: bad shape %zu x %zu", fn, d_a,
                       d_b);
   return solve_read(p, fn, d_a, d_b, total, rd, r, ld_r, rank);
+}
+
+/* ---- experimental.h ---- */
+
+typedef struct caller_reader {
+  bico_ctx *ctx;
+  bico_block_read_fn read;
+  bico_block_release_fn release;
+  void *opaque;
+} caller_reader;
+
+/* The caller's failure comes back unchanged, and on record (ctx.h). */
+static bico_status caller_block(void *o, size_t i0, size_t ni, size_t j0,
+                                size_t nj, double *out, size_t ld) {
+  caller_reader *c = o;
+  bico_status st = c->read(c->opaque, i0, ni, j0, nj, out, ld);
+  if (st != BICO_OK)
+    return bico__fail(c->ctx, st,
+                      "procrustes_solve_blocks: reading rows %zu..%zu, "
+                      "columns %zu..%zu of C failed: %s",
+                      i0, i0 + ni, j0, j0 + nj, bico_strerror(st));
+  return BICO_OK;
+}
+
+static void caller_release(void *o) {
+  caller_reader *c = o;
+  if (c->release != NULL) c->release(c->opaque);
+}
+
+bico_status bico_procrustes_solve_blocks(bico_procrustes *p, size_t d_a,
+                                         size_t d_b, bico_block_read_fn read,
+                                         bico_block_release_fn release,
+                                         void *opaque, float *r, size_t ld_r,
+                                         size_t *rank) {
+  if (p == NULL) return BICO_E_NULL;
+  if (read == NULL) {
+    bico__clear(p->ctx);
+    return bico__fail(p->ctx, BICO_E_NULL,
+                      "procrustes_solve_blocks: read is NULL");
+  }
+  caller_reader c = {p->ctx, read, release, opaque};
+  const bico__creader rd = {caller_block, caller_release, &c};
+  return bico__procrustes_solve_reader(p, d_a, d_b, &rd, r, ld_r, rank);
 }

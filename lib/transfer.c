@@ -128,8 +128,8 @@ bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
   switch (param) {
     case BICO_TRANSFER_METHOD: *lo = 1; *hi = 6; return BICO_OK;
     case BICO_TRANSFER_ALPHA: *lo = 0; *hi = HUGE_VAL; return BICO_OK;
+    case BICO_TRANSFER_NULL: *lo = 0; *hi = BICO_NULL_DROP; return BICO_OK;
     case BICO_TRANSFER_NORM_MAP:
-    case BICO_TRANSFER_NULL:
     case BICO_TRANSFER_CENTER: *lo = 0; *hi = 1; return BICO_OK;
     case BICO_TRANSFER_RANK_TOL: *lo = 0; *hi = 1; return BICO_OK;
     case BICO_TRANSFER_WHITEN: *lo = 0; *hi = 0.5; return BICO_OK;

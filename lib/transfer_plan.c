@@ -76,7 +76,48 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
 }
 
 
-/* The tie module of target tensor ti (role TOKEN): explicit or the stem. */
+/* The module whose map carries a token tensor of the given width when the
+ * user named none: the first module, in this order, whose map lives in the
+ * space the token is added to:
+ * 1. the stem: a linear module outside the blocks, of that output width,
+ *    named embed/stem/patch (ViT's patch_embed.proj: cls_token, pos_embed);
+ * 2. an element-wise module outside the blocks, of that width, named
+ *    embed* (BERT's embeddings.LayerNorm reads the sum of the word,
+ *    position and token-type embeddings): its norm map;
+ * 3. the first element-wise module of the first block, by name, of that
+ *    width (pre-norm decoders: Llama's model.layers.0.input_layernorm and
+ *    GPT-2's h.0.ln_1 read the embeddings first): its norm map.
+ * BICO__NONE when there is none: the token is left unchanged and the
+ * report says so. */
+static size_t default_tie(bico__run *r, size_t width) {
+  size_t elem_embed = BICO__NONE, first_block = BICO__NONE;
+  long first_index = -1;
+  for (size_t m = 0; m < r->nm; m++) {
+    const char *n;
+    int kind;
+    long block;
+    bico_model_module(r->mt, m, &n, &kind, &block, NULL);
+    size_t dout;
+    bico_model_module_dims(r->mt, m, &dout, NULL);
+    if (dout != width) continue;
+    if (kind == BICO_MODULE_LINEAR && block < 0 &&
+        (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch")))
+      return m;
+    if (kind != BICO_MODULE_ELEMENTWISE) continue;
+    if (block < 0 && strstr(n, "embed") && elem_embed == BICO__NONE)
+      elem_embed = m;
+    if (block >= 0 &&
+        (first_index < 0 || block < first_index ||
+         (block == first_index &&
+          strcmp(n, bico__xfer_mname(r->mt, first_block)) < 0))) {
+      first_index = block;
+      first_block = m;
+    }
+  }
+  return elem_embed != BICO__NONE ? elem_embed : first_block;
+}
+
+/* The tie module of target tensor ti (role TOKEN): explicit or default_tie. */
 static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
   const char *name = bico__xfer_tname(r->mt, ti);
   *mi = BICO__NONE;
@@ -96,26 +137,10 @@ static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
                           name, r->t->ties[i].module, r->t->ties[i].module);
       return BICO_OK;
     }
-  /* Default: the stem, a linear module outside the blocks whose output has
-   * the token's width and whose name says so. */
   size_t ndim;
   const size_t *shape;
   bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
-  size_t width = ndim ? shape[ndim - 1] : 0;
-  for (size_t m = 0; m < r->nm; m++) {
-    const char *n;
-    int kind;
-    long block;
-    bico_model_module(r->mt, m, &n, &kind, &block, NULL);
-    if (kind != BICO_MODULE_LINEAR || block >= 0) continue;
-    size_t dout;
-    bico_model_module_dims(r->mt, m, &dout, NULL);
-    if (dout != width) continue;
-    if (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch")) {
-      *mi = m;
-      break;
-    }
-  }
+  *mi = default_tie(r, ndim ? shape[ndim - 1] : 0);
   return BICO_OK;
 }
 
@@ -384,6 +409,14 @@ void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out) {
   }
   out->kind = BICO__ROUTE_ROWS;
   out->need[out->side] = !out->identity;
+  /* An element-wise module's "weight" is its scale (LayerNorm, RMSNorm):
+   * an operator, not a vector; its "bias" and tokens are vectors. */
+  const char *tname = NULL;
+  bico_model_tensor(r->mt, ti, &tname, NULL, NULL, NULL);
+  size_t len = tname ? strlen(tname) : 0;
+  out->scale = role == BICO_ROLE_VECTOR && kind == BICO_MODULE_ELEMENTWISE &&
+               (len == 6 ? strcmp(tname, "weight") == 0
+                         : len > 6 && strcmp(tname + len - 7, ".weight") == 0);
 }
 
 /* Which sides of which module target tensor ti will ask for: the route,

@@ -92,8 +92,8 @@ static bico_status weight_update(bico__run *r, const bico__route *rt,
       info->maps[1] = &s->out[0];
       info->map_names[1] = "out";
     }
-    st = bico_transport_weight(ctx, dout_a, din_a, p->tau, din_a, rout, dout_b,
-                               dout_b, rin, din_b, din_b, r->alpha, 0.0f, upd,
+    st = bico_transport_weight(ctx, dout_a, din_a, dout_b, din_b, r->alpha, p->tau,
+                               din_a, rout, dout_b, rin, din_b, 0.0f, upd,
                                din_b);
   } else {
     const float **routs = bico__calloc(ctx, s->k, sizeof *routs);
@@ -104,9 +104,9 @@ static bico_status weight_update(bico__run *r, const bico__route *rt,
       info->nsplit = s->k;
     }
     st = bico_transport_weight_split(
-        ctx, s->k, dout_a, din_a, p->tau, din_a,
-        do_out ? (const float *const *)routs : NULL, dout_b / s->k, dout_b,
-        rin, din_b, din_b, r->alpha, 0.0f, upd, din_b);
+        ctx, s->k, dout_a, din_a, dout_b, din_b,
+        r->alpha, p->tau, din_a,
+        do_out ? (const float *const *)routs : NULL, dout_b / s->k, rin, din_b, 0.0f, upd, din_b);
     bico__free(ctx, routs);
   }
   info->handling = BICO__H_LINEAR;
@@ -127,8 +127,8 @@ static bico_status bias_update(bico__run *r, const bico__route *rt,
     return bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
                       p->name, k);
   for (size_t b = 0; b < k && st == BICO_OK; b++)
-    st = bico_transport_vector(ctx, ba, p->tau + b * ba,
-                               do_out ? s->out[b].r : NULL, bb, bb, r->alpha,
+    st = bico_transport_vector(ctx, ba, bb,
+                               r->alpha, p->tau + b * ba, do_out ? s->out[b].r : NULL, bb,
                                0.0f, upd + b * bb);
   if (do_out && k == 1) {
     info->maps[1] = &s->out[0];
@@ -139,6 +139,17 @@ static bico_status bias_update(bico__run *r, const bico__route *rt,
   }
   info->handling = BICO__H_VECTOR;
   return st;
+}
+
+void bico__transport_scale(size_t d_a, size_t d_b, const float *tau,
+                           const float *r, size_t ld_r, float alpha,
+                           float *out) {
+  for (size_t j = 0; j < d_b; j++) out[j] = 0.0f;
+  for (size_t i = 0; i < d_a; i++) {
+    const float *ri = r + i * ld_r;
+    float t = alpha * tau[i];
+    for (size_t j = 0; j < d_b; j++) out[j] += ri[j] * ri[j] * t;
+  }
 }
 
 /* A norm's vector or a token, row by row along its last dimension. */
@@ -175,9 +186,14 @@ static bico_status rows_update(bico__run *r, const bico__route *rt,
   }
   info->handling =
       rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
-  return bico_transport_rows(r->ctx, p->na / da_last, da_last, p->tau,
-                             da_last, mp ? mp->r : NULL, db_last, db_last,
-                             r->alpha, 0.0f, upd, db_last);
+  if (rt->scale && mp != NULL && p->na == da_last) {
+    bico__transport_scale(da_last, db_last, p->tau, mp->r, db_last, r->alpha,
+                          upd);
+    return BICO_OK;
+  }
+  return bico_transport_rows(r->ctx, p->na / da_last, da_last, db_last,
+                             r->alpha, p->tau, da_last, mp ? mp->r : NULL,
+                             db_last, 0.0f, upd, db_last);
 }
 
 /* A map fitted on an all-zero statistic (a dead layer: no activation or
@@ -278,7 +294,7 @@ static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
   if (tau == NULL) return BICO_E_NOMEM;
   bico_status st = read_tau(r, si, tau, na);
   if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_NAIVE) {
-    st = bico_baseline_naive(ctx, nd_a, sh_a, ndim, shape, tau, r->alpha, 0.0f,
+    st = bico_baseline_naive(ctx, nd_a, sh_a, ndim, shape, r->alpha, tau, 0.0f,
                              upd);
     info->handling = BICO__H_NAIVE;
   } else if (st == BICO_OK && na > 0 && nb > 0 && r->method == BICO_METHOD_PAD) {
@@ -291,7 +307,7 @@ static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
                       "target tensor %s is %s, source tensor %s is %s",
                       name, b, info->source, a);
     } else {
-      st = bico_baseline_pad(ctx, nd_a, sh_a, ndim, shape, tau, r->alpha, 0.0f,
+      st = bico_baseline_pad(ctx, nd_a, sh_a, ndim, shape, r->alpha, tau, 0.0f,
                              upd);
       info->handling = BICO__H_PADDED;
     }
@@ -301,7 +317,7 @@ static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
                            name, ndim, shape, &votes);
     size_t kept = 0;
     if (st == BICO_OK)
-      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, tau, r->alpha, 0.0f,
+      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, r->alpha, tau, 0.0f,
                               upd, &kept);
     if (st == BICO_OK) {
       info->kept = nb ? (double)kept / (double)nb : 0.0;

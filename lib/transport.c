@@ -214,11 +214,11 @@ static bico_status transport_one(bico_ctx *ctx, const names *nm,
 }
 
 bico_status bico_transport_weight(bico_ctx *ctx, size_t dout_a, size_t din_a,
+                                  size_t dout_b, size_t din_b, float alpha,
                                   const float *tau, size_t ld_tau,
                                   const float *r_out, size_t ld_rout,
-                                  size_t dout_b, const float *r_in,
-                                  size_t ld_rin, size_t din_b, float alpha,
-                                  float beta, float *out, size_t ld_out) {
+                                  const float *r_in, size_t ld_rin, float beta,
+                                  float *out, size_t ld_out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   static const names nm = {"transport_weight", "tau", "r_out", "r_in", "out"};
@@ -226,9 +226,9 @@ bico_status bico_transport_weight(bico_ctx *ctx, size_t dout_a, size_t din_a,
                        dout_b, r_in, ld_rin, din_b, alpha, beta, out, ld_out);
 }
 
-bico_status bico_transport_vector(bico_ctx *ctx, size_t d_a, const float *v,
-                                  const float *r, size_t ld_r, size_t d_b,
-                                  float alpha, float beta, float *out) {
+bico_status bico_transport_vector(bico_ctx *ctx, size_t d_a, size_t d_b,
+                                  float alpha, const float *v, const float *r,
+                                  size_t ld_r, float beta, float *out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   static const names nm = {"transport_vector", "v", "r", "(none)", "out"};
@@ -238,8 +238,8 @@ bico_status bico_transport_vector(bico_ctx *ctx, size_t d_a, const float *v,
 }
 
 bico_status bico_transport_rows(bico_ctx *ctx, size_t n, size_t d_a,
-                                const float *t, size_t ld_t, const float *r,
-                                size_t ld_r, size_t d_b, float alpha,
+                                size_t d_b, float alpha, const float *t,
+                                size_t ld_t, const float *r, size_t ld_r,
                                 float beta, float *out, size_t ld_out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
@@ -250,10 +250,10 @@ bico_status bico_transport_rows(bico_ctx *ctx, size_t n, size_t d_a,
 }
 
 bico_status bico_transport_weight_split(
-    bico_ctx *ctx, size_t k, size_t dout_a, size_t din_a, const float *tau,
-    size_t ld_tau, const float *const *r_outs, size_t ld_rout, size_t dout_b,
-    const float *r_in, size_t ld_rin, size_t din_b, float alpha, float beta,
-    float *out, size_t ld_out) {
+    bico_ctx *ctx, size_t k, size_t dout_a, size_t din_a, size_t dout_b,
+    size_t din_b, float alpha, const float *tau, size_t ld_tau,
+    const float *const *r_outs, size_t ld_rout, const float *r_in,
+    size_t ld_rin, float beta, float *out, size_t ld_out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   static const names nm = {"transport_weight_split", "tau", "r_outs", "r_in",

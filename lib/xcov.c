@@ -324,8 +324,8 @@ bico_status bico_xcov_add(bico_xcov *xc, size_t n, const float *x_a,
   return BICO_OK;
 }
 
-bico_status bico_xcov_add_matrix(bico_xcov *xc, const double *c, size_t ld_c,
-                                 uint64_t rows) {
+bico_status bico_xcov_add_matrix(bico_xcov *xc, uint64_t rows, const double *c,
+                                 size_t ld_c) {
   if (xc == NULL) return BICO_E_NULL;
   bico_ctx *ctx = xc->ctx;
   bico__clear(ctx);
@@ -396,7 +396,6 @@ bico_status bico_xcov_merge(bico_xcov *dst, const bico_xcov *src) {
 bico_status bico_xcov_info(const bico_xcov *xc, size_t *d_a, size_t *d_b,
                            uint64_t *rows, unsigned *flags) {
   if (xc == NULL) return BICO_E_NULL;
-  bico__clear(xc->ctx);
   if (d_a) *d_a = xc->d_a;
   if (d_b) *d_b = xc->d_b;
   if (rows) *rows = xc->rows;
@@ -408,7 +407,6 @@ bico_status bico_xcov_matrix(const bico_xcov *xc, int which, int centered,
                              double *out, size_t ld_out) {
   if (xc == NULL) return BICO_E_NULL;
   bico_ctx *ctx = xc->ctx;
-  bico__clear(ctx);
   if (out == NULL) return bico__fail(ctx, BICO_E_NULL, "xcov_matrix: out is NULL");
   const double *m, *u, *v;
   size_t rows, cols;
@@ -429,8 +427,8 @@ bico_status bico_xcov_matrix(const bico_xcov *xc, int which, int centered,
       break;
     default:
       return bico__fail(ctx, BICO_E_ARG,
-                        "xcov_matrix: which = %d is not BICO_XCOV_CROSS (0), "
-                        "GRAM_A (1) or GRAM_B (2)",
+                        "xcov_matrix: which = %d is not BICO_XCOV_CROSS (1), "
+                        "GRAM_A (2) or GRAM_B (3)",
                         which);
   }
   if (centered && !(xc->flags & BICO_XCOV_SUMS))
@@ -466,7 +464,6 @@ bico_status bico_xcov_matrix(const bico_xcov *xc, int which, int centered,
 bico_status bico_xcov_sums(const bico_xcov *xc, double *sum_a, double *sum_b) {
   if (xc == NULL) return BICO_E_NULL;
   bico_ctx *ctx = xc->ctx;
-  bico__clear(ctx);
   if (sum_a == NULL || sum_b == NULL)
     return bico__fail(ctx, BICO_E_NULL, "xcov_sums: %s is NULL",
                       sum_a == NULL ? "sum_a" : "sum_b");
@@ -500,7 +497,6 @@ static uint64_t get_u64(const unsigned char *p) {
 
 bico_status bico_xcov_serialized_size(const bico_xcov *xc, size_t *size) {
   if (xc == NULL) return BICO_E_NULL;
-  bico__clear(xc->ctx);
   if (size == NULL)
     return bico__fail(xc->ctx, BICO_E_NULL, "xcov_serialized_size: size is NULL");
   if (xc->count > (SIZE_MAX - XCOV_HEADER_BYTES) / 8)
@@ -516,7 +512,7 @@ bico_status bico_xcov_serialize(const bico_xcov *xc, void *buf, size_t cap,
   if (xc == NULL) return BICO_E_NULL;
   bico_ctx *ctx = xc->ctx;
   size_t need;
-  bico_status st = bico_xcov_serialized_size(xc, &need); /* clears ctx */
+  bico_status st = bico_xcov_serialized_size(xc, &need);
   if (st != BICO_OK) return st;
   if (buf == NULL || written == NULL)
     return bico__fail(ctx, BICO_E_NULL, "xcov_serialize: %s is NULL",

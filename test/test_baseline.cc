@@ -44,7 +44,7 @@ TEST(Baseline, NaiveIsScaledTauPlusBetaOut) {
       auto out = beta == 0.0f ? std::vector<float>(n, kNaN) : randv(g, n);
       auto out0 = out;
       ASSERT_EQ(BICO_OK, bico_baseline_naive(ctx, s.size(), s.data(), s.size(),
-                                             s.data(), tau.data(), 1.5f, beta,
+                                             s.data(), 1.5f, tau.data(), beta,
                                              out.data()));
       for (size_t i = 0; i < n; i++) {
         double want = 1.5 * tau[i] + (beta == 0.0f ? 0.0 : beta * out0[i]);
@@ -57,11 +57,11 @@ TEST(Baseline, NaiveMismatchNamesBothShapes) {
   bt::Ctx ctx;
   std::vector<float> tau(20, 1.0f), out(20, 3.0f);
   const size_t a[] = {4, 3}, b[] = {4, 5}, c[] = {4, 3, 1};
-  EXPECT_EQ(BICO_E_SHAPE, bico_baseline_naive(ctx, 2, a, 2, b, tau.data(), 1,
+  EXPECT_EQ(BICO_E_SHAPE, bico_baseline_naive(ctx, 2, a, 2, b, 1, tau.data(),
                                               0, out.data()));
   EXPECT_TRUE(mentions(ctx, "[4, 3] vs [4, 5]")) << bico_ctx_errmsg(ctx);
   EXPECT_TRUE(mentions(ctx, "baseline_naive"));
-  EXPECT_EQ(BICO_E_SHAPE, bico_baseline_naive(ctx, 2, a, 3, c, tau.data(), 1,
+  EXPECT_EQ(BICO_E_SHAPE, bico_baseline_naive(ctx, 2, a, 3, c, 1, tau.data(),
                                               0, out.data()));
   EXPECT_TRUE(mentions(ctx, "[4, 3] vs [4, 3, 1]")) << bico_ctx_errmsg(ctx);
   for (float x : out) EXPECT_EQ(x, 3.0f);
@@ -109,8 +109,8 @@ TEST(Baseline, PadMatchesIndexComputation) {
                               : randv(g, numel(sb));
       auto out0 = out;
       ASSERT_EQ(BICO_OK, bico_baseline_pad(ctx, sa.size(), sa.data(),
-                                           sb.size(), sb.data(), tau.data(),
-                                           -0.75f, beta, out.data()))
+                                           sb.size(), sb.data(), -0.75f,
+                                           tau.data(), beta, out.data()))
           << bico_ctx_errmsg(ctx);
       auto want = pad_reference(sa, sb, tau, -0.75, beta, out0);
       for (size_t i = 0; i < want.size(); i++)
@@ -126,9 +126,9 @@ TEST(Baseline, PadWithEqualShapesEqualsNaive) {
   auto tau = randv(g, 60);
   std::vector<float> a(60, kNaN), b(60, kNaN);
   ASSERT_EQ(BICO_OK, bico_baseline_pad(ctx, 3, s.data(), 3, s.data(),
-                                       tau.data(), 2.0f, 0.0f, a.data()));
+                                       2.0f, tau.data(), 0.0f, a.data()));
   ASSERT_EQ(BICO_OK, bico_baseline_naive(ctx, 3, s.data(), 3, s.data(),
-                                         tau.data(), 2.0f, 0.0f, b.data()));
+                                         2.0f, tau.data(), 0.0f, b.data()));
   EXPECT_EQ(a, b);
 }
 
@@ -136,50 +136,50 @@ TEST(BaselineErrors, Arguments) {
   bt::Ctx ctx;
   std::vector<float> tau(64, 1.0f), out(64, 3.0f);
   const size_t s[] = {4, 4}, z[] = {4, 0};
-  EXPECT_EQ(BICO_E_NULL, bico_baseline_naive(nullptr, 2, s, 2, s, tau.data(),
-                                             1, 0, out.data()));
+  EXPECT_EQ(BICO_E_NULL, bico_baseline_naive(nullptr, 2, s, 2, s, 1,
+                                             tau.data(), 0, out.data()));
   EXPECT_EQ(BICO_E_NULL, bico_baseline_naive(ctx, 2, nullptr, 2, s,
-                                             tau.data(), 1, 0, out.data()));
+                                             1, tau.data(), 0, out.data()));
   EXPECT_TRUE(mentions(ctx, "shape_a is NULL"));
   EXPECT_EQ(BICO_E_NULL,
-            bico_baseline_pad(ctx, 2, s, 2, s, nullptr, 1, 0, out.data()));
+            bico_baseline_pad(ctx, 2, s, 2, s, 1, nullptr, 0, out.data()));
   EXPECT_TRUE(mentions(ctx, "baseline_pad: tau is NULL"));
   EXPECT_EQ(BICO_E_NULL,
-            bico_baseline_pad(ctx, 2, s, 2, s, tau.data(), 1, 0, nullptr));
+            bico_baseline_pad(ctx, 2, s, 2, s, 1, tau.data(), 0, nullptr));
   EXPECT_EQ(BICO_E_SHAPE,
-            bico_baseline_pad(ctx, 0, s, 2, s, tau.data(), 1, 0, out.data()));
+            bico_baseline_pad(ctx, 0, s, 2, s, 1, tau.data(), 0, out.data()));
   EXPECT_TRUE(mentions(ctx, "0 dimensions"));
   EXPECT_EQ(BICO_E_SHAPE,
-            bico_baseline_pad(ctx, 2, s, 2, z, tau.data(), 1, 0, out.data()));
+            bico_baseline_pad(ctx, 2, s, 2, z, 1, tau.data(), 0, out.data()));
   EXPECT_TRUE(mentions(ctx, "shape_b [4, 0] has a zero extent"))
       << bico_ctx_errmsg(ctx);
   const size_t s3[] = {4, 4, 1};
   EXPECT_EQ(BICO_E_SHAPE,
-            bico_baseline_pad(ctx, 2, s, 3, s3, tau.data(), 1, 0, out.data()));
+            bico_baseline_pad(ctx, 2, s, 3, s3, 1, tau.data(), 0, out.data()));
   EXPECT_TRUE(mentions(ctx, "[4, 4] vs [4, 4, 1]")) << bico_ctx_errmsg(ctx);
   const size_t nine[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
   EXPECT_EQ(BICO_E_UNSUPPORTED, bico_baseline_pad(ctx, 9, nine, 9, nine,
-                                                  tau.data(), 1, 0,
+                                                  1, tau.data(), 0,
                                                   out.data()));
   EXPECT_TRUE(mentions(ctx, "9 dimensions"));
   const size_t eight[8] = {1, 2, 1, 2, 1, 2, 1, 2};
-  EXPECT_EQ(BICO_OK, bico_baseline_pad(ctx, 8, eight, 8, eight, tau.data(),
-                                       1, 0, out.data()));
+  EXPECT_EQ(BICO_OK, bico_baseline_pad(ctx, 8, eight, 8, eight, 1,
+                                       tau.data(), 0, out.data()));
   const size_t huge[] = {size_t(1) << 40, size_t(1) << 40};
   EXPECT_EQ(BICO_E_SHAPE, bico_baseline_naive(ctx, 2, huge, 2, huge,
-                                              tau.data(), 1, 0, out.data()));
+                                              1, tau.data(), 0, out.data()));
   EXPECT_TRUE(mentions(ctx, "too many elements")) << bico_ctx_errmsg(ctx);
   std::fill(out.begin(), out.end(), 3.0f);
   tau[5] = kNaN;
   EXPECT_EQ(BICO_E_NONFINITE,
-            bico_baseline_naive(ctx, 2, s, 2, s, tau.data(), 1, 0, out.data()));
+            bico_baseline_naive(ctx, 2, s, 2, s, 1, tau.data(), 0, out.data()));
   EXPECT_TRUE(mentions(ctx, "tau holds NaN"));
   EXPECT_EQ(BICO_E_NONFINITE,
-            bico_baseline_pad(ctx, 2, s, 2, s, tau.data(), 1, 0, out.data()));
+            bico_baseline_pad(ctx, 2, s, 2, s, 1, tau.data(), 0, out.data()));
   tau[5] = 0.0f;
   EXPECT_EQ(BICO_E_ARG,
-            bico_baseline_pad(ctx, 2, s, 2, s, tau.data(),
-                              std::numeric_limits<float>::infinity(), 0,
+            bico_baseline_pad(ctx, 2, s, 2, s, std::numeric_limits<float>::infinity(),
+                              tau.data(), 0,
                               out.data()));
   EXPECT_TRUE(mentions(ctx, "alpha"));
   for (float x : out) EXPECT_EQ(x, 3.0f);

@@ -124,9 +124,14 @@ TEST(DepthmapErrors, Arguments) {
       << bico_ctx_errmsg(ctx);
   EXPECT_EQ(BICO_E_NULL, bico_depthmap_source(m, 0, nullptr));
   EXPECT_EQ(BICO_E_NULL, bico_depthmap_source(nullptr, 0, &i));
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_errcode(ctx));
+  const std::string last = bico_ctx_errmsg(ctx);
+  EXPECT_NE(last.find("i is NULL"), std::string::npos) << last;
+  // A query that succeeds leaves the last failure on record (ctx.h).
   EXPECT_EQ(BICO_OK, bico_depthmap_source(m, 3, &i));
   EXPECT_EQ(i, 2u);
-  EXPECT_STREQ(bico_ctx_errmsg(ctx), "");
+  EXPECT_EQ(BICO_E_NULL, bico_ctx_errcode(ctx));
+  EXPECT_EQ(last, bico_ctx_errmsg(ctx));
   bico_depthmap_free(m);
   bico_depthmap_free(nullptr);
 }

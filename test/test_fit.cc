@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -575,4 +576,332 @@ TEST(FitTest, AllocationFailuresAreClean) {
     }
     EXPECT_TRUE(completed);
   }
+}
+
+// ---- the sequential driver (bico_fit_run) ----
+
+namespace {
+
+// A small MLP host: layers y = W x + b, ReLU between layers (not after the
+// last).  w[l] is d[l+1] x d[l].
+struct Net {
+  std::vector<Mat> w, b;  // b[l] is 1 x d[l+1]
+  size_t layers() const { return w.size(); }
+};
+
+Net random_net(bt::Rng &g, const std::vector<size_t> &d) {
+  Net n;
+  for (size_t l = 0; l + 1 < d.size(); l++) {
+    n.w.push_back(bt::randn(g, d[l + 1], d[l], 1.0 / std::sqrt((double)d[l])));
+    n.b.push_back(bt::randn(g, 1, d[l + 1], 0.2));
+  }
+  return n;
+}
+
+// Inputs of every layer (in[l]) and pre-activation outputs (out[l]) on x.
+void forward(const Net &n, const Mat &x, std::vector<Mat> *in,
+             std::vector<Mat> *out) {
+  in->assign(n.layers(), Mat());
+  out->assign(n.layers(), Mat());
+  Mat a = x;
+  for (size_t l = 0; l < n.layers(); l++) {
+    (*in)[l] = a;
+    Mat z = bt::matmul(a, bt::transpose(n.w[l]));
+    for (size_t i = 0; i < z.r; i++)
+      for (size_t j = 0; j < z.c; j++) z(i, j) += n.b[l](0, j);
+    (*out)[l] = z;
+    a = z;
+    for (auto &v : a.v) v = v > 0 ? v : 0;
+  }
+}
+
+// Net a in other coordinates: hidden layer l's units permuted by perm[l]
+// (A's unit i is B's unit perm[l][i]): W_A = P W_B P_prev^T.
+Net permuted(const Net &n, const std::vector<Mat> &p) {
+  Net o = n;
+  for (size_t l = 0; l < n.layers(); l++) {
+    o.w[l] = bt::matmul(bt::matmul(p[l + 1], n.w[l]), bt::transpose(p[l]));
+    o.b[l] = bt::matmul(n.b[l], bt::transpose(p[l + 1]));
+  }
+  return o;
+}
+
+// The host: target B (updated in place as the fit proceeds), its original
+// copy, and the source pair (A, A_ft) with output maps r_out[l] (A's output
+// coordinates to B's).
+struct Host {
+  Net b, b0, a, a_ft;
+  std::vector<Mat> r_out;
+  Mat x;
+  size_t batches = 3;
+  bool sequential = true;  // false: X' taken from the original B
+  double layer_ridge = -1; // >= 0: set by the rows callback
+  long fail_rows_at = -1, fail_update_at = -1, nan_at = -1;
+  std::vector<float> wbuf, bbuf;
+  std::vector<Mat> dw, db;
+  std::vector<size_t> rank;
+  std::vector<size_t> layer_calls;
+};
+
+bico_status host_layer(void *o, size_t l, size_t *d_in, size_t *d_out,
+                       const float **w, size_t *ld_w, const float **b) {
+  Host *h = static_cast<Host *>(o);
+  h->layer_calls.push_back(l);
+  *d_in = h->b.w[l].c;
+  *d_out = h->b.w[l].r;
+  h->wbuf = h->b.w[l].f32();
+  h->bbuf = h->b.b[l].f32();
+  *w = h->wbuf.data();
+  *ld_w = *d_in;
+  *b = h->bbuf.data();
+  return BICO_OK;
+}
+
+bico_status host_rows(void *o, size_t l, bico_fit *fit) {
+  Host *h = static_cast<Host *>(o);
+  if ((long)l == h->fail_rows_at) return BICO_E_IO;
+  if (h->layer_ridge >= 0) {
+    EXPECT_EQ(bico_fit_set_param(fit, BICO_FIT_RIDGE, h->layer_ridge), BICO_OK);
+  }
+  std::vector<Mat> in_b, out_b, in_o, out_o, in_a, out_a, in_f, out_f;
+  forward(h->b, h->x, &in_b, &out_b);    // partially updated target
+  forward(h->b0, h->x, &in_o, &out_o);   // original target
+  forward(h->a, h->x, &in_a, &out_a);    // source
+  forward(h->a_ft, h->x, &in_f, &out_f); // fine-tuned source, own pass
+  Mat d = bt::matmul(bt::sub(out_f[l], out_a[l]), h->r_out[l]);
+  const Mat &xn = h->sequential ? in_b[l] : in_o[l];
+  std::vector<float> a = xn.f32(), xo = in_o[l].f32(), e = d.f32();
+  if ((long)l == h->nan_at) a[3] = NAN;
+  const size_t n = xn.r, di = xn.c, dout = d.c;
+  for (size_t k = 0; k < h->batches; k++) {
+    size_t r0 = n * k / h->batches, r1 = n * (k + 1) / h->batches;
+    bico_status st = bico_fit_add(fit, r1 - r0, a.data() + r0 * di, di,
+                                  xo.data() + r0 * di, di,
+                                  e.data() + r0 * dout, dout);
+    if (st != BICO_OK) return st;
+  }
+  return BICO_OK;
+}
+
+bico_status host_update(void *o, size_t l, const float *dw, size_t ld,
+                        const float *db, size_t rank) {
+  Host *h = static_cast<Host *>(o);
+  if ((long)l == h->fail_update_at) return BICO_E_STATE;
+  Mat w = Mat::from(dw, h->b.w[l].r, h->b.w[l].c, ld);
+  Mat bb = Mat::from(db, 1, h->b.w[l].r, h->b.w[l].r);
+  h->dw.push_back(w);
+  h->db.push_back(bb);
+  h->rank.push_back(rank);
+  h->b.w[l] = bt::add(h->b.w[l], w);
+  h->b.b[l] = bt::add(h->b.b[l], bb);
+  return BICO_OK;
+}
+
+bico_fit_runner runner_for(Host *h) {
+  bico_fit_runner r;
+  std::memset(&r, 0, sizeof r);
+  r.size = sizeof r;
+  r.opaque = h;
+  r.layers = h->b.layers();
+  r.layer = host_layer;
+  r.rows = host_rows;
+  r.update = host_update;
+  return r;
+}
+
+// B, and a source A that is B with its hidden units permuted, fine-tuned by
+// a known update U (in A's coordinates, P U P^T): the fit must recover U
+// on every layer, so that B + fit computes B + U.
+Host planted_host(bt::Rng &g, Net *u_out) {
+  const std::vector<size_t> d = {6, 9, 8, 4};
+  Host h;
+  h.b = random_net(g, d);
+  h.b0 = h.b;
+  Net u = random_net(g, d);
+  for (auto &m : u.w) m = bt::add(Mat(m.r, m.c), m, 0.3);
+  for (auto &m : u.b) m = bt::add(Mat(m.r, m.c), m, 0.3);
+  std::vector<Mat> p = {bt::eye(d[0], d[0]), bt::rand_perm(g, d[1]),
+                        bt::rand_perm(g, d[2]), bt::eye(d[3], d[3])};
+  h.a = permuted(h.b, p);
+  Net bft = h.b;
+  for (size_t l = 0; l < bft.layers(); l++) {
+    bft.w[l] = bt::add(bft.w[l], u.w[l]);
+    bft.b[l] = bt::add(bft.b[l], u.b[l]);
+  }
+  h.a_ft = permuted(bft, p);
+  for (size_t l = 0; l < u.layers(); l++) h.r_out.push_back(p[l + 1]);
+  h.x = rounded(bt::randn(g, 300, d[0]));
+  *u_out = u;
+  return h;
+}
+
+}  // namespace
+
+TEST(FitRunTest, RecoversPlantedUpdateLayerByLayer) {
+  bt::Ctx ctx;
+  bt::Rng g(21);
+  Net u;
+  Host h = planted_host(g, &u);
+  bico_fit_runner r = runner_for(&h);
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.0), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(h.dw.size(), 3u);
+  for (size_t l = 0; l < 3; l++) {
+    EXPECT_LT(bt::relerr(h.dw[l], u.w[l]), 1e-4) << "layer " << l;
+    EXPECT_LT(bt::relerr(h.db[l], u.b[l]), 1e-4) << "layer " << l;
+    EXPECT_EQ(h.rank[l], h.b.w[l].c + 1);
+  }
+  EXPECT_EQ(h.layer_calls, (std::vector<size_t>{0, 1, 2}));
+  // The fitted target computes what the fine-tuned source computes (its
+  // outputs are in B's coordinates: the last layer is not permuted).
+  std::vector<Mat> in_b, out_b, in_f, out_f;
+  forward(h.b, h.x, &in_b, &out_b);
+  forward(h.a_ft, h.x, &in_f, &out_f);
+  EXPECT_LT(bt::relerr(out_b[2], out_f[2]), 1e-4);
+}
+
+// Without the recalibration (X' from the original target) the later layers
+// fit the wrong inputs: the planted update is not recovered.  This is what
+// makes the driver sequential.
+TEST(FitRunTest, NonSequentialInputsMissThePlant) {
+  bt::Ctx ctx;
+  bt::Rng g(21);
+  Net u;
+  Host h = planted_host(g, &u);
+  h.sequential = false;
+  bico_fit_runner r = runner_for(&h);
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.0), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_LT(bt::relerr(h.dw[0], u.w[0]), 1e-4);  // the first layer agrees
+  EXPECT_GT(bt::relerr(h.dw[1], u.w[1]), 1e-2);
+}
+
+// With a ridge the result equals the per-layer handle fed the same rows;
+// the rows callback may change the ridge of its own layer.
+TEST(FitRunTest, RidgeAndPerLayerOptions) {
+  bt::Ctx ctx;
+  bt::Rng g(22);
+  Net u;
+  Host h = planted_host(g, &u);
+  Host h2 = h;
+  bico_fit_runner r = runner_for(&h);
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.5), BICO_OK);
+  h2.layer_ridge = 0.5;  // set in every rows callback; run default differs
+  bico_fit_runner r2 = runner_for(&h2);
+  ASSERT_EQ(bico_fit_run(ctx, &r2, 0.0), BICO_OK);
+  for (size_t l = 0; l < 3; l++) {
+    EXPECT_EQ(bt::relerr(h.dw[l], h2.dw[l]), 0.0);
+    EXPECT_GT(bt::relerr(h.dw[l], u.w[l]), 1e-3);  // ridge shrinks
+  }
+  // Layer 0 by hand: one handle, the same rows.
+  std::vector<Mat> in_o, out_o, in_a, out_a, in_f, out_f;
+  forward(h.b0, h.x, &in_o, &out_o);
+  forward(h.a, h.x, &in_a, &out_a);
+  forward(h.a_ft, h.x, &in_f, &out_f);
+  Mat d = bt::matmul(bt::sub(out_f[0], out_a[0]), h.r_out[0]);
+  bico_fit *f = make_fit(ctx, 6, 9, true, 0.5);
+  add(f, in_o[0], in_o[0], d);
+  Solved s = solve(f, h.b0.w[0], h.b0.b[0], true);
+  EXPECT_LT(bt::relerr(s.dw, h.dw[0]), 1e-6);
+  bico_fit_free(f);
+}
+
+TEST(FitRunTest, CallbackFailuresStopTheRunAndNameTheLayer) {
+  bt::Ctx ctx;
+  bt::Rng g(23);
+  Net u;
+  Host base = planted_host(g, &u);
+  {
+    Host h = base;
+    h.fail_rows_at = 1;
+    bico_fit_runner r = runner_for(&h);
+    EXPECT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_E_IO);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "layer 1"));
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "rows callback"));
+    EXPECT_EQ(h.dw.size(), 1u);  // layer 0 was applied, nothing after
+  }
+  {
+    Host h = base;
+    h.nan_at = 2;  // the host's bico_fit_add fails; its detail is kept
+    bico_fit_runner r = runner_for(&h);
+    EXPECT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_E_NONFINITE);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "layer 2"));
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "x_new holds NaN"));
+    EXPECT_EQ(h.dw.size(), 2u);
+  }
+  {
+    Host h = base;
+    h.fail_update_at = 0;
+    bico_fit_runner r = runner_for(&h);
+    EXPECT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_E_STATE);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "update callback"));
+    EXPECT_EQ(h.layer_calls.size(), 1u);
+  }
+}
+
+TEST(FitRunTest, BadRunnerIsRejected) {
+  bt::Ctx ctx;
+  bt::Rng g(24);
+  Net u;
+  Host h = planted_host(g, &u);
+  bico_fit_runner r = runner_for(&h);
+  EXPECT_EQ(bico_fit_run(nullptr, &r, 1e-2), BICO_E_NULL);
+  EXPECT_EQ(bico_fit_run(ctx, nullptr, 1e-2), BICO_E_NULL);
+  EXPECT_EQ(bico_fit_run(ctx, &r, -1.0), BICO_E_ARG);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "ridge"));
+  EXPECT_EQ(bico_fit_run(ctx, &r, NAN), BICO_E_ARG);
+  bico_fit_runner small = r;
+  small.size = offsetof(bico_fit_runner, update);
+  EXPECT_EQ(bico_fit_run(ctx, &small, 1e-2), BICO_E_ARG);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "size"));
+  bico_fit_runner noup = r;
+  noup.update = nullptr;
+  EXPECT_EQ(bico_fit_run(ctx, &noup, 1e-2), BICO_E_NULL);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "update"));
+  EXPECT_TRUE(h.layer_calls.empty());  // nothing was called
+  bico_fit_runner none = noup;
+  none.layers = 0;
+  EXPECT_EQ(bico_fit_run(ctx, &none, 1e-2), BICO_OK);
+  // A layer callback that reports a zero width: the fit's own message.
+  struct Zero {
+    static bico_status layer(void *, size_t, size_t *d_in, size_t *d_out,
+                             const float **w, size_t *ld, const float **b) {
+      static const float one = 1.0f;
+      *d_in = 0;
+      *d_out = 1;
+      *w = &one;
+      *ld = 1;
+      *b = nullptr;
+      return BICO_OK;
+    }
+  };
+  bico_fit_runner z = r;
+  z.layer = Zero::layer;
+  EXPECT_EQ(bico_fit_run(ctx, &z, 1e-2), BICO_E_SHAPE);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "layer 0"));
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "d_in = 0"));
+}
+
+TEST(FitRunTest, AllocationFailuresAreClean) {
+  bt::Rng g(25);
+  Net u;
+  Host base = planted_host(g, &u);
+  int completed = 0;
+  for (long k = 1; k < 200 && !completed; k++) {
+    bt::Failing fa;
+    fa.fail_at = k;
+    bico_ctx *ctx = nullptr;
+    if (bico_ctx_create_with_allocator(&ctx, bt::fail_once_alloc,
+                                       bt::fail_free, &fa) != BICO_OK)
+      continue;
+    Host h = base;
+    bico_fit_runner r = runner_for(&h);
+    bico_status st = bico_fit_run(ctx, &r, 1e-2);
+    if (st == BICO_OK) {
+      completed = 1;
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k;
+    }
+    bico_ctx_free(ctx);
+    EXPECT_EQ(fa.live.load(), 0) << "allocation " << k;
+  }
+  EXPECT_TRUE(completed);
 }

@@ -147,16 +147,16 @@ TEST(Gradfix, ApplyIsMaskedScaledUpdate) {
   // beta = 0: out starts NaN and is not read.
   std::vector<float> out(n, kNaN);
   size_t kept = 0;
-  ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, tau.data(),
-                                        2.5f, 0.0f, out.data(), &kept));
+  ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, 2.5f,
+                                        tau.data(), 0.0f, out.data(), &kept));
   EXPECT_EQ(kept, count(want));
   for (size_t i = 0; i < n; i++)
     ASSERT_EQ(out[i], want[i] ? 2.5f * tau[i] : 0.0f) << i;
   // beta = 1 accumulates onto the target weights.
   std::vector<float> theta(n), acc(n);
   for (size_t i = 0; i < n; i++) theta[i] = acc[i] = (float)g.normal();
-  ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, tau.data(),
-                                        0.5f, 1.0f, acc.data(), nullptr));
+  ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, 0.5f,
+                                        tau.data(), 1.0f, acc.data(), nullptr));
   for (size_t i = 0; i < n; i++)
     ASSERT_FLOAT_EQ(acc[i], theta[i] + (want[i] ? 0.5f * tau[i] : 0.0f)) << i;
 }
@@ -175,8 +175,8 @@ TEST(Gradfix, MeanModeIsFirstOrderDescent) {
     for (auto &row : gs) ASSERT_EQ(BICO_OK, bico_votes_add_grad(v, row.data()));
     std::vector<float> delta(n);
     size_t kept = 0;
-    ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MEAN, tau.data(),
-                                          0.7f, 0.0f, delta.data(), &kept));
+    ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MEAN, 0.7f,
+                                          tau.data(), 0.0f, delta.data(), &kept));
     ASSERT_GT(kept, 0u);
     double dot = 0;
     for (size_t i = 0; i < n; i++) {
@@ -200,11 +200,11 @@ TEST(Gradfix, MajorityModeNeedNotDescend) {
   Votes v(ctx, 1, BICO_VOTES_MEAN);
   for (auto &row : g) ASSERT_EQ(BICO_OK, bico_votes_add_grad(v, row));
   float delta[1];
-  ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, tau, 1.0f,
+  ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MAJORITY, 1.0f, tau,
                                         0.0f, delta, nullptr));
   double gsum = -1.0 - 1.0 + 10.0;
   EXPECT_GT(gsum * delta[0], 0.0);  // the loss rises to first order
-  ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MEAN, tau, 1.0f, 0.0f,
+  ASSERT_EQ(BICO_OK, bico_gradfix_apply(v, BICO_GRADFIX_MEAN, 1.0f, tau, 0.0f,
                                         delta, nullptr));
   EXPECT_EQ(delta[0], 0.0f);  // the mean mode drops that coordinate
 }
@@ -368,21 +368,21 @@ TEST(GradfixErrors, MaskAndApply) {
   float out[2] = {5, 5};
   EXPECT_EQ(BICO_E_STATE, bico_gradfix_mask(plain, BICO_GRADFIX_MEAN, tau, m, nullptr));
   EXPECT_TRUE(mentions(ctx, "BICO_VOTES_MEAN"));
-  EXPECT_EQ(BICO_E_STATE, bico_gradfix_apply(plain, BICO_GRADFIX_MEAN, tau, 1,
+  EXPECT_EQ(BICO_E_STATE, bico_gradfix_apply(plain, BICO_GRADFIX_MEAN, 1, tau,
                                              0, out, nullptr));
   EXPECT_EQ(BICO_E_ARG, bico_gradfix_mask(plain, 7, tau, m, nullptr));
   EXPECT_TRUE(mentions(ctx, "mode 7"));
   EXPECT_EQ(BICO_E_NONFINITE, bico_gradfix_mask(plain, 0, bad, m, nullptr));
   EXPECT_TRUE(mentions(ctx, "gradfix_mask: tau holds NaN"));
-  EXPECT_EQ(BICO_E_NONFINITE, bico_gradfix_apply(plain, 0, bad, 1, 0, out, nullptr));
-  EXPECT_EQ(BICO_E_ARG, bico_gradfix_apply(plain, 0, tau, kNaN, 0, out, nullptr));
+  EXPECT_EQ(BICO_E_NONFINITE, bico_gradfix_apply(plain, 0, 1, bad, 0, out, nullptr));
+  EXPECT_EQ(BICO_E_ARG, bico_gradfix_apply(plain, 0, kNaN, tau, 0, out, nullptr));
   EXPECT_TRUE(mentions(ctx, "alpha"));
   EXPECT_EQ(out[0], 5.0f);
   EXPECT_EQ(out[1], 5.0f);
   EXPECT_EQ(BICO_E_NULL, bico_gradfix_mask(plain, 0, nullptr, m, nullptr));
   EXPECT_EQ(BICO_E_NULL, bico_gradfix_mask(plain, 0, tau, nullptr, nullptr));
   EXPECT_EQ(BICO_E_NULL, bico_gradfix_mask(nullptr, 0, tau, m, nullptr));
-  EXPECT_EQ(BICO_E_NULL, bico_gradfix_apply(plain, 0, tau, 1, 0, nullptr, nullptr));
+  EXPECT_EQ(BICO_E_NULL, bico_gradfix_apply(plain, 0, 1, tau, 0, nullptr, nullptr));
   EXPECT_EQ(BICO_E_NULL, bico_votes_counts(plain, nullptr));
   EXPECT_EQ(BICO_E_NULL, bico_votes_counts(nullptr, nullptr));
   EXPECT_EQ(BICO_E_NULL, bico_votes_info(nullptr, nullptr, nullptr, nullptr));

@@ -123,15 +123,15 @@ Transfer bico(bico_ctx *ctx, const Net &tau, const Trace &ta, const Trace &tb) {
     size_t doa = tau.w[l].r, dia = tau.w[l].c, dob = rout.c, dib = rin.c;
     auto ft = tau.w[l].f32(), fo = rout.f32(), fi = rin.f32();
     std::vector<float> out(dob * dib);
-    EXPECT_EQ(BICO_OK, bico_transport_weight(ctx, doa, dia, ft.data(), dia,
-                                             fo.data(), dob, dob, fi.data(),
-                                             dib, dib, 1.0f, 0.0f, out.data(),
+    EXPECT_EQ(BICO_OK, bico_transport_weight(ctx, doa, dia, dob, dib,
+                                             1.0f, ft.data(), dia, fo.data(),
+                                             dob, fi.data(), dib, 0.0f, out.data(),
                                              dib))
         << bico_ctx_errmsg(ctx);
     auto fb = tau.b[l].f32();
     std::vector<float> ob(dob);
-    EXPECT_EQ(BICO_OK, bico_transport_vector(ctx, doa, fb.data(), fo.data(),
-                                             dob, dob, 1.0f, 0.0f, ob.data()))
+    EXPECT_EQ(BICO_OK, bico_transport_vector(ctx, doa, dob, 1.0f,
+                                             fb.data(), fo.data(), dob, 0.0f, ob.data()))
         << bico_ctx_errmsg(ctx);
     t.tau_b.w.push_back(Mat::from(out.data(), dob, dib, dib));
     t.tau_b.b.push_back(Mat::from(ob.data(), dob, 1, 1));

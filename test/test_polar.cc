@@ -88,18 +88,30 @@ TEST(PolarTest, ParamDefaultBoundsAndErrors) {
   bico_procrustes *p = nullptr;
   ASSERT_EQ(bico_procrustes_create(ctx, &p), BICO_OK);
   double v = -1, lo = -1, hi = -1;
+  unsigned fl = 0;
   ASSERT_EQ(bico_procrustes_get_param(p, BICO_PROC_METHOD, &v), BICO_OK);
   EXPECT_EQ(v, BICO_PROC_EIG);
-  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_METHOD, &lo, &hi), BICO_OK);
-  EXPECT_EQ(lo, BICO_PROC_SVD);
+  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_METHOD, &lo, &hi, &fl), BICO_OK);
+  EXPECT_EQ(fl, unsigned(BICO_PARAM_INTEGER));
+  EXPECT_EQ(lo, 0);  // 0: the default (status.h)
   EXPECT_EQ(hi, BICO_PROC_POLAR);
-  EXPECT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, 3), BICO_E_ARG);
-  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "BICO_PROC_METHOD = 3"));
+  EXPECT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, BICO_PROC_POLAR + 1),
+            BICO_E_ARG);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "BICO_PROC_METHOD = 4"));
+  EXPECT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, -1), BICO_E_ARG);
   EXPECT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, 1.5), BICO_E_ARG);
-  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "integer"));
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "(integers)"));
   ASSERT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, BICO_PROC_POLAR), BICO_OK);
   ASSERT_EQ(bico_procrustes_get_param(p, BICO_PROC_METHOD, &v), BICO_OK);
   EXPECT_EQ(v, BICO_PROC_POLAR);
+  // 0 asks for the default and reads back as the member it resolved to.
+  ASSERT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, 0), BICO_OK);
+  ASSERT_EQ(bico_procrustes_get_param(p, BICO_PROC_METHOD, &v), BICO_OK);
+  EXPECT_EQ(v, BICO_PROC_EIG);
+  ASSERT_EQ(bico_procrustes_set_param(p, BICO_PROC_NULL, BICO_NULL_DROP), BICO_OK);
+  ASSERT_EQ(bico_procrustes_set_param(p, BICO_PROC_NULL, 0), BICO_OK);
+  ASSERT_EQ(bico_procrustes_get_param(p, BICO_PROC_NULL, &v), BICO_OK);
+  EXPECT_EQ(v, BICO_NULL_KEEP);
   bico_procrustes_free(p);
 }
 

@@ -554,10 +554,12 @@ TEST(ProcrustesTest, ExtremeWhiteningNeverNaN) {
   Data data(xa, xb);
   bico_xcov *xc = accumulate(ctx, data, BICO_XCOV_GRAMS);
   double lo, hi;
-  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_WHITEN_EPS, &lo, &hi), BICO_OK);
+  unsigned fl;
+  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_WHITEN_EPS, &lo, &hi, &fl), BICO_OK);
+  ASSERT_TRUE(fl & BICO_PARAM_LO_OPEN);
   Proc p(ctx);
   p.set(BICO_PROC_WHITEN, 0.5);
-  p.set(BICO_PROC_WHITEN_EPS, lo);
+  p.set(BICO_PROC_WHITEN_EPS, std::nextafter(lo, 1.0));  // the smallest allowed
   std::vector<float> r(d * d);
   size_t rank = 0;
   bico_status st = bico_procrustes_solve(p, xc, r.data(), d, &rank);
@@ -610,26 +612,63 @@ TEST(ProcrustesTest, Params) {
   ASSERT_EQ(bico_procrustes_get_param(p, BICO_PROC_WHITEN, &v), BICO_OK);
   EXPECT_EQ(v, 0.5);
   double lo, hi;
-  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_WHITEN, &lo, &hi), BICO_OK);
+  unsigned fl;
+  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_WHITEN, &lo, &hi, &fl), BICO_OK);
   EXPECT_EQ(lo, 0.0);
   EXPECT_EQ(hi, 0.5);
-  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_RANK_TOL, &lo, &hi), BICO_OK);
+  EXPECT_EQ(fl, 0u);  // [0, 0.5], real
+  // RANK_TOL is [0, 1): the open end is said, not approximated.
+  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_RANK_TOL, &lo, &hi, &fl), BICO_OK);
   EXPECT_EQ(lo, 0.0);
-  EXPECT_LT(hi, 1.0);
-  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_WHITEN_EPS, &lo, &hi), BICO_OK);
-  EXPECT_GT(lo, 0.0);
-  EXPECT_EQ(bico_procrustes_param_bounds(99, &lo, &hi), BICO_E_ARG);
-  EXPECT_EQ(bico_procrustes_param_bounds(BICO_PROC_NULL, nullptr, &hi), BICO_E_NULL);
+  EXPECT_EQ(hi, 1.0);
+  EXPECT_EQ(fl, unsigned(BICO_PARAM_HI_OPEN));
+  // WHITEN_EPS is (0, inf).
+  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_WHITEN_EPS, &lo, &hi, &fl), BICO_OK);
+  EXPECT_EQ(lo, 0.0);
+  EXPECT_TRUE(std::isinf(hi));
+  EXPECT_EQ(fl, unsigned(BICO_PARAM_LO_OPEN | BICO_PARAM_HI_OPEN));
+  ASSERT_EQ(bico_procrustes_param_bounds(BICO_PROC_NULL, &lo, &hi, &fl), BICO_OK);
+  EXPECT_EQ(fl, unsigned(BICO_PARAM_INTEGER));
+  EXPECT_EQ(bico_procrustes_param_bounds(99, &lo, &hi, &fl), BICO_E_ARG);
+  EXPECT_EQ(bico_procrustes_param_bounds(BICO_PROC_NULL, nullptr, &hi, &fl), BICO_E_NULL);
+  EXPECT_EQ(bico_procrustes_param_bounds(BICO_PROC_NULL, &lo, &hi, nullptr), BICO_E_NULL);
+  // Every parameter: set_param accepts exactly what the bounds describe,
+  // probed at and just beyond each end (an independent reading of the
+  // grammar of params.h).
+  for (int param = BICO_PROC_CENTER; param <= BICO_PROC_METHOD; param++) {
+    ASSERT_EQ(bico_procrustes_param_bounds(param, &lo, &hi, &fl), BICO_OK);
+    Proc q(ctx);
+    const bool integer = fl & BICO_PARAM_INTEGER;
+    const double below = integer ? lo - 1 : std::nextafter(lo, -HUGE_VAL);
+    const double above = integer ? hi + 1 : std::nextafter(hi, HUGE_VAL);
+    EXPECT_EQ(bico_procrustes_set_param(q, param, below), BICO_E_ARG) << param;
+    if (!std::isinf(hi)) {
+      EXPECT_EQ(bico_procrustes_set_param(q, param, above), BICO_E_ARG) << param;
+    }
+    EXPECT_EQ(bico_procrustes_set_param(q, param, lo),
+              (fl & BICO_PARAM_LO_OPEN) ? BICO_E_ARG : BICO_OK) << param;
+    EXPECT_EQ(bico_procrustes_set_param(q, param, hi),
+              (fl & BICO_PARAM_HI_OPEN) ? BICO_E_ARG : BICO_OK) << param;
+    if (fl & BICO_PARAM_LO_OPEN) {
+      EXPECT_EQ(bico_procrustes_set_param(q, param, std::nextafter(lo, HUGE_VAL)), BICO_OK) << param;
+    }
+    if ((fl & BICO_PARAM_HI_OPEN) && !std::isinf(hi)) {
+      EXPECT_EQ(bico_procrustes_set_param(q, param, std::nextafter(hi, -HUGE_VAL)), BICO_OK) << param;
+    }
+    if (integer && lo + 0.5 < hi) {
+      EXPECT_EQ(bico_procrustes_set_param(q, param, lo + 0.5), BICO_E_ARG) << param;
+    }
+  }
 
   const struct { int param; double value; const char *needle; } bad[] = {
       {BICO_PROC_WHITEN, 0.7, "BICO_PROC_WHITEN = 0.7"},
       {BICO_PROC_WHITEN, -0.1, "BICO_PROC_WHITEN = -0.1"},
       {BICO_PROC_WHITEN, std::nan(""), "BICO_PROC_WHITEN = nan"},
       {BICO_PROC_WHITEN_EPS, 0.0, "BICO_PROC_WHITEN_EPS = 0"},
-      {BICO_PROC_RANK_TOL, 1.0, "BICO_PROC_RANK_TOL = 1"},
+      {BICO_PROC_RANK_TOL, 1.0, "BICO_PROC_RANK_TOL = 1 is outside [0, 1)"},
       {BICO_PROC_RANK_TOL, -1e-3, "BICO_PROC_RANK_TOL"},
       {BICO_PROC_CENTER, 2, "BICO_PROC_CENTER = 2"},
-      {BICO_PROC_CENTER, 0.5, "must be an integer"},
+      {BICO_PROC_CENTER, 0.5, "(integers)"},
       {BICO_PROC_NULL, 3, "BICO_PROC_NULL = 3"},
       {77, 0, "unknown parameter 77"}};
   for (auto &b : bad) {

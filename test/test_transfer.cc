@@ -460,7 +460,7 @@ TEST(TransferPipeline, ParamsDefaultsAndBounds) {
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 0), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 1.5), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 1025), BICO_E_ARG);
-  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_PROC_METHOD, 3), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_PROC_METHOD, BICO_PROC_POLAR + 1), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_SOLVE_MEMORY, -1), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 4), BICO_OK);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_PROC_METHOD, BICO_PROC_SVD), BICO_OK);

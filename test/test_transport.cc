@@ -100,9 +100,9 @@ TEST(Transport, WeightMatchesReferenceInEveryShapeCombination) {
             const float alpha = 1.75f;
             ASSERT_EQ(BICO_OK,
                       bico_transport_weight(
-                          ctx, o.a, in.a, tau.p(), tau.ld,
-                          has_out ? rout.p() : nullptr, rout.ld, o.b,
-                          has_in ? rin.p() : nullptr, rin.ld, in.b, alpha,
+                          ctx, o.a, in.a, o.b, in.b,
+                          alpha, tau.p(), tau.ld,
+                          has_out ? rout.p() : nullptr, rout.ld, has_in ? rin.p() : nullptr, rin.ld,
                           beta, out.p(), out.ld))
                 << bico_ctx_errmsg(ctx);
             Mat want = reference(tau.m(), has_out ? &rom : nullptr, o.b,
@@ -133,15 +133,15 @@ TEST(Transport, NullMapEqualsExplicitRectangularIdentity) {
         Mat init = bt::randn(g, o.b, in.b);
         Buf out_null(init, 2), out_eye(init, 2);
         ASSERT_EQ(BICO_OK,
-                  bico_transport_weight(ctx, o.a, in.a, tau.p(), tau.ld,
-                                        null_out ? nullptr : rout.p(),
-                                        rout.ld, o.b,
-                                        null_in ? nullptr : rin.p(), rin.ld,
-                                        in.b, 0.5f, 2.0f, out_null.p(),
+                  bico_transport_weight(ctx, o.a, in.a, o.b, in.b,
+                                        0.5f,
+                                        tau.p(), tau.ld,
+                                        null_out ? nullptr : rout.p(), rout.ld,
+                                        null_in ? nullptr : rin.p(), rin.ld, 2.0f, out_null.p(),
                                         out_null.ld));
         ASSERT_EQ(BICO_OK, bico_transport_weight(
-                               ctx, o.a, in.a, tau.p(), tau.ld, rout.p(),
-                               rout.ld, o.b, rin.p(), rin.ld, in.b, 0.5f,
+                               ctx, o.a, in.a, o.b, in.b, 0.5f,
+                               tau.p(), tau.ld, rout.p(), rout.ld, rin.p(), rin.ld,
                                2.0f, out_eye.p(), out_eye.ld));
         EXPECT_LT(bt::relerr(out_null.m(), out_eye.m()), 1e-6);
         EXPECT_TRUE(out_null.guards_intact());
@@ -159,9 +159,9 @@ TEST(Transport, WeightLopsidedShapes) {
     Buf tau(bt::randn(g, s[0], s[1]), 0);
     Buf rout(bt::randn(g, s[0], s[2]), 0), rin(bt::randn(g, s[1], s[3]), 0);
     Buf out = Buf::filled(s[2], s[3], 0, kNaN);
-    ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, s[0], s[1], tau.p(), tau.ld,
-                                             rout.p(), rout.ld, s[2], rin.p(),
-                                             rin.ld, s[3], -2.0f, 0.0f,
+    ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, s[0], s[1], s[2], s[3],
+                                             -2.0f, tau.p(), tau.ld, rout.p(),
+                                             rout.ld, rin.p(), rin.ld, 0.0f,
                                              out.p(), out.ld));
     Mat rom = rout.m(), rim = rin.m();
     EXPECT_LT(bt::relerr(out.m(), reference(tau.m(), &rom, s[2], &rim, s[3],
@@ -211,9 +211,9 @@ TEST(Transport, TemporaryBelongsToTheCheaperOrder) {
     Buf out = Buf::filled(dout_b, din_b, 0, 0.0f);
     t.largest = 0;
     size_t before = t.allocs;
-    ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, dout_a, din_a, tau.p(),
-                                             tau.ld, rout.p(), rout.ld, dout_b,
-                                             rin.p(), rin.ld, din_b, 1.0f,
+    ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, dout_a, din_a, dout_b,
+                                             din_b, 1.0f, tau.p(), tau.ld,
+                                             rout.p(), rout.ld, rin.p(), rin.ld,
                                              0.0f, out.p(), out.ld));
     EXPECT_EQ(t.allocs, before + 1);
     EXPECT_EQ(t.largest, want);
@@ -230,9 +230,9 @@ TEST(Transport, OrthogonalMapsPreserveFrobeniusNorm) {
     Buf tau(bt::randn(g, m, n), 0);
     Buf rout(bt::rand_orth(g, m), 0), rin(bt::rand_orth(g, n), 0);
     Buf out = Buf::filled(m, n, 0, kNaN);
-    ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, m, n, tau.p(), tau.ld,
-                                             rout.p(), rout.ld, m, rin.p(),
-                                             rin.ld, n, 1.0f, 0.0f, out.p(),
+    ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, m, n, m, n,
+                                             1.0f, tau.p(), tau.ld, rout.p(),
+                                             rout.ld, rin.p(), rin.ld, 0.0f, out.p(),
                                              out.ld));
     double a = bt::fro(out.m()), b = bt::fro(tau.m());
     EXPECT_NEAR(a / b, 1.0, 1e-5);
@@ -288,9 +288,9 @@ TEST(Transport, SplitEqualsBlockwiseAndBlockDiagonal) {
       Buf out(init, 1);
       ASSERT_EQ(BICO_OK,
                 bico_transport_weight_split(
-                    ctx, k, dout_a, din_a, tau.p(), tau.ld,
-                    variant == 2 ? nullptr : ptrs.data(), rs[0].ld, dout_b,
-                    rin_p, rin.ld, din_b, 1.5f, 0.25f, out.p(), out.ld))
+                    ctx, k, dout_a, din_a, dout_b, din_b,
+                    1.5f, tau.p(), tau.ld,
+                    variant == 2 ? nullptr : ptrs.data(), rs[0].ld, rin_p, rin.ld, 0.25f, out.p(), out.ld))
           << bico_ctx_errmsg(ctx);
       EXPECT_TRUE(out.guards_intact());
 
@@ -314,8 +314,8 @@ TEST(Transport, SplitEqualsBlockwiseAndBlockDiagonal) {
       Buf diag(block_diag(blk, bd.a, bd.b), 0);
       Buf out2(init, 0);
       ASSERT_EQ(BICO_OK, bico_transport_weight(
-                             ctx, dout_a, din_a, tau.p(), tau.ld, diag.p(),
-                             diag.ld, dout_b, rin_p, rin.ld, din_b, 1.5f,
+                             ctx, dout_a, din_a, dout_b, din_b, 1.5f,
+                             tau.p(), tau.ld, diag.p(), diag.ld, rin_p, rin.ld,
                              0.25f, out2.p(), out2.ld));
       EXPECT_LT(bt::relerr(out.m(), out2.m()), 1e-5);
     }
@@ -328,11 +328,11 @@ TEST(Transport, SplitWithOneBlockEqualsWeight) {
       rin(bt::randn(g, 4, 3), 0);
   Buf a = Buf::filled(5, 3, 0, kNaN), b = Buf::filled(5, 3, 0, kNaN);
   const float *rs[] = {rout.p()};
-  ASSERT_EQ(BICO_OK, bico_transport_weight_split(ctx, 1, 6, 4, tau.p(), 4, rs,
-                                                 5, 5, rin.p(), 3, 3, 1.0f,
+  ASSERT_EQ(BICO_OK, bico_transport_weight_split(ctx, 1, 6, 4, 5, 3, 1.0f,
+                                                 tau.p(), 4, rs, 5, rin.p(), 3,
                                                  0.0f, a.p(), 3));
-  ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, 6, 4, tau.p(), 4, rout.p(), 5,
-                                           5, rin.p(), 3, 3, 1.0f, 0.0f, b.p(),
+  ASSERT_EQ(BICO_OK, bico_transport_weight(ctx, 6, 4, 5, 3, 1.0f, tau.p(),
+                                           4, rout.p(), 5, rin.p(), 3, 0.0f, b.p(),
                                            3));
   EXPECT_LT(bt::relerr(a.m(), b.m()), 1e-6);
 }
@@ -351,9 +351,9 @@ TEST(Transport, VectorMatchesMatmul) {
                                : Buf(bt::randn(g, d.b, 1), 0);
         Mat out0 = out.m(), rm = r.m();
         ASSERT_EQ(BICO_OK,
-                  bico_transport_vector(ctx, d.a, vb.p(),
-                                        null_r ? nullptr : r.p(), r.ld, d.b,
-                                        -0.5f, beta, out.p()));
+                  bico_transport_vector(ctx, d.a, d.b,
+                                        -0.5f, vb.p(), null_r ? nullptr : r.p(),
+                                        r.ld, beta, out.p()));
         Mat rr = null_r ? bt::eye(d.a, d.b) : rm;
         Mat want = scaled_sum(bt::matmul(bt::transpose(rr), vb.m()), -0.5,
                               out0, beta);
@@ -375,9 +375,9 @@ TEST(Transport, RowsMatchesMatmul) {
                                : Buf(bt::randn(g, n, d.b), 2);
         Mat out0 = out.m();
         ASSERT_EQ(BICO_OK,
-                  bico_transport_rows(ctx, n, d.a, t.p(), t.ld,
-                                      null_r ? nullptr : r.p(), r.ld, d.b,
-                                      2.0f, beta, out.p(), out.ld));
+                  bico_transport_rows(ctx, n, d.a, d.b, 2.0f,
+                                      t.p(), t.ld, null_r ? nullptr : r.p(),
+                                      r.ld, beta, out.p(), out.ld));
         Mat rr = null_r ? bt::eye(d.a, d.b) : r.m();
         Mat want = scaled_sum(bt::matmul(t.m(), rr), 2.0, out0, beta);
         EXPECT_LT(bt::relerr(out.m(), want), 1e-5);
@@ -399,8 +399,8 @@ struct TransportErrors : ::testing::Test {
   Buf out = Buf::filled(5, 2, 0, 7.0f);
   bico_status weight(size_t ld_tau = 3, size_t ld_rout = 5, size_t ld_rin = 2,
                      size_t ld_out = 2, float alpha = 1.0f) {
-    return bico_transport_weight(ctx, 4, 3, tau.p(), ld_tau, rout.p(),
-                                 ld_rout, 5, rin.p(), ld_rin, 2, alpha, 1.0f,
+    return bico_transport_weight(ctx, 4, 3, 5, 2, alpha,
+                                 tau.p(), ld_tau, rout.p(), ld_rout, rin.p(), ld_rin, 1.0f,
                                  out.p(), ld_out);
   }
   bool out_untouched() const {
@@ -412,40 +412,40 @@ struct TransportErrors : ::testing::Test {
 
 TEST_F(TransportErrors, NullArguments) {
   EXPECT_EQ(BICO_E_NULL,
-            bico_transport_weight(nullptr, 4, 3, tau.p(), 3, nullptr, 5, 5,
-                                  nullptr, 2, 2, 1.0f, 0.0f, out.p(), 2));
+            bico_transport_weight(nullptr, 4, 3, 5, 2, 1.0f, tau.p(), 3,
+                                  nullptr, 5, nullptr, 2, 0.0f, out.p(), 2));
   EXPECT_EQ(BICO_E_NULL,
-            bico_transport_weight(ctx, 4, 3, nullptr, 3, nullptr, 5, 5,
-                                  nullptr, 2, 2, 1.0f, 0.0f, out.p(), 2));
+            bico_transport_weight(ctx, 4, 3, 5, 2, 1.0f, nullptr, 3,
+                                  nullptr, 5, nullptr, 2, 0.0f, out.p(), 2));
   EXPECT_TRUE(mentions(ctx, "transport_weight") && mentions(ctx, "tau"));
   EXPECT_EQ(BICO_E_NULL,
-            bico_transport_weight(ctx, 4, 3, tau.p(), 3, nullptr, 5, 5,
-                                  nullptr, 2, 2, 1.0f, 0.0f, nullptr, 2));
+            bico_transport_weight(ctx, 4, 3, 5, 2, 1.0f, tau.p(), 3,
+                                  nullptr, 5, nullptr, 2, 0.0f, nullptr, 2));
   EXPECT_TRUE(mentions(ctx, "out"));
-  EXPECT_EQ(BICO_E_NULL, bico_transport_vector(ctx, 4, nullptr, nullptr, 4, 4,
-                                               1.0f, 0.0f, out.p()));
+  EXPECT_EQ(BICO_E_NULL, bico_transport_vector(ctx, 4, 4, 1.0f, nullptr, nullptr,
+                                               4, 0.0f, out.p()));
   EXPECT_TRUE(mentions(ctx, "transport_vector"));
-  EXPECT_EQ(BICO_E_NULL, bico_transport_rows(ctx, 4, 3, tau.p(), 3, nullptr,
-                                             2, 2, 1.0f, 0.0f, nullptr, 2));
+  EXPECT_EQ(BICO_E_NULL, bico_transport_rows(ctx, 4, 3, 2, 1.0f, tau.p(),
+                                             3, nullptr, 2, 0.0f, nullptr, 2));
   EXPECT_TRUE(mentions(ctx, "transport_rows"));
   EXPECT_EQ(BICO_E_NULL, bico_transport_weight_split(
-                             ctx, 1, 4, 3, nullptr, 3, nullptr, 5, 5, nullptr,
-                             2, 2, 1.0f, 0.0f, out.p(), 2));
+                             ctx, 1, 4, 3, 5, 2, 1.0f, nullptr, 3, nullptr,
+                             5, nullptr, 2, 0.0f, out.p(), 2));
   EXPECT_TRUE(out_untouched());
 }
 
 TEST_F(TransportErrors, ZeroDimensions) {
   EXPECT_EQ(BICO_E_SHAPE,
-            bico_transport_weight(ctx, 0, 3, tau.p(), 3, nullptr, 5, 5,
-                                  nullptr, 2, 2, 1.0f, 0.0f, out.p(), 2));
+            bico_transport_weight(ctx, 0, 3, 5, 2, 1.0f, tau.p(), 3,
+                                  nullptr, 5, nullptr, 2, 0.0f, out.p(), 2));
   EXPECT_TRUE(mentions(ctx, "zero dimension"));
   EXPECT_EQ(BICO_E_SHAPE,
-            bico_transport_weight(ctx, 4, 3, tau.p(), 3, nullptr, 5, 5,
-                                  nullptr, 2, 0, 1.0f, 0.0f, out.p(), 2));
-  EXPECT_EQ(BICO_E_SHAPE, bico_transport_vector(ctx, 4, tau.p(), nullptr, 4,
-                                                0, 1.0f, 0.0f, out.p()));
-  EXPECT_EQ(BICO_E_SHAPE, bico_transport_rows(ctx, 0, 3, tau.p(), 3, nullptr,
-                                              2, 2, 1.0f, 0.0f, out.p(), 2));
+            bico_transport_weight(ctx, 4, 3, 5, 0, 1.0f, tau.p(), 3,
+                                  nullptr, 5, nullptr, 2, 0.0f, out.p(), 2));
+  EXPECT_EQ(BICO_E_SHAPE, bico_transport_vector(ctx, 4, 0, 1.0f, tau.p(),
+                                                nullptr, 4, 0.0f, out.p()));
+  EXPECT_EQ(BICO_E_SHAPE, bico_transport_rows(ctx, 0, 3, 2, 1.0f, tau.p(),
+                                              3, nullptr, 2, 0.0f, out.p(), 2));
   EXPECT_TRUE(out_untouched());
 }
 
@@ -460,10 +460,10 @@ TEST_F(TransportErrors, StridesTooSmall) {
   EXPECT_TRUE(mentions(ctx, "ld_rin = 1")) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(BICO_E_SHAPE, weight(3, 5, 2, 1));
   EXPECT_TRUE(mentions(ctx, "ld_out = 1")) << bico_ctx_errmsg(ctx);
-  EXPECT_EQ(BICO_E_SHAPE, bico_transport_vector(ctx, 4, tau.p(), rout.p(), 4,
-                                                5, 1.0f, 0.0f, out.p()));
-  EXPECT_EQ(BICO_E_SHAPE, bico_transport_rows(ctx, 4, 3, tau.p(), 2, nullptr,
-                                              2, 2, 1.0f, 0.0f, out.p(), 2));
+  EXPECT_EQ(BICO_E_SHAPE, bico_transport_vector(ctx, 4, 5, 1.0f, tau.p(),
+                                                rout.p(), 4, 0.0f, out.p()));
+  EXPECT_EQ(BICO_E_SHAPE, bico_transport_rows(ctx, 4, 3, 2, 1.0f, tau.p(),
+                                              2, nullptr, 2, 0.0f, out.p(), 2));
   EXPECT_TRUE(out_untouched());
 }
 
@@ -471,18 +471,18 @@ TEST_F(TransportErrors, SplitBlocksMustDivide) {
   const float *rs[] = {nullptr, nullptr, nullptr};
   Buf t6 = Buf::filled(6, 3, 0, 1.0f), o = Buf::filled(7, 3, 0, 7.0f);
   EXPECT_EQ(BICO_E_SHAPE,
-            bico_transport_weight_split(ctx, 3, 6, 3, t6.p(), 3, rs, 2, 7,
-                                        nullptr, 3, 3, 1.0f, 0.0f, o.p(), 3));
+            bico_transport_weight_split(ctx, 3, 6, 3, 7, 3, 1.0f, t6.p(), 3,
+                                        rs, 2, nullptr, 3, 0.0f, o.p(), 3));
   EXPECT_TRUE(mentions(ctx, "k = 3") && mentions(ctx, "dout_b = 7"))
       << bico_ctx_errmsg(ctx);
   EXPECT_EQ(BICO_E_SHAPE,
-            bico_transport_weight_split(ctx, 4, 6, 3, t6.p(), 3, nullptr, 2,
-                                        4, nullptr, 3, 3, 1.0f, 0.0f, o.p(),
+            bico_transport_weight_split(ctx, 4, 6, 3, 4, 3, 1.0f, t6.p(),
+                                        3, nullptr, 2, nullptr, 3, 0.0f, o.p(),
                                         3));
   EXPECT_TRUE(mentions(ctx, "dout_a = 6")) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(BICO_E_ARG,
-            bico_transport_weight_split(ctx, 0, 6, 3, t6.p(), 3, nullptr, 2,
-                                        6, nullptr, 3, 3, 1.0f, 0.0f, o.p(),
+            bico_transport_weight_split(ctx, 0, 6, 3, 6, 3, 1.0f, t6.p(),
+                                        3, nullptr, 2, nullptr, 3, 0.0f, o.p(),
                                         3));
   EXPECT_TRUE(mentions(ctx, "k is 0"));
   for (float x : o.v) EXPECT_EQ(x, 7.0f);
@@ -513,16 +513,16 @@ TEST_F(TransportErrors, NonFiniteInputs) {
   const float *rs[] = {r0.p(), r1.p()};
   Buf o = Buf::filled(4, 3, 0, 0.0f);
   EXPECT_EQ(BICO_E_NONFINITE,
-            bico_transport_weight_split(ctx, 2, 4, 3, tau.p(), 3, rs, 2, 4,
-                                        nullptr, 3, 3, 1.0f, 0.0f, o.p(), 3));
+            bico_transport_weight_split(ctx, 2, 4, 3, 4, 3, 1.0f, tau.p(), 3,
+                                        rs, 2, nullptr, 3, 0.0f, o.p(), 3));
   EXPECT_TRUE(mentions(ctx, "r_outs[1]")) << bico_ctx_errmsg(ctx);
-  EXPECT_EQ(BICO_E_NONFINITE, bico_transport_vector(ctx, 2, r0.p(), r1.p(), 2,
-                                                    2, 1.0f, 0.0f, o.p()));
+  EXPECT_EQ(BICO_E_NONFINITE, bico_transport_vector(ctx, 2, 2, 1.0f, r0.p(),
+                                                    r1.p(), 2, 0.0f, o.p()));
   EXPECT_TRUE(mentions(ctx, "transport_vector: r holds NaN"))
       << bico_ctx_errmsg(ctx);
   r0.at(1, 1) = kInf;
-  EXPECT_EQ(BICO_E_NONFINITE, bico_transport_rows(ctx, 2, 2, r0.p(), 2,
-                                                  nullptr, 2, 2, 1.0f, 0.0f,
+  EXPECT_EQ(BICO_E_NONFINITE, bico_transport_rows(ctx, 2, 2, 2, 1.0f,
+                                                  r0.p(), 2, nullptr, 2, 0.0f,
                                                   o.p(), 3));
   EXPECT_TRUE(mentions(ctx, "transport_rows: t holds Inf"))
       << bico_ctx_errmsg(ctx);

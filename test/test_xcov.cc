@@ -352,24 +352,24 @@ TEST(XcovTest, AddMatrix) {
   bico_xcov *xc = nullptr;
   ASSERT_EQ(bico_xcov_create(ctx, da, db, 0, &xc), BICO_OK);
   ASSERT_EQ(bico_xcov_add(xc, n, a.row(0), da, b.row(0), db), BICO_OK);
-  ASSERT_EQ(bico_xcov_add_matrix(xc, cbuf.data(), ldc, 1000), BICO_OK);
+  ASSERT_EQ(bico_xcov_add_matrix(xc, 1000, cbuf.data(), ldc), BICO_OK);
   Mat ref = bt::add(bt::matmul(bt::transpose(a.exact()), b.exact()), ext);
   EXPECT_LT(bt::relerr(get(xc, BICO_XCOV_CROSS, 0, da, db), ref), 1e-12);
   uint64_t rows = 0;
   bico_xcov_info(xc, nullptr, nullptr, &rows, nullptr);
   EXPECT_EQ(rows, uint64_t(1050));
   // Errors: stride, NULL, NaN (accumulator unchanged).
-  EXPECT_EQ(bico_xcov_add_matrix(xc, cbuf.data(), db - 1, 1), BICO_E_SHAPE);
+  EXPECT_EQ(bico_xcov_add_matrix(xc, 1, cbuf.data(), db - 1), BICO_E_SHAPE);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "ld_c"));
-  EXPECT_EQ(bico_xcov_add_matrix(xc, nullptr, db, 1), BICO_E_NULL);
+  EXPECT_EQ(bico_xcov_add_matrix(xc, 1, nullptr, db), BICO_E_NULL);
   cbuf[1 * ldc + 2] = std::numeric_limits<double>::infinity();
-  EXPECT_EQ(bico_xcov_add_matrix(xc, cbuf.data(), ldc, 1), BICO_E_NONFINITE);
+  EXPECT_EQ(bico_xcov_add_matrix(xc, 1, cbuf.data(), ldc), BICO_E_NONFINITE);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "row 1, column 2"));
   EXPECT_LT(bt::relerr(get(xc, BICO_XCOV_CROSS, 0, da, db), ref), 1e-12);
   bico_xcov_free(xc);
   // With sums or Grams it is refused.
   ASSERT_EQ(bico_xcov_create(ctx, da, db, BICO_XCOV_GRAMS, &xc), BICO_OK);
-  EXPECT_EQ(bico_xcov_add_matrix(xc, ext.v.data(), db, 1), BICO_E_STATE);
+  EXPECT_EQ(bico_xcov_add_matrix(xc, 1, ext.v.data(), db), BICO_E_STATE);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "BICO_XCOV_GRAMS"));
   bico_xcov_free(xc);
 }
@@ -437,9 +437,9 @@ TEST(XcovTest, NullPointersAndZeroDims) {
   EXPECT_EQ(rows, uint64_t(0));
   EXPECT_EQ(bico_xcov_info(nullptr, nullptr, nullptr, nullptr, nullptr), BICO_E_NULL);
   double out[6], s[3];
-  EXPECT_EQ(bico_xcov_matrix(nullptr, 0, 0, out, 3), BICO_E_NULL);
-  EXPECT_EQ(bico_xcov_matrix(xc, 0, 0, nullptr, 3), BICO_E_NULL);
-  EXPECT_EQ(bico_xcov_matrix(xc, 0, 0, out, 2), BICO_E_SHAPE);
+  EXPECT_EQ(bico_xcov_matrix(nullptr, BICO_XCOV_CROSS, 0, out, 3), BICO_E_NULL);
+  EXPECT_EQ(bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, nullptr, 3), BICO_E_NULL);
+  EXPECT_EQ(bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, out, 2), BICO_E_SHAPE);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "ld_out = 2"));
   EXPECT_EQ(bico_xcov_matrix(xc, 7, 0, out, 3), BICO_E_ARG);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "which = 7"));

@@ -145,8 +145,8 @@ TEST(XcovFastTest, FlagBookkeeping) {
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "flags"));
 
   const double m[] = {1, 2, 3, 4, 5, 6};
-  EXPECT_EQ(bico_xcov_add_matrix(s, m, 3, 10), BICO_OK);
-  EXPECT_EQ(bico_xcov_add_matrix(f, m, 3, 10), BICO_E_STATE);
+  EXPECT_EQ(bico_xcov_add_matrix(s, 10, m, 3), BICO_OK);
+  EXPECT_EQ(bico_xcov_add_matrix(f, 10, m, 3), BICO_E_STATE);
 
   size_t size = 0, written = 0;
   ASSERT_EQ(bico_xcov_serialized_size(f, &size), BICO_OK);

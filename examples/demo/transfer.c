@@ -90,9 +90,9 @@ static int gradfix(bico_ctx *ctx, const demo_mlp *b, const demo_mlp *tau,
   size_t kept_all = 0, total = 0;
   for (int l = 0; l < b->nl; l++) {
     size_t kw = 0, kb = 0;
-    CK(bico_gradfix_apply(vw[l], BICO_GRADFIX_MAJORITY, tau->w[l], 1.f, 0.f,
+    CK(bico_gradfix_apply(vw[l], BICO_GRADFIX_MAJORITY, 1.f, tau->w[l], 0.f,
                           upd->w[l], &kw));
-    CK(bico_gradfix_apply(vb[l], BICO_GRADFIX_MAJORITY, tau->b[l], 1.f, 0.f,
+    CK(bico_gradfix_apply(vb[l], BICO_GRADFIX_MAJORITY, 1.f, tau->b[l], 0.f,
                           upd->b[l], &kb));
     kept_all += kw + kb;
     total += b->dims[l + 1] * (b->dims[l] + 1);
@@ -147,14 +147,14 @@ int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
     size_t sw[2] = {a->dims[s + 1], a->dims[s]}, sb[1] = {a->dims[s + 1]};
     size_t tw[2] = {b->dims[l + 1], b->dims[l]}, tb[1] = {b->dims[l + 1]};
     if (same) {
-      CK(bico_baseline_naive(ctx, 2, sw, 2, tw, tau.w[s], 1.f, 0.f,
+      CK(bico_baseline_naive(ctx, 2, sw, 2, tw, 1.f, tau.w[s], 0.f,
                              out->upd[DEMO_M_NAIVE].w[l]));
-      CK(bico_baseline_naive(ctx, 1, sb, 1, tb, tau.b[s], 1.f, 0.f,
+      CK(bico_baseline_naive(ctx, 1, sb, 1, tb, 1.f, tau.b[s], 0.f,
                              out->upd[DEMO_M_NAIVE].b[l]));
     }
-    CK(bico_baseline_pad(ctx, 2, sw, 2, tw, tau.w[s], 1.f, 0.f,
+    CK(bico_baseline_pad(ctx, 2, sw, 2, tw, 1.f, tau.w[s], 0.f,
                          out->upd[DEMO_M_PAD].w[l]));
-    CK(bico_baseline_pad(ctx, 1, sb, 1, tb, tau.b[s], 1.f, 0.f,
+    CK(bico_baseline_pad(ctx, 1, sb, 1, tb, 1.f, tau.b[s], 0.f,
                          out->upd[DEMO_M_PAD].b[l]));
   }
   out->valid[DEMO_M_NAIVE] = same && !bico_only;
@@ -197,20 +197,20 @@ int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
 
     /* tau_B = R_out^T tau R_in; the bias lives in the output space */
     demo_mlp *u = &out->upd[DEMO_M_BICO];
-    CK(bico_transport_weight(ctx, doa, dia, tau.w[s], dia, rout, dob, dob,
-                             rin, dib, dib, 1.f, 0.f, u->w[l], dib));
-    CK(bico_transport_vector(ctx, doa, tau.b[s], rout, dob, dob, 1.f, 0.f,
+    CK(bico_transport_weight(ctx, doa, dia, dob, dib, 1.f, tau.w[s], dia,
+                             rout, dob, rin, dib, 0.f, u->w[l], dib));
+    CK(bico_transport_vector(ctx, doa, dob, 1.f, tau.b[s], rout, dob, 0.f,
                              u->b[l]));
     /* ablations: the other side's map is the (rectangular) identity */
     u = &out->upd[DEMO_M_BICO_IN];
-    CK(bico_transport_weight(ctx, doa, dia, tau.w[s], dia, NULL, dob, dob, rin,
-                             dib, dib, 1.f, 0.f, u->w[l], dib));
-    CK(bico_transport_vector(ctx, doa, tau.b[s], NULL, dob, dob, 1.f, 0.f,
+    CK(bico_transport_weight(ctx, doa, dia, dob, dib, 1.f, tau.w[s], dia, NULL,
+                             dob, rin, dib, 0.f, u->w[l], dib));
+    CK(bico_transport_vector(ctx, doa, dob, 1.f, tau.b[s], NULL, dob, 0.f,
                              u->b[l]));
     u = &out->upd[DEMO_M_BICO_OUT];
-    CK(bico_transport_weight(ctx, doa, dia, tau.w[s], dia, rout, dob, dob,
-                             NULL, dib, dib, 1.f, 0.f, u->w[l], dib));
-    CK(bico_transport_vector(ctx, doa, tau.b[s], rout, dob, dob, 1.f, 0.f,
+    CK(bico_transport_weight(ctx, doa, dia, dob, dib, 1.f, tau.w[s], dia,
+                             rout, dob, NULL, dib, 0.f, u->w[l], dib));
+    CK(bico_transport_vector(ctx, doa, dob, 1.f, tau.b[s], rout, dob, 0.f,
                              u->b[l]));
     bico_xcov_free(xin);
     bico_xcov_free(xout);

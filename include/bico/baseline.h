@@ -18,7 +18,7 @@ extern "C" {
 BICO_API bico_status bico_baseline_naive(bico_ctx *ctx, size_t ndim_a,
                                          const size_t *shape_a,
                                          size_t ndim_b, const size_t *shape_b,
-                                         const float *tau, float alpha,
+                                         float alpha, const float *tau,
                                          float beta, float *out);
 
 /* Zero padding / truncation: each dimension of tau is cut or zero-extended
@@ -26,7 +26,7 @@ BICO_API bico_status bico_baseline_naive(bico_ctx *ctx, size_t ndim_a,
 BICO_API bico_status bico_baseline_pad(bico_ctx *ctx, size_t ndim_a,
                                        const size_t *shape_a, size_t ndim_b,
                                        const size_t *shape_b,
-                                       const float *tau, float alpha,
+                                       float alpha, const float *tau,
                                        float beta, float *out);
 
 #ifdef __cplusplus

@@ -7,10 +7,12 @@
 
 #include "version.h"
 #include "status.h"
+#include "params.h"
 #include "ctx.h"
 #include "xcov.h"
 #include "procrustes.h"
 #include "transport.h"
+#include "votes.h"
 #include "gradfix.h"
 #include "baseline.h"
 #include "depthmap.h"
@@ -20,5 +22,8 @@
 #include "lora.h"
 #include "merge.h"
 #include "fit.h"
+/* Declares nothing unless BICO_EXPERIMENTAL is defined: interfaces without
+ * an ABI promise (experimental.h). */
+#include "experimental.h"
 
 #endif

@@ -16,6 +16,7 @@
 
 #include <stddef.h>
 #include "status.h"
+#include "params.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -39,21 +40,49 @@ BICO_API bico_status bico_ctx_create_with_allocator(bico_ctx **out,
  * first. */
 BICO_API void bico_ctx_free(bico_ctx *ctx);
 
-/* Context parameters, set with bico_ctx_set_param. */
+/* Context parameters, in the grammar of params.h. */
 typedef enum bico_ctx_param {
   BICO_CTX_THREADS = 1 /* threads for BLIS calls made with this context;
-                          1..1024, default 1 */
+                          integers 1..1024, default 1 */
 } bico_ctx_param;
 
-BICO_API bico_status bico_ctx_set_param(bico_ctx *ctx, int param, long value);
+BICO_API bico_status bico_ctx_set_param(bico_ctx *ctx, int param,
+                                        double value);
 BICO_API bico_status bico_ctx_get_param(const bico_ctx *ctx, int param,
-                                        long *value);
-BICO_API bico_status bico_ctx_param_bounds(int param, long *lo, long *hi);
+                                        double *value);
+BICO_API bico_status bico_ctx_param_bounds(int param, double *lo, double *hi,
+                                           unsigned *flags);
+/* Parameter names: "threads". */
+BICO_API const char *bico_ctx_param_name(int param);
+BICO_API bico_status bico_ctx_param_from_name(const char *name, int *param);
 
-/* The detail of the last failure of a call made with ctx ("" if none), for
- * example "xcov_add: row 17 of x_b holds NaN".  Valid until the next call
- * with ctx.  Never NULL for a non-NULL ctx. */
+/* ---- The last error ----
+ *
+ * A context records the status and the detail of the last failure of a
+ * call made with it (or with a handle made with it), by these rules:
+ *
+ *   - A call that acts (it takes a non-const handle or the context itself:
+ *     create, set_param, add, solve, transport, ...) clears the record on
+ *     entry and, if it fails, records its failure.  After it returns
+ *     BICO_OK, bico_ctx_errcode is BICO_OK and bico_ctx_errmsg is "".
+ *   - A query (it takes only const handles: *_info, *_get_param, the model
+ *     graph's lookups, bico_procrustes_spectrum, ...) records its own
+ *     failure but never clears the record when it succeeds, so a caller may
+ *     inspect its handles after a failure without losing its message.
+ *   - bico_ctx_errcode and bico_ctx_errmsg, and the functions that take no
+ *     handle (bico_strerror, *_param_bounds, *_name, *_from_name), never
+ *     change the record.
+ *
+ * A failing call whose own handle argument is NULL has no context to record
+ * into: it returns BICO_E_NULL and changes nothing. */
+
+/* The detail of the last failure ("" if none), for example "xcov_add: x_b
+ * holds NaN at row 17, column 3".  Valid until the next call that acts with
+ * ctx.  Never NULL ("no context (NULL)" for a NULL ctx). */
 BICO_API const char *bico_ctx_errmsg(const bico_ctx *ctx);
+/* The status of the last failure (BICO_OK if none); BICO_E_NULL for a NULL
+ * ctx.  Test this rather than the message's text. */
+BICO_API bico_status bico_ctx_errcode(const bico_ctx *ctx);
 
 #ifdef __cplusplus
 }

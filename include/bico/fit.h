@@ -23,7 +23,11 @@
  * over shards of the calibration data (bico_fit_merge).  The normal
  * equations are (G + lambda P) Delta = (K - G) Theta + E, with Theta =
  * [W_B, b_B]^T, Delta = [dW, db]^T and P the identity on the weight rows
- * (zero on the bias row). */
+ * (zero on the bias row).
+ *
+ * bico_fit_run (below) is the sequential driver: it calls back into the
+ * host's own forward pass for each layer's rows, solves, and hands each
+ * update back before it asks for the next layer. */
 #ifndef BICO_FIT_H
 #define BICO_FIT_H
 
@@ -108,6 +112,66 @@ BICO_API bico_status bico_fit_info(const bico_fit *f, size_t *d_in,
 BICO_API bico_status bico_fit_solve(bico_fit *f, const float *w_b,
                                     size_t ld_w, const float *b_b, float *dw,
                                     size_t ld_dw, float *db, size_t *rank);
+
+/* ---- The sequential driver ----
+ *
+ * bico_fit_run fits a model's linear layers one after the other, in
+ * forward order, calling back into the host for everything that needs the
+ * model: the host owns the weights and runs its own forward passes;
+ * libbico accumulates, solves and hands each update back before it asks
+ * for the next layer's rows, so those rows already see the update.  For
+ * layer l the host's callbacks do this:
+ *
+ *   layer(opaque, l, &d_in, &d_out, &w, &ld_w, &b)
+ *       the layer's shape and its current weight W_B (d_out x d_in, row
+ *       stride ld_w) and bias b_B (d_out floats, or NULL for a layer
+ *       without bias: then no bias is fitted).  The pointers must stay
+ *       valid until update returns for this layer.
+ *   rows(opaque, l, fit)
+ *       runs the calibration data through the target with the updates of
+ *       layers 0..l-1 applied (X', the layer's inputs), through the
+ *       original target (X_B), and computes the desired output change D_B
+ *       (typically D R_out: the source partner's output on the fine-tuned
+ *       source minus its output on the source, carried into the target's
+ *       output coordinates); passes the rows to bico_fit_add(fit, ...), in
+ *       as many batches as it likes.  It may also set the fit's options for
+ *       this layer (bico_fit_set_param); each layer's fit starts with
+ *       BICO_FIT_RIDGE = ridge and the other options at their defaults.
+ *   update(opaque, l, dw, ld_dw, db, rank)
+ *       the solved update (dW d_out x d_in with row stride ld_dw, db d_out
+ *       floats or NULL without bias) and the numerical rank of X~'^T X~';
+ *       the host applies it (W_B + dW, b_B + db, or a scaled version) to
+ *       the model its next forward passes run.  The buffers are valid
+ *       during the call only.
+ *
+ * A callback returns BICO_OK to go on; any other status stops the run and
+ * is returned, with a message naming the layer and the callback (and the
+ * detail of a failed libbico call made inside it, if that is what it
+ * returns).  The layers before the failing one have had their updates
+ * applied by then. */
+
+/* The host's side of bico_fit_run.  `size` must be set to
+ * sizeof(bico_fit_runner) as the caller compiled it: later versions may
+ * append fields and read them only when size covers them.  The callbacks
+ * are called from the thread that called bico_fit_run. */
+typedef struct bico_fit_runner {
+  size_t size;   /* sizeof(bico_fit_runner) */
+  void *opaque;  /* passed to every callback */
+  size_t layers; /* number of linear layers to fit, in forward order */
+  bico_status (*layer)(void *opaque, size_t l, size_t *d_in, size_t *d_out,
+                       const float **w, size_t *ld_w, const float **b);
+  bico_status (*rows)(void *opaque, size_t l, bico_fit *fit);
+  bico_status (*update)(void *opaque, size_t l, const float *dw,
+                        size_t ld_dw, const float *db, size_t rank);
+} bico_fit_runner;
+
+/* Runs the sequential fit over runner->layers layers (0 is a no-op), with
+ * ridge c = `ridge` (BICO_FIT_RIDGE's range) for every layer unless the
+ * rows callback changes it.  Memory: one layer's statistics and update at a
+ * time (through ctx's allocator). */
+BICO_API bico_status bico_fit_run(bico_ctx *ctx,
+                                  const bico_fit_runner *runner,
+                                  double ridge);
 
 #ifdef __cplusplus
 }

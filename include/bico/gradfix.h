@@ -1,9 +1,7 @@
-/* libbico: GradFix sign votes and masks.
+/* libbico: GradFix masks.
  *
- * For a source and target of identical shapes.  For each parameter tensor
- * of the target (n elements), a bico_votes accumulator takes one per-sample
- * gradient g_k at a time and keeps the integer vote v = sum_k sign(-g_k)
- * (and, with BICO_VOTES_MEAN, the double sum of -g_k).  The mask keeps the
+ * For a source and target of identical shapes.  From the sign votes of a
+ * target tensor (bico_votes, votes.h), the mask keeps the
  * coordinates of the task vector whose sign equals the estimated descent
  * sign:  m_i = 1 if sign(tau_i) == sign(v_i) != 0, else 0 (ties and zero
  * entries of tau are masked out).  Mode BICO_GRADFIX_MEAN uses the sign of
@@ -14,47 +12,21 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "ctx.h"
+#include "votes.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef struct bico_votes bico_votes;
-
-typedef enum bico_votes_flag {
-  BICO_VOTES_MEAN = 1 /* also keep the summed gradient (enables MEAN mode) */
-} bico_votes_flag;
-
+/* 0 asks for the default, MAJORITY. */
 typedef enum bico_gradfix_mode {
-  BICO_GRADFIX_MAJORITY = 0,
-  BICO_GRADFIX_MEAN = 1
+  BICO_GRADFIX_MAJORITY = 1,
+  BICO_GRADFIX_MEAN = 2
 } bico_gradfix_mode;
 
-/* Creates an accumulator for a tensor of n elements (flags: bico_votes_flag).
- * The handle keeps a pointer to ctx, which must outlive it. */
-BICO_API bico_status bico_votes_create(bico_ctx *ctx, size_t n, unsigned flags,
-                                       bico_votes **out);
-/* Accepts NULL. */
-BICO_API void bico_votes_free(bico_votes *v);
-
-/* Adds the gradient of one sample (n floats): vote += sign(-g).  NaN or Inf
- * is BICO_E_NONFINITE and changes nothing. */
-BICO_API bico_status bico_votes_add_grad(bico_votes *v, const float *grad);
-
-/* Adds votes counted elsewhere (n integers, each the sum of `samples` signs,
- * so |vote| <= samples).  Only for accumulators without BICO_VOTES_MEAN. */
-BICO_API bico_status bico_votes_add_counts(bico_votes *v, const int32_t *votes,
-                                           uint32_t samples);
-
-/* dst += src; sizes and flags must match. */
-BICO_API bico_status bico_votes_merge(bico_votes *dst, const bico_votes *src);
-
-/* Size, samples so far, flags; any out-pointer may be NULL. */
-BICO_API bico_status bico_votes_info(const bico_votes *v, size_t *n,
-                                     uint64_t *samples, unsigned *flags);
-
-/* Copies the n integer votes. */
-BICO_API bico_status bico_votes_counts(const bico_votes *v, int32_t *out);
+/* Names of the modes: "majority", "mean". */
+BICO_API const char *bico_gradfix_mode_name(int mode);
+BICO_API bico_status bico_gradfix_mode_from_name(const char *name, int *mode);
 
 /* mask[i] = 1 where tau's sign agrees with the estimated descent sign, else
  * 0; *kept (may be NULL) gets the number of ones. */
@@ -65,7 +37,7 @@ BICO_API bico_status bico_gradfix_mask(const bico_votes *v, int mode,
 /* out = alpha (m * tau) + beta out, element-wise, with the mask above
  * (beta = 0: out is not read). */
 BICO_API bico_status bico_gradfix_apply(const bico_votes *v, int mode,
-                                        const float *tau, float alpha,
+                                        float alpha, const float *tau,
                                         float beta, float *out, size_t *kept);
 
 #ifdef __cplusplus

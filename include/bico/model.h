@@ -73,6 +73,15 @@ typedef enum bico_tensor_role {
   BICO_ROLE_OTHER = 5
 } bico_tensor_role;
 
+/* Names: kinds ("linear", "elementwise", "embedding", "other") and roles
+ * ("weight", "bias", "vector", "token", "other"). */
+BICO_API const char *bico_model_module_kind_name(int kind);
+BICO_API bico_status bico_model_module_kind_from_name(const char *name,
+                                                      int *kind);
+BICO_API const char *bico_model_tensor_role_name(int role);
+BICO_API bico_status bico_model_tensor_role_from_name(const char *name,
+                                                      int *role);
+
 /* An empty model; tensors are then registered with bico_model_add_tensor.
  * The handle keeps a pointer to ctx (which must outlive it). */
 BICO_API bico_status bico_model_create(bico_ctx *ctx, bico_model **out);

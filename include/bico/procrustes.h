@@ -73,16 +73,31 @@ typedef enum bico_procrustes_param {
   BICO_PROC_METHOD = 6
 } bico_procrustes_param;
 
+/* Choices: 0 asks for the default (EIG, KEEP); get_param reports the
+ * member. */
 typedef enum bico_procrustes_method {
-  BICO_PROC_SVD = 0,
-  BICO_PROC_EIG = 1,
-  BICO_PROC_POLAR = 2
+  BICO_PROC_SVD = 1,
+  BICO_PROC_EIG = 2,
+  BICO_PROC_POLAR = 3
 } bico_procrustes_method;
 
 typedef enum bico_null_completion {
-  BICO_NULL_KEEP = 0,
-  BICO_NULL_DROP = 1
+  BICO_NULL_KEEP = 1,
+  BICO_NULL_DROP = 2
 } bico_null_completion;
+
+/* Names: parameters ("center", "whiten", "whiten_eps", "rank_tol", "null",
+ * "method"), methods ("svd", "eig", "polar"), completions ("keep",
+ * "drop"). */
+BICO_API const char *bico_procrustes_param_name(int param);
+BICO_API bico_status bico_procrustes_param_from_name(const char *name,
+                                                     int *param);
+BICO_API const char *bico_procrustes_method_name(int method);
+BICO_API bico_status bico_procrustes_method_from_name(const char *name,
+                                                      int *method);
+BICO_API const char *bico_procrustes_null_name(int completion);
+BICO_API bico_status bico_procrustes_null_from_name(const char *name,
+                                                    int *completion);
 
 BICO_API bico_status bico_procrustes_create(bico_ctx *ctx,
                                             bico_procrustes **out);
@@ -94,7 +109,7 @@ BICO_API bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
 BICO_API bico_status bico_procrustes_get_param(const bico_procrustes *p,
                                                int param, double *value);
 BICO_API bico_status bico_procrustes_param_bounds(int param, double *lo,
-                                                  double *hi);
+                                                  double *hi, unsigned *flags);
 
 /* Solves from an accumulator: writes R (d_a x d_b, row stride ld_r >= d_b)
  * and the numerical rank (rank may be NULL). */

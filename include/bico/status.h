@@ -3,7 +3,24 @@
  * Every fallible call returns a bico_status.  Values are explicit and frozen:
  * a code is never renumbered or reused; a retired one stays as
  * BICO_E_OBSOLETE<n>.  bico_strerror() gives static text for a code;
- * bico_ctx_errmsg() gives the detail of the last failure on a context. */
+ * bico_ctx_errmsg() gives the detail of the last failure on a context.
+ *
+ * Enumerations.  Every public enumerator has an explicit value, frozen once
+ * released, by one rule (docs/api.md):
+ *   - status codes: BICO_OK = 0, failures from 1;
+ *   - parameter keys (the `param` of *_set_param) from 1; 0 is never a key;
+ *   - choices (the values of a parameter or argument that picks one of
+ *     several) from 1, without gaps.  0 is reserved: where the choice has a
+ *     default, 0 asks for that default (and *_get_param reports the member
+ *     it resolved to); where it has none, 0 is BICO_E_ARG;
+ *   - flags are distinct powers of two; 0 is "none".
+ * Each enumeration has a pair of functions, so that bindings read the names
+ * from the library rather than copying them: <prefix>_name(value) gives the
+ * name (static text; NULL for a value that is not a member) and
+ * <prefix>_from_name(name, &value) the value (BICO_E_NULL, or
+ * BICO_E_NOTFOUND for an unknown name).  The names are the lowercase words
+ * that command lines, reports and Python use ("eig", "keep", "weight");
+ * status codes are named by their identifiers ("BICO_E_SHAPE"). */
 #ifndef BICO_STATUS_H
 #define BICO_STATUS_H
 
@@ -33,6 +50,10 @@ typedef enum bico_status {
 /* Static, never-NULL English text for a status code (unknown codes give
  * "unknown status"). */
 BICO_API const char *bico_strerror(int status);
+
+/* "BICO_OK", "BICO_E_SHAPE", ... (NULL for an unknown code), and back. */
+BICO_API const char *bico_status_name(int status);
+BICO_API bico_status bico_status_from_name(const char *name, int *status);
 
 #ifdef __cplusplus
 }

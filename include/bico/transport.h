@@ -16,7 +16,11 @@
  * Every kernel computes out = alpha * result + beta * out, so the transported
  * update can be added straight onto the target's weights (beta = 1).  As in
  * BLAS, beta = 0 means out is not read.  All matrices are row-major with the
- * given row strides (ld >= number of columns). */
+ * given row strides (ld >= number of columns).
+ *
+ * Argument order (BLIS's, docs/api.md): the context, the dimensions (source
+ * side, then target side), alpha, each input matrix followed by its row
+ * stride, then beta and the output with its row stride. */
 #ifndef BICO_TRANSPORT_H
 #define BICO_TRANSPORT_H
 
@@ -30,10 +34,10 @@ extern "C" {
 /* r_out: dout_a x dout_b (or NULL); r_in: din_a x din_b (or NULL);
  * out: dout_b x din_b. */
 BICO_API bico_status bico_transport_weight(
-    bico_ctx *ctx, size_t dout_a, size_t din_a, const float *tau,
-    size_t ld_tau, const float *r_out, size_t ld_rout, size_t dout_b,
-    const float *r_in, size_t ld_rin, size_t din_b, float alpha, float beta,
-    float *out, size_t ld_out);
+    bico_ctx *ctx, size_t dout_a, size_t din_a, size_t dout_b, size_t din_b,
+    float alpha, const float *tau, size_t ld_tau, const float *r_out,
+    size_t ld_rout, const float *r_in, size_t ld_rin, float beta, float *out,
+    size_t ld_out);
 
 /* Fused projections (attention qkv): the output dimension is split into k
  * equal blocks (dout_a and dout_b divisible by k); block i of tau's rows is
@@ -41,25 +45,26 @@ BICO_API bico_status bico_transport_weight(
  * for the identity; r_outs itself NULL for all identities) into block i of
  * out's rows.  All blocks share r_in. */
 BICO_API bico_status bico_transport_weight_split(
-    bico_ctx *ctx, size_t k, size_t dout_a, size_t din_a, const float *tau,
-    size_t ld_tau, const float *const *r_outs, size_t ld_rout, size_t dout_b,
-    const float *r_in, size_t ld_rin, size_t din_b, float alpha, float beta,
-    float *out, size_t ld_out);
+    bico_ctx *ctx, size_t k, size_t dout_a, size_t din_a, size_t dout_b,
+    size_t din_b, float alpha, const float *tau, size_t ld_tau,
+    const float *const *r_outs, size_t ld_rout, const float *r_in,
+    size_t ld_rin, float beta, float *out, size_t ld_out);
 
 /* out[d_b] = alpha R^T v + beta out, with R d_a x d_b (or NULL). */
 BICO_API bico_status bico_transport_vector(bico_ctx *ctx, size_t d_a,
+                                           size_t d_b, float alpha,
                                            const float *v, const float *r,
-                                           size_t ld_r, size_t d_b,
-                                           float alpha, float beta,
+                                           size_t ld_r, float beta,
                                            float *out);
 
 /* out[n, d_b] = alpha t R + beta out, with t n x d_a, R d_a x d_b (or
  * NULL). */
 BICO_API bico_status bico_transport_rows(bico_ctx *ctx, size_t n, size_t d_a,
+                                         size_t d_b, float alpha,
                                          const float *t, size_t ld_t,
                                          const float *r, size_t ld_r,
-                                         size_t d_b, float alpha, float beta,
-                                         float *out, size_t ld_out);
+                                         float beta, float *out,
+                                         size_t ld_out);
 
 #ifdef __cplusplus
 }

@@ -40,10 +40,17 @@ typedef enum bico_xcov_flag {
 
 /* Which matrix bico_xcov_matrix returns. */
 typedef enum bico_xcov_which {
-  BICO_XCOV_CROSS = 0,  /* x_a^T x_b, d_a x d_b */
-  BICO_XCOV_GRAM_A = 1, /* x_a^T x_a, d_a x d_a (needs BICO_XCOV_GRAMS) */
-  BICO_XCOV_GRAM_B = 2  /* x_b^T x_b, d_b x d_b (needs BICO_XCOV_GRAMS) */
-} bico_xcov_which;
+  BICO_XCOV_CROSS = 1,  /* x_a^T x_b, d_a x d_b */
+  BICO_XCOV_GRAM_A = 2, /* x_a^T x_a, d_a x d_a (needs BICO_XCOV_GRAMS) */
+  BICO_XCOV_GRAM_B = 3  /* x_b^T x_b, d_b x d_b (needs BICO_XCOV_GRAMS) */
+} bico_xcov_which;     /* no default: 0 is BICO_E_ARG */
+
+/* Names of the flags ("sums", "grams", "fast"; one flag, not a
+ * combination) and of the matrices ("cross", "gram_a", "gram_b"). */
+BICO_API const char *bico_xcov_flag_name(int flag);
+BICO_API bico_status bico_xcov_flag_from_name(const char *name, int *flag);
+BICO_API const char *bico_xcov_which_name(int which);
+BICO_API bico_status bico_xcov_which_from_name(const char *name, int *which);
 
 /* Creates an empty accumulator for d_a x d_b statistics.  The handle keeps
  * a pointer to ctx (which must outlive it) and reports failures there. */
@@ -63,8 +70,8 @@ BICO_API bico_status bico_xcov_add(bico_xcov *xc, size_t n,
 /* Adds a cross-covariance computed elsewhere (d_a x d_b, row stride ld_c)
  * covering `rows` rows.  Only for accumulators created without flags (sums
  * and Grams cannot be recovered from C alone): else BICO_E_STATE. */
-BICO_API bico_status bico_xcov_add_matrix(bico_xcov *xc, const double *c,
-                                          size_t ld_c, uint64_t rows);
+BICO_API bico_status bico_xcov_add_matrix(bico_xcov *xc, uint64_t rows,
+                                          const double *c, size_t ld_c);
 
 /* dst += src.  Dimensions and flags must match. */
 BICO_API bico_status bico_xcov_merge(bico_xcov *dst, const bico_xcov *src);

@@ -95,8 +95,11 @@ def random_state(cfg, gen, dtype=torch.float64):
     return sd
 
 
-def forward(cfg, sd, ids, with_inputs=False):
-    """Logits [batch, seq, vocab] of token ids [batch, seq] (causal)."""
+def forward(cfg, sd, ids, rec=None):
+    """Logits [batch, seq, vocab] of token ids [batch, seq] (causal).  With
+    rec a dict, each linear and norm module's input rows are stored under
+    "<module>.input" and its output tensor (retaining its gradient) under
+    "<module>.output" (see calibrate)."""
     d, hd = cfg["hidden_size"], cfg["head_dim"]
     H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
@@ -104,14 +107,24 @@ def forward(cfg, sd, ids, with_inputs=False):
     h = sd["model.embed_tokens.weight"][ids]
     mask = torch.full((T, T), float("-inf"), dtype=h.dtype).triu(1)
 
+    def keep(name, x, y):
+        if rec is not None:
+            rec[name + ".input"] = x.detach().reshape(-1, x.shape[-1])
+            y.retain_grad()
+            rec[name + ".output"] = y
+        return y
+
     def lin(x, name):
         y = x @ sd[name + ".weight"].T
         b = sd.get(name + ".bias")
-        return y if b is None else y + b
+        return keep(name, x, y if b is None else y + b)
+
+    def norm(x, name):
+        return keep(name, x, rms_norm(x, sd[name + ".weight"], eps))
 
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        x = rms_norm(h, sd[p + "input_layernorm.weight"], eps)
+        x = norm(h, p + "input_layernorm")
         q = lin(x, p + "self_attn.q_proj").view(B, T, H, hd).transpose(1, 2)
         k = lin(x, p + "self_attn.k_proj").view(B, T, KV, hd).transpose(1, 2)
         v = lin(x, p + "self_attn.v_proj").view(B, T, KV, hd).transpose(1, 2)
@@ -122,13 +135,32 @@ def forward(cfg, sd, ids, with_inputs=False):
         att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd) + mask, dim=-1)
         o = (att @ v).transpose(1, 2).reshape(B, T, H * hd)
         h = h + lin(o, p + "self_attn.o_proj")
-        x = rms_norm(h, sd[p + "post_attention_layernorm.weight"], eps)
+        x = norm(h, p + "post_attention_layernorm")
         g = lin(x, p + "mlp.gate_proj")
         u = lin(x, p + "mlp.up_proj")
         h = h + lin(torch.nn.functional.silu(g) * u, p + "mlp.down_proj")
-    h = rms_norm(h, sd["model.norm.weight"], eps)
+    h = norm(h, "model.norm")
     head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     return h @ head.T
+
+
+def calibrate(cfg, sd, ids, z):
+    """A calibration file's tensors (docs/formats.md): every module's input
+    rows and the gradient of the loss sum(logits * z) with respect to its
+    output, as float32 [rows, width] arrays."""
+    sd = {k: v.detach().clone().requires_grad_(True) for k, v in sd.items()}
+    rec = {}
+    logits = forward(cfg, sd, ids, rec)
+    (logits * z).sum().backward()
+    out = {}
+    for k in sorted(rec):
+        if k.endswith(".input"):
+            out[k] = rec[k].numpy().astype("float32")
+        else:
+            g = rec[k].grad
+            out[k[:-len(".output")] + ".output_grad"] = \
+                g.reshape(-1, g.shape[-1]).numpy().astype("float32")
+    return dict(sorted(out.items()))
 
 
 def _signed_perm(gen, n):

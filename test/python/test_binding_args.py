@@ -246,9 +246,11 @@ def test_procrustes_chooses_its_method():
     c = g.normal(size=(6, 6)) @ np.diag([5, 4, 3, 2, 1.5, 1.0])
     u, _, vt = np.linalg.svd(c @ q)
     want = u @ vt                                  # the polar factor
-    for name, code in (("svd", 0), ("eig", 1), ("polar", 2)):
+    from bico._lib import fn
+    for name, code in (("svd", 1), ("eig", 2), ("polar", 3)):
         with bico.Procrustes(method=name) as p:
             assert p.get("method") == code
+            assert fn.procrustes_method_name(code).decode() == name
             r, rank = p.solve_matrix(c @ q)
         assert rank == 6
         np.testing.assert_allclose(r, want, atol=2e-4)

@@ -246,8 +246,8 @@ def ref_map(c):
 def ref_bico(source_base, source_tuned, target_base, stats, pair, split,
              ties, alpha=1.0):
     """theta_B + alpha R_out^T tau R_in per linear module (fused ones block
-    by block), biases R_out^T b, norm vectors by the input-activation map,
-    tied tokens t R_out."""
+    by block), biases R_out^T b, norms by the input-activation map (scales
+    as operators, diag(R^T diag(tau) R); biases R^T b), tied tokens t R_out."""
     out = {}
 
     def maps(m):
@@ -280,9 +280,12 @@ def ref_bico(source_base, source_tuned, target_base, stats, pair, split,
             wa = tau.shape[0] // k
             upd = torch.cat([r_outs[i].T @ tau[i * wa:(i + 1) * wa]
                              for i in range(k)])
-        elif mod + ".in_xcov" in stats:  # norm vectors: activation map
+        elif mod + ".in_xcov" in stats:  # norms: activation map
             r_in, _ = maps(mod)
-            upd = r_in.T @ tau
+            # a scale is the operator diag(g): diag(R^T diag(tau) R);
+            # a bias is a vector: R^T tau
+            upd = torch.diagonal(r_in.T @ torch.diag(tau) @ r_in) \
+                if p == "weight" else r_in.T @ tau
         else:
             upd = torch.zeros_like(tb, dtype=torch.float64)
         out[name] = (tb.double() + alpha * upd).float()

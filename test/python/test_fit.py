@@ -169,3 +169,70 @@ def test_bad_input():
     f.close()
     with pytest.raises(ValueError, match="closed"):
         f.add(x, x, d)
+
+
+def test_run_recovers_planted_update_of_a_relu_net():
+    """bico.fit.run over a 3-layer ReLU net whose fine-tuned twin is the
+    same net plus a known update: the sequential fit recovers it."""
+    dims = [5, 8, 7, 3]
+    w = [randn(dims[i + 1], dims[i], scale=0.5) for i in range(3)]
+    b = [randn(dims[i + 1], scale=0.2) for i in range(3)]
+    uw = [randn(*m.shape, scale=0.2) for m in w]
+    ub = [randn(*v.shape, scale=0.2) for v in b]
+    x = randn(300, dims[0])
+
+    def forward(ws, bs):
+        ins, outs, a = [], [], x.astype(np.float64)
+        for i in range(3):
+            ins.append(a)
+            z = a @ np.asarray(ws[i], np.float64).T + bs[i]
+            outs.append(z)
+            a = np.maximum(z, 0)
+        return ins, outs
+
+    cur_w, cur_b = [m.copy() for m in w], [v.copy() for v in b]
+    ft_w = [w[i] + uw[i] for i in range(3)]
+    ft_b = [b[i] + ub[i] for i in range(3)]
+    got, ranks = {}, {}
+
+    def rows(l, fit):
+        xn = forward(cur_w, cur_b)[0][l]
+        xo = forward(w, b)[0][l]
+        d = forward(ft_w, ft_b)[1][l] - forward(w, b)[1][l]
+        fit.add(xn[:100], xo[:100], d[:100])  # in two batches
+        fit.add(xn[100:], xo[100:], d[100:])
+
+    def update(l, dw, db, rank):
+        got[l] = (dw, db)
+        ranks[l] = rank
+        cur_w[l] = cur_w[l] + dw
+        cur_b[l] = cur_b[l] + db
+
+    bico.fit.run(3, lambda l: (cur_w[l], cur_b[l]), rows, update, ridge=0.0)
+    for l in range(3):
+        assert rel(got[l][0], uw[l]) < 1e-4, l
+        assert rel(got[l][1], ub[l]) < 1e-4, l
+        assert ranks[l] == dims[l] + 1
+
+    # A failing callback: its exception comes back, the run stops.
+    seen = []
+
+    def bad_rows(l, fit):
+        seen.append(l)
+        if l == 1:
+            raise KeyError("host failure")
+        rows(l, fit)
+
+    with pytest.raises(KeyError, match="host failure"):
+        bico.fit.run(3, lambda l: (cur_w[l], cur_b[l]), bad_rows,
+                     lambda *a: None)
+    assert seen == [0, 1]
+    # A library failure inside the rows callback (NaN rows).
+    def nan_rows(l, fit):
+        fit.add(np.full((4, dims[l]), np.nan), np.zeros((4, dims[l])),
+                np.zeros((4, dims[l + 1])))
+
+    with pytest.raises(bico.BicoError) as e:
+        bico.fit.run(3, lambda l: (cur_w[l], cur_b[l]), nan_rows,
+                     lambda *a: None)
+    assert e.value.status == bico.E_NONFINITE

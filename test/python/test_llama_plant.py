@@ -59,3 +59,44 @@ def test_norm_scales_move_as_operators_not_vectors():
             op = torch.diagonal(sym["P"] @ torch.diag(A[k]) @ sym["P"].T)
             assert torch.allclose(op, B[k])
     assert (llama.forward(cfg, wrong, ids) - llama.forward(cfg, A, ids)).abs().max() > 1e-2
+
+
+def test_bico_on_planted_llama_folders(tmp_path):
+    """bico transfer on Hugging Face folders of a planted Llama pair (B = A
+    in other coordinates, tied embedding, generic full-rank statistics):
+    every linear weight and the tied embedding come out as the planted
+    T(tau), with no extra flags (the embedding through the first block's
+    input_layernorm map), and the RMSNorm scales too: under signed residual
+    permutations only the operator rule (R o R)^T tau is right (the vector
+    rule R^T tau flips their signs)."""
+    import subprocess
+    import numpy as np
+    import planted as pl
+    build = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
+    cfg = llama.default_config()
+    g = torch.Generator().manual_seed(21)
+    A = llama.random_state(cfg, g)
+    tau = {k: 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in A.items()}
+    sym = llama.symmetry(cfg, g)
+    B = llama.transform(cfg, A, sym)
+    tauB = llama.transform(cfg, tau, sym)
+    ids = torch.randint(0, cfg["vocab_size"], (8, 16), generator=g)
+    z = torch.randn(8, 16, cfg["vocab_size"], generator=g, dtype=torch.float64)
+    llama.write_folder(tmp_path / "A", cfg, A)
+    llama.write_folder(tmp_path / "Aft", cfg, {k: A[k] + tau[k] for k in A})
+    llama.write_folder(tmp_path / "B", cfg, B)
+    pl.save(str(tmp_path / "calA.safetensors"), llama.calibrate(cfg, A, ids, z))
+    pl.save(str(tmp_path / "calB.safetensors"), llama.calibrate(cfg, B, ids, z))
+    out = tmp_path / "out.safetensors"
+    r = subprocess.run([os.path.join(build, "bin", "bico"), "transfer", "--method", "bico",
+                        "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
+                        "--target-base", tmp_path / "B",
+                        "--source-calib", tmp_path / "calA.safetensors",
+                        "--target-calib", tmp_path / "calB.safetensors",
+                        "--quiet", "--output", out], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got, _, _ = pl.load(str(out))
+    for k, t in B.items():
+        want = (t + tauB[k]).numpy()
+        err = np.abs(got[k] - want).max() / max(np.abs(tauB[k].numpy()).max(), 1e-12)
+        assert err < 2e-3, (k, err)

@@ -91,10 +91,10 @@ class Context(_Handle):
 
     @property
     def threads(self):
-        v = c_long()
+        v = c_double()
         _check(fn.ctx_get_param(self._alive(), CTX_THREADS, ctypes.byref(v)),
                self)
-        return v.value
+        return int(v.value)
 
     @threads.setter
     def threads(self, n):
@@ -197,7 +197,7 @@ class XCov(_Handle):
         da, db = self.dims
         c = A.f64(c, "c", shape=(da, db), why="the accumulator's d_a x d_b")
         rows = A.size(rows, "rows", hi=2 ** 64 - 1)
-        _check(fn.xcov_add_matrix(self._alive(), _ptr(c), db, rows),
+        _check(fn.xcov_add_matrix(self._alive(), rows, _ptr(c), db),
                self.ctx)
         return self
 
@@ -232,7 +232,8 @@ class XCov(_Handle):
         """The accumulated matrix as a float64 array."""
         w = choose(XCOV_WHICH, which, "XCov.matrix: which")
         da, db = self.dims
-        shape = {0: (da, db), 1: (da, da), 2: (db, db)}[w]
+        shape = {XCOV_WHICH["cross"]: (da, db), XCOV_WHICH["gram_a"]: (da, da),
+                 XCOV_WHICH["gram_b"]: (db, db)}[w]
         out = np.empty(shape, dtype=np.float64)
         _check(fn.xcov_matrix(self._alive(), w, int(bool(centered)),
                               _ptr(out), max(shape[1], 1)), self.ctx)
@@ -409,9 +410,9 @@ def weight(tau, r_out=None, r_in=None, alpha=1.0, out=None, beta=0.0,
     alpha = A.scalar_f32(alpha, "alpha")
     beta = A.scalar_f32(beta, "beta")
     o, back = A.out_f32(out, (dout_b, din_b), beta=beta, inputs=(t, ro, ri))
-    _check(fn.transport_weight(ctx._alive(), dout_a, din_a, _ptr(t), ldt,
-                               _ptr(ro), ldo, dout_b, _ptr(ri), ldi, din_b,
-                               float(alpha), float(beta), _ptr(o), din_b), ctx)
+    _check(fn.transport_weight(ctx._alive(), dout_a, din_a, dout_b, din_b,
+                               float(alpha), _ptr(t), ldt, _ptr(ro), ldo, _ptr(ri),
+                               ldi, float(beta), _ptr(o), din_b), ctx)
     return A.finish(o, back)
 
 
@@ -468,9 +469,9 @@ def weight_split(tau, r_outs, r_in=None, alpha=1.0, out=None, beta=0.0,
     else:
         arr_t = ctypes.c_void_p * k
         arr_p = arr_t(*[_ptr(m) for m in mats])
-    _check(fn.transport_weight_split(ctx._alive(), k, dout_a, din_a, _ptr(t),
-                                     ldt, arr_p, ldr, dout_b, _ptr(ri), ldi,
-                                     din_b, float(alpha), float(beta), _ptr(o),
+    _check(fn.transport_weight_split(ctx._alive(), k, dout_a, din_a, dout_b,
+                                     din_b, float(alpha), _ptr(t), ldt, arr_p, ldr,
+                                     _ptr(ri), ldi, float(beta), _ptr(o),
                                      din_b), ctx)
     return A.finish(o, back)
 
@@ -484,8 +485,8 @@ def vector(v, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
     alpha = A.scalar_f32(alpha, "alpha")
     beta = A.scalar_f32(beta, "beta")
     o, back = A.out_f32(out, (db,), beta=beta, inputs=(v, rm))
-    _check(fn.transport_vector(ctx._alive(), v.size, _ptr(v), _ptr(rm), ldr, db,
-                               float(alpha), float(beta), _ptr(o)), ctx)
+    _check(fn.transport_vector(ctx._alive(), v.size, db, float(alpha), _ptr(v), _ptr(rm),
+                               ldr, float(beta), _ptr(o)), ctx)
     return A.finish(o, back)
 
 
@@ -505,8 +506,8 @@ def rows(t, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
     alpha = A.scalar_f32(alpha, "alpha")
     beta = A.scalar_f32(beta, "beta")
     o, back = A.out_f32(out, lead + (db,), beta=beta, inputs=(a2, rm))
-    _check(fn.transport_rows(ctx._alive(), n, d_a, _ptr(a2), max(d_a, 1),
-                             _ptr(rm), ldr, db, float(alpha), float(beta),
+    _check(fn.transport_rows(ctx._alive(), n, d_a, db, float(alpha),
+                             _ptr(a2), max(d_a, 1), _ptr(rm), ldr, float(beta),
                              _ptr(o), max(db, 1)), ctx)
     return A.finish(o, back)
 
@@ -536,7 +537,7 @@ def _baseline(f, tau, target_shape, alpha, out, beta, ctx):
     beta = A.scalar_f32(beta, "beta")
     o, back = A.out_f32(out, shape, beta=beta, inputs=(t,))
     _check(f(ctx._alive(), t.ndim, _shape_arr(t.shape), len(shape),
-             _shape_arr(shape), _ptr(t), float(alpha), float(beta), _ptr(o)),
+             _shape_arr(shape), float(alpha), _ptr(t), float(beta), _ptr(o)),
            ctx)
     return A.finish(o, back)
 
@@ -645,8 +646,8 @@ class Votes(_Handle):
             shape = out.shape
         o, back = A.out_f32(out, shape, beta=beta, inputs=(t,))
         kept = c_size_t()
-        _check(fn.gradfix_apply(self._alive(), mode, _ptr(t),
-                                float(alpha), float(beta), _ptr(o),
+        _check(fn.gradfix_apply(self._alive(), mode, float(alpha),
+                                _ptr(t), float(beta), _ptr(o),
                                 ctypes.byref(kept)), self.ctx)
         res = A.finish(o, back)
         return (res.reshape(self.shape) if out is None else res), kept.value

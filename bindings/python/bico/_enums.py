@@ -32,14 +32,14 @@ def choose(table, value, what):
 # ---- ctx.h, xcov.h, procrustes.h, gradfix.h ----
 CTX_THREADS = 1
 XCOV_SUMS, XCOV_GRAMS, XCOV_FAST = 1, 2, 8
-XCOV_WHICH = {"cross": 0, "gram_a": 1, "gram_b": 2}
+XCOV_WHICH = {"cross": 1, "gram_a": 2, "gram_b": 3}
 PROC_PARAMS = {"center": 1, "whiten": 2, "whiten_eps": 3, "rank_tol": 4,
                "null": 5, "method": 6}
-NULL_KEEP, NULL_DROP = 0, 1
+NULL_KEEP, NULL_DROP = 1, 2
 PROC_NULL_NAMES = {"keep": NULL_KEEP, "drop": NULL_DROP}
-PROC_METHOD_NAMES = {"svd": 0, "eig": 1, "polar": 2}
+PROC_METHOD_NAMES = {"svd": 1, "eig": 2, "polar": 3}
 VOTES_MEAN = 1
-GRADFIX_MODES = {"majority": 0, "vote": 0, "mean": 1}
+GRADFIX_MODES = {"majority": 1, "vote": 1, "mean": 2}
 
 # ---- model.h ----
 MODULE_KINDS = {1: "linear", 2: "elementwise", 3: "embedding", 4: "other"}

@@ -22,7 +22,7 @@ import numpy as np
 from . import _lib
 from ._core import BicoError, Context, _Handle, _check, _to_numpy
 
-__all__ = ["Fit", "FIT_BIAS", "FIT_RIDGE", "FIT_RANK_TOL"]
+__all__ = ["Fit", "run", "FIT_BIAS", "FIT_RIDGE", "FIT_RANK_TOL"]
 
 # include/bico/fit.h
 FIT_BIAS = 1
@@ -43,7 +43,20 @@ _PROTOTYPES = {
     "bico_fit_info": (_S, [_vp, _P(_sz), _P(_sz), _P(ctypes.c_uint64),
                            _P(ctypes.c_uint)]),
     "bico_fit_solve": (_S, [_vp, _vp, _sz, _vp, _vp, _sz, _vp, _P(_sz)]),
+    "bico_fit_run": (_S, [_vp, _vp, _d]),
 }
+
+# bico_fit_runner's callbacks
+_LAYER_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _P(_sz), _P(_sz), _P(_vp),
+                             _P(_sz), _P(_vp))
+_ROWS_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _vp)
+_UPDATE_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _vp, _sz, _vp, _sz)
+
+
+class _Runner(ctypes.Structure):
+    _fields_ = [("size", _sz), ("opaque", _vp), ("layers", _sz),
+                ("layer", _LAYER_FN), ("rows", _ROWS_FN),
+                ("update", _UPDATE_FN)]
 
 
 # Declared here, not in _lib.PROTOTYPES' literal, but registered there so
@@ -219,3 +232,85 @@ class Fit(_Handle):
         if st != 0:
             raise BicoError(st)
         return lo.value, hi.value
+
+
+class _Borrowed(Fit):
+    """The fit bico_fit_run passes to the rows callback: not owned, valid
+    during the callback only."""
+
+    def __init__(self, ptr, ctx, d_in, d_out, bias):
+        self._ptr, self.ctx = ptr, ctx
+        self.d_in, self.d_out, self.bias, self.rank = d_in, d_out, bias, None
+
+    def close(self):
+        self._ptr = None
+
+
+def run(layers, layer, rows, update, ridge=1e-2, ctx=None):
+    """The sequential driver (bico_fit_run) over a model the caller runs.
+
+    layers: number of linear layers, in forward order.
+    layer(l) -> (w, b): layer l's current weight [d_out, d_in] and bias
+        [d_out] (None: no bias is fitted);
+    rows(l, fit): runs the calibration data through the target with the
+        updates of layers < l applied and through the original target, and
+        calls fit.add(x_new, x_orig, delta) as often as it likes (it may
+        set fit.ridge for this layer);
+    update(l, dw, db, rank): applies the update (float32 arrays, copies)
+        before the next layer's rows are asked for.
+    An exception in a callback stops the run and is raised again here.
+    """
+    ctx = Context() if ctx is None else ctx
+    keep = {}  # arrays handed to C stay alive until update returns
+    shapes = {}
+    failure = []
+
+    def guard(f):
+        def g(*args):
+            try:
+                return f(*args)
+            except BaseException as e:  # re-raised after the C call returns
+                failure.append(e)
+                return 12  # BICO_E_STATE: stops the run
+        return g
+
+    @guard
+    def c_layer(_o, l, d_in, d_out, w_out, ld_out, b_out):
+        w, b = layer(l)
+        wa = _f32(w, "w")
+        do, di = wa.shape
+        ba = None if b is None else _vec32(b, "b", do)
+        keep[l] = (wa, ba)
+        shapes[l] = (di, do, ba is not None)
+        d_in[0], d_out[0], ld_out[0] = di, do, di
+        w_out[0] = wa.ctypes.data
+        b_out[0] = ba.ctypes.data if ba is not None else None
+        return 0
+
+    @guard
+    def c_rows(_o, l, fptr):
+        di, do, bias = shapes[l]
+        f = _Borrowed(fptr, ctx, di, do, bias)
+        try:
+            rows(l, f)
+        finally:
+            f.close()
+        return 0
+
+    @guard
+    def c_update(_o, l, dw, ld, db, rank):
+        di, do, bias = shapes[l]
+        w = np.ctypeslib.as_array(ctypes.cast(dw, _P(ctypes.c_float)),
+                                  shape=(do, ld))[:, :di].copy()
+        b = (np.ctypeslib.as_array(ctypes.cast(db, _P(ctypes.c_float)),
+                                   shape=(do,)).copy() if bias else None)
+        update(l, w, b, int(rank))
+        keep.pop(l, None)
+        return 0
+
+    cbs = (_LAYER_FN(c_layer), _ROWS_FN(c_rows), _UPDATE_FN(c_update))
+    r = _Runner(ctypes.sizeof(_Runner), None, int(layers), *cbs)
+    st = _fn.run(ctx._alive(), ctypes.byref(r), float(ridge))
+    if failure:
+        raise failure[0]
+    _check(st, ctx)

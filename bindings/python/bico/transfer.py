@@ -333,6 +333,12 @@ def _bico_tensor(name, role, module, tau, tb, st, use_in, use_out, norm_map,
         r, rk = st.get(module, side)
         r = r[0] if isinstance(r, list) else r
         entry.update(handling="vector", map=side, rank=rk)
+        if name.rsplit(".", 1)[-1] == "weight" and r is not None:
+            # a norm's scale is the operator diag(g): (R o R)^T tau, as the
+            # driver's route says (bico__route.scale)
+            r64 = np.asarray(r, np.float64)
+            return (alpha * ((r64 * r64).T @ np.asarray(tau, np.float64))
+                    ).astype(np.float32)
         return _vector(tau, r, alpha, d_b=tb.shape[0])
     if role == "token":
         tie = ties.get(name)
