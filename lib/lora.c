@@ -346,3 +346,8 @@ bico_status bico_lora_add_saved(bico_lora *l, const char *name,
   if (bytes) memcpy(copy, data, bytes);
   return bico__lora_push_saved(l, name, module, ndim, shape, numel, copy);
 }
+
+double bico__lora_dropout(const bico_lora *l) { return l->dropout; }
+void bico__lora_set_dropout(bico_lora *l, double dropout) {
+  l->dropout = dropout;
+}

@@ -33,6 +33,7 @@ struct bico_lora {
   lsaved *saved;
   size_t nsaved, caps;
   int rslora, fifo;
+  double dropout; /* lora_dropout: training only, carried to outputs */
   char *strings[NSTR];
   bico__strindex by_name; /* module name -> index into mods */
 };

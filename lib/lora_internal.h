@@ -30,6 +30,10 @@ typedef struct bico__route {
   char reason[192];
 } bico__route;
 
+/* The adapter's lora_dropout (training only; carried to outputs). */
+double bico__lora_dropout(const bico_lora *l);
+void bico__lora_set_dropout(bico_lora *l, double dropout);
+
 /* out[j] = beta out[j] + alpha sum_i r[i ld_r + j]^2 tau[i] for j < d_b:
  * the diagonal of R^T diag(tau) R for R [d_a, d_b] (a norm's scale under a
  * residual-stream map; lib/transfer_update.c). */
@@ -46,6 +50,8 @@ typedef struct bico__lora_hook {
   int method;                      /* bico_method */
   float alpha;
   const char *adapter_dir;         /* source adapter folder */
+  const char *target_path;         /* target base as given: the output
+                                      adapter's base_model_name_or_path */
   const char *out_dir;             /* output adapter folder, or NULL */
   const char *out_ckpt;            /* full target checkpoint, or NULL */
   const char *report_path;         /* JSON report, or NULL */

@@ -37,7 +37,7 @@ typedef struct config {
 
 /* Fields that describe training or provenance, not the weights. */
 static const char *const HARMLESS[] = {
-    "revision",        "inference_mode",  "lora_dropout",  "init_lora_weights",
+    "revision",        "inference_mode",  "init_lora_weights",
     "auto_mapping",    "layers_to_transform", "layers_pattern",
     "exclude_modules", "loftq_config",    "eva_config",    "corda_config",
     "megatron_config", "megatron_core",   "runtime_config", "peft_version",
@@ -120,6 +120,11 @@ static bico_status parse_config(bico_lora *l, const char *path,
                           path);
       c->r = (size_t)v->u.i;
       have_r = 1;
+    } else if (strcmp(k, "lora_dropout") == 0) {
+      /* training only, but a carried adapter keeps it for further tuning */
+      if (v->type == BICO__JSON_INT) l->dropout = (double)v->u.i;
+      else if (v->type == BICO__JSON_REAL) l->dropout = v->u.d;
+      if (!(l->dropout >= 0 && l->dropout < 1)) l->dropout = 0;
     } else if (strcmp(k, "lora_alpha") == 0) {
       if (!positive_number(v, &x))
         return bico__fail(ctx, BICO_E_FORMAT,
@@ -633,7 +638,7 @@ static bico_status build_config(const bico_lora *l, bico__jw *w) {
   bico__jw_key(w, "use_dora");
   bico__jw_bool(w, 0);
   bico__jw_key(w, "lora_dropout");
-  bico__jw_double(w, 0.0);
+  bico__jw_double(w, l->dropout);
   bico__jw_key(w, "inference_mode");
   bico__jw_bool(w, 1);
   bico__jw_end_object(w);

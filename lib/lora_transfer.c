@@ -646,6 +646,10 @@ static bico_status run_lora(lrun *r) {
   const char *tt = NULL;
   bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
   st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
+  /* The output adapter is for the target; it keeps the source's dropout. */
+  if (st == BICO_OK)
+    st = bico_lora_set_string(r->out, BICO_LORA_BASE_MODEL, h->target_path);
+  bico__lora_set_dropout(r->out, bico__lora_dropout(r->src));
   size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
   if (st == BICO_OK) st = check_adapter_names(r, nl, ns);
   if (st != BICO_OK) return st;

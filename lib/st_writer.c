@@ -91,6 +91,13 @@ bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
   if (plen == 0 || path[plen - 1] == '/')
     return bico__fail(ctx, BICO_E_ARG,
                       "stwriter_create: '%s' names no file", path);
+  /* The reader takes a *.json path for a sharded checkpoint's index: a
+   * checkpoint written under such a name could not be read back. */
+  if (plen >= 5 && strcmp(path + plen - 5, ".json") == 0)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "stwriter_create: %s: a .json name is a sharded "
+                      "checkpoint's index; write safetensors under another "
+                      "name (e.g. model.safetensors)", path);
   struct stat st;
   if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
     return bico__fail(ctx, BICO_E_ARG,

@@ -386,6 +386,7 @@ static bico_status lora_branch(bico__run *r) {
   h.method = r->method;
   h.alpha = r->alpha;
   h.adapter_dir = f[BICO_FILE_LORA];
+  h.target_path = f[BICO_FILE_TARGET_BASE];
   h.out_dir = f[BICO_FILE_LORA_OUTPUT];
   h.out_ckpt = f[BICO_FILE_OUTPUT];
   h.report_path = f[BICO_FILE_REPORT];

@@ -176,9 +176,7 @@ bico_status bico_transfer_assemble_begin(bico_transfer *t) {
   if (a->entries == NULL) return BICO_E_NOMEM;
   bico_status st = bico_stfile_open(ctx, t->files[BICO_FILE_TARGET_BASE], &a->tb);
   if (st == BICO_OK)
-    st = bico__xfer_declare(ctx, t->files[BICO_FILE_OUTPUT],
-                            t->files[BICO_FILE_DELTA_OUTPUT], a->tb, &a->w,
-                            &a->wd);
+    st = bico__xfer_declare(t, a->tb, &a->w, &a->wd);
   if (st != BICO_OK) bico__xfer_asm_free(t);
   return st;
 }

@@ -185,8 +185,7 @@ bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
                               bico__xfer_tensor *x);
 /* Creates the output (and delta output, when path_d) writers with every
  * tensor of tb declared, in its order. */
-bico_status bico__xfer_declare(bico_ctx *ctx, const char *path,
-                               const char *path_d, const bico_stfile *tb,
+bico_status bico__xfer_declare(const bico_transfer *t, const bico_stfile *tb,
                                bico_stwriter **w, bico_stwriter **wd);
 /* Writes one tensor: theta_B + upd (upd NULL: the base's bytes), and upd
  * (or zeros) to wd; *norm gets ||upd||. */

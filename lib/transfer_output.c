@@ -3,6 +3,7 @@
  * last with the report) or the partial-run sink. */
 #include <time.h>
 #include <unistd.h>
+#include <locale.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -118,11 +119,52 @@ static bico_status locate(bico__run *r, size_t ti, bico__xfer_tensor *x) {
   return st == BICO_OK ? bico__xfer_locate(r->ctx, r->tb, fi, x) : st;
 }
 
-bico_status bico__xfer_declare(bico_ctx *ctx, const char *path,
-                               const char *path_d, const bico_stfile *tb,
+/* The output keeps the target's "__metadata__" ({"format": "pt"} and the
+ * like: loaders read it) and says where it came from: "bico.*" keys with
+ * the library version, method, alpha and the input files as given. */
+static bico_status provenance(const bico_transfer *t, const bico_stfile *tb,
+                              bico_stwriter *w) {
+  bico_status st = BICO_OK;
+  size_t nm = bico_stfile_metadata_count(tb);
+  for (size_t i = 0; i < nm && st == BICO_OK; i++) {
+    const char *k, *v;
+    st = bico_stfile_metadata_at(tb, i, &k, &v);
+    if (st == BICO_OK && strncmp(k, "bico.", 5) != 0)
+      st = bico_stwriter_add_metadata(w, k, v);
+  }
+  int method = (int)t->param[BICO_TRANSFER_METHOD];
+  char alpha[64];
+  snprintf(alpha, sizeof alpha, "%.9g", t->param[BICO_TRANSFER_ALPHA]);
+  const char *dp = localeconv()->decimal_point; /* '.' whatever the locale */
+  char *c = dp && dp[0] && dp[0] != '.' ? strchr(alpha, dp[0]) : NULL;
+  if (c != NULL) *c = '.';
+  const char *lora = t->files[BICO_FILE_LORA];
+  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.version", bico_version_string());
+  if (st == BICO_OK && bico_method_name(method))
+    st = bico_stwriter_add_metadata(w, "bico.method", bico_method_name(method));
+  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.alpha", alpha);
+  static const struct { int file; const char *key; } FILES[] = {
+      {BICO_FILE_SOURCE_BASE, "bico.source_base"},
+      {BICO_FILE_SOURCE_TUNED, "bico.source_tuned"},
+      {BICO_FILE_TASK_VECTOR, "bico.task_vector"},
+      {BICO_FILE_TARGET_BASE, "bico.target_base"}};
+  for (size_t k = 0; k < sizeof FILES / sizeof *FILES && st == BICO_OK; k++)
+    if (t->files[FILES[k].file] != NULL)
+      st = bico_stwriter_add_metadata(w, FILES[k].key, t->files[FILES[k].file]);
+  if (st == BICO_OK && lora != NULL)
+    st = bico_stwriter_add_metadata(w, "bico.source_adapter", lora);
+  return st;
+}
+
+bico_status bico__xfer_declare(const bico_transfer *t, const bico_stfile *tb,
                                bico_stwriter **w, bico_stwriter **wd) {
+  bico_ctx *ctx = t->ctx;
+  const char *path = t->files[BICO_FILE_OUTPUT];
+  const char *path_d = t->files[BICO_FILE_DELTA_OUTPUT];
   bico_status st = bico_stwriter_create(ctx, path, w);
   if (st == BICO_OK && path_d) st = bico_stwriter_create(ctx, path_d, wd);
+  if (st == BICO_OK) st = provenance(t, tb, *w);
+  if (st == BICO_OK && path_d) st = provenance(t, tb, *wd);
   size_t nt = bico_stfile_count(tb);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     bico__xfer_tensor x;
@@ -297,10 +339,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
   int partial = t->select != NULL;
   size_t nt = bico_model_tensor_count(r->mt);
   bico_status st = partial ? BICO_OK
-                           : bico__xfer_declare(
-                                 r->ctx, t->files[BICO_FILE_OUTPUT],
-                                 t->files[BICO_FILE_DELTA_OUTPUT], r->tb,
-                                 &r->w, &r->wd);
+                           : bico__xfer_declare(t, r->tb, &r->w, &r->wd);
   bico__xfer_report_head(&r->rep, r->method, r->alpha);
   /* Progress only on long runs: at most every 5 seconds. */
   time_t last = time(NULL);

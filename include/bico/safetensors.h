@@ -180,7 +180,8 @@ typedef struct bico_stwriter bico_stwriter;
 
 /* Starts writing `path`: creates the temporary file in its folder at once
  * (so an unwritable folder fails here, BICO_E_IO).  A path that is an
- * existing directory is BICO_E_ARG.  Then: bico_stwriter_add_metadata and
+ * existing directory, or that ends in ".json" (the reader's name for a
+ * sharded index), is BICO_E_ARG.  Then: bico_stwriter_add_metadata and
  * bico_stwriter_declare for every tensor, then one write per tensor (any
  * order), then bico_stwriter_commit. */
 BICO_API bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,

@@ -41,7 +41,10 @@
  * and dtype: theta_B + alpha tau_B where a method produced an update,
  * theta_B otherwise; it is written atomically (nothing is written, and an
  * existing file is untouched, when the run fails).  An output path that
- * names one of the inputs is refused. */
+ * names one of the inputs is refused.  Its "__metadata__" is the target
+ * base's plus provenance: "bico.version", "bico.method", "bico.alpha" and
+ * the input files as given ("bico.source_base", "bico.source_tuned",
+ * "bico.task_vector", "bico.source_adapter", "bico.target_base"). */
 #ifndef BICO_TRANSFER_H
 #define BICO_TRANSFER_H
 

@@ -155,6 +155,9 @@ def test_every_field_round_trips_through_a_naive_transfer(tmp_path):
     cfg_out, mods_out, saved_out = read_adapter(tmp_path / "out")
     assert cfg_out["use_rslora"] is True and cfg_out["fan_in_fan_out"] is True
     assert cfg_out["task_type"] == "SEQ_CLS"
+    # An adapter for the target, which keeps the source's training dropout.
+    assert cfg_out["base_model_name_or_path"] == str(tmp_path / "base.safetensors")
+    assert cfg_out["lora_dropout"] == pytest.approx(0.1)
     assert sorted(cfg_out["target_modules"]) == sorted(mods_in)
     assert cfg_out["modules_to_save"] == ["score"]
     assert sorted(mods_out) == sorted(mods_in)

@@ -136,3 +136,32 @@ def test_a_single_oddly_named_safetensors_in_a_folder(models, tmp_path):
     pl.save(str(folder / "other.safetensors"), a)
     r = bico("inspect", folder, ok=False)
     assert r.returncode == 1 and "without model.safetensors" in r.stderr
+
+
+def test_output_keeps_target_metadata_and_says_where_it_came_from(models, tmp_path):
+    d, m = models
+    out = tmp_path / "o.safetensors"
+    delta = tmp_path / "d.safetensors"
+    bico("transfer", "--method", "naive", "--quiet", "--alpha", "0.5",
+         "--source-base", m["A"], "--source-tuned", m["Aft_hf"],
+         "--target-base", m["A_hf"], "--delta-output", delta, "--output", out)
+    for f in (out, delta):
+        _, meta, _ = pl.load(str(f))
+        assert meta["format"] == "pt"            # the target's own metadata
+        assert meta["bico.method"] == "naive" and meta["bico.alpha"] == "0.5"
+        assert meta["bico.source_base"] == str(m["A"])
+        assert meta["bico.source_tuned"] == str(m["Aft_hf"])
+        assert meta["bico.target_base"] == str(m["A_hf"])
+        assert meta["bico.version"].count(".") == 2
+
+
+def test_a_checkpoint_is_never_written_under_a_json_name(models, tmp_path):
+    d, m = models
+    for name in ("model.safetensors.index.json", "x.json"):
+        out = tmp_path / name
+        r = bico("transfer", "--method", "naive", "--quiet", "--source-base", m["A"],
+                 "--source-tuned", m["Aft"], "--target-base", m["A"],
+                 "--output", out, ok=False)
+        assert r.returncode != 0 and "sharded checkpoint's index" in r.stderr, r.stderr
+        assert not out.exists()
+        assert not [f for f in os.listdir(tmp_path) if "bico-tmp" in f]
