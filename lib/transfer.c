@@ -92,6 +92,7 @@ bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   t->param[BICO_TRANSFER_PROC_METHOD] = BICO_PROC_EIG;
   t->param[BICO_TRANSFER_WORKERS] = 1;
   t->param[BICO_TRANSFER_SOLVE_MEMORY] = 0;
+  t->param[BICO_TRANSFER_MIN_PAIRED] = 0.5;
   *out = t;
   return BICO_OK;
 }
@@ -161,6 +162,7 @@ bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
       return BICO_OK;
     case BICO_TRANSFER_WORKERS: *lo = 1; *hi = 1024; return BICO_OK;
     case BICO_TRANSFER_SOLVE_MEMORY: *lo = 0; *hi = 9007199254740992.0; return BICO_OK;
+    case BICO_TRANSFER_MIN_PAIRED: *lo = 0; *hi = 1; return BICO_OK;
     default: return BICO_E_ARG;
   }
 }
@@ -475,6 +477,7 @@ bico_status bico__xfer_setup(bico__run *r) {
   if (st == BICO_OK) st = load_models(r);
   if (st == BICO_OK && bico__xfer_is_bico(r->method)) st = make_solver(r);
   if (st == BICO_OK) st = bico__xfer_plan(r);
+  if (st == BICO_OK) st = bico__xfer_check_pairing(r);
   return st;
 }
 

@@ -21,7 +21,7 @@
 
 #define BICO__NONE SIZE_MAX
 #define BICO__NFILES 14
-#define BICO__NPARAMS 11
+#define BICO__NPARAMS 12
 #define BICO__NSTRINGS 4
 
 typedef struct bico__split_rec {
@@ -150,6 +150,9 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f);
 bico_status bico__xfer_check_setup(bico__run *r);
 bico_status bico__xfer_check_outputs(bico__run *r);
 bico_status bico__xfer_plan(bico__run *r);
+/* Counts which target tensors pair with a source tensor, logs the summary
+ * and fails when too few parameters pair (BICO_TRANSFER_MIN_PAIRED). */
+bico_status bico__xfer_check_pairing(bico__run *r);
 /* Role dispatch: which maps carry target tensor ti (after
  * bico__xfer_plan; BiCo methods). */
 void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out);

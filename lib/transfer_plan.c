@@ -437,3 +437,59 @@ void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
   need[0] = rt.need[0];
   need[1] = rt.need[1];
 }
+
+/* Which share of the target pairs with the source, by kind of tensor.  A
+ * run that pairs (almost) nothing would write a copy of the target and
+ * exit 0: the classic symptom of a source from another family or of
+ * prefixes that differ (module., bert. against roberta.). */
+bico_status bico__xfer_check_pairing(bico__run *r) {
+  enum { K_WEIGHT, K_BIAS, K_NORM, K_TOKEN, K_OTHER, NK };
+  static const char *const KIND[NK] = {"weights", "biases", "norm vectors",
+                                       "tokens", "other"};
+  size_t n[NK][2] = {{0}}, params = 0, paired_params = 0;
+  const char *first_unpaired = NULL;
+  size_t nt = bico_model_tensor_count(r->mt);
+  for (size_t ti = 0; ti < nt; ti++) {
+    const char *name;
+    int dtype, role;
+    size_t ndim;
+    const size_t *shape;
+    bico_model_tensor(r->mt, ti, &name, &dtype, &ndim, &shape);
+    if (dtype != BICO_DTYPE_F32 && dtype != BICO_DTYPE_F16 &&
+        dtype != BICO_DTYPE_BF16 && dtype != BICO_DTYPE_F64)
+      continue;
+    bico_model_tensor_module(r->mt, ti, NULL, &role);
+    int k = role == BICO_ROLE_WEIGHT ? K_WEIGHT
+            : role == BICO_ROLE_BIAS ? K_BIAS
+            : role == BICO_ROLE_VECTOR ? K_NORM
+            : role == BICO_ROLE_TOKEN ? K_TOKEN : K_OTHER;
+    size_t numel = bico__xfer_numel(ndim, shape), si;
+    int ok = bico_model_pair_tensor(r->mt, ti, r->ms, &si) == BICO_OK;
+    n[k][0]++;
+    n[k][1] += (size_t)ok;
+    params += numel;
+    if (ok) paired_params += numel;
+    else if (first_unpaired == NULL) first_unpaired = name;
+  }
+  bico__clear(r->ctx);
+  char by_kind[256] = "";
+  size_t len = 0;
+  for (int k = 0; k < NK; k++)
+    if (n[k][0] && len < sizeof by_kind)
+      len += (size_t)snprintf(by_kind + len, sizeof by_kind - len, "%s%s %zu/%zu",
+                              len ? ", " : "", KIND[k], n[k][1], n[k][0]);
+  double share = params ? (double)paired_params / (double)params : 1.0;
+  bico__xfer_log(r, "bico: pairing: %.1f %% of the target's %zu parameters "
+                 "have a source partner (%s)", 100.0 * share, params, by_kind);
+  double need = r->t->param[BICO_TRANSFER_MIN_PAIRED];
+  if (params > 0 && share < need)
+    return bico__fail(r->ctx, BICO_E_NOTFOUND,
+                      "only %.1f %% of the target's parameters pair with a "
+                      "source tensor (%s; e.g. %s has no partner): the models "
+                      "are of different families or their names differ by a "
+                      "prefix; allow it with --allow-partial "
+                      "(BICO_TRANSFER_MIN_PAIRED, now %g)",
+                      100.0 * share, by_kind,
+                      first_unpaired ? first_unpaired : "?", need);
+  return BICO_OK;
+}

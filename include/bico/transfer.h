@@ -117,7 +117,13 @@ typedef enum bico_transfer_param {
   BICO_TRANSFER_WHITEN = 7,       /* [0, 0.5]; default 0 */
   BICO_TRANSFER_PROC_METHOD = 8,  /* bico_procrustes_method; default EIG */
   BICO_TRANSFER_WORKERS = 9,      /* solver threads, 1..1024; default 1 */
-  BICO_TRANSFER_SOLVE_MEMORY = 10 /* bytes, >= 0; default 0 (no limit) */
+  BICO_TRANSFER_SOLVE_MEMORY = 10, /* bytes, >= 0; default 0 (no limit) */
+  BICO_TRANSFER_MIN_PAIRED = 11   /* [0, 1]; default 0.5: the run fails
+                                     (BICO_E_NOTFOUND) when fewer than this
+                                     share of the target's floating-point
+                                     parameters have a source partner (a
+                                     BERT source for a ViT target pairs
+                                     nothing); 0 allows any pairing */
 } bico_transfer_param;
 
 /* Pipelining (BICO_TRANSFER_WORKERS > 1, BiCo methods on checkpoints;

@@ -331,7 +331,8 @@ def test_transfer_state_dict_returns_the_kind_it_was_given(engine):
     assert isinstance(delta["fc.weight"], torch.Tensor)
     assert delta["fc.weight"].dtype == torch.float32
     np.testing.assert_allclose(delta["fc.weight"].numpy(), 1.0)
-    m = torch.nn.Linear(3, 3).half()
+    m = torch.nn.Module()       # names fc.weight, fc.bias: they pair with a0
+    m.fc = torch.nn.Linear(3, 3).half()
     import bico.torch as bt
     m.load_state_dict(bt.transfer_state_dict(
         a0, a1, m.state_dict(), method="naive", engine=engine))

@@ -165,3 +165,27 @@ def test_a_checkpoint_is_never_written_under_a_json_name(models, tmp_path):
         assert r.returncode != 0 and "sharded checkpoint's index" in r.stderr, r.stderr
         assert not out.exists()
         assert not [f for f in os.listdir(tmp_path) if "bico-tmp" in f]
+
+
+def test_a_run_that_pairs_too_little_fails_loudly(tmp_path):
+    """A BERT-named source for a ViT-named target pairs nothing: the run
+    fails, says why and how much paired, and writes nothing; with
+    --allow-partial it runs (and says so in the pairing line)."""
+    pl.save(str(tmp_path / "vit.safetensors"),
+            {"blocks.0.attn.qkv.weight": np.ones((6, 2), np.float32),
+             "head.weight": np.ones((3, 2), np.float32)})
+    pl.save(str(tmp_path / "bert.safetensors"),
+            {"bert.encoder.layer.0.attention.self.query.weight": np.ones((2, 2), np.float32),
+             "classifier.weight": np.ones((3, 2), np.float32)})
+    args = ["transfer", "--method", "naive", "--source-base", tmp_path / "bert.safetensors",
+            "--source-tuned", tmp_path / "bert.safetensors",
+            "--target-base", tmp_path / "vit.safetensors",
+            "--output", tmp_path / "o.safetensors"]
+    r = bico(*args, ok=False)
+    assert r.returncode == 1
+    assert "only 0.0 % of the target's parameters pair" in r.stderr
+    assert "--allow-partial" in r.stderr and "weights 0/2" in r.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+    r = bico(*args, "--allow-partial")
+    assert "pairing: 0.0 %" in r.stderr
+    assert (tmp_path / "o.safetensors").exists()

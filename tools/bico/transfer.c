@@ -25,7 +25,7 @@ static const char HELP[] =
     "    [--norm-map act|grad]                     map carrying norm "
     "parameters\n"
     "    [--null keep|drop] [--rank-tol T]         rank-deficient maps\n"
-    "    [--center] [--whiten P]\n"
+    "    [--center] [--whiten P] [--allow-partial]\n"
     "    [--threads N] [--workers W]               N threads in all; W map\n"
     "                                              solvers (default N)\n"
     "    [--proc-method eig|svd|polar]             Procrustes route (eig)\n"
@@ -99,7 +99,7 @@ int cmd_transfer(int argc, char **argv) {
   const char *files[NFILE_OPTS] = {0};
   const char *method = NULL, *blocks = NULL, *norm_map = NULL, *null_mode = NULL;
   double alpha = 1.0, rank_tol = -1, whiten = 0;
-  int center = 0, quiet = 0, merge_into_base = 0;
+  int center = 0, quiet = 0, merge_into_base = 0, allow_partial = 0;
   size_t threads = 1, workers = 0;
   double solve_memory = 0;
   const char *proc_method = NULL;
@@ -116,6 +116,10 @@ int cmd_transfer(int argc, char **argv) {
     }
     if (strcmp(a, "--center") == 0) {
       center = 1;
+      continue;
+    }
+    if (strcmp(a, "--allow-partial") == 0) {
+      allow_partial = 1;
       continue;
     }
     if (strcmp(a, "--merge-into-base") == 0) {
@@ -291,6 +295,8 @@ int cmd_transfer(int argc, char **argv) {
     st = bico_transfer_set_param(t, BICO_TRANSFER_RANK_TOL, rank_tol);
   if (st == BICO_OK && center)
     st = bico_transfer_set_param(t, BICO_TRANSFER_CENTER, 1);
+  if (st == BICO_OK && allow_partial)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_MIN_PAIRED, 0);
   if (st == BICO_OK && whiten > 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_WHITEN, whiten);
   if (st == BICO_OK && blocks)
