@@ -18,8 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
-BUILD = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
-BICO = os.path.join(BUILD, "bin", "bico")
+from cli import BICO, bico  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
 
@@ -49,14 +48,6 @@ def drop_ones(name, t):
     if name in ("cls_token", "pos_embed"):
         return t - t.mean(axis=-1, keepdims=True)
     return t - t.mean(axis=0, keepdims=True)
-
-
-def bico(*args, ok=True):
-    r = subprocess.run([BICO, *map(str, args)], capture_output=True, text=True)
-    if ok and r.returncode != 0:
-        raise AssertionError(f"bico {' '.join(map(str, args))} failed "
-                             f"({r.returncode}):\n{r.stderr}")
-    return r
 
 
 def rel(a, b):

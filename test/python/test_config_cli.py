@@ -3,7 +3,6 @@ the command's own options.  The reference is the same run spelled out with
 flags: outputs must be byte-identical.  Bad files are usage errors (exit 2)
 that name the file and the line."""
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,21 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
-BUILD = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
-BICO = os.path.join(BUILD, "bin", "bico")
-
-
-def bico(*args, ok=True):
-    r = subprocess.run([BICO, *map(str, args)], capture_output=True, text=True)
-    if ok and r.returncode != 0:
-        raise AssertionError(f"bico {' '.join(map(str, args))} failed "
-                             f"({r.returncode}):\n{r.stderr}")
-    return r
-
-
-def same_bytes(p, q):
-    with open(p, "rb") as f, open(q, "rb") as g:
-        return f.read() == g.read()
+from cli import bico, same_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
