@@ -21,7 +21,7 @@ const char *const bico__xfer_file_option[BICO__NFILES] = {
     NULL,           "source base",  "source tuned",  "task vector",
     "target base",  "source calib", "target calib",  "stats",
     "target votes", "output",       "delta output",  "report",
-    "source adapter", "output adapter"};
+    "source adapter", "output adapter", "source config", "target config"};
 
 static const char *const METHOD_NAME[] = {
     NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
@@ -60,6 +60,41 @@ bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
   return BICO_E_ARG;
 }
 
+static const char *const STRUCTURE_NAME[] = {"free", "heads"};
+static const char *const ROPE_NAME[] = {"config", "half", "interleaved",
+                                        "none"};
+
+static const char *name_of(const char *const *names, size_t n, int v) {
+  return v >= 0 && (size_t)v < n ? names[v] : NULL;
+}
+
+static bico_status from_name(const char *const *names, size_t n,
+                             const char *name, int *out) {
+  if (name == NULL || out == NULL) return BICO_E_NULL;
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(name, names[i]) == 0) {
+      *out = (int)i;
+      return BICO_OK;
+    }
+  return BICO_E_ARG;
+}
+
+const char *bico_structure_name(int structure) {
+  return name_of(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), structure);
+}
+
+bico_status bico_structure_from_name(const char *name, int *structure) {
+  return from_name(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), name, structure);
+}
+
+const char *bico_rope_name(int rope) {
+  return name_of(ROPE_NAME, COUNT(ROPE_NAME), rope);
+}
+
+bico_status bico_rope_from_name(const char *name, int *rope) {
+  return from_name(ROPE_NAME, COUNT(ROPE_NAME), name, rope);
+}
+
 const char *bico_handling_name(int handling) {
   return handling >= 0 && handling < BICO__H_COUNT
              ? bico__xfer_handling[handling]
@@ -93,6 +128,7 @@ bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   t->param[BICO_TRANSFER_WORKERS] = 1;
   t->param[BICO_TRANSFER_SOLVE_MEMORY] = 0;
   t->param[BICO_TRANSFER_MIN_PAIRED] = 0.5;
+  t->param[BICO_TRANSFER_STRUCTURE] = BICO_STRUCTURE_HEADS;
   *out = t;
   return BICO_OK;
 }
@@ -163,6 +199,11 @@ bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
     case BICO_TRANSFER_WORKERS: *lo = 1; *hi = 1024; return BICO_OK;
     case BICO_TRANSFER_SOLVE_MEMORY: *lo = 0; *hi = 9007199254740992.0; return BICO_OK;
     case BICO_TRANSFER_MIN_PAIRED: *lo = 0; *hi = 1; return BICO_OK;
+    case BICO_TRANSFER_STRUCTURE: *lo = 0; *hi = 1; return BICO_OK;
+    case BICO_TRANSFER_ROPE: *lo = 0; *hi = BICO_ROPE_NONE; return BICO_OK;
+    case BICO_TRANSFER_HEADS:
+    case BICO_TRANSFER_KV_HEADS:
+    case BICO_TRANSFER_HEAD_DIM: *lo = 0; *hi = 1048576; return BICO_OK;
     default: return BICO_E_ARG;
   }
 }
@@ -180,7 +221,8 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
                  param == BICO_TRANSFER_NULL || param == BICO_TRANSFER_CENTER ||
                  param == BICO_TRANSFER_PROC_METHOD ||
                  param == BICO_TRANSFER_WORKERS ||
-                 param == BICO_TRANSFER_SOLVE_MEMORY;
+                 param == BICO_TRANSFER_SOLVE_MEMORY ||
+                 param >= BICO_TRANSFER_STRUCTURE;
   int ok = isfinite(value) && value >= lo && value <= hi;
   if (param == BICO_TRANSFER_ALPHA) ok = ok && value > 0;
   if (param == BICO_TRANSFER_RANK_TOL) ok = ok && value < 1;
@@ -476,6 +518,7 @@ bico_status bico__xfer_setup(bico__run *r) {
   if (st == BICO_OK) st = open_inputs(r);
   if (st == BICO_OK) st = load_models(r);
   if (st == BICO_OK && bico__xfer_is_bico(r->method)) st = make_solver(r);
+  if (st == BICO_OK) st = bico__xfer_families(r);
   if (st == BICO_OK) st = bico__xfer_plan(r);
   if (st == BICO_OK) st = bico__xfer_check_pairing(r);
   return st;
@@ -525,6 +568,7 @@ void bico__xfer_run_init(bico__run *r, bico_transfer *t) {
 void bico__xfer_run_free(bico__run *r) {
   bico_ctx *ctx = r->ctx;
   bico__xfer_pool_stop(r);
+  bico__xfer_heads_free(r);
   for (size_t m = 0; m < r->nm && r->mods; m++)
     bico__xfer_free_maps(r, &r->mods[m]);
   bico__free(ctx, r->mods);

@@ -15,13 +15,14 @@
 
 #include <stdio.h>
 
+#include "family.h"
 #include "internal.h"
 #include "lora_internal.h"
 #include "report.h"
 
 #define BICO__NONE SIZE_MAX
-#define BICO__NFILES 14
-#define BICO__NPARAMS 12
+#define BICO__NFILES 16
+#define BICO__NPARAMS 18
 #define BICO__NSTRINGS 4
 
 typedef struct bico__split_rec {
@@ -119,6 +120,12 @@ typedef struct bico__run {
   bico__report rep;
   size_t count[BICO__H_COUNT];
   struct bico__pool *pool; /* solver threads, or NULL */
+  /* Structure-aware maps (transfer_heads.c): both models' families, where
+   * each came from (for messages), and the layers' maps being handed out. */
+  bico__family fam[2];
+  char fam_path[2][512];
+  int structure_on;
+  struct bico__hcache *hc;
 } bico__run;
 
 /* ---- transfer.c ---- */
@@ -169,6 +176,19 @@ bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select);
 void bico__xfer_pool_stop(bico__run *r);
 /* Makes the maps of one side of target module mi available in r->mods. */
 bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
+
+/* ---- transfer_heads.c ---- */
+/* Reads the families (config.json beside a folder model, or given; the
+ * overrides) and decides whether structure-aware maps are on. */
+bico_status bico__xfer_families(bico__run *r);
+/* 1 when side `side` of target module mi takes a structure-aware map. */
+int bico__xfer_structured(const bico__run *r, size_t mi, int side);
+/* That map (one, in a new array), solved with its layer in the calling
+ * thread; *fallback 1 (and no map) when the layer has no structured form
+ * (the caller solves the free-form map). */
+bico_status bico__xfer_struct_solve(bico__run *r, size_t mi, int side,
+                                    bico__map **out, int *fallback);
+void bico__xfer_heads_free(bico__run *r);
 
 /* ---- transfer_update.c ---- */
 /* The update alpha tau_B of target tensor ti into upd (its numel floats),

@@ -393,7 +393,9 @@ bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select) {
     int need[2];
     bico__xfer_predict_sides(r, ti, &mi, need);
     for (int side = 0; side < 2 && st == BICO_OK; side++) {
-      if (!need[side] || r->mods[mi].job[side] != 0) continue;
+      if (!need[side] || r->mods[mi].job[side] != 0 ||
+          bico__xfer_structured(r, mi, side))
+        continue; /* structure-aware sides: solved per layer, in order */
       sidejob j;
       st = side_job(r, mi, side, &j);
       if (st != BICO_OK) {
@@ -455,6 +457,16 @@ static bico_status compute_side(bico__run *r, size_t mi, int side) {
 bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side) {
   bico__modstate *s = &r->mods[mi];
   if (side ? s->have_out : s->have_in) return BICO_OK;
+  if (bico__xfer_structured(r, mi, side)) {
+    bico__map *maps = NULL;
+    int fallback = 0;
+    bico_status st = bico__xfer_struct_solve(r, mi, side, &maps, &fallback);
+    if (st != BICO_OK) return st;
+    if (!fallback) {
+      publish(r, mi, side, maps);
+      return BICO_OK;
+    }
+  }
   pool *P = r->pool;
   if (P == NULL || s->job[side] == 0) return compute_side(r, mi, side);
   size_t idx = s->job[side] - 1;

@@ -102,7 +102,12 @@ typedef enum bico_transfer_file {
    * a run bico_transfer_counts counts as updated the target weights that
    * received an adapter module and the modules_to_save tensors. */
   BICO_FILE_LORA = 12,
-  BICO_FILE_LORA_OUTPUT = 13
+  BICO_FILE_LORA_OUTPUT = 13,
+  /* Hugging Face config.json of each model (see "Decoder families"
+   * below); optional: by default the config.json inside a base given as a
+   * model folder is read. */
+  BICO_FILE_SOURCE_CONFIG = 14,
+  BICO_FILE_TARGET_CONFIG = 15
 } bico_transfer_file;
 
 /* Numeric options (bico_transfer_set_param), with bounds from
@@ -118,13 +123,73 @@ typedef enum bico_transfer_param {
   BICO_TRANSFER_PROC_METHOD = 8,  /* bico_procrustes_method; default EIG */
   BICO_TRANSFER_WORKERS = 9,      /* solver threads, 1..1024; default 1 */
   BICO_TRANSFER_SOLVE_MEMORY = 10, /* bytes, >= 0; default 0 (no limit) */
-  BICO_TRANSFER_MIN_PAIRED = 11   /* [0, 1]; default 0.5: the run fails
+  BICO_TRANSFER_MIN_PAIRED = 11,  /* [0, 1]; default 0.5: the run fails
                                      (BICO_E_NOTFOUND) when fewer than this
                                      share of the target's floating-point
                                      parameters have a source partner (a
                                      BERT source for a ViT target pairs
                                      nothing); 0 allows any pairing */
+  BICO_TRANSFER_STRUCTURE = 12,   /* bico_structure; default HEADS */
+  BICO_TRANSFER_ROPE = 13,        /* bico_rope; default 0: from config.json */
+  BICO_TRANSFER_HEADS = 14,       /* query heads of both models; 0 (default):
+                                     from config.json */
+  BICO_TRANSFER_KV_HEADS = 15,    /* key/value heads; 0: from config.json
+                                     (absent there: the query heads) */
+  BICO_TRANSFER_HEAD_DIM = 16     /* head width; 0: from config.json
+                                     (absent there: hidden / heads) */
 } bico_transfer_param;
+
+/* Decoder families and structure-aware maps (BiCo methods).
+ *
+ * When both models are decoders of a known family (config.json's
+ * model_type "llama", "mistral", "qwen2", "qwen3", "gemma" or "gemma2",
+ * read from BICO_FILE_*_CONFIG or from inside a base given as a model
+ * folder) and BICO_TRANSFER_STRUCTURE is BICO_STRUCTURE_HEADS (the
+ * default), the maps inside each decoder layer (modules named
+ * <layer>.self_attn.{q,k,v,o}_proj and <layer>.mlp.{gate,up,down}_proj)
+ * respect the architecture instead of being free-form:
+ *   - q_proj's and k_proj's output maps: per key/value group one map on
+ *     head_dim, shared by the key head and every query head of the group,
+ *     made of one 2x2 rotation per RoPE frequency pair (closed form from
+ *     the pair's statistic summed over the group); heads and groups are
+ *     matched between the models by an assignment on head-level scores;
+ *   - v_proj's output and o_proj's input maps: per group one orthogonal map
+ *     on head_dim (o_proj's heads matched as the query heads);
+ *   - gate_proj's and up_proj's output and down_proj's input maps: one map
+ *     of the intermediate space from the three statistics together.
+ * Residual-stream maps (the other sides) are as without structure.  With
+ * more heads or groups in the target than the source, the unmatched target
+ * heads get no update; with different head widths or RoPE layouts the
+ * attention maps fall back to free-form (logged).  Centering and whitening
+ * have no structured form: with either set the maps are free-form.  A
+ * config.json of a known family that lacks hidden_size,
+ * num_attention_heads, num_hidden_layers or intermediate_size, or whose
+ * head counts do not divide, fails the run (BICO_E_FORMAT naming the file
+ * and the field); widths that disagree with the tensors fail with
+ * BICO_E_SHAPE.  BICO_TRANSFER_HEADS/KV_HEADS/HEAD_DIM/ROPE override the
+ * configs of both models (with HEADS set, a model without a config.json
+ * counts as a known family).  docs/llm.md has the rules. */
+typedef enum bico_structure {
+  BICO_STRUCTURE_FREE = 0, /* one free-form map per module side */
+  BICO_STRUCTURE_HEADS = 1 /* structure-aware where the family is known */
+} bico_structure;
+
+typedef enum bico_rope {
+  BICO_ROPE_CONFIG = 0,      /* the family's layout (all known: HALF) */
+  BICO_ROPE_HALF = 1,        /* HF rotate_half: dims i and i + head_dim/2 */
+  BICO_ROPE_INTERLEAVED = 2, /* dims 2i and 2i + 1 (GPT-J, Meta's layout) */
+  BICO_ROPE_NONE = 3         /* no rotary embedding: one free orthogonal
+                                map per group on head_dim */
+} bico_rope;
+
+/* Names of the structures ("free", "heads") and RoPE layouts ("config",
+ * "half", "interleaved", "none"), as bico transfer spells them; same
+ * conventions as bico_method_name / bico_method_from_name. */
+BICO_API const char *bico_structure_name(int structure);
+BICO_API bico_status bico_structure_from_name(const char *name,
+                                              int *structure);
+BICO_API const char *bico_rope_name(int rope);
+BICO_API bico_status bico_rope_from_name(const char *name, int *rope);
 
 /* Pipelining (BICO_TRANSFER_WORKERS > 1, BiCo methods on checkpoints;
  * LoRA adapters are solved in the calling thread): the maps are solved by that many threads, each with its own

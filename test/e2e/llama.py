@@ -140,8 +140,9 @@ def forward(cfg, sd, ids, rec=None):
         u = lin(x, p + "mlp.up_proj")
         h = h + lin(torch.nn.functional.silu(g) * u, p + "mlp.down_proj")
     h = norm(h, "model.norm")
-    head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-    return h @ head.T
+    if "lm_head.weight" in sd:  # untied: a linear module of its own
+        return lin(h, "lm_head")
+    return h @ sd["model.embed_tokens.weight"].T
 
 
 def calibrate(cfg, sd, ids, z):

@@ -31,6 +31,12 @@ static const char HELP[] =
     "    [--proc-method eig|svd|polar]             Procrustes route (eig)\n"
     "    [--solve-memory SIZE]                     cap on the solves in\n"
     "                                              flight, e.g. 600M, 2G\n"
+    "    [--structure heads|free]                  decoder maps by heads (default\n"
+    "                                              where config.json names a\n"
+    "                                              known family) or free-form\n"
+    "    [--source-config C.json] [--target-config C.json]\n"
+    "    [--heads N] [--kv-heads N] [--head-dim N] [--rope half|interleaved|none]\n"
+    "                                              override both configs\n"
     "    [--delta-output D.safetensors] [--report R.json] [--quiet]\n"
     "    --output B_ft.safetensors\n"
     "\n"
@@ -60,6 +66,8 @@ static const struct {
     {"--report", BICO_FILE_REPORT},
     {"--lora", BICO_FILE_LORA},               /* LoRA: index 11 */
     {"--output-lora", BICO_FILE_LORA_OUTPUT}, /* LoRA: index 12 */
+    {"--source-config", BICO_FILE_SOURCE_CONFIG},
+    {"--target-config", BICO_FILE_TARGET_CONFIG},
 };
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
@@ -102,7 +110,8 @@ int cmd_transfer(int argc, char **argv) {
   int center = 0, quiet = 0, merge_into_base = 0, allow_partial = 0;
   size_t threads = 1, workers = 0;
   double solve_memory = 0;
-  const char *proc_method = NULL;
+  const char *proc_method = NULL, *structure = NULL, *rope = NULL;
+  size_t heads = 0, kv_heads = 0, head_dim = 0;
   const char *splits[256], *ties[256];
   size_t nsplits = 0, nties = 0;
 
@@ -183,6 +192,17 @@ int cmd_transfer(int argc, char **argv) {
               "--solve-memory %s: expected bytes, optionally with K, M or G "
               "(powers of 1024)",
               v))
+    VALUE("--structure", structure = v)
+    VALUE("--rope", rope = v)
+#define COUNT_OPT(name, var)                                               \
+  VALUE(name, if (cli_size(v, &var) || var == 0 || var > 1048576)          \
+                  return cli_error(CMD, CLI_USAGE,                         \
+                                   "%s %s: expected a positive integer",   \
+                                   name, v))
+    COUNT_OPT("--heads", heads)
+    COUNT_OPT("--kv-heads", kv_heads)
+    COUNT_OPT("--head-dim", head_dim)
+#undef COUNT_OPT
     VALUE("--split", if (nsplits == 256) return cli_error(
                          CMD, CLI_USAGE, "too many --split options");
           splits[nsplits++] = v)
@@ -264,6 +284,15 @@ int cmd_transfer(int argc, char **argv) {
                           "--proc-method %s: expected eig, svd or polar",
                           proc_method);
   }
+  int structure_v = BICO_STRUCTURE_HEADS, rope_v = BICO_ROPE_CONFIG;
+  if (structure != NULL &&
+      bico_structure_from_name(structure, &structure_v) != BICO_OK)
+    return cli_error(CMD, CLI_USAGE, "--structure %s: expected heads or free",
+                     structure);
+  if (rope != NULL && (bico_rope_from_name(rope, &rope_v) != BICO_OK ||
+                       rope_v == BICO_ROPE_CONFIG))
+    return cli_error(CMD, CLI_USAGE,
+                     "--rope %s: expected half, interleaved or none", rope);
   /* Only the BiCo methods solve maps; the others keep N BLIS threads. */
   if (workers == 0) workers = bico ? threads : 1;
   size_t blas_threads = threads;
@@ -307,6 +336,14 @@ int cmd_transfer(int argc, char **argv) {
     st = bico_transfer_set_param(t, BICO_TRANSFER_WORKERS, (double)workers);
   if (st == BICO_OK)
     st = bico_transfer_set_param(t, BICO_TRANSFER_SOLVE_MEMORY, solve_memory);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, structure_v);
+  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_ROPE, rope_v);
+  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_HEADS, (double)heads);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_KV_HEADS, (double)kv_heads);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_HEAD_DIM, (double)head_dim);
   int code = CLI_FAIL;
   for (size_t k = 0; k < nsplits && st == BICO_OK; k++) {
     char suffix[1024];

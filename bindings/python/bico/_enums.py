@@ -63,18 +63,23 @@ def _names_from_library(name_fn, what):
 
 METHODS = _names_from_library(fn.method_name, "method")
 NORM_MAPS = _names_from_library(fn.norm_map_name, "norm map")
+STRUCTURES = _names_from_library(fn.structure_name, "structure")
+ROPES = _names_from_library(fn.rope_name, "RoPE layout")
 TRANSFER_FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
                   "target_base": 4, "source_calib": 5, "target_calib": 6,
                   "stats": 7, "target_votes": 8, "output": 9,
                   "delta_output": 10, "report": 11, "lora": 12,
-                  "lora_output": 13}
+                  "lora_output": 13, "source_config": 14,
+                  "target_config": 15}
 TRANSFER_PARAMS = {"method": 1, "alpha": 2, "norm_map": 3, "null": 4,
                    "rank_tol": 5, "center": 6, "whiten": 7, "proc_method": 8,
-                   "workers": 9, "solve_memory": 10}
+                   "workers": 9, "solve_memory": 10, "structure": 12,
+                   "rope": 13, "heads": 14, "kv_heads": 15, "head_dim": 16}
 TRANSFER_STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3}
 # the parameters that take a name, and their names
 TRANSFER_ENUMS = {"method": METHODS, "norm_map": NORM_MAPS,
-                  "null": PROC_NULL_NAMES, "proc_method": PROC_METHOD_NAMES}
+                  "null": PROC_NULL_NAMES, "proc_method": PROC_METHOD_NAMES,
+                  "structure": STRUCTURES, "rope": ROPES}
 # the fused projections split by default (suffix: blocks)
 DEFAULT_SPLIT = {"qkv": 3, "in_proj": 3}
 

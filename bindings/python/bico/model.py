@@ -258,11 +258,15 @@ def transfer_files(source_base, target_base, output, source_tuned=None,
                    task_vector=None, stats=None, source_calib=None,
                    target_calib=None, target_votes=None, delta_output=None,
                    report=None, method="bico", alpha=1.0, split=None,
-                   ties=None, log=None, **options):
+                   ties=None, log=None, source_config=None,
+                   target_config=None, **options):
     """Runs the C driver on files: what `bico transfer` does.  options:
     norm_map ("act"|"grad"), null ("keep"|"drop"), rank_tol, center,
     whiten, proc_method ("eig"|"svd"|"polar"), workers (solver threads),
-    solve_memory (bytes), blocks, source_blocks, target_blocks.  split {suffix: k}, ties
+    solve_memory (bytes), blocks, source_blocks, target_blocks; decoder
+    families (docs/llm.md): structure ("heads" default | "free"), rope
+    ("config"|"half"|"interleaved"|"none"), heads, kv_heads, head_dim (0:
+    from config.json), source_config/target_config (config.json paths).  split {suffix: k}, ties
     {tensor: module}.  Returns (updated, unchanged) tensor counts."""
     with Transfer(log=log) as t:
         for k, v in (("source_base", source_base),
@@ -272,7 +276,9 @@ def transfer_files(source_base, target_base, output, source_tuned=None,
                      ("source_calib", source_calib),
                      ("target_calib", target_calib),
                      ("target_votes", target_votes),
-                     ("delta_output", delta_output), ("report", report)):
+                     ("delta_output", delta_output), ("report", report),
+                     ("source_config", source_config),
+                     ("target_config", target_config)):
             if v is not None:
                 t.set_file(k, v)
         t.set("method", method)
