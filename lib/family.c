@@ -12,7 +12,7 @@
 #include "fileio.h"
 #include "json.h"
 
-static const char *const FAMILIES[] = {"llama", "mistral", "qwen2", "qwen3",
+static const char *const FAMILIES[] = {"llama", "mistral", "qwen2",
                                        "gemma", "gemma2"};
 
 /* A positive integer member; 0 when absent or null (*bad set when present

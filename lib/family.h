@@ -18,7 +18,7 @@ typedef struct bico__family {
 } bico__family;
 
 /* Reads config.json at `path` into *f.  A model_type outside the known
- * decoder families (llama, mistral, qwen2, qwen3, gemma, gemma2) leaves
+ * decoder families (llama, mistral, qwen2, gemma, gemma2) leaves
  * f->known 0 and succeeds.  For a known family the fields are checked:
  * a missing or ill-typed required field (hidden_size, num_attention_heads,
  * num_hidden_layers, intermediate_size), head counts that do not divide

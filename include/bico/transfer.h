@@ -142,7 +142,7 @@ typedef enum bico_transfer_param {
 /* Decoder families and structure-aware maps (BiCo methods).
  *
  * When both models are decoders of a known family (config.json's
- * model_type "llama", "mistral", "qwen2", "qwen3", "gemma" or "gemma2",
+ * model_type "llama", "mistral", "qwen2", "gemma" or "gemma2",
  * read from BICO_FILE_*_CONFIG or from inside a base given as a model
  * folder) and BICO_TRANSFER_STRUCTURE is BICO_STRUCTURE_HEADS (the
  * default), the maps inside each decoder layer (modules named
