@@ -93,6 +93,7 @@ bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   t->param[BICO_TRANSFER_WORKERS] = 1;
   t->param[BICO_TRANSFER_SOLVE_MEMORY] = 0;
   t->param[BICO_TRANSFER_MIN_PAIRED] = 0.5;
+  t->param[BICO_TRANSFER_GRADFIX_MODE] = BICO_GRADFIX_MAJORITY;
   *out = t;
   return BICO_OK;
 }
@@ -112,6 +113,7 @@ void bico_transfer_free(bico_transfer *t) {
   bico__free(ctx, t->select);
   bico__xfer_asm_free(t);
   bico__xfer_plan_clear(t);
+  bico__xfer_mem_free(t);
   bico__free(ctx, t);
 }
 
@@ -143,28 +145,53 @@ bico_status bico_transfer_get_file(const bico_transfer *t, int which,
   return BICO_OK;
 }
 
-bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
-  if (lo == NULL || hi == NULL) return BICO_E_NULL;
-  switch (param) {
-    case BICO_TRANSFER_METHOD: *lo = 1; *hi = 6; return BICO_OK;
-    case BICO_TRANSFER_ALPHA: /* used as a float */
-      *lo = 0;
-      *hi = FLT_MAX;
+/* The option grammar (params.h): each parameter's accepted set. */
+static const struct {
+  const char *name;
+  double lo, hi;
+  unsigned flags;
+} PARAM[BICO__NPARAMS] = {
+    [BICO_TRANSFER_METHOD] = {"method", 1, 6, BICO_PARAM_INTEGER},
+    /* used as a float */
+    [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
+    [BICO_TRANSFER_NORM_MAP] = {"norm_map", 0, 1, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_NULL] = {"null", 0, BICO_NULL_DROP, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
+    [BICO_TRANSFER_CENTER] = {"center", 0, 1, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_WHITEN] = {"whiten", 0, 0.5, 0},
+    [BICO_TRANSFER_PROC_METHOD] = {"proc_method", BICO_PROC_SVD,
+                                   BICO_PROC_POLAR, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_WORKERS] = {"workers", 1, 1024, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_SOLVE_MEMORY] = {"solve_memory", 0, 9007199254740992.0,
+                                    BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_MIN_PAIRED] = {"min_paired", 0, 1, 0},
+    [BICO_TRANSFER_GRADFIX_MODE] = {"gradfix_mode", 0, BICO_GRADFIX_MEAN,
+                                    BICO_PARAM_INTEGER},
+};
+
+bico_status bico_transfer_param_bounds(int param, double *lo, double *hi,
+                                       unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
+  if (param < 1 || param >= BICO__NPARAMS || PARAM[param].name == NULL)
+    return BICO_E_ARG;
+  *lo = PARAM[param].lo;
+  *hi = PARAM[param].hi;
+  *flags = PARAM[param].flags;
+  return BICO_OK;
+}
+
+const char *bico_transfer_param_name(int param) {
+  return param >= 1 && param < BICO__NPARAMS ? PARAM[param].name : NULL;
+}
+
+bico_status bico_transfer_param_from_name(const char *name, int *param) {
+  if (name == NULL || param == NULL) return BICO_E_NULL;
+  for (int i = 1; i < BICO__NPARAMS; i++)
+    if (PARAM[i].name != NULL && strcmp(name, PARAM[i].name) == 0) {
+      *param = i;
       return BICO_OK;
-    case BICO_TRANSFER_NULL: *lo = 0; *hi = BICO_NULL_DROP; return BICO_OK;
-    case BICO_TRANSFER_NORM_MAP:
-    case BICO_TRANSFER_CENTER: *lo = 0; *hi = 1; return BICO_OK;
-    case BICO_TRANSFER_RANK_TOL: *lo = 0; *hi = 1; return BICO_OK;
-    case BICO_TRANSFER_WHITEN: *lo = 0; *hi = 0.5; return BICO_OK;
-    case BICO_TRANSFER_PROC_METHOD:
-      *lo = BICO_PROC_SVD;
-      *hi = BICO_PROC_POLAR;
-      return BICO_OK;
-    case BICO_TRANSFER_WORKERS: *lo = 1; *hi = 1024; return BICO_OK;
-    case BICO_TRANSFER_SOLVE_MEMORY: *lo = 0; *hi = 9007199254740992.0; return BICO_OK;
-    case BICO_TRANSFER_MIN_PAIRED: *lo = 0; *hi = 1; return BICO_OK;
-    default: return BICO_E_ARG;
-  }
+    }
+  return BICO_E_NOTFOUND;
 }
 
 bico_status bico_transfer_set_param(bico_transfer *t, int param,
@@ -172,28 +199,21 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   if (t == NULL) return BICO_E_NULL;
   bico__clear(t->ctx);
   double lo, hi;
-  if (bico_transfer_param_bounds(param, &lo, &hi) != BICO_OK)
+  unsigned flags;
+  if (bico_transfer_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_set_param: unknown parameter %d", param);
-  int integral = param == BICO_TRANSFER_METHOD ||
-                 param == BICO_TRANSFER_NORM_MAP ||
-                 param == BICO_TRANSFER_NULL || param == BICO_TRANSFER_CENTER ||
-                 param == BICO_TRANSFER_PROC_METHOD ||
-                 param == BICO_TRANSFER_WORKERS ||
-                 param == BICO_TRANSFER_SOLVE_MEMORY;
-  int ok = isfinite(value) && value >= lo && value <= hi;
-  if (param == BICO_TRANSFER_ALPHA) ok = ok && value > 0;
-  if (param == BICO_TRANSFER_RANK_TOL) ok = ok && value < 1;
-  if (integral && ok && value != floor(value)) ok = 0;
-  if (!ok)
-    return bico__fail(t->ctx,
-                      isfinite(value) ? BICO_E_ARG : BICO_E_NONFINITE,
-                      "transfer_set_param: value %g for parameter %d is "
-                      "outside %s%g, %g%s%s",
-                      value, param,
-                      param == BICO_TRANSFER_ALPHA ? "(" : "[", lo, hi,
-                      param == BICO_TRANSFER_RANK_TOL ? ")" : "]",
-                      integral ? " (an integer)" : "");
+  if (!isfinite(value))
+    return bico__fail(t->ctx, BICO_E_NONFINITE,
+                      "transfer_set_param: %s = %g is not finite",
+                      PARAM[param].name, value);
+  bico_status st = bico__param_check(t->ctx, "transfer_set_param",
+                                     PARAM[param].name, value, lo, hi, flags);
+  if (st != BICO_OK) return st;
+  /* Choices: 0 is the default member (docs/api.md's enum rule). */
+  if (param == BICO_TRANSFER_GRADFIX_MODE && value == 0)
+    value = BICO_GRADFIX_MAJORITY;
+  if (param == BICO_TRANSFER_NULL && value == 0) value = BICO_NULL_KEEP;
   t->param[param] = value;
   return BICO_OK;
 }
@@ -202,7 +222,8 @@ bico_status bico_transfer_get_param(const bico_transfer *t, int param,
                                     double *value) {
   if (t == NULL || value == NULL) return BICO_E_NULL;
   double lo, hi;
-  if (bico_transfer_param_bounds(param, &lo, &hi) != BICO_OK)
+  unsigned flags;
+  if (bico_transfer_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_get_param: unknown parameter %d", param);
   *value = t->param[param];

@@ -222,13 +222,17 @@ TEST(TransferFinite, PartialRunStopsBeforeTheSink) {
 // refused when set (bico transfer turns that into a usage error).
 TEST(TransferFinite, AlphaBoundsAreFloat32s) {
   double lo, hi;
-  ASSERT_EQ(bico_transfer_param_bounds(BICO_TRANSFER_ALPHA, &lo, &hi), BICO_OK);
+  unsigned fl = 99;
+  ASSERT_EQ(bico_transfer_param_bounds(BICO_TRANSFER_ALPHA, &lo, &hi, &fl), BICO_OK);
   EXPECT_EQ(lo, 0.0);
   EXPECT_EQ(hi, (double)std::numeric_limits<float>::max());
+  EXPECT_EQ(fl, (unsigned)BICO_PARAM_LO_OPEN);  // (0, FLT_MAX]
   bt::Ctx ctx;
   bico_transfer *t = nullptr;
   ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, 1e39), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, 0.0), BICO_E_ARG);
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("(0, "), std::string::npos);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, hi), BICO_OK);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, INFINITY), BICO_E_NONFINITE);
   bico_transfer_free(t);
