@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "fileio.h"
 #include "lora_internal.h"
 #include "transfer_internal.h"
 
@@ -25,7 +26,7 @@ const char *const bico__xfer_file_option[BICO__NFILES] = {
 
 static const char *const METHOD_NAME[] = {
     NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
-static const char *const NORM_MAP_NAME[] = {"act", "grad"};
+static const char *const NORM_MAP_NAME[] = {NULL, "act", "grad"};
 #define COUNT(a) (sizeof(a) / sizeof *(a))
 
 const char *bico_method_name(int method) {
@@ -52,7 +53,7 @@ const char *bico_norm_map_name(int norm_map) {
 
 bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
   if (name == NULL || norm_map == NULL) return BICO_E_NULL;
-  for (size_t i = 0; i < COUNT(NORM_MAP_NAME); i++)
+  for (size_t i = 1; i < COUNT(NORM_MAP_NAME); i++)
     if (strcmp(name, NORM_MAP_NAME[i]) == 0) {
       *norm_map = (int)i;
       return BICO_OK;
@@ -64,13 +65,6 @@ const char *bico_handling_name(int handling) {
   return handling >= 0 && handling < BICO__H_COUNT
              ? bico__xfer_handling[handling]
              : NULL;
-}
-
-static char *dupstr(bico_ctx *ctx, const char *s) {
-  size_t n = strlen(s);
-  char *p = bico__alloc(ctx, n + 1);
-  if (p) memcpy(p, s, n + 1);
-  return p;
 }
 
 bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
@@ -129,7 +123,7 @@ bico_status bico_transfer_set_file(bico_transfer *t, int which,
                       "transfer_set_file: empty path for the %s",
                       bico__xfer_file_option[which]);
   char *p = NULL;
-  if (path != NULL && (p = dupstr(t->ctx, path)) == NULL) return BICO_E_NOMEM;
+  if (path != NULL && (p = bico__strdup(t->ctx, path)) == NULL) return BICO_E_NOMEM;
   bico__free(t->ctx, t->files[which]);
   t->files[which] = p;
   return BICO_OK;
@@ -154,7 +148,8 @@ static const struct {
     [BICO_TRANSFER_METHOD] = {"method", 1, 6, BICO_PARAM_INTEGER},
     /* used as a float */
     [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
-    [BICO_TRANSFER_NORM_MAP] = {"norm_map", 0, 1, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_NORM_MAP] = {"norm_map", 0, BICO_NORM_MAP_GRAD,
+                                BICO_PARAM_INTEGER},
     [BICO_TRANSFER_NULL] = {"null", 0, BICO_NULL_DROP, BICO_PARAM_INTEGER},
     [BICO_TRANSFER_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
     [BICO_TRANSFER_CENTER] = {"center", 0, 1, BICO_PARAM_INTEGER},
@@ -214,6 +209,7 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   if (param == BICO_TRANSFER_GRADFIX_MODE && value == 0)
     value = BICO_GRADFIX_MAJORITY;
   if (param == BICO_TRANSFER_NULL && value == 0) value = BICO_NULL_KEEP;
+  if (param == BICO_TRANSFER_NORM_MAP && value == 0) value = BICO_NORM_MAP_ACT;
   t->param[param] = value;
   return BICO_OK;
 }
@@ -238,7 +234,7 @@ bico_status bico_transfer_set_string(bico_transfer *t, int which,
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_set_string: unknown option %d", which);
   char *p = NULL;
-  if (value != NULL && (p = dupstr(t->ctx, value)) == NULL) return BICO_E_NOMEM;
+  if (value != NULL && (p = bico__strdup(t->ctx, value)) == NULL) return BICO_E_NOMEM;
   bico__free(t->ctx, t->strings[which]);
   t->strings[which] = p;
   return BICO_OK;
@@ -261,7 +257,7 @@ bico_status bico_transfer_add_split(bico_transfer *t, const char *suffix,
       return BICO_OK;
     }
   bico__split_rec *s = bico__alloc(t->ctx, (t->nsplits + 1) * sizeof *s);
-  char *d = dupstr(t->ctx, suffix);
+  char *d = bico__strdup(t->ctx, suffix);
   if (s == NULL || d == NULL) {
     bico__free(t->ctx, s);
     bico__free(t->ctx, d);
@@ -286,7 +282,7 @@ bico_status bico_transfer_add_tie(bico_transfer *t, const char *tensor,
   if (tensor[0] == '\0')
     return bico__fail(t->ctx, BICO_E_ARG, "transfer_add_tie: empty tensor name");
   bico__tie_rec *r = bico__alloc(t->ctx, (t->nties + 1) * sizeof *r);
-  char *a = dupstr(t->ctx, tensor), *b = dupstr(t->ctx, module);
+  char *a = bico__strdup(t->ctx, tensor), *b = bico__strdup(t->ctx, module);
   if (r == NULL || a == NULL || b == NULL) {
     bico__free(t->ctx, r);
     bico__free(t->ctx, a);
@@ -340,7 +336,6 @@ bico_status bico_transfer_set_partial(bico_transfer *t,
 bico_status bico_transfer_counts(const bico_transfer *t, size_t *updated,
                                  size_t *unchanged) {
   if (t == NULL) return BICO_E_NULL;
-  bico__clear(t->ctx);
   if (!t->ran)
     return bico__fail(t->ctx, BICO_E_STATE,
                       "transfer_counts: no successful run yet");

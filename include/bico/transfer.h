@@ -69,8 +69,9 @@ typedef enum bico_method {
 } bico_method;
 
 typedef enum bico_norm_map {
-  BICO_NORM_MAP_ACT = 0, /* map of the norm's input activations */
-  BICO_NORM_MAP_GRAD = 1 /* map of the norm's output gradients */
+  /* 0 asks for the default, ACT (docs/api.md's enumeration rule) */
+  BICO_NORM_MAP_ACT = 1, /* map of the norm's input activations */
+  BICO_NORM_MAP_GRAD = 2 /* map of the norm's output gradients */
 } bico_norm_map;
 
 /* Names of the methods ("bico", "bico-in", "bico-out", "gradfix", "naive",
