@@ -57,6 +57,7 @@ struct bico_transfer {
   size_t *plan_tensors, *plan_start;
   double *plan_cost;
   struct bico__asm *as; /* the assembler, between begin and commit */
+  struct bico__mem *mem; /* lent statistics and votes (transfer_mem.c) */
 };
 
 /* What each file slot is called in messages. */
@@ -189,6 +190,15 @@ int bico__xfer_structured(const bico__run *r, size_t mi, int side);
 bico_status bico__xfer_struct_solve(bico__run *r, size_t mi, int side,
                                     bico__map **out, int *fallback);
 void bico__xfer_heads_free(bico__run *r);
+/* ---- transfer_mem.c ---- */
+void bico__xfer_mem_free(bico_transfer *t);
+size_t bico__xfer_mem_nxcov(const bico_transfer *t);
+size_t bico__xfer_mem_nvotes(const bico_transfer *t);
+/* The accumulators lent for one side of a module: their count (0: none). */
+size_t bico__xfer_mem_xcov(const bico_transfer *t, const char *module,
+                           int side, const bico_xcov *const **blocks);
+const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
+                                       const char *tensor);
 
 /* ---- transfer_update.c ---- */
 /* The update alpha tau_B of target tensor ti into upd (its numel floats),

@@ -197,12 +197,23 @@ TEST(Family, OptionsAndNames) {
                 BICO_TRANSFER_HEAD_DIM}) {
     EXPECT_EQ(bico_transfer_get_param(t, p, &v), BICO_OK);
     EXPECT_EQ(v, 0) << p;
-    EXPECT_EQ(bico_transfer_param_bounds(p, &lo, &hi), BICO_OK);
+    unsigned flags = 0;
+    EXPECT_EQ(bico_transfer_param_bounds(p, &lo, &hi, &flags), BICO_OK);
+    EXPECT_TRUE(flags & BICO_PARAM_INTEGER);
     EXPECT_EQ(lo, 0);
     EXPECT_EQ(bico_transfer_set_param(t, p, 1.5), BICO_E_ARG) << p;
     EXPECT_EQ(bico_transfer_set_param(t, p, -1), BICO_E_ARG) << p;
   }
-  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, 2), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, 3), BICO_E_ARG);
+  // 0 is the default member (docs/api.md): get_param reports it resolved.
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, BICO_STRUCTURE_FREE), BICO_OK);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, 0), BICO_OK);
+  EXPECT_EQ(bico_transfer_get_param(t, BICO_TRANSFER_STRUCTURE, &v), BICO_OK);
+  EXPECT_EQ(v, BICO_STRUCTURE_HEADS);
+  int key = 0;
+  EXPECT_EQ(bico_transfer_param_from_name("kv_heads", &key), BICO_OK);
+  EXPECT_EQ(key, BICO_TRANSFER_KV_HEADS);
+  EXPECT_STREQ(bico_transfer_param_name(BICO_TRANSFER_ROPE), "rope");
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ROPE, BICO_ROPE_NONE + 1), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ROPE, BICO_ROPE_INTERLEAVED), BICO_OK);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_HEADS, 32), BICO_OK);
@@ -213,20 +224,22 @@ TEST(Family, OptionsAndNames) {
   int x = -1;
   EXPECT_STREQ(bico_structure_name(BICO_STRUCTURE_FREE), "free");
   EXPECT_STREQ(bico_structure_name(BICO_STRUCTURE_HEADS), "heads");
-  EXPECT_EQ(bico_structure_name(2), nullptr);
+  EXPECT_EQ(bico_structure_name(0), nullptr);
+  EXPECT_EQ(bico_structure_name(3), nullptr);
   EXPECT_EQ(bico_structure_from_name("heads", &x), BICO_OK);
   EXPECT_EQ(x, BICO_STRUCTURE_HEADS);
-  EXPECT_EQ(bico_structure_from_name("rows", &x), BICO_E_ARG);
+  EXPECT_EQ(bico_structure_from_name("rows", &x), BICO_E_NOTFOUND);
   EXPECT_EQ(bico_structure_from_name(nullptr, &x), BICO_E_NULL);
-  const char *ropes[4] = {"config", "half", "interleaved", "none"};
-  for (int r = 0; r < 4; r++) {
+  const char *ropes[4] = {nullptr, "half", "interleaved", "none"};
+  for (int r = 1; r < 4; r++) {
     EXPECT_STREQ(bico_rope_name(r), ropes[r]);
     EXPECT_EQ(bico_rope_from_name(ropes[r], &x), BICO_OK);
     EXPECT_EQ(x, r);
   }
+  EXPECT_EQ(bico_rope_name(0), nullptr);
   EXPECT_EQ(bico_rope_name(4), nullptr);
   EXPECT_EQ(bico_rope_name(-1), nullptr);
-  EXPECT_EQ(bico_rope_from_name("spiral", &x), BICO_E_ARG);
+  EXPECT_EQ(bico_rope_from_name("spiral", &x), BICO_E_NOTFOUND);
 }
 
 TEST(Family, PlantedLayerRecoveredWithStructure) {

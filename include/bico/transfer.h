@@ -50,6 +50,8 @@
 
 #include <stddef.h>
 #include "ctx.h"
+#include "votes.h"
+#include "xcov.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -67,8 +69,9 @@ typedef enum bico_method {
 } bico_method;
 
 typedef enum bico_norm_map {
-  BICO_NORM_MAP_ACT = 0, /* map of the norm's input activations */
-  BICO_NORM_MAP_GRAD = 1 /* map of the norm's output gradients */
+  /* 0 asks for the default, ACT (docs/api.md's enumeration rule) */
+  BICO_NORM_MAP_ACT = 1, /* map of the norm's input activations */
+  BICO_NORM_MAP_GRAD = 2 /* map of the norm's output gradients */
 } bico_norm_map;
 
 /* Names of the methods ("bico", "bico-in", "bico-out", "gradfix", "naive",
@@ -129,13 +132,18 @@ typedef enum bico_transfer_param {
                                      parameters have a source partner (a
                                      BERT source for a ViT target pairs
                                      nothing); 0 allows any pairing */
-  BICO_TRANSFER_STRUCTURE = 12,   /* bico_structure; default HEADS */
-  BICO_TRANSFER_ROPE = 13,        /* bico_rope; default 0: from config.json */
-  BICO_TRANSFER_HEADS = 14,       /* query heads of both models; 0 (default):
+  BICO_TRANSFER_GRADFIX_MODE = 12, /* bico_gradfix_mode; 0 = default
+                                     (MAJORITY); MEAN needs votes lent with
+                                     bico_transfer_set_votes from
+                                     accumulators made with BICO_VOTES_MEAN
+                                     (a votes file holds counts only) */
+  BICO_TRANSFER_STRUCTURE = 13,   /* bico_structure; 0 = default (HEADS) */
+  BICO_TRANSFER_ROPE = 14,        /* bico_rope; 0 (default): from config.json */
+  BICO_TRANSFER_HEADS = 15,       /* query heads of both models; 0 (default):
                                      from config.json */
-  BICO_TRANSFER_KV_HEADS = 15,    /* key/value heads; 0: from config.json
+  BICO_TRANSFER_KV_HEADS = 16,    /* key/value heads; 0: from config.json
                                      (absent there: the query heads) */
-  BICO_TRANSFER_HEAD_DIM = 16     /* head width; 0: from config.json
+  BICO_TRANSFER_HEAD_DIM = 17     /* head width; 0: from config.json
                                      (absent there: hidden / heads) */
 } bico_transfer_param;
 
@@ -169,22 +177,21 @@ typedef enum bico_transfer_param {
  * BICO_E_SHAPE.  BICO_TRANSFER_HEADS/KV_HEADS/HEAD_DIM/ROPE override the
  * configs of both models (with HEADS set, a model without a config.json
  * counts as a known family).  docs/llm.md has the rules. */
-typedef enum bico_structure {
-  BICO_STRUCTURE_FREE = 0, /* one free-form map per module side */
-  BICO_STRUCTURE_HEADS = 1 /* structure-aware where the family is known */
+typedef enum bico_structure { /* 0 = default: HEADS */
+  BICO_STRUCTURE_HEADS = 1, /* structure-aware where the family is known */
+  BICO_STRUCTURE_FREE = 2   /* one free-form map per module side */
 } bico_structure;
 
-typedef enum bico_rope {
-  BICO_ROPE_CONFIG = 0,      /* the family's layout (all known: HALF) */
+typedef enum bico_rope {     /* 0 = default: the family's layout (HALF) */
   BICO_ROPE_HALF = 1,        /* HF rotate_half: dims i and i + head_dim/2 */
   BICO_ROPE_INTERLEAVED = 2, /* dims 2i and 2i + 1 (GPT-J, Meta's layout) */
   BICO_ROPE_NONE = 3         /* no rotary embedding: one free orthogonal
                                 map per group on head_dim */
 } bico_rope;
 
-/* Names of the structures ("free", "heads") and RoPE layouts ("config",
- * "half", "interleaved", "none"), as bico transfer spells them; same
- * conventions as bico_method_name / bico_method_from_name. */
+/* Names of the structures ("heads", "free") and RoPE layouts ("half",
+ * "interleaved", "none"), as bico transfer spells them; same conventions
+ * as bico_method_name / bico_method_from_name. */
 BICO_API const char *bico_structure_name(int structure);
 BICO_API bico_status bico_structure_from_name(const char *name,
                                               int *structure);
@@ -229,8 +236,18 @@ BICO_API bico_status bico_transfer_set_param(bico_transfer *t, int param,
                                              double value);
 BICO_API bico_status bico_transfer_get_param(const bico_transfer *t,
                                              int param, double *value);
+/* The option grammar of params.h: the accepted set of each parameter
+ * (BICO_TRANSFER_ALPHA is (0, FLT_MAX]: BICO_PARAM_LO_OPEN), and the
+ * parameters' names ("method", "alpha", "norm_map", "null", "rank_tol",
+ * "center", "whiten", "proc_method", "workers", "solve_memory",
+ * "min_paired", "gradfix_mode"; NULL / BICO_E_NOTFOUND otherwise).
+ * Choices with a default (NULL, GRADFIX_MODE) take 0 for it, and
+ * get_param reports the member it resolved to. */
 BICO_API bico_status bico_transfer_param_bounds(int param, double *lo,
-                                                double *hi);
+                                                double *hi, unsigned *flags);
+BICO_API const char *bico_transfer_param_name(int param);
+BICO_API bico_status bico_transfer_param_from_name(const char *name,
+                                                   int *param);
 BICO_API bico_status bico_transfer_set_string(bico_transfer *t, int which,
                                               const char *value);
 /* Target modules whose names end in `suffix` (at a dot boundary, e.g.
@@ -244,6 +261,52 @@ BICO_API bico_status bico_transfer_add_split(bico_transfer *t,
 BICO_API bico_status bico_transfer_add_tie(bico_transfer *t,
                                            const char *tensor,
                                            const char *module);
+/* ---- Statistics and votes from memory ----
+ *
+ * A host that collected statistics itself (the Python binding's Collector)
+ * lends the driver its accumulators instead of writing files.  The handle
+ * keeps the pointers, not copies (a module side's statistic is the largest
+ * thing a run holds; a copy would double it): the accumulators must stay
+ * alive and unchanged until bico_transfer_free, or until the same module
+ * side (tensor) is set again.  A run only reads them, from the thread that
+ * calls bico_transfer_run or its solver threads (one accumulator is read by
+ * one thread at a time unless the same one is lent twice).
+ *
+ * The side of a module whose map a statistic gives: */
+typedef enum bico_transfer_side {
+  BICO_SIDE_IN = 1, /* input activations: the map R_in (one block) */
+  BICO_SIDE_OUT = 2 /* output gradients: R_out (k blocks when split) */
+} bico_transfer_side;
+/* Names: "in", "out" (NULL / BICO_E_NOTFOUND otherwise). */
+BICO_API const char *bico_transfer_side_name(int side);
+BICO_API bico_status bico_transfer_side_from_name(const char *name,
+                                                  int *side);
+
+/* Lends the statistics of one side of target module `module` (the name the
+ * statistics file would key as "<module>.in_xcov" / ".out_xcov"): each
+ * accumulator is [d_a, d_b] with the source module's width first.  nblocks
+ * is 1 (the side's full widths; a module split in k blocks solves block b
+ * from diagonal block b, sums and Gram matrices included), or, for
+ * BICO_SIDE_OUT of a split module, k accumulators of [d_a/k, d_b/k], one
+ * per block; 0 (blocks may be NULL) withdraws what was lent.  The run
+ * solves from lent statistics first and falls back to the statistics or
+ * calibration files for module sides without any (BICO_E_NOTFOUND when
+ * there are none either).  With only lent statistics the BiCo methods need
+ * no file; centering and whitening (BICO_TRANSFER_CENTER, _WHITEN) need
+ * accumulators made with BICO_XCOV_SUMS / BICO_XCOV_GRAMS.  Widths are
+ * checked when the run solves the module. */
+BICO_API bico_status bico_transfer_set_xcov(bico_transfer *t,
+                                            const char *module, int side,
+                                            size_t nblocks,
+                                            const bico_xcov *const *blocks);
+/* Lends GradFix votes for target tensor `tensor` (as many elements as the
+ * tensor; NULL withdraws).  Used before the votes file: with votes lent
+ * for every tensor GradFix needs no file.  The LoRA branch reads only the
+ * votes file. */
+BICO_API bico_status bico_transfer_set_votes(bico_transfer *t,
+                                             const char *tensor,
+                                             const bico_votes *votes);
+
 /* Progress and summary lines; fn NULL for silence (the default). */
 BICO_API bico_status bico_transfer_set_log(bico_transfer *t,
                                            bico_transfer_log_fn fn,

@@ -410,8 +410,8 @@ def test_python_switch(tmp_path):
     Python, with names from the library."""
     bico_py = pytest.importorskip("bico")
     from bico import _enums
-    assert _enums.STRUCTURES == {"free": 0, "heads": 1}
-    assert _enums.ROPES == {"config": 0, "half": 1, "interleaved": 2, "none": 3}
+    assert _enums.STRUCTURES == {"heads": 1, "free": 2}
+    assert _enums.ROPES == {"half": 1, "interleaved": 2, "none": 3}
     p = planted_pair(tmp_path, seed=4)
     tauB = llama.transform(p["cfg"], p["tau"], p["sym"])
     for mode in ("heads", "free"):

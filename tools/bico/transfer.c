@@ -313,13 +313,12 @@ static int check_usage(transfer_opts *o) {
                           o->proc_method);
   }
   o->structure_v = BICO_STRUCTURE_HEADS;
-  o->rope_v = BICO_ROPE_CONFIG;
+  o->rope_v = 0; /* from config.json */
   if (o->structure != NULL &&
       bico_structure_from_name(o->structure, &o->structure_v) != BICO_OK)
     return cli_error(CMD, CLI_USAGE, "--structure %s: expected heads or free",
                      o->structure);
-  if (o->rope != NULL && (bico_rope_from_name(o->rope, &o->rope_v) != BICO_OK ||
-                          o->rope_v == BICO_ROPE_CONFIG))
+  if (o->rope != NULL && bico_rope_from_name(o->rope, &o->rope_v) != BICO_OK)
     return cli_error(CMD, CLI_USAGE,
                      "--rope %s: expected half, interleaved or none", o->rope);
   return GO_ON;
