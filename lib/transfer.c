@@ -93,6 +93,7 @@ bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   t->param[BICO_TRANSFER_WORKERS] = 1;
   t->param[BICO_TRANSFER_SOLVE_MEMORY] = 0;
   t->param[BICO_TRANSFER_MIN_PAIRED] = 0.5;
+  t->param[BICO_TRANSFER_MAX_SHARD_SIZE] = 0;
   *out = t;
   return BICO_OK;
 }
@@ -163,6 +164,8 @@ bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
     case BICO_TRANSFER_WORKERS: *lo = 1; *hi = 1024; return BICO_OK;
     case BICO_TRANSFER_SOLVE_MEMORY: *lo = 0; *hi = 9007199254740992.0; return BICO_OK;
     case BICO_TRANSFER_MIN_PAIRED: *lo = 0; *hi = 1; return BICO_OK;
+    case BICO_TRANSFER_MAX_SHARD_SIZE:
+      *lo = 0; *hi = 9007199254740992.0; return BICO_OK;
     default: return BICO_E_ARG;
   }
 }
@@ -216,6 +219,12 @@ bico_status bico_transfer_set_string(bico_transfer *t, int which,
   if (which < 1 || which >= BICO__NSTRINGS)
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_set_string: unknown option %d", which);
+  if (which == BICO_TRANSFER_SOURCE_RENAME && value != NULL &&
+      (strchr(value, '=') == NULL || strcmp(value, "=") == 0))
+    return bico__fail(t->ctx, BICO_E_ARG,
+                      "transfer_set_string: source rename '%s': expected "
+                      "OLD=NEW (a prefix and its replacement, not both empty)",
+                      value);
   char *p = NULL;
   if (value != NULL && (p = dupstr(t->ctx, value)) == NULL) return BICO_E_NOMEM;
   bico__free(t->ctx, t->strings[which]);
@@ -287,6 +296,16 @@ bico_status bico_transfer_set_log(bico_transfer *t, bico_transfer_log_fn fn,
   bico__clear(t->ctx);
   t->log = fn;
   t->log_opaque = opaque;
+  return BICO_OK;
+}
+
+bico_status bico_transfer_set_progress(bico_transfer *t,
+                                       bico_transfer_progress_fn fn,
+                                       void *opaque) {
+  if (t == NULL) return BICO_E_NULL;
+  bico__clear(t->ctx);
+  t->progress = fn;
+  t->progress_opaque = opaque;
   return BICO_OK;
 }
 
