@@ -429,6 +429,8 @@ bench-quality: all
 	cd bench/quality && BICO_QUALITY_CACHE=$(abspath $(BUILD))/quality \
 	  BICO_LIBRARY=$(abspath $(SHLIB)) OMP_NUM_THREADS=1 \
 	  nice $(PYTHON) run.py $(QUALITY_FLAGS)
+	cd bench/quality_llm && BICO_LLM_CACHE=$(abspath $(BUILD))/quality-llm BICO_CLI=$(abspath $(BUILD))/bin/bico \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) OMP_NUM_THREADS=1 nice $(PYTHON) run.py $(QUALITY_LLM_FLAGS)
 
 # ---- robustness ----
 # Fuzzing, the ABI gate, header hygiene, leak and thread checking, and the
