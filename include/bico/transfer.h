@@ -137,13 +137,18 @@ typedef enum bico_transfer_param {
                                      bico_transfer_set_votes from
                                      accumulators made with BICO_VOTES_MEAN
                                      (a votes file holds counts only) */
-  BICO_TRANSFER_STRUCTURE = 13,   /* bico_structure; 0 = default (HEADS) */
-  BICO_TRANSFER_ROPE = 14,        /* bico_rope; 0 (default): from config.json */
-  BICO_TRANSFER_HEADS = 15,       /* query heads of both models; 0 (default):
+  BICO_TRANSFER_MAX_SHARD_SIZE = 13, /* bytes, >= 0; default 0: an output
+                                     folder (bico_output_is_folder) is
+                                     sharded as the target is; else
+                                     greedily by this size
+                                     (bico_stwriter_create_folder) */
+  BICO_TRANSFER_STRUCTURE = 14,   /* bico_structure; 0 = default (HEADS) */
+  BICO_TRANSFER_ROPE = 15,        /* bico_rope; 0 (default): from config.json */
+  BICO_TRANSFER_HEADS = 16,       /* query heads of both models; 0 (default):
                                      from config.json */
-  BICO_TRANSFER_KV_HEADS = 16,    /* key/value heads; 0: from config.json
+  BICO_TRANSFER_KV_HEADS = 17,    /* key/value heads; 0: from config.json
                                      (absent there: the query heads) */
-  BICO_TRANSFER_HEAD_DIM = 17     /* head width; 0: from config.json
+  BICO_TRANSFER_HEAD_DIM = 18     /* head width; 0: from config.json
                                      (absent there: hidden / heads) */
 } bico_transfer_param;
 
@@ -220,7 +225,17 @@ BICO_API bico_status bico_rope_from_name(const char *name, int *rope);
 typedef enum bico_transfer_string {
   BICO_TRANSFER_BLOCKS = 1,       /* block container of both models */
   BICO_TRANSFER_SOURCE_BLOCKS = 2,/* of the source only */
-  BICO_TRANSFER_TARGET_BLOCKS = 3 /* of the target only */
+  BICO_TRANSFER_TARGET_BLOCKS = 3,/* of the target only */
+  BICO_TRANSFER_SOURCE_RENAME = 4 /* "OLD=NEW": the source's tensor names
+                                     (source base, tuned checkpoint, task
+                                     vector, source calibration) that begin
+                                     with OLD begin with NEW instead, so
+                                     that they pair with the target's
+                                     ("module.=" strips a DataParallel
+                                     prefix, "bert.=roberta." swaps one,
+                                     "=model." adds one); names in the
+                                     report are the renamed ones.  Not with
+                                     a LoRA adapter (BICO_E_ARG). */
 } bico_transfer_string;
 
 /* A line of progress or summary text (no trailing newline). */
@@ -311,6 +326,32 @@ BICO_API bico_status bico_transfer_set_votes(bico_transfer *t,
 BICO_API bico_status bico_transfer_set_log(bico_transfer *t,
                                            bico_transfer_log_fn fn,
                                            void *opaque);
+
+/* Structured progress of a run's tensor loop, for front ends that draw
+ * it: work done and in all in the plan's cost units (each target tensor
+ * costs 4 x its elements + 1, and the first tensor of a module that needs
+ * maps also the maps' solve operations: the costs of
+ * bico_transfer_plan_group), tensors finished, and seconds since the loop
+ * began.  `size` is sizeof(bico_transfer_progress) as the library knows
+ * it (fields are only ever added at the end). */
+typedef struct bico_transfer_progress {
+  size_t size;
+  double done, total;
+  size_t tensors_done, tensors_total;
+  double elapsed;
+  const char *tensor; /* the tensor just finished (valid during the call) */
+} bico_transfer_progress;
+
+typedef void (*bico_transfer_progress_fn)(void *opaque,
+                                          const bico_transfer_progress *p);
+
+/* Calls fn after every target tensor of a whole run (not the LoRA branch
+ * nor partial runs), the last call with done == total; NULL (the default)
+ * for none.  With a progress function set, the run logs no progress text
+ * of its own (its summary lines stay). */
+BICO_API bico_status bico_transfer_set_progress(bico_transfer *t,
+                                                bico_transfer_progress_fn fn,
+                                                void *opaque);
 
 /* Runs the transfer.  On failure nothing is written (the report neither)
  * and ctx's message names the file, tensor, module or option at fault. */
