@@ -159,3 +159,18 @@ def test_lora_on_c_attn_with_fan_in_fan_out(tmp_path):
         have = (scale * gb @ ga).T
         err = np.abs(have - want.numpy()).max() / np.abs(want.numpy()).max()
         assert err < 2e-3, (m, err)
+    # Merged into the target base instead: the stored [in, out] weight is
+    # B + T(delta), the update transposed back into Conv1D's layout.
+    merged = tmp_path / "merged.safetensors"
+    bico("transfer", "--method", "bico", "--source-base", tmp_path / "A",
+         "--target-base", tmp_path / "B", *_calib(tmp_path), "--lora", folder,
+         "--merge-into-base", "--output", merged, "--quiet")
+    got, _, _ = pl.load(str(merged))
+    for i in range(cfg["n_layer"]):
+        m = f"transformer.h.{i}.attn.c_attn"
+        a, b = ad[m]
+        want = gpt2.transform(cfg, {m + ".weight": (scale * b @ a).T}, p["sym"])[m + ".weight"]
+        err = np.abs(got[m + ".weight"] - (p["B"][m + ".weight"] + want).numpy()).max()
+        assert err < 2e-3 * np.abs(want.numpy()).max(), (m, err)
+    k = "transformer.h.0.mlp.c_fc.weight"   # no adapter there: the base's values
+    assert np.array_equal(got[k], p["B"][k].numpy().astype(np.float32))
