@@ -18,10 +18,10 @@ def test_vocab_counts_in_the_assembled_report(tmp_path):
               "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
               "--source-calib", tmp_path / "calA.safetensors",
               "--target-calib", tmp_path / "calB.safetensors"]
-    tm.serial(*common, "--output", tmp_path / "s.st", "--report", tmp_path / "s.json",
+    tm.serial(*common, "--output", tmp_path / "s.safetensors", "--report", tmp_path / "s.json",
               "--quiet")
-    tm.mpi(2, *common, "--output", tmp_path / "m.st", "--report", tmp_path / "m.json",
+    tm.mpi(2, *common, "--output", tmp_path / "m.safetensors", "--report", tmp_path / "m.json",
            env={"BICO_MPI_RANK0_SHARE": "0.5"})
     assert open(tmp_path / "m.json", "rb").read() == open(tmp_path / "s.json", "rb").read()
-    assert open(tmp_path / "m.st", "rb").read() == open(tmp_path / "s.st", "rb").read()
+    assert open(tmp_path / "m.safetensors", "rb").read() == open(tmp_path / "s.safetensors", "rb").read()
     assert b'"vocab"' in open(tmp_path / "m.json", "rb").read()

@@ -5,21 +5,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bico_help.h"
 #include "cli.h"
 
 static const char *const CMD = "inspect";
 
-static const char HELP[] =
-    "usage: bico inspect [--blocks NAME] FILE.safetensors\n"
-    "       (FILE may be a sharded checkpoint's *.safetensors.index.json or\n"
-    "       a model folder)\n"
-    "       bico inspect [--json] [--method M] [--blocks NAME]\n"
-    "                    [--split SUFFIX=K]... [--tie TENSOR=MODULE]...\n"
-    "                    SOURCE TARGET\n"
-    "       (what `bico transfer` would decide from SOURCE to TARGET:\n"
-    "       families and what detected them, blocks, splits, ties, pairing\n"
-    "       by kind, the vocabulary map, and per tensor its handling and\n"
-    "       the rule that chose it; --json for machines)\n";
+/* Generated from docs/bico.1.md (scripts/gen-help.py). */
+static const char HELP[] = BICO_HELP_INSPECT;
 
 static const char *const HANDLING[] = {"unchanged", "linear", "vector", "tied",
                                        "naive",     "padded", "masked"};
