@@ -25,6 +25,7 @@ typedef struct bico__route {
   int need[2];     /* sides it asks for: 0 input map, 1 output map(s) */
   int side;        /* ROWS: the side of the one map */
   int identity;    /* ROWS: the method leaves that side alone (no map) */
+  int vocab;       /* rows matched by token string (lib/vocab.c) */
   int scale;       /* ROWS: a norm's scale, an operator diag(g): moved as
                       diag(R^T diag(tau) R) = (R o R)^T tau, not R^T tau */
   char reason[192];

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "calib.h"
+#include "family_names.h"
 #include "lora_internal.h"
 #include "report.h"
 
@@ -129,6 +130,7 @@ typedef struct lmod {
   const char *handling;
   double energy, kept;
   size_t k;            /* output split */
+  size_t ts;           /* the source base weight's tensor index */
 } lmod;
 
 /* Names, shapes and factors of adapter module li and target module mi. */
@@ -152,6 +154,7 @@ static bico_status lmod_locate(lrun *r, lmod *m) {
   bico_status st = bico_model_find_tensor(h->mt, m->wname, &m->ti);
   if (st == BICO_OK) st = bico_model_find_tensor(h->ms, m->sname, &ts);
   if (st != BICO_OK) return st;
+  m->ts = ts;
   size_t nd_t;
   const size_t *sh_t;
   bico_model_tensor(h->mt, m->ti, NULL, NULL, &nd_t, &sh_t);
@@ -183,6 +186,12 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   if (m->tkind != BICO_MODULE_LINEAR || rt->kind != BICO__ROUTE_WEIGHT)
     return bico__fail(ctx, BICO_E_ARG,
                       "adapter module %s: target module %s is not linear",
+                      m->lname, m->tm);
+  if (rt->vocab)
+    return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                      "adapter module %s: the tokenizers differ, and an "
+                      "adapter on the vocabulary head (%s) is not matched by "
+                      "token string; carry it as a full checkpoint",
                       m->lname, m->tm);
   int do_in = rt->need[0], do_out = rt->need[1];
   m->k = h->split(h->opaque, m->mi);
@@ -285,12 +294,18 @@ static bico_status carry_dense(lrun *r, lmod *m) {
 static bico_status carry(lrun *r, lmod *m) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
-  if (is_bico(h->method) && m->fifo)
+  /* fan_in_fan_out: the base weights are stored [in, out]; the maps are
+   * right when the models' family says so too (GPT-2's Conv1D: module
+   * dims are then [out, in] as the factors are). */
+  if (is_bico(h->method) && m->fifo &&
+      !(bico__model_transposed(h->mt, m->ti) &&
+        bico__model_transposed(h->ms, m->ts)))
     return bico__fail(ctx, BICO_E_UNSUPPORTED,
                       "adapter module %s: fan_in_fan_out adapters (transposed "
-                      "base weights) cannot be carried by the BiCo methods "
-                      "yet; the driver's maps assume [d_out, d_in] weights",
-                      m->lname);
+                      "base weights) are carried by the BiCo methods only on "
+                      "a family known to store [in, out] weights (GPT-2 "
+                      "Conv1D); %s is not one",
+                      m->lname, m->wname);
   if (is_bico(h->method)) {
     bico__route rt;
     h->route(h->opaque, m->ti, &rt);

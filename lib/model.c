@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "family_names.h"
 #include "fileio.h"
 #include "internal.h"
 #include "strindex.h"
@@ -45,6 +46,8 @@ struct bico_model {
   size_t *mod_sorted; /* module indices sorted by name */
   char *prefix;       /* NULL: no blocks */
   size_t nblocks;
+  int family;         /* bico__family: layout, roles, containers */
+  size_t cont_n[8];   /* blocks per container of the family (0: none) */
 };
 
 static int is_float_dtype(int dtype) {
@@ -195,6 +198,21 @@ bico_status bico_model_set_blocks(bico_model *m, const char *prefix) {
   return BICO_OK;
 }
 
+int bico__model_family(const bico_model *m) {
+  return m ? m->family : BICO__FAMILY_NONE;
+}
+
+void bico__model_set_family(bico_model *m, int family) {
+  if (m == NULL) return;
+  m->family = family;
+  drop_analysis(m);
+}
+
+int bico__model_transposed(const bico_model *m, size_t i) {
+  if (m == NULL || i >= m->nt) return 0;
+  return bico__family_transposed(m->family, m->t[i].name, m->t[i].ndim);
+}
+
 /* ---- analysis ---- */
 
 typedef struct cand {
@@ -316,6 +334,34 @@ static bico_status detect_blocks(bico_model *m) {
   return st;
 }
 
+/* Block counts of the family's containers (CLIP's two towers); the
+ * detected container stays the one bico_model_blocks reports. */
+static void count_containers(bico_model *m) {
+  const char *const *c = bico__family_containers(m->family);
+  for (size_t k = 0; k < 8; k++) m->cont_n[k] = 0;
+  for (size_t k = 0; c != NULL && c[k] != NULL && k < 8; k++) {
+    size_t plen = strlen(c[k]);
+    for (size_t i = 0; i < m->nt; i++) {
+      long b;
+      size_t rest;
+      if (split_block(m->t[i].name, c[k], plen, &b, &rest) &&
+          m->t[i].name[rest] != '\0' && (size_t)b + 1 > m->cont_n[k])
+        m->cont_n[k] = (size_t)b + 1;
+    }
+  }
+}
+
+/* The family container k whose blocks hold name (block index, offset of
+ * the rest), or -1. */
+static int in_container(const bico_model *m, const char *name, long *b,
+                        size_t *rest) {
+  const char *const *c = bico__family_containers(m->family);
+  for (int k = 0; c != NULL && c[k] != NULL && k < 8; k++)
+    if (m->cont_n[k] > 0 && split_block(name, c[k], strlen(c[k]), b, rest))
+      return k;
+  return -1;
+}
+
 static const char *last_component(const char *s) {
   const char *d = strrchr(s, '.');
   return d ? d + 1 : s;
@@ -433,6 +479,7 @@ static bico_status build_modules(bico_model *m) {
     for (size_t k = 0; k < r->count; k++) {
       tensor_rec *t = &m->t[m->mod_tensors[r->first + k]];
       if (!is_float_dtype(t->dtype)) continue;
+      if (bico__family_role(m->family, t->name, t->ndim) != 0) continue;
       if (!root && t->ndim >= 2 &&
           strcmp(last_component(t->name), "weight") == 0)
         r->weight = m->mod_tensors[r->first + k];
@@ -443,9 +490,14 @@ static bico_status build_modules(bico_model *m) {
       r->kind = (w->ndim == 2 && embedding_name(r->name))
                     ? BICO_MODULE_EMBEDDING
                     : BICO_MODULE_LINEAR;
-      r->d_out = w->shape[0];
-      r->d_in = 1;
-      for (size_t d = 1; d < w->ndim; d++) r->d_in *= w->shape[d];
+      if (bico__family_transposed(m->family, w->name, w->ndim)) {
+        r->d_out = w->shape[1]; /* Conv1D: stored [in, out] */
+        r->d_in = w->shape[0];
+      } else {
+        r->d_out = w->shape[0];
+        r->d_in = 1;
+        for (size_t d = 1; d < w->ndim; d++) r->d_in *= w->shape[d];
+      }
     } else if (!root && vec_len > 0) {
       r->kind = BICO_MODULE_ELEMENTWISE;
       r->d_out = r->d_in = vec_len;
@@ -456,8 +508,11 @@ static bico_status build_modules(bico_model *m) {
       size_t ti = m->mod_tensors[r->first + k];
       tensor_rec *t = &m->t[ti];
       int role = BICO_ROLE_OTHER;
+      int fam = bico__family_role(m->family, t->name, t->ndim);
       if (!is_float_dtype(t->dtype)) {
         role = BICO_ROLE_OTHER;
+      } else if (fam != 0) {
+        role = fam;
       } else if (ti == r->weight) {
         role = r->kind == BICO_MODULE_LINEAR ? BICO_ROLE_WEIGHT
                                              : BICO_ROLE_TOKEN;
@@ -475,6 +530,8 @@ static bico_status build_modules(bico_model *m) {
     size_t rest;
     if (m->prefix && split_block(r->name, m->prefix, plen, &b, &rest))
       r->block = b;
+    else if (in_container(m, r->name, &b, &rest) >= 0)
+      r->block = b;
   }
   return sort_modules(m);
 }
@@ -485,6 +542,7 @@ static bico_status analyze(const bico_model *cm) {
   if (m->analyzed) return BICO_OK;
   drop_analysis(m);
   bico_status st = detect_blocks(m);
+  if (st == BICO_OK) count_containers(m);
   if (st == BICO_OK) st = build_modules(m);
   if (st != BICO_OK) {
     drop_analysis(m);
@@ -649,7 +707,28 @@ bico_status bico_model_map_name(const bico_model *target,
   long j;
   size_t rest;
   size_t n;
-  if (target->prefix &&
+  int k = in_container(target, name, &j, &rest);
+  if (k >= 0 && bico__family_containers(source->family) ==
+                    bico__family_containers(target->family)) {
+    /* A family with several containers (CLIP's towers): each maps by the
+     * depth map of its own block counts. */
+    const char *cp = bico__family_containers(target->family)[k];
+    if (source->cont_n[k] == 0)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "model_map_name: %s lies in the target's blocks (%s) "
+                        "but the source has none there",
+                        name, cp);
+    if ((size_t)j >= target->cont_n[k])
+      return bico__fail(ctx, BICO_E_ARG,
+                        "model_map_name: %s names target block %ld, out of "
+                        "range (%zu blocks)",
+                        name, j, target->cont_n[k]);
+    size_t i = bico__depth_source(source->cont_n[k], target->cont_n[k],
+                                  (size_t)j);
+    const char *tail = name + rest;
+    n = (size_t)snprintf(buf, cap, "%s.%zu%s%s", cp, i, *tail ? "." : "",
+                         tail);
+  } else if (target->prefix &&
       split_block(name, target->prefix, strlen(target->prefix), &j, &rest)) {
     if (source->prefix == NULL)
       return bico__fail(ctx, BICO_E_NOTFOUND,

@@ -16,7 +16,9 @@
 
 #include "fileio.h"
 #include "lora_internal.h"
+#include "family_names.h"
 #include "transfer_internal.h"
+#include "vocab.h"
 
 const char *const bico__xfer_file_option[BICO__NFILES] = {
     NULL,           "source base",  "source tuned",  "task vector",
@@ -143,6 +145,7 @@ void bico_transfer_free(bico_transfer *t) {
   bico__free(ctx, t->select);
   bico__xfer_asm_free(t);
   bico__xfer_plan_clear(t);
+  bico__xfer_explain_free(t);
   bico__xfer_mem_free(t);
   bico__free(ctx, t);
 }
@@ -507,7 +510,7 @@ static bico_status open_inputs(bico__run *r) {
 }
 
 /* The two models, with their block containers as the options say. */
-static bico_status load_models(bico__run *r) {
+bico_status bico__xfer_load_models(bico__run *r) {
   const bico_transfer *t = r->t;
   bico_status st = bico_model_from_stfile(r->ctx, r->sb, &r->ms);
   if (st == BICO_OK) st = bico_model_from_stfile(r->ctx, r->tb, &r->mt);
@@ -517,6 +520,15 @@ static bico_status load_models(bico__run *r) {
   const char *bt = t->strings[BICO_TRANSFER_TARGET_BLOCKS]
                        ? t->strings[BICO_TRANSFER_TARGET_BLOCKS]
                        : t->strings[BICO_TRANSFER_BLOCKS];
+  /* Families first: they change how shapes read (GPT-2's Conv1D). */
+  bico_model *ms[2] = {r->ms, r->mt};
+  const char *paths[2] = {t->files[BICO_FILE_SOURCE_BASE],
+                          t->files[BICO_FILE_TARGET_BASE]};
+  for (int k = 0; k < 2 && st == BICO_OK; k++) {
+    r->kind[k] = bico__family_detect(r->ctx, paths[k], ms[k], r->kind_why[k],
+                                    sizeof r->kind_why[k]);
+    bico__model_set_family(ms[k], r->kind[k]);
+  }
   if (st == BICO_OK && bs) st = bico_model_set_blocks(r->ms, bs);
   if (st == BICO_OK && bt) st = bico_model_set_blocks(r->mt, bt);
   if (st == BICO_OK) st = bico_model_blocks(r->ms, NULL, NULL);
@@ -552,9 +564,21 @@ static void describe_blocks(const bico_model *m, char *buf, size_t cap) {
 bico_status bico__xfer_setup(bico__run *r) {
   bico_status st = bico__xfer_check_setup(r);
   if (st == BICO_OK) st = open_inputs(r);
-  if (st == BICO_OK) st = load_models(r);
+  if (st == BICO_OK) st = bico__xfer_load_models(r);
   if (st == BICO_OK && bico__xfer_is_bico(r->method)) st = make_solver(r);
   if (st == BICO_OK) st = bico__xfer_families(r);
+  /* Token rows by token string when both folders have a tokenizer.json
+   * and the vocabularies differ (BiCo methods: the maps carry the rest). */
+  if (st == BICO_OK && bico__xfer_is_bico(r->method)) {
+    st = bico__vocab_map(r->ctx, r->t->files[BICO_FILE_SOURCE_BASE],
+                         r->t->files[BICO_FILE_TARGET_BASE], &r->vocab);
+    if (st == BICO_OK && r->vocab != NULL)
+      bico__xfer_log(r, "bico: the tokenizers differ (%zu source, %zu target "
+                        "tokens): token rows matched by string, %zu shared, "
+                        "%zu new",
+                     r->vocab->n_source, r->vocab->n_target, r->vocab->shared,
+                     r->vocab->fresh);
+  }
   if (st == BICO_OK) st = bico__xfer_plan(r);
   if (st == BICO_OK) st = bico__xfer_check_pairing(r);
   return st;
@@ -609,11 +633,13 @@ void bico__xfer_run_free(bico__run *r) {
     bico__xfer_free_maps(r, &r->mods[m]);
   bico__free(ctx, r->mods);
   bico__free(ctx, r->owner);
+  bico__free(ctx, r->tie_rule);
   bico_stwriter_free(r->w);
   bico_stwriter_free(r->wd);
   bico_procrustes_free(r->proc);
   bico_model_free(r->ms);
   bico_model_free(r->mt);
+  bico__vocab_free(ctx, r->vocab);
   bico_stfile *fs[8] = {r->sb, r->sft,  r->tv,    r->tb,
                         r->sc, r->tc, r->stats, r->votes};
   for (int i = 0; i < 8; i++) bico_stfile_close(fs[i]);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "transfer_internal.h"
+#include "vocab.h"
 
 struct bico__asm {
   bico_stfile *tb;
@@ -273,7 +274,15 @@ bico_status bico_transfer_assemble_commit(bico_transfer *t) {
   int method = (int)t->param[BICO_TRANSFER_METHOD];
   bico__xfer_report_head(&rep, method, (float)t->param[BICO_TRANSFER_ALPHA]);
   for (size_t i = 0; i < a->nt; i++) bico__report_raw(&rep, a->entries[i]);
-  bico__xfer_report_tail(&rep, a->count);
+  /* The vocabulary counts, as a single run's summary has them (the
+   * partial runs read the same tokenizers and succeeded). */
+  bico__vocab *vocab = NULL;
+  if (bico__xfer_is_bico(method) &&
+      bico__vocab_map(ctx, t->files[BICO_FILE_SOURCE_BASE],
+                      t->files[BICO_FILE_TARGET_BASE], &vocab) != BICO_OK)
+    bico__clear(ctx);
+  bico__xfer_report_tail_vocab(&rep, a->count, vocab);
+  bico__vocab_free(ctx, vocab);
   bico_status st = rep.status;
   if (st == BICO_OK)
     st = bico__xfer_commit(ctx, &rep, t->files[BICO_FILE_REPORT], a->w, a->wd);

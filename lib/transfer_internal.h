@@ -59,6 +59,7 @@ struct bico_transfer {
   size_t *plan_tensors, *plan_start;
   double *plan_cost;
   struct bico__asm *as; /* the assembler, between begin and commit */
+  struct bico__explain *ex; /* bico_transfer_explain's answers */
   struct bico__mem *mem; /* lent statistics and votes (transfer_mem.c) */
 };
 
@@ -104,6 +105,8 @@ typedef struct bico__tinfo {
   size_t nsplit;
   double kept; /* GradFix kept fraction; < 0 when none */
   double norm;
+  int vocab;    /* rows matched by token string (lib/vocab.c) */
+  size_t vocab_shared, vocab_new;
 } bico__tinfo;
 
 struct bico__pool;
@@ -129,7 +132,22 @@ typedef struct bico__run {
   char fam_path[2][512];
   int structure_on;
   struct bico__hcache *hc;
+  /* Naming families (lib/family_names.c: storage layout, towers, splits) of source and target, and what decided
+   * them. */
+  int kind[2];
+  char kind_why[2][192];
+  struct bico__vocab *vocab; /* token rows by token string, or NULL */
+  unsigned char *tie_rule;   /* per target tensor: bico__tie_rule */
 } bico__run;
+
+/* Which rule tied a token to its module (bico__xfer_plan). */
+enum bico__tie_rule {
+  BICO__TIE_NONE = 0,
+  BICO__TIE_USER,        /* --tie */
+  BICO__TIE_STEM,        /* linear stem outside the blocks */
+  BICO__TIE_EMBED_NORM,  /* element-wise embed* module outside the blocks */
+  BICO__TIE_FIRST_NORM   /* first element-wise module of the first block */
+};
 
 /* ---- transfer.c ---- */
 void bico__xfer_run_init(bico__run *r, bico_transfer *t);
@@ -141,6 +159,13 @@ void bico__xfer_run_free(bico__run *r);
 /* ---- transfer_assemble.c ---- */
 void bico__xfer_plan_clear(bico_transfer *t);
 void bico__xfer_asm_free(bico_transfer *t);
+
+/* The source and target models with their families and block containers
+ * (transfer.c). */
+bico_status bico__xfer_load_models(bico__run *r);
+
+/* ---- transfer_explain.c ---- */
+void bico__xfer_explain_free(bico_transfer *t);
 
 /* ---- transfer_plan.c ---- */
 void bico__xfer_log(bico__run *r, const char *fmt, ...)
@@ -250,6 +275,10 @@ bico_status bico__xfer_write_one(bico_ctx *ctx, const bico_stfile *tb,
 /* The report around the tensors' entries. */
 void bico__xfer_report_head(bico__report *rep, int method, float alpha);
 void bico__xfer_report_tail(bico__report *rep, const size_t *count);
+/* The same with the vocabulary map's counts in the summary (vocab may be
+ * NULL). */
+void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
+                                  const struct bico__vocab *vocab);
 /* Report to its temporary, then wd, w, then the report's rename. */
 bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
                               const char *report, bico_stwriter *w,

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "calib.h"
+#include "family_names.h"
 #include "transfer_internal.h"
 
 void bico__xfer_free_maps(bico__run *r, bico__modstate *s) {
@@ -115,6 +116,25 @@ static bico_status stat_block(void *opaque, size_t i0, size_t ni, size_t j0,
 static void stat_release(void *opaque) {
   const stat_src *s = opaque;
   bico__stfile_drop(s->f, s->idx);
+}
+
+/* LayerNorm families (GPT-2, CLIP): the gradients that reach the residual
+ * stream pass through LayerNorms, which remove their mean, so an
+ * output-gradient statistic there says nothing about the all-ones
+ * direction and the solver's completion pairs it with either sign.  A map
+ * that fixes the all-ones vector is the only kind LayerNorm allows (its
+ * mean), so when a rank-deficient square map pairs 1 with -1 exactly, the
+ * sign is the completion's and is turned back. */
+static void fix_ones(int family, bico__map *m) {
+  if (family != BICO__FAMILY_GPT2 && family != BICO__FAMILY_CLIP) return;
+  size_t n = m->da;
+  if (n == 0 || m->db != n || m->rank >= n) return;
+  double s = 0;
+  for (size_t e = 0; e < n * n; e++) s += m->r[e];
+  s /= (double)n;
+  if (s > -(1.0 - 1e-3)) return;
+  float add = (float)(2.0 / (double)n);
+  for (size_t e = 0; e < n * n; e++) m->r[e] += add;
 }
 
 /* Job j's maps from accumulators the host lent (transfer_mem.c): one per
@@ -269,6 +289,7 @@ static bico_status solve_side(bico__run *r, solver *sv, const sidejob *j,
     bico__free(ctx, maps);
     return st;
   }
+  for (size_t b = 0; b < k; b++) fix_ones(r->kind[1], &maps[b]);
   *out = maps;
   return BICO_OK;
 }

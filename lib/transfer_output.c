@@ -12,6 +12,7 @@
 
 #include "fileio.h"
 #include "transfer_internal.h"
+#include "vocab.h"
 
 const char *const bico__xfer_handling[BICO__H_COUNT] = {
     "unchanged", "linear", "vector", "tied", "naive", "padded", "masked"};
@@ -65,6 +66,13 @@ bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
   }
   bico__report_end_object(rep);
   if (info->kept >= 0) bico__report_key_number(rep, "kept_fraction", info->kept);
+  if (info->vocab) {
+    bico__report_key(rep, "vocab");
+    bico__report_begin_object(rep);
+    bico__report_key_number(rep, "shared", (double)info->vocab_shared);
+    bico__report_key_number(rep, "new", (double)info->vocab_new);
+    bico__report_end_object(rep);
+  }
   if (info->reason[0]) bico__report_key_string(rep, "reason", info->reason);
   bico__report_end_object(rep);
   return rep->status;
@@ -338,14 +346,30 @@ void bico__xfer_report_head(bico__report *rep, int method, float alpha) {
   bico__report_begin_array(rep);
 }
 
-void bico__xfer_report_tail(bico__report *rep, const size_t *count) {
+void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
+                                  const struct bico__vocab *vocab) {
   bico__report_end_array(rep);
   bico__report_key(rep, "summary");
   bico__report_begin_object(rep);
   for (int h = 0; h < BICO__H_COUNT; h++)
     bico__report_key_number(rep, bico__xfer_handling[h], (double)count[h]);
+  if (vocab != NULL) {
+    /* Token ids of the target's tokenizer: with a source token of the same
+     * string (their rows carried) or without (left unchanged). */
+    bico__report_key(rep, "vocab");
+    bico__report_begin_object(rep);
+    bico__report_key_number(rep, "source_tokens", (double)vocab->n_source);
+    bico__report_key_number(rep, "target_tokens", (double)vocab->n_target);
+    bico__report_key_number(rep, "shared", (double)vocab->shared);
+    bico__report_key_number(rep, "new", (double)vocab->fresh);
+    bico__report_end_object(rep);
+  }
   bico__report_end_object(rep);
   bico__report_end_object(rep);
+}
+
+void bico__xfer_report_tail(bico__report *rep, const size_t *count) {
+  bico__xfer_report_tail_vocab(rep, count, NULL);
 }
 
 bico_status bico__xfer_write_all(bico__run *r) {
@@ -394,7 +418,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
     }
   }
   bico__free(r->ctx, cost);
-  bico__xfer_report_tail(&r->rep, r->count);
+  bico__xfer_report_tail_vocab(&r->rep, r->count, r->vocab);
   if (st == BICO_OK) st = r->rep.status;
   if (st == BICO_OK && !partial)
     st = bico__xfer_commit(r->ctx, &r->rep, t->files[BICO_FILE_REPORT], r->w,
@@ -416,5 +440,10 @@ bico_status bico__xfer_write_all(bico__run *r) {
                    r->count[BICO__H_TIED], r->count[BICO__H_NAIVE],
                    r->count[BICO__H_PADDED], r->count[BICO__H_MASKED],
                    r->count[BICO__H_UNCHANGED], t->files[BICO_FILE_OUTPUT]);
+  if (!partial && r->vocab != NULL)
+    bico__xfer_log(r, "bico: vocabulary: %zu of the target's %zu tokens "
+                      "shared with the source (their rows carried), %zu new "
+                      "(left unchanged)",
+                   r->vocab->shared, r->vocab->n_target, r->vocab->fresh);
   return BICO_OK;
 }

@@ -8,8 +8,10 @@
 #include <string.h>
 
 #include "calib.h"
+#include "family_names.h"
 #include "fileio.h"
 #include "transfer_internal.h"
+#include "vocab.h"
 
 void bico__xfer_log(bico__run *r, const char *fmt, ...) {
   if (r->t->log == NULL) return;
@@ -38,10 +40,13 @@ static int ends_with_component(const char *name, const char *suffix) {
   return s == n || name[n - s - 1] == '.';
 }
 
-static size_t split_for(const bico_transfer *t, const char *module) {
+/* The user's split for a module, else its family's default (GPT-2's
+ * fused c_attn: 3). */
+static size_t split_for(const bico_transfer *t, int family,
+                        const char *module) {
   for (size_t i = t->nsplits; i-- > 0;)
     if (ends_with_component(module, t->splits[i].suffix)) return t->splits[i].k;
-  return 1;
+  return bico__family_split(family, module);
 }
 
 const char *bico__xfer_tname(const bico_model *m, size_t i) {
@@ -90,20 +95,26 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
  *    GPT-2's h.0.ln_1 read the embeddings first): its norm map.
  * BICO__NONE when there is none: the token is left unchanged and the
  * report says so. */
-static size_t default_tie(bico__run *r, size_t width) {
+static size_t default_tie(bico__run *r, const char *token, size_t width,
+                          int *rule) {
   size_t elem_embed = BICO__NONE, first_block = BICO__NONE;
   long first_index = -1;
+  /* A family with towers (CLIP) ties a token within its own tower. */
+  size_t tower = bico__family_tower(r->kind[1], token);
   for (size_t m = 0; m < r->nm; m++) {
     const char *n;
     int kind;
     long block;
     bico_model_module(r->mt, m, &n, &kind, &block, NULL);
+    if (tower > 0 && strncmp(n, token, tower) != 0) continue;
     size_t dout;
     bico_model_module_dims(r->mt, m, &dout, NULL);
     if (dout != width) continue;
     if (kind == BICO_MODULE_LINEAR && block < 0 &&
-        (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch")))
+        (strstr(n, "embed") || strstr(n, "stem") || strstr(n, "patch"))) {
+      *rule = BICO__TIE_STEM;
       return m;
+    }
     if (kind != BICO_MODULE_ELEMENTWISE) continue;
     if (block < 0 && strstr(n, "embed") && elem_embed == BICO__NONE)
       elem_embed = m;
@@ -115,13 +126,18 @@ static size_t default_tie(bico__run *r, size_t width) {
       first_block = m;
     }
   }
+  *rule = elem_embed != BICO__NONE    ? BICO__TIE_EMBED_NORM
+          : first_block != BICO__NONE ? BICO__TIE_FIRST_NORM
+                                      : BICO__TIE_NONE;
   return elem_embed != BICO__NONE ? elem_embed : first_block;
 }
 
 /* The tie module of target tensor ti (role TOKEN): explicit or default_tie. */
-static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
+static bico_status tie_module(bico__run *r, size_t ti, size_t *mi,
+                              int *rule) {
   const char *name = bico__xfer_tname(r->mt, ti);
   *mi = BICO__NONE;
+  *rule = BICO__TIE_USER;
   for (size_t i = r->t->nties; i-- > 0;)
     if (strcmp(r->t->ties[i].tensor, name) == 0) {
       bico_status st = bico_model_find_module(r->mt, r->t->ties[i].module, mi);
@@ -141,7 +157,7 @@ static bico_status tie_module(bico__run *r, size_t ti, size_t *mi) {
   size_t ndim;
   const size_t *shape;
   bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
-  *mi = default_tie(r, ndim ? shape[ndim - 1] : 0);
+  *mi = default_tie(r, name, ndim ? shape[ndim - 1] : 0, rule);
   return BICO_OK;
 }
 
@@ -153,13 +169,15 @@ bico_status bico__xfer_plan(bico__run *r) {
   r->nm = bico_model_module_count(r->mt);
   r->mods = bico__calloc(ctx, r->nm ? r->nm : 1, sizeof *r->mods);
   r->owner = bico__alloc(ctx, (nt ? nt : 1) * sizeof *r->owner);
-  if (r->mods == NULL || r->owner == NULL) return BICO_E_NOMEM;
+  r->tie_rule = bico__calloc(ctx, nt ? nt : 1, 1);
+  if (r->mods == NULL || r->owner == NULL || r->tie_rule == NULL)
+    return BICO_E_NOMEM;
   for (size_t m = 0; m < r->nm; m++) {
     size_t src;
     bico_status st = bico_model_pair_module(r->mt, m, r->ms, &src);
     if (st != BICO_OK && st != BICO_E_NOTFOUND) return st;
     r->mods[m].src = st == BICO_OK ? src : BICO__NONE;
-    r->mods[m].k = split_for(r->t, bico__xfer_mname(r->mt, m));
+    r->mods[m].k = split_for(r->t, r->kind[1], bico__xfer_mname(r->mt, m));
   }
   bico__clear(ctx);
   /* A split that matches no linear module is a typo worth stopping for. */
@@ -192,8 +210,11 @@ bico_status bico__xfer_plan(bico__run *r) {
     if (role == BICO_ROLE_WEIGHT || role == BICO_ROLE_BIAS ||
         role == BICO_ROLE_VECTOR)
       owner = mi;
-    else if (role == BICO_ROLE_TOKEN && (st = tie_module(r, ti, &owner)) != BICO_OK)
-      return st;
+    else if (role == BICO_ROLE_TOKEN) {
+      int rule = BICO__TIE_NONE;
+      if ((st = tie_module(r, ti, &owner, &rule)) != BICO_OK) return st;
+      r->tie_rule[ti] = (unsigned char)rule;
+    }
     if (owner != BICO__NONE && r->mods[owner].src == BICO__NONE) owner = BICO__NONE;
     r->owner[ti] = owner;
     if (owner != BICO__NONE) r->mods[owner].refs++;
@@ -418,6 +439,16 @@ void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out) {
     out->kind = BICO__ROUTE_WEIGHT;
     out->need[0] = do_in;
     out->need[1] = do_out;
+    /* An output head whose rows are the vocabulary, when the tokenizers
+     * differ: rows matched by token string replace the output map. */
+    const char *wn;
+    size_t nd;
+    const size_t *sh;
+    bico_model_tensor(r->mt, ti, &wn, NULL, &nd, &sh);
+    if (r->vocab != NULL && bico__vocab_tensor(wn, nd, sh)) {
+      out->need[1] = 0;
+      out->vocab = 1;
+    }
     return;
   }
   if (role == BICO_ROLE_BIAS) {

@@ -7,7 +7,9 @@
 #include <string.h>
 
 #include "calib.h"
+#include "family_names.h"
 #include "transfer_internal.h"
+#include "vocab.h"
 
 /* Reads the source task vector of source tensor si into tau (numel). */
 static bico_status read_tau(bico__run *r, size_t si, float *tau, size_t numel) {
@@ -65,11 +67,81 @@ typedef struct pairing {
   size_t nd_a, na;    /* the source tensor's */
   const size_t *sh_a;
   float *tau;         /* na floats */
+  int vocab_rows;     /* rows gathered by token string: no output map */
+  size_t sh_g[2];     /* the gathered task vector's shape */
 } pairing;
 
+/* Token rows by token string (lib/vocab.c): the source task vector's rows
+ * put in the target's token order, zero for target tokens the source
+ * lacks (their rows stay unchanged).  Replaces p->tau. */
+static bico_status gather_vocab(bico__run *r, pairing *p, bico__tinfo *info) {
+  const bico__vocab *v = r->vocab;
+  size_t va = p->sh_a[0], cols = p->sh_a[1], vb = p->shape[0];
+  size_t n = vb * cols;
+  float *g = bico__calloc(r->ctx, n > 0 ? n : 1, sizeof *g);
+  if (g == NULL) return BICO_E_NOMEM;
+  info->vocab = 1;
+  for (size_t j = 0; j < vb; j++) {
+    size_t s = j < v->n_target ? v->src_of[j] : SIZE_MAX;
+    if (s != SIZE_MAX && s < va) {
+      memcpy(g + j * cols, p->tau + s * cols, cols * sizeof *g);
+      info->vocab_shared++;
+    } else {
+      info->vocab_new++;
+    }
+  }
+  bico__free(r->ctx, p->tau);
+  p->tau = g;
+  p->sh_g[0] = vb;
+  p->sh_g[1] = cols;
+  p->sh_a = p->sh_g;
+  p->na = vb * cols;
+  p->vocab_rows = 1;
+  return BICO_OK;
+}
+
+/* dst [cols, rows] = src [rows, cols] transposed. */
+static void transpose(const float *src, size_t rows, size_t cols, float *dst) {
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) dst[j * rows + i] = src[i * cols + j];
+}
+
+static bico_status weight_update_oi(bico__run *r, const bico__route *rt,
+                                    const pairing *p, float *upd,
+                                    bico__tinfo *info);
+
+/* A weight in either storage layout (bico__model_transposed: GPT-2's
+ * Conv1D keeps [in, out]): the maps act on [out, in], so a transposed
+ * task vector is turned before and a transposed target after. */
 static bico_status weight_update(bico__run *r, const bico__route *rt,
                                  const pairing *p, float *upd,
-                                 bico__tinfo *info) {
+                                 bico__tinfo *info, size_t ti, size_t si) {
+  bico_ctx *ctx = r->ctx;
+  int ts = bico__model_transposed(r->ms, si);
+  int tt = bico__model_transposed(r->mt, ti);
+  if (!ts && !tt) return weight_update_oi(r, rt, p, upd, info);
+  pairing q = *p;
+  float *tau = NULL, *out = upd;
+  if (ts) {
+    tau = bico__alloc(ctx, p->na * sizeof(float));
+    if (tau == NULL) return BICO_E_NOMEM;
+    transpose(p->tau, p->sh_a[0], p->sh_a[1], tau);
+    q.tau = tau;
+  }
+  if (tt && (out = bico__alloc(ctx, p->nb * sizeof(float))) == NULL) {
+    bico__free(ctx, tau);
+    return BICO_E_NOMEM;
+  }
+  bico_status st = weight_update_oi(r, rt, &q, out, info);
+  if (st == BICO_OK && tt) transpose(out, p->shape[1], p->shape[0], upd);
+  if (tt) bico__free(ctx, out);
+  bico__free(ctx, tau);
+  return st;
+}
+
+static bico_status weight_update_oi(bico__run *r, const bico__route *rt,
+                                    const pairing *p, float *upd,
+                                    bico__tinfo *info) {
   bico_ctx *ctx = r->ctx;
   size_t mi = rt->module;
   bico__modstate *s = &r->mods[mi];
@@ -77,6 +149,12 @@ static bico_status weight_update(bico__run *r, const bico__route *rt,
   size_t dout_b, din_b, dout_a, din_a;
   bico_model_module_dims(r->mt, mi, &dout_b, &din_b);
   bico_model_module_dims(r->ms, s->src, &dout_a, &din_a);
+  if (p->vocab_rows) {
+    /* An output head over the vocabulary (lm_head): its rows are tokens,
+     * matched by string; only the input map applies. */
+    dout_a = p->sh_a[0];
+    do_out = 0;
+  }
   if (dout_a * din_a != p->na)
     return bico__fail(ctx, BICO_E_SHAPE,
                       "source tensor %s has %zu elements, not its module's "
@@ -248,8 +326,13 @@ static bico_status bico_update(bico__run *r, size_t ti, float *upd,
   p.tau = bico__alloc(ctx, (p.na ? p.na : 1) * sizeof(float));
   if (p.tau == NULL) return BICO_E_NOMEM;
   st = read_tau(r, si, p.tau, p.na);
+  if (st == BICO_OK && r->vocab != NULL && p.nd_a == 2 && p.ndim == 2 &&
+      bico__vocab_tensor(p.name, p.ndim, p.shape) &&
+      bico__vocab_tensor(info->source, p.nd_a, p.sh_a) &&
+      !bico__model_transposed(r->mt, ti) && !bico__model_transposed(r->ms, si))
+    st = gather_vocab(r, &p, info);
   if (st == BICO_OK && rt.kind == BICO__ROUTE_WEIGHT)
-    st = weight_update(r, &rt, &p, upd, info);
+    st = weight_update(r, &rt, &p, upd, info, ti, si);
   else if (st == BICO_OK && rt.kind == BICO__ROUTE_BIAS)
     st = bias_update(r, &rt, &p, upd, info);
   else if (st == BICO_OK)

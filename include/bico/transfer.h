@@ -461,6 +461,71 @@ BICO_API bico_status bico_transfer_assemble_commit(bico_transfer *t);
 BICO_API bico_status bico_transfer_get_file(const bico_transfer *t, int which,
                                             const char **path);
 
+/* ---- Explaining the plan (bico inspect SOURCE TARGET) ----
+ *
+ * What the rules decide for a transfer, without running it: the family of
+ * each model and what it was detected from (config.json beside the
+ * weights of a model folder, or the tensor names), the block containers,
+ * and per target tensor its role, source partner, the module whose maps
+ * carry it, which maps, and the rule that chose this.  The answers are the
+ * plan a run would make (the same functions), not a re-derivation.
+ *
+ * bico_transfer_explain needs only BICO_FILE_SOURCE_BASE and
+ * BICO_FILE_TARGET_BASE (files or model folders; the other files are not
+ * opened); the method, splits, ties and block options count as for a run.
+ * Vocabulary mapping (both folders hold a tokenizer.json that differ) is
+ * part of the plan for the BiCo methods.  The answers stay valid until the
+ * next explain, or bico_transfer_free.  Out-structs: the caller sets
+ * `size` to sizeof its struct; the library fills the fields that size
+ * covers (later versions add fields at the end only). */
+BICO_API bico_status bico_transfer_explain(bico_transfer *t);
+
+typedef struct bico_transfer_model_info {
+  size_t size;
+  const char *family;      /* "gpt2", "clip" or "none" */
+  const char *family_from; /* what decided it: config.json's model_type
+                              or the tensor names, in words; "" for
+                              "none" */
+  const char *blocks;      /* block container ("" for bare "<i>.") or NULL */
+  size_t nblocks;
+  size_t tensors;
+} bico_transfer_model_info;
+/* side 0: the source base, 1: the target base. */
+BICO_API bico_status bico_transfer_explain_model(const bico_transfer *t,
+                                                 int side,
+                                                 bico_transfer_model_info *out);
+
+typedef struct bico_transfer_decision {
+  size_t size;
+  const char *name;   /* target tensor */
+  const char *source; /* its source partner, or NULL */
+  int role;           /* bico_tensor_role */
+  int handling;       /* bico_handling a run would report (predicted: a
+                         dead layer's maps, found only when solving, still
+                         leave a tensor unchanged) */
+  const char *module; /* target module whose maps carry it, or NULL */
+  int in_map;         /* 1: the input map applies */
+  int out_maps;       /* output maps applied: 0, 1, or k of a split output */
+  int transposed;     /* stored [in, out] (GPT-2 Conv1D) */
+  int vocab;          /* rows matched by token string */
+  const char *rule;   /* the rule that decided, in words */
+} bico_transfer_decision;
+/* The target base's tensor count after a successful explain. */
+BICO_API bico_status bico_transfer_explain_count(const bico_transfer *t,
+                                                 size_t *tensors);
+/* Tensor i (header order of the target base). */
+BICO_API bico_status bico_transfer_explain_tensor(const bico_transfer *t,
+                                                  size_t i,
+                                                  bico_transfer_decision *out);
+/* The vocabulary map: token counts of the two tokenizers and how many
+ * target tokens the source shares; all zero when rows are not mapped
+ * (identical vocabularies, no tokenizer.json, or not a BiCo method). */
+BICO_API bico_status bico_transfer_explain_vocab(const bico_transfer *t,
+                                                 size_t *source_tokens,
+                                                 size_t *target_tokens,
+                                                 size_t *shared,
+                                                 size_t *fresh);
+
 /* ---- Statistics files ---- */
 
 /* Reduces two calibration files to a statistics file: for every module M

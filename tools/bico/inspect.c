@@ -1,5 +1,8 @@
-/* bico inspect: tensors, dtypes, shapes, modules and blocks of a file. */
+/* bico inspect: tensors, dtypes, shapes, modules and blocks of a file;
+ * with two models, what a transfer from the first to the second would do
+ * and why (the library's plan: bico_transfer_explain). */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bico_help.h"
@@ -10,13 +13,238 @@ static const char *const CMD = "inspect";
 /* Generated from docs/bico.1.md (scripts/gen-help.py). */
 static const char HELP[] = BICO_HELP_INSPECT;
 
+static const char *const HANDLING[] = {"unchanged", "linear", "vector", "tied",
+                                       "naive",     "padded", "masked"};
+
+static void json_str(const char *s) {
+  if (s == NULL) {
+    fputs("null", stdout);
+    return;
+  }
+  putchar('"');
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    if (*p == '"' || *p == '\\') printf("\\%c", *p);
+    else if (*p < 0x20) printf("\\u%04x", *p);
+    else putchar(*p);
+  }
+  putchar('"');
+}
+
+static const char *handling_name(int h) {
+  return h >= 0 && h <= 6 ? HANDLING[h] : "?";
+}
+
+static void maps_str(const bico_transfer_decision *d, char *buf, size_t cap) {
+  if (!d->in_map && d->out_maps == 0) {
+    snprintf(buf, cap, "%s", d->handling == 0 ? "-" : "identity");
+    return;
+  }
+  if (d->out_maps > 1)
+    snprintf(buf, cap, "%sout x%d", d->in_map ? "in+" : "", d->out_maps);
+  else
+    snprintf(buf, cap, "%s%s%s", d->in_map ? "in" : "",
+             d->in_map && d->out_maps ? "+" : "", d->out_maps ? "out" : "");
+}
+
+static int explain_usage(const char *opt) {
+  return cli_error(CMD, CLI_USAGE, "%s expects NAME=VALUE", opt);
+}
+
+/* bico inspect SOURCE TARGET. */
+static int explain_pair(const char *src, const char *tgt, int json,
+                        const char *method, const char *blocks,
+                        const char **splits, size_t nsplits,
+                        const char **ties, size_t nties) {
+  bico_ctx *ctx;
+  if (bico_ctx_create(&ctx) != BICO_OK)
+    return cli_error(CMD, CLI_FAIL, "out of memory");
+  bico_transfer *t = NULL;
+  bico_status st = bico_transfer_create(ctx, &t);
+  int m = BICO_METHOD_BICO;
+  if (st == BICO_OK && method && bico_method_from_name(method, &m) != BICO_OK) {
+    bico_transfer_free(t);
+    bico_ctx_free(ctx);
+    return cli_error(CMD, CLI_USAGE, "unknown method %s", method);
+  }
+  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, m);
+  if (st == BICO_OK) st = bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, src);
+  if (st == BICO_OK) st = bico_transfer_set_file(t, BICO_FILE_TARGET_BASE, tgt);
+  if (st == BICO_OK && blocks)
+    st = bico_transfer_set_string(t, BICO_TRANSFER_BLOCKS, blocks);
+  for (size_t k = 0; k < nsplits && st == BICO_OK; k++) {
+    char suffix[512];
+    const char *eq = strrchr(splits[k], '=');
+    size_t kk;
+    if (eq == NULL || (size_t)(eq - splits[k]) >= sizeof suffix ||
+        cli_size(eq + 1, &kk)) {
+      bico_transfer_free(t);
+      bico_ctx_free(ctx);
+      return explain_usage("--split");
+    }
+    snprintf(suffix, sizeof suffix, "%.*s", (int)(eq - splits[k]), splits[k]);
+    st = bico_transfer_add_split(t, suffix, kk);
+  }
+  for (size_t k = 0; k < nties && st == BICO_OK; k++) {
+    char tensor[512];
+    const char *eq = strchr(ties[k], '=');
+    if (eq == NULL || (size_t)(eq - ties[k]) >= sizeof tensor) {
+      bico_transfer_free(t);
+      bico_ctx_free(ctx);
+      return explain_usage("--tie");
+    }
+    snprintf(tensor, sizeof tensor, "%.*s", (int)(eq - ties[k]), ties[k]);
+    st = bico_transfer_add_tie(t, tensor, eq + 1);
+  }
+  if (st == BICO_OK) st = bico_transfer_explain(t);
+  size_t nt = 0;
+  if (st == BICO_OK) st = bico_transfer_explain_count(t, &nt);
+  if (st != BICO_OK) {
+    int code = cli_lib_error(CMD, ctx, st);
+    bico_transfer_free(t);
+    bico_ctx_free(ctx);
+    return code;
+  }
+  bico_transfer_model_info mi[2];
+  const char *paths[2] = {src, tgt}, *sides[2] = {"source", "target"};
+  for (int k = 0; k < 2; k++) {
+    mi[k].size = sizeof mi[k];
+    bico_transfer_explain_model(t, k, &mi[k]);
+  }
+  size_t vs, vt, vsh, vnew;
+  bico_transfer_explain_vocab(t, &vs, &vt, &vsh, &vnew);
+  bico_transfer_decision *d = calloc(nt ? nt : 1, sizeof *d);
+  if (d == NULL) {
+    bico_transfer_free(t);
+    bico_ctx_free(ctx);
+    return cli_error(CMD, CLI_FAIL, "out of memory");
+  }
+  for (size_t i = 0; i < nt; i++) {
+    d[i].size = sizeof d[i];
+    bico_transfer_explain_tensor(t, i, &d[i]);
+  }
+  /* Pairing by kind (role), from the decisions. */
+  static const char *const KIND[6] = {"?", "weights", "biases", "norm vectors",
+                                      "tokens", "other"};
+  size_t pair[6][2] = {{0}};
+  for (size_t i = 0; i < nt; i++) {
+    int r = d[i].role >= 1 && d[i].role <= 5 ? d[i].role : 0;
+    pair[r][0]++;
+    pair[r][1] += d[i].source != NULL;
+  }
+  if (json) {
+    printf("{");
+    for (int k = 0; k < 2; k++) {
+      printf("%s\"%s\": {\"path\": ", k ? ", " : "", sides[k]);
+      json_str(paths[k]);
+      printf(", \"family\": ");
+      json_str(mi[k].family);
+      printf(", \"family_from\": ");
+      json_str(mi[k].family_from);
+      printf(", \"blocks\": ");
+      json_str(mi[k].blocks);
+      printf(", \"nblocks\": %zu, \"tensors\": %zu}", mi[k].nblocks,
+             mi[k].tensors);
+    }
+    printf(", \"method\": ");
+    json_str(bico_method_name(m));
+    if (vt)
+      printf(", \"vocab\": {\"source_tokens\": %zu, \"target_tokens\": %zu, "
+             "\"shared\": %zu, \"new\": %zu}", vs, vt, vsh, vnew);
+    else
+      printf(", \"vocab\": null");
+    printf(", \"pairing\": {");
+    for (int r = 1, first = 1; r <= 5; r++)
+      if (pair[r][0]) {
+        printf("%s\"%s\": [%zu, %zu]", first ? "" : ", ", KIND[r], pair[r][1],
+               pair[r][0]);
+        first = 0;
+      }
+    printf("}, \"tensors\": [");
+    for (size_t i = 0; i < nt; i++) {
+      printf("%s\n  {\"name\": ", i ? "," : "");
+      json_str(d[i].name);
+      printf(", \"role\": ");
+      json_str(bico_model_tensor_role_name(d[i].role));
+      printf(", \"handling\": ");
+      json_str(handling_name(d[i].handling));
+      printf(", \"source\": ");
+      json_str(d[i].source);
+      printf(", \"module\": ");
+      json_str(d[i].module);
+      printf(", \"in_map\": %s, \"out_maps\": %d, \"transposed\": %s, "
+             "\"vocab\": %s, \"rule\": ",
+             d[i].in_map ? "true" : "false", d[i].out_maps,
+             d[i].transposed ? "true" : "false", d[i].vocab ? "true" : "false");
+      json_str(d[i].rule);
+      printf("}");
+    }
+    printf("\n]}\n");
+  } else {
+    for (int k = 0; k < 2; k++) {
+      printf("%s: %s\n  family: %s", sides[k], paths[k], mi[k].family);
+      if (mi[k].family_from[0]) printf(" (from %s)", mi[k].family_from);
+      if (mi[k].blocks)
+        printf("\n  blocks: %s%s<i> (%zu blocks)", mi[k].blocks,
+               mi[k].blocks[0] ? "." : "", mi[k].nblocks);
+      else
+        printf("\n  blocks: none detected");
+      printf("\n  tensors: %zu\n", mi[k].tensors);
+    }
+    printf("method: %s\n", bico_method_name(m));
+    if (vt)
+      printf("vocabulary: the tokenizers differ (%zu source, %zu target "
+             "tokens): %zu shared, rows carried by token string; %zu new, "
+             "left unchanged\n", vs, vt, vsh, vnew);
+    else
+      printf("vocabulary: not mapped (identical, no tokenizer.json on both "
+             "sides, or not a BiCo method)\n");
+    printf("pairing:");
+    for (int r = 1, first = 1; r <= 5; r++)
+      if (pair[r][0]) {
+        printf("%s %s %zu/%zu", first ? "" : ",", KIND[r], pair[r][1],
+               pair[r][0]);
+        first = 0;
+      }
+    printf("\nsplits:");
+    int any = 0;
+    for (size_t i = 0; i < nt; i++)
+      if (d[i].out_maps > 1 && d[i].role == BICO_ROLE_WEIGHT) {
+        printf("\n  %s: output in %d blocks", d[i].module, d[i].out_maps);
+        any = 1;
+      }
+    printf("%s\nties:", any ? "" : " none");
+    any = 0;
+    for (size_t i = 0; i < nt; i++)
+      if (d[i].role == BICO_ROLE_TOKEN) {
+        printf("\n  %s -> %s", d[i].name, d[i].module ? d[i].module : "(none)");
+        any = 1;
+      }
+    printf("%s\n\n%-44s %-7s %-9s %-11s %s\n", any ? "" : " none", "TENSOR",
+           "ROLE", "HANDLING", "MAPS", "SOURCE / RULE");
+    for (size_t i = 0; i < nt; i++) {
+      char maps[32];
+      maps_str(&d[i], maps, sizeof maps);
+      printf("%-44s %-7s %-9s %-11s %s\n%44s   %s\n", d[i].name,
+             bico_model_tensor_role_name(d[i].role), handling_name(d[i].handling),
+             maps, d[i].source ? d[i].source : "(no partner)", "", d[i].rule);
+    }
+  }
+  free(d);
+  bico_transfer_free(t);
+  bico_ctx_free(ctx);
+  return 0;
+}
+
 static const char *const KINDS[] = {"?", "linear", "elementwise", "embedding",
                                     "other"};
 static const char *const ROLES[] = {"?", "weight", "bias", "vector", "token",
                                     "other"};
 
 int cmd_inspect(int argc, char **argv) {
-  const char *path = NULL, *blocks = NULL;
+  const char *path = NULL, *path2 = NULL, *blocks = NULL, *method = NULL;
+  const char *splits[256], *ties[256];
+  size_t nsplits = 0, nties = 0;
+  int json = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
     int r;
@@ -24,19 +252,47 @@ int cmd_inspect(int argc, char **argv) {
       fputs(HELP, stdout);
       return 0;
     }
+    if (strcmp(a, "--json") == 0) {
+      json = 1;
+      continue;
+    }
     if ((r = cli_opt(argc, argv, &i, "--blocks", &v)) != 0) {
       if (r < 0) return cli_error(CMD, CLI_USAGE, "option --blocks needs a value");
       blocks = v;
       continue;
     }
+    if ((r = cli_opt(argc, argv, &i, "--method", &v)) != 0) {
+      if (r < 0) return cli_error(CMD, CLI_USAGE, "option --method needs a value");
+      method = v;
+      continue;
+    }
+    if ((r = cli_opt(argc, argv, &i, "--split", &v)) != 0) {
+      if (r < 0 || nsplits == 256)
+        return cli_error(CMD, CLI_USAGE, "option --split needs a value");
+      splits[nsplits++] = v;
+      continue;
+    }
+    if ((r = cli_opt(argc, argv, &i, "--tie", &v)) != 0) {
+      if (r < 0 || nties == 256)
+        return cli_error(CMD, CLI_USAGE, "option --tie needs a value");
+      ties[nties++] = v;
+      continue;
+    }
     if (a[0] == '-' && a[1] != '\0')
       return cli_error(CMD, CLI_USAGE, "unknown option %s", a);
-    if (path != NULL)
-      return cli_error(CMD, CLI_USAGE, "one file at a time (got %s and %s)",
-                       path, a);
-    path = a;
+    if (path2 != NULL)
+      return cli_error(CMD, CLI_USAGE, "one file, or a source and a target "
+                       "(got a third: %s)", a);
+    if (path != NULL) path2 = a;
+    else path = a;
   }
   if (path == NULL) return cli_error(CMD, CLI_USAGE, "missing FILE");
+  if (path2 != NULL)
+    return explain_pair(path, path2, json, method, blocks, splits, nsplits,
+                        ties, nties);
+  if (json || method || nsplits || nties)
+    return cli_error(CMD, CLI_USAGE, "--json, --method, --split and --tie "
+                     "need a source and a target");
   bico_ctx *ctx;
   if (bico_ctx_create(&ctx) != BICO_OK)
     return cli_error(CMD, CLI_FAIL, "out of memory");

@@ -363,6 +363,14 @@ PROTOTYPES = {
     "bico_handling_name": (c_char_p, [c_int]),
     "bico_transfer_get_file": (c_int, [c_void_p, c_int, P(c_char_p)]),
     "bico_transfer_plan": (c_int, [c_void_p]),
+    # Explaining the plan: the out-structs are passed as buffers whose
+    # first size_t is the caller's sizeof (not wrapped in Python yet).
+    "bico_transfer_explain": (c_int, [c_void_p]),
+    "bico_transfer_explain_count": (c_int, [c_void_p, P(c_size_t)]),
+    "bico_transfer_explain_model": (c_int, [c_void_p, c_int, c_void_p]),
+    "bico_transfer_explain_tensor": (c_int, [c_void_p, c_size_t, c_void_p]),
+    "bico_transfer_explain_vocab": (c_int, [c_void_p, P(c_size_t), P(c_size_t),
+                                            P(c_size_t), P(c_size_t)]),
     "bico_transfer_plan_size": (c_int, [c_void_p, P(c_size_t), P(c_size_t)]),
     "bico_transfer_plan_group": (c_int, [c_void_p, c_size_t, P(c_double),
                                          P(c_size_t), P(c_void_p)]),
