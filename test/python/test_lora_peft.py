@@ -8,14 +8,14 @@ import json
 import os
 import re
 import struct
-import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BUILD = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
-BICO = os.path.join(BUILD, "bin", "bico")
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+from cli import bico  # noqa: E402
 P = "base_model.model."
 
 
@@ -100,14 +100,6 @@ def dense(entry, fifo=False):
     kind, B, A, s = entry
     d = s * B @ A
     return d.T if kind == "embedding" or fifo else d
-
-
-def bico(*args, ok=True):
-    r = subprocess.run([BICO, *map(str, args)], capture_output=True, text=True)
-    if ok and r.returncode != 0:
-        raise AssertionError(f"bico {' '.join(map(str, args))} failed "
-                             f"({r.returncode}):\n{r.stderr}")
-    return r
 
 
 def rel(a, b):
