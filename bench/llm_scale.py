@@ -9,12 +9,15 @@ wall time and peak resident memory (/usr/bin/time -v), one run each,
 beside the target checkpoint's size, and the difference of the outputs.
 
 --quick runs a scaled-down pair (seconds; for development and
-BENCH_FLAGS=--quick).  The full size writes about 12 GB of files
+BENCH_FLAGS=--quick); --size layer keeps the full widths and vocabulary
+at one layer per side (the per-layer cost and the embedding's memory;
+what `make bench` runs unless --full, since the full depth takes hours
+on a 2-core machine: docs/performance.md, section 6).  The full size writes about 12 GB of files
 (models 5.2 GB, calibration 7 GB) under --work (default: a temporary
 folder in $TMPDIR), removed afterwards unless --keep; a --work folder
 is kept, and a later run with the same --work and size reuses its files.
 
-Usage: llm_scale.py --bin DIR [--threads T] [--quick] [--work DIR]
+Usage: llm_scale.py --bin DIR [--threads T] [--quick | --size S] [--work DIR]
                     [--keep] [--skip-twin]"""
 import argparse
 import os
@@ -69,6 +72,9 @@ def main():
     ap.add_argument("--bin", required=True, help="the build's bench folder (bico is ../bin/bico)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", choices=sorted(gen.SIZES), default=None,
+                    help="full (default), quick (= --quick), or layer: full widths and "
+                         "vocabulary, one layer per side")
     ap.add_argument("--work", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--skip-twin", action="store_true")
@@ -77,7 +83,7 @@ def main():
     if not os.path.exists(bico):
         print(f"# LLM-scale benchmark skipped: {bico} not built")
         return
-    size = "quick" if a.quick else "full"
+    size = a.size or ("quick" if a.quick else "full")
     cfg = gen.SIZES[size]
     s, t = cfg["src"], cfg["tgt"]
     work = a.work or tempfile.mkdtemp(prefix="bico-llm-scale-")

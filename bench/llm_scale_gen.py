@@ -21,6 +21,11 @@ SIZES = {
     "full": dict(src=dict(d=896, L=24, f=4864, H=14, KV=2, hd=64, V=151936),
                  tgt=dict(d=1536, L=28, f=8960, H=12, KV=2, hd=128, V=151936),
                  rows=2048),
+    # Full widths and vocabulary at one layer on each side: a per-layer
+    # time and the embedding's memory, when the full depth is out of reach.
+    "layer": dict(src=dict(d=896, L=1, f=4864, H=14, KV=2, hd=64, V=151936),
+                  tgt=dict(d=1536, L=1, f=8960, H=12, KV=2, hd=128, V=151936),
+                  rows=2048),
     # The same structure scaled down for development (thin solves still
     # apply to the MLP maps: rows < f).
     "quick": dict(src=dict(d=128, L=4, f=512, H=4, KV=2, hd=32, V=4096),

@@ -230,7 +230,10 @@ def main():
     # ---- 6. LLM scale: 0.5B-shaped -> 1.5B-shaped, thin solves (bench/llm_scale.py) ----
     llm = os.path.join(HERE, "llm_scale.py")
     if "llm" in sections and os.path.exists(llm):
-        cmd = [PY, llm, "--bin", a.bin, "--threads", str(a.threads)] + (["--quick"] if a.quick else [])
+        # Full depth only with --full: on 2 cores it takes hours (docs/performance.md,
+        # section 6); by default full widths and vocabulary at one layer per side.
+        size = "quick" if a.quick else "full" if a.full else "layer"
+        cmd = [PY, llm, "--bin", a.bin, "--threads", str(a.threads), "--size", size]
         p = subprocess.run(cmd, env=env)
         if p.returncode != 0:
             raise SystemExit(f"run.py: llm_scale.py failed with status {p.returncode}")
