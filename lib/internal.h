@@ -96,6 +96,12 @@ bico_status bico__param_check(bico_ctx *ctx, const char *fn, const char *name,
                               double value, double lo, double hi,
                               unsigned flags);
 
+/* Diagonal block b of k of accumulator x as a new accumulator (in ctx):
+ * cross block (b, b), sums' and Gram matrices' block b, the same rows.  A
+ * split module's block statistic from one lent for the whole module. */
+bico_status bico__xcov_block(bico_ctx *ctx, const bico_xcov *x, size_t b,
+                             size_t k, bico_xcov **out);
+
 /* The depth map of depthmap.h without a handle: the source block of target
  * block j < l_b (l_a, l_b >= 1).  For queries, which must not create
  * handles (creating one clears the context's last error). */

@@ -1,4 +1,5 @@
 /* Merging task vectors: task arithmetic and TIES (see merge.h). */
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -150,7 +151,6 @@ struct bico_merge {
 static const char *const FILE_NAME[5] = {NULL, "base", "output",
                                          "delta output", "report"};
 
-#define dupstr bico__strdup
 
 bico_status bico_merge_create(bico_ctx *ctx, bico_merge **out) {
   if (out != NULL) *out = NULL;
@@ -196,33 +196,75 @@ bico_status bico_merge_set_file(bico_merge *m, int which, const char *path) {
     return bico__fail(m->ctx, BICO_E_ARG, "merge_set_file: empty path for the %s",
                       FILE_NAME[which]);
   char *p = NULL;
-  if (path != NULL && (p = dupstr(m->ctx, path)) == NULL) return BICO_E_NOMEM;
+  if (path != NULL && (p = bico__strdup(m->ctx, path)) == NULL) return BICO_E_NOMEM;
   bico__free(m->ctx, m->files[which]);
   m->files[which] = p;
   return BICO_OK;
 }
 
+/* The option grammar (params.h).  ALPHA is used as a float. */
+static const struct {
+  const char *name;
+  double lo, hi;
+  unsigned flags;
+} MPARAM[] = {
+    [BICO_MERGE_METHOD] = {"method", BICO_MERGE_LINEAR, BICO_MERGE_TIES,
+                           BICO_PARAM_INTEGER},
+    [BICO_MERGE_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
+    [BICO_MERGE_NORMALIZE] = {"normalize", -1, 1, BICO_PARAM_INTEGER},
+};
+#define NMPARAM ((int)(sizeof MPARAM / sizeof MPARAM[0]))
+
+bico_status bico_merge_param_bounds(int param, double *lo, double *hi,
+                                    unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
+  if (param < 1 || param >= NMPARAM) return BICO_E_ARG;
+  *lo = MPARAM[param].lo;
+  *hi = MPARAM[param].hi;
+  *flags = MPARAM[param].flags;
+  return BICO_OK;
+}
+
+const char *bico_merge_param_name(int param) {
+  return param >= 1 && param < NMPARAM ? MPARAM[param].name : NULL;
+}
+
+bico_status bico_merge_param_from_name(const char *name, int *param) {
+  if (name == NULL || param == NULL) return BICO_E_NULL;
+  for (int i = 1; i < NMPARAM; i++)
+    if (strcmp(name, MPARAM[i].name) == 0) {
+      *param = i;
+      return BICO_OK;
+    }
+  return BICO_E_NOTFOUND;
+}
+
 bico_status bico_merge_set_param(bico_merge *m, int param, double value) {
   if (m == NULL) return BICO_E_NULL;
   bico__clear(m->ctx);
-  int ok;
-  switch (param) {
-    case BICO_MERGE_METHOD:
-      ok = value == BICO_MERGE_LINEAR || value == BICO_MERGE_TIES;
-      break;
-    case BICO_MERGE_ALPHA: ok = isfinite(value) && value > 0; break;
-    case BICO_MERGE_NORMALIZE: ok = value == -1 || value == 0 || value == 1; break;
-    default:
-      return bico__fail(m->ctx, BICO_E_ARG, "merge_set_param: unknown parameter %d",
-                        param);
-  }
-  if (!ok)
-    return bico__fail(m->ctx, isnan(value) ? BICO_E_NONFINITE : BICO_E_ARG,
-                      "merge_set_param: value %g is not allowed for %s", value,
-                      param == BICO_MERGE_METHOD ? "the method (1 linear, 2 ties)"
-                      : param == BICO_MERGE_ALPHA ? "alpha (a positive number)"
-                                                  : "normalize (-1, 0 or 1)");
+  double lo, hi;
+  unsigned flags;
+  if (bico_merge_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "merge_set_param: unknown parameter %d", param);
+  if (!isfinite(value))
+    return bico__fail(m->ctx, BICO_E_NONFINITE,
+                      "merge_set_param: %s = %g is not finite",
+                      MPARAM[param].name, value);
+  bico_status st = bico__param_check(m->ctx, "merge_set_param",
+                                     MPARAM[param].name, value, lo, hi, flags);
+  if (st != BICO_OK) return st;
   m->param[param] = value;
+  return BICO_OK;
+}
+
+bico_status bico_merge_get_param(const bico_merge *m, int param,
+                                 double *value) {
+  if (m == NULL || value == NULL) return BICO_E_NULL;
+  if (param < 1 || param >= NMPARAM)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "merge_get_param: unknown parameter %d", param);
+  *value = m->param[param];
   return BICO_OK;
 }
 
@@ -244,7 +286,7 @@ bico_status bico_merge_add_input(bico_merge *m, int kind, const char *path,
     return bico__fail(ctx, isnan(density) ? BICO_E_NONFINITE : BICO_E_ARG,
                       "%s: %s: density %g is outside (0, 1]", fn, path, density);
   input *p = bico__alloc(ctx, (m->nin + 1) * sizeof *p);
-  char *d = dupstr(ctx, path);
+  char *d = bico__strdup(ctx, path);
   if (p == NULL || d == NULL) {
     bico__free(ctx, p);
     bico__free(ctx, d);

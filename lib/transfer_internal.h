@@ -21,7 +21,7 @@
 
 #define BICO__NONE SIZE_MAX
 #define BICO__NFILES 14
-#define BICO__NPARAMS 12
+#define BICO__NPARAMS 13
 #define BICO__NSTRINGS 4
 
 typedef struct bico__split_rec {
@@ -56,6 +56,7 @@ struct bico_transfer {
   size_t *plan_tensors, *plan_start;
   double *plan_cost;
   struct bico__asm *as; /* the assembler, between begin and commit */
+  struct bico__mem *mem; /* lent statistics and votes (transfer_mem.c) */
 };
 
 /* What each file slot is called in messages. */
@@ -170,6 +171,16 @@ bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select);
 void bico__xfer_pool_stop(bico__run *r);
 /* Makes the maps of one side of target module mi available in r->mods. */
 bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
+
+/* ---- transfer_mem.c ---- */
+void bico__xfer_mem_free(bico_transfer *t);
+size_t bico__xfer_mem_nxcov(const bico_transfer *t);
+size_t bico__xfer_mem_nvotes(const bico_transfer *t);
+/* The accumulators lent for one side of a module: their count (0: none). */
+size_t bico__xfer_mem_xcov(const bico_transfer *t, const char *module,
+                           int side, const bico_xcov *const **blocks);
+const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
+                                       const char *tensor);
 
 /* ---- transfer_update.c ---- */
 /* The update alpha tau_B of target tensor ti into upd (its numel floats),

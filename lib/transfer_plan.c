@@ -261,12 +261,17 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                         "transfer_run: the %s calibration file is missing "
                         "(source and target go together)",
                         f[BICO_FILE_SOURCE_CALIB] == NULL ? "source" : "target");
-    if (calib == (f[BICO_FILE_STATS] != NULL))
+    /* Statistics lent from memory (bico_transfer_set_xcov) stand in for
+     * both kinds of file. */
+    int lent = bico__xfer_mem_nxcov(t) > 0;
+    if (calib ? f[BICO_FILE_STATS] != NULL
+              : f[BICO_FILE_STATS] == NULL && !lent)
       return bico__fail(ctx, BICO_E_ARG,
                         "transfer_run: method %s needs either calibration "
                         "files (source and target) or a statistics file%s",
                         bico_method_name(r->method),
-                        calib ? ", not both" : "");
+                        calib ? ", not both" : " (or statistics lent with "
+                        "bico_transfer_set_xcov)");
     if (f[BICO_FILE_STATS] != NULL &&
         (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
       return bico__fail(ctx, BICO_E_ARG,
@@ -274,7 +279,14 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                         "calibration files; a statistics file holds only the "
                         "cross-covariances");
   }
-  if (r->method == BICO_METHOD_GRADFIX && f[BICO_FILE_TARGET_VOTES] == NULL)
+  if (r->method == BICO_METHOD_GRADFIX && lora &&
+      t->param[BICO_TRANSFER_GRADFIX_MODE] == BICO_GRADFIX_MEAN)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: gradfix mode mean needs lent votes "
+                      "(bico_transfer_set_votes); the LoRA branch reads the "
+                      "votes file, which holds counts only");
+  if (r->method == BICO_METHOD_GRADFIX && f[BICO_FILE_TARGET_VOTES] == NULL &&
+      (bico__xfer_mem_nvotes(t) == 0 || lora))
     return bico__fail(ctx, BICO_E_ARG,
                       "transfer_run: method gradfix needs the target votes "
                       "file");

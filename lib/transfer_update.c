@@ -313,12 +313,40 @@ static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
     }
   } else if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_GRADFIX) {
     bico_votes *votes = NULL;
-    st = bico__calib_votes(ctx, r->votes, r->t->files[BICO_FILE_TARGET_VOTES],
-                           name, ndim, shape, &votes);
+    const bico_votes *use = bico__xfer_mem_votes(r->t, name);
+    if (use != NULL) {
+      size_t n = 0;
+      unsigned fl = 0;
+      bico_votes_info(use, &n, NULL, &fl);
+      if (r->t->param[BICO_TRANSFER_GRADFIX_MODE] == BICO_GRADFIX_MEAN &&
+          !(fl & BICO_VOTES_MEAN))
+        st = bico__fail(ctx, BICO_E_STATE,
+                        "target tensor %s: gradfix mode mean needs votes "
+                        "made with BICO_VOTES_MEAN; the lent ones count "
+                        "signs only",
+                        name);
+      else if (n != nb)
+        st = bico__fail(ctx, BICO_E_SHAPE,
+                        "target tensor %s has %zu elements, its lent votes "
+                        "%zu",
+                        name, nb, n);
+    } else if (r->votes == NULL) {
+      st = bico__fail(ctx, BICO_E_NOTFOUND,
+                      "gradfix has no votes for target tensor %s (none lent, "
+                      "no votes file)",
+                      name);
+    } else {
+      st = bico__calib_votes(ctx, r->votes,
+                             r->t->files[BICO_FILE_TARGET_VOTES], name, ndim,
+                             shape, &votes);
+      use = votes;
+    }
     size_t kept = 0;
-    if (st == BICO_OK)
-      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, r->alpha, tau, 0.0f,
-                              upd, &kept);
+    if (st == BICO_OK) {
+      st = bico_gradfix_apply(use, (int)r->t->param[BICO_TRANSFER_GRADFIX_MODE],
+                              r->alpha, tau, 0.0f, upd, &kept);
+      if (st != BICO_OK) st = bico__xfer_wrap(ctx, st, "tensor", name);
+    }
     if (st == BICO_OK) {
       info->kept = nb ? (double)kept / (double)nb : 0.0;
       info->handling = BICO__H_MASKED;

@@ -86,6 +86,16 @@ BICO_API bico_status bico_merge_set_file(bico_merge *m, int which,
                                          const char *path);
 BICO_API bico_status bico_merge_set_param(bico_merge *m, int param,
                                           double value);
+/* The option grammar of params.h: METHOD [1, 2], ALPHA (0, FLT_MAX]
+ * (BICO_PARAM_LO_OPEN; used as a float), NORMALIZE [-1, 1] (integers);
+ * names "method", "alpha", "normalize". */
+BICO_API bico_status bico_merge_get_param(const bico_merge *m, int param,
+                                          double *value);
+BICO_API bico_status bico_merge_param_bounds(int param, double *lo,
+                                             double *hi, unsigned *flags);
+BICO_API const char *bico_merge_param_name(int param);
+BICO_API bico_status bico_merge_param_from_name(const char *name,
+                                                int *param);
 /* Adds an input (kind: bico_merge_input) with its weight (finite) and
  * density (in (0, 1]). */
 BICO_API bico_status bico_merge_add_input(bico_merge *m, int kind,
