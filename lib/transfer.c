@@ -88,6 +88,7 @@ bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   t->param[BICO_TRANSFER_SOLVE_MEMORY] = 0;
   t->param[BICO_TRANSFER_MIN_PAIRED] = 0.5;
   t->param[BICO_TRANSFER_GRADFIX_MODE] = BICO_GRADFIX_MAJORITY;
+  t->param[BICO_TRANSFER_MAX_SHARD_SIZE] = 0;
   *out = t;
   return BICO_OK;
 }
@@ -162,6 +163,8 @@ static const struct {
     [BICO_TRANSFER_MIN_PAIRED] = {"min_paired", 0, 1, 0},
     [BICO_TRANSFER_GRADFIX_MODE] = {"gradfix_mode", 0, BICO_GRADFIX_MEAN,
                                     BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_MAX_SHARD_SIZE] = {"max_shard_size", 0, 9007199254740992.0,
+                                      BICO_PARAM_INTEGER},
 };
 
 bico_status bico_transfer_param_bounds(int param, double *lo, double *hi,
@@ -233,6 +236,12 @@ bico_status bico_transfer_set_string(bico_transfer *t, int which,
   if (which < 1 || which >= BICO__NSTRINGS)
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_set_string: unknown option %d", which);
+  if (which == BICO_TRANSFER_SOURCE_RENAME && value != NULL &&
+      (strchr(value, '=') == NULL || strcmp(value, "=") == 0))
+    return bico__fail(t->ctx, BICO_E_ARG,
+                      "transfer_set_string: source rename '%s': expected "
+                      "OLD=NEW (a prefix and its replacement, not both empty)",
+                      value);
   char *p = NULL;
   if (value != NULL && (p = bico__strdup(t->ctx, value)) == NULL) return BICO_E_NOMEM;
   bico__free(t->ctx, t->strings[which]);
@@ -304,6 +313,16 @@ bico_status bico_transfer_set_log(bico_transfer *t, bico_transfer_log_fn fn,
   bico__clear(t->ctx);
   t->log = fn;
   t->log_opaque = opaque;
+  return BICO_OK;
+}
+
+bico_status bico_transfer_set_progress(bico_transfer *t,
+                                       bico_transfer_progress_fn fn,
+                                       void *opaque) {
+  if (t == NULL) return BICO_E_NULL;
+  bico__clear(t->ctx);
+  t->progress = fn;
+  t->progress_opaque = opaque;
   return BICO_OK;
 }
 

@@ -428,6 +428,7 @@ static bico_status solver_open(bico__run *r, solver *sv, long threads) {
   for (int i = 0; i < 3 && st == BICO_OK; i++)
     if (have[i] != NULL) {
       st = bico_stfile_open(sv->ctx, r->t->files[which[i]], fs[i]);
+      if (st == BICO_OK) st = bico__xfer_rename_source(r->t, which[i], *fs[i]);
       if (st != BICO_OK) st = bico__xfer_wrap(sv->ctx, st, bico__xfer_file_option[which[i]],
                                    r->t->files[which[i]]);
     }

@@ -75,8 +75,12 @@ typedef enum bico_merge_file {
 typedef enum bico_merge_param {
   BICO_MERGE_METHOD = 1,    /* bico_merge_method; default LINEAR */
   BICO_MERGE_ALPHA = 2,     /* finite, > 0; default 1 (mergekit's lambda) */
-  BICO_MERGE_NORMALIZE = 3  /* -1: the method's default (TIES 1, LINEAR 0),
+  BICO_MERGE_NORMALIZE = 3, /* -1: the method's default (TIES 1, LINEAR 0),
                                0 or 1; default -1 */
+  BICO_MERGE_MAX_SHARD_SIZE = 4 /* bytes, >= 0; default 0: an output
+                                   folder (bico_output_is_folder, like the
+                                   base) is sharded as the base is; else
+                                   greedily by this size */
 } bico_merge_param;
 
 BICO_API bico_status bico_merge_create(bico_ctx *ctx, bico_merge **out);

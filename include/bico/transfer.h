@@ -127,11 +127,16 @@ typedef enum bico_transfer_param {
                                      parameters have a source partner (a
                                      BERT source for a ViT target pairs
                                      nothing); 0 allows any pairing */
-  BICO_TRANSFER_GRADFIX_MODE = 12 /* bico_gradfix_mode; 0 = default
+  BICO_TRANSFER_GRADFIX_MODE = 12, /* bico_gradfix_mode; 0 = default
                                      (MAJORITY); MEAN needs votes lent with
                                      bico_transfer_set_votes from
                                      accumulators made with BICO_VOTES_MEAN
                                      (a votes file holds counts only) */
+  BICO_TRANSFER_MAX_SHARD_SIZE = 13 /* bytes, >= 0; default 0: an output
+                                     folder (bico_output_is_folder) is
+                                     sharded as the target is; else
+                                     greedily by this size
+                                     (bico_stwriter_create_folder) */
 } bico_transfer_param;
 
 /* Pipelining (BICO_TRANSFER_WORKERS > 1, BiCo methods on checkpoints;
@@ -156,7 +161,17 @@ typedef enum bico_transfer_param {
 typedef enum bico_transfer_string {
   BICO_TRANSFER_BLOCKS = 1,       /* block container of both models */
   BICO_TRANSFER_SOURCE_BLOCKS = 2,/* of the source only */
-  BICO_TRANSFER_TARGET_BLOCKS = 3 /* of the target only */
+  BICO_TRANSFER_TARGET_BLOCKS = 3,/* of the target only */
+  BICO_TRANSFER_SOURCE_RENAME = 4 /* "OLD=NEW": the source's tensor names
+                                     (source base, tuned checkpoint, task
+                                     vector, source calibration) that begin
+                                     with OLD begin with NEW instead, so
+                                     that they pair with the target's
+                                     ("module.=" strips a DataParallel
+                                     prefix, "bert.=roberta." swaps one,
+                                     "=model." adds one); names in the
+                                     report are the renamed ones.  Not with
+                                     a LoRA adapter (BICO_E_ARG). */
 } bico_transfer_string;
 
 /* A line of progress or summary text (no trailing newline). */
@@ -247,6 +262,32 @@ BICO_API bico_status bico_transfer_set_votes(bico_transfer *t,
 BICO_API bico_status bico_transfer_set_log(bico_transfer *t,
                                            bico_transfer_log_fn fn,
                                            void *opaque);
+
+/* Structured progress of a run's tensor loop, for front ends that draw
+ * it: work done and in all in the plan's cost units (each target tensor
+ * costs 4 x its elements + 1, and the first tensor of a module that needs
+ * maps also the maps' solve operations: the costs of
+ * bico_transfer_plan_group), tensors finished, and seconds since the loop
+ * began.  `size` is sizeof(bico_transfer_progress) as the library knows
+ * it (fields are only ever added at the end). */
+typedef struct bico_transfer_progress {
+  size_t size;
+  double done, total;
+  size_t tensors_done, tensors_total;
+  double elapsed;
+  const char *tensor; /* the tensor just finished (valid during the call) */
+} bico_transfer_progress;
+
+typedef void (*bico_transfer_progress_fn)(void *opaque,
+                                          const bico_transfer_progress *p);
+
+/* Calls fn after every target tensor of a whole run (not the LoRA branch
+ * nor partial runs), the last call with done == total; NULL (the default)
+ * for none.  With a progress function set, the run logs no progress text
+ * of its own (its summary lines stay). */
+BICO_API bico_status bico_transfer_set_progress(bico_transfer *t,
+                                                bico_transfer_progress_fn fn,
+                                                void *opaque);
 
 /* Runs the transfer.  On failure nothing is written (the report neither)
  * and ctx's message names the file, tensor, module or option at fault. */

@@ -3,45 +3,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bico_help.h"
 #include "cli.h"
 
 static const char *const CMD = "transfer";
 
-static const char HELP[] =
-    "usage: bico transfer --method {bico|bico-in|bico-out|gradfix|naive|pad}\n"
-    "    --source-base A.safetensors\n"
-    "    (--source-tuned A_ft.safetensors | --task-vector TAU.safetensors)\n"
-    "    --target-base B.safetensors\n"
-    "    [--source-calib A.calib.safetensors --target-calib "
-    "B.calib.safetensors\n"
-    "     | --stats S.safetensors]                  bico, bico-in, bico-out\n"
-    "    [--target-votes V.safetensors]            gradfix\n"
-    "    [--alpha 1.0]                             any positive number\n"
-    "    [--blocks NAME]                           container of repeated "
-    "blocks\n"
-    "    [--split SUFFIX=K]...                     output split in K blocks\n"
-    "    [--tie TENSOR=MODULE]...                  TENSOR lives in MODULE's "
-    "output\n"
-    "    [--norm-map act|grad]                     map carrying norm "
-    "parameters\n"
-    "    [--null keep|drop] [--rank-tol T]         rank-deficient maps\n"
-    "    [--center] [--whiten P] [--allow-partial]\n"
-    "    [--threads N] [--workers W]               N threads in all; W map\n"
-    "                                              solvers (default N)\n"
-    "    [--proc-method eig|svd|polar]             Procrustes route (eig)\n"
-    "    [--solve-memory SIZE]                     cap on the solves in\n"
-    "                                              flight, e.g. 600M, 2G\n"
-    "    [--delta-output D.safetensors] [--report R.json] [--quiet]\n"
-    "    --output B_ft.safetensors\n"
-    "\n"
-    "LoRA (docs/lora.md): --lora ADAPTER_DIR instead of --source-tuned or\n"
-    "--task-vector, and --output-lora OUT_DIR (a PEFT adapter for the target,\n"
-    "factored: no dense update is built for the BiCo methods) and/or\n"
-    "--merge-into-base --output B_ft.safetensors (the full target checkpoint).\n"
-    "\n"
-    "--config F.yaml stands for options: each key foo_bar: VALUE is\n"
-    "--foo-bar VALUE (true: a flag; a list repeats it; split/tie take a\n"
-    "mapping); see man bico.\n";
+/* Generated from docs/bico.1.md (scripts/gen-help.py). */
+static const char HELP[] = BICO_HELP_TRANSFER;
 
 static const struct {
   const char *opt;
@@ -67,6 +35,7 @@ int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
 
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
+  cli_progress_clear();
   fprintf(stderr, "%s\n", line);
 }
 
@@ -99,7 +68,9 @@ static int parse_bytes(const char *s, double *out) {
 typedef struct {
   const char *files[NFILE_OPTS];
   const char *method, *blocks, *norm_map, *null_mode, *proc_method;
+  const char *rename; /* --source-rename OLD=NEW */
   double alpha, rank_tol, whiten, solve_memory;
+  double max_shard; /* --max-shard-size, bytes (0: as the target) */
   int center, quiet, merge_into_base, allow_partial;
   size_t threads, workers;
   const char *splits[256], *ties[256];
@@ -166,6 +137,18 @@ static int parse_args(int argc, char **argv, transfer_opts *o) {
   }
     VALUE("--method", o->method = v)
     VALUE("--blocks", o->blocks = v)
+    VALUE("--source-rename",
+          if (strchr(v, '=') == NULL || strcmp(v, "=") == 0) return cli_error(
+              CMD, CLI_USAGE,
+              "--source-rename %s: expected OLD=NEW (a name prefix of the "
+              "source and what replaces it, e.g. module.= or bert.=roberta.)",
+              v);
+          o->rename = v)
+    VALUE("--max-shard-size",
+          if (cli_shard_size(v, &o->max_shard)) return cli_error(
+              CMD, CLI_USAGE,
+              "--max-shard-size %s: expected bytes, or a whole number with "
+              "KB, MB, GB (powers of 1000) or KiB, MiB, GiB", v))
     VALUE("--norm-map", o->norm_map = v)
     VALUE("--null", o->null_mode = v)
     VALUE("--alpha", if (cli_alpha(v, &o->alpha)) return cli_error(
@@ -250,6 +233,10 @@ static int check_files(const transfer_opts *o) {
   }
   if (o->m == BICO_METHOD_GRADFIX && files[7] == NULL)
     return cli_error(CMD, CLI_USAGE, "method gradfix needs --target-votes");
+  if (o->m != BICO_METHOD_GRADFIX && files[7] != NULL)
+    return cli_error(CMD, CLI_USAGE,
+                     "--target-votes is read by method gradfix only; method "
+                     "%s would ignore it", o->method);
   return GO_ON;
 }
 
@@ -329,6 +316,10 @@ static bico_status set_options(bico_transfer *t, const transfer_opts *o) {
     st = bico_transfer_set_param(t, BICO_TRANSFER_WHITEN, o->whiten);
   if (st == BICO_OK && o->blocks)
     st = bico_transfer_set_string(t, BICO_TRANSFER_BLOCKS, o->blocks);
+  if (st == BICO_OK && o->rename)
+    st = bico_transfer_set_string(t, BICO_TRANSFER_SOURCE_RENAME, o->rename);
+  if (st == BICO_OK && o->max_shard > 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_MAX_SHARD_SIZE, o->max_shard);
   if (st == BICO_OK)
     st = bico_transfer_set_param(t, BICO_TRANSFER_PROC_METHOD, o->pm);
   if (st == BICO_OK)
@@ -383,12 +374,15 @@ static int run_transfer(const transfer_opts *o) {
     goto out;
   }
   if (st == BICO_OK && !o->quiet) st = bico_transfer_set_log(t, log_line, NULL);
-  cli_cleanup_add(files[8], 0);  /* --output */
-  cli_cleanup_add(files[9], 0);  /* --delta-output */
+  if (st == BICO_OK && !o->quiet) st = cli_progress_install(t);
+  /* --output, --delta-output: files or model folders */
+  cli_cleanup_add(files[8], bico_output_is_folder(files[8], files[3]));
+  cli_cleanup_add(files[9], bico_output_is_folder(files[9], files[3]));
   cli_cleanup_add(files[10], 0); /* --report */
   cli_cleanup_add(files[12], 1); /* --output-lora */
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_transfer_run(t);
+  cli_progress_finish();
   code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
 out:
   bico_transfer_free(t);

@@ -255,6 +255,9 @@ PROTOTYPES = {
     "bico_stwriter_write_f64": (_S, [c_void_p, c_char_p, c_void_p, c_size_t]),
     "bico_stwriter_write_raw": (_S, [c_void_p, c_char_p, c_void_p, c_size_t]),
     "bico_stwriter_commit": (_S, [c_void_p]),
+    "bico_stwriter_create_folder": (_S, [c_void_p, c_char_p, c_char_p,
+                                         c_uint64, PP]),
+    "bico_output_is_folder": (c_int, [c_char_p, c_char_p]),
     # model graphs
     "bico_model_create": (_S, [c_void_p, PP]),
     "bico_model_from_stfile": (_S, [c_void_p, c_void_p, PP]),
@@ -306,6 +309,7 @@ PROTOTYPES = {
     "bico_transfer_add_split": (_S, [c_void_p, c_char_p, c_size_t]),
     "bico_transfer_add_tie": (_S, [c_void_p, c_char_p, c_char_p]),
     "bico_transfer_set_log": (_S, [c_void_p, c_void_p, c_void_p]),
+    "bico_transfer_set_progress": (_S, [c_void_p, c_void_p, c_void_p]),
     "bico_transfer_run": (_S, [c_void_p]),
     "bico_transfer_counts": (_S, [c_void_p, P(c_size_t), P(c_size_t)]),
     "bico_stats_from_calib": (_S, [c_void_p, c_char_p, c_char_p, c_char_p,
