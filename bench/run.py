@@ -12,7 +12,7 @@ forced through BLIS_ARCH_TYPE, for both sides alike (PyTorch and NumPy use
 the same BLIS through libblas.so.3).
 
 Usage: run.py --bin DIR [--threads T] [--quick] [--full] [--no-arch-fix]
-              [--skip-model] [--sections xcov,procrustes,model,lora]"""
+              [--skip-model] [--sections xcov,procrustes,model,lora,llm]"""
 import argparse
 import os
 import re
@@ -86,8 +86,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     ap.add_argument("--no-arch-fix", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
-    ap.add_argument("--sections", default="xcov,procrustes,model,lora",
-                    help="comma-separated subset of xcov, procrustes, model, lora")
+    ap.add_argument("--sections", default="xcov,procrustes,model,lora,llm",
+                    help="comma-separated subset of xcov, procrustes, model, lora, llm")
     ap.add_argument("--full", action="store_true", help="also the 4096 x 4096 Procrustes and the scaling rows at full depth (beyond 15 minutes)")
     a = ap.parse_args()
     env = dict(os.environ)
@@ -227,6 +227,16 @@ def main():
         print("\n".join(l for l in out.splitlines()
                         if not l.startswith(("# LoRA transport", "# cores", "# BLAS"))))
         print(flush=True)
+    # ---- 6. LLM scale: 0.5B-shaped -> 1.5B-shaped, thin solves (bench/llm_scale.py) ----
+    llm = os.path.join(HERE, "llm_scale.py")
+    if "llm" in sections and os.path.exists(llm):
+        # Full depth only with --full: on 2 cores it takes hours (docs/performance.md,
+        # section 6); by default full widths and vocabulary at one layer per side.
+        size = "quick" if a.quick else "full" if a.full else "layer"
+        cmd = [PY, llm, "--bin", a.bin, "--threads", str(a.threads), "--size", size]
+        p = subprocess.run(cmd, env=env)
+        if p.returncode != 0:
+            raise SystemExit(f"run.py: llm_scale.py failed with status {p.returncode}")
     print(f"# total wall time of make bench's runs: {time.time() - t_start:.0f} s")
 
 

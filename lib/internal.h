@@ -151,4 +151,19 @@ bico_status bico__procrustes_solve_reader(bico_procrustes *p, size_t d_a,
                                           size_t d_b, const bico__creader *rd,
                                           float *r, size_t ld_r, size_t *rank);
 
+/* The thin solve (lib/thin.c) of the map of C = x_a^T x_b (centered when
+ * center) from the rows, n <= min(d_a, d_b); keep: BICO_NULL_KEEP's
+ * completion, else DROP's.  *spec receives min(d_a, d_b) singular values
+ * (allocated on ctx) on success. */
+bico_status bico__thin_solve(bico_ctx *ctx, const char *fn, size_t n,
+                             size_t d_a, size_t d_b, const float *x_a,
+                             size_t ld_a, const float *x_b, size_t ld_b,
+                             int center, double tol, int keep, float *r,
+                             size_t ld_r, size_t *rank, double **spec);
+/* A solver's context, and the hand-over of a spectrum (count values
+ * allocated on that context) computed outside procrustes.c. */
+bico_ctx *bico__procrustes_ctx(const bico_procrustes *p);
+void bico__procrustes_take_spectrum(bico_procrustes *p, double *s,
+                                    size_t count);
+
 #endif

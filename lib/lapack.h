@@ -56,4 +56,14 @@ void dpstrf_(const char *uplo, const int *n, double *a, const int *lda,
              int *piv, int *rank, const double *tol, double *work, int *info,
              size_t uplo_len);
 
+/* Householder QR (the thin solves' factorisation of each side's rows). */
+void dgeqrf_(const int *m, const int *n, double *a, const int *lda,
+             double *tau, double *work, const int *lwork, int *info);
+
+/* Applies the orthogonal factor of dgeqrf (as reflectors) to a matrix. */
+void dormqr_(const char *side, const char *trans, const int *m, const int *n,
+             const int *k, const double *a, const int *lda, const double *tau,
+             double *c, const int *ldc, double *work, const int *lwork,
+             int *info, size_t side_len, size_t trans_len);
+
 #endif

@@ -850,6 +850,15 @@ bico_status bico__procrustes_solve_reader(bico_procrustes *p, size_t d_a,
   return solve_read(p, fn, d_a, d_b, total, rd, r, ld_r, rank);
 }
 
+bico_ctx *bico__procrustes_ctx(const bico_procrustes *p) { return p->ctx; }
+
+void bico__procrustes_take_spectrum(bico_procrustes *p, double *s,
+                                    size_t count) {
+  bico__free(p->ctx, p->spec);
+  p->spec = s;
+  p->spec_count = count;
+}
+
 /* ---- experimental.h ---- */
 
 typedef struct caller_reader {

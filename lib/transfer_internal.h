@@ -69,6 +69,7 @@ extern const char *const bico__xfer_file_option[BICO__NFILES];
 typedef struct bico__map {
   float *r; /* da x db; NULL before computed */
   size_t da, db, rank;
+  int thin; /* solved from the calibration rows (thin solve) */
 } bico__map;
 
 /* Per target module: its source partner, its maps once solved. */

@@ -137,6 +137,46 @@ static void fix_ones(int family, bico__map *m) {
   for (size_t e = 0; e < n * n; e++) m->r[e] += add;
 }
 
+/* The thin route (docs/methods.md, "Thin solves"): with n calibration rows
+ * no more than a block's smaller width (and no whitening), each block's
+ * map is solved from the rows themselves, bico_procrustes_solve_rows, and
+ * no d_a x d_b statistic is formed.  The rows of both sides are read once
+ * (n (d_a + d_b) floats); *done is 0 when the route does not apply. */
+static bico_status thin_side(bico__run *r, solver *sv, const sidejob *j,
+                             size_t ia, size_t rows_a, size_t ib,
+                             size_t rows_b, bico__map *maps, int *done) {
+  bico_ctx *ctx = sv->ctx;
+  const size_t k = j->k, ba = j->da / k, bb = j->db / k;
+  *done = 0;
+  if (rows_a != rows_b || rows_a > (ba < bb ? ba : bb) ||
+      r->t->param[BICO_TRANSFER_WHITEN] > 0)
+    return BICO_OK; /* the accumulator's route, and its messages */
+  *done = 1;
+  const size_t n = rows_a;
+  float *xa = n ? alloc_mat(ctx, n, j->da, sizeof(float)) : NULL;
+  float *xb = n ? alloc_mat(ctx, n, j->db, sizeof(float)) : NULL;
+  bico_status st = BICO_OK;
+  if (n && (xa == NULL || xb == NULL)) st = BICO_E_NOMEM;
+  if (st == BICO_OK && n)
+    st = bico_stfile_read_f32_range(sv->sc, ia, 0, n * j->da, xa);
+  if (st == BICO_OK && n)
+    st = bico_stfile_read_f32_range(sv->tc, ib, 0, n * j->db, xb);
+  if (st != BICO_OK && st != BICO_E_NOMEM)
+    st = bico__fail(ctx, st, "module %s: reading calibration rows: %s", j->tm,
+                    bico_ctx_errmsg(ctx));
+  for (size_t b = 0; b < k && st == BICO_OK; b++) {
+    int thin = 0;
+    st = bico_procrustes_solve_rows(sv->proc, n, ba, bb, xa ? xa + b * ba : NULL,
+                                    j->da, xb ? xb + b * bb : NULL, j->db,
+                                    maps[b].r, bb, &maps[b].rank, &thin);
+    maps[b].thin = thin;
+    if (st != BICO_OK) st = bico__xfer_wrap(ctx, st, "module", j->tm);
+  }
+  bico__free(ctx, xa);
+  bico__free(ctx, xb);
+  return st;
+}
+
 /* Job j's maps from accumulators the host lent (transfer_mem.c): one per
  * block, or one for the whole side whose diagonal blocks are carved. */
 static bico_status solve_lent(solver *sv, const sidejob *j, size_t nlent,
@@ -255,25 +295,28 @@ static bico_status solve_side(bico__run *r, solver *sv, const sidejob *j,
   } else if (st == BICO_OK) {
     const char *pa = r->t->files[BICO_FILE_SOURCE_CALIB];
     const char *pb = r->t->files[BICO_FILE_TARGET_CALIB];
-    size_t la = strlen(sm) + 16, lb = strlen(tm) + 16, ia, ib, rows;
+    size_t la = strlen(sm) + 16, lb = strlen(tm) + 16, ia, ib, rows, rows_a = 0;
+    int thin = 0;
     char *ka = bico__alloc(ctx, la), *kb = bico__alloc(ctx, lb);
     bico_xcov **xcs = bico__calloc(ctx, k, sizeof *xcs);
     if (ka == NULL || kb == NULL || xcs == NULL) st = BICO_E_NOMEM;
     if (st == BICO_OK) {
       snprintf(ka, la, "%s.%s", sm, suffix);
       snprintf(kb, lb, "%s.%s", tm, suffix);
-      st = bico__calib_find(ctx, sv->sc, pa, ka, da, &ia, &rows);
+      st = bico__calib_find(ctx, sv->sc, pa, ka, da, &ia, &rows_a);
       if (st == BICO_OK) st = bico__calib_find(ctx, sv->tc, pb, kb, db, &ib, &rows);
     }
+    if (st == BICO_OK)
+      st = thin_side(r, sv, j, ia, rows_a, ib, rows, maps, &thin);
     unsigned flags = 0;
     if (r->t->param[BICO_TRANSFER_CENTER] != 0) flags |= BICO_XCOV_SUMS;
     if (r->t->param[BICO_TRANSFER_WHITEN] > 0) flags |= BICO_XCOV_GRAMS;
-    for (size_t b = 0; b < k && st == BICO_OK; b++)
+    for (size_t b = 0; b < k && st == BICO_OK && !thin; b++)
       st = bico_xcov_create(ctx, ba, bb, flags, &xcs[b]);
-    if (st == BICO_OK)
+    if (st == BICO_OK && !thin)
       st = bico__calib_accumulate(ctx, tm, sv->sc, pa, ia, da, sv->tc, pb, ib,
                                   db, k, xcs);
-    for (size_t b = 0; b < k && st == BICO_OK; b++) {
+    for (size_t b = 0; b < k && st == BICO_OK && !thin; b++) {
       st = bico_procrustes_solve(sv->proc, xcs[b], maps[b].r, bb,
                                  &maps[b].rank);
       if (st != BICO_OK) st = bico__xfer_wrap(ctx, st, "module", tm);

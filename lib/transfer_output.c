@@ -42,6 +42,7 @@ bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
       bico__report_key(rep, info->map_names[i]);
       bico__report_begin_object(rep);
       bico__report_key_number(rep, "rank", (double)info->maps[i]->rank);
+      bico__report_key_string(rep, "solve", info->maps[i]->thin ? "thin" : "full");
       bico__report_key(rep, "shape");
       bico__report_begin_array(rep);
       bico__report_number(rep, (double)info->maps[i]->da);
@@ -55,6 +56,7 @@ bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
     for (size_t b = 0; b < info->nsplit; b++) {
       bico__report_begin_object(rep);
       bico__report_key_number(rep, "rank", (double)info->split_maps[b].rank);
+      bico__report_key_string(rep, "solve", info->split_maps[b].thin ? "thin" : "full");
       bico__report_key(rep, "shape");
       bico__report_begin_array(rep);
       bico__report_number(rep, (double)info->split_maps[b].da);

@@ -126,6 +126,28 @@ BICO_API bico_status bico_procrustes_solve_matrix(bico_procrustes *p,
                                                   size_t ld_c, float *r,
                                                   size_t ld_r, size_t *rank);
 
+/* Solves from the rows themselves: x_a (n x d_a, row stride ld_a) and x_b
+ * (n x d_b, ld_b) are corresponding rows, and R is the map of
+ * C = x_a^T x_b (centered with BICO_PROC_CENTER) under every option above.
+ * When n <= min(d_a, d_b) and BICO_PROC_WHITEN is 0 it is a thin solve
+ * (docs/methods.md, "Thin solves"): QR of each side's rows and the SVD of
+ * an n x n core, O(n^2 (d_a + d_b) + n d_a d_b) flops and O(n (d_a + d_b))
+ * doubles besides R, never the d_a x d_b statistic.  Its rank, spectrum
+ * and BICO_NULL_DROP map equal the full solve's; with BICO_NULL_KEEP the
+ * identified part (R's action on C's row and column spaces) is the same,
+ * and the unidentified part is the completion Q_a [0 0; 0 J] Q_b^T (Q the
+ * orthogonal factors of the rows' QR, J the rectangular identity), where
+ * the full solve keeps LAPACK's arbitrary basis: both are semi-orthogonal
+ * and both maximise trace(R^T C).  Otherwise (more rows, or whitening)
+ * the rows go through an accumulator and bico_procrustes_solve.  BICO_PROC_METHOD
+ * does not apply to the thin solve (it is exact for every rank).  *thin
+ * (may be NULL) receives 1 for a thin solve, 0 otherwise.  n = 0 is the
+ * zero statistic (rank 0).  NaN or Inf in the rows: BICO_E_NONFINITE. */
+BICO_API bico_status bico_procrustes_solve_rows(
+    bico_procrustes *p, size_t n, size_t d_a, size_t d_b, const float *x_a,
+    size_t ld_a, const float *x_b, size_t ld_b, float *r, size_t ld_r,
+    size_t *rank, int *thin);
+
 /* The singular values of the last solved statistic, largest first: copies
  * min(count, cap) of them into s and stores count in *count. */
 BICO_API bico_status bico_procrustes_spectrum(const bico_procrustes *p,

@@ -172,6 +172,10 @@ PROTOTYPES = {
                                           c_size_t, P(c_size_t)]),
     "bico_procrustes_spectrum": (_S, [c_void_p, c_void_p, c_size_t,
                                       P(c_size_t)]),
+    "bico_procrustes_solve_rows": (_S, [c_void_p, c_size_t, c_size_t,
+                                        c_size_t, c_void_p, c_size_t,
+                                        c_void_p, c_size_t, c_void_p,
+                                        c_size_t, P(c_size_t), P(c_int)]),
     # experimental.h (no ABI promise): read(opaque, i0, ni, j0, nj, out, ld)
     # and release(opaque) are C callbacks (ctypes.CFUNCTYPE).
     "bico_procrustes_solve_blocks": (_S, [c_void_p, c_size_t, c_size_t,
