@@ -99,12 +99,17 @@ $(BUILD)/lib/bico.pc: bico.pc.in include/bico/version.h
 # The build tree's bico finds build/lib through $$ORIGIN/../lib; `make
 # install` links its own copy whose RUNPATH is $(LIBDIR) alone, so an
 # installed program never reaches into the source tree.
-TOOL_LINK = $(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $(TOOL_SRCS) \
+# The commands' --help texts: generated from the manual (docs/bico.1.md).
+HELP_H := $(BUILD)/gen/bico_help.h
+$(HELP_H): docs/bico.1.md scripts/gen-help.py
+	@mkdir -p $(@D)
+	$(PYTHON) scripts/gen-help.py $< $@
+TOOL_LINK = $(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -I$(BUILD)/gen -o $@ $(TOOL_SRCS) \
 	  -L$(BUILD)/lib -lbico $(BLIS_LIBS) -lyaml $(LDSAN) -lm $(LDFLAGS)
-$(BUILD)/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB)
+$(BUILD)/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB) $(HELP_H)
 	@mkdir -p $(@D)
 	$(TOOL_LINK) -Wl,-rpath,'$$ORIGIN/../lib'
-$(BUILD)/inst/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB) FORCE
+$(BUILD)/inst/bin/bico: $(TOOL_SRCS) $(wildcard tools/bico/*.h) $(SHLIB) $(HELP_H) FORCE
 	@mkdir -p $(@D)
 	$(TOOL_LINK) -Wl,-rpath,$(LIBDIR)
 .PHONY: FORCE
@@ -358,9 +363,9 @@ MPI_OBJS := $(patsubst tools/bico/%.c,$(BUILD)/obj/mpi/serial/%.o,$(filter-out t
             $(patsubst tools/bico-mpi/%.c,$(BUILD)/obj/mpi/%.o,$(MPI_SRCS))
 MPI_CFLAGS := $(filter-out -fvisibility=hidden,$(CFLAGS_ALL))
 all: $(MPI_TOOL)
-$(BUILD)/obj/mpi/serial/%.o: tools/bico/%.c $(wildcard tools/bico/*.h) $(LIB_DEPS)
+$(BUILD)/obj/mpi/serial/%.o: tools/bico/%.c $(wildcard tools/bico/*.h) $(LIB_DEPS) $(HELP_H)
 	@mkdir -p $(@D)
-	$(MPICC) $(MPI_CFLAGS) -c $< -o $@
+	$(MPICC) $(MPI_CFLAGS) -I$(BUILD)/gen -c $< -o $@
 $(BUILD)/obj/mpi/%.o: tools/bico-mpi/%.c $(wildcard tools/bico-mpi/*.h) $(wildcard tools/bico/*.h) $(LIB_DEPS)
 	@mkdir -p $(@D)
 	$(MPICC) $(MPI_CFLAGS) -Itools/bico -c $< -o $@
@@ -427,6 +432,8 @@ bench-quality: all
 	cd bench/quality && BICO_QUALITY_CACHE=$(abspath $(BUILD))/quality \
 	  BICO_LIBRARY=$(abspath $(SHLIB)) OMP_NUM_THREADS=1 \
 	  nice $(PYTHON) run.py $(QUALITY_FLAGS)
+	cd bench/quality_llm && BICO_LLM_CACHE=$(abspath $(BUILD))/quality-llm BICO_CLI=$(abspath $(BUILD))/bin/bico \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) OMP_NUM_THREADS=1 nice $(PYTHON) run.py $(QUALITY_LLM_FLAGS)
 
 # ---- robustness ----
 # Fuzzing, the ABI gate, header hygiene, leak and thread checking, and the

@@ -380,11 +380,15 @@ bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
       st = bico_stfile_tensor_info(fs[i], j, NULL, &dt, &nd1, &s1);
       if (st != BICO_OK) break;
       if (!is_float(dt) || nd0 != nd1 ||
-          (nd0 && memcmp(s0, s1, nd0 * sizeof *s0) != 0))
+          (nd0 && memcmp(s0, s1, nd0 * sizeof *s0) != 0)) {
+        char a[128], b[128];
         st = bico__fail(ctx, BICO_E_SHAPE,
                         "%s: tensor %s differs in shape or type between %s "
-                        "and %s",
-                        fn, name, inputs[0], inputs[i]);
+                        "(%s) and %s (%s %s)",
+                        fn, name, inputs[0], bico__shape_text(a, sizeof a, nd0, s0),
+                        inputs[i], bico_dtype_name(dt),
+                        bico__shape_text(b, sizeof b, nd1, s1));
+      }
     }
   }
   bico_stwriter *w = NULL;
@@ -459,11 +463,14 @@ bico_status bico__calib_votes(bico_ctx *ctx, const bico_stfile *f,
                       path, name);
   bico_status st = bico_stfile_tensor_info(f, vi, NULL, NULL, &vnd, &vsh);
   if (st == BICO_OK &&
-      (vnd != ndim || (ndim && memcmp(vsh, shape, ndim * sizeof *vsh) != 0)))
+      (vnd != ndim || (ndim && memcmp(vsh, shape, ndim * sizeof *vsh) != 0))) {
+    char a[128], b[128];
     return bico__fail(ctx, BICO_E_SHAPE,
-                      "votes file %s: tensor %s has a different shape than "
-                      "the target's",
-                      path, name);
+                      "votes file %s: tensor %s is %s there but %s in the "
+                      "target",
+                      path, name, bico__shape_text(a, sizeof a, vnd, vsh),
+                      bico__shape_text(b, sizeof b, ndim, shape));
+  }
   if (st != BICO_OK) return st;
   float *v = bico__alloc(ctx, (n ? n : 1) * sizeof(float));
   int32_t *counts = bico__alloc(ctx, (n ? n : 1) * sizeof(int32_t));

@@ -342,8 +342,7 @@ bico_status bico__tmp_write(bico_ctx *ctx, const char *fn, bico__tmpfile *t,
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0)
       return bico__fail(ctx, BICO_E_IO,
-                        "%s: %s: write to temporary file %s failed: %s", fn,
-                        t->path, t->tmp,
+                        "%s: %s: write failed: %s", fn, t->path,
                         w < 0 ? strerror(errno) : "no progress");
     p += w;
     len -= (size_t)w;
@@ -367,8 +366,8 @@ bico_status bico__tmp_finish(bico_ctx *ctx, const char *fn, bico__tmpfile *t) {
   t->fd = -1;
   if (close(fd) != 0 && step == NULL) step = "close";
   if (step != NULL)
-    return bico__fail(ctx, BICO_E_IO, "%s: %s: %s of the temporary file %s: %s",
-                      fn, t->path, step, t->tmp, strerror(errno));
+    return bico__fail(ctx, BICO_E_IO, "%s: %s: %s of the new file failed: %s",
+                      fn, t->path, step, strerror(errno));
   return BICO_OK;
 }
 
@@ -414,8 +413,8 @@ bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
   }
   for (size_t i = 0; i < n && st == BICO_OK; i++) {
     if (rename(t[i]->tmp, t[i]->path) != 0) {
-      st = bico__fail(ctx, BICO_E_IO, "%s: %s: cannot rename %s into place: %s",
-                      fn, t[i]->path, t[i]->tmp, strerror(errno));
+      st = bico__fail(ctx, BICO_E_IO, "%s: %s: cannot move the new file into "
+                      "place: %s", fn, t[i]->path, strerror(errno));
       break;
     }
     t[i]->gone = 1;
@@ -427,4 +426,33 @@ bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
       t[i]->gone = 1;
     }
   return st;
+}
+
+bico_status bico__commit_lists(bico_ctx *ctx, const char *fn, bico_status st,
+                               bico__tmpfile *const *a, size_t na,
+                               bico__tmpfile *const *b, size_t nb,
+                               bico__tmpfile *c) {
+  if (st != BICO_OK) return st;
+  bico__tmpfile **all = bico__alloc(ctx, (na + nb + 1) * sizeof *all);
+  if (all == NULL) return BICO_E_NOMEM;
+  size_t n = 0;
+  for (size_t k = 0; k < na; k++) all[n++] = a[k];
+  for (size_t k = 0; k < nb; k++) all[n++] = b[k];
+  if (c != NULL) all[n++] = c;
+  st = bico__commit(ctx, fn, all, n);
+  bico__free(ctx, all);
+  return st;
+}
+
+const char *bico__shape_text(char *buf, size_t cap, size_t ndim,
+                             const size_t *shape) {
+  size_t n = 0;
+  if (cap == 0) return buf;
+  buf[0] = '\0';
+  n += (size_t)snprintf(buf, cap, "[");
+  for (size_t d = 0; d < ndim && n < cap; d++)
+    n += (size_t)snprintf(buf + n, cap - n, "%s%zu", d ? ", " : "", shape[d]);
+  if (n < cap) n += (size_t)snprintf(buf + n, cap - n, "]");
+  if (n >= cap && cap > 4) memcpy(buf + cap - 4, "...", 4);
+  return buf;
 }

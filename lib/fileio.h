@@ -103,6 +103,15 @@ void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t);
 bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
                          size_t n);
 
+/* bico__commit of two writers' lists (bico__stwriter_finish_all; either
+ * may be empty) and one more file (NULL: none), when st is BICO_OK;
+ * returns st otherwise.  The list is gathered before anything is
+ * renamed. */
+bico_status bico__commit_lists(bico_ctx *ctx, const char *fn, bico_status st,
+                               bico__tmpfile *const *a, size_t na,
+                               bico__tmpfile *const *b, size_t nb,
+                               bico__tmpfile *c);
+
 /* The temporary-name marker and its form, for the commands' signal
  * handlers: ".<base>" BICO__TMP_MARK "<pid>.XXXXXX". */
 #define BICO__TMP_MARK ".bico-tmp."

@@ -27,14 +27,6 @@ struct bico_fit {
                  side is one contiguous row (a column for LAPACK) */
 };
 
-static const char *param_name(int param) {
-  switch (param) {
-    case BICO_FIT_RIDGE: return "BICO_FIT_RIDGE";
-    case BICO_FIT_RANK_TOL: return "BICO_FIT_RANK_TOL";
-    default: return "unknown";
-  }
-}
-
 bico_status bico_fit_create(bico_ctx *ctx, size_t d_in, size_t d_out,
                             unsigned flags, bico_fit **out) {
   if (ctx == NULL) return BICO_E_NULL;
@@ -93,15 +85,42 @@ void bico_fit_free(bico_fit *f) {
   bico__free(ctx, f);
 }
 
-/* Bounds are inclusive; RANK_TOL stays below 1 (else nothing would count
- * towards the rank). */
-bico_status bico_fit_param_bounds(int param, double *lo, double *hi) {
-  if (lo == NULL || hi == NULL) return BICO_E_NULL;
+/* The option grammar (params.h): RIDGE [0, inf), RANK_TOL [0, 1) (a
+ * tolerance of 1 would count nothing towards the rank). */
+bico_status bico_fit_param_bounds(int param, double *lo, double *hi,
+                                  unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
   switch (param) {
-    case BICO_FIT_RIDGE: *lo = 0; *hi = DBL_MAX; return BICO_OK;
-    case BICO_FIT_RANK_TOL: *lo = 0; *hi = nextafter(1.0, 0.0); return BICO_OK;
+    case BICO_FIT_RIDGE:
+      *lo = 0;
+      *hi = HUGE_VAL;
+      *flags = BICO_PARAM_HI_OPEN;
+      return BICO_OK;
+    case BICO_FIT_RANK_TOL:
+      *lo = 0;
+      *hi = 1;
+      *flags = BICO_PARAM_HI_OPEN;
+      return BICO_OK;
     default: return BICO_E_ARG;
   }
+}
+
+const char *bico_fit_param_name(int param) {
+  switch (param) {
+    case BICO_FIT_RIDGE: return "ridge";
+    case BICO_FIT_RANK_TOL: return "rank_tol";
+    default: return NULL;
+  }
+}
+
+bico_status bico_fit_param_from_name(const char *name, int *param) {
+  if (name == NULL || param == NULL) return BICO_E_NULL;
+  for (int i = BICO_FIT_RIDGE; i <= BICO_FIT_RANK_TOL; i++)
+    if (strcmp(name, bico_fit_param_name(i)) == 0) {
+      *param = i;
+      return BICO_OK;
+    }
+  return BICO_E_NOTFOUND;
 }
 
 bico_status bico_fit_set_param(bico_fit *f, int param, double value) {
@@ -109,13 +128,14 @@ bico_status bico_fit_set_param(bico_fit *f, int param, double value) {
   bico_ctx *ctx = f->ctx;
   bico__clear(ctx);
   double lo, hi;
-  if (bico_fit_param_bounds(param, &lo, &hi) != BICO_OK)
+  unsigned flags;
+  if (bico_fit_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
     return bico__fail(ctx, BICO_E_ARG, "fit_set_param: unknown parameter %d",
                       param);
-  if (!(value >= lo && value <= hi)) /* also rejects NaN */
-    return bico__fail(ctx, BICO_E_ARG,
-                      "fit_set_param: %s = %g is outside [%g, %g]",
-                      param_name(param), value, lo, hi);
+  bico_status st = bico__param_check(ctx, "fit_set_param",
+                                     bico_fit_param_name(param), value, lo, hi,
+                                     flags);
+  if (st != BICO_OK) return st;
   if (param == BICO_FIT_RIDGE)
     f->ridge = value;
   else
@@ -126,7 +146,6 @@ bico_status bico_fit_set_param(bico_fit *f, int param, double value) {
 bico_status bico_fit_get_param(const bico_fit *f, int param, double *value) {
   if (f == NULL) return BICO_E_NULL;
   bico_ctx *ctx = f->ctx;
-  bico__clear(ctx);
   if (value == NULL)
     return bico__fail(ctx, BICO_E_NULL, "fit_get_param: value is NULL");
   switch (param) {
@@ -141,7 +160,6 @@ bico_status bico_fit_get_param(const bico_fit *f, int param, double *value) {
 bico_status bico_fit_info(const bico_fit *f, size_t *d_in, size_t *d_out,
                           uint64_t *rows, unsigned *flags) {
   if (f == NULL) return BICO_E_NULL;
-  bico__clear(f->ctx);
   if (d_in) *d_in = f->d_in;
   if (d_out) *d_out = f->d_out;
   if (rows) *rows = f->rows;

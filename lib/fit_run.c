@@ -40,10 +40,11 @@ bico_status bico_fit_run(bico_ctx *ctx, const bico_fit_runner *runner,
                       : runner->rows == NULL ? "rows"
                                              : "update");
   double lo, hi;
-  bico_fit_param_bounds(BICO_FIT_RIDGE, &lo, &hi);
-  if (!(ridge >= lo && ridge <= hi))
-    return bico__fail(ctx, BICO_E_ARG,
-                      "fit_run: ridge = %g is outside [%g, %g]", ridge, lo, hi);
+  unsigned flags;
+  bico_fit_param_bounds(BICO_FIT_RIDGE, &lo, &hi, &flags);
+  if (bico__param_check(ctx, "fit_run", "ridge", ridge, lo, hi, flags) !=
+      BICO_OK)
+    return BICO_E_ARG;
 
   bico_status st = BICO_OK;
   bico_fit *fit = NULL;

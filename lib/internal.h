@@ -96,6 +96,12 @@ bico_status bico__param_check(bico_ctx *ctx, const char *fn, const char *name,
                               double value, double lo, double hi,
                               unsigned flags);
 
+/* Diagonal block b of k of accumulator x as a new accumulator (in ctx):
+ * cross block (b, b), sums' and Gram matrices' block b, the same rows.  A
+ * split module's block statistic from one lent for the whole module. */
+bico_status bico__xcov_block(bico_ctx *ctx, const bico_xcov *x, size_t b,
+                             size_t k, bico_xcov **out);
+
 /* The depth map of depthmap.h without a handle: the source block of target
  * block j < l_b (l_a, l_b >= 1).  For queries, which must not create
  * handles (creating one clears the context's last error). */
@@ -105,11 +111,28 @@ size_t bico__depth_source(size_t l_a, size_t l_b, size_t j);
  * a later bico_stfile_data reads again). */
 void bico__stfile_drop(const bico_stfile *f, size_t index);
 
+/* "[4, 3]" for a shape, into buf (cut with "..." when cap is short);
+ * returns buf.  For messages that state both shapes (lib/fileio.c). */
+const char *bico__shape_text(char *buf, size_t cap, size_t ndim,
+                             const size_t *shape);
+
+/* Renames f's tensors that begin with OLD to begin with NEW (rule
+ * "OLD=NEW", lib/st_index.c); two tensors of one name after it is
+ * BICO_E_ARG. */
+bico_status bico__stfile_rename_prefix(bico_stfile *f, const char *rule);
+
 /* bico_stwriter_commit without the rename: the temporary file is complete,
  * fsynced and closed, and *tf (owned by w) goes to bico__commit
  * (lib/fileio.h) together with a run's other outputs. */
 struct bico__tmpfile;
 bico_status bico__stwriter_finish(bico_stwriter *w, struct bico__tmpfile **tf);
+/* The same for any writer (a folder writer has several files: shards,
+ * index, copied files): *tf (owned by w) lists n temporary files for
+ * bico__commit; after a successful commit, bico__stwriter_committed
+ * removes the folder's stale weights (an earlier model's shards). */
+bico_status bico__stwriter_finish_all(bico_stwriter *w,
+                                      struct bico__tmpfile ***tf, size_t *n);
+void bico__stwriter_committed(bico_stwriter *w);
 
 /* A statistic read block by block: rows [i0, i0 + ni) x columns
  * [j0, j0 + nj) of C into out (row stride ld); release (may be NULL) says

@@ -16,8 +16,6 @@
 #include "fileio.h"
 #include "strindex.h"
 
-#define dupn bico__strndup
-#define dupstr bico__strdup
 
 bico_status bico_lora_create(bico_ctx *ctx, bico_lora **out) {
   if (out != NULL) *out = NULL;
@@ -66,7 +64,6 @@ bico_status bico_lora_set_flag(bico_lora *l, int flag, int on) {
 
 bico_status bico_lora_get_flag(const bico_lora *l, int flag, int *on) {
   if (l == NULL) return BICO_E_NULL;
-  bico__clear(l->ctx);
   if (on == NULL) return bico__fail(l->ctx, BICO_E_NULL, "lora_get_flag: on is NULL");
   if (flag == BICO_LORA_RSLORA) *on = l->rslora;
   else if (flag == BICO_LORA_FAN_IN_FAN_OUT) *on = l->fifo;
@@ -83,7 +80,7 @@ bico_status bico_lora_set_string(bico_lora *l, int which, const char *value) {
     return bico__fail(l->ctx, BICO_E_ARG, "lora_set_string: unknown option %d",
                       which);
   char *p = NULL;
-  if (value != NULL && (p = dupstr(l->ctx, value)) == NULL) return BICO_E_NOMEM;
+  if (value != NULL && (p = bico__strdup(l->ctx, value)) == NULL) return BICO_E_NOMEM;
   bico__free(l->ctx, l->strings[which]);
   l->strings[which] = p;
   return BICO_OK;
@@ -92,7 +89,6 @@ bico_status bico_lora_set_string(bico_lora *l, int which, const char *value) {
 bico_status bico_lora_get_string(const bico_lora *l, int which,
                                  const char **value) {
   if (l == NULL) return BICO_E_NULL;
-  bico__clear(l->ctx);
   if (value == NULL)
     return bico__fail(l->ctx, BICO_E_NULL, "lora_get_string: value is NULL");
   if (which < 1 || which >= NSTR)
@@ -115,7 +111,6 @@ bico_status bico_lora_module(const bico_lora *l, size_t i, const char **name,
                              int *kind, size_t *rank, size_t *d_out,
                              size_t *d_in, double *alpha, double *scale) {
   if (l == NULL) return BICO_E_NULL;
-  bico__clear(l->ctx);
   if (i >= l->nmods)
     return bico__fail(l->ctx, BICO_E_ARG,
                       "lora_module: index %zu out of range (%zu modules)", i,
@@ -142,7 +137,6 @@ static size_t find_mod(const bico_lora *l, const char *name) {
 bico_status bico_lora_find_module(const bico_lora *l, const char *name,
                                   size_t *i) {
   if (l == NULL) return BICO_E_NULL;
-  bico__clear(l->ctx);
   if (name == NULL || i == NULL)
     return bico__fail(l->ctx, BICO_E_NULL, "lora_find_module: %s is NULL",
                       name == NULL ? "name" : "i");
@@ -157,7 +151,6 @@ bico_status bico_lora_find_module(const bico_lora *l, const char *name,
 bico_status bico_lora_factors(const bico_lora *l, size_t i, const float **b,
                               const float **a) {
   if (l == NULL) return BICO_E_NULL;
-  bico__clear(l->ctx);
   if (i >= l->nmods)
     return bico__fail(l->ctx, BICO_E_ARG,
                       "lora_factors: index %zu out of range (%zu modules)", i,
@@ -235,7 +228,7 @@ bico_status bico_lora_add_module(bico_lora *l, const char *name, int kind,
   if (st == BICO_OK)
     st = bico__check_finite_f32(ctx, fn, "a", a, rank, d_in, d_in);
   if (st != BICO_OK) return st;
-  char *n = dupstr(ctx, name);
+  char *n = bico__strdup(ctx, name);
   float *bc = bico__alloc(ctx, nb), *ac = bico__alloc(ctx, na);
   if (n == NULL || bc == NULL || ac == NULL) {
     bico__free(ctx, n);
@@ -256,7 +249,6 @@ bico_status bico_lora_saved(const bico_lora *l, size_t i, const char **name,
                             const char **module, size_t *ndim,
                             const size_t **shape, const float **data) {
   if (l == NULL) return BICO_E_NULL;
-  bico__clear(l->ctx);
   if (i >= l->nsaved)
     return bico__fail(l->ctx, BICO_E_ARG,
                       "lora_saved: index %zu out of range (%zu saved tensors)",
@@ -282,8 +274,8 @@ bico_status bico__lora_push_saved(bico_lora *l, const char *name,
   }
   l->saved = p;
   lsaved s;
-  s.name = dupstr(ctx, name);
-  s.module = dupstr(ctx, module);
+  s.name = bico__strdup(ctx, name);
+  s.module = bico__strdup(ctx, module);
   s.shape = bico__alloc(ctx, (ndim ? ndim : 1) * sizeof(size_t));
   s.ndim = ndim;
   s.numel = numel;

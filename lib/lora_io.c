@@ -16,8 +16,6 @@
 #include "report.h"
 #include "strindex.h"
 
-#define dupn bico__strndup
-#define dupstr bico__strdup
 
 /* ==================================================================== */
 /* Reading                                                                */
@@ -184,7 +182,7 @@ static bico_status parse_config(bico_lora *l, const char *path,
                strcmp(k, "base_model_name_or_path") == 0) {
       if (v->type == BICO__JSON_STRING) {
         int which = k[0] == 't' ? BICO_LORA_TASK_TYPE : BICO_LORA_BASE_MODEL;
-        char *p = dupstr(ctx, v->u.s);
+        char *p = bico__strdup(ctx, v->u.s);
         if (p == NULL) return BICO_E_NOMEM;
         bico__free(ctx, l->strings[which]);
         l->strings[which] = p;
@@ -351,7 +349,7 @@ static bico_status pair_factors(bico_lora *l, const char *path,
     float *a = NULL, *b = NULL;
     st = load_factor(l, f, path, e->ia, &a, r * din);
     if (st == BICO_OK) st = load_factor(l, f, path, e->ib, &b, dout * r);
-    char *nm = st == BICO_OK ? dupstr(ctx, e->module) : NULL;
+    char *nm = st == BICO_OK ? bico__strdup(ctx, e->module) : NULL;
     if (st == BICO_OK && nm == NULL) st = BICO_E_NOMEM;
     if (st != BICO_OK) {
       bico__free(ctx, a);
@@ -407,7 +405,7 @@ static bico_status load_tensors(bico_lora *l, const char *path,
       if (ends_with(rest, n, FACT[q].suffix, &cut)) fi = q;
     if (fi < 0) {
       const char *dot = strrchr(rest, '.');
-      char *module = dot ? dupn(ctx, rest, (size_t)(dot - rest)) : NULL;
+      char *module = dot ? bico__strndup(ctx, rest, (size_t)(dot - rest)) : NULL;
       if (dot != NULL && module == NULL) {
         st = BICO_E_NOMEM;
         break;
@@ -445,7 +443,7 @@ static bico_status load_tensors(bico_lora *l, const char *path,
     size_t p = bico__strindex_find(&ix, rest, cut, pend_key, pend);
     if (p == SIZE_MAX) {
       p = np;
-      pend[np].module = dupn(ctx, rest, cut);
+      pend[np].module = bico__strndup(ctx, rest, cut);
       if (pend[np].module == NULL) {
         st = BICO_E_NOMEM;
         break;

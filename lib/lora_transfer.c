@@ -79,11 +79,14 @@ static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
   for (size_t d = 0; d < ndim; d++) nb *= shape[d];
   size_t na = 1;
   for (size_t d = 0; d < nd_a; d++) na *= sa[d];
-  if (na != nb || nd_a != ndim || memcmp(sa, shape, ndim * sizeof *sa) != 0)
+  if (na != nb || nd_a != ndim || memcmp(sa, shape, ndim * sizeof *sa) != 0) {
+    char a[128], b[128];
     return bico__fail(ctx, BICO_E_SHAPE,
                       "gradfix transfer needs equal shapes: target tensor %s "
-                      "differs from the source's",
-                      name);
+                      "is %s, the source's %s",
+                      name, bico__shape_text(b, sizeof b, ndim, shape),
+                      bico__shape_text(a, sizeof a, nd_a, sa));
+  }
   bico_votes *votes = NULL;
   bico_status st = bico__calib_votes(ctx, h->votes, h->votes_path, name, ndim,
                                      shape, &votes);
@@ -446,11 +449,14 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
                       "dimensions are %zu and %zu",
                       p->sname, da, db, la, lb);
   }
-  if (st == BICO_OK && p->na / la != p->nb / lb)
+  if (st == BICO_OK && p->na / la != p->nb / lb) {
+    char a[128], b[128];
     st = bico__fail(ctx, BICO_E_SHAPE,
-                    "saved tensor %s: leading dimensions differ from the "
-                    "target's %s",
-                    p->sname, p->tname);
+                    "saved tensor %s (%s): leading dimensions differ from the "
+                    "target's %s (%s)",
+                    p->sname, bico__shape_text(a, sizeof a, p->nd_a, p->sa),
+                    p->tname, bico__shape_text(b, sizeof b, p->nd_b, p->sb));
+  }
   if (st == BICO_OK && rt.scale && rr != NULL && p->na == la)
     bico__transport_scale(la, lb, tau, rr, lb, h->alpha, upd);
   else if (st == BICO_OK)
@@ -482,10 +488,13 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   if (st == BICO_OK)
     st = bico_stfile_tensor_info(h->sb, bi, NULL, NULL, &nd_base, &sh_base);
   if (st == BICO_OK &&
-      (nd_base != nd_a || memcmp(sh_base, sa, nd_a * sizeof *sa) != 0))
+      (nd_base != nd_a || memcmp(sh_base, sa, nd_a * sizeof *sa) != 0)) {
+    char a[128], b[128];
     st = bico__fail(ctx, BICO_E_SHAPE,
-                    "saved tensor %s: its shape differs from the source base's",
-                    sname);
+                    "saved tensor %s is %s, but %s in the source base",
+                    sname, bico__shape_text(a, sizeof a, nd_a, sa),
+                    bico__shape_text(b, sizeof b, nd_base, sh_base));
+  }
   float *tau = st == BICO_OK ? bico__alloc(ctx, (na ? na : 1) * sizeof(float)) : NULL;
   float *upd = st == BICO_OK ? bico__calloc(ctx, nb ? nb : 1, sizeof(float)) : NULL;
   float *full = st == BICO_OK ? bico__alloc(ctx, (nb ? nb : 1) * sizeof(float)) : NULL;
@@ -747,8 +756,8 @@ static bico_status run_lora(lrun *r) {
   /* Outputs: every file complete in its temporary file first, then all
    * destinations checked and committed together (lib/fileio.c); a failure
    * before leaves nothing new. */
-  bico__tmpfile rep = {NULL, NULL, -1, 0}, *outs[4];
-  size_t nout = 0;
+  bico__tmpfile rep = {NULL, NULL, -1, 0}, *outs[3], **ck = NULL;
+  size_t nout = 0, nck = 0;
   bico_stwriter *w = NULL;
   bico__lora_out lo;
   memset(&lo, 0, sizeof lo);
@@ -756,9 +765,13 @@ static bico_status run_lora(lrun *r) {
     st = bico__report_tmp(ctx, "transfer_run", "report", r->rep.buf,
                           r->rep.len, h->report_path, &rep);
   if (st == BICO_OK && h->out_ckpt) {
-    st = bico_stwriter_create(ctx, h->out_ckpt, &w);
+    /* a model folder by the rule every output follows */
+    st = bico_output_is_folder(h->out_ckpt, h->target_path)
+             ? bico_stwriter_create_folder(ctx, h->out_ckpt, h->target_path,
+                                           0, &w)
+             : bico_stwriter_create(ctx, h->out_ckpt, &w);
     if (st == BICO_OK) st = write_checkpoint(r, w);
-    if (st == BICO_OK) st = bico__stwriter_finish(w, &outs[nout++]);
+    if (st == BICO_OK) st = bico__stwriter_finish_all(w, &ck, &nck);
   }
   if (st == BICO_OK && h->out_dir) {
     st = bico__lora_save_begin(r->out, "transfer_run", h->out_dir, &lo);
@@ -768,7 +781,8 @@ static bico_status run_lora(lrun *r) {
     }
   }
   if (st == BICO_OK && h->report_path) outs[nout++] = &rep;
-  if (st == BICO_OK) st = bico__commit(ctx, "transfer_run", outs, nout);
+  st = bico__commit_lists(ctx, "transfer_run", st, ck, nck, outs, nout, NULL);
+  if (st == BICO_OK) bico__stwriter_committed(w);
   bico__lora_save_end(&lo, st == BICO_OK);
   bico_stwriter_free(w);
   bico__tmp_discard(ctx, &rep);

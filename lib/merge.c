@@ -1,4 +1,6 @@
 /* Merging task vectors: task arithmetic and TIES (see merge.h). */
+#include <locale.h>
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -140,7 +142,7 @@ typedef struct input {
 struct bico_merge {
   bico_ctx *ctx;
   char *files[5];
-  double param[4];
+  double param[5];
   input *in;
   size_t nin;
   void (*log)(void *, const char *);
@@ -150,7 +152,6 @@ struct bico_merge {
 static const char *const FILE_NAME[5] = {NULL, "base", "output",
                                          "delta output", "report"};
 
-#define dupstr bico__strdup
 
 bico_status bico_merge_create(bico_ctx *ctx, bico_merge **out) {
   if (out != NULL) *out = NULL;
@@ -196,33 +197,77 @@ bico_status bico_merge_set_file(bico_merge *m, int which, const char *path) {
     return bico__fail(m->ctx, BICO_E_ARG, "merge_set_file: empty path for the %s",
                       FILE_NAME[which]);
   char *p = NULL;
-  if (path != NULL && (p = dupstr(m->ctx, path)) == NULL) return BICO_E_NOMEM;
+  if (path != NULL && (p = bico__strdup(m->ctx, path)) == NULL) return BICO_E_NOMEM;
   bico__free(m->ctx, m->files[which]);
   m->files[which] = p;
   return BICO_OK;
 }
 
+/* The option grammar (params.h).  ALPHA is used as a float. */
+static const struct {
+  const char *name;
+  double lo, hi;
+  unsigned flags;
+} MPARAM[] = {
+    [BICO_MERGE_METHOD] = {"method", BICO_MERGE_LINEAR, BICO_MERGE_TIES,
+                           BICO_PARAM_INTEGER},
+    [BICO_MERGE_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
+    [BICO_MERGE_NORMALIZE] = {"normalize", -1, 1, BICO_PARAM_INTEGER},
+    [BICO_MERGE_MAX_SHARD_SIZE] = {"max_shard_size", 0, 9007199254740992.0,
+                                   BICO_PARAM_INTEGER},
+};
+#define NMPARAM ((int)(sizeof MPARAM / sizeof MPARAM[0]))
+
+bico_status bico_merge_param_bounds(int param, double *lo, double *hi,
+                                    unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
+  if (param < 1 || param >= NMPARAM) return BICO_E_ARG;
+  *lo = MPARAM[param].lo;
+  *hi = MPARAM[param].hi;
+  *flags = MPARAM[param].flags;
+  return BICO_OK;
+}
+
+const char *bico_merge_param_name(int param) {
+  return param >= 1 && param < NMPARAM ? MPARAM[param].name : NULL;
+}
+
+bico_status bico_merge_param_from_name(const char *name, int *param) {
+  if (name == NULL || param == NULL) return BICO_E_NULL;
+  for (int i = 1; i < NMPARAM; i++)
+    if (strcmp(name, MPARAM[i].name) == 0) {
+      *param = i;
+      return BICO_OK;
+    }
+  return BICO_E_NOTFOUND;
+}
+
 bico_status bico_merge_set_param(bico_merge *m, int param, double value) {
   if (m == NULL) return BICO_E_NULL;
   bico__clear(m->ctx);
-  int ok;
-  switch (param) {
-    case BICO_MERGE_METHOD:
-      ok = value == BICO_MERGE_LINEAR || value == BICO_MERGE_TIES;
-      break;
-    case BICO_MERGE_ALPHA: ok = isfinite(value) && value > 0; break;
-    case BICO_MERGE_NORMALIZE: ok = value == -1 || value == 0 || value == 1; break;
-    default:
-      return bico__fail(m->ctx, BICO_E_ARG, "merge_set_param: unknown parameter %d",
-                        param);
-  }
-  if (!ok)
-    return bico__fail(m->ctx, isnan(value) ? BICO_E_NONFINITE : BICO_E_ARG,
-                      "merge_set_param: value %g is not allowed for %s", value,
-                      param == BICO_MERGE_METHOD ? "the method (1 linear, 2 ties)"
-                      : param == BICO_MERGE_ALPHA ? "alpha (a positive number)"
-                                                  : "normalize (-1, 0 or 1)");
+  double lo, hi;
+  unsigned flags;
+  if (bico_merge_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "merge_set_param: unknown parameter %d", param);
+  if (!isfinite(value))
+    return bico__fail(m->ctx, BICO_E_NONFINITE,
+                      "merge_set_param: %s = %g is not finite",
+                      MPARAM[param].name, value);
+  bico_status st = bico__param_check(m->ctx, "merge_set_param",
+                                     MPARAM[param].name, value, lo, hi, flags);
+  if (st != BICO_OK) return st;
   m->param[param] = value;
+  return BICO_OK;
+}
+
+bico_status bico_merge_get_param(const bico_merge *m, int param,
+                                 double *value) {
+  if (m == NULL || value == NULL) return BICO_E_NULL;
+  if (param < 1 || param >= NMPARAM)
+    return bico__fail(m->ctx, BICO_E_ARG,
+                      "merge_get_param: unknown parameter %d", param);
+  *value = m->param[param];
   return BICO_OK;
 }
 
@@ -244,7 +289,7 @@ bico_status bico_merge_add_input(bico_merge *m, int kind, const char *path,
     return bico__fail(ctx, isnan(density) ? BICO_E_NONFINITE : BICO_E_ARG,
                       "%s: %s: density %g is outside (0, 1]", fn, path, density);
   input *p = bico__alloc(ctx, (m->nin + 1) * sizeof *p);
-  char *d = dupstr(ctx, path);
+  char *d = bico__strdup(ctx, path);
   if (p == NULL || d == NULL) {
     bico__free(ctx, p);
     bico__free(ctx, d);
@@ -317,11 +362,14 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
                           "merge_run: %s %s: tensor %s is not in the base %s",
                           what, in->path, name, m->files[BICO_MERGE_FILE_BASE]);
       bico_stfile_tensor_info(base, bi, NULL, &bdt, &bnd, &bsh);
+      char sa[128], sb[128];
       if (!same_shape(nd, sh, bnd, bsh))
         return bico__fail(ctx, BICO_E_SHAPE,
-                          "merge_run: %s %s: tensor %s has a different shape "
-                          "than in the base",
-                          what, in->path, name);
+                          "merge_run: %s %s: tensor %s is %s there but %s in "
+                          "the base",
+                          what, in->path, name,
+                          bico__shape_text(sa, sizeof sa, nd, sh),
+                          bico__shape_text(sb, sizeof sb, bnd, bsh));
       if (!is_float(bdt))
         return bico__fail(ctx, BICO_E_ARG,
                           "merge_run: %s %s: tensor %s is not floating point "
@@ -374,11 +422,13 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
                         "base",
                         in->path, name);
     bico_stfile_tensor_info(base, bi, NULL, NULL, &bnd, &bsh);
+    char sa[128], sb[128];
     if (!same_shape(nd, sh, bnd, bsh))
       return bico__fail(ctx, BICO_E_SHAPE,
-                        "merge_run: adapter %s: saved tensor %s has a "
-                        "different shape than in the base",
-                        in->path, name);
+                        "merge_run: adapter %s: saved tensor %s is %s there "
+                        "but %s in the base",
+                        in->path, name, bico__shape_text(sa, sizeof sa, nd, sh),
+                        bico__shape_text(sb, sizeof sb, bnd, bsh));
   }
   bico__clear(ctx);
   return BICO_OK;
@@ -441,6 +491,56 @@ static bico_status input_tau(bico_merge *m, input *in, const char *name,
   return st;
 }
 
+/* A model folder (like the base, bico_output_is_folder) or a file. */
+static bico_status merge_writer(bico_merge *m, const char *path,
+                                bico_stwriter **w) {
+  const char *base = m->files[BICO_MERGE_FILE_BASE];
+  if (!bico_output_is_folder(path, base))
+    return bico_stwriter_create(m->ctx, path, w);
+  return bico_stwriter_create_folder(
+      m->ctx, path, base, (uint64_t)m->param[BICO_MERGE_MAX_SHARD_SIZE], w);
+}
+
+/* Like a transfer's output: the base's "__metadata__" kept (the index's
+ * total_size aside: it describes the base's files) with "format": "pt"
+ * added when absent (transformers refuses metadata without it), then
+ * "bico.*" provenance: version, method, alpha, base and inputs. */
+static bico_status provenance(bico_merge *m, const bico_stfile *base,
+                              int method, float alpha, bico_stwriter *w) {
+  bico_status st = BICO_OK;
+  int format = 0;
+  size_t nm = bico_stfile_metadata_count(base);
+  for (size_t i = 0; i < nm && st == BICO_OK; i++) {
+    const char *k, *v;
+    st = bico_stfile_metadata_at(base, i, &k, &v);
+    if (st != BICO_OK || strncmp(k, "bico.", 5) == 0 ||
+        strcmp(k, "total_size") == 0)
+      continue;
+    if (strcmp(k, "format") == 0) format = 1;
+    st = bico_stwriter_add_metadata(w, k, v);
+  }
+  if (st == BICO_OK && !format) st = bico_stwriter_add_metadata(w, "format", "pt");
+  char num[64];
+  snprintf(num, sizeof num, "%.9g", (double)alpha);
+  const char *dp = localeconv()->decimal_point;
+  char *c = dp && dp[0] && dp[0] != '.' ? strchr(num, dp[0]) : NULL;
+  if (c != NULL) *c = '.';
+  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.version", bico_version_string());
+  if (st == BICO_OK)
+    st = bico_stwriter_add_metadata(w, "bico.method", method == BICO_MERGE_TIES
+                                                          ? "merge-ties"
+                                                          : "merge-linear");
+  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.alpha", num);
+  if (st == BICO_OK)
+    st = bico_stwriter_add_metadata(w, "bico.base", m->files[BICO_MERGE_FILE_BASE]);
+  for (size_t i = 0; i < m->nin && st == BICO_OK; i++) {
+    char key[48];
+    snprintf(key, sizeof key, "bico.input.%zu", i + 1);
+    st = bico_stwriter_add_metadata(w, key, m->in[i].path);
+  }
+  return st;
+}
+
 /* Every input (base, checkpoints with their shards, adapters with both
  * files) and every output compared by identity (lib/fileio.c). */
 static bico_status check_files(bico_merge *m, const bico_stfile *base) {
@@ -477,9 +577,20 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
       last = p;
     }
   }
-  for (int o = 2; o <= 4 && st == BICO_OK; o++)
-    if (f[o] != NULL) u[n++] = (bico__fileuse){FILE_NAME[o], f[o], 1, 0};
+  /* an output folder: its weights file stands for it (the folder may be
+   * created by the run) */
+  char *fo[5] = {NULL, NULL, NULL, NULL, NULL};
+  for (int o = 2; o <= 4 && st == BICO_OK; o++) {
+    if (f[o] == NULL) continue;
+    int dir = o != BICO_MERGE_FILE_REPORT &&
+              bico_output_is_folder(f[o], f[BICO_MERGE_FILE_BASE]);
+    if (dir && (fo[o] = bico__path_join(ctx, f[o], "model.safetensors")) == NULL)
+      st = BICO_E_NOMEM;
+    else
+      u[n++] = (bico__fileuse){FILE_NAME[o], dir ? fo[o] : f[o], 1, dir};
+  }
   if (st == BICO_OK) st = bico__check_files(ctx, "merge_run", u, n);
+  for (int o = 0; o < 5; o++) bico__free(ctx, fo[o]);
   for (size_t i = 0; lp && i < 2 * m->nin; i++) bico__free(ctx, lp[i]);
   bico__free(ctx, lp);
   bico__free(ctx, u);
@@ -615,9 +726,11 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
   logf_(m, "bico merge: %s of %zu inputs, alpha %g%s", MN[method], m->nin,
         (double)alpha, normalize ? ", normalised" : "");
   size_t nt = bico_stfile_count(base);
-  st = bico_stwriter_create(ctx, f[BICO_MERGE_FILE_OUTPUT], wp);
+  st = merge_writer(m, f[BICO_MERGE_FILE_OUTPUT], wp);
   if (st == BICO_OK && f[BICO_MERGE_FILE_DELTA_OUTPUT])
-    st = bico_stwriter_create(ctx, f[BICO_MERGE_FILE_DELTA_OUTPUT], wdp);
+    st = merge_writer(m, f[BICO_MERGE_FILE_DELTA_OUTPUT], wdp);
+  if (st == BICO_OK) st = provenance(m, base, method, alpha, *wp);
+  if (st == BICO_OK && *wdp) st = provenance(m, base, method, alpha, *wdp);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     const char *name;
     int dtype;
@@ -678,16 +791,17 @@ bico_status bico_merge_run(bico_merge *m) {
   /* Every output complete in its temporary file, then all destinations
    * checked and committed together (lib/fileio.c). */
   const char *rp = m->files[BICO_MERGE_FILE_REPORT];
-  bico__tmpfile rt = {NULL, NULL, -1, 0}, *outs[3];
-  size_t no = 0;
-  if (st == BICO_OK) st = bico__stwriter_finish(w, &outs[no++]);
-  if (st == BICO_OK && wd) st = bico__stwriter_finish(wd, &outs[no++]);
-  if (st == BICO_OK && rp) {
+  bico__tmpfile rt = {NULL, NULL, -1, 0}, **l1 = NULL, **l2 = NULL;
+  size_t n1 = 0, n2 = 0;
+  if (st == BICO_OK) st = bico__stwriter_finish_all(w, &l1, &n1);
+  if (st == BICO_OK && wd) st = bico__stwriter_finish_all(wd, &l2, &n2);
+  if (st == BICO_OK && rp)
     st = bico__report_tmp(ctx, "merge_run", "report", rep.buf, rep.len, rp,
                           &rt);
-    outs[no++] = &rt;
-  }
-  if (st == BICO_OK) st = bico__commit(ctx, "merge_run", outs, no);
+  st = bico__commit_lists(ctx, "merge_run", st, l1, n1, l2, n2,
+                          rp ? &rt : NULL);
+  if (st == BICO_OK) bico__stwriter_committed(w);
+  if (st == BICO_OK) bico__stwriter_committed(wd);
   bico__tmp_discard(ctx, &rt);
   bico_stwriter_free(w);
   bico_stwriter_free(wd);

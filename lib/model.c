@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fileio.h"
 #include "internal.h"
 #include "strindex.h"
 
@@ -45,15 +46,6 @@ struct bico_model {
   char *prefix;       /* NULL: no blocks */
   size_t nblocks;
 };
-
-static char *dupn(bico_ctx *ctx, const char *s, size_t n) {
-  char *p = bico__alloc(ctx, n + 1);
-  if (p != NULL) {
-    memcpy(p, s, n);
-    p[n] = '\0';
-  }
-  return p;
-}
 
 static int is_float_dtype(int dtype) {
   return dtype == 0 || dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
@@ -144,7 +136,7 @@ bico_status bico_model_add_tensor(bico_model *m, const char *name, int dtype,
   if (st != BICO_OK) return st;
   tensor_rec *r = &m->t[m->nt];
   memset(r, 0, sizeof *r);
-  r->name = dupn(ctx, name, strlen(name));
+  r->name = bico__strdup(ctx, name);
   r->shape = bico__alloc(ctx, (ndim ? ndim : 1) * sizeof(size_t));
   if (r->name == NULL || r->shape == NULL) {
     bico__free(ctx, r->name);
@@ -193,7 +185,7 @@ bico_status bico_model_set_blocks(bico_model *m, const char *prefix) {
   bico__clear(m->ctx);
   char *p = NULL;
   if (prefix != NULL) {
-    p = dupn(m->ctx, prefix, strlen(prefix));
+    p = bico__strdup(m->ctx, prefix);
     if (p == NULL) return BICO_E_NOMEM;
   }
   bico__free(m->ctx, m->override);
@@ -260,7 +252,7 @@ static bico_status detect_blocks(bico_model *m) {
                         "model: no tensor is named \"%s.<int>.<rest>\" (block "
                         "container given by the caller)",
                         m->override);
-    m->prefix = dupn(ctx, m->override, plen);
+    m->prefix = bico__strndup(ctx, m->override, plen);
     if (m->prefix == NULL) return BICO_E_NOMEM;
     m->nblocks = (size_t)maxb + 1;
     return BICO_OK;
@@ -305,7 +297,7 @@ static bico_status detect_blocks(bico_model *m) {
   }
   bico_status st = BICO_OK;
   if (best != NONE) {
-    m->prefix = dupn(ctx, cs[best].s, cs[best].len);
+    m->prefix = bico__strndup(ctx, cs[best].s, cs[best].len);
     if (m->prefix == NULL) {
       st = BICO_E_NOMEM;
     } else {
@@ -401,7 +393,7 @@ static bico_status build_modules(bico_model *m) {
     size_t k = bico__strindex_find(&h, name, len, module_key, m);
     if (k == NONE) {
       module_rec *r = &m->mods[m->nm];
-      r->name = dupn(ctx, name, len);
+      r->name = bico__strndup(ctx, name, len);
       if (r->name == NULL) {
         st = BICO_E_NOMEM;
         break;

@@ -118,7 +118,6 @@ size_t bico_stfile_count(const bico_stfile *f) {
 static bico_status check_index(const bico_stfile *f, const char *fn,
                                size_t index) {
   if (f == NULL) return BICO_E_NULL;
-  bico__clear(f->ctx);
   if (index >= f->count)
     return bico__fail(f->ctx, BICO_E_ARG,
                       "%s: tensor index %zu out of range (file has %zu)", fn,
@@ -165,7 +164,6 @@ static const char *f_key(const void *f, size_t i) {
 bico_status bico_stfile_find(const bico_stfile *f, const char *name,
                              size_t *index) {
   if (f == NULL) return BICO_E_NULL;
-  bico__clear(f->ctx);
   if (name == NULL || index == NULL)
     return bico__fail(f->ctx, BICO_E_NULL, "stfile_find: %s is NULL",
                       name == NULL ? "name" : "index");
@@ -352,7 +350,6 @@ size_t bico_stfile_metadata_count(const bico_stfile *f) {
 bico_status bico_stfile_metadata_at(const bico_stfile *f, size_t i,
                                     const char **key, const char **value) {
   if (f == NULL) return BICO_E_NULL;
-  bico__clear(f->ctx);
   if (i >= f->nmeta)
     return bico__fail(f->ctx, BICO_E_ARG,
                       "stfile_metadata_at: index %zu out of range (%zu "
@@ -366,7 +363,6 @@ bico_status bico_stfile_metadata_at(const bico_stfile *f, size_t i,
 bico_status bico_stfile_metadata_get(const bico_stfile *f, const char *key,
                                      const char **value) {
   if (f == NULL) return BICO_E_NULL;
-  bico__clear(f->ctx);
   if (key == NULL || value == NULL)
     return bico__fail(f->ctx, BICO_E_NULL, "stfile_metadata_get: %s is NULL",
                       key == NULL ? "key" : "value");

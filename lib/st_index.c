@@ -241,3 +241,40 @@ done:
   bico__json_doc_free(doc);
   return st;
 }
+/* ---- renaming (a transfer's --source-rename) ---- */
+
+bico_status bico__stfile_rename_prefix(bico_stfile *f, const char *rule) {
+  bico_ctx *ctx = f->ctx;
+  const char *eq = strchr(rule, '=');
+  if (eq == NULL)
+    return bico__fail(ctx, BICO_E_ARG, "rename '%s': expected OLD=NEW", rule);
+  size_t ol = (size_t)(eq - rule), nl = strlen(eq + 1);
+  for (size_t k = 0; k < f->count; k++) {
+    st_tensor *t = &f->tensors[k];
+    size_t len = strlen(t->name);
+    if (len < ol || strncmp(t->name, rule, ol) != 0) continue;
+    char *n = bico__arena_alloc(&f->arena, nl + len - ol + 1);
+    if (n == NULL) return BICO_E_NOMEM;
+    memcpy(n, eq + 1, nl);
+    memcpy(n + nl, t->name + ol, len - ol + 1);
+    t->name = n;
+  }
+  /* re-sort, as bico_stfile_open sorts */
+  st_tensor **tmp = bico__alloc(ctx, (f->count ? f->count : 1) * sizeof *tmp);
+  if (tmp == NULL) return BICO_E_NOMEM;
+  for (size_t k = 0; k < f->count; k++) tmp[k] = &f->tensors[k];
+  qsort(tmp, f->count, sizeof *tmp, cmp_name);
+  for (size_t k = 0; k < f->count; k++)
+    f->by_name[k] = (size_t)(tmp[k] - f->tensors);
+  bico__free(ctx, tmp);
+  for (size_t k = 1; k < f->count; k++)
+    if (strcmp(f->tensors[f->by_name[k]].name,
+               f->tensors[f->by_name[k - 1]].name) == 0) {
+      char nb[160];
+      return bico__fail(ctx, BICO_E_ARG,
+                        "rename '%s' of %s: two tensors become '%s'", rule,
+                        f->path, shortname(f->tensors[f->by_name[k]].name, nb,
+                                           sizeof nb));
+    }
+  return BICO_OK;
+}

@@ -72,4 +72,52 @@ bico_status bico__st_load_one(bico_stfile *f, size_t file, int want_meta);
 /* Opens every shard an index names (f->files allocated here). */
 bico_status bico__st_load_index(bico_stfile *f, const char *path);
 
+/* ---- output folders (lib/st_folder.c) ---- */
+
+struct bico__tmpfile;
+#include "fileio.h"
+
+/* One file a writer writes: a file writer has one, a folder writer one
+ * per shard. */
+typedef struct bico__wshard {
+  char *name;          /* file name inside the folder (folder writers) */
+  bico__tmpfile tf;    /* its temporary file */
+  uint64_t data_start; /* 8 + padded header length once laid out */
+  uint64_t bytes;      /* its tensors' bytes */
+} bico__wshard;
+
+typedef struct bico__wfolder bico__wfolder;
+
+/* Opens (creating it when missing: its parent must exist) the output
+ * folder dir; like (NULL: none) is the model file or folder whose shard
+ * layout is followed (max_shard 0) and, for a folder, whose other files
+ * are copied.  dir the same folder as like is BICO_E_ARG. */
+bico_status bico__wfolder_open(bico_ctx *ctx, const char *fn, const char *dir,
+                               const char *like, uint64_t max_shard,
+                               bico__wfolder **out);
+/* Removes what was not committed (and the folder, if this writer made
+ * it and nothing else is in it); accepts NULL. */
+void bico__wfolder_free(bico_ctx *ctx, bico__wfolder *f);
+/* The shard plan for n tensors (names, byte sizes, in declaration
+ * order): of[k] gets tensor k's shard; *sh (nsh entries, ctx memory)
+ * their names and temporary files. */
+bico_status bico__wfolder_layout(bico_ctx *ctx, const char *fn,
+                                 bico__wfolder *f, size_t n,
+                                 const char *const *names,
+                                 const uint64_t *sizes, size_t *of,
+                                 bico__wshard **sh, size_t *nsh);
+/* After the shards are finished: the index (several shards, or one not
+ * named model.safetensors), the copies, the list of stale weights. */
+bico_status bico__wfolder_finish(bico_ctx *ctx, const char *fn,
+                                 bico__wfolder *f, size_t n,
+                                 const char *const *names,
+                                 const uint64_t *sizes, const size_t *of,
+                                 const bico__wshard *sh, size_t nsh);
+/* Every temporary file to commit: shards, index, copies. */
+bico_status bico__wfolder_files(bico_ctx *ctx, bico__wfolder *f,
+                                bico__wshard *sh, size_t nsh,
+                                bico__tmpfile ***list, size_t *n);
+/* After the commit: removes the stale weights. */
+void bico__wfolder_committed(bico__wfolder *f);
+
 #endif

@@ -25,22 +25,27 @@ typedef struct wt_tensor {
   size_t ndim;
   size_t *shape;
   size_t numel, nbytes;
-  uint64_t begin;
+  uint64_t begin; /* offset in its shard's data buffer */
+  size_t shard;
   int written;
 } wt_tensor;
 
 struct bico_stwriter {
   bico_ctx *ctx;
-  char *path;
-  bico__tmpfile tf; /* the temporary file in the destination's folder */
+  char *path; /* the file, or the folder of a folder writer */
+  /* Shards: one for a file writer (its temporary file is created at
+   * once); a folder writer's are laid out on the first write. */
+  bico__wshard *sh;
+  size_t nsh;
+  bico__wfolder *folder; /* NULL for a file writer */
   wt_tensor *t;
   size_t count, cap;
   bico__strindex by_name; /* tensor name -> index */
   char **meta; /* key, value pairs */
   size_t nmeta, metacap;
-  uint64_t data_start; /* 8 + padded header length once laid out */
   int laid_out, finished;
   unsigned char *buf; /* conversion buffer */
+  bico__tmpfile *one; /* finish_all's list for a file writer */
 };
 
 #define WBUF 65536
@@ -65,7 +70,12 @@ static int w_hash_insert(bico_stwriter *w, size_t idx) {
 void bico_stwriter_free(bico_stwriter *w) {
   if (w == NULL) return;
   bico_ctx *ctx = w->ctx;
-  bico__tmp_discard(ctx, &w->tf);
+  for (size_t k = 0; k < w->nsh; k++) {
+    bico__tmp_discard(ctx, &w->sh[k].tf);
+    bico__free(ctx, w->sh[k].name);
+  }
+  bico__free(ctx, w->sh);
+  bico__wfolder_free(ctx, w->folder);
   for (size_t k = 0; k < w->count; k++) {
     bico__free(ctx, w->t[k].name);
     bico__free(ctx, w->t[k].shape);
@@ -105,15 +115,17 @@ bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
   bico_stwriter *w = bico__calloc(ctx, 1, sizeof *w);
   if (w == NULL) return BICO_E_NOMEM;
   w->ctx = ctx;
-  w->tf.fd = -1;
   w->path = bico__strdup(ctx, path);
   w->buf = bico__alloc(ctx, WBUF);
-  if (!w->path || !w->buf) {
+  w->sh = bico__calloc(ctx, 1, sizeof *w->sh);
+  if (!w->path || !w->buf || !w->sh) {
     bico_stwriter_free(w);
     return BICO_E_NOMEM;
   }
+  w->sh[0].tf.fd = -1;
+  w->nsh = 1;
   bico_status s = bico__tmp_create(ctx, "stwriter_create", "output", path,
-                                   &w->tf);
+                                   &w->sh[0].tf);
   if (s != BICO_OK) {
     bico_stwriter_free(w);
     return s;
@@ -244,20 +256,20 @@ bico_status bico_stwriter_declare(bico_stwriter *w, const char *name,
 }
 
 /* pwrite all of buf at off, retrying short writes and EINTR. */
-static bico_status w_pwrite(bico_stwriter *w, const char *fn, const void *buf,
-                            size_t n, uint64_t off) {
+static bico_status w_pwrite(bico_stwriter *w, const char *fn, size_t shard,
+                            const void *buf, size_t n, uint64_t off) {
   const unsigned char *p = buf;
+  const bico__tmpfile *tf = &w->sh[shard].tf;
   while (n > 0) {
-    ssize_t r = pwrite(w->tf.fd, p, n, (off_t)off);
+    ssize_t r = pwrite(tf->fd, p, n, (off_t)off);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0)
       return bico__fail(w->ctx, BICO_E_IO,
-                        "%s: %s: write to temporary file %s failed: %s", fn,
-                        w->path, w->tf.tmp, strerror(errno));
+                        "%s: %s: write failed: %s", fn, tf->path,
+                        strerror(errno));
     if (r == 0)
-      return bico__fail(w->ctx, BICO_E_IO,
-                        "%s: %s: write to temporary file %s made no progress",
-                        fn, w->path, w->tf.tmp);
+      return bico__fail(w->ctx, BICO_E_IO, "%s: %s: write made no progress",
+                        fn, tf->path);
     p += r;
     n -= (size_t)r;
     off += (uint64_t)r;
@@ -265,16 +277,12 @@ static bico_status w_pwrite(bico_stwriter *w, const char *fn, const void *buf,
   return BICO_OK;
 }
 
-/* Fixes the layout and writes the header: after this the set of tensors is
- * frozen. */
-static bico_status w_layout(bico_stwriter *w, const char *fn) {
-  if (w->laid_out) return BICO_OK;
+/* Shard s's header (the metadata, then its tensors in declaration order)
+ * written, and its space reserved. */
+static bico_status w_header(bico_stwriter *w, const char *fn, size_t s) {
   bico_ctx *ctx = w->ctx;
-  uint64_t off = 0;
-  for (size_t k = 0; k < w->count; k++) {
-    w->t[k].begin = off;
-    off += w->t[k].nbytes;
-  }
+  bico__wshard *sh = &w->sh[s];
+  const char *where = sh->tf.path;
   bico__jw jw;
   bico__jw_init(&jw, ctx, 0);
   bico__jw_begin_object(&jw);
@@ -289,6 +297,7 @@ static bico_status w_layout(bico_stwriter *w, const char *fn) {
   }
   for (size_t k = 0; k < w->count; k++) {
     const wt_tensor *t = &w->t[k];
+    if (t->shard != s) continue;
     bico__jw_key(&jw, t->name);
     bico__jw_begin_object(&jw);
     bico__jw_key(&jw, "dtype");
@@ -312,7 +321,7 @@ static bico_status w_layout(bico_stwriter *w, const char *fn) {
     bico__jw_free(&jw);
     return st == BICO_E_NOMEM
                ? bico__fail(ctx, st, "%s: %s: out of memory for the header", fn,
-                            w->path)
+                            where)
                : st;
   }
   if (jw.len > HEADER_LIMIT) {
@@ -321,29 +330,62 @@ static bico_status w_layout(bico_stwriter *w, const char *fn) {
     return bico__fail(ctx, BICO_E_ARG,
                       "%s: %s: header of %zu bytes exceeds the %u-byte limit "
                       "readers accept",
-                      fn, w->path, n, HEADER_LIMIT);
+                      fn, where, n, HEADER_LIMIT);
   }
   unsigned char lenb[8];
   store_le(lenb, jw.len, 8);
-  st = w_pwrite(w, fn, lenb, 8, 0);
-  if (st == BICO_OK) st = w_pwrite(w, fn, jw.buf, jw.len, 8);
+  st = w_pwrite(w, fn, s, lenb, 8, 0);
+  if (st == BICO_OK) st = w_pwrite(w, fn, s, jw.buf, jw.len, 8);
   uint64_t start = 8 + (uint64_t)jw.len;
   bico__jw_free(&jw);
   if (st != BICO_OK) return st;
   /* Reserve the space now: a full disk fails here, before any data. */
-  uint64_t total = start + off;
+  uint64_t total = start + sh->bytes;
   if (total > 0) {
-    int e = posix_fallocate(w->tf.fd, 0, (off_t)total);
+    int e = posix_fallocate(sh->tf.fd, 0, (off_t)total);
     if (e == ENOSPC || e == EFBIG || e == EIO)
       return bico__fail(ctx, BICO_E_IO,
-                        "%s: %s: cannot reserve %llu bytes for temporary file "
-                        "%s: %s",
-                        fn, w->path, (unsigned long long)total, w->tf.tmp,
-                        strerror(e));
+                        "%s: %s: cannot reserve %llu bytes: %s", fn, where,
+                        (unsigned long long)total, strerror(e));
   }
-  w->data_start = start;
-  w->laid_out = 1;
+  sh->data_start = start;
   return BICO_OK;
+}
+
+/* Fixes the layout (a folder writer's shards first) and writes the
+ * headers: after this the set of tensors is frozen. */
+static bico_status w_layout(bico_stwriter *w, const char *fn) {
+  if (w->laid_out) return BICO_OK;
+  bico_ctx *ctx = w->ctx;
+  bico_status st = BICO_OK;
+  if (w->folder != NULL) {
+    const char **names = bico__alloc(ctx, (w->count + 1) * sizeof *names);
+    uint64_t *sizes = bico__alloc(ctx, (w->count + 1) * sizeof *sizes);
+    size_t *of = bico__alloc(ctx, (w->count + 1) * sizeof *of);
+    if (!names || !sizes || !of) st = BICO_E_NOMEM;
+    for (size_t k = 0; k < w->count && st == BICO_OK; k++) {
+      names[k] = w->t[k].name;
+      sizes[k] = w->t[k].nbytes;
+    }
+    if (st == BICO_OK)
+      st = bico__wfolder_layout(ctx, fn, w->folder, w->count, names, sizes,
+                                of, &w->sh, &w->nsh);
+    for (size_t k = 0; k < w->count && st == BICO_OK; k++)
+      w->t[k].shard = of[k];
+    bico__free(ctx, names);
+    bico__free(ctx, sizes);
+    bico__free(ctx, of);
+    if (st != BICO_OK) return st;
+  }
+  for (size_t s = 0; s < w->nsh; s++) w->sh[s].bytes = 0;
+  for (size_t k = 0; k < w->count; k++) {
+    bico__wshard *sh = &w->sh[w->t[k].shard];
+    w->t[k].begin = sh->bytes;
+    sh->bytes += w->t[k].nbytes;
+  }
+  for (size_t s = 0; s < w->nsh && st == BICO_OK; s++) st = w_header(w, fn, s);
+  if (st == BICO_OK) w->laid_out = 1;
+  return st;
 }
 
 /* Checks for a write of tensor `name`; returns its index in *idx. */
@@ -419,7 +461,7 @@ static bico_status w_convert(bico_stwriter *w, const char *fn, size_t k,
   bico_status st = w_layout(w, fn);
   if (st != BICO_OK) return st;
   size_t es = bico_dtype_size(t->dtype), per = WBUF / es;
-  uint64_t off = w->data_start + t->begin;
+  uint64_t off = w->sh[t->shard].data_start + t->begin;
   for (size_t i = 0; i < t->numel; i += per) {
     size_t n = t->numel - i < per ? t->numel - i : per;
     for (size_t j = 0; j < n; j++) {
@@ -442,7 +484,7 @@ static bico_status w_convert(bico_stwriter *w, const char *fn, size_t k,
       }
       store_le(o, bits, es);
     }
-    st = w_pwrite(w, fn, w->buf, n * es, off);
+    st = w_pwrite(w, fn, t->shard, w->buf, n * es, off);
     if (st != BICO_OK) return st;
     off += n * es;
   }
@@ -487,12 +529,14 @@ bico_status bico_stwriter_write_raw(bico_stwriter *w, const char *name,
   }
   st = w_layout(w, fn);
   if (st == BICO_OK && nbytes > 0)
-    st = w_pwrite(w, fn, data, nbytes, w->data_start + t->begin);
+    st = w_pwrite(w, fn, t->shard, data, nbytes,
+                  w->sh[t->shard].data_start + t->begin);
   if (st == BICO_OK) t->written = 1;
   return st;
 }
 
-/* Everything but the rename: the header, the mode, fsync and close. */
+/* Everything but the rename: the headers, the mode, fsync and close (and
+ * a folder writer's index and copied files). */
 static bico_status w_finish(bico_stwriter *w, const char *fn) {
   bico_ctx *ctx = w->ctx;
   bico__clear(ctx);
@@ -508,21 +552,94 @@ static bico_status w_finish(bico_stwriter *w, const char *fn) {
   /* From here any failure ends the writer: only free remains. */
   w->finished = 1;
   st = w_layout(w, fn);
-  if (st == BICO_OK) st = bico__tmp_finish(ctx, fn, &w->tf);
+  for (size_t s = 0; s < w->nsh && st == BICO_OK; s++)
+    st = bico__tmp_finish(ctx, fn, &w->sh[s].tf);
+  if (st == BICO_OK && w->folder != NULL) {
+    const char **names = bico__alloc(ctx, (w->count + 1) * sizeof *names);
+    uint64_t *sizes = bico__alloc(ctx, (w->count + 1) * sizeof *sizes);
+    size_t *of = bico__alloc(ctx, (w->count + 1) * sizeof *of);
+    if (!names || !sizes || !of) st = BICO_E_NOMEM;
+    for (size_t k = 0; k < w->count && st == BICO_OK; k++) {
+      names[k] = w->t[k].name;
+      sizes[k] = w->t[k].nbytes;
+      of[k] = w->t[k].shard;
+    }
+    if (st == BICO_OK)
+      st = bico__wfolder_finish(ctx, fn, w->folder, w->count, names, sizes,
+                                of, w->sh, w->nsh);
+    bico__free(ctx, names);
+    bico__free(ctx, sizes);
+    bico__free(ctx, of);
+  }
   return st;
 }
 
 bico_status bico__stwriter_finish(bico_stwriter *w, bico__tmpfile **tf) {
   if (w == NULL) return BICO_E_NULL;
+  if (w->folder != NULL)
+    return bico__fail(w->ctx, BICO_E_STATE,
+                      "stwriter_commit: %s: a folder writer commits several "
+                      "files (bico__stwriter_finish_all)", w->path);
   bico_status st = w_finish(w, "stwriter_commit");
-  *tf = st == BICO_OK ? &w->tf : NULL;
+  *tf = st == BICO_OK ? &w->sh[0].tf : NULL;
   return st;
+}
+
+bico_status bico__stwriter_finish_all(bico_stwriter *w, bico__tmpfile ***tf,
+                                      size_t *n) {
+  if (w == NULL) return BICO_E_NULL;
+  *tf = NULL;
+  *n = 0;
+  bico_status st = w_finish(w, "stwriter_commit");
+  if (st != BICO_OK) return st;
+  if (w->folder == NULL) {
+    w->one = &w->sh[0].tf;
+    *tf = &w->one;
+    *n = 1;
+    return BICO_OK;
+  }
+  return bico__wfolder_files(w->ctx, w->folder, w->sh, w->nsh, tf, n);
+}
+
+void bico__stwriter_committed(bico_stwriter *w) {
+  if (w != NULL && w->folder != NULL) bico__wfolder_committed(w->folder);
 }
 
 bico_status bico_stwriter_commit(bico_stwriter *w) {
   if (w == NULL) return BICO_E_NULL;
-  bico__tmpfile *tf = NULL;
-  bico_status st = bico__stwriter_finish(w, &tf);
-  if (st == BICO_OK) st = bico__commit(w->ctx, "stwriter_commit", &tf, 1);
+  bico__tmpfile **tf = NULL;
+  size_t n = 0;
+  bico_status st = bico__stwriter_finish_all(w, &tf, &n);
+  if (st == BICO_OK) st = bico__commit(w->ctx, "stwriter_commit", tf, n);
+  if (st == BICO_OK) bico__stwriter_committed(w);
   return st;
+}
+
+bico_status bico_stwriter_create_folder(bico_ctx *ctx, const char *dir,
+                                        const char *like,
+                                        uint64_t max_shard_size,
+                                        bico_stwriter **out) {
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (out == NULL || dir == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "stwriter_create_folder: %s is NULL",
+                      out == NULL ? "out" : "dir");
+  *out = NULL;
+  bico_stwriter *w = bico__calloc(ctx, 1, sizeof *w);
+  if (w == NULL) return BICO_E_NOMEM;
+  w->ctx = ctx;
+  w->path = bico__strdup(ctx, dir);
+  w->buf = bico__alloc(ctx, WBUF);
+  if (!w->path || !w->buf) {
+    bico_stwriter_free(w);
+    return BICO_E_NOMEM;
+  }
+  bico_status st = bico__wfolder_open(ctx, "stwriter_create_folder", dir,
+                                      like, max_shard_size, &w->folder);
+  if (st != BICO_OK) {
+    bico_stwriter_free(w);
+    return st;
+  }
+  *out = w;
+  return BICO_OK;
 }

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "fileio.h"
 #include "lora_internal.h"
 #include "transfer_internal.h"
 
@@ -25,7 +26,7 @@ const char *const bico__xfer_file_option[BICO__NFILES] = {
 
 static const char *const METHOD_NAME[] = {
     NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
-static const char *const NORM_MAP_NAME[] = {"act", "grad"};
+static const char *const NORM_MAP_NAME[] = {NULL, "act", "grad"};
 #define COUNT(a) (sizeof(a) / sizeof *(a))
 
 const char *bico_method_name(int method) {
@@ -52,7 +53,7 @@ const char *bico_norm_map_name(int norm_map) {
 
 bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
   if (name == NULL || norm_map == NULL) return BICO_E_NULL;
-  for (size_t i = 0; i < COUNT(NORM_MAP_NAME); i++)
+  for (size_t i = 1; i < COUNT(NORM_MAP_NAME); i++)
     if (strcmp(name, NORM_MAP_NAME[i]) == 0) {
       *norm_map = (int)i;
       return BICO_OK;
@@ -64,13 +65,6 @@ const char *bico_handling_name(int handling) {
   return handling >= 0 && handling < BICO__H_COUNT
              ? bico__xfer_handling[handling]
              : NULL;
-}
-
-static char *dupstr(bico_ctx *ctx, const char *s) {
-  size_t n = strlen(s);
-  char *p = bico__alloc(ctx, n + 1);
-  if (p) memcpy(p, s, n + 1);
-  return p;
 }
 
 bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
@@ -93,6 +87,8 @@ bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   t->param[BICO_TRANSFER_WORKERS] = 1;
   t->param[BICO_TRANSFER_SOLVE_MEMORY] = 0;
   t->param[BICO_TRANSFER_MIN_PAIRED] = 0.5;
+  t->param[BICO_TRANSFER_GRADFIX_MODE] = BICO_GRADFIX_MAJORITY;
+  t->param[BICO_TRANSFER_MAX_SHARD_SIZE] = 0;
   *out = t;
   return BICO_OK;
 }
@@ -112,6 +108,7 @@ void bico_transfer_free(bico_transfer *t) {
   bico__free(ctx, t->select);
   bico__xfer_asm_free(t);
   bico__xfer_plan_clear(t);
+  bico__xfer_mem_free(t);
   bico__free(ctx, t);
 }
 
@@ -127,7 +124,7 @@ bico_status bico_transfer_set_file(bico_transfer *t, int which,
                       "transfer_set_file: empty path for the %s",
                       bico__xfer_file_option[which]);
   char *p = NULL;
-  if (path != NULL && (p = dupstr(t->ctx, path)) == NULL) return BICO_E_NOMEM;
+  if (path != NULL && (p = bico__strdup(t->ctx, path)) == NULL) return BICO_E_NOMEM;
   bico__free(t->ctx, t->files[which]);
   t->files[which] = p;
   return BICO_OK;
@@ -143,28 +140,56 @@ bico_status bico_transfer_get_file(const bico_transfer *t, int which,
   return BICO_OK;
 }
 
-bico_status bico_transfer_param_bounds(int param, double *lo, double *hi) {
-  if (lo == NULL || hi == NULL) return BICO_E_NULL;
-  switch (param) {
-    case BICO_TRANSFER_METHOD: *lo = 1; *hi = 6; return BICO_OK;
-    case BICO_TRANSFER_ALPHA: /* used as a float */
-      *lo = 0;
-      *hi = FLT_MAX;
+/* The option grammar (params.h): each parameter's accepted set. */
+static const struct {
+  const char *name;
+  double lo, hi;
+  unsigned flags;
+} PARAM[BICO__NPARAMS] = {
+    [BICO_TRANSFER_METHOD] = {"method", 1, 6, BICO_PARAM_INTEGER},
+    /* used as a float */
+    [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
+    [BICO_TRANSFER_NORM_MAP] = {"norm_map", 0, BICO_NORM_MAP_GRAD,
+                                BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_NULL] = {"null", 0, BICO_NULL_DROP, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
+    [BICO_TRANSFER_CENTER] = {"center", 0, 1, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_WHITEN] = {"whiten", 0, 0.5, 0},
+    [BICO_TRANSFER_PROC_METHOD] = {"proc_method", BICO_PROC_SVD,
+                                   BICO_PROC_POLAR, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_WORKERS] = {"workers", 1, 1024, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_SOLVE_MEMORY] = {"solve_memory", 0, 9007199254740992.0,
+                                    BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_MIN_PAIRED] = {"min_paired", 0, 1, 0},
+    [BICO_TRANSFER_GRADFIX_MODE] = {"gradfix_mode", 0, BICO_GRADFIX_MEAN,
+                                    BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_MAX_SHARD_SIZE] = {"max_shard_size", 0, 9007199254740992.0,
+                                      BICO_PARAM_INTEGER},
+};
+
+bico_status bico_transfer_param_bounds(int param, double *lo, double *hi,
+                                       unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
+  if (param < 1 || param >= BICO__NPARAMS || PARAM[param].name == NULL)
+    return BICO_E_ARG;
+  *lo = PARAM[param].lo;
+  *hi = PARAM[param].hi;
+  *flags = PARAM[param].flags;
+  return BICO_OK;
+}
+
+const char *bico_transfer_param_name(int param) {
+  return param >= 1 && param < BICO__NPARAMS ? PARAM[param].name : NULL;
+}
+
+bico_status bico_transfer_param_from_name(const char *name, int *param) {
+  if (name == NULL || param == NULL) return BICO_E_NULL;
+  for (int i = 1; i < BICO__NPARAMS; i++)
+    if (PARAM[i].name != NULL && strcmp(name, PARAM[i].name) == 0) {
+      *param = i;
       return BICO_OK;
-    case BICO_TRANSFER_NULL: *lo = 0; *hi = BICO_NULL_DROP; return BICO_OK;
-    case BICO_TRANSFER_NORM_MAP:
-    case BICO_TRANSFER_CENTER: *lo = 0; *hi = 1; return BICO_OK;
-    case BICO_TRANSFER_RANK_TOL: *lo = 0; *hi = 1; return BICO_OK;
-    case BICO_TRANSFER_WHITEN: *lo = 0; *hi = 0.5; return BICO_OK;
-    case BICO_TRANSFER_PROC_METHOD:
-      *lo = BICO_PROC_SVD;
-      *hi = BICO_PROC_POLAR;
-      return BICO_OK;
-    case BICO_TRANSFER_WORKERS: *lo = 1; *hi = 1024; return BICO_OK;
-    case BICO_TRANSFER_SOLVE_MEMORY: *lo = 0; *hi = 9007199254740992.0; return BICO_OK;
-    case BICO_TRANSFER_MIN_PAIRED: *lo = 0; *hi = 1; return BICO_OK;
-    default: return BICO_E_ARG;
-  }
+    }
+  return BICO_E_NOTFOUND;
 }
 
 bico_status bico_transfer_set_param(bico_transfer *t, int param,
@@ -172,28 +197,22 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   if (t == NULL) return BICO_E_NULL;
   bico__clear(t->ctx);
   double lo, hi;
-  if (bico_transfer_param_bounds(param, &lo, &hi) != BICO_OK)
+  unsigned flags;
+  if (bico_transfer_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_set_param: unknown parameter %d", param);
-  int integral = param == BICO_TRANSFER_METHOD ||
-                 param == BICO_TRANSFER_NORM_MAP ||
-                 param == BICO_TRANSFER_NULL || param == BICO_TRANSFER_CENTER ||
-                 param == BICO_TRANSFER_PROC_METHOD ||
-                 param == BICO_TRANSFER_WORKERS ||
-                 param == BICO_TRANSFER_SOLVE_MEMORY;
-  int ok = isfinite(value) && value >= lo && value <= hi;
-  if (param == BICO_TRANSFER_ALPHA) ok = ok && value > 0;
-  if (param == BICO_TRANSFER_RANK_TOL) ok = ok && value < 1;
-  if (integral && ok && value != floor(value)) ok = 0;
-  if (!ok)
-    return bico__fail(t->ctx,
-                      isfinite(value) ? BICO_E_ARG : BICO_E_NONFINITE,
-                      "transfer_set_param: value %g for parameter %d is "
-                      "outside %s%g, %g%s%s",
-                      value, param,
-                      param == BICO_TRANSFER_ALPHA ? "(" : "[", lo, hi,
-                      param == BICO_TRANSFER_RANK_TOL ? ")" : "]",
-                      integral ? " (an integer)" : "");
+  if (!isfinite(value))
+    return bico__fail(t->ctx, BICO_E_NONFINITE,
+                      "transfer_set_param: %s = %g is not finite",
+                      PARAM[param].name, value);
+  bico_status st = bico__param_check(t->ctx, "transfer_set_param",
+                                     PARAM[param].name, value, lo, hi, flags);
+  if (st != BICO_OK) return st;
+  /* Choices: 0 is the default member (docs/api.md's enum rule). */
+  if (param == BICO_TRANSFER_GRADFIX_MODE && value == 0)
+    value = BICO_GRADFIX_MAJORITY;
+  if (param == BICO_TRANSFER_NULL && value == 0) value = BICO_NULL_KEEP;
+  if (param == BICO_TRANSFER_NORM_MAP && value == 0) value = BICO_NORM_MAP_ACT;
   t->param[param] = value;
   return BICO_OK;
 }
@@ -202,7 +221,8 @@ bico_status bico_transfer_get_param(const bico_transfer *t, int param,
                                     double *value) {
   if (t == NULL || value == NULL) return BICO_E_NULL;
   double lo, hi;
-  if (bico_transfer_param_bounds(param, &lo, &hi) != BICO_OK)
+  unsigned flags;
+  if (bico_transfer_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_get_param: unknown parameter %d", param);
   *value = t->param[param];
@@ -216,8 +236,14 @@ bico_status bico_transfer_set_string(bico_transfer *t, int which,
   if (which < 1 || which >= BICO__NSTRINGS)
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_set_string: unknown option %d", which);
+  if (which == BICO_TRANSFER_SOURCE_RENAME && value != NULL &&
+      (strchr(value, '=') == NULL || strcmp(value, "=") == 0))
+    return bico__fail(t->ctx, BICO_E_ARG,
+                      "transfer_set_string: source rename '%s': expected "
+                      "OLD=NEW (a prefix and its replacement, not both empty)",
+                      value);
   char *p = NULL;
-  if (value != NULL && (p = dupstr(t->ctx, value)) == NULL) return BICO_E_NOMEM;
+  if (value != NULL && (p = bico__strdup(t->ctx, value)) == NULL) return BICO_E_NOMEM;
   bico__free(t->ctx, t->strings[which]);
   t->strings[which] = p;
   return BICO_OK;
@@ -240,7 +266,7 @@ bico_status bico_transfer_add_split(bico_transfer *t, const char *suffix,
       return BICO_OK;
     }
   bico__split_rec *s = bico__alloc(t->ctx, (t->nsplits + 1) * sizeof *s);
-  char *d = dupstr(t->ctx, suffix);
+  char *d = bico__strdup(t->ctx, suffix);
   if (s == NULL || d == NULL) {
     bico__free(t->ctx, s);
     bico__free(t->ctx, d);
@@ -265,7 +291,7 @@ bico_status bico_transfer_add_tie(bico_transfer *t, const char *tensor,
   if (tensor[0] == '\0')
     return bico__fail(t->ctx, BICO_E_ARG, "transfer_add_tie: empty tensor name");
   bico__tie_rec *r = bico__alloc(t->ctx, (t->nties + 1) * sizeof *r);
-  char *a = dupstr(t->ctx, tensor), *b = dupstr(t->ctx, module);
+  char *a = bico__strdup(t->ctx, tensor), *b = bico__strdup(t->ctx, module);
   if (r == NULL || a == NULL || b == NULL) {
     bico__free(t->ctx, r);
     bico__free(t->ctx, a);
@@ -287,6 +313,16 @@ bico_status bico_transfer_set_log(bico_transfer *t, bico_transfer_log_fn fn,
   bico__clear(t->ctx);
   t->log = fn;
   t->log_opaque = opaque;
+  return BICO_OK;
+}
+
+bico_status bico_transfer_set_progress(bico_transfer *t,
+                                       bico_transfer_progress_fn fn,
+                                       void *opaque) {
+  if (t == NULL) return BICO_E_NULL;
+  bico__clear(t->ctx);
+  t->progress = fn;
+  t->progress_opaque = opaque;
   return BICO_OK;
 }
 
@@ -319,7 +355,6 @@ bico_status bico_transfer_set_partial(bico_transfer *t,
 bico_status bico_transfer_counts(const bico_transfer *t, size_t *updated,
                                  size_t *unchanged) {
   if (t == NULL) return BICO_E_NULL;
-  bico__clear(t->ctx);
   if (!t->ran)
     return bico__fail(t->ctx, BICO_E_STATE,
                       "transfer_counts: no successful run yet");

@@ -21,8 +21,8 @@
 
 #define BICO__NONE SIZE_MAX
 #define BICO__NFILES 14
-#define BICO__NPARAMS 12
-#define BICO__NSTRINGS 4
+#define BICO__NPARAMS 14
+#define BICO__NSTRINGS 5
 
 typedef struct bico__split_rec {
   char *suffix;
@@ -44,6 +44,8 @@ struct bico_transfer {
   size_t nties;
   bico_transfer_log_fn log;
   void *log_opaque;
+  bico_transfer_progress_fn progress;
+  void *progress_opaque;
   int ran;
   size_t updated, unchanged;
   unsigned char *select; /* partial runs: tensors to compute, or NULL */
@@ -56,6 +58,7 @@ struct bico_transfer {
   size_t *plan_tensors, *plan_start;
   double *plan_cost;
   struct bico__asm *as; /* the assembler, between begin and commit */
+  struct bico__mem *mem; /* lent statistics and votes (transfer_mem.c) */
 };
 
 /* What each file slot is called in messages. */
@@ -170,6 +173,16 @@ void bico__xfer_pool_stop(bico__run *r);
 /* Makes the maps of one side of target module mi available in r->mods. */
 bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
 
+/* ---- transfer_mem.c ---- */
+void bico__xfer_mem_free(bico_transfer *t);
+size_t bico__xfer_mem_nxcov(const bico_transfer *t);
+size_t bico__xfer_mem_nvotes(const bico_transfer *t);
+/* The accumulators lent for one side of a module: their count (0: none). */
+size_t bico__xfer_mem_xcov(const bico_transfer *t, const char *module,
+                           int side, const bico_xcov *const **blocks);
+const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
+                                       const char *tensor);
+
 /* ---- transfer_update.c ---- */
 /* The update alpha tau_B of target tensor ti into upd (its numel floats),
  * or info->handling BICO__H_UNCHANGED with a reason. */
@@ -188,6 +201,25 @@ bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
                               bico__xfer_tensor *x);
 /* Creates the output (and delta output, when path_d) writers with every
  * tensor of tb declared, in its order. */
+/* Each target tensor's share of the plan's cost (lib/transfer_assemble.c):
+ * its elements, and a module's map solves on its first tensor. */
+bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost);
+
+/* lib/transfer_names.c: the source rename applied to an opened input
+ * (`which` a BICO_FILE_*; only the source's files are renamed); the
+ * prefix offer for a pairing message (buf gets "" or "; the names differ
+ * by a prefix: ..."); the warning (logged) for a checkpoint given as the
+ * task vector. */
+bico_status bico__xfer_rename_source(const bico_transfer *t, int which,
+                                     bico_stfile *f);
+void bico__xfer_prefix_offer(bico__run *r, char *buf, size_t cap);
+void bico__xfer_check_task_vector(bico__run *r);
+
+/* The writer for an output path: a model folder when
+ * bico_output_is_folder says so (like the target, sharded by
+ * BICO_TRANSFER_MAX_SHARD_SIZE), else a file. */
+bico_status bico__xfer_writer(const bico_transfer *t, const char *path,
+                              bico_stwriter **w);
 bico_status bico__xfer_declare(const bico_transfer *t, const bico_stfile *tb,
                                bico_stwriter **w, bico_stwriter **wd);
 /* Writes one tensor: theta_B + upd (upd NULL: the base's bytes), and upd

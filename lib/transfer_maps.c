@@ -117,6 +117,44 @@ static void stat_release(void *opaque) {
   bico__stfile_drop(s->f, s->idx);
 }
 
+/* Job j's maps from accumulators the host lent (transfer_mem.c): one per
+ * block, or one for the whole side whose diagonal blocks are carved. */
+static bico_status solve_lent(solver *sv, const sidejob *j, size_t nlent,
+                              const bico_xcov *const *lent, bico__map *maps) {
+  bico_ctx *ctx = sv->ctx;
+  size_t k = j->k, ba = j->da / k, bb = j->db / k;
+  const char *key = j->side ? "out_xcov" : "in_xcov";
+  if (nlent != 1 && nlent != k)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "module %s: %zu lent %s blocks for an output split in "
+                      "%zu blocks (give 1 or %zu)",
+                      j->tm, nlent, key, k, k);
+  size_t wa = nlent == 1 ? j->da : ba, wb = nlent == 1 ? j->db : bb;
+  for (size_t b = 0; b < nlent; b++) {
+    size_t da = 0, db = 0;
+    bico_xcov_info(lent[b], &da, &db, NULL, NULL);
+    if (da != wa || db != wb)
+      return bico__fail(ctx, BICO_E_SHAPE,
+                        "module %s: lent %s block %zu is [%zu, %zu], the "
+                        "module needs [%zu, %zu] (source %s x target widths)",
+                        j->tm, key, b, da, db, wa, wb, j->sm);
+  }
+  bico_status st = BICO_OK;
+  for (size_t b = 0; b < k && st == BICO_OK; b++) {
+    bico_xcov *carved = NULL;
+    const bico_xcov *x = lent[nlent == 1 ? 0 : b];
+    if (nlent == 1 && k > 1) {
+      st = bico__xcov_block(ctx, x, b, k, &carved);
+      x = carved;
+    }
+    if (st == BICO_OK)
+      st = bico_procrustes_solve(sv->proc, x, maps[b].r, bb, &maps[b].rank);
+    if (st != BICO_OK) st = bico__xfer_wrap(ctx, st, "module", j->tm);
+    bico_xcov_free(carved);
+  }
+  return st;
+}
+
 /* Computes the maps of job j (side 0 = input activations, one map; side 1
  * = output gradients, k maps) with solver sv into *out. */
 static bico_status solve_side(bico__run *r, solver *sv, const sidejob *j,
@@ -141,7 +179,19 @@ static bico_status solve_side(bico__run *r, solver *sv, const sidejob *j,
     if (maps[b].r == NULL) st = BICO_E_NOMEM;
   }
   const char *suffix = j->side ? "output_grad" : "input";
-  if (st == BICO_OK && sv->stats != NULL) {
+  const bico_xcov *const *lent = NULL;
+  size_t nlent = bico__xfer_mem_xcov(r->t, tm,
+                                     j->side ? BICO_SIDE_OUT : BICO_SIDE_IN,
+                                     &lent);
+  if (st == BICO_OK && nlent > 0) {
+    st = solve_lent(sv, j, nlent, lent, maps);
+  } else if (st == BICO_OK && sv->stats == NULL && sv->sc == NULL) {
+    st = bico__fail(ctx, BICO_E_NOTFOUND,
+                    "no statistics for module %s (%s.%s): none lent "
+                    "(bico_transfer_set_xcov) and no statistics or "
+                    "calibration file",
+                    tm, tm, j->side ? "out_xcov" : "in_xcov");
+  } else if (st == BICO_OK && sv->stats != NULL) {
     /* Statistics file, keyed by the target module. */
     const char *path = r->t->files[BICO_FILE_STATS];
     size_t klen = strlen(tm) + 16, idx;
@@ -335,6 +385,7 @@ static bico_status solver_open(bico__run *r, solver *sv, long threads) {
   for (int i = 0; i < 3 && st == BICO_OK; i++)
     if (have[i] != NULL) {
       st = bico_stfile_open(sv->ctx, r->t->files[which[i]], fs[i]);
+      if (st == BICO_OK) st = bico__xfer_rename_source(r->t, which[i], *fs[i]);
       if (st != BICO_OK) st = bico__xfer_wrap(sv->ctx, st, bico__xfer_file_option[which[i]],
                                    r->t->files[which[i]]);
     }

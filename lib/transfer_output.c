@@ -125,13 +125,21 @@ static bico_status locate(bico__run *r, size_t ti, bico__xfer_tensor *x) {
 static bico_status provenance(const bico_transfer *t, const bico_stfile *tb,
                               bico_stwriter *w) {
   bico_status st = BICO_OK;
+  int format = 0;
   size_t nm = bico_stfile_metadata_count(tb);
   for (size_t i = 0; i < nm && st == BICO_OK; i++) {
     const char *k, *v;
     st = bico_stfile_metadata_at(tb, i, &k, &v);
-    if (st == BICO_OK && strncmp(k, "bico.", 5) != 0)
-      st = bico_stwriter_add_metadata(w, k, v);
+    /* a sharded target's metadata is its index's: total_size describes
+     * the target's files, not this one */
+    if (st != BICO_OK || strncmp(k, "bico.", 5) == 0 ||
+        strcmp(k, "total_size") == 0)
+      continue;
+    if (strcmp(k, "format") == 0) format = 1;
+    st = bico_stwriter_add_metadata(w, k, v);
   }
+  /* transformers refuses safetensors metadata without a format */
+  if (st == BICO_OK && !format) st = bico_stwriter_add_metadata(w, "format", "pt");
   int method = (int)t->param[BICO_TRANSFER_METHOD];
   char alpha[64];
   snprintf(alpha, sizeof alpha, "%.9g", t->param[BICO_TRANSFER_ALPHA]);
@@ -156,13 +164,22 @@ static bico_status provenance(const bico_transfer *t, const bico_stfile *tb,
   return st;
 }
 
+bico_status bico__xfer_writer(const bico_transfer *t, const char *path,
+                              bico_stwriter **w) {
+  const char *tb = t->files[BICO_FILE_TARGET_BASE];
+  if (!bico_output_is_folder(path, tb))
+    return bico_stwriter_create(t->ctx, path, w);
+  return bico_stwriter_create_folder(
+      t->ctx, path, tb, (uint64_t)t->param[BICO_TRANSFER_MAX_SHARD_SIZE], w);
+}
+
 bico_status bico__xfer_declare(const bico_transfer *t, const bico_stfile *tb,
                                bico_stwriter **w, bico_stwriter **wd) {
   bico_ctx *ctx = t->ctx;
   const char *path = t->files[BICO_FILE_OUTPUT];
   const char *path_d = t->files[BICO_FILE_DELTA_OUTPUT];
-  bico_status st = bico_stwriter_create(ctx, path, w);
-  if (st == BICO_OK && path_d) st = bico_stwriter_create(ctx, path_d, wd);
+  bico_status st = bico__xfer_writer(t, path, w);
+  if (st == BICO_OK && path_d) st = bico__xfer_writer(t, path_d, wd);
   if (st == BICO_OK) st = provenance(t, tb, *w);
   if (st == BICO_OK && path_d) st = provenance(t, tb, *wd);
   size_t nt = bico_stfile_count(tb);
@@ -298,20 +315,17 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
 bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
                               const char *report, bico_stwriter *w,
                               bico_stwriter *wd) {
-  bico__tmpfile rt = {NULL, NULL, -1, 0}, *outs[3];
-  size_t n = 0;
-  bico_status st = bico__stwriter_finish(w, &outs[n]);
-  if (st == BICO_OK) n++;
-  if (st == BICO_OK && wd) {
-    st = bico__stwriter_finish(wd, &outs[n]);
-    if (st == BICO_OK) n++;
-  }
-  if (st == BICO_OK && report) {
+  bico__tmpfile rt = {NULL, NULL, -1, 0}, **l1 = NULL, **l2 = NULL;
+  size_t n1 = 0, n2 = 0;
+  bico_status st = bico__stwriter_finish_all(w, &l1, &n1);
+  if (st == BICO_OK && wd) st = bico__stwriter_finish_all(wd, &l2, &n2);
+  if (st == BICO_OK && report)
     st = bico__report_tmp(ctx, "transfer_run", "report", rep->buf, rep->len,
                           report, &rt);
-    if (st == BICO_OK) outs[n++] = &rt;
-  }
-  if (st == BICO_OK) st = bico__commit(ctx, "transfer_run", outs, n);
+  st = bico__commit_lists(ctx, "transfer_run", st, l1, n1, l2, n2,
+                          report ? &rt : NULL);
+  if (st == BICO_OK) bico__stwriter_committed(w);
+  if (st == BICO_OK) bico__stwriter_committed(wd);
   bico__tmp_discard(ctx, &rt);
   return st;
 }
@@ -341,19 +355,45 @@ bico_status bico__xfer_write_all(bico__run *r) {
   bico_status st = partial ? BICO_OK
                            : bico__xfer_declare(t, r->tb, &r->w, &r->wd);
   bico__xfer_report_head(&r->rep, r->method, r->alpha);
-  /* Progress only on long runs: at most every 5 seconds. */
+  /* Structured progress for the front end, when it asked */
+  bico_transfer_progress pg;
+  memset(&pg, 0, sizeof pg);
+  pg.size = sizeof pg;
+  pg.tensors_total = nt;
+  double *cost = NULL;
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  if (st == BICO_OK && t->progress != NULL && !partial) {
+    cost = bico__alloc(r->ctx, (nt + 1) * sizeof *cost);
+    st = cost == NULL ? BICO_E_NOMEM : bico__xfer_tensor_costs(r, cost);
+    for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) pg.total += cost[ti];
+  }
+  /* Else text progress, only on long runs: at most every 5 seconds. */
   time_t last = time(NULL);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     /* Another process's tensor (partial runs): only the map reference
      * goes. */
     if (!partial || t->select[ti]) st = one_tensor(r, ti);
     if (st == BICO_OK) bico__xfer_release(r, ti);
+    if (st == BICO_OK && cost != NULL) {
+      struct timespec now;
+      clock_gettime(CLOCK_MONOTONIC, &now);
+      pg.done += cost[ti];
+      if (ti + 1 == nt) pg.done = pg.total; /* exact at the end */
+      pg.tensors_done = ti + 1;
+      pg.elapsed = (double)(now.tv_sec - t0.tv_sec) +
+                   1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
+      pg.tensor = bico__xfer_tname(r->mt, ti);
+      t->progress(t->progress_opaque, &pg);
+      continue;
+    }
     if (st == BICO_OK && ti + 1 < nt && time(NULL) - last >= 5) {
       last = time(NULL);
       bico__xfer_log(r, "bico: %zu/%zu tensors done (%s)", ti + 1, nt,
                      bico__xfer_tname(r->mt, ti));
     }
   }
+  bico__free(r->ctx, cost);
   bico__xfer_report_tail(&r->rep, r->count);
   if (st == BICO_OK) st = r->rep.status;
   if (st == BICO_OK && !partial)

@@ -71,6 +71,7 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
   const char *path = r->t->files[which];
   if (path == NULL) return BICO_OK;
   bico_status st = bico_stfile_open(r->ctx, path, f);
+  if (st == BICO_OK) st = bico__xfer_rename_source(r->t, which, *f);
   if (st != BICO_OK) return bico__xfer_wrap(r->ctx, st, bico__xfer_file_option[which], path);
   return BICO_OK;
 }
@@ -261,12 +262,17 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                         "transfer_run: the %s calibration file is missing "
                         "(source and target go together)",
                         f[BICO_FILE_SOURCE_CALIB] == NULL ? "source" : "target");
-    if (calib == (f[BICO_FILE_STATS] != NULL))
+    /* Statistics lent from memory (bico_transfer_set_xcov) stand in for
+     * both kinds of file. */
+    int lent = bico__xfer_mem_nxcov(t) > 0;
+    if (calib ? f[BICO_FILE_STATS] != NULL
+              : f[BICO_FILE_STATS] == NULL && !lent)
       return bico__fail(ctx, BICO_E_ARG,
                         "transfer_run: method %s needs either calibration "
                         "files (source and target) or a statistics file%s",
                         bico_method_name(r->method),
-                        calib ? ", not both" : "");
+                        calib ? ", not both" : " (or statistics lent with "
+                        "bico_transfer_set_xcov)");
     if (f[BICO_FILE_STATS] != NULL &&
         (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
       return bico__fail(ctx, BICO_E_ARG,
@@ -274,10 +280,29 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                         "calibration files; a statistics file holds only the "
                         "cross-covariances");
   }
-  if (r->method == BICO_METHOD_GRADFIX && f[BICO_FILE_TARGET_VOTES] == NULL)
+  if (r->method == BICO_METHOD_GRADFIX && lora &&
+      t->param[BICO_TRANSFER_GRADFIX_MODE] == BICO_GRADFIX_MEAN)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: gradfix mode mean needs lent votes "
+                      "(bico_transfer_set_votes); the LoRA branch reads the "
+                      "votes file, which holds counts only");
+  if (r->method == BICO_METHOD_GRADFIX && f[BICO_FILE_TARGET_VOTES] == NULL &&
+      (bico__xfer_mem_nvotes(t) == 0 || lora))
     return bico__fail(ctx, BICO_E_ARG,
                       "transfer_run: method gradfix needs the target votes "
                       "file");
+  /* A votes file with another method would be silently unread: the user
+   * meant GradFix, or left an option from an earlier command. */
+  if (r->method != BICO_METHOD_GRADFIX && f[BICO_FILE_TARGET_VOTES] != NULL)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: target votes (%s) are read by method "
+                      "gradfix only; method %s ignores them: drop them or "
+                      "choose gradfix",
+                      f[BICO_FILE_TARGET_VOTES], bico_method_name(r->method));
+  if (lora && t->strings[BICO_TRANSFER_SOURCE_RENAME] != NULL)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: the source rename applies to "
+                      "checkpoints, not to a LoRA adapter's module names");
   /* Outputs must be distinct from each other. */
   const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT, BICO_FILE_REPORT};
   for (int i = 0; i < 3; i++)
@@ -323,7 +348,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
   size_t cap = 16;
   for (int i = 0; i < 8; i++) cap += bico_stfile_count(fs[i]);
   bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
-  char *lp[4] = {NULL, NULL, NULL, NULL};
+  char *lp[4] = {NULL, NULL, NULL, NULL}, *fo[3] = {NULL, NULL, NULL};
   const char *ld[2] = {f[BICO_FILE_LORA], f[BICO_FILE_LORA_OUTPUT]};
   for (int k = 0; k < 2; k++)
     if (ld[k] != NULL) {
@@ -346,12 +371,21 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
         "output adapter weights", "output adapter config"};
     for (int k = 0; k < 4; k++)
       if (lp[k] != NULL) u[n++] = (bico__fileuse){lw[k], lp[k], k >= 2, 1};
-    for (int o = 0; o < 3; o++)
-      if (f[outs[o]] != NULL)
-        u[n++] = (bico__fileuse){bico__xfer_file_option[outs[o]], f[outs[o]],
-                                 1, 0};
-    st = bico__check_files(ctx, "transfer_run", u, n);
+    for (int o = 0; o < 3 && st == BICO_OK; o++) {
+      if (f[outs[o]] == NULL) continue;
+      /* an output folder: its weights file stands for it */
+      int dir = o < 2 && bico_output_is_folder(f[outs[o]],
+                                               f[BICO_FILE_TARGET_BASE]);
+      if (dir && (fo[o] = bico__path_join(ctx, f[outs[o]],
+                                          "model.safetensors")) == NULL)
+        st = BICO_E_NOMEM;
+      else
+        u[n++] = (bico__fileuse){bico__xfer_file_option[outs[o]],
+                                 dir ? fo[o] : f[outs[o]], 1, dir};
+    }
+    if (st == BICO_OK) st = bico__check_files(ctx, "transfer_run", u, n);
   }
+  for (int k = 0; k < 3; k++) bico__free(ctx, fo[k]);
   for (int k = 0; k < 4; k++) bico__free(ctx, lp[k]);
   bico__free(ctx, u);
   return st;
@@ -482,14 +516,19 @@ bico_status bico__xfer_check_pairing(bico__run *r) {
   bico__xfer_log(r, "bico: pairing: %.1f %% of the target's %zu parameters "
                  "have a source partner (%s)", 100.0 * share, params, by_kind);
   double need = r->t->param[BICO_TRANSFER_MIN_PAIRED];
+  char offer[512] = "";
+  if (params > 0 && paired_params < params)
+    bico__xfer_prefix_offer(r, offer, sizeof offer);
   if (params > 0 && share < need)
     return bico__fail(r->ctx, BICO_E_NOTFOUND,
                       "only %.1f %% of the target's parameters pair with a "
                       "source tensor (%s; e.g. %s has no partner): the models "
                       "are of different families or their names differ by a "
                       "prefix; allow it with --allow-partial "
-                      "(BICO_TRANSFER_MIN_PAIRED, now %g)",
+                      "(BICO_TRANSFER_MIN_PAIRED, now %g)%s",
                       100.0 * share, by_kind,
-                      first_unpaired ? first_unpaired : "?", need);
+                      first_unpaired ? first_unpaired : "?", need, offer);
+  if (offer[0]) bico__xfer_log(r, "bico: note: %s", offer + 2);
+  bico__xfer_check_task_vector(r);
   return BICO_OK;
 }

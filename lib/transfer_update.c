@@ -26,11 +26,14 @@ static bico_status read_tau(bico__run *r, size_t si, float *tau, size_t numel) {
                       r->tv ? "task vector" : "source tuned", path, name);
   bico_status st = bico_stfile_tensor_info(f, idx, NULL, NULL, &nd2, &sh2);
   if (st != BICO_OK) return st;
-  if (nd2 != ndim || (ndim && memcmp(shape, sh2, ndim * sizeof *shape) != 0))
+  if (nd2 != ndim || (ndim && memcmp(shape, sh2, ndim * sizeof *shape) != 0)) {
+    char a[128], b[128];
     return bico__fail(ctx, BICO_E_SHAPE,
-                      "%s %s: tensor %s has a different shape than in the "
-                      "source base",
-                      r->tv ? "task vector" : "source tuned", path, name);
+                      "%s %s: tensor %s is %s there but %s in the source base",
+                      r->tv ? "task vector" : "source tuned", path, name,
+                      bico__shape_text(a, sizeof a, nd2, sh2),
+                      bico__shape_text(b, sizeof b, ndim, shape));
+  }
   st = bico_stfile_read_f32(f, idx, tau, numel);
   if (st == BICO_OK) st = bico_stfile_check_finite(f, idx);
   if (st != BICO_OK || r->tv) return st;
@@ -76,8 +79,9 @@ static bico_status weight_update(bico__run *r, const bico__route *rt,
   bico_model_module_dims(r->ms, s->src, &dout_a, &din_a);
   if (dout_a * din_a != p->na)
     return bico__fail(ctx, BICO_E_SHAPE,
-                      "source tensor %s does not have its module's shape",
-                      info->source);
+                      "source tensor %s has %zu elements, not its module's "
+                      "%zu x %zu",
+                      info->source, p->na, dout_a, din_a);
   bico_status st = BICO_OK;
   if (do_in && (st = bico__xfer_need_side(r, mi, 0)) != BICO_OK) return st;
   if (do_out && (st = bico__xfer_need_side(r, mi, 1)) != BICO_OK) return st;
@@ -313,12 +317,40 @@ static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
     }
   } else if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_GRADFIX) {
     bico_votes *votes = NULL;
-    st = bico__calib_votes(ctx, r->votes, r->t->files[BICO_FILE_TARGET_VOTES],
-                           name, ndim, shape, &votes);
+    const bico_votes *use = bico__xfer_mem_votes(r->t, name);
+    if (use != NULL) {
+      size_t n = 0;
+      unsigned fl = 0;
+      bico_votes_info(use, &n, NULL, &fl);
+      if (r->t->param[BICO_TRANSFER_GRADFIX_MODE] == BICO_GRADFIX_MEAN &&
+          !(fl & BICO_VOTES_MEAN))
+        st = bico__fail(ctx, BICO_E_STATE,
+                        "target tensor %s: gradfix mode mean needs votes "
+                        "made with BICO_VOTES_MEAN; the lent ones count "
+                        "signs only",
+                        name);
+      else if (n != nb)
+        st = bico__fail(ctx, BICO_E_SHAPE,
+                        "target tensor %s has %zu elements, its lent votes "
+                        "%zu",
+                        name, nb, n);
+    } else if (r->votes == NULL) {
+      st = bico__fail(ctx, BICO_E_NOTFOUND,
+                      "gradfix has no votes for target tensor %s (none lent, "
+                      "no votes file)",
+                      name);
+    } else {
+      st = bico__calib_votes(ctx, r->votes,
+                             r->t->files[BICO_FILE_TARGET_VOTES], name, ndim,
+                             shape, &votes);
+      use = votes;
+    }
     size_t kept = 0;
-    if (st == BICO_OK)
-      st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, r->alpha, tau, 0.0f,
-                              upd, &kept);
+    if (st == BICO_OK) {
+      st = bico_gradfix_apply(use, (int)r->t->param[BICO_TRANSFER_GRADFIX_MODE],
+                              r->alpha, tau, 0.0f, upd, &kept);
+      if (st != BICO_OK) st = bico__xfer_wrap(ctx, st, "tensor", name);
+    }
     if (st == BICO_OK) {
       info->kept = nb ? (double)kept / (double)nb : 0.0;
       info->handling = BICO__H_MASKED;

@@ -620,3 +620,34 @@ bico_status bico_xcov_deserialize(bico_ctx *ctx, const void *buf, size_t len,
   *out = xc;
   return BICO_OK;
 }
+
+bico_status bico__xcov_block(bico_ctx *ctx, const bico_xcov *x, size_t b,
+                             size_t k, bico_xcov **out) {
+  *out = NULL;
+  if (k == 0 || b >= k || x->d_a % k || x->d_b % k)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "a %zu x %zu statistic does not split in %zu blocks",
+                      x->d_a, x->d_b, k);
+  size_t ba = x->d_a / k, bb = x->d_b / k, ia = b * ba, ib = b * bb;
+  bico_xcov *y = NULL;
+  bico_status st = bico_xcov_create(ctx, ba, bb, x->flags & XCOV_ALL_FLAGS,
+                                    &y);
+  if (st != BICO_OK) return st;
+  y->rows = x->rows;
+  for (size_t i = 0; i < ba; i++)
+    memcpy(y->c + i * bb, x->c + (ia + i) * x->d_b + ib, bb * sizeof(double));
+  if (x->flags & BICO_XCOV_SUMS) {
+    memcpy(y->sum_a, x->sum_a + ia, ba * sizeof(double));
+    memcpy(y->sum_b, x->sum_b + ib, bb * sizeof(double));
+  }
+  if (x->flags & BICO_XCOV_GRAMS) {
+    for (size_t i = 0; i < ba; i++)
+      memcpy(y->g_a + i * ba, x->g_a + (ia + i) * x->d_a + ia,
+             ba * sizeof(double));
+    for (size_t i = 0; i < bb; i++)
+      memcpy(y->g_b + i * bb, x->g_b + (ib + i) * x->d_b + ib,
+             bb * sizeof(double));
+  }
+  *out = y;
+  return BICO_OK;
+}

@@ -3,7 +3,9 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <unistd.h>
 #include <set>
 #include <string>
 #include <vector>
@@ -489,3 +491,68 @@ TEST(Names, ZeroIsTheDefaultOnlyWhereOneExists) {
 }
 
 }  // namespace
+
+// The same rule for the queries of the file, adapter, fit and transfer
+// handles: success leaves the last failure as it was.
+TEST(Ctx, FileAdapterFitAndTransferQueriesPreserveTheLastError) {
+  bt::Ctx ctx;
+  char tmpl[] = "/tmp/bico_ctxq_XXXXXX";
+  std::string dir = mkdtemp(tmpl), path = dir + "/m.safetensors";
+  {
+    bico_stwriter *w = nullptr;
+    const size_t shape[2] = {2, 2};
+    const float v[4] = {1, 2, 3, 4};
+    ASSERT_EQ(BICO_OK, bico_stwriter_create(ctx, path.c_str(), &w));
+    ASSERT_EQ(BICO_OK, bico_stwriter_add_metadata(w, "k", "v"));
+    ASSERT_EQ(BICO_OK, bico_stwriter_declare(w, "fc.weight", BICO_DTYPE_F32, 2, shape));
+    ASSERT_EQ(BICO_OK, bico_stwriter_write_f32(w, "fc.weight", v, 4));
+    ASSERT_EQ(BICO_OK, bico_stwriter_commit(w));
+    bico_stwriter_free(w);
+  }
+  bico_stfile *f = nullptr;
+  bico_lora *l = nullptr;
+  bico_fit *fit = nullptr;
+  bico_transfer *t = nullptr;
+  bico_xcov *xc = nullptr;
+  ASSERT_EQ(BICO_OK, bico_stfile_open(ctx, path.c_str(), &f));
+  ASSERT_EQ(BICO_OK, bico_lora_create(ctx, &l));
+  const float b[2] = {1, 2}, a[2] = {3, 4};
+  ASSERT_EQ(BICO_OK, bico_lora_add_module(l, "fc", BICO_LORA_LINEAR, 1, 1.0, 2, 2, b, a));
+  ASSERT_EQ(BICO_OK, bico_fit_create(ctx, 2, 2, 0, &fit));
+  ASSERT_EQ(BICO_OK, bico_transfer_create(ctx, &t));
+  ASSERT_EQ(BICO_OK, bico_xcov_create(ctx, 2, 2, 0, &xc));
+  float x[4] = {1, 2, 3, 4}, bad[2] = {1, NAN};
+  ASSERT_EQ(BICO_E_NONFINITE, bico_xcov_add(xc, 1, bad, 2, x, 2));
+  const std::string msg = bico_ctx_errmsg(ctx);
+  auto same = [&](const char *what) {
+    EXPECT_EQ(BICO_E_NONFINITE, bico_ctx_errcode(ctx)) << what;
+    EXPECT_EQ(msg, bico_ctx_errmsg(ctx)) << what;
+  };
+  size_t i, n, r, d1, d2;
+  const char *s;
+  const float *pb, *pa;
+  int on;
+  double d, al, sc;
+  uint64_t rows;
+  unsigned fl;
+  float out[4];
+  EXPECT_EQ(BICO_OK, bico_stfile_find(f, "fc.weight", &i)); same("stfile_find");
+  EXPECT_EQ(BICO_OK, bico_stfile_metadata_get(f, "k", &s)); same("stfile_metadata_get");
+  EXPECT_EQ(BICO_OK, bico_stfile_read_f32(f, 0, out, 4)); same("stfile_read_f32");
+  EXPECT_EQ(BICO_OK, bico_lora_get_flag(l, BICO_LORA_RSLORA, &on)); same("lora_get_flag");
+  EXPECT_EQ(BICO_OK, bico_lora_get_string(l, BICO_LORA_TASK_TYPE, &s)); same("lora_get_string");
+  EXPECT_EQ(BICO_OK, bico_lora_module(l, 0, &s, nullptr, &r, &d1, &d2, &al, &sc)); same("lora_module");
+  EXPECT_EQ(BICO_OK, bico_lora_find_module(l, "fc", &i)); same("lora_find_module");
+  EXPECT_EQ(BICO_OK, bico_lora_factors(l, 0, &pb, &pa)); same("lora_factors");
+  EXPECT_EQ(BICO_OK, bico_fit_get_param(fit, BICO_FIT_RIDGE, &d)); same("fit_get_param");
+  EXPECT_EQ(BICO_OK, bico_fit_info(fit, &d1, &d2, &rows, &fl)); same("fit_info");
+  EXPECT_EQ(BICO_OK, bico_transfer_get_param(t, BICO_TRANSFER_ALPHA, &d)); same("transfer_get_param");
+  EXPECT_EQ(BICO_E_STATE, bico_transfer_counts(t, &n, &n));  // no run yet: its own failure
+  bico_xcov_free(xc);
+  bico_transfer_free(t);
+  bico_fit_free(fit);
+  bico_lora_free(l);
+  bico_stfile_close(f);
+  std::remove(path.c_str());
+  rmdir(dir.c_str());
+}

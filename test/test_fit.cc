@@ -407,14 +407,26 @@ TEST(FitTest, ParamsAndBounds) {
   EXPECT_EQ(v, 1e-2);
   EXPECT_EQ(bico_fit_get_param(f, BICO_FIT_RANK_TOL, &v), BICO_OK);
   EXPECT_EQ(v, 1e-10);
-  EXPECT_EQ(bico_fit_param_bounds(BICO_FIT_RIDGE, &lo, &hi), BICO_OK);
+  unsigned fl = 99;
+  EXPECT_EQ(bico_fit_param_bounds(BICO_FIT_RIDGE, &lo, &hi, &fl), BICO_OK);
   EXPECT_EQ(lo, 0.0);
-  EXPECT_EQ(bico_fit_param_bounds(BICO_FIT_RANK_TOL, &lo, &hi), BICO_OK);
-  EXPECT_LT(hi, 1.0);
-  EXPECT_EQ(bico_fit_param_bounds(99, &lo, &hi), BICO_E_ARG);
-  EXPECT_EQ(bico_fit_param_bounds(BICO_FIT_RIDGE, nullptr, &hi), BICO_E_NULL);
+  EXPECT_EQ(hi, HUGE_VAL);  // [0, inf): an unbounded end is open
+  EXPECT_EQ(fl, (unsigned)BICO_PARAM_HI_OPEN);
+  EXPECT_EQ(bico_fit_param_bounds(BICO_FIT_RANK_TOL, &lo, &hi, &fl), BICO_OK);
+  EXPECT_EQ(hi, 1.0);       // [0, 1)
+  EXPECT_EQ(fl, (unsigned)BICO_PARAM_HI_OPEN);
+  EXPECT_EQ(bico_fit_param_bounds(99, &lo, &hi, &fl), BICO_E_ARG);
+  EXPECT_EQ(bico_fit_param_bounds(BICO_FIT_RIDGE, nullptr, &hi, &fl), BICO_E_NULL);
+  EXPECT_EQ(bico_fit_param_bounds(BICO_FIT_RIDGE, &lo, &hi, nullptr), BICO_E_NULL);
+  EXPECT_STREQ(bico_fit_param_name(BICO_FIT_RANK_TOL), "rank_tol");
+  EXPECT_EQ(bico_fit_param_name(0), nullptr);
+  int pk = 0;
+  EXPECT_EQ(bico_fit_param_from_name("ridge", &pk), BICO_OK);
+  EXPECT_EQ(pk, BICO_FIT_RIDGE);
+  EXPECT_EQ(bico_fit_param_from_name("lambda", &pk), BICO_E_NOTFOUND);
   EXPECT_EQ(bico_fit_set_param(f, BICO_FIT_RIDGE, -1e-3), BICO_E_ARG);
-  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "BICO_FIT_RIDGE"));
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "ridge = -0.001 is outside [0, inf)"))
+      << bico_ctx_errmsg(ctx);
   EXPECT_EQ(bico_fit_set_param(f, BICO_FIT_RIDGE, NAN), BICO_E_ARG);
   EXPECT_EQ(bico_fit_set_param(f, BICO_FIT_RANK_TOL, 1.0), BICO_E_ARG);
   EXPECT_EQ(bico_fit_set_param(f, 0, 1.0), BICO_E_ARG);
@@ -424,7 +436,7 @@ TEST(FitTest, ParamsAndBounds) {
   EXPECT_EQ(bico_fit_get_param(f, BICO_FIT_RIDGE, &v), BICO_OK);
   EXPECT_EQ(v, 1e-2);  // failed sets left it alone
   size_t di = 0, dout = 0;
-  unsigned fl = 9;
+  fl = 9;
   EXPECT_EQ(bico_fit_info(f, &di, &dout, nullptr, &fl), BICO_OK);
   EXPECT_EQ(di, 3u);
   EXPECT_EQ(dout, 2u);

@@ -296,7 +296,8 @@ TEST(MergeRun, RefusalsNameTheProblemAndWriteNothing) {
   EXPECT_EQ(run(extra, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_NOTFOUND);
   EXPECT_TRUE(mentions(ctx, "head.weight is not in the base")) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(run(shape, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_SHAPE);
-  EXPECT_TRUE(mentions(ctx, "fc.bias has a different shape")) << bico_ctx_errmsg(ctx);
+  // both shapes named
+  EXPECT_TRUE(mentions(ctx, "fc.bias is [4] there but [3] in the base")) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(run(nan, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_NONFINITE);
   EXPECT_TRUE(mentions(ctx, "fc.bias")) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(run(c.tv2, BICO_MERGE_TASK_VECTOR, 0.5, BICO_MERGE_LINEAR, c.out), BICO_E_ARG);
@@ -314,6 +315,27 @@ TEST(MergeRun, RefusalsNameTheProblemAndWriteNothing) {
   EXPECT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TUNED, "x", 1.0, 1.5), BICO_E_ARG);
   EXPECT_TRUE(mentions(ctx, "density 1.5")) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(bico_merge_set_param(mg.m, BICO_MERGE_ALPHA, 0.0), BICO_E_ARG);
+  EXPECT_TRUE(mentions(ctx, "alpha = 0 is outside (0, ")) << bico_ctx_errmsg(ctx);
+  // The option grammar: bounds say what set_param takes, names both ways.
+  double lo, hi, v;
+  unsigned fl;
+  ASSERT_EQ(bico_merge_param_bounds(BICO_MERGE_ALPHA, &lo, &hi, &fl), BICO_OK);
+  EXPECT_EQ(fl, (unsigned)BICO_PARAM_LO_OPEN);
+  EXPECT_EQ(bico_merge_set_param(mg.m, BICO_MERGE_ALPHA, hi), BICO_OK);
+  EXPECT_EQ(bico_merge_set_param(mg.m, BICO_MERGE_ALPHA, 1e39), BICO_E_ARG);  // no float
+  ASSERT_EQ(bico_merge_param_bounds(BICO_MERGE_NORMALIZE, &lo, &hi, &fl), BICO_OK);
+  EXPECT_EQ(lo, -1.0);
+  EXPECT_EQ(fl, (unsigned)BICO_PARAM_INTEGER);
+  EXPECT_EQ(bico_merge_set_param(mg.m, BICO_MERGE_NORMALIZE, 0.5), BICO_E_ARG);
+  EXPECT_EQ(bico_merge_param_bounds(9, &lo, &hi, &fl), BICO_E_ARG);
+  ASSERT_EQ(bico_merge_set_param(mg.m, BICO_MERGE_ALPHA, 0.25), BICO_OK);
+  ASSERT_EQ(bico_merge_get_param(mg.m, BICO_MERGE_ALPHA, &v), BICO_OK);
+  EXPECT_EQ(v, 0.25);
+  EXPECT_STREQ(bico_merge_param_name(BICO_MERGE_NORMALIZE), "normalize");
+  int pk = 0;
+  EXPECT_EQ(bico_merge_param_from_name("method", &pk), BICO_OK);
+  EXPECT_EQ(pk, BICO_MERGE_METHOD);
+  EXPECT_EQ(bico_merge_param_from_name("lambda", &pk), BICO_E_NOTFOUND);
   bico_merge_set_file(mg.m, BICO_MERGE_FILE_BASE, c.base.c_str());
   bico_merge_set_file(mg.m, BICO_MERGE_FILE_OUTPUT, c.out.c_str());
   EXPECT_EQ(bico_merge_run(mg.m), BICO_E_ARG);

@@ -4,6 +4,8 @@
 // rotation (testutil's reference algebra), not from the code under test.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -268,7 +270,7 @@ TEST(TransferErrors, OptionsAreChecked) {
   EXPECT_EQ(bico_transfer_get_param(tr.t, BICO_TRANSFER_ALPHA, &v), BICO_OK);
   EXPECT_EQ(v, 1.0);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_ALPHA, 0.0), BICO_E_ARG);
-  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("value 0"), std::string::npos);
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("alpha = 0 is outside (0, "), std::string::npos);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_ALPHA, -1.0), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_ALPHA, NAN), BICO_E_NONFINITE);
   EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_ALPHA, 3.5), BICO_OK);
@@ -614,4 +616,367 @@ TEST(TransferPipeline, AllocationFailuresInWorkersAreReportedAndCleanedUp) {
     EXPECT_TRUE(done);
     EXPECT_GT(k, 20);
   }
+}
+
+// ---- Statistics and votes lent from memory (bico_transfer_set_xcov/_votes)
+
+namespace {
+
+// Rows as float, row-major.
+std::vector<float> rows_f32(const Mat &m) { return m.f32(); }
+
+// An accumulator of rows (a, b) with the given flags, column blocks
+// [a0, a0 + wa) x [b0, b0 + wb) of them.
+bico_xcov *acc(bico_ctx *ctx, const Mat &a, const Mat &b, unsigned flags,
+               size_t a0 = 0, size_t wa = 0, size_t b0 = 0, size_t wb = 0) {
+  if (wa == 0) wa = a.c;
+  if (wb == 0) wb = b.c;
+  bico_xcov *x = nullptr;
+  EXPECT_EQ(bico_xcov_create(ctx, wa, wb, flags, &x), BICO_OK);
+  std::vector<float> fa = rows_f32(a), fb = rows_f32(b);
+  EXPECT_EQ(bico_xcov_add(x, a.r, fa.data() + a0, a.c, fb.data() + b0, b.c), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  return x;
+}
+
+// The chain's statistics as the calibration files hold them, per module
+// side: (source rows, target rows).
+struct ChainRows {
+  Mat in0a, in0b, out0a, out0b, in1a, in1b, out1a, out1b;
+  explicit ChainRows(const Chain &c) {
+    auto m = [](const Tensor &t) { return as_mat(t, t.shape[0], t.shape[1]); };
+    auto a = read(c.calA), b = read(c.calB);
+    in0a = m(a["blocks.0.fc.input"]);
+    in0b = m(b["blocks.0.fc.input"]);
+    out0a = m(a["blocks.0.fc.output_grad"]);
+    out0b = m(b["blocks.0.fc.output_grad"]);
+    in1a = m(a["blocks.1.fc.input"]);
+    in1b = m(b["blocks.1.fc.input"]);
+    out1a = m(a["blocks.1.fc.output_grad"]);
+    out1b = m(b["blocks.1.fc.output_grad"]);
+  }
+};
+
+struct Lent {
+  std::vector<bico_xcov *> xs;
+  ~Lent() {
+    for (auto *x : xs) bico_xcov_free(x);
+  }
+  // Lends all four module sides of the chain to t.
+  void all(bico_ctx *ctx, bico_transfer *t, const ChainRows &r, unsigned flags) {
+    struct {
+      const char *m;
+      int side;
+      const Mat *a, *b;
+    } sides[] = {{"blocks.0.fc", BICO_SIDE_IN, &r.in0a, &r.in0b},
+                 {"blocks.0.fc", BICO_SIDE_OUT, &r.out0a, &r.out0b},
+                 {"blocks.1.fc", BICO_SIDE_IN, &r.in1a, &r.in1b},
+                 {"blocks.1.fc", BICO_SIDE_OUT, &r.out1a, &r.out1b}};
+    for (auto &s : sides) {
+      xs.push_back(acc(ctx, *s.a, *s.b, flags));
+      const bico_xcov *one = xs.back();
+      ASSERT_EQ(bico_transfer_set_xcov(t, s.m, s.side, 1, &one), BICO_OK);
+    }
+  }
+};
+
+void set_inputs(Transfer &tr, const Chain &c, const std::string &out) {
+  tr.file(BICO_FILE_SOURCE_BASE, c.A);
+  tr.file(BICO_FILE_SOURCE_TUNED, c.Aft);
+  tr.file(BICO_FILE_TARGET_BASE, c.B);
+  tr.file(BICO_FILE_OUTPUT, out);
+}
+
+double max_rel(const std::string &p, const std::string &q) {
+  auto a = read(p), b = read(q);
+  double worst = 0;
+  for (auto &e : a) {
+    const auto &u = e.second.v, &v = b[e.first].v;
+    if (u.size() != v.size()) return 1e30;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < u.size(); i++) {
+      num += (u[i] - v[i]) * (double)(u[i] - v[i]);
+      den += (double)v[i] * v[i];
+    }
+    worst = std::max(worst, std::sqrt(num / (den > 0 ? den : 1)));
+  }
+  return worst;
+}
+
+}  // namespace
+
+// Lent accumulators and no statistics file: the planted answer, and the
+// bytes (output and report) of the run from calibration files, serial and
+// with solver threads.
+TEST(TransferLent, PlantedChainFromLentAccumulators) {
+  Chain c;
+  bt::Ctx ctx;
+  ChainRows rows(c);
+  std::string want = c.dir + "/delta.safetensors", out = c.dir + "/out.safetensors";
+  {
+    Transfer tr(ctx);
+    set_inputs(tr, c, want);
+    tr.file(BICO_FILE_SOURCE_CALIB, c.calA);
+    tr.file(BICO_FILE_TARGET_CALIB, c.calB);
+    ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+  }
+  for (double workers : {1.0, 3.0}) {
+    SCOPED_TRACE(testing::Message() << "workers " << workers);
+    Transfer tr(ctx);
+    Lent lent;
+    set_inputs(tr, c, out);
+    lent.all(ctx, tr.t, rows, 0);
+    ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, workers), BICO_OK);
+    ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+    c.expect_exact(out);
+    EXPECT_LT(max_rel(out, want), 1e-6);
+  }
+}
+
+// Centering and whitening need the sums and Gram matrices a statistics
+// file cannot hold: lent accumulators with them give what the driver
+// computes from the raw rows of the calibration files.
+TEST(TransferLent, CenterAndWhitenMatchCalibrationFiles) {
+  Chain c;
+  bt::Ctx ctx;
+  ChainRows rows(c);
+  std::string want = c.dir + "/delta.safetensors", out = c.dir + "/out.safetensors";
+  for (int variant : {0, 1}) {
+    SCOPED_TRACE(testing::Message() << "variant " << variant);
+    auto options = [&](Transfer &tr) {
+      ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_CENTER, 1), BICO_OK);
+      if (variant) {
+        ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WHITEN, 0.25), BICO_OK);
+      }
+    };
+    {
+      Transfer tr(ctx);
+      set_inputs(tr, c, want);
+      tr.file(BICO_FILE_SOURCE_CALIB, c.calA);
+      tr.file(BICO_FILE_TARGET_CALIB, c.calB);
+      options(tr);
+      ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+    }
+    Transfer tr(ctx);
+    Lent lent;
+    set_inputs(tr, c, out);
+    options(tr);
+    lent.all(ctx, tr.t, rows, BICO_XCOV_SUMS | BICO_XCOV_GRAMS);
+    ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+    EXPECT_LT(max_rel(out, want), 1e-5);
+    // target rows are exact rotations of the source's: centered and
+    // whitened statistics still give the planted rotation
+    c.expect_exact(out);
+  }
+  // Accumulators without sums cannot be centered: a clear state error.
+  Transfer tr(ctx);
+  Lent lent;
+  set_inputs(tr, c, out);
+  ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_CENTER, 1), BICO_OK);
+  lent.all(ctx, tr.t, rows, 0);
+  EXPECT_EQ(bico_transfer_run(tr.t), BICO_E_STATE);
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("blocks.0.fc"), std::string::npos)
+      << bico_ctx_errmsg(ctx);
+}
+
+// A split module (--split fc=2), centered and whitened: one accumulator
+// for the whole output side (its diagonal blocks carved, sums and Grams
+// included) and one per block give what the driver computes per block from
+// the calibration files' rows.
+TEST(TransferLent, SplitSideFromOneOrPerBlockAccumulators) {
+  Chain c;
+  bt::Ctx ctx;
+  ChainRows rows(c);
+  std::string want = c.dir + "/delta.safetensors", out = c.dir + "/out.safetensors";
+  auto options = [&](Transfer &tr) {
+    ASSERT_EQ(bico_transfer_add_split(tr.t, "fc", 2), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_CENTER, 1), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WHITEN, 0.25), BICO_OK);
+  };
+  {
+    Transfer tr(ctx);
+    set_inputs(tr, c, want);
+    tr.file(BICO_FILE_SOURCE_CALIB, c.calA);
+    tr.file(BICO_FILE_TARGET_CALIB, c.calB);
+    options(tr);
+    ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+  }
+  for (int per_block : {0, 1}) {
+    SCOPED_TRACE(testing::Message() << "per block " << per_block);
+    Transfer tr(ctx);
+    Lent lent;
+    set_inputs(tr, c, out);
+    options(tr);
+    unsigned fl = BICO_XCOV_SUMS | BICO_XCOV_GRAMS;
+    lent.all(ctx, tr.t, rows, fl);
+    if (per_block) {
+      size_t h = c.d / 2;
+      std::vector<const bico_xcov *> blocks;
+      for (size_t b = 0; b < 2; b++) {
+        lent.xs.push_back(acc(ctx, rows.out0a, rows.out0b, fl, b * h, h, b * h, h));
+        blocks.push_back(lent.xs.back());
+      }
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.0.fc", BICO_SIDE_OUT, 2,
+                                       blocks.data()),
+                BICO_OK);
+    }
+    ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+    EXPECT_LT(max_rel(out, want), 1e-5);
+  }
+  // the split changes the answer (block maps are not the planted rotation)
+  auto o = read(want), b = read(c.B);
+  Mat upd = bt::sub(as_mat(o["blocks.0.fc.weight"], c.d, c.d),
+                    as_mat(b["blocks.0.fc.weight"], c.d, c.d));
+  EXPECT_GT(bt::relerr(upd, bt::matmul(c.Q, c.tau0)), 1e-3);
+}
+
+TEST(TransferLent, BadAccumulatorsAndArgumentsAreNamed) {
+  Chain c;
+  bt::Ctx ctx;
+  ChainRows rows(c);
+  std::string out = c.dir + "/out.safetensors";
+  bico_xcov *x = acc(ctx, rows.in0a, rows.in0b, 0);
+  bico_xcov *half = acc(ctx, rows.in0a, rows.in0b, 0, 0, c.d / 2, 0, c.d);
+  const bico_xcov *two[2] = {x, x};
+  {
+    Transfer tr(ctx);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, nullptr, BICO_SIDE_IN, 1, two), BICO_E_NULL);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", 0, 1, two), BICO_E_ARG);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", 3, 1, two), BICO_E_ARG);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, 2, two), BICO_E_ARG);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "", BICO_SIDE_IN, 1, two), BICO_E_ARG);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, 1, nullptr), BICO_E_NULL);
+    EXPECT_EQ(bico_transfer_set_xcov(nullptr, "m", BICO_SIDE_IN, 1, two), BICO_E_NULL);
+    EXPECT_EQ(bico_transfer_set_votes(tr.t, nullptr, nullptr), BICO_E_NULL);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, 0, nullptr), BICO_OK);
+  }
+  EXPECT_STREQ(bico_transfer_side_name(BICO_SIDE_IN), "in");
+  EXPECT_STREQ(bico_transfer_side_name(BICO_SIDE_OUT), "out");
+  EXPECT_EQ(bico_transfer_side_name(0), nullptr);
+  int side = 0;
+  EXPECT_EQ(bico_transfer_side_from_name("out", &side), BICO_OK);
+  EXPECT_EQ(side, BICO_SIDE_OUT);
+  EXPECT_EQ(bico_transfer_side_from_name("up", &side), BICO_E_NOTFOUND);
+  // A side nobody lent (and no file): NOTFOUND naming its statistics key;
+  // a lent one withdrawn counts as never lent.  Wrong widths: SHAPE.
+  for (int variant : {0, 1, 2, 3}) {
+    SCOPED_TRACE(testing::Message() << "variant " << variant);
+    Transfer tr(ctx);
+    Lent lent;
+    set_inputs(tr, c, out);
+    lent.all(ctx, tr.t, rows, 0);
+    bico_status want = BICO_E_NOTFOUND;
+    const char *needle = "blocks.1.fc.out_xcov";
+    if (variant == 0) {
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, 0, nullptr), BICO_OK);
+    } else if (variant == 1) {
+      const bico_xcov *h = half;
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.0.fc", BICO_SIDE_IN, 1, &h), BICO_OK);
+      want = BICO_E_SHAPE;
+      needle = "blocks.0.fc";
+    } else if (variant == 2) {
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, 2, two), BICO_OK);
+      want = BICO_E_SHAPE;  // 2 blocks for a module that is not split
+      needle = "blocks.1.fc";
+    } else {
+      ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 3), BICO_OK);
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, 0, nullptr), BICO_OK);
+    }
+    EXPECT_EQ(bico_transfer_run(tr.t), want);
+    EXPECT_EQ(bico_ctx_errcode(ctx), want);
+    EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find(needle), std::string::npos)
+        << bico_ctx_errmsg(ctx);
+    EXPECT_EQ(access(out.c_str(), F_OK), -1);
+  }
+  bico_xcov_free(x);
+  bico_xcov_free(half);
+}
+
+// GradFix from lent votes: majority and mean modes against masks computed
+// here from the gradients (sign of the vote / of the summed descent
+// direction, tau's sign equal and nonzero).
+TEST(TransferLent, GradfixVotesFromMemoryInBothModes) {
+  Chain c;
+  bt::Ctx ctx;
+  std::string out = c.dir + "/out.safetensors";
+  auto a = read(c.A), aft = read(c.Aft);
+  bt::Rng g(7);
+  std::map<std::string, std::vector<std::vector<float>>> grads;
+  std::vector<bico_votes *> all;
+  for (int mode : {BICO_GRADFIX_MAJORITY, BICO_GRADFIX_MEAN}) {
+    SCOPED_TRACE(testing::Message() << "mode " << mode);
+    Transfer tr(ctx);
+    tr.file(BICO_FILE_SOURCE_BASE, c.A);
+    tr.file(BICO_FILE_SOURCE_TUNED, c.Aft);
+    tr.file(BICO_FILE_TARGET_BASE, c.A);
+    tr.file(BICO_FILE_OUTPUT, out);
+    ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_METHOD, BICO_METHOD_GRADFIX), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_GRADFIX_MODE, mode), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_ALPHA, 0.5), BICO_OK);
+    std::map<std::string, std::vector<float>> want;
+    for (auto &e : a) {
+      size_t n = e.second.v.size();
+      bico_votes *v = nullptr;
+      ASSERT_EQ(bico_votes_create(ctx, n, BICO_VOTES_MEAN, &v), BICO_OK);
+      all.push_back(v);
+      std::vector<int> vote(n, 0);
+      std::vector<double> sum(n, 0);
+      for (int s = 0; s < 5; s++) {
+        std::vector<float> gr(n);
+        for (auto &x : gr) x = (float)(g.normal() + (s == 0 ? 3 * g.normal() : 0));
+        ASSERT_EQ(bico_votes_add_grad(v, gr.data()), BICO_OK);
+        for (size_t i = 0; i < n; i++) {
+          vote[i] += gr[i] < 0 ? 1 : gr[i] > 0 ? -1 : 0;
+          sum[i] -= gr[i];
+        }
+      }
+      ASSERT_EQ(bico_transfer_set_votes(tr.t, e.first.c_str(), v), BICO_OK);
+      std::vector<float> w(n);
+      for (size_t i = 0; i < n; i++) {
+        double tau = (double)aft[e.first].v[i] - e.second.v[i];
+        double dir = mode == BICO_GRADFIX_MEAN ? sum[i] : vote[i];
+        bool keep = tau != 0 && dir != 0 && (tau > 0) == (dir > 0);
+        w[i] = (float)(e.second.v[i] + (keep ? 0.5 * tau : 0.0));
+      }
+      want[e.first] = w;
+    }
+    ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+    auto o = read(out);
+    for (auto &e : want)
+      for (size_t i = 0; i < e.second.size(); i++)
+        EXPECT_NEAR(o[e.first].v[i], e.second[i], 1e-6) << e.first << " " << i;
+  }
+  // Mean mode with votes that count signs only: a state error naming the
+  // tensor; a tensor without votes: NOTFOUND.
+  for (int variant : {0, 1}) {
+    Transfer tr(ctx);
+    tr.file(BICO_FILE_SOURCE_BASE, c.A);
+    tr.file(BICO_FILE_SOURCE_TUNED, c.Aft);
+    tr.file(BICO_FILE_TARGET_BASE, c.A);
+    tr.file(BICO_FILE_OUTPUT, out);
+    ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_METHOD, BICO_METHOD_GRADFIX), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_GRADFIX_MODE, BICO_GRADFIX_MEAN),
+              BICO_OK);
+    std::remove(out.c_str());
+    for (auto &e : a) {
+      if (variant == 1 && e.first == "blocks.1.fc.bias") continue;
+      bico_votes *v = nullptr;
+      ASSERT_EQ(bico_votes_create(ctx, e.second.v.size(), variant ? BICO_VOTES_MEAN : 0, &v),
+                BICO_OK);
+      all.push_back(v);
+      ASSERT_EQ(bico_transfer_set_votes(tr.t, e.first.c_str(), v), BICO_OK);
+    }
+    EXPECT_EQ(bico_transfer_run(tr.t), variant ? BICO_E_NOTFOUND : BICO_E_STATE);
+    std::string msg = bico_ctx_errmsg(ctx);
+    EXPECT_NE(msg.find(variant ? "blocks.1.fc.bias" : "mean"), std::string::npos) << msg;
+    EXPECT_EQ(access(out.c_str(), F_OK), -1);
+  }
+  for (auto *v : all) bico_votes_free(v);
+  double v;
+  bt::Ctx c2;
+  Transfer tr(c2);
+  ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_GRADFIX_MODE, 0), BICO_OK);
+  ASSERT_EQ(bico_transfer_get_param(tr.t, BICO_TRANSFER_GRADFIX_MODE, &v), BICO_OK);
+  EXPECT_EQ(v, (double)BICO_GRADFIX_MAJORITY);  // 0 resolves to the default
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_GRADFIX_MODE, 3), BICO_E_ARG);
 }

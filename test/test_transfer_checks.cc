@@ -222,13 +222,17 @@ TEST(TransferFinite, PartialRunStopsBeforeTheSink) {
 // refused when set (bico transfer turns that into a usage error).
 TEST(TransferFinite, AlphaBoundsAreFloat32s) {
   double lo, hi;
-  ASSERT_EQ(bico_transfer_param_bounds(BICO_TRANSFER_ALPHA, &lo, &hi), BICO_OK);
+  unsigned fl = 99;
+  ASSERT_EQ(bico_transfer_param_bounds(BICO_TRANSFER_ALPHA, &lo, &hi, &fl), BICO_OK);
   EXPECT_EQ(lo, 0.0);
   EXPECT_EQ(hi, (double)std::numeric_limits<float>::max());
+  EXPECT_EQ(fl, (unsigned)BICO_PARAM_LO_OPEN);  // (0, FLT_MAX]
   bt::Ctx ctx;
   bico_transfer *t = nullptr;
   ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, 1e39), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, 0.0), BICO_E_ARG);
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("(0, "), std::string::npos);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, hi), BICO_OK);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, INFINITY), BICO_E_NONFINITE);
   bico_transfer_free(t);
@@ -259,13 +263,25 @@ TEST(TransferNames, MethodsAndNormMapsRoundTrip) {
 
 TEST(TransferNames, UnknownValuesAndNamesAreRefused) {
   for (int bad : {-1, 0, 7, 1000}) EXPECT_EQ(bico_method_name(bad), nullptr) << bad;
-  for (int bad : {-1, 2, 1000}) EXPECT_EQ(bico_norm_map_name(bad), nullptr) << bad;
+  for (int bad : {-1, 0, 3, 1000}) EXPECT_EQ(bico_norm_map_name(bad), nullptr) << bad;
   int v = 42;
   for (const char *bad : {"", "BICO", "bico ", "bicoin", "gradfix\n", "ACT"}) {
     EXPECT_EQ(bico_method_from_name(bad, &v), BICO_E_ARG) << bad;
     EXPECT_EQ(bico_norm_map_from_name(bad, &v), BICO_E_ARG) << bad;
   }
   EXPECT_EQ(v, 42);  // untouched on failure
+  // Choices count from 1; 0 sets the default and get_param reports it.
+  EXPECT_EQ(BICO_NORM_MAP_ACT, 1);
+  bt::Ctx ctx;
+  bico_transfer *t = nullptr;
+  ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+  double got = -1;
+  ASSERT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_NORM_MAP, BICO_NORM_MAP_GRAD), BICO_OK);
+  ASSERT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_NORM_MAP, 0), BICO_OK);
+  ASSERT_EQ(bico_transfer_get_param(t, BICO_TRANSFER_NORM_MAP, &got), BICO_OK);
+  EXPECT_EQ(got, (double)BICO_NORM_MAP_ACT);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_NORM_MAP, 3), BICO_E_ARG);
+  bico_transfer_free(t);
   EXPECT_EQ(bico_method_from_name(nullptr, &v), BICO_E_NULL);
   EXPECT_EQ(bico_method_from_name("bico", nullptr), BICO_E_NULL);
   EXPECT_EQ(bico_norm_map_from_name(nullptr, &v), BICO_E_NULL);

@@ -75,8 +75,13 @@ BICO_API void bico_fit_free(bico_fit *f);
 BICO_API bico_status bico_fit_set_param(bico_fit *f, int param, double value);
 BICO_API bico_status bico_fit_get_param(const bico_fit *f, int param,
                                         double *value);
-/* Inclusive bounds of a parameter's values; BICO_E_ARG for an unknown one. */
-BICO_API bico_status bico_fit_param_bounds(int param, double *lo, double *hi);
+/* The option grammar of params.h: RIDGE [0, inf) and RANK_TOL [0, 1)
+ * (BICO_PARAM_HI_OPEN); BICO_E_ARG for an unknown param.  Names "ridge",
+ * "rank_tol" (NULL / BICO_E_NOTFOUND otherwise). */
+BICO_API bico_status bico_fit_param_bounds(int param, double *lo, double *hi,
+                                           unsigned *flags);
+BICO_API const char *bico_fit_param_name(int param);
+BICO_API bico_status bico_fit_param_from_name(const char *name, int *param);
 
 /* Adds n corresponding rows: x_new (X', n x d_in, row stride ld_new),
  * x_orig (X_B, n x d_in, ld_orig) and delta (D_B, n x d_out, ld_delta).

@@ -75,8 +75,12 @@ typedef enum bico_merge_file {
 typedef enum bico_merge_param {
   BICO_MERGE_METHOD = 1,    /* bico_merge_method; default LINEAR */
   BICO_MERGE_ALPHA = 2,     /* finite, > 0; default 1 (mergekit's lambda) */
-  BICO_MERGE_NORMALIZE = 3  /* -1: the method's default (TIES 1, LINEAR 0),
+  BICO_MERGE_NORMALIZE = 3, /* -1: the method's default (TIES 1, LINEAR 0),
                                0 or 1; default -1 */
+  BICO_MERGE_MAX_SHARD_SIZE = 4 /* bytes, >= 0; default 0: an output
+                                   folder (bico_output_is_folder, like the
+                                   base) is sharded as the base is; else
+                                   greedily by this size */
 } bico_merge_param;
 
 BICO_API bico_status bico_merge_create(bico_ctx *ctx, bico_merge **out);
@@ -86,6 +90,16 @@ BICO_API bico_status bico_merge_set_file(bico_merge *m, int which,
                                          const char *path);
 BICO_API bico_status bico_merge_set_param(bico_merge *m, int param,
                                           double value);
+/* The option grammar of params.h: METHOD [1, 2], ALPHA (0, FLT_MAX]
+ * (BICO_PARAM_LO_OPEN; used as a float), NORMALIZE [-1, 1] (integers);
+ * names "method", "alpha", "normalize". */
+BICO_API bico_status bico_merge_get_param(const bico_merge *m, int param,
+                                          double *value);
+BICO_API bico_status bico_merge_param_bounds(int param, double *lo,
+                                             double *hi, unsigned *flags);
+BICO_API const char *bico_merge_param_name(int param);
+BICO_API bico_status bico_merge_param_from_name(const char *name,
+                                                int *param);
 /* Adds an input (kind: bico_merge_input) with its weight (finite) and
  * density (in (0, 1]). */
 BICO_API bico_status bico_merge_add_input(bico_merge *m, int kind,

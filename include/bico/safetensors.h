@@ -186,6 +186,47 @@ typedef struct bico_stwriter bico_stwriter;
  * order), then bico_stwriter_commit. */
 BICO_API bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
                                           bico_stwriter **out);
+/* Starts writing a Hugging Face model folder `dir` (created when missing;
+ * its parent must exist).  The same calls as for a file follow; the
+ * commit writes:
+ *  - the weights: with max_shard_size > 0, shards filled greedily in
+ *    declaration order (a new shard when the next tensor would pass
+ *    max_shard_size bytes; a larger tensor gets a shard of its own) named
+ *    model-00001-of-0000N.safetensors, or model.safetensors when one shard
+ *    holds everything; with 0, the tensor-to-shard assignment and the file
+ *    names of `like` when it is sharded (a tensor it lacks goes with the
+ *    one declared before it), else one model.safetensors.  Every shard
+ *    carries the metadata.
+ *  - model.safetensors.index.json when the weights are not one
+ *    model.safetensors: metadata.total_size (the tensors' bytes) and
+ *    weight_map (tensor -> file).
+ *  - when `like` (a model file or folder, may be NULL) is a folder, a copy
+ *    of each of its regular files other than weights and indexes
+ *    (*.safetensors, *.bin, *.pt, *.pth, *.ckpt, *.h5, *.msgpack, *.gguf,
+ *    *.onnx, *.index.json) and hidden files: config.json, tokenizer
+ *    files, generation_config.json, README.md and the like (not its
+ *    sub-folders).
+ * All of it is committed together (each file through its temporary file,
+ * then renamed): a failure before the renames leaves the folder as it was
+ * (a folder this writer created is removed).  Files of the folder that
+ * the commit does not write stay, except an earlier model's weights that
+ * would mislead a reader: model.safetensors, the index, the old index's
+ * shards and model-NNNNN-of-NNNNN.safetensors files, removed after the
+ * commit.  `dir` naming the same folder as `like` is BICO_E_ARG; `dir`
+ * naming something that is not a folder is BICO_E_ARG. */
+BICO_API bico_status bico_stwriter_create_folder(bico_ctx *ctx,
+                                                 const char *dir,
+                                                 const char *like,
+                                                 uint64_t max_shard_size,
+                                                 bico_stwriter **out);
+
+/* The rule every front end uses for an output path: 1 when `output` is
+ * to be written as a model folder (bico_stwriter_create_folder), 0 for a
+ * safetensors file.  A folder when `output` is an existing folder, ends
+ * in '/', or (nothing existing there) `like` is a folder and `output`
+ * ends neither in ".safetensors" nor in ".json".  NULL output: 0. */
+BICO_API int bico_output_is_folder(const char *output, const char *like);
+
 /* Removes the temporary file unless committed, and frees; accepts NULL. */
 BICO_API void bico_stwriter_free(bico_stwriter *w);
 

@@ -50,6 +50,8 @@
 
 #include <stddef.h>
 #include "ctx.h"
+#include "votes.h"
+#include "xcov.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -67,8 +69,9 @@ typedef enum bico_method {
 } bico_method;
 
 typedef enum bico_norm_map {
-  BICO_NORM_MAP_ACT = 0, /* map of the norm's input activations */
-  BICO_NORM_MAP_GRAD = 1 /* map of the norm's output gradients */
+  /* 0 asks for the default, ACT (docs/api.md's enumeration rule) */
+  BICO_NORM_MAP_ACT = 1, /* map of the norm's input activations */
+  BICO_NORM_MAP_GRAD = 2 /* map of the norm's output gradients */
 } bico_norm_map;
 
 /* Names of the methods ("bico", "bico-in", "bico-out", "gradfix", "naive",
@@ -118,12 +121,22 @@ typedef enum bico_transfer_param {
   BICO_TRANSFER_PROC_METHOD = 8,  /* bico_procrustes_method; default EIG */
   BICO_TRANSFER_WORKERS = 9,      /* solver threads, 1..1024; default 1 */
   BICO_TRANSFER_SOLVE_MEMORY = 10, /* bytes, >= 0; default 0 (no limit) */
-  BICO_TRANSFER_MIN_PAIRED = 11   /* [0, 1]; default 0.5: the run fails
+  BICO_TRANSFER_MIN_PAIRED = 11,  /* [0, 1]; default 0.5: the run fails
                                      (BICO_E_NOTFOUND) when fewer than this
                                      share of the target's floating-point
                                      parameters have a source partner (a
                                      BERT source for a ViT target pairs
                                      nothing); 0 allows any pairing */
+  BICO_TRANSFER_GRADFIX_MODE = 12, /* bico_gradfix_mode; 0 = default
+                                     (MAJORITY); MEAN needs votes lent with
+                                     bico_transfer_set_votes from
+                                     accumulators made with BICO_VOTES_MEAN
+                                     (a votes file holds counts only) */
+  BICO_TRANSFER_MAX_SHARD_SIZE = 13 /* bytes, >= 0; default 0: an output
+                                     folder (bico_output_is_folder) is
+                                     sharded as the target is; else
+                                     greedily by this size
+                                     (bico_stwriter_create_folder) */
 } bico_transfer_param;
 
 /* Pipelining (BICO_TRANSFER_WORKERS > 1, BiCo methods on checkpoints;
@@ -148,7 +161,17 @@ typedef enum bico_transfer_param {
 typedef enum bico_transfer_string {
   BICO_TRANSFER_BLOCKS = 1,       /* block container of both models */
   BICO_TRANSFER_SOURCE_BLOCKS = 2,/* of the source only */
-  BICO_TRANSFER_TARGET_BLOCKS = 3 /* of the target only */
+  BICO_TRANSFER_TARGET_BLOCKS = 3,/* of the target only */
+  BICO_TRANSFER_SOURCE_RENAME = 4 /* "OLD=NEW": the source's tensor names
+                                     (source base, tuned checkpoint, task
+                                     vector, source calibration) that begin
+                                     with OLD begin with NEW instead, so
+                                     that they pair with the target's
+                                     ("module.=" strips a DataParallel
+                                     prefix, "bert.=roberta." swaps one,
+                                     "=model." adds one); names in the
+                                     report are the renamed ones.  Not with
+                                     a LoRA adapter (BICO_E_ARG). */
 } bico_transfer_string;
 
 /* A line of progress or summary text (no trailing newline). */
@@ -164,8 +187,18 @@ BICO_API bico_status bico_transfer_set_param(bico_transfer *t, int param,
                                              double value);
 BICO_API bico_status bico_transfer_get_param(const bico_transfer *t,
                                              int param, double *value);
+/* The option grammar of params.h: the accepted set of each parameter
+ * (BICO_TRANSFER_ALPHA is (0, FLT_MAX]: BICO_PARAM_LO_OPEN), and the
+ * parameters' names ("method", "alpha", "norm_map", "null", "rank_tol",
+ * "center", "whiten", "proc_method", "workers", "solve_memory",
+ * "min_paired", "gradfix_mode"; NULL / BICO_E_NOTFOUND otherwise).
+ * Choices with a default (NULL, GRADFIX_MODE) take 0 for it, and
+ * get_param reports the member it resolved to. */
 BICO_API bico_status bico_transfer_param_bounds(int param, double *lo,
-                                                double *hi);
+                                                double *hi, unsigned *flags);
+BICO_API const char *bico_transfer_param_name(int param);
+BICO_API bico_status bico_transfer_param_from_name(const char *name,
+                                                   int *param);
 BICO_API bico_status bico_transfer_set_string(bico_transfer *t, int which,
                                               const char *value);
 /* Target modules whose names end in `suffix` (at a dot boundary, e.g.
@@ -179,10 +212,82 @@ BICO_API bico_status bico_transfer_add_split(bico_transfer *t,
 BICO_API bico_status bico_transfer_add_tie(bico_transfer *t,
                                            const char *tensor,
                                            const char *module);
+/* ---- Statistics and votes from memory ----
+ *
+ * A host that collected statistics itself (the Python binding's Collector)
+ * lends the driver its accumulators instead of writing files.  The handle
+ * keeps the pointers, not copies (a module side's statistic is the largest
+ * thing a run holds; a copy would double it): the accumulators must stay
+ * alive and unchanged until bico_transfer_free, or until the same module
+ * side (tensor) is set again.  A run only reads them, from the thread that
+ * calls bico_transfer_run or its solver threads (one accumulator is read by
+ * one thread at a time unless the same one is lent twice).
+ *
+ * The side of a module whose map a statistic gives: */
+typedef enum bico_transfer_side {
+  BICO_SIDE_IN = 1, /* input activations: the map R_in (one block) */
+  BICO_SIDE_OUT = 2 /* output gradients: R_out (k blocks when split) */
+} bico_transfer_side;
+/* Names: "in", "out" (NULL / BICO_E_NOTFOUND otherwise). */
+BICO_API const char *bico_transfer_side_name(int side);
+BICO_API bico_status bico_transfer_side_from_name(const char *name,
+                                                  int *side);
+
+/* Lends the statistics of one side of target module `module` (the name the
+ * statistics file would key as "<module>.in_xcov" / ".out_xcov"): each
+ * accumulator is [d_a, d_b] with the source module's width first.  nblocks
+ * is 1 (the side's full widths; a module split in k blocks solves block b
+ * from diagonal block b, sums and Gram matrices included), or, for
+ * BICO_SIDE_OUT of a split module, k accumulators of [d_a/k, d_b/k], one
+ * per block; 0 (blocks may be NULL) withdraws what was lent.  The run
+ * solves from lent statistics first and falls back to the statistics or
+ * calibration files for module sides without any (BICO_E_NOTFOUND when
+ * there are none either).  With only lent statistics the BiCo methods need
+ * no file; centering and whitening (BICO_TRANSFER_CENTER, _WHITEN) need
+ * accumulators made with BICO_XCOV_SUMS / BICO_XCOV_GRAMS.  Widths are
+ * checked when the run solves the module. */
+BICO_API bico_status bico_transfer_set_xcov(bico_transfer *t,
+                                            const char *module, int side,
+                                            size_t nblocks,
+                                            const bico_xcov *const *blocks);
+/* Lends GradFix votes for target tensor `tensor` (as many elements as the
+ * tensor; NULL withdraws).  Used before the votes file: with votes lent
+ * for every tensor GradFix needs no file.  The LoRA branch reads only the
+ * votes file. */
+BICO_API bico_status bico_transfer_set_votes(bico_transfer *t,
+                                             const char *tensor,
+                                             const bico_votes *votes);
+
 /* Progress and summary lines; fn NULL for silence (the default). */
 BICO_API bico_status bico_transfer_set_log(bico_transfer *t,
                                            bico_transfer_log_fn fn,
                                            void *opaque);
+
+/* Structured progress of a run's tensor loop, for front ends that draw
+ * it: work done and in all in the plan's cost units (each target tensor
+ * costs 4 x its elements + 1, and the first tensor of a module that needs
+ * maps also the maps' solve operations: the costs of
+ * bico_transfer_plan_group), tensors finished, and seconds since the loop
+ * began.  `size` is sizeof(bico_transfer_progress) as the library knows
+ * it (fields are only ever added at the end). */
+typedef struct bico_transfer_progress {
+  size_t size;
+  double done, total;
+  size_t tensors_done, tensors_total;
+  double elapsed;
+  const char *tensor; /* the tensor just finished (valid during the call) */
+} bico_transfer_progress;
+
+typedef void (*bico_transfer_progress_fn)(void *opaque,
+                                          const bico_transfer_progress *p);
+
+/* Calls fn after every target tensor of a whole run (not the LoRA branch
+ * nor partial runs), the last call with done == total; NULL (the default)
+ * for none.  With a progress function set, the run logs no progress text
+ * of its own (its summary lines stay). */
+BICO_API bico_status bico_transfer_set_progress(bico_transfer *t,
+                                                bico_transfer_progress_fn fn,
+                                                void *opaque);
 
 /* Runs the transfer.  On failure nothing is written (the report neither)
  * and ctx's message names the file, tensor, module or option at fault. */

@@ -403,7 +403,7 @@ SPLIT = {"blocks.%d.attn.qkv" % i: 3 for i in range(2)}
 TIES = {"cls_token": "patch_embed", "pos_embed": "patch_embed"}
 
 
-@pytest.mark.parametrize("engine", ["c", "python"])
+@pytest.mark.parametrize("engine", ["c", "auto"])
 def test_bico_equals_torch_reference_on_small_transformer(engine):
     torch.manual_seed(0)
     a = Tiny(d=8, heads=2, hidden=16, depth=2)
@@ -424,7 +424,7 @@ def test_bico_equals_torch_reference_on_small_transformer(engine):
             assert not torch.equal(got[k], sb[k]), k  # every tensor moved
 
 
-@pytest.mark.parametrize("engine", ["c", "python"])
+@pytest.mark.parametrize("engine", ["c", "auto"])
 def test_planted_rotated_permuted_copy_recovered_exactly(engine):
     torch.manual_seed(0)
     d, heads, hidden, depth = 8, 2, 16, 2

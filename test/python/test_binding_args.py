@@ -312,7 +312,7 @@ def _tiny(d, seed):
             "fc.bias": g.normal(size=d).astype(np.float32)}
 
 
-@pytest.mark.parametrize("engine", ["c", "python"])
+@pytest.mark.parametrize("engine", ["c", "auto"])
 def test_transfer_state_dict_returns_the_kind_it_was_given(engine):
     torch = pytest.importorskip("torch")
     a0, b0 = _tiny(3, 1), _tiny(3, 2)
@@ -343,14 +343,24 @@ def test_has_is_false_for_what_the_library_lacks():
     assert not bico._lib.has("no_such_function")
 
 
-def test_python_engine_refuses_statistics_that_are_no_floats(tmp_path):
+def test_driver_refuses_statistics_that_are_no_floats(tmp_path):
     p = str(tmp_path / "stats.safetensors")
     bico.safetensors.write(p, {"fc.in_xcov": np.ones((2, 2), np.int8),
                                "fc.out_xcov": np.eye(2)})
     sd = {"fc.weight": np.ones((2, 2), np.float32)}
     with pytest.raises(bico.BicoError) as e:
-        bico.transfer_state_dict(sd, sd, sd, p, engine="python")
+        bico.transfer_state_dict(sd, sd, sd, p)
     assert e.value.status == bico.E_FORMAT and "I8" in e.value.message
+
+
+def test_the_python_engine_is_gone():
+    sd = {"fc.weight": np.ones((2, 2), np.float32)}
+    with pytest.raises(bico.BicoError) as e:
+        bico.transfer_state_dict(sd, sd, sd, method="naive", engine="python")
+    assert e.value.status == bico.E_ARG and "removed" in e.value.message
+    import bico.transfer as tr
+    for gone in ("classify", "_default_tie", "_Stats", "_bico_tensor"):
+        assert not hasattr(tr, gone), gone
 
 
 def test_method_and_norm_map_names_come_from_the_library():
@@ -367,3 +377,23 @@ def test_method_and_norm_map_names_come_from_the_library():
             assert from_name(name.encode(), ctypes.byref(out)) == 0
             assert out.value == v
     assert bico.model.METHODS is _enums.METHODS
+
+
+def test_transfer_lending_checks_its_arguments():
+    t = bico.Transfer()
+    x = bico.XCov(2, 2)
+    with pytest.raises(bico.BicoError) as e:
+        t.set_xcov("fc", "sideways", x)
+    assert e.value.status == bico.E_ARG and "in, out" in e.value.message
+    with pytest.raises(TypeError):
+        t.set_xcov("fc", "in", [np.eye(2)])
+    with pytest.raises(bico.BicoError) as e:      # one map on the input side
+        t.set_xcov("fc", "in", [x, x])
+    assert e.value.status == bico.E_ARG
+    with pytest.raises(TypeError):
+        t.set_votes("fc.weight", np.ones(4, np.int32))
+    t.set_xcov("fc", "out", [x, x])
+    t.set_xcov("fc", "out", None)                 # withdraws
+    t.set_votes("fc.weight", bico.Votes(4))
+    t.set_votes("fc.weight", None)
+    t.close()

@@ -481,6 +481,7 @@ NO_ARRAYS = {
         "Model.source_name", "Transfer", "Transfer.set_file", "Transfer.set",
         "Transfer.get", "Transfer.add_split", "Transfer.add_tie",
         "Transfer.set_log", "Transfer.run", "Transfer.counts",
+        "Transfer.set_xcov", "Transfer.set_votes",
         "transfer_files", "stats_from_calib", "stats_merge")} | {
     "bico.safetensors:" + n for n in (
         "File", "File.keys", "File.info", "File.get", "File.check_finite",

@@ -139,7 +139,8 @@ class Twin(nn.Module):
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_multihead_attention_projections_are_collected(batch_first):
+def test_multihead_attention_projections_are_collected(batch_first,
+                                                      tmp_path):
     torch.manual_seed(0)
     a = MhaNet(8, 2, batch_first)
     b = MhaNet(12, 3, batch_first)
@@ -171,10 +172,13 @@ def test_multihead_attention_projections_are_collected(batch_first):
     assert new["attn.in_proj_weight"].shape == (36, 12)
     assert not torch.equal(new["attn.in_proj_weight"],
                            b.state_dict()["attn.in_proj_weight"])
-    py = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col,
-                                engine="python")
+    # lent accumulators and the statistics file they make: the same
+    path = col.save(str(tmp_path / "stats.safetensors")) or \
+        str(tmp_path / "stats.safetensors")
+    from_file = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(),
+                                       path, split=col.split)
     for k in new:
-        assert torch.allclose(new[k], py[k], atol=1e-5), k
+        assert torch.allclose(new[k], from_file[k], atol=1e-5), k
     # the C driver's pool and Procrustes routes: the same answer
     for opts in (dict(workers=3), dict(proc_method="svd", workers=2),
                  dict(proc_method="polar", solve_memory=1)):
@@ -229,7 +233,7 @@ def test_statistics_file_is_what_bico_transfer_reads(tmp_path):
     assert r.returncode == 0, r.stderr
     cli = bico.safetensors.read(str(out))
     py = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col,
-                                alpha=2.0, engine="python")
+                                alpha=2.0)
     for k in py:
         assert np.allclose(cli[k], py[k].numpy(), atol=1e-5), k
 
@@ -277,11 +281,16 @@ def test_library_reduction_of_calibration_files_and_shard_merge(tmp_path):
                            atol=1e-9 * np.abs(v).max()), k
 
 
-def test_driver_and_python_engines_agree_on_every_method():
+def test_lent_statistics_and_statistics_file_agree_on_every_method(
+        tmp_path):
+    """The collector's accumulators lent from memory and the statistics
+    file they write give the driver the same maps."""
     torch.manual_seed(0)
     a, b = Tiny(), Tiny(d=12, hidden=20, depth=3)
     col = bt.collect_statistics(a, b, batches(2, 8), mse_loss,
                                 show_progress=False)
+    path = str(tmp_path / "stats.safetensors")
+    col.save(path)
     a_ft = perturbed(a)
     runs = [dict(method=m, norm_map=n) for m in ("bico", "bico-in",
                                                  "bico-out")
@@ -289,18 +298,87 @@ def test_driver_and_python_engines_agree_on_every_method():
     runs += [dict(method="pad"), dict(method="bico", null="drop",
                                       rank_tol=0.05, alpha=2.5)]
     for kw in runs:
-        c = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col,
-                                   engine="c", **kw)
-        p = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col,
-                                   engine="python", **kw)
-        for k in c:
-            assert c[k].dtype == p[k].dtype
-            assert torch.allclose(c[k], p[k], atol=1e-5), (kw, k)
+        lent = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(),
+                                      col, **kw)
+        filed = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(),
+                                       path, split=col.split, **kw)
+        arrays = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(),
+                                        col.matrices(), split=col.split, **kw)
+        for k in lent:
+            assert lent[k].dtype == filed[k].dtype
+            assert torch.allclose(lent[k], filed[k], atol=1e-5), (kw, k)
+            assert torch.allclose(arrays[k], filed[k], atol=1e-5), (kw, k)
+
+
+def test_centering_and_whitening_from_lent_accumulators(tmp_path):
+    """Sums and Gram matrices reach the driver only from memory: centered
+    and whitened maps from the collector's accumulators equal those the
+    driver computes from the raw rows of calibration files."""
+    torch.manual_seed(0)
+    a, b = Tiny(), Tiny(d=12, hidden=20, depth=3)
+    data = batches(2, 8)
+    col = bt.collect_statistics(a, b, data, mse_loss, sums=True, grams=True,
+                                show_progress=False)
+    paths = {}
+    for name, model in (("a", a), ("b", b)):
+        mods = bt.default_modules(model)
+        acts, grads = record(model, mods, data, mse_loss)
+        calib = {}
+        for m in mods:
+            calib[m + ".input"] = acts[m].float().numpy()
+            calib[m + ".output_grad"] = grads[m].float().numpy()
+        paths[name] = str(tmp_path / (name + ".calib.safetensors"))
+        bico.safetensors.write(paths[name], calib)
+    a_ft = perturbed(a)
+    for name, sd in (("a", a.state_dict()), ("a_ft", a_ft),
+                     ("b", b.state_dict())):
+        bico.safetensors.write(str(tmp_path / (name + ".safetensors")), sd)
+    plain = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col)
+    for opts in (dict(center=1), dict(center=1, whiten=0.3)):
+        got = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(),
+                                     col, **opts)
+        out = str(tmp_path / "out.safetensors")
+        bico.model.transfer_files(
+            str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
+            out, source_tuned=str(tmp_path / "a_ft.safetensors"),
+            source_calib=paths["a"], target_calib=paths["b"],
+            split={"qkv": 3}, **opts)
+        want = bico.safetensors.read(out)
+        moved = 0
+        for k in want:
+            assert np.allclose(got[k].numpy(), want[k], atol=1e-5), (opts, k)
+            moved += not torch.allclose(got[k], plain[k], atol=1e-4)
+        assert moved > 0, opts    # the options changed the maps
+    # accumulators without sums cannot be centered: the solver says so
+    with pytest.raises(bico.BicoError) as e:
+        bt.transfer_state_dict(
+            a.state_dict(), a_ft, b.state_dict(),
+            bt.collect_statistics(a, b, data, mse_loss, show_progress=False),
+            center=1)
+    assert e.value.status == bico.E_STATE
+
+
+def test_pairing_threshold_and_allow_partial():
+    """As `bico transfer`: a target that pairs with too little of the
+    source is an error unless allow_partial (or min_paired) says so."""
+    g = np.random.default_rng(0)
+    a0 = {"enc.fc.weight": g.normal(size=(3, 3)).astype(np.float32)}
+    a1 = {k: v + 1 for k, v in a0.items()}
+    b0 = {"enc.fc.weight": g.normal(size=(3, 3)).astype(np.float32),
+          "dec.fc.weight": g.normal(size=(3, 3)).astype(np.float32),
+          "dec.out.weight": g.normal(size=(3, 3)).astype(np.float32)}
+    with pytest.raises(bico.BicoError) as e:
+        bico.transfer_state_dict(a0, a1, b0, method="naive")
+    assert e.value.status == bico.E_NOTFOUND
+    for kw in (dict(allow_partial=True), dict(min_paired=0.3)):
+        out = bico.transfer_state_dict(a0, a1, b0, method="naive", **kw)
+        assert np.allclose(out["enc.fc.weight"], b0["enc.fc.weight"] + 1)
+        assert np.array_equal(out["dec.fc.weight"], b0["dec.fc.weight"])
 
 
 # ---- GradFix ----
 
-@pytest.mark.parametrize("engine", ["c", "python"])
+@pytest.mark.parametrize("engine", ["c", "auto"])
 def test_gradfix_votes_and_masks_equal_reference(engine, tmp_path):
     torch.manual_seed(0)
     b = Tiny()
@@ -330,6 +408,42 @@ def test_gradfix_votes_and_masks_equal_reference(engine, tmp_path):
     back, meta = bico.safetensors.read(path, with_metadata=True)
     assert meta["bico.samples"] == "6"
     assert np.array_equal(back["head.weight"], ref["head.weight"].numpy())
+
+
+def test_gradfix_mean_mode_runs_in_the_driver():
+    """gradfix_mode="mean": the sign of the summed descent direction, from
+    Votes made with mean=True and lent to the driver; votes that count
+    signs only cannot answer it."""
+    torch.manual_seed(1)
+    b = Tiny()
+    data = [(torch.randn(3, 5, 6), torch.randn(3, 4)) for _ in range(2)]
+    votes = bt.collect_votes(b, data, mse_loss, mean=True,
+                             show_progress=False)
+    ref = {n: torch.zeros_like(p, dtype=torch.float64)
+           for n, p in b.named_parameters()}
+    for x, y in data:
+        for i in range(x.shape[0]):
+            b.zero_grad()
+            mse_loss(b(x[i:i + 1]), y[i:i + 1]).backward()
+            for n, p in b.named_parameters():
+                ref[n] -= p.grad.double()
+    b.zero_grad()
+    a, a_ft = b.state_dict(), perturbed(b)
+    new = bt.transfer_state_dict(a, a_ft, b.state_dict(), method="gradfix",
+                                 votes=votes, alpha=0.7, gradfix_mode="mean")
+    differs = 0
+    for n, p in b.state_dict().items():
+        tau = a_ft[n] - a[n]
+        mask = (torch.sign(tau) == torch.sign(ref[n]).float()) & (ref[n] != 0)
+        assert torch.allclose(new[n], p + 0.7 * tau * mask, atol=1e-6), n
+        major = torch.sign(torch.from_numpy(votes[n].counts()))
+        differs += int((torch.sign(ref[n]) != major).sum())
+    assert differs > 0   # mean and majority disagree somewhere: tested
+    counts = {n: v.counts() for n, v in votes.items()}
+    with pytest.raises(bico.BicoError) as e:
+        bt.transfer_state_dict(a, a_ft, b.state_dict(), method="gradfix",
+                               votes=counts, gradfix_mode="mean")
+    assert e.value.status == bico.E_STATE and "mean" in e.value.message
 
 
 # ---- errors surface with the library's message ----

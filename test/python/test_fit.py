@@ -159,7 +159,7 @@ def test_bad_input():
         Fit(4, 3, bias=False).solve(randn(3, 4), randn(3))
     with pytest.raises(bico.BicoError) as e:
         f.ridge = -1
-    assert e.value.status == bico.E_ARG and "BICO_FIT_RIDGE" in e.value.message
+    assert e.value.status == bico.E_ARG and "ridge = -1 is outside [0, inf)" in e.value.message
     with pytest.raises(bico.BicoError):
         f.merge(Fit(4, 2))
     with pytest.raises(TypeError):

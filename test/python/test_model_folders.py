@@ -75,7 +75,14 @@ def test_inspect_and_merge_take_folders(models, tmp_path):
          "--output", tmp_path / "m1.safetensors")
     bico("merge", "--quiet", "--base", m["A"], "--tuned", m["Aft"],
          "--output", tmp_path / "m2.safetensors")
-    assert same_bytes(tmp_path / "m1.safetensors", tmp_path / "m2.safetensors")
+    t1, meta1, o1 = pl.load(str(tmp_path / "m1.safetensors"))
+    t2, meta2, o2 = pl.load(str(tmp_path / "m2.safetensors"))
+    assert o1 == o2 and all(np.array_equal(t1[k], t2[k]) for k in t1)
+    # the same but for the provenance's file names
+    assert meta1["bico.base"] == str(m["A_hf"]) and meta2["bico.base"] == str(m["A"])
+    drop = ("bico.base", "bico.input.1")
+    assert ({k: v for k, v in meta1.items() if k not in drop}
+            == {k: v for k, v in meta2.items() if k not in drop})
 
 
 def test_folders_that_hold_something_else(models, tmp_path):
@@ -174,3 +181,222 @@ def test_a_run_that_pairs_too_little_fails_loudly(tmp_path):
     r = bico(*args, "--allow-partial")
     assert "pairing: 0.0 %" in r.stderr
     assert (tmp_path / "o.safetensors").exists()
+
+
+# ---- output folders ----
+
+def _nbytes(a):
+    return a.size * a.dtype.itemsize
+
+
+def _hf_target(d, sd, shards=None, extra=True):
+    """A Hugging Face folder for sd: config, tokenizer, README, generation
+    config, a sub-folder and a pickle beside the safetensors weights
+    (shards: {file: [names]} with its index, else one model.safetensors)."""
+    d.mkdir()
+    if extra:
+        (d / "config.json").write_text(json.dumps({"model_type": "mlp", "x": 1}))
+        (d / "tokenizer.json").write_text('{"version": "1.0"}')
+        (d / "generation_config.json").write_text("{}")
+        (d / "README.md").write_text("# a model\n")
+        (d / "pytorch_model.bin").write_bytes(b"not copied")
+        (d / "sub").mkdir()
+        (d / "sub" / "x.txt").write_text("sub-folders stay behind")
+    if shards is None:
+        pl.save(str(d / "model.safetensors"), sd, {"format": "pt"})
+        return d
+    wm = {}
+    for fn, keys in shards.items():
+        pl.save(str(d / fn), {k: sd[k] for k in keys}, {"format": "pt"})
+        wm.update({k: fn for k in keys})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(_nbytes(sd[k]) for k in wm)},
+         "weight_map": wm}))
+    return d
+
+
+def _read_folder(d):
+    """({name: array}, {name: shard file}, [per-shard metadata]) of an output
+    folder, read with the test's own reader and the index (if any)."""
+    idx = d / "model.safetensors.index.json"
+    if idx.exists():
+        wm = json.loads(idx.read_text())["weight_map"]
+        files = sorted(set(wm.values()))
+    else:
+        files = ["model.safetensors"]
+        wm = None
+    tensors, where, metas = {}, {}, []
+    for fn in files:
+        t, meta, _ = pl.load(str(d / fn))
+        metas.append(meta)
+        for k, v in t.items():
+            assert k not in tensors, k
+            tensors[k] = v
+            where[k] = fn
+    if wm is not None:
+        assert wm == where            # the index names every tensor's file
+    return tensors, where, metas
+
+
+def _naive(m, target, out, *extra, ok=True):
+    return bico("transfer", "--method", "naive", "--quiet", "--source-base", m["A"],
+                "--source-tuned", m["Aft"], "--target-base", target,
+                "--output", out, *extra, ok=ok)
+
+
+@pytest.fixture()
+def base_sd():
+    rng = np.random.default_rng(11)
+    shapes = {"l0.weight": (6, 4), "l0.bias": (6,), "l1.weight": (3, 6),
+              "l1.bias": (3,)}
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def test_output_folder_follows_a_sharded_target(models, tmp_path, base_sd):
+    """--output DIR/ with a sharded target folder: the target's files other
+    than weights copied byte for byte, the same shard names and
+    tensor-to-shard assignment, an index whose total_size is the tensors'
+    bytes, the same values as a single-file output."""
+    d, m = models
+    shards = {"model-00001-of-00002.safetensors": ["l0.weight", "l1.bias"],
+              "model-00002-of-00002.safetensors": ["l0.bias", "l1.weight"]}
+    tgt = _hf_target(tmp_path / "tgt", base_sd, shards)
+    _naive(m, tgt, tmp_path / "ref.safetensors")
+    out = tmp_path / "out"
+    _naive(m, tgt, str(out) + "/")
+    names = sorted(os.listdir(out))
+    assert names == sorted(["config.json", "tokenizer.json", "generation_config.json",
+                            "README.md", "model.safetensors.index.json", *shards])
+    for f in ("config.json", "tokenizer.json", "generation_config.json", "README.md"):
+        assert same_bytes(tgt / f, out / f), f
+    tensors, where, metas = _read_folder(out)
+    ref, _, _ = pl.load(str(tmp_path / "ref.safetensors"))
+    assert set(tensors) == set(ref)
+    for k in ref:
+        assert np.array_equal(tensors[k], ref[k]), k
+    assert where == {k: fn for fn, ks in shards.items() for k in ks}
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(_nbytes(v) for v in ref.values())
+    for meta in metas:
+        assert meta["format"] == "pt" and meta["bico.method"] == "naive"
+        assert "total_size" not in meta
+    # the folder reads back as a model (the reader takes the index)
+    _naive(m, out, tmp_path / "again.safetensors")
+    again, _, _ = pl.load(str(tmp_path / "again.safetensors"))
+    assert set(again) == set(ref)
+
+
+def test_max_shard_size_fills_shards_greedily_in_order(models, tmp_path, base_sd):
+    """Sizes: l0.weight 96 B, l0.bias 24 B, l1.weight 72 B, l1.bias 12 B.
+    Greedy in declaration order with a new shard whenever the next tensor
+    would pass the limit: 120 B -> [96+24] [72+12]; 100 B -> [96] [24+72]
+    [12]; 1KB (1000 B) -> one model.safetensors and no index."""
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    order = ["l0.weight", "l0.bias", "l1.weight", "l1.bias"]
+    cases = {"120": [order[:2], order[2:]],
+             "100": [order[:1], order[1:3], order[3:]],
+             "1KB": [order]}
+    for size, groups in cases.items():
+        out = tmp_path / f"out{size}"
+        _naive(m, tgt, out, "--max-shard-size", size)   # no suffix: a folder
+        tensors, where, _ = _read_folder(out)
+        n = len(groups)
+        want = {k: ("model.safetensors" if n == 1 else
+                    f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+                for i, g in enumerate(groups) for k in g}
+        assert where == want, size
+        assert (out / "model.safetensors.index.json").exists() == (n > 1)
+        assert (out / "config.json").exists()
+    for bad in ("0", "1.5GB", "12XB", "-3", "GB"):
+        r = _naive(m, tgt, tmp_path / "bad", "--max-shard-size", bad, ok=False)
+        assert r.returncode == 2 and "--max-shard-size" in r.stderr, bad
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_output_rule_folder_or_file(models, tmp_path, base_sd):
+    """A name without .safetensors is a folder when the target is a folder,
+    a file when the target is a file; an existing folder is a folder."""
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    _naive(m, tgt, tmp_path / "o1")
+    assert (tmp_path / "o1" / "model.safetensors").is_file()
+    _naive(m, m["A"], tmp_path / "o2")
+    assert (tmp_path / "o2").is_file()
+    (tmp_path / "o3").mkdir()
+    _naive(m, m["A"], tmp_path / "o3")
+    assert (tmp_path / "o3" / "model.safetensors").is_file()
+    assert not (tmp_path / "o3" / "config.json").exists()  # target was a file
+
+
+def test_an_existing_output_folder_keeps_other_files_loses_stale_shards(
+        models, tmp_path, base_sd):
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    out = tmp_path / "out"
+    _naive(m, tgt, out, "--max-shard-size", "100")       # three shards
+    (out / "notes.txt").write_text("mine")
+    (out / "config.json").write_text("old config")
+    (out / "adapter_model.safetensors").write_bytes(b"not a shard")
+    _naive(m, tgt, out)                                   # one file now
+    names = set(os.listdir(out))
+    assert "model.safetensors" in names
+    assert not [n for n in names if n.startswith("model-") or "index" in n], names
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "adapter_model.safetensors").read_bytes() == b"not a shard"
+    assert same_bytes(out / "config.json", tgt / "config.json")
+    _naive(m, tgt, out, "--max-shard-size", "120")       # two shards
+    assert "model.safetensors" not in os.listdir(out)
+    assert len(_read_folder(out)[0]) == 4
+
+
+def test_failed_folder_outputs_leave_nothing(models, tmp_path, base_sd):
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    # alpha times tau overflows float32: the run fails after the writer began
+    big = tmp_path / "big.safetensors"
+    pl.save(str(big), {k: v + np.float32(3e38) for k, v in base_sd.items()})
+
+    def run(out):
+        return bico("transfer", "--method", "naive", "--quiet", "--alpha", "2",
+                    "--source-base", m["A"], "--source-tuned", big,
+                    "--target-base", tgt, "--output", out, ok=False)
+    r = run(tmp_path / "new")
+    assert r.returncode == 1 and "overflow" in r.stderr, r.stderr
+    assert not (tmp_path / "new").exists()
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("x")
+    r = run(keep)
+    assert r.returncode == 1 and os.listdir(keep) == ["notes.txt"]
+    assert "bico-tmp" not in r.stderr
+    # the target's own folder is refused, and stays as it was
+    before = {f: (tgt / f).read_bytes() for f in os.listdir(tgt) if (tgt / f).is_file()}
+    r = _naive(m, tgt, tgt, ok=False)
+    assert r.returncode != 0 and str(tgt) in r.stderr
+    assert {f: (tgt / f).read_bytes() for f in os.listdir(tgt)
+            if (tgt / f).is_file()} == before
+
+
+def test_merge_writes_folders_and_keeps_the_base_metadata(models, tmp_path, base_sd):
+    d, m = models
+    shards = {"model-00001-of-00002.safetensors": ["l0.weight", "l0.bias"],
+              "model-00002-of-00002.safetensors": ["l1.weight", "l1.bias"]}
+    tgt = _hf_target(tmp_path / "tgt", base_sd, shards)
+    bico("merge", "--quiet", "--base", tgt, "--tuned", m["Aft"], "--weight", "0.5",
+         "--output", tmp_path / "ref.safetensors")
+    ref, meta, _ = pl.load(str(tmp_path / "ref.safetensors"))
+    assert meta["format"] == "pt" and meta["bico.method"] == "merge-linear"
+    assert meta["bico.base"] == str(tgt) and meta["bico.input.1"] == str(m["Aft"])
+    assert "total_size" not in meta
+    bico("merge", "--quiet", "--base", tgt, "--tuned", m["Aft"], "--weight", "0.5",
+         "--output", tmp_path / "out")
+    tensors, where, metas = _read_folder(tmp_path / "out")
+    assert where == {k: fn for fn, ks in shards.items() for k in ks}
+    for k in ref:
+        assert np.array_equal(tensors[k], ref[k]), k
+    assert same_bytes(tgt / "config.json", tmp_path / "out" / "config.json")
+    assert all(mt == meta for mt in metas)
+    bico("merge", "--quiet", "--base", tgt, "--tuned", m["Aft"],
+         "--output", tmp_path / "one", "--max-shard-size", "1GB")
+    assert sorted(_read_folder(tmp_path / "one")[1].values()) == ["model.safetensors"] * 4

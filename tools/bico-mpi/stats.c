@@ -82,15 +82,33 @@ static int calib_tensor(const bico_stfile *f, const char *path,
   return 0;
 }
 
-int mpi_cmd_stats(int argc, char **argv) {
+/* One `bico-mpi stats` run: its options, open inputs, plan and output,
+ * shared by the steps below. */
+typedef struct stats_run {
   int rank, size;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  const char *src[MAXPAIRS], *tgt[MAXPAIRS], *out = NULL, *blocks = NULL;
-  size_t nsrc = 0, ntgt = 0;
-  int merge = 0;
-  const char **inputs = (const char **)argv;
-  size_t ninputs = 0;
+  const char *src[MAXPAIRS], *tgt[MAXPAIRS], *out, *blocks;
+  size_t nsrc, ntgt, np;
+  int merge;
+  const char **inputs;
+  size_t ninputs;
+  bico_ctx *ctx;
+  bico_stfile *fa[MAXPAIRS], *fb[MAXPAIRS];
+  bico_model *ma, *mb;
+  item *items;
+  size_t nitems;
+  bico_stwriter *w;
+  char msg[1200], all[1300];
+  double secs_acc, secs_red;
+  size_t bytes_red;
+} stats_run;
+
+/* Not an exit code: go on with the run. */
+#define GO_ON (-1)
+
+/* Options into s; GO_ON or the exit code (help, usage errors). */
+static int parse_args(int argc, char **argv, stats_run *s) {
+  const int rank = s->rank;
+  s->inputs = (const char **)argv;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
     int r;
@@ -99,7 +117,7 @@ int mpi_cmd_stats(int argc, char **argv) {
       return 0;
     }
     if (strcmp(a, "--merge") == 0) {
-      merge = 1;
+      s->merge = 1;
       continue;
     }
 #define VALUE(name, stmt)                                                  \
@@ -111,312 +129,391 @@ int mpi_cmd_stats(int argc, char **argv) {
     stmt;                                                                  \
     continue;                                                              \
   }
-    VALUE("--source-calib", if (nsrc < MAXPAIRS) src[nsrc++] = v)
-    VALUE("--target-calib", if (ntgt < MAXPAIRS) tgt[ntgt++] = v)
-    VALUE("--output", out = v)
-    VALUE("-o", out = v)
-    VALUE("--blocks", blocks = v)
+    VALUE("--source-calib", if (s->nsrc < MAXPAIRS) s->src[s->nsrc++] = v)
+    VALUE("--target-calib", if (s->ntgt < MAXPAIRS) s->tgt[s->ntgt++] = v)
+    VALUE("--output", s->out = v)
+    VALUE("-o", s->out = v)
+    VALUE("--blocks", s->blocks = v)
 #undef VALUE
     if (a[0] == '-' && a[1] != '\0')
       return rank ? CLI_USAGE
                   : cli_error("stats", CLI_USAGE, "unknown option %s", a);
-    inputs[ninputs++] = a;
+    s->inputs[s->ninputs++] = a;
   }
+  return GO_ON;
+}
+
+/* What is missing or contradictory: GO_ON or a usage error. */
+static int check_usage(const stats_run *s) {
   const char *usage = NULL;
   char ubuf[256];
-  if (out == NULL) usage = "missing --output";
-  else if (merge && (nsrc || ntgt || blocks))
+  const size_t nsrc = s->nsrc, ntgt = s->ntgt;
+  if (s->out == NULL) usage = "missing --output";
+  else if (s->merge && (nsrc || ntgt || s->blocks))
     usage = "--merge takes statistics files, not calibration options";
-  else if (merge && ninputs == 0) usage = "--merge needs statistics files";
-  else if (!merge && ninputs > 0) {
+  else if (s->merge && s->ninputs == 0) usage = "--merge needs statistics files";
+  else if (!s->merge && s->ninputs > 0) {
     snprintf(ubuf, sizeof ubuf, "unexpected argument %s (use --merge to merge "
-             "statistics files)", inputs[0]);
+             "statistics files)", s->inputs[0]);
     usage = ubuf;
-  } else if (!merge && (nsrc == 0 || ntgt == 0))
+  } else if (!s->merge && (nsrc == 0 || ntgt == 0))
     usage = nsrc == 0 ? "missing --source-calib" : "missing --target-calib";
-  else if (!merge && nsrc != ntgt) {
+  else if (!s->merge && nsrc != ntgt) {
     snprintf(ubuf, sizeof ubuf, "%zu --source-calib and %zu --target-calib: "
              "they go in pairs", nsrc, ntgt);
     usage = ubuf;
   } else if (nsrc >= MAXPAIRS)
     usage = "too many calibration files";
-  if (usage) return rank ? CLI_USAGE : cli_error("stats", CLI_USAGE, "%s", usage);
+  if (usage)
+    return s->rank ? CLI_USAGE : cli_error("stats", CLI_USAGE, "%s", usage);
+  return GO_ON;
+}
 
-  bico_ctx *ctx;
-  if (bico_ctx_create(&ctx) != BICO_OK)
-    return cli_error("stats", CLI_FAIL, "out of memory");
-  char msg[1200] = "", all[1300] = "";
-  if (merge) {
-    int code = 0;
-    if (rank == 0) {
-      bico_status st = bico_stats_merge(ctx, inputs, ninputs, out);
-      code = st == BICO_OK ? 0 : cli_lib_error("stats", ctx, st);
-      if (st == BICO_OK) fprintf(stderr, "bico stats: wrote %s\n", out);
-    }
-    MPI_Bcast(&code, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    bico_ctx_free(ctx);
-    return code;
+/* --merge: rank 0 alone (it is I/O bound); every rank gets the code. */
+static int run_merge(stats_run *s) {
+  int code = 0;
+  if (s->rank == 0) {
+    bico_status st = bico_stats_merge(s->ctx, s->inputs, s->ninputs, s->out);
+    code = st == BICO_OK ? 0 : cli_lib_error("stats", s->ctx, st);
+    if (st == BICO_OK) fprintf(stderr, "bico stats: wrote %s\n", s->out);
   }
-  double t0 = mpi_now();
-  size_t np = nsrc;
-  bico_stfile *fa[MAXPAIRS] = {0}, *fb[MAXPAIRS] = {0};
-  bico_model *ma = NULL, *mb = NULL;
-  item *items = NULL;
-  size_t nitems = 0;
+  MPI_Bcast(&code, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  return code;
+}
+
+/* Opens every pair and reads both models from the first: 0, or -1 with
+ * s->msg set. */
+static int open_inputs(stats_run *s) {
   bico_status st = BICO_OK;
-  int failed = 0;
-  /* Every rank plans from the headers (cheap and identical). */
-  for (size_t p = 0; p < np && st == BICO_OK; p++) {
-    st = bico_stfile_open(ctx, src[p], &fa[p]);
-    if (st == BICO_OK) st = bico_stfile_open(ctx, tgt[p], &fb[p]);
+  for (size_t p = 0; p < s->np && st == BICO_OK; p++) {
+    st = bico_stfile_open(s->ctx, s->src[p], &s->fa[p]);
+    if (st == BICO_OK) st = bico_stfile_open(s->ctx, s->tgt[p], &s->fb[p]);
   }
-  if (st == BICO_OK) st = bico_model_from_stfile(ctx, fa[0], &ma);
-  if (st == BICO_OK) st = bico_model_from_stfile(ctx, fb[0], &mb);
-  if (st == BICO_OK && blocks) st = bico_model_set_blocks(ma, blocks);
-  if (st == BICO_OK && blocks) st = bico_model_set_blocks(mb, blocks);
-  if (st == BICO_OK) st = bico_model_blocks(ma, NULL, NULL);
-  if (st == BICO_OK) st = bico_model_blocks(mb, NULL, NULL);
+  if (st == BICO_OK) st = bico_model_from_stfile(s->ctx, s->fa[0], &s->ma);
+  if (st == BICO_OK) st = bico_model_from_stfile(s->ctx, s->fb[0], &s->mb);
+  if (st == BICO_OK && s->blocks) st = bico_model_set_blocks(s->ma, s->blocks);
+  if (st == BICO_OK && s->blocks) st = bico_model_set_blocks(s->mb, s->blocks);
+  if (st == BICO_OK) st = bico_model_blocks(s->ma, NULL, NULL);
+  if (st == BICO_OK) st = bico_model_blocks(s->mb, NULL, NULL);
   if (st != BICO_OK) {
-    snprintf(msg, sizeof msg, "%s", bico_ctx_errmsg(ctx));
-    failed = 1;
+    snprintf(s->msg, sizeof s->msg, "%s", bico_ctx_errmsg(s->ctx));
+    return -1;
   }
-  size_t nmod = failed ? 0 : bico_model_module_count(mb);
-  items = calloc(2 * (nmod ? nmod : 1), sizeof *items);
-  if (items == NULL && !failed) {
-    snprintf(msg, sizeof msg, "out of memory");
-    failed = 1;
-  }
+  return 0;
+}
+
+/* The statistic of target module mname's side sd (0 input, 1 output
+ * gradient), when the first target calibration file has it: a new item
+ * with its partner key, widths and rows per pair.  0, or -1 with s->msg. */
+static int plan_item(stats_run *s, const char *mname, int sd) {
   static const char *const SIDES[2][2] = {{"input", "in_xcov"},
                                           {"output_grad", "out_xcov"}};
-  for (size_t m = 0; m < nmod && !failed; m++) {
-    const char *mname;
-    bico_model_module(mb, m, &mname, NULL, NULL, NULL);
-    for (int sd = 0; sd < 2 && !failed; sd++) {
-      char *key = fmt(mname, SIDES[sd][0]);
-      size_t ib;
-      if (key == NULL || bico_stfile_find(fb[0], key, &ib) != BICO_OK) {
-        free(key);
-        continue;
-      }
-      item *it = &items[nitems++];
-      it->key_b = key;
-      size_t cap = strlen(key) + 4096;
-      it->key_a = malloc(cap);
-      it->name = fmt(mname, SIDES[sd][1]);
-      it->ia = calloc(np, sizeof *it->ia);
-      it->ib = calloc(np, sizeof *it->ib);
-      it->rows = calloc(np, sizeof *it->rows);
-      if (!it->key_a || !it->name || !it->ia || !it->ib || !it->rows) {
-        snprintf(msg, sizeof msg, "out of memory");
-        failed = 1;
-        break;
-      }
-      if (bico_model_map_name(mb, ma, key, it->key_a, cap, NULL) != BICO_OK) {
-        snprintf(msg, sizeof msg, "%s", bico_ctx_errmsg(ctx));
-        failed = 1;
-        break;
-      }
-      for (size_t p = 0; p < np && !failed; p++) {
-        size_t ra, rb;
-        if (p == 0 && bico_stfile_find(fa[0], it->key_a, &ib) != BICO_OK) {
-          snprintf(msg, sizeof msg, "stats: target calibration %s has %s, but "
-                   "source calibration %s lacks its partner %s", tgt[0], key,
-                   src[0], it->key_a);
-          failed = 1;
-          break;
-        }
-        if (calib_tensor(fa[p], src[p], it->key_a, it->da, &it->ia[p], &it->da,
-                         &ra, msg, sizeof msg) ||
-            calib_tensor(fb[p], tgt[p], key, it->db, &it->ib[p], &it->db, &rb,
-                         msg, sizeof msg)) {
-          failed = 1;
-          break;
-        }
-        if (ra != rb) {
-          snprintf(msg, sizeof msg, "module %s: source calibration (%s) has "
-                   "%zu rows, target calibration (%s) has %zu", mname, src[p],
-                   ra, tgt[p], rb);
-          failed = 1;
-          break;
-        }
-        it->rows[p] = ra;
-        it->total += ra;
-      }
+  char *key = fmt(mname, SIDES[sd][0]);
+  size_t ib;
+  if (key == NULL || bico_stfile_find(s->fb[0], key, &ib) != BICO_OK) {
+    free(key);
+    return 0;
+  }
+  item *it = &s->items[s->nitems++];
+  it->key_b = key;
+  size_t cap = strlen(key) + 4096;
+  it->key_a = malloc(cap);
+  it->name = fmt(mname, SIDES[sd][1]);
+  it->ia = calloc(s->np, sizeof *it->ia);
+  it->ib = calloc(s->np, sizeof *it->ib);
+  it->rows = calloc(s->np, sizeof *it->rows);
+  if (!it->key_a || !it->name || !it->ia || !it->ib || !it->rows) {
+    snprintf(s->msg, sizeof s->msg, "out of memory");
+    return -1;
+  }
+  if (bico_model_map_name(s->mb, s->ma, key, it->key_a, cap, NULL) != BICO_OK) {
+    snprintf(s->msg, sizeof s->msg, "%s", bico_ctx_errmsg(s->ctx));
+    return -1;
+  }
+  for (size_t p = 0; p < s->np; p++) {
+    size_t ra, rb;
+    if (p == 0 && bico_stfile_find(s->fa[0], it->key_a, &ib) != BICO_OK) {
+      snprintf(s->msg, sizeof s->msg, "stats: target calibration %s has %s, "
+               "but source calibration %s lacks its partner %s", s->tgt[0],
+               key, s->src[0], it->key_a);
+      return -1;
     }
-  }
-  if (!failed && nitems == 0) {
-    snprintf(msg, sizeof msg, "stats: target calibration %s holds no "
-             "\"<module>.input\" or \"<module>.output_grad\" tensor", tgt[0]);
-    failed = 1;
-  }
-  /* Rank 0 opens the output (its temporary file) only when all agree. */
-  bico_stwriter *w = NULL;
-  int agreed_fail = mpi_any_failed(failed, msg, all, sizeof all);
-  if (!agreed_fail) {
-    int wfail = 0;
-    if (rank == 0) {
-      mpi_install_handlers();
-      mpi_tmp_before(out);
-      st = bico_stwriter_create(ctx, out, &w);
-      mpi_tmp_after(out);
-      if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "format", "bico-stats");
-      for (size_t i = 0; i < nitems && st == BICO_OK; i++) {
-        size_t shape[2] = {items[i].da, items[i].db};
-        st = bico_stwriter_declare(w, items[i].name, BICO_DTYPE_F64, 2, shape);
-      }
-      if (st != BICO_OK) {
-        snprintf(all, sizeof all, "rank 0: %s", bico_ctx_errmsg(ctx));
-        wfail = 1;
-      }
+    if (calib_tensor(s->fa[p], s->src[p], it->key_a, it->da, &it->ia[p],
+                     &it->da, &ra, s->msg, sizeof s->msg) ||
+        calib_tensor(s->fb[p], s->tgt[p], key, it->db, &it->ib[p], &it->db,
+                     &rb, s->msg, sizeof s->msg))
+      return -1;
+    if (ra != rb) {
+      snprintf(s->msg, sizeof s->msg, "module %s: source calibration (%s) has "
+               "%zu rows, target calibration (%s) has %zu", mname, s->src[p],
+               ra, s->tgt[p], rb);
+      return -1;
     }
-    MPI_Bcast(&wfail, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    agreed_fail = wfail;
+    it->rows[p] = ra;
+    it->total += ra;
   }
+  return 0;
+}
 
-  double secs_acc = 0, secs_red = 0;
-  size_t bytes_red = 0;
-  size_t chunk_floats = CHUNK_FLOATS;
-  for (size_t i = 0; i < nitems && !agreed_fail; i++) {
-    item *it = &items[i];
-    /* This rank's rows of the concatenated pairs. */
-    size_t lo = (size_t)((unsigned long long)it->total * (unsigned)rank / (unsigned)size);
-    size_t hi = (size_t)((unsigned long long)it->total * (unsigned)(rank + 1) / (unsigned)size);
-    bico_xcov *xc = NULL;
-    double *c = NULL;
-    int bad = 0;
-    double ta = mpi_now();
-    if (mpi_test_hook(rank, i)) {
-      snprintf(msg, sizeof msg, "injected failure at statistic %s "
-               "(BICO_MPI_TEST_FAIL)", it->name);
-      bad = 1;
+/* Every rank plans from the headers (cheap and identical): 0, or -1 with
+ * s->msg set. */
+static int plan(stats_run *s) {
+  if (open_inputs(s)) return -1;
+  size_t nmod = bico_model_module_count(s->mb);
+  s->items = calloc(2 * (nmod ? nmod : 1), sizeof *s->items);
+  if (s->items == NULL) {
+    snprintf(s->msg, sizeof s->msg, "out of memory");
+    return -1;
+  }
+  for (size_t m = 0; m < nmod; m++) {
+    const char *mname;
+    bico_model_module(s->mb, m, &mname, NULL, NULL, NULL);
+    for (int sd = 0; sd < 2; sd++)
+      if (plan_item(s, mname, sd)) return -1;
+  }
+  if (s->nitems == 0) {
+    snprintf(s->msg, sizeof s->msg, "stats: target calibration %s holds no "
+             "\"<module>.input\" or \"<module>.output_grad\" tensor",
+             s->tgt[0]);
+    return -1;
+  }
+  return 0;
+}
+
+/* Rank 0 opens the output (its temporary file) and declares every
+ * statistic; every rank learns whether that failed (1) or not (0). */
+static int open_output(stats_run *s) {
+  int wfail = 0;
+  if (s->rank == 0) {
+    mpi_install_handlers();
+    mpi_tmp_before(s->out);
+    bico_status st = bico_stwriter_create(s->ctx, s->out, &s->w);
+    mpi_tmp_after(s->out);
+    if (st == BICO_OK)
+      st = bico_stwriter_add_metadata(s->w, "format", "bico-stats");
+    for (size_t i = 0; i < s->nitems && st == BICO_OK; i++) {
+      size_t shape[2] = {s->items[i].da, s->items[i].db};
+      st = bico_stwriter_declare(s->w, s->items[i].name, BICO_DTYPE_F64, 2,
+                                 shape);
     }
-    if (!bad && bico_xcov_create(ctx, it->da, it->db, 0, &xc) != BICO_OK) bad = 1;
-    size_t wide = it->da > it->db ? it->da : it->db;
-    size_t chunk = chunk_floats / wide ? chunk_floats / wide : 1;
-    float *xa = bad ? NULL : malloc(chunk * it->da * sizeof *xa);
-    float *xb = bad ? NULL : malloc(chunk * it->db * sizeof *xb);
-    if (!bad && (xa == NULL || xb == NULL)) {
-      snprintf(msg, sizeof msg, "out of memory for %zu calibration rows", chunk);
-      bad = 1;
+    if (st != BICO_OK) {
+      snprintf(s->all, sizeof s->all, "rank 0: %s", bico_ctx_errmsg(s->ctx));
+      wfail = 1;
     }
-    size_t base = 0;
-    for (size_t p = 0; p < np && !bad; p++) {
-      size_t plo = lo > base ? lo - base : 0;
-      size_t phi = hi - base < it->rows[p] ? hi - base : it->rows[p];
-      if (hi <= base) break;
-      for (size_t r = plo; r < phi && !bad; r += chunk) {
-        size_t n = phi - r < chunk ? phi - r : chunk;
-        st = bico_stfile_read_f32_range(fa[p], it->ia[p], r * it->da, n * it->da, xa);
-        if (st == BICO_OK)
-          st = bico_stfile_read_f32_range(fb[p], it->ib[p], r * it->db, n * it->db, xb);
-        if (st == BICO_OK) st = bico_xcov_add(xc, n, xa, it->da, xb, it->db);
-        if (st != BICO_OK) {
-          snprintf(msg, sizeof msg, "statistic %s, calibration files %s and "
-                   "%s, rows %zu..%zu: %s", it->name, src[p], tgt[p], r,
-                   r + n - 1, bico_ctx_errmsg(ctx));
-          bad = 1;
-        }
-      }
-      base += it->rows[p];
-    }
-    free(xa);
-    free(xb);
-    size_t nel = it->da * it->db;
-    if (!bad) {
-      c = malloc((nel ? nel : 1) * sizeof *c);
-      if (c == NULL || bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, c, it->db) != BICO_OK) {
-        snprintf(msg, sizeof msg, "no memory for the statistic %s (%zu x %zu)",
-                 it->name, it->da, it->db);
+  }
+  MPI_Bcast(&wfail, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  return wfail;
+}
+
+/* This rank's rows [lo, hi) of the concatenated pairs of statistic i. */
+static void rank_rows(const stats_run *s, size_t i, int rank, size_t *lo,
+                      size_t *hi) {
+  const unsigned long long total = s->items[i].total;
+  *lo = (size_t)(total * (unsigned)rank / (unsigned)s->size);
+  *hi = (size_t)(total * (unsigned)(rank + 1) / (unsigned)s->size);
+}
+
+/* Accumulates this rank's rows of statistic i into *c (a new d_a x d_b
+ * double array): 0, or -1 with s->msg set (or empty: the context's). */
+static int accumulate(stats_run *s, size_t i, double **c) {
+  item *it = &s->items[i];
+  size_t lo, hi;
+  rank_rows(s, i, s->rank, &lo, &hi);
+  bico_xcov *xc = NULL;
+  int bad = 0;
+  *c = NULL;
+  if (mpi_test_hook(s->rank, i)) {
+    snprintf(s->msg, sizeof s->msg, "injected failure at statistic %s "
+             "(BICO_MPI_TEST_FAIL)", it->name);
+    bad = 1;
+  }
+  if (!bad && bico_xcov_create(s->ctx, it->da, it->db, 0, &xc) != BICO_OK)
+    bad = 1;
+  size_t wide = it->da > it->db ? it->da : it->db;
+  size_t chunk = CHUNK_FLOATS / wide ? CHUNK_FLOATS / wide : 1;
+  float *xa = bad ? NULL : malloc(chunk * it->da * sizeof *xa);
+  float *xb = bad ? NULL : malloc(chunk * it->db * sizeof *xb);
+  if (!bad && (xa == NULL || xb == NULL)) {
+    snprintf(s->msg, sizeof s->msg, "out of memory for %zu calibration rows",
+             chunk);
+    bad = 1;
+  }
+  size_t base = 0;
+  for (size_t p = 0; p < s->np && !bad; p++) {
+    size_t plo = lo > base ? lo - base : 0;
+    size_t phi = hi - base < it->rows[p] ? hi - base : it->rows[p];
+    if (hi <= base) break;
+    for (size_t r = plo; r < phi && !bad; r += chunk) {
+      size_t n = phi - r < chunk ? phi - r : chunk;
+      bico_status st = bico_stfile_read_f32_range(s->fa[p], it->ia[p],
+                                                  r * it->da, n * it->da, xa);
+      if (st == BICO_OK)
+        st = bico_stfile_read_f32_range(s->fb[p], it->ib[p], r * it->db,
+                                        n * it->db, xb);
+      if (st == BICO_OK) st = bico_xcov_add(xc, n, xa, it->da, xb, it->db);
+      if (st != BICO_OK) {
+        snprintf(s->msg, sizeof s->msg, "statistic %s, calibration files %s "
+                 "and %s, rows %zu..%zu: %s", it->name, s->src[p], s->tgt[p],
+                 r, r + n - 1, bico_ctx_errmsg(s->ctx));
         bad = 1;
       }
     }
-    if (bad && !msg[0]) snprintf(msg, sizeof msg, "%s", bico_ctx_errmsg(ctx));
-    bico_xcov_free(xc);
-    secs_acc += mpi_now() - ta;
-    /* Every rank agrees before the reduction, so none waits forever. */
-    if (mpi_any_failed(bad, msg, all, sizeof all)) {
-      free(c);
-      agreed_fail = 1;
-      break;
+    base += it->rows[p];
+  }
+  free(xa);
+  free(xb);
+  size_t nel = it->da * it->db;
+  if (!bad) {
+    *c = malloc((nel ? nel : 1) * sizeof **c);
+    if (*c == NULL ||
+        bico_xcov_matrix(xc, BICO_XCOV_CROSS, 0, *c, it->db) != BICO_OK) {
+      snprintf(s->msg, sizeof s->msg, "no memory for the statistic %s "
+               "(%zu x %zu)", it->name, it->da, it->db);
+      bad = 1;
     }
+  }
+  if (bad && !s->msg[0])
+    snprintf(s->msg, sizeof s->msg, "%s", bico_ctx_errmsg(s->ctx));
+  bico_xcov_free(xc);
+  return bad ? -1 : 0;
+}
+
+/* Each statistic: accumulated by every rank, agreed on, reduced onto rank
+ * 0, written there.  1 when any rank failed (s->all has the message). */
+static int compute_all(stats_run *s) {
+  for (size_t i = 0; i < s->nitems; i++) {
+    item *it = &s->items[i];
+    double *c = NULL;
+    double ta = mpi_now();
+    int bad = accumulate(s, i, &c) != 0;
+    s->secs_acc += mpi_now() - ta;
+    /* Every rank agrees before the reduction, so none waits forever. */
+    if (mpi_any_failed(bad, s->msg, s->all, sizeof s->all)) {
+      free(c);
+      return 1;
+    }
+    size_t nel = it->da * it->db;
     double tr = mpi_now();
-    mpi_reduce_sum_long(c, nel, 0, rank);
-    secs_red += mpi_now() - tr;
-    bytes_red += nel * sizeof(double);
-    if (rank == 0) {
-      st = bico_stwriter_write_f64(w, it->name, c, nel);
+    mpi_reduce_sum_long(c, nel, 0, s->rank);
+    s->secs_red += mpi_now() - tr;
+    s->bytes_red += nel * sizeof(double);
+    bico_status st = BICO_OK;
+    if (s->rank == 0) {
+      st = bico_stwriter_write_f64(s->w, it->name, c, nel);
       if (st != BICO_OK) {
         /* Rank 0 alone failed: the others are told at the next check. */
-        snprintf(msg, sizeof msg, "%s", bico_ctx_errmsg(ctx));
+        snprintf(s->msg, sizeof s->msg, "%s", bico_ctx_errmsg(s->ctx));
       }
     }
     free(c);
-    int wfail = rank == 0 && st != BICO_OK;
-    if (mpi_any_failed(wfail, msg, all, sizeof all)) {
-      agreed_fail = 1;
-      break;
-    }
+    int wfail = s->rank == 0 && st != BICO_OK;
+    if (mpi_any_failed(wfail, s->msg, s->all, sizeof s->all)) return 1;
   }
-  if (!agreed_fail && rank == 0) {
-    st = bico_stwriter_commit(w);
+  return 0;
+}
+
+/* Rank 0 commits the output; every rank learns the outcome (1 failed). */
+static int commit(stats_run *s, int failed) {
+  if (!failed && s->rank == 0) {
+    bico_status st = bico_stwriter_commit(s->w);
     if (st != BICO_OK) {
-      snprintf(all, sizeof all, "rank 0: %s", bico_ctx_errmsg(ctx));
-      agreed_fail = 1;
+      snprintf(s->all, sizeof s->all, "rank 0: %s", bico_ctx_errmsg(s->ctx));
+      failed = 1;
     }
   }
-  {
-    int f = agreed_fail;
-    MPI_Bcast(&f, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    agreed_fail = f;
+  MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  return failed;
+}
+
+/* Who did what: rows, accumulation time and peak memory of each rank,
+ * gathered on rank 0, which prints them with the totals; the exit code. */
+static int report(stats_run *s, int failed, double t0) {
+  double mine[3] = {s->secs_acc, 0, 0}, *every = NULL;
+  struct rusage ru;
+  if (getrusage(RUSAGE_SELF, &ru) == 0) mine[1] = (double)ru.ru_maxrss / 1024.0;
+  for (size_t i = 0; i < s->nitems; i++) {
+    size_t lo, hi;
+    rank_rows(s, i, s->rank, &lo, &hi);
+    mine[2] += (double)(hi - lo);
   }
-  /* Who did what: rows, accumulation time and peak memory of each rank. */
-  double mine[3] = {secs_acc, 0, 0}, *every = NULL;
-  {
-    struct rusage ru;
-    if (getrusage(RUSAGE_SELF, &ru) == 0) mine[1] = (double)ru.ru_maxrss / 1024.0;
-    for (size_t i = 0; i < nitems; i++)
-      mine[2] += (double)((unsigned long long)items[i].total * (unsigned)(rank + 1) / (unsigned)size -
-                          (unsigned long long)items[i].total * (unsigned)rank / (unsigned)size);
-    if (rank == 0) every = malloc((size_t)size * sizeof mine);
-    MPI_Gather(mine, 3, MPI_DOUBLE, every, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-  }
+  if (s->rank == 0) every = malloc((size_t)s->size * sizeof mine);
+  MPI_Gather(mine, 3, MPI_DOUBLE, every, 3, MPI_DOUBLE, 0, MPI_COMM_WORLD);
   int code = 0;
-  if (rank == 0) {
-    bico_stwriter_free(w); /* removes the temporary unless committed */
+  if (s->rank == 0) {
+    bico_stwriter_free(s->w); /* removes the temporary unless committed */
+    s->w = NULL;
     mpi_tmp_forget();
-    if (agreed_fail) {
-      code = cli_error("stats", CLI_FAIL, "%s", all[0] ? all : "failed");
+    if (failed) {
+      code = cli_error("stats", CLI_FAIL, "%s", s->all[0] ? s->all : "failed");
     } else {
       double total = mpi_now() - t0;
       fprintf(stderr, "bico stats: %d ranks, %zu statistics; accumulation "
               "%.3f s, reduction %.3f s (%.1f MB, %.1f MB/s) on rank 0; total "
-              "%.3f s\n", size, nitems, secs_acc, secs_red, bytes_red / 1e6,
-              secs_red > 0 ? bytes_red / 1e6 / secs_red : 0.0, total);
-      for (int r = 0; r < size && every; r++)
+              "%.3f s\n", s->size, s->nitems, s->secs_acc, s->secs_red,
+              s->bytes_red / 1e6,
+              s->secs_red > 0 ? s->bytes_red / 1e6 / s->secs_red : 0.0, total);
+      for (int r = 0; r < s->size && every; r++)
         fprintf(stderr, "bico stats: rank %d: %.0f rows (all statistics), "
                 "accumulation %.3f s, peak RSS %.1f MB\n", r, every[3 * r + 2],
                 every[3 * r], every[3 * r + 1]);
-      fprintf(stderr, "bico stats: wrote %s\n", out);
+      fprintf(stderr, "bico stats: wrote %s\n", s->out);
     }
   } else {
-    code = agreed_fail ? CLI_FAIL : 0;
+    code = failed ? CLI_FAIL : 0;
   }
-  for (size_t i = 0; i < nitems; i++) {
-    free(items[i].name);
-    free(items[i].key_a);
-    free(items[i].key_b);
-    free(items[i].ia);
-    free(items[i].ib);
-    free(items[i].rows);
-  }
-  free(items);
   free(every);
-  bico_model_free(ma);
-  bico_model_free(mb);
-  for (size_t p = 0; p < np; p++) {
-    bico_stfile_close(fa[p]);
-    bico_stfile_close(fb[p]);
+  return code;
+}
+
+static void free_run(stats_run *s) {
+  for (size_t i = 0; i < s->nitems; i++) {
+    free(s->items[i].name);
+    free(s->items[i].key_a);
+    free(s->items[i].key_b);
+    free(s->items[i].ia);
+    free(s->items[i].ib);
+    free(s->items[i].rows);
   }
-  bico_ctx_free(ctx);
+  free(s->items);
+  bico_model_free(s->ma);
+  bico_model_free(s->mb);
+  for (size_t p = 0; p < s->np; p++) {
+    bico_stfile_close(s->fa[p]);
+    bico_stfile_close(s->fb[p]);
+  }
+  bico_ctx_free(s->ctx);
+}
+
+int mpi_cmd_stats(int argc, char **argv) {
+  static stats_run zero;
+  stats_run *s = malloc(sizeof *s);
+  if (s == NULL) return cli_error("stats", CLI_FAIL, "out of memory");
+  *s = zero;
+  MPI_Comm_rank(MPI_COMM_WORLD, &s->rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &s->size);
+  int code = parse_args(argc, argv, s);
+  if (code == GO_ON) code = check_usage(s);
+  if (code != GO_ON) {
+    free(s);
+    return code;
+  }
+  if (bico_ctx_create(&s->ctx) != BICO_OK) {
+    free(s);
+    return cli_error("stats", CLI_FAIL, "out of memory");
+  }
+  if (s->merge) {
+    code = run_merge(s);
+  } else {
+    double t0 = mpi_now();
+    s->np = s->nsrc;
+    int failed = plan(s) != 0;
+    failed = mpi_any_failed(failed, s->msg, s->all, sizeof s->all);
+    if (!failed) failed = open_output(s);
+    if (!failed) failed = compute_all(s);
+    failed = commit(s, failed);
+    code = report(s, failed, t0);
+  }
+  free_run(s);
+  free(s);
   return code;
 }

@@ -43,6 +43,9 @@ int cli_opt(int argc, char **argv, int *i, const char *name,
 /* Parses a finite double / a positive size; 0 on success. */
 int cli_double(const char *s, double *out);
 int cli_size(const char *s, size_t *out);
+/* Parses a --max-shard-size value as Hugging Face does ("5GB" = 5e9 bytes,
+ * "500MiB", "2000000"); 0 on success (*out > 0 whole bytes). */
+int cli_shard_size(const char *s, double *out);
 
 /* Signals (tools/bico/cleanup.c): cli_cleanup_add registers the folder of
  * an output file (is_dir: the path is itself a folder, as an output
@@ -55,7 +58,6 @@ void cli_cleanup_install(void);
  * library computes in float: 1e39 would be +Inf).  0 on success. */
 int cli_alpha(const char *s, double *out);
 
-/* Reports a library failure: the status text and the context's detail. */
 /* Chooses BLIS's kernels for the process before BLIS starts (may execute
  * the program again with BLIS_ARCH_TYPE set); tools/bico/blisarch.c. */
 void cli_blis_arch(char **argv, int verbose);
@@ -63,6 +65,18 @@ void cli_blis_arch(char **argv, int verbose);
  * subcommand) by the options the YAML file stands for; 0, or the exit code
  * of an error already printed.  tools/bico/config.c. */
 int cli_config_expand(const char *cmd, int *argc, char ***argv);
+/* Progress (tools/bico/progress.c): cli_progress_install gives t a
+ * progress function that draws a bar redrawn in place when stderr is a
+ * terminal, else a plain line at most every 5 seconds, each with elapsed
+ * time and an estimate of what is left; cli_progress_finish ends a bar
+ * left mid-line (after a failure).  cli_progress_text renders one line. */
+bico_status cli_progress_install(bico_transfer *t);
+void cli_progress_finish(void);
+void cli_progress_clear(void); /* erases a drawn bar before other text */
+void cli_progress_text(const bico_transfer_progress *p, int bar, char *buf,
+                       size_t cap);
+
+/* Reports a library failure: the status text and the context's detail. */
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
 
 #endif

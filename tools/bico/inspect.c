@@ -2,13 +2,13 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "bico_help.h"
 #include "cli.h"
 
 static const char *const CMD = "inspect";
 
-static const char HELP[] =
-    "usage: bico inspect [--blocks NAME] FILE.safetensors\n"
-    "       (FILE may be a sharded checkpoint's *.safetensors.index.json)\n";
+/* Generated from docs/bico.1.md (scripts/gen-help.py). */
+static const char HELP[] = BICO_HELP_INSPECT;
 
 static const char *const KINDS[] = {"?", "linear", "elementwise", "embedding",
                                     "other"};

@@ -3,28 +3,19 @@
  * bico_stats_*). */
 #include <errno.h>
 #include <float.h>
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
+#include "bico_help.h"
 #include "cli.h"
 
-static const char USAGE[] =
-    "usage: bico <command> [options]\n"
-    "\n"
-    "commands:\n"
-    "  transfer   carry a task vector from a source to a target checkpoint\n"
-    "  stats      reduce calibration files to a statistics file, or merge\n"
-    "             statistics files\n"
-    "  inspect    list a checkpoint's tensors, modules and blocks\n"
-    "  merge      combine several task vectors or adapters in the target's\n"
-    "             coordinates (task arithmetic, TIES)\n"
-    "\n"
-    "bico <command> --help shows the command's options; bico --version the\n"
-    "library version; --verbose (any command) names the BLIS kernels in use.\n"
-    "The manual: man bico (docs/bico.1.md in the source tree).\n";
+/* Generated from docs/bico.1.md (scripts/gen-help.py). */
+static const char USAGE[] = BICO_HELP_MAIN;
 
 int cli_error(const char *cmd, int code, const char *fmt, ...) {
   va_list ap;
@@ -76,6 +67,35 @@ int cli_size(const char *s, size_t *out) {
   unsigned long long v = strtoull(s, &end, 10);
   if (*end != '\0' || errno == ERANGE || v == 0) return -1;
   *out = (size_t)v;
+  return 0;
+}
+
+/* Hugging Face's size grammar (max_shard_size): an integer of bytes, or an
+ * integer with KB, MB, GB (powers of 1000) or KiB, MiB, GiB (powers of
+ * 1024), any case, except that a lowercase final "b" after K/M/G means
+ * bits ("5Gb" is 5e9 / 8 bytes), as there. */
+int cli_shard_size(const char *s, double *out) {
+  static const struct {
+    const char *unit;
+    double mul;
+  } U[] = {{"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0},
+           {"kb", 1e3},     {"mb", 1e6},         {"gb", 1e9}};
+  size_t n = strlen(s), digits = 0;
+  while (digits < n && s[digits] >= '0' && s[digits] <= '9') digits++;
+  if (digits == 0 || digits > 15) return -1;
+  double v = (double)strtoull(s, NULL, 10), mul = 1;
+  const char *u = s + digits;
+  if (*u != '\0') {
+    size_t k, ul = strlen(u);
+    for (k = 0; k < sizeof U / sizeof *U; k++)
+      if (ul == strlen(U[k].unit) && strncasecmp(u, U[k].unit, ul) == 0) break;
+    if (k == sizeof U / sizeof *U) return -1;
+    mul = U[k].mul;
+    if (ul == 2 && u[1] == 'b') mul /= 8; /* bits */
+  }
+  v = floor(v * mul);
+  if (!(v > 0) || v > 9007199254740992.0) return -1;
+  *out = v;
   return 0;
 }
 

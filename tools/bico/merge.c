@@ -2,29 +2,13 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "bico_help.h"
 #include "cli.h"
 
 static const char *const CMD = "merge";
 
-static const char HELP[] =
-    "usage: bico merge --base B.safetensors [--method linear|ties]\n"
-    "    INPUT [--weight W] [--density D]  INPUT [--weight W] ...\n"
-    "    [--alpha 1.0] [--normalize | --no-normalize]\n"
-    "    [--delta-output D.safetensors] [--report R.json] [--quiet]\n"
-    "    --output B_merged.safetensors\n"
-    "\n"
-    "INPUT is one of (all in the target's coordinates, named like the base):\n"
-    "    --task-vector TAU.safetensors   an update (bico transfer "
-    "--delta-output)\n"
-    "    --tuned B_ft.safetensors        a fine-tuned target checkpoint\n"
-    "    --lora ADAPTER_DIR              a PEFT LoRA adapter for the target\n"
-    "--weight (default 1) and --density (default 1, TIES only: the fraction\n"
-    "of entries kept by magnitude) apply to the input before them.  TIES\n"
-    "normalises by the agreeing weights by default, linear does not.  The\n"
-    "result is base + alpha * merged.  See docs/lora.md.\n"
-    "--config F.yaml stands for options (mergekit's schema: merge_method,\n"
-    "base_model, models with parameters weight/density, parameters); see\n"
-    "man bico.\n";
+/* Generated from docs/bico.1.md (scripts/gen-help.py). */
+static const char HELP[] = BICO_HELP_MERGE;
 
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
@@ -38,6 +22,7 @@ int cmd_merge(int argc, char **argv) {
              *method = NULL;
   double alpha = 1.0;
   int normalize = -1, quiet = 0;
+  double max_shard = 0;
   struct {
     int kind;
     const char *path;
@@ -106,6 +91,11 @@ int cmd_merge(int argc, char **argv) {
     PATH("--delta-output", delta)
     PATH("--report", report)
     VALUE("--method", method = v)
+    VALUE("--max-shard-size",
+          if (cli_shard_size(v, &max_shard)) return cli_error(
+              CMD, CLI_USAGE,
+              "--max-shard-size %s: expected bytes, or a whole number with "
+              "KB, MB, GB (powers of 1000) or KiB, MiB, GiB", v))
     VALUE("--alpha", if (cli_alpha(v, &alpha)) return cli_error(
                          CMD, CLI_USAGE,
                          "--alpha %s: expected a positive number of at most "
@@ -169,12 +159,14 @@ int cmd_merge(int argc, char **argv) {
   if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_METHOD, m);
   if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_ALPHA, alpha);
   if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_NORMALIZE, normalize);
+  if (st == BICO_OK && max_shard > 0)
+    st = bico_merge_set_param(mg, BICO_MERGE_MAX_SHARD_SIZE, max_shard);
   for (size_t k = 0; k < nin && st == BICO_OK; k++)
     st = bico_merge_add_input(mg, in[k].kind, in[k].path, in[k].weight,
                               in[k].density);
   if (st == BICO_OK && !quiet) st = bico_merge_set_log(mg, log_line, NULL);
-  cli_cleanup_add(output, 0);
-  cli_cleanup_add(delta, 0);
+  cli_cleanup_add(output, bico_output_is_folder(output, base));
+  cli_cleanup_add(delta, bico_output_is_folder(delta, base));
   cli_cleanup_add(report, 0);
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_merge_run(mg);

@@ -2,16 +2,13 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "bico_help.h"
 #include "cli.h"
 
 static const char *const CMD = "stats";
 
-static const char HELP[] =
-    "usage: bico stats --source-calib A.calib.safetensors\n"
-    "                  --target-calib B.calib.safetensors\n"
-    "                  [--blocks NAME] --output S.safetensors\n"
-    "       bico stats --merge S1.safetensors S2.safetensors ... "
-    "--output S.safetensors\n";
+/* Generated from docs/bico.1.md (scripts/gen-help.py). */
+static const char HELP[] = BICO_HELP_STATS;
 
 int cmd_stats(int argc, char **argv) {
   const char *src = NULL, *tgt = NULL, *out = NULL, *blocks = NULL;

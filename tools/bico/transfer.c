@@ -3,45 +3,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bico_help.h"
 #include "cli.h"
 
 static const char *const CMD = "transfer";
 
-static const char HELP[] =
-    "usage: bico transfer --method {bico|bico-in|bico-out|gradfix|naive|pad}\n"
-    "    --source-base A.safetensors\n"
-    "    (--source-tuned A_ft.safetensors | --task-vector TAU.safetensors)\n"
-    "    --target-base B.safetensors\n"
-    "    [--source-calib A.calib.safetensors --target-calib "
-    "B.calib.safetensors\n"
-    "     | --stats S.safetensors]                  bico, bico-in, bico-out\n"
-    "    [--target-votes V.safetensors]            gradfix\n"
-    "    [--alpha 1.0]                             any positive number\n"
-    "    [--blocks NAME]                           container of repeated "
-    "blocks\n"
-    "    [--split SUFFIX=K]...                     output split in K blocks\n"
-    "    [--tie TENSOR=MODULE]...                  TENSOR lives in MODULE's "
-    "output\n"
-    "    [--norm-map act|grad]                     map carrying norm "
-    "parameters\n"
-    "    [--null keep|drop] [--rank-tol T]         rank-deficient maps\n"
-    "    [--center] [--whiten P] [--allow-partial]\n"
-    "    [--threads N] [--workers W]               N threads in all; W map\n"
-    "                                              solvers (default N)\n"
-    "    [--proc-method eig|svd|polar]             Procrustes route (eig)\n"
-    "    [--solve-memory SIZE]                     cap on the solves in\n"
-    "                                              flight, e.g. 600M, 2G\n"
-    "    [--delta-output D.safetensors] [--report R.json] [--quiet]\n"
-    "    --output B_ft.safetensors\n"
-    "\n"
-    "LoRA (docs/lora.md): --lora ADAPTER_DIR instead of --source-tuned or\n"
-    "--task-vector, and --output-lora OUT_DIR (a PEFT adapter for the target,\n"
-    "factored: no dense update is built for the BiCo methods) and/or\n"
-    "--merge-into-base --output B_ft.safetensors (the full target checkpoint).\n"
-    "\n"
-    "--config F.yaml stands for options: each key foo_bar: VALUE is\n"
-    "--foo-bar VALUE (true: a flag; a list repeats it; split/tie take a\n"
-    "mapping); see man bico.\n";
+/* Generated from docs/bico.1.md (scripts/gen-help.py). */
+static const char HELP[] = BICO_HELP_TRANSFER;
 
 static const struct {
   const char *opt;
@@ -67,6 +35,7 @@ int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
 
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
+  cli_progress_clear();
   fprintf(stderr, "%s\n", line);
 }
 
@@ -95,17 +64,31 @@ static int parse_bytes(const char *s, double *out) {
   return 0;
 }
 
-int cmd_transfer(int argc, char **argv) {
-  const char *files[NFILE_OPTS] = {0};
-  const char *method = NULL, *blocks = NULL, *norm_map = NULL, *null_mode = NULL;
-  double alpha = 1.0, rank_tol = -1, whiten = 0;
-  int center = 0, quiet = 0, merge_into_base = 0, allow_partial = 0;
-  size_t threads = 1, workers = 0;
-  double solve_memory = 0;
-  const char *proc_method = NULL;
+/* What the command line says, before any library call. */
+typedef struct {
+  const char *files[NFILE_OPTS];
+  const char *method, *blocks, *norm_map, *null_mode, *proc_method;
+  const char *rename; /* --source-rename OLD=NEW */
+  double alpha, rank_tol, whiten, solve_memory;
+  double max_shard; /* --max-shard-size, bytes (0: as the target) */
+  int center, quiet, merge_into_base, allow_partial;
+  size_t threads, workers;
   const char *splits[256], *ties[256];
-  size_t nsplits = 0, nties = 0;
+  size_t nsplits, nties;
+  /* Resolved by check_usage. */
+  int m, bico, nm, nl, pm;
+  size_t blas_threads;
+} transfer_opts;
 
+/* Not an exit code: parsing went through and the command goes on. */
+#define GO_ON (-1)
+
+/* Reads argv into o; GO_ON, or the exit code (--help, usage errors). */
+static int parse_args(int argc, char **argv, transfer_opts *o) {
+  memset(o, 0, sizeof *o);
+  o->alpha = 1.0;
+  o->rank_tol = -1;
+  o->threads = 1;
   for (int i = 1; i < argc; i++) {
     const char *v = NULL;
     const char *a = argv[i];
@@ -115,19 +98,19 @@ int cmd_transfer(int argc, char **argv) {
       return 0;
     }
     if (strcmp(a, "--center") == 0) {
-      center = 1;
+      o->center = 1;
       continue;
     }
     if (strcmp(a, "--allow-partial") == 0) {
-      allow_partial = 1;
+      o->allow_partial = 1;
       continue;
     }
     if (strcmp(a, "--merge-into-base") == 0) {
-      merge_into_base = 1;
+      o->merge_into_base = 1;
       continue;
     }
     if (strcmp(a, "--quiet") == 0 || strcmp(a, "-q") == 0) {
-      quiet = 1;
+      o->quiet = 1;
       continue;
     }
     size_t f;
@@ -137,12 +120,12 @@ int cmd_transfer(int argc, char **argv) {
       f = 8; /* --output */
     if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", a);
     if (r > 0) {
-      if (files[f] != NULL)
+      if (o->files[f] != NULL)
         return cli_error(CMD, CLI_USAGE, "option %s given twice", FILES[f].opt);
       if (v[0] == '\0')
         return cli_error(CMD, CLI_USAGE, "option %s has an empty path",
                          FILES[f].opt);
-      files[f] = v;
+      o->files[f] = v;
       continue;
     }
 #define VALUE(name, var)                                                   \
@@ -152,67 +135,76 @@ int cmd_transfer(int argc, char **argv) {
     var;                                                                   \
     continue;                                                              \
   }
-    VALUE("--method", method = v)
-    VALUE("--blocks", blocks = v)
-    VALUE("--norm-map", norm_map = v)
-    VALUE("--null", null_mode = v)
-    VALUE("--alpha", if (cli_alpha(v, &alpha)) return cli_error(
+    VALUE("--method", o->method = v)
+    VALUE("--blocks", o->blocks = v)
+    VALUE("--source-rename",
+          if (strchr(v, '=') == NULL || strcmp(v, "=") == 0) return cli_error(
+              CMD, CLI_USAGE,
+              "--source-rename %s: expected OLD=NEW (a name prefix of the "
+              "source and what replaces it, e.g. module.= or bert.=roberta.)",
+              v);
+          o->rename = v)
+    VALUE("--max-shard-size",
+          if (cli_shard_size(v, &o->max_shard)) return cli_error(
+              CMD, CLI_USAGE,
+              "--max-shard-size %s: expected bytes, or a whole number with "
+              "KB, MB, GB (powers of 1000) or KiB, MiB, GiB", v))
+    VALUE("--norm-map", o->norm_map = v)
+    VALUE("--null", o->null_mode = v)
+    VALUE("--alpha", if (cli_alpha(v, &o->alpha)) return cli_error(
                          CMD, CLI_USAGE,
                          "--alpha %s: expected a positive number of at most "
                          "3.4e38 (float range)", v))
     VALUE("--rank-tol",
-          if (cli_double(v, &rank_tol) || rank_tol < 0 || rank_tol >= 1)
+          if (cli_double(v, &o->rank_tol) || o->rank_tol < 0 ||
+              o->rank_tol >= 1)
               return cli_error(CMD, CLI_USAGE,
                                "--rank-tol %s: expected a number in [0, 1)", v))
     VALUE("--whiten",
-          if (cli_double(v, &whiten) || whiten < 0 || whiten > 0.5)
+          if (cli_double(v, &o->whiten) || o->whiten < 0 || o->whiten > 0.5)
               return cli_error(CMD, CLI_USAGE,
                                "--whiten %s: expected a number in [0, 0.5]", v))
     VALUE("--threads",
-          if (cli_size(v, &threads) || threads > 1024) return cli_error(
+          if (cli_size(v, &o->threads) || o->threads > 1024) return cli_error(
               CMD, CLI_USAGE, "--threads %s: expected an integer in 1..1024",
               v))
     VALUE("--workers",
-          if (cli_size(v, &workers) || workers > 1024) return cli_error(
+          if (cli_size(v, &o->workers) || o->workers > 1024) return cli_error(
               CMD, CLI_USAGE, "--workers %s: expected an integer in 1..1024",
               v))
-    VALUE("--proc-method", proc_method = v)
+    VALUE("--proc-method", o->proc_method = v)
     VALUE("--solve-memory",
-          if (parse_bytes(v, &solve_memory)) return cli_error(
+          if (parse_bytes(v, &o->solve_memory)) return cli_error(
               CMD, CLI_USAGE,
               "--solve-memory %s: expected bytes, optionally with K, M or G "
               "(powers of 1024)",
               v))
-    VALUE("--split", if (nsplits == 256) return cli_error(
+    VALUE("--split", if (o->nsplits == 256) return cli_error(
                          CMD, CLI_USAGE, "too many --split options");
-          splits[nsplits++] = v)
-    VALUE("--tie", if (nties == 256) return cli_error(
+          o->splits[o->nsplits++] = v)
+    VALUE("--tie", if (o->nties == 256) return cli_error(
                        CMD, CLI_USAGE, "too many --tie options");
-          ties[nties++] = v)
+          o->ties[o->nties++] = v)
 #undef VALUE
     if (a[0] == '-')
       return cli_error(CMD, CLI_USAGE, "unknown option %s", a);
     return cli_error(CMD, CLI_USAGE, "unexpected argument %s", a);
   }
+  return GO_ON;
+}
 
-  /* Usage checks: what is missing or contradictory is a usage error (2). */
-  if (method == NULL)
-    return cli_error(CMD, CLI_USAGE, "missing --method");
-  int m = 0;
-  if (bico_method_from_name(method, &m) != BICO_OK)
-    return cli_error(CMD, CLI_USAGE,
-                     "unknown method '%s' (bico, bico-in, bico-out, gradfix, "
-                     "naive or pad)",
-                     method);
+/* Which files go together: GO_ON or a usage error (2). */
+static int check_files(const transfer_opts *o) {
+  const char *const *files = o->files;
   if (files[0] == NULL) return cli_error(CMD, CLI_USAGE, "missing --source-base");
   if (files[3] == NULL) return cli_error(CMD, CLI_USAGE, "missing --target-base");
   if (files[11] != NULL) {
     /* LoRA: lora_cli_check (tools/bico/lora_opts.c) owns these rules. */
     int rc = lora_cli_check(CMD, files[1], files[2], files[8], files[9],
-                            files[12], merge_into_base);
+                            files[12], o->merge_into_base);
     if (rc) return rc;
   } else {
-    if (files[12] != NULL || merge_into_base)
+    if (files[12] != NULL || o->merge_into_base)
       return cli_error(CMD, CLI_USAGE, "%s needs --lora",
                        files[12] != NULL ? "--output-lora" : "--merge-into-base");
     if (files[8] == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
@@ -220,9 +212,8 @@ int cmd_transfer(int argc, char **argv) {
       return cli_error(CMD, CLI_USAGE,
                        "give one of --source-tuned and --task-vector");
   }
-  int bico = m <= BICO_METHOD_BICO_OUT;
   int calib = files[4] != NULL || files[5] != NULL;
-  if (bico) {
+  if (o->bico) {
     if (calib && (files[4] == NULL || files[5] == NULL))
       return cli_error(CMD, CLI_USAGE, "missing --%s-calib (source and target "
                        "calibration files go together)",
@@ -234,116 +225,176 @@ int cmd_transfer(int argc, char **argv) {
       return cli_error(CMD, CLI_USAGE,
                        "method %s needs --source-calib and --target-calib, or "
                        "--stats",
-                       method);
-    if (files[6] != NULL && (center || whiten > 0))
+                       o->method);
+    if (files[6] != NULL && (o->center || o->whiten > 0))
       return cli_error(CMD, CLI_USAGE,
                        "--center and --whiten need calibration files, not "
                        "--stats");
   }
-  if (m == BICO_METHOD_GRADFIX && files[7] == NULL)
+  if (o->m == BICO_METHOD_GRADFIX && files[7] == NULL)
     return cli_error(CMD, CLI_USAGE, "method gradfix needs --target-votes");
-  int nm = -1, nl = -1;
-  if (norm_map != NULL) {
-    if (bico_norm_map_from_name(norm_map, &nm) != BICO_OK)
+  if (o->m != BICO_METHOD_GRADFIX && files[7] != NULL)
+    return cli_error(CMD, CLI_USAGE,
+                     "--target-votes is read by method gradfix only; method "
+                     "%s would ignore it", o->method);
+  return GO_ON;
+}
+
+/* Usage checks: what is missing or contradictory is a usage error (2).
+ * Resolves names to enum values and the thread split. */
+static int check_usage(transfer_opts *o) {
+  if (o->method == NULL)
+    return cli_error(CMD, CLI_USAGE, "missing --method");
+  o->m = 0;
+  if (bico_method_from_name(o->method, &o->m) != BICO_OK)
+    return cli_error(CMD, CLI_USAGE,
+                     "unknown method '%s' (bico, bico-in, bico-out, gradfix, "
+                     "naive or pad)",
+                     o->method);
+  o->bico = o->m <= BICO_METHOD_BICO_OUT;
+  int rc = check_files(o);
+  if (rc != GO_ON) return rc;
+  o->nm = -1, o->nl = -1;
+  if (o->norm_map != NULL) {
+    if (bico_norm_map_from_name(o->norm_map, &o->nm) != BICO_OK)
       return cli_error(CMD, CLI_USAGE, "--norm-map %s: expected act or grad",
-                          norm_map);
+                          o->norm_map);
   }
-  if (null_mode != NULL) {
-    if (strcmp(null_mode, "keep") == 0) nl = BICO_NULL_KEEP;
-    else if (strcmp(null_mode, "drop") == 0) nl = BICO_NULL_DROP;
+  if (o->null_mode != NULL) {
+    if (strcmp(o->null_mode, "keep") == 0) o->nl = BICO_NULL_KEEP;
+    else if (strcmp(o->null_mode, "drop") == 0) o->nl = BICO_NULL_DROP;
     else return cli_error(CMD, CLI_USAGE, "--null %s: expected keep or drop",
-                          null_mode);
+                          o->null_mode);
   }
 
-  int pm = BICO_PROC_EIG;
-  if (proc_method) {
-    if (strcmp(proc_method, "eig") == 0) pm = BICO_PROC_EIG;
-    else if (strcmp(proc_method, "svd") == 0) pm = BICO_PROC_SVD;
-    else if (strcmp(proc_method, "polar") == 0) pm = BICO_PROC_POLAR;
+  o->pm = BICO_PROC_EIG;
+  if (o->proc_method) {
+    if (strcmp(o->proc_method, "eig") == 0) o->pm = BICO_PROC_EIG;
+    else if (strcmp(o->proc_method, "svd") == 0) o->pm = BICO_PROC_SVD;
+    else if (strcmp(o->proc_method, "polar") == 0) o->pm = BICO_PROC_POLAR;
     else return cli_error(CMD, CLI_USAGE,
                           "--proc-method %s: expected eig, svd or polar",
-                          proc_method);
+                          o->proc_method);
   }
-  /* Only the BiCo methods solve maps; the others keep N BLIS threads. */
-  if (workers == 0) workers = bico ? threads : 1;
-  size_t blas_threads = threads;
-  if (workers > 1) {
+  return GO_ON;
+}
+
+/* Only the BiCo methods solve maps; the others keep N BLIS threads. */
+static void split_threads(transfer_opts *o) {
+  if (o->workers == 0) o->workers = o->bico ? o->threads : 1;
+  o->blas_threads = o->threads;
+  if (o->workers > 1) {
     /* N threads in all: each solver (and the writing thread) runs BLIS with
      * its share, and so do the BLAS calls inside LAPACK, which follow
      * BLIS's process-wide count, read when BLIS first starts. */
-    blas_threads = threads / workers ? threads / workers : 1;
+    o->blas_threads = o->threads / o->workers ? o->threads / o->workers : 1;
     char share[32];
-    snprintf(share, sizeof share, "%zu", blas_threads);
+    snprintf(share, sizeof share, "%zu", o->blas_threads);
     setenv("BLIS_NUM_THREADS", share, 1);
   }
+}
 
+/* Files and scalar parameters onto the handle. */
+static bico_status set_options(bico_transfer *t, const transfer_opts *o) {
+  bico_status st = BICO_OK;
+  for (size_t f = 0; f < NFILE_OPTS && st == BICO_OK; f++)
+    if (o->files[f]) st = bico_transfer_set_file(t, FILES[f].file, o->files[f]);
+  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, o->m);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, o->alpha);
+  if (st == BICO_OK && o->nm >= 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_NORM_MAP, o->nm);
+  if (st == BICO_OK && o->nl >= 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_NULL, o->nl);
+  if (st == BICO_OK && o->rank_tol >= 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_RANK_TOL, o->rank_tol);
+  if (st == BICO_OK && o->center)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_CENTER, 1);
+  if (st == BICO_OK && o->allow_partial)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_MIN_PAIRED, 0);
+  if (st == BICO_OK && o->whiten > 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_WHITEN, o->whiten);
+  if (st == BICO_OK && o->blocks)
+    st = bico_transfer_set_string(t, BICO_TRANSFER_BLOCKS, o->blocks);
+  if (st == BICO_OK && o->rename)
+    st = bico_transfer_set_string(t, BICO_TRANSFER_SOURCE_RENAME, o->rename);
+  if (st == BICO_OK && o->max_shard > 0)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_MAX_SHARD_SIZE, o->max_shard);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_PROC_METHOD, o->pm);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_WORKERS, (double)o->workers);
+  if (st == BICO_OK)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_SOLVE_MEMORY,
+                                 o->solve_memory);
+  return st;
+}
+
+/* --split and --tie onto the handle: GO_ON (with *st) or a usage error. */
+static int add_splits_ties(bico_transfer *t, const transfer_opts *o,
+                           bico_status *st) {
+  for (size_t k = 0; k < o->nsplits && *st == BICO_OK; k++) {
+    char suffix[1024];
+    const char *kv;
+    size_t kk;
+    if (split_eq(o->splits[k], suffix, sizeof suffix, &kv) ||
+        cli_size(kv, &kk))
+      return cli_error(CMD, CLI_USAGE,
+                       "--split %s: expected SUFFIX=K with K a positive integer",
+                       o->splits[k]);
+    *st = bico_transfer_add_split(t, suffix, kk);
+  }
+  for (size_t k = 0; k < o->nties && *st == BICO_OK; k++) {
+    char tensor[1024];
+    const char *module;
+    if (split_eq(o->ties[k], tensor, sizeof tensor, &module))
+      return cli_error(CMD, CLI_USAGE, "--tie %s: expected TENSOR=MODULE",
+                       o->ties[k]);
+    *st = bico_transfer_add_tie(t, tensor, module);
+  }
+  return GO_ON;
+}
+
+/* Builds the handle from o and runs it; the exit code. */
+static int run_transfer(const transfer_opts *o) {
+  const char *const *files = o->files;
   bico_ctx *ctx = NULL;
   bico_transfer *t = NULL;
   if (bico_ctx_create(&ctx) != BICO_OK)
     return cli_error(CMD, CLI_FAIL, "out of memory");
-  bico_status st = bico_ctx_set_param(ctx, BICO_CTX_THREADS, (long)blas_threads);
+  bico_status st =
+      bico_ctx_set_param(ctx, BICO_CTX_THREADS, (long)o->blas_threads);
   if (st == BICO_OK) st = bico_transfer_create(ctx, &t);
-  for (size_t f = 0; f < NFILE_OPTS && st == BICO_OK; f++)
-    if (files[f]) st = bico_transfer_set_file(t, FILES[f].file, files[f]);
-  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, m);
-  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, alpha);
-  if (st == BICO_OK && nm >= 0)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_NORM_MAP, nm);
-  if (st == BICO_OK && nl >= 0)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_NULL, nl);
-  if (st == BICO_OK && rank_tol >= 0)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_RANK_TOL, rank_tol);
-  if (st == BICO_OK && center)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_CENTER, 1);
-  if (st == BICO_OK && allow_partial)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_MIN_PAIRED, 0);
-  if (st == BICO_OK && whiten > 0)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_WHITEN, whiten);
-  if (st == BICO_OK && blocks)
-    st = bico_transfer_set_string(t, BICO_TRANSFER_BLOCKS, blocks);
-  if (st == BICO_OK)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_PROC_METHOD, pm);
-  if (st == BICO_OK)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_WORKERS, (double)workers);
-  if (st == BICO_OK)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_SOLVE_MEMORY, solve_memory);
-  int code = CLI_FAIL;
-  for (size_t k = 0; k < nsplits && st == BICO_OK; k++) {
-    char suffix[1024];
-    const char *kv;
-    size_t kk;
-    if (split_eq(splits[k], suffix, sizeof suffix, &kv) || cli_size(kv, &kk)) {
-      code = cli_error(CMD, CLI_USAGE,
-                       "--split %s: expected SUFFIX=K with K a positive integer",
-                       splits[k]);
-      goto out;
-    }
-    st = bico_transfer_add_split(t, suffix, kk);
-  }
-  for (size_t k = 0; k < nties && st == BICO_OK; k++) {
-    char tensor[1024];
-    const char *module;
-    if (split_eq(ties[k], tensor, sizeof tensor, &module)) {
-      code = cli_error(CMD, CLI_USAGE, "--tie %s: expected TENSOR=MODULE",
-                       ties[k]);
-      goto out;
-    }
-    st = bico_transfer_add_tie(t, tensor, module);
-  }
+  if (st == BICO_OK) st = set_options(t, o);
+  int code = add_splits_ties(t, o, &st);
+  if (code != GO_ON) goto out;
+  code = CLI_FAIL;
   if (st == BICO_OK && cli_transfer_runner != NULL) {
-    code = cli_transfer_runner(t, ctx, quiet);
+    code = cli_transfer_runner(t, ctx, o->quiet);
     goto out;
   }
-  if (st == BICO_OK && !quiet) st = bico_transfer_set_log(t, log_line, NULL);
-  cli_cleanup_add(files[8], 0);  /* --output */
-  cli_cleanup_add(files[9], 0);  /* --delta-output */
+  if (st == BICO_OK && !o->quiet) st = bico_transfer_set_log(t, log_line, NULL);
+  if (st == BICO_OK && !o->quiet) st = cli_progress_install(t);
+  /* --output, --delta-output: files or model folders */
+  cli_cleanup_add(files[8], bico_output_is_folder(files[8], files[3]));
+  cli_cleanup_add(files[9], bico_output_is_folder(files[9], files[3]));
   cli_cleanup_add(files[10], 0); /* --report */
   cli_cleanup_add(files[12], 1); /* --output-lora */
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_transfer_run(t);
+  cli_progress_finish();
   code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
 out:
   bico_transfer_free(t);
   bico_ctx_free(ctx);
   return code;
+}
+
+int cmd_transfer(int argc, char **argv) {
+  transfer_opts o;
+  int rc = parse_args(argc, argv, &o);
+  if (rc == GO_ON) rc = check_usage(&o);
+  if (rc != GO_ON) return rc;
+  split_threads(&o);
+  return run_transfer(&o);
 }

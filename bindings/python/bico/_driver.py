@@ -1,5 +1,6 @@
 """transfer_state_dict through libbico's whole-model driver: the state
-dicts go to temporary safetensors files, bico_transfer runs on them, the
+dicts go to temporary safetensors files, statistics and votes are lent
+from memory (bico_transfer_set_xcov, _set_votes), bico_transfer runs, the
 output comes back.  nn.MultiheadAttention's "M.in_proj_weight"/"_bias" are
 renamed "M.in_proj.weight"/".bias" on the way (so that the driver sees a
 linear module "M.in_proj", split in 3 like "qkv") and back."""
@@ -9,11 +10,11 @@ import tempfile
 
 import numpy as np
 
-from ._core import XCov, Votes
+from ._core import XCov, Votes, BicoError, E_ARG, E_SHAPE
 from ._args import plain as _to_numpy
 from ._enums import DEFAULT_SPLIT
 from . import safetensors as _st
-from .model import transfer_files
+from .model import Transfer
 
 
 def _is_torch(x):
@@ -58,25 +59,58 @@ def _arrays(sd, keep_dtype):
     return out, dtypes
 
 
-def _stat_matrix(v):
+_OPTIONS = ("null", "rank_tol", "center", "whiten", "proc_method",
+            "workers", "solve_memory", "min_paired")
+
+
+def _as_xcov(v, key):
+    """An XCov for a statistics value: itself, or one holding an array
+    (bico_xcov_add_matrix with one row: maps do not depend on the scale)."""
     if isinstance(v, XCov):
-        return v.matrix()
-    if isinstance(v, (list, tuple)):
-        ms = [x.matrix() if isinstance(x, XCov) else _to_numpy(x)
-              for x in v]
-        ba, bb = ms[0].shape
-        full = np.zeros((ba * len(ms), bb * len(ms)))
-        for i, m in enumerate(ms):
-            full[i * ba:(i + 1) * ba, i * bb:(i + 1) * bb] = m
-        return full
-    return np.asarray(_to_numpy(v), dtype=np.float64)
+        return v
+    c = np.asarray(_to_numpy(v), dtype=np.float64)
+    if c.ndim != 2:
+        raise BicoError(E_SHAPE, "transfer: statistic %s has shape %s; a "
+                        "cross-covariance is 2-D" % (key, c.shape))
+    x = XCov(c.shape[0], c.shape[1])
+    x.add_matrix(c, 1)
+    return x
+
+
+def _lend_stats(t, stats):
+    """Lends every statistic of the dict to the handle t (bico.Transfer)."""
+    for key, v in stats.items():
+        module, _, side = key.rpartition(".")
+        if side not in ("in_xcov", "out_xcov") or not module:
+            raise BicoError(E_ARG, "transfer: statistics key %r is not "
+                            "\"<module>.in_xcov\" or \"<module>.out_xcov\""
+                            % (key,))
+        blocks = v if isinstance(v, (list, tuple)) else [v]
+        t.set_xcov(module, side[:-5],
+                   [_as_xcov(b, "%s[%d]" % (key, i))
+                    for i, b in enumerate(blocks)])
+
+
+def _lend_votes(t, votes):
+    for k, v in votes.items():
+        if not isinstance(v, Votes):
+            counts = np.asarray(_to_numpy(v)).astype(np.int32)
+            vv = Votes(counts.shape if counts.ndim else (1,))
+            vv.add_counts(counts.reshape(vv.shape),
+                          int(np.abs(counts).max()) if counts.size else 0)
+            v = vv
+        t.set_votes(_rename(k), v)
 
 
 def transfer_via_driver(source_base, source_tuned, target_base, stats,
                         method="bico", alpha=1.0, norm_map="act", split=None,
-                        ties=None, votes=None, source_blocks=None,
-                        target_blocks=None, report=None, return_delta=False,
-                        **procrustes_options):
+                        ties=None, votes=None, gradfix_mode="majority",
+                        source_blocks=None, target_blocks=None, report=None,
+                        return_delta=False, **options):
+    """bico.transfer_state_dict's body: see there."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError("transfer: unknown options %s" % ", ".join(unknown))
     split = dict(DEFAULT_SPLIT if split is None else split)
     with tempfile.TemporaryDirectory(prefix="bico-") as d:
         p = lambda n: os.path.join(d, n)
@@ -94,43 +128,36 @@ def transfer_via_driver(source_base, source_tuned, target_base, stats,
         _st.write(p("a.safetensors"), a0)
         _st.write(p("a_ft.safetensors"), a1)
         _st.write(p("b.safetensors"), b0, dtypes=b_dtypes)
-        files = dict(source_base=p("a.safetensors"),
-                     source_tuned=p("a_ft.safetensors"),
-                     target_base=p("b.safetensors"),
-                     output=p("out.safetensors"),
-                     report=p("report.json"))
-        if return_delta:
-            files["delta_output"] = p("delta.safetensors")
-        if method.startswith("bico"):
-            if isinstance(stats, str) or hasattr(stats, "__fspath__"):
-                files["stats"] = os.fspath(stats)
-            else:
-                mats = {k: _stat_matrix(v) for k, v in (stats or {}).items()}
-                _st.write(p("stats.safetensors"), mats)
-                files["stats"] = p("stats.safetensors")
-        if method == "gradfix":
-            vt = {}
-            for k, v in (votes or {}).items():
-                vt[_rename(k)] = (v.counts() if isinstance(v, Votes)
-                                  else np.asarray(_to_numpy(v))
-                                  .astype(np.int32))
-            _st.write(p("votes.safetensors"), vt)
-            files["target_votes"] = p("votes.safetensors")
-        opts = dict(norm_map=norm_map)
-        for k in ("null", "rank_tol", "center", "whiten", "proc_method",
-                  "workers", "solve_memory"):
-            if k in procrustes_options:
-                opts[k] = procrustes_options.pop(k)
-        if procrustes_options:
-            raise TypeError("transfer: unknown options %s"
-                            % ", ".join(sorted(procrustes_options)))
-        if source_blocks is not None:
-            opts["source_blocks"] = source_blocks
-        if target_blocks is not None:
-            opts["target_blocks"] = target_blocks
-        transfer_files(method=method, alpha=alpha, split=split,
-                       ties={_rename(k): v for k, v in (ties or {}).items()},
-                       **files, **opts)
+        with Transfer() as t:
+            t.set_file("source_base", p("a.safetensors"))
+            t.set_file("source_tuned", p("a_ft.safetensors"))
+            t.set_file("target_base", p("b.safetensors"))
+            t.set_file("output", p("out.safetensors"))
+            t.set_file("report", p("report.json"))
+            if return_delta:
+                t.set_file("delta_output", p("delta.safetensors"))
+            if method.startswith("bico"):
+                if isinstance(stats, str) or hasattr(stats, "__fspath__"):
+                    t.set_file("stats", os.fspath(stats))
+                else:
+                    _lend_stats(t, stats or {})
+            if method == "gradfix":
+                _lend_votes(t, votes or {})
+                t.set("gradfix_mode", gradfix_mode)
+            t.set("method", method)
+            t.set("alpha", alpha)
+            t.set("norm_map", norm_map)
+            for k, v in options.items():
+                t.set(k, v)
+            for name, v in (("source_blocks", source_blocks),
+                            ("target_blocks", target_blocks)):
+                if v is not None:
+                    t.set(name, v)
+            for suffix, k in split.items():
+                t.add_split(suffix, k)
+            for tensor, module in (ties or {}).items():
+                t.add_tie(_rename(tensor), module)
+            t.run()
         out = _st.read(p("out.safetensors"))
         delta = _st.read(p("delta.safetensors")) if return_delta else None
         if report is not None:

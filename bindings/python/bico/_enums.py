@@ -68,13 +68,14 @@ TRANSFER_FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
                   "stats": 7, "target_votes": 8, "output": 9,
                   "delta_output": 10, "report": 11, "lora": 12,
                   "lora_output": 13}
-TRANSFER_PARAMS = {"method": 1, "alpha": 2, "norm_map": 3, "null": 4,
-                   "rank_tol": 5, "center": 6, "whiten": 7, "proc_method": 8,
-                   "workers": 9, "solve_memory": 10}
+TRANSFER_PARAMS = _names_from_library(fn.transfer_param_name,
+                                     "transfer parameter")
+TRANSFER_SIDES = _names_from_library(fn.transfer_side_name, "transfer side")
 TRANSFER_STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3}
 # the parameters that take a name, and their names
 TRANSFER_ENUMS = {"method": METHODS, "norm_map": NORM_MAPS,
-                  "null": PROC_NULL_NAMES, "proc_method": PROC_METHOD_NAMES}
+                  "null": PROC_NULL_NAMES, "proc_method": PROC_METHOD_NAMES,
+                  "gradfix_mode": GRADFIX_MODES}
 # the fused projections split by default (suffix: blocks)
 DEFAULT_SPLIT = {"qkv": 3, "in_proj": 3}
 

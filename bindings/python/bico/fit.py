@@ -36,7 +36,10 @@ _PROTOTYPES = {
     "bico_fit_free": (None, [_vp]),
     "bico_fit_set_param": (_S, [_vp, ctypes.c_int, _d]),
     "bico_fit_get_param": (_S, [_vp, ctypes.c_int, _P(_d)]),
-    "bico_fit_param_bounds": (_S, [ctypes.c_int, _P(_d), _P(_d)]),
+    "bico_fit_param_bounds": (_S, [ctypes.c_int, _P(_d), _P(_d),
+                                   _P(ctypes.c_uint)]),
+    "bico_fit_param_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "bico_fit_param_from_name": (_S, [ctypes.c_char_p, _P(ctypes.c_int)]),
     "bico_fit_add": (_S, [_vp, _sz, _vp, _sz, _vp, _sz, _vp, _sz]),
     "bico_fit_merge": (_S, [_vp, _vp]),
     "bico_fit_reset": (_S, [_vp]),
@@ -227,11 +230,15 @@ class Fit(_Handle):
 
     @staticmethod
     def param_bounds(param):
+        """(lo, hi, flags): params.h's grammar (flags: BICO_PARAM_LO_OPEN
+        1, HI_OPEN 2, INTEGER 4)."""
         lo, hi = ctypes.c_double(), ctypes.c_double()
-        st = _fn.param_bounds(int(param), ctypes.byref(lo), ctypes.byref(hi))
+        fl = ctypes.c_uint()
+        st = _fn.param_bounds(int(param), ctypes.byref(lo), ctypes.byref(hi),
+                              ctypes.byref(fl))
         if st != 0:
             raise BicoError(st)
-        return lo.value, hi.value
+        return lo.value, hi.value, fl.value
 
 
 class _Borrowed(Fit):

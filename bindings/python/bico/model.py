@@ -16,7 +16,8 @@ from . import _args as A
 from ._enums import (choose, MODULE_KINDS as KINDS, TENSOR_ROLES as ROLES,
                      METHODS, TRANSFER_FILES as FILES,
                      TRANSFER_PARAMS as PARAMS, TRANSFER_STRINGS as STRINGS,
-                     TRANSFER_ENUMS as _ENUMS, DTYPE_NAMES)
+                     TRANSFER_ENUMS as _ENUMS, TRANSFER_SIDES as _SIDES,
+                     DTYPE_NAMES)
 
 __all__ = ["Model", "Transfer", "transfer_files", "stats_from_calib",
            "stats_merge", "KINDS", "ROLES", "METHODS", "FILES", "PARAMS"]
@@ -177,6 +178,7 @@ class Transfer(_Handle):
         _check(fn.transfer_create(ctx._alive(), ctypes.byref(h)), ctx)
         self._adopt(h.value, ctx)
         self._log_cb = None
+        self._lent = {}  # lent accumulators stay alive with the handle
         if log:
             self.set_log(log)
 
@@ -226,6 +228,40 @@ class Transfer(_Handle):
     def add_tie(self, tensor, module):
         _check(fn.transfer_add_tie(self._alive(), _enc(tensor, "tensor"),
                                    _enc(module, "module")), self.ctx)
+
+    def set_xcov(self, module, side, xcovs):
+        """Lends statistics of one side ("in" or "out") of target module
+        `module`: a bico.XCov, or a list of one per output block (a split
+        module); None or [] withdraws.  The handle keeps them (and so the
+        accumulators stay alive) until it is closed or the side is set
+        again; they must not change meanwhile."""
+        side = choose(_SIDES, side, "Transfer.set_xcov: side")
+        from ._core import XCov
+        if xcovs is None:
+            xcovs = []
+        elif isinstance(xcovs, XCov):
+            xcovs = [xcovs]
+        xcovs = list(xcovs)
+        for x in xcovs:
+            if not isinstance(x, XCov):
+                raise TypeError("Transfer.set_xcov: %s: expected bico.XCov, "
+                                "got %s" % (module, type(x).__name__))
+        arr = (c_void_p * max(len(xcovs), 1))(*[x._alive() for x in xcovs])
+        _check(fn.transfer_set_xcov(self._alive(), _enc(module, "module"),
+                                    side, len(xcovs), arr), self.ctx)
+        self._lent[("xcov", module, side)] = xcovs
+
+    def set_votes(self, tensor, votes):
+        """Lends GradFix votes (a bico.Votes) for target tensor `tensor`;
+        None withdraws.  Kept like set_xcov's accumulators."""
+        from ._core import Votes
+        if votes is not None and not isinstance(votes, Votes):
+            raise TypeError("Transfer.set_votes: %s: expected bico.Votes, "
+                            "got %s" % (tensor, type(votes).__name__))
+        _check(fn.transfer_set_votes(self._alive(), _enc(tensor, "tensor"),
+                                     None if votes is None
+                                     else votes._alive()), self.ctx)
+        self._lent[("votes", tensor)] = votes
 
     def set_log(self, log):
         if log is True:

@@ -47,7 +47,8 @@ from ._core import (BicoError, Context, Procrustes, Votes, XCov, E_ARG,
                     E_NOTFOUND, E_SHAPE, E_STATE)
 from ._names import Pairing
 from . import safetensors as _st
-from .transfer import DEFAULT_SPLIT, _split_for
+from ._enums import DEFAULT_SPLIT
+from ._names import split_for as _split_for
 from .transfer import transfer_state_dict as _transfer_np
 
 __all__ = ["Collector", "collect_statistics", "collect_votes", "save_votes",

@@ -1,0 +1,502 @@
+"""Quality on real text: carry a fine-tune of a small byte-level Llama LM
+to other Llama LMs (other width, depth, seed) with `bico transfer` on
+Hugging Face model folders, and score held-out text.
+
+    make bench-quality           (the second section; or python3 run.py)
+
+General text: /usr/share/doc NEWS/README files; task: the license texts of
+/usr/share/common-licenses (lm.py says why).  The source and each target are
+pretrained here on the general text (own seed and size); the source is then
+fine-tuned on the task text, fully and with a PEFT LoRA adapter; each
+target too (the upper bound).  For every target and method: the mean
+next-byte loss (nats) on held-out task text, its perplexity, the share of
+the zero-shot -> fine-tuned gap closed, (zs - loss) / (zs - ft), and the
+loss on held-out general text (forgetting).  Scale alpha = 1 as the command
+defaults; beside it, alpha chosen on the calibration text's own loss (no
+held-out text) from a small grid.
+
+Models, files and results are cached under build/quality-llm (BICO_LLM_CACHE)
+keyed by their configuration (cells also by a hash of the bico command,
+libbico and the Python package): a rerun prints from the cache.
+--bico-flags passes extra options to every BiCo-family `bico transfer`
+(e.g. --bico-flags "--structure heads"); they are part of the cache key.
+"""
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+sys.path.insert(0, os.path.join(ROOT, "test", "e2e"))
+
+import lm  # noqa: E402
+import planted as pl  # noqa: E402
+
+CACHE = os.environ.get("BICO_LLM_CACHE",
+                       os.path.join(ROOT, "build", "quality-llm"))
+BICO = os.environ.get("BICO_CLI", os.path.join(ROOT, "build", "bin", "bico"))
+RESULTS_VERSION = 1
+
+DATA = dict(general_bytes=3_000_000, general_per_file=65536,
+            task_bytes=1_000_000, task_per_file=1 << 20, ctx=64)
+PRE = dict(steps=1000, lr=3e-3, batch=16)
+FT = dict(steps=300, lr=1e-3, batch=16)
+LORA = dict(steps=300, lr=3e-3, batch=16, r=8, alpha=16)
+SOURCE = dict(width=96, depth=3, ffn=256, seed=1)
+TARGETS = {
+    "same": dict(width=96, depth=3, ffn=256, seed=2),
+    "wide": dict(width=128, depth=4, ffn=344, seed=3),
+    "narrow": dict(width=64, depth=2, ffn=172, seed=4),
+    # control: the source itself in other coordinates (true symmetries of
+    # the architecture, test/e2e/llama.py), its fine-tunes carried the same
+    # way; a correct pipeline closes nearly all of the gap here
+    "planted": dict(width=96, depth=3, ffn=256, seed=1, planted=7),
+}
+CALIB = dict(windows=8)          # 8 x 64 = 512 calibration rows
+EVAL = dict(windows=300)
+ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0]
+# (label, method, shapes: "same" or "all", calibration windows of 64 bytes)
+METHODS = [("naive", "naive", "same", 8), ("gradfix", "gradfix", "same", 8),
+           ("bico", "bico", "all", 8), ("bico-in", "bico-in", "all", 8),
+           ("bico-out", "bico-out", "all", 8), ("fit", "fit", "all", 8),
+           ("bico 4096", "bico", "all", 64), ("fit 4096", "fit", "all", 64)]
+
+
+def tool_key():
+    """A hash of the code under test (the bico command, the library and the
+    Python package): a rebuilt libbico recomputes the cells, not the
+    models."""
+    import glob
+    lib = os.environ.get("BICO_LIBRARY",
+                         os.path.join(ROOT, "build", "lib", "libbico.so"))
+    h = hashlib.sha256()
+    for p in [BICO, lib] + sorted(glob.glob(os.path.join(
+            ROOT, "bindings", "python", "bico", "*.py"))):
+        with open(os.path.realpath(p), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def key_of(*parts):
+    blob = json.dumps([lm.CODE_VERSION, DATA] + list(parts), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class Bench(object):
+    def __init__(self, log):
+        self.log = log
+        os.makedirs(CACHE, exist_ok=True)
+        g, self.n_general = lm.corpus("general", DATA["general_bytes"],
+                                      DATA["general_per_file"])
+        t, self.n_task = lm.corpus("task", DATA["task_bytes"],
+                                   DATA["task_per_file"])
+        # the text is part of every key: another system's docs, other models
+        self.text_key = hashlib.sha256(g + t).hexdigest()[:16]
+        self.gtr, self.gte = lm.split(g)
+        self.ttr, self.tte = lm.split(t)
+        T = DATA["ctx"]
+        self.eval_task = lm.windows(self.tte, T, EVAL["windows"])
+        self.eval_gen = lm.windows(self.gte, T, EVAL["windows"])
+        self.calib = lm.windows(self.ttr, T, CALIB["windows"])
+        self.calib_all = lm.windows(self.ttr, T)
+        self.tok = lm.tokenizer_json()
+        self.log("text: general %d files %d bytes (train %d, held out %d); "
+                 "task %d files %d bytes (train %d, held out %d)"
+                 % (self.n_general, len(g), len(self.gtr), len(self.gte),
+                    self.n_task, len(t), len(self.ttr), len(self.tte)))
+
+    def path(self, *parts):
+        return os.path.join(CACHE, *parts)
+
+    # ---- models (folders in the cache) ----
+
+    def planted(self, spec, folder, name):
+        """The source model in folder carried to the planted coordinates of
+        spec (a model folder under name)."""
+        k = key_of(self.text_key, name, spec, PRE, FT, LORA)
+        d = self.path("models", "%s-%s" % (name, k))
+        if not os.path.exists(os.path.join(d, "model.safetensors")):
+            m = self.model(folder)
+            g = torch.Generator().manual_seed(spec["planted"])
+            sym = lm.llama.symmetry(m.cfg, g)
+            sd = lm.llama.transform(m.cfg, {k2: v.double() for k2, v in
+                                            m.state_dict().items()}, sym)
+            lm.write_model_folder(d + ".tmp", lm.load(m.cfg, sd), self.tok)
+            os.replace(d + ".tmp", d)
+        return d
+
+    def pretrained(self, spec):
+        if "planted" in spec:
+            return self.planted(spec, self.pretrained(SOURCE), "planted-pre")
+        k = key_of(self.text_key, "pre", spec, PRE)
+        d = self.path("models", "pre-%s" % k)
+        if not os.path.exists(os.path.join(d, "model.safetensors")):
+            self.log("pretraining width %d depth %d seed %d"
+                     % (spec["width"], spec["depth"], spec["seed"]))
+            m = lm.LM(lm.config(spec["width"], spec["depth"], spec["ffn"],
+                                ctx=DATA["ctx"]), spec["seed"])
+            lm.check_forward(m)
+            lm.train(m, list(m.parameters()), self.gtr, PRE["steps"],
+                     PRE["lr"], PRE["batch"], DATA["ctx"], spec["seed"],
+                     self.log)
+            lm.write_model_folder(d + ".tmp", m, self.tok)
+            os.replace(d + ".tmp", d)
+        return d
+
+    def model(self, folder):
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+        sd, _, _ = pl.load(os.path.join(folder, "model.safetensors"))
+        return lm.load(cfg, sd)
+
+    def finetuned(self, spec):
+        if "planted" in spec:
+            return self.planted(spec, self.finetuned(SOURCE), "planted-ft")
+        base = self.pretrained(spec)
+        k = key_of(self.text_key, "ft", spec, PRE, FT)
+        d = self.path("models", "ft-%s" % k)
+        if not os.path.exists(os.path.join(d, "model.safetensors")):
+            self.log("fine-tuning width %d depth %d on the task"
+                     % (spec["width"], spec["depth"]))
+            m = self.model(base)
+            lm.train(m, list(m.parameters()), self.ttr, FT["steps"],
+                     FT["lr"], FT["batch"], DATA["ctx"], spec["seed"] + 100,
+                     self.log, warmup=20)
+            lm.write_model_folder(d + ".tmp", m, self.tok)
+            os.replace(d + ".tmp", d)
+        return d
+
+    def lora(self, spec):
+        """(adapter folder, merged model folder) of a LoRA fine-tune."""
+        if "planted" in spec:
+            return None, self.planted(spec, self.lora(SOURCE)[1],
+                                      "planted-lora")
+        base = self.pretrained(spec)
+        k = key_of(self.text_key, "lora", spec, PRE, LORA)
+        d = self.path("models", "lora-%s" % k)
+        if not os.path.exists(os.path.join(d, "merged", "model.safetensors")):
+            self.log("LoRA fine-tuning width %d depth %d on the task"
+                     % (spec["width"], spec["depth"]))
+            m = self.model(base)
+            params = lm.add_lora(m, LORA["r"], LORA["alpha"], spec["seed"])
+            lm.train(m, params, self.ttr, LORA["steps"], LORA["lr"],
+                     LORA["batch"], DATA["ctx"], spec["seed"] + 200,
+                     self.log, warmup=20)
+            tensors, merged = lm.lora_tensors(m)
+            tmp = d + ".tmp"
+            os.makedirs(os.path.join(tmp, "adapter"), exist_ok=True)
+            with open(os.path.join(tmp, "adapter",
+                                   "adapter_config.json"), "w") as f:
+                json.dump(lm.lora_config(LORA["r"], LORA["alpha"], base), f,
+                          indent=2)
+            pl.save(os.path.join(tmp, "adapter", "adapter_model.safetensors"),
+                    {k2: v.numpy().astype(np.float32)
+                     for k2, v in tensors.items()}, {"format": "pt"})
+            mm = lm.load(m.cfg, merged)
+            lm.write_model_folder(os.path.join(tmp, "merged"), mm, self.tok)
+            os.replace(tmp, d)
+        return os.path.join(d, "adapter"), os.path.join(d, "merged")
+
+    def calib_file(self, spec, n):
+        k = key_of(self.text_key, "calib", spec, PRE, n)
+        p = self.path("calib", "%s.safetensors" % k)
+        if not os.path.exists(p):
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            m = self.model(self.pretrained(spec))
+            pl.save(p + ".tmp", lm.calibration(m, self.calib_all[:n]))
+            os.replace(p + ".tmp", p)
+        return p
+
+    def votes_file(self, spec):
+        k = key_of(self.text_key, "votes", spec, PRE, CALIB)
+        p = self.path("calib", "votes-%s.safetensors" % k)
+        if not os.path.exists(p):
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            m = self.model(self.pretrained(spec))
+            pl.save(p + ".tmp", lm.votes(m, self.calib))
+            os.replace(p + ".tmp", p)
+        return p
+
+    def check_adapter(self):
+        """The PEFT adapter written here means what the merged model says:
+        `bico transfer --method naive --lora` onto the source's own base
+        must give the merged LoRA model (checked once per adapter)."""
+        adapter, merged = self.lora(SOURCE)
+        mark = os.path.join(os.path.dirname(adapter), "checked")
+        if os.path.exists(mark):
+            return
+        out = self.path("out", "adapter-check.safetensors")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        base = self.pretrained(SOURCE)
+        r = subprocess.run([BICO, "transfer", "--method", "naive",
+                            "--source-base", base, "--target-base", base,
+                            "--lora", adapter, "--merge-into-base", "--quiet",
+                            "--output", out], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        got, _, _ = pl.load(out)
+        want, _, _ = pl.load(os.path.join(merged, "model.safetensors"))
+        err = max(float(np.abs(got[k] - want[k]).max()) for k in want)
+        assert err < 1e-5, "adapter and merged model differ by %g" % err
+        open(mark, "w").close()
+
+    # ---- scoring ----
+
+    def score(self, m):
+        return {"task": lm.mean_loss(m, self.eval_task),
+                "general": lm.mean_loss(m, self.eval_gen)}
+
+    def score_delta(self, spec, sd):
+        """Scores of the target with the carried update at alpha = 1, and at
+        the alpha (grid) with the least loss on the calibration windows."""
+        b = self.model(self.pretrained(spec))
+        b0 = {k: v.detach().clone() for k, v in b.state_dict().items()}
+        delta = {k: torch.as_tensor(np.asarray(sd[k])).float() - b0[k]
+                 for k in b0}
+        res = self.score(lm.load(b.cfg, sd))
+        best = None
+        for a in ALPHAS:
+            m = lm.load(b.cfg, {k: b0[k] + a * delta[k] for k in b0})
+            c = lm.mean_loss(m, self.calib)
+            if best is None or c < best[1]:
+                best = (a, c)
+        res["alpha_calib"] = best[0]
+        m = lm.load(b.cfg, {k: b0[k] + best[0] * delta[k] for k in b0})
+        res["task_calib_alpha"] = lm.mean_loss(m, self.eval_task)
+        res["general_calib_alpha"] = lm.mean_loss(m, self.eval_gen)
+        return res
+
+    # ---- transfers ----
+
+    def cli(self, tname, kind, method, extra, n):
+        spec = TARGETS[tname]
+        out = self.path("out", "%s-%s-%s-%d.safetensors"
+                        % (tname, kind, method, n))
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        cmd = [BICO, "transfer", "--method", method,
+               "--source-base", self.pretrained(SOURCE),
+               "--target-base", self.pretrained(spec),
+               "--threads", "1", "--quiet", "--output", out]
+        if kind == "full":
+            cmd += ["--source-tuned", self.finetuned(SOURCE)]
+        else:
+            cmd += ["--lora", self.lora(SOURCE)[0], "--merge-into-base"]
+        if method.startswith("bico"):
+            cmd += ["--source-calib", self.calib_file(SOURCE, n),
+                    "--target-calib", self.calib_file(spec, n)] + extra
+        if method == "gradfix":
+            cmd += ["--target-votes", self.votes_file(spec)]
+        r = subprocess.run([str(c) for c in cmd], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            raise RuntimeError("bico transfer failed (%d): %s"
+                               % (r.returncode, r.stderr.strip()[-600:]))
+        sd, _, _ = pl.load(out)
+        return sd
+
+    def fit(self, tname, kind, n):
+        import bico.torch as bt
+        spec = TARGETS[tname]
+        a = self.model(self.pretrained(SOURCE))
+        aft = self.model(self.finetuned(SOURCE) if kind == "full"
+                         else self.lora(SOURCE)[1])
+        b = self.model(self.pretrained(spec))
+        batches = [(w[:, :-1], w[:, 1:]) for w in
+                   self.calib_all[:n].split(4)]
+        new = bt.transfer_model(a, aft, b, batches, method="fit",
+                                loss_fn=lm.loss_sum)
+        return {k: v.detach().float().numpy() for k, v in new.items()}
+
+    def cell(self, tname, kind, method, extra, n):
+        t0 = time.time()
+        try:
+            sd = (self.fit(tname, kind, n) if method == "fit"
+                  else self.cli(tname, kind, method, extra, n))
+        except Exception as e:  # a method that does not run is reported
+            return {"error": " / ".join(str(e).splitlines())[:300]
+                    or type(e).__name__}
+        res = self.score_delta(TARGETS[tname], sd)
+        res["seconds"] = time.time() - t0
+        return res
+
+    def ends(self, tname, kind):
+        spec = TARGETS[tname]
+        zs = self.score(self.model(self.pretrained(spec)))
+        ft = self.score(self.model(self.finetuned(spec) if kind == "full"
+                                   else self.lora(spec)[1]))
+        sz = self.score(self.model(self.pretrained(SOURCE)))
+        sf = self.score(self.model(self.finetuned(SOURCE) if kind == "full"
+                                   else self.lora(SOURCE)[1]))
+        return {"zs": zs, "ft": ft, "src_zs": sz, "src_ft": sf}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--kinds", default="full,lora")
+    ap.add_argument("--methods", default=",".join(m[0] for m in METHODS))
+    ap.add_argument("--bico-flags", default="",
+                    help="extra options for the bico, bico-in and bico-out "
+                    "transfers, one string")
+    ap.add_argument("--fresh", action="store_true",
+                    help="recompute every cell (models stay cached)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.time()
+    log = lambda s: print("[%5.0fs] %s" % (time.time() - t0, s),
+                          file=sys.stderr, flush=True)
+    extra = shlex.split(args.bico_flags)
+    bench = Bench(log)
+    rpath = os.path.join(CACHE, "results.json")
+    store = {}
+    if os.path.exists(rpath) and not args.fresh:
+        with open(rpath) as f:
+            store = json.load(f)
+
+    def save():
+        tmp = rpath + ".tmp.%d" % os.getpid()
+        with open(tmp, "w") as f:
+            json.dump(store, f, indent=1, sort_keys=True)
+        os.replace(tmp, rpath)
+
+    common = [RESULTS_VERSION, bench.text_key, SOURCE, PRE, FT, LORA, CALIB,
+              EVAL]
+    tool = tool_key()
+    table = {}
+    methods = args.methods.split(",")
+    if "lora" in args.kinds.split(","):
+        bench.check_adapter()
+    for tname in args.targets.split(","):
+        for kind in args.kinds.split(","):
+            cid = "%s/%s" % (tname, kind)
+            k = key_of(common, TARGETS[tname], cid, "ends")
+            if k not in store:
+                store[k] = bench.ends(tname, kind)
+                save()
+            table[cid] = {"ends": store[k]}
+            same = TARGETS[tname]["width"] == SOURCE["width"] and \
+                TARGETS[tname]["depth"] == SOURCE["depth"]
+            for label, method, shapes, n in METHODS:
+                if label not in methods or (shapes == "same" and not same):
+                    continue
+                fl = extra if method.startswith("bico") else []
+                k = key_of(common, TARGETS[tname], cid, method, fl, n,
+                           ALPHAS, tool)
+                r = store.get(k)
+                if r is None:
+                    r = bench.cell(tname, kind, method, fl, n)
+                    log("%s %s: %s" % (cid, label, r.get("error") or
+                                       "task %.4f general %.4f" % (
+                                           r["task"], r["general"])))
+                    if "error" not in r:   # a failure is retried next time
+                        store[k] = r
+                        save()
+                table[cid][label] = r
+    print_table(table, methods, args.bico_flags, bench)
+
+
+def gap(loss, e):
+    return (e["zs"]["task"] - loss) / (e["zs"]["task"] - e["ft"]["task"])
+
+
+def print_table(table, methods, flags, bench):
+    cids = list(table)
+    w = 14
+    print("Held-out task (license) text: loss in nats/byte (perplexity = "
+          "exp) and share of the zero-shot -> fine-tuned gap closed;")
+    print("alpha = 1.  Source width %d depth %d; targets: %s.%s"
+          % (SOURCE["width"], SOURCE["depth"], ", ".join(
+              "%s = width %d depth %d" % (n, c["width"], c["depth"])
+              for n, c in TARGETS.items()),
+             "  bico flags: %s" % flags if flags else ""))
+    rows = ["zero-shot"] + [m[0] for m in METHODS if m[0] in methods] + \
+        ["fine-tuned"]
+
+    def block(title, fn):
+        print()
+        print(title)
+        print("%-12s" % "method" + "".join("%*s" % (w, c) for c in cids)
+              + "%10s" % "mean gap")
+        print("%-12s" % "" + "".join("%*s" % (w, "(control)")
+                                    if c.startswith("planted") else " " * w
+                                    for c in cids)
+              + "%10s" % "(no ctrl)")
+        for r in rows:
+            vals, gaps = [], []
+            for c in cids:
+                v = fn(r, table[c])
+                vals.append(v[0])
+                if v[1] is not None and not c.startswith("planted"):
+                    gaps.append(v[1])
+            print("%-12s" % r + "".join("%*s" % (w, v) for v in vals)
+                  + "%10s" % ("%.0f%%" % (100 * np.mean(gaps))
+                              if gaps else "-"))
+
+    def task_cell(r, t, key="task"):
+        e = t["ends"]
+        if r == "zero-shot":
+            return "%.3f (%.2f)" % (e["zs"]["task"], np.exp(e["zs"]["task"])), None
+        if r == "fine-tuned":
+            return "%.3f (%.2f)" % (e["ft"]["task"], np.exp(e["ft"]["task"])), None
+        x = t.get(r)
+        if x is None:
+            return "-", None
+        if "error" in x:
+            return "error", None
+        g = gap(x[key], e)
+        return "%.3f %4.0f%%" % (x[key], 100 * g), g
+
+    def gen_cell(r, t, key="general"):
+        e = t["ends"]
+        if r in ("zero-shot", "fine-tuned"):
+            return "%.3f" % e["zs" if r == "zero-shot" else "ft"]["general"], None
+        x = t.get(r)
+        if x is None or "error" in x:
+            return ("-" if x is None else "error"), None
+        return "%.3f" % x[key], None
+
+    block("task loss, gap closed (alpha = 1)", task_cell)
+    block("task loss, gap closed (alpha chosen on the calibration text)",
+          lambda r, t: task_cell(r, t, "task_calib_alpha"))
+    print()
+    print("alpha chosen on the calibration text: " + "; ".join(
+        "%s %s" % (c, ", ".join("%s %g" % (m, table[c][m]["alpha_calib"])
+                                for m in methods if m in table[c]
+                                and "alpha_calib" in table[c][m]))
+        for c in cids))
+    block("general-text loss (forgetting; alpha = 1)", gen_cell)
+    errs = ["%s %s: %s" % (c, m, table[c][m]["error"]) for c in cids
+            for m in methods if m in table[c] and "error" in table[c][m]]
+    if errs:
+        print()
+        print("errors:")
+        for e in errs:
+            print("  " + e)
+    print()
+    e = next(iter(table.values()))["ends"]
+    print("source: task loss zero-shot %.3f, full fine-tune %.3f; general "
+          "%.3f -> %.3f" % (e["src_zs"]["task"],
+                            table[cids[0]]["ends"]["src_ft"]["task"],
+                            e["src_zs"]["general"],
+                            table[cids[0]]["ends"]["src_ft"]["general"]))
+    for c in cids:
+        if c.endswith("/lora"):
+            s = table[c]["ends"]
+            print("source LoRA: task %.3f general %.3f" % (
+                s["src_ft"]["task"], s["src_ft"]["general"]))
+            break
+    print("text: %d general files, %d license files (code %s)"
+          % (bench.n_general, bench.n_task, bench.text_key))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+// Output folders (bico_stwriter_create_folder, bico_output_is_folder) and
+// the transfer's structured progress (bico_transfer_set_progress).  The
+// folder tests read the shards back with the reader and the test's own
+// JSON look-ups; the progress test compares the reported work with the
+// plan's group costs, computed by bico_transfer_plan on another handle.
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "st_testutil.h"
+#include "testutil.h"
+
+namespace {
+
+using stt::TempDir;
+
+std::string slurp(const std::string &p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+bool exists(const std::string &p) { return access(p.c_str(), F_OK) == 0; }
+
+std::vector<std::string> names_in(const std::string &dir) {
+  std::vector<std::string> v;
+  for (auto &e : std::filesystem::directory_iterator(dir))
+    v.push_back(e.path().filename().string());
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// Four F32 tensors of 6, 2, 3 and 1 elements (24, 8, 12 and 4 bytes).
+const char *const NAMES[4] = {"a.weight", "a.bias", "b.weight", "b.bias"};
+const size_t NUMEL[4] = {6, 2, 3, 1};
+
+bico_status write_model(bico_stwriter *w) {
+  bico_status st = BICO_OK;
+  for (int k = 0; k < 4 && st == BICO_OK; k++)
+    st = bico_stwriter_declare(w, NAMES[k], BICO_DTYPE_F32, 1, &NUMEL[k]);
+  for (int k = 0; k < 4 && st == BICO_OK; k++) {
+    std::vector<float> v(NUMEL[k]);
+    for (size_t i = 0; i < v.size(); i++) v[i] = 10.0f * k + (float)i;
+    st = bico_stwriter_write_f32(w, NAMES[k], v.data(), v.size());
+  }
+  return st;
+}
+
+// The values back through the reader (which takes the folder), and each
+// tensor's file.
+void read_back(const std::string &dir, std::map<std::string, std::string> *file) {
+  bt::Ctx ctx;
+  bico_stfile *f = nullptr;
+  ASSERT_EQ(bico_stfile_open(ctx, dir.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(bico_stfile_count(f), 4u);
+  for (int k = 0; k < 4; k++) {
+    size_t i;
+    ASSERT_EQ(bico_stfile_find(f, NAMES[k], &i), BICO_OK);
+    std::vector<float> v(NUMEL[k]);
+    ASSERT_EQ(bico_stfile_read_f32(f, i, v.data(), v.size()), BICO_OK);
+    for (size_t e = 0; e < v.size(); e++) EXPECT_EQ(v[e], 10.0f * k + (float)e);
+    const char *p = nullptr;
+    ASSERT_EQ(bico_stfile_tensor_path(f, i, &p), BICO_OK);
+    std::string s(p);
+    (*file)[NAMES[k]] = s.substr(s.rfind('/') + 1);
+  }
+  bico_stfile_close(f);
+}
+
+TEST(OutputFolder, GreedyShardsWithIndexAndTheLikeFolderCopied) {
+  TempDir d;
+  std::string like = d / "like", out = d / "out";
+  ASSERT_EQ(mkdir(like.c_str(), 0777), 0);
+  std::ofstream(like + "/config.json") << "{\"x\": 1}";
+  std::ofstream(like + "/tokenizer.json") << "{}";
+  std::ofstream(like + "/pytorch_model.bin") << "weights";
+  std::ofstream(like + "/.hidden") << "no";
+  bt::Ctx ctx;
+  {  // the like folder's weights: one file
+    bico_stwriter *w = nullptr;
+    ASSERT_EQ(bico_stwriter_create(ctx, (like + "/model.safetensors").c_str(), &w), BICO_OK);
+    ASSERT_EQ(write_model(w), BICO_OK);
+    ASSERT_EQ(bico_stwriter_commit(w), BICO_OK);
+    bico_stwriter_free(w);
+  }
+  EXPECT_EQ(bico_output_is_folder(out.c_str(), like.c_str()), 1);
+  bico_stwriter *w = nullptr;
+  // 30 bytes: [24] [8 + 12] [4] would pass 30 with 4 more: [24] [8+12] ...
+  // 24 fits; +8 = 32 > 30: new; 8 + 12 = 20, + 4 = 24 <= 30: same shard.
+  ASSERT_EQ(bico_stwriter_create_folder(ctx, out.c_str(), like.c_str(), 30, &w),
+            BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(bico_stwriter_add_metadata(w, "format", "pt"), BICO_OK);
+  ASSERT_EQ(write_model(w), BICO_OK);
+  EXPECT_FALSE(exists(out + "/config.json"));  // nothing before the commit
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter_free(w);
+  std::map<std::string, std::string> file;
+  read_back(out, &file);
+  const std::string s1 = "model-00001-of-00002.safetensors",
+                    s2 = "model-00002-of-00002.safetensors";
+  EXPECT_EQ(file["a.weight"], s1);
+  EXPECT_EQ(file["a.bias"], s2);
+  EXPECT_EQ(file["b.weight"], s2);
+  EXPECT_EQ(file["b.bias"], s2);
+  std::string index = slurp(out + "/model.safetensors.index.json");
+  EXPECT_NE(index.find("\"total_size\": 48"), std::string::npos) << index;
+  EXPECT_EQ(slurp(out + "/config.json"), "{\"x\": 1}");
+  EXPECT_TRUE(exists(out + "/tokenizer.json"));
+  EXPECT_FALSE(exists(out + "/pytorch_model.bin"));
+  EXPECT_FALSE(exists(out + "/.hidden"));
+  EXPECT_FALSE(exists(out + "/model.safetensors"));
+  // every shard carries the metadata
+  for (auto &s : {s1, s2}) {
+    bico_stfile *f = nullptr;
+    ASSERT_EQ(bico_stfile_open(ctx, (out + "/" + s).c_str(), &f), BICO_OK);
+    EXPECT_EQ(bico_stfile_metadata_count(f), 1u);
+    bico_stfile_close(f);
+  }
+  // again without a limit: as the like model, one model.safetensors; the
+  // shards and the index of the run before are gone
+  std::ofstream(out + "/mine.txt") << "stays";
+  ASSERT_EQ(bico_stwriter_create_folder(ctx, out.c_str(), like.c_str(), 0, &w), BICO_OK);
+  ASSERT_EQ(write_model(w), BICO_OK);
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter_free(w);
+  EXPECT_EQ(names_in(out), (std::vector<std::string>{
+                                    "config.json", "mine.txt", "model.safetensors",
+                                    "tokenizer.json"}));
+}
+
+TEST(OutputFolder, FollowsTheLikeModelsShards) {
+  TempDir d;
+  std::string like = d / "like", out = d / "out";
+  ASSERT_EQ(mkdir(like.c_str(), 0777), 0);
+  bt::Ctx ctx;
+  // a like model in two files of its own naming: a.* and b.bias in
+  // p2.safetensors, b.weight in p1.safetensors (not in declaration order)
+  const char *files[2] = {"p1.safetensors", "p2.safetensors"};
+  for (int s = 0; s < 2; s++) {
+    bico_stwriter *w = nullptr;
+    ASSERT_EQ(bico_stwriter_create(ctx, (like + "/" + files[s]).c_str(), &w), BICO_OK);
+    for (int k = 0; k < 4; k++) {
+      if ((k == 2) != (s == 0)) continue;
+      ASSERT_EQ(bico_stwriter_declare(w, NAMES[k], BICO_DTYPE_F32, 1, &NUMEL[k]), BICO_OK);
+    }
+    for (int k = 0; k < 4; k++) {
+      if ((k == 2) != (s == 0)) continue;
+      std::vector<float> zero(NUMEL[k], 0.0f);
+      ASSERT_EQ(bico_stwriter_write_f32(w, NAMES[k], zero.data(), zero.size()), BICO_OK);
+    }
+    ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+    bico_stwriter_free(w);
+  }
+  stt::write_bytes(like + "/model.safetensors.index.json",
+                   "{\"metadata\": {}, \"weight_map\": {\"a.weight\": "
+                   "\"p2.safetensors\", \"a.bias\": \"p2.safetensors\", "
+                   "\"b.weight\": \"p1.safetensors\", \"b.bias\": "
+                   "\"p2.safetensors\"}}");
+  std::ofstream(like + "/config.json") << "{}";
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create_folder(ctx, out.c_str(), like.c_str(), 0, &w),
+            BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(write_model(w), BICO_OK);
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter_free(w);
+  std::map<std::string, std::string> file;
+  read_back(out, &file);
+  EXPECT_EQ(file["a.weight"], "p2.safetensors");
+  EXPECT_EQ(file["a.bias"], "p2.safetensors");
+  EXPECT_EQ(file["b.weight"], "p1.safetensors");
+  EXPECT_EQ(file["b.bias"], "p2.safetensors");
+  EXPECT_EQ(names_in(out), (std::vector<std::string>{
+                               "config.json", "model.safetensors.index.json",
+                               "p1.safetensors", "p2.safetensors"}));
+}
+
+TEST(OutputFolder, TheRuleAndBadFolders) {
+  TempDir d;
+  std::string dir = d / "m", file = d / "f.safetensors";
+  ASSERT_EQ(mkdir(dir.c_str(), 0777), 0);
+  std::ofstream(file) << "x";
+  EXPECT_EQ(bico_output_is_folder(dir.c_str(), nullptr), 1);      // exists
+  EXPECT_EQ(bico_output_is_folder((d / "new/").c_str(), nullptr), 1);
+  EXPECT_EQ(bico_output_is_folder((d / "new").c_str(), nullptr), 0);
+  EXPECT_EQ(bico_output_is_folder((d / "new").c_str(), dir.c_str()), 1);
+  EXPECT_EQ(bico_output_is_folder((d / "n.safetensors").c_str(), dir.c_str()), 0);
+  EXPECT_EQ(bico_output_is_folder((d / "n.json").c_str(), dir.c_str()), 0);
+  EXPECT_EQ(bico_output_is_folder((d / "new").c_str(), file.c_str()), 0);
+  EXPECT_EQ(bico_output_is_folder(file.c_str(), dir.c_str()), 0);  // a file
+  EXPECT_EQ(bico_output_is_folder(nullptr, nullptr), 0);
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  EXPECT_EQ(bico_stwriter_create_folder(ctx, file.c_str(), nullptr, 0, &w), BICO_E_ARG);
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("not a folder"), std::string::npos);
+  EXPECT_EQ(bico_stwriter_create_folder(ctx, (d / "no/such").c_str(), nullptr, 0, &w),
+            BICO_E_IO);
+  EXPECT_EQ(bico_stwriter_create_folder(ctx, dir.c_str(), dir.c_str(), 0, &w), BICO_E_ARG);
+  EXPECT_EQ(bico_stwriter_create_folder(ctx, nullptr, nullptr, 0, &w), BICO_E_NULL);
+  EXPECT_EQ(w, nullptr);
+  // an abandoned writer removes the folder it created, and its files
+  std::string fresh = d / "fresh";
+  ASSERT_EQ(bico_stwriter_create_folder(ctx, fresh.c_str(), nullptr, 8, &w), BICO_OK);
+  ASSERT_EQ(write_model(w), BICO_OK);
+  EXPECT_GT(names_in(fresh).size(), 1u);  // temporaries of several shards
+  bico_stwriter_free(w);
+  EXPECT_FALSE(exists(fresh));
+}
+
+// ---- progress ----
+
+struct Seen {
+  std::vector<bico_transfer_progress> calls;
+  std::vector<std::string> names;
+  static void fn(void *o, const bico_transfer_progress *p) {
+    Seen *s = static_cast<Seen *>(o);
+    s->calls.push_back(*p);
+    s->names.push_back(p->tensor ? p->tensor : "");
+  }
+};
+
+void write_chain(const std::string &path, double shift) {
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK);
+  const char *names[4] = {"blocks.0.fc.weight", "blocks.0.fc.bias",
+                          "blocks.1.fc.weight", "blocks.1.fc.bias"};
+  size_t shapes[4][2] = {{5, 4}, {5, 0}, {3, 5}, {3, 0}};
+  for (int k = 0; k < 4; k++)
+    ASSERT_EQ(bico_stwriter_declare(w, names[k], BICO_DTYPE_F32, shapes[k][1] ? 2 : 1,
+                                    shapes[k]), BICO_OK);
+  for (int k = 0; k < 4; k++) {
+    size_t n = shapes[k][0] * (shapes[k][1] ? shapes[k][1] : 1);
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; i++) v[i] = (float)(0.1 * (double)(i + k) + shift);
+    ASSERT_EQ(bico_stwriter_write_f32(w, names[k], v.data(), n), BICO_OK);
+  }
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK);
+  bico_stwriter_free(w);
+}
+
+bico_transfer *naive(bico_ctx *ctx, const TempDir &d, const std::string &out) {
+  bico_transfer *t = nullptr;
+  EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+  bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, (d / "a.st").c_str());
+  bico_transfer_set_file(t, BICO_FILE_SOURCE_TUNED, (d / "aft.st").c_str());
+  bico_transfer_set_file(t, BICO_FILE_TARGET_BASE, (d / "a.st").c_str());
+  bico_transfer_set_file(t, BICO_FILE_OUTPUT, out.c_str());
+  bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_NAIVE);
+  return t;
+}
+
+TEST(TransferProgress, EveryTensorReportedAndTheWorkIsThePlans) {
+  TempDir d;
+  write_chain(d / "a.st", 0);
+  write_chain(d / "aft.st", 0.5);
+  bt::Ctx ctx;
+  Seen seen;
+  bico_transfer *t = naive(ctx, d, d / "o1.st");
+  ASSERT_EQ(bico_transfer_set_progress(t, Seen::fn, &seen), BICO_OK);
+  ASSERT_EQ(bico_transfer_run(t), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_transfer_free(t);
+  // the plan's costs, on a handle of its own
+  t = naive(ctx, d, d / "o2.st");
+  ASSERT_EQ(bico_transfer_plan(t), BICO_OK) << bico_ctx_errmsg(ctx);
+  size_t nt = 0, ng = 0;
+  ASSERT_EQ(bico_transfer_plan_size(t, &nt, &ng), BICO_OK);
+  double plan = 0;
+  for (size_t g = 0; g < ng; g++) {
+    double c = 0;
+    ASSERT_EQ(bico_transfer_plan_group(t, g, &c, nullptr, nullptr), BICO_OK);
+    plan += c;
+  }
+  ASSERT_EQ(bico_transfer_run(t), BICO_OK);  // no progress function
+  bico_transfer_free(t);
+  ASSERT_EQ(seen.calls.size(), 4u);
+  double prev = 0, prev_t = 0;
+  for (size_t k = 0; k < seen.calls.size(); k++) {
+    const bico_transfer_progress &p = seen.calls[k];
+    EXPECT_EQ(p.size, sizeof(bico_transfer_progress));
+    EXPECT_EQ(p.tensors_done, k + 1);
+    EXPECT_EQ(p.tensors_total, 4u);
+    EXPECT_GT(p.done, prev);
+    EXPECT_GE(p.elapsed, prev_t);
+    EXPECT_DOUBLE_EQ(p.total, plan);
+    prev = p.done;
+    prev_t = p.elapsed;
+  }
+  EXPECT_EQ(seen.calls.back().done, seen.calls.back().total);
+  EXPECT_EQ(seen.names, (std::vector<std::string>{
+                            "blocks.0.fc.weight", "blocks.0.fc.bias",
+                            "blocks.1.fc.weight", "blocks.1.fc.bias"}));
+  // watching changes nothing
+  EXPECT_EQ(slurp(d / "o1.st"), slurp(d / "o2.st"));
+  EXPECT_EQ(bico_transfer_set_progress(nullptr, Seen::fn, nullptr), BICO_E_NULL);
+}
+
+}  // namespace
