@@ -416,10 +416,13 @@ bench: $(BENCH_BINS) $(TOOL)
 	$(PYTHON) bench/run.py --bin $(BUILD)/bench --threads $(BENCH_THREADS) $(BENCH_FLAGS)
 
 # `make bench-quality`: how much of the zero-shot -> fine-tuned gap each
-# method closes on small Fashion-MNIST ViTs (docs/quality.md).  Trained
-# models and results are cached in $(BUILD)/quality (a rerun prints from the
-# cache); QUALITY_FLAGS passes options to bench/quality/run.py (--fresh,
-# --tasks, --targets, --rows).  One thread, niced: a shared machine.
+# method closes on small Fashion-MNIST ViTs, over several seeds
+# (docs/quality.md).  Trained models and results are cached in
+# $(BUILD)/quality, results keyed by a hash of the library and binding
+# sources too (a rerun prints from the cache; a code change recomputes);
+# QUALITY_FLAGS passes options to bench/quality/run.py (--fresh, --seeds,
+# --tasks, --replicate-tasks, --targets, --rows).  One thread, niced: a
+# shared machine.
 QUALITY_FLAGS ?=
 .PHONY: bench-quality
 bench-quality: all

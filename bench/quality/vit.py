@@ -244,6 +244,16 @@ def finetuned(cfg, task, ft, log=print):
     return _cached(key, make, log)
 
 
+def is_cached(cfg, task=None, ft=None):
+    """Whether the pretrained model of cfg (and its fine-tune on task with
+    schedule ft, when given) is in the cache."""
+    keys = [dict(cfg, kind="pretrain")]
+    if task is not None:
+        keys.append(dict(cfg, kind="finetune", task=task, ft=ft))
+    return all(os.path.exists(os.path.join(CACHE, "model-%s.pt" % _key(k)))
+               for k in keys)
+
+
 def _cached(key, make, log):
     os.makedirs(CACHE, exist_ok=True)
     path = os.path.join(CACHE, "model-%s.pt" % _key(key))
