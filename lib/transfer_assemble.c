@@ -274,7 +274,7 @@ bico_status bico_transfer_assemble_commit(bico_transfer *t) {
   bico__xfer_report_head(&rep, method, (float)t->param[BICO_TRANSFER_ALPHA]);
   for (size_t i = 0; i < a->nt; i++) bico__report_raw(&rep, a->entries[i]);
   bico__xfer_report_tail(&rep, a->count);
-  bico_status st = rep.status;
+  bico_status st = bico__report_status(&rep);
   if (st == BICO_OK)
     st = bico__xfer_commit(ctx, &rep, t->files[BICO_FILE_REPORT], a->w, a->wd);
   bico__report_free(&rep);
