@@ -709,6 +709,7 @@ void bico__jw_init(bico__jw *w, bico_ctx *ctx, int indent) {
   memset(w, 0, sizeof *w);
   w->ctx = ctx;
   w->indent = indent < 0 ? 0 : indent;
+  w->wrap = BICO__JSON_MAX_DEPTH;
 }
 
 static void jw_fail(bico__jw *w, bico_status st, const char *msg) {
@@ -748,8 +749,10 @@ void bico__jw_raw(bico__jw *w, const char *s, size_t len) {
   w->buf[w->len] = '\0';
 }
 
-static void jw_newline(bico__jw *w) {
-  if (!w->indent) return;
+/* A line break before an entry at `level` (its container's depth), indented
+ * to the writer's current depth. */
+static void jw_newline(bico__jw *w, int level) {
+  if (!w->indent || level > w->wrap) return;
   bico__jw_raw(w, "\n", 1);
   for (int d = 0; d < w->depth; d++)
     for (int k = 0; k < w->indent; k++) bico__jw_raw(w, " ", 1);
@@ -768,7 +771,7 @@ static void jw_pre(bico__jw *w, int is_key) {
   }
   if (w->nonempty[w->depth]) bico__jw_raw(w, ",", 1);
   w->nonempty[w->depth] = 1;
-  jw_newline(w);
+  jw_newline(w, w->depth);
 }
 
 static void jw_open(bico__jw *w, const char *c) {
@@ -789,7 +792,7 @@ static void jw_close(bico__jw *w, const char *c) {
   }
   int had = w->nonempty[w->depth];
   w->depth--;
-  if (had) jw_newline(w);
+  if (had) jw_newline(w, w->depth + 1);
   bico__jw_raw(w, c, 1);
 }
 
@@ -874,6 +877,24 @@ void bico__jw_uint(bico__jw *w, uint64_t v) {
   bico__jw_raw(w, b, (size_t)n);
 }
 
+/* b[0..n) with the locale's decimal point made '.', into o (cap bytes, at
+ * least n + 1); returns the length. */
+static size_t jw_c_locale(const char *b, int n, char *o, size_t cap) {
+  const char *dp = localeconv()->decimal_point;
+  size_t k = 0;
+  size_t dpl = (dp && *dp) ? strlen(dp) : 0;
+  for (int i = 0; i < n && k < cap - 1;) {
+    if (dpl && strncmp(b + i, dp, dpl) == 0) {
+      o[k++] = '.';
+      i += (int)dpl;
+    } else {
+      o[k++] = b[i++];
+    }
+  }
+  o[k] = '\0';
+  return k;
+}
+
 void bico__jw_double(bico__jw *w, double v) {
   if (!isfinite(v)) {
     bico__jw_null(w);
@@ -886,19 +907,8 @@ void bico__jw_double(bico__jw *w, double v) {
     n = snprintf(b, sizeof b, "%.*g", prec, v);
     if (strtod(b, NULL) == v) break;
   }
-  /* Locale-independent: the decimal point becomes '.'. */
-  const char *dp = localeconv()->decimal_point;
-  char o[64] = {0};
-  size_t k = 0;
-  size_t dpl = (dp && *dp) ? strlen(dp) : 0;
-  for (int i = 0; i < n && k < sizeof o - 1;) {
-    if (dpl && strncmp(b + i, dp, dpl) == 0) {
-      o[k++] = '.';
-      i += (int)dpl;
-    } else {
-      o[k++] = b[i++];
-    }
-  }
+  char o[64];
+  size_t k = jw_c_locale(b, n, o, sizeof o);
   /* Integral values keep a fraction ("2.0", "-0.0") so that readers such
    * as Python's json load them as floats, not integers. */
   if (strpbrk(o, ".eEn") == NULL && k + 2 < sizeof o) {
@@ -907,6 +917,34 @@ void bico__jw_double(bico__jw *w, double v) {
   }
   jw_pre(w, 0);
   bico__jw_raw(w, o, k);
+}
+
+void bico__jw_float(bico__jw *w, double v) {
+  if (!isfinite(v)) {
+    bico__jw_null(w);
+    return;
+  }
+  char b[64];
+  int n;
+  if (v == floor(v) && fabs(v) < 9007199254740992.0) {
+    n = snprintf(b, sizeof b, "%.0f", v);
+  } else {
+    float f = (float)v;
+    n = 0;
+    for (int prec = 6; prec <= 9; prec++) {
+      n = snprintf(b, sizeof b, "%.*g", prec, (double)f);
+      if ((float)strtod(b, NULL) == f) break;
+    }
+  }
+  char o[64];
+  size_t k = jw_c_locale(b, n, o, sizeof o);
+  jw_pre(w, 0);
+  bico__jw_raw(w, o, k);
+}
+
+void bico__jw_value_raw(bico__jw *w, const char *json, size_t len) {
+  jw_pre(w, 0);
+  bico__jw_raw(w, json, len);
 }
 
 void bico__jw_bool(bico__jw *w, int v) {

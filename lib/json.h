@@ -101,6 +101,9 @@ typedef struct bico__jw {
   size_t len, cap;
   bico_status err;   /* first failure (sticky) */
   int indent;        /* 0: compact; else spaces per level, one entry a line */
+  int wrap;          /* with indent: entries at depth <= wrap get their own
+                        line, deeper ones stay inline (bico__jw_init: every
+                        depth; 0: one line with the indented form's ": ") */
   int depth;
   int after_key;     /* a key was written: the next value follows ':' */
   unsigned char nonempty[BICO__JSON_MAX_DEPTH + 1];
@@ -123,8 +126,15 @@ void bico__jw_uint(bico__jw *w, uint64_t v);
  * the locale; NaN and Inf are written as null (JSON has no literal for
  * them). */
 void bico__jw_double(bico__jw *w, double v);
+/* A single-precision quantity: integral values below 2^53 in magnitude
+ * as integers, others with the fewest significant digits (6 to 9) that
+ * read back as the same float; locale-independent; NaN and Inf as null. */
+void bico__jw_float(bico__jw *w, double v);
 void bico__jw_bool(bico__jw *w, int v);
 void bico__jw_null(bico__jw *w);
+/* A value given as JSON text (checked by the caller), placed like any
+ * other value (comma, line break). */
+void bico__jw_value_raw(bico__jw *w, const char *json, size_t len);
 /* Appends bytes verbatim (padding, pre-formatted text). */
 void bico__jw_raw(bico__jw *w, const char *s, size_t len);
 /* BICO_OK when the document is complete and every call succeeded (the

@@ -760,7 +760,7 @@ static bico_status run_lora(lrun *r) {
   bico__report_end_object(&r->rep);
   bico__report_end_object(&r->rep);
   bico__free(ctx, used);
-  if (st == BICO_OK) st = r->rep.status;
+  if (st == BICO_OK) st = bico__report_status(&r->rep);
   if (st == BICO_OK && bico_lora_module_count(r->out) == 0)
     st = bico__fail(ctx, BICO_E_NOTFOUND,
                     "adapter %s: none of its modules pairs with a target "

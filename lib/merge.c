@@ -772,7 +772,7 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
   bico__report_end_array(rep);
   bico__report_key_number(rep, "merged_tensors", (double)merged_count);
   bico__report_end_object(rep);
-  if (st == BICO_OK) st = rep->status;
+  if (st == BICO_OK) st = bico__report_status(rep);
   if (st == BICO_OK)
     logf_(m, "bico merge: %zu of %zu tensors updated; writing %s",
           merged_count, nt, f[BICO_MERGE_FILE_OUTPUT]);

@@ -1,22 +1,25 @@
-/* A small JSON emitter for the transfer report (internal).  Errors are
- * sticky: the first failure is kept in `status` and later calls do
- * nothing. */
+/* The transfer and merge reports (internal): JSON written through the one
+ * JSON writer of lib/json.c, with the reports' layout (top-level keys and
+ * the entries of top-level arrays one per line, anything deeper inline)
+ * and numbers at single precision (bico__jw_float).  Errors are sticky, as
+ * in the writer: the first failure is kept and later calls do nothing. */
 #ifndef BICO_REPORT_H
 #define BICO_REPORT_H
 
 #include "internal.h"
+#include "json.h"
 
-typedef struct bico__report {
-  bico_ctx *ctx;
-  char *buf;
-  size_t len, cap;
-  bico_status status;
-  int need_comma, after_key, depth;
-  int compact; /* one line, no trailing newline (set after init) */
-} bico__report;
+/* A report is a JSON writer: buf/len hold the text, err the first failure. */
+typedef bico__jw bico__report;
 
+/* A report with the layout above, ending in a newline. */
 void bico__report_init(bico__report *r, bico_ctx *ctx);
+/* One line, no newline, spelled as inside a whole report: a report entry
+ * handed to a partial run's sink. */
+void bico__report_init_compact(bico__report *r, bico_ctx *ctx);
 void bico__report_free(bico__report *r);
+/* The first failure of any call so far (BICO_OK if none). */
+bico_status bico__report_status(const bico__report *r);
 void bico__report_begin_object(bico__report *r);
 void bico__report_end_object(bico__report *r);
 void bico__report_begin_array(bico__report *r);

@@ -283,7 +283,7 @@ bico_status bico_transfer_assemble_commit(bico_transfer *t) {
     bico__clear(ctx);
   bico__xfer_report_tail_vocab(&rep, a->count, vocab);
   bico__vocab_free(ctx, vocab);
-  bico_status st = rep.status;
+  bico_status st = bico__report_status(&rep);
   if (st == BICO_OK)
     st = bico__xfer_commit(ctx, &rep, t->files[BICO_FILE_REPORT], a->w, a->wd);
   bico__report_free(&rep);

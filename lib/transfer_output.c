@@ -77,7 +77,7 @@ bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
   }
   if (info->reason[0]) bico__report_key_string(rep, "reason", info->reason);
   bico__report_end_object(rep);
-  return rep->status;
+  return bico__report_status(rep);
 }
 
 
@@ -254,8 +254,7 @@ static bico_status sink_tensor(bico__run *r, size_t ti,
     ss += (double)upd[e] * (double)upd[e];
   info->norm = sqrt(ss);
   bico__report entry;
-  bico__report_init(&entry, ctx);
-  entry.compact = 1;
+  bico__report_init_compact(&entry, ctx);
   bico_status st = bico__xfer_report_tensor(&entry, r->mt, ti, info);
   if (st == BICO_OK) {
     bico_transfer_tensor x;
@@ -421,7 +420,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
   }
   bico__free(r->ctx, cost);
   bico__xfer_report_tail_vocab(&r->rep, r->count, r->vocab);
-  if (st == BICO_OK) st = r->rep.status;
+  if (st == BICO_OK) st = bico__report_status(&r->rep);
   if (st == BICO_OK && !partial)
     st = bico__xfer_commit(r->ctx, &r->rep, t->files[BICO_FILE_REPORT], r->w,
                            r->wd);
