@@ -123,7 +123,7 @@ bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   t->param[BICO_TRANSFER_WORKERS] = 1;
   t->param[BICO_TRANSFER_SOLVE_MEMORY] = 0;
   t->param[BICO_TRANSFER_MIN_PAIRED] = 0.5;
-  t->param[BICO_TRANSFER_STRUCTURE] = BICO_STRUCTURE_HEADS;
+  t->param[BICO_TRANSFER_STRUCTURE] = BICO_STRUCTURE_FREE;
   t->param[BICO_TRANSFER_GRADFIX_MODE] = BICO_GRADFIX_MAJORITY;
   t->param[BICO_TRANSFER_MAX_SHARD_SIZE] = 0;
   *out = t;
@@ -258,7 +258,7 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   if (param == BICO_TRANSFER_NULL && value == 0) value = BICO_NULL_KEEP;
   if (param == BICO_TRANSFER_NORM_MAP && value == 0) value = BICO_NORM_MAP_ACT;
   if (param == BICO_TRANSFER_STRUCTURE && value == 0)
-    value = BICO_STRUCTURE_HEADS;
+    value = BICO_STRUCTURE_FREE;
   t->param[param] = value;
   return BICO_OK;
 }

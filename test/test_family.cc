@@ -192,7 +192,7 @@ TEST(Family, OptionsAndNames) {
   ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
   double v = -1, lo, hi;
   EXPECT_EQ(bico_transfer_get_param(t, BICO_TRANSFER_STRUCTURE, &v), BICO_OK);
-  EXPECT_EQ(v, BICO_STRUCTURE_HEADS);
+  EXPECT_EQ(v, BICO_STRUCTURE_FREE);
   for (int p : {BICO_TRANSFER_ROPE, BICO_TRANSFER_HEADS, BICO_TRANSFER_KV_HEADS,
                 BICO_TRANSFER_HEAD_DIM}) {
     EXPECT_EQ(bico_transfer_get_param(t, p, &v), BICO_OK);
@@ -206,10 +206,10 @@ TEST(Family, OptionsAndNames) {
   }
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, 3), BICO_E_ARG);
   // 0 is the default member (docs/api.md): get_param reports it resolved.
-  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, BICO_STRUCTURE_FREE), BICO_OK);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, BICO_STRUCTURE_HEADS), BICO_OK);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, 0), BICO_OK);
   EXPECT_EQ(bico_transfer_get_param(t, BICO_TRANSFER_STRUCTURE, &v), BICO_OK);
-  EXPECT_EQ(v, BICO_STRUCTURE_HEADS);
+  EXPECT_EQ(v, BICO_STRUCTURE_FREE);
   int key = 0;
   EXPECT_EQ(bico_transfer_param_from_name("kv_heads", &key), BICO_OK);
   EXPECT_EQ(key, BICO_TRANSFER_KV_HEADS);

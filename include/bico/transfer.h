@@ -157,8 +157,9 @@ typedef enum bico_transfer_param {
  * When both models are decoders of a known family (config.json's
  * model_type "llama", "mistral", "qwen2", "gemma" or "gemma2",
  * read from BICO_FILE_*_CONFIG or from inside a base given as a model
- * folder) and BICO_TRANSFER_STRUCTURE is BICO_STRUCTURE_HEADS (the
- * default), the maps inside each decoder layer (modules named
+ * folder) and BICO_TRANSFER_STRUCTURE is BICO_STRUCTURE_HEADS (not the
+ * default: on small Llama LMs trained apart, docs/llm.md, free-form maps
+ * carried more of the fine-tune), the maps inside each decoder layer (modules named
  * <layer>.self_attn.{q,k,v,o}_proj and <layer>.mlp.{gate,up,down}_proj)
  * respect the architecture instead of being free-form:
  *   - q_proj's and k_proj's output maps: per key/value group one map on
@@ -182,7 +183,7 @@ typedef enum bico_transfer_param {
  * BICO_E_SHAPE.  BICO_TRANSFER_HEADS/KV_HEADS/HEAD_DIM/ROPE override the
  * configs of both models (with HEADS set, a model without a config.json
  * counts as a known family).  docs/llm.md has the rules. */
-typedef enum bico_structure { /* 0 = default: HEADS */
+typedef enum bico_structure { /* 0 = default: FREE */
   BICO_STRUCTURE_HEADS = 1, /* structure-aware where the family is known */
   BICO_STRUCTURE_FREE = 2   /* one free-form map per module side */
 } bico_structure;

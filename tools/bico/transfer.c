@@ -293,7 +293,7 @@ static int check_usage(transfer_opts *o) {
                           "--proc-method %s: expected eig, svd or polar",
                           o->proc_method);
   }
-  o->structure_v = BICO_STRUCTURE_HEADS;
+  o->structure_v = BICO_STRUCTURE_FREE;
   o->rope_v = 0; /* from config.json */
   if (o->structure != NULL &&
       bico_structure_from_name(o->structure, &o->structure_v) != BICO_OK)

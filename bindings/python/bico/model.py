@@ -300,7 +300,7 @@ def transfer_files(source_base, target_base, output, source_tuned=None,
     norm_map ("act"|"grad"), null ("keep"|"drop"), rank_tol, center,
     whiten, proc_method ("eig"|"svd"|"polar"), workers (solver threads),
     solve_memory (bytes), blocks, source_blocks, target_blocks; decoder
-    families (docs/llm.md): structure ("heads" default | "free"), rope
+    families (docs/llm.md): structure ("free" default | "heads"), rope
     ("half"|"interleaved"|"none"; default from config.json), heads, kv_heads, head_dim (0:
     from config.json), source_config/target_config (config.json paths).  split {suffix: k}, ties
     {tensor: module}.  Returns (updated, unchanged) tensor counts."""
