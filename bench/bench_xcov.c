@@ -1,5 +1,5 @@
 /* Statistics accumulation C += X_a^T X_b: libbico's exact (default) and
- * fast (BICO_XCOV_FAST) modes against BLIS's own sgemm on the same shapes
+ * fast (BICO_XCOV_ADD_FAST) modes against BLIS's own sgemm on the same shapes
  * in the same run, with the relative error of each against an all-double
  * reference.
  *
@@ -30,14 +30,16 @@ static double rel_err(const double *x, const float *xf, const double *ref,
   return sqrt(num / den);
 }
 
-static int run_xcov(bico_ctx *ctx, unsigned flags, const shape *s,
+static int run_xcov(bico_ctx *ctx, int mode, const shape *s,
                     const float *xa, const float *xb, int reps, double *t_med,
                     double *out) {
   double t[64];
   for (int r = 0; r < reps; r++) {
     bico_xcov *xc = NULL;
-    if (bico_xcov_create(ctx, s->d_a, s->d_b, flags, &xc) != BICO_OK) {
+    if (bico_xcov_create(ctx, s->d_a, s->d_b, 0, &xc) != BICO_OK ||
+        bico_xcov_set_param(xc, BICO_XCOV_ADD_MODE, mode) != BICO_OK) {
       fprintf(stderr, "xcov_create: %s\n", bico_ctx_errmsg(ctx));
+      bico_xcov_free(xc);
       return 1;
     }
     double t0 = bench_now();
@@ -140,8 +142,8 @@ int main(int argc, char **argv) {
       t[r] = bench_now() - t0;
     }
     double ts = bench_median(t, reps), te, tf;
-    if (run_xcov(ctx, 0, s, xa, xb, reps, &te, ce) ||
-        run_xcov(ctx, BICO_XCOV_FAST, s, xa, xb, reps, &tf, cfast))
+    if (run_xcov(ctx, BICO_XCOV_ADD_EXACT, s, xa, xb, reps, &te, ce) ||
+        run_xcov(ctx, BICO_XCOV_ADD_FAST, s, xa, xb, reps, &tf, cfast))
       return 1;
     double fl = 2.0 * (double)s->n * (double)s->d_a * (double)s->d_b * 1e-9;
     double es = rel_err(NULL, cf, ref, nc), ee = rel_err(ce, NULL, ref, nc),

@@ -168,7 +168,7 @@ def main():
                     f(gf / float(p["numpy32_s"]), ".1f"))
             print(" ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
         print("# exact = libbico default (every product exact, summed in double);"
-              " fast = BICO_XCOV_FAST (sgemm blocks of 2048 rows, summed in double);")
+              " fast = BICO_XCOV_ADD_FAST (sgemm blocks of 2048 rows, summed in double);")
         print("# torch64 = X.double().T @ Y.double() (conversion included), torch32/numpy32 = one f32 matmul")
         print()
 

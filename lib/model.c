@@ -47,6 +47,8 @@ struct bico_model {
   char *prefix;       /* NULL: no blocks */
   size_t nblocks;
   int family;         /* bico__family: layout, roles, containers */
+  int family_set;     /* 1: set by the caller (config.json); else the
+                         analysis detects it from the tensor names */
   size_t cont_n[8];   /* blocks per container of the family (0: none) */
 };
 
@@ -205,6 +207,7 @@ int bico__model_family(const bico_model *m) {
 void bico__model_set_family(bico_model *m, int family) {
   if (m == NULL) return;
   m->family = family;
+  m->family_set = 1;
   drop_analysis(m);
 }
 
@@ -541,6 +544,13 @@ static bico_status analyze(const bico_model *cm) {
   bico_model *m = (bico_model *)cm;
   if (m->analyzed) return BICO_OK;
   drop_analysis(m);
+  /* The naming family (GPT-2's layout, CLIP's towers) from the names, as
+   * the transfer detects it when no config.json says otherwise: every
+   * user of a model graph pairs by the same rule. */
+  if (!m->family_set) {
+    char why[8];
+    m->family = bico__family_detect(m->ctx, NULL, m, why, sizeof why);
+  }
   bico_status st = detect_blocks(m);
   if (st == BICO_OK) count_containers(m);
   if (st == BICO_OK) st = build_modules(m);

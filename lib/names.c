@@ -70,9 +70,16 @@ static const name_entry bico_ctx_param_names[] = {
 NAME_PAIR(bico_ctx_param)
 
 static const name_entry bico_xcov_flag_names[] = {
-    {BICO_XCOV_SUMS, "sums"}, {BICO_XCOV_GRAMS, "grams"},
-    {BICO_XCOV_FAST, "fast"}};
+    {BICO_XCOV_SUMS, "sums"}, {BICO_XCOV_GRAMS, "grams"}};
 NAME_PAIR(bico_xcov_flag)
+
+static const name_entry bico_xcov_param_names[] = {
+    {BICO_XCOV_ADD_MODE, "add_mode"}};
+NAME_PAIR(bico_xcov_param)
+
+static const name_entry bico_xcov_add_mode_names[] = {
+    {BICO_XCOV_ADD_EXACT, "exact"}, {BICO_XCOV_ADD_FAST, "fast"}};
+NAME_PAIR(bico_xcov_add_mode)
 
 static const name_entry bico_xcov_which_names[] = {
     {BICO_XCOV_CROSS, "cross"},

@@ -23,13 +23,12 @@
 #define XCOV_HEADER_BYTES 40u
 /* Flags that shape the stored statistics (and the serialised layout). */
 #define XCOV_ALL_FLAGS ((unsigned)(BICO_XCOV_SUMS | BICO_XCOV_GRAMS))
-/* Flags bico_xcov_create accepts: the layout flags and the add mode. */
-#define XCOV_CREATE_FLAGS (XCOV_ALL_FLAGS | (unsigned)BICO_XCOV_FAST)
 
 struct bico_xcov {
   bico_ctx *ctx;
   size_t d_a, d_b;
   unsigned flags;
+  int add_mode; /* bico_xcov_add_mode (an option, not stored) */
   uint64_t rows;
   size_t count; /* doubles in data */
   double *data; /* c, then sum_a, sum_b (SUMS), then g_a, g_b (GRAMS) */
@@ -99,6 +98,7 @@ static bico_status make(bico_ctx *ctx, const char *fn, size_t d_a, size_t d_b,
   xc->d_a = d_a;
   xc->d_b = d_b;
   xc->flags = flags;
+  xc->add_mode = BICO_XCOV_ADD_EXACT;
   xc->rows = 0;
   xc->count = count;
   set_views(xc);
@@ -118,13 +118,52 @@ bico_status bico_xcov_create(bico_ctx *ctx, size_t d_a, size_t d_b,
                       "xcov_create: dimensions must be positive, got d_a = "
                       "%zu, d_b = %zu",
                       d_a, d_b);
-  if (flags & ~XCOV_CREATE_FLAGS)
+  if (flags & ~XCOV_ALL_FLAGS)
     return bico__fail(ctx, BICO_E_ARG,
                       "xcov_create: unknown flags 0x%x (known: "
-                      "BICO_XCOV_SUMS = 1, BICO_XCOV_GRAMS = 2, "
-                      "BICO_XCOV_FAST = 8)",
-                      flags & ~XCOV_CREATE_FLAGS);
+                      "BICO_XCOV_SUMS = 1, BICO_XCOV_GRAMS = 2; the fast "
+                      "mode is the option BICO_XCOV_ADD_MODE)",
+                      flags & ~XCOV_ALL_FLAGS);
   return make(ctx, "xcov_create", d_a, d_b, flags, out);
+}
+
+bico_status bico_xcov_param_bounds(int param, double *lo, double *hi,
+                                   unsigned *flags) {
+  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
+  if (param != BICO_XCOV_ADD_MODE) return BICO_E_ARG;
+  *lo = 0;
+  *hi = BICO_XCOV_ADD_FAST;
+  *flags = BICO_PARAM_INTEGER;
+  return BICO_OK;
+}
+
+bico_status bico_xcov_set_param(bico_xcov *xc, int param, double value) {
+  if (xc == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = xc->ctx;
+  bico__clear(ctx);
+  double lo, hi;
+  unsigned flags;
+  if (bico_xcov_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
+    return bico__fail(ctx, BICO_E_ARG, "xcov_set_param: unknown parameter %d",
+                      param);
+  bico_status st = bico__param_check(ctx, "xcov_set_param",
+                                     bico_xcov_param_name(param), value, lo,
+                                     hi, flags);
+  if (st != BICO_OK) return st;
+  xc->add_mode = value == 0 ? BICO_XCOV_ADD_EXACT : (int)value;
+  return BICO_OK;
+}
+
+bico_status bico_xcov_get_param(const bico_xcov *xc, int param,
+                                double *value) {
+  if (xc == NULL) return BICO_E_NULL;
+  if (value == NULL)
+    return bico__fail(xc->ctx, BICO_E_NULL, "xcov_get_param: value is NULL");
+  if (param != BICO_XCOV_ADD_MODE)
+    return bico__fail(xc->ctx, BICO_E_ARG,
+                      "xcov_get_param: unknown parameter %d", param);
+  *value = xc->add_mode;
+  return BICO_OK;
 }
 
 void bico_xcov_free(bico_xcov *xc) {
@@ -222,7 +261,7 @@ static void add_block(double *dst, const float *src, size_t rows, size_t cols,
       dst[i * cols + j] += (double)src[i * cols + j];
 }
 
-/* BICO_XCOV_FAST: sgemm straight on the caller's rows (strides, no copy),
+/* BICO_XCOV_ADD_FAST: sgemm straight on the caller's rows (strides, no copy),
  * FAST_ROWS rows at a time, each block result added in double. */
 static double max_abs(const float *x, size_t n, size_t d, size_t ld) {
   double m = 0;
@@ -313,8 +352,9 @@ bico_status bico_xcov_add(bico_xcov *xc, size_t n, const float *x_a,
   st = bico__check_finite_f32(ctx, "xcov_add", "x_b", x_b, n, xc->d_b, ld_b);
   if (st != BICO_OK) return st;
 
-  st = (xc->flags & BICO_XCOV_FAST) ? add_fast(xc, n, x_a, ld_a, x_b, ld_b)
-                                    : add_exact(xc, n, x_a, ld_a, x_b, ld_b);
+  st = xc->add_mode == BICO_XCOV_ADD_FAST
+           ? add_fast(xc, n, x_a, ld_a, x_b, ld_b)
+           : add_exact(xc, n, x_a, ld_a, x_b, ld_b);
   if (st != BICO_OK) return st;
   if (xc->flags & BICO_XCOV_GRAMS) {
     mirror_upper(xc->g_a, xc->d_a);
@@ -374,11 +414,10 @@ bico_status bico_xcov_merge(bico_xcov *dst, const bico_xcov *src) {
     return bico__fail(ctx, BICO_E_SHAPE,
                       "xcov_merge: dst is %zu x %zu but src is %zu x %zu",
                       dst->d_a, dst->d_b, src->d_a, src->d_b);
-  /* The add mode (BICO_XCOV_FAST) does not change what is stored. */
-  if ((dst->flags & XCOV_ALL_FLAGS) != (src->flags & XCOV_ALL_FLAGS))
+  if (dst->flags != src->flags)
     return bico__fail(ctx, BICO_E_ARG,
                       "xcov_merge: dst has flags %u but src has flags %u",
-                      dst->flags & XCOV_ALL_FLAGS, src->flags & XCOV_ALL_FLAGS);
+                      dst->flags, src->flags);
   if (src->rows > UINT64_MAX - dst->rows)
     return bico__fail(ctx, BICO_E_SHAPE, "xcov_merge: row count %llu + %llu overflows",
                       (unsigned long long)dst->rows,

@@ -46,6 +46,14 @@ Mat get(bico_xcov *xc, int which, size_t r, size_t c) {
   return m;
 }
 
+// An accumulator in the fast add mode (BICO_XCOV_ADD_MODE).
+bico_status create_fast(bico_ctx *ctx, size_t da, size_t db, unsigned flags,
+                        bico_xcov **out) {
+  bico_status st = bico_xcov_create(ctx, da, db, flags, out);
+  if (st == BICO_OK) st = bico_xcov_set_param(*out, BICO_XCOV_ADD_MODE, BICO_XCOV_ADD_FAST);
+  return st;
+}
+
 }  // namespace
 
 // Integers in [-8, 8]: every product and every partial sum of 3000 rows is
@@ -59,8 +67,7 @@ TEST(XcovFastTest, ExactOnSmallIntegers) {
   auto xb = rows_of(n, db, ldb, [&](size_t, size_t) { return float(int(g.next() % 17) - 8); });
   bt::Ctx ctx;
   bico_xcov *xc = nullptr;
-  ASSERT_EQ(bico_xcov_create(ctx, da, db,
-                             BICO_XCOV_FAST | BICO_XCOV_SUMS | BICO_XCOV_GRAMS, &xc),
+  ASSERT_EQ(create_fast(ctx, da, db, BICO_XCOV_SUMS | BICO_XCOV_GRAMS, &xc),
             BICO_OK);
   // Two adds, the first not a multiple of the block size.
   ASSERT_EQ(bico_xcov_add(xc, 1234, xa.data(), lda, xb.data(), ldb), BICO_OK);
@@ -85,7 +92,10 @@ TEST(XcovFastTest, ExactOnSmallIntegers) {
   unsigned flags = 0;
   ASSERT_EQ(bico_xcov_info(xc, nullptr, nullptr, &rows, &flags), BICO_OK);
   EXPECT_EQ(rows, n);
-  EXPECT_EQ(flags, unsigned(BICO_XCOV_FAST | BICO_XCOV_SUMS | BICO_XCOV_GRAMS));
+  EXPECT_EQ(flags, unsigned(BICO_XCOV_SUMS | BICO_XCOV_GRAMS));
+  double mode = 0;
+  ASSERT_EQ(bico_xcov_get_param(xc, BICO_XCOV_ADD_MODE, &mode), BICO_OK);
+  EXPECT_EQ(mode, BICO_XCOV_ADD_FAST);
   bico_xcov_free(xc);
 }
 
@@ -100,9 +110,10 @@ TEST(XcovFastTest, ErrorBoundsAgainstDouble) {
   Mat ref = cross(xa, da, xb, db, n, da, db);
   Mat refga = cross(xa, da, xa, da, n, da, da);
   bt::Ctx ctx;
-  for (unsigned mode : {0u, unsigned(BICO_XCOV_FAST)}) {
+  for (int mode : {0, int(BICO_XCOV_ADD_FAST)}) {
     bico_xcov *xc = nullptr;
-    ASSERT_EQ(bico_xcov_create(ctx, da, db, mode | BICO_XCOV_GRAMS, &xc), BICO_OK);
+    ASSERT_EQ(bico_xcov_create(ctx, da, db, BICO_XCOV_GRAMS, &xc), BICO_OK);
+    ASSERT_EQ(bico_xcov_set_param(xc, BICO_XCOV_ADD_MODE, mode), BICO_OK);
     for (size_t r0 = 0; r0 < n; r0 += 700) {
       size_t m = std::min<size_t>(700, n - r0);
       ASSERT_EQ(bico_xcov_add(xc, m, xa.data() + r0 * da, da, xb.data() + r0 * db, db),
@@ -129,9 +140,9 @@ TEST(XcovFastTest, ErrorBoundsAgainstDouble) {
 TEST(XcovFastTest, FlagBookkeeping) {
   bt::Ctx ctx;
   bico_xcov *f = nullptr, *e = nullptr, *s = nullptr, *d = nullptr;
-  ASSERT_EQ(bico_xcov_create(ctx, 2, 3, BICO_XCOV_FAST | BICO_XCOV_SUMS, &f), BICO_OK);
+  ASSERT_EQ(create_fast(ctx, 2, 3, BICO_XCOV_SUMS, &f), BICO_OK);
   ASSERT_EQ(bico_xcov_create(ctx, 2, 3, BICO_XCOV_SUMS, &e), BICO_OK);
-  ASSERT_EQ(bico_xcov_create(ctx, 2, 3, BICO_XCOV_FAST, &s), BICO_OK);
+  ASSERT_EQ(create_fast(ctx, 2, 3, 0, &s), BICO_OK);
   const float xa[] = {1, 2, 3, 4}, xb[] = {1, 0, 2, 0, 1, 3};
   ASSERT_EQ(bico_xcov_add(f, 2, xa, 2, xb, 3), BICO_OK);
   ASSERT_EQ(bico_xcov_add(e, 2, xa, 2, xb, 3), BICO_OK);
@@ -158,11 +169,18 @@ TEST(XcovFastTest, FlagBookkeeping) {
   ASSERT_EQ(bico_xcov_info(d, nullptr, nullptr, nullptr, &flags), BICO_OK);
   EXPECT_EQ(flags, unsigned(BICO_XCOV_SUMS));
   EXPECT_EQ(get(d, BICO_XCOV_CROSS, 2, 3).v, get(f, BICO_XCOV_CROSS, 2, 3).v);
+  double mode = -1;  // a deserialised accumulator adds in the default mode
+  ASSERT_EQ(bico_xcov_get_param(d, BICO_XCOV_ADD_MODE, &mode), BICO_OK);
+  EXPECT_EQ(mode, BICO_XCOV_ADD_EXACT);
 
+  // The mode is an option, not a create flag: 8 (once the fast flag) and
+  // other unknown bits are refused with a message naming the option.
   bico_xcov *bad = nullptr;
-  EXPECT_EQ(bico_xcov_create(ctx, 2, 3, 16, &bad), BICO_E_ARG);
-  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "BICO_XCOV_FAST = 8"));
-  EXPECT_EQ(bad, nullptr);
+  for (unsigned fl : {4u, 8u, 16u}) {
+    EXPECT_EQ(bico_xcov_create(ctx, 2, 3, fl, &bad), BICO_E_ARG) << fl;
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "BICO_XCOV_ADD_MODE")) << bico_ctx_errmsg(ctx);
+    EXPECT_EQ(bad, nullptr);
+  }
   for (auto *x : {f, e, s, d}) bico_xcov_free(x);
 }
 
@@ -170,7 +188,7 @@ TEST(XcovFastTest, FlagBookkeeping) {
 TEST(XcovFastTest, NonFiniteLeavesUnchanged) {
   bt::Ctx ctx;
   bico_xcov *xc = nullptr;
-  ASSERT_EQ(bico_xcov_create(ctx, 2, 2, BICO_XCOV_FAST | BICO_XCOV_GRAMS, &xc), BICO_OK);
+  ASSERT_EQ(create_fast(ctx, 2, 2, BICO_XCOV_GRAMS, &xc), BICO_OK);
   const float a[] = {1, 2, 3, 4}, b[] = {1, NAN, 0, 1};
   EXPECT_EQ(bico_xcov_add(xc, 2, a, 2, b, 2), BICO_E_NONFINITE);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "x_b"));
@@ -190,12 +208,49 @@ TEST(XcovFastTest, LargeValuesStayFinite) {
   auto xb = rows_of(n, db, db, [&](size_t, size_t) { return float(1e20 * g.normal()); });
   bt::Ctx ctx;
   bico_xcov *xc = nullptr;
-  ASSERT_EQ(bico_xcov_create(ctx, da, db, BICO_XCOV_FAST | BICO_XCOV_GRAMS, &xc), BICO_OK);
+  ASSERT_EQ(create_fast(ctx, da, db, BICO_XCOV_GRAMS, &xc), BICO_OK);
   ASSERT_EQ(bico_xcov_add(xc, n, xa.data(), da, xb.data(), db), BICO_OK);
   Mat c = get(xc, BICO_XCOV_CROSS, da, db), ref = cross(xa, da, xb, db, n, da, db);
   for (double v : c.v) EXPECT_TRUE(std::isfinite(v));
   EXPECT_LT(bt::relerr(c, ref), 1e-14);
   Mat ga = get(xc, BICO_XCOV_GRAM_A, da, da);
   EXPECT_LT(bt::relerr(ga, cross(xa, da, xa, da, n, da, da)), 1e-14);
+  bico_xcov_free(xc);
+}
+
+// The option grammar (params.h): ADD_MODE is an integer choice in [0, 2],
+// 0 resolving to EXACT; names both ways from the library.
+TEST(XcovFastTest, AddModeOption) {
+  bt::Ctx ctx;
+  bico_xcov *xc = nullptr;
+  ASSERT_EQ(bico_xcov_create(ctx, 2, 2, 0, &xc), BICO_OK);
+  double v = -1;
+  ASSERT_EQ(bico_xcov_get_param(xc, BICO_XCOV_ADD_MODE, &v), BICO_OK);
+  EXPECT_EQ(v, BICO_XCOV_ADD_EXACT);
+  ASSERT_EQ(bico_xcov_set_param(xc, BICO_XCOV_ADD_MODE, BICO_XCOV_ADD_FAST), BICO_OK);
+  ASSERT_EQ(bico_xcov_set_param(xc, BICO_XCOV_ADD_MODE, 0), BICO_OK);
+  ASSERT_EQ(bico_xcov_get_param(xc, BICO_XCOV_ADD_MODE, &v), BICO_OK);
+  EXPECT_EQ(v, BICO_XCOV_ADD_EXACT);
+  for (double bad : {-1.0, 3.0, 1.5, double(NAN)}) {
+    EXPECT_EQ(bico_xcov_set_param(xc, BICO_XCOV_ADD_MODE, bad), BICO_E_ARG) << bad;
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "add_mode")) << bico_ctx_errmsg(ctx);
+  }
+  EXPECT_EQ(bico_xcov_set_param(xc, 2, 1), BICO_E_ARG);
+  EXPECT_EQ(bico_xcov_get_param(xc, 0, &v), BICO_E_ARG);
+  double lo, hi;
+  unsigned flags;
+  ASSERT_EQ(bico_xcov_param_bounds(BICO_XCOV_ADD_MODE, &lo, &hi, &flags), BICO_OK);
+  EXPECT_EQ(lo, 0);
+  EXPECT_EQ(hi, 2);
+  EXPECT_EQ(flags, unsigned(BICO_PARAM_INTEGER));
+  EXPECT_EQ(bico_xcov_param_bounds(7, &lo, &hi, &flags), BICO_E_ARG);
+  int k = 0;
+  ASSERT_EQ(bico_xcov_param_from_name("add_mode", &k), BICO_OK);
+  EXPECT_EQ(k, BICO_XCOV_ADD_MODE);
+  ASSERT_EQ(bico_xcov_add_mode_from_name("fast", &k), BICO_OK);
+  EXPECT_EQ(k, BICO_XCOV_ADD_FAST);
+  EXPECT_STREQ(bico_xcov_add_mode_name(BICO_XCOV_ADD_EXACT), "exact");
+  EXPECT_EQ(bico_xcov_add_mode_name(0), nullptr);
+  EXPECT_EQ(bico_xcov_flag_from_name("fast", &k), BICO_E_NOTFOUND);
   bico_xcov_free(xc);
 }

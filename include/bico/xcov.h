@@ -25,17 +25,7 @@ typedef struct bico_xcov bico_xcov;
 /* Flags for bico_xcov_create (bitwise or). */
 typedef enum bico_xcov_flag {
   BICO_XCOV_SUMS = 1,  /* keep column sums of x_a and x_b: enables centering */
-  BICO_XCOV_GRAMS = 2, /* keep x_a^T x_a and x_b^T x_b: enables whitening */
-  /* Opt-in fast accumulation: each block of rows is multiplied in single
-   * precision (BLIS sgemm straight on the caller's floats, no conversion)
-   * and only the block results are summed in double.  Up to about twice the
-   * speed of the default, but the sum carries single-precision rounding
-   * (relative error around 1e-7 instead of 1e-16; docs/performance.md).
-   * Without it every product is exact and summed in double.  The mode is
-   * not part of the statistics: serialisation does not store it, merge
-   * ignores it, and a deserialised accumulator adds in the default mode.
-   * (The value 4 is left unused.) */
-  BICO_XCOV_FAST = 8
+  BICO_XCOV_GRAMS = 2  /* keep x_a^T x_a and x_b^T x_b: enables whitening */
 } bico_xcov_flag;
 
 /* Which matrix bico_xcov_matrix returns. */
@@ -45,12 +35,47 @@ typedef enum bico_xcov_which {
   BICO_XCOV_GRAM_B = 3  /* x_b^T x_b, d_b x d_b (needs BICO_XCOV_GRAMS) */
 } bico_xcov_which;     /* no default: 0 is BICO_E_ARG */
 
-/* Names of the flags ("sums", "grams", "fast"; one flag, not a
- * combination) and of the matrices ("cross", "gram_a", "gram_b"). */
+/* Options (bico_xcov_set_param; the grammar of params.h).  Options do
+ * not change what is stored: serialisation does not keep them, merge
+ * ignores them, and a deserialised accumulator starts with the defaults. */
+typedef enum bico_xcov_param {
+  BICO_XCOV_ADD_MODE = 1 /* bico_xcov_add_mode; default EXACT */
+} bico_xcov_param;
+
+/* How bico_xcov_add forms the products. */
+typedef enum bico_xcov_add_mode { /* 0 = default: EXACT */
+  /* Every product exact (float times float fits a double) and summed in
+   * double. */
+  BICO_XCOV_ADD_EXACT = 1,
+  /* Opt-in fast accumulation: each block of rows is multiplied in single
+   * precision (BLIS sgemm straight on the caller's floats, no conversion)
+   * and only the block results are summed in double.  Up to about twice
+   * the speed of EXACT, but the sum carries single-precision rounding
+   * (relative error around 1e-7 instead of 1e-16; docs/performance.md). */
+  BICO_XCOV_ADD_FAST = 2
+} bico_xcov_add_mode;
+
+/* Names of the flags ("sums", "grams"; one flag, not a combination), of
+ * the matrices ("cross", "gram_a", "gram_b"), of the options ("add_mode")
+ * and of the add modes ("exact", "fast"). */
 BICO_API const char *bico_xcov_flag_name(int flag);
 BICO_API bico_status bico_xcov_flag_from_name(const char *name, int *flag);
 BICO_API const char *bico_xcov_which_name(int which);
 BICO_API bico_status bico_xcov_which_from_name(const char *name, int *which);
+BICO_API const char *bico_xcov_param_name(int param);
+BICO_API bico_status bico_xcov_param_from_name(const char *name, int *param);
+BICO_API const char *bico_xcov_add_mode_name(int mode);
+BICO_API bico_status bico_xcov_add_mode_from_name(const char *name, int *mode);
+
+/* ADD_MODE takes a bico_xcov_add_mode (0: the default, EXACT; get_param
+ * reports the member it resolved to).  Bounds: [0, 2], BICO_PARAM_INTEGER;
+ * BICO_E_ARG for an unknown param. */
+BICO_API bico_status bico_xcov_set_param(bico_xcov *xc, int param,
+                                         double value);
+BICO_API bico_status bico_xcov_get_param(const bico_xcov *xc, int param,
+                                         double *value);
+BICO_API bico_status bico_xcov_param_bounds(int param, double *lo, double *hi,
+                                            unsigned *flags);
 
 /* Creates an empty accumulator for d_a x d_b statistics.  The handle keeps
  * a pointer to ctx (which must outlive it) and reports failures there. */

@@ -176,6 +176,23 @@ def test_xcov_equals_float64_product_and_merges_by_shards():
     assert np.allclose(cen, da.T @ db, rtol=1e-9, atol=1e-9)
 
 
+def test_xcov_add_mode_option():
+    """add_mode="fast" (BICO_XCOV_ADD_FAST): single-precision block
+    products, error single-precision sized; the mode is not stored, so a
+    fast and an exact accumulator merge; unknown modes are refused."""
+    xa, xb = randn(3000, 9), randn(3000, 6)
+    ref = xa.astype(np.float64).T @ xb.astype(np.float64)
+    fast = bico.XCov(9, 6, add_mode="fast").add(xa, xb)
+    exact = bico.XCov(9, 6).add(xa, xb)
+    err = lambda m: np.linalg.norm(m - ref) / np.linalg.norm(ref)
+    assert err(exact.matrix()) < 1e-13
+    assert err(fast.matrix()) < 1e-5
+    assert err(bico.XCov(9, 6).merge(fast).matrix()) < 1e-5
+    with pytest.raises(bico.BicoError) as e:
+        bico.XCov(9, 6, add_mode="quick")
+    assert "exact" in e.value.message and "fast" in e.value.message
+
+
 def test_xcov_strided_views_and_other_layouts():
     big = randn(50, 12)
     xa = big[:, 2:9]            # a column slice: row stride 12, no copy

@@ -168,3 +168,27 @@ def test_both_towers_carried_with_their_own_depth_maps(tmp_path, config):
         "vision_model.encoder.layers.1.mlp.fc1.weight"
     assert ent["vision_model.embeddings.class_embedding"]["handling"] == "tied"
     assert ent["text_model.embeddings.token_embedding.weight"]["handling"] == "tied"
+
+
+def test_python_pairing_follows_the_towers():
+    """bico.Pairing (the Python front ends' pairing) asks the library's
+    model graph, so CLIP's towers pair each by its own depth map there too:
+    i(j) = round(j (L_A - 1) / (L_B - 1)) per tower, computed here."""
+    from bico import Pairing
+
+    def names(v, t):
+        d = {"visual_projection.weight": (4, 4)}
+        for i in range(v):
+            d["vision_model.encoder.layers.%d.mlp.fc1.weight" % i] = (8, 4)
+        for i in range(t):
+            d["text_model.encoder.layers.%d.mlp.fc1.weight" % i] = (8, 4)
+        return d
+
+    (va, ta), (vb, tb) = (3, 3), (4, 2)
+    p = Pairing(names(va, ta), names(vb, tb))
+    for tower, la, lb in (("vision", va, vb), ("text", ta, tb)):
+        for j in range(lb):
+            i = int(j * (la - 1) / (lb - 1) + 0.5)
+            got = p.source_name("%s_model.encoder.layers.%d.mlp.fc1" % (tower, j))
+            assert got == "%s_model.encoder.layers.%d.mlp.fc1" % (tower, i)
+    assert p.source_name("visual_projection") == "visual_projection"

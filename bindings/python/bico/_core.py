@@ -13,7 +13,8 @@ from ._status import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE,  # noqa: F401
                       BicoError, strerror, check as _check)
 from . import _args as A
 from ._args import rows_f32, ptr as _ptr  # noqa: F401
-from ._enums import (choose, XCOV_SUMS, XCOV_GRAMS, XCOV_WHICH, PROC_PARAMS,
+from ._enums import (choose, XCOV_SUMS, XCOV_GRAMS, XCOV_WHICH,
+                     XCOV_ADD_MODE, XCOV_ADD_MODES, PROC_PARAMS,
                      PROC_NULL_NAMES, PROC_METHOD_NAMES, VOTES_MEAN,
                      GRADFIX_MODES, CTX_THREADS, NULL_KEEP, NULL_DROP)  # noqa: F401
 
@@ -154,7 +155,9 @@ _to_numpy = A.plain
 class XCov(_Handle):
     """bico_xcov: C = sum over rows of x_a^T x_b (d_a x d_b, float64).
 
-    XCov(d_a, d_b, sums=False, grams=False, ctx=None).  add(x_a, x_b) takes
+    XCov(d_a, d_b, sums=False, grams=False, add_mode="exact", ctx=None)
+    (add_mode "fast": single-precision block products summed in double,
+    BICO_XCOV_ADD_FAST).  add(x_a, x_b) takes
     corresponding rows (2-D, float32 without a copy, other dtypes and
     layouts converted); merge(other); to_bytes() / XCov.from_bytes(b);
     matrix(which="cross"|"gram_a"|"gram_b", centered=False).
@@ -162,16 +165,18 @@ class XCov(_Handle):
     _free = staticmethod(fn.xcov_free)
 
     def __init__(self, d_a, d_b, sums=False, grams=False, flags=None,
-                 ctx=None):
+                 ctx=None, add_mode="exact"):
         d_a, d_b = A.size(d_a, "d_a"), A.size(d_b, "d_b")
         if flags is None:
             flags = (XCOV_SUMS if sums else 0) | (XCOV_GRAMS if grams else 0)
         flags = A.size(flags, "flags", hi=0xFFFFFFFF)
         self.ctx = Context() if ctx is None else ctx
         h = c_void_p()
+        mode = choose(XCOV_ADD_MODES, add_mode, "XCov: add_mode")
         _check(fn.xcov_create(self.ctx._alive(), d_a, d_b, flags,
                               ctypes.byref(h)), self.ctx)
         self._adopt(h.value, self.ctx)
+        _check(fn.xcov_set_param(self._alive(), XCOV_ADD_MODE, mode), self.ctx)
 
     @classmethod
     def _wrap(cls, ptr, ctx):

@@ -31,7 +31,7 @@ def choose(table, value, what):
 
 # ---- ctx.h, xcov.h, procrustes.h, gradfix.h ----
 CTX_THREADS = 1
-XCOV_SUMS, XCOV_GRAMS, XCOV_FAST = 1, 2, 8
+XCOV_SUMS, XCOV_GRAMS = 1, 2
 XCOV_WHICH = {"cross": 1, "gram_a": 2, "gram_b": 3}
 PROC_PARAMS = {"center": 1, "whiten": 2, "whiten_eps": 3, "rank_tol": 4,
                "null": 5, "method": 6}
@@ -62,6 +62,8 @@ def _names_from_library(name_fn, what):
 
 
 METHODS = _names_from_library(fn.method_name, "method")
+XCOV_ADD_MODE = 1
+XCOV_ADD_MODES = _names_from_library(fn.xcov_add_mode_name, "xcov add mode")
 NORM_MAPS = _names_from_library(fn.norm_map_name, "norm map")
 STRUCTURES = _names_from_library(fn.structure_name, "structure")
 ROPES = _names_from_library(fn.rope_name, "RoPE layout")

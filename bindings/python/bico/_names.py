@@ -24,22 +24,26 @@ def module_of(name):
     return m, p
 
 
+def _model(names, blocks=None):
+    """The library's model graph (bico_model) of a name list or a
+    {name: tensor or shape} mapping (a bare name counts as a vector)."""
+    from .model import Model
+    if hasattr(names, "items"):
+        shapes = {n: tuple(getattr(v, "shape", v)) for n, v in names.items()}
+    else:
+        shapes = {n: (1,) for n in names}
+    m = Model.from_shapes(shapes)
+    if blocks is not None:
+        m.set_blocks(blocks)
+    return m
+
+
 def detect_blocks(names):
-    """The prefix P for which most names read "P.<int>.<rest>" (P may be
-    ""), or None; a tie goes to the shorter prefix."""
-    counts = {}
-    for n in names:
-        parts = n.split(".")
-        seen = set()
-        for k in range(len(parts) - 1):
-            if _INT.match(parts[k]):
-                p = ".".join(parts[:k])
-                if p not in seen:
-                    seen.add(p)
-                    counts[p] = counts.get(p, 0) + 1
-    if not counts:
-        return None
-    return min(counts, key=lambda p: (-counts[p], len(p), p))
+    """The block container the library detects in these tensor names
+    (bico_model_blocks: the prefix P for which most names read
+    "P.<int>.<rest>"), or None."""
+    prefix, count = _model(names).blocks()
+    return prefix if count else None
 
 
 def split_block(name, prefix):
@@ -59,37 +63,29 @@ def split_block(name, prefix):
     return int(head), rest
 
 
-def block_count(names, prefix):
-    idx = [split_block(n, prefix) for n in names]
-    idx = [i[0] for i in idx if i is not None]
-    return max(idx) + 1 if idx else 0
-
-
 class Pairing(object):
-    """Maps target names (tensors, modules, dotted keys) to source names:
-    inside the blocks by the depth map, elsewhere by identical name.
+    """Maps target names (tensors, modules, dotted keys) to source names by
+    the library's pairing rule (bico_model_map_name: inside the blocks by
+    the depth map, elsewhere by identical name), so that Python pairs as
+    the C driver does.
 
-    Pairing(source_names, target_names, source_blocks=None,
-    target_blocks=None): the name lists are the models' tensor names (the
-    block containers are detected from them unless given)."""
+    Pairing(source, target, source_blocks=None, target_blocks=None):
+    source and target are the models' tensor names, or {name: tensor or
+    shape} (a state dict), which lets the library see the shapes too; the
+    block containers are detected unless given."""
 
     def __init__(self, source_names, target_names, source_blocks=None,
                  target_blocks=None):
-        source_names = list(source_names)
-        target_names = list(target_names)
-        self.prefix_a = source_blocks if source_blocks is not None else \
-            detect_blocks(source_names)
-        self.prefix_b = target_blocks if target_blocks is not None else \
-            detect_blocks(target_names)
-        self.l_a = block_count(source_names, self.prefix_a)
-        self.l_b = block_count(target_names, self.prefix_b)
+        self._a = _model(source_names, source_blocks)
+        self._b = _model(target_names, target_blocks)
+        self.prefix_a, self.l_a = self._a.blocks()
+        self.prefix_b, self.l_b = self._b.blocks()
+        if not self.l_a:
+            self.prefix_a = None
+        if not self.l_b:
+            self.prefix_b = None
         self.depth = depthmap(self.l_a, self.l_b) if self.l_a and self.l_b \
             else []
 
     def source_name(self, name):
-        sb = split_block(name, self.prefix_b)
-        if sb is None or not self.depth or sb[0] >= len(self.depth):
-            return name
-        i = self.depth[sb[0]]
-        head = (self.prefix_a + "." if self.prefix_a else "") + str(i)
-        return head + ("." + sb[1] if sb[1] else "")
+        return self._b.source_name(self._a, name)

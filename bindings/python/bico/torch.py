@@ -357,8 +357,8 @@ class Collector(object):
         self.ctx = Context(threads=threads)
         mods_a = dict(source.named_modules())
         mods_b = dict(target.named_modules())
-        self.pairing = Pairing([n for n, _ in source.named_parameters()],
-                               [n for n, _ in target.named_parameters()],
+        self.pairing = Pairing(dict(source.named_parameters()),
+                               dict(target.named_parameters()),
                                source_blocks, target_blocks)
         if modules is None:
             names = default_modules(target)
@@ -879,7 +879,7 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
                         "(%s)" % e)
     procrustes = {k: v for k, v in topts.items() if k in _PROCRUSTES_KEYS}
     maps = col.maps(**procrustes)
-    pairing = Pairing(list(a0), list(b0), topts.get("source_blocks"),
+    pairing = Pairing(a0, b0, topts.get("source_blocks"),
                       topts.get("target_blocks"))
     # BiCo carries what the fit does not own (norms, tokens, MHA)
     rep = []
