@@ -656,6 +656,52 @@ static bico_status check_adapter_names(lrun *r, size_t nl, size_t ns) {
   return st;
 }
 
+/* Outputs: every file complete in its temporary file first, then all
+ * destinations checked and committed together (lib/fileio.c); a failure
+ * before leaves nothing new. */
+static bico_status lora_commit(lrun *r, size_t unused) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = BICO_OK;
+  bico__tmpfile rep = {NULL, NULL, -1, 0}, *outs[3], **ck = NULL;
+  size_t nout = 0, nck = 0;
+  bico_stwriter *w = NULL;
+  bico__lora_out lo;
+  memset(&lo, 0, sizeof lo);
+  if (h->report_path)
+    st = bico__report_tmp(ctx, "transfer_run", "report", r->rep.buf,
+                          r->rep.len, h->report_path, &rep);
+  if (st == BICO_OK && h->out_ckpt) {
+    /* a model folder by the rule every output follows */
+    st = bico_output_is_folder(h->out_ckpt, h->target_path)
+             ? bico_stwriter_create_folder(ctx, h->out_ckpt, h->target_path,
+                                           0, &w)
+             : bico_stwriter_create(ctx, h->out_ckpt, &w);
+    if (st == BICO_OK) st = write_checkpoint(r, w);
+    if (st == BICO_OK) st = bico__stwriter_finish_all(w, &ck, &nck);
+  }
+  if (st == BICO_OK && h->out_dir) {
+    st = bico__lora_save_begin(r->out, "transfer_run", h->out_dir, &lo);
+    if (st == BICO_OK) {
+      outs[nout++] = lo.weights;
+      outs[nout++] = &lo.cfg;
+    }
+  }
+  if (st == BICO_OK && h->report_path) outs[nout++] = &rep;
+  st = bico__commit_lists(ctx, "transfer_run", st, ck, nck, outs, nout, NULL);
+  if (st == BICO_OK) bico__stwriter_committed(w);
+  bico__lora_save_end(&lo, st == BICO_OK);
+  bico_stwriter_free(w);
+  bico__tmp_discard(ctx, &rep);
+  if (st == BICO_OK)
+    logf_(r, "bico: %zu adapter modules factored, %zu truncated, %zu copied, "
+             "%zu saved tensors, %zu unused; wrote %s%s%s",
+          r->factored, r->truncated, r->copied, r->saved, unused,
+          h->out_dir ? h->out_dir : "", h->out_dir && h->out_ckpt ? " and " : "",
+          h->out_ckpt ? h->out_ckpt : "");
+  return st;
+}
+
 static bico_status run_lora(lrun *r) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
@@ -768,46 +814,7 @@ static bico_status run_lora(lrun *r) {
                     h->adapter_dir);
   if (st != BICO_OK) return st;
 
-  /* Outputs: every file complete in its temporary file first, then all
-   * destinations checked and committed together (lib/fileio.c); a failure
-   * before leaves nothing new. */
-  bico__tmpfile rep = {NULL, NULL, -1, 0}, *outs[3], **ck = NULL;
-  size_t nout = 0, nck = 0;
-  bico_stwriter *w = NULL;
-  bico__lora_out lo;
-  memset(&lo, 0, sizeof lo);
-  if (h->report_path)
-    st = bico__report_tmp(ctx, "transfer_run", "report", r->rep.buf,
-                          r->rep.len, h->report_path, &rep);
-  if (st == BICO_OK && h->out_ckpt) {
-    /* a model folder by the rule every output follows */
-    st = bico_output_is_folder(h->out_ckpt, h->target_path)
-             ? bico_stwriter_create_folder(ctx, h->out_ckpt, h->target_path,
-                                           0, &w)
-             : bico_stwriter_create(ctx, h->out_ckpt, &w);
-    if (st == BICO_OK) st = write_checkpoint(r, w);
-    if (st == BICO_OK) st = bico__stwriter_finish_all(w, &ck, &nck);
-  }
-  if (st == BICO_OK && h->out_dir) {
-    st = bico__lora_save_begin(r->out, "transfer_run", h->out_dir, &lo);
-    if (st == BICO_OK) {
-      outs[nout++] = lo.weights;
-      outs[nout++] = &lo.cfg;
-    }
-  }
-  if (st == BICO_OK && h->report_path) outs[nout++] = &rep;
-  st = bico__commit_lists(ctx, "transfer_run", st, ck, nck, outs, nout, NULL);
-  if (st == BICO_OK) bico__stwriter_committed(w);
-  bico__lora_save_end(&lo, st == BICO_OK);
-  bico_stwriter_free(w);
-  bico__tmp_discard(ctx, &rep);
-  if (st == BICO_OK)
-    logf_(r, "bico: %zu adapter modules factored, %zu truncated, %zu copied, "
-             "%zu saved tensors, %zu unused; wrote %s%s%s",
-          r->factored, r->truncated, r->copied, r->saved, unused,
-          h->out_dir ? h->out_dir : "", h->out_dir && h->out_ckpt ? " and " : "",
-          h->out_ckpt ? h->out_ckpt : "");
-  return st;
+  return lora_commit(r, unused);
 }
 
 bico_status bico__lora_transfer_run(bico__lora_hook *h) {

@@ -269,6 +269,108 @@ static bico_status matrix_block(void *opaque, size_t i0, size_t ni, size_t j0,
   return BICO_OK;
 }
 
+/* The panels of C (scaled by sc when sc != 0) that the EIG route reads:
+ * left, k x n panels of columns t0..t0+n (row stride n); right, n x k
+ * panels of rows (row stride k). */
+static bico_status eig_panel(const bico__creader *rd, int left, size_t k,
+                             size_t t0, size_t n, double sc, double *cp) {
+  bico_status st = left ? rd->block(rd->opaque, 0, k, t0, n, cp, n)
+                        : rd->block(rd->opaque, t0, n, 0, k, cp, k);
+  if (st == BICO_OK && sc != 0)
+    for (size_t i = 0; i < k * n; i++) cp[i] *= sc;
+  return st;
+}
+
+/* Pass 0: C must be finite; *amax gets its largest magnitude. */
+static bico_status eig_scan(bico_ctx *ctx, const char *fn,
+                            const bico__creader *rd, int left, size_t k,
+                            size_t o, size_t pw, double *cp, double *amax) {
+  *amax = 0;
+  for (size_t t0 = 0; t0 < o; t0 += pw) {
+    const size_t n = o - t0 < pw ? o - t0 : pw;
+    bico_status st = eig_panel(rd, left, k, t0, n, 0, cp);
+    if (st != BICO_OK) return st;
+    const size_t rows = left ? k : n, cols = left ? n : k;
+    for (size_t i = 0; i < rows; i++)
+      for (size_t j = 0; j < cols; j++) {
+        const double v = cp[i * cols + j];
+        if (!isfinite(v))
+          return bico__fail(ctx, BICO_E_NONFINITE,
+                            "%s: c holds %s at row %zu, column %zu", fn,
+                            isnan(v) ? "NaN" : "Inf", left ? i : t0 + i,
+                            left ? t0 + j : j);
+        if (fabs(v) > *amax) *amax = fabs(v);
+      }
+  }
+  return BICO_OK;
+}
+
+/* Pass 1: G (k x k, lower, row-major) = sum over panels of Cp Cp^T (left)
+ * or Cp^T Cp (right), Cp = sc C's panel. */
+static bico_status eig_gram(const bico__creader *rd, int left, size_t k,
+                            size_t o, size_t pw, double sc, double *cp,
+                            double *g, rntm_t *rntm) {
+  double one = 1.0, zero = 0.0;
+  for (size_t t0 = 0; t0 < o; t0 += pw) {
+    const size_t n = o - t0 < pw ? o - t0 : pw;
+    bico_status st = eig_panel(rd, left, k, t0, n, sc, cp);
+    if (st != BICO_OK) return st;
+    double *beta = t0 == 0 ? &zero : &one;
+    if (left)
+      bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)n, &one, cp,
+                   (inc_t)n, 1, beta, g, (inc_t)k, 1, NULL, rntm);
+    else
+      bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)n, &one, cp,
+                   1, (inc_t)k, beta, g, (inc_t)k, 1, NULL, rntm);
+  }
+  return BICO_OK;
+}
+
+/* lambda_max of G from below: a few power steps from the all-ones vector
+ * (pv: 2k doubles for the iterates).  A low estimate only lets more
+ * statistics through to the eigensolver, whose eigenvalues decide. */
+static double eig_lmax(const double *g, size_t k, double *pv, rntm_t *rntm) {
+  double one = 1.0, zero = 0.0, lmax = 0;
+  double *x = pv, *y = pv + k;
+  for (size_t i = 0; i < k; i++) x[i] = 1.0 / sqrt((double)k);
+  for (int it = 0; it < EIG_POWER_STEPS; it++) {
+    bli_dsymv_ex(BLIS_LOWER, BLIS_NO_CONJUGATE, BLIS_NO_CONJUGATE, (dim_t)k,
+                 &one, (double *)g, (inc_t)k, 1, x, 1, &zero, y, 1, NULL,
+                 rntm);
+    double xy = 0, yy = 0;
+    for (size_t i = 0; i < k; i++) {
+      xy += x[i] * y[i];
+      yy += y[i] * y[i];
+    }
+    if (xy > lmax) lmax = xy; /* Rayleigh quotient <= lambda_max */
+    if (!(yy > 0) || !isfinite(yy)) break;
+    const double f = 1.0 / sqrt(yy);
+    for (size_t i = 0; i < k; i++) x[i] = y[i] * f;
+  }
+  return lmax;
+}
+
+/* Pass 2: R panel by panel with P (k x k, full, in g): left R[:, t] =
+ * P Cp, right R[t, :] = Cp P. */
+static bico_status eig_apply(bico_ctx *ctx, const bico__creader *rd, int left,
+                             size_t k, size_t o, size_t pw, double sc,
+                             const double *g, double *cp, double *op, float *r,
+                             size_t ld_r) {
+  for (size_t t0 = 0; t0 < o; t0 += pw) {
+    const size_t n = o - t0 < pw ? o - t0 : pw;
+    bico_status st = eig_panel(rd, left, k, t0, n, sc, cp);
+    if (st != BICO_OK) return st;
+    if (left) {
+      bico__dgemm(ctx, 0, 0, k, n, k, 1.0, g, k, cp, n, 0.0, op, n);
+      store_r(op, k, n, r + t0, ld_r);
+    } else {
+      bico__dgemm(ctx, 0, 0, n, k, k, 1.0, cp, k, g, k, 0.0, op, k);
+      store_r(op, n, k, r + t0 * ld_r, ld_r);
+    }
+  }
+  return BICO_OK;
+}
+
 /* BICO_PROC_EIG: for d_a <= d_b, C C^T = Q L Q^T and R = P C with
  * P = Q L^-1/2 Q^T; for d_a > d_b, C^T C = Q L Q^T and R = C P.  C is
  * read through rd in panels of EIG_PANEL columns (d_a <= d_b) or rows
@@ -327,69 +429,18 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
    * gave |R| = 1.002).  R does not depend on the scale, so the passes
    * below work on sc C, exactly. */
   double amax = 0;
-  for (size_t t0 = 0; t0 < o; t0 += pw) {
-    const size_t n = o - t0 < pw ? o - t0 : pw;
-    st = left ? rd->block(rd->opaque, 0, k, t0, n, cp, n)
-              : rd->block(rd->opaque, t0, n, 0, k, cp, k);
-    if (st != BICO_OK) goto done;
-    const size_t rows = left ? k : n, cols = left ? n : k;
-    for (size_t i = 0; i < rows; i++)
-      for (size_t j = 0; j < cols; j++) {
-        const double v = cp[i * cols + j];
-        if (!isfinite(v)) {
-          st = bico__fail(ctx, BICO_E_NONFINITE,
-                          "%s: c holds %s at row %zu, column %zu", fn,
-                          isnan(v) ? "NaN" : "Inf", left ? i : t0 + i,
-                          left ? t0 + j : j);
-          goto done;
-        }
-        if (fabs(v) > amax) amax = fabs(v);
-      }
-  }
+  st = eig_scan(ctx, fn, rd, left, k, o, pw, cp, &amax);
+  if (st != BICO_OK) goto done;
   if (rd->release) rd->release(rd->opaque);
   if (!(amax > 0)) goto done; /* all zero: the SVD route's completion */
   int ex;
   (void)frexp(amax, &ex);
   const double sc = ldexp(1.0, -ex);
-  /* Pass 1: G (lower, row-major) = sum over panels of Cp Cp^T (left, Cp
-   * k x n, row stride n) or Cp^T Cp (right, Cp n x k, row stride k), with
-   * Cp = sc C's panel. */
-  for (size_t t0 = 0; t0 < o; t0 += pw) {
-    const size_t n = o - t0 < pw ? o - t0 : pw;
-    st = left ? rd->block(rd->opaque, 0, k, t0, n, cp, n)
-              : rd->block(rd->opaque, t0, n, 0, k, cp, k);
-    if (st != BICO_OK) goto done;
-    for (size_t i = 0; i < k * n; i++) cp[i] *= sc;
-    double *beta = t0 == 0 ? &zero : &one;
-    if (left)
-      bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)n, &one, cp,
-                   (inc_t)n, 1, beta, g, (inc_t)k, 1, NULL, &rntm);
-    else
-      bli_dsyrk_ex(BLIS_LOWER, BLIS_NO_TRANSPOSE, (dim_t)k, (dim_t)n, &one, cp,
-                   1, (inc_t)k, beta, g, (inc_t)k, 1, NULL, &rntm);
-  }
+  /* Pass 1, then lambda_max from below. */
+  st = eig_gram(rd, left, k, o, pw, sc, cp, g, &rntm);
+  if (st != BICO_OK) goto done;
   if (rd->release) rd->release(rd->opaque);
-  /* lambda_max from below: a few power steps on G from the all-ones
-   * vector (op holds the iterates).  A low estimate only lets more
-   * statistics through to the eigensolver, whose eigenvalues decide. */
-  double lmax = 0;
-  {
-    double *x = pv, *y = pv + k;
-    for (size_t i = 0; i < k; i++) x[i] = 1.0 / sqrt((double)k);
-    for (int it = 0; it < EIG_POWER_STEPS; it++) {
-      bli_dsymv_ex(BLIS_LOWER, BLIS_NO_CONJUGATE, BLIS_NO_CONJUGATE, (dim_t)k,
-                   &one, g, (inc_t)k, 1, x, 1, &zero, y, 1, NULL, &rntm);
-      double xy = 0, yy = 0;
-      for (size_t i = 0; i < k; i++) {
-        xy += x[i] * y[i];
-        yy += y[i] * y[i];
-      }
-      if (xy > lmax) lmax = xy; /* Rayleigh quotient <= lambda_max */
-      if (!(yy > 0) || !isfinite(yy)) break;
-      const double f = 1.0 / sqrt(yy);
-      for (size_t i = 0; i < k; i++) x[i] = y[i] * f;
-    }
-  }
+  const double lmax = eig_lmax(g, k, pv, &rntm);
   if (!(lmax > 0) || !isfinite(lmax)) goto done;
   /* z = G - ratio^2 lambda_est I must have a Cholesky factor. */
   memcpy(z, g, k * k * sizeof(double));
@@ -432,23 +483,8 @@ static bico_status eig_core(bico_procrustes *p, const char *fn, size_t d_a,
                (inc_t)k, &zero, g, (inc_t)k, 1, NULL, &rntm);
   for (size_t i = 0; i < k; i++)
     for (size_t j = 0; j < i; j++) g[j * k + i] = g[i * k + j];
-  /* Pass 2: R panel by panel, left R[:, t] = P Cp, right R[t, :] = Cp P. */
-  for (size_t t0 = 0; t0 < o; t0 += pw) {
-    const size_t n = o - t0 < pw ? o - t0 : pw;
-    if (left) {
-      st = rd->block(rd->opaque, 0, k, t0, n, cp, n);
-      if (st != BICO_OK) goto done;
-      for (size_t i = 0; i < k * n; i++) cp[i] *= sc;
-      bico__dgemm(ctx, 0, 0, k, n, k, 1.0, g, k, cp, n, 0.0, op, n);
-      store_r(op, k, n, r + t0, ld_r);
-    } else {
-      st = rd->block(rd->opaque, t0, n, 0, k, cp, k);
-      if (st != BICO_OK) goto done;
-      for (size_t i = 0; i < k * n; i++) cp[i] *= sc;
-      bico__dgemm(ctx, 0, 0, n, k, k, 1.0, cp, k, g, k, 0.0, op, k);
-      store_r(op, n, k, r + t0 * ld_r, ld_r);
-    }
-  }
+  st = eig_apply(ctx, rd, left, k, o, pw, sc, g, cp, op, r, ld_r);
+  if (st != BICO_OK) goto done;
   if (rd->release) rd->release(rd->opaque);
   for (size_t i = 0; i < k; i++) s[i] = sqrt(w[k - 1 - i]) / sc;
   bico__free(ctx, p->spec);

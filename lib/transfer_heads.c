@@ -425,6 +425,35 @@ static bico_status check_widths(bico__run *r, int s, const char *mod,
                     heads * f->head_dim, s ? "target" : "source", mod, width);
 }
 
+/* Group x's map onto target group y commuting with RoPE (fblk, hd x hd):
+ * per frequency pair the rotation maximising tr(R^T N), N the pair's 2x2
+ * statistic summed over the key head and the group's matched query heads
+ * (hm: source query head -> target query head or BICO__NONE). */
+static void rope_rotations(const attn_dims *a, const double *mk, size_t ldk,
+                           const double *mq, size_t ldq, size_t x, size_t y,
+                           const size_t *hm, float *fblk) {
+  const size_t hd = a->hd, ra = a->ha / a->ga;
+  memset(fblk, 0, hd * hd * sizeof *fblk);
+  for (size_t p = 0; p < hd / 2; p++) {
+    double n[4] = {0, 0, 0, 0};
+    add_pair(a, mk, ldk, x, y, p, n);
+    for (size_t i = 0; i < ra; i++)
+      if (hm[x * ra + i] != BICO__NONE)
+        add_pair(a, mq, ldq, x * ra + i, hm[x * ra + i], p, n);
+    /* argmax over SO(2) of tr(R^T N): (cos, sin) along
+     * (N00 + N11, N10 - N01); an empty statistic keeps the identity. */
+    double c = n[0] + n[3], s = n[2] - n[1], h = hypot(c, s);
+    c = h > 0 ? c / h : 1;
+    s = h > 0 ? s / h : 0;
+    size_t i, j;
+    pair_dims(a, p, &i, &j);
+    fblk[i * hd + i] = (float)c;
+    fblk[i * hd + j] = (float)-s;
+    fblk[j * hd + i] = (float)s;
+    fblk[j * hd + j] = (float)c;
+  }
+}
+
 static bico_status solve_attn(bico__run *r, const char *pt, const char *ps,
                               hentry *e, int *fallback) {
   bico_ctx *ctx = r->ctx;
@@ -523,25 +552,7 @@ static bico_status solve_attn(bico__run *r, const char *pt, const char *ps,
       st = bico_procrustes_solve_matrix(r->proc, hd, hd, blk, hd, fblk, hd,
                                         NULL);
     } else {
-      memset(fblk, 0, hd * hd * sizeof *fblk);
-      for (size_t p = 0; p < hd / 2; p++) {
-        double n[4] = {0, 0, 0, 0};
-        add_pair(&a, M[R_K], ldk, x, y, p, n);
-        for (size_t i = 0; i < ra; i++)
-          if (hm[x * ra + i] != BICO__NONE)
-            add_pair(&a, M[R_Q], ldq, x * ra + i, hm[x * ra + i], p, n);
-        /* argmax over SO(2) of tr(R^T N): (cos, sin) along
-         * (N00 + N11, N10 - N01); an empty statistic keeps the identity. */
-        double c = n[0] + n[3], s = n[2] - n[1], h = hypot(c, s);
-        c = h > 0 ? c / h : 1;
-        s = h > 0 ? s / h : 0;
-        size_t i, j;
-        pair_dims(&a, p, &i, &j);
-        fblk[i * hd + i] = (float)c;
-        fblk[i * hd + j] = (float)-s;
-        fblk[j * hd + i] = (float)s;
-        fblk[j * hd + j] = (float)c;
-      }
+      rope_rotations(&a, M[R_K], ldk, M[R_Q], ldq, x, y, hm, fblk);
     }
     if (st != BICO_OK) break;
     put_block(&e->m[1], hd, x, y, fblk);

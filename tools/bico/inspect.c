@@ -50,23 +50,30 @@ static int explain_usage(const char *opt) {
   return cli_error(CMD, CLI_USAGE, "%s expects NAME=VALUE", opt);
 }
 
-/* bico inspect SOURCE TARGET. */
-static int explain_pair(const char *src, const char *tgt, int json,
-                        const char *method, const char *blocks,
-                        const char **splits, size_t nsplits,
-                        const char **ties, size_t nties) {
-  bico_ctx *ctx;
-  if (bico_ctx_create(&ctx) != BICO_OK)
-    return cli_error(CMD, CLI_FAIL, "out of memory");
-  bico_transfer *t = NULL;
-  bico_status st = bico_transfer_create(ctx, &t);
-  int m = BICO_METHOD_BICO;
-  if (st == BICO_OK && method && bico_method_from_name(method, &m) != BICO_OK) {
-    bico_transfer_free(t);
-    bico_ctx_free(ctx);
+/* What bico_transfer_explain decided, gathered for printing. */
+typedef struct explained {
+  const char *paths[2];
+  int method;
+  bico_transfer_model_info mi[2];
+  size_t vs, vt, vsh, vnew; /* vocabulary: source, target, shared, new */
+  bico_transfer_decision *d;
+  size_t nt;
+  size_t pair[6][2]; /* by role: tensors, and those with a partner */
+} explained;
+
+static const char *const SIDES[2] = {"source", "target"};
+static const char *const KIND[6] = {"?", "weights", "biases", "norm vectors",
+                                    "tokens", "other"};
+
+/* The run's options from the command line: a CLI exit code (0: fine). */
+static int explain_setup(bico_ctx *ctx, bico_transfer *t, const char *method,
+                         int *m, const char *blocks, const char **splits,
+                         size_t nsplits, const char **ties, size_t nties,
+                         const char *src, const char *tgt) {
+  *m = BICO_METHOD_BICO;
+  if (method && bico_method_from_name(method, m) != BICO_OK)
     return cli_error(CMD, CLI_USAGE, "unknown method %s", method);
-  }
-  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, m);
+  bico_status st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, *m);
   if (st == BICO_OK) st = bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, src);
   if (st == BICO_OK) st = bico_transfer_set_file(t, BICO_FILE_TARGET_BASE, tgt);
   if (st == BICO_OK && blocks)
@@ -76,163 +83,175 @@ static int explain_pair(const char *src, const char *tgt, int json,
     const char *eq = strrchr(splits[k], '=');
     size_t kk;
     if (eq == NULL || (size_t)(eq - splits[k]) >= sizeof suffix ||
-        cli_size(eq + 1, &kk)) {
-      bico_transfer_free(t);
-      bico_ctx_free(ctx);
+        cli_size(eq + 1, &kk))
       return explain_usage("--split");
-    }
     snprintf(suffix, sizeof suffix, "%.*s", (int)(eq - splits[k]), splits[k]);
     st = bico_transfer_add_split(t, suffix, kk);
   }
   for (size_t k = 0; k < nties && st == BICO_OK; k++) {
     char tensor[512];
     const char *eq = strchr(ties[k], '=');
-    if (eq == NULL || (size_t)(eq - ties[k]) >= sizeof tensor) {
-      bico_transfer_free(t);
-      bico_ctx_free(ctx);
+    if (eq == NULL || (size_t)(eq - ties[k]) >= sizeof tensor)
       return explain_usage("--tie");
-    }
     snprintf(tensor, sizeof tensor, "%.*s", (int)(eq - ties[k]), ties[k]);
     st = bico_transfer_add_tie(t, tensor, eq + 1);
   }
   if (st == BICO_OK) st = bico_transfer_explain(t);
-  size_t nt = 0;
-  if (st == BICO_OK) st = bico_transfer_explain_count(t, &nt);
-  if (st != BICO_OK) {
-    int code = cli_lib_error(CMD, ctx, st);
-    bico_transfer_free(t);
-    bico_ctx_free(ctx);
-    return code;
-  }
-  bico_transfer_model_info mi[2];
-  const char *paths[2] = {src, tgt}, *sides[2] = {"source", "target"};
+  return st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+}
+
+/* Models, vocabulary, per-tensor decisions and pairing by kind. */
+static int explain_gather(bico_ctx *ctx, bico_transfer *t, explained *e) {
+  bico_status st = bico_transfer_explain_count(t, &e->nt);
+  if (st != BICO_OK) return cli_lib_error(CMD, ctx, st);
   for (int k = 0; k < 2; k++) {
-    mi[k].size = sizeof mi[k];
-    bico_transfer_explain_model(t, k, &mi[k]);
+    e->mi[k].size = sizeof e->mi[k];
+    bico_transfer_explain_model(t, k, &e->mi[k]);
   }
-  size_t vs, vt, vsh, vnew;
-  bico_transfer_explain_vocab(t, &vs, &vt, &vsh, &vnew);
-  bico_transfer_decision *d = calloc(nt ? nt : 1, sizeof *d);
-  if (d == NULL) {
-    bico_transfer_free(t);
-    bico_ctx_free(ctx);
+  bico_transfer_explain_vocab(t, &e->vs, &e->vt, &e->vsh, &e->vnew);
+  e->d = calloc(e->nt ? e->nt : 1, sizeof *e->d);
+  if (e->d == NULL) return cli_error(CMD, CLI_FAIL, "out of memory");
+  for (size_t i = 0; i < e->nt; i++) {
+    e->d[i].size = sizeof e->d[i];
+    bico_transfer_explain_tensor(t, i, &e->d[i]);
+    int r = e->d[i].role >= 1 && e->d[i].role <= 5 ? e->d[i].role : 0;
+    e->pair[r][0]++;
+    e->pair[r][1] += e->d[i].source != NULL;
+  }
+  return 0;
+}
+
+static void explain_json(const explained *e) {
+  printf("{");
+  for (int k = 0; k < 2; k++) {
+    printf("%s\"%s\": {\"path\": ", k ? ", " : "", SIDES[k]);
+    json_str(e->paths[k]);
+    printf(", \"family\": ");
+    json_str(e->mi[k].family);
+    printf(", \"family_from\": ");
+    json_str(e->mi[k].family_from);
+    printf(", \"blocks\": ");
+    json_str(e->mi[k].blocks);
+    printf(", \"nblocks\": %zu, \"tensors\": %zu}", e->mi[k].nblocks,
+           e->mi[k].tensors);
+  }
+  printf(", \"method\": ");
+  json_str(bico_method_name(e->method));
+  if (e->vt)
+    printf(", \"vocab\": {\"source_tokens\": %zu, \"target_tokens\": %zu, "
+           "\"shared\": %zu, \"new\": %zu}", e->vs, e->vt, e->vsh, e->vnew);
+  else
+    printf(", \"vocab\": null");
+  printf(", \"pairing\": {");
+  for (int r = 1, first = 1; r <= 5; r++)
+    if (e->pair[r][0]) {
+      printf("%s\"%s\": [%zu, %zu]", first ? "" : ", ", KIND[r], e->pair[r][1],
+             e->pair[r][0]);
+      first = 0;
+    }
+  printf("}, \"tensors\": [");
+  for (size_t i = 0; i < e->nt; i++) {
+    printf("%s\n  {\"name\": ", i ? "," : "");
+    json_str(e->d[i].name);
+    printf(", \"role\": ");
+    json_str(bico_model_tensor_role_name(e->d[i].role));
+    printf(", \"handling\": ");
+    json_str(handling_name(e->d[i].handling));
+    printf(", \"source\": ");
+    json_str(e->d[i].source);
+    printf(", \"module\": ");
+    json_str(e->d[i].module);
+    printf(", \"in_map\": %s, \"out_maps\": %d, \"transposed\": %s, "
+           "\"vocab\": %s, \"rule\": ",
+           e->d[i].in_map ? "true" : "false", e->d[i].out_maps,
+           e->d[i].transposed ? "true" : "false", e->d[i].vocab ? "true" : "false");
+    json_str(e->d[i].rule);
+    printf("}");
+  }
+  printf("\n]}\n");
+}
+
+static void explain_text(const explained *e) {
+  for (int k = 0; k < 2; k++) {
+    printf("%s: %s\n  family: %s", SIDES[k], e->paths[k], e->mi[k].family);
+    if (e->mi[k].family_from[0]) printf(" (from %s)", e->mi[k].family_from);
+    if (e->mi[k].blocks)
+      printf("\n  blocks: %s%s<i> (%zu blocks)", e->mi[k].blocks,
+             e->mi[k].blocks[0] ? "." : "", e->mi[k].nblocks);
+    else
+      printf("\n  blocks: none detected");
+    printf("\n  tensors: %zu\n", e->mi[k].tensors);
+  }
+  printf("method: %s\n", bico_method_name(e->method));
+  if (e->vt)
+    printf("vocabulary: the tokenizers differ (%zu source, %zu target "
+           "tokens): %zu shared, rows carried by token string; %zu new, "
+           "left unchanged\n", e->vs, e->vt, e->vsh, e->vnew);
+  else
+    printf("vocabulary: not mapped (identical, no tokenizer.json on both "
+           "sides, or not a BiCo method)\n");
+  printf("pairing:");
+  for (int r = 1, first = 1; r <= 5; r++)
+    if (e->pair[r][0]) {
+      printf("%s %s %zu/%zu", first ? "" : ",", KIND[r], e->pair[r][1],
+             e->pair[r][0]);
+      first = 0;
+    }
+  printf("\nsplits:");
+  int any = 0;
+  for (size_t i = 0; i < e->nt; i++)
+    if (e->d[i].out_maps > 1 && e->d[i].role == BICO_ROLE_WEIGHT) {
+      printf("\n  %s: output in %d blocks", e->d[i].module, e->d[i].out_maps);
+      any = 1;
+    }
+  printf("%s\nties:", any ? "" : " none");
+  any = 0;
+  for (size_t i = 0; i < e->nt; i++)
+    if (e->d[i].role == BICO_ROLE_TOKEN) {
+      printf("\n  %s -> %s", e->d[i].name, e->d[i].module ? e->d[i].module : "(none)");
+      any = 1;
+    }
+  printf("%s\n\n%-44s %-7s %-9s %-11s %s\n", any ? "" : " none", "TENSOR",
+         "ROLE", "HANDLING", "MAPS", "SOURCE / RULE");
+  for (size_t i = 0; i < e->nt; i++) {
+    char maps[32];
+    maps_str(&e->d[i], maps, sizeof maps);
+    printf("%-44s %-7s %-9s %-11s %s\n%44s   %s\n", e->d[i].name,
+           bico_model_tensor_role_name(e->d[i].role), handling_name(e->d[i].handling),
+           maps, e->d[i].source ? e->d[i].source : "(no partner)", "", e->d[i].rule);
+  }
+}
+
+/* bico inspect SOURCE TARGET. */
+static int explain_pair(const char *src, const char *tgt, int json,
+                        const char *method, const char *blocks,
+                        const char **splits, size_t nsplits,
+                        const char **ties, size_t nties) {
+  bico_ctx *ctx;
+  if (bico_ctx_create(&ctx) != BICO_OK)
     return cli_error(CMD, CLI_FAIL, "out of memory");
-  }
-  for (size_t i = 0; i < nt; i++) {
-    d[i].size = sizeof d[i];
-    bico_transfer_explain_tensor(t, i, &d[i]);
-  }
-  /* Pairing by kind (role), from the decisions. */
-  static const char *const KIND[6] = {"?", "weights", "biases", "norm vectors",
-                                      "tokens", "other"};
-  size_t pair[6][2] = {{0}};
-  for (size_t i = 0; i < nt; i++) {
-    int r = d[i].role >= 1 && d[i].role <= 5 ? d[i].role : 0;
-    pair[r][0]++;
-    pair[r][1] += d[i].source != NULL;
-  }
-  if (json) {
-    printf("{");
-    for (int k = 0; k < 2; k++) {
-      printf("%s\"%s\": {\"path\": ", k ? ", " : "", sides[k]);
-      json_str(paths[k]);
-      printf(", \"family\": ");
-      json_str(mi[k].family);
-      printf(", \"family_from\": ");
-      json_str(mi[k].family_from);
-      printf(", \"blocks\": ");
-      json_str(mi[k].blocks);
-      printf(", \"nblocks\": %zu, \"tensors\": %zu}", mi[k].nblocks,
-             mi[k].tensors);
-    }
-    printf(", \"method\": ");
-    json_str(bico_method_name(m));
-    if (vt)
-      printf(", \"vocab\": {\"source_tokens\": %zu, \"target_tokens\": %zu, "
-             "\"shared\": %zu, \"new\": %zu}", vs, vt, vsh, vnew);
+  bico_transfer *t = NULL;
+  explained e;
+  memset(&e, 0, sizeof e);
+  e.paths[0] = src;
+  e.paths[1] = tgt;
+  int code = bico_transfer_create(ctx, &t) == BICO_OK
+                 ? 0
+                 : cli_error(CMD, CLI_FAIL, "out of memory");
+  if (code == 0)
+    code = explain_setup(ctx, t, method, &e.method, blocks, splits, nsplits,
+                         ties, nties, src, tgt);
+  if (code == 0) code = explain_gather(ctx, t, &e);
+  if (code == 0) {
+    if (json)
+      explain_json(&e);
     else
-      printf(", \"vocab\": null");
-    printf(", \"pairing\": {");
-    for (int r = 1, first = 1; r <= 5; r++)
-      if (pair[r][0]) {
-        printf("%s\"%s\": [%zu, %zu]", first ? "" : ", ", KIND[r], pair[r][1],
-               pair[r][0]);
-        first = 0;
-      }
-    printf("}, \"tensors\": [");
-    for (size_t i = 0; i < nt; i++) {
-      printf("%s\n  {\"name\": ", i ? "," : "");
-      json_str(d[i].name);
-      printf(", \"role\": ");
-      json_str(bico_model_tensor_role_name(d[i].role));
-      printf(", \"handling\": ");
-      json_str(handling_name(d[i].handling));
-      printf(", \"source\": ");
-      json_str(d[i].source);
-      printf(", \"module\": ");
-      json_str(d[i].module);
-      printf(", \"in_map\": %s, \"out_maps\": %d, \"transposed\": %s, "
-             "\"vocab\": %s, \"rule\": ",
-             d[i].in_map ? "true" : "false", d[i].out_maps,
-             d[i].transposed ? "true" : "false", d[i].vocab ? "true" : "false");
-      json_str(d[i].rule);
-      printf("}");
-    }
-    printf("\n]}\n");
-  } else {
-    for (int k = 0; k < 2; k++) {
-      printf("%s: %s\n  family: %s", sides[k], paths[k], mi[k].family);
-      if (mi[k].family_from[0]) printf(" (from %s)", mi[k].family_from);
-      if (mi[k].blocks)
-        printf("\n  blocks: %s%s<i> (%zu blocks)", mi[k].blocks,
-               mi[k].blocks[0] ? "." : "", mi[k].nblocks);
-      else
-        printf("\n  blocks: none detected");
-      printf("\n  tensors: %zu\n", mi[k].tensors);
-    }
-    printf("method: %s\n", bico_method_name(m));
-    if (vt)
-      printf("vocabulary: the tokenizers differ (%zu source, %zu target "
-             "tokens): %zu shared, rows carried by token string; %zu new, "
-             "left unchanged\n", vs, vt, vsh, vnew);
-    else
-      printf("vocabulary: not mapped (identical, no tokenizer.json on both "
-             "sides, or not a BiCo method)\n");
-    printf("pairing:");
-    for (int r = 1, first = 1; r <= 5; r++)
-      if (pair[r][0]) {
-        printf("%s %s %zu/%zu", first ? "" : ",", KIND[r], pair[r][1],
-               pair[r][0]);
-        first = 0;
-      }
-    printf("\nsplits:");
-    int any = 0;
-    for (size_t i = 0; i < nt; i++)
-      if (d[i].out_maps > 1 && d[i].role == BICO_ROLE_WEIGHT) {
-        printf("\n  %s: output in %d blocks", d[i].module, d[i].out_maps);
-        any = 1;
-      }
-    printf("%s\nties:", any ? "" : " none");
-    any = 0;
-    for (size_t i = 0; i < nt; i++)
-      if (d[i].role == BICO_ROLE_TOKEN) {
-        printf("\n  %s -> %s", d[i].name, d[i].module ? d[i].module : "(none)");
-        any = 1;
-      }
-    printf("%s\n\n%-44s %-7s %-9s %-11s %s\n", any ? "" : " none", "TENSOR",
-           "ROLE", "HANDLING", "MAPS", "SOURCE / RULE");
-    for (size_t i = 0; i < nt; i++) {
-      char maps[32];
-      maps_str(&d[i], maps, sizeof maps);
-      printf("%-44s %-7s %-9s %-11s %s\n%44s   %s\n", d[i].name,
-             bico_model_tensor_role_name(d[i].role), handling_name(d[i].handling),
-             maps, d[i].source ? d[i].source : "(no partner)", "", d[i].rule);
-    }
+      explain_text(&e);
   }
-  free(d);
+  free(e.d);
   bico_transfer_free(t);
   bico_ctx_free(ctx);
-  return 0;
+  return code;
 }
 
 static const char *const KINDS[] = {"?", "linear", "elementwise", "embedding",

@@ -17,17 +17,62 @@ static void log_line(void *opaque, const char *line) {
 
 #define MAX_INPUTS 256
 
+typedef struct merge_input {
+  int kind;
+  const char *path;
+  double weight, density;
+} merge_input;
+
+typedef struct merge_opts {
+  const char *base, *output, *delta, *report;
+  int method, normalize, quiet;
+  double alpha, max_shard;
+  const merge_input *in;
+  size_t nin;
+} merge_opts;
+
+/* Configures and runs the library's merge; the CLI exit code. */
+static int merge_run(const merge_opts *o) {
+  bico_ctx *ctx = NULL;
+  bico_merge *mg = NULL;
+  if (bico_ctx_create(&ctx) != BICO_OK)
+    return cli_error(CMD, CLI_FAIL, "out of memory");
+  bico_status st = bico_merge_create(ctx, &mg);
+  if (st == BICO_OK) st = bico_merge_set_file(mg, BICO_MERGE_FILE_BASE, o->base);
+  if (st == BICO_OK)
+    st = bico_merge_set_file(mg, BICO_MERGE_FILE_OUTPUT, o->output);
+  if (st == BICO_OK && o->delta)
+    st = bico_merge_set_file(mg, BICO_MERGE_FILE_DELTA_OUTPUT, o->delta);
+  if (st == BICO_OK && o->report)
+    st = bico_merge_set_file(mg, BICO_MERGE_FILE_REPORT, o->report);
+  if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_METHOD, o->method);
+  if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_ALPHA, o->alpha);
+  if (st == BICO_OK)
+    st = bico_merge_set_param(mg, BICO_MERGE_NORMALIZE, o->normalize);
+  if (st == BICO_OK && o->max_shard > 0)
+    st = bico_merge_set_param(mg, BICO_MERGE_MAX_SHARD_SIZE, o->max_shard);
+  for (size_t k = 0; k < o->nin && st == BICO_OK; k++)
+    st = bico_merge_add_input(mg, o->in[k].kind, o->in[k].path,
+                              o->in[k].weight, o->in[k].density);
+  if (st == BICO_OK && !o->quiet) st = bico_merge_set_log(mg, log_line, NULL);
+  cli_cleanup_add(o->output, bico_output_is_folder(o->output, o->base));
+  cli_cleanup_add(o->delta, bico_output_is_folder(o->delta, o->base));
+  cli_cleanup_add(o->report, 0);
+  cli_cleanup_install();
+  if (st == BICO_OK) st = bico_merge_run(mg);
+  int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+  bico_merge_free(mg);
+  bico_ctx_free(ctx);
+  return code;
+}
+
 int cmd_merge(int argc, char **argv) {
   const char *base = NULL, *output = NULL, *delta = NULL, *report = NULL,
              *method = NULL;
   double alpha = 1.0;
   int normalize = -1, quiet = 0;
   double max_shard = 0;
-  struct {
-    int kind;
-    const char *path;
-    double weight, density;
-  } in[MAX_INPUTS];
+  merge_input in[MAX_INPUTS];
   size_t nin = 0;
   static const struct {
     const char *opt;
@@ -145,33 +190,7 @@ int cmd_merge(int argc, char **argv) {
                        "density %g)",
                        in[k].path, in[k].density);
 
-  bico_ctx *ctx = NULL;
-  bico_merge *mg = NULL;
-  if (bico_ctx_create(&ctx) != BICO_OK)
-    return cli_error(CMD, CLI_FAIL, "out of memory");
-  bico_status st = bico_merge_create(ctx, &mg);
-  if (st == BICO_OK) st = bico_merge_set_file(mg, BICO_MERGE_FILE_BASE, base);
-  if (st == BICO_OK) st = bico_merge_set_file(mg, BICO_MERGE_FILE_OUTPUT, output);
-  if (st == BICO_OK && delta)
-    st = bico_merge_set_file(mg, BICO_MERGE_FILE_DELTA_OUTPUT, delta);
-  if (st == BICO_OK && report)
-    st = bico_merge_set_file(mg, BICO_MERGE_FILE_REPORT, report);
-  if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_METHOD, m);
-  if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_ALPHA, alpha);
-  if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_NORMALIZE, normalize);
-  if (st == BICO_OK && max_shard > 0)
-    st = bico_merge_set_param(mg, BICO_MERGE_MAX_SHARD_SIZE, max_shard);
-  for (size_t k = 0; k < nin && st == BICO_OK; k++)
-    st = bico_merge_add_input(mg, in[k].kind, in[k].path, in[k].weight,
-                              in[k].density);
-  if (st == BICO_OK && !quiet) st = bico_merge_set_log(mg, log_line, NULL);
-  cli_cleanup_add(output, bico_output_is_folder(output, base));
-  cli_cleanup_add(delta, bico_output_is_folder(delta, base));
-  cli_cleanup_add(report, 0);
-  cli_cleanup_install();
-  if (st == BICO_OK) st = bico_merge_run(mg);
-  int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
-  bico_merge_free(mg);
-  bico_ctx_free(ctx);
-  return code;
+  merge_opts o = {base, output, delta, report, m, normalize, quiet,
+                  alpha, max_shard, in, nin};
+  return merge_run(&o);
 }
