@@ -68,6 +68,10 @@ typedef struct bico__lora_hook {
   /* Frees the maps of target module mi. */
   void (*release)(void *opaque, size_t mi);
   void (*log)(void *opaque, const char *line);
+  /* Structured progress per target module (bico_transfer_set_progress),
+   * or NULL. */
+  bico_progress_fn progress;
+  void *progress_opaque;
   /* Out: target tensors that received an update (bico_transfer_counts). */
   size_t updated;
 } bico__lora_hook;

@@ -16,6 +16,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "calib.h"
@@ -702,6 +703,22 @@ static bico_status lora_commit(lrun *r, size_t unused) {
   return st;
 }
 
+/* Progress after target module mi (one unit per module). */
+static void module_progress(const lrun *r, size_t mi, bico_progress *pg,
+                            const struct timespec *t0) {
+  const bico__lora_hook *h = r->h;
+  if (h->progress == NULL) return;
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  pg->done = (double)(mi + 1);
+  pg->tensors_done = mi + 1;
+  pg->elapsed = (double)(now.tv_sec - t0->tv_sec) +
+                1e-9 * (double)(now.tv_nsec - t0->tv_nsec);
+  pg->tensor = NULL;
+  bico_model_module(h->mt, mi, &pg->tensor, NULL, NULL, NULL);
+  h->progress(h->progress_opaque, pg);
+}
+
 static bico_status run_lora(lrun *r) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
@@ -735,7 +752,15 @@ static bico_status run_lora(lrun *r) {
   bico__report_key(&r->rep, "modules");
   bico__report_begin_array(&r->rep);
   size_t nm = bico_model_module_count(h->mt);
+  bico_progress pg;
+  memset(&pg, 0, sizeof pg);
+  pg.size = sizeof pg;
+  pg.total = (double)nm;
+  pg.tensors_total = nm;
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
   for (size_t mi = 0; mi < nm && st == BICO_OK; mi++) {
+    if (mi > 0) module_progress(r, mi - 1, &pg, &t0);
     size_t si, li;
     bico_status ps = bico_model_pair_module(h->mt, mi, h->ms, &si);
     if (ps == BICO_E_NOTFOUND) {
@@ -755,6 +780,7 @@ static bico_status run_lora(lrun *r) {
     used[li] = 1;
     st = do_module(r, li, mi);
   }
+  if (st == BICO_OK && nm > 0) module_progress(r, nm - 1, &pg, &t0);
   bico__report_end_array(&r->rep);
   bico__report_key(&r->rep, "saved");
   bico__report_begin_array(&r->rep);

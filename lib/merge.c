@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "calib.h"
@@ -147,6 +148,8 @@ struct bico_merge {
   size_t nin;
   void (*log)(void *, const char *);
   void *log_opaque;
+  bico_progress_fn progress;
+  void *progress_opaque;
 };
 
 static const char *const FILE_NAME[5] = {NULL, "base", "output",
@@ -315,6 +318,35 @@ bico_status bico_merge_set_log(bico_merge *m,
   m->log = fn;
   m->log_opaque = opaque;
   return BICO_OK;
+}
+
+bico_status bico_merge_set_progress(bico_merge *m, bico_progress_fn fn,
+                                    void *opaque) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  m->progress = fn;
+  m->progress_opaque = opaque;
+  return BICO_OK;
+}
+
+/* After base tensor ti of nt: work in elements + 1 per tensor (the reads
+ * and writes scale with it), items in tensors. */
+static void report_progress(const bico_merge *m, const bico_stfile *base,
+                            size_t ti, size_t nt, bico_progress *pg,
+                            const struct timespec *t0) {
+  if (m->progress == NULL) return;
+  size_t n = 0;
+  const char *name = NULL;
+  bico_stfile_tensor_size(base, ti, &n, NULL);
+  bico_stfile_tensor_info(base, ti, &name, NULL, NULL, NULL);
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  pg->done = ti + 1 == nt ? pg->total : pg->done + (double)n + 1;
+  pg->tensors_done = ti + 1;
+  pg->elapsed = (double)(now.tv_sec - t0->tv_sec) +
+                1e-9 * (double)(now.tv_nsec - t0->tv_nsec);
+  pg->tensor = name;
+  m->progress(m->progress_opaque, pg);
 }
 
 static void logf_(const bico_merge *m, const char *fmt, ...)
@@ -764,8 +796,21 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
   sc.ds = bico__alloc(ctx, m->nin * sizeof(double));
   if (sc.taus == NULL || sc.ws == NULL || sc.ds == NULL) st = BICO_E_NOMEM;
   size_t merged_count = 0;
-  for (size_t ti = 0; ti < nt && st == BICO_OK; ti++)
+  bico_progress pg;
+  memset(&pg, 0, sizeof pg);
+  pg.size = sizeof pg;
+  pg.tensors_total = nt;
+  for (size_t ti = 0; ti < nt; ti++) {
+    size_t n = 0;
+    bico_stfile_tensor_size(base, ti, &n, NULL);
+    pg.total += (double)n + 1;
+  }
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     st = merge_one(m, base, ti, &sc, *wp, *wdp, rep, &merged_count);
+    if (st == BICO_OK) report_progress(m, base, ti, nt, &pg, &t0);
+  }
   bico__free(ctx, sc.taus);
   bico__free(ctx, sc.ws);
   bico__free(ctx, sc.ds);

@@ -363,7 +363,7 @@ bico_status bico_transfer_set_log(bico_transfer *t, bico_transfer_log_fn fn,
 }
 
 bico_status bico_transfer_set_progress(bico_transfer *t,
-                                       bico_transfer_progress_fn fn,
+                                       bico_progress_fn fn,
                                        void *opaque) {
   if (t == NULL) return BICO_E_NULL;
   bico__clear(t->ctx);
@@ -479,6 +479,8 @@ static bico_status lora_branch(bico__run *r) {
   h.route = lora_route;
   h.release = lora_release;
   h.log = lora_log;
+  h.progress = r->t->progress;
+  h.progress_opaque = r->t->progress_opaque;
   bico_status st = bico__lora_transfer_run(&h);
   if (st == BICO_OK) {
     r->t->updated = h.updated;

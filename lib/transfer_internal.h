@@ -45,7 +45,7 @@ struct bico_transfer {
   size_t nties;
   bico_transfer_log_fn log;
   void *log_opaque;
-  bico_transfer_progress_fn progress;
+  bico_progress_fn progress;
   void *progress_opaque;
   int ran;
   size_t updated, unchanged;

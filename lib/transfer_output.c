@@ -381,7 +381,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
                            : bico__xfer_declare(t, r->tb, &r->w, &r->wd);
   bico__xfer_report_head(&r->rep, r->method, r->alpha);
   /* Structured progress for the front end, when it asked */
-  bico_transfer_progress pg;
+  bico_progress pg;
   memset(&pg, 0, sizeof pg);
   pg.size = sizeof pg;
   pg.tensors_total = nt;

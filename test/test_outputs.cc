@@ -216,9 +216,9 @@ TEST(OutputFolder, TheRuleAndBadFolders) {
 // ---- progress ----
 
 struct Seen {
-  std::vector<bico_transfer_progress> calls;
+  std::vector<bico_progress> calls;
   std::vector<std::string> names;
-  static void fn(void *o, const bico_transfer_progress *p) {
+  static void fn(void *o, const bico_progress *p) {
     Seen *s = static_cast<Seen *>(o);
     s->calls.push_back(*p);
     s->names.push_back(p->tensor ? p->tensor : "");
@@ -282,8 +282,8 @@ TEST(TransferProgress, EveryTensorReportedAndTheWorkIsThePlans) {
   ASSERT_EQ(seen.calls.size(), 4u);
   double prev = 0, prev_t = 0;
   for (size_t k = 0; k < seen.calls.size(); k++) {
-    const bico_transfer_progress &p = seen.calls[k];
-    EXPECT_EQ(p.size, sizeof(bico_transfer_progress));
+    const bico_progress &p = seen.calls[k];
+    EXPECT_EQ(p.size, sizeof(bico_progress));
     EXPECT_EQ(p.tensors_done, k + 1);
     EXPECT_EQ(p.tensors_total, 4u);
     EXPECT_GT(p.done, prev);
@@ -299,6 +299,77 @@ TEST(TransferProgress, EveryTensorReportedAndTheWorkIsThePlans) {
   // watching changes nothing
   EXPECT_EQ(slurp(d / "o1.st"), slurp(d / "o2.st"));
   EXPECT_EQ(bico_transfer_set_progress(nullptr, Seen::fn, nullptr), BICO_E_NULL);
+}
+
+TEST(MergeProgress, EveryTensorAndTheWorkIsItsElements) {
+  TempDir d;
+  write_chain(d / "a.st", 0);
+  write_chain(d / "aft.st", 0.5);
+  bt::Ctx ctx;
+  Seen seen;
+  bico_merge *m = nullptr;
+  ASSERT_EQ(bico_merge_create(ctx, &m), BICO_OK);
+  ASSERT_EQ(bico_merge_set_file(m, BICO_MERGE_FILE_BASE, (d / "a.st").c_str()), BICO_OK);
+  ASSERT_EQ(bico_merge_set_file(m, BICO_MERGE_FILE_OUTPUT, (d / "o.st").c_str()), BICO_OK);
+  ASSERT_EQ(bico_merge_add_input(m, BICO_MERGE_TUNED, (d / "aft.st").c_str(), 1.0, 1.0),
+            BICO_OK);
+  ASSERT_EQ(bico_merge_set_progress(m, Seen::fn, &seen), BICO_OK);
+  ASSERT_EQ(bico_merge_run(m), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_merge_free(m);
+  // shapes 5x4, 5, 3x5, 3: elements + 1 each
+  const double work[4] = {21, 6, 16, 4};
+  ASSERT_EQ(seen.calls.size(), 4u);
+  double done = 0;
+  for (size_t k = 0; k < 4; k++) {
+    const bico_progress &p = seen.calls[k];
+    done += work[k];
+    EXPECT_EQ(p.size, sizeof(bico_progress));
+    EXPECT_EQ(p.tensors_done, k + 1);
+    EXPECT_EQ(p.tensors_total, 4u);
+    EXPECT_DOUBLE_EQ(p.total, 47.0);
+    EXPECT_DOUBLE_EQ(p.done, done);
+  }
+  EXPECT_EQ(seen.names, (std::vector<std::string>{
+                            "blocks.0.fc.weight", "blocks.0.fc.bias",
+                            "blocks.1.fc.weight", "blocks.1.fc.bias"}));
+  EXPECT_EQ(bico_merge_set_progress(nullptr, Seen::fn, nullptr), BICO_E_NULL);
+}
+
+TEST(TransferProgress, LoraRunsReportEveryTargetModule) {
+  TempDir d;
+  write_chain(d / "a.st", 0);
+  write_chain(d / "aft.st", 0.5);
+  bt::Ctx ctx;
+  {  // an adapter on blocks.1.fc only (rank 2)
+    bico_lora *l = nullptr;
+    ASSERT_EQ(bico_lora_create(ctx, &l), BICO_OK);
+    std::vector<float> b(3 * 2, 0.25f), a(2 * 5, 0.5f);
+    ASSERT_EQ(bico_lora_add_module(l, "blocks.1.fc", BICO_LORA_LINEAR, 2, 2.0, 3, 5,
+                                   b.data(), a.data()),
+              BICO_OK) << bico_ctx_errmsg(ctx);
+    ASSERT_EQ(bico_lora_save(l, (d / "ad").c_str()), BICO_OK) << bico_ctx_errmsg(ctx);
+    bico_lora_free(l);
+  }
+  Seen seen;
+  bico_transfer *t = nullptr;
+  ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+  bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, (d / "a.st").c_str());
+  bico_transfer_set_file(t, BICO_FILE_TARGET_BASE, (d / "a.st").c_str());
+  bico_transfer_set_file(t, BICO_FILE_LORA, (d / "ad").c_str());
+  bico_transfer_set_file(t, BICO_FILE_LORA_OUTPUT, (d / "out").c_str());
+  bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_NAIVE);
+  ASSERT_EQ(bico_transfer_set_progress(t, Seen::fn, &seen), BICO_OK);
+  ASSERT_EQ(bico_transfer_run(t), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_transfer_free(t);
+  // one call per target module, in order, the last with done == total
+  ASSERT_EQ(seen.calls.size(), 2u);
+  EXPECT_EQ(seen.names, (std::vector<std::string>{"blocks.0.fc", "blocks.1.fc"}));
+  for (size_t k = 0; k < 2; k++) {
+    EXPECT_EQ(seen.calls[k].tensors_done, k + 1);
+    EXPECT_EQ(seen.calls[k].tensors_total, 2u);
+    EXPECT_DOUBLE_EQ(seen.calls[k].done, double(k + 1));
+    EXPECT_DOUBLE_EQ(seen.calls[k].total, 2.0);
+  }
 }
 
 }  // namespace

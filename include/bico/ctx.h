@@ -84,6 +84,22 @@ BICO_API const char *bico_ctx_errmsg(const bico_ctx *ctx);
  * ctx.  Test this rather than the message's text. */
 BICO_API bico_status bico_ctx_errcode(const bico_ctx *ctx);
 
+/* Structured progress of a long run (bico_transfer_set_progress,
+ * bico_merge_set_progress), for front ends that draw it: work done and in
+ * all (in units the run documents; done reaches total on the last call),
+ * items finished and in all, and seconds since the run's loop began.
+ * `size` is sizeof(bico_progress) as the library knows it (fields are only
+ * ever added at the end: read a field only when size covers it). */
+typedef struct bico_progress {
+  size_t size;
+  double done, total;
+  size_t tensors_done, tensors_total;
+  double elapsed;
+  const char *tensor; /* the item just finished (valid during the call) */
+} bico_progress;
+
+typedef void (*bico_progress_fn)(void *opaque, const bico_progress *p);
+
 #ifdef __cplusplus
 }
 #endif

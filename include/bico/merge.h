@@ -110,6 +110,12 @@ BICO_API bico_status bico_merge_set_log(bico_merge *m,
                                         void (*fn)(void *opaque,
                                                    const char *line),
                                         void *opaque);
+/* Calls fn (ctx.h's bico_progress) after every tensor of the base: work
+ * in elements + 1 per tensor, items in tensors, the last call with done ==
+ * total; NULL (the default) for none. */
+BICO_API bico_status bico_merge_set_progress(bico_merge *m,
+                                             bico_progress_fn fn,
+                                             void *opaque);
 /* Runs the merge; on failure nothing is written. */
 BICO_API bico_status bico_merge_run(bico_merge *m);
 

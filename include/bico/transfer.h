@@ -328,30 +328,17 @@ BICO_API bico_status bico_transfer_set_log(bico_transfer *t,
                                            bico_transfer_log_fn fn,
                                            void *opaque);
 
-/* Structured progress of a run's tensor loop, for front ends that draw
- * it: work done and in all in the plan's cost units (each target tensor
- * costs 4 x its elements + 1, and the first tensor of a module that needs
- * maps also the maps' solve operations: the costs of
- * bico_transfer_plan_group), tensors finished, and seconds since the loop
- * began.  `size` is sizeof(bico_transfer_progress) as the library knows
- * it (fields are only ever added at the end). */
-typedef struct bico_transfer_progress {
-  size_t size;
-  double done, total;
-  size_t tensors_done, tensors_total;
-  double elapsed;
-  const char *tensor; /* the tensor just finished (valid during the call) */
-} bico_transfer_progress;
-
-typedef void (*bico_transfer_progress_fn)(void *opaque,
-                                          const bico_transfer_progress *p);
-
-/* Calls fn after every target tensor of a whole run (not the LoRA branch
- * nor partial runs), the last call with done == total; NULL (the default)
- * for none.  With a progress function set, the run logs no progress text
- * of its own (its summary lines stay). */
+/* Calls fn (ctx.h's bico_progress) after every target tensor of a whole
+ * run, the last call with done == total; work in the plan's cost units
+ * (each target tensor costs 4 x its elements + 1, and the first tensor of
+ * a module that needs maps also the maps' solve operations: the costs of
+ * bico_transfer_plan_group).  A LoRA run reports once per target module
+ * (done, total and tensors_* then count modules; `tensor` names the
+ * module).  Partial runs report nothing.  NULL (the default) for none.
+ * With a progress function set, the run logs no progress text of its own
+ * (its summary lines stay). */
 BICO_API bico_status bico_transfer_set_progress(bico_transfer *t,
-                                                bico_transfer_progress_fn fn,
+                                                bico_progress_fn fn,
                                                 void *opaque);
 
 /* Runs the transfer.  On failure nothing is written (the report neither)

@@ -71,9 +71,10 @@ int cli_config_expand(const char *cmd, int *argc, char ***argv);
  * time and an estimate of what is left; cli_progress_finish ends a bar
  * left mid-line (after a failure).  cli_progress_text renders one line. */
 bico_status cli_progress_install(bico_transfer *t);
+bico_status cli_progress_install_merge(bico_merge *m); /* bico merge's */
 void cli_progress_finish(void);
 void cli_progress_clear(void); /* erases a drawn bar before other text */
-void cli_progress_text(const bico_transfer_progress *p, int bar, char *buf,
+void cli_progress_text(const bico_progress *p, int bar, char *buf,
                        size_t cap);
 
 /* Reports a library failure: the status text and the context's detail. */

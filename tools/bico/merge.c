@@ -12,6 +12,7 @@ static const char HELP[] = BICO_HELP_MERGE;
 
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
+  cli_progress_clear();
   fprintf(stderr, "%s\n", line);
 }
 
@@ -55,11 +56,13 @@ static int merge_run(const merge_opts *o) {
     st = bico_merge_add_input(mg, o->in[k].kind, o->in[k].path,
                               o->in[k].weight, o->in[k].density);
   if (st == BICO_OK && !o->quiet) st = bico_merge_set_log(mg, log_line, NULL);
+  if (st == BICO_OK && !o->quiet) st = cli_progress_install_merge(mg);
   cli_cleanup_add(o->output, bico_output_is_folder(o->output, o->base));
   cli_cleanup_add(o->delta, bico_output_is_folder(o->delta, o->base));
   cli_cleanup_add(o->report, 0);
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_merge_run(mg);
+  cli_progress_finish();
   int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
   bico_merge_free(mg);
   bico_ctx_free(ctx);

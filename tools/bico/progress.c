@@ -17,7 +17,7 @@ static void hms(double s, char *buf, size_t cap) {
     snprintf(buf, cap, "%lu:%02lu", t / 60, t % 60);
 }
 
-void cli_progress_text(const bico_transfer_progress *p, int bar, char *buf,
+void cli_progress_text(const bico_progress *p, int bar, char *buf,
                        size_t cap) {
   double frac = p->total > 0 ? p->done / p->total : 1;
   if (frac > 1) frac = 1;
@@ -53,7 +53,7 @@ typedef struct {
 
 static pstate PS;
 
-static void on_progress(void *opaque, const bico_transfer_progress *p) {
+static void on_progress(void *opaque, const bico_progress *p) {
   pstate *s = opaque;
   char line[256];
   int end = p->done >= p->total;
@@ -91,4 +91,10 @@ bico_status cli_progress_install(bico_transfer *t) {
   memset(&PS, 0, sizeof PS);
   PS.tty = isatty(2) == 1;
   return bico_transfer_set_progress(t, on_progress, &PS);
+}
+
+bico_status cli_progress_install_merge(bico_merge *m) {
+  memset(&PS, 0, sizeof PS);
+  PS.tty = isatty(2) == 1;
+  return bico_merge_set_progress(m, on_progress, &PS);
 }
