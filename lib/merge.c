@@ -754,8 +754,7 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
   }
   if (st == BICO_OK) st = check_files(m, base);
   if (st != BICO_OK) return st;
-  static const char *const MN[3] = {NULL, "linear", "ties"};
-  logf_(m, "bico merge: %s of %zu inputs, alpha %g%s", MN[method], m->nin,
+  logf_(m, "bico merge: %s of %zu inputs, alpha %g%s", bico_merge_method_name(method), m->nin,
         (double)alpha, normalize ? ", normalised" : "");
   size_t nt = bico_stfile_count(base);
   st = merge_writer(m, f[BICO_MERGE_FILE_OUTPUT], wp);
@@ -774,7 +773,7 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
       st = bico_stwriter_declare(*wdp, name, dtype, nd, sh);
   }
   bico__report_begin_object(rep);
-  bico__report_key_string(rep, "method", MN[method]);
+  bico__report_key_string(rep, "method", bico_merge_method_name(method));
   bico__report_key_number(rep, "alpha", (double)alpha);
   bico__report_key_number(rep, "normalize", normalize);
   bico__report_key(rep, "inputs");

@@ -120,3 +120,23 @@ static const name_entry bico_model_tensor_role_names[] = {
     {BICO_ROLE_VECTOR, "vector"}, {BICO_ROLE_TOKEN, "token"},
     {BICO_ROLE_OTHER, "other"}};
 NAME_PAIR(bico_model_tensor_role)
+
+static const name_entry bico_merge_method_names[] = {
+    {BICO_MERGE_LINEAR, "linear"}, {BICO_MERGE_TIES, "ties"}};
+
+const char *bico_merge_method_name(int method) {
+  return name_of(bico_merge_method_names,
+                 sizeof bico_merge_method_names / sizeof *bico_merge_method_names,
+                 method);
+}
+
+/* mergekit calls the linear merge of task vectors "task_arithmetic". */
+bico_status bico_merge_method_from_name(const char *name, int *method) {
+  if (name != NULL && method != NULL && strcmp(name, "task_arithmetic") == 0) {
+    *method = BICO_MERGE_LINEAR;
+    return BICO_OK;
+  }
+  return value_of(bico_merge_method_names,
+                  sizeof bico_merge_method_names / sizeof *bico_merge_method_names,
+                  name, method);
+}

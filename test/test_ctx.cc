@@ -381,6 +381,8 @@ TEST(Names, EveryEnumeratorRoundTripsAndFollowsTheRule) {
        {BICO_CTX_THREADS}, false},
       {"xcov_flag", bico_xcov_flag_name, bico_xcov_flag_from_name,
        {BICO_XCOV_SUMS, BICO_XCOV_GRAMS}, true},
+      {"merge_method", bico_merge_method_name, bico_merge_method_from_name,
+       {BICO_MERGE_LINEAR, BICO_MERGE_TIES}, false},
       {"xcov_param", bico_xcov_param_name, bico_xcov_param_from_name,
        {BICO_XCOV_ADD_MODE}, false},
       {"xcov_add_mode", bico_xcov_add_mode_name, bico_xcov_add_mode_from_name,

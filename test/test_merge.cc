@@ -388,3 +388,14 @@ TEST(MergeOom, EveryAllocationFailureIsReportedAndCleanedUp) {
 }
 
 }  // namespace
+
+// mergekit's name for the linear merge of task vectors is accepted, and
+// names the library's LINEAR; the canonical name stays "linear".
+TEST(MergeNames, TaskArithmeticIsLinear) {
+  int m = 0;
+  ASSERT_EQ(bico_merge_method_from_name("task_arithmetic", &m), BICO_OK);
+  EXPECT_EQ(m, BICO_MERGE_LINEAR);
+  EXPECT_STREQ(bico_merge_method_name(m), "linear");
+  EXPECT_EQ(bico_merge_method_from_name("dare", &m), BICO_E_NOTFOUND);
+  EXPECT_EQ(bico_merge_method_from_name(nullptr, &m), BICO_E_NULL);
+}

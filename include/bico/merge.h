@@ -42,6 +42,11 @@ typedef enum bico_merge_method {
   BICO_MERGE_LINEAR = 1,
   BICO_MERGE_TIES = 2
 } bico_merge_method;
+/* "linear", "ties" (NULL for an unknown value); from_name also takes
+ * mergekit's "task_arithmetic" for LINEAR (BICO_E_NOTFOUND otherwise). */
+BICO_API const char *bico_merge_method_name(int method);
+BICO_API bico_status bico_merge_method_from_name(const char *name,
+                                                 int *method);
 
 /* One tensor: out[n] = merged (see above), from ntasks task vectors
  * taus[t][n] with weights[t] and densities[t] (densities may be NULL: all

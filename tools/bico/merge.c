@@ -177,15 +177,10 @@ int cmd_merge(int argc, char **argv) {
     return cli_error(CMD, CLI_USAGE,
                      "no inputs: give --task-vector, --tuned or --lora");
   int m = BICO_MERGE_LINEAR;
-  if (method != NULL) {
-    if (strcmp(method, "linear") == 0 || strcmp(method, "task_arithmetic") == 0)
-      m = BICO_MERGE_LINEAR;
-    else if (strcmp(method, "ties") == 0)
-      m = BICO_MERGE_TIES;
-    else
-      return cli_error(CMD, CLI_USAGE,
-                       "unknown method '%s' (linear or ties)", method);
-  }
+  if (method != NULL && bico_merge_method_from_name(method, &m) != BICO_OK)
+    return cli_error(CMD, CLI_USAGE,
+                     "unknown method '%s' (linear, task_arithmetic or ties)",
+                     method);
   for (size_t k = 0; k < nin; k++)
     if (m == BICO_MERGE_LINEAR && in[k].density != 1)
       return cli_error(CMD, CLI_USAGE,

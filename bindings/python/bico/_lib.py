@@ -322,6 +322,8 @@ PROTOTYPES = {
     "bico_transfer_set_log": (_S, [c_void_p, c_void_p, c_void_p]),
     "bico_transfer_set_progress": (_S, [c_void_p, c_void_p, c_void_p]),
     "bico_merge_set_progress": (_S, [c_void_p, c_void_p, c_void_p]),
+    "bico_merge_method_name": (c_char_p, [c_int]),
+    "bico_merge_method_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_transfer_run": (_S, [c_void_p]),
     "bico_transfer_counts": (_S, [c_void_p, P(c_size_t), P(c_size_t)]),
     "bico_stats_from_calib": (_S, [c_void_p, c_char_p, c_char_p, c_char_p,
