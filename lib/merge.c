@@ -1,5 +1,4 @@
 /* Merging task vectors: task arithmetic and TIES (see merge.h). */
-#include <locale.h>
 #include <float.h>
 #include <math.h>
 #include <stdarg.h>
@@ -11,6 +10,7 @@
 
 #include "calib.h"
 #include "fileio.h"
+#include "st_internal.h"
 #include "report.h"
 
 static int cmp_desc(const void *a, const void *b) {
@@ -539,30 +539,9 @@ static bico_status merge_writer(bico_merge *m, const char *path,
  * "bico.*" provenance: version, method, alpha, base and inputs. */
 static bico_status provenance(bico_merge *m, const bico_stfile *base,
                               int method, float alpha, bico_stwriter *w) {
-  bico_status st = BICO_OK;
-  int format = 0;
-  size_t nm = bico_stfile_metadata_count(base);
-  for (size_t i = 0; i < nm && st == BICO_OK; i++) {
-    const char *k, *v;
-    st = bico_stfile_metadata_at(base, i, &k, &v);
-    if (st != BICO_OK || strncmp(k, "bico.", 5) == 0 ||
-        strcmp(k, "total_size") == 0)
-      continue;
-    if (strcmp(k, "format") == 0) format = 1;
-    st = bico_stwriter_add_metadata(w, k, v);
-  }
-  if (st == BICO_OK && !format) st = bico_stwriter_add_metadata(w, "format", "pt");
-  char num[64];
-  snprintf(num, sizeof num, "%.9g", (double)alpha);
-  const char *dp = localeconv()->decimal_point;
-  char *c = dp && dp[0] && dp[0] != '.' ? strchr(num, dp[0]) : NULL;
-  if (c != NULL) *c = '.';
-  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.version", bico_version_string());
-  if (st == BICO_OK)
-    st = bico_stwriter_add_metadata(w, "bico.method", method == BICO_MERGE_TIES
-                                                          ? "merge-ties"
-                                                          : "merge-linear");
-  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.alpha", num);
+  bico_status st = bico__stwriter_provenance(
+      w, base, method == BICO_MERGE_TIES ? "merge-ties" : "merge-linear",
+      (double)alpha);
   if (st == BICO_OK)
     st = bico_stwriter_add_metadata(w, "bico.base", m->files[BICO_MERGE_FILE_BASE]);
   for (size_t i = 0; i < m->nin && st == BICO_OK; i++) {

@@ -120,4 +120,14 @@ bico_status bico__wfolder_files(bico_ctx *ctx, bico__wfolder *f,
 /* After the commit: removes the stale weights. */
 void bico__wfolder_committed(bico__wfolder *f);
 
+/* What every derived checkpoint says about itself (transfer, merge): the
+ * base's "__metadata__" kept except "bico.*" keys and a sharded base's
+ * total_size (it describes the base's files), "format": "pt" added when
+ * absent (transformers refuses metadata without it), then "bico.version",
+ * "bico.method" (when not NULL) and "bico.alpha" (nine significant digits,
+ * '.' whatever the locale).  The caller adds its own inputs' keys. */
+bico_status bico__stwriter_provenance(bico_stwriter *w,
+                                      const bico_stfile *base,
+                                      const char *method, double alpha);
+
 #endif

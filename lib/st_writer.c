@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <locale.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -642,4 +643,33 @@ bico_status bico_stwriter_create_folder(bico_ctx *ctx, const char *dir,
   }
   *out = w;
   return BICO_OK;
+}
+
+bico_status bico__stwriter_provenance(bico_stwriter *w,
+                                      const bico_stfile *base,
+                                      const char *method, double alpha) {
+  bico_status st = BICO_OK;
+  int format = 0;
+  size_t nm = bico_stfile_metadata_count(base);
+  for (size_t i = 0; i < nm && st == BICO_OK; i++) {
+    const char *k, *v;
+    st = bico_stfile_metadata_at(base, i, &k, &v);
+    if (st != BICO_OK || strncmp(k, "bico.", 5) == 0 ||
+        strcmp(k, "total_size") == 0)
+      continue;
+    if (strcmp(k, "format") == 0) format = 1;
+    st = bico_stwriter_add_metadata(w, k, v);
+  }
+  if (st == BICO_OK && !format) st = bico_stwriter_add_metadata(w, "format", "pt");
+  char num[64];
+  snprintf(num, sizeof num, "%.9g", alpha);
+  const char *dp = localeconv()->decimal_point;
+  char *c = dp && dp[0] && dp[0] != '.' ? strchr(num, dp[0]) : NULL;
+  if (c != NULL) *c = '.';
+  if (st == BICO_OK)
+    st = bico_stwriter_add_metadata(w, "bico.version", bico_version_string());
+  if (st == BICO_OK && method != NULL)
+    st = bico_stwriter_add_metadata(w, "bico.method", method);
+  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.alpha", num);
+  return st;
 }

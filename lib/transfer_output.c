@@ -3,7 +3,6 @@
  * last with the report) or the partial-run sink. */
 #include <time.h>
 #include <unistd.h>
-#include <locale.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -11,6 +10,7 @@
 #include <string.h>
 
 #include "fileio.h"
+#include "st_internal.h"
 #include "transfer_internal.h"
 #include "vocab.h"
 
@@ -134,33 +134,10 @@ static bico_status locate(bico__run *r, size_t ti, bico__xfer_tensor *x) {
  * the library version, method, alpha and the input files as given. */
 static bico_status provenance(const bico_transfer *t, const bico_stfile *tb,
                               bico_stwriter *w) {
-  bico_status st = BICO_OK;
-  int format = 0;
-  size_t nm = bico_stfile_metadata_count(tb);
-  for (size_t i = 0; i < nm && st == BICO_OK; i++) {
-    const char *k, *v;
-    st = bico_stfile_metadata_at(tb, i, &k, &v);
-    /* a sharded target's metadata is its index's: total_size describes
-     * the target's files, not this one */
-    if (st != BICO_OK || strncmp(k, "bico.", 5) == 0 ||
-        strcmp(k, "total_size") == 0)
-      continue;
-    if (strcmp(k, "format") == 0) format = 1;
-    st = bico_stwriter_add_metadata(w, k, v);
-  }
-  /* transformers refuses safetensors metadata without a format */
-  if (st == BICO_OK && !format) st = bico_stwriter_add_metadata(w, "format", "pt");
-  int method = (int)t->param[BICO_TRANSFER_METHOD];
-  char alpha[64];
-  snprintf(alpha, sizeof alpha, "%.9g", t->param[BICO_TRANSFER_ALPHA]);
-  const char *dp = localeconv()->decimal_point; /* '.' whatever the locale */
-  char *c = dp && dp[0] && dp[0] != '.' ? strchr(alpha, dp[0]) : NULL;
-  if (c != NULL) *c = '.';
   const char *lora = t->files[BICO_FILE_LORA];
-  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.version", bico_version_string());
-  if (st == BICO_OK && bico_method_name(method))
-    st = bico_stwriter_add_metadata(w, "bico.method", bico_method_name(method));
-  if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.alpha", alpha);
+  bico_status st = bico__stwriter_provenance(
+      w, tb, bico_method_name((int)t->param[BICO_TRANSFER_METHOD]),
+      t->param[BICO_TRANSFER_ALPHA]);
   static const struct { int file; const char *key; } FILES[] = {
       {BICO_FILE_SOURCE_BASE, "bico.source_base"},
       {BICO_FILE_SOURCE_TUNED, "bico.source_tuned"},
