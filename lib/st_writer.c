@@ -29,6 +29,7 @@ typedef struct wt_tensor {
   uint64_t begin; /* offset in its shard's data buffer */
   size_t shard;
   int written;
+  size_t done; /* elements written so far by range writes */
 } wt_tensor;
 
 struct bico_stwriter {
@@ -427,9 +428,11 @@ static bico_status w_count(bico_stwriter *w, const char *fn, size_t k,
 }
 
 /* Converts doubles (or floats, widened exactly) into the declared dtype and
- * writes them in WBUF-sized pieces. */
+ * writes them, elements [first, first + count) of tensor k, in WBUF-sized
+ * pieces. */
 static bico_status w_convert(bico_stwriter *w, const char *fn, size_t k,
-                             const float *fs, const double *ds) {
+                             const float *fs, const double *ds, size_t first,
+                             size_t count) {
   wt_tensor *t = &w->t[k];
   char nb[160];
   if (!is_float_dtype(t->dtype))
@@ -449,22 +452,23 @@ static bico_status w_convert(bico_stwriter *w, const char *fn, size_t k,
   if (eb && !(fs != NULL && t->dtype == BICO_DTYPE_F32)) {
     double maxv = ldexp(2.0 - ldexp(1.0, -mb), (1 << (eb - 1)) - 1);
     double halfulp = ldexp(1.0, (1 << (eb - 1)) - 1 - mb - 1);
-    for (size_t i = 0; i < t->numel; i++) {
+    for (size_t i = 0; i < count; i++) {
       double v = fs ? (double)fs[i] : ds[i];
       if (isfinite(v) && fabs(v) >= maxv + halfulp)
         return bico__fail(w->ctx, BICO_E_NONFINITE,
                           "%s: %s: tensor '%s': element %zu = %g overflows "
                           "%s",
-                          fn, w->path, shortname(t->name, nb, sizeof nb), i, v,
+                          fn, w->path, shortname(t->name, nb, sizeof nb),
+                          first + i, v,
                           bico_dtype_name(t->dtype));
     }
   }
   bico_status st = w_layout(w, fn);
   if (st != BICO_OK) return st;
   size_t es = bico_dtype_size(t->dtype), per = WBUF / es;
-  uint64_t off = w->sh[t->shard].data_start + t->begin;
-  for (size_t i = 0; i < t->numel; i += per) {
-    size_t n = t->numel - i < per ? t->numel - i : per;
+  uint64_t off = w->sh[t->shard].data_start + t->begin + (uint64_t)first * es;
+  for (size_t i = 0; i < count; i += per) {
+    size_t n = count - i < per ? count - i : per;
     for (size_t j = 0; j < n; j++) {
       double v = fs ? (double)fs[i + j] : ds[i + j];
       unsigned char *o = w->buf + j * es;
@@ -489,7 +493,6 @@ static bico_status w_convert(bico_stwriter *w, const char *fn, size_t k,
     if (st != BICO_OK) return st;
     off += n * es;
   }
-  t->written = 1;
   return BICO_OK;
 }
 
@@ -499,7 +502,9 @@ bico_status bico_stwriter_write_f32(bico_stwriter *w, const char *name,
   size_t k;
   bico_status st = w_prepare(w, "stwriter_write_f32", name, data, &k);
   if (st == BICO_OK) st = w_count(w, "stwriter_write_f32", k, count);
-  if (st == BICO_OK) st = w_convert(w, "stwriter_write_f32", k, data, NULL);
+  if (st == BICO_OK)
+    st = w_convert(w, "stwriter_write_f32", k, data, NULL, 0, count);
+  if (st == BICO_OK) w->t[k].written = 1;
   return st;
 }
 
@@ -509,8 +514,57 @@ bico_status bico_stwriter_write_f64(bico_stwriter *w, const char *name,
   size_t k;
   bico_status st = w_prepare(w, "stwriter_write_f64", name, data, &k);
   if (st == BICO_OK) st = w_count(w, "stwriter_write_f64", k, count);
-  if (st == BICO_OK) st = w_convert(w, "stwriter_write_f64", k, NULL, data);
+  if (st == BICO_OK)
+    st = w_convert(w, "stwriter_write_f64", k, NULL, data, 0, count);
+  if (st == BICO_OK) w->t[k].written = 1;
   return st;
+}
+
+/* Range writes: elements [first, first + count) in order, each range
+ * starting where the last ended; the tensor is written with its last. */
+static bico_status w_range(bico_stwriter *w, const char *fn, const char *name,
+                           size_t first, const float *fs, const double *ds,
+                           size_t count) {
+  if (w == NULL) return BICO_E_NULL;
+  size_t k;
+  const void *data = fs ? (const void *)fs : (const void *)ds;
+  bico_status st = w_prepare(w, fn, name, count ? data : "", &k);
+  if (st != BICO_OK) return st;
+  if (count > 0 && data == NULL)
+    return bico__fail(w->ctx, BICO_E_NULL, "%s: data is NULL", fn);
+  wt_tensor *t = &w->t[k];
+  char nb[160];
+  if (first > t->numel || count > t->numel - first)
+    return bico__fail(w->ctx, BICO_E_SHAPE,
+                      "%s: %s: tensor '%s' has %zu elements; range [%zu, "
+                      "+%zu) does not fit",
+                      fn, w->path, shortname(t->name, nb, sizeof nb),
+                      t->numel, first, count);
+  if (first != t->done)
+    return bico__fail(w->ctx, BICO_E_STATE,
+                      "%s: %s: tensor '%s': ranges are written in order; "
+                      "the next starts at element %zu, not %zu",
+                      fn, w->path, shortname(t->name, nb, sizeof nb), t->done,
+                      first);
+  st = count ? w_convert(w, fn, k, fs, ds, first, count) : w_layout(w, fn);
+  if (st != BICO_OK) return st;
+  t->done += count;
+  if (t->done == t->numel) t->written = 1;
+  return BICO_OK;
+}
+
+bico_status bico_stwriter_write_f32_range(bico_stwriter *w, const char *name,
+                                          size_t first, const float *data,
+                                          size_t count) {
+  return w_range(w, "stwriter_write_f32_range", name, first, data, NULL,
+                 count);
+}
+
+bico_status bico_stwriter_write_f64_range(bico_stwriter *w, const char *name,
+                                          size_t first, const double *data,
+                                          size_t count) {
+  return w_range(w, "stwriter_write_f64_range", name, first, NULL, data,
+                 count);
 }
 
 bico_status bico_stwriter_write_raw(bico_stwriter *w, const char *name,

@@ -209,6 +209,8 @@ static const struct {
     [BICO_TRANSFER_HEADS] = {"heads", 0, 1048576, BICO_PARAM_INTEGER},
     [BICO_TRANSFER_KV_HEADS] = {"kv_heads", 0, 1048576, BICO_PARAM_INTEGER},
     [BICO_TRANSFER_HEAD_DIM] = {"head_dim", 0, 1048576, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_ROW_CHUNK] = {"row_chunk", 0, 9007199254740992.0,
+                                 BICO_PARAM_INTEGER},
 };
 
 bico_status bico_transfer_param_bounds(int param, double *lo, double *hi,

@@ -22,7 +22,7 @@
 
 #define BICO__NONE SIZE_MAX
 #define BICO__NFILES 16
-#define BICO__NPARAMS 19
+#define BICO__NPARAMS 20
 #define BICO__NSTRINGS 5
 
 typedef struct bico__split_rec {
@@ -242,6 +242,13 @@ typedef struct bico__xfer_tensor {
   size_t ndim, nb, fi;
   const size_t *shape;
 } bico__xfer_tensor;
+/* Streams target tensor ti when it is a table of rows carried row by row
+ * (a tied embedding): its update computed, added and written (r->w, r->wd)
+ * piece by piece, *streamed 1 and info filled.  *streamed 0: not such a
+ * tensor (or a check the whole-tensor path reports failed); nothing done. */
+bico_status bico__xfer_stream_rows(bico__run *r, size_t ti,
+                                   const bico__xfer_tensor *a,
+                                   bico__tinfo *info, int *streamed);
 bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
                               bico__xfer_tensor *x);
 /* Creates the output (and delta output, when path_d) writers with every

@@ -264,7 +264,14 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
   memset(&info, 0, sizeof info);
   info.kept = -1;
   float *upd = NULL;
-  if (a.fl && a.nb > 0) {
+  int streamed = 0;
+  if (!partial && a.fl && a.nb > 0) {
+    st = bico__xfer_stream_rows(r, ti, &a, &info, &streamed);
+    if (st != BICO_OK) return bico__xfer_wrap(ctx, st, "tensor", a.name);
+  }
+  if (streamed) {
+    /* computed, checked and written piece by piece */
+  } else if (a.fl && a.nb > 0) {
     upd = bico__alloc(ctx, a.nb * sizeof(float));
     if (upd == NULL) return BICO_E_NOMEM;
     st = bico__xfer_update(r, ti, upd, &info);
@@ -278,7 +285,7 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
              a.fl ? "empty tensor" : "not a floating-point tensor");
   }
   int changed = info.handling != BICO__H_UNCHANGED;
-  if (st == BICO_OK)
+  if (st == BICO_OK && !streamed)
     st = partial ? sink_tensor(r, ti, &a, upd, &info)
                  : bico__xfer_write_one(ctx, r->tb, &a, r->w, r->wd,
                                         changed ? upd : NULL, &info.norm);

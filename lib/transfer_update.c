@@ -11,22 +11,33 @@
 #include "transfer_internal.h"
 #include "vocab.h"
 
-/* Reads the source task vector of source tensor si into tau (numel). */
-static bico_status read_tau(bico__run *r, size_t si, float *tau, size_t numel) {
+/* Where source tensor si's task vector comes from: a task-vector file, or
+ * the tuned checkpoint less the base (diff). */
+typedef struct tau_src {
+  const bico_stfile *f;
+  size_t idx, bi;
+  int diff;
+} tau_src;
+
+/* Finds source tensor si's task vector, checks its shape against the
+ * source base and that every value involved is finite (streamed: no
+ * memory of the tensor's size). */
+static bico_status tau_open(bico__run *r, size_t si, tau_src *ts) {
   bico_ctx *ctx = r->ctx;
   const char *name;
   size_t ndim;
   const size_t *shape;
   bico_model_tensor(r->ms, si, &name, NULL, &ndim, &shape);
-  bico_stfile *f = r->tv ? r->tv : r->sft;
+  ts->f = r->tv ? r->tv : r->sft;
+  ts->diff = r->tv == NULL;
   const char *path =
       r->t->files[r->tv ? BICO_FILE_TASK_VECTOR : BICO_FILE_SOURCE_TUNED];
-  size_t idx, nd2;
+  size_t nd2;
   const size_t *sh2;
-  if (bico_stfile_find(f, name, &idx) != BICO_OK)
+  if (bico_stfile_find(ts->f, name, &ts->idx) != BICO_OK)
     return bico__fail(ctx, BICO_E_NOTFOUND, "%s %s has no tensor %s",
                       r->tv ? "task vector" : "source tuned", path, name);
-  bico_status st = bico_stfile_tensor_info(f, idx, NULL, NULL, &nd2, &sh2);
+  bico_status st = bico_stfile_tensor_info(ts->f, ts->idx, NULL, NULL, &nd2, &sh2);
   if (st != BICO_OK) return st;
   if (nd2 != ndim || (ndim && memcmp(shape, sh2, ndim * sizeof *shape) != 0)) {
     char a[128], b[128];
@@ -36,19 +47,32 @@ static bico_status read_tau(bico__run *r, size_t si, float *tau, size_t numel) {
                       bico__shape_text(a, sizeof a, nd2, sh2),
                       bico__shape_text(b, sizeof b, ndim, shape));
   }
-  st = bico_stfile_read_f32(f, idx, tau, numel);
-  if (st == BICO_OK) st = bico_stfile_check_finite(f, idx);
-  if (st != BICO_OK || r->tv) return st;
-  size_t bi;
-  st = bico_stfile_find(r->sb, name, &bi);
-  if (st == BICO_OK) st = bico_stfile_check_finite(r->sb, bi);
-  float *base = st == BICO_OK ? bico__alloc(ctx, numel * sizeof(float)) : NULL;
-  if (st == BICO_OK && base == NULL) st = BICO_E_NOMEM;
-  if (st == BICO_OK) st = bico_stfile_read_f32(r->sb, bi, base, numel);
+  st = bico_stfile_check_finite(ts->f, ts->idx);
+  if (st != BICO_OK || !ts->diff) return st;
+  st = bico_stfile_find(r->sb, name, &ts->bi);
+  return st == BICO_OK ? bico_stfile_check_finite(r->sb, ts->bi) : st;
+}
+
+/* Elements [first, first + count) of the task vector into tau. */
+static bico_status tau_read(bico__run *r, const tau_src *ts, size_t first,
+                            size_t count, float *tau) {
+  bico_ctx *ctx = r->ctx;
+  bico_status st = bico_stfile_read_f32_range(ts->f, ts->idx, first, count, tau);
+  if (st != BICO_OK || !ts->diff || count == 0) return st;
+  float *base = bico__alloc(ctx, count * sizeof(float));
+  if (base == NULL) return BICO_E_NOMEM;
+  st = bico_stfile_read_f32_range(r->sb, ts->bi, first, count, base);
   if (st == BICO_OK)
-    for (size_t e = 0; e < numel; e++) tau[e] -= base[e];
+    for (size_t e = 0; e < count; e++) tau[e] -= base[e];
   bico__free(ctx, base);
   return st;
+}
+
+/* Reads the source task vector of source tensor si into tau (numel). */
+static bico_status read_tau(bico__run *r, size_t si, float *tau, size_t numel) {
+  tau_src ts;
+  bico_status st = tau_open(r, si, &ts);
+  return st == BICO_OK ? tau_read(r, &ts, 0, numel, tau) : st;
 }
 
 static void shape_str(char *buf, size_t cap, size_t ndim, const size_t *shape) {
@@ -449,4 +473,166 @@ bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
                               bico__tinfo *info) {
   return bico__xfer_is_bico(r->method) ? bico_update(r, ti, upd, info)
                                        : elementwise_update(r, ti, upd, info);
+}
+
+/* ---- Row-wise tensors streamed ----
+ *
+ * A token table (the tied input embedding: 151936 x 1536 in a 1.5B Qwen2,
+ * by far an LLM's largest tensor) is carried row by row: every row by
+ * the same map, rows independent.  Held whole it would need its task
+ * vector and update in float and the target's rows in double, about six
+ * times the bf16 tensor; streamed in pieces of rows it needs one piece
+ * (BICO_TRANSFER_ROW_CHUNK rows, by default about 64 MiB of work space),
+ * read with the range readers and written with the range writers.  Rows
+ * gathered by token string (lib/vocab.c) stream the same way. */
+
+#define STREAM_BYTES ((size_t)64 << 20)
+
+/* The source rows of target rows [j0, j0 + n): the same rows, or by
+ * token string (zero rows for target tokens the source lacks). */
+static bico_status stream_tau(bico__run *r, const tau_src *ts, int vocab,
+                              size_t rows_a, size_t j0, size_t n, size_t da,
+                              float *tau, bico__tinfo *info) {
+  if (!vocab) return tau_read(r, ts, j0 * da, n * da, tau);
+  const bico__vocab *v = r->vocab;
+  memset(tau, 0, n * da * sizeof *tau);
+  bico_status st = BICO_OK;
+  for (size_t j = 0; j < n && st == BICO_OK;) {
+    size_t t = j0 + j;
+    size_t s = t < v->n_target ? v->src_of[t] : SIZE_MAX;
+    if (s == SIZE_MAX || s >= rows_a) {
+      info->vocab_new++;
+      j++;
+      continue;
+    }
+    size_t run = 1; /* consecutive source rows: one read */
+    while (j + run < n && j0 + j + run < v->n_target &&
+           v->src_of[j0 + j + run] == s + run && s + run < rows_a)
+      run++;
+    st = tau_read(r, ts, s * da, run * da, tau + j * da);
+    info->vocab_shared += run;
+    j += run;
+  }
+  return st;
+}
+
+typedef struct stream_plan {
+  size_t si, da, db, rows_a, rows_b;
+  int vocab, side;
+  const bico__map *mp; /* NULL: identity */
+} stream_plan;
+
+/* 1 when target tensor ti streams: a BiCo method's row route over a
+ * table of rows (not a norm's single vector), every check the whole-tensor
+ * path makes already passed, so a streamed tensor is always changed. */
+static int stream_plan_of(bico__run *r, size_t ti, stream_plan *sp,
+                          bico_status *st) {
+  *st = BICO_OK;
+  if (!bico__xfer_is_bico(r->method)) return 0;
+  bico__route rt;
+  bico__xfer_route(r, ti, &rt);
+  if (rt.kind != BICO__ROUTE_ROWS) return 0;
+  const char *name;
+  size_t ndim, nd_a;
+  const size_t *shape, *sh_a;
+  bico_model_tensor(r->mt, ti, &name, NULL, &ndim, &shape);
+  if (ndim < 2 || bico__model_transposed(r->mt, ti)) return 0;
+  if (bico_model_pair_tensor(r->mt, ti, r->ms, &sp->si) != BICO_OK) {
+    bico__clear(r->ctx);
+    return 0;
+  }
+  bico_model_tensor(r->ms, sp->si, NULL, NULL, &nd_a, &sh_a);
+  if (nd_a < 2 || bico__model_transposed(r->ms, sp->si)) return 0;
+  sp->da = sh_a[nd_a - 1];
+  sp->db = shape[ndim - 1];
+  sp->rows_a = bico__xfer_numel(nd_a, sh_a) / (sp->da ? sp->da : 1);
+  sp->rows_b = bico__xfer_numel(ndim, shape) / (sp->db ? sp->db : 1);
+  sp->vocab = r->vocab != NULL && nd_a == 2 && ndim == 2 &&
+              bico__vocab_tensor(name, ndim, shape) &&
+              bico__vocab_tensor(bico__xfer_tname(r->ms, sp->si), nd_a, sh_a);
+  if (sp->da == 0 || sp->db == 0 || (!sp->vocab && sp->rows_a != sp->rows_b))
+    return 0;
+  sp->mp = NULL;
+  sp->side = rt.side;
+  if (rt.identity) return sp->da == sp->db;
+  *st = bico__xfer_need_side(r, rt.module, rt.side);
+  if (*st != BICO_OK) return 0;
+  bico__modstate *s = &r->mods[rt.module];
+  sp->mp = rt.side ? &s->out[0] : &s->in;
+  return sp->mp->da == sp->da && sp->mp->db == sp->db && sp->mp->rank > 0;
+}
+
+/* Target rows [j0, j0 + n): update, added to the target's rows, written. */
+static bico_status stream_piece(bico__run *r, const bico__xfer_tensor *a,
+                                const stream_plan *sp, const tau_src *ts,
+                                size_t j0, size_t n, float *tau, float *upd,
+                                double *base, double *ss, bico__tinfo *info) {
+  bico_ctx *ctx = r->ctx;
+  size_t m = n * sp->db, first = j0 * sp->db;
+  bico_status st = stream_tau(r, ts, sp->vocab, sp->rows_a, j0, n, sp->da,
+                              tau, info);
+  if (st == BICO_OK)
+    st = bico_transport_rows(ctx, n, sp->da, sp->db, r->alpha, tau, sp->da,
+                             sp->mp ? sp->mp->r : NULL, sp->db, 0.0f, upd,
+                             sp->db);
+  for (size_t e = 0; e < m && st == BICO_OK; e++)
+    if (!isfinite(upd[e]))
+      st = bico__fail(ctx, BICO_E_NONFINITE,
+                      "tensor %s: element %zu of the result is %g (does "
+                      "alpha times the task vector overflow float32?); "
+                      "nothing was written",
+                      a->name, first + e, (double)upd[e]);
+  if (st == BICO_OK) st = bico_stfile_read_f64_range(r->tb, a->fi, first, m, base);
+  for (size_t e = 0; e < m && st == BICO_OK; e++) {
+    *ss += (double)upd[e] * (double)upd[e];
+    base[e] += (double)upd[e];
+  }
+  if (st == BICO_OK)
+    st = bico_stwriter_write_f64_range(r->w, a->name, first, base, m);
+  if (st == BICO_OK && r->wd)
+    st = bico_stwriter_write_f32_range(r->wd, a->name, first, upd, m);
+  return st;
+}
+
+bico_status bico__xfer_stream_rows(bico__run *r, size_t ti,
+                                   const bico__xfer_tensor *a,
+                                   bico__tinfo *info, int *streamed) {
+  bico_ctx *ctx = r->ctx;
+  stream_plan sp;
+  bico_status st;
+  *streamed = stream_plan_of(r, ti, &sp, &st);
+  if (!*streamed) return st;
+  tau_src ts;
+  st = tau_open(r, sp.si, &ts);
+  if (st == BICO_OK) st = bico_stfile_check_finite(r->tb, a->fi);
+  if (st != BICO_OK) return st;
+  size_t chunk = (size_t)r->t->param[BICO_TRANSFER_ROW_CHUNK];
+  if (chunk == 0)
+    chunk = STREAM_BYTES / (4 * sp.da + 12 * sp.db);
+  if (chunk == 0) chunk = 1;
+  if (chunk > sp.rows_b) chunk = sp.rows_b;
+  float *tau = bico__alloc(ctx, chunk * sp.da * sizeof *tau);
+  float *upd = bico__alloc(ctx, chunk * sp.db * sizeof *upd);
+  double *base = bico__alloc(ctx, chunk * sp.db * sizeof *base);
+  if (tau == NULL || upd == NULL || base == NULL) st = BICO_E_NOMEM;
+  double ss = 0;
+  for (size_t j0 = 0; j0 < sp.rows_b && st == BICO_OK; j0 += chunk) {
+    size_t n = sp.rows_b - j0 < chunk ? sp.rows_b - j0 : chunk;
+    st = stream_piece(r, a, &sp, &ts, j0, n, tau, upd, base, &ss, info);
+  }
+  bico__free(ctx, tau);
+  bico__free(ctx, upd);
+  bico__free(ctx, base);
+  if (st != BICO_OK) return st;
+  int role = BICO_ROLE_OTHER;
+  bico_model_tensor_module(r->mt, ti, NULL, &role);
+  info->source = bico__xfer_tname(r->ms, sp.si);
+  info->handling = role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
+  info->vocab = sp.vocab;
+  if (sp.mp) {
+    info->maps[0] = sp.mp;
+    info->map_names[0] = sp.side ? "out" : "in";
+  }
+  info->norm = sqrt(ss);
+  return BICO_OK;
 }

@@ -264,6 +264,26 @@ BICO_API bico_status bico_stwriter_write_raw(bico_stwriter *w,
                                              const char *name,
                                              const void *data, size_t nbytes);
 
+/* Streaming a large tensor in pieces: elements [first, first + count) in
+ * row-major order, converted as write_f32/write_f64 convert.  Ranges go in
+ * order, each starting where the last ended (first must equal the count
+ * written so far, else BICO_E_STATE; a range past the end is
+ * BICO_E_SHAPE); the tensor counts as written with its last element, and
+ * a commit before then is refused as for an unwritten tensor.  A failed
+ * range write leaves the count where it was, so it may be retried.  With
+ * bico_stfile_read_f32_range this carries a tensor through a fixed amount
+ * of memory. */
+BICO_API bico_status bico_stwriter_write_f32_range(bico_stwriter *w,
+                                                   const char *name,
+                                                   size_t first,
+                                                   const float *data,
+                                                   size_t count);
+BICO_API bico_status bico_stwriter_write_f64_range(bico_stwriter *w,
+                                                   const char *name,
+                                                   size_t first,
+                                                   const double *data,
+                                                   size_t count);
+
 /* Finishes: every declared tensor must have been written (else
  * BICO_E_STATE naming the first missing one; a tensor of zero bytes needs
  * no write).  Writes the header (padded

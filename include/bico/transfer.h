@@ -142,14 +142,21 @@ typedef enum bico_transfer_param {
                                      sharded as the target is; else
                                      greedily by this size
                                      (bico_stwriter_create_folder) */
-  BICO_TRANSFER_STRUCTURE = 14,   /* bico_structure; 0 = default (HEADS) */
+  BICO_TRANSFER_STRUCTURE = 14,   /* bico_structure; 0 = default (FREE) */
   BICO_TRANSFER_ROPE = 15,        /* bico_rope; 0 (default): from config.json */
   BICO_TRANSFER_HEADS = 16,       /* query heads of both models; 0 (default):
                                      from config.json */
   BICO_TRANSFER_KV_HEADS = 17,    /* key/value heads; 0: from config.json
                                      (absent there: the query heads) */
-  BICO_TRANSFER_HEAD_DIM = 18     /* head width; 0: from config.json
+  BICO_TRANSFER_HEAD_DIM = 18,    /* head width; 0: from config.json
                                      (absent there: hidden / heads) */
+  BICO_TRANSFER_ROW_CHUNK = 19    /* rows per piece when a table of rows
+                                     carried row by row (a tied token
+                                     embedding) is streamed through the
+                                     output (whole runs, BiCo methods);
+                                     0 (default): about 64 MiB of work
+                                     space per piece.  Results do not
+                                     depend on it */
 } bico_transfer_param;
 
 /* Decoder families and structure-aware maps (BiCo methods).
