@@ -18,7 +18,7 @@ folder in $TMPDIR), removed afterwards unless --keep; a --work folder
 is kept, and a later run with the same --work and size reuses its files.
 
 Usage: llm_scale.py --bin DIR [--threads T] [--quick | --size S] [--work DIR]
-                    [--keep] [--skip-twin]"""
+                    [--keep] [--skip-twin | --skip-bico] [--cases lora,full]"""
 import argparse
 import os
 import re
@@ -78,6 +78,11 @@ def main():
     ap.add_argument("--work", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--skip-twin", action="store_true")
+    ap.add_argument("--cases", default="lora,full",
+                    help="which cases, in this order (lora, full)")
+    ap.add_argument("--skip-bico", action="store_true",
+                    help="the twin alone (reads bico's outputs of an earlier run "
+                         "with the same --work for the difference)")
     a = ap.parse_args()
     bico = os.path.join(os.path.dirname(os.path.abspath(a.bin)), "bin", "bico")
     if not os.path.exists(bico):
@@ -126,18 +131,24 @@ def main():
                   ["--A-ft", W("A_ft"), "--output", W("twin.safetensors")],
                   (W("out.safetensors"), W("twin.safetensors"),
                    W("B", "model.safetensors")))]
-        for name, bargs, targs, (ob, ot, base) in cases:
-            wall, rss, _ = timed([bico, "transfer", "--method", "bico", "--quiet",
-                                  "--threads", str(a.threads)] + common + bargs, env)
-            rep = json.load(open(bargs[bargs.index("--report") + 1]))
-            nthin = nfull = 0
-            for e in rep.get("tensors", []) + rep.get("modules", []):
-                for m in e.get("maps", {}).values():
-                    nthin += m.get("solve") == "thin"
-                    nfull += m.get("solve") == "full"
-            tf = f"{nthin}/{nfull} uses" if nthin + nfull else "-"
-            vals = (name, "bico", f"{wall:.1f}", f"{rss:.0f}", f"{ckpt:.0f}", f"{rss / ckpt:.2f}", tf, "")
-            print(" ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
+        keys = {"lora": cases[0], "full": cases[1]}
+        for key in a.cases.split(","):
+            if key not in keys:
+                raise SystemExit(f"llm_scale.py: --cases: unknown case {key!r} (lora, full)")
+        for name, bargs, targs, (ob, ot, base) in [keys[k] for k in a.cases.split(",")]:
+            if not a.skip_bico:
+                wall, rss, _ = timed([bico, "transfer", "--method", "bico", "--quiet",
+                                      "--threads", str(a.threads)] + common + bargs, env)
+                rep = json.load(open(bargs[bargs.index("--report") + 1]))
+                nthin = nfull = 0
+                for e in rep.get("tensors", []) + rep.get("modules", []):
+                    for m in e.get("maps", {}).values():
+                        nthin += m.get("solve") == "thin"
+                        nfull += m.get("solve") == "full"
+                tf = f"{nthin}/{nfull} uses" if nthin + nfull else "-"
+                vals = (name, "bico", f"{wall:.1f}", f"{rss:.0f}", f"{ckpt:.0f}",
+                        f"{rss / ckpt:.2f}", tf, "")
+                print(" ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
             if a.skip_twin:
                 continue
             wall, rss, out = timed([PY, os.path.join(HERE, "llm_scale_torch.py")] + tcommon + targs, env)

@@ -26,6 +26,8 @@ typedef struct bico__route {
   int side;        /* ROWS: the side of the one map */
   int identity;    /* ROWS: the method leaves that side alone (no map) */
   int vocab;       /* rows matched by token string (lib/vocab.c) */
+  int tokens;      /* WEIGHT: a vocabulary head (rows are tokens: no
+                      output map) */
   int scale;       /* ROWS: a norm's scale, an operator diag(g): moved as
                       diag(R^T diag(tau) R) = (R o R)^T tau, not R^T tau */
   char reason[192];

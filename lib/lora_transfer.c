@@ -194,6 +194,11 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
                       "adapter on the vocabulary head (%s) is not matched by "
                       "token string; carry it as a full checkpoint",
                       m->lname, m->tm);
+  if (rt->tokens && m->dout_a != m->dout_b)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: the vocabularies differ (%zu source "
+                      "rows, %zu target rows of %s)",
+                      m->lname, m->dout_a, m->dout_b, m->tm);
   int do_in = rt->need[0], do_out = rt->need[1];
   m->k = h->split(h->opaque, m->mi);
   const float *rin = NULL;

@@ -439,15 +439,20 @@ void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out) {
     out->kind = BICO__ROUTE_WEIGHT;
     out->need[0] = do_in;
     out->need[1] = do_out;
-    /* An output head whose rows are the vocabulary, when the tokenizers
-     * differ: rows matched by token string replace the output map. */
+    /* An output head whose rows are the vocabulary (an untied lm_head):
+     * its rows are tokens, the same token in both models, or matched by
+     * token string when the tokenizers differ (r->vocab); never a map of
+     * the vocabulary space, which identifies nothing a token's identity
+     * does not already say (and would be V x V: 151936^2 floats for a
+     * Qwen2 head).  Only the input map applies. */
     const char *wn;
     size_t nd;
     const size_t *sh;
     bico_model_tensor(r->mt, ti, &wn, NULL, &nd, &sh);
-    if (r->vocab != NULL && bico__vocab_tensor(wn, nd, sh)) {
+    if (bico__vocab_tensor(wn, nd, sh)) {
       out->need[1] = 0;
-      out->vocab = 1;
+      out->tokens = 1;
+      out->vocab = r->vocab != NULL;
     }
     return;
   }

@@ -95,19 +95,43 @@ typedef struct pairing {
   size_t sh_g[2];     /* the gathered task vector's shape */
 } pairing;
 
-/* Token rows by token string (lib/vocab.c): the source task vector's rows
- * put in the target's token order, zero for target tokens the source
- * lacks (their rows stay unchanged).  Replaces p->tau. */
-static bico_status gather_vocab(bico__run *r, pairing *p, bico__tinfo *info) {
+/* The source row of target token row j: by token string when the
+ * tokenizers differ (lib/vocab.c), else the same id; SIZE_MAX when the
+ * source has none (a token it lacks, or a row past its padded table). */
+static size_t src_row(const bico__run *r, size_t j, size_t rows_a) {
   const bico__vocab *v = r->vocab;
+  size_t s = v == NULL ? j : j < v->n_target ? v->src_of[j] : SIZE_MAX;
+  return s < rows_a ? s : SIZE_MAX;
+}
+
+/* 1 when the rows of target tensor ti and source tensor si are tokens to
+ * be matched (src_row) rather than taken in order: both are token tables
+ * or vocabulary heads, and the tokenizers differ or the tables have
+ * different row counts (Qwen2 pads 151936 or 152064 rows). */
+static int token_rows(const bico__run *r, size_t ti, size_t si) {
+  const char *na, *nb;
+  size_t da, db;
+  const size_t *sa, *sb;
+  bico_model_tensor(r->mt, ti, &nb, NULL, &db, &sb);
+  bico_model_tensor(r->ms, si, &na, NULL, &da, &sa);
+  return da == 2 && db == 2 && bico__vocab_tensor(nb, db, sb) &&
+         bico__vocab_tensor(na, da, sa) && !bico__model_transposed(r->mt, ti) &&
+         !bico__model_transposed(r->ms, si) &&
+         (r->vocab != NULL || sa[0] != sb[0]);
+}
+
+/* Token rows matched (src_row): the source task vector's rows put in the
+ * target's token order, zero for target tokens the source lacks (their
+ * rows stay unchanged).  Replaces p->tau. */
+static bico_status gather_vocab(bico__run *r, pairing *p, bico__tinfo *info) {
   size_t va = p->sh_a[0], cols = p->sh_a[1], vb = p->shape[0];
   size_t n = vb * cols;
   float *g = bico__calloc(r->ctx, n > 0 ? n : 1, sizeof *g);
   if (g == NULL) return BICO_E_NOMEM;
   info->vocab = 1;
   for (size_t j = 0; j < vb; j++) {
-    size_t s = j < v->n_target ? v->src_of[j] : SIZE_MAX;
-    if (s != SIZE_MAX && s < va) {
+    size_t s = src_row(r, j, va);
+    if (s != SIZE_MAX) {
       memcpy(g + j * cols, p->tau + s * cols, cols * sizeof *g);
       info->vocab_shared++;
     } else {
@@ -350,11 +374,7 @@ static bico_status bico_update(bico__run *r, size_t ti, float *upd,
   p.tau = bico__alloc(ctx, (p.na ? p.na : 1) * sizeof(float));
   if (p.tau == NULL) return BICO_E_NOMEM;
   st = read_tau(r, si, p.tau, p.na);
-  if (st == BICO_OK && r->vocab != NULL && p.nd_a == 2 && p.ndim == 2 &&
-      bico__vocab_tensor(p.name, p.ndim, p.shape) &&
-      bico__vocab_tensor(info->source, p.nd_a, p.sh_a) &&
-      !bico__model_transposed(r->mt, ti) && !bico__model_transposed(r->ms, si))
-    st = gather_vocab(r, &p, info);
+  if (st == BICO_OK && token_rows(r, ti, si)) st = gather_vocab(r, &p, info);
   if (st == BICO_OK && rt.kind == BICO__ROUTE_WEIGHT)
     st = weight_update(r, &rt, &p, upd, info, ti, si);
   else if (st == BICO_OK && rt.kind == BICO__ROUTE_BIAS)
@@ -494,21 +514,17 @@ static bico_status stream_tau(bico__run *r, const tau_src *ts, int vocab,
                               size_t rows_a, size_t j0, size_t n, size_t da,
                               float *tau, bico__tinfo *info) {
   if (!vocab) return tau_read(r, ts, j0 * da, n * da, tau);
-  const bico__vocab *v = r->vocab;
   memset(tau, 0, n * da * sizeof *tau);
   bico_status st = BICO_OK;
   for (size_t j = 0; j < n && st == BICO_OK;) {
-    size_t t = j0 + j;
-    size_t s = t < v->n_target ? v->src_of[t] : SIZE_MAX;
-    if (s == SIZE_MAX || s >= rows_a) {
+    size_t s = src_row(r, j0 + j, rows_a);
+    if (s == SIZE_MAX) {
       info->vocab_new++;
       j++;
       continue;
     }
     size_t run = 1; /* consecutive source rows: one read */
-    while (j + run < n && j0 + j + run < v->n_target &&
-           v->src_of[j0 + j + run] == s + run && s + run < rows_a)
-      run++;
+    while (j + run < n && src_row(r, j0 + j + run, rows_a) == s + run) run++;
     st = tau_read(r, ts, s * da, run * da, tau + j * da);
     info->vocab_shared += run;
     j += run;
@@ -518,12 +534,13 @@ static bico_status stream_tau(bico__run *r, const tau_src *ts, int vocab,
 
 typedef struct stream_plan {
   size_t si, da, db, rows_a, rows_b;
-  int vocab, side;
+  int vocab, side, weight;
   const bico__map *mp; /* NULL: identity */
 } stream_plan;
 
 /* 1 when target tensor ti streams: a BiCo method's row route over a
- * table of rows (not a norm's single vector), every check the whole-tensor
+ * table of rows (not a norm's single vector), or a vocabulary head (its
+ * rows tokens, only its input map applies), every check the whole-tensor
  * path makes already passed, so a streamed tensor is always changed. */
 static int stream_plan_of(bico__run *r, size_t ti, stream_plan *sp,
                           bico_status *st) {
@@ -531,7 +548,15 @@ static int stream_plan_of(bico__run *r, size_t ti, stream_plan *sp,
   if (!bico__xfer_is_bico(r->method)) return 0;
   bico__route rt;
   bico__xfer_route(r, ti, &rt);
-  if (rt.kind != BICO__ROUTE_ROWS) return 0;
+  sp->weight = rt.kind == BICO__ROUTE_WEIGHT;
+  if (sp->weight) {
+    /* a vocabulary head: rows by token, the input map on every row */
+    if (!rt.tokens || r->mods[rt.module].k != 1) return 0;
+    rt.identity = !rt.need[0];
+    rt.side = 0;
+  } else if (rt.kind != BICO__ROUTE_ROWS) {
+    return 0;
+  }
   const char *name;
   size_t ndim, nd_a;
   const size_t *shape, *sh_a;
@@ -547,9 +572,7 @@ static int stream_plan_of(bico__run *r, size_t ti, stream_plan *sp,
   sp->db = shape[ndim - 1];
   sp->rows_a = bico__xfer_numel(nd_a, sh_a) / (sp->da ? sp->da : 1);
   sp->rows_b = bico__xfer_numel(ndim, shape) / (sp->db ? sp->db : 1);
-  sp->vocab = r->vocab != NULL && nd_a == 2 && ndim == 2 &&
-              bico__vocab_tensor(name, ndim, shape) &&
-              bico__vocab_tensor(bico__xfer_tname(r->ms, sp->si), nd_a, sh_a);
+  sp->vocab = token_rows(r, ti, sp->si);
   if (sp->da == 0 || sp->db == 0 || (!sp->vocab && sp->rows_a != sp->rows_b))
     return 0;
   sp->mp = NULL;
@@ -627,7 +650,9 @@ bico_status bico__xfer_stream_rows(bico__run *r, size_t ti,
   int role = BICO_ROLE_OTHER;
   bico_model_tensor_module(r->mt, ti, NULL, &role);
   info->source = bico__xfer_tname(r->ms, sp.si);
-  info->handling = role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
+  info->handling = sp.weight                 ? BICO__H_LINEAR
+                   : role == BICO_ROLE_VECTOR ? BICO__H_VECTOR
+                                              : BICO__H_TIED;
   info->vocab = sp.vocab;
   if (sp.mp) {
     info->maps[0] = sp.mp;

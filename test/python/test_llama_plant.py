@@ -2,6 +2,7 @@
 build on: B = A in other coordinates, from true symmetries only, computes
 A's logits; so does B + transform(tau) against A + tau.  Checked against
 the model's own forward pass, independent of libbico."""
+import json
 import os
 import sys
 
@@ -103,3 +104,68 @@ def test_bico_on_planted_llama_folders(tmp_path):
         want = (t + tauB[k]).numpy()
         err = np.abs(got[k] - want).max() / max(np.abs(tauB[k].numpy()).max(), 1e-12)
         assert err < 2e-3, (k, err)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("pad", [0, 5], ids=["same-rows", "padded"])
+def test_token_rows_are_tokens_not_a_map(tmp_path, tied, pad):
+    """The vocabulary side of the token table and of an untied lm_head is
+    the token's identity, never a map fitted over the vocabulary space: B's
+    table may be padded with rows A lacks (Qwen2 releases pad 151936 or
+    152064 rows, one tokenizer).  Token rows present in both carry T(tau),
+    the extra target rows are left exactly as they were, and the result
+    computes A_ft's logits on every token A knows."""
+    import subprocess
+    import numpy as np
+    import planted as pl
+    build = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
+    cfg = llama.default_config(tie_word_embeddings=tied)
+    V = cfg["vocab_size"]
+    g = torch.Generator().manual_seed(33)
+    A = llama.random_state(cfg, g)
+    tau = {k: 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in A.items()}
+    sym = llama.symmetry(cfg, g)
+    B = llama.transform(cfg, A, sym)
+    tauB = llama.transform(cfg, tau, sym)
+    heads = [k for k in ("model.embed_tokens.weight", "lm_head.weight") if k in B]
+    assert len(heads) == (1 if tied else 2)
+    cfgB = dict(cfg, vocab_size=V + pad)
+    for k in heads:  # rows A lacks
+        B[k] = torch.cat([B[k], torch.randn(pad, B[k].shape[1], generator=g,
+                                            dtype=B[k].dtype)])
+    ids = torch.randint(0, V, (8, 16), generator=g)
+    z = torch.randn(8, 16, V, generator=g, dtype=torch.float64)
+    zB = torch.cat([z, torch.zeros(8, 16, pad, dtype=z.dtype)], dim=-1)
+    llama.write_folder(tmp_path / "A", cfg, A)
+    llama.write_folder(tmp_path / "Aft", cfg, {k: A[k] + tau[k] for k in A})
+    llama.write_folder(tmp_path / "B", cfgB, B)
+    pl.save(str(tmp_path / "calA.safetensors"), llama.calibrate(cfg, A, ids, z))
+    pl.save(str(tmp_path / "calB.safetensors"), llama.calibrate(cfgB, B, ids, zB))
+    out = tmp_path / "out.safetensors"
+    r = subprocess.run([os.path.join(build, "bin", "bico"), "transfer", "--method", "bico",
+                        "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
+                        "--target-base", tmp_path / "B",
+                        "--source-calib", tmp_path / "calA.safetensors",
+                        "--target-calib", tmp_path / "calB.safetensors",
+                        "--output", out, "--report", tmp_path / "rep.json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got, _, _ = pl.load(str(out))
+    for k in heads:
+        assert got[k].shape == (V + pad, cfg["hidden_size"]), k
+        want = (B[k][:V] + tauB[k]).numpy()
+        err = np.abs(got[k][:V] - want).max() / np.abs(tauB[k].numpy()).max()
+        assert err < 2e-3, (k, err)
+        assert np.array_equal(got[k][V:], B[k][V:].float().numpy()), k
+    rep = json.load(open(tmp_path / "rep.json"))
+    by = {e["name"]: e for e in rep["tensors"]}
+    for k in heads:
+        maps = by[k].get("maps", {})
+        assert "out" not in maps, (k, maps)  # no map over the vocabulary
+        if pad:
+            assert by[k]["vocab"] == {"shared": V, "new": pad}, by[k]
+    merged = {k: torch.from_numpy(v).double() for k, v in got.items()}
+    Aft = {k: A[k] + tau[k] for k in A}
+    want = llama.forward(cfg, Aft, ids)
+    have = llama.forward(cfgB, merged, ids)[..., :V]
+    assert float((have - want).abs().max()) < 1e-3 * float(want.abs().max())

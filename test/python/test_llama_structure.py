@@ -112,11 +112,13 @@ def test_structure_switch_and_free_form_on_the_plant(tmp_path):
     assert r.returncode == 2 and "--structure rows" in r.stderr
 
 
-def test_planted_lora_on_all_seven_projections(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--structure", "heads"]], ids=["no-flags", "heads"])
+def test_planted_lora_on_all_seven_projections(tmp_path, flags):
     """A PEFT adapter on q, k, v, o, gate, up and down of every layer, carried
-    in factored form with the structure-aware maps: each carried module's
-    B A is the planted T of the source's, and the merged target computes
-    the logits of the source base with the adapter merged."""
+    in factored form, with no extra flags (the default free-form maps) and
+    with the structure-aware maps: each carried module's B A is the planted
+    T of the source's, and the merged target computes the logits of the
+    source base with the adapter merged."""
     p = planted_pair(tmp_path, seed=3)
     cfg, A, sym, B, g = p["cfg"], p["A"], p["sym"], p["B"], p["g"]
     rank, alpha = 2, 4.0
@@ -137,11 +139,11 @@ def test_planted_lora_on_all_seven_projections(tmp_path):
               open(tmp_path / "ad" / "adapter_config.json", "w"))
     pl.save(str(tmp_path / "ad" / "adapter_model.safetensors"),
             {k: v.astype("float32") for k, v in fac.items()})
-    r = bico("transfer", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
+    r = bico("transfer", "--method", "bico", *flags, "--source-base", tmp_path / "A",
              "--target-base", tmp_path / "B", *calib_args(tmp_path),
              "--lora", tmp_path / "ad", "--output-lora", tmp_path / "out",
              "--merge-into-base", "--output", tmp_path / "merged.safetensors")
-    assert "structure-aware maps" in r.stderr, r.stderr
+    assert ("structure-aware maps" in r.stderr) == bool(flags), r.stderr
     tau = {k: dense.get(k, torch.zeros_like(v)) for k, v in A.items()}
     tauB = llama.transform(cfg, tau, sym)
     out, _, _ = pl.load(str(tmp_path / "out" / "adapter_model.safetensors"))
