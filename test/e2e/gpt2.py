@@ -21,9 +21,7 @@ computes the same function, built only from true symmetries:
 `transform(cfg, sd, sym)` applies it to a state dict or a task vector (the
 maps are linear).  prefix "transformer." is HF's save_pretrained layout;
 "" is the layout of the original hub checkpoints."""
-import json
 import math
-import os
 
 import torch
 
@@ -207,12 +205,6 @@ def transform(cfg, sd, sym):
 
 
 def write_folder(path, cfg, sd, dtype=torch.float32, config=True):
-    """A Hugging Face model folder: config.json (unless config is False)
-    and model.safetensors."""
+    """A Hugging Face model folder (planted.write_folder)."""
     import planted as pl
-    os.makedirs(path, exist_ok=True)
-    if config:
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-    pl.save(os.path.join(path, "model.safetensors"),
-            {k: v.to(dtype).numpy() for k, v in sd.items()}, {"format": "pt"})
+    pl.write_folder(path, cfg, sd, dtype, config)

@@ -21,7 +21,6 @@ exactly the same function, built only from true symmetries:
   columns).
 `transform(sd, sym)` applies it to a state dict (a model or a task vector:
 the maps are linear)."""
-import json
 import math
 
 import torch
@@ -256,12 +255,7 @@ def transform(cfg, sd, sym):
     return out
 
 
-def write_folder(path, cfg, sd, dtype=torch.float32):
-    """A Hugging Face model folder: config.json and model.safetensors."""
-    import os
+def write_folder(path, cfg, sd, dtype=torch.float32, config=True):
+    """A Hugging Face model folder (planted.write_folder)."""
     import planted as pl
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    pl.save(os.path.join(path, "model.safetensors"),
-            {k: v.to(dtype).numpy() for k, v in sd.items()}, {"format": "pt"})
+    pl.write_folder(path, cfg, sd, dtype, config)

@@ -40,6 +40,19 @@ def save(path, tensors, metadata=None):
             f.write(b)
 
 
+def write_folder(path, cfg, sd, dtype=torch.float32, config=True):
+    """A Hugging Face model folder: config.json (cfg; none when config is
+    False) and model.safetensors (the state dict sd in dtype, with the
+    {"format": "pt"} metadata that transformers writes)."""
+    import os
+    os.makedirs(path, exist_ok=True)
+    if config:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    save(os.path.join(path, "model.safetensors"),
+         {k: v.to(dtype).numpy() for k, v in sd.items()}, {"format": "pt"})
+
+
 def load(path):
     """Reads a safetensors file into ({name: ndarray}, metadata, order)."""
     with open(path, "rb") as f:
