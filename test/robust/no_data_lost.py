@@ -212,6 +212,22 @@ def main():
                   "%s %d at %.3fs: output old or new, no temporary left %s" %
                   (signal.Signals(sig).name, k, delay, listing(outdir)))
 
+        # 1b'. The same into an output folder the run creates: after the
+        # signal the folder is gone (or complete, when the run won the
+        # race), never left empty or holding temporaries.
+        newdir = os.path.join(root, "newfolder")
+        for k, sig in enumerate([signal.SIGTERM, signal.SIGINT] * (KILLS // 8 + 1)):
+            delay = rnd.uniform(0.0, full * 1.1)
+            p = run(files, 0.5, newdir + "/")
+            time.sleep(delay)
+            p.send_signal(sig)
+            p.communicate()
+            left = sorted(os.listdir(newdir)) if os.path.isdir(newdir) else None
+            check(left is None or (p.returncode == 0 and left == ["model.safetensors"]),
+                  "%s %d at %.3fs into a new folder: gone or complete, found %s "
+                  "(exit %d)" % (signal.Signals(sig).name, k, delay, left, p.returncode))
+            shutil.rmtree(newdir, ignore_errors=True)
+
         # 1c. --alpha beyond float range is a usage error (exit 2), not a
         # run that writes +Inf or fails late.
         p = run(files, "1e39", os.path.join(root, "inf.safetensors"))

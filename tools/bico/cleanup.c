@@ -5,7 +5,10 @@
  * registered folders and then dies of the signal as it would have.  Only
  * async-signal-safe calls run in the handler (open, getdents64, unlinkat,
  * close, sigaction, raise); the names it matches are built beforehand.
- * Files left by a kill -9 are removed by the next run (lib/fileio.c). */
+ * An output folder that did not exist when the command started is removed
+ * too once it is empty (rmdir: a folder holding anything else stays), so
+ * an interrupted run leaves no empty folder behind.  Files left by a
+ * kill -9 are removed by the next run (lib/fileio.c). */
 #define _GNU_SOURCE 1
 #include <dirent.h>
 #include <fcntl.h>
@@ -20,6 +23,7 @@
 #define DIR_CAP 4096
 
 static char dirs[MAX_DIRS][DIR_CAP];
+static int created[MAX_DIRS]; /* an output folder absent at the start */
 static int ndirs;
 static char mark[64]; /* ".bico-tmp.<pid>." */
 
@@ -37,6 +41,7 @@ void cli_cleanup_add(const char *path, int is_dir) {
     snprintf(d, DIR_CAP, "%.*s", (int)(slash - path), path);
   for (int i = 0; i < ndirs; i++)
     if (strcmp(dirs[i], d) == 0) return;
+  created[ndirs] = is_dir && access(d, F_OK) != 0;
   ndirs++;
 }
 
@@ -65,7 +70,10 @@ static void remove_ours(const char *dir) {
 }
 
 static void on_signal(int sig) {
-  for (int i = 0; i < ndirs; i++) remove_ours(dirs[i]);
+  for (int i = 0; i < ndirs; i++) {
+    remove_ours(dirs[i]);
+    if (created[i]) (void)rmdir(dirs[i]);
+  }
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = SIG_DFL;
