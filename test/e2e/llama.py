@@ -6,7 +6,12 @@ mathematics: RMSNorm (no mean), rotary position embeddings in the
 half-split `rotate_half` layout, grouped-query attention
 (`num_key_value_heads` <= `num_attention_heads`), SwiGLU MLP, optional
 q/k/v biases (Qwen2), optional tied embedding (`tie_word_embeddings`: then
-`lm_head.weight` is absent from the file, as HF writes it).
+`lm_head.weight` is absent from the file, as HF writes it).  With
+`model_type` "gemma" it follows GemmaForCausalLM instead: RMSNorm scales
+stored as w for a scale of 1 + w, the embedding multiplied by
+sqrt(hidden_size), GeGLU (tanh GELU) in place of SwiGLU.  The symmetries
+below are the same: a signed permutation fixes the all-ones vector, so
+1 + w moving as |P| g means w moves as |P| w.
 
 `symmetry()` draws a change of coordinates under which the network computes
 exactly the same function, built only from true symmetries:
@@ -86,7 +91,8 @@ def random_state(cfg, gen, dtype=torch.float64):
     sd = {}
     for k, s in param_shapes(cfg).items():
         if k.endswith("norm.weight") or k.endswith("layernorm.weight"):
-            sd[k] = 1.0 + 0.3 * torch.randn(s, generator=gen, dtype=dtype)
+            one = 0.0 if cfg["model_type"] == "gemma" else 1.0  # 1 + w
+            sd[k] = one + 0.3 * torch.randn(s, generator=gen, dtype=dtype)
         elif len(s) == 1:
             sd[k] = 0.3 * torch.randn(s, generator=gen, dtype=dtype)
         else:
@@ -103,7 +109,10 @@ def forward(cfg, sd, ids, rec=None):
     H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
     B, T = ids.shape
+    gemma = cfg["model_type"] == "gemma"
     h = sd["model.embed_tokens.weight"][ids]
+    if gemma:
+        h = h * math.sqrt(d)
     mask = torch.full((T, T), float("-inf"), dtype=h.dtype).triu(1)
 
     def keep(name, x, y):
@@ -119,7 +128,13 @@ def forward(cfg, sd, ids, rec=None):
         return keep(name, x, y if b is None else y + b)
 
     def norm(x, name):
-        return keep(name, x, rms_norm(x, sd[name + ".weight"], eps))
+        w = sd[name + ".weight"]
+        return keep(name, x, rms_norm(x, 1.0 + w if gemma else w, eps))
+
+    def act(x):
+        if gemma:
+            return torch.nn.functional.gelu(x, approximate="tanh")
+        return torch.nn.functional.silu(x)
 
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -137,7 +152,7 @@ def forward(cfg, sd, ids, rec=None):
         x = norm(h, p + "post_attention_layernorm")
         g = lin(x, p + "mlp.gate_proj")
         u = lin(x, p + "mlp.up_proj")
-        h = h + lin(torch.nn.functional.silu(g) * u, p + "mlp.down_proj")
+        h = h + lin(act(g) * u, p + "mlp.down_proj")
     h = norm(h, "model.norm")
     if "lm_head.weight" in sd:  # untied: a linear module of its own
         return lin(h, "lm_head")

@@ -20,6 +20,7 @@ import llama  # noqa: E402
          tie_word_embeddings=False),                          # untied head
     dict(num_key_value_heads=1, num_hidden_layers=3),         # MQA
     dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=10),
+    dict(model_type="gemma", head_dim=16),                   # Gemma: 1 + w, GeGLU
 ])
 def test_symmetry_preserves_function_and_task_vector(kw):
     cfg = llama.default_config(**kw)
@@ -62,7 +63,8 @@ def test_norm_scales_move_as_operators_not_vectors():
     assert (llama.forward(cfg, wrong, ids) - llama.forward(cfg, A, ids)).abs().max() > 1e-2
 
 
-def test_bico_on_planted_llama_folders(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_bico_on_planted_llama_folders(tmp_path, family):
     """bico transfer on Hugging Face folders of a planted Llama pair (B = A
     in other coordinates, tied embedding, generic full-rank statistics):
     every linear weight and the tied embedding come out as the planted
@@ -71,12 +73,15 @@ def test_bico_on_planted_llama_folders(tmp_path):
     test_llama_structure.py; the embedding through the first block's
     input_layernorm map), and the RMSNorm scales too: under signed residual
     permutations only the operator rule (R o R)^T tau is right (the vector
-    rule R^T tau flips their signs)."""
+    rule R^T tau flips their signs).  Gemma's variant (scales stored as
+    1 + w, embedding times sqrt(d), GeGLU) takes the same rules; both
+    compute A_ft's logits after the transfer."""
     import subprocess
     import numpy as np
     import planted as pl
     build = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
-    cfg = llama.default_config()
+    cfg = llama.default_config(**({} if family == "llama" else dict(
+        model_type="gemma", architectures=["GemmaForCausalLM"])))
     g = torch.Generator().manual_seed(21)
     A = llama.random_state(cfg, g)
     tau = {k: 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in A.items()}
@@ -104,6 +109,11 @@ def test_bico_on_planted_llama_folders(tmp_path):
         want = (t + tauB[k]).numpy()
         err = np.abs(got[k] - want).max() / max(np.abs(tauB[k].numpy()).max(), 1e-12)
         assert err < 2e-3, (k, err)
+    merged = {k: torch.from_numpy(v).double() for k, v in got.items()}
+    want = llama.forward(cfg, {k: A[k] + tau[k] for k in A}, ids)
+    have = llama.forward(cfg, merged, ids)
+    assert float((have - want).abs().max()) < 1e-3 * float(want.abs().max())
+    assert float((llama.forward(cfg, B, ids) - want).abs().max()) > 1e-2  # not trivial
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
