@@ -101,7 +101,11 @@ static void describe(const bico__run *r, size_t ti, const bico__route *rt,
   int gradmap = rt->side == 0 ? 0 : 1;
   switch (rt->kind) {
     case BICO__ROUTE_WEIGHT:
-      ADD("weight of linear module %s: R_out^T tau R_in", mod);
+      if (rt->tokens)
+        ADD("vocabulary head %s: tau R_in, its rows tokens (no output map)",
+            mod);
+      else
+        ADD("weight of linear module %s: R_out^T tau R_in", mod);
       break;
     case BICO__ROUTE_BIAS:
       ADD("bias of linear module %s: R_out^T b", mod);
@@ -131,8 +135,11 @@ static void describe(const bico__run *r, size_t ti, const bico__route *rt,
   }
   if (d->transposed)
     ADD("; stored [in, out] (%s Conv1D)", bico__family_name(fam));
-  if (d->vocab)
+  if (d->vocab && r->vocab != NULL)
     ADD("; rows matched by token string (the tokenizers differ)");
+  else if (d->vocab)
+    ADD("; rows matched by id (the tables' row counts differ: the "
+        "target's extra rows stay)");
 #undef ADD
 }
 
@@ -199,9 +206,7 @@ static bico_status explain(bico__run *r, struct bico__explain *e) {
       size_t k = r->mods[rt.module].k;
       d->in_map = rt.need[0];
       d->out_maps = rt.need[1] ? (rt.kind == BICO__ROUTE_ROWS ? 1 : (int)k) : 0;
-      d->vocab = r->vocab != NULL && ndim == 2 &&
-                 bico__vocab_tensor(name, ndim, shape) &&
-                 !d->transposed;
+      d->vocab = bico__xfer_token_rows(r, ti, si);
       d->handling = rt.kind == BICO__ROUTE_WEIGHT ? BICO_HANDLING_LINEAR
                     : rt.kind == BICO__ROUTE_BIAS ? BICO_HANDLING_VECTOR
                     : d->role == BICO_ROLE_VECTOR ? BICO_HANDLING_VECTOR

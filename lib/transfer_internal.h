@@ -242,6 +242,10 @@ typedef struct bico__xfer_tensor {
   size_t ndim, nb, fi;
   const size_t *shape;
 } bico__xfer_tensor;
+/* 1 when the rows of target tensor ti and source tensor si are tokens to
+ * be matched by id or token string rather than taken in order (token
+ * tables or vocabulary heads, tokenizers or row counts differing). */
+int bico__xfer_token_rows(const bico__run *r, size_t ti, size_t si);
 /* Streams target tensor ti when it is a table of rows carried row by row
  * (a tied embedding): its update computed, added and written (r->w, r->wd)
  * piece by piece, *streamed 1 and info filled.  *streamed 0: not such a

@@ -108,7 +108,7 @@ static size_t src_row(const bico__run *r, size_t j, size_t rows_a) {
  * be matched (src_row) rather than taken in order: both are token tables
  * or vocabulary heads, and the tokenizers differ or the tables have
  * different row counts (Qwen2 pads 151936 or 152064 rows). */
-static int token_rows(const bico__run *r, size_t ti, size_t si) {
+int bico__xfer_token_rows(const bico__run *r, size_t ti, size_t si) {
   const char *na, *nb;
   size_t da, db;
   const size_t *sa, *sb;
@@ -374,7 +374,7 @@ static bico_status bico_update(bico__run *r, size_t ti, float *upd,
   p.tau = bico__alloc(ctx, (p.na ? p.na : 1) * sizeof(float));
   if (p.tau == NULL) return BICO_E_NOMEM;
   st = read_tau(r, si, p.tau, p.na);
-  if (st == BICO_OK && token_rows(r, ti, si)) st = gather_vocab(r, &p, info);
+  if (st == BICO_OK && bico__xfer_token_rows(r, ti, si)) st = gather_vocab(r, &p, info);
   if (st == BICO_OK && rt.kind == BICO__ROUTE_WEIGHT)
     st = weight_update(r, &rt, &p, upd, info, ti, si);
   else if (st == BICO_OK && rt.kind == BICO__ROUTE_BIAS)
@@ -572,7 +572,7 @@ static int stream_plan_of(bico__run *r, size_t ti, stream_plan *sp,
   sp->db = shape[ndim - 1];
   sp->rows_a = bico__xfer_numel(nd_a, sh_a) / (sp->da ? sp->da : 1);
   sp->rows_b = bico__xfer_numel(ndim, shape) / (sp->db ? sp->db : 1);
-  sp->vocab = token_rows(r, ti, sp->si);
+  sp->vocab = bico__xfer_token_rows(r, ti, sp->si);
   if (sp->da == 0 || sp->db == 0 || (!sp->vocab && sp->rows_a != sp->rows_b))
     return 0;
   sp->mp = NULL;

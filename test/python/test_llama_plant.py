@@ -174,6 +174,13 @@ def test_token_rows_are_tokens_not_a_map(tmp_path, tied, pad):
         assert "out" not in maps, (k, maps)  # no map over the vocabulary
         if pad:
             assert by[k]["vocab"] == {"shared": V, "new": pad}, by[k]
+    # bico inspect says the same before any run
+    r = subprocess.run([os.path.join(build, "bin", "bico"), "inspect", tmp_path / "A",
+                        tmp_path / "B", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    plan = {e["name"]: e for e in json.loads(r.stdout)["tensors"]}
+    for k in heads:
+        assert plan[k]["out_maps"] == 0 and plan[k]["vocab"] == bool(pad), plan[k]
     merged = {k: torch.from_numpy(v).double() for k, v in got.items()}
     Aft = {k: A[k] + tau[k] for k in A}
     want = llama.forward(cfg, Aft, ids)
