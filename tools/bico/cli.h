@@ -70,12 +70,13 @@ int cli_config_expand(const char *cmd, int *argc, char ***argv);
  * terminal, else a plain line at most every 5 seconds, each with elapsed
  * time and an estimate of what is left; cli_progress_finish ends a bar
  * left mid-line (after a failure).  cli_progress_text renders one line. */
-bico_status cli_progress_install(bico_transfer *t);
+bico_status cli_progress_install(bico_transfer *t, int lora); /* lora: a
+                                  run of an adapter counts its modules */
 bico_status cli_progress_install_merge(bico_merge *m); /* bico merge's */
 void cli_progress_finish(void);
 void cli_progress_clear(void); /* erases a drawn bar before other text */
-void cli_progress_text(const bico_progress *p, int bar, char *buf,
-                       size_t cap);
+void cli_progress_text(const bico_progress *p, int bar, const char *unit,
+                       char *buf, size_t cap);
 
 /* Reports a library failure: the status text and the context's detail. */
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);

@@ -17,8 +17,8 @@ static void hms(double s, char *buf, size_t cap) {
     snprintf(buf, cap, "%lu:%02lu", t / 60, t % 60);
 }
 
-void cli_progress_text(const bico_progress *p, int bar, char *buf,
-                       size_t cap) {
+void cli_progress_text(const bico_progress *p, int bar, const char *unit,
+                       char *buf, size_t cap) {
   double frac = p->total > 0 ? p->done / p->total : 1;
   if (frac > 1) frac = 1;
   if (frac < 0) frac = 0;
@@ -41,11 +41,12 @@ void cli_progress_text(const bico_progress *p, int bar, char *buf,
   }
   if (n < cap)
     snprintf(buf + n, cap - n,
-             "bico: %3.0f%% (%zu/%zu tensors), %s elapsed, ~%s left",
-             100 * frac, p->tensors_done, p->tensors_total, el, left);
+             "bico: %3.0f%% (%zu/%zu %s), %s elapsed, ~%s left",
+             100 * frac, p->tensors_done, p->tensors_total, unit, el, left);
 }
 
 typedef struct {
+  const char *unit; /* what tensors_done counts: "tensors", "modules" */
   int tty;
   double last; /* elapsed at the last line printed */
   int drawn;   /* a bar is on the line */
@@ -60,14 +61,14 @@ static void on_progress(void *opaque, const bico_progress *p) {
   if (s->tty) {
     /* redraw at most ten times a second, and at the end */
     if (!end && s->drawn && p->elapsed - s->last < 0.1) return;
-    cli_progress_text(p, 1, line, sizeof line);
+    cli_progress_text(p, 1, s->unit, line, sizeof line);
     fprintf(stderr, "\r%s\033[K%s", line, end ? "\n" : "");
     fflush(stderr);
     s->drawn = !end;
   } else {
     if (!end && p->elapsed - s->last < 5) return;
     if (end && p->elapsed < 5) return; /* short runs: the summary says it */
-    cli_progress_text(p, 0, line, sizeof line);
+    cli_progress_text(p, 0, s->unit, line, sizeof line);
     fprintf(stderr, "%s\n", line);
   }
   s->last = p->elapsed;
@@ -87,14 +88,16 @@ void cli_progress_finish(void) {
   }
 }
 
-bico_status cli_progress_install(bico_transfer *t) {
+bico_status cli_progress_install(bico_transfer *t, int lora) {
   memset(&PS, 0, sizeof PS);
   PS.tty = isatty(2) == 1;
+  PS.unit = lora ? "modules" : "tensors"; /* the LoRA branch counts modules */
   return bico_transfer_set_progress(t, on_progress, &PS);
 }
 
 bico_status cli_progress_install_merge(bico_merge *m) {
   memset(&PS, 0, sizeof PS);
   PS.tty = isatty(2) == 1;
+  PS.unit = "tensors";
   return bico_merge_set_progress(m, on_progress, &PS);
 }

@@ -410,7 +410,8 @@ static int run_transfer(const transfer_opts *o) {
     goto out;
   }
   if (st == BICO_OK && !o->quiet) st = bico_transfer_set_log(t, log_line, NULL);
-  if (st == BICO_OK && !o->quiet) st = cli_progress_install(t);
+  if (st == BICO_OK && !o->quiet)
+    st = cli_progress_install(t, files[BICO_FILE_LORA - 1] != NULL);
   /* --output, --delta-output: files or model folders */
   cli_cleanup_add(files[8], bico_output_is_folder(files[8], files[3]));
   cli_cleanup_add(files[9], bico_output_is_folder(files[9], files[3]));
