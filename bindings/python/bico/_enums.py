@@ -76,7 +76,8 @@ TRANSFER_FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
 TRANSFER_PARAMS = _names_from_library(fn.transfer_param_name,
                                      "transfer parameter")
 TRANSFER_SIDES = _names_from_library(fn.transfer_side_name, "transfer side")
-TRANSFER_STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3}
+TRANSFER_STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3,
+                    "source_rename": 4}
 # the parameters that take a name, and their names
 TRANSFER_ENUMS = {"method": METHODS, "norm_map": NORM_MAPS,
                   "null": PROC_NULL_NAMES, "proc_method": PROC_METHOD_NAMES,

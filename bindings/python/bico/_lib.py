@@ -409,6 +409,16 @@ FREE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_char_p)
 
 
+class Progress(ctypes.Structure):
+    """include/bico/ctx.h's bico_progress."""
+    _fields_ = [("size", c_size_t), ("done", c_double), ("total", c_double),
+                ("tensors_done", c_size_t), ("tensors_total", c_size_t),
+                ("elapsed", c_double), ("tensor", c_char_p)]
+
+
+PROGRESS_FN = ctypes.CFUNCTYPE(None, c_void_p, ctypes.POINTER(Progress))
+
+
 class _Missing(object):
     """Stands in for a function this build of libbico does not export."""
 

@@ -22,7 +22,7 @@ from ._enums import (choose, MODULE_KINDS as KINDS, TENSOR_ROLES as ROLES,
 __all__ = ["Model", "Transfer", "transfer_files", "stats_from_calib",
            "stats_merge", "KINDS", "ROLES", "METHODS", "FILES", "PARAMS"]
 from ._lib import fn, c_size_t, c_int, c_long, c_char_p, c_void_p, c_double
-from ._lib import LOG_FN
+from ._lib import LOG_FN, PROGRESS_FN
 from . import safetensors as _st
 
 
@@ -168,19 +168,27 @@ class Model(_Handle):
 class Transfer(_Handle):
     """bico_transfer: set files and options, then run().
 
-    Transfer(ctx=None, log=None): log is a callable taking one line of
-    progress/summary text (None: silent; True: lines to stderr)."""
+    Transfer(ctx=None, log=None, progress=None): log is a callable taking
+    one line of progress/summary text (None: silent; True: lines to
+    stderr); progress a callable taking a dict after each target tensor
+    (each module of a LoRA run): done, total (work units of the plan),
+    tensors_done, tensors_total, elapsed (seconds) and tensor (the name
+    just finished), see set_progress."""
     _free = staticmethod(fn.transfer_free)
 
-    def __init__(self, ctx=None, log=None):
+    def __init__(self, ctx=None, log=None, progress=None):
         ctx = Context() if ctx is None else ctx
         h = c_void_p()
         _check(fn.transfer_create(ctx._alive(), ctypes.byref(h)), ctx)
         self._adopt(h.value, ctx)
         self._log_cb = None
+        self._progress_cb = None
+        self._progress_err = None
         self._lent = {}  # lent accumulators stay alive with the handle
         if log:
             self.set_log(log)
+        if progress is not None:
+            self.set_progress(progress)
 
     def set_file(self, which, path):
         if which not in FILES:
@@ -278,8 +286,45 @@ class Transfer(_Handle):
                                    ctypes.cast(self._log_cb, c_void_p), None),
                self.ctx)
 
+    def set_progress(self, progress):
+        """progress(dict) after each target tensor of a run (or module of a
+        LoRA run), from the library's bico_progress; None removes it.  An
+        exception it raises is re-raised by run() after the run ends (the
+        library's callback cannot stop a run)."""
+        if progress is not None and not callable(progress):
+            raise TypeError("Transfer: progress must be callable or None")
+        if progress is None:
+            self._progress_cb = None
+            _check(fn.transfer_set_progress(self._alive(), None, None),
+                   self.ctx)
+            return
+
+        def call(opaque, p):
+            if self._progress_err is not None:
+                return
+            q = p.contents
+            try:
+                progress({"done": q.done, "total": q.total,
+                          "tensors_done": q.tensors_done,
+                          "tensors_total": q.tensors_total,
+                          "elapsed": q.elapsed,
+                          "tensor": None if q.tensor is None
+                          else _dec(q.tensor)})
+            except BaseException as e:  # raised again by run()
+                self._progress_err = e
+        self._progress_cb = PROGRESS_FN(call)
+        _check(fn.transfer_set_progress(self._alive(),
+                                        ctypes.cast(self._progress_cb,
+                                                    c_void_p), None),
+               self.ctx)
+
     def run(self):
-        _check(fn.transfer_run(self._alive()), self.ctx)
+        self._progress_err = None
+        st = fn.transfer_run(self._alive())
+        err, self._progress_err = self._progress_err, None
+        _check(st, self.ctx)
+        if err is not None:
+            raise err
         return self.counts()
 
     def counts(self):
@@ -295,16 +340,20 @@ def transfer_files(source_base, target_base, output, source_tuned=None,
                    target_calib=None, target_votes=None, delta_output=None,
                    report=None, method="bico", alpha=1.0, split=None,
                    ties=None, log=None, source_config=None,
-                   target_config=None, **options):
+                   target_config=None, progress=None, **options):
     """Runs the C driver on files: what `bico transfer` does.  options:
     norm_map ("act"|"grad"), null ("keep"|"drop"), rank_tol, center,
     whiten, proc_method ("eig"|"svd"|"polar"), workers (solver threads),
     solve_memory (bytes), blocks, source_blocks, target_blocks; decoder
     families (docs/llm.md): structure ("free" default | "heads"), rope
     ("half"|"interleaved"|"none"; default from config.json), heads, kv_heads, head_dim (0:
-    from config.json), source_config/target_config (config.json paths).  split {suffix: k}, ties
-    {tensor: module}.  Returns (updated, unchanged) tensor counts."""
-    with Transfer(log=log) as t:
+    from config.json), source_config/target_config (config.json paths);
+    source_rename ("OLD=NEW", a prefix rename of the source's tensor
+    names), max_shard_size (bytes; an output folder's shards), row_chunk
+    (rows per streamed piece of a token table).  split {suffix: k}, ties
+    {tensor: module}; progress a callable (Transfer.set_progress).
+    Returns (updated, unchanged) tensor counts."""
+    with Transfer(log=log, progress=progress) as t:
         for k, v in (("source_base", source_base),
                      ("target_base", target_base), ("output", output),
                      ("source_tuned", source_tuned),
