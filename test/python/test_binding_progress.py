@@ -82,3 +82,37 @@ def test_source_rename_pairs_a_prefixed_source(tmp_path):
     o, _, _ = pl.load(str(args[2]))
     for n in NAMES:
         np.testing.assert_allclose(o[n], a[n] + tau[n], rtol=1e-6, atol=1e-6)
+
+
+def test_safetensors_write_makes_a_sharded_model_folder(tmp_path):
+    """bico.safetensors.write into a folder: shards by max_shard_size, an
+    index whose weight_map covers every tensor once, and the tensors read
+    back (by the library and by a plain reader of each shard)."""
+    import json
+    from bico import safetensors as st
+    rng = np.random.default_rng(8)
+    t = {"layer.%d.w" % i: rng.standard_normal((50, 40)).astype(np.float32)
+         for i in range(5)}  # 8000 bytes each
+    out = tmp_path / "model"
+    st.write(str(out) + "/", t, metadata={"format": "pt"}, max_shard_size=17000)
+    idx = json.load(open(out / "model.safetensors.index.json"))
+    shards = sorted(set(idx["weight_map"].values()))
+    assert len(shards) == 3 and sorted(idx["weight_map"]) == sorted(t)
+    assert idx["metadata"]["total_size"] == 5 * 8000
+    seen = {}
+    for s in shards:
+        got, meta, _ = pl.load(str(out / s))
+        assert os.path.getsize(out / s) <= 17000 + 1024  # header aside
+        seen.update(got)
+    assert sorted(seen) == sorted(t)
+    back = st.read(str(out))
+    for n, v in t.items():
+        np.testing.assert_array_equal(seen[n], v)
+        np.testing.assert_array_equal(back[n], v)
+    # sharded as `like` is: same names, same tensor -> file assignment
+    out2 = tmp_path / "again"
+    st.write(str(out2), t, like=str(out))
+    assert json.load(open(out2 / "model.safetensors.index.json"))["weight_map"] == \
+        idx["weight_map"]
+    with pytest.raises(TypeError):
+        st.write(str(tmp_path / "x") + "/", t, max_shard_size=1.5)

@@ -188,14 +188,24 @@ def read(path, dtype=None, with_metadata=False, ctx=None):
     return (out, meta) if with_metadata else out
 
 
-def write(path, tensors, metadata=None, dtypes=None, ctx=None):
+def write(path, tensors, metadata=None, dtypes=None, ctx=None, like=None,
+          max_shard_size=0):
     """Writes {name: array-like} atomically.  Each tensor is stored in its
     own dtype (torch bfloat16 as BF16, float16 as F16, big-endian arrays
     as their native counterpart); dtypes: {name: "BF16"|"F16"|"F32"|"F64"}
     overrides that for float tensors (converted by the library, round to
     nearest even); an integer or BOOL dtype is taken only when every value
-    converts exactly.  Names and metadata may not contain NUL characters."""
+    converts exactly.  Names and metadata may not contain NUL characters.
+
+    A Hugging Face model folder instead of one file when path is an
+    existing folder, ends in "/", or like (a model folder or file) is a
+    folder and path ends neither in ".safetensors" nor ".json" (the
+    library's bico_output_is_folder): sharded as like is (its non-weight
+    files copied), or greedily by max_shard_size bytes, with
+    model.safetensors.index.json; every file committed together."""
     path_b = A.cstr(path, "path", path=True)
+    like_b = None if like is None else A.cstr(like, "like", path=True)
+    max_shard_size = A.size(max_shard_size, "max_shard_size")
     if not hasattr(tensors, "items"):
         raise TypeError("safetensors.write: tensors must be a mapping "
                         "{name: array}")
@@ -239,7 +249,11 @@ def write(path, tensors, metadata=None, dtypes=None, ctx=None):
                         "written: %s" % ", ".join(sorted(dtypes)))
     ctx = Context() if ctx is None else ctx
     h = c_void_p()
-    _check(fn.stwriter_create(ctx._alive(), path_b, ctypes.byref(h)), ctx)
+    if fn.output_is_folder(path_b, like_b):
+        _check(fn.stwriter_create_folder(ctx._alive(), path_b, like_b,
+                                         max_shard_size, ctypes.byref(h)), ctx)
+    else:
+        _check(fn.stwriter_create(ctx._alive(), path_b, ctypes.byref(h)), ctx)
     w = h.value
     try:
         for k, v in meta:
