@@ -16,33 +16,24 @@ Usage: bench_model.py --bin DIR [--threads T] [--blocks N] [--quick]
                       [--full] [--keep DIR]"""
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import benchdata  # noqa: E402
 from transfer_torch import read_st  # noqa: E402
 
 PY = "/usr/bin/python3"
 
 
 def timed(cmd, env):
-    p = subprocess.run(["/usr/bin/time", "-v"] + cmd, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.stderr.write(p.stdout + p.stderr)
-        raise SystemExit(f"bench_model.py: {cmd[0]} failed with status {p.returncode}")
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", p.stderr).group(1)
-    secs = 0.0
-    for part in wall.split(":"):
-        secs = secs * 60 + float(part)
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1))
-    return secs, rss / 1024.0
+    secs, rss, _ = benchdata.timed_run(cmd, env, "bench_model.py")
+    return secs, rss
 
 
 def max_diff(x, y):

@@ -5,7 +5,9 @@ arithmetic, so the C programs and their PyTorch/NumPy twins work on the
 same matrices without exchanging files."""
 import os
 import platform
+import re
 import subprocess
+import sys
 
 import numpy as np
 
@@ -48,3 +50,18 @@ def header(what, threads):
     print(f"# python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
     print(f"# BLIS_ARCH_TYPE={os.environ.get('BLIS_ARCH_TYPE', '(unset)')}, "
           f"BLIS_NUM_THREADS={os.environ.get('BLIS_NUM_THREADS', '(unset)')}")
+
+
+def timed_run(cmd, env, who):
+    """Runs cmd under /usr/bin/time -v: (wall seconds, peak RSS in MB,
+    stdout); a failure prints its output and exits naming `who`."""
+    p = subprocess.run(["/usr/bin/time", "-v"] + cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.stderr.write(p.stdout + p.stderr)
+        raise SystemExit(f"{who}: {os.path.basename(cmd[0])} failed with status {p.returncode}")
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", p.stderr).group(1)
+    secs = 0.0
+    for part in wall.split(":"):
+        secs = secs * 60 + float(part)
+    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1))
+    return secs, rss / 1024.0, p.stdout

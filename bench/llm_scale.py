@@ -23,7 +23,6 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import benchdata  # noqa: E402
 import llm_scale_gen as gen  # noqa: E402
 from llm_scale_torch import ST  # noqa: E402
 
@@ -39,16 +39,7 @@ PY = "/usr/bin/python3"
 
 
 def timed(cmd, env):
-    p = subprocess.run(["/usr/bin/time", "-v"] + cmd, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.stderr.write(p.stdout + p.stderr)
-        raise SystemExit(f"llm_scale.py: {os.path.basename(cmd[0])} failed with status {p.returncode}")
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", p.stderr).group(1)
-    secs = 0.0
-    for part in wall.split(":"):
-        secs = secs * 60 + float(part)
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1))
-    return secs, rss / 1024.0, p.stdout
+    return benchdata.timed_run(cmd, env, "llm_scale.py")
 
 
 def rel_diff(p, q, base=None):
