@@ -305,9 +305,12 @@ static int check_usage(transfer_opts *o) {
   return GO_ON;
 }
 
-/* Only the BiCo methods solve maps; the others keep N BLIS threads. */
+/* Only the BiCo methods solve maps in a pool of workers; the others, and
+ * an adapter's run (the LoRA branch solves each module's maps in the
+ * calling thread), keep N BLIS threads. */
 static void split_threads(transfer_opts *o) {
-  if (o->workers == 0) o->workers = o->bico ? o->threads : 1;
+  if (o->workers == 0)
+    o->workers = o->bico && o->files[BICO_FILE_LORA - 1] == NULL ? o->threads : 1;
   o->blas_threads = o->threads;
   if (o->workers > 1) {
     /* N threads in all: each solver (and the writing thread) runs BLIS with
