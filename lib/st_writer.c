@@ -354,6 +354,33 @@ static bico_status w_header(bico_stwriter *w, const char *fn, size_t s) {
   return BICO_OK;
 }
 
+/* The tensors' names, byte sizes and shards as the folder writer
+ * (lib/st_folder.c) takes them: parallel arrays over w->t. */
+typedef struct w_tables {
+  const char **names;
+  uint64_t *sizes;
+  size_t *of;
+} w_tables;
+
+static bico_status w_tables_make(bico_stwriter *w, w_tables *tb) {
+  tb->names = bico__alloc(w->ctx, (w->count + 1) * sizeof *tb->names);
+  tb->sizes = bico__alloc(w->ctx, (w->count + 1) * sizeof *tb->sizes);
+  tb->of = bico__alloc(w->ctx, (w->count + 1) * sizeof *tb->of);
+  if (!tb->names || !tb->sizes || !tb->of) return BICO_E_NOMEM;
+  for (size_t k = 0; k < w->count; k++) {
+    tb->names[k] = w->t[k].name;
+    tb->sizes[k] = w->t[k].nbytes;
+    tb->of[k] = w->t[k].shard;
+  }
+  return BICO_OK;
+}
+
+static void w_tables_free(bico_stwriter *w, w_tables *tb) {
+  bico__free(w->ctx, tb->names);
+  bico__free(w->ctx, tb->sizes);
+  bico__free(w->ctx, tb->of);
+}
+
 /* Fixes the layout (a folder writer's shards first) and writes the
  * headers: after this the set of tensors is frozen. */
 static bico_status w_layout(bico_stwriter *w, const char *fn) {
@@ -361,22 +388,14 @@ static bico_status w_layout(bico_stwriter *w, const char *fn) {
   bico_ctx *ctx = w->ctx;
   bico_status st = BICO_OK;
   if (w->folder != NULL) {
-    const char **names = bico__alloc(ctx, (w->count + 1) * sizeof *names);
-    uint64_t *sizes = bico__alloc(ctx, (w->count + 1) * sizeof *sizes);
-    size_t *of = bico__alloc(ctx, (w->count + 1) * sizeof *of);
-    if (!names || !sizes || !of) st = BICO_E_NOMEM;
-    for (size_t k = 0; k < w->count && st == BICO_OK; k++) {
-      names[k] = w->t[k].name;
-      sizes[k] = w->t[k].nbytes;
-    }
+    w_tables tb;
+    st = w_tables_make(w, &tb);
     if (st == BICO_OK)
-      st = bico__wfolder_layout(ctx, fn, w->folder, w->count, names, sizes,
-                                of, &w->sh, &w->nsh);
+      st = bico__wfolder_layout(ctx, fn, w->folder, w->count, tb.names,
+                                tb.sizes, tb.of, &w->sh, &w->nsh);
     for (size_t k = 0; k < w->count && st == BICO_OK; k++)
-      w->t[k].shard = of[k];
-    bico__free(ctx, names);
-    bico__free(ctx, sizes);
-    bico__free(ctx, of);
+      w->t[k].shard = tb.of[k];
+    w_tables_free(w, &tb);
     if (st != BICO_OK) return st;
   }
   for (size_t s = 0; s < w->nsh; s++) w->sh[s].bytes = 0;
@@ -610,21 +629,12 @@ static bico_status w_finish(bico_stwriter *w, const char *fn) {
   for (size_t s = 0; s < w->nsh && st == BICO_OK; s++)
     st = bico__tmp_finish(ctx, fn, &w->sh[s].tf);
   if (st == BICO_OK && w->folder != NULL) {
-    const char **names = bico__alloc(ctx, (w->count + 1) * sizeof *names);
-    uint64_t *sizes = bico__alloc(ctx, (w->count + 1) * sizeof *sizes);
-    size_t *of = bico__alloc(ctx, (w->count + 1) * sizeof *of);
-    if (!names || !sizes || !of) st = BICO_E_NOMEM;
-    for (size_t k = 0; k < w->count && st == BICO_OK; k++) {
-      names[k] = w->t[k].name;
-      sizes[k] = w->t[k].nbytes;
-      of[k] = w->t[k].shard;
-    }
+    w_tables tb;
+    st = w_tables_make(w, &tb);
     if (st == BICO_OK)
-      st = bico__wfolder_finish(ctx, fn, w->folder, w->count, names, sizes,
-                                of, w->sh, w->nsh);
-    bico__free(ctx, names);
-    bico__free(ctx, sizes);
-    bico__free(ctx, of);
+      st = bico__wfolder_finish(ctx, fn, w->folder, w->count, tb.names,
+                                tb.sizes, tb.of, w->sh, w->nsh);
+    w_tables_free(w, &tb);
   }
   return st;
 }
