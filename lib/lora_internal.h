@@ -62,9 +62,11 @@ typedef struct bico__lora_hook {
   /* Output split (k) of target module mi. */
   size_t (*split)(void *opaque, size_t mi);
   /* Map `block` of target module mi on `side` (0: input, one block; 1:
-   * output, k blocks), computed on first use; *r is da x db row-major. */
+   * output, k blocks), computed on first use; *r is da x db row-major;
+   * *thin 1 when it was solved from the rows (docs/methods.md). */
   bico_status (*map)(void *opaque, size_t mi, int side, size_t block,
-                     const float **r, size_t *da, size_t *db, size_t *rank);
+                     const float **r, size_t *da, size_t *db, size_t *rank,
+                     int *thin);
   /* The route of target tensor ti (see bico__route). */
   void (*route)(void *opaque, size_t ti, bico__route *out);
   /* Frees the maps of target module mi. */

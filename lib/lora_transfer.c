@@ -101,12 +101,14 @@ static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
   return st;
 }
 
-/* A map's rank and shape, under `key` (NULL: as an array element). */
+/* A map's rank, route and shape, under `key` (NULL: as an array
+ * element), as a checkpoint run's report has them. */
 static void report_map(lrun *r, const char *key, size_t da, size_t db,
-                       size_t rank) {
+                       size_t rank, int thin) {
   if (key) bico__report_key(&r->rep, key);
   bico__report_begin_object(&r->rep);
   bico__report_key_number(&r->rep, "rank", (double)rank);
+  bico__report_key_string(&r->rep, "solve", thin ? "thin" : "full");
   bico__report_key(&r->rep, "shape");
   bico__report_begin_array(&r->rep);
   bico__report_number(&r->rep, (double)da);
@@ -203,20 +205,21 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   m->k = h->split(h->opaque, m->mi);
   const float *rin = NULL;
   size_t da, db, mr;
+  int thin = 0;
   const float **routs = bico__calloc(ctx, m->k, sizeof *routs);
   if (routs == NULL) return BICO_E_NOMEM;
   bico_status st = BICO_OK;
   if (do_in) {
-    st = h->map(h->opaque, m->mi, 0, 0, &rin, &da, &db, &mr);
-    if (st == BICO_OK) report_map(r, "in", da, db, mr);
+    st = h->map(h->opaque, m->mi, 0, 0, &rin, &da, &db, &mr, &thin);
+    if (st == BICO_OK) report_map(r, "in", da, db, mr, thin);
   }
   if (do_out && m->k > 1) {
     bico__report_key(&r->rep, "out_blocks");
     bico__report_begin_array(&r->rep);
   }
   for (size_t j = 0; j < m->k && st == BICO_OK && do_out; j++) {
-    st = h->map(h->opaque, m->mi, 1, j, &routs[j], &da, &db, &mr);
-    if (st == BICO_OK) report_map(r, m->k == 1 ? "out" : NULL, da, db, mr);
+    st = h->map(h->opaque, m->mi, 1, j, &routs[j], &da, &db, &mr, &thin);
+    if (st == BICO_OK) report_map(r, m->k == 1 ? "out" : NULL, da, db, mr, thin);
   }
   if (do_out && m->k > 1) bico__report_end_array(&r->rep);
   if (st == BICO_OK)
@@ -236,6 +239,7 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
   bico_ctx *ctx = r->ctx;
   const float *rr = NULL;
   size_t da = m->dout_a, db = m->dout_b, mr = 0;
+  int thin = 0;
   bico_status st = BICO_OK;
   if (m->din_a != m->din_b)
     return bico__fail(ctx, BICO_E_SHAPE,
@@ -248,8 +252,8 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
                       "adapter: target %s: %s",
                       m->lname, m->wname, rt->reason);
   if (!rt->identity) {
-    st = h->map(h->opaque, rt->module, rt->side, 0, &rr, &da, &db, &mr);
-    if (st == BICO_OK) report_map(r, rt->side ? "out" : "in", da, db, mr);
+    st = h->map(h->opaque, rt->module, rt->side, 0, &rr, &da, &db, &mr, &thin);
+    if (st == BICO_OK) report_map(r, rt->side ? "out" : "in", da, db, mr, thin);
   }
   if (st == BICO_OK && (da != m->dout_a || db != m->dout_b))
     st = bico__fail(ctx, BICO_E_SHAPE,
@@ -416,6 +420,7 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
   bico__route rt;
   h->route(h->opaque, ti, &rt);
   size_t mi = rt.module, kk = 1, da, db, mr;
+  int thin = 0; /* (saved tensors are not reported per map) */
   if (rt.kind == BICO__ROUTE_NONE)
     return rt.role == BICO_ROLE_OTHER
                ? bico__fail(ctx, BICO_E_UNSUPPORTED,
@@ -434,9 +439,9 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
     const float *rin = NULL;
     const float **routs = bico__calloc(ctx, kk, sizeof *routs);
     if (routs == NULL) return BICO_E_NOMEM;
-    if (rt.need[0]) st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr);
+    if (rt.need[0]) st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr, &thin);
     for (size_t j = 0; j < kk && st == BICO_OK && rt.need[1]; j++)
-      st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr);
+      st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr, &thin);
     if (st == BICO_OK)
       st = bico_transport_weight_split(
           ctx, kk, dout_a, din_a, dout_b, din_b,
@@ -452,7 +457,7 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
                         p->tname, kk);
     for (size_t j = 0; j < kk && st == BICO_OK; j++) {
       const float *rr = NULL;
-      if (rt.need[1]) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr);
+      if (rt.need[1]) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr, &thin);
       if (st == BICO_OK)
         st = bico_transport_vector(ctx, na / kk, nb / kk, h->alpha,
                                    tau + j * (na / kk), rr, nb / kk, 0.0f,
@@ -463,7 +468,7 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
   const float *rr = NULL;
   size_t la = p->sa[p->nd_a - 1], lb = p->sb[p->nd_b - 1];
   if (!rt.identity) {
-    st = h->map(h->opaque, mi, rt.side, 0, &rr, &da, &db, &mr);
+    st = h->map(h->opaque, mi, rt.side, 0, &rr, &da, &db, &mr, &thin);
     if (st == BICO_OK && (da != la || db != lb))
       st = bico__fail(ctx, BICO_E_SHAPE,
                       "saved tensor %s: the map is %zu x %zu, the last "

@@ -420,7 +420,7 @@ static size_t lora_split(void *opaque, size_t mi) {
 
 static bico_status lora_map(void *opaque, size_t mi, int side, size_t block,
                             const float **rm, size_t *da, size_t *db,
-                            size_t *rank) {
+                            size_t *rank, int *thin) {
   bico__run *r = opaque;
   bico__modstate *s = &r->mods[mi];
   if (s->src == BICO__NONE)
@@ -434,6 +434,7 @@ static bico_status lora_map(void *opaque, size_t mi, int side, size_t block,
   *da = m->da;
   *db = m->db;
   *rank = m->rank;
+  *thin = m->thin;
   return BICO_OK;
 }
 

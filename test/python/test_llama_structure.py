@@ -142,8 +142,21 @@ def test_planted_lora_on_all_seven_projections(tmp_path, flags):
     r = bico("transfer", "--method", "bico", *flags, "--source-base", tmp_path / "A",
              "--target-base", tmp_path / "B", *calib_args(tmp_path),
              "--lora", tmp_path / "ad", "--output-lora", tmp_path / "out",
-             "--merge-into-base", "--output", tmp_path / "merged.safetensors")
+             "--merge-into-base", "--output", tmp_path / "merged.safetensors",
+             "--report", tmp_path / "rep.json")
     assert ("structure-aware maps" in r.stderr) == bool(flags), r.stderr
+    # the report says how each map was solved, by the rule of
+    # docs/methods.md: thin when the rows n <= both widths
+    rep = json.load(open(tmp_path / "rep.json"))
+    calB, _, _ = pl.load(str(tmp_path / "calB.safetensors"))
+    n = calB["model.layers.0.self_attn.q_proj.input"].shape[0]
+    kinds = set()
+    for e in rep["modules"]:
+        for m in e["maps"].values():
+            if isinstance(m, dict) and not flags:  # (structured maps are per group)
+                assert m["solve"] == ("thin" if n <= min(m["shape"]) else "full"), (e, n)
+                kinds.add(m["solve"])
+    assert flags or kinds, rep["modules"][:1]
     tau = {k: dense.get(k, torch.zeros_like(v)) for k, v in A.items()}
     tauB = llama.transform(cfg, tau, sym)
     out, _, _ = pl.load(str(tmp_path / "out" / "adapter_model.safetensors"))
