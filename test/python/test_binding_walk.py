@@ -480,7 +480,8 @@ NO_ARRAYS = {
         "Model.modules", "Model.module_dims", "Model.blocks",
         "Model.source_name", "Transfer", "Transfer.set_file", "Transfer.set",
         "Transfer.get", "Transfer.add_split", "Transfer.add_tie",
-        "Transfer.set_log", "Transfer.run", "Transfer.counts",
+        "Transfer.set_log", "Transfer.set_progress", "Transfer.run",
+        "Transfer.counts",
         "Transfer.set_xcov", "Transfer.set_votes",
         "transfer_files", "stats_from_calib", "stats_merge")} | {
     "bico.safetensors:" + n for n in (
