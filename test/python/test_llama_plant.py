@@ -63,6 +63,28 @@ def test_norm_scales_move_as_operators_not_vectors():
     assert (llama.forward(cfg, wrong, ids) - llama.forward(cfg, A, ids)).abs().max() > 1e-2
 
 
+def planted_transfer(tmp_path, cfg, A, tau, cfgB, B, ids, z, zB, *extra):
+    """Writes A, A + tau and B as model folders with their calibration files
+    (loss sum(logits * z), zB on B) and runs bico transfer --method bico
+    with no other flags: (the completed process, the output path)."""
+    import subprocess
+    import planted as pl
+    build = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
+    llama.write_folder(tmp_path / "A", cfg, A)
+    llama.write_folder(tmp_path / "Aft", cfg, {k: A[k] + tau[k] for k in A})
+    llama.write_folder(tmp_path / "B", cfgB, B)
+    pl.save(str(tmp_path / "calA.safetensors"), llama.calibrate(cfg, A, ids, z))
+    pl.save(str(tmp_path / "calB.safetensors"), llama.calibrate(cfgB, B, ids, zB))
+    out = tmp_path / "out.safetensors"
+    r = subprocess.run([os.path.join(build, "bin", "bico"), "transfer", "--method", "bico",
+                        "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
+                        "--target-base", tmp_path / "B",
+                        "--source-calib", tmp_path / "calA.safetensors",
+                        "--target-calib", tmp_path / "calB.safetensors",
+                        "--output", out, *extra], capture_output=True, text=True)
+    return r, out
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_bico_on_planted_llama_folders(tmp_path, family):
     """bico transfer on Hugging Face folders of a planted Llama pair (B = A
@@ -76,10 +98,8 @@ def test_bico_on_planted_llama_folders(tmp_path, family):
     rule R^T tau flips their signs).  Gemma's variant (scales stored as
     1 + w, embedding times sqrt(d), GeGLU) takes the same rules; both
     compute A_ft's logits after the transfer."""
-    import subprocess
     import numpy as np
     import planted as pl
-    build = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
     cfg = llama.default_config(**({} if family == "llama" else dict(
         model_type="gemma", architectures=["GemmaForCausalLM"])))
     g = torch.Generator().manual_seed(21)
@@ -90,18 +110,7 @@ def test_bico_on_planted_llama_folders(tmp_path, family):
     tauB = llama.transform(cfg, tau, sym)
     ids = torch.randint(0, cfg["vocab_size"], (8, 16), generator=g)
     z = torch.randn(8, 16, cfg["vocab_size"], generator=g, dtype=torch.float64)
-    llama.write_folder(tmp_path / "A", cfg, A)
-    llama.write_folder(tmp_path / "Aft", cfg, {k: A[k] + tau[k] for k in A})
-    llama.write_folder(tmp_path / "B", cfg, B)
-    pl.save(str(tmp_path / "calA.safetensors"), llama.calibrate(cfg, A, ids, z))
-    pl.save(str(tmp_path / "calB.safetensors"), llama.calibrate(cfg, B, ids, z))
-    out = tmp_path / "out.safetensors"
-    r = subprocess.run([os.path.join(build, "bin", "bico"), "transfer", "--method", "bico",
-                        "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
-                        "--target-base", tmp_path / "B",
-                        "--source-calib", tmp_path / "calA.safetensors",
-                        "--target-calib", tmp_path / "calB.safetensors",
-                        "--output", out], capture_output=True, text=True)
+    r, out = planted_transfer(tmp_path, cfg, A, tau, cfg, B, ids, z, z)
     assert r.returncode == 0, r.stderr
     assert "structure-aware maps" not in r.stderr, r.stderr
     got, _, _ = pl.load(str(out))
@@ -146,19 +155,8 @@ def test_token_rows_are_tokens_not_a_map(tmp_path, tied, pad):
     ids = torch.randint(0, V, (8, 16), generator=g)
     z = torch.randn(8, 16, V, generator=g, dtype=torch.float64)
     zB = torch.cat([z, torch.zeros(8, 16, pad, dtype=z.dtype)], dim=-1)
-    llama.write_folder(tmp_path / "A", cfg, A)
-    llama.write_folder(tmp_path / "Aft", cfg, {k: A[k] + tau[k] for k in A})
-    llama.write_folder(tmp_path / "B", cfgB, B)
-    pl.save(str(tmp_path / "calA.safetensors"), llama.calibrate(cfg, A, ids, z))
-    pl.save(str(tmp_path / "calB.safetensors"), llama.calibrate(cfgB, B, ids, zB))
-    out = tmp_path / "out.safetensors"
-    r = subprocess.run([os.path.join(build, "bin", "bico"), "transfer", "--method", "bico",
-                        "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
-                        "--target-base", tmp_path / "B",
-                        "--source-calib", tmp_path / "calA.safetensors",
-                        "--target-calib", tmp_path / "calB.safetensors",
-                        "--output", out, "--report", tmp_path / "rep.json"],
-                       capture_output=True, text=True)
+    r, out = planted_transfer(tmp_path, cfg, A, tau, cfgB, B, ids, z, zB,
+                              "--report", tmp_path / "rep.json")
     assert r.returncode == 0, r.stderr
     got, _, _ = pl.load(str(out))
     for k in heads:
