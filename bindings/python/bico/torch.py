@@ -756,7 +756,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    modules=None, split=None, ties=None, norm_map="act",
                    votes=None, gradfix_mode="majority", source_blocks=None,
                    target_blocks=None, ridge=1e-2, shared_out=(),
-                   report=None, show_progress=False, **options):
+                   tied="carry", report=None, show_progress=False,
+                   **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -776,6 +777,15 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     shared_out (fit): target modules whose outputs are in the same
     coordinates as their source partner's (a classifier head over the same
     classes): D is used as it is, no output map.
+
+    Tied weights: state-dict entries of the target that are one tensor (an
+    lm_head whose weight is embed_tokens.weight) are carried as one: every
+    method sees the first owner that is not an nn.Linear (the embedding),
+    and the result holds the same tensor object under every name.  tied
+    (fit): "carry" (default) leaves a tied nn.Linear to BiCo's carried
+    embedding; "fit" fits it in its segment (tokens kept as tokens: no
+    output map when both vocabularies have the same size), and the fitted
+    weight is also the embedding's.
     alpha: a positive number, or "match" / "entropy" to choose it without
     labels (choose_alpha on the calibration batches; not for fit, which
     scales the output change D by alpha and sets its own size: keep 1).
@@ -804,6 +814,9 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                              and alpha > 0 and math.isfinite(alpha)):
         raise BicoError(E_ARG, "transfer_model: alpha must be a positive "
                         "number, got %r" % (alpha,))
+    if tied not in ("carry", "fit"):
+        raise BicoError(E_ARG, "transfer_model: tied must be 'carry' or "
+                        "'fit', got %r" % (tied,))
     if not (isinstance(ridge, (int, float)) and ridge >= 0):
         raise BicoError(E_ARG, "transfer_model: ridge must be >= 0, got %r"
                         % (ridge,))
@@ -815,6 +828,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         raise BicoError(E_SHAPE, "transfer_model: source and source_tuned "
                         "have different parameters")
     b0 = target.state_dict()
+    groups = _tied_groups(target)
     forward = forward or _default_forward
     topts = dict(norm_map=norm_map, split=split, ties=ties,
                  source_blocks=source_blocks, target_blocks=target_blocks,
@@ -836,21 +850,71 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         if method == "fit":
             return _fit(source, source_tuned, target, batches, forward, col,
                         a0, a1, b0, alpha, ridge, topts, report,
-                        show_progress, tuple(shared_out or ()))
+                        show_progress, tuple(shared_out or ()), groups, tied)
         rep = [] if report is None else report
         a = 1.0 if auto else alpha
-        new, delta = transfer_state_dict(a0, a1, b0, col, method=method,
-                                         alpha=a, votes=votes, report=rep,
-                                         return_delta=True, **topts)
+        new, delta = transfer_state_dict(
+            *(_untied(d, groups) for d in (a0, a1, b0)), stats=col,
+            method=method, alpha=a, votes=votes, report=rep,
+            return_delta=True, **topts)
+        _report_tied(rep, groups)
         if auto is None:
-            return new
+            return _retied(new, b0, groups)
+        delta = _retied(delta, b0, groups)
         best, _ = choose_alpha(source, source_tuned, target, delta, batches,
                                rule=auto, forward=forward)
         rep.append({"alpha": best, "rule": auto})
-        return _apply(b0, delta, best)
+        return _retied(_apply(b0, delta, best), b0, groups)
     finally:
         if col is not None:
             col.close()
+
+
+def _tied_groups(model):
+    """[(owner, [aliases])]: state-dict entries that are one tensor (the
+    same Parameter under two names, or views of the same memory with the
+    same shape and strides).  The owner is the first entry whose module is
+    not an nn.Linear (the embedding of a tied lm_head), else the first."""
+    sd = model.state_dict(keep_vars=True)
+    linear = set()
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            linear.update((n + "." if n else "") + p
+                          for p, _ in m.named_parameters(recurse=False))
+    by = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor) or v.numel() == 0 \
+                or v.device.type == "meta":
+            continue
+        key = (str(v.device), v.data_ptr(), tuple(v.shape),
+               tuple(v.stride()), v.dtype)
+        by.setdefault(key, []).append(k)
+    groups = []
+    for names in by.values():
+        if len(names) > 1:
+            owner = next((n for n in names if n not in linear), names[0])
+            groups.append((owner, [n for n in names if n != owner]))
+    return groups
+
+
+def _untied(sd, groups):
+    """sd without the aliases of tied groups (Hugging Face's file
+    convention: a tied lm_head.weight is not written)."""
+    drop = set(a for _, al in groups for a in al)
+    return {k: v for k, v in sd.items() if k not in drop}
+
+
+def _retied(out, b0, groups):
+    """out with every alias holding its owner's tensor (the same object),
+    in b0's order."""
+    alias = {a: o for o, al in groups for a in al}
+    return {k: out[alias.get(k, k)] for k in b0 if alias.get(k, k) in out}
+
+
+def _report_tied(rep, groups):
+    for owner, al in groups:
+        for a in al:
+            rep.append({"name": a, "handling": "shared", "shares": owner})
 
 
 def _apply(b0, delta, alpha):
@@ -865,7 +929,8 @@ def _apply(b0, delta, alpha):
 
 
 def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
-         alpha, ridge, topts, report, show_progress, shared_out):
+         alpha, ridge, topts, report, show_progress, shared_out, groups,
+         tied):
     from . import torch_fit
     names = dict(target.named_modules())
     for n in shared_out:
@@ -883,26 +948,44 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
                       topts.get("target_blocks"))
     # BiCo carries what the fit does not own (norms, tokens, MHA)
     rep = []
-    new_bico = transfer_state_dict(a0, a1, b0, col, method="bico",
-                                   alpha=alpha, report=rep, **topts)
+    new_bico = transfer_state_dict(*(_untied(d, groups) for d in (a0, a1, b0)),
+                                   stats=col, method="bico", alpha=alpha,
+                                   report=rep, **topts)
+    new_bico = _retied(new_bico, b0, groups)
+    _report_tied(rep, groups)
+    # a tied nn.Linear (lm_head sharing the embedding): left to BiCo's
+    # carried embedding, or fitted from it (tied="fit") with its rows kept
+    # as tokens when both vocabularies have the same size
+    tied_keys = set(k for o, al in groups for k in [o] + al)
+    smods = dict(source.named_modules())
+    skip, shared_out = set(), set(shared_out)
     fitted = set()
     for n, m in target.named_modules():
-        if isinstance(m, nn.Linear) and n in maps:
-            fitted.update((n + "." + p) if n else p
-                          for p, _ in m.named_parameters(recurse=False))
+        if not (isinstance(m, nn.Linear) and n in maps):
+            continue
+        keys = set((n + "." + p) if n else p
+                   for p, _ in m.named_parameters(recurse=False))
+        if keys & tied_keys:
+            if tied == "carry":
+                skip.add(n)
+                continue
+            s = smods.get(pairing.source_name(n))
+            if isinstance(s, nn.Linear) and s.out_features == m.out_features:
+                shared_out.add(n)
+        fitted.update(keys - tied_keys)
     start = {k: (b0[k] if k in fitted else new_bico[k].to(b0[k].device))
              for k in b0}
     freport = [] if report is not None else None
     out = torch_fit.fit_model(
         source, source_tuned, target, batches, _on(forward, _device(target)),
         maps, pairing, start, alpha, ridge, Fit, freport, show_progress,
-        shared_out)
+        tuple(shared_out), skip)
     if report is not None:
         done = set(e["name"] for e in freport)
         report.extend(e for e in rep if e["name"].rsplit(".", 1)[0]
-                      not in done)
+                      not in done or e.get("handling") == "shared")
         report.extend(freport)
-    return {k: v.cpu() for k, v in out.items()}
+    return _retied({k: v.cpu() for k, v in out.items()}, b0, groups)
 
 
 def choose_alpha(source, source_tuned, target, delta, batches, rule="match",

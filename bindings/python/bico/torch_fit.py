@@ -53,6 +53,7 @@ class _Runner(object):
 
     def __init__(self, model, blocks_name, batches, forward):
         self.model = model
+        self.blocks_name = blocks_name
         self.blocks = model.get_submodule(blocks_name) if blocks_name \
             is not None else None
         if self.blocks is not None and not isinstance(
@@ -107,8 +108,8 @@ class _Runner(object):
                     else:
                         args, kw = self.state[bi]
                         out = self.blocks[segment](*args, **kw)
-                        new_state.append(((_first(out),) + tuple(args[1:]),
-                                          kw))
+                        new_state.append(_with_hidden(args, kw,
+                                                      _first(out)))
         finally:
             for h in hooks:
                 h.remove()
@@ -120,26 +121,28 @@ class _Runner(object):
     def _stem(self, batch):
         box = []
 
-        def catch(m, args, kwargs):
-            box.append((tuple(args), dict(kwargs)))
+        def catch(args, kwargs):
+            box.append((tuple(args), _replayable(dict(kwargs))))
             raise _Stop()
-        h = _pre_hook(self.blocks[0], catch)
+        remove = _catch_call(self.blocks[0], catch)
         try:
             self.forward(self.model, batch)
         except _Stop:
             pass
         finally:
-            h.remove()
+            remove()
         if not box:
             raise BicoError(E_STATE, "transfer_model: the first block never "
                             "ran in the model's forward")
+        args, kw = box[0]
+        _hidden(args, kw, self.blocks_name + ".0")
         return box[0]
 
     def _tail(self, batch, bi):
         """The whole forward with the last block's output replaced by the
         stored state (the blocks before it run but nothing reads them)."""
-        args, _ = self.state[bi]
-        hidden = args[0]
+        args, kw = self.state[bi]
+        hidden = _hidden(args, kw, self.blocks_name)
 
         def replace(m, inp, out):
             if isinstance(out, torch.Tensor):
@@ -157,12 +160,69 @@ class _Runner(object):
             self.run(self.pos, advance=True)
 
 
-def _pre_hook(module, fn):
+def _catch_call(module, fn):
+    """Calls fn(args, kwargs) with the positional and keyword arguments of
+    every call of module, before its forward runs; returns the remover.
+    PyTorch >= 2.0: a forward pre-hook with_kwargs=True.  Before (1.13),
+    pre-hooks see the positional arguments only, so the instance's forward
+    is wrapped instead for the time of the capture."""
     try:
-        return module.register_forward_pre_hook(fn, with_kwargs=True)
-    except TypeError:  # torch < 2.0: positional arguments only
-        return module.register_forward_pre_hook(
-            lambda m, args: fn(m, args, {}))
+        h = module.register_forward_pre_hook(
+            lambda m, args, kwargs: fn(args, kwargs), with_kwargs=True)
+        return h.remove
+    except TypeError:
+        pass
+    own = module.__dict__.get("forward")
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        fn(args, kwargs)
+        return inner(*args, **kwargs)
+    module.forward = forward
+
+    def remove():
+        if own is not None:
+            module.forward = own
+        elif "forward" in module.__dict__:
+            del module.forward
+    return remove
+
+
+# a block's cache arguments (Hugging Face decoders): replaying a block with
+# the cache it was first called with would append its keys and values again
+_CACHE_ARGS = ("past_key_value", "past_key_values", "layer_past")
+
+
+def _replayable(kw):
+    """A captured block's keyword arguments made safe to replay: no cache
+    (the fit runs whole windows), use_cache off."""
+    for k in _CACHE_ARGS:
+        if k in kw:
+            kw[k] = None
+    if "use_cache" in kw:
+        kw["use_cache"] = False
+    return kw
+
+
+def _hidden(args, kw, where):
+    """The hidden state among a block's arguments: the first positional
+    one, or the keyword argument hidden_states."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    if not args and isinstance(kw.get("hidden_states"), torch.Tensor):
+        return kw["hidden_states"]
+    raise BicoError(E_ARG, "transfer_model: block %s was called without a "
+                    "hidden-state tensor as its first argument or as "
+                    "hidden_states=; fit needs one" % where)
+
+
+def _with_hidden(args, kw, h):
+    """(args, kw) of the next block: the same arguments, hidden state h."""
+    if args:
+        return (h,) + tuple(args[1:]), kw
+    kw = dict(kw)
+    kw["hidden_states"] = h
+    return (), kw
 
 
 def _out_map(maps, module):
@@ -184,11 +244,11 @@ def _carry(d, r):
 
 def fit_model(source, source_tuned, target, batches, forward, maps,
               pairing, start_state, alpha, ridge, fit_class, report,
-              show_progress=False, shared_out=()):
+              show_progress=False, shared_out=(), skip=()):
     """Returns the working target's state dict after the fit.  maps: from
     Collector.maps() (R_out per target module); start_state: the target
     state dict to start from (BiCo's carried norms/tokens, original linear
-    weights)."""
+    weights); skip: target linears left as start_state has them."""
     work = copy.deepcopy(target)
     work.load_state_dict(start_state)
     for m in (source, source_tuned, target, work):
@@ -198,7 +258,7 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
     linear = [n for n, m in tmods.items() if isinstance(m, nn.Linear)
               and pairing.source_name(n) in smods
               and isinstance(smods[pairing.source_name(n)], nn.Linear)
-              and n in maps and "out" in maps[n]]
+              and n in maps and "out" in maps[n] and n not in skip]
     pb, pa = pairing.prefix_b, pairing.prefix_a
     runners = [_Runner(m, p, batches, forward) for m, p in
                ((source, pa), (source_tuned, pa), (target, pb), (work, pb))]
