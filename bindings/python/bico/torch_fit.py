@@ -166,9 +166,11 @@ def _catch_call(module, fn):
     PyTorch >= 2.0: a forward pre-hook with_kwargs=True.  Before (1.13),
     pre-hooks see the positional arguments only, so the instance's forward
     is wrapped instead for the time of the capture."""
+    def hook(m, args, kwargs):
+        fn(args, kwargs)  # and None: the call goes on unchanged
+
     try:
-        h = module.register_forward_pre_hook(
-            lambda m, args, kwargs: fn(args, kwargs), with_kwargs=True)
+        h = module.register_forward_pre_hook(hook, with_kwargs=True)
         return h.remove
     except TypeError:
         pass
