@@ -107,6 +107,18 @@ class DefaultsLayer(DecoderLayer):
                                     position_embeddings)
 
 
+class ByNameLayer(DecoderLayer):
+    """Called with every argument by name, hidden_states= included, and a
+    use_cache flag (HF's older layers)."""
+    by_name = True
+
+    def forward(self, hidden_states, attention_mask, position_embeddings,
+                use_cache):
+        assert use_cache is False
+        return DecoderLayer.forward(self, hidden_states, attention_mask,
+                                    position_embeddings)
+
+
 class Inner(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
@@ -129,6 +141,10 @@ class Inner(nn.Module):
         emb = torch.cat([ang, ang], dim=-1).to(h.dtype)
         cos, sin = emb.cos(), emb.sin()
         for layer in self.layers:
+            if getattr(layer, "by_name", False):
+                h = layer(hidden_states=h, attention_mask=mask[None, None],
+                          position_embeddings=(cos, sin), use_cache=False)[0]
+                continue
             h = layer(h, attention_mask=mask[None, None],
                       position_embeddings=(cos, sin))[0]
         return self.norm(h)
@@ -220,8 +236,9 @@ def calibration():
 
 
 @pytest.mark.parametrize("method,layer", [
-    ("fit", DecoderLayer), ("bico", DecoderLayer), ("fit", DefaultsLayer)],
-    ids=["fit", "bico", "fit-kwargs-with-defaults"])
+    ("fit", DecoderLayer), ("bico", DecoderLayer), ("fit", DefaultsLayer),
+    ("fit", ByNameLayer)],
+    ids=["fit", "bico", "fit-kwargs-with-defaults", "fit-hidden-by-name"])
 def test_planted_hf_decoder_closes_the_gap(method, layer):
     """Layers called with keyword arguments (without defaults: dropping them
     is a TypeError; with defaults: the layer runs without its causal mask)
