@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import bico
 import bico.torch as bt
+from test_binding_models import float32_default  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
