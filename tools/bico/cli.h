@@ -78,6 +78,27 @@ void cli_progress_clear(void); /* erases a drawn bar before other text */
 void cli_progress_text(const bico_progress *p, int bar, const char *unit,
                        char *buf, size_t cap);
 
+/* Where the expanded arguments came from (tools/bico/config.c): the
+ * --config file, or NULL when none was given; cli_from_config(i) is 1 when
+ * argument i (of the subcommand's expanded argv) came from that file. */
+const char *cli_config_file(void);
+int cli_from_config(int i);
+
+/* The argument a subcommand's parser is reading (an index into its argv,
+ * -1 when none): a usage error printed while it is set, for an argument
+ * that came from --config, names the file (cli_error appends it). */
+extern int cli_arg_at;
+
+/* Single-valued options: the first use of each name is recorded; a second
+ * use is a usage error naming the option and where both came from (the
+ * command line, the --config file).  cli_once returns 0 or CLI_USAGE. */
+typedef struct {
+  const char *name[64];
+  int at[64];
+  size_t n;
+} cli_once_t;
+int cli_once(const char *cmd, cli_once_t *seen, const char *name, int at);
+
 /* Reports a library failure: the status text and the context's detail. */
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
 

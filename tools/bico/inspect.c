@@ -264,9 +264,10 @@ int cmd_inspect(int argc, char **argv) {
   const char *splits[256], *ties[256];
   size_t nsplits = 0, nties = 0;
   int json = 0;
+  cli_once_t seen = {{NULL}, {0}, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
-    int r;
+    int r, start = i;
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
       fputs(HELP, stdout);
       return 0;
@@ -277,11 +278,13 @@ int cmd_inspect(int argc, char **argv) {
     }
     if ((r = cli_opt(argc, argv, &i, "--blocks", &v)) != 0) {
       if (r < 0) return cli_error(CMD, CLI_USAGE, "option --blocks needs a value");
+      if (cli_once(CMD, &seen, "--blocks", start)) return CLI_USAGE;
       blocks = v;
       continue;
     }
     if ((r = cli_opt(argc, argv, &i, "--method", &v)) != 0) {
       if (r < 0) return cli_error(CMD, CLI_USAGE, "option --method needs a value");
+      if (cli_once(CMD, &seen, "--method", start)) return CLI_USAGE;
       method = v;
       continue;
     }

@@ -17,12 +17,16 @@
 /* Generated from docs/bico.1.md (scripts/gen-help.py). */
 static const char USAGE[] = BICO_HELP_MAIN;
 
+int cli_arg_at = -1;
+
 int cli_error(const char *cmd, int code, const char *fmt, ...) {
   va_list ap;
   fprintf(stderr, "bico%s%s: ", cmd ? " " : "", cmd ? cmd : "");
   va_start(ap, fmt);
   vfprintf(stderr, fmt, ap);
   va_end(ap);
+  if (code == CLI_USAGE && cli_arg_at >= 0 && cli_from_config(cli_arg_at))
+    fprintf(stderr, " (from --config %s)", cli_config_file());
   fputc('\n', stderr);
   if (code == CLI_USAGE)
     fprintf(stderr, "run 'bico %s --help' for the options\n", cmd ? cmd : "");
@@ -42,6 +46,32 @@ int cli_opt(int argc, char **argv, int *i, const char *name,
   if (*i + 1 >= argc) return -1;
   *value = argv[++*i];
   return 1;
+}
+
+int cli_once(const char *cmd, cli_once_t *seen, const char *name, int at) {
+  size_t k;
+  for (k = 0; k < seen->n; k++)
+    if (strcmp(seen->name[k], name) == 0) break;
+  if (k == seen->n) {
+    if (seen->n < sizeof seen->name / sizeof *seen->name) {
+      seen->name[seen->n] = name;
+      seen->at[seen->n++] = at;
+    }
+    return 0;
+  }
+  int a = cli_from_config(seen->at[k]), b = cli_from_config(at);
+  cli_arg_at = -1; /* the message says where */
+  if (a && b)
+    return cli_error(cmd, CLI_USAGE, "option %s given twice in --config %s",
+                     name, cli_config_file());
+  if (a || b)
+    return cli_error(cmd, CLI_USAGE,
+                     "option %s given twice: in --config %s and on the "
+                     "command line (a single-valued option is given once)",
+                     name, cli_config_file());
+  return cli_error(cmd, CLI_USAGE,
+                   "option %s given twice (a single-valued option is given "
+                   "once)", name);
 }
 
 int cli_double(const char *s, double *out) {
