@@ -3,6 +3,7 @@
 #define BICO_CLI_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include "bico/bico.h"
 
 /* Exit codes: 0 success, 1 failure, 2 usage error. */
@@ -27,7 +28,12 @@ int lora_cli_check(const char *cmd, const char *tuned, const char *task_vector,
                    const char *output, const char *delta_output,
                    const char *output_lora, int merge_into_base);
 
-/* Prints "bico <cmd>: <message>" to stderr and returns code. */
+/* Writes s to f with its control characters (C0, DEL, C1: terminal escape
+ * sequences from names in files or arguments) as \xNN / \u00NN. */
+void cli_put_escaped(FILE *f, const char *s);
+
+/* Prints "bico <cmd>: <message>" to stderr (escaped: cli_put_escaped) and
+ * returns code. */
 int cli_error(const char *cmd, int code, const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 3, 4)))

@@ -19,12 +19,23 @@ static const char USAGE[] = BICO_HELP_MAIN;
 
 int cli_arg_at = -1;
 
+void cli_put_escaped(FILE *f, const char *s) {
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    if (*p < 0x20 || *p == 0x7f) fprintf(f, "\\x%02x", *p);
+    else if (p[0] == 0xc2 && p[1] >= 0x80 && p[1] < 0xa0) /* C1 */
+      fprintf(f, "\\u%04x", *++p);
+    else fputc(*p, f);
+  }
+}
+
 int cli_error(const char *cmd, int code, const char *fmt, ...) {
   va_list ap;
   fprintf(stderr, "bico%s%s: ", cmd ? " " : "", cmd ? cmd : "");
+  char msg[4096];
   va_start(ap, fmt);
-  vfprintf(stderr, fmt, ap);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  cli_put_escaped(stderr, msg); /* names from files and arguments */
   if (code == CLI_USAGE && cli_arg_at >= 0 && cli_from_config(cli_arg_at))
     fprintf(stderr, " (from --config %s)", cli_config_file());
   fputc('\n', stderr);

@@ -13,7 +13,8 @@ static const char HELP[] = BICO_HELP_MERGE;
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
   cli_progress_clear();
-  fprintf(stderr, "%s\n", line);
+  cli_put_escaped(stderr, line);
+  fputc('\n', stderr);
 }
 
 #define MAX_INPUTS 256

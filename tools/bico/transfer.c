@@ -38,7 +38,8 @@ int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
   cli_progress_clear();
-  fprintf(stderr, "%s\n", line);
+  cli_put_escaped(stderr, line);
+  fputc('\n', stderr);
 }
 
 /* Splits "A=B" at the last '=' into a (NUL-terminated copy) and b. */
