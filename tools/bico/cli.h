@@ -105,7 +105,13 @@ typedef struct {
 } cli_once_t;
 int cli_once(const char *cmd, cli_once_t *seen, const char *name, int at);
 
-/* Reports a library failure: the status text and the context's detail. */
+/* Reports a library failure: the status text and the context's detail,
+ * without the library's API function names; cli_lib_error_files also
+ * names the option (opts[k]) whose file (paths[k]) the message is about,
+ * when the message names one of the paths and no option. */
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
+int cli_lib_error_files(const char *cmd, bico_ctx *ctx, bico_status st,
+                        const char *const *opts, const char *const *paths,
+                        size_t n);
 
 #endif

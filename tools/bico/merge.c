@@ -64,7 +64,24 @@ static int merge_run(const merge_opts *o) {
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_merge_run(mg);
   cli_progress_finish();
-  int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+  int code = 0;
+  if (st != BICO_OK) {
+    /* The option of each file, for the message. */
+    const char *opts[4 + MAX_INPUTS], *paths[4 + MAX_INPUTS];
+    static const char *const KIND_OPT[] = {NULL, "--task-vector", "--tuned",
+                                           "--lora"};
+    size_t n = 0;
+    opts[n] = "--output", paths[n++] = o->output;
+    opts[n] = "--delta-output", paths[n++] = o->delta;
+    opts[n] = "--report", paths[n++] = o->report;
+    opts[n] = "--base", paths[n++] = o->base;
+    for (size_t k = 0; k < o->nin; k++) {
+      int kind = o->in[k].kind;
+      opts[n] = kind >= 1 && kind <= 3 ? KIND_OPT[kind] : NULL;
+      paths[n++] = o->in[k].path;
+    }
+    code = cli_lib_error_files(CMD, ctx, st, opts, paths, n);
+  }
   bico_merge_free(mg);
   bico_ctx_free(ctx);
   return code;

@@ -440,7 +440,13 @@ static int run_transfer(const transfer_opts *o) {
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_transfer_run(t);
   cli_progress_finish();
-  code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+  if (st != BICO_OK) {
+    const char *opts[NFILE_OPTS];
+    for (size_t f = 0; f < NFILE_OPTS; f++) opts[f] = FILES[f].opt;
+    code = cli_lib_error_files(CMD, ctx, st, opts, files, NFILE_OPTS);
+  } else {
+    code = 0;
+  }
 out:
   bico_transfer_free(t);
   bico_ctx_free(ctx);
