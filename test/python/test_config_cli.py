@@ -117,6 +117,8 @@ output: {tmp_path / 'yaml.safetensors'}
     ("config: other.yaml\n", "cannot name another"),
     ("bogus_option: 1\n", "unknown option --bogus-option"),
     ("", "empty"),
+    ("base_model: B\nmodels:\n  - model: null\n", "names one path"),   # issue 22
+    ("base_model: ~\nmodels:\n  - model: x\n", "base_model is a path"),
 ])
 def test_bad_merge_configs_are_usage_errors(tmp_path, text, needle):
     cfg = write(tmp_path / "bad.yaml", text)

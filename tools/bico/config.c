@@ -168,7 +168,7 @@ static int merge_model(argbuf *b, yaml_document_t *d, yaml_node_t *m,
   for (size_t k = 0; k < 3; k++) {
     yaml_node_t *n = get(d, m, KINDS[k][0]);
     if (n == NULL) continue;
-    if (path != NULL || scalar(n) == NULL || scalar(n)[0] == '\0')
+    if (path != NULL || scalar(n) == NULL || scalar(n)[0] == '\0' || is_null(n))
       return cfg_error(b, m, "%s", "an entry of 'models' names one path, under "
                                    "one of model, task_vector or lora");
     path = scalar(n);
