@@ -32,8 +32,30 @@ static int get_bool(const bico__json *root, const char *key, int dflt) {
   return v != NULL && v->type == BICO__JSON_BOOL ? v->u.b : dflt;
 }
 
+/* Widths are products of the counts; a product past 2^40 (or past 2^64,
+ * where it would wrap and match a small tensor) describes no tensor. */
+#define MAX_WIDTH ((size_t)1 << 40)
+
+static bico_status too_wide(bico_ctx *ctx, const char *what, const char *ka,
+                            size_t a, const char *kb, size_t b) {
+  if (a == 0 || b == 0 || b <= MAX_WIDTH / a) return BICO_OK;
+  return bico__fail(ctx, BICO_E_FORMAT,
+                    "%s: %s %zu x %s %zu is above 2^40 (no tensor is that "
+                    "wide; a config.json describing another model?)",
+                    what, ka, a, kb, b);
+}
+
 static bico_status check(bico_ctx *ctx, const char *what, bico__family *f) {
   if (f->kv_heads == 0) f->kv_heads = f->heads;
+  bico_status st = too_wide(ctx, what, "num_attention_heads", f->heads,
+                            "head_dim", f->head_dim);
+  if (st == BICO_OK)
+    st = too_wide(ctx, what, "num_key_value_heads", f->kv_heads, "head_dim",
+                  f->head_dim);
+  if (st == BICO_OK)
+    st = too_wide(ctx, what, "hidden_size", f->hidden, "intermediate_size",
+                  f->intermediate);
+  if (st != BICO_OK) return st;
   if (f->heads % f->kv_heads)
     return bico__fail(ctx, BICO_E_FORMAT,
                       "%s: num_attention_heads %zu is not a multiple of "

@@ -644,6 +644,13 @@ static bico_status merge_one(bico_merge *m, const bico_stfile *base, size_t ti,
       int has = 0;
       if (tau == NULL) st = BICO_E_NOMEM;
       if (st == BICO_OK) st = input_tau(m, &m->in[i], name, b, n, tau, &has);
+      for (size_t e = 0; st == BICO_OK && has && e < n; e++)
+        if (!isfinite(tau[e])) /* finite files, an infinite difference */
+          st = bico__fail(ctx, BICO_E_NONFINITE,
+                          "tensor %s: the %s %s differs from the base by %g "
+                          "at element %zu (beyond float range)",
+                          name, KIND_NAME[m->in[i].kind], m->in[i].path,
+                          (double)tau[e], e);
       if (st == BICO_OK && has) {
         sc->taus[used] = tau;
         sc->ws[used] = m->in[i].weight;

@@ -39,10 +39,18 @@ static bico_status bad(bico_ctx *ctx, const char *path, const char *what) {
   return bico__fail(ctx, BICO_E_FORMAT, "%s: %s", path, what);
 }
 
-/* Sets str[id] = s, growing the table; an id above 2^31 is refused. */
+/* Sets str[id] = s, growing the table.  The table holds one pointer per
+ * id up to the largest, so an id far beyond the number of entries (a
+ * 60-byte file naming id 2^31 - 1 would cost 16 GB) is refused: ids may
+ * leave gaps, but at most `limit` (twice the entries plus 2^20). */
 static bico_status put(bico_ctx *ctx, const char *path, tokens *t, size_t *cap,
-                       int64_t id, const char *s) {
-  if (id < 0 || id > INT32_MAX) return bad(ctx, path, "a token id out of range");
+                       int64_t id, const char *s, size_t limit) {
+  if (id < 0 || id > INT32_MAX || (uint64_t)id >= limit)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: token id %lld is out of range (the file lists "
+                      "%zu tokens; ids must be below %zu)",
+                      path, (long long)id, (limit - ((size_t)1 << 20)) / 2,
+                      limit);
   size_t i = (size_t)id;
   if (i >= *cap) {
     size_t nc = *cap ? *cap : 1024;
@@ -83,12 +91,18 @@ static bico_status load(bico_ctx *ctx, const char *folder, tokens *t,
   if (vocab == NULL)
     return bad(ctx, path, "no model.vocab (a tokenizer.json without a "
                           "vocabulary)");
+  const bico__json *added = bico__json_get(&t->doc->root, "added_tokens");
+  size_t entries = (vocab->type == BICO__JSON_OBJECT ||
+                    vocab->type == BICO__JSON_ARRAY ? vocab->n : 0) +
+                   (added != NULL && added->type == BICO__JSON_ARRAY ? added->n
+                                                                     : 0);
+  size_t limit = 2 * entries + ((size_t)1 << 20);
   if (vocab->type == BICO__JSON_OBJECT) {
     for (size_t i = 0; i < vocab->n && st == BICO_OK; i++) {
       const bico__json_member *m = &vocab->u.members[i];
       if (m->value.type != BICO__JSON_INT)
         return bad(ctx, path, "model.vocab maps a token to a non-integer");
-      st = put(ctx, path, t, &cap, m->value.u.i, m->key);
+      st = put(ctx, path, t, &cap, m->value.u.i, m->key, limit);
     }
   } else if (vocab->type == BICO__JSON_ARRAY) { /* Unigram: [piece, score] */
     for (size_t i = 0; i < vocab->n && st == BICO_OK; i++) {
@@ -96,12 +110,11 @@ static bico_status load(bico_ctx *ctx, const char *folder, tokens *t,
       if (e->type != BICO__JSON_ARRAY || e->n < 1 ||
           e->u.items[0].type != BICO__JSON_STRING)
         return bad(ctx, path, "model.vocab entries must be [piece, score]");
-      st = put(ctx, path, t, &cap, (int64_t)i, e->u.items[0].u.s);
+      st = put(ctx, path, t, &cap, (int64_t)i, e->u.items[0].u.s, limit);
     }
   } else {
     return bad(ctx, path, "model.vocab is neither an object nor an array");
   }
-  const bico__json *added = bico__json_get(&t->doc->root, "added_tokens");
   if (added != NULL && added->type == BICO__JSON_ARRAY)
     for (size_t i = 0; i < added->n && st == BICO_OK; i++) {
       const bico__json *id = bico__json_get(&added->u.items[i], "id");
@@ -110,7 +123,7 @@ static bico_status load(bico_ctx *ctx, const char *folder, tokens *t,
           c->type != BICO__JSON_STRING)
         return bad(ctx, path, "an added_tokens entry without an integer id "
                               "and a string content");
-      st = put(ctx, path, t, &cap, id->u.i, c->u.s);
+      st = put(ctx, path, t, &cap, id->u.i, c->u.s, limit);
     }
   return st;
 }

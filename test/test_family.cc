@@ -277,6 +277,15 @@ TEST(Family, BadConfigNamesFileAndFieldAndWritesNothing) {
       {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 6, "
        "\"num_hidden_layers\": 1, \"num_attention_heads\": 4}", "num_key_value_heads"},
       {"{\"model_type\": \"llama\",", "invalid JSON"},
+      // issue 22: products of counts past 2^40 (here 2^64 + 32, wrapping
+      // onto a small width) describe no tensor.
+      {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 6, "
+       "\"num_hidden_layers\": 1, \"num_attention_heads\": 87586849968, "
+       "\"num_key_value_heads\": 87586849968, \"head_dim\": 210610886}",
+       "num_attention_heads 87586849968 x head_dim 210610886 is above 2^40"},
+      {"{\"model_type\": \"llama\", \"hidden_size\": 1099511627776, "
+       "\"intermediate_size\": 1099511627776, \"num_hidden_layers\": 1, "
+       "\"num_attention_heads\": 1}", "hidden_size 1099511627776 x intermediate_size"},
   };
   std::string bad = L.dir + "/bad.json", out = L.dir + "/out.safetensors";
   for (auto &c : cases) {

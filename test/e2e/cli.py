@@ -8,10 +8,13 @@ BUILD = os.environ.get("BICO_BUILD", os.path.join(HERE, "..", "..", "build"))
 BICO = os.path.join(BUILD, "bin", "bico")
 
 
-def bico(*args, ok=True):
+def bico(*args, ok=True, timeout=None, input=None):
     """Runs `bico ARGS...`; with ok, a non-zero exit fails the test with
-    the command and its stderr."""
-    r = subprocess.run([BICO, *map(str, args)], capture_output=True, text=True)
+    the command and its stderr.  timeout (seconds) bounds the run: hostile
+    inputs must be refused fast, and a test of one must end even when the
+    refusal is missing (subprocess.TimeoutExpired fails it)."""
+    r = subprocess.run([BICO, *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, input=input)
     if ok and r.returncode != 0:
         raise AssertionError(f"bico {' '.join(map(str, args))} failed "
                              f"({r.returncode}):\n{r.stderr}")

@@ -640,3 +640,44 @@ def test_workers_and_proc_methods_give_the_same_answer(vit, tmp_path):
         r = bico(*common, *bad, "--output", tmp_path / "bad.safetensors", ok=False)
         assert r.returncode == 2 and bad[0] in r.stderr, (bad, r.stderr)
         assert not os.path.exists(tmp_path / "bad.safetensors")
+
+
+HOSTILE_NAMES = ["blocks.0.\x1b]0;pwned\x07.weight", "blocks.0.\x1b[31mred.weight",
+                 "c\u009b2J.weight", "back\\slash.bias"]
+
+
+def _raw_controls(text):
+    """Control characters that reach a terminal raw (newline aside)."""
+    return [c for c in text if (ord(c) < 0x20 and c != "\n") or 0x7f <= ord(c) < 0xa0]
+
+
+def test_inspect_escapes_control_characters(tmp_path):
+    """issue 22: tensor names (and metadata) with terminal escape sequences
+    were printed raw.  Text output escapes them; --json escapes them per
+    JSON, so that the names read back are the file's names."""
+    p = tmp_path / "evil.safetensors"
+    pl.save(str(p), {n: np.ones((2, 3), np.float32) for n in HOSTILE_NAMES},
+            metadata={"note\x1b[2J": "v\x1b]52;c;AAAA\x07"})
+    r = bico("inspect", p, timeout=60)
+    assert _raw_controls(r.stdout) == [], repr(r.stdout)
+    assert "blocks.0.\\x1b]0;pwned\\x07.weight" in r.stdout, r.stdout
+    assert "c\\u009b2J.weight" in r.stdout and "back\\\\slash.bias" in r.stdout, r.stdout
+    r = bico("inspect", p, p, "--json", "--method", "naive", timeout=60)
+    assert _raw_controls(r.stdout) == [], repr(r.stdout)
+    got = {t["name"] for t in json.loads(r.stdout)["tensors"]}
+    assert got == set(HOSTILE_NAMES)
+    r = bico("inspect", p, p, "--method", "naive", timeout=60)
+    assert _raw_controls(r.stdout) == [], repr(r.stdout)
+
+
+def test_error_messages_escape_control_characters(tmp_path):
+    """A name from a file inside an error message reaches stderr escaped."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    pl.save(str(a), {n: np.ones((2, 3), np.float32) for n in HOSTILE_NAMES})
+    pl.save(str(b), {n: np.ones((3, 3), np.float32) for n in HOSTILE_NAMES})
+    r = bico("transfer", "--method", "naive", "--source-base", a, "--source-tuned", a,
+             "--target-base", b, "--output", tmp_path / "o.safetensors", ok=False,
+             timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert _raw_controls(r.stderr) == [], repr(r.stderr)
+    assert "\\x1b" in r.stderr, r.stderr

@@ -479,3 +479,43 @@ def test_planted_rotated_permuted_copy_recovered_exactly(engine):
     b.load_state_dict(got)
     with torch.no_grad():
         assert torch.allclose(b(x), ft_a(x), atol=1e-4)
+
+
+# ---- threads (issue 22) ----
+
+def test_one_xcov_from_eight_threads_equals_the_serial_sum():
+    """ctypes releases the GIL during each C call: one XCov fed from 8
+    Python threads gave a matrix off by 1.2 %.  The binding serialises the
+    calls on a handle (and on its context), so the result is the planted
+    sum of x_a^T x_b over every batch, as the serial run gives."""
+    import threading
+    rng = np.random.default_rng(22)
+    batches = [(rng.standard_normal((256, 192)).astype(np.float32),
+                rng.standard_normal((256, 160)).astype(np.float32))
+               for _ in range(8 * 12)]
+    want = sum(a.astype(np.float64).T @ b.astype(np.float64) for a, b in batches)
+    xc = bico.XCov(192, 160, sums=True, grams=True)
+    errors = []
+
+    def work(k):
+        try:
+            for a, b in batches[k::8]:
+                xc.add(a, b)
+                xc.rows  # a read between the writes, as a progress bar would
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in ts)
+    assert xc.rows == 256 * len(batches)
+    got = xc.matrix()
+    serial = bico.XCov(192, 160, sums=True, grams=True)
+    for a, b in batches:
+        serial.add(a, b)
+    np.testing.assert_allclose(serial.matrix(), want, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(xc.matrix("gram_a"), serial.matrix("gram_a"),
+                               rtol=1e-9, atol=1e-9)

@@ -333,6 +333,14 @@ def test_rope_override_interleaved(tmp_path):
     (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
     (lambda c: c.update(num_attention_heads="4"), "num_attention_heads"),
     (lambda c: c.update(head_dim=6), "head_dim"),
+    # Products that wrap past 2^64 onto the tensors' widths (issue 22):
+    # heads x head_dim = 2^64 + 32, key/value heads x head_dim = 2^64 + 16.
+    (lambda c: c.update(num_attention_heads=2 * 8 * 4562284561,
+                        num_key_value_heads=8 * 4562284561,
+                        head_dim=2 * 17 * 241 * 61681), "head_dim"),
+    (lambda c: c.update(num_attention_heads=48 * 1824726041,
+                        num_key_value_heads=48 * 1824726041,
+                        head_dim=2 * 2833 * 37171), "num_attention_heads"),
 ])
 def test_bad_config_names_file_and_field(tmp_path, edit, field):
     planted_pair(tmp_path)
@@ -343,7 +351,7 @@ def test_bad_config_names_file_and_field(tmp_path, edit, field):
     out = tmp_path / "out.safetensors"
     r = bico("transfer", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
              "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
-             *calib_args(tmp_path), "--output", out, ok=False)
+             *calib_args(tmp_path), "--output", out, ok=False, timeout=60)
     assert r.returncode == 1, r.stderr
     assert str(path) in r.stderr and field in r.stderr, r.stderr
     assert not out.exists()

@@ -152,3 +152,49 @@ def test_no_message_names_a_temporary_file(tmp_path):
         assert "bico-tmp" not in r.stderr and str(out).rstrip("/") in r.stderr, r.stderr
         assert not [f for f in os.listdir(tmp_path) if "bico-tmp" in f]
         assert not (tmp_path / "folder").exists()
+
+
+FUNCTION_NAME = __import__("re").compile(r"(^|: )[a-z][a-z0-9]*(_[a-z0-9]+)+: ")
+
+
+def _user_facing(stderr):
+    """The error line (the last line): no library function name in it
+    (issue 22: `stwriter_create_folder: cannot create ...`)."""
+    line = [s for s in stderr.splitlines() if s.startswith("bico ")][-1]
+    assert not FUNCTION_NAME.search(line.split(": ", 1)[1]), line
+    return line
+
+
+def test_messages_name_the_option_and_file_not_a_function(tmp_path):
+    args = _case(tmp_path, "", "")
+    cases = [
+        (["--output", tmp_path / "no" / "such" / "out"], "--output", "out"),
+        (["--output", tmp_path / "o.safetensors", "--report",
+          tmp_path / "no" / "r.json"], "--report", "r.json"),
+    ]
+    args_missing = [str(a).replace("aft.safetensors", "missing.safetensors") for a in args]
+    cases.append((["--output", tmp_path / "o2.safetensors"], "--source-tuned",
+                  "missing.safetensors"))
+    for k, (extra, option, name) in enumerate(cases):
+        r = bico(*(args_missing if k == 2 else args), *extra, ok=False, timeout=60)
+        assert r.returncode == 1, r.stderr
+        line = _user_facing(r.stderr)
+        assert option in line and name in line, line
+
+
+def test_merge_overflowing_difference_names_tensor_and_input(tmp_path):
+    """A tuned checkpoint whose difference from the base overflows float:
+    the message named `merge_tensor: taus[t] holds Inf`; it names the
+    tensor and the input file."""
+    base = {"w": np.full((2, 2), -3e38, np.float32)}
+    tuned = {"w": np.full((2, 2), 3e38, np.float32)}
+    pl.save(str(tmp_path / "b.safetensors"), base)
+    pl.save(str(tmp_path / "t.safetensors"), tuned)
+    r = bico("merge", "--base", tmp_path / "b.safetensors", "--tuned",
+             tmp_path / "t.safetensors", "--output", tmp_path / "o.safetensors",
+             ok=False, timeout=60)
+    assert r.returncode == 1, r.stderr
+    line = _user_facing(r.stderr)
+    assert "taus" not in line and "tensor w" in line and "t.safetensors" in line, line
+    assert "--tuned" in line, line
+    assert not (tmp_path / "o.safetensors").exists()

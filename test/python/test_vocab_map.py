@@ -129,3 +129,27 @@ def test_malformed_tokenizer_is_named(tmp_path):
     assert r.returncode != 0
     assert "tokenizer.json" in r.stderr and "non-integer" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "o.safetensors")
+
+
+def test_a_token_id_far_beyond_the_vocabulary_is_refused_fast(tmp_path):
+    """issue 22: a 60-byte tokenizer.json naming id 2^31 - 1 cost 68 s and
+    16.8 GB before "out of memory"; it is refused at once, naming the file
+    and the id.  The same with the id among added_tokens."""
+    _pair(tmp_path)
+    for doc in ({"model": {"vocab": {"a": 0, "b": 2147483647}}},
+                {"model": {"vocab": {"a": 0}},
+                 "added_tokens": [{"id": 1 << 30, "content": "<x>"}]}):
+        with open(tmp_path / "B" / "tokenizer.json", "w") as f:
+            json.dump(doc, f)
+        r = bico(
+            "transfer", "--method", "bico", "--source-base", tmp_path / "A",
+            "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
+            "--source-calib", tmp_path / "calA.safetensors",
+            "--target-calib", tmp_path / "calB.safetensors",
+            "--output", tmp_path / "o.safetensors", ok=False, timeout=20)
+        assert r.returncode == 1, r.stderr
+        bad = max(v for v in doc["model"]["vocab"].values()) \
+            if "added_tokens" not in doc else doc["added_tokens"][0]["id"]
+        assert str(tmp_path / "B" / "tokenizer.json") in r.stderr, r.stderr
+        assert f"token id {bad}" in r.stderr and "out of memory" not in r.stderr, r.stderr
+        assert not os.path.exists(tmp_path / "o.safetensors")

@@ -3,6 +3,7 @@
 #define BICO_CLI_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include "bico/bico.h"
 
 /* Exit codes: 0 success, 1 failure, 2 usage error. */
@@ -27,7 +28,12 @@ int lora_cli_check(const char *cmd, const char *tuned, const char *task_vector,
                    const char *output, const char *delta_output,
                    const char *output_lora, int merge_into_base);
 
-/* Prints "bico <cmd>: <message>" to stderr and returns code. */
+/* Writes s to f with its control characters (C0, DEL, C1: terminal escape
+ * sequences from names in files or arguments) as \xNN / \u00NN. */
+void cli_put_escaped(FILE *f, const char *s);
+
+/* Prints "bico <cmd>: <message>" to stderr (escaped: cli_put_escaped) and
+ * returns code. */
 int cli_error(const char *cmd, int code, const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 3, 4)))
@@ -78,7 +84,34 @@ void cli_progress_clear(void); /* erases a drawn bar before other text */
 void cli_progress_text(const bico_progress *p, int bar, const char *unit,
                        char *buf, size_t cap);
 
-/* Reports a library failure: the status text and the context's detail. */
+/* Where the expanded arguments came from (tools/bico/config.c): the
+ * --config file, or NULL when none was given; cli_from_config(i) is 1 when
+ * argument i (of the subcommand's expanded argv) came from that file. */
+const char *cli_config_file(void);
+int cli_from_config(int i);
+
+/* The argument a subcommand's parser is reading (an index into its argv,
+ * -1 when none): a usage error printed while it is set, for an argument
+ * that came from --config, names the file (cli_error appends it). */
+extern int cli_arg_at;
+
+/* Single-valued options: the first use of each name is recorded; a second
+ * use is a usage error naming the option and where both came from (the
+ * command line, the --config file).  cli_once returns 0 or CLI_USAGE. */
+typedef struct {
+  const char *name[64];
+  int at[64];
+  size_t n;
+} cli_once_t;
+int cli_once(const char *cmd, cli_once_t *seen, const char *name, int at);
+
+/* Reports a library failure: the status text and the context's detail,
+ * without the library's API function names; cli_lib_error_files also
+ * names the option (opts[k]) whose file (paths[k]) the message is about,
+ * when the message names one of the paths and no option. */
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
+int cli_lib_error_files(const char *cmd, bico_ctx *ctx, bico_status st,
+                        const char *const *opts, const char *const *paths,
+                        size_t n);
 
 #endif

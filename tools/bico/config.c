@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <yaml.h>
 
 #include "cli.h"
@@ -79,6 +80,15 @@ static const char *scalar(const yaml_node_t *n) {
                                                   : NULL;
 }
 
+/* YAML's null: a plain ~, null, Null or NULL (an empty value is refused
+ * on its own). */
+static int is_null(const yaml_node_t *n) {
+  const char *s = scalar(n);
+  return s != NULL && n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+         (strcmp(s, "~") == 0 || strcmp(s, "null") == 0 ||
+          strcmp(s, "Null") == 0 || strcmp(s, "NULL") == 0);
+}
+
 static int is_true(const char *s) {
   return strcmp(s, "true") == 0 || strcmp(s, "True") == 0 ||
          strcmp(s, "yes") == 0 || strcmp(s, "on") == 0;
@@ -93,6 +103,9 @@ static int generic(argbuf *b, yaml_document_t *d, const char *key,
                    yaml_node_t *val) {
   const char *s = scalar(val);
   if (s != NULL) {
+    if (is_null(val))
+      return cfg_error(b, val, "key '%s' is null (give it a value, or leave "
+                               "the key out)", key);
     if (is_true(s)) return push_opt(b, key);
     if (is_false(s)) {
       if (strcmp(key, "normalize") == 0) return push(b, "--no-normalize");
@@ -104,7 +117,11 @@ static int generic(argbuf *b, yaml_document_t *d, const char *key,
   if (val->type == YAML_SEQUENCE_NODE) {
     for (yaml_node_item_t *it = val->data.sequence.items.start;
          it < val->data.sequence.items.top; it++) {
-      const char *e = scalar(yaml_document_get_node(d, *it));
+      yaml_node_t *en = yaml_document_get_node(d, *it);
+      const char *e = scalar(en);
+      if (e != NULL && (is_null(en) || e[0] == '\0'))
+        return cfg_error(b, en, "the list under '%s' holds a null or empty "
+                                "value", key);
       if (e == NULL)
         return cfg_error(b, val, "the list under '%s' must hold plain values", key);
       if (push_opt(b, key) || push(b, e)) return -1;
@@ -114,8 +131,9 @@ static int generic(argbuf *b, yaml_document_t *d, const char *key,
   for (yaml_node_pair_t *p = val->data.mapping.pairs.start;
        p < val->data.mapping.pairs.top; p++) {
     const char *k = scalar(yaml_document_get_node(d, p->key));
-    const char *v = scalar(yaml_document_get_node(d, p->value));
-    if (k == NULL || v == NULL)
+    yaml_node_t *vn = yaml_document_get_node(d, p->value);
+    const char *v = scalar(vn);
+    if (k == NULL || v == NULL || is_null(vn) || v[0] == '\0')
       return cfg_error(b, val, "the mapping under '%s' must map names to values", key);
     size_t len = strlen(k) + strlen(v) + 2;
     char *kv = malloc(len);
@@ -150,7 +168,7 @@ static int merge_model(argbuf *b, yaml_document_t *d, yaml_node_t *m,
   for (size_t k = 0; k < 3; k++) {
     yaml_node_t *n = get(d, m, KINDS[k][0]);
     if (n == NULL) continue;
-    if (path != NULL || scalar(n) == NULL || scalar(n)[0] == '\0')
+    if (path != NULL || scalar(n) == NULL || scalar(n)[0] == '\0' || is_null(n))
       return cfg_error(b, m, "%s", "an entry of 'models' names one path, under "
                                    "one of model, task_vector or lora");
     path = scalar(n);
@@ -191,11 +209,13 @@ static int merge_model(argbuf *b, yaml_document_t *d, yaml_node_t *m,
 static int merge_key(argbuf *b, yaml_document_t *d, yaml_node_t *root,
                      const char *key, yaml_node_t *val) {
   if (strcmp(key, "merge_method") == 0) {
-    if (scalar(val) == NULL) return cfg_error(b, val, "%s", "merge_method is a name");
+    if (scalar(val) == NULL || is_null(val) || scalar(val)[0] == '\0')
+      return cfg_error(b, val, "%s", "merge_method is a name");
     return push(b, "--method") || push(b, scalar(val)) ? -1 : 0;
   }
   if (strcmp(key, "base_model") == 0) {
-    if (scalar(val) == NULL) return cfg_error(b, val, "%s", "base_model is a path");
+    if (scalar(val) == NULL || is_null(val) || scalar(val)[0] == '\0')
+      return cfg_error(b, val, "%s", "base_model is a path");
     return push(b, "--base") || push(b, scalar(val)) ? -1 : 0;
   }
   if (strcmp(key, "models") == 0) {
@@ -255,36 +275,171 @@ static int translate(argbuf *b, yaml_document_t *d) {
   return 0;
 }
 
-static int load(argbuf *b, const char *path) {
+/* Bounds checked before libyaml builds a document (its loader is
+ * quadratic in the nesting depth: 200 KB of '[' never finishes). */
+#define MAX_CONFIG_BYTES ((size_t)1 << 20)
+#define MAX_CONFIG_DEPTH 64
+
+/* The file into memory: a regular file of at most MAX_CONFIG_BYTES. */
+static int read_config(argbuf *b, const char *path, unsigned char **text,
+                       size_t *len) {
   FILE *f = fopen(path, "rb");
+  struct stat s;
   if (f == NULL) {
     cli_error(b->cmd, CLI_USAGE, "--config %s: cannot open it", path);
     b->failed = 1;
+    return -1;
+  }
+  if (fstat(fileno(f), &s) != 0 || !S_ISREG(s.st_mode)) {
+    fclose(f);
+    return cfg_error(b, NULL, "%s", "not a regular file");
+  }
+  unsigned char *buf = malloc(MAX_CONFIG_BYTES + 1);
+  if (buf == NULL) {
+    fclose(f);
+    return -1;
+  }
+  size_t n = fread(buf, 1, MAX_CONFIG_BYTES + 1, f);
+  int err = ferror(f);
+  fclose(f);
+  if (err || n > MAX_CONFIG_BYTES) {
+    free(buf);
+    if (err) return cfg_error(b, NULL, "%s", "cannot read it");
+    return cfg_error(b, NULL, "%s", "larger than 1 MiB (a configuration file "
+                                    "is a few lines of options)");
+  }
+  *text = buf;
+  *len = n;
+  return 0;
+}
+
+/* One pass of libyaml's event parser, linear in the file as long as the
+ * nesting stays shallow: refuses nesting deeper than MAX_CONFIG_DEPTH and
+ * a second document, before the loader runs. */
+static int prescan(argbuf *b, const unsigned char *text, size_t len) {
+  yaml_parser_t p;
+  yaml_event_t e;
+  if (!yaml_parser_initialize(&p)) return -1;
+  yaml_parser_set_input_string(&p, text, len);
+  int depth = 0, docs = 0, r = 0;
+  for (;;) {
+    if (!yaml_parser_parse(&p, &e)) {
+      cli_error(b->cmd, CLI_USAGE, "--config %s, line %lu: %s", b->file,
+                (unsigned long)p.problem_mark.line + 1,
+                p.problem ? p.problem : "not valid YAML");
+      b->failed = 1;
+      r = -1;
+      break;
+    }
+    yaml_event_type_t t = e.type;
+    unsigned long line = (unsigned long)e.start_mark.line + 1;
+    yaml_event_delete(&e);
+    if (t == YAML_STREAM_END_EVENT) break;
+    if (t == YAML_DOCUMENT_START_EVENT && ++docs > 1) {
+      cli_error(b->cmd, CLI_USAGE, "--config %s, line %lu: a second YAML "
+                "document (a configuration file holds one)", b->file, line);
+      b->failed = 1;
+      r = -1;
+      break;
+    }
+    if (t == YAML_SEQUENCE_START_EVENT || t == YAML_MAPPING_START_EVENT) {
+      if (++depth > MAX_CONFIG_DEPTH) {
+        cli_error(b->cmd, CLI_USAGE, "--config %s, line %lu: nested deeper "
+                  "than %d levels", b->file, line, MAX_CONFIG_DEPTH);
+        b->failed = 1;
+        r = -1;
+        break;
+      }
+    } else if (t == YAML_SEQUENCE_END_EVENT || t == YAML_MAPPING_END_EVENT) {
+      depth--;
+    }
+  }
+  yaml_parser_delete(&p);
+  return r;
+}
+
+typedef struct {
+  const char *key;
+  unsigned long line;
+} keyline;
+
+static int keyline_cmp(const void *x, const void *y) {
+  const keyline *a = x, *c = y;
+  int r = strcmp(a->key, c->key);
+  return r ? r : (a->line > c->line) - (a->line < c->line);
+}
+
+/* A key given twice in one mapping, anywhere in the document, is an error
+ * (libyaml keeps both; options would be last-wins). */
+static int duplicate_keys(argbuf *b, yaml_document_t *d) {
+  for (yaml_node_t *n = d->nodes.start; n < d->nodes.top; n++) {
+    if (n->type != YAML_MAPPING_NODE) continue;
+    size_t m = (size_t)(n->data.mapping.pairs.top - n->data.mapping.pairs.start);
+    if (m < 2) continue;
+    keyline *k = malloc(m * sizeof *k);
+    if (k == NULL) return -1;
+    size_t c = 0;
+    for (yaml_node_pair_t *p = n->data.mapping.pairs.start;
+         p < n->data.mapping.pairs.top; p++) {
+      yaml_node_t *kn = yaml_document_get_node(d, p->key);
+      if (scalar(kn) == NULL) continue;
+      k[c].key = scalar(kn);
+      k[c++].line = (unsigned long)kn->start_mark.line + 1;
+    }
+    qsort(k, c, sizeof *k, keyline_cmp);
+    for (size_t i = 1; i < c; i++)
+      if (strcmp(k[i - 1].key, k[i].key) == 0) {
+        cli_error(b->cmd, CLI_USAGE, "--config %s, line %lu: key '%.200s' "
+                  "given twice (also on line %lu)", b->file, k[i].line,
+                  k[i].key, k[i - 1].line);
+        b->failed = 1;
+        free(k);
+        return -1;
+      }
+    free(k);
+  }
+  return 0;
+}
+
+static int load(argbuf *b, const char *path) {
+  unsigned char *text = NULL;
+  size_t len = 0;
+  if (read_config(b, path, &text, &len)) return -1;
+  if (prescan(b, text, len)) {
+    free(text);
     return -1;
   }
   yaml_parser_t parser;
   yaml_document_t doc;
   int r = -1;
   if (!yaml_parser_initialize(&parser)) {
-    fclose(f);
+    free(text);
     return -1;
   }
-  yaml_parser_set_input_file(&parser, f);
+  yaml_parser_set_input_string(&parser, text, len);
   if (!yaml_parser_load(&parser, &doc)) {
     cli_error(b->cmd, CLI_USAGE, "--config %s, line %lu: %s", path,
               (unsigned long)parser.problem_mark.line + 1,
               parser.problem ? parser.problem : "not valid YAML");
     b->failed = 1;
   } else {
-    r = translate(b, &doc);
+    r = duplicate_keys(b, &doc);
+    if (r == 0) r = translate(b, &doc);
     yaml_document_delete(&doc);
   }
   yaml_parser_delete(&parser);
-  fclose(f);
+  free(text);
   return r;
 }
 
 static argbuf expanded;
+static int from_lo = -1, from_hi = -1; /* the file's arguments: [lo, hi) */
+
+const char *cli_config_file(void) { return expanded.file; }
+
+int cli_from_config(int i) {
+  return expanded.file != NULL && i >= from_lo && i < from_hi;
+}
 
 static void release(void) {
   for (size_t i = 0; i < expanded.n; i++) free(expanded.v[i]);
@@ -317,10 +472,12 @@ int cli_config_expand(const char *cmd, int *argc, char ***argv) {
   /* argv[0], the options before --config, the file's, then the rest. */
   int ok = 1;
   for (int i = 0; i < first && ok; i++) ok = push(b, (*argv)[i]) == 0;
+  from_lo = (int)b->n;
   if (ok && load(b, path) != 0) {
     if (!b->failed) cli_error(cmd, CLI_FAIL, "--config %s: out of memory", path);
     return b->failed ? CLI_USAGE : CLI_FAIL;
   }
+  from_hi = (int)b->n;
   for (int i = at + 1; i < *argc && ok; i++) ok = push(b, (*argv)[i]) == 0;
   if (!ok) return cli_error(cmd, CLI_FAIL, "--config %s: out of memory", path);
   *argc = (int)b->n;

@@ -16,18 +16,71 @@ static const char HELP[] = BICO_HELP_INSPECT;
 static const char *const HANDLING[] = {"unchanged", "linear", "vector", "tied",
                                        "naive",     "padded", "masked"};
 
+/* Length of a valid UTF-8 sequence at p (1..4), or 0. */
+static size_t utf8_len(const unsigned char *p) {
+  size_t n = p[0] < 0x80 ? 1 : p[0] >= 0xc2 && p[0] <= 0xdf ? 2
+           : p[0] >= 0xe0 && p[0] <= 0xef ? 3 : p[0] >= 0xf0 && p[0] <= 0xf4 ? 4 : 0;
+  for (size_t k = 1; k < n; k++)
+    if ((p[k] & 0xc0) != 0x80) return 0;
+  if (n == 3 && ((p[0] == 0xe0 && p[1] < 0xa0) || (p[0] == 0xed && p[1] >= 0xa0)))
+    return 0;
+  if (n == 4 && ((p[0] == 0xf0 && p[1] < 0x90) || (p[0] == 0xf4 && p[1] >= 0x90)))
+    return 0;
+  return n;
+}
+
+/* Names, paths and metadata come from files and the command line: their
+ * control characters (C0, DEL, C1: terminal escape sequences) never reach
+ * the terminal raw.  JSON: \u00NN escapes (and U+FFFD for a byte that is
+ * not UTF-8); text: \xNN for control bytes and bytes that are not UTF-8,
+ * \u00NN for C1 characters, and a backslash doubled. */
 static void json_str(const char *s) {
   if (s == NULL) {
     fputs("null", stdout);
     return;
   }
   putchar('"');
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+  for (const unsigned char *p = (const unsigned char *)s; *p;) {
+    size_t n = utf8_len(p);
     if (*p == '"' || *p == '\\') printf("\\%c", *p);
-    else if (*p < 0x20) printf("\\u%04x", *p);
-    else putchar(*p);
+    else if (*p < 0x20 || *p == 0x7f) printf("\\u%04x", *p);
+    else if (n == 2 && p[0] == 0xc2 && p[1] < 0xa0) printf("\\u%04x", p[1]);
+    else if (n == 0) fputs("\\ufffd", stdout);
+    else fwrite(p, 1, n, stdout);
+    p += n ? n : 1;
   }
   putchar('"');
+}
+
+/* s with its control characters escaped (see json_str), in one of four
+ * rotating buffers: up to four results may be used at once. */
+static const char *text(const char *s) {
+  static char *buf[4];
+  static size_t cap[4];
+  static int slot;
+  if (s == NULL) return "(null)";
+  size_t len = strlen(s), need = 6 * len + 1;
+  slot = (slot + 1) % 4;
+  if (cap[slot] < need) {
+    char *b = realloc(buf[slot], need);
+    if (b == NULL) return "(out of memory)";
+    buf[slot] = b;
+    cap[slot] = need;
+  }
+  char *o = buf[slot];
+  for (const unsigned char *p = (const unsigned char *)s; *p;) {
+    size_t n = utf8_len(p);
+    if (*p == '\\') o += sprintf(o, "\\\\");
+    else if (*p < 0x20 || *p == 0x7f || n == 0) o += sprintf(o, "\\x%02x", *p);
+    else if (n == 2 && p[0] == 0xc2 && p[1] < 0xa0) o += sprintf(o, "\\u%04x", p[1]);
+    else {
+      memcpy(o, p, n);
+      o += n;
+    }
+    p += n ? n : 1;
+  }
+  *o = '\0';
+  return buf[slot];
 }
 
 static const char *handling_name(int h) {
@@ -173,10 +226,12 @@ static void explain_json(const explained *e) {
 
 static void explain_text(const explained *e) {
   for (int k = 0; k < 2; k++) {
-    printf("%s: %s\n  family: %s", SIDES[k], e->paths[k], e->mi[k].family);
-    if (e->mi[k].family_from[0]) printf(" (from %s)", e->mi[k].family_from);
+    printf("%s: %s\n  family: %s", SIDES[k], text(e->paths[k]),
+           text(e->mi[k].family));
+    if (e->mi[k].family_from[0])
+      printf(" (from %s)", text(e->mi[k].family_from));
     if (e->mi[k].blocks)
-      printf("\n  blocks: %s%s<i> (%zu blocks)", e->mi[k].blocks,
+      printf("\n  blocks: %s%s<i> (%zu blocks)", text(e->mi[k].blocks),
              e->mi[k].blocks[0] ? "." : "", e->mi[k].nblocks);
     else
       printf("\n  blocks: none detected");
@@ -201,14 +256,16 @@ static void explain_text(const explained *e) {
   int any = 0;
   for (size_t i = 0; i < e->nt; i++)
     if (e->d[i].out_maps > 1 && e->d[i].role == BICO_ROLE_WEIGHT) {
-      printf("\n  %s: output in %d blocks", e->d[i].module, e->d[i].out_maps);
+      printf("\n  %s: output in %d blocks", text(e->d[i].module),
+             e->d[i].out_maps);
       any = 1;
     }
   printf("%s\nties:", any ? "" : " none");
   any = 0;
   for (size_t i = 0; i < e->nt; i++)
     if (e->d[i].role == BICO_ROLE_TOKEN) {
-      printf("\n  %s -> %s", e->d[i].name, e->d[i].module ? e->d[i].module : "(none)");
+      printf("\n  %s -> %s", text(e->d[i].name),
+             e->d[i].module ? text(e->d[i].module) : "(none)");
       any = 1;
     }
   printf("%s\n\n%-44s %-7s %-9s %-11s %s\n", any ? "" : " none", "TENSOR",
@@ -216,9 +273,10 @@ static void explain_text(const explained *e) {
   for (size_t i = 0; i < e->nt; i++) {
     char maps[32];
     maps_str(&e->d[i], maps, sizeof maps);
-    printf("%-44s %-7s %-9s %-11s %s\n%44s   %s\n", e->d[i].name,
+    printf("%-44s %-7s %-9s %-11s %s\n%44s   %s\n", text(e->d[i].name),
            bico_model_tensor_role_name(e->d[i].role), handling_name(e->d[i].handling),
-           maps, e->d[i].source ? e->d[i].source : "(no partner)", "", e->d[i].rule);
+           maps, e->d[i].source ? text(e->d[i].source) : "(no partner)", "",
+           text(e->d[i].rule));
   }
 }
 
@@ -264,9 +322,10 @@ int cmd_inspect(int argc, char **argv) {
   const char *splits[256], *ties[256];
   size_t nsplits = 0, nties = 0;
   int json = 0;
+  cli_once_t seen = {{NULL}, {0}, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
-    int r;
+    int r, start = i;
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
       fputs(HELP, stdout);
       return 0;
@@ -277,11 +336,13 @@ int cmd_inspect(int argc, char **argv) {
     }
     if ((r = cli_opt(argc, argv, &i, "--blocks", &v)) != 0) {
       if (r < 0) return cli_error(CMD, CLI_USAGE, "option --blocks needs a value");
+      if (cli_once(CMD, &seen, "--blocks", start)) return CLI_USAGE;
       blocks = v;
       continue;
     }
     if ((r = cli_opt(argc, argv, &i, "--method", &v)) != 0) {
       if (r < 0) return cli_error(CMD, CLI_USAGE, "option --method needs a value");
+      if (cli_once(CMD, &seen, "--method", start)) return CLI_USAGE;
       method = v;
       continue;
     }
@@ -331,15 +392,15 @@ int cmd_inspect(int argc, char **argv) {
     return code;
   }
   size_t nt = bico_stfile_count(f), nmd = bico_stfile_metadata_count(f);
-  printf("file: %s\n", path);
+  printf("file: %s\n", text(path));
   printf("tensors: %zu\n", nt);
   for (size_t i = 0; i < nmd; i++) {
     const char *k, *v;
     if (bico_stfile_metadata_at(f, i, &k, &v) == BICO_OK)
-      printf("metadata: %s = %s\n", k, v);
+      printf("metadata: %s = %s\n", text(k), text(v));
   }
   if (prefix)
-    printf("blocks: %s%s<i> (%zu blocks)\n", prefix, prefix[0] ? "." : "",
+    printf("blocks: %s%s<i> (%zu blocks)\n", text(prefix), prefix[0] ? "." : "",
            nblocks);
   else
     printf("blocks: none detected\n");
@@ -351,7 +412,7 @@ int cmd_inspect(int argc, char **argv) {
     const size_t *shape;
     bico_stfile_tensor_info(f, i, &name, &dtype, &ndim, &shape);
     bico_model_tensor_module(m, i, NULL, &role);
-    printf("%-48s %-5s ", name, bico_dtype_name(dtype));
+    printf("%-48s %-5s ", text(name), bico_dtype_name(dtype));
     int w = 0;
     char buf[64];
     w = snprintf(buf, sizeof buf, "[");
@@ -368,7 +429,7 @@ int cmd_inspect(int argc, char **argv) {
     int kind;
     long block;
     bico_model_module(m, i, &name, &kind, &block, NULL);
-    printf("%-48s %-11s ", name[0] ? name : "(root)",
+    printf("%-48s %-11s ", name[0] ? text(name) : "(root)",
            KINDS[kind >= 1 && kind <= 4 ? kind : 0]);
     if (block >= 0)
       printf("%-6ld ", block);

@@ -13,7 +13,8 @@ static const char HELP[] = BICO_HELP_MERGE;
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
   cli_progress_clear();
-  fprintf(stderr, "%s\n", line);
+  cli_put_escaped(stderr, line);
+  fputc('\n', stderr);
 }
 
 #define MAX_INPUTS 256
@@ -63,7 +64,24 @@ static int merge_run(const merge_opts *o) {
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_merge_run(mg);
   cli_progress_finish();
-  int code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+  int code = 0;
+  if (st != BICO_OK) {
+    /* The option of each file, for the message. */
+    const char *opts[4 + MAX_INPUTS], *paths[4 + MAX_INPUTS];
+    static const char *const KIND_OPT[] = {NULL, "--task-vector", "--tuned",
+                                           "--lora"};
+    size_t n = 0;
+    opts[n] = "--output", paths[n++] = o->output;
+    opts[n] = "--delta-output", paths[n++] = o->delta;
+    opts[n] = "--report", paths[n++] = o->report;
+    opts[n] = "--base", paths[n++] = o->base;
+    for (size_t k = 0; k < o->nin; k++) {
+      int kind = o->in[k].kind;
+      opts[n] = kind >= 1 && kind <= 3 ? KIND_OPT[kind] : NULL;
+      paths[n++] = o->in[k].path;
+    }
+    code = cli_lib_error_files(CMD, ctx, st, opts, paths, n);
+  }
   bico_merge_free(mg);
   bico_ctx_free(ctx);
   return code;
@@ -84,9 +102,14 @@ int cmd_merge(int argc, char **argv) {
                 {"--tuned", BICO_MERGE_TUNED},
                 {"--lora", BICO_MERGE_LORA}};
 
+  /* Single-valued options once (cli_once); --weight and --density once
+   * per input; the inputs repeat. */
+  cli_once_t seen = {{NULL}, {0}, 0};
+  unsigned char wd[MAX_INPUTS] = {0}; /* bit 1: --weight, 2: --density */
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = NULL;
-    int r = 0;
+    int r = 0, start = i;
+    cli_arg_at = i;
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
       fputs(HELP, stdout);
       return 0;
@@ -96,6 +119,8 @@ int cmd_merge(int argc, char **argv) {
       continue;
     }
     if (strcmp(a, "--normalize") == 0 || strcmp(a, "--no-normalize") == 0) {
+      if (cli_once(CMD, &seen, "--normalize", start))
+        return CLI_USAGE;
       normalize = strcmp(a, "--normalize") == 0;
       continue;
     }
@@ -118,24 +143,26 @@ int cmd_merge(int argc, char **argv) {
       matched = 1;
     }
     if (matched) continue;
-#define VALUE(name, var)                                                   \
+#define EACH(name, var)                                                    \
   if ((r = cli_opt(argc, argv, &i, name, &v)) != 0) {                      \
     if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", \
                                 name);                                     \
     var;                                                                   \
     continue;                                                              \
   }
+#define VALUE(name, var)                                                   \
+  EACH(name, if (cli_once(CMD, &seen, name, start)) return CLI_USAGE; var)
 #define PATH(name, var)                                                     \
-  VALUE(name, if (var != NULL) return cli_error(CMD, CLI_USAGE,             \
-                                                "option %s given twice",    \
-                                                name);                      \
-        if (v[0] == '\0') return cli_error(CMD, CLI_USAGE,                  \
+  VALUE(name, if (v[0] == '\0') return cli_error(CMD, CLI_USAGE,            \
                                            "option %s has an empty path",   \
                                            name);                           \
         var = v)
     PATH("--base", base)
     PATH("--output", output)
-    PATH("-o", output)
+    EACH("-o", if (cli_once(CMD, &seen, "--output", start)) return CLI_USAGE;
+         if (v[0] == '\0') return cli_error(CMD, CLI_USAGE,
+                                            "option -o has an empty path");
+         output = v)
     PATH("--delta-output", delta)
     PATH("--report", report)
     VALUE("--method", method = v)
@@ -148,29 +175,39 @@ int cmd_merge(int argc, char **argv) {
                          CMD, CLI_USAGE,
                          "--alpha %s: expected a positive number of at most "
                          "3.4e38 (float range)", v))
-    VALUE("--weight",
+    EACH("--weight",
           if (nin == 0) return cli_error(CMD, CLI_USAGE,
                                          "--weight %s comes before any input; "
                                          "it applies to the input before it",
                                          v);
+          if (wd[nin - 1] & 1) return cli_error(
+              CMD, CLI_USAGE, "option --weight given twice for input %s",
+              in[nin - 1].path);
+          wd[nin - 1] |= 1;
           if (cli_double(v, &in[nin - 1].weight))
               return cli_error(CMD, CLI_USAGE, "--weight %s: expected a number",
                                v))
-    VALUE("--density",
+    EACH("--density",
           if (nin == 0) return cli_error(CMD, CLI_USAGE,
                                          "--density %s comes before any "
                                          "input; it applies to the input "
                                          "before it",
                                          v);
+          if (wd[nin - 1] & 2) return cli_error(
+              CMD, CLI_USAGE, "option --density given twice for input %s",
+              in[nin - 1].path);
+          wd[nin - 1] |= 2;
           if (cli_double(v, &in[nin - 1].density) ||
               !(in[nin - 1].density > 0 && in[nin - 1].density <= 1))
               return cli_error(CMD, CLI_USAGE,
                                "--density %s: expected a number in (0, 1]", v))
 #undef PATH
 #undef VALUE
+#undef EACH
     if (a[0] == '-') return cli_error(CMD, CLI_USAGE, "unknown option %s", a);
     return cli_error(CMD, CLI_USAGE, "unexpected argument %s", a);
   }
+  cli_arg_at = -1;
   if (base == NULL) return cli_error(CMD, CLI_USAGE, "missing --base");
   if (output == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
   if (nin == 0)

@@ -15,9 +15,10 @@ int cmd_stats(int argc, char **argv) {
   int merge = 0;
   const char **inputs = (const char **)argv; /* reuses argv's storage */
   size_t ninputs = 0;
+  cli_once_t seen = {{NULL}, {0}, 0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
-    int r;
+    int r, start = i;
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
       fputs(HELP, stdout);
       return 0;
@@ -26,18 +27,19 @@ int cmd_stats(int argc, char **argv) {
       merge = 1;
       continue;
     }
-#define VALUE(name, var)                                                   \
+#define VALUE(name, once, var)                                             \
   if ((r = cli_opt(argc, argv, &i, name, &v)) != 0) {                      \
     if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", \
                                 name);                                     \
+    if (cli_once(CMD, &seen, once, start)) return CLI_USAGE;               \
     var = v;                                                               \
     continue;                                                              \
   }
-    VALUE("--source-calib", src)
-    VALUE("--target-calib", tgt)
-    VALUE("--output", out)
-    VALUE("-o", out)
-    VALUE("--blocks", blocks)
+    VALUE("--source-calib", "--source-calib", src)
+    VALUE("--target-calib", "--target-calib", tgt)
+    VALUE("--output", "--output", out)
+    VALUE("-o", "--output", out)
+    VALUE("--blocks", "--blocks", blocks)
 #undef VALUE
     if (a[0] == '-' && a[1] != '\0')
       return cli_error(CMD, CLI_USAGE, "unknown option %s", a);

@@ -38,7 +38,8 @@ int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
 static void log_line(void *opaque, const char *line) {
   (void)opaque;
   cli_progress_clear();
-  fprintf(stderr, "%s\n", line);
+  cli_put_escaped(stderr, line);
+  fputc('\n', stderr);
 }
 
 /* Splits "A=B" at the last '=' into a (NUL-terminated copy) and b. */
@@ -89,16 +90,30 @@ typedef struct {
 /* Not an exit code: parsing went through and the command goes on. */
 #define GO_ON (-1)
 
-/* Reads argv into o; GO_ON, or the exit code (--help, usage errors). */
+static int parse_loop(int argc, char **argv, transfer_opts *o,
+                      cli_once_t *seen);
+
+/* Reads argv into o; GO_ON, or the exit code (--help, usage errors).  A
+ * single-valued option given twice (on the command line, or both there
+ * and in --config) is a usage error; --split and --tie repeat. */
 static int parse_args(int argc, char **argv, transfer_opts *o) {
   memset(o, 0, sizeof *o);
   o->alpha = 1.0;
   o->rank_tol = -1;
   o->threads = 1;
+  cli_once_t seen = {{NULL}, {0}, 0};
+  int rc = parse_loop(argc, argv, o, &seen);
+  cli_arg_at = -1;
+  return rc;
+}
+
+static int parse_loop(int argc, char **argv, transfer_opts *o,
+                      cli_once_t *seen) {
   for (int i = 1; i < argc; i++) {
     const char *v = NULL;
     const char *a = argv[i];
-    int r = 0;
+    int r = 0, start = i;
+    cli_arg_at = i;
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
       fputs(HELP, stdout);
       return 0;
@@ -126,21 +141,22 @@ static int parse_args(int argc, char **argv, transfer_opts *o) {
       f = 8; /* --output */
     if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", a);
     if (r > 0) {
-      if (o->files[f] != NULL)
-        return cli_error(CMD, CLI_USAGE, "option %s given twice", FILES[f].opt);
+      if (cli_once(CMD, seen, FILES[f].opt, start)) return CLI_USAGE;
       if (v[0] == '\0')
         return cli_error(CMD, CLI_USAGE, "option %s has an empty path",
                          FILES[f].opt);
       o->files[f] = v;
       continue;
     }
-#define VALUE(name, var)                                                   \
+#define REPEATED(name, var)                                                \
   if ((r = cli_opt(argc, argv, &i, name, &v)) != 0) {                      \
     if (r < 0) return cli_error(CMD, CLI_USAGE, "option %s needs a value", \
                                 name);                                     \
     var;                                                                   \
     continue;                                                              \
   }
+#define VALUE(name, var)                                                   \
+  REPEATED(name, if (cli_once(CMD, seen, name, start)) return CLI_USAGE; var)
     VALUE("--method", o->method = v)
     VALUE("--blocks", o->blocks = v)
     VALUE("--source-rename",
@@ -196,13 +212,14 @@ static int parse_args(int argc, char **argv, transfer_opts *o) {
     COUNT_OPT("--kv-heads", o->kv_heads)
     COUNT_OPT("--head-dim", o->head_dim)
 #undef COUNT_OPT
-    VALUE("--split", if (o->nsplits == 256) return cli_error(
+    REPEATED("--split", if (o->nsplits == 256) return cli_error(
                          CMD, CLI_USAGE, "too many --split options");
           o->splits[o->nsplits++] = v)
-    VALUE("--tie", if (o->nties == 256) return cli_error(
+    REPEATED("--tie", if (o->nties == 256) return cli_error(
                        CMD, CLI_USAGE, "too many --tie options");
           o->ties[o->nties++] = v)
 #undef VALUE
+#undef REPEATED
     if (a[0] == '-')
       return cli_error(CMD, CLI_USAGE, "unknown option %s", a);
     return cli_error(CMD, CLI_USAGE, "unexpected argument %s", a);
@@ -423,7 +440,13 @@ static int run_transfer(const transfer_opts *o) {
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_transfer_run(t);
   cli_progress_finish();
-  code = st == BICO_OK ? 0 : cli_lib_error(CMD, ctx, st);
+  if (st != BICO_OK) {
+    const char *opts[NFILE_OPTS];
+    for (size_t f = 0; f < NFILE_OPTS; f++) opts[f] = FILES[f].opt;
+    code = cli_lib_error_files(CMD, ctx, st, opts, files, NFILE_OPTS);
+  } else {
+    code = 0;
+  }
 out:
   bico_transfer_free(t);
   bico_ctx_free(ctx);

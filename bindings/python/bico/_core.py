@@ -1,5 +1,6 @@
 """Pythonic handles over the C API: contexts, accumulators, solver, kernels."""
 import ctypes
+import functools
 import threading
 
 import numpy as np
@@ -27,14 +28,65 @@ def version_number():
     return int(fn.version_number())
 
 
+def _locks_of(args):
+    """The context locks of the handles among args (and in lists of them),
+    distinct, in one global order (by id) so that two threads taking the
+    same pair cannot deadlock."""
+    locks = {}
+    for a in args:
+        for h in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(h, _Handle):
+                c = h if isinstance(h, Context) else h.ctx
+                lk = getattr(c, "_lock", None)
+                if lk is not None:
+                    locks[id(lk)] = lk
+    return [locks[k] for k in sorted(locks)]
+
+
+def _serialised(f):
+    """Runs f holding the locks of the handles it is given (self first).
+    ctypes releases the GIL during a C call, and a context with its handles
+    is used by one thread at a time (the C API's rule): without the lock,
+    one XCov fed from 8 Python threads lost updates."""
+    @functools.wraps(f)
+    def g(*args, **kw):
+        locks = _locks_of(list(args) + list(kw.values()))
+        for lk in locks:
+            lk.acquire()
+        try:
+            return f(*args, **kw)
+        finally:
+            for lk in reversed(locks):
+                lk.release()
+    return g
+
+
 class _Handle(object):
     """Owns one C handle; close() (or the context manager, or garbage
     collection) frees it exactly once.  A handle made with a context keeps
     it alive: the context is freed only after its last handle (garbage
-    collection may finalise a context and its handles in any order)."""
+    collection may finalise a context and its handles in any order).
+
+    Every public method and property of a handle runs holding its
+    context's (reentrant) lock, and those of the handles it is passed: the
+    handles of one context may be shared between Python threads, their C
+    calls then run one at a time."""
     _free = None
     _ptr = None
     ctx = None
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        for name, v in list(cls.__dict__.items()):
+            if name.startswith("_") or isinstance(v, (staticmethod, classmethod)):
+                continue
+            if isinstance(v, property):
+                setattr(cls, name, property(
+                    v.fget and _serialised(v.fget),
+                    v.fset and _serialised(v.fset),
+                    v.fdel and _serialised(v.fdel), v.__doc__))
+            elif callable(v) and not isinstance(v, type):
+                setattr(cls, name, _serialised(v))
 
     def _adopt(self, ptr, ctx):
         self.ctx = ctx
@@ -70,12 +122,14 @@ class _Handle(object):
 class Context(_Handle):
     """bico_ctx: the allocator, the BLIS thread count and the last error.
 
-    One context, and each handle made with it, is used by one thread at a
-    time.  Context(threads=4) sets BICO_CTX_THREADS.  close() frees it
+    The C API uses one context, and each handle made with it, from one
+    thread at a time; the binding keeps that rule for you: each handle
+    method holds its context's lock (see _Handle).  Context(threads=4) sets BICO_CTX_THREADS.  close() frees it
     once the last handle made with it is closed.
     """
 
     def __init__(self, threads=1):
+        self._lock = threading.RLock()
         self._children = 0
         self._closing = False
         h = c_void_p()
