@@ -120,4 +120,19 @@ def test_refusals_name_the_input(pair, tmp_path):
                         "task.txt", "--output", str(tmp_path / "o"),
                         "--window", "100000"], cwd=str(d),
                        capture_output=True, text=True)
-    assert r.returncode != 0 and "window" in r.stderr
+    assert r.returncode != 0 and "--text task.txt" in r.stderr and \
+        "window" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "o")
+    r = subprocess.run([sys.executable, "-m", "bico.llm", "--source", "A",
+                        "--source-tuned", "A_ft", "--target", "nowhere",
+                        "--text", "task.txt", "--output", str(tmp_path / "o")],
+                       cwd=str(d), capture_output=True, text=True)
+    assert r.returncode == 1 and "nowhere/config.json" in r.stderr and \
+        "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "bico.llm", "--source", "A",
+                        "--source-tuned", "A_ft", "--target", "B",
+                        "--text", "missing.txt", "--output",
+                        str(tmp_path / "o")],
+                       cwd=str(d), capture_output=True, text=True)
+    assert r.returncode == 1 and "missing.txt" in r.stderr and \
+        "Traceback" not in r.stderr, r.stderr

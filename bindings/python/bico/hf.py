@@ -455,8 +455,8 @@ def text_batches(ids_or_text, window, n=None, holdout=0.125, tokenizer=None,
         ids = ids.to(torch.int64)
     m = (ids.numel() - 1) // window
     if m < 1:
-        raise BicoError(E_ARG, "text_batches: %d tokens make no window of "
-                        "%d (+1) tokens" % (ids.numel(), window))
+        raise BicoError(E_ARG, "the text has %d tokens, too few for one "
+                        "window of %d (+1) tokens" % (ids.numel(), window))
     wins = torch.stack([ids[i * window:(i + 1) * window + 1]
                         for i in range(m)])
     if n is not None and n < m:

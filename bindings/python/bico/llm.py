@@ -180,13 +180,18 @@ def main(argv=None):
             tok = a.tokenizer or a.target
         else:
             data, tok = np.load(a.ids), None
-        cal = text_batches(data, a.window, n=a.windows, holdout=a.holdout,
-                           tokenizer=tok, batch_size=a.batch_size)
+        what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
+        try:
+            cal = text_batches(data, a.window, n=a.windows,
+                               holdout=a.holdout, tokenizer=tok,
+                               batch_size=a.batch_size)
+        except BicoError as e:
+            raise BicoError(e.status, "%s: %s" % (what, e.message))
         if not cal.held_out:
-            raise BicoError(2, "python3 -m bico.llm: the text makes %d "
-                            "window(s) of %d tokens: too few to hold any "
-                            "out; give more text or a smaller --window"
-                            % (cal.windows, a.window))
+            raise BicoError(2, "%s makes %d window(s) of %d tokens: too "
+                            "few to hold any out; give more text or a "
+                            "smaller --window" % (what, cal.windows,
+                                                  a.window))
         _log(q, "calibration: %d windows of %d tokens (%d batches), %d "
              "held out" % (cal.windows, a.window, len(cal.batches),
                            sum(len(x) for x, _ in cal.held_out)))
@@ -248,7 +253,6 @@ def main(argv=None):
                 is_delta=True, covariance=cov, modules_to_save=saves,
                 base_model_name_or_path=a.base_model_name_or_path or
                 os.path.abspath(a.target), metadata=meta,
-                dtype=None if dt is None else None,
                 target_dtypes=tdtypes)
             print("wrote %s: %d LoRA pairs (rank %d), %d saved tensors; "
                   "left out: %s (%.1f %% of the update's norm)" % (
@@ -272,6 +276,9 @@ def main(argv=None):
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
     except BicoError as e:
+        print("python3 -m bico.llm: %s" % e, file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:  # unreadable --text / --ids
         print("python3 -m bico.llm: %s" % e, file=sys.stderr)
         return 1
     finally:
