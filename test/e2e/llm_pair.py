@@ -244,3 +244,20 @@ def make(folder, seed=0):
     return dict(sa=sa, sb=sb, sft=sft, fac=fac, scale=scale,
                 loss_a=loss(CFG_A, sa, eids), loss_ft=loss(CFG_A, sft, eids),
                 loss_b=loss(CFG_B, sb, eids))
+
+
+def train_full(cfg, sd, ids, steps=150, lr=3e-3, seed=4, T=32):
+    """A full fine-tune (every tensor, norms and the tied embedding
+    included) on the task windows with AdamW."""
+    g = torch.Generator().manual_seed(seed)
+    cur = {k: v.double().clone().requires_grad_(True) for k, v in sd.items()}
+    opt = torch.optim.AdamW(list(cur.values()), lr=lr, weight_decay=0.0)
+    w = windows(ids, T)
+    for step in range(steps):
+        b = w[torch.randint(0, len(w), (16,), generator=g)]
+        logits = llama.forward(cfg, cur, b[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, V), b[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach() for k, v in cur.items()}

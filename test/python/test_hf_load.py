@@ -254,3 +254,32 @@ def test_save_adapter_loads_and_merges_to_the_truncated_update(tmp_path,
             np.testing.assert_allclose(merged["model.norm.weight"],
                                        fitted["model.norm.weight"],
                                        atol=0.02)
+
+
+def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
+    """A tied embedding stored whole (modules_to_save) is one tensor with
+    the head: the adapter's effective update holds both names, and
+    libbico's merge into the tied folder gives the new embedding."""
+    folder, cfg = target
+    model = bt.load_model(folder)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    emb = "model.embed_tokens.weight"
+    d = {emb: 0.05 * torch.randn(model.model.embed_tokens.weight.shape,
+                                 generator=torch.Generator().manual_seed(9),
+                                 dtype=torch.float64)}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    d[q] = 0.05 * torch.ones(model.state_dict()[q].shape, dtype=torch.float64)
+    rep = bt.save_adapter(tmp_path / "ad", model, d, 4, is_delta=True,
+                          modules_to_save=["embed_tokens"],
+                          return_effective=True)
+    assert rep["saved"] == [emb] and not rep["left_out"]
+    assert torch.equal(rep["effective"][emb], rep["effective"]["lm_head.weight"])
+    merged = merged_by_bico(tmp_path, folder, tmp_path / "ad")
+    want = (model.model.embed_tokens.weight.detach().double() + d[emb]).numpy()
+    np.testing.assert_allclose(merged[emb], want, atol=0.02)
+    rep = bt.save_adapter(tmp_path / "ad2", model, d, 4, is_delta=True)
+    assert emb in rep["left_out"] and q not in rep["left_out"]
+    assert 0 < rep["left_out_norm"] < 1
+    with pytest.raises(bico.BicoError, match="no linear"):
+        bt.save_adapter(tmp_path / "ad3", model, {emb: d[emb]}, 4,
+                        is_delta=True)

@@ -673,11 +673,14 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
     alpha = float(r if lora_alpha is None else lora_alpha)
     if not alpha > 0:
         raise BicoError(E_ARG, "save_adapter: lora_alpha must be > 0")
-    tied = set()
+    tied, tied_with = set(), {}
     if isinstance(target, nn.Module):
         from .torch import _tied_groups
         for o, al in _tied_groups(target):
-            tied.update([o] + list(al))
+            grp = [o] + list(al)
+            tied.update(grp)
+            for k in grp:
+                tied_with[k] = [t for t in grp if t != k]
 
     def delta_of(k):
         v = fitted.get(k)
@@ -708,6 +711,11 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
             else list(target_modules)
     pairs = sorted(m for m in linear if matches(m, target_modules)
                    and m + ".weight" in sd)
+    if not pairs:
+        raise BicoError(E_ARG, "save_adapter: no linear layer of the target "
+                        "matches target_modules %s (or has an update): an "
+                        "adapter needs at least one LoRA pair"
+                        % (target_modules,))
     saves = list(modules_to_save or [])
     tensors, done, eff = {}, set(), {}
     names_dtype = {}
@@ -758,6 +766,8 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
             ).contiguous()
             if return_effective:
                 eff[k] = dk
+                for t in tied_with.get(k, ()):  # one tensor: its aliases too
+                    eff[t] = dk
             saved_mods.add(mod)
             report["saved"].append(k)
         else:
