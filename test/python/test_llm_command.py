@@ -136,3 +136,14 @@ def test_refusals_name_the_input(pair, tmp_path):
                        cwd=str(d), capture_output=True, text=True)
     assert r.returncode == 1 and "missing.txt" in r.stderr and \
         "Traceback" not in r.stderr, r.stderr
+
+
+def test_also_runs_as_bico_fit():
+    """python3 -m bico.fit is the same command (bico.fit is imported on
+    first use, so runpy does not warn about a module imported twice)."""
+    r = subprocess.run([sys.executable, "-W", "error", "-m", "bico.fit",
+                        "--help"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "--output-lora" in r.stdout and "Warning" not in r.stderr
+    import bico
+    assert bico.fit.Fit is not None

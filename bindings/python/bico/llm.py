@@ -99,9 +99,9 @@ def _tuned_from_lora(source, adapter, tmp):
     return out
 
 
-def main(argv=None):
+def main(argv=None, prog="python3 -m bico.llm"):
     p = argparse.ArgumentParser(
-        prog="python3 -m bico.llm",
+        prog=prog,
         description="Carry a decoder fine-tune to another decoder with the "
         "fit, from model folders and task text, to a PEFT adapter "
         "(--output-lora) or a model folder (--output).")
