@@ -283,3 +283,39 @@ def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
     with pytest.raises(bico.BicoError, match="no linear"):
         bt.save_adapter(tmp_path / "ad3", model, {emb: d[emb]}, 4,
                         is_delta=True)
+
+
+def test_formats_recipe_records_rmsnorm_for_bico_transfer(tmp_path):
+    """docs/formats.md's calibration-file recipe on a load_model decoder
+    records its RMSNorm modules too, so `bico transfer` with those files
+    finds model.layers.0.input_layernorm.input (it did not: the recipe
+    took nn.LayerNorm only)."""
+    import re
+    doc = os.path.join(HERE, "..", "..", "docs", "formats.md")
+    code = [b for b in re.findall(r"```python\n(.*?)```", open(doc).read(),
+                                  re.S) if "def calibration_file" in b][0]
+    env = {}
+    exec(compile(code, doc, "exec"), env)
+    cfg = llama.default_config(vocab_size=48, hidden_size=16,
+                               intermediate_size=24)
+    for n, seed in (("A", 1), ("A_ft", 2), ("B", 3)):
+        sd = llama.random_state(cfg, torch.Generator().manual_seed(seed))
+        write(tmp_path / n, cfg, sd, torch.float32)
+    ids = torch.randint(0, 48, (64 * 9,),
+                        generator=torch.Generator().manual_seed(4))
+    cal = bt.text_batches(ids, 8, holdout=0)
+    for n in ("A", "B"):
+        m = bt.load_model(tmp_path / n)
+        env["calibration_file"](m, cal.batches, bt.next_token_loss,
+                                str(tmp_path / (n + ".calib.safetensors")))
+    got = st.open(str(tmp_path / "B.calib.safetensors"))
+    assert "model.layers.0.input_layernorm.input" in got
+    r = subprocess.run([BICO, "transfer", "--method", "bico",
+                        "--source-base", str(tmp_path / "A"),
+                        "--source-tuned", str(tmp_path / "A_ft"),
+                        "--target-base", str(tmp_path / "B"),
+                        "--source-calib", str(tmp_path / "A.calib.safetensors"),
+                        "--target-calib", str(tmp_path / "B.calib.safetensors"),
+                        "--output", str(tmp_path / "out") + "/", "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
