@@ -718,7 +718,6 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
                         % (target_modules,))
     saves = list(modules_to_save or [])
     tensors, done, eff = {}, set(), {}
-    names_dtype = {}
     report = {"modules": [], "saved": [], "left_out": [], "rank": r}
     for m in pairs:
         w = m + ".weight"

@@ -22,7 +22,6 @@ the adapter of --output-lora (PEFT refuses unknown keys in
 adapter_config.json).  Both models must share the tokenizer.
 """
 import argparse
-import json
 import os
 import shutil
 import sys
