@@ -11,7 +11,7 @@ wide, 2 -> 3 layers) with a *full* fine-tune of the source (norms and the
 tied embedding move too) under build/llm-adapter-rank.  The fit runs once
 (transfer_model, method "fit", alpha 1); each adapter is
 bico.torch.save_adapter's reduced-rank regression of that dense update,
-weighted by the target's inputs (update_grams).  Prints the loss on the
+weighted by each layer's inputs in the fitted target (update_grams).  Prints the loss on the
 evaluation text and the share of the dense fit's gain (zero-shot loss -
 loss) each keeps."""
 import argparse
@@ -87,7 +87,9 @@ def main():
         got = loss_with({k: v for k, v in delta.items() if keep(k)})
         print("dense fit, %s: %.4f (%.1f %% of the gain)"
               % (what, got, 100 * (zero - got) / gain))
+    tgt.load_state_dict(new)  # each layer's inputs as the fit saw them
     grams = bt.update_grams(tgt, cal.batches, delta)
+    tgt.load_state_dict(base)
     extras = ["norm", "input_layernorm", "post_attention_layernorm",
               "embed_tokens"]
     print("%-6s %-22s %-9s %s" % ("rank", "extras", "loss", "share of the "

@@ -546,7 +546,9 @@ def update_grams(model, batches, delta, forward=None):
     rows of (dW x)(dW x)^T [d_out, d_out] when d_out <= d_in, else
     {module: ("in", X^T X)} [d_in, d_in].  delta: {tensor name: update}
     (modules without a 2-D weight update are skipped); the inputs are
-    those of model (the target) on the batches.  float64."""
+    those of model on the batches: the fitted target gives each layer
+    the inputs the fit saw (earlier layers updated), the original target
+    those of the untouched model.  float64."""
     ws = {}
     for n, m in model.named_modules():
         w = n + ".weight"

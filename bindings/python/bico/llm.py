@@ -210,7 +210,12 @@ def main(argv=None, prog="python3 -m bico.llm"):
             eff, rep = delta, None
             if a.output_lora:
                 saves = [s for s in a.modules_to_save.split(",") if s]
+                # each layer's inputs as the fit saw them (the earlier
+                # layers updated): the reduced-rank regression of the
+                # fit's own fitted values
+                tgt.load_state_dict(new)
                 cov = bt.update_grams(tgt, cal.batches, delta)
+                tgt.load_state_dict(base)
                 rep = bt.save_adapter(os.path.join(tmp, "probe"), tgt, delta,
                                       a.rank, is_delta=True, covariance=cov,
                                       modules_to_save=saves,
@@ -224,10 +229,11 @@ def main(argv=None, prog="python3 -m bico.llm"):
                 _apply(tgt, base, eff, al)
                 scores = {al: lm_loss(tgt, cal.held_out)}
                 tgt.load_state_dict(base)
-            cand = (scores[al], ridge, al, delta, rep, scores)
+            cand = (scores[al], ridge, al, delta, rep, scores,
+                    cov if a.output_lora else None)
             if best is None or cand[0] < best[0]:
                 best = cand
-        loss, ridge, al, delta, rep, scores = best
+        loss, ridge, al, delta, rep, scores, cov = best
         zero = lm_loss(tgt, cal.held_out)
         meta = {"bico_method": "fit", "bico_alpha": "%g" % al,
                 "bico_ridge": "%g" % ridge,
@@ -246,7 +252,6 @@ def main(argv=None, prog="python3 -m bico.llm"):
         scaled = {k: v * al for k, v in delta.items()}
         if a.output_lora:
             saves = [s for s in a.modules_to_save.split(",") if s]
-            cov = bt.update_grams(tgt, cal.batches, delta)
             rep = bt.save_adapter(
                 a.output_lora, tgt, scaled, a.rank, lora_alpha=a.lora_alpha,
                 is_delta=True, covariance=cov, modules_to_save=saves,
