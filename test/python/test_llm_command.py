@@ -147,3 +147,17 @@ def test_also_runs_as_bico_fit():
     assert "--output-lora" in r.stdout and "Warning" not in r.stderr
     import bico
     assert bico.fit.Fit is not None
+
+
+def test_transformers_option_says_what_is_missing(pair, tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("transformers") is not None:
+        pytest.skip("transformers is installed")
+    d, _ = pair
+    r = subprocess.run([sys.executable, "-m", "bico.llm", "--source", "A",
+                        "--source-tuned", "A_ft", "--target", "B", "--text",
+                        "task.txt", "--output", str(tmp_path / "o"),
+                        "--transformers"], cwd=str(d), capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and "transformers" in r.stderr and \
+        "Traceback" not in r.stderr, r.stderr

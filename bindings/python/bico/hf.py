@@ -86,7 +86,6 @@ class Attention(nn.Module):
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(self, n, _linear(t.pop(p + n + ".weight"),
                                      t.pop(p + n + ".bias", None)))
-        self.scale = cfg.get("query_pre_attn_scalar")
 
     def forward(self, hidden_states, attention_mask=None,
                 position_embeddings=None, **kwargs):

@@ -86,6 +86,22 @@ def _choose_alpha(model, base, delta, held, grid, quiet):
     return best, scores
 
 
+def _transformers_loader():
+    from ._core import BicoError
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise BicoError(2, "--transformers: the transformers package is not "
+                        "installed (pip install transformers), or leave the "
+                        "option out to read the folders with "
+                        "bico.torch.load_model")
+
+    def load(folder, dtype=None):
+        return AutoModelForCausalLM.from_pretrained(
+            folder, torch_dtype=dtype or "auto").eval()
+    return load
+
+
 def _tuned_from_lora(source, adapter, tmp):
     """The source folder with the adapter merged (libbico's own merge)."""
     from .lora import transfer
@@ -144,6 +160,11 @@ def main(argv=None, prog="python3 -m bico.llm"):
                                        "float16"), default="float32",
                    help="dtype the models are computed in (float32); "
                    "outputs keep the target's dtype")
+    p.add_argument("--transformers", action="store_true",
+                   help="read the models with transformers' "
+                   "AutoModelForCausalLM (when installed) instead of "
+                   "bico.torch.load_model: for families load_model does "
+                   "not know")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
 
@@ -168,11 +189,20 @@ def main(argv=None, prog="python3 -m bico.llm"):
             tuned = _tuned_from_lora(a.source, a.lora, tmp)
         _log(q, "loading %s, %s, %s" % (a.source, a.source_tuned or a.lora,
                                          a.target))
-        src, srt, tgt = (bt.load_model(f, dtype=dt)
+        load = _transformers_loader() if a.transformers else bt.load_model
+        src, srt, tgt = (load(f, dtype=dt)
                          for f in (a.source, tuned, a.target))
-        tdtypes = {k: v.dtype for k, v in bt.load_model(
-            a.target, dtype=None).state_dict().items()} \
-            if dt is not None else None
+        tdtypes = None
+        if dt is not None:
+            from . import safetensors as st
+            tf = os.path.join(a.target, "model.safetensors.index.json")
+            if not os.path.exists(tf):
+                tf = os.path.join(a.target, "model.safetensors")
+            with st.open(tf) as f:
+                files = {k: f.info(k)[0] for k in f.keys()}
+            names = {"BF16": torch.bfloat16, "F16": torch.float16,
+                     "F32": torch.float32, "F64": torch.float64}
+            tdtypes = {k: names[v] for k, v in files.items() if v in names}
         if a.text:
             with open(a.text, encoding="utf-8") as f:
                 data = f.read()
