@@ -631,6 +631,19 @@ def _module_names(model):
     return sd, lin
 
 
+def _tied(model):
+    """Lists of state-dict names that are one tensor (a tied head and its
+    embedding), as bico.torch.transfer_model finds them."""
+    by = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if isinstance(v, torch.Tensor) and v.numel() and \
+                v.device.type != "meta":
+            key = (str(v.device), v.data_ptr(), tuple(v.shape),
+                   tuple(v.stride()), v.dtype)
+            by.setdefault(key, []).append(k)
+    return [names for names in by.values() if len(names) > 1]
+
+
 def _short(name):
     return name.rsplit(".", 1)[-1]
 
@@ -676,9 +689,7 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
         raise BicoError(E_ARG, "save_adapter: lora_alpha must be > 0")
     tied, tied_with = set(), {}
     if isinstance(target, nn.Module):
-        from .torch import _tied_groups
-        for o, al in _tied_groups(target):
-            grp = [o] + list(al)
+        for grp in _tied(target):
             tied.update(grp)
             for k in grp:
                 tied_with[k] = [t for t in grp if t != k]

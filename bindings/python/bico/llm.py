@@ -189,6 +189,15 @@ def main(argv=None, prog="python3 -m bico.llm"):
             tuned = _tuned_from_lora(a.source, a.lora, tmp)
         _log(q, "loading %s, %s, %s" % (a.source, a.source_tuned or a.lora,
                                          a.target))
+        toks = [os.path.join(f, "tokenizer.json") for f in (a.source,
+                                                             a.target)]
+        if all(os.path.exists(t) for t in toks):
+            with open(toks[0], "rb") as f1, open(toks[1], "rb") as f2:
+                if f1.read() != f2.read():
+                    print("python3 -m bico.llm: warning: %s and %s differ; "
+                          "the fit assumes one tokenizer (token ids mean "
+                          "the same in both models)" % tuple(toks),
+                          file=sys.stderr)
         load = _transformers_loader() if a.transformers else bt.load_model
         src, srt, tgt = (load(f, dtype=dt)
                          for f in (a.source, tuned, a.target))
