@@ -161,3 +161,18 @@ def test_transformers_option_says_what_is_missing(pair, tmp_path):
                        text=True)
     assert r.returncode == 1 and "transformers" in r.stderr and \
         "Traceback" not in r.stderr, r.stderr
+
+
+def test_different_tokenizers_are_warned_about(pair, tmp_path):
+    import shutil
+    d, _ = pair
+    shutil.copytree(d / "B", tmp_path / "B2")
+    spec = json.load(open(d / "B" / "tokenizer.json"))
+    spec["added_tokens"] = [{"id": 256, "content": "<x>"}]
+    json.dump(spec, open(tmp_path / "B2" / "tokenizer.json", "w"))
+    r = subprocess.run([sys.executable, "-m", "bico.llm", "--source", "A",
+                        "--source-tuned", "A_ft", "--target",
+                        str(tmp_path / "B2"), "--text", "task.txt",
+                        "--output", str(tmp_path / "o"), "--window",
+                        "100000"], cwd=str(d), capture_output=True, text=True)
+    assert "warning" in r.stderr and "differ" in r.stderr, r.stderr
