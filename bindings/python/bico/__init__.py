@@ -19,7 +19,8 @@ from ._core import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM,
                     E_UNSUPPORTED, E_STATE, E_INTERNAL, NULL_KEEP, NULL_DROP)
 from . import _core as _core_mod
 from . import safetensors
-from . import fit
+# bico.fit is imported on first use (below), so that `python3 -m bico.fit`
+# runs it as a script without importing it twice
 from . import model
 from .model import Model, Transfer, transfer_files
 from .transfer import transfer_state_dict
@@ -45,3 +46,10 @@ __all__ = ["BicoError", "Context", "XCov", "Procrustes", "Votes", "DepthMap",
            "safetensors", "transfer_state_dict", "library_path", "version",
            "strerror", "Pairing", "model", "Model", "Transfer",
            "transfer_files"]
+
+
+def __getattr__(name):  # PEP 562: bico.fit on first use
+    if name == "fit":
+        import importlib
+        return importlib.import_module(".fit", __name__)
+    raise AttributeError("module 'bico' has no attribute %r" % (name,))

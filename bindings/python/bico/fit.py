@@ -321,3 +321,9 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None):
     if failure:
         raise failure[0]
     _check(st, ctx)
+
+
+if __name__ == "__main__":  # python3 -m bico.fit: the command of bico.llm
+    import sys
+    from bico.llm import main as _main
+    sys.exit(_main(prog="python3 -m bico.fit"))

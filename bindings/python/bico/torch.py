@@ -1053,3 +1053,13 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
                 return g, scores
     best = min(grid, key=lambda g: scores[g])
     return best, scores
+
+
+# ---- Hugging Face folders, text and adapters (bico/hf.py) ----
+
+from .hf import (load_model, tokenize, text_batches, next_token_loss,  # noqa
+                 lm_loss, save_adapter, input_covariances, update_grams,
+                 low_rank)
+__all__ += ["load_model", "tokenize", "text_batches", "next_token_loss",
+            "lm_loss", "save_adapter", "input_covariances", "update_grams",
+            "low_rank"]

@@ -1,0 +1,319 @@
+"""bico.torch.load_model, text_batches and save_adapter against
+independent computations: the logits of test/e2e/llama.py's forward on the
+same tensors, byte counts of text, an SVD of the fitted values, and
+libbico's own LoRA reader and merge (`bico transfer --method naive --lora
+... --merge-into-base`)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import bico
+import bico.lora as bl
+import bico.safetensors as st
+import bico.torch as bt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import llama  # noqa: E402
+import llm_pair  # noqa: E402
+
+torch.set_num_threads(1)
+BICO = os.path.join(os.environ.get("BICO_BUILD", "build"), "bin", "bico")
+
+CASES = {
+    "llama-tied": dict(),
+    "llama-untied": dict(tie_word_embeddings=False),
+    "qwen2-bias": dict(model_type="qwen2", attention_bias=True),
+    "gemma": dict(model_type="gemma", head_dim=8, intermediate_size=40),
+    "mistral-gqa": dict(model_type="mistral", num_key_value_heads=1,
+                        sliding_window=4, rope_theta=500.0),
+}
+
+
+def write(folder, cfg, sd, dtype, shard=0):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    st.write(str(folder) + "/", {k: v.to(dtype) for k, v in sd.items()},
+             max_shard_size=shard)
+
+
+def reference(cfg, sd, ids):
+    if cfg["model_type"] == "mistral":
+        pytest.skip("llama.py has no sliding window")
+    return llama.forward(cfg, sd, ids)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_the_independent_forward(tmp_path, case):
+    cfg = llama.default_config(**CASES[case])
+    sd = llama.random_state(cfg, torch.Generator().manual_seed(3))
+    sd = {k: v.to(torch.bfloat16).double() for k, v in sd.items()}
+    write(tmp_path / "m", cfg, sd, torch.bfloat16, shard=3000)
+    assert os.path.exists(tmp_path / "m" / "model.safetensors.index.json")
+    ids = torch.randint(0, cfg["vocab_size"], (2, 12),
+                        generator=torch.Generator().manual_seed(4))
+    m64 = bt.load_model(tmp_path / "m", dtype=torch.float64)
+    assert set(m64.state_dict()) == set(sd) | {"lm_head.weight"}
+    if cfg["tie_word_embeddings"]:
+        assert m64.lm_head.weight is m64.model.embed_tokens.weight
+    if case == "mistral-gqa":
+        # the sliding window: with a window longer than the text the same
+        # logits as without; with 4, a different result
+        cfg2 = dict(cfg, sliding_window=None)
+        write(tmp_path / "nw", cfg2, sd, torch.bfloat16)
+        full = bt.load_model(tmp_path / "nw", dtype=torch.float64)
+        assert (m64(ids) - full(ids)).abs().max() > 1e-3
+        ref = llama.forward(dict(cfg, model_type="llama"), sd, ids)
+        np.testing.assert_allclose(full(ids).detach(), ref.detach(),
+                                   rtol=0, atol=1e-10)
+        return
+    ref = reference(cfg, sd, ids).detach()
+    np.testing.assert_allclose(m64(ids).detach(), ref, rtol=0, atol=1e-10)
+    # the files' dtype kept (BF16), logits within BF16 tolerance
+    mb = bt.load_model(tmp_path / "m")
+    assert all(v.dtype == torch.bfloat16 for v in mb.state_dict().values())
+    err = (mb(ids).double() - ref).abs().max() / ref.abs().max()
+    assert err < 0.05, err
+
+
+def test_float32_file_and_unknown_type(tmp_path):
+    cfg = llama.default_config(tie_word_embeddings=False)
+    sd = llama.random_state(cfg, torch.Generator().manual_seed(5))
+    write(tmp_path / "m", cfg, sd, torch.float32)
+    m = bt.load_model(tmp_path / "m")
+    assert m.lm_head.weight.dtype == torch.float32
+    assert m.lm_head.weight is not m.model.embed_tokens.weight
+    with open(tmp_path / "m" / "config.json", "w") as f:
+        json.dump(dict(cfg, model_type="gpt_bigcode"), f)
+    with pytest.raises(bico.BicoError) as e:
+        bt.load_model(tmp_path / "m")
+    assert "config.json" in str(e.value) and "gpt_bigcode" in str(e.value)
+    os.remove(tmp_path / "m" / "config.json")
+    with pytest.raises(bico.BicoError, match="config.json"):
+        bt.load_model(tmp_path / "m")
+
+
+# ---------------------------------------------------------------- text
+
+def test_text_batches_windows_and_holdout(tmp_path):
+    text = llm_pair.task_text(60)
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(json.dumps(llm_pair.tokenizer_json()))
+    ids = bt.tokenize(text, str(tok))
+    assert ids.tolist() == list(text.encode("utf-8"))
+    cal = bt.text_batches(text, 16, holdout=0.25, tokenizer=str(tmp_path),
+                          batch_size=4)
+    m = (len(ids) - 1) // 16
+    fit = torch.cat([x for x, _ in cal.batches])
+    held = torch.cat([x for x, _ in cal.held_out])
+    assert len(fit) + len(held) == m and cal.windows == len(fit)
+    assert len(held) == round(m * 0.25)
+    rows = set(tuple(r.tolist()) for r in fit)
+    assert not rows & set(tuple(r.tolist()) for r in held)
+    for x, y in cal.batches + cal.held_out:
+        assert x.shape == y.shape and x.shape[1] == 16
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    # ids (a list, an .npy file), a callable: the same windows
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    for src, kw in ((ids.tolist(), {}), (str(tmp_path / "ids.npy"), {}),
+                    (text, {"tokenizer": lambda s: list(s.encode())})):
+        c2 = bt.text_batches(src, 16, holdout=0.25, batch_size=4, **kw)
+        assert torch.equal(torch.cat([x for x, _ in c2.batches]), fit)
+    c3 = bt.text_batches(ids, 16, n=10, holdout=0.2)
+    assert c3.windows + sum(len(x) for x, _ in c3.held_out) == 10
+
+
+def test_tokenizer_other_than_bytes_needs_the_tokenizers_package(tmp_path):
+    spec = llm_pair.tokenizer_json()
+    spec["model"]["merges"] = ["a b"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    import importlib.util
+    if importlib.util.find_spec("tokenizers") is not None:
+        pytest.skip("tokenizers is installed")
+    with pytest.raises(bico.BicoError, match="tokenizers"):
+        bt.tokenize("ab", str(tmp_path / "tokenizer.json"))
+
+
+# ---------------------------------------------------------------- adapters
+
+def test_low_rank_is_reduced_rank_regression():
+    g = torch.Generator().manual_seed(0)
+    for d_out, d_in in ((6, 10), (10, 6)):
+        x = torch.randn(200, d_in, generator=g, dtype=torch.float64) @ \
+            torch.randn(d_in, d_in, generator=g, dtype=torch.float64)
+        dw = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+        # independent: the fitted values' top-r right singular vectors
+        _, _, qh = torch.linalg.svd(x @ dw.T, full_matrices=False)
+        for r in (1, 3):
+            want = qh[:r].T @ qh[:r] @ dw
+            b, a = bt.low_rank(dw, r, x.T @ x)
+            assert b.shape == (d_out, r) and a.shape == (r, d_in)
+            np.testing.assert_allclose(b @ a, want, atol=1e-9)
+            # the output route of update_grams gives the same answer
+            if d_out <= d_in:
+                y = x @ dw.T
+                b2, a2 = bt.low_rank(dw, r, ("out", y.T @ y))
+                np.testing.assert_allclose(b2 @ a2, want, atol=1e-9)
+            # no weighting: the truncated SVD
+            u, s, vh = torch.linalg.svd(dw)
+            b3, a3 = bt.low_rank(dw, r)
+            np.testing.assert_allclose(b3 @ a3, (u[:, :r] * s[:r]) @ vh[:r],
+                                       atol=1e-9)
+        b, a = bt.low_rank(dw, 64, x.T @ x)  # full rank: the update itself
+        np.testing.assert_allclose(b @ a, dw, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tgt")
+    cfg = llama.default_config(model_type="qwen2", attention_bias=True,
+                               vocab_size=48, hidden_size=16,
+                               intermediate_size=24)
+    sd = llama.random_state(cfg, torch.Generator().manual_seed(7))
+    sd = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    write(d / "B", cfg, sd, torch.bfloat16, shard=2000)
+    return d / "B", cfg
+
+
+def merged_by_bico(tmp_path, target_folder, adapter):
+    out = tmp_path / "merged.safetensors"
+    subprocess.run([BICO, "transfer", "--method", "naive", "--source-base",
+                    str(target_folder), "--target-base", str(target_folder),
+                    "--lora", str(adapter), "--output-lora",
+                    str(tmp_path / "carried"), "--merge-into-base", "--output",
+                    str(out), "--quiet"], check=True)
+    return st.read(str(out), dtype=np.float64)
+
+
+def test_save_adapter_loads_and_merges_to_the_truncated_update(tmp_path,
+                                                               target):
+    folder, cfg = target
+    model = bt.load_model(folder)
+    base = {k: v.double() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(8)
+    delta = {}
+    for k, v in base.items():
+        if v.ndim == 2 and "embed" not in k and k != "lm_head.weight":
+            delta[k] = 0.1 * torch.randn(v.shape, generator=g,
+                                         dtype=torch.float64)
+    delta["model.norm.weight"] = 0.1 * torch.ones(cfg["hidden_size"],
+                                                  dtype=torch.float64)
+    delta["model.layers.0.self_attn.q_proj.bias"] = torch.ones(
+        cfg["num_attention_heads"] * cfg["head_dim"], dtype=torch.float64)
+    fitted = {k: (base[k] + delta[k]) if k in delta else base[k]
+              for k in base}
+    for r, save in ((2, []), (64, ["norm"])):
+        ad = tmp_path / ("ad%d" % r)
+        rep = bt.save_adapter(ad, model, fitted, r, lora_alpha=2 * r,
+                              modules_to_save=save,
+                              base_model_name_or_path="B")
+        cfgj = json.load(open(ad / "adapter_config.json"))
+        assert cfgj["peft_type"] == "LORA" and cfgj["r"] == r
+        assert cfgj["lora_alpha"] == 2 * r and cfgj["task_type"] == \
+            "CAUSAL_LM"
+        assert cfgj["base_model_name_or_path"] == "B"
+        assert set(cfgj["target_modules"]) == {
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+            "down_proj"}
+        names = st.open(str(ad / "adapter_model.safetensors"))
+        for m in rep["modules"]:
+            w = base[m + ".weight"]
+            assert names.info("base_model.model.%s.lora_A.weight" % m) == \
+                ("BF16", (r, w.shape[1]))
+            assert names.info("base_model.model.%s.lora_B.weight" % m) == \
+                ("BF16", (w.shape[0], r))
+        # what could not be carried is said
+        assert "model.layers.0.self_attn.q_proj.bias" in rep["left_out"]
+        assert ("model.norm.weight" in rep["left_out"]) == (not save)
+        note = json.load(open(ad / "bico_adapter.json"))
+        assert note["left_out"] == rep["left_out"]
+        # libbico's reader takes it: names and shapes
+        mods = bl.Adapter.open(str(ad)).modules()
+        assert sorted(mods) == sorted(rep["modules"])
+        merged = merged_by_bico(tmp_path, folder, ad)
+        for m in rep["modules"]:
+            w = m + ".weight"
+            b, a = bt.low_rank(delta[w], r)
+            want = base[w] + b @ a
+            got = torch.as_tensor(merged[w])
+            # BF16 factors and merged weights: relative to the update
+            assert (got - want).norm() < 0.03 * delta[w].norm() + \
+                0.01 * base[w].norm(), w
+            if r == 64:   # full rank: the dense update
+                assert (got - base[w] - delta[w]).norm() < \
+                    0.03 * delta[w].norm() + 0.01 * base[w].norm()
+        if save:
+            np.testing.assert_allclose(merged["model.norm.weight"],
+                                       fitted["model.norm.weight"],
+                                       atol=0.02)
+
+
+def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
+    """A tied embedding stored whole (modules_to_save) is one tensor with
+    the head: the adapter's effective update holds both names, and
+    libbico's merge into the tied folder gives the new embedding."""
+    folder, cfg = target
+    model = bt.load_model(folder)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    emb = "model.embed_tokens.weight"
+    d = {emb: 0.05 * torch.randn(model.model.embed_tokens.weight.shape,
+                                 generator=torch.Generator().manual_seed(9),
+                                 dtype=torch.float64)}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    d[q] = 0.05 * torch.ones(model.state_dict()[q].shape, dtype=torch.float64)
+    rep = bt.save_adapter(tmp_path / "ad", model, d, 4, is_delta=True,
+                          modules_to_save=["embed_tokens"],
+                          return_effective=True)
+    assert rep["saved"] == [emb] and not rep["left_out"]
+    assert torch.equal(rep["effective"][emb], rep["effective"]["lm_head.weight"])
+    merged = merged_by_bico(tmp_path, folder, tmp_path / "ad")
+    want = (model.model.embed_tokens.weight.detach().double() + d[emb]).numpy()
+    np.testing.assert_allclose(merged[emb], want, atol=0.02)
+    rep = bt.save_adapter(tmp_path / "ad2", model, d, 4, is_delta=True)
+    assert emb in rep["left_out"] and q not in rep["left_out"]
+    assert 0 < rep["left_out_norm"] < 1
+    with pytest.raises(bico.BicoError, match="no linear"):
+        bt.save_adapter(tmp_path / "ad3", model, {emb: d[emb]}, 4,
+                        is_delta=True)
+
+
+def test_formats_recipe_records_rmsnorm_for_bico_transfer(tmp_path):
+    """docs/formats.md's calibration-file recipe on a load_model decoder
+    records its RMSNorm modules too, so `bico transfer` with those files
+    finds model.layers.0.input_layernorm.input (it did not: the recipe
+    took nn.LayerNorm only)."""
+    import re
+    doc = os.path.join(HERE, "..", "..", "docs", "formats.md")
+    code = [b for b in re.findall(r"```python\n(.*?)```", open(doc).read(),
+                                  re.S) if "def calibration_file" in b][0]
+    env = {}
+    exec(compile(code, doc, "exec"), env)
+    cfg = llama.default_config(vocab_size=48, hidden_size=16,
+                               intermediate_size=24)
+    for n, seed in (("A", 1), ("A_ft", 2), ("B", 3)):
+        sd = llama.random_state(cfg, torch.Generator().manual_seed(seed))
+        write(tmp_path / n, cfg, sd, torch.float32)
+    ids = torch.randint(0, 48, (64 * 9,),
+                        generator=torch.Generator().manual_seed(4))
+    cal = bt.text_batches(ids, 8, holdout=0)
+    for n in ("A", "B"):
+        m = bt.load_model(tmp_path / n)
+        env["calibration_file"](m, cal.batches, bt.next_token_loss,
+                                str(tmp_path / (n + ".calib.safetensors")))
+    got = st.open(str(tmp_path / "B.calib.safetensors"))
+    assert "model.layers.0.input_layernorm.input" in got
+    r = subprocess.run([BICO, "transfer", "--method", "bico",
+                        "--source-base", str(tmp_path / "A"),
+                        "--source-tuned", str(tmp_path / "A_ft"),
+                        "--target-base", str(tmp_path / "B"),
+                        "--source-calib", str(tmp_path / "A.calib.safetensors"),
+                        "--target-calib", str(tmp_path / "B.calib.safetensors"),
+                        "--output", str(tmp_path / "out") + "/", "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

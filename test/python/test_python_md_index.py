@@ -1,0 +1,36 @@
+"""docs/python.md names every public function and class of the binding:
+each module's __all__ (or, without one, its own public functions and
+classes)."""
+import inspect
+import os
+
+import bico
+import bico.convert
+import bico.fit
+import bico.lora
+import bico.model
+import bico.safetensors
+import bico.torch
+import bico.transfer
+
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs",
+                   "python.md")
+
+
+def public(mod):
+    names = getattr(mod, "__all__", None)
+    if names is not None:
+        return list(names)
+    return [n for n, v in vars(mod).items() if not n.startswith("_") and
+            (inspect.isfunction(v) or inspect.isclass(v)) and
+            getattr(v, "__module__", "") == mod.__name__]
+
+
+def test_every_public_name_is_in_python_md():
+    doc = open(DOC).read()
+    missing = ["%s.%s" % (m.__name__, n)
+               for m in (bico, bico.torch, bico.lora, bico.safetensors,
+                         bico.model, bico.fit, bico.convert, bico.transfer)
+               for n in public(m) if "`%s" % n not in doc and
+               ".%s" % n not in doc]
+    assert not missing, "docs/python.md does not name: " + ", ".join(missing)
