@@ -573,18 +573,18 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
       lp[2 * i - 2] = bico__path_join(ctx, path, "adapter_model.safetensors");
       lp[2 * i - 1] = bico__path_join(ctx, path, "adapter_config.json");
       if (!lp[2 * i - 2] || !lp[2 * i - 1]) st = BICO_E_NOMEM;
-      u[n++] = (bico__fileuse){"input adapter weights", lp[2 * i - 2], 0, 0};
-      u[n++] = (bico__fileuse){"input adapter config", lp[2 * i - 1], 0, 0};
+      u[n++] = (bico__fileuse){"input adapter weights", lp[2 * i - 2], 0, 0, 0};
+      u[n++] = (bico__fileuse){"input adapter config", lp[2 * i - 1], 0, 0, 0};
       continue;
     }
-    u[n++] = (bico__fileuse){what, path, 0, 0};
+    u[n++] = (bico__fileuse){what, path, 0, 0, 0};
     const char *last = path;
     size_t nt = fs ? bico_stfile_count(fs) : 0;
     for (size_t k = 0; k < nt; k++) {
       const char *p;
       if (bico_stfile_tensor_path(fs, k, &p) != BICO_OK || strcmp(p, last) == 0)
         continue;
-      u[n++] = (bico__fileuse){what, p, 0, 0};
+      u[n++] = (bico__fileuse){what, p, 0, 0, 0};
       last = p;
     }
   }
@@ -598,7 +598,12 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
     if (dir && (fo[o] = bico__path_join(ctx, f[o], "model.safetensors")) == NULL)
       st = BICO_E_NOMEM;
     else
-      u[n++] = (bico__fileuse){FILE_NAME[o], dir ? fo[o] : f[o], 1, dir};
+      u[n++] = (bico__fileuse){FILE_NAME[o], dir ? fo[o] : f[o], 1, dir,
+                               dir ? 2 : 0};
+    /* ... and the folder itself: it may neither be nor hold any other file
+     * of the run */
+    if (dir && st == BICO_OK)
+      u[n++] = (bico__fileuse){FILE_NAME[o], f[o], 1, 1, 1};
   }
   if (st == BICO_OK) st = bico__check_files(ctx, "merge_run", u, n);
   for (int o = 0; o < 5; o++) bico__free(ctx, fo[o]);

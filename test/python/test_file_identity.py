@@ -1,0 +1,180 @@
+"""Identity of every file a run reads and writes, for model folders
+(issue 22): an output folder that is, or holds, an input of the run, or
+that holds another output of the run, is refused before anything is
+written, whatever the spelling (./x, x/, a symbolic link, the index file
+instead of the folder).  Each refusal leaves every folder byte for byte as
+it was."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import planted as pl  # noqa: E402
+
+from cli import bico  # noqa: E402
+
+SHAPES = {"l0.weight": (6, 4), "l0.bias": (6,), "l1.weight": (3, 6),
+          "l1.bias": (3,)}
+SHARDS = {"model-00001-of-00002.safetensors": ["l0.weight", "l0.bias"],
+          "model-00002-of-00002.safetensors": ["l1.weight", "l1.bias"]}
+INDEX = "model.safetensors.index.json"
+
+
+def _folder(d, sd, sharded):
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "mlp"}))
+    (d / "notes.txt").write_text("the user's own notes\n")
+    if not sharded:
+        pl.save(str(d / "model.safetensors"), sd, {"format": "pt"})
+        return d
+    wm = {}
+    for fn, keys in SHARDS.items():
+        pl.save(str(d / fn), {k: sd[k] for k in keys}, {"format": "pt"})
+        wm.update({k: fn for k in keys})
+    (d / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return d
+
+
+def snapshot(root):
+    """{relative path: bytes} of every file under root (links as their
+    target's name)."""
+    out = {}
+    for dp, dns, fns in os.walk(root):
+        for fn in fns + [x for x in dns if os.path.islink(os.path.join(dp, x))]:
+            p = os.path.join(dp, fn)
+            rel = os.path.relpath(p, root)
+            out[rel] = ("link:" + os.readlink(p)) if os.path.islink(p) else \
+                open(p, "rb").read()
+    return out
+
+
+@pytest.fixture()
+def m(tmp_path):
+    rng = np.random.default_rng(7)
+    base = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    ft = {k: v + 0.1 * rng.standard_normal(v.shape).astype(np.float32)
+          for k, v in base.items()}
+    tgt = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    r = {"dir": tmp_path,
+         "src_sh": _folder(tmp_path / "src_sh", base, True),
+         "srcft_sh": _folder(tmp_path / "srcft_sh", ft, True),
+         "tgt": _folder(tmp_path / "tgt", tgt, False),
+         "tgt_sh": _folder(tmp_path / "tgt_sh", tgt, True)}
+    os.symlink("src_sh", tmp_path / "src_link")
+    return r
+
+
+def _transfer(m, *args, ok=False, source="src_sh", tuned="srcft_sh", target="tgt"):
+    os.chdir(m["dir"])
+    return bico("transfer", "--method", "naive", "--quiet",
+                "--source-base", source, "--source-tuned", tuned,
+                "--target-base", target, *args, ok=ok)
+
+
+def _refused(m, r, *words):
+    assert r.returncode != 0, r.stderr
+    assert "nothing was written" in r.stderr, r.stderr
+    for w in words:
+        assert w in r.stderr, (w, r.stderr)
+
+
+@pytest.mark.parametrize("out", ["src_sh", "./src_sh/", "src_sh/", "src_link",
+                                 "src_link/", "{dir}/src_sh"])
+def test_output_folder_is_a_sharded_source_base(m, out):
+    before = snapshot(m["dir"])
+    r = _transfer(m, "--output", out.format(dir=m["dir"]))
+    _refused(m, r, "output folder")
+    assert snapshot(m["dir"]) == before
+
+
+@pytest.mark.parametrize("opt", ["--output", "--delta-output"])
+def test_output_folder_is_the_source_tuned_folder(m, opt):
+    before = snapshot(m["dir"])
+    extra = [] if opt == "--output" else ["--output", "fresh/"]
+    r = _transfer(m, opt, "./srcft_sh", *extra)
+    _refused(m, r, "srcft_sh")
+    assert snapshot(m["dir"]) == before and not (m["dir"] / "fresh").exists()
+
+
+def test_target_given_as_a_file_of_the_output_folder(m):
+    """--target-base tgt_sh/<index or a shard's folder> --output tgt_sh/:
+    the target's own shards must not be overwritten (the folder check of
+    the writer saw only a target given as a folder); the source given by
+    its index likewise."""
+    before = snapshot(m["dir"])
+    target = "tgt_sh/" + INDEX
+    r = _transfer(m, "--output", "tgt_sh/", target=target)
+    _refused(m, r, "tgt_sh")
+    assert snapshot(m["dir"]) == before
+    # the source given by one of its shards' folder through a file of it
+    r = _transfer(m, "--output", "./src_sh", source="src_sh/" + INDEX)
+    _refused(m, r, "src_sh")
+    assert snapshot(m["dir"]) == before
+
+
+def test_an_input_file_inside_the_output_folder(m):
+    """An input file kept in the output folder, named directly or through a
+    symbolic link elsewhere, is refused: the commit would replace or remove
+    it."""
+    d = m["dir"]
+    o = d / "o"
+    o.mkdir()
+    a, _, _ = pl.load(str(m["srcft_sh"] / "model-00001-of-00002.safetensors"))
+    b, _, _ = pl.load(str(m["srcft_sh"] / "model-00002-of-00002.safetensors"))
+    pl.save(str(o / "ft.safetensors"), {**a, **b}, {"format": "pt"})
+    os.symlink(o / "ft.safetensors", d / "ft_link.safetensors")
+    (o / "sub").mkdir()
+    os.link(o / "ft.safetensors", o / "sub" / "deep.safetensors")
+    before = snapshot(d)
+    for tuned in ("o/ft.safetensors", "ft_link.safetensors",
+                  "o/sub/deep.safetensors"):
+        r = _transfer(m, "--output", "o/", tuned=tuned)
+        _refused(m, r, "output folder o/", tuned)
+        assert snapshot(d) == before
+
+
+def test_merge_output_folder_is_an_input_or_the_base(m):
+    os.chdir(m["dir"])
+    before = snapshot(m["dir"])
+    for args in (["--base", "src_sh", "--tuned", "srcft_sh", "--output", "srcft_sh/"],
+                 ["--base", "src_sh/" + INDEX, "--tuned", "srcft_sh",
+                  "--output", "src_sh/"],
+                 ["--base", "src_sh", "--tuned", "srcft_sh", "--output", "fresh/",
+                  "--delta-output", "src_link"]):
+        r = bico("merge", "--quiet", *args, ok=False)
+        _refused(m, r, "folder")
+        assert snapshot(m["dir"]) == before, args
+        assert not (m["dir"] / "fresh").exists()
+
+
+@pytest.mark.parametrize("inside", ["--report o/config.json",
+                                    "--report o/" + INDEX,
+                                    "--report o/notes.txt",
+                                    "--delta-output o/model-00001-of-00002.safetensors",
+                                    "--delta-output o/d/"])
+def test_outputs_of_one_run_inside_the_output_folder(m, inside):
+    """Another output of the run inside the output folder would be
+    overwritten, removed or left beside the new weights: refused."""
+    d = m["dir"]
+    _transfer(m, "--output", "o/", target="tgt_sh", ok=True)
+    before = snapshot(d)
+    r = _transfer(m, "--output", "o/", *inside.split(), target="tgt_sh")
+    _refused(m, r, "inside the output folder")
+    assert snapshot(d) == before
+
+
+def test_what_stays_allowed(m):
+    """The rule refuses only what it must: an output folder inside the
+    target's folder, a report beside the output folder, an output folder
+    of a new name are written."""
+    d = m["dir"]
+    _transfer(m, "--output", "tgt/out", "--report", "r.json", target="tgt", ok=True)
+    assert (d / "tgt" / "out" / "model.safetensors").exists()
+    assert (d / "r.json").exists()
+    bico("merge", "--quiet", "--base", "src_sh", "--tuned", "srcft_sh",
+         "--output", "merged/", "--delta-output", "delta/")
+    assert (d / "merged" / INDEX).exists() and (d / "delta" / INDEX).exists()
