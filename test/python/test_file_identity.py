@@ -178,3 +178,31 @@ def test_what_stays_allowed(m):
     bico("merge", "--quiet", "--base", "src_sh", "--tuned", "srcft_sh",
          "--output", "merged/", "--delta-output", "delta/")
     assert (d / "merged" / INDEX).exists() and (d / "delta" / INDEX).exists()
+
+
+@pytest.mark.parametrize("spelling", ["./tgt", "tgt/", "tgt_link",
+                                      "tgt/model.safetensors", "{dir}/tgt"])
+def test_mergekit_base_among_models_is_skipped_by_identity(m, spelling):
+    """A mergekit config lists the base among `models:`; written as ./tgt,
+    tgt/, a link or the folder's weights file it is still the base: skipped,
+    never merged as a zero task vector (which would halve the update under
+    normalize)."""
+    d = m["dir"]
+    os.chdir(d)
+    os.symlink("tgt", d / "tgt_link")
+    a, _, _ = pl.load(str(d / "tgt" / "model.safetensors"))
+    ft = {k: v + 0.25 for k, v in a.items()}
+    pl.save(str(d / "ft.safetensors"), ft, {"format": "pt"})
+    (d / "m.yaml").write_text(
+        "merge_method: linear\nbase_model: tgt\nmodels:\n"
+        f"  - model: {spelling.format(dir=d)}\n  - model: ft.safetensors\n"
+        "parameters: {normalize: true}\noutput: yaml.safetensors\n")
+    bico("merge", "--quiet", "--config", "m.yaml")
+    bico("merge", "--quiet", "--base", "tgt", "--tuned", "ft.safetensors",
+         "--normalize", "--output", "flags.safetensors")
+    y, meta, _ = pl.load(str(d / "yaml.safetensors"))
+    f, _, _ = pl.load(str(d / "flags.safetensors"))
+    assert "bico.input.2" not in meta
+    for k in a:
+        assert np.array_equal(y[k], f[k]), k
+        assert np.allclose(y[k], ft[k], atol=1e-6), k
