@@ -523,6 +523,31 @@ static bico_status input_tau(bico_merge *m, input *in, const char *name,
   return st;
 }
 
+/* An input's update for tensor `name` must be finite: named by the
+ * user's file and tensor (never by the merge kernel's arguments). */
+static bico_status check_tau(bico_merge *m, const input *in, const char *name,
+                             const float *tau, size_t n) {
+  size_t e = 0;
+  while (e < n && isfinite(tau[e])) e++;
+  if (e == n) return BICO_OK;
+  const char *v = isnan(tau[e]) ? "NaN" : "Inf";
+  if (in->kind == BICO_MERGE_TUNED)
+    return bico__fail(m->ctx, BICO_E_NONFINITE,
+                      "merge_run: the input %s: tensor %s minus the base's is "
+                      "%s at element %zu (a non-finite value in the input, or "
+                      "a difference beyond float range)",
+                      in->path, name, v, e);
+  if (in->kind == BICO_MERGE_LORA)
+    return bico__fail(m->ctx, BICO_E_NONFINITE,
+                      "merge_run: the input adapter %s: its update of tensor "
+                      "%s is %s at element %zu",
+                      in->path, name, v, e);
+  return bico__fail(m->ctx, BICO_E_NONFINITE,
+                    "merge_run: the input %s: tensor %s holds %s at element "
+                    "%zu",
+                    in->path, name, v, e);
+}
+
 /* A model folder (like the base, bico_output_is_folder) or a file. */
 static bico_status merge_writer(bico_merge *m, const char *path,
                                 bico_stwriter **w) {
@@ -649,6 +674,7 @@ static bico_status merge_one(bico_merge *m, const bico_stfile *base, size_t ti,
       int has = 0;
       if (tau == NULL) st = BICO_E_NOMEM;
       if (st == BICO_OK) st = input_tau(m, &m->in[i], name, b, n, tau, &has);
+      if (st == BICO_OK && has) st = check_tau(m, &m->in[i], name, tau, n);
       if (st == BICO_OK && has) {
         sc->taus[used] = tau;
         sc->ws[used] = m->in[i].weight;

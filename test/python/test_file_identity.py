@@ -206,3 +206,41 @@ def test_mergekit_base_among_models_is_skipped_by_identity(m, spelling):
     for k in a:
         assert np.array_equal(y[k], f[k]), k
         assert np.allclose(y[k], ft[k], atol=1e-6), k
+
+
+def test_non_finite_updates_name_the_users_file_and_tensor(tmp_path):
+    """An Inf in an input, or a difference tuned - base beyond float range,
+    is reported with the user's file and tensor, never with the name of an
+    internal function or argument (merge_tensor: taus[t], baseline_naive:
+    tau, stfile_check_finite)."""
+    os.chdir(tmp_path)
+    base = {"x": np.full((3, 4), -3e38, np.float32), "y": np.ones(3, np.float32)}
+    over = {k: v.copy() for k, v in base.items()}
+    over["x"][1, 2] = 3e38                       # finite, difference is Inf
+    inf = {k: v.copy() for k, v in base.items()}
+    inf["x"][2, 1] = np.inf
+    pl.save("B.safetensors", base)
+    pl.save("B_over.safetensors", over)
+    pl.save("B_inf.safetensors", inf)
+    internal = ("merge_tensor", "taus[", "baseline_naive", "stfile_check_finite",
+                "tau holds")
+    runs = [
+        (["merge", "--base", "B.safetensors", "--tuned", "B_over.safetensors"],
+         ["B_over.safetensors", "tensor x", "Inf at element 6"]),
+        (["merge", "--base", "B.safetensors", "--tuned", "B_inf.safetensors"],
+         ["B_inf.safetensors", "'x'", "Inf at element 9"]),
+    ]
+    for method in ("naive", "pad"):
+        runs.append((["transfer", "--method", method, "--source-base",
+                      "B.safetensors", "--source-tuned", "B_over.safetensors",
+                      "--target-base", "B.safetensors"],
+                     ["B_over.safetensors", "B.safetensors", "tensor x",
+                      "Inf at element 6"]))
+    for args, words in runs:
+        r = bico(*args, "--quiet", "--output", "o.safetensors", ok=False)
+        assert r.returncode == 1, r.stderr
+        for w in words:
+            assert w in r.stderr, (args, w, r.stderr)
+        for w in internal:
+            assert w not in r.stderr, (args, w, r.stderr)
+        assert not os.path.exists("o.safetensors")
