@@ -267,6 +267,39 @@ static unsigned long within(const char *dir, const fid *const *fo, size_t nfo,
   return m;
 }
 
+/* Bit k set when the folder path `dir`, which does not exist yet, lies in
+ * fo[k], a folder output that does not exist yet either (both are made by
+ * the run): the names are compared from the deepest existing folder up,
+ * by that folder's identity and the name below it. */
+static unsigned long within_new(const char *dir, const fid *const *fo,
+                                size_t nfo) {
+  unsigned long m = 0;
+  int any = 0;
+  for (size_t k = 0; k < nfo; k++) any |= !fo[k]->exists;
+  if (!any) return 0;
+  char *q = trim_slashes(dir);
+  for (int depth = 0; q != NULL && depth < 256; depth++) {
+    fid f;
+    fid_of(q, &f);
+    if (f.exists) break;
+    for (size_t k = 0; k < nfo; k++)
+      if (!fo[k]->exists && fid_same(&f, fo[k])) m |= 1ul << k;
+    if (f.dir_known) break; /* the deepest existing folder was reached */
+    size_t cap = strlen(q) + 2;
+    char *up = malloc(cap);
+    if (up != NULL) dir_of(q, up, cap);
+    int same = up != NULL && strcmp(up, q) == 0;
+    free(q);
+    q = up;
+    if (same) break;
+    char *t = q ? trim_slashes(q) : NULL;
+    free(q);
+    q = t;
+  }
+  free(q);
+  return m;
+}
+
 /* Folder outputs against every other entry: none may be the same folder
  * as another entry, nor hold one (at any depth). */
 static bico_status check_folders(bico_ctx *ctx, const char *fn,
@@ -329,6 +362,7 @@ static bico_status check_folders(bico_ctx *ctx, const char *fn,
       lastm = m;
       have_last = last.st_ino != 0;
     }
+    if (u[j].output) m |= within_new(dir, fo, nfo);
     free(dir);
     for (size_t k = 0; k < nfo && m != 0; k++) {
       if (!(m & (1ul << k)) || fi[k] == j) continue;
@@ -370,10 +404,10 @@ bico_status bico__check_files(bico_ctx *ctx, const char *fn,
       fid_of(u[i].path, &ids[i]);
     }
   }
+  if (st == BICO_OK) st = check_folders(ctx, fn, u, ids, n);
   for (size_t i = 0; i < n && st == BICO_OK; i++)
     if (u[i].path != NULL && u[i].output && u[i].folder != 1)
       st = check_dest(ctx, fn, &u[i], &ids[i]);
-  if (st == BICO_OK) st = check_folders(ctx, fn, u, ids, n);
   /* Each file output against every other entry: outputs are few, inputs
    * may be 100k shards, so this stays linear in the inputs. */
   for (size_t i = 0; i < n && st == BICO_OK; i++) {

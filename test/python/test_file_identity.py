@@ -167,6 +167,21 @@ def test_outputs_of_one_run_inside_the_output_folder(m, inside):
     assert snapshot(d) == before
 
 
+@pytest.mark.parametrize("inside", ["--report o/config.json",
+                                    "--delta-output o/d/",
+                                    "--delta-output ./o/d/e/",
+                                    "--delta-output o/x.safetensors"])
+def test_outputs_inside_a_new_output_folder(m, inside):
+    """The same when the output folder does not exist yet: nothing is
+    created."""
+    d = m["dir"]
+    before = snapshot(d)
+    r = _transfer(m, "--output", "o/", *inside.split(), target="tgt_sh")
+    assert r.returncode != 0, r.stderr
+    assert "nothing was written" in r.stderr, r.stderr
+    assert snapshot(d) == before and not (d / "o").exists()
+
+
 def test_what_stays_allowed(m):
     """The rule refuses only what it must: an output folder inside the
     target's folder, a report beside the output folder, an output folder
