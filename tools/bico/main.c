@@ -101,6 +101,13 @@ int cli_shard_size(const char *s, double *out) {
 
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st) {
   const char *detail = ctx ? bico_ctx_errmsg(ctx) : "";
+  /* "bico transfer: transfer_run: ..." says the command twice, once by a
+   * library function's name: the command's name is enough */
+  static const char *const RUNS[] = {"transfer_run: ", "merge_run: "};
+  for (size_t k = 0; k < sizeof RUNS / sizeof *RUNS; k++)
+    if (strncmp(detail, RUNS[k], strlen(RUNS[k])) == 0 &&
+        detail[strlen(RUNS[k])] != '\0')
+      detail += strlen(RUNS[k]);
   return cli_error(cmd, CLI_FAIL, "%s", detail[0] ? detail : bico_strerror(st));
 }
 
