@@ -357,7 +357,10 @@ static void gather_hosts(rank_info *ranks) {
 }
 
 static const char *message(bico_ctx *ctx, bico_status st) {
-  return bico_ctx_errmsg(ctx)[0] ? bico_ctx_errmsg(ctx) : bico_strerror(st);
+  const char *m = bico_ctx_errmsg(ctx);
+  /* as the serial command: no library function's name after the command's */
+  if (strncmp(m, "transfer_run: ", 14) == 0 && m[14] != '\0') m += 14;
+  return m[0] ? m : bico_strerror(st);
 }
 
 /* A worker's part after its plan: compute, send, report. */
