@@ -383,6 +383,47 @@ static bico_status check_folders(bico_ctx *ctx, const char *fn,
   return BICO_OK;
 }
 
+/* Output files lying directly in a model folder the run reads (an input
+ * with `folder` 3): its index, config.json, tokenizer, README are the
+ * user's model. */
+static bico_status check_input_folders(bico_ctx *ctx, const char *fn,
+                                       const bico__fileuse *u, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (u[i].path == NULL || u[i].output || u[i].folder != 3) continue;
+    struct stat fs;
+    if (stat(u[i].path, &fs) != 0) continue;
+    if (!S_ISDIR(fs.st_mode)) {
+      /* a model given by a Hugging Face folder's index: that folder holds
+       * the model (another index name may sit among unrelated files) */
+      if (!S_ISREG(fs.st_mode) ||
+          strcmp(base_of(u[i].path), "model.safetensors.index.json") != 0)
+        continue;
+      char *mdir = real_parent(u[i].path);
+      if (mdir == NULL) return BICO_E_NOMEM;
+      int ok = stat(mdir, &fs) == 0 && S_ISDIR(fs.st_mode);
+      free(mdir);
+      if (!ok) continue;
+    }
+    for (size_t j = 0; j < n; j++) {
+      if (u[j].path == NULL || !u[j].output || u[j].folder == 1) continue;
+      char *dir = real_parent(u[j].path);
+      if (dir == NULL) return BICO_E_NOMEM;
+      struct stat ds;
+      int in = stat(dir, &ds) == 0 && ds.st_dev == fs.st_dev &&
+               ds.st_ino == fs.st_ino;
+      free(dir);
+      if (in)
+        return bico__fail(ctx, BICO_E_ARG,
+                          "%s: the %s %s lies inside the model folder of the "
+                          "%s %s, which the run reads; write the %s outside "
+                          "that folder (nothing was written)",
+                          fn, u[j].what, u[j].path, u[i].what, u[i].path,
+                          u[j].what);
+    }
+  }
+  return BICO_OK;
+}
+
 bico_status bico__check_files(bico_ctx *ctx, const char *fn,
                               const bico__fileuse *u, size_t n) {
   if (n == 0) return BICO_OK;
@@ -425,6 +466,8 @@ bico_status bico__check_files(bico_ctx *ctx, const char *fn,
                       x->output ? "one output with another" : "an input");
     }
   }
+  /* after the file identities: "the same file as" says more */
+  if (st == BICO_OK) st = check_input_folders(ctx, fn, u, n);
   for (size_t i = 0; i < n; i++) free(trim[i]);
   bico__free(ctx, trim);
   bico__free(ctx, ids);

@@ -582,9 +582,9 @@ static bico_status provenance(bico_merge *m, const bico_stfile *base,
 static bico_status check_files(bico_merge *m, const bico_stfile *base) {
   bico_ctx *ctx = m->ctx;
   const char *const *f = (const char *const *)m->files;
-  size_t cap = 8 + bico_stfile_count(base);
+  size_t cap = 10 + bico_stfile_count(base);
   for (size_t i = 0; i < m->nin; i++)
-    cap += 2 + (m->in[i].f ? bico_stfile_count(m->in[i].f) : 0);
+    cap += 3 + (m->in[i].f ? bico_stfile_count(m->in[i].f) : 0);
   bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
   char **lp = bico__calloc(ctx, 2 * m->nin + 1, sizeof *lp);
   bico_status st = u && lp ? BICO_OK : BICO_E_NOMEM;
@@ -600,9 +600,12 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
       if (!lp[2 * i - 2] || !lp[2 * i - 1]) st = BICO_E_NOMEM;
       u[n++] = (bico__fileuse){"input adapter weights", lp[2 * i - 2], 0, 0, 0};
       u[n++] = (bico__fileuse){"input adapter config", lp[2 * i - 1], 0, 0, 0};
+      u[n++] = (bico__fileuse){"input adapter", path, 0, 0, 3};
       continue;
     }
     u[n++] = (bico__fileuse){what, path, 0, 0, 0};
+    /* a model folder (or the folder of an index): no output file in it */
+    u[n++] = (bico__fileuse){what, path, 0, 0, 3};
     const char *last = path;
     size_t nt = fs ? bico_stfile_count(fs) : 0;
     for (size_t k = 0; k < nt; k++) {

@@ -368,7 +368,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
   const char *const *f = (const char *const *)r->t->files;
   bico_stfile *fs[10] = {r->sb, r->sft, r->tv,    r->tb, r->sc,
                          r->tc, r->stats, r->votes, NULL,  NULL};
-  size_t cap = 32;
+  size_t cap = 48;
   for (int i = 0; i < 10; i++) cap += bico_stfile_count(fs[i]);
   bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
   char *lp[4] = {NULL, NULL, NULL, NULL}, *fo[3] = {NULL, NULL, NULL};
@@ -387,6 +387,8 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
       if (f[ins[i]] == NULL) continue;
       const char *what = bico__xfer_file_option[ins[i]];
       u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0, 0};
+      /* a model folder (or the folder of an index): no output file in it */
+      if (i < 8) u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0, 3};
       if (fs[i] != NULL) n = add_shards(u, n, what, fs[i]);
     }
     static const char *const lw[4] = {
@@ -394,6 +396,8 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
         "output adapter weights", "output adapter config"};
     for (int k = 0; k < 4; k++)
       if (lp[k] != NULL) u[n++] = (bico__fileuse){lw[k], lp[k], k >= 2, 1, 0};
+    if (ld[0] != NULL)
+      u[n++] = (bico__fileuse){"source adapter", ld[0], 0, 0, 3};
     for (int o = 0; o < 3 && st == BICO_OK; o++) {
       if (f[outs[o]] == NULL) continue;
       /* an output folder: its weights file stands for it */

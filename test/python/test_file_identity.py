@@ -261,3 +261,31 @@ def test_non_finite_updates_name_the_users_file_and_tensor(tmp_path):
         for w in internal + ("transfer_run", "merge_run"):
             assert w not in r.stderr, (args, w, r.stderr)
         assert not os.path.exists("o.safetensors")
+
+
+@pytest.mark.parametrize("out", ["--report src_sh/model.safetensors.index.json",
+                                 "--report ./src_sh/config.json",
+                                 "--report src_link/notes.txt",
+                                 "--delta-output src_sh/model-00001-of-00002.safetensors",
+                                 "--output tgt/model.safetensors.index.json"])
+def test_an_output_file_inside_an_input_model_folder(m, out):
+    """An output file written into a model folder the run reads (given as
+    the folder or by its index) would replace that model's index, config,
+    notes or a shard: refused (before, `--report src_sh/<index>` replaced
+    the source's index with the report, exit 0)."""
+    d = m["dir"]
+    before = snapshot(d)
+    r = _transfer(m, *out.split(), *(["--output", "x.safetensors"]
+                                     if not out.startswith("--output") else []))
+    _refused(m, r)
+    assert "inside the model folder" in r.stderr or "same file" in r.stderr, r.stderr
+    assert snapshot(d) == before
+    r = _transfer(m, *out.split(), source="src_sh/" + INDEX,
+                  *(["--output", "x.safetensors"]
+                    if not out.startswith("--output") else []))
+    assert r.returncode != 0 and snapshot(d) == before, r.stderr
+    os.chdir(d)
+    r = bico("merge", "--quiet", "--base", "tgt", "--tuned", "srcft_sh",
+             "--output", "mm.safetensors", "--report", "tgt/config.json", ok=False)
+    _refused(m, r, "inside the model folder of the base tgt")
+    assert snapshot(d) == before
