@@ -150,6 +150,11 @@ check-pkgconfig: all
 	  case ":$$rp:" in *:$(abspath $(BUILD))/lib:*|*ORIGIN*) echo "check-pkgconfig: installed bico reaches into the source tree"; exit 1;; esac; \
 	  test "$$rp" = "$(STAGE)/lib"; \
 	  env -u LD_LIBRARY_PATH $(STAGE)/bin/bico --version; fi
+	@# the same for an installed bico-mpi (MPI=1)
+	@if [ -e $(STAGE)/bin/bico-mpi ]; then rp=$$(readelf -d $(STAGE)/bin/bico-mpi | sed -n 's/.*R.*PATH.*\[\(.*\)\]/\1/p'); \
+	  echo "installed bico-mpi RUNPATH: $$rp"; \
+	  case ":$$rp:" in *:$(abspath $(BUILD))/lib:*|*ORIGIN*) echo "check-pkgconfig: installed bico-mpi reaches into the source tree"; exit 1;; esac; \
+	  test "$$rp" = "$(STAGE)/lib"; fi
 	MANPATH=$(STAGE)/share/man man -w bico | grep -q '^$(STAGE)/share/man/man1/bico.1'
 	MANPATH=$(STAGE)/share/man man bico 2>/dev/null | grep -q 'carry a fine-tuning'
 	@echo "check-pkgconfig: installed library builds and runs through pkg-config (shared and static); only bico_* exported"
@@ -369,9 +374,15 @@ $(BUILD)/obj/mpi/serial/%.o: tools/bico/%.c $(wildcard tools/bico/*.h) $(LIB_DEP
 $(BUILD)/obj/mpi/%.o: tools/bico-mpi/%.c $(wildcard tools/bico-mpi/*.h) $(wildcard tools/bico/*.h) $(LIB_DEPS)
 	@mkdir -p $(@D)
 	$(MPICC) $(MPI_CFLAGS) -Itools/bico -c $< -o $@
+MPI_LINK = $(MPICC) -o $@ $(MPI_OBJS) -L$(BUILD)/lib -lbico $(LDSAN) $(BLIS_LIBS) -lyaml -lm $(LDFLAGS)
 $(MPI_TOOL): $(MPI_OBJS) $(SHLIB)
 	@mkdir -p $(@D)
-	$(MPICC) -o $@ $(MPI_OBJS) -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lyaml -lm $(LDFLAGS)
+	$(MPI_LINK) $(RPATH)
+# As for bico: the installed copy is linked again with RUNPATH $(LIBDIR)
+# alone, never the build tree's library folder.
+$(BUILD)/inst/bin/bico-mpi: $(MPI_OBJS) $(SHLIB) FORCE
+	@mkdir -p $(@D)
+	$(MPI_LINK) -Wl,-rpath,$(LIBDIR)
 .PHONY: check-mpi
 check-mpi: $(MPI_TOOL) $(TOOL)
 	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \
@@ -380,9 +391,9 @@ check: check-mpi
 install: install-mpi
 uninstall: uninstall-mpi
 .PHONY: install-mpi uninstall-mpi
-install-mpi: $(MPI_TOOL)
+install-mpi: $(MPI_TOOL) $(BUILD)/inst/bin/bico-mpi
 	install -d $(DESTDIR)$(BINDIR)
-	install -m 755 $(MPI_TOOL) $(DESTDIR)$(BINDIR)/bico-mpi
+	install -m 755 $(BUILD)/inst/bin/bico-mpi $(DESTDIR)$(BINDIR)/bico-mpi
 uninstall-mpi:
 	rm -f $(DESTDIR)$(BINDIR)/bico-mpi
 # Scale-out figures (docs/scale-out.md): transfer and statistics at 1, 2 and

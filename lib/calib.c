@@ -158,14 +158,14 @@ bico_status bico__check_distinct(bico_ctx *ctx, const char *fn,
   size_t nt = bico_stfile_count(f), n = 0;
   bico__fileuse *u = bico__alloc(ctx, (nt + 2) * sizeof *u);
   if (u == NULL) return BICO_E_NOMEM;
-  u[n++] = (bico__fileuse){what, output, 1, 0};
-  if (input != NULL) u[n++] = (bico__fileuse){"input file", input, 0, 0};
+  u[n++] = (bico__fileuse){what, output, 1, 0, 0};
+  if (input != NULL) u[n++] = (bico__fileuse){"input file", input, 0, 0, 0};
   const char *last = input;
   for (size_t i = 0; i < nt; i++) {
     const char *p;
     if (bico_stfile_tensor_path(f, i, &p) != BICO_OK) continue;
     if (last != NULL && strcmp(p, last) == 0) continue;
-    u[n++] = (bico__fileuse){"input file", p, 0, 0};
+    u[n++] = (bico__fileuse){"input file", p, 0, 0, 0};
     last = p;
   }
   bico_status st = bico__check_files(ctx, fn, u, n);

@@ -59,11 +59,27 @@ typedef struct bico__fileuse {
   const char *path;
   int output;
   int newdir; /* output whose folder may not exist yet */
+  int folder; /* output: 1, a model folder the run writes into (path is
+               * the folder itself; it may not exist yet); 2, a file such a
+               * folder output writes (compared as a file, never as
+               * lying inside its own folder).  input: 3, a model folder
+               * the run reads (given as the folder or by its index): no
+               * output file may be written directly inside it */
 } bico__fileuse;
 
 /* Refuses (BICO_E_ARG, naming both roles and paths) any output that is the
  * same file as another entry, by identity (device and inode; folder and
  * name), whatever the spelling ("ad/", "./ad", symbolic links, hard links).
+ * A folder output (`folder`) is refused when it is the same folder as
+ * another entry (an input given as a folder), or when any other entry, input
+ * or output, lies inside it at any depth (its real folder, after following
+ * a final symbolic link, is the output folder or beneath it): a run never
+ * writes into a folder that holds one of its inputs or another of its
+ * outputs.  An existing folder output that is not a folder is BICO_E_ARG.
+ * An output file lying directly in an input model folder (`folder` 3: a
+ * folder, or the folder of a model.safetensors.index.json; its
+ * config.json, tokenizer or any other file of that model) is refused
+ * too.
  * Refuses (BICO_E_IO) an output whose destination is not a regular file
  * (folder, FIFO, device, socket, after following a symbolic link) or whose
  * folder is missing (unless `newdir`: a folder the run creates).  Entries with a NULL path are skipped. */

@@ -698,8 +698,8 @@ bico_status bico__lora_save_begin(const bico_lora *l, const char *fn,
   char *tpath = join(ctx, dir, "adapter_model.safetensors");
   o->dir = bico__strdup(ctx, dir);
   bico_status st = cpath && tpath && o->dir ? BICO_OK : BICO_E_NOMEM;
-  bico__fileuse use[2] = {{"output adapter weights", tpath, 1, 1},
-                          {"output adapter config", cpath, 1, 1}};
+  bico__fileuse use[2] = {{"output adapter weights", tpath, 1, 1, 0},
+                          {"output adapter config", cpath, 1, 1, 0}};
   if (st == BICO_OK) st = bico__check_files(ctx, fn, use, 2);
   if (st == BICO_OK) {
     if (mkdir(dir, 0777) == 0)

@@ -523,6 +523,31 @@ static bico_status input_tau(bico_merge *m, input *in, const char *name,
   return st;
 }
 
+/* An input's update for tensor `name` must be finite: named by the
+ * user's file and tensor (never by the merge kernel's arguments). */
+static bico_status check_tau(bico_merge *m, const input *in, const char *name,
+                             const float *tau, size_t n) {
+  size_t e = 0;
+  while (e < n && isfinite(tau[e])) e++;
+  if (e == n) return BICO_OK;
+  const char *v = isnan(tau[e]) ? "NaN" : "Inf";
+  if (in->kind == BICO_MERGE_TUNED)
+    return bico__fail(m->ctx, BICO_E_NONFINITE,
+                      "merge_run: the input %s: tensor %s minus the base's is "
+                      "%s at element %zu (a non-finite value in the input, or "
+                      "a difference beyond float range)",
+                      in->path, name, v, e);
+  if (in->kind == BICO_MERGE_LORA)
+    return bico__fail(m->ctx, BICO_E_NONFINITE,
+                      "merge_run: the input adapter %s: its update of tensor "
+                      "%s is %s at element %zu",
+                      in->path, name, v, e);
+  return bico__fail(m->ctx, BICO_E_NONFINITE,
+                    "merge_run: the input %s: tensor %s holds %s at element "
+                    "%zu",
+                    in->path, name, v, e);
+}
+
 /* A model folder (like the base, bico_output_is_folder) or a file. */
 static bico_status merge_writer(bico_merge *m, const char *path,
                                 bico_stwriter **w) {
@@ -557,9 +582,9 @@ static bico_status provenance(bico_merge *m, const bico_stfile *base,
 static bico_status check_files(bico_merge *m, const bico_stfile *base) {
   bico_ctx *ctx = m->ctx;
   const char *const *f = (const char *const *)m->files;
-  size_t cap = 8 + bico_stfile_count(base);
+  size_t cap = 10 + bico_stfile_count(base);
   for (size_t i = 0; i < m->nin; i++)
-    cap += 2 + (m->in[i].f ? bico_stfile_count(m->in[i].f) : 0);
+    cap += 3 + (m->in[i].f ? bico_stfile_count(m->in[i].f) : 0);
   bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
   char **lp = bico__calloc(ctx, 2 * m->nin + 1, sizeof *lp);
   bico_status st = u && lp ? BICO_OK : BICO_E_NOMEM;
@@ -573,18 +598,21 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
       lp[2 * i - 2] = bico__path_join(ctx, path, "adapter_model.safetensors");
       lp[2 * i - 1] = bico__path_join(ctx, path, "adapter_config.json");
       if (!lp[2 * i - 2] || !lp[2 * i - 1]) st = BICO_E_NOMEM;
-      u[n++] = (bico__fileuse){"input adapter weights", lp[2 * i - 2], 0, 0};
-      u[n++] = (bico__fileuse){"input adapter config", lp[2 * i - 1], 0, 0};
+      u[n++] = (bico__fileuse){"input adapter weights", lp[2 * i - 2], 0, 0, 0};
+      u[n++] = (bico__fileuse){"input adapter config", lp[2 * i - 1], 0, 0, 0};
+      u[n++] = (bico__fileuse){"input adapter", path, 0, 0, 3};
       continue;
     }
-    u[n++] = (bico__fileuse){what, path, 0, 0};
+    u[n++] = (bico__fileuse){what, path, 0, 0, 0};
+    /* a model folder (or the folder of an index): no output file in it */
+    u[n++] = (bico__fileuse){what, path, 0, 0, 3};
     const char *last = path;
     size_t nt = fs ? bico_stfile_count(fs) : 0;
     for (size_t k = 0; k < nt; k++) {
       const char *p;
       if (bico_stfile_tensor_path(fs, k, &p) != BICO_OK || strcmp(p, last) == 0)
         continue;
-      u[n++] = (bico__fileuse){what, p, 0, 0};
+      u[n++] = (bico__fileuse){what, p, 0, 0, 0};
       last = p;
     }
   }
@@ -598,7 +626,12 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
     if (dir && (fo[o] = bico__path_join(ctx, f[o], "model.safetensors")) == NULL)
       st = BICO_E_NOMEM;
     else
-      u[n++] = (bico__fileuse){FILE_NAME[o], dir ? fo[o] : f[o], 1, dir};
+      u[n++] = (bico__fileuse){FILE_NAME[o], dir ? fo[o] : f[o], 1, dir,
+                               dir ? 2 : 0};
+    /* ... and the folder itself: it may neither be nor hold any other file
+     * of the run */
+    if (dir && st == BICO_OK)
+      u[n++] = (bico__fileuse){FILE_NAME[o], f[o], 1, 1, 1};
   }
   if (st == BICO_OK) st = bico__check_files(ctx, "merge_run", u, n);
   for (int o = 0; o < 5; o++) bico__free(ctx, fo[o]);
@@ -644,13 +677,7 @@ static bico_status merge_one(bico_merge *m, const bico_stfile *base, size_t ti,
       int has = 0;
       if (tau == NULL) st = BICO_E_NOMEM;
       if (st == BICO_OK) st = input_tau(m, &m->in[i], name, b, n, tau, &has);
-      for (size_t e = 0; st == BICO_OK && has && e < n; e++)
-        if (!isfinite(tau[e])) /* finite files, an infinite difference */
-          st = bico__fail(ctx, BICO_E_NONFINITE,
-                          "tensor %s: the %s %s differs from the base by %g "
-                          "at element %zu (beyond float range)",
-                          name, KIND_NAME[m->in[i].kind], m->in[i].path,
-                          (double)tau[e], e);
+      if (st == BICO_OK && has) st = check_tau(m, &m->in[i], name, tau, n);
       if (st == BICO_OK && has) {
         sc->taus[used] = tau;
         sc->ws[used] = m->in[i].weight;

@@ -333,8 +333,7 @@ bico_status bico_stfile_check_finite(const bico_stfile *f, size_t index) {
       if (isfinite(v)) continue;
       char nb[160];
       return bico__fail(f->ctx, BICO_E_NONFINITE,
-                        "stfile_check_finite: %s: tensor '%s' holds %s at "
-                        "element %zu",
+                        "%s: tensor '%s' holds %s at element %zu",
                         f->files[t->file].path,
                         shortname(t->name, nb, sizeof nb),
                         isnan(v) ? "NaN" : "Inf", k + j);

@@ -346,7 +346,7 @@ static size_t add_shards(bico__fileuse *u, size_t n, const char *what,
     if (bico_stfile_tensor_path(f, i, &p) != BICO_OK) continue;
     if (last != NULL && strcmp(p, last) == 0) continue;
     last = p;
-    u[n++] = (bico__fileuse){what, p, 0, 0};
+    u[n++] = (bico__fileuse){what, p, 0, 0, 0};
   }
   return n;
 }
@@ -356,18 +356,20 @@ static size_t add_shards(bico__fileuse *u, size_t n, const char *what,
  * regular files in existing folders.  LoRA adapters count with both of
  * their files. */
 bico_status bico__xfer_check_outputs(bico__run *r) {
-  static const int ins[8] = {BICO_FILE_SOURCE_BASE,  BICO_FILE_SOURCE_TUNED,
-                             BICO_FILE_TASK_VECTOR,  BICO_FILE_TARGET_BASE,
-                             BICO_FILE_SOURCE_CALIB, BICO_FILE_TARGET_CALIB,
-                             BICO_FILE_STATS,        BICO_FILE_TARGET_VOTES};
+  static const int ins[10] = {BICO_FILE_SOURCE_BASE,  BICO_FILE_SOURCE_TUNED,
+                              BICO_FILE_TASK_VECTOR,  BICO_FILE_TARGET_BASE,
+                              BICO_FILE_SOURCE_CALIB, BICO_FILE_TARGET_CALIB,
+                              BICO_FILE_STATS,        BICO_FILE_TARGET_VOTES,
+                              BICO_FILE_SOURCE_CONFIG,
+                              BICO_FILE_TARGET_CONFIG};
   static const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT,
                               BICO_FILE_REPORT};
   bico_ctx *ctx = r->ctx;
   const char *const *f = (const char *const *)r->t->files;
-  bico_stfile *fs[8] = {r->sb, r->sft, r->tv, r->tb, r->sc, r->tc, r->stats,
-                        r->votes};
-  size_t cap = 16;
-  for (int i = 0; i < 8; i++) cap += bico_stfile_count(fs[i]);
+  bico_stfile *fs[10] = {r->sb, r->sft, r->tv,    r->tb, r->sc,
+                         r->tc, r->stats, r->votes, NULL,  NULL};
+  size_t cap = 48;
+  for (int i = 0; i < 10; i++) cap += bico_stfile_count(fs[i]);
   bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
   char *lp[4] = {NULL, NULL, NULL, NULL}, *fo[3] = {NULL, NULL, NULL};
   const char *ld[2] = {f[BICO_FILE_LORA], f[BICO_FILE_LORA_OUTPUT]};
@@ -381,17 +383,21 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
     if (ld[k / 2] != NULL && lp[k] == NULL) st = BICO_E_NOMEM;
   size_t n = 0;
   if (st == BICO_OK) {
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 10; i++) {
       if (f[ins[i]] == NULL) continue;
       const char *what = bico__xfer_file_option[ins[i]];
-      u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0};
+      u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0, 0};
+      /* a model folder (or the folder of an index): no output file in it */
+      if (i < 8) u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0, 3};
       if (fs[i] != NULL) n = add_shards(u, n, what, fs[i]);
     }
     static const char *const lw[4] = {
         "source adapter weights", "source adapter config",
         "output adapter weights", "output adapter config"};
     for (int k = 0; k < 4; k++)
-      if (lp[k] != NULL) u[n++] = (bico__fileuse){lw[k], lp[k], k >= 2, 1};
+      if (lp[k] != NULL) u[n++] = (bico__fileuse){lw[k], lp[k], k >= 2, 1, 0};
+    if (ld[0] != NULL)
+      u[n++] = (bico__fileuse){"source adapter", ld[0], 0, 0, 3};
     for (int o = 0; o < 3 && st == BICO_OK; o++) {
       if (f[outs[o]] == NULL) continue;
       /* an output folder: its weights file stands for it */
@@ -402,7 +408,12 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
         st = BICO_E_NOMEM;
       else
         u[n++] = (bico__fileuse){bico__xfer_file_option[outs[o]],
-                                 dir ? fo[o] : f[outs[o]], 1, dir};
+                                 dir ? fo[o] : f[outs[o]], 1, dir, dir ? 2 : 0};
+      /* ... and the folder itself: it may neither be nor hold any other
+       * file of the run */
+      if (dir && st == BICO_OK)
+        u[n++] = (bico__fileuse){bico__xfer_file_option[outs[o]], f[outs[o]],
+                                 1, 1, 1};
     }
     if (st == BICO_OK) st = bico__check_files(ctx, "transfer_run", u, n);
   }

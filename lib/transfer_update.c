@@ -62,8 +62,21 @@ static bico_status tau_read(bico__run *r, const tau_src *ts, size_t first,
   float *base = bico__alloc(ctx, count * sizeof(float));
   if (base == NULL) return BICO_E_NOMEM;
   st = bico_stfile_read_f32_range(r->sb, ts->bi, first, count, base);
-  if (st == BICO_OK)
-    for (size_t e = 0; e < count; e++) tau[e] -= base[e];
+  for (size_t e = 0; e < count && st == BICO_OK; e++) {
+    tau[e] -= base[e];
+    /* both finite (tau_open): only the difference can overflow; named by
+     * the user's files and tensor, not by the kernel that would meet it */
+    if (!isfinite(tau[e])) {
+      const char *name = "?";
+      bico_stfile_tensor_info(ts->f, ts->idx, &name, NULL, NULL, NULL);
+      st = bico__fail(ctx, BICO_E_NONFINITE,
+                      "source tuned %s minus source base %s: tensor %s is %s "
+                      "at element %zu (a difference beyond float range)",
+                      r->t->files[BICO_FILE_SOURCE_TUNED],
+                      r->t->files[BICO_FILE_SOURCE_BASE], name,
+                      isnan(tau[e]) ? "NaN" : "Inf", first + e);
+    }
+  }
   bico__free(ctx, base);
   return st;
 }

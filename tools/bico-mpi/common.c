@@ -1,7 +1,9 @@
 /* bico-mpi: chunked messages, collective error agreement, temporary-file
  * cleanup on termination signals, test hooks. */
 #include <dirent.h>
+#include <stdint.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -304,4 +306,193 @@ void mpi_restore_stderr(void) {
   dup2(saved_stderr, 2);
   close(saved_stderr);
   saved_stderr = -1;
+}
+
+/* ---- one plan on every rank ---- */
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+  const unsigned char *c = p;
+  for (size_t i = 0; i < n; i++) {
+    h ^= c[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+/* Out of memory inside a collective step: the ranks cannot agree on a
+ * count any more; end the job. */
+static void *must(void *p) {
+  if (p == NULL) {
+    fprintf(stderr, "bico-mpi: out of memory comparing the ranks' plans\n");
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  return p;
+}
+
+int mpi_same_args(int argc, char **argv, char *msg, size_t cap) {
+  int rank;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  size_t len = 0;
+  for (int i = 1; i < argc; i++) len += strlen(argv[i]) + 1;
+  char *mine = must(malloc(len ? len : 1));
+  int bad = 0;
+  char text[1024] = "";
+  size_t o = 0;
+  for (int i = 1; i < argc; i++) {
+    size_t k = strlen(argv[i]) + 1;
+    memcpy(mine + o, argv[i], k);
+    o += k;
+  }
+  /* rank 0's arguments, NUL-separated, to every rank */
+  long long n0 = rank == 0 ? (long long)len : 0;
+  MPI_Bcast(&n0, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
+  if (n0 < 0 || n0 > INT_MAX) must(NULL);
+  char *theirs = rank == 0 ? mine : must(malloc(n0 > 0 ? (size_t)n0 : 1));
+  MPI_Bcast(theirs, (int)n0, MPI_CHAR, 0, MPI_COMM_WORLD);
+  if (!bad && rank != 0) {
+    /* the first argument that differs */
+    size_t a = 0, b = 0, tlen = (size_t)n0;
+    int k = 1;
+    while (a < len || b < tlen) {
+      const char *x = a < len ? mine + a : NULL;
+      const char *y = b < tlen ? theirs + b : NULL;
+      if (x == NULL || y == NULL || strcmp(x, y) != 0) {
+        if (x == NULL)
+          snprintf(text, sizeof text,
+                   "its command line ends after %d arguments; rank 0's goes "
+                   "on with '%.200s'", k - 1, y);
+        else if (y == NULL)
+          snprintf(text, sizeof text,
+                   "its command line has more arguments than rank 0's, from "
+                   "'%.200s' (argument %d) on", x, k);
+        else
+          snprintf(text, sizeof text,
+                   "its command line differs from rank 0's: argument %d is "
+                   "'%.200s' here, '%.200s' on rank 0", k, x, y);
+        size_t t = strlen(text);
+        snprintf(text + t, sizeof text - t,
+                 "; every rank must be given the same command (nothing was "
+                 "written)");
+        bad = 1;
+        break;
+      }
+      a += strlen(x) + 1;
+      b += strlen(y) + 1;
+      k++;
+    }
+  }
+  if (rank != 0) free(theirs);
+  free(mine);
+  return mpi_any_failed(bad, text, msg, cap);
+}
+
+/* A node-independent fingerprint of a file: its size, its first 64 KiB
+ * (a safetensors header, a small file whole), 16 pieces of 256 bytes
+ * spread over the rest and its last 4 KiB.  Content sampled, not read
+ * whole: a copy that differs in size, header or the sampled bytes is
+ * caught; device, inode and mtime are left out, since each node may hold
+ * its own copy. */
+static uint64_t fingerprint_file(uint64_t h, int fd, uint64_t size) {
+  static unsigned char buf[65536];
+  h = fnv(h, &size, sizeof size);
+  uint64_t offs[18], lens[18];
+  size_t n = 0;
+  offs[n] = 0;
+  lens[n++] = size < sizeof buf ? size : sizeof buf;
+  if (size > sizeof buf) {
+    for (int k = 0; k < 16; k++) {
+      offs[n] = sizeof buf + (size - sizeof buf) / 16 * (uint64_t)k;
+      lens[n++] = 256;
+    }
+    offs[n] = size >= 4096 ? size - 4096 : 0;
+    lens[n++] = 4096;
+  }
+  for (size_t i = 0; i < n; i++) {
+    uint64_t len = lens[i];
+    if (offs[i] + len > size) len = size - offs[i];
+    ssize_t r = pread(fd, buf, (size_t)len, (off_t)offs[i]);
+    if (r > 0) h = fnv(h, buf, (size_t)r);
+    h = fnv(h, &r, sizeof r);
+  }
+  return h;
+}
+
+static int by_name(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* The fingerprint of a path: a file's, or for a folder its regular files'
+ * (names not starting with '.') in name order, each with its name. */
+static uint64_t fingerprint(const char *path) {
+  uint64_t h = 14695981039346656037ull;
+  struct stat st;
+  if (stat(path, &st) != 0) return fnv(h, "missing", 7);
+  if (S_ISREG(st.st_mode)) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return fnv(h, "unreadable", 10);
+    h = fingerprint_file(h, fd, (uint64_t)st.st_size);
+    close(fd);
+    return h;
+  }
+  if (!S_ISDIR(st.st_mode)) return fnv(h, "special", 7);
+  DIR *d = opendir(path);
+  if (d == NULL) return fnv(h, "unreadable folder", 17);
+  char **names = NULL;
+  size_t n = 0, cap = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (e->d_name[0] == '.') continue;
+    if (n == cap) {
+      cap = cap ? 2 * cap : 64;
+      char **v = realloc(names, cap * sizeof *v);
+      if (v == NULL) break;
+      names = v;
+    }
+    if ((names[n] = strdup(e->d_name)) != NULL) n++;
+  }
+  closedir(d);
+  if (n > 0) qsort(names, n, sizeof *names, by_name);
+  h = fnv(h, "folder", 6);
+  for (size_t i = 0; i < n; i++) {
+    size_t pl = strlen(path) + strlen(names[i]) + 2;
+    char *p = malloc(pl);
+    struct stat fs;
+    if (p != NULL) {
+      snprintf(p, pl, "%s/%s", path, names[i]);
+      if (stat(p, &fs) == 0 && S_ISREG(fs.st_mode)) {
+        uint64_t f = fingerprint(p);
+        h = fnv(h, names[i], strlen(names[i]) + 1);
+        h = fnv(h, &f, sizeof f);
+      }
+      free(p);
+    }
+    free(names[i]);
+  }
+  free(names);
+  return h;
+}
+
+int mpi_same_files(const char *const *what, const char *const *paths,
+                   size_t n, char *msg, size_t cap) {
+  int rank;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  uint64_t *mine = must(calloc(n ? n : 1, sizeof *mine));
+  uint64_t *theirs = must(calloc(n ? n : 1, sizeof *theirs));
+  int bad = 0;
+  char text[1024] = "";
+  for (size_t i = 0; i < n; i++) mine[i] = paths[i] ? fingerprint(paths[i]) : 0;
+  memcpy(theirs, mine, n * sizeof *mine);
+  /* n is the same on every rank: the same command */
+  MPI_Bcast(theirs, (int)n, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  for (size_t i = 0; !bad && rank != 0 && i < n; i++)
+    if (mine[i] != theirs[i]) {
+      snprintf(text, sizeof text,
+               "the %s %.300s differs from rank 0's (its size or content); "
+               "every rank must read the same files (nothing was written)",
+               what[i], paths[i]);
+      bad = 1;
+    }
+  free(mine);
+  free(theirs);
+  return mpi_any_failed(bad, text, msg, cap);
 }

@@ -1,6 +1,7 @@
 /* bico-mpi: `mpirun -np N bico-mpi stats|transfer ...` divides the work of
  * the bico command among N ranks; the other commands run on rank 0. */
 #include <signal.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
@@ -18,7 +19,14 @@ int main(int argc, char **argv) {
   int code, help = 0;
   for (int i = 1; i < argc; i++)
     help |= strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0;
-  if (help && argc >= 2 && strcmp(argv[1], "stats") == 0)
+  /* One plan on every rank: the same command line first (the input files
+   * are compared once the command has named them). */
+  char msg[1400];
+  if (mpi_same_args(argc, argv, msg, sizeof msg)) {
+    if (rank == 0)
+      fprintf(stderr, "bico %s: %s\n", argc >= 2 ? argv[1] : "", msg);
+    code = 1;
+  } else if (help && argc >= 2 && strcmp(argv[1], "stats") == 0)
     code = rank == 0 ? mpi_cmd_stats(argc - 1, argv + 1) : 0;
   else if (help)
     code = rank == 0 ? bico_cli_main(argc, argv) : 0;

@@ -57,6 +57,17 @@ void mpi_install_error_handler(void);
  * Returns 1 when the failure should be injected now. */
 int mpi_test_hook(int rank, size_t unit);
 
+/* One plan on every rank (collective; every rank calls them with the same
+ * n).  mpi_same_args compares each rank's arguments (argv[1..]) with rank
+ * 0's; mpi_same_files each path's fingerprint (size and sampled content of
+ * a file, of each file of a folder: node-independent, no inode or mtime)
+ * with rank 0's, naming the file by its role (what[i]).  Both return 1 on
+ * every rank when a rank differs, rank 0 getting that rank's message in
+ * msg (as mpi_any_failed), 0 otherwise. */
+int mpi_same_args(int argc, char **argv, char *msg, size_t cap);
+int mpi_same_files(const char *const *what, const char *const *paths,
+                   size_t n, char *msg, size_t cap);
+
 double mpi_now(void);
 
 /* Ranks other than 0 silence stderr while the serial command parses its

@@ -506,6 +506,20 @@ int mpi_cmd_stats(int argc, char **argv) {
   } else {
     double t0 = mpi_now();
     s->np = s->nsrc;
+    /* every rank reads the same calibration files */
+    const char *what[2 * MAXPAIRS], *paths[2 * MAXPAIRS];
+    for (size_t i = 0; i < s->nsrc; i++) {
+      what[2 * i] = "--source-calib";
+      paths[2 * i] = s->src[i];
+      what[2 * i + 1] = "--target-calib";
+      paths[2 * i + 1] = s->tgt[i];
+    }
+    if (mpi_same_files(what, paths, 2 * s->nsrc, s->all, sizeof s->all)) {
+      if (s->rank == 0) fprintf(stderr, "bico stats: %s\n", s->all);
+      free_run(s);
+      free(s);
+      return 1;
+    }
     int failed = plan(s) != 0;
     failed = mpi_any_failed(failed, s->msg, s->all, sizeof s->all);
     if (!failed) failed = open_output(s);

@@ -357,7 +357,10 @@ static void gather_hosts(rank_info *ranks) {
 }
 
 static const char *message(bico_ctx *ctx, bico_status st) {
-  return bico_ctx_errmsg(ctx)[0] ? bico_ctx_errmsg(ctx) : bico_strerror(st);
+  const char *m = bico_ctx_errmsg(ctx);
+  /* as the serial command: no library function's name after the command's */
+  if (strncmp(m, "transfer_run: ", 14) == 0 && m[14] != '\0') m += 14;
+  return m[0] ? m : bico_strerror(st);
 }
 
 /* A worker's part after its plan: compute, send, report. */
@@ -442,6 +445,27 @@ int mpi_transfer_run(bico_transfer *t, bico_ctx *ctx, int quiet) {
   double t0 = mpi_now();
   char msg[1400] = "";
   bico_transfer_set_log(t, quiet ? NULL : log_line, NULL);
+  /* Every rank reads the same files (the command lines were compared in
+   * main): rank 0 compares their fingerprints before anything is done. */
+  static const int ins[11] = {BICO_FILE_SOURCE_BASE,   BICO_FILE_SOURCE_TUNED,
+                              BICO_FILE_TASK_VECTOR,   BICO_FILE_TARGET_BASE,
+                              BICO_FILE_SOURCE_CALIB,  BICO_FILE_TARGET_CALIB,
+                              BICO_FILE_STATS,         BICO_FILE_TARGET_VOTES,
+                              BICO_FILE_LORA,          BICO_FILE_SOURCE_CONFIG,
+                              BICO_FILE_TARGET_CONFIG};
+  static const char *const what[11] = {
+      "--source-base", "--source-tuned", "--task-vector", "--target-base",
+      "--source-calib", "--target-calib", "--stats", "--target-votes",
+      "--lora", "--source-config", "--target-config"};
+  const char *paths[11];
+  for (int i = 0; i < 11; i++) {
+    paths[i] = NULL;
+    bico_transfer_get_file(t, ins[i], &paths[i]);
+  }
+  if (mpi_same_files(what, paths, 11, msg, sizeof msg)) {
+    if (g_rank == 0) fprintf(stderr, "bico transfer: %s\n", msg);
+    return 1;
+  }
   /* Every rank plans the same run (and so checks the same setup). */
   bico_status st = bico_transfer_plan(t);
   size_t nt = 0, ng = 0;

@@ -21,6 +21,11 @@ extern int (*cli_transfer_runner)(bico_transfer *t, bico_ctx *ctx, int quiet);
 int cmd_stats(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_merge(int argc, char **argv); /* tools/bico/merge.c */
+/* 1 when paths a and b name the same model by file identity, whatever the
+ * spelling ("./m", "m/", links, hard links): the same file or folder, or a
+ * folder and its model.safetensors or model.safetensors.index.json
+ * (tools/bico/merge.c). */
+int cli_same_model(const char *a, const char *b);
 
 /* Usage rules of `bico transfer --lora` (tools/bico/lora_opts.c): 0 when
  * the combination of files is valid, else the usage error's exit code. */

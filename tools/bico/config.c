@@ -184,7 +184,8 @@ static int merge_model(argbuf *b, yaml_document_t *d, yaml_node_t *m,
       return cfg_error(b, m, "unknown key '%s' in an entry of 'models'", k ? k : "?");
   }
   yaml_node_t *params = get(d, m, "parameters");
-  if (base != NULL && strcmp(opt, "--tuned") == 0 && strcmp(path, base) == 0) {
+  /* the base by identity: "./B", "B/", a link to B are the base too */
+  if (base != NULL && strcmp(opt, "--tuned") == 0 && cli_same_model(path, base)) {
     if (params != NULL)
       return cfg_error(b, m, "%s", "the base model is listed among 'models' with "
                                    "parameters; the base takes none");
