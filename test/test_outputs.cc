@@ -204,13 +204,21 @@ TEST(OutputFolder, TheRuleAndBadFolders) {
   EXPECT_EQ(bico_stwriter_create_folder(ctx, dir.c_str(), dir.c_str(), 0, &w), BICO_E_ARG);
   EXPECT_EQ(bico_stwriter_create_folder(ctx, nullptr, nullptr, 0, &w), BICO_E_NULL);
   EXPECT_EQ(w, nullptr);
-  // an abandoned writer removes the folder it created, and its files
+  // an abandoned writer leaves nothing: the folder is built as a hidden
+  // sibling (".fresh.bico-tmp.<pid>.XXXXXX") and removed with its files
   std::string fresh = d / "fresh";
+  auto before = names_in(d.path);
   ASSERT_EQ(bico_stwriter_create_folder(ctx, fresh.c_str(), nullptr, 8, &w), BICO_OK);
   ASSERT_EQ(write_model(w), BICO_OK);
-  EXPECT_GT(names_in(fresh).size(), 1u);  // temporaries of several shards
+  EXPECT_FALSE(exists(fresh));  // never visible before the commit
+  std::string stage;
+  for (auto &n : names_in(d.path))
+    if (n.rfind(".fresh.bico-tmp.", 0) == 0) stage = d / n;
+  ASSERT_FALSE(stage.empty());
+  EXPECT_GT(names_in(stage).size(), 1u);  // the shards, under their own names
   bico_stwriter_free(w);
   EXPECT_FALSE(exists(fresh));
+  EXPECT_EQ(names_in(d.path), before);
 }
 
 // ---- progress ----
