@@ -153,11 +153,14 @@ def run_folder(tgt, src, alpha, out):
 
 
 def kill_when_changed(p, watch, before, sig, extra):
-    """Sends sig extra seconds after the listing of watch first differs
-    from before (unless the run ended first); returns when it ended."""
+    """Sends sig extra seconds after the visible listing of watch (names
+    not starting with '.') first differs from before (unless the run ended
+    first): a commit that renames file by file is caught in the middle.
+    Returns when the process ended."""
+    before = [n for n in before if not n.startswith(".")]
     while p.poll() is None:
         try:
-            now = sorted(os.listdir(watch))
+            now = [n for n in sorted(os.listdir(watch)) if not n.startswith(".")]
         except OSError:
             now = None
         if now != before:
@@ -245,8 +248,12 @@ def folder_commits(root, rnd):
         now = snapshot(out)
         state = "old" if now == old_snap else "new" if now == new_snap else None
         if state is None and now is not None:
-            diff = sorted(set(now) ^ set(old_snap))[:6]
-            print("     folder differs from the old one in %s" % diff)
+            diff = sorted(n for n in set(now) ^ set(old_snap)
+                          if not n.startswith("."))
+            print("     %d visible names differ from the old folder, %d from "
+                  "the new one, e.g. %s" % (
+                      len(diff), len([n for n in set(now) ^ set(new_snap)
+                                      if not n.startswith(".")]), diff[:3]))
         check(state is not None,
               "kill %d %s: the folder is exactly the old or the new one" % (k, how))
         if state:
