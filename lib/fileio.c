@@ -442,14 +442,14 @@ bico_status bico__tmp_finish(bico_ctx *ctx, const char *fn, bico__tmpfile *t) {
   struct stat old;
   /* Permission bits only: a setuid/setgid/sticky destination must not
    * lend those bits to new content. */
-  mode_t mode = stat(t->path, &old) == 0 && S_ISREG(old.st_mode)
+  mode_t mode = t->setmode ? (t->mode & 0777)
+                : stat(t->path, &old) == 0 && S_ISREG(old.st_mode)
                     ? (old.st_mode & 0777)
                     : (0666 & ~bico__umask());
-  if (t->setmode) mode = t->mode & 0777;
   const char *step = NULL;
   if (fchmod(t->fd, mode) != 0)
     step = "chmod";
-  else if (fsync(t->fd) != 0)
+  else if (!t->nosync && fsync(t->fd) != 0)
     step = "fsync";
   int fd = t->fd;
   t->fd = -1;

@@ -92,6 +92,8 @@ typedef struct bico__tmpfile {
   int gone;   /* the temporary file was renamed or removed */
   int setmode; /* bico__tmp_finish gives `mode`, not the destination's */
   mode_t mode;
+  int nosync; /* no fsync: a folder commit syncs the whole new folder once
+                 (bico__sync_folder), not file by file */
   /* A folder (bico__tmp_folder): tmp is the complete new folder, path the
    * folder it replaces; aside (ctx memory) where the old folder goes when
    * RENAME_EXCHANGE is refused; oldtree: tmp (1) or aside (2) holds the
@@ -124,6 +126,10 @@ bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
  * (a folder it cannot enter is made 0700 first when it is the caller's);
  * what cannot be removed stays.  Returns 0 or the first errno. */
 int bico__remove_tree(const char *path);
+/* Makes everything written under the folder path durable at once
+ * (syncfs of its file system, fsync of the folder where that is missing):
+ * one call for thousands of small files.  0 or an errno. */
+int bico__sync_folder(const char *path);
 /* Swaps the complete folder t->tmp in for t->path (lib/st_swap.c): 0 or
  * an errno, with t->oldtree set when an old folder was moved out. */
 int bico__swap_folder(bico__tmpfile *t);

@@ -524,6 +524,7 @@ static bico_status copy_file(bico_ctx *ctx, const char *fn, bico__wfolder *f,
   if (st == BICO_OK) {
     t->setmode = 1;
     t->mode = c->mode;
+    t->nosync = 1; /* stage_mode syncs the new folder once */
     st = bico__tmp_finish(ctx, fn, t);
   }
   if (fd >= 0) close(fd);
@@ -592,12 +593,16 @@ static bico_status stage_mode(bico_ctx *ctx, bico__wfolder *f) {
   } else if (fchmod(fd, 0777 & ~bico__umask()) != 0) {
     bad = errno;
   }
-  if (!bad && fsync(fd) != 0 && errno != EINVAL && errno != EROFS) bad = errno;
   close(fd);
   if (bad)
     return bico__fail(ctx, BICO_E_IO, "the output folder %s: cannot give the "
                       "new folder the old one's mode: %s", f->dir,
                       strerror(bad));
+  /* the copies and carried files were not synced one by one */
+  int e = bico__sync_folder(f->stage.tmp);
+  if (e != 0 && e != EINVAL && e != EROFS)
+    return bico__fail(ctx, BICO_E_IO, "the output folder %s: cannot make the "
+                      "new files durable: %s", f->dir, strerror(e));
   return BICO_OK;
 }
 

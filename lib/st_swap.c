@@ -65,6 +65,21 @@ int bico__swap_folder(bico__tmpfile *t) {
   return 0;
 }
 
+int bico__sync_folder(const char *path) {
+  int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  int e = 0;
+  if (syncfs(fd) != 0) {
+    e = errno;
+    if (e == ENOSYS) { /* no syncfs: the folder's entries, then all */
+      sync();
+      e = fsync(fd) == 0 || errno == EINVAL || errno == EROFS ? 0 : errno;
+    }
+  }
+  close(fd);
+  return e;
+}
+
 /* Removes name in dfd (any type) and, for a folder, everything in it. */
 static int remove_at(int dfd, const char *name, int depth) {
   if (unlinkat(dfd, name, 0) == 0 || errno == ENOENT) return 0;
@@ -149,7 +164,8 @@ static bico_status copy_at(carry *c, int sfd, int dfd, const char *name,
     off += (uint64_t)r;
   }
   bico__free(c->ctx, buf);
-  if (s == BICO_OK && (fchmod(out, st->st_mode & 0777) != 0 || fsync(out) != 0))
+  /* durable with the whole new folder (bico__sync_folder) */
+  if (s == BICO_OK && fchmod(out, st->st_mode & 0777) != 0)
     s = carry_fail(c, name, "cannot finish its copy", errno);
   if (s == BICO_OK && c->root) (void)fchown(out, st->st_uid, st->st_gid);
   close(in);
@@ -185,7 +201,6 @@ static bico_status carry_one(carry *c, int sfd, int dfd, const char *name,
       c->rel[len] = '\0';
     }
     if (s == BICO_OK && d2 >= 0) {
-      (void)fsync(d2);
       if (c->root) (void)fchown(d2, st.st_uid, st.st_gid);
       (void)fchmod(d2, st.st_mode & 07777);
     }
@@ -250,10 +265,7 @@ bico_status bico__carry_files(bico_ctx *ctx, const char *fn,
                    "%s", fn, shown, strerror(errno));
   else
     s = carry_dir(c, sfd, dfd, 0, keep, arg);
-  if (dfd >= 0) {
-    if (s == BICO_OK) (void)fsync(dfd);
-    close(dfd);
-  }
+  if (dfd >= 0) close(dfd);
   if (sfd >= 0) close(sfd);
   bico__free(ctx, c);
   return s;
