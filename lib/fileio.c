@@ -298,17 +298,6 @@ static void remove_stale(const char *dir, const char *base, size_t blen) {
   closedir(d);
 }
 
-void bico__tmp_clean(const char *path) {
-  const char *base = base_of(path);
-  size_t blen = strlen(base) > TMP_BASE_MAX ? TMP_BASE_MAX : strlen(base);
-  size_t cap = strlen(path) + 2;
-  char *dir = malloc(cap);
-  if (dir == NULL) return;
-  dir_of(path, dir, cap);
-  remove_stale(dir, base, blen);
-  free(dir);
-}
-
 bico_status bico__tmp_create_in(bico_ctx *ctx, const char *fn,
                                 const char *what, const char *path,
                                 const char *tmp, bico__tmpfile *t) {
@@ -361,8 +350,12 @@ bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
     int e = errno;
     bico_status s = bico__fail(
         ctx, BICO_E_IO,
-        "%s: cannot create the output folder %s: its parent folder %s: %s", fn,
-        shown, dir, e == ENOENT ? "does not exist" : strerror(e));
+        "%s: cannot write the output folder %s: its parent folder %s: %s%s",
+        fn, shown, dir, e == ENOENT ? "does not exist" : strerror(e),
+        e == ENOENT ? ""
+                    : " (a model folder is built beside the output and "
+                      "swapped in whole; write into a sub-folder of it, or "
+                      "into a folder whose parent you can write)");
     bico__free(ctx, dir);
     t->gone = 1;
     bico__tmp_discard(ctx, t);

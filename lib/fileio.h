@@ -113,9 +113,6 @@ bico_status bico__tmp_create(bico_ctx *ctx, const char *fn, const char *what,
 bico_status bico__tmp_create_in(bico_ctx *ctx, const char *fn,
                                 const char *what, const char *path,
                                 const char *tmp, bico__tmpfile *t);
-/* Removes the leftovers of dead processes for destination `path` (files
- * and folders ".<base>.bico-tmp.<pid>.*" in its folder): one scan. */
-void bico__tmp_clean(const char *path);
 /* The temporary folder for the folder `path` (its real path: a sibling in
  * the same parent), created mode 0700 after one scan for leftovers.
  * BICO_E_IO naming `shown` (the user's spelling) when the parent folder

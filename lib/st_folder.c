@@ -148,7 +148,19 @@ static bico_status resolve_out(bico_ctx *ctx, bico__wfolder *f) {
     free(r);
     f->exists = 1;
     f->old = ds;
-    return f->real ? BICO_OK : BICO_E_NOMEM;
+    if (f->real == NULL) return BICO_E_NOMEM;
+    /* a mount point cannot be swapped (EBUSY, EXDEV): say so first */
+    char *up = bico__path_join(ctx, f->real, "..");
+    struct stat ps;
+    int mount = up != NULL && stat(up, &ps) == 0 && ps.st_dev != ds.st_dev;
+    bico__free(ctx, up);
+    if (mount)
+      return bico__fail(ctx, BICO_E_IO,
+                        "the output folder %s is a mount point: a model folder "
+                        "is built beside the output and swapped in whole; "
+                        "write into a sub-folder of it (nothing was written)",
+                        f->dir);
+    return BICO_OK;
   }
   const char *slash = strrchr(f->dir, '/');
   const char *base = slash ? slash + 1 : f->dir;

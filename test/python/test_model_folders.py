@@ -492,3 +492,19 @@ def test_stale_weights_that_cannot_be_removed_never_stay_beside_new_ones(
         for dirpath, _, files in os.walk(tmp_path):
             for f in files:
                 _immutable(os.path.join(dirpath, f), False)
+
+
+def test_a_report_inside_the_output_folder_goes_in_with_the_swap(
+        models, tmp_path, base_sd):
+    """--report OUT/report.json with --output OUT/ (an existing folder):
+    the report lands in the new folder, the user's file is kept, no
+    temporary is left beside or inside it."""
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    _naive(m, tgt, str(out) + "/", "--report", out / "report.json")
+    assert json.loads((out / "report.json").read_text())["tensors"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not _bico_tmp(tmp_path) and not _bico_tmp(out)
