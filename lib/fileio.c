@@ -313,9 +313,10 @@ bico_status bico__tmp_create_in(bico_ctx *ctx, const char *fn,
   t->fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
                0600);
   if (t->fd < 0) {
+    (void)fn; /* the message names the file, not the caller */
     bico_status s = bico__fail(ctx, BICO_E_IO,
-                               "%s: the %s %s: cannot create its new file: %s",
-                               fn, what, path, strerror(errno));
+                               "the %s %s: cannot create its new file: %s",
+                               what, path, strerror(errno));
     t->gone = 1;
     bico__tmp_discard(ctx, t);
     return s;

@@ -530,8 +530,8 @@ static bico_status copy_file(bico_ctx *ctx, const char *fn, bico__wfolder *f,
     size_t k = size - off < cap ? (size_t)(size - off) : cap;
     int e = bico__pread_all(fd, buf, k, off);
     if (e != 0)
-      st = bico__fail(ctx, BICO_E_IO, "%s: reading %s: %s", fn, c->src,
-                      strerror(e));
+      st = bico__fail(ctx, BICO_E_IO, "the model folder %s: reading %s: %s",
+                      f->likedir, c->name, strerror(e));
     else st = bico__tmp_write(ctx, fn, t, buf, k);
     off += k;
   }

@@ -130,9 +130,9 @@ typedef struct carry {
 static bico_status carry_fail(carry *c, const char *name, const char *why,
                               int e) {
   return bico__fail(c->ctx, BICO_E_IO,
-                    "%s: the output folder %s: cannot keep %s%s%s in the new "
+                    "the output folder %s: cannot keep %s%s%s in the new "
                     "folder: %s%s%s; nothing was written",
-                    c->fn, c->shown, c->rel, c->rel[0] ? "/" : "", name, why,
+                    c->shown, c->rel, c->rel[0] ? "/" : "", name, why,
                     e ? ": " : "", e ? strerror(e) : "");
 }
 
@@ -261,8 +261,8 @@ bico_status bico__carry_files(bico_ctx *ctx, const char *fn,
   int dfd = open(to, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   bico_status s;
   if (sfd < 0 || dfd < 0)
-    s = bico__fail(ctx, BICO_E_IO, "%s: the output folder %s: cannot open it: "
-                   "%s", fn, shown, strerror(errno));
+    s = bico__fail(ctx, BICO_E_IO, "the output folder %s: cannot open it: %s",
+                   shown, strerror(errno));
   else
     s = carry_dir(c, sfd, dfd, 0, keep, arg);
   if (dfd >= 0) close(dfd);
