@@ -478,14 +478,21 @@ def test_stale_weights_that_cannot_be_removed_never_stay_beside_new_ones(
     out = tmp_path / "out"
     _naive(m, tgt, out)
     old = out / "model.safetensors"
+    (out / "notes.txt").write_text("mine")
+    os.chmod(out / "notes.txt", 0o640)
     if not _immutable(old, True):
         pytest.skip("chattr +i is not available here (needs root and ext4 or alike)")
     try:
+        # an immutable file cannot be hard-linked (EPERM): the user's
+        # notes.txt is carried as a copy, mode kept
+        assert _immutable(out / "notes.txt", True)
         r = _naive(m, tgt, out, "--max-shard-size", "100", ok=False)
         names = sorted(os.listdir(out))
         assert r.returncode == 0, r.stderr
         assert "model.safetensors" not in names, names
         assert len(_read_folder(out)[0]) == 4
+        assert (out / "notes.txt").read_text() == "mine"
+        assert os.stat(out / "notes.txt").st_mode & 0o7777 == 0o640
         left = _bico_tmp(tmp_path)
         assert all(n.startswith(".out.bico-tmp.") for n in left), left
     finally:
