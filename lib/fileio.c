@@ -480,20 +480,33 @@ static void sync_dir(const char *path) {
   close(dfd);
 }
 
-/* Same folder (device and inode) as the folder of a file path. */
-static int same_dir(const char *file, const struct stat *d) {
-  size_t cap = strlen(file) + 2;
-  char *dir = malloc(cap);
-  if (dir == NULL) return -1;
-  dir_of(file, dir, cap);
+/* Where a file path lies in folder d (device and inode), at any depth:
+ * the offset of its part relative to d ("sub/r.json" of "out/sub/r.json"),
+ * -1 when outside d, -2 without memory. */
+static long rel_in(const char *file, const struct stat *d) {
+  size_t n = strlen(file);
+  char *p = malloc(n + 1);
+  if (p == NULL) return -2;
+  memcpy(p, file, n + 1);
+  long off = -1;
   struct stat s;
-  int r = stat(dir, &s) == 0 && s.st_dev == d->st_dev && s.st_ino == d->st_ino;
-  free(dir);
-  return r;
+  for (char *slash; off < 0 && (slash = strrchr(p, '/')) != NULL;) {
+    *slash = '\0';
+    if (stat(slash == p ? "/" : p, &s) == 0 && s.st_dev == d->st_dev &&
+        s.st_ino == d->st_ino)
+      off = (long)(slash - p) + 1;
+    if (slash == p) break;
+  }
+  if (off < 0 && strchr(file, '/') == NULL && stat(".", &s) == 0 &&
+      s.st_dev == d->st_dev && s.st_ino == d->st_ino)
+    off = 0;
+  free(p);
+  return off;
 }
 
-/* A file entry whose destination lies in folder entry f's folder: moved
- * (invisibly) into f's new folder, so that the swap brings it in. */
+/* A file entry whose destination lies in a folder entry's folder (or in
+ * one of its sub-folders, carried into the new folder): moved (invisibly)
+ * into the new folder, so that the swap brings it in. */
 static bico_status into_folder(bico_ctx *ctx, const char *fn,
                                bico__tmpfile *const *t, size_t n) {
   for (size_t j = 0; j < n; j++) {
@@ -502,12 +515,11 @@ static bico_status into_folder(bico_ctx *ctx, const char *fn,
       continue;
     for (size_t i = 0; i < n; i++) {
       if (t[i]->isdir || t[i]->gone) continue;
-      int r = same_dir(t[i]->path, &ds);
-      if (r < 0) return BICO_E_NOMEM;
-      if (r == 0) continue;
+      long r = rel_in(t[i]->path, &ds);
+      if (r == -2) return BICO_E_NOMEM;
+      if (r < 0) continue;
       int dfd = open(t[j]->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-      if (dfd < 0 ||
-          renameat(AT_FDCWD, t[i]->tmp, dfd, base_of(t[i]->path)) != 0) {
+      if (dfd < 0 || renameat(AT_FDCWD, t[i]->tmp, dfd, t[i]->path + r) != 0) {
         int e = errno;
         if (dfd >= 0) close(dfd);
         return bico__fail(ctx, BICO_E_IO, "%s: %s: cannot move the new file "

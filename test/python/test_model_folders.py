@@ -515,3 +515,8 @@ def test_a_report_inside_the_output_folder_goes_in_with_the_swap(
     assert json.loads((out / "report.json").read_text())["tensors"]
     assert (out / "notes.txt").read_text() == "mine"
     assert not _bico_tmp(tmp_path) and not _bico_tmp(out)
+    # in a sub-folder of it (carried into the new folder), spelt with ..
+    (out / "runs").mkdir()
+    _naive(m, tgt, out, "--report", out / "runs" / ".." / "runs" / "r.json")
+    assert json.loads((out / "runs" / "r.json").read_text())["tensors"]
+    assert (out / "report.json").exists() and not _bico_tmp(out / "runs")
