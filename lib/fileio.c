@@ -478,7 +478,7 @@ bico_status bico__check_files(bico_ctx *ctx, const char *fn,
 
 /* The umask without changing it (umask() is process-wide and racy):
  * Linux reports it in /proc/self/status; elsewhere assume 022. */
-static mode_t current_umask(void) {
+mode_t bico__umask(void) {
   mode_t m = 022;
   FILE *fp = fopen("/proc/self/status", "r");
   if (fp == NULL) return m;
@@ -494,9 +494,10 @@ static mode_t current_umask(void) {
   return m;
 }
 
-/* Removes ".<base>.bico-tmp.<pid>.*" files in dir whose process is gone
- * (kill(pid, 0) says ESRCH) and that belong to this user.  A pid that was
- * reused keeps its files: they are removed by a later run. */
+/* Removes ".<base>.bico-tmp.<pid>.*" files and folders in dir whose
+ * process is gone (kill(pid, 0) says ESRCH) and that belong to this user.
+ * A pid that was reused keeps its files: they are removed by a later
+ * run. */
 static void remove_stale(const char *dir, const char *base, size_t blen) {
   DIR *d = opendir(dir);
   if (d == NULL) return;
@@ -519,11 +520,92 @@ static void remove_stale(const char *dir, const char *base, size_t blen) {
     if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
     struct stat st;
     if (fstatat(dfd, n, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
-        !S_ISREG(st.st_mode) || st.st_uid != geteuid())
+        st.st_uid != geteuid())
       continue;
-    (void)unlinkat(dfd, n, 0);
+    if (S_ISREG(st.st_mode)) {
+      (void)unlinkat(dfd, n, 0);
+    } else if (S_ISDIR(st.st_mode)) {
+      /* a folder commit's new or old folder (bico__tmp_folder) */
+      size_t cap = strlen(dir) + strlen(n) + 2;
+      char *p = malloc(cap);
+      if (p != NULL) {
+        snprintf(p, cap, "%s/%s", dir, n);
+        (void)bico__remove_tree(p);
+      }
+      free(p);
+    }
   }
   closedir(d);
+}
+
+bico_status bico__tmp_create_in(bico_ctx *ctx, const char *fn,
+                                const char *what, const char *path,
+                                const char *tmp, bico__tmpfile *t) {
+  memset(t, 0, sizeof *t);
+  t->fd = -1;
+  t->path = bico__strdup(ctx, path);
+  t->tmp = bico__strdup(ctx, tmp);
+  if (t->path == NULL || t->tmp == NULL) {
+    t->gone = 1;
+    bico__tmp_discard(ctx, t);
+    return BICO_E_NOMEM;
+  }
+  t->fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW,
+               0600);
+  if (t->fd < 0) {
+    (void)fn; /* the message names the file, not the caller */
+    bico_status s = bico__fail(ctx, BICO_E_IO,
+                               "the %s %s: cannot create its new file: %s",
+                               what, path, strerror(errno));
+    t->gone = 1;
+    bico__tmp_discard(ctx, t);
+    return s;
+  }
+  return BICO_OK;
+}
+
+bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
+                             const char *path, bico__tmpfile *t) {
+  memset(t, 0, sizeof *t);
+  t->fd = -1;
+  t->isdir = 1;
+  const char *base = base_of(path);
+  size_t plen = strlen(path);
+  size_t blen = strlen(base) > TMP_BASE_MAX ? TMP_BASE_MAX : strlen(base);
+  size_t dcap = plen + 2, tcap = plen + blen + 64;
+  char *dir = bico__alloc(ctx, dcap);
+  t->path = bico__strdup(ctx, path);
+  t->tmp = bico__alloc(ctx, tcap);
+  t->aside = bico__alloc(ctx, tcap + 1);
+  if (dir == NULL || t->path == NULL || t->tmp == NULL || t->aside == NULL) {
+    bico__free(ctx, dir);
+    t->gone = 1;
+    bico__tmp_discard(ctx, t);
+    return BICO_E_NOMEM;
+  }
+  dir_of(path, dir, dcap);
+  remove_stale(dir, base, blen); /* once per folder and run */
+  snprintf(t->tmp, tcap, "%s/.%.*s%s%ld.XXXXXX", dir, (int)blen, base,
+           BICO__TMP_MARK, (long)getpid());
+  if (mkdtemp(t->tmp) == NULL) {
+    int e = errno;
+    bico_status s = bico__fail(
+        ctx, BICO_E_IO,
+        "%s: cannot write the output folder %s: its parent folder %s: %s%s",
+        fn, shown, dir, e == ENOENT ? "does not exist" : strerror(e),
+        e == ENOENT ? ""
+                    : " (a model folder is built beside the output and "
+                      "swapped in whole; write into a sub-folder of it, or "
+                      "into a folder whose parent you can write)");
+    bico__free(ctx, dir);
+    t->gone = 1;
+    bico__tmp_discard(ctx, t);
+    return s;
+  }
+  /* the same form: a later run's leftover scan recognises it */
+  snprintf(t->aside, tcap + 1, "%so", t->tmp);
+  bico__free(ctx, dir);
+  return BICO_OK;
 }
 
 bico_status bico__tmp_create(bico_ctx *ctx, const char *fn, const char *what,
@@ -594,13 +676,14 @@ bico_status bico__tmp_finish(bico_ctx *ctx, const char *fn, bico__tmpfile *t) {
   struct stat old;
   /* Permission bits only: a setuid/setgid/sticky destination must not
    * lend those bits to new content. */
-  mode_t mode = stat(t->path, &old) == 0 && S_ISREG(old.st_mode)
+  mode_t mode = t->setmode ? (t->mode & 0777)
+                : stat(t->path, &old) == 0 && S_ISREG(old.st_mode)
                     ? (old.st_mode & 0777)
-                    : (0666 & ~current_umask());
+                    : (0666 & ~bico__umask());
   const char *step = NULL;
   if (fchmod(t->fd, mode) != 0)
     step = "chmod";
-  else if (fsync(t->fd) != 0)
+  else if (!t->nosync && fsync(t->fd) != 0)
     step = "fsync";
   int fd = t->fd;
   t->fd = -1;
@@ -614,11 +697,15 @@ bico_status bico__tmp_finish(bico_ctx *ctx, const char *fn, bico__tmpfile *t) {
 void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t) {
   if (t->fd >= 0) close(t->fd);
   t->fd = -1;
-  if (t->tmp != NULL && !t->gone) unlink(t->tmp);
+  if (t->tmp != NULL && !t->gone) {
+    if (t->isdir) (void)bico__remove_tree(t->tmp);
+    else unlink(t->tmp);
+  }
   t->gone = 1;
   bico__free(ctx, t->tmp);
   bico__free(ctx, t->path);
-  t->tmp = t->path = NULL;
+  bico__free(ctx, t->aside);
+  t->tmp = t->path = t->aside = NULL;
 }
 
 static void sync_dir(const char *path) {
@@ -633,38 +720,110 @@ static void sync_dir(const char *path) {
   close(dfd);
 }
 
-bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
-                         size_t n) {
-  bico_status st = BICO_OK;
-  for (size_t i = 0; i < n && st == BICO_OK; i++) {
-    struct stat ls, ts;
-    if (t[i]->tmp == NULL || t[i]->gone || t[i]->fd >= 0) {
-      st = bico__fail(ctx, BICO_E_INTERNAL, "%s: %s: temporary file not "
-                      "finished", fn, t[i]->path);
-      break;
+/* Where a file path lies in folder d (device and inode), at any depth:
+ * the offset of its part relative to d ("sub/r.json" of "out/sub/r.json"),
+ * -1 when outside d, -2 without memory. */
+static long rel_in(const char *file, const struct stat *d) {
+  size_t n = strlen(file);
+  char *p = malloc(n + 1);
+  if (p == NULL) return -2;
+  memcpy(p, file, n + 1);
+  long off = -1;
+  struct stat s;
+  for (char *slash; off < 0 && (slash = strrchr(p, '/')) != NULL;) {
+    *slash = '\0';
+    if (stat(slash == p ? "/" : p, &s) == 0 && s.st_dev == d->st_dev &&
+        s.st_ino == d->st_ino)
+      off = (long)(slash - p) + 1;
+    if (slash == p) break;
+  }
+  if (off < 0 && strchr(file, '/') == NULL && stat(".", &s) == 0 &&
+      s.st_dev == d->st_dev && s.st_ino == d->st_ino)
+    off = 0;
+  free(p);
+  return off;
+}
+
+/* A file entry whose destination lies in a folder entry's folder (or in
+ * one of its sub-folders, carried into the new folder): moved (invisibly)
+ * into the new folder, so that the swap brings it in. */
+static bico_status into_folder(bico_ctx *ctx, const char *fn,
+                               bico__tmpfile *const *t, size_t n) {
+  for (size_t j = 0; j < n; j++) {
+    struct stat ds;
+    if (!t[j]->isdir || stat(t[j]->path, &ds) != 0 || !S_ISDIR(ds.st_mode))
+      continue;
+    for (size_t i = 0; i < n; i++) {
+      if (t[i]->isdir || t[i]->gone) continue;
+      long r = rel_in(t[i]->path, &ds);
+      if (r == -2) return BICO_E_NOMEM;
+      if (r < 0) continue;
+      int dfd = open(t[j]->tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      if (dfd < 0 || renameat(AT_FDCWD, t[i]->tmp, dfd, t[i]->path + r) != 0) {
+        int e = errno;
+        if (dfd >= 0) close(dfd);
+        return bico__fail(ctx, BICO_E_IO, "%s: %s: cannot move the new file "
+                          "into the new folder %s: %s; nothing was written",
+                          fn, t[i]->path, t[j]->path, strerror(e));
+      }
+      close(dfd);
+      t[i]->gone = 1;
     }
+  }
+  return BICO_OK;
+}
+
+/* Every destination checked before anything is renamed. */
+static bico_status commit_check(bico_ctx *ctx, const char *fn,
+                                bico__tmpfile *const *t, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    struct stat ls, ts;
+    if (t[i]->tmp == NULL || t[i]->gone || t[i]->fd >= 0)
+      return bico__fail(ctx, BICO_E_INTERNAL, "%s: %s: temporary file not "
+                        "finished", fn, t[i]->path);
     if (lstat(t[i]->path, &ls) != 0) continue;
     mode_t m = ls.st_mode;
     if (S_ISLNK(m) && stat(t[i]->path, &ts) == 0) m = ts.st_mode;
-    if (!S_ISREG(m) && !S_ISLNK(m))
-      st = bico__fail(ctx, BICO_E_IO,
-                      "%s: %s is %s, not a regular file; nothing was written",
-                      fn, t[i]->path, kind_of(m));
+    if (t[i]->isdir && !S_ISDIR(m))
+      return bico__fail(ctx, BICO_E_IO, "%s: the output folder %s is now %s, "
+                        "not a folder; nothing was written", fn, t[i]->path,
+                        S_ISREG(m) ? "a file" : kind_of(m));
+    if (!t[i]->isdir && !S_ISREG(m) && !S_ISLNK(m))
+      return bico__fail(ctx, BICO_E_IO,
+                        "%s: %s is %s, not a regular file; nothing was written",
+                        fn, t[i]->path, kind_of(m));
   }
+  return BICO_OK;
+}
+
+bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
+                         size_t n) {
+  bico_status st = commit_check(ctx, fn, t, n);
+  if (st == BICO_OK) st = into_folder(ctx, fn, t, n);
   for (size_t i = 0; i < n && st == BICO_OK; i++) {
-    if (rename(t[i]->tmp, t[i]->path) != 0) {
-      st = bico__fail(ctx, BICO_E_IO, "%s: %s: cannot move the new file into "
-                      "place: %s", fn, t[i]->path, strerror(errno));
+    if (t[i]->gone) continue; /* moved into a new folder */
+    int e = 0;
+    if (t[i]->isdir) e = bico__swap_folder(t[i]);
+    else if (rename(t[i]->tmp, t[i]->path) != 0) e = errno;
+    if (e != 0) {
+      st = bico__fail(ctx, BICO_E_IO, "%s: %s: cannot move the new %s into "
+                      "place: %s", fn, t[i]->path,
+                      t[i]->isdir ? "folder" : "file", strerror(e));
       break;
     }
     t[i]->gone = 1;
     sync_dir(t[i]->path);
   }
-  for (size_t i = 0; i < n; i++)
+  for (size_t i = 0; i < n; i++) {
+    if (t[i]->isdir && t[i]->oldtree)
+      (void)bico__remove_tree(t[i]->oldtree == 1 ? t[i]->tmp : t[i]->aside);
+    t[i]->oldtree = 0;
     if (t[i]->tmp != NULL && !t[i]->gone) {
-      unlink(t[i]->tmp);
+      if (t[i]->isdir) (void)bico__remove_tree(t[i]->tmp);
+      else unlink(t[i]->tmp);
       t[i]->gone = 1;
     }
+  }
   return st;
 }
 

@@ -13,7 +13,20 @@
  *   cut to 200 bytes); bico__commit checks every destination, then renames
  *   each temporary file into place and fsyncs each folder.  Creating a
  *   temporary file removes the stale ones that dead processes left for the
- *   same destination. */
+ *   same destination (files, and folders with everything in them).
+ * - Folder commit (lib/st_folder.c, lib/st_swap.c): a model folder is
+ *   built complete as a sibling temporary folder of the same name form
+ *   (".<folder>.bico-tmp.<pid>.XXXXXX", mode 0700 while it is built), the
+ *   user's own files of the old folder carried into it by hard link; its
+ *   bico__tmpfile has `isdir` set, and bico__commit swaps it in with one
+ *   renameat2(RENAME_EXCHANGE) (rename for a new folder), then removes the
+ *   old tree, which the exchange left under the temporary name.  A reader
+ *   sees the old folder or the complete new one, never a mixture.  Where
+ *   the file system refuses RENAME_EXCHANGE (EINVAL, ENOSYS) the old
+ *   folder is renamed aside first and the new one renamed in: for that
+ *   moment the folder is absent, never mixed.  A file output of the same
+ *   commit whose folder is the swapped folder is moved into the new folder
+ *   before the swap. */
 #ifndef BICO_FILEIO_H
 #define BICO_FILEIO_H
 
@@ -93,6 +106,16 @@ typedef struct bico__tmpfile {
   char *tmp;  /* temporary file */
   int fd;     /* -1 once closed */
   int gone;   /* the temporary file was renamed or removed */
+  int setmode; /* bico__tmp_finish gives `mode`, not the destination's */
+  mode_t mode;
+  int nosync; /* no fsync: a folder commit syncs the whole new folder once
+                 (bico__sync_folder), not file by file */
+  /* A folder (bico__tmp_folder): tmp is the complete new folder, path the
+   * folder it replaces; aside (ctx memory) where the old folder goes when
+   * RENAME_EXCHANGE is refused; oldtree: tmp (1) or aside (2) holds the
+   * old folder after the swap, to remove. */
+  int isdir, oldtree;
+  char *aside;
 } bico__tmpfile;
 
 /* Creates the temporary file for destination `path` (what names the role
@@ -100,6 +123,31 @@ typedef struct bico__tmpfile {
  * ends in '/' or names a folder is BICO_E_ARG. */
 bico_status bico__tmp_create(bico_ctx *ctx, const char *fn, const char *what,
                              const char *path, bico__tmpfile *t);
+/* A temporary file at a chosen name `tmp` (inside a temporary folder of
+ * this run: no stale scan, O_EXCL, mode 0600 until finished) for the
+ * destination `path` (named in messages). */
+bico_status bico__tmp_create_in(bico_ctx *ctx, const char *fn,
+                                const char *what, const char *path,
+                                const char *tmp, bico__tmpfile *t);
+/* The temporary folder for the folder `path` (its real path: a sibling in
+ * the same parent), created mode 0700 after one scan for leftovers.
+ * BICO_E_IO naming `shown` (the user's spelling) when the parent folder
+ * is missing or not writable. */
+bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
+                             const char *path, bico__tmpfile *t);
+/* Removes path and everything under it without following symbolic links
+ * (a folder it cannot enter is made 0700 first when it is the caller's);
+ * what cannot be removed stays.  Returns 0 or the first errno. */
+int bico__remove_tree(const char *path);
+/* Makes everything written under the folder path durable at once
+ * (syncfs of its file system, fsync of the folder where that is missing):
+ * one call for thousands of small files.  0 or an errno. */
+int bico__sync_folder(const char *path);
+/* Swaps the complete folder t->tmp in for t->path (lib/st_swap.c): 0 or
+ * an errno, with t->oldtree set when an old folder was moved out. */
+int bico__swap_folder(bico__tmpfile *t);
+/* The process's umask, read without changing it (022 when unknown). */
+mode_t bico__umask(void);
 /* Writes len bytes at the current end (for small text files). */
 bico_status bico__tmp_write(bico_ctx *ctx, const char *fn, bico__tmpfile *t,
                             const void *buf, size_t len);
@@ -107,15 +155,19 @@ bico_status bico__tmp_write(bico_ctx *ctx, const char *fn, bico__tmpfile *t,
  * never setuid, setgid or sticky; else 0666 less the umask), fsyncs and
  * closes it. */
 bico_status bico__tmp_finish(bico_ctx *ctx, const char *fn, bico__tmpfile *t);
-/* Removes the temporary file (unless gone) and frees both names; accepts
- * a zeroed t. */
+/* Removes the temporary file (unless gone; a folder with everything in
+ * it) and frees the names; accepts a zeroed t. */
 void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t);
 
 /* Commits n finished temporary files: checks every destination first (a
- * folder or other non-regular file there is BICO_E_IO naming it, and
- * nothing is renamed), then renames each into place and fsyncs each
- * folder.  On failure the temporary files not yet renamed are removed.
- * Allocates nothing, so it cannot fail for lack of memory after a rename. */
+ * folder or other non-regular file there is BICO_E_IO naming it, a file
+ * where a folder entry goes too, and nothing is renamed), moves the files
+ * whose folder is a folder entry's destination into that entry's new
+ * folder, then renames each into place (swaps each folder in) and fsyncs
+ * each folder, and last removes the old folders the swaps moved out.  On
+ * failure the temporary files not yet renamed are removed.  Allocates
+ * only before the first rename, so it cannot fail for lack of memory
+ * after one. */
 bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
                          size_t n);
 

@@ -128,8 +128,9 @@ struct bico__tmpfile;
 bico_status bico__stwriter_finish(bico_stwriter *w, struct bico__tmpfile **tf);
 /* The same for any writer (a folder writer has several files: shards,
  * index, copied files): *tf (owned by w) lists n temporary files for
- * bico__commit; after a successful commit, bico__stwriter_committed
- * removes the folder's stale weights (an earlier model's shards). */
+ * bico__commit (a folder writer: one entry, its new folder, swapped in
+ * whole); after a successful commit, bico__stwriter_committed marks the
+ * files as gone with it. */
 bico_status bico__stwriter_finish_all(bico_stwriter *w,
                                       struct bico__tmpfile ***tf, size_t *n);
 void bico__stwriter_committed(bico_stwriter *w);

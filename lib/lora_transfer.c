@@ -674,7 +674,7 @@ static bico_status lora_commit(lrun *r, size_t unused) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
   bico_status st = BICO_OK;
-  bico__tmpfile rep = {NULL, NULL, -1, 0}, *outs[3], **ck = NULL;
+  bico__tmpfile rep = {.fd = -1}, *outs[3], **ck = NULL;
   size_t nout = 0, nck = 0;
   bico_stwriter *w = NULL;
   bico__lora_out lo;

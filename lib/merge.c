@@ -848,7 +848,7 @@ bico_status bico_merge_run(bico_merge *m) {
   /* Every output complete in its temporary file, then all destinations
    * checked and committed together (lib/fileio.c). */
   const char *rp = m->files[BICO_MERGE_FILE_REPORT];
-  bico__tmpfile rt = {NULL, NULL, -1, 0}, **l1 = NULL, **l2 = NULL;
+  bico__tmpfile rt = {.fd = -1}, **l1 = NULL, **l2 = NULL;
   size_t n1 = 0, n2 = 0;
   if (st == BICO_OK) st = bico__stwriter_finish_all(w, &l1, &n1);
   if (st == BICO_OK && wd) st = bico__stwriter_finish_all(wd, &l2, &n2);

@@ -1,6 +1,9 @@
 /* safetensors writer: Hugging Face model folders as outputs (the shard
- * plan, the index, the target's other files copied, stale weights).  The
- * tensor side lives in lib/st_writer.c; this file owns the folder. */
+ * plan, the index, the target's other files copied, the user's files of
+ * the old folder carried over), built in a temporary sibling folder that
+ * the commit swaps in whole (lib/fileio.h, lib/st_swap.c).  The tensor
+ * side lives in lib/st_writer.c; this file owns the folder. */
+#define _DEFAULT_SOURCE 1 /* realpath */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -16,17 +19,32 @@
 #define INDEX_NAME "model.safetensors.index.json"
 #define SINGLE_NAME "model.safetensors"
 
+/* A file of the like folder to copy: its name, the file read (the real
+ * path of a link) and its permission bits. */
+typedef struct wcopy {
+  char *name, *src;
+  mode_t mode;
+} wcopy;
+
 struct bico__wfolder {
-  char *dir;
-  int made_dir;  /* created by this writer: removed again unless committed */
-  int committed;
+  char *dir;  /* as the caller spelt it (messages, file names) */
+  char *real; /* the folder's real path: what the commit replaces */
+  int exists; /* an old folder is there */
+  struct stat old;
+  bico__tmpfile stage; /* the new folder, built complete */
   bico_stfile *like;  /* the model whose shard layout is followed */
   char *likedir;      /* its folder, whose other files are copied */
+  char **likew;       /* the like model's weight files (base names) */
+  size_t nlikew;
+  wcopy *copies;
+  size_t ncopies, copycap;
   uint64_t max_shard; /* bytes; 0: as like (or one file) */
   bico__tmpfile *extra; /* index and copied files */
   size_t nextra, extracap;
-  char **stale; /* weight files of an earlier model in dir, to remove */
-  size_t nstale, stalecap;
+  char **made; /* sorted names the writer produces */
+  size_t nmade;
+  char **drop; /* sorted weight names of the old folder not carried */
+  size_t ndrop, dropcap;
   bico__tmpfile **list;
 };
 
@@ -64,18 +82,215 @@ static int is_shard_name(const char *n) {
          n[end] == '\0';
 }
 
+static void free_names(bico_ctx *ctx, char **v, size_t n) {
+  for (size_t k = 0; v != NULL && k < n; k++) bico__free(ctx, v[k]);
+  bico__free(ctx, v);
+}
+
 void bico__wfolder_free(bico_ctx *ctx, bico__wfolder *f) {
   if (f == NULL) return;
   for (size_t k = 0; k < f->nextra; k++) bico__tmp_discard(ctx, &f->extra[k]);
   bico__free(ctx, f->extra);
-  for (size_t k = 0; k < f->nstale; k++) bico__free(ctx, f->stale[k]);
-  bico__free(ctx, f->stale);
+  for (size_t k = 0; k < f->ncopies; k++) {
+    bico__free(ctx, f->copies[k].name);
+    bico__free(ctx, f->copies[k].src);
+  }
+  bico__free(ctx, f->copies);
+  free_names(ctx, f->likew, f->nlikew);
+  free_names(ctx, f->made, f->nmade);
+  free_names(ctx, f->drop, f->ndrop);
   bico__free(ctx, f->list);
   bico_stfile_close(f->like);
-  if (f->made_dir && !f->committed) (void)rmdir(f->dir);
+  bico__tmp_discard(ctx, &f->stage); /* the new folder, unless committed */
   bico__free(ctx, f->likedir);
+  bico__free(ctx, f->real);
   bico__free(ctx, f->dir);
   bico__free(ctx, f);
+}
+
+static int cmp_name(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static int in_sorted(char *const *v, size_t n, const char *name) {
+  return n > 0 && bsearch(&name, v, n, sizeof *v, cmp_name) != NULL;
+}
+
+/* Appends a copy of name to *v (n entries, capacity *cap). */
+static bico_status push_name(bico_ctx *ctx, char ***v, size_t *n, size_t *cap,
+                             const char *name) {
+  char **g = bico__grow(ctx, *v, *n, cap, 16, sizeof *g);
+  if (g == NULL) return BICO_E_NOMEM;
+  *v = g;
+  if ((g[*n] = bico__strdup(ctx, name)) == NULL) return BICO_E_NOMEM;
+  (*n)++;
+  return BICO_OK;
+}
+
+/* The output folder's real path: the folder a link leads to, or (a new
+ * folder) its real parent and its name. */
+static bico_status resolve_out(bico_ctx *ctx, bico__wfolder *f) {
+  struct stat ds;
+  if (stat(f->dir, &ds) == 0) {
+    if (!S_ISDIR(ds.st_mode))
+      return bico__fail(ctx, BICO_E_ARG,
+                        "the output folder %s exists and is not a folder",
+                        f->dir);
+    if (access(f->dir, W_OK | X_OK) != 0)
+      return bico__fail(ctx, BICO_E_IO,
+                        "cannot write into the output folder %s: %s", f->dir,
+                        strerror(errno));
+    char *r = realpath(f->dir, NULL);
+    if (r == NULL)
+      return bico__fail(ctx, BICO_E_IO, "the output folder %s: %s", f->dir,
+                        strerror(errno));
+    f->real = bico__strdup(ctx, r);
+    free(r);
+    f->exists = 1;
+    f->old = ds;
+    if (f->real == NULL) return BICO_E_NOMEM;
+    /* a mount point cannot be swapped (EBUSY, EXDEV): say so first */
+    char *up = bico__path_join(ctx, f->real, "..");
+    struct stat ps;
+    int mount = up != NULL && stat(up, &ps) == 0 && ps.st_dev != ds.st_dev;
+    bico__free(ctx, up);
+    if (mount)
+      return bico__fail(ctx, BICO_E_IO,
+                        "the output folder %s is a mount point: a model folder "
+                        "is built beside the output and swapped in whole; "
+                        "write into a sub-folder of it (nothing was written)",
+                        f->dir);
+    return BICO_OK;
+  }
+  const char *slash = strrchr(f->dir, '/');
+  const char *base = slash ? slash + 1 : f->dir;
+  if (strcmp(base, ".") == 0 || strcmp(base, "..") == 0)
+    return bico__fail(ctx, BICO_E_ARG, "the output folder '%s' names no "
+                      "folder", f->dir);
+  char *parent = slash == NULL ? bico__strdup(ctx, ".")
+                 : slash == f->dir ? bico__strdup(ctx, "/")
+                 : bico__strndup(ctx, f->dir, (size_t)(slash - f->dir));
+  if (parent == NULL) return BICO_E_NOMEM;
+  char *r = realpath(parent, NULL);
+  bico_status st = BICO_OK;
+  if (r == NULL || stat(r, &ds) != 0 || !S_ISDIR(ds.st_mode))
+    st = bico__fail(ctx, BICO_E_IO, "cannot create the output folder %s: its "
+                    "parent folder %s %s", f->dir, parent,
+                    r == NULL && errno == ENOENT ? "does not exist"
+                                                 : "is not a folder");
+  else if ((f->real = bico__path_join(ctx, r, base)) == NULL)
+    st = BICO_E_NOMEM;
+  free(r);
+  bico__free(ctx, parent);
+  return st;
+}
+
+/* real lies inside folder (both real paths). */
+static int inside(const char *real, const char *folder) {
+  size_t n = strlen(folder);
+  return strncmp(real, folder, n) == 0 &&
+         (real[n] == '/' || (n > 0 && folder[n - 1] == '/'));
+}
+
+/* Where links of the like folder may lead besides the folder: a Hugging
+ * Face cache snapshot (.../snapshots/<rev>/) links into ../../blobs/. */
+static char *blobs_of(bico_ctx *ctx, const char *lreal) {
+  const char *s = strrchr(lreal, '/');
+  if (s == NULL || s == lreal) return NULL;
+  size_t pn = (size_t)(s - lreal); /* lreal[0, pn): .../snapshots */
+  static const char SN[] = "/snapshots";
+  if (pn < sizeof SN - 1 || memcmp(lreal + pn - (sizeof SN - 1), SN,
+                                   sizeof SN - 1) != 0)
+    return NULL;
+  char *b = bico__alloc(ctx, pn + 8);
+  if (b == NULL) return NULL;
+  snprintf(b, pn + 8, "%.*sblobs", (int)(pn - (sizeof SN - 2)), lreal);
+  char *r = realpath(b, NULL);
+  bico__free(ctx, b);
+  char *out = r ? bico__strdup(ctx, r) : NULL;
+  free(r);
+  return out;
+}
+
+/* One entry of the like folder: copied (a regular file, or a link whose
+ * real path stays inside the folder or in the cache's blobs), skipped
+ * (folders, dangling links, special files) or refused (a link out). */
+static bico_status plan_one(bico_ctx *ctx, bico__wfolder *f, const char *nm,
+                            const char *lreal, const char *blobs) {
+  char *p = bico__path_join(ctx, f->likedir, nm);
+  if (p == NULL) return BICO_E_NOMEM;
+  struct stat ls, ss;
+  bico_status st = BICO_OK;
+  char *src = NULL;
+  if (lstat(p, &ls) != 0) {
+  } else if (S_ISLNK(ls.st_mode)) {
+    char *r = realpath(p, NULL);
+    if (r != NULL && !inside(r, lreal) && (blobs == NULL || !inside(r, blobs)))
+      st = bico__fail(ctx, BICO_E_IO,
+                      "the model folder %s: %s is a symbolic link to %s, "
+                      "outside the folder; refusing to copy it into the "
+                      "output (nothing was written)",
+                      f->likedir, nm, r);
+    else if (r != NULL && stat(r, &ss) == 0 && S_ISREG(ss.st_mode) &&
+             (src = bico__strdup(ctx, r)) == NULL)
+      st = BICO_E_NOMEM;
+    free(r);
+  } else if (S_ISREG(ls.st_mode)) {
+    ss = ls;
+    src = p;
+    p = NULL;
+  }
+  if (st == BICO_OK && src != NULL) {
+    wcopy *c = bico__grow(ctx, f->copies, f->ncopies, &f->copycap, 16,
+                          sizeof *c);
+    if (c == NULL) st = BICO_E_NOMEM;
+    else {
+      f->copies = c;
+      c[f->ncopies].src = src;
+      c[f->ncopies].mode = ss.st_mode & 0777; /* never setuid/setgid/sticky */
+      c[f->ncopies].name = bico__strdup(ctx, nm);
+      src = NULL;
+      if (c[f->ncopies++].name == NULL) st = BICO_E_NOMEM;
+    }
+  }
+  bico__free(ctx, src);
+  bico__free(ctx, p);
+  return st;
+}
+
+/* The like folder's files to copy, checked before anything is written:
+ * not hidden, not weights, not a file the like model's index names as a
+ * shard. */
+static bico_status plan_copies(bico_ctx *ctx, bico__wfolder *f) {
+  size_t cap = 0;
+  for (size_t k = 0; k < f->like->nfiles; k++) {
+    const char *p = f->like->files[k].path, *b = strrchr(p, '/');
+    bico_status st = push_name(ctx, &f->likew, &f->nlikew, &cap, b ? b + 1 : p);
+    if (st != BICO_OK) return st;
+  }
+  if (f->nlikew > 1) qsort(f->likew, f->nlikew, sizeof *f->likew, cmp_name);
+  char *lreal = realpath(f->likedir, NULL);
+  if (lreal == NULL)
+    return bico__fail(ctx, BICO_E_IO, "the model folder %s: %s", f->likedir,
+                      strerror(errno));
+  char *blobs = blobs_of(ctx, lreal);
+  DIR *d = opendir(f->likedir);
+  bico_status st = BICO_OK;
+  if (d == NULL)
+    st = bico__fail(ctx, BICO_E_IO, "cannot list the model folder %s: %s",
+                    f->likedir, strerror(errno));
+  struct dirent *e;
+  while (st == BICO_OK && (e = readdir(d)) != NULL) {
+    const char *nm = e->d_name;
+    if (nm[0] == '.' || is_weight_name(nm) ||
+        in_sorted(f->likew, f->nlikew, nm))
+      continue;
+    st = plan_one(ctx, f, nm, lreal, blobs);
+  }
+  if (d != NULL) closedir(d);
+  free(lreal);
+  bico__free(ctx, blobs);
+  return st;
 }
 
 bico_status bico__wfolder_open(bico_ctx *ctx, const char *fn, const char *dir,
@@ -87,47 +302,55 @@ bico_status bico__wfolder_open(bico_ctx *ctx, const char *fn, const char *dir,
                       fn);
   bico__wfolder *f = bico__calloc(ctx, 1, sizeof *f);
   if (f == NULL) return BICO_E_NOMEM;
+  f->stage.fd = -1;
+  f->stage.gone = 1;
   f->max_shard = max_shard;
-  f->dir = bico__strdup(ctx, dir);
-  if (f->dir == NULL) {
-    bico__wfolder_free(ctx, f);
-    return BICO_E_NOMEM;
-  }
-  bico_status st = BICO_OK;
-  struct stat ds, ls;
-  if (stat(dir, &ds) == 0) {
-    if (!S_ISDIR(ds.st_mode))
-      st = bico__fail(ctx, BICO_E_ARG,
-                      "%s: the output folder %s exists and is not a folder",
-                      fn, dir);
-  } else if (mkdir(dir, 0777) != 0) {
-    st = bico__fail(ctx, BICO_E_IO, "%s: cannot create the output folder %s: "
-                    "%s", fn, dir, strerror(errno));
-  } else {
-    f->made_dir = 1;
-    if (stat(dir, &ds) != 0)
-      st = bico__fail(ctx, BICO_E_IO, "%s: %s: %s", fn, dir, strerror(errno));
-  }
-  if (st == BICO_OK && access(dir, W_OK | X_OK) != 0)
-    st = bico__fail(ctx, BICO_E_IO, "%s: cannot write into the output folder "
-                    "%s: %s", fn, dir, strerror(errno));
+  size_t dl = strlen(dir);
+  while (dl > 1 && dir[dl - 1] == '/') dl--;
+  f->dir = bico__strndup(ctx, dir, dl);
+  bico_status st = f->dir ? resolve_out(ctx, f) : BICO_E_NOMEM;
+  struct stat ls, rs;
   if (st == BICO_OK && like != NULL && stat(like, &ls) == 0 &&
       S_ISDIR(ls.st_mode)) {
-    if (ls.st_dev == ds.st_dev && ls.st_ino == ds.st_ino)
+    if (stat(f->real, &rs) == 0 && ls.st_dev == rs.st_dev &&
+        ls.st_ino == rs.st_ino)
       st = bico__fail(ctx, BICO_E_ARG,
-                      "%s: the output folder %s is the model folder %s it "
+                      "the output folder %s is the model folder %s it "
                       "copies; write to another folder (nothing was written)",
-                      fn, dir, like);
+                      dir, like);
     else if ((f->likedir = bico__strdup(ctx, like)) == NULL)
       st = BICO_E_NOMEM;
   }
   if (st == BICO_OK && like != NULL) st = bico_stfile_open(ctx, like, &f->like);
+  if (st == BICO_OK && f->likedir != NULL) st = plan_copies(ctx, f);
+  if (st == BICO_OK) st = bico__tmp_folder(ctx, fn, f->dir, f->real, &f->stage);
   if (st != BICO_OK) {
     bico__wfolder_free(ctx, f);
     return st;
   }
   *out = f;
   return BICO_OK;
+}
+
+/* A file of the new folder: written as stage/name, named dir/name in
+ * messages (whose mode an existing dir/name lends). */
+static bico_status stage_file(bico_ctx *ctx, const char *fn, bico__wfolder *f,
+                              const char *what, const char *name,
+                              bico__tmpfile *t) {
+  memset(t, 0, sizeof *t);
+  t->fd = -1;
+  t->gone = 1;
+  if (name[0] == '\0' || strchr(name, '/') != NULL ||
+      strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
+    return bico__fail(ctx, BICO_E_ARG, "the output folder %s: '%s' is not a "
+                      "file name", f->dir, name);
+  char *path = bico__path_join(ctx, f->dir, name);
+  char *tmp = bico__path_join(ctx, f->stage.tmp, name);
+  bico_status st = path && tmp ? BICO_OK : BICO_E_NOMEM;
+  if (st == BICO_OK) st = bico__tmp_create_in(ctx, fn, what, path, tmp, t);
+  bico__free(ctx, path);
+  bico__free(ctx, tmp);
+  return st;
 }
 
 /* Index of name in v[0..n), or n. */
@@ -219,10 +442,7 @@ bico_status bico__wfolder_layout(bico_ctx *ctx, const char *fn,
     sh[s].tf.fd = -1;
     sh[s].name = sn[s];
     sn[s] = NULL;
-    char *path = bico__path_join(ctx, f->dir, sh[s].name);
-    if (path == NULL) st = BICO_E_NOMEM;
-    else st = bico__tmp_create(ctx, fn, "output shard", path, &sh[s].tf);
-    bico__free(ctx, path);
+    st = stage_file(ctx, fn, f, "output shard", sh[s].name, &sh[s].tf);
   }
   for (size_t s = 0; s < ns; s++) bico__free(ctx, sn[s]);
   bico__free(ctx, sn);
@@ -257,12 +477,10 @@ static bico_status write_extra(bico_ctx *ctx, const char *fn, bico__wfolder *f,
                                const char *what, const char *name,
                                const void *buf, size_t len) {
   bico__tmpfile *t = new_extra(ctx, f);
-  char *path = bico__path_join(ctx, f->dir, name);
-  bico_status st = t && path ? BICO_OK : BICO_E_NOMEM;
-  if (st == BICO_OK) st = bico__tmp_create(ctx, fn, what, path, t);
+  bico_status st = t ? BICO_OK : BICO_E_NOMEM;
+  if (st == BICO_OK) st = stage_file(ctx, fn, f, what, name, t);
   if (st == BICO_OK) st = bico__tmp_write(ctx, fn, t, buf, len);
   if (st == BICO_OK) st = bico__tmp_finish(ctx, fn, t);
-  bico__free(ctx, path);
   return st;
 }
 
@@ -298,61 +516,45 @@ static bico_status write_index(bico_ctx *ctx, const char *fn,
   return st;
 }
 
-/* One of the like folder's other files, copied byte for byte. */
+/* One of the like folder's other files, copied byte for byte with its
+ * permission bits. */
 static bico_status copy_file(bico_ctx *ctx, const char *fn, bico__wfolder *f,
-                             const char *name, unsigned char *buf,
-                             size_t cap) {
-  char *src = bico__path_join(ctx, f->likedir, name);
-  char *dst = bico__path_join(ctx, f->dir, name);
+                             const wcopy *c, unsigned char *buf, size_t cap) {
   bico__tmpfile *t = new_extra(ctx, f);
   int fd = -1;
   uint64_t size = 0;
-  bico_status st = src && dst && t ? BICO_OK : BICO_E_NOMEM;
-  if (st == BICO_OK) st = bico__open_input(ctx, fn, src, &fd, &size);
-  if (st == BICO_OK) st = bico__tmp_create(ctx, fn, "copied file", dst, t);
+  bico_status st = t ? BICO_OK : BICO_E_NOMEM;
+  if (st == BICO_OK) st = bico__open_input(ctx, fn, c->src, &fd, &size);
+  if (st == BICO_OK) st = stage_file(ctx, fn, f, "copied file", c->name, t);
   for (uint64_t off = 0; st == BICO_OK && off < size;) {
     size_t k = size - off < cap ? (size_t)(size - off) : cap;
     int e = bico__pread_all(fd, buf, k, off);
     if (e != 0)
-      st = bico__fail(ctx, BICO_E_IO, "%s: reading %s: %s", fn, src,
-                      strerror(e));
+      st = bico__fail(ctx, BICO_E_IO, "the model folder %s: reading %s: %s",
+                      f->likedir, c->name, strerror(e));
     else st = bico__tmp_write(ctx, fn, t, buf, k);
     off += k;
   }
-  if (st == BICO_OK) st = bico__tmp_finish(ctx, fn, t);
+  if (st == BICO_OK) {
+    t->setmode = 1;
+    t->mode = c->mode;
+    t->nosync = 1; /* stage_mode syncs the new folder once */
+    st = bico__tmp_finish(ctx, fn, t);
+  }
   if (fd >= 0) close(fd);
-  bico__free(ctx, src);
-  bico__free(ctx, dst);
   return st;
 }
 
-static bico_status add_stale(bico_ctx *ctx, bico__wfolder *f,
-                             const char *name, const bico__wshard *sh,
-                             size_t nsh, int index) {
-  if (index && strcmp(name, INDEX_NAME) == 0) return BICO_OK;
-  for (size_t s = 0; s < nsh; s++)
-    if (strcmp(sh[s].name, name) == 0) return BICO_OK;
-  if (strchr(name, '/') != NULL || name[0] == '.' ||
-      find_name(f->stale, f->nstale, name) < f->nstale)
-    return BICO_OK;
-  char **v = bico__grow(ctx, f->stale, f->nstale, &f->stalecap, 8, sizeof *v);
-  if (v == NULL) return BICO_E_NOMEM;
-  f->stale = v;
-  if ((v[f->nstale] = bico__strdup(ctx, name)) == NULL) return BICO_E_NOMEM;
-  f->nstale++;
-  return BICO_OK;
-}
-
-/* The weights of the model the folder held before, which the new files do
- * not replace: the old index's shards, model.safetensors, the index
- * itself and model-NNNNN-of-NNNNN.safetensors files.  Other files stay. */
-static bico_status find_stale(bico_ctx *ctx, bico__wfolder *f,
-                              const bico__wshard *sh, size_t nsh, int index) {
+/* The old folder's weights the new model replaces, not carried over:
+ * model.safetensors, the index, model-NNNNN-of-NNNNN.safetensors, and the
+ * files the old index names that have a weight suffix.  Never a file of
+ * another name, whatever the old index says. */
+static bico_status find_drop(bico_ctx *ctx, bico__wfolder *f) {
   bico_status st = BICO_OK;
-  char *ip = bico__path_join(ctx, f->dir, INDEX_NAME);
+  char *ip = bico__path_join(ctx, f->real, INDEX_NAME);
   if (ip == NULL) return BICO_E_NOMEM;
   struct stat s;
-  if (stat(ip, &s) == 0 && S_ISREG(s.st_mode)) {
+  if (lstat(ip, &s) == 0 && S_ISREG(s.st_mode)) {
     char *text = NULL;
     size_t len = 0;
     bico__json_doc *doc = NULL;
@@ -363,22 +565,72 @@ static bico_status find_stale(bico_ctx *ctx, bico__wfolder *f,
       const bico__json *wm = bico__json_get(&doc->root, "weight_map");
       for (size_t k = 0; wm && wm->type == BICO__JSON_OBJECT && k < wm->n &&
                          st == BICO_OK;
-           k++)
-        if (wm->u.members[k].value.type == BICO__JSON_STRING)
-          st = add_stale(ctx, f, wm->u.members[k].value.u.s, sh, nsh, index);
+           k++) {
+        const bico__json *v = &wm->u.members[k].value;
+        if (v->type == BICO__JSON_STRING && is_weight_name(v->u.s) &&
+            strchr(v->u.s, '/') == NULL)
+          st = push_name(ctx, &f->drop, &f->ndrop, &f->dropcap, v->u.s);
+      }
     }
     bico__json_doc_free(doc);
     bico__free(ctx, text);
     bico__clear(ctx);
   }
   bico__free(ctx, ip);
-  DIR *d = st == BICO_OK ? opendir(f->dir) : NULL;
-  struct dirent *e;
-  while (d != NULL && st == BICO_OK && (e = readdir(d)) != NULL)
-    if (strcmp(e->d_name, SINGLE_NAME) == 0 ||
-        strcmp(e->d_name, INDEX_NAME) == 0 || is_shard_name(e->d_name))
-      st = add_stale(ctx, f, e->d_name, sh, nsh, index);
-  if (d != NULL) closedir(d);
+  if (f->ndrop > 1) qsort(f->drop, f->ndrop, sizeof *f->drop, cmp_name);
+  return st;
+}
+
+/* What the new folder takes from the old one. */
+static int keep_old(void *arg, const char *n) {
+  const bico__wfolder *f = arg;
+  if (n[0] == '.' && strstr(n, BICO__TMP_MARK) != NULL) return 0; /* ours */
+  if (in_sorted(f->made, f->nmade, n)) return 0; /* the new file wins */
+  if (strcmp(n, SINGLE_NAME) == 0 || strcmp(n, INDEX_NAME) == 0 ||
+      is_shard_name(n))
+    return 0;
+  return !in_sorted(f->drop, f->ndrop, n);
+}
+
+/* The new folder's own mode (and owner, as root): the old folder's, or
+ * what mkdir would give. */
+static bico_status stage_mode(bico_ctx *ctx, bico__wfolder *f) {
+  int fd = open(f->stage.tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    return bico__fail(ctx, BICO_E_IO, "the output folder %s: its new folder "
+                      "is gone: %s", f->dir, strerror(errno));
+  int bad = 0;
+  if (f->exists) {
+    if (geteuid() == 0 && fchown(fd, f->old.st_uid, f->old.st_gid) != 0)
+      bad = errno;
+    if (!bad && fchmod(fd, f->old.st_mode & 07777) != 0) bad = errno;
+  } else if (fchmod(fd, 0777 & ~bico__umask()) != 0) {
+    bad = errno;
+  }
+  close(fd);
+  if (bad)
+    return bico__fail(ctx, BICO_E_IO, "the output folder %s: cannot give the "
+                      "new folder the old one's mode: %s", f->dir,
+                      strerror(bad));
+  /* the copies and carried files were not synced one by one */
+  int e = bico__sync_folder(f->stage.tmp);
+  if (e != 0 && e != EINVAL && e != EROFS)
+    return bico__fail(ctx, BICO_E_IO, "the output folder %s: cannot make the "
+                      "new files durable: %s", f->dir, strerror(e));
+  return BICO_OK;
+}
+
+/* The sorted names of every file the writer produces. */
+static bico_status list_made(bico_ctx *ctx, bico__wfolder *f,
+                             const bico__wshard *sh, size_t nsh, int index) {
+  size_t cap = 0;
+  bico_status st = BICO_OK;
+  for (size_t s = 0; s < nsh && st == BICO_OK; s++)
+    st = push_name(ctx, &f->made, &f->nmade, &cap, sh[s].name);
+  if (st == BICO_OK && index)
+    st = push_name(ctx, &f->made, &f->nmade, &cap, INDEX_NAME);
+  if (st == BICO_OK && f->nmade > 1)
+    qsort(f->made, f->nmade, sizeof *f->made, cmp_name);
   return st;
 }
 
@@ -388,53 +640,50 @@ bico_status bico__wfolder_finish(bico_ctx *ctx, const char *fn,
                                  const uint64_t *sizes, const size_t *of,
                                  const bico__wshard *sh, size_t nsh) {
   int index = nsh > 1 || strcmp(sh[0].name, SINGLE_NAME) != 0;
-  bico_status st = BICO_OK;
-  if (index) st = write_index(ctx, fn, f, n, names, sizes, of, sh);
-  if (st == BICO_OK && f->likedir != NULL) {
-    DIR *d = opendir(f->likedir);
-    if (d == NULL)
-      st = bico__fail(ctx, BICO_E_IO, "%s: cannot list %s: %s", fn,
-                      f->likedir, strerror(errno));
-    size_t cap = 1u << 20;
-    unsigned char *buf = d ? bico__alloc(ctx, cap) : NULL;
-    if (d != NULL && buf == NULL) st = BICO_E_NOMEM;
-    struct dirent *e;
-    while (st == BICO_OK && (e = readdir(d)) != NULL) {
-      const char *nm = e->d_name;
-      if (nm[0] == '.' || is_weight_name(nm)) continue;
-      char *p = bico__path_join(ctx, f->likedir, nm);
-      struct stat s;
-      if (p == NULL) st = BICO_E_NOMEM;
-      else if (stat(p, &s) == 0 && S_ISREG(s.st_mode))
-        st = copy_file(ctx, fn, f, nm, buf, cap);
-      bico__free(ctx, p);
-    }
-    bico__free(ctx, buf);
-    if (d != NULL) closedir(d);
+  bico_status st = list_made(ctx, f, sh, nsh, index);
+  if (st == BICO_OK && index)
+    st = write_index(ctx, fn, f, n, names, sizes, of, sh);
+  size_t cap = 1u << 20;
+  unsigned char *buf = f->ncopies > 0 ? bico__alloc(ctx, cap) : NULL;
+  if (f->ncopies > 0 && buf == NULL) st = BICO_E_NOMEM;
+  for (size_t k = 0; k < f->ncopies && st == BICO_OK; k++) {
+    /* a copy never takes the name of a file the writer produces */
+    if (in_sorted(f->made, f->nmade, f->copies[k].name)) continue;
+    st = copy_file(ctx, fn, f, &f->copies[k], buf, cap);
   }
-  if (st == BICO_OK) st = find_stale(ctx, f, sh, nsh, index);
+  bico__free(ctx, buf);
+  /* the copies are produced too: the old folder's files of their names
+   * are replaced */
+  size_t mcap = f->nmade;
+  for (size_t k = 0; k < f->ncopies && st == BICO_OK; k++)
+    st = push_name(ctx, &f->made, &f->nmade, &mcap, f->copies[k].name);
+  if (st == BICO_OK && f->nmade > 1)
+    qsort(f->made, f->nmade, sizeof *f->made, cmp_name);
+  if (st == BICO_OK && f->exists) st = find_drop(ctx, f);
+  if (st == BICO_OK && f->exists)
+    st = bico__carry_files(ctx, fn, f->dir, f->real, f->stage.tmp, keep_old,
+                           f);
+  if (st == BICO_OK) st = stage_mode(ctx, f);
   return st;
 }
 
 bico_status bico__wfolder_files(bico_ctx *ctx, bico__wfolder *f,
                                 bico__wshard *sh, size_t nsh,
                                 bico__tmpfile ***list, size_t *n) {
+  (void)sh;
+  (void)nsh;
   bico__free(ctx, f->list);
-  f->list = bico__alloc(ctx, (nsh + f->nextra) * sizeof *f->list);
+  f->list = bico__alloc(ctx, sizeof *f->list);
   if (f->list == NULL) return BICO_E_NOMEM;
-  size_t k = 0;
-  for (size_t s = 0; s < nsh; s++) f->list[k++] = &sh[s].tf;
-  for (size_t s = 0; s < f->nextra; s++) f->list[k++] = &f->extra[s];
+  f->stage.gone = 0;
+  f->list[0] = &f->stage;
   *list = f->list;
-  *n = k;
+  *n = 1;
   return BICO_OK;
 }
 
 void bico__wfolder_committed(bico__wfolder *f) {
-  f->committed = 1;
-  int dfd = open(f->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return;
-  for (size_t k = 0; k < f->nstale; k++) (void)unlinkat(dfd, f->stale[k], 0);
-  if (f->nstale > 0) (void)fsync(dfd);
-  close(dfd);
+  /* the files went with the folder: nothing of theirs to remove */
+  for (size_t k = 0; k < f->nextra; k++) f->extra[k].gone = 1;
+  f->stage.gone = 1;
 }

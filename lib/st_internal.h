@@ -88,10 +88,14 @@ typedef struct bico__wshard {
 
 typedef struct bico__wfolder bico__wfolder;
 
-/* Opens (creating it when missing: its parent must exist) the output
- * folder dir; like (NULL: none) is the model file or folder whose shard
- * layout is followed (max_shard 0) and, for a folder, whose other files
- * are copied.  dir the same folder as like is BICO_E_ARG. */
+/* Starts the output folder dir (its parent must exist): everything is
+ * written into a temporary sibling folder (lib/fileio.h, "Folder
+ * commit"), swapped in at the commit; a symbolic link to a folder stands
+ * for the folder it leads to.  like (NULL: none) is the model file or
+ * folder whose shard layout is followed (max_shard 0) and, for a folder,
+ * whose other files are copied (checked here: a symbolic link leading out
+ * of the folder, other than a Hugging Face cache snapshot's link into its
+ * blobs/, is BICO_E_IO).  dir the same folder as like is BICO_E_ARG. */
 bico_status bico__wfolder_open(bico_ctx *ctx, const char *fn, const char *dir,
                                const char *like, uint64_t max_shard,
                                bico__wfolder **out);
@@ -107,18 +111,33 @@ bico_status bico__wfolder_layout(bico_ctx *ctx, const char *fn,
                                  const uint64_t *sizes, size_t *of,
                                  bico__wshard **sh, size_t *nsh);
 /* After the shards are finished: the index (several shards, or one not
- * named model.safetensors), the copies, the list of stale weights. */
+ * named model.safetensors), the copies, and the user's files of the old
+ * folder carried over (everything but the weights the new model replaces:
+ * model.safetensors, the index, model-NNNNN-of-NNNNN.safetensors, files
+ * with a weight suffix the old index names), the folder's mode. */
 bico_status bico__wfolder_finish(bico_ctx *ctx, const char *fn,
                                  bico__wfolder *f, size_t n,
                                  const char *const *names,
                                  const uint64_t *sizes, const size_t *of,
                                  const bico__wshard *sh, size_t nsh);
-/* Every temporary file to commit: shards, index, copies. */
+/* What to commit: one entry, the new folder (isdir). */
 bico_status bico__wfolder_files(bico_ctx *ctx, bico__wfolder *f,
                                 bico__wshard *sh, size_t nsh,
                                 bico__tmpfile ***list, size_t *n);
-/* After the commit: removes the stale weights. */
+/* After the commit: the folder's files are in place (nothing to remove
+ * any more). */
 void bico__wfolder_committed(bico__wfolder *f);
+
+/* lib/st_swap.c: carries the entries of folder `from` for which keep(arg,
+ * name) says 1 (every entry of its sub-folders) into the folder `to`: a
+ * hard link for each file and link (a copy, mode kept, when linking is
+ * refused: EXDEV, EPERM, ...), each sub-folder recreated with its mode
+ * (and owner, as root).  BICO_E_IO naming `shown` and the entry when one
+ * cannot be carried. */
+typedef int (*bico__keep_fn)(void *arg, const char *name);
+bico_status bico__carry_files(bico_ctx *ctx, const char *fn,
+                              const char *shown, const char *from,
+                              const char *to, bico__keep_fn keep, void *arg);
 
 /* What every derived checkpoint says about itself (transfer, merge): the
  * base's "__metadata__" kept except "bico.*" keys and a sharded base's

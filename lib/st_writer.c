@@ -667,7 +667,10 @@ bico_status bico__stwriter_finish_all(bico_stwriter *w, bico__tmpfile ***tf,
 }
 
 void bico__stwriter_committed(bico_stwriter *w) {
-  if (w != NULL && w->folder != NULL) bico__wfolder_committed(w->folder);
+  if (w == NULL || w->folder == NULL) return;
+  /* the shards went with the new folder */
+  for (size_t k = 0; k < w->nsh; k++) w->sh[k].tf.gone = 1;
+  bico__wfolder_committed(w->folder);
 }
 
 bico_status bico_stwriter_commit(bico_stwriter *w) {
@@ -699,7 +702,7 @@ bico_status bico_stwriter_create_folder(bico_ctx *ctx, const char *dir,
     bico_stwriter_free(w);
     return BICO_E_NOMEM;
   }
-  bico_status st = bico__wfolder_open(ctx, "stwriter_create_folder", dir,
+  bico_status st = bico__wfolder_open(ctx, "bico_stwriter_create_folder", dir,
                                       like, max_shard_size, &w->folder);
   if (st != BICO_OK) {
     bico_stwriter_free(w);

@@ -308,7 +308,7 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
 bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
                               const char *report, bico_stwriter *w,
                               bico_stwriter *wd) {
-  bico__tmpfile rt = {NULL, NULL, -1, 0}, **l1 = NULL, **l2 = NULL;
+  bico__tmpfile rt = {.fd = -1}, **l1 = NULL, **l2 = NULL;
   size_t n1 = 0, n2 = 0;
   bico_status st = bico__stwriter_finish_all(w, &l1, &n1);
   if (st == BICO_OK && wd) st = bico__stwriter_finish_all(wd, &l2, &n2);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -204,13 +205,227 @@ TEST(OutputFolder, TheRuleAndBadFolders) {
   EXPECT_EQ(bico_stwriter_create_folder(ctx, dir.c_str(), dir.c_str(), 0, &w), BICO_E_ARG);
   EXPECT_EQ(bico_stwriter_create_folder(ctx, nullptr, nullptr, 0, &w), BICO_E_NULL);
   EXPECT_EQ(w, nullptr);
-  // an abandoned writer removes the folder it created, and its files
+  // an abandoned writer leaves nothing: the folder is built as a hidden
+  // sibling (".fresh.bico-tmp.<pid>.XXXXXX") and removed with its files
   std::string fresh = d / "fresh";
+  auto before = names_in(d.path);
   ASSERT_EQ(bico_stwriter_create_folder(ctx, fresh.c_str(), nullptr, 8, &w), BICO_OK);
   ASSERT_EQ(write_model(w), BICO_OK);
-  EXPECT_GT(names_in(fresh).size(), 1u);  // temporaries of several shards
+  EXPECT_FALSE(exists(fresh));  // never visible before the commit
+  std::string stage;
+  for (auto &n : names_in(d.path))
+    if (n.rfind(".fresh.bico-tmp.", 0) == 0) stage = d / n;
+  ASSERT_FALSE(stage.empty());
+  EXPECT_GT(names_in(stage).size(), 1u);  // the shards, under their own names
   bico_stwriter_free(w);
   EXPECT_FALSE(exists(fresh));
+  EXPECT_EQ(names_in(d.path), before);
+}
+
+// A model folder written with the writer (values of write_model).
+void write_folder(const std::string &out, const char *like, uint64_t max_shard) {
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create_folder(ctx, out.c_str(), like, max_shard, &w), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(write_model(w), BICO_OK);
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter_free(w);
+}
+
+ino_t inode(const std::string &p) {
+  struct stat st;
+  return lstat(p.c_str(), &st) == 0 ? st.st_ino : 0;
+}
+
+mode_t mode_of(const std::string &p) {
+  struct stat st;
+  return stat(p.c_str(), &st) == 0 ? (st.st_mode & 07777) : 0;
+}
+
+TEST(OutputFolder, AnOldIndexNeverDeletesFilesThatAreNotWeights) {
+  // The old index of the output folder names notes.txt and config.json as
+  // shards: they are the user's and the new config, never removed.
+  TempDir d;
+  std::string like = d / "like", out = d / "out";
+  ASSERT_EQ(mkdir(like.c_str(), 0777), 0);
+  ASSERT_EQ(mkdir(out.c_str(), 0777), 0);
+  std::ofstream(like + "/config.json") << "{\"new\": 1}";
+  write_folder(like, nullptr, 0);  // like/model.safetensors
+  std::ofstream(out + "/notes.txt") << "mine";
+  std::ofstream(out + "/config.json") << "old config";
+  std::ofstream(out + "/p1.safetensors") << "old shard";
+  std::ofstream(out + "/adapter_model.safetensors") << "not named by the index";
+  stt::write_bytes(out + "/model.safetensors.index.json",
+                   "{\"weight_map\": {\"a.weight\": \"notes.txt\", \"a.bias\": "
+                   "\"config.json\", \"b.weight\": \"p1.safetensors\", "
+                   "\"b.bias\": \"../x.safetensors\"}}");
+  write_folder(out, like.c_str(), 0);
+  EXPECT_EQ(slurp(out + "/notes.txt"), "mine");
+  EXPECT_EQ(slurp(out + "/config.json"), "{\"new\": 1}");
+  EXPECT_EQ(slurp(out + "/adapter_model.safetensors"), "not named by the index");
+  EXPECT_EQ(names_in(out), (std::vector<std::string>{
+                               "adapter_model.safetensors", "config.json",
+                               "model.safetensors", "notes.txt"}));
+  std::map<std::string, std::string> file;
+  read_back(out, &file);
+}
+
+TEST(OutputFolder, LikeShardsOfAnyNameAreNeverCopiedOverTheNewOnes) {
+  // The like model's index names shards "part1" and "part2": they are its
+  // weights, not other files; the output holds the new tensors.
+  TempDir d;
+  std::string like = d / "like", out = d / "out";
+  ASSERT_EQ(mkdir(like.c_str(), 0777), 0);
+  bt::Ctx ctx;
+  const char *files[2] = {"part1", "part2"};
+  for (int s = 0; s < 2; s++) {
+    bico_stwriter *w = nullptr;
+    ASSERT_EQ(bico_stwriter_create(ctx, (like + "/" + files[s]).c_str(), &w), BICO_OK);
+    for (int k = 2 * s; k < 2 * s + 2; k++)
+      ASSERT_EQ(bico_stwriter_declare(w, NAMES[k], BICO_DTYPE_F32, 1, &NUMEL[k]), BICO_OK);
+    for (int k = 2 * s; k < 2 * s + 2; k++) {
+      std::vector<float> v(NUMEL[k], -1.0f);
+      ASSERT_EQ(bico_stwriter_write_f32(w, NAMES[k], v.data(), v.size()), BICO_OK);
+    }
+    ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+    bico_stwriter_free(w);
+  }
+  stt::write_bytes(like + "/model.safetensors.index.json",
+                   "{\"weight_map\": {\"a.weight\": \"part1\", \"a.bias\": "
+                   "\"part1\", \"b.weight\": \"part2\", \"b.bias\": \"part2\"}}");
+  std::ofstream(like + "/config.json") << "{}";
+  write_folder(out, like.c_str(), 0);
+  std::map<std::string, std::string> file;
+  read_back(out, &file);  // the new values, not the like model's -1s
+  EXPECT_EQ(file["a.weight"], "part1");
+  EXPECT_EQ(file["b.bias"], "part2");
+}
+
+TEST(OutputFolder, TheUsersFilesAreCarriedIntoTheNewFolder) {
+  // Everything of the old folder but the weights the new model replaces
+  // lands in the new folder as the same files (hard links): sub-folders,
+  // dot files, links; the folder keeps its mode; a link to the folder
+  // still leads to it; nothing is left beside it.
+  TempDir d;
+  std::string out = d / "out", link = d / "link";
+  write_folder(out, nullptr, 30);  // two shards and an index
+  ASSERT_EQ(mkdir((out + "/sub").c_str(), 0750), 0);
+  ASSERT_EQ(mkdir((out + "/sub/deeper").c_str(), 0700), 0);
+  std::ofstream(out + "/sub/deeper/x.txt") << "x";
+  std::ofstream(out + "/.env") << "secret";
+  ASSERT_EQ(chmod((out + "/.env").c_str(), 0600), 0);
+  ASSERT_EQ(symlink("sub/deeper/x.txt", (out + "/x.link").c_str()), 0);
+  std::ofstream(out + "/model-00009-of-00009.safetensors") << "stale";
+  ASSERT_EQ(chmod(out.c_str(), 0750), 0);
+  const bool root = geteuid() == 0;  // root keeps the folder's owner
+  if (root) {
+    ASSERT_EQ(chown(out.c_str(), 65534, 65534), 0);
+  }
+  ASSERT_EQ(symlink("out", link.c_str()), 0);
+  ino_t env = inode(out + "/.env"), x = inode(out + "/sub/deeper/x.txt"),
+        dir = inode(out);
+  write_folder(link + "/", nullptr, 0);  // one model.safetensors now
+  EXPECT_EQ(names_in(out), (std::vector<std::string>{
+                               ".env", "model.safetensors", "sub", "x.link"}));
+  EXPECT_NE(inode(out), dir);  // a new folder took its place
+  EXPECT_EQ(inode(out + "/.env"), env);
+  EXPECT_EQ(inode(out + "/sub/deeper/x.txt"), x);
+  EXPECT_EQ(slurp(out + "/x.link"), "x");
+  EXPECT_EQ(mode_of(out), 0750u);
+  struct stat os;
+  ASSERT_EQ(stat(out.c_str(), &os), 0);
+  if (root) {
+    EXPECT_EQ(os.st_uid, 65534u);
+  }
+  EXPECT_EQ(mode_of(out + "/sub"), 0750u);
+  EXPECT_EQ(mode_of(out + "/sub/deeper"), 0700u);
+  EXPECT_EQ(mode_of(out + "/.env"), 0600u);
+  struct stat ls;
+  ASSERT_EQ(lstat(link.c_str(), &ls), 0);
+  EXPECT_TRUE(S_ISLNK(ls.st_mode));
+  EXPECT_EQ(names_in(d.path), (std::vector<std::string>{"link", "out"}));
+  std::map<std::string, std::string> file;
+  read_back(link, &file);
+}
+
+TEST(OutputFolder, LeftoversOfDeadRunsAreRemovedOnce) {
+  TempDir d;
+  std::string out = d / "out";
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  ASSERT_GT(dead, 0);
+  int status;
+  ASSERT_EQ(waitpid(dead, &status, 0), dead);
+  std::string left = d / (".out.bico-tmp." + std::to_string(dead) + ".AbCdEf");
+  std::string live = d / ".out.bico-tmp.1.AbCdEf";  // init never dies
+  for (auto &p : {left, left + "o", live}) {
+    ASSERT_EQ(mkdir(p.c_str(), 0700), 0);
+    ASSERT_EQ(mkdir((p + "/sub").c_str(), 0500), 0);
+    std::ofstream(p + "/model.safetensors") << "half";
+  }
+  write_folder(out, nullptr, 0);
+  EXPECT_EQ(names_in(d.path), (std::vector<std::string>{".out.bico-tmp.1.AbCdEf", "out"}));
+}
+
+TEST(OutputFolder, LinksOutOfTheLikeFolderAreRefusedModesKept) {
+  TempDir d;
+  std::string like = d / "like", out = d / "out";
+  ASSERT_EQ(mkdir(like.c_str(), 0777), 0);
+  write_folder(like, nullptr, 0);
+  std::ofstream(d / "secret") << "password";
+  ASSERT_EQ(chmod((d / "secret").c_str(), 0600), 0);
+  ASSERT_EQ(symlink("../secret", (like + "/tokenizer.json").c_str()), 0);
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  EXPECT_EQ(bico_stwriter_create_folder(ctx, out.c_str(), like.c_str(), 0, &w), BICO_E_IO);
+  std::string msg = bico_ctx_errmsg(ctx);
+  EXPECT_NE(msg.find("tokenizer.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("outside the folder"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("stwriter_create_folder:"), std::string::npos) << msg;
+  EXPECT_EQ(names_in(d.path), (std::vector<std::string>{"like", "secret"}));
+  // a link inside the folder is fine; the modes are the sources' (never
+  // setuid); a file the like model's folder cannot read would fail
+  ASSERT_EQ(unlink((like + "/tokenizer.json").c_str()), 0);
+  std::ofstream(like + "/tok.real") << "{}";
+  ASSERT_EQ(chmod((like + "/tok.real").c_str(), 0640), 0);
+  ASSERT_EQ(symlink("tok.real", (like + "/tokenizer.json").c_str()), 0);
+  std::ofstream(like + "/run.sh") << "#!/bin/sh";
+  ASSERT_EQ(chmod((like + "/run.sh").c_str(), 04755), 0);
+  write_folder(out, like.c_str(), 0);
+  EXPECT_EQ(slurp(out + "/tokenizer.json"), "{}");
+  EXPECT_EQ(mode_of(out + "/tokenizer.json"), 0640u);
+  EXPECT_EQ(mode_of(out + "/tok.real"), 0640u);
+  EXPECT_EQ(mode_of(out + "/run.sh"), 0755u);
+}
+
+TEST(OutputFolder, AHubCacheSnapshotsLinksIntoItsBlobsAreCopied) {
+  // models--org--name/snapshots/<rev>/ holds links into ../../blobs/.
+  TempDir d;
+  std::string repo = d / "models--org--name", snap = repo + "/snapshots/abc123";
+  std::string out = d / "out";
+  ASSERT_EQ(std::filesystem::create_directories(snap), true);
+  ASSERT_EQ(mkdir((repo + "/blobs").c_str(), 0777), 0);
+  write_folder(repo + "/blobs/w", nullptr, 0);  // a folder: take its file
+  ASSERT_EQ(rename((repo + "/blobs/w/model.safetensors").c_str(),
+                   (repo + "/blobs/1111").c_str()), 0);
+  std::ofstream(repo + "/blobs/2222") << "{\"hub\": 1}";
+  ASSERT_EQ(symlink("../../blobs/1111", (snap + "/model.safetensors").c_str()), 0);
+  ASSERT_EQ(symlink("../../blobs/2222", (snap + "/config.json").c_str()), 0);
+  // a link from a folder not under snapshots/ into the same blobs is out
+  write_folder(out, snap.c_str(), 0);
+  EXPECT_EQ(slurp(out + "/config.json"), "{\"hub\": 1}");
+  std::string other = d / "other";
+  ASSERT_EQ(mkdir(other.c_str(), 0777), 0);
+  ASSERT_EQ(symlink("../models--org--name/blobs/1111",
+                    (other + "/model.safetensors").c_str()), 0);
+  ASSERT_EQ(symlink("../models--org--name/blobs/2222",
+                    (other + "/config.json").c_str()), 0);
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  EXPECT_EQ(bico_stwriter_create_folder(ctx, (d / "out2").c_str(), other.c_str(), 0, &w),
+            BICO_E_IO);
+  EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("config.json"), std::string::npos);
 }
 
 // ---- progress ----

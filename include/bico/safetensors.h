@@ -187,8 +187,8 @@ typedef struct bico_stwriter bico_stwriter;
 BICO_API bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
                                           bico_stwriter **out);
 /* Starts writing a Hugging Face model folder `dir` (created when missing;
- * its parent must exist).  The same calls as for a file follow; the
- * commit writes:
+ * its parent must exist; a symbolic link to a folder stands for that
+ * folder).  The same calls as for a file follow; the commit writes:
  *  - the weights: with max_shard_size > 0, shards filled greedily in
  *    declaration order (a new shard when the next tensor would pass
  *    max_shard_size bytes; a larger tensor gets a shard of its own) named
@@ -205,15 +205,22 @@ BICO_API bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
  *    (*.safetensors, *.bin, *.pt, *.pth, *.ckpt, *.h5, *.msgpack, *.gguf,
  *    *.onnx, *.index.json) and hidden files: config.json, tokenizer
  *    files, generation_config.json, README.md and the like (not its
- *    sub-folders).
- * All of it is committed together (each file through its temporary file,
- * then renamed): a failure before the renames leaves the folder as it was
- * (a folder this writer created is removed).  Files of the folder that
- * the commit does not write stay, except an earlier model's weights that
- * would mislead a reader: model.safetensors, the index, the old index's
- * shards and model-NNNNN-of-NNNNN.safetensors files, removed after the
- * commit.  `dir` naming the same folder as `like` is BICO_E_ARG; `dir`
- * naming something that is not a folder is BICO_E_ARG. */
+ *    sub-folders, nor the files its index names as shards), each with its
+ *    permission bits.  A symbolic link there whose real path leaves the
+ *    folder (other than a Hugging Face cache snapshot's link into its
+ *    repository's blobs/) is BICO_E_IO here, naming it.
+ * The folder is committed in one step: it is built complete as a hidden
+ * sibling ".<dir>.bico-tmp.<pid>.XXXXXX" and swapped in with
+ * renameat2(RENAME_EXCHANGE) (rename for a new folder), so a reader sees
+ * the old folder or the new one, never a mixture; a failure before that
+ * leaves nothing.  Everything of the old folder the commit does not write
+ * is carried into the new one (hard links; sub-folders and dot files
+ * too), except an earlier model's weights that would mislead a reader:
+ * model.safetensors, the index, model-NNNNN-of-NNNNN.safetensors files and
+ * the old index's shards that have a weight suffix (never a file of
+ * another name).  The folder keeps its mode.  `dir` naming the same folder
+ * as `like` is BICO_E_ARG; `dir` naming something that is not a folder is
+ * BICO_E_ARG. */
 BICO_API bico_status bico_stwriter_create_folder(bico_ctx *ctx,
                                                  const char *dir,
                                                  const char *like,

@@ -183,3 +183,25 @@ def test_model_folder_converts_into_a_model_folder(tmp_path):
         bc.convert(src, tmp_path / "x.safetensors")
     with pytest.raises(bico.BicoError):
         bc.convert(tmp_path / "new", tmp_path / "o2")   # no pickles there
+
+
+def test_model_folder_copies_keep_their_permission_bits(tmp_path):
+    """The folder's other files keep their mode: a 0600 file stays private,
+    setuid is never carried."""
+    sd = sample_state_dict()
+    src = tmp_path / "hf"
+    src.mkdir()
+    torch.save(sd, src / "pytorch_model.bin")
+    (src / "config.json").write_text("{}")
+    (src / "secret.json").write_text("{}")
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    os.chmod(src / "secret.json", 0o600)
+    os.chmod(src / "config.json", 0o640)
+    os.chmod(src / "run.sh", 0o4755)
+    r = run(src, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    mode = {n: os.stat(out / n).st_mode & 0o7777
+            for n in ("secret.json", "config.json", "run.sh")}
+    assert mode == {"secret.json": 0o600, "config.json": 0o640,
+                    "run.sh": 0o755}, mode

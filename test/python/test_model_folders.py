@@ -400,3 +400,123 @@ def test_merge_writes_folders_and_keeps_the_base_metadata(models, tmp_path, base
     bico("merge", "--quiet", "--base", tgt, "--tuned", m["Aft"],
          "--output", tmp_path / "one", "--max-shard-size", "1GB")
     assert sorted(_read_folder(tmp_path / "one")[1].values()) == ["model.safetensors"] * 4
+
+
+def _bico_tmp(d):
+    return [n for n in os.listdir(d) if ".bico-tmp." in n]
+
+
+def test_links_out_of_the_target_folder_are_refused(models, tmp_path, base_sd):
+    """A target folder's link leading out of it (tokenizer.json ->
+    ../secret) is refused before anything is written, naming the file; a
+    link inside the folder is copied; copies keep their source's mode."""
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    secret = tmp_path / "secret"
+    secret.write_text("password")
+    os.chmod(secret, 0o600)
+    (tgt / "tokenizer.json").unlink()
+    os.symlink("../secret", tgt / "tokenizer.json")
+    r = _naive(m, tgt, tmp_path / "out", ok=False)
+    assert r.returncode == 1, r.stderr
+    assert "tokenizer.json" in r.stderr and "outside the folder" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and not _bico_tmp(tmp_path)
+    (tgt / "tokenizer.json").unlink()
+    (tgt / "tok.real.json").write_text("{}")
+    os.symlink("tok.real.json", tgt / "tokenizer.json")
+    os.chmod(tgt / "config.json", 0o600)
+    _naive(m, tgt, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"
+    assert not (tmp_path / "out" / "tokenizer.json").is_symlink()
+    assert os.stat(tmp_path / "out" / "config.json").st_mode & 0o7777 == 0o600
+
+
+def test_target_shards_not_named_safetensors_are_not_copied(models, tmp_path, base_sd):
+    """A target whose index names shards part1 and part2: the output's
+    part1 and part2 hold the new tensors, not copies of the target's."""
+    d, m = models
+    shards = {"part1": ["l0.weight", "l1.bias"], "part2": ["l0.bias", "l1.weight"]}
+    tgt = _hf_target(tmp_path / "tgt", base_sd, shards)
+    _naive(m, tgt, tmp_path / "ref.safetensors")
+    _naive(m, tgt, tmp_path / "out")
+    tensors, where, _ = _read_folder(tmp_path / "out")
+    ref, _, _ = pl.load(str(tmp_path / "ref.safetensors"))
+    for k in ref:
+        assert np.array_equal(tensors[k], ref[k]), k
+    assert where == {k: fn for fn, ks in shards.items() for k in ks}
+
+
+def test_an_old_index_never_deletes_the_users_files(models, tmp_path, base_sd):
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"l0.weight": "notes.txt", "l0.bias": "config.json"}}))
+    _naive(m, tgt, out)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert same_bytes(out / "config.json", tgt / "config.json")
+    assert "model.safetensors.index.json" not in os.listdir(out)
+
+
+def _immutable(path, on):
+    import subprocess
+    r = subprocess.run(["chattr", "+i" if on else "-i", str(path)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def test_stale_weights_that_cannot_be_removed_never_stay_beside_new_ones(
+        models, tmp_path, base_sd):
+    """An old model.safetensors that cannot be removed (chattr +i, root on
+    a file system that has the flag): the new sharded folder never holds
+    it; the old tree it stays in is a recognisable temporary beside the
+    folder."""
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    out = tmp_path / "out"
+    _naive(m, tgt, out)
+    old = out / "model.safetensors"
+    (out / "notes.txt").write_text("mine")
+    os.chmod(out / "notes.txt", 0o640)
+    if not _immutable(old, True):
+        pytest.skip("chattr +i is not available here (needs root and ext4 or alike)")
+    try:
+        # an immutable file cannot be hard-linked (EPERM): the user's
+        # notes.txt is carried as a copy, mode kept
+        assert _immutable(out / "notes.txt", True)
+        r = _naive(m, tgt, out, "--max-shard-size", "100", ok=False)
+        names = sorted(os.listdir(out))
+        assert r.returncode == 0, r.stderr
+        assert "model.safetensors" not in names, names
+        assert len(_read_folder(out)[0]) == 4
+        assert (out / "notes.txt").read_text() == "mine"
+        assert os.stat(out / "notes.txt").st_mode & 0o7777 == 0o640
+        left = _bico_tmp(tmp_path)
+        assert all(n.startswith(".out.bico-tmp.") for n in left), left
+    finally:
+        for dirpath, _, files in os.walk(tmp_path):
+            for f in files:
+                _immutable(os.path.join(dirpath, f), False)
+
+
+def test_a_report_inside_the_output_folder_goes_in_with_the_swap(
+        models, tmp_path, base_sd):
+    """--report OUT/report.json with --output OUT/ (an existing folder):
+    the report lands in the new folder, the user's file is kept, no
+    temporary is left beside or inside it."""
+    d, m = models
+    tgt = _hf_target(tmp_path / "tgt", base_sd)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    _naive(m, tgt, str(out) + "/", "--report", out / "report.json")
+    assert json.loads((out / "report.json").read_text())["tensors"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not _bico_tmp(tmp_path) and not _bico_tmp(out)
+    # in a sub-folder of it (carried into the new folder), spelt with ..
+    (out / "runs").mkdir()
+    _naive(m, tgt, out, "--report", out / "runs" / ".." / "runs" / "r.json")
+    assert json.loads((out / "runs" / "r.json").read_text())["tensors"]
+    assert (out / "report.json").exists() and not _bico_tmp(out / "runs")

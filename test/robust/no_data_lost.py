@@ -15,6 +15,16 @@ previous output byte-identical and no half-written file under its name.
      output, nothing in the folder changes.
   4. Inputs are opened read-only: a run by an unprivileged user whose
      inputs are mode 0444 (someone else's) succeeds.
+  5. Model folders: SIGKILL at random moments, and at the moment the
+     output folder's listing first changes, of runs writing a folder of
+     hundreds of shards (--max-shard-size) over an existing folder that
+     holds an older model (one model.safetensors and an index naming
+     user files) and the user's own files (a sub-folder, a dot file):
+     afterwards the folder holds exactly the old files or exactly the new
+     ones, byte for byte, the user's files intact; the only leftovers are
+     ".out.bico-tmp.<pid>.*" siblings, which the next run removes.  A
+     folder the run creates is absent or complete.  SIGTERM leaves no
+     temporary folder at all.
 When run as root (permissions do not bind root), 3 and 4 run the command
 as the user nobody, from a copy of the command and its library in the
 test's own folder: the checkout may lie where nobody cannot enter (/root,
@@ -113,6 +123,192 @@ def run(args, alpha, out, preexec=None, binary=None, **kw):
            "--target-base", args["B"], "--alpha", str(alpha), "--output", out]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=preexec, **kw)
+
+
+def snapshot(d):
+    """Every entry under d: relative path -> content digest (files), link
+    target (links) or "dir"; None when d is absent."""
+    if not os.path.isdir(d):
+        return None
+    snap = {}
+    for dirpath, dirnames, filenames in os.walk(d):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            rel = os.path.relpath(p, d)
+            if os.path.islink(p):
+                snap[rel] = "-> " + os.readlink(p)
+            elif os.path.isdir(p):
+                snap[rel] = "dir %o" % stat.S_IMODE(os.stat(p).st_mode)
+            else:
+                snap[rel] = sha(p)
+    return snap
+
+
+def run_folder(tgt, src, alpha, out):
+    cmd = [BICO, "transfer", "--method", "naive", "--quiet",
+           "--source-base", src["A"], "--task-vector", src["tau"],
+           "--target-base", tgt, "--alpha", str(alpha), "--output", out,
+           "--max-shard-size", "40KB"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def kill_when_changed(p, watch, before, sig, extra):
+    """Sends sig extra seconds after the visible listing of watch (names
+    not starting with '.') first differs from before (unless the run ended
+    first): a commit that renames file by file is caught in the middle.
+    Returns when the process ended."""
+    before = [n for n in before if not n.startswith(".")]
+    while p.poll() is None:
+        try:
+            now = [n for n in sorted(os.listdir(watch)) if not n.startswith(".")]
+        except OSError:
+            now = None
+        if now != before:
+            if extra > 0:
+                time.sleep(extra)
+            break
+    if p.poll() is None:
+        p.send_signal(sig)
+    p.communicate()
+
+
+def folder_commits(root, rnd):
+    """5. Model folders under SIGKILL and SIGTERM (see the docstring)."""
+    inputs = os.path.join(root, "fin")
+    os.mkdir(inputs)
+    rng = np.random.default_rng(5)
+    # 320 tensors of 32 KiB: with --max-shard-size 40KB one shard each.
+    names = ["layers.%d.mlp.weight" % i for i in range(320)]
+    src = {}
+    for key in ("A", "tau", "B"):
+        src[key] = os.path.join(inputs, key + ".safetensors")
+        write_st(src[key], {n: rng.standard_normal((32, 256), dtype=np.float32)
+                            for n in names})
+    tgt = os.path.join(inputs, "tgt")
+    os.mkdir(tgt)
+    os.rename(src.pop("B"), os.path.join(tgt, "model.safetensors"))
+    with open(os.path.join(tgt, "config.json"), "w") as f:
+        f.write('{"model_type": "mlp", "new": true}')
+    parent = os.path.join(root, "fparent")
+    os.mkdir(parent)
+    out = os.path.join(parent, "out")
+    # The old folder: an older model in one file, an index naming the
+    # user's files, the user's own files.
+    old = os.path.join(root, "fold_old")
+    os.mkdir(old)
+    write_st(os.path.join(old, "model.safetensors"),
+             {n: np.zeros((32, 256), np.float32) for n in names[:4]})
+    with open(os.path.join(old, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"x": "notes.txt", "y": "config.json"}}, f)
+    with open(os.path.join(old, "config.json"), "w") as f:
+        f.write('{"old": true}')
+    with open(os.path.join(old, "notes.txt"), "w") as f:
+        f.write("the user's notes")
+    with open(os.path.join(old, ".hidden"), "w") as f:
+        f.write("dot file")
+    os.makedirs(os.path.join(old, "eval", "runs"))
+    with open(os.path.join(old, "eval", "runs", "r1.json"), "w") as f:
+        f.write("{}")
+
+    def reset():
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(old, out, symlinks=True)
+
+    old_snap = snapshot(old)
+    reset()
+    t0 = time.monotonic()
+    p = run_folder(tgt, src, 0.5, out)
+    _, err = p.communicate()
+    full = time.monotonic() - t0
+    check(p.returncode == 0, "folder run over an existing folder succeeds "
+          "(%.2fs) %s" % (full, err.decode()[-300:]))
+    new_snap = snapshot(out)
+    shards = [n for n in new_snap if n.startswith("model-")]
+    check(len(shards) >= 300, "the new folder has %d shards" % len(shards))
+    user = ["notes.txt", ".hidden", "eval/runs/r1.json"]
+    check(all(new_snap.get(n) == old_snap[n] for n in user) and
+          "model.safetensors" not in new_snap and
+          new_snap.get("config.json") == sha(os.path.join(tgt, "config.json")),
+          "the new folder: the user's files kept, the old weights gone, the "
+          "target's config")
+    outcomes = {"old": 0, "new": 0}
+    for k in range(KILLS):
+        reset()
+        before = listing(out)
+        p = run_folder(tgt, src, 0.5, out)
+        if k % 2 == 0:
+            time.sleep(rnd.uniform(0.0, full * 1.1))
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+            how = "at random"
+        else:
+            kill_when_changed(p, out, before, signal.SIGKILL,
+                              rnd.choice([0, 0, 0.001, 0.005]))
+            how = "when the folder changed"
+        now = snapshot(out)
+        state = "old" if now == old_snap else "new" if now == new_snap else None
+        if state is None and now is not None:
+            diff = sorted(n for n in set(now) ^ set(old_snap)
+                          if not n.startswith("."))
+            print("     %d visible names differ from the old folder, %d from "
+                  "the new one, e.g. %s" % (
+                      len(diff), len([n for n in set(now) ^ set(new_snap)
+                                      if not n.startswith(".")]), diff[:3]))
+        check(state is not None,
+              "kill %d %s: the folder is exactly the old or the new one" % (k, how))
+        if state:
+            outcomes[state] += 1
+        left = [n for n in listing(parent) if n != "out"]
+        check(all(n.startswith(".out.bico-tmp.") for n in left),
+              "kill %d: leftovers are recognisable temporaries %s" % (k, left[:4]))
+    print("folder kills: %d, old kept %d, new complete %d" %
+          (KILLS, outcomes["old"], outcomes["new"]))
+    p = run_folder(tgt, src, 0.5, out)
+    p.communicate()
+    check(p.returncode == 0 and snapshot(out) == new_snap and
+          listing(parent) == ["out"],
+          "a folder run after the kills is complete and removes their "
+          "leftovers %s" % listing(parent)[:4])
+    # A folder the run creates: absent or complete.
+    fresh = os.path.join(parent, "fresh")
+    fresh_snap = {n: v for n, v in new_snap.items()
+                  if n not in user and n not in ("eval", "eval/runs")}
+    for k in range(max(4, KILLS // 2)):
+        shutil.rmtree(fresh, ignore_errors=True)
+        p = run_folder(tgt, src, 0.5, fresh)
+        if k % 2 == 0:
+            time.sleep(rnd.uniform(0.0, full * 1.1))
+            p.send_signal(signal.SIGKILL)
+            p.communicate()
+        else:
+            kill_when_changed(p, parent, listing(parent), signal.SIGKILL,
+                              rnd.uniform(0.0, full))
+        now = snapshot(fresh)
+        check(now is None or now == fresh_snap,
+              "kill %d of a run creating its folder: absent or complete "
+              "(%s entries)" % (k, None if now is None else len(now)))
+    p = run_folder(tgt, src, 0.5, fresh)
+    p.communicate()
+    check(p.returncode == 0 and snapshot(fresh) == fresh_snap and
+          listing(parent) == ["fresh", "out"],
+          "a run creating the folder after the kills is complete and removes "
+          "their leftovers %s" % listing(parent)[:4])
+    shutil.rmtree(fresh, ignore_errors=True)
+    # SIGTERM: the folder old or new, no temporary folder left.
+    for k in range(max(4, KILLS // 2)):
+        reset()
+        before = listing(out)
+        p = run_folder(tgt, src, 0.5, out)
+        if k % 2 == 0:
+            time.sleep(rnd.uniform(0.0, full * 1.1))
+            p.send_signal(signal.SIGTERM)
+            p.communicate()
+        else:
+            kill_when_changed(p, out, before, signal.SIGTERM, 0)
+        now = snapshot(out)
+        check(now in (old_snap, new_snap) and listing(parent) == ["out"],
+              "SIGTERM %d: the folder old or new, no temporary left %s" %
+              (k, listing(parent)[:4]))
 
 
 def main():
@@ -280,6 +476,8 @@ def main():
             check(p.returncode == 0 and sha(os.path.join(writable, "o.safetensors")) == new_sha,
                   "read-only inputs (mode 0444%s): the run succeeds %s" %
                   (", user nobody" if root_user else "", err.decode().strip()[:200]))
+        # 5. Model folders.
+        folder_commits(root, rnd)
         for key in files:
             check(stat.S_IMODE(os.stat(files[key]).st_mode) == 0o444 and
                   sha(files[key]) == input_sha[key],

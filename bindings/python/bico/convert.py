@@ -171,8 +171,11 @@ _WEIGHTS = (".bin", ".pt", ".pth", ".safetensors", ".index.json", ".tmp")
 def copy_companions(src_dir, out_dir):
     """Copies the files of a model folder that are not weights (config.json,
     tokenizer and generation files) into out_dir, so that it is a complete
-    model folder; existing files there are kept.  Returns their names."""
+    model folder; existing files there are kept.  Each copy keeps its
+    source's permission bits (never setuid, setgid or sticky).  Returns
+    their names."""
     import shutil
+    import stat
     copied = []
     for name in sorted(os.listdir(src_dir)):
         p = os.path.join(src_dir, name)
@@ -182,7 +185,13 @@ def copy_companions(src_dir, out_dir):
         q = os.path.join(out_dir, name)
         if os.path.lexists(q) or os.path.abspath(p) == os.path.abspath(q):
             continue
-        shutil.copyfile(p, q)
+        mode = stat.S_IMODE(os.stat(p).st_mode) & 0o777
+        # created private, then given the source's bits: a 0600 file is
+        # never readable by others, not even for a moment
+        fd = os.open(q, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as dst, open(p, "rb") as src:
+            shutil.copyfileobj(src, dst)
+            os.fchmod(dst.fileno(), mode)
         copied.append(name)
     return copied
 
