@@ -501,22 +501,23 @@ def test_stale_weights_that_cannot_be_removed_never_stay_beside_new_ones(
                 _immutable(os.path.join(dirpath, f), False)
 
 
-def test_a_report_inside_the_output_folder_goes_in_with_the_swap(
+def test_a_report_inside_the_output_folder_is_refused(
         models, tmp_path, base_sd):
-    """--report OUT/report.json with --output OUT/ (an existing folder):
-    the report lands in the new folder, the user's file is kept, no
+    """--report OUT/report.json with --output OUT/ (an existing folder, or
+    a sub-folder of it spelt with ..): the run writes the folder as a
+    whole, so another output inside it is refused before anything is
+    written; the folder, the user's file in it, stays as it was and no
     temporary is left beside or inside it."""
     d, m = models
     tgt = _hf_target(tmp_path / "tgt", base_sd)
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    _naive(m, tgt, str(out) + "/", "--report", out / "report.json")
-    assert json.loads((out / "report.json").read_text())["tensors"]
-    assert (out / "notes.txt").read_text() == "mine"
-    assert not _bico_tmp(tmp_path) and not _bico_tmp(out)
-    # in a sub-folder of it (carried into the new folder), spelt with ..
     (out / "runs").mkdir()
-    _naive(m, tgt, out, "--report", out / "runs" / ".." / "runs" / "r.json")
-    assert json.loads((out / "runs" / "r.json").read_text())["tensors"]
-    assert (out / "report.json").exists() and not _bico_tmp(out / "runs")
+    for rep in (out / "report.json", out / "runs" / ".." / "runs" / "r.json"):
+        r = _naive(m, tgt, str(out) + "/", "--report", rep, ok=False)
+        assert r.returncode != 0 and "--report" in r.stderr, r.stderr
+        assert "inside the output folder" in r.stderr, r.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "runs"]
+        assert (out / "notes.txt").read_text() == "mine"
+        assert not _bico_tmp(tmp_path) and not _bico_tmp(out)
