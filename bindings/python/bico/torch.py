@@ -752,12 +752,12 @@ def _on(forward, dev):
 
 
 def transfer_model(source, source_tuned, target, batches, method="fit",
-                   loss_fn=None, alpha=1.0, step=None, forward=None,
+                   loss_fn=None, alpha=None, step=None, forward=None,
                    modules=None, split=None, ties=None, norm_map="act",
                    votes=None, gradfix_mode="majority", source_blocks=None,
                    target_blocks=None, ridge=1e-2, shared_out=(),
                    tied="carry", report=None, show_progress=False,
-                   **options):
+                   holdout="auto", alpha_grid=None, **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -786,14 +786,31 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     embedding; "fit" fits it in its segment (tokens kept as tokens: no
     output map when both vocabularies have the same size), and the fitted
     weight is also the embedding's.
-    alpha: a positive number, or "match" / "entropy" to choose it without
-    labels (choose_alpha on the calibration batches; not for fit, which
-    scales the output change D by alpha and sets its own size: keep 1).
+    alpha: a positive number, "heldout", or "match" / "entropy" to choose
+    it without labels (choose_alpha on the calibration batches; "match"
+    and "entropy" not for fit, which scales the output change D by alpha
+    and sets its own size).  "heldout": the update is computed from the
+    calibration batches that are not held out (holdout=), then scaled by
+    the candidate of alpha_grid (default 0, 0.25, 0.5, 0.75, 1, 1.5, 2)
+    with the least loss on the held-out batches; 0 (the untouched target)
+    is a candidate, so the result is never worse there than doing nothing.
+    Default (None): "heldout" for fit, bico, bico-in and bico-out when
+    there are at least 3 batches and a held-out loss can be computed
+    (loss_fn, step, a dict batch with labels, or token ids: next-token
+    cross-entropy of the logits); 1 otherwise.
+    holdout: which calibration batches alpha="heldout" holds out: a
+    fraction in (0, 1) of them, the last ones (default "auto": 0.25, at
+    least one), or a list of batches to hold out (then every batch of
+    batches computes the update).  Held-out batches never compute the
+    update.
+    alpha_grid: the candidate scales for alpha="heldout" (numbers >= 0).
     The other options (split, ties, norm_map, source_blocks, target_blocks,
     rank_tol, null, center, whiten, ...) are those of transfer_state_dict.
     report: a list that receives one dict per target tensor (fit: one per
-    fitted layer, with rows, rank and update_norm; and "alpha" when it was
-    chosen).
+    fitted layer, with rows, rank and update_norm; and a dict with "alpha"
+    and "rule" when it was chosen; for "heldout" also "losses" {candidate:
+    held-out loss}, "zero_shot" (the untouched target's held-out loss),
+    "heldout_batches" and "fit_batches").
     """
     if method not in MODEL_METHODS:
         raise BicoError(E_ARG, "transfer_model: unknown method %r (known: "
@@ -803,14 +820,24 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         if not isinstance(m, nn.Module):
             raise BicoError(E_ARG, "transfer_model: %s must be an nn.Module, "
                             "got %s" % (name, type(m).__name__))
+    batches = list(batches)
+    if not batches:
+        raise BicoError(E_ARG, "transfer_model: no calibration batches")
+    grid = _alpha_grid(alpha_grid)
+    loss_of = _heldout_loss_fn(loss_fn, step, forward or _default_forward)
+    alpha, fit_b, held_b = _resolve_heldout(method, alpha, holdout, batches,
+                                            loss_of, alpha_grid)
     auto = alpha if isinstance(alpha, str) else None
-    if auto is not None and auto not in ("match", "entropy"):
+    if auto is not None and auto not in ("match", "entropy", "heldout"):
         raise BicoError(E_ARG, "transfer_model: alpha must be a positive "
-                        "number, 'match' or 'entropy', got %r" % (alpha,))
-    if auto is not None and method == "fit":
+                        "number, 'heldout', 'match' or 'entropy', got %r"
+                        % (alpha,))
+    if auto in ("match", "entropy") and method == "fit":
         raise BicoError(E_ARG, "transfer_model: fit takes a numeric alpha "
-                        "(it fits the size of the output change itself)")
+                        "or 'heldout' (it fits the size of the output "
+                        "change itself)")
     if auto is None and not (isinstance(alpha, (int, float))
+                             and not isinstance(alpha, bool)
                              and alpha > 0 and math.isfinite(alpha)):
         raise BicoError(E_ARG, "transfer_model: alpha must be a positive "
                         "number, got %r" % (alpha,))
@@ -820,9 +847,6 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     if not (isinstance(ridge, (int, float)) and ridge >= 0):
         raise BicoError(E_ARG, "transfer_model: ridge must be >= 0, got %r"
                         % (ridge,))
-    batches = list(batches)
-    if not batches:
-        raise BicoError(E_ARG, "transfer_model: no calibration batches")
     a0, a1 = source.state_dict(), source_tuned.state_dict()
     if set(a0) != set(a1) or any(a0[k].shape != a1[k].shape for k in a0):
         raise BicoError(E_SHAPE, "transfer_model: source and source_tuned "
@@ -835,7 +859,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                  gradfix_mode=gradfix_mode, **options)
     col = None
     if method.startswith("bico") or method == "fit":
-        col = collect_statistics(source, target, batches, loss_fn,
+        col = collect_statistics(source, target, fit_b, loss_fn,
                                  modules=modules, split=split, step=step,
                                  source_blocks=source_blocks,
                                  target_blocks=target_blocks,
@@ -843,27 +867,45 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                                  grams=bool(options.get("whiten")),
                                  show_progress=show_progress)
     if method == "gradfix" and votes is None:
-        votes = collect_votes(target, batches, loss_fn, step=step,
+        votes = collect_votes(target, fit_b, loss_fn, step=step,
                               mean=gradfix_mode == "mean",
                               show_progress=show_progress)
     try:
-        if method == "fit":
-            return _fit(source, source_tuned, target, batches, forward, col,
-                        a0, a1, b0, alpha, ridge, topts, report,
-                        show_progress, tuple(shared_out or ()), groups, tied)
         rep = [] if report is None else report
         a = 1.0 if auto else alpha
-        new, delta = transfer_state_dict(
-            *(_untied(d, groups) for d in (a0, a1, b0)), stats=col,
-            method=method, alpha=a, votes=votes, report=rep,
-            return_delta=True, **topts)
-        _report_tied(rep, groups)
-        if auto is None:
-            return _retied(new, b0, groups)
-        delta = _retied(delta, b0, groups)
-        best, _ = choose_alpha(source, source_tuned, target, delta, batches,
-                               rule=auto, forward=forward)
-        rep.append({"alpha": best, "rule": auto})
+        if method == "fit":
+            new = _fit(source, source_tuned, target, fit_b, forward, col,
+                       a0, a1, b0, a, ridge, topts, report, show_progress,
+                       tuple(shared_out or ()), groups, tied)
+            if auto is None:
+                return new
+            delta = {k: new[k].float() - b0[k].detach().float().cpu()
+                     for k in b0 if k in new
+                     and new[k].is_floating_point()}
+        else:
+            new, delta = transfer_state_dict(
+                *(_untied(d, groups) for d in (a0, a1, b0)), stats=col,
+                method=method, alpha=a, votes=votes, report=rep,
+                return_delta=True, **topts)
+            _report_tied(rep, groups)
+            if auto is None:
+                return _retied(new, b0, groups)
+            delta = _retied(delta, b0, groups)
+        if auto == "heldout":
+            best, scores = choose_alpha(source, source_tuned, target, delta,
+                                        held_b, rule="heldout",
+                                        forward=forward, grid=grid,
+                                        loss_fn=loss_fn, step=step)
+            zero = scores[0.0] if 0.0 in scores else \
+                _mean_loss(target, held_b, loss_of)
+            rep.append({"alpha": best, "rule": "heldout",
+                        "losses": scores, "zero_shot": zero,
+                        "heldout_batches": len(held_b),
+                        "fit_batches": len(fit_b)})
+        else:
+            best, _ = choose_alpha(source, source_tuned, target, delta,
+                                   batches, rule=auto, forward=forward)
+            rep.append({"alpha": best, "rule": auto})
         return _retied(_apply(b0, delta, best), b0, groups)
     finally:
         if col is not None:
@@ -988,8 +1030,149 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     return _retied({k: v.cpu() for k, v in out.items()}, b0, groups)
 
 
+
+# ---- alpha on held-out calibration batches ----
+
+HELDOUT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+_HELDOUT_METHODS = ("fit", "bico", "bico-in", "bico-out")
+_HOLDOUT_AUTO = 0.25
+
+
+def _alpha_grid(grid):
+    """alpha_grid checked: numbers >= 0, sorted, without repeats."""
+    if grid is None:
+        return list(HELDOUT_GRID)
+    try:
+        g = [float(x) for x in grid if not isinstance(x, bool)]
+        ok = len(g) == len(list(grid)) and len(g) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or any(not (math.isfinite(x) and x >= 0) for x in g):
+        raise BicoError(E_ARG, "transfer_model: alpha_grid must be a "
+                        "non-empty list of finite numbers >= 0, got %r"
+                        % (grid,))
+    return sorted(set(g))
+
+
+def _token_ids(batch):
+    """The token ids of a batch without labels: an integer tensor of at
+    least two dimensions [batch, tokens], or a dict's input_ids."""
+    x = batch.get("input_ids") if isinstance(batch, dict) else batch
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and \
+            not x.is_floating_point() and not x.is_complex() and \
+            x.dtype != torch.bool:
+        return x
+    return None
+
+
+def _heldout_loss_fn(loss_fn, step, forward):
+    """loss(model, batch) -> float for alpha="heldout", or None where a
+    batch gives no loss: step, else loss_fn as the calibration uses it,
+    else a dict batch's model(**batch).loss (with labels), else next-token
+    cross-entropy of the logits on token ids."""
+    def loss(model, batch):
+        b = _to_device(batch, _device(model))
+        if step is not None:
+            out = step(model, b)
+        elif loss_fn is not None:
+            out = _default_step(loss_fn)(model, b)
+        elif isinstance(b, dict) and "labels" in b:
+            out = model(**b).loss
+        else:
+            ids = _token_ids(b)
+            if ids is None:
+                return None
+            logits = _output(forward(model, b)).float()
+            out = F.cross_entropy(
+                logits[..., :-1, :].reshape(-1, logits.shape[-1]),
+                ids[..., 1:].reshape(-1).to(logits.device))
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            raise BicoError(E_ARG, "transfer_model: the held-out loss must "
+                            "be a scalar tensor, got %s"
+                            % type(out).__name__)
+        return float(out)
+    loss.static = (step is not None or loss_fn is not None)
+    return loss
+
+
+def _loss_available(loss_of, batch):
+    if loss_of.static:
+        return True
+    if isinstance(batch, dict) and "labels" in batch:
+        return True
+    return _token_ids(batch) is not None
+
+
+def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
+    """(alpha, batches for the update, held-out batches) from the options
+    alpha, holdout and alpha_grid (see transfer_model)."""
+    explicit_list = isinstance(holdout, list)
+    if explicit_list:
+        if not holdout:
+            raise BicoError(E_ARG, "transfer_model: holdout is an empty "
+                            "list of batches")
+    elif holdout != "auto" and not (
+            isinstance(holdout, (int, float)) and not isinstance(holdout, bool)
+            and math.isfinite(holdout) and 0 <= holdout < 1):
+        raise BicoError(E_ARG, "transfer_model: holdout must be 'auto', a "
+                        "fraction of the calibration batches in [0, 1) or "
+                        "a list of held-out batches, got %r" % (holdout,))
+    off = not explicit_list and holdout != "auto" and holdout == 0
+    given = explicit_list or (holdout != "auto" and not off)
+    if alpha is None:
+        if off:
+            alpha = 1.0
+        elif given or (method in _HELDOUT_METHODS and len(batches) >= 3
+                       and _loss_available(loss_of, batches[0])):
+            alpha = "heldout"
+        else:
+            alpha = 1.0
+    if alpha != "heldout":
+        if given:
+            raise BicoError(E_ARG, "transfer_model: holdout applies to "
+                            "alpha='heldout' (default), not to alpha=%r"
+                            % (alpha,))
+        if grid is not None:
+            raise BicoError(E_ARG, "transfer_model: alpha_grid applies to "
+                            "alpha='heldout' (default), not to alpha=%r"
+                            % (alpha,))
+        return alpha, batches, []
+    if off:
+        raise BicoError(E_ARG, "transfer_model: alpha='heldout' needs "
+                        "held-out batches, but holdout is 0")
+    if explicit_list:
+        held, fit_b = holdout, batches
+    else:
+        frac = _HOLDOUT_AUTO if holdout == "auto" else holdout
+        k = max(1, int(round(frac * len(batches))))
+        if len(batches) - k < 1:
+            raise BicoError(E_ARG, "transfer_model: holdout=%r leaves no "
+                            "calibration batch for the update (%d batches)"
+                            % (holdout, len(batches)))
+        fit_b, held = batches[:-k], batches[-k:]
+    if not _loss_available(loss_of, held[0]):
+        raise BicoError(E_ARG, "transfer_model: alpha='heldout' needs a "
+                        "loss on the held-out batches: pass loss_fn or "
+                        "step, or batches of token ids")
+    return alpha, fit_b, held
+
+
+def _mean_loss(model, batches, loss_of):
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            vals = [loss_of(model, b) for b in batches]
+    finally:
+        model.train(was)
+    if any(v is None for v in vals):
+        raise BicoError(E_ARG, "transfer_model: a held-out batch gives no "
+                        "loss: pass loss_fn or step")
+    return float(sum(vals) / len(vals))
+
+
 def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
-                 forward=None, grid=None):
+                 forward=None, grid=None, loss_fn=None, step=None):
     """The scale alpha of an update delta ({target tensor: array}) chosen
     without labels on the calibration batches; returns (alpha, {alpha:
     score}).
@@ -1001,18 +1184,25 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
     closest overall when it never does).  The change saturates for large
     alpha, so the closest overall would be an arbitrary pick among
     near-ties.  rule "entropy": the alpha with the least mean prediction
-    entropy of the updated target.  grid: the candidates (default 0.1 ..
-    8, geometric)."""
-    if rule not in ("match", "entropy"):
-        raise BicoError(E_ARG, "choose_alpha: rule must be 'match' or "
-                        "'entropy', got %r" % (rule,))
+    entropy of the updated target.  rule "heldout": the alpha with the
+    least mean loss on batches (held-out calibration batches: loss_fn /
+    step as transfer_model takes them, or next-token cross-entropy on
+    token ids); 0 is a candidate and the smaller alpha wins a tie.  grid:
+    the candidates (default 0.1 .. 8, geometric; "heldout": 0, 0.25, 0.5,
+    0.75, 1, 1.5, 2)."""
+    if rule not in ("match", "entropy", "heldout"):
+        raise BicoError(E_ARG, "choose_alpha: rule must be 'match', "
+                        "'entropy' or 'heldout', got %r" % (rule,))
+    forward = forward or _default_forward
+    batches = list(batches)
+    if rule == "heldout":
+        return _choose_heldout(target, delta, batches, _alpha_grid(grid),
+                               _heldout_loss_fn(loss_fn, step, forward))
     grid = list(grid) if grid is not None else \
         [float(x) for x in np.round(np.geomspace(0.1, 8.0, 25), 4)]
     if not grid or any(not g > 0 for g in grid):
         raise BicoError(E_ARG, "choose_alpha: the grid must hold positive "
                         "numbers")
-    forward = forward or _default_forward
-    batches = list(batches)
     import copy
     work = copy.deepcopy(target).eval()
     base = {k: v.detach().clone() for k, v in target.state_dict().items()}
@@ -1052,4 +1242,21 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
                     return grid[i - 1], scores
                 return g, scores
     best = min(grid, key=lambda g: scores[g])
+    return best, scores
+
+
+def _choose_heldout(target, delta, batches, grid, loss_of):
+    import copy
+    if not batches:
+        raise BicoError(E_ARG, "choose_alpha: no held-out batches")
+    work = copy.deepcopy(target).eval()
+    base = {k: v.detach().clone() for k, v in target.state_dict().items()}
+    scores = {}
+    for g in grid:
+        sd = {k: (v.float() + g * torch.as_tensor(
+            np.asarray(delta[k])).float().to(v.device)).to(v.dtype)
+            if k in delta else v for k, v in base.items()}
+        work.load_state_dict(sd)
+        scores[g] = _mean_loss(work, batches, loss_of)
+    best = min(grid, key=lambda g: (scores[g], g))
     return best, scores

@@ -1,0 +1,171 @@
+"""transfer_model's default scale on held-out calibration batches
+(alpha="heldout"): the update is computed from the calibration batches
+that are not held out, then scaled by the candidate of alpha_grid (0
+included) with the least loss on the held-out ones.  Label-free in the
+sense of the issue: the loss is the calibration text's own next-token
+loss, never evaluation text.  Models: test_hf_decoder's Hugging Face
+layout decoder (keyword arguments, tied head)."""
+import copy
+
+import pytest
+import torch
+
+import bico
+import bico.torch as bt
+from test_binding_models import float32_default  # noqa: F401
+from test_hf_decoder import (CFG, V, DecoderLayer, build, calibration, ce,
+                             llama, planted, task, task_loss)
+
+torch.set_num_threads(1)
+
+
+def rule_task(n, seed, mul, add):
+    """Windows where every second token is mul t + add of the one before."""
+    x = torch.randint(0, V, (n, 17), generator=torch.Generator()
+                      .manual_seed(seed))
+    x[:, 1::2] = (x[:, 0:-1:2] * mul + add) % V
+    return x[:, :-1], x[:, 1:]
+
+
+def other_task(n, seed):
+    """The calibration text of the target: every second token 5 t + 2."""
+    return rule_task(n, seed, 5, 2)
+
+
+_MISLEADING = []
+
+
+def misleading_pair():
+    """(A, A_ft): A_ft is A fine-tuned (Adam, 100 steps) on a rule that
+    contradicts the target's text (7 t + 3 where the text has 5 t + 2), so
+    the carried fine-tune makes confident wrong predictions there."""
+    if not _MISLEADING:
+        a = planted(DecoderLayer)[0]
+        aft = copy.deepcopy(a).train()
+        torch.manual_seed(0)
+        opt = torch.optim.Adam(aft.parameters(), lr=1e-2)
+        for i in range(100):
+            x, y = rule_task(16, 2000 + i, 7, 3)
+            opt.zero_grad()
+            ce(aft(x), y).backward()
+            opt.step()
+        _MISLEADING.append((a, aft.eval()))
+    return _MISLEADING[0]
+
+
+def mean_loss(model, sd, data):
+    return sum(task_loss(model, sd, d) for d in data) / len(data)
+
+
+@pytest.mark.parametrize("method", ["fit", "bico"])
+def test_default_is_never_worse_than_zero_shot_on_held_out_batches(method):
+    """A target unrelated to the source, calibrated on text where the
+    carried fine-tune (misleading_pair) hurts (alpha 1 raises the held-out loss): the default
+    run holds out the last quarter of the batches, does not take alpha 1,
+    and its loss on those held-out batches is at most the untouched
+    target's.  The report says what was chosen."""
+    a, aft = misleading_pair()
+    b = build(CFG, llama.random_state(CFG, torch.Generator().manual_seed(8)))
+    cal = [other_task(8, 60 + i) for i in range(4)]
+    held = cal[-1:]
+    zero = mean_loss(b, None, held)
+    one = bt.transfer_model(a, aft, b, cal[:-1], method=method, loss_fn=ce,
+                            alpha=1.0)
+    assert mean_loss(b, one, held) > zero + 0.05  # alpha 1 hurts here
+    rep = []
+    sd = bt.transfer_model(a, aft, b, cal, method=method, loss_fn=ce,
+                           report=rep)
+    got = mean_loss(b, sd, held)
+    assert got <= zero + 1e-6, (got, zero)
+    chosen = [e for e in rep if e.get("rule") == "heldout"]
+    assert len(chosen) == 1
+    c = chosen[0]
+    assert c["alpha"] != 1.0 and c["alpha"] == min(
+        c["losses"], key=lambda g: (c["losses"][g], g))
+    assert c["heldout_batches"] == 1 and c["fit_batches"] == 3
+    assert abs(c["zero_shot"] - zero) < 1e-4
+    assert abs(c["losses"][c["alpha"]] - got) < 1e-4
+    # the chosen scale applied to the update from the first three batches
+    m = copy.deepcopy(b)
+    base = b.state_dict()
+    m.load_state_dict({k: base[k] + c["alpha"] * (one[k] - base[k])
+                       for k in base})
+    assert abs(mean_loss(m, None, held) - got) < 1e-4
+
+
+@pytest.mark.parametrize("method", ["fit", "bico"])
+def test_planted_pair_keeps_its_gap_and_picks_about_one(method):
+    """On the planted pair (exact answer T(A_ft)) the default run still
+    closes >= 98 % of the task gap, and the held-out choice is about 1."""
+    a, aft, b, bft = planted(DecoderLayer)
+    lb, lft = task_loss(b), task_loss(bft)
+    rep = []
+    sd = bt.transfer_model(a, aft, b, calibration(), method=method,
+                           loss_fn=ce, report=rep)
+    assert (lb - task_loss(b, sd)) / (lb - lft) >= 0.98
+    c = [e for e in rep if e.get("rule") == "heldout"][0]
+    assert 0.75 <= c["alpha"] <= 1.5, c
+
+
+def test_explicit_held_out_batches_and_token_id_batches():
+    """holdout=[batches]: every calibration batch makes the update, the
+    given ones choose alpha; batches of token ids without a loss_fn are
+    scored by next-token cross-entropy of the logits (naive needs no
+    calibration loss)."""
+    a, aft, _, _ = planted(DecoderLayer)
+    b = build(CFG, llama.random_state(CFG, torch.Generator().manual_seed(8)))
+    ids = [task(8, 70 + i)[0] for i in range(2)]
+    rep = []
+    sd = bt.transfer_model(a, aft, b, ids[:1], method="naive",
+                           holdout=ids[1:], alpha="heldout", report=rep,
+                           alpha_grid=[0, 0.5, 1])
+    c = rep[-1]
+    assert c["rule"] == "heldout" and c["fit_batches"] == 1
+    assert set(c["losses"]) == {0.0, 0.5, 1.0}
+    x = ids[1]
+    with torch.no_grad():
+        logits = b(x)
+    want = float(ce(logits[:, :-1], x[:, 1:]))
+    assert abs(c["zero_shot"] - want) < 1e-5
+    tau = {k: aft.state_dict()[k] - a.state_dict()[k] for k in sd}
+    for k, v in sd.items():
+        assert torch.allclose(v, b.state_dict()[k] + c["alpha"] * tau[k],
+                              atol=1e-6), k
+    # without a loss there is nothing to hold out: the old default, alpha 1
+    cal = [(torch.randn(4, 3), torch.randn(4, 3)) for _ in range(3)]
+    lin = torch.nn.Linear(3, 3)
+    lin2 = copy.deepcopy(lin)
+    with torch.no_grad():
+        lin2.weight.add_(1.0)
+    out = bt.transfer_model(lin, lin2, lin, cal, method="naive")
+    assert torch.allclose(out["weight"], lin2.weight)
+
+
+def test_bad_heldout_options_are_refused_naming_the_option():
+    a, aft, b, _ = planted(DecoderLayer)
+    cal = calibration()
+    for bad in (1.0, 1.5, -0.1, float("nan"), "half", True, []):
+        with pytest.raises(bico.BicoError, match="holdout"):
+            bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
+                              holdout=bad)
+    for bad in ([], [-1.0], [0.5, float("inf")], ["a"], 3):
+        with pytest.raises(bico.BicoError, match="alpha_grid"):
+            bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
+                              alpha_grid=bad)
+    with pytest.raises(bico.BicoError, match="holdout=0.9 leaves no"):
+        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
+                          holdout=0.9)
+    with pytest.raises(bico.BicoError, match="holdout applies to"):
+        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
+                          alpha=1.0, holdout=0.5)
+    with pytest.raises(bico.BicoError, match="alpha_grid applies to"):
+        bt.transfer_model(a, aft, b, cal, method="bico", loss_fn=ce,
+                          alpha=1.0, alpha_grid=[0, 1])
+    with pytest.raises(bico.BicoError, match="holdout is 0"):
+        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
+                          alpha="heldout", holdout=0)
+    lin = torch.nn.Linear(3, 3)
+    data = [(torch.randn(4, 3), torch.randn(4, 3)) for _ in range(3)]
+    with pytest.raises(bico.BicoError, match="loss_fn"):
+        bt.transfer_model(lin, lin, lin, data, method="naive",
+                          alpha="heldout")
