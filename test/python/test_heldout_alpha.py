@@ -141,6 +141,35 @@ def test_explicit_held_out_batches_and_token_id_batches():
     assert torch.allclose(out["weight"], lin2.weight)
 
 
+def test_ridge_list_is_chosen_with_alpha_on_held_out_batches():
+    """ridge=[...] with the default alpha: one fit per value, the pair
+    (ridge, alpha) with the least held-out loss kept and reported; the
+    result is that ridge's fit at that alpha."""
+    a, aft = misleading_pair()
+    b = build(CFG, llama.random_state(CFG, torch.Generator().manual_seed(8)))
+    cal = [task(8, 80 + i) for i in range(4)]
+    rep = []
+    sd = bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
+                           ridge=[1e-2, 10.0], report=rep)
+    c = [e for e in rep if e.get("rule") == "heldout"][0]
+    assert set(c["ridge_losses"]) == {1e-2, 10.0}
+    assert c["ridge_losses"][c["ridge"]] == min(c["ridge_losses"].values())
+    one = bt.transfer_model(a, aft, b, cal[:-1], method="fit", loss_fn=ce,
+                            alpha=1.0, ridge=c["ridge"])
+    base = b.state_dict()
+    for k in base:
+        assert torch.allclose(sd[k], base[k] + c["alpha"] * (one[k] -
+                                                             base[k]),
+                              atol=1e-5), k
+    assert abs(task_loss(b, sd, cal[-1]) - c["losses"][c["alpha"]]) < 1e-4
+    # the report lists the kept fit's layers once
+    rep1 = []
+    bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce, report=rep1)
+    fits = [e["name"] for e in rep if e.get("handling") == "fit"]
+    assert fits and fits == [e["name"] for e in rep1
+                             if e.get("handling") == "fit"]
+
+
 def test_bad_heldout_options_are_refused_naming_the_option():
     a, aft, b, _ = planted(DecoderLayer)
     cal = calibration()
@@ -164,6 +193,16 @@ def test_bad_heldout_options_are_refused_naming_the_option():
     with pytest.raises(bico.BicoError, match="holdout is 0"):
         bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
                           alpha="heldout", holdout=0)
+    for bad in ([], [0.1, -1.0], [0.1, float("nan")]):
+        with pytest.raises(bico.BicoError, match="ridge"):
+            bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
+                              ridge=bad)
+    with pytest.raises(bico.BicoError, match="list of ridge"):
+        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
+                          ridge=[0.1, 1.0], alpha=1.0)
+    with pytest.raises(bico.BicoError, match="list of ridge"):
+        bt.transfer_model(a, aft, b, cal, method="bico", loss_fn=ce,
+                          ridge=[0.1, 1.0])
     lin = torch.nn.Linear(3, 3)
     data = [(torch.randn(4, 3), torch.randn(4, 3)) for _ in range(3)]
     with pytest.raises(bico.BicoError, match="loss_fn"):

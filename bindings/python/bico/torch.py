@@ -774,6 +774,9 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     block; every nn.Linear of the target with a Linear source partner gets
     its update by bico.fit.Fit with ridge c = ridge; everything else
     (norms, tokens, embeddings, nn.MultiheadAttention) is carried by BiCo.
+    ridge may be a list with alpha="heldout": one fit per value, the
+    (ridge, alpha) pair with the least held-out loss is kept (report:
+    "ridge", "ridge_losses").
     shared_out (fit): target modules whose outputs are in the same
     coordinates as their source partner's (a classifier head over the same
     classes): D is used as it is, no output map.
@@ -844,9 +847,18 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     if tied not in ("carry", "fit"):
         raise BicoError(E_ARG, "transfer_model: tied must be 'carry' or "
                         "'fit', got %r" % (tied,))
-    if not (isinstance(ridge, (int, float)) and ridge >= 0):
-        raise BicoError(E_ARG, "transfer_model: ridge must be >= 0, got %r"
-                        % (ridge,))
+    ridges = list(ridge) if isinstance(ridge, (list, tuple)) else [ridge]
+    if not ridges or any(not (isinstance(r, (int, float))
+                              and not isinstance(r, bool)
+                              and math.isfinite(r) and r >= 0)
+                         for r in ridges):
+        raise BicoError(E_ARG, "transfer_model: ridge must be >= 0 (or, "
+                        "for fit with alpha='heldout', a list of such), got "
+                        "%r" % (ridge,))
+    if len(ridges) > 1 and (method != "fit" or auto != "heldout"):
+        raise BicoError(E_ARG, "transfer_model: a list of ridge values is "
+                        "chosen among on held-out batches: it needs "
+                        "method='fit' and alpha='heldout'")
     a0, a1 = source.state_dict(), source_tuned.state_dict()
     if set(a0) != set(a1) or any(a0[k].shape != a1[k].shape for k in a0):
         raise BicoError(E_SHAPE, "transfer_model: source and source_tuned "
@@ -873,10 +885,39 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     try:
         rep = [] if report is None else report
         a = 1.0 if auto else alpha
+        if method == "fit" and len(ridges) > 1:
+            # each ridge fitted, (ridge, alpha) chosen together
+            tried = []
+            for r in ridges:
+                frep = [] if report is not None else None
+                new = _fit(source, source_tuned, target, fit_b, forward,
+                           col, a0, a1, b0, a, r, topts, frep,
+                           show_progress, tuple(shared_out or ()), groups,
+                           tied)
+                delta = {k: new[k].float() - b0[k].detach().float().cpu()
+                         for k in b0 if k in new
+                         and new[k].is_floating_point()}
+                best, scores = choose_alpha(
+                    source, source_tuned, target, delta, held_b,
+                    rule="heldout", forward=forward, grid=grid,
+                    loss_fn=loss_fn, step=step)
+                tried.append((scores[best], r, best, scores, delta, frep))
+            i = min(range(len(tried)), key=lambda j: (tried[j][0], j))
+            _, r, best, scores, delta, frep = tried[i]
+            if report is not None:
+                report.extend(frep)
+            rep.append({"alpha": best, "rule": "heldout", "losses": scores,
+                        "zero_shot": scores.get(0.0, _mean_loss(
+                            target, held_b, loss_of)),
+                        "ridge": r, "ridge_losses": {
+                            t[1]: t[0] for t in tried},
+                        "heldout_batches": len(held_b),
+                        "fit_batches": len(fit_b)})
+            return _retied(_apply(b0, delta, best), b0, groups)
         if method == "fit":
             new = _fit(source, source_tuned, target, fit_b, forward, col,
-                       a0, a1, b0, a, ridge, topts, report, show_progress,
-                       tuple(shared_out or ()), groups, tied)
+                       a0, a1, b0, a, ridges[0], topts, report,
+                       show_progress, tuple(shared_out or ()), groups, tied)
             if auto is None:
                 return new
             delta = {k: new[k].float() - b0[k].detach().float().cpu()
