@@ -78,8 +78,10 @@ METHODS = [("naive", "naive", "same", 8), ("gradfix", "gradfix", "same", 8),
            ("bico py", "bico-py", "all", 8),
            ("bico 4096", "bico", "all", 64), ("fit 4096", "fit", "all", 64),
            ("bico py 4096", "bico-py", "all", 64),
+           ("proxy-fit", "proxy-fit", "all", 8),
+           ("proxy-fit 4096", "proxy-fit", "all", 64),
            ("proxy-tuning", "proxy", "all", 0)]
-LABEL_FREE = ("fit", "bico py", "fit 4096", "bico py 4096")
+PY_METHODS = {"fit": "fit", "bico-py": "bico", "proxy-fit": "proxy-fit"}
 
 
 def tool_key():
@@ -326,11 +328,13 @@ class Bench(object):
         batches = [(w[None, :-1], w[None, 1:]) for w in self.calib_all[:n]]
         rep = []
         new = bt.transfer_model(a, aft, b, batches,
-                                method="bico" if method == "bico-py"
-                                else "fit", loss_fn=lm.loss_sum, report=rep,
+                                method=PY_METHODS[method],
+                                loss_fn=lm.loss_sum, report=rep,
                                 **FIT_OPTIONS)
         for e in rep:
-            if "rule" in e and info is not None:
+            if e.get("rule") == "proxy-fit" and info is not None:
+                info.setdefault("proxy_steps", []).append(e["alpha"])
+            elif "rule" in e and info is not None:
                 info["alpha_chosen"] = e["alpha"]
                 info["heldout_losses"] = {str(k): v for k, v in
                                           e["losses"].items()}
@@ -363,7 +367,7 @@ class Bench(object):
                 res["seconds"] = time.time() - t0
                 return res
             sd = (self.fit(tname, kind, n, method, info)
-                  if method in ("fit", "bico-py")
+                  if method in PY_METHODS
                   else self.cli(tname, kind, method, extra, n))
         except Exception as e:  # a method that does not run is reported
             return {"error": " / ".join(str(e).splitlines())[:300]
@@ -439,7 +443,7 @@ def main():
                 if label not in methods or (shapes == "same" and not same):
                     continue
                 fl = extra if method in ("bico", "bico-in", "bico-out") \
-                    else FIT_OPTIONS if method in ("fit", "bico-py") else []
+                    else FIT_OPTIONS if method in PY_METHODS else []
                 k = key_of(common, TARGETS[tname], cid, method, fl, n,
                            ALPHAS, tool)
                 r = store.get(k)

@@ -208,3 +208,33 @@ def test_bad_heldout_options_are_refused_naming_the_option():
     with pytest.raises(bico.BicoError, match="loss_fn"):
         bt.transfer_model(lin, lin, lin, data, method="naive",
                           alpha="heldout")
+
+
+def test_proxy_fit_refines_the_fit_and_never_loses_on_held_out():
+    """method="proxy-fit": the fit at its held-out alpha, then steps
+    towards the proxy-tuned distribution, each chosen on the held-out
+    batches (0 a candidate): its held-out loss is at most the fit's, the
+    planted pair still closes >= 98 %, and the tied pair stays one."""
+    a, aft, b, bft = planted(DecoderLayer)
+    lb, lft = task_loss(b), task_loss(bft)
+    cal = [task(8, 40 + i) for i in range(8)]
+    rep = []
+    sd = bt.transfer_model(a, aft, b, cal, method="proxy-fit", loss_fn=ce,
+                           report=rep)
+    assert (lb - task_loss(b, sd)) / (lb - lft) >= 0.98
+    assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
+    fit = [e for e in rep if e.get("rule") == "heldout"][0]
+    steps = [e for e in rep if e.get("rule") == "proxy-fit"]
+    assert steps and all(e["alpha"] == min(e["losses"], key=lambda g: (
+        e["losses"][g], g)) for e in steps)
+    held = cal[6:]
+    got = mean_loss(b, sd, held)
+    assert got <= fit["losses"][fit["alpha"]] + 1e-5
+    assert abs(got - steps[-1]["losses"][steps[-1]["alpha"]]) < 1e-4
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(bico.BicoError, match="proxy_steps"):
+            bt.transfer_model(a, aft, b, cal, method="proxy-fit",
+                              loss_fn=ce, proxy_steps=bad)
+    with pytest.raises(bico.BicoError, match="proxy-fit chooses"):
+        bt.transfer_model(a, aft, b, cal, method="proxy-fit", loss_fn=ce,
+                          alpha=1.0)

@@ -720,7 +720,7 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
 # ---- whole models ----
 
 MODEL_METHODS = ("bico", "bico-in", "bico-out", "naive", "pad", "gradfix",
-                 "fit")
+                 "fit", "proxy-fit")
 _PROCRUSTES_KEYS = ("rank_tol", "null", "center", "whiten", "method",
                     "completion")
 
@@ -757,7 +757,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    votes=None, gradfix_mode="majority", source_blocks=None,
                    target_blocks=None, ridge=1e-2, shared_out=(),
                    tied="carry", report=None, show_progress=False,
-                   holdout="auto", alpha_grid=None, **options):
+                   holdout="auto", alpha_grid=None, proxy_steps=8,
+                   **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -777,6 +778,16 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     ridge may be a list with alpha="heldout": one fit per value, the
     (ridge, alpha) pair with the least held-out loss is kept (report:
     "ridge", "ridge_losses").
+    proxy-fit: the fit (at its held-out alpha), then its nn.Linear layers
+    moved towards the proxy-tuned distribution softmax(z_B + z_A_ft - z_A)
+    (the logits of the
+    three models on the same tokens, one vocabulary): per step, each
+    layer's update is the ridge solution (ridge) of X dW = -G, G the
+    gradient of KL(proxy || working target) with respect to its output,
+    and the step size is the candidate of alpha_grid (default 0, 0.3, 1,
+    3, 10, 30, 100) with the least held-out loss; at most proxy_steps
+    steps, stopping at a step of 0.  Needs held-out batches (as
+    alpha="heldout"); norms and embeddings are left as they are.
     shared_out (fit): target modules whose outputs are in the same
     coordinates as their source partner's (a classifier head over the same
     classes): D is used as it is, no output map.
@@ -827,6 +838,13 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     if not batches:
         raise BicoError(E_ARG, "transfer_model: no calibration batches")
     grid = _alpha_grid(alpha_grid)
+    if method == "proxy-fit" and alpha_grid is None:
+        from .torch_fit import PROXY_GRID
+        grid = list(PROXY_GRID)
+    if not (isinstance(proxy_steps, int) and not isinstance(proxy_steps, bool)
+            and proxy_steps >= 1):
+        raise BicoError(E_ARG, "transfer_model: proxy_steps must be an "
+                        "integer >= 1, got %r" % (proxy_steps,))
     loss_of = _heldout_loss_fn(loss_fn, step, forward or _default_forward)
     alpha, fit_b, held_b = _resolve_heldout(method, alpha, holdout, batches,
                                             loss_of, alpha_grid)
@@ -869,6 +887,28 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     topts = dict(norm_map=norm_map, split=split, ties=ties,
                  source_blocks=source_blocks, target_blocks=target_blocks,
                  gradfix_mode=gradfix_mode, **options)
+    if method == "proxy-fit":
+        from . import torch_fit
+        rep = [] if report is None else report
+        tied_keys = set(k for o, al in groups for k in [o] + al)
+        skip = set(n for n, m in target.named_modules()
+                   if isinstance(m, nn.Linear) and any(
+                       (n + "." + p) in tied_keys
+                       for p, _ in m.named_parameters(recurse=False)))
+        # the start: the fit at its held-out alpha (same batches)
+        start = transfer_model(
+            source, source_tuned, target, fit_b, method="fit",
+            loss_fn=loss_fn, step=step, forward=forward, modules=modules,
+            split=split, ties=ties, norm_map=norm_map,
+            source_blocks=source_blocks, target_blocks=target_blocks,
+            ridge=ridges[0], shared_out=shared_out, tied=tied, report=rep,
+            show_progress=show_progress, holdout=held_b, **options)
+        new = torch_fit.proxy_fit(
+            source, source_tuned, target, fit_b, held_b, None,
+            lambda m, b: _output(_on(forward, _device(m))(m, b)),
+            lambda m, bs: _mean_loss(m, bs, loss_of), ridges[0], grid,
+            proxy_steps, skip, rep, start=start)
+        return _retied({k: v.cpu() for k, v in new.items()}, b0, groups)
     col = None
     if method.startswith("bico") or method == "fit":
         col = collect_statistics(source, target, fit_b, loss_fn,
@@ -1075,7 +1115,7 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
 # ---- alpha on held-out calibration batches ----
 
 HELDOUT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
-_HELDOUT_METHODS = ("fit", "bico", "bico-in", "bico-out")
+_HELDOUT_METHODS = ("fit", "bico", "bico-in", "bico-out", "proxy-fit")
 _HOLDOUT_AUTO = 0.25
 
 
@@ -1168,6 +1208,10 @@ def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
             alpha = "heldout"
         else:
             alpha = 1.0
+    if method == "proxy-fit" and alpha != "heldout":
+        raise BicoError(E_ARG, "transfer_model: proxy-fit chooses its steps "
+                        "on held-out batches: alpha must be 'heldout' "
+                        "(default) and holdout not 0, with a loss")
     if alpha != "heldout":
         if given:
             raise BicoError(E_ARG, "transfer_model: holdout applies to "
