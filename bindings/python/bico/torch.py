@@ -720,7 +720,7 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
 # ---- whole models ----
 
 MODEL_METHODS = ("bico", "bico-in", "bico-out", "naive", "pad", "gradfix",
-                 "fit", "proxy-fit")
+                 "fit", "proxy-fit", "proxy-distill")
 _PROCRUSTES_KEYS = ("rank_tol", "null", "center", "whiten", "method",
                     "completion")
 
@@ -758,6 +758,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    target_blocks=None, ridge=1e-2, shared_out=(),
                    tied="carry", report=None, show_progress=False,
                    holdout="auto", alpha_grid=None, proxy_steps=8,
+                   distill_steps=400, distill_lr=2e-3, distill_every=25,
                    **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
@@ -788,6 +789,12 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     3, 10, 30, 100) with the least held-out loss; at most proxy_steps
     steps, stopping at a step of 0.  Needs held-out batches (as
     alpha="heldout"); norms and embeddings are left as they are.
+    proxy-distill: the target (every floating parameter) trained
+    towards the proxy-tuned distribution on the calibration batches that
+    are not held out: Adam (distill_lr) on KL(proxy || target), one batch
+    per step, at most distill_steps steps; every distill_every steps the
+    held-out loss is measured, and the best state (the untouched target
+    included) is returned.  Same vocabulary needed.
     shared_out (fit): target modules whose outputs are in the same
     coordinates as their source partner's (a classifier head over the same
     classes): D is used as it is, no output map.
@@ -845,6 +852,16 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
             and proxy_steps >= 1):
         raise BicoError(E_ARG, "transfer_model: proxy_steps must be an "
                         "integer >= 1, got %r" % (proxy_steps,))
+    for name, v, lo in (("distill_steps", distill_steps, 1),
+                        ("distill_every", distill_every, 1)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
+            raise BicoError(E_ARG, "transfer_model: %s must be an integer "
+                            ">= %d, got %r" % (name, lo, v))
+    if not (isinstance(distill_lr, (int, float)) and not isinstance(
+            distill_lr, bool) and math.isfinite(distill_lr)
+            and distill_lr > 0):
+        raise BicoError(E_ARG, "transfer_model: distill_lr must be a "
+                        "positive number, got %r" % (distill_lr,))
     loss_of = _heldout_loss_fn(loss_fn, step, forward or _default_forward)
     alpha, fit_b, held_b = _resolve_heldout(method, alpha, holdout, batches,
                                             loss_of, alpha_grid)
@@ -887,6 +904,17 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     topts = dict(norm_map=norm_map, split=split, ties=ties,
                  source_blocks=source_blocks, target_blocks=target_blocks,
                  gradfix_mode=gradfix_mode, **options)
+    if method == "proxy-distill":
+        from . import torch_fit
+        rep = [] if report is None else report
+        new, _ = torch_fit.proxy_distill(
+            source, source_tuned, target, fit_b, held_b,
+            lambda m, b: _output(_on(forward, _device(m))(m, b)),
+            lambda m, bs: _mean_loss(m, bs, loss_of), distill_steps,
+            distill_lr, distill_every, rep)
+        _report_tied(rep, groups)
+        out = {k: new[k].cpu() for k in new}
+        return _retied(out, b0, groups)
     if method == "proxy-fit":
         from . import torch_fit
         rep = [] if report is None else report
@@ -1115,7 +1143,8 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
 # ---- alpha on held-out calibration batches ----
 
 HELDOUT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
-_HELDOUT_METHODS = ("fit", "bico", "bico-in", "bico-out", "proxy-fit")
+_HELDOUT_METHODS = ("fit", "bico", "bico-in", "bico-out", "proxy-fit",
+                    "proxy-distill")
 _HOLDOUT_AUTO = 0.25
 
 
@@ -1208,10 +1237,10 @@ def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
             alpha = "heldout"
         else:
             alpha = 1.0
-    if method == "proxy-fit" and alpha != "heldout":
-        raise BicoError(E_ARG, "transfer_model: proxy-fit chooses its steps "
+    if method.startswith("proxy") and alpha != "heldout":
+        raise BicoError(E_ARG, "transfer_model: %s chooses its steps "
                         "on held-out batches: alpha must be 'heldout' "
-                        "(default) and holdout not 0, with a loss")
+                        "(default) and holdout not 0, with a loss" % method)
     if alpha != "heldout":
         if given:
             raise BicoError(E_ARG, "transfer_model: holdout applies to "

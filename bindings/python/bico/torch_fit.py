@@ -492,3 +492,69 @@ def proxy_fit(source, source_tuned, target, fit_batches, held_batches,
             break
     del base
     return {k: v.detach().clone() for k, v in work.state_dict().items()}
+
+
+def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
+                  logits_of, loss_of, steps, lr, every, report=None,
+                  seed=0):
+    """The target trained towards the proxy-tuned distribution
+    softmax(z_B + z_A_ft - z_A) on the calibration batches that are not
+    held out: Adam (lr) on the mean over tokens of KL(proxy || working
+    target), one batch per step in a seeded random order; every `every`
+    steps the held-out loss is measured and the best state so far (the
+    untouched target is step 0) is kept.  Returns (state dict, {step:
+    held-out loss})."""
+    work = copy.deepcopy(target).train(False)
+    for m in (source, source_tuned, target):
+        m.eval()
+    params = [p for p in work.parameters() if p.is_floating_point()]
+    for p in params:
+        p.requires_grad_(True)
+
+    def teacher(b):
+        with torch.no_grad():
+            zb = logits_of(target, b).float()
+            za = logits_of(source, b).float()
+            zt = logits_of(source_tuned, b).float()
+            if za.shape != zb.shape:
+                raise BicoError(E_SHAPE, "transfer_model: proxy-distill "
+                                "needs the source's and the target's logits "
+                                "on the same tokens and vocabulary, got %s "
+                                "and %s" % (tuple(za.shape),
+                                            tuple(zb.shape)))
+            return torch.log_softmax(zb + zt - za, -1)
+    # the teachers are kept when they are small (256 MiB), else recomputed
+    first = teacher(fit_batches[0])
+    keep = first.numel() * 4 * len(fit_batches) <= (256 << 20)
+    cache = {0: first} if keep else {}
+    opt = torch.optim.Adam(params, lr=lr)
+    losses = {0: loss_of(work, held_batches)}
+    best = (losses[0], 0, {k: v.detach().clone()
+                           for k, v in work.state_dict().items()})
+    g = torch.Generator().manual_seed(seed)
+    order = []
+    for it in range(1, steps + 1):
+        if not order:
+            order = torch.randperm(len(fit_batches), generator=g).tolist()
+        i = order.pop()
+        if i in cache:
+            t = cache[i]
+        else:
+            t = teacher(fit_batches[i])
+            if keep:
+                cache[i] = t
+        z = logits_of(work, fit_batches[i]).float()
+        ls = torch.log_softmax(z, -1)
+        kl = (t.exp() * (t - ls)).sum(-1).mean()
+        opt.zero_grad()
+        kl.backward()
+        opt.step()
+        if it % every == 0 or it == steps:
+            losses[it] = loss_of(work, held_batches)
+            if losses[it] < best[0]:
+                best = (losses[it], it, {k: v.detach().clone() for k, v
+                                         in work.state_dict().items()})
+    if report is not None:
+        report.append({"rule": "proxy-distill", "step": best[1],
+                       "losses": losses, "zero_shot": losses[0]})
+    return best[2], losses
