@@ -80,8 +80,11 @@ METHODS = [("naive", "naive", "same", 8), ("gradfix", "gradfix", "same", 8),
            ("bico py 4096", "bico-py", "all", 64),
            ("proxy-fit", "proxy-fit", "all", 8),
            ("proxy-fit 4096", "proxy-fit", "all", 64),
+           ("distill 4096", "proxy-distill", "all", 64),
+           ("distill 32k", "proxy-distill", "all", 512),
            ("proxy-tuning", "proxy", "all", 0)]
-PY_METHODS = {"fit": "fit", "bico-py": "bico", "proxy-fit": "proxy-fit"}
+PY_METHODS = {"fit": "fit", "bico-py": "bico", "proxy-fit": "proxy-fit",
+              "proxy-distill": "proxy-distill"}
 
 
 def tool_key():
@@ -317,22 +320,28 @@ class Bench(object):
 
     def fit(self, tname, kind, n, method="fit", info=None):
         """bico.torch.transfer_model at its defaults on n calibration
-        windows, one window per batch (so a quarter is held out and alpha
-        chosen on them); info receives the chosen alpha."""
+        windows, one window per batch (8 for proxy-distill), so a quarter
+        is held out and alpha (or the stopping step) chosen on them; info
+        receives what was chosen."""
         import bico.torch as bt
         spec = TARGETS[tname]
         a = self.model(self.pretrained(SOURCE))
         aft = self.model(self.finetuned(SOURCE) if kind == "full"
                          else self.lora(SOURCE)[1])
         b = self.model(self.pretrained(spec))
-        batches = [(w[None, :-1], w[None, 1:]) for w in self.calib_all[:n]]
+        # proxy-distill takes optimiser steps on batches: 8 windows each
+        per = 8 if method == "proxy-distill" else 1
+        batches = [(w[:, :-1], w[:, 1:]) for w in
+                   self.calib_all[:n].split(per)]
         rep = []
         new = bt.transfer_model(a, aft, b, batches,
                                 method=PY_METHODS[method],
                                 loss_fn=lm.loss_sum, report=rep,
                                 **FIT_OPTIONS)
         for e in rep:
-            if e.get("rule") == "proxy-fit" and info is not None:
+            if e.get("rule") == "proxy-distill" and info is not None:
+                info["distill_step"] = e["step"]
+            elif e.get("rule") == "proxy-fit" and info is not None:
                 info.setdefault("proxy_steps", []).append(e["alpha"])
             elif "rule" in e and info is not None:
                 info["alpha_chosen"] = e["alpha"]
