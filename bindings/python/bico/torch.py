@@ -781,14 +781,13 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     "ridge", "ridge_losses").
     proxy-fit: the fit (at its held-out alpha), then its nn.Linear layers
     moved towards the proxy-tuned distribution softmax(z_B + z_A_ft - z_A)
-    (the logits of the
-    three models on the same tokens, one vocabulary): per step, each
-    layer's update is the ridge solution (ridge) of X dW = -G, G the
-    gradient of KL(proxy || working target) with respect to its output,
-    and the step size is the candidate of alpha_grid (default 0, 0.3, 1,
-    3, 10, 30, 100) with the least held-out loss; at most proxy_steps
-    steps, stopping at a step of 0.  Needs held-out batches (as
-    alpha="heldout"); norms and embeddings are left as they are.
+    (the logits of the three models on the same tokens, one vocabulary):
+    per step, each layer's update is the ridge solution (ridge) of X dW =
+    -G, G the gradient of KL(proxy || working target) with respect to its
+    output, and the step size is the candidate of alpha_grid (default 0,
+    0.1, 0.3, 1, 3, 10, 30, 100) with the least held-out loss; at most
+    proxy_steps steps, stopping at a step of 0.  Needs held-out batches
+    (alpha="heldout", the default); norms and embeddings stay the fit's.
     proxy-distill: the target (every floating parameter) trained
     towards the proxy-tuned distribution on the calibration batches that
     are not held out: Adam (distill_lr) on KL(proxy || target), one batch
@@ -815,7 +814,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     the candidate of alpha_grid (default 0, 0.25, 0.5, 0.75, 1, 1.5, 2)
     with the least loss on the held-out batches; 0 (the untouched target)
     is a candidate, so the result is never worse there than doing nothing.
-    Default (None): "heldout" for fit, bico, bico-in and bico-out when
+    Default (None): "heldout" for fit, bico, bico-in, bico-out,
+    proxy-fit and proxy-distill (which need it) when
     there are at least 3 batches and a held-out loss can be computed
     (loss_fn, step, a dict batch with labels, or token ids: next-token
     cross-entropy of the logits); 1 otherwise.
