@@ -409,6 +409,9 @@ def main():
                     help="JSON: keyword arguments for the transfer_model "
                     "rows (fit, bico py), e.g. '{\"ridge\": 0.1}'; part "
                     "of the cache key")
+    ap.add_argument("--cached", action="store_true",
+                    help="print the cells in the cache only (a missing "
+                    "cell is shown as -)")
     ap.add_argument("--fresh", action="store_true",
                     help="recompute every cell (models stay cached)")
     args = ap.parse_args()
@@ -436,7 +439,7 @@ def main():
     tool = tool_key()
     table = {}
     methods = args.methods.split(",")
-    if "lora" in args.kinds.split(","):
+    if "lora" in args.kinds.split(",") and not args.cached:
         bench.check_adapter()
     for tname in args.targets.split(","):
         for kind in args.kinds.split(","):
@@ -456,6 +459,8 @@ def main():
                 k = key_of(common, TARGETS[tname], cid, method, fl, n,
                            ALPHAS, tool)
                 r = store.get(k)
+                if r is None and args.cached:
+                    continue
                 if r is None:
                     r = bench.cell(tname, kind, method, fl, n)
                     log("%s %s: %s" % (cid, label, r.get("error") or
