@@ -64,7 +64,10 @@ TARGETS = {
     # way; a correct pipeline closes nearly all of the gap here
     "planted": dict(width=96, depth=3, ffn=256, seed=1, planted=7),
 }
-CALIB = dict(windows=8)          # 8 x 64 = 512 calibration rows
+# calibration windows: 64-byte windows of the task's training text in a
+# seeded random order (the first n of them; held-out ones are the last of
+# those n), so that they sample every license text
+CALIB = dict(windows=8, order="shuffled", seed=0)
 EVAL = dict(windows=300)
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0]
 # (label, method, shapes: "same" or "all", calibration windows of 64 bytes)
@@ -122,8 +125,11 @@ class Bench(object):
         T = DATA["ctx"]
         self.eval_task = lm.windows(self.tte, T, EVAL["windows"])
         self.eval_gen = lm.windows(self.gte, T, EVAL["windows"])
-        self.calib = lm.windows(self.ttr, T, CALIB["windows"])
-        self.calib_all = lm.windows(self.ttr, T)
+        allw = lm.windows(self.ttr, T)
+        perm = torch.randperm(len(allw), generator=torch.Generator()
+                              .manual_seed(CALIB["seed"]))
+        self.calib_all = allw[perm]
+        self.calib = self.calib_all[:CALIB["windows"]]
         self.tok = lm.tokenizer_json()
         self.log("text: general %d files %d bytes (train %d, held out %d); "
                  "task %d files %d bytes (train %d, held out %d)"
@@ -223,7 +229,7 @@ class Bench(object):
         return os.path.join(d, "adapter"), os.path.join(d, "merged")
 
     def calib_file(self, spec, n):
-        k = key_of(self.text_key, "calib", spec, PRE, n)
+        k = key_of(self.text_key, "calib", spec, PRE, n, CALIB)
         p = self.path("calib", "%s.safetensors" % k)
         if not os.path.exists(p):
             os.makedirs(os.path.dirname(p), exist_ok=True)

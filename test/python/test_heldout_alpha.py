@@ -268,3 +268,24 @@ def test_proxy_distill_keeps_the_best_held_out_state():
     with pytest.raises(bico.BicoError, match="proxy-distill chooses"):
         bt.transfer_model(a, aft, b, cal, method="proxy-distill",
                           loss_fn=ce, holdout=0)
+
+
+def test_heldout_choice_needs_a_gain_beyond_its_standard_error():
+    """choose_alpha(rule="heldout"): a candidate whose mean gain over 0 is
+    within its standard error over the held-out batches (one batch helped,
+    the other hurt nearly as much) is not taken; a consistent gain is."""
+    lin = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.zero_()
+    delta = {"weight": torch.ones(1, 1).numpy()}
+    mse = torch.nn.functional.mse_loss
+    x = torch.ones(1, 1)
+    mixed = [(x, torch.full((1, 1), 1.0)), (x, torch.full((1, 1), -0.9))]
+    best, scores = bt.choose_alpha(lin, lin, lin, delta, mixed,
+                                   rule="heldout", grid=[0, 0.05],
+                                   loss_fn=mse)
+    assert scores[0.05] < scores[0.0] and best == 0.0
+    same = [(x, torch.full((1, 1), 1.0)), (x, torch.full((1, 1), 0.9))]
+    best, _ = bt.choose_alpha(lin, lin, lin, delta, same, rule="heldout",
+                              grid=[0, 0.5, 1], loss_fn=mse)
+    assert best == 1.0

@@ -910,7 +910,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         new, _ = torch_fit.proxy_distill(
             source, source_tuned, target, fit_b, held_b,
             lambda m, b: _output(_on(forward, _device(m))(m, b)),
-            lambda m, bs: _mean_loss(m, bs, loss_of), distill_steps,
+            lambda m, bs: _batch_losses(m, bs, loss_of), distill_steps,
             distill_lr, distill_every, rep)
         _report_tied(rep, groups)
         out = {k: new[k].cpu() for k in new}
@@ -1272,6 +1272,23 @@ def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
 
 
 def _mean_loss(model, batches, loss_of):
+    vals = _batch_losses(model, batches, loss_of)
+    return float(sum(vals) / len(vals))
+
+
+def _helps(zero, cand):
+    """Whether per-batch held-out losses cand beat zero (the untouched
+    target's) clearly: a mean gain larger than its standard error (with
+    one batch: any mean gain)."""
+    d = [z - c for z, c in zip(zero, cand)]
+    m = sum(d) / len(d)
+    if len(d) < 2:
+        return m > 0
+    var = sum((x - m) ** 2 for x in d) / (len(d) - 1)
+    return m > math.sqrt(var / len(d))
+
+
+def _batch_losses(model, batches, loss_of):
     was = model.training
     model.eval()
     try:
@@ -1282,7 +1299,7 @@ def _mean_loss(model, batches, loss_of):
     if any(v is None for v in vals):
         raise BicoError(E_ARG, "transfer_model: a held-out batch gives no "
                         "loss: pass loss_fn or step")
-    return float(sum(vals) / len(vals))
+    return [float(v) for v in vals]
 
 
 def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
@@ -1301,7 +1318,9 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
     entropy of the updated target.  rule "heldout": the alpha with the
     least mean loss on batches (held-out calibration batches: loss_fn /
     step as transfer_model takes them, or next-token cross-entropy on
-    token ids); 0 is a candidate and the smaller alpha wins a tie.  grid:
+    token ids) among 0 and the candidates whose mean gain over 0 exceeds
+    its standard error over the batches (any gain with one batch); the
+    smaller alpha wins a tie.  grid:
     the candidates (default 0.1 .. 8, geometric; "heldout": 0, 0.25, 0.5,
     0.75, 1, 1.5, 2)."""
     if rule not in ("match", "entropy", "heldout"):
@@ -1365,12 +1384,16 @@ def _choose_heldout(target, delta, batches, grid, loss_of):
         raise BicoError(E_ARG, "choose_alpha: no held-out batches")
     work = copy.deepcopy(target).eval()
     base = {k: v.detach().clone() for k, v in target.state_dict().items()}
-    scores = {}
+    scores, per = {}, {}
     for g in grid:
         sd = {k: (v.float() + g * torch.as_tensor(
             np.asarray(delta[k])).float().to(v.device)).to(v.dtype)
             if k in delta else v for k, v in base.items()}
         work.load_state_dict(sd)
-        scores[g] = _mean_loss(work, batches, loss_of)
-    best = min(grid, key=lambda g: (scores[g], g))
+        per[g] = _batch_losses(work, batches, loss_of)
+        scores[g] = float(sum(per[g]) / len(per[g]))
+    # with 0 among the candidates, another one must beat it clearly
+    ok = [g for g in grid if 0.0 not in per or g == 0.0
+          or _helps(per[0.0], per[g])]
+    best = min(ok, key=lambda g: (scores[g], g))
     return best, scores

@@ -494,6 +494,11 @@ def proxy_fit(source, source_tuned, target, fit_batches, held_batches,
     return {k: v.detach().clone() for k, v in work.state_dict().items()}
 
 
+def _helps(zero, cand):
+    from .torch import _helps as h
+    return h(zero, cand)
+
+
 def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
                   logits_of, loss_of, steps, lr, every, report=None,
                   seed=0):
@@ -502,8 +507,10 @@ def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
     held out: Adam (lr) on the mean over tokens of KL(proxy || working
     target), one batch per step in a seeded random order; every `every`
     steps the held-out loss is measured and the best state so far (the
-    untouched target is step 0) is kept.  Returns (state dict, {step:
-    held-out loss})."""
+    untouched target is step 0) is kept, unless its gain over the target
+    is within its standard error over the held-out batches (then the
+    target).  loss_of(model, batches) -> per-batch losses.  Returns
+    (state dict, {step: mean held-out loss})."""
     work = copy.deepcopy(target).train(False)
     for m in (source, source_tuned, target):
         m.eval()
@@ -528,9 +535,11 @@ def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
     keep = first.numel() * 4 * len(fit_batches) <= (256 << 20)
     cache = {0: first} if keep else {}
     opt = torch.optim.Adam(params, lr=lr)
-    losses = {0: loss_of(work, held_batches)}
-    best = (losses[0], 0, {k: v.detach().clone()
-                           for k, v in work.state_dict().items()})
+    per = {0: loss_of(work, held_batches)}
+    mean = lambda v: float(sum(v) / len(v))  # noqa: E731
+    losses = {0: mean(per[0])}
+    start = {k: v.detach().clone() for k, v in work.state_dict().items()}
+    best = (losses[0], 0, start)
     g = torch.Generator().manual_seed(seed)
     order = []
     for it in range(1, steps + 1):
@@ -550,10 +559,13 @@ def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
         kl.backward()
         opt.step()
         if it % every == 0 or it == steps:
-            losses[it] = loss_of(work, held_batches)
+            per[it] = loss_of(work, held_batches)
+            losses[it] = mean(per[it])
             if losses[it] < best[0]:
                 best = (losses[it], it, {k: v.detach().clone() for k, v
                                          in work.state_dict().items()})
+    if best[1] and not _helps(per[0], per[best[1]]):
+        best = (losses[0], 0, start)   # no clear gain: the target
     if report is not None:
         report.append({"rule": "proxy-distill", "step": best[1],
                        "losses": losses, "zero_shot": losses[0]})
