@@ -13,7 +13,10 @@ next-byte loss (nats) on held-out task text, its perplexity, the share of
 the zero-shot -> fine-tuned gap closed, (zs - loss) / (zs - ft), and the
 loss on held-out general text (forgetting).  Scale alpha = 1 as the command
 defaults; beside it, alpha chosen on the calibration text's own loss (no
-held-out text) from a small grid.
+held-out text) from a small grid.  The rows fit, bico py, proxy-fit and
+distill are bico.torch.transfer_model at its defaults (alpha, or the
+stopping step, chosen on held-out calibration windows); proxy-tuning is
+the reference logits_B + logits_A_ft - logits_A at evaluation time.
 
 Models, files and results are cached under build/quality-llm (BICO_LLM_CACHE)
 keyed by their configuration (cells also by a hash of the bico command,
