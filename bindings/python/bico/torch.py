@@ -1276,18 +1276,6 @@ def _mean_loss(model, batches, loss_of):
     return float(sum(vals) / len(vals))
 
 
-def _helps(zero, cand):
-    """Whether per-batch held-out losses cand beat zero (the untouched
-    target's) clearly: a mean gain larger than its standard error (with
-    one batch: any mean gain)."""
-    d = [z - c for z, c in zip(zero, cand)]
-    m = sum(d) / len(d)
-    if len(d) < 2:
-        return m > 0
-    var = sum((x - m) ** 2 for x in d) / (len(d) - 1)
-    return m > math.sqrt(var / len(d))
-
-
 def _batch_losses(model, batches, loss_of):
     was = model.training
     model.eval()
@@ -1393,6 +1381,7 @@ def _choose_heldout(target, delta, batches, grid, loss_of):
         per[g] = _batch_losses(work, batches, loss_of)
         scores[g] = float(sum(per[g]) / len(per[g]))
     # with 0 among the candidates, another one must beat it clearly
+    from .torch_fit import _helps
     ok = [g for g in grid if 0.0 not in per or g == 0.0
           or _helps(per[0.0], per[g])]
     best = min(ok, key=lambda g: (scores[g], g))
