@@ -220,7 +220,7 @@ def cell(case, method, variant, calib):
     if method == "fit":
         ridge = variant.get("ridge", 1e-2)
         new = bt.transfer_model(A, Aft, B, batches, method="fit",
-                                loss_fn=loss_fn, ridge=ridge,
+                                loss_fn=loss_fn, ridge=ridge, alpha=1.0,
                                 shared_out=variant.get("shared_out", ()))
         delta = delta_of(new, case.b0)
         res["alpha"] = 1.0

@@ -13,7 +13,10 @@ next-byte loss (nats) on held-out task text, its perplexity, the share of
 the zero-shot -> fine-tuned gap closed, (zs - loss) / (zs - ft), and the
 loss on held-out general text (forgetting).  Scale alpha = 1 as the command
 defaults; beside it, alpha chosen on the calibration text's own loss (no
-held-out text) from a small grid.
+held-out text) from a small grid.  The rows fit, bico py, proxy-fit and
+distill are bico.torch.transfer_model at its defaults (alpha, or the
+stopping step, chosen on held-out calibration windows); proxy-tuning is
+the reference logits_B + logits_A_ft - logits_A at evaluation time.
 
 Models, files and results are cached under build/quality-llm (BICO_LLM_CACHE)
 keyed by their configuration (cells also by a hash of the bico command,
@@ -45,7 +48,9 @@ import planted as pl  # noqa: E402
 CACHE = os.environ.get("BICO_LLM_CACHE",
                        os.path.join(ROOT, "build", "quality-llm"))
 BICO = os.environ.get("BICO_CLI", os.path.join(ROOT, "build", "bin", "bico"))
-RESULTS_VERSION = 1
+RESULTS_VERSION = 2
+# options of the transfer_model rows (none: its defaults); --fit-options
+FIT_OPTIONS = {}
 
 DATA = dict(general_bytes=3_000_000, general_per_file=65536,
             task_bytes=1_000_000, task_per_file=1 << 20, ctx=64)
@@ -62,14 +67,30 @@ TARGETS = {
     # way; a correct pipeline closes nearly all of the gap here
     "planted": dict(width=96, depth=3, ffn=256, seed=1, planted=7),
 }
-CALIB = dict(windows=8)          # 8 x 64 = 512 calibration rows
+# calibration windows: 64-byte windows of the task's training text in a
+# seeded random order (the first n of them; held-out ones are the last of
+# those n), so that they sample every license text
+CALIB = dict(windows=8, order="shuffled", seed=0)
 EVAL = dict(windows=300)
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0]
 # (label, method, shapes: "same" or "all", calibration windows of 64 bytes)
+# "fit" and "bico py" are bico.torch.transfer_model at its defaults (one
+# window per batch: a quarter held out to choose alpha); "proxy-tuning" is
+# the reference that needs both source models at evaluation time:
+# logits_B + (logits_A_ft - logits_A), the same byte vocabulary
 METHODS = [("naive", "naive", "same", 8), ("gradfix", "gradfix", "same", 8),
            ("bico", "bico", "all", 8), ("bico-in", "bico-in", "all", 8),
            ("bico-out", "bico-out", "all", 8), ("fit", "fit", "all", 8),
-           ("bico 4096", "bico", "all", 64), ("fit 4096", "fit", "all", 64)]
+           ("bico py", "bico-py", "all", 8),
+           ("bico 4096", "bico", "all", 64), ("fit 4096", "fit", "all", 64),
+           ("bico py 4096", "bico-py", "all", 64),
+           ("proxy-fit", "proxy-fit", "all", 8),
+           ("proxy-fit 4096", "proxy-fit", "all", 64),
+           ("distill 4096", "proxy-distill", "all", 64),
+           ("distill 32k", "proxy-distill", "all", 512),
+           ("proxy-tuning", "proxy", "all", 0)]
+PY_METHODS = {"fit": "fit", "bico-py": "bico", "proxy-fit": "proxy-fit",
+              "proxy-distill": "proxy-distill"}
 
 
 def tool_key():
@@ -107,8 +128,11 @@ class Bench(object):
         T = DATA["ctx"]
         self.eval_task = lm.windows(self.tte, T, EVAL["windows"])
         self.eval_gen = lm.windows(self.gte, T, EVAL["windows"])
-        self.calib = lm.windows(self.ttr, T, CALIB["windows"])
-        self.calib_all = lm.windows(self.ttr, T)
+        allw = lm.windows(self.ttr, T)
+        perm = torch.randperm(len(allw), generator=torch.Generator()
+                              .manual_seed(CALIB["seed"]))
+        self.calib_all = allw[perm]
+        self.calib = self.calib_all[:CALIB["windows"]]
         self.tok = lm.tokenizer_json()
         self.log("text: general %d files %d bytes (train %d, held out %d); "
                  "task %d files %d bytes (train %d, held out %d)"
@@ -208,7 +232,7 @@ class Bench(object):
         return os.path.join(d, "adapter"), os.path.join(d, "merged")
 
     def calib_file(self, spec, n):
-        k = key_of(self.text_key, "calib", spec, PRE, n)
+        k = key_of(self.text_key, "calib", spec, PRE, n, CALIB)
         p = self.path("calib", "%s.safetensors" % k)
         if not os.path.exists(p):
             os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -303,28 +327,71 @@ class Bench(object):
         sd, _, _ = pl.load(out)
         return sd
 
-    def fit(self, tname, kind, n):
+    def fit(self, tname, kind, n, method="fit", info=None):
+        """bico.torch.transfer_model at its defaults on n calibration
+        windows, one window per batch (8 for proxy-distill), so a quarter
+        is held out and alpha (or the stopping step) chosen on them; info
+        receives what was chosen."""
         import bico.torch as bt
         spec = TARGETS[tname]
         a = self.model(self.pretrained(SOURCE))
         aft = self.model(self.finetuned(SOURCE) if kind == "full"
                          else self.lora(SOURCE)[1])
         b = self.model(self.pretrained(spec))
+        # proxy-distill takes optimiser steps on batches: 8 windows each
+        per = 8 if method == "proxy-distill" else 1
         batches = [(w[:, :-1], w[:, 1:]) for w in
-                   self.calib_all[:n].split(4)]
-        new = bt.transfer_model(a, aft, b, batches, method="fit",
-                                loss_fn=lm.loss_sum)
+                   self.calib_all[:n].split(per)]
+        rep = []
+        new = bt.transfer_model(a, aft, b, batches,
+                                method=PY_METHODS[method],
+                                loss_fn=lm.loss_sum, report=rep,
+                                **FIT_OPTIONS)
+        for e in rep:
+            if e.get("rule") == "proxy-distill" and info is not None:
+                info["distill_step"] = e["step"]
+            elif e.get("rule") == "proxy-fit" and info is not None:
+                info.setdefault("proxy_steps", []).append(e["alpha"])
+            elif "rule" in e and info is not None:
+                info["alpha_chosen"] = e["alpha"]
+                info["heldout_losses"] = {str(k): v for k, v in
+                                          e["losses"].items()}
         return {k: v.detach().float().numpy() for k, v in new.items()}
+
+    def proxy(self, tname, kind):
+        """Proxy-tuning (Liu et al., 2024): the target's logits plus the
+        source fine-tune's logit change, at every evaluation step."""
+        spec = TARGETS[tname]
+        a = self.model(self.pretrained(SOURCE))
+        aft = self.model(self.finetuned(SOURCE) if kind == "full"
+                         else self.lora(SOURCE)[1])
+        b = self.model(self.pretrained(spec))
+
+        class Proxy(torch.nn.Module):
+            def forward(self, x):
+                return b(x) + (aft(x) - a(x))
+        res = self.score(Proxy())
+        res["task_calib_alpha"] = res["task"]
+        res["general_calib_alpha"] = res["general"]
+        res["alpha_calib"] = 1.0
+        return res
 
     def cell(self, tname, kind, method, extra, n):
         t0 = time.time()
+        info = {}
         try:
-            sd = (self.fit(tname, kind, n) if method == "fit"
+            if method == "proxy":
+                res = self.proxy(tname, kind)
+                res["seconds"] = time.time() - t0
+                return res
+            sd = (self.fit(tname, kind, n, method, info)
+                  if method in PY_METHODS
                   else self.cli(tname, kind, method, extra, n))
         except Exception as e:  # a method that does not run is reported
             return {"error": " / ".join(str(e).splitlines())[:300]
                     or type(e).__name__}
         res = self.score_delta(TARGETS[tname], sd)
+        res.update(info)
         res["seconds"] = time.time() - t0
         return res
 
@@ -347,6 +414,13 @@ def main():
     ap.add_argument("--bico-flags", default="",
                     help="extra options for the bico, bico-in and bico-out "
                     "transfers, one string")
+    ap.add_argument("--fit-options", default="{}",
+                    help="JSON: keyword arguments for the transfer_model "
+                    "rows (fit, bico py), e.g. '{\"ridge\": 0.1}'; part "
+                    "of the cache key")
+    ap.add_argument("--cached", action="store_true",
+                    help="print the cells in the cache only (a missing "
+                    "cell is shown as -)")
     ap.add_argument("--fresh", action="store_true",
                     help="recompute every cell (models stay cached)")
     args = ap.parse_args()
@@ -355,6 +429,7 @@ def main():
     log = lambda s: print("[%5.0fs] %s" % (time.time() - t0, s),
                           file=sys.stderr, flush=True)
     extra = shlex.split(args.bico_flags)
+    FIT_OPTIONS.update(json.loads(args.fit_options))
     bench = Bench(log)
     rpath = os.path.join(CACHE, "results.json")
     store = {}
@@ -373,7 +448,7 @@ def main():
     tool = tool_key()
     table = {}
     methods = args.methods.split(",")
-    if "lora" in args.kinds.split(","):
+    if "lora" in args.kinds.split(",") and not args.cached:
         bench.check_adapter()
     for tname in args.targets.split(","):
         for kind in args.kinds.split(","):
@@ -388,10 +463,13 @@ def main():
             for label, method, shapes, n in METHODS:
                 if label not in methods or (shapes == "same" and not same):
                     continue
-                fl = extra if method.startswith("bico") else []
+                fl = extra if method in ("bico", "bico-in", "bico-out") \
+                    else FIT_OPTIONS if method in PY_METHODS else []
                 k = key_of(common, TARGETS[tname], cid, method, fl, n,
                            ALPHAS, tool)
                 r = store.get(k)
+                if r is None and args.cached:
+                    continue
                 if r is None:
                     r = bench.cell(tname, kind, method, fl, n)
                     log("%s %s: %s" % (cid, label, r.get("error") or
@@ -464,7 +542,9 @@ def print_table(table, methods, flags, bench):
             return ("-" if x is None else "error"), None
         return "%.3f" % x[key], None
 
-    block("task loss, gap closed (alpha = 1)", task_cell)
+    block("task loss, gap closed (default settings: alpha = 1 for the "
+          "bico command; fit and bico py choose alpha on held-out "
+          "calibration windows)", task_cell)
     block("task loss, gap closed (alpha chosen on the calibration text)",
           lambda r, t: task_cell(r, t, "task_calib_alpha"))
     print()
@@ -473,7 +553,15 @@ def print_table(table, methods, flags, bench):
                                 for m in methods if m in table[c]
                                 and "alpha_calib" in table[c][m]))
         for c in cids))
-    block("general-text loss (forgetting; alpha = 1)", gen_cell)
+    print()
+    print("alpha chosen by transfer_model on held-out calibration windows: "
+          + "; ".join("%s %s" % (c, ", ".join(
+              "%s %g" % (m, table[c][m]["alpha_chosen"]) for m in methods
+              if m in table[c] and "alpha_chosen" in table[c][m]))
+              for c in cids))
+    if FIT_OPTIONS:
+        print("transfer_model options: %s" % json.dumps(FIT_OPTIONS))
+    block("general-text loss (forgetting; default settings)", gen_cell)
     errs = ["%s %s: %s" % (c, m, table[c][m]["error"]) for c in cids
             for m in methods if m in table[c] and "error" in table[c][m]]
     if errs:

@@ -46,7 +46,7 @@ def test_fit_on_itself_reproduces_the_tuned_model():
     and the result computes A_ft's function on unseen inputs."""
     a, aft, b = models()
     sd = bt.transfer_model(a, aft, b, batches(), method="fit",
-                           loss_fn=mse_loss, ridge=0.0)
+                           loss_fn=mse_loss, ridge=0.0, holdout=0)
     want = aft.state_dict()
     for k, v in sd.items():
         scale = float(want[k].abs().max()) + 1e-6
@@ -67,7 +67,8 @@ def test_shared_out_head_takes_the_change_as_it_is():
     b = Tiny().eval()
     b.load_state_dict(T(a.state_dict()))
     sd = bt.transfer_model(a, aft, b, batches(), method="fit",
-                           loss_fn=mse_loss, ridge=0.0, shared_out=["head"])
+                           loss_fn=mse_loss, ridge=0.0, shared_out=["head"],
+                           holdout=0)
     fresh = batches(seed=12)
     got, want = outputs(b, sd, fresh), outputs(aft, aft.state_dict(), fresh)
     assert float((got - want).abs().max()) <= 1e-3 * float(
@@ -89,7 +90,7 @@ def test_fit_follows_a_change_of_coordinates():
     b = Tiny().eval()
     b.load_state_dict(T(a.state_dict()))
     sd = bt.transfer_model(a, aft, b, batches(), method="fit",
-                           loss_fn=mse_loss, ridge=0.0)
+                           loss_fn=mse_loss, ridge=0.0, holdout=0)
     fresh = batches(seed=11)
     got = outputs(b, sd, fresh)
     want = outputs(aft, aft.state_dict(), fresh)
@@ -172,7 +173,7 @@ def test_block_sequential_fit_equals_layer_by_layer_reference(ridge):
     a, aft, b = models(d=12, heads=2, hidden=24, depth=3)
     data = batches()
     sd = bt.transfer_model(a, aft, b, data, method="fit", loss_fn=mse_loss,
-                           ridge=ridge)
+                           ridge=ridge, holdout=0)
     want = reference_fit(a, aft, b, data, ridge, 2, 3)
     assert set(sd) == set(want)
     for k, v in sd.items():
@@ -188,7 +189,7 @@ def test_fit_report_and_ridge_shrinks_the_update():
     for c in (1e-3, 1e-1, 10.0):
         rep = []
         bt.transfer_model(a, aft, b, data, method="fit", loss_fn=mse_loss,
-                          ridge=c, report=rep)
+                          ridge=c, report=rep, holdout=0)
         fits = {e["name"]: e for e in rep if e.get("handling") == "fit"}
         assert set(fits) == set(n for n, m in b.named_modules()
                                 if isinstance(m, nn.Linear))
@@ -305,14 +306,14 @@ def test_centering_and_whitening_options_reach_the_statistics():
     a, aft, b = models(d=12, heads=2, hidden=24, depth=3)
     data = batches()
     got = bt.transfer_model(a, aft, b, data, method="bico", loss_fn=mse_loss,
-                            whiten=0.5, center=True)
+                            whiten=0.5, center=True, holdout=0)
     col = bt.collect_statistics(a, b, data, mse_loss, sums=True, grams=True,
                                 show_progress=False)
     want = bt.transfer_state_dict(a.state_dict(), aft.state_dict(),
                                   b.state_dict(), col, method="bico",
                                   whiten=0.5, center=True)
     plain = bt.transfer_model(a, aft, b, data, method="bico",
-                              loss_fn=mse_loss)
+                              loss_fn=mse_loss, holdout=0)
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert any(not torch.allclose(got[k], plain[k]) for k in want)

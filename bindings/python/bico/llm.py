@@ -243,6 +243,9 @@ def main(argv=None, prog="python3 -m bico.llm"):
                 new = bt.transfer_model(src, srt, tgt, cal.batches,
                                         method="fit",
                                         loss_fn=next_token_loss, ridge=ridge,
+                                        # the scale is chosen below, on
+                                        # the text's own held-out windows
+                                        alpha=1.0, holdout=0,
                                         show_progress=not q)
             delta = {k: new[k].double() - base[k].double() for k in base
                      if k in new}

@@ -720,7 +720,7 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
 # ---- whole models ----
 
 MODEL_METHODS = ("bico", "bico-in", "bico-out", "naive", "pad", "gradfix",
-                 "fit")
+                 "fit", "proxy-fit", "proxy-distill")
 _PROCRUSTES_KEYS = ("rank_tol", "null", "center", "whiten", "method",
                     "completion")
 
@@ -752,11 +752,13 @@ def _on(forward, dev):
 
 
 def transfer_model(source, source_tuned, target, batches, method="fit",
-                   loss_fn=None, alpha=1.0, step=None, forward=None,
+                   loss_fn=None, alpha=None, step=None, forward=None,
                    modules=None, split=None, ties=None, norm_map="act",
                    votes=None, gradfix_mode="majority", source_blocks=None,
                    target_blocks=None, ridge=1e-2, shared_out=(),
                    tied="carry", report=None, show_progress=False,
+                   holdout="auto", alpha_grid=None, proxy_steps=8,
+                   distill_steps=400, distill_lr=2e-3, distill_every=25,
                    **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
@@ -774,6 +776,24 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     block; every nn.Linear of the target with a Linear source partner gets
     its update by bico.fit.Fit with ridge c = ridge; everything else
     (norms, tokens, embeddings, nn.MultiheadAttention) is carried by BiCo.
+    ridge may be a list with alpha="heldout": one fit per value, the
+    (ridge, alpha) pair with the least held-out loss is kept (report:
+    "ridge", "ridge_losses").
+    proxy-fit: the fit (at its held-out alpha), then its nn.Linear layers
+    moved towards the proxy-tuned distribution softmax(z_B + z_A_ft - z_A)
+    (the logits of the three models on the same tokens, one vocabulary):
+    per step, each layer's update is the ridge solution (ridge) of X dW =
+    -G, G the gradient of KL(proxy || working target) with respect to its
+    output, and the step size is the candidate of alpha_grid (default 0,
+    0.1, 0.3, 1, 3, 10, 30, 100) with the least held-out loss; at most
+    proxy_steps steps, stopping at a step of 0.  Needs held-out batches
+    (alpha="heldout", the default); norms and embeddings stay the fit's.
+    proxy-distill: the target (every floating parameter) trained
+    towards the proxy-tuned distribution on the calibration batches that
+    are not held out: Adam (distill_lr) on KL(proxy || target), one batch
+    per step, at most distill_steps steps; every distill_every steps the
+    held-out loss is measured, and the best state (the untouched target
+    included) is returned.  Same vocabulary needed.
     shared_out (fit): target modules whose outputs are in the same
     coordinates as their source partner's (a classifier head over the same
     classes): D is used as it is, no output map.
@@ -786,14 +806,32 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     embedding; "fit" fits it in its segment (tokens kept as tokens: no
     output map when both vocabularies have the same size), and the fitted
     weight is also the embedding's.
-    alpha: a positive number, or "match" / "entropy" to choose it without
-    labels (choose_alpha on the calibration batches; not for fit, which
-    scales the output change D by alpha and sets its own size: keep 1).
+    alpha: a positive number, "heldout", or "match" / "entropy" to choose
+    it without labels (choose_alpha on the calibration batches; "match"
+    and "entropy" not for fit, which scales the output change D by alpha
+    and sets its own size).  "heldout": the update is computed from the
+    calibration batches that are not held out (holdout=), then scaled by
+    the candidate of alpha_grid (default 0, 0.25, 0.5, 0.75, 1, 1.5, 2)
+    with the least loss on the held-out batches; 0 (the untouched target)
+    is a candidate, so the result is never worse there than doing nothing.
+    Default (None): "heldout" for fit, bico, bico-in, bico-out,
+    proxy-fit and proxy-distill (which need it) when
+    there are at least 3 batches and a held-out loss can be computed
+    (loss_fn, step, a dict batch with labels, or token ids: next-token
+    cross-entropy of the logits); 1 otherwise.
+    holdout: which calibration batches alpha="heldout" holds out: a
+    fraction in (0, 1) of them, the last ones (default "auto": 0.25, at
+    least one), or a list of batches to hold out (then every batch of
+    batches computes the update).  Held-out batches never compute the
+    update.
+    alpha_grid: the candidate scales for alpha="heldout" (numbers >= 0).
     The other options (split, ties, norm_map, source_blocks, target_blocks,
     rank_tol, null, center, whiten, ...) are those of transfer_state_dict.
     report: a list that receives one dict per target tensor (fit: one per
-    fitted layer, with rows, rank and update_norm; and "alpha" when it was
-    chosen).
+    fitted layer, with rows, rank and update_norm; and a dict with "alpha"
+    and "rule" when it was chosen; for "heldout" also "losses" {candidate:
+    held-out loss}, "zero_shot" (the untouched target's held-out loss),
+    "heldout_batches" and "fit_batches").
     """
     if method not in MODEL_METHODS:
         raise BicoError(E_ARG, "transfer_model: unknown method %r (known: "
@@ -803,26 +841,59 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         if not isinstance(m, nn.Module):
             raise BicoError(E_ARG, "transfer_model: %s must be an nn.Module, "
                             "got %s" % (name, type(m).__name__))
+    batches = list(batches)
+    if not batches:
+        raise BicoError(E_ARG, "transfer_model: no calibration batches")
+    grid = _alpha_grid(alpha_grid)
+    if method == "proxy-fit" and alpha_grid is None:
+        from .torch_fit import PROXY_GRID
+        grid = list(PROXY_GRID)
+    if not (isinstance(proxy_steps, int) and not isinstance(proxy_steps, bool)
+            and proxy_steps >= 1):
+        raise BicoError(E_ARG, "transfer_model: proxy_steps must be an "
+                        "integer >= 1, got %r" % (proxy_steps,))
+    for name, v, lo in (("distill_steps", distill_steps, 1),
+                        ("distill_every", distill_every, 1)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
+            raise BicoError(E_ARG, "transfer_model: %s must be an integer "
+                            ">= %d, got %r" % (name, lo, v))
+    if not (isinstance(distill_lr, (int, float)) and not isinstance(
+            distill_lr, bool) and math.isfinite(distill_lr)
+            and distill_lr > 0):
+        raise BicoError(E_ARG, "transfer_model: distill_lr must be a "
+                        "positive number, got %r" % (distill_lr,))
+    loss_of = _heldout_loss_fn(loss_fn, step, forward or _default_forward)
+    alpha, fit_b, held_b = _resolve_heldout(method, alpha, holdout, batches,
+                                            loss_of, alpha_grid)
     auto = alpha if isinstance(alpha, str) else None
-    if auto is not None and auto not in ("match", "entropy"):
+    if auto is not None and auto not in ("match", "entropy", "heldout"):
         raise BicoError(E_ARG, "transfer_model: alpha must be a positive "
-                        "number, 'match' or 'entropy', got %r" % (alpha,))
-    if auto is not None and method == "fit":
+                        "number, 'heldout', 'match' or 'entropy', got %r"
+                        % (alpha,))
+    if auto in ("match", "entropy") and method == "fit":
         raise BicoError(E_ARG, "transfer_model: fit takes a numeric alpha "
-                        "(it fits the size of the output change itself)")
+                        "or 'heldout' (it fits the size of the output "
+                        "change itself)")
     if auto is None and not (isinstance(alpha, (int, float))
+                             and not isinstance(alpha, bool)
                              and alpha > 0 and math.isfinite(alpha)):
         raise BicoError(E_ARG, "transfer_model: alpha must be a positive "
                         "number, got %r" % (alpha,))
     if tied not in ("carry", "fit"):
         raise BicoError(E_ARG, "transfer_model: tied must be 'carry' or "
                         "'fit', got %r" % (tied,))
-    if not (isinstance(ridge, (int, float)) and ridge >= 0):
-        raise BicoError(E_ARG, "transfer_model: ridge must be >= 0, got %r"
-                        % (ridge,))
-    batches = list(batches)
-    if not batches:
-        raise BicoError(E_ARG, "transfer_model: no calibration batches")
+    ridges = list(ridge) if isinstance(ridge, (list, tuple)) else [ridge]
+    if not ridges or any(not (isinstance(r, (int, float))
+                              and not isinstance(r, bool)
+                              and math.isfinite(r) and r >= 0)
+                         for r in ridges):
+        raise BicoError(E_ARG, "transfer_model: ridge must be >= 0 (or, "
+                        "for fit with alpha='heldout', a list of such), got "
+                        "%r" % (ridge,))
+    if len(ridges) > 1 and (method != "fit" or auto != "heldout"):
+        raise BicoError(E_ARG, "transfer_model: a list of ridge values is "
+                        "chosen among on held-out batches: it needs "
+                        "method='fit' and alpha='heldout'")
     a0, a1 = source.state_dict(), source_tuned.state_dict()
     if set(a0) != set(a1) or any(a0[k].shape != a1[k].shape for k in a0):
         raise BicoError(E_SHAPE, "transfer_model: source and source_tuned "
@@ -833,9 +904,42 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     topts = dict(norm_map=norm_map, split=split, ties=ties,
                  source_blocks=source_blocks, target_blocks=target_blocks,
                  gradfix_mode=gradfix_mode, **options)
+    if method == "proxy-distill":
+        from . import torch_fit
+        rep = [] if report is None else report
+        new, _ = torch_fit.proxy_distill(
+            source, source_tuned, target, fit_b, held_b,
+            lambda m, b: _output(_on(forward, _device(m))(m, b)),
+            lambda m, bs: _batch_losses(m, bs, loss_of), distill_steps,
+            distill_lr, distill_every, rep)
+        _report_tied(rep, groups)
+        out = {k: new[k].cpu() for k in new}
+        return _retied(out, b0, groups)
+    if method == "proxy-fit":
+        from . import torch_fit
+        rep = [] if report is None else report
+        tied_keys = set(k for o, al in groups for k in [o] + al)
+        skip = set(n for n, m in target.named_modules()
+                   if isinstance(m, nn.Linear) and any(
+                       (n + "." + p) in tied_keys
+                       for p, _ in m.named_parameters(recurse=False)))
+        # the start: the fit at its held-out alpha (same batches)
+        start = transfer_model(
+            source, source_tuned, target, fit_b, method="fit",
+            loss_fn=loss_fn, step=step, forward=forward, modules=modules,
+            split=split, ties=ties, norm_map=norm_map,
+            source_blocks=source_blocks, target_blocks=target_blocks,
+            ridge=ridges[0], shared_out=shared_out, tied=tied, report=rep,
+            show_progress=show_progress, holdout=held_b, **options)
+        new = torch_fit.proxy_fit(
+            source, source_tuned, target, fit_b, held_b, None,
+            lambda m, b: _output(_on(forward, _device(m))(m, b)),
+            lambda m, bs: _mean_loss(m, bs, loss_of), ridges[0], grid,
+            proxy_steps, skip, rep, start=start)
+        return _retied({k: v.cpu() for k, v in new.items()}, b0, groups)
     col = None
     if method.startswith("bico") or method == "fit":
-        col = collect_statistics(source, target, batches, loss_fn,
+        col = collect_statistics(source, target, fit_b, loss_fn,
                                  modules=modules, split=split, step=step,
                                  source_blocks=source_blocks,
                                  target_blocks=target_blocks,
@@ -843,27 +947,74 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                                  grams=bool(options.get("whiten")),
                                  show_progress=show_progress)
     if method == "gradfix" and votes is None:
-        votes = collect_votes(target, batches, loss_fn, step=step,
+        votes = collect_votes(target, fit_b, loss_fn, step=step,
                               mean=gradfix_mode == "mean",
                               show_progress=show_progress)
     try:
-        if method == "fit":
-            return _fit(source, source_tuned, target, batches, forward, col,
-                        a0, a1, b0, alpha, ridge, topts, report,
-                        show_progress, tuple(shared_out or ()), groups, tied)
         rep = [] if report is None else report
         a = 1.0 if auto else alpha
-        new, delta = transfer_state_dict(
-            *(_untied(d, groups) for d in (a0, a1, b0)), stats=col,
-            method=method, alpha=a, votes=votes, report=rep,
-            return_delta=True, **topts)
-        _report_tied(rep, groups)
-        if auto is None:
-            return _retied(new, b0, groups)
-        delta = _retied(delta, b0, groups)
-        best, _ = choose_alpha(source, source_tuned, target, delta, batches,
-                               rule=auto, forward=forward)
-        rep.append({"alpha": best, "rule": auto})
+        if method == "fit" and len(ridges) > 1:
+            # each ridge fitted, (ridge, alpha) chosen together
+            tried = []
+            for r in ridges:
+                frep = [] if report is not None else None
+                new = _fit(source, source_tuned, target, fit_b, forward,
+                           col, a0, a1, b0, a, r, topts, frep,
+                           show_progress, tuple(shared_out or ()), groups,
+                           tied)
+                delta = {k: new[k].float() - b0[k].detach().float().cpu()
+                         for k in b0 if k in new
+                         and new[k].is_floating_point()}
+                best, scores = choose_alpha(
+                    source, source_tuned, target, delta, held_b,
+                    rule="heldout", forward=forward, grid=grid,
+                    loss_fn=loss_fn, step=step)
+                tried.append((scores[best], r, best, scores, delta, frep))
+            i = min(range(len(tried)), key=lambda j: (tried[j][0], j))
+            _, r, best, scores, delta, frep = tried[i]
+            if report is not None:
+                report.extend(frep)
+            rep.append({"alpha": best, "rule": "heldout", "losses": scores,
+                        "zero_shot": scores.get(0.0, _mean_loss(
+                            target, held_b, loss_of)),
+                        "ridge": r, "ridge_losses": {
+                            t[1]: t[0] for t in tried},
+                        "heldout_batches": len(held_b),
+                        "fit_batches": len(fit_b)})
+            return _retied(_apply(b0, delta, best), b0, groups)
+        if method == "fit":
+            new = _fit(source, source_tuned, target, fit_b, forward, col,
+                       a0, a1, b0, a, ridges[0], topts, report,
+                       show_progress, tuple(shared_out or ()), groups, tied)
+            if auto is None:
+                return new
+            delta = {k: new[k].float() - b0[k].detach().float().cpu()
+                     for k in b0 if k in new
+                     and new[k].is_floating_point()}
+        else:
+            new, delta = transfer_state_dict(
+                *(_untied(d, groups) for d in (a0, a1, b0)), stats=col,
+                method=method, alpha=a, votes=votes, report=rep,
+                return_delta=True, **topts)
+            _report_tied(rep, groups)
+            if auto is None:
+                return _retied(new, b0, groups)
+            delta = _retied(delta, b0, groups)
+        if auto == "heldout":
+            best, scores = choose_alpha(source, source_tuned, target, delta,
+                                        held_b, rule="heldout",
+                                        forward=forward, grid=grid,
+                                        loss_fn=loss_fn, step=step)
+            zero = scores[0.0] if 0.0 in scores else \
+                _mean_loss(target, held_b, loss_of)
+            rep.append({"alpha": best, "rule": "heldout",
+                        "losses": scores, "zero_shot": zero,
+                        "heldout_batches": len(held_b),
+                        "fit_batches": len(fit_b)})
+        else:
+            best, _ = choose_alpha(source, source_tuned, target, delta,
+                                   batches, rule=auto, forward=forward)
+            rep.append({"alpha": best, "rule": auto})
         return _retied(_apply(b0, delta, best), b0, groups)
     finally:
         if col is not None:
@@ -988,8 +1139,159 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     return _retied({k: v.cpu() for k, v in out.items()}, b0, groups)
 
 
+
+# ---- alpha on held-out calibration batches ----
+
+HELDOUT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+_HELDOUT_METHODS = ("fit", "bico", "bico-in", "bico-out", "proxy-fit",
+                    "proxy-distill")
+_HOLDOUT_AUTO = 0.25
+
+
+def _alpha_grid(grid):
+    """alpha_grid checked: numbers >= 0, sorted, without repeats."""
+    if grid is None:
+        return list(HELDOUT_GRID)
+    try:
+        g = [float(x) for x in grid if not isinstance(x, bool)]
+        ok = len(g) == len(list(grid)) and len(g) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or any(not (math.isfinite(x) and x >= 0) for x in g):
+        raise BicoError(E_ARG, "transfer_model: alpha_grid must be a "
+                        "non-empty list of finite numbers >= 0, got %r"
+                        % (grid,))
+    return sorted(set(g))
+
+
+def _token_ids(batch):
+    """The token ids of a batch without labels: an integer tensor of at
+    least two dimensions [batch, tokens], or a dict's input_ids."""
+    x = batch.get("input_ids") if isinstance(batch, dict) else batch
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and \
+            not x.is_floating_point() and not x.is_complex() and \
+            x.dtype != torch.bool:
+        return x
+    return None
+
+
+def _heldout_loss_fn(loss_fn, step, forward):
+    """loss(model, batch) -> float for alpha="heldout", or None where a
+    batch gives no loss: step, else loss_fn as the calibration uses it,
+    else a dict batch's model(**batch).loss (with labels), else next-token
+    cross-entropy of the logits on token ids."""
+    def loss(model, batch):
+        b = _to_device(batch, _device(model))
+        if step is not None:
+            out = step(model, b)
+        elif loss_fn is not None:
+            out = _default_step(loss_fn)(model, b)
+        elif isinstance(b, dict) and "labels" in b:
+            out = model(**b).loss
+        else:
+            ids = _token_ids(b)
+            if ids is None:
+                return None
+            logits = _output(forward(model, b)).float()
+            out = F.cross_entropy(
+                logits[..., :-1, :].reshape(-1, logits.shape[-1]),
+                ids[..., 1:].reshape(-1).to(logits.device))
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            raise BicoError(E_ARG, "transfer_model: the held-out loss must "
+                            "be a scalar tensor, got %s"
+                            % type(out).__name__)
+        return float(out)
+    loss.static = (step is not None or loss_fn is not None)
+    return loss
+
+
+def _loss_available(loss_of, batch):
+    if loss_of.static:
+        return True
+    if isinstance(batch, dict) and "labels" in batch:
+        return True
+    return _token_ids(batch) is not None
+
+
+def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
+    """(alpha, batches for the update, held-out batches) from the options
+    alpha, holdout and alpha_grid (see transfer_model)."""
+    explicit_list = isinstance(holdout, list)
+    if explicit_list:
+        if not holdout:
+            raise BicoError(E_ARG, "transfer_model: holdout is an empty "
+                            "list of batches")
+    elif holdout != "auto" and not (
+            isinstance(holdout, (int, float)) and not isinstance(holdout, bool)
+            and math.isfinite(holdout) and 0 <= holdout < 1):
+        raise BicoError(E_ARG, "transfer_model: holdout must be 'auto', a "
+                        "fraction of the calibration batches in [0, 1) or "
+                        "a list of held-out batches, got %r" % (holdout,))
+    off = not explicit_list and holdout != "auto" and holdout == 0
+    given = explicit_list or (holdout != "auto" and not off)
+    if alpha is None:
+        if off:
+            alpha = 1.0
+        elif given or (method in _HELDOUT_METHODS and len(batches) >= 3
+                       and _loss_available(loss_of, batches[0])):
+            alpha = "heldout"
+        else:
+            alpha = 1.0
+    if method.startswith("proxy") and alpha != "heldout":
+        raise BicoError(E_ARG, "transfer_model: %s chooses its steps "
+                        "on held-out batches: alpha must be 'heldout' "
+                        "(default) and holdout not 0, with a loss" % method)
+    if alpha != "heldout":
+        if given:
+            raise BicoError(E_ARG, "transfer_model: holdout applies to "
+                            "alpha='heldout' (default), not to alpha=%r"
+                            % (alpha,))
+        if grid is not None:
+            raise BicoError(E_ARG, "transfer_model: alpha_grid applies to "
+                            "alpha='heldout' (default), not to alpha=%r"
+                            % (alpha,))
+        return alpha, batches, []
+    if off:
+        raise BicoError(E_ARG, "transfer_model: alpha='heldout' needs "
+                        "held-out batches, but holdout is 0")
+    if explicit_list:
+        held, fit_b = holdout, batches
+    else:
+        frac = _HOLDOUT_AUTO if holdout == "auto" else holdout
+        k = max(1, int(round(frac * len(batches))))
+        if len(batches) - k < 1:
+            raise BicoError(E_ARG, "transfer_model: holdout=%r leaves no "
+                            "calibration batch for the update (%d batches)"
+                            % (holdout, len(batches)))
+        fit_b, held = batches[:-k], batches[-k:]
+    if not _loss_available(loss_of, held[0]):
+        raise BicoError(E_ARG, "transfer_model: alpha='heldout' needs a "
+                        "loss on the held-out batches: pass loss_fn or "
+                        "step, or batches of token ids")
+    return alpha, fit_b, held
+
+
+def _mean_loss(model, batches, loss_of):
+    vals = _batch_losses(model, batches, loss_of)
+    return float(sum(vals) / len(vals))
+
+
+def _batch_losses(model, batches, loss_of):
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            vals = [loss_of(model, b) for b in batches]
+    finally:
+        model.train(was)
+    if any(v is None for v in vals):
+        raise BicoError(E_ARG, "transfer_model: a held-out batch gives no "
+                        "loss: pass loss_fn or step")
+    return [float(v) for v in vals]
+
+
 def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
-                 forward=None, grid=None):
+                 forward=None, grid=None, loss_fn=None, step=None):
     """The scale alpha of an update delta ({target tensor: array}) chosen
     without labels on the calibration batches; returns (alpha, {alpha:
     score}).
@@ -1001,18 +1303,27 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
     closest overall when it never does).  The change saturates for large
     alpha, so the closest overall would be an arbitrary pick among
     near-ties.  rule "entropy": the alpha with the least mean prediction
-    entropy of the updated target.  grid: the candidates (default 0.1 ..
-    8, geometric)."""
-    if rule not in ("match", "entropy"):
-        raise BicoError(E_ARG, "choose_alpha: rule must be 'match' or "
-                        "'entropy', got %r" % (rule,))
+    entropy of the updated target.  rule "heldout": the alpha with the
+    least mean loss on batches (held-out calibration batches: loss_fn /
+    step as transfer_model takes them, or next-token cross-entropy on
+    token ids) among 0 and the candidates whose mean gain over 0 exceeds
+    its standard error over the batches (any gain with one batch); the
+    smaller alpha wins a tie.  grid:
+    the candidates (default 0.1 .. 8, geometric; "heldout": 0, 0.25, 0.5,
+    0.75, 1, 1.5, 2)."""
+    if rule not in ("match", "entropy", "heldout"):
+        raise BicoError(E_ARG, "choose_alpha: rule must be 'match', "
+                        "'entropy' or 'heldout', got %r" % (rule,))
+    forward = forward or _default_forward
+    batches = list(batches)
+    if rule == "heldout":
+        return _choose_heldout(target, delta, batches, _alpha_grid(grid),
+                               _heldout_loss_fn(loss_fn, step, forward))
     grid = list(grid) if grid is not None else \
         [float(x) for x in np.round(np.geomspace(0.1, 8.0, 25), 4)]
     if not grid or any(not g > 0 for g in grid):
         raise BicoError(E_ARG, "choose_alpha: the grid must hold positive "
                         "numbers")
-    forward = forward or _default_forward
-    batches = list(batches)
     import copy
     work = copy.deepcopy(target).eval()
     base = {k: v.detach().clone() for k, v in target.state_dict().items()}
@@ -1052,6 +1363,28 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
                     return grid[i - 1], scores
                 return g, scores
     best = min(grid, key=lambda g: scores[g])
+    return best, scores
+
+
+def _choose_heldout(target, delta, batches, grid, loss_of):
+    import copy
+    if not batches:
+        raise BicoError(E_ARG, "choose_alpha: no held-out batches")
+    work = copy.deepcopy(target).eval()
+    base = {k: v.detach().clone() for k, v in target.state_dict().items()}
+    scores, per = {}, {}
+    for g in grid:
+        sd = {k: (v.float() + g * torch.as_tensor(
+            np.asarray(delta[k])).float().to(v.device)).to(v.dtype)
+            if k in delta else v for k, v in base.items()}
+        work.load_state_dict(sd)
+        per[g] = _batch_losses(work, batches, loss_of)
+        scores[g] = float(sum(per[g]) / len(per[g]))
+    # with 0 among the candidates, another one must beat it clearly
+    from .torch_fit import _helps
+    ok = [g for g in grid if 0.0 not in per or g == 0.0
+          or _helps(per[0.0], per[g])]
+    best = min(ok, key=lambda g: (scores[g], g))
     return best, scores
 
 
