@@ -33,6 +33,15 @@ typedef struct bico__route {
   char reason[192];
 } bico__route;
 
+/* The dead-map rule, one for every path that carries a tensor by its maps
+ * (the checkpoint driver and the LoRA branch): a map fitted on an all-zero
+ * statistic (rank 0: no activation or no gradient reached the layer)
+ * identifies nothing, and its completion would move the update
+ * arbitrarily, so what it would carry is left unchanged.  Returns 1 and
+ * writes the reason, naming the map's side ("in" or "out"), into
+ * reason[cap] when rank is 0 (lib/transfer_update.c). */
+int bico__map_dead(size_t rank, const char *side, char *reason, size_t cap);
+
 /* The adapter's lora_dropout (training only; carried to outputs). */
 double bico__lora_dropout(const bico_lora *l);
 void bico__lora_set_dropout(bico_lora *l, double dropout);

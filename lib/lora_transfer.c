@@ -30,6 +30,7 @@ typedef struct lrun {
   bico_lora *src, *out;
   bico__report rep;
   size_t factored, truncated, copied, saved;
+  size_t unchanged; /* modules and saved tensors on a dead layer */
 } lrun;
 
 static void logf_(lrun *r, const char *fmt, ...)
@@ -134,7 +135,15 @@ typedef struct lmod {
   double energy, kept;
   size_t k;            /* output split */
   size_t ts;           /* the source base weight's tensor index */
+  char reason[192];    /* why it is left unchanged (a dead map) */
 } lmod;
+
+/* The dead-map rule (bico__map_dead) on a map m's carry uses: the first
+ * dead one names the reason, and m is then left unchanged. */
+static void lmod_dead(lmod *m, size_t rank, const char *side) {
+  if (m->reason[0] == 0)
+    bico__map_dead(rank, side, m->reason, sizeof m->reason);
+}
 
 /* Names, shapes and factors of adapter module li and target module mi. */
 static bico_status lmod_locate(lrun *r, lmod *m) {
@@ -211,7 +220,10 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   bico_status st = BICO_OK;
   if (do_in) {
     st = h->map(h->opaque, m->mi, 0, 0, &rin, &da, &db, &mr, &thin);
-    if (st == BICO_OK) report_map(r, "in", da, db, mr, thin);
+    if (st == BICO_OK) {
+      report_map(r, "in", da, db, mr, thin);
+      lmod_dead(m, mr, "in");
+    }
   }
   if (do_out && m->k > 1) {
     bico__report_key(&r->rep, "out_blocks");
@@ -219,10 +231,15 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   }
   for (size_t j = 0; j < m->k && st == BICO_OK && do_out; j++) {
     st = h->map(h->opaque, m->mi, 1, j, &routs[j], &da, &db, &mr, &thin);
-    if (st == BICO_OK) report_map(r, m->k == 1 ? "out" : NULL, da, db, mr, thin);
+    if (st == BICO_OK) {
+      report_map(r, m->k == 1 ? "out" : NULL, da, db, mr, thin);
+      lmod_dead(m, mr, "out");
+    }
   }
   if (do_out && m->k > 1) bico__report_end_array(&r->rep);
-  if (st == BICO_OK)
+  if (st == BICO_OK && m->reason[0])
+    m->handling = "unchanged";
+  else if (st == BICO_OK)
     st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->b,
                              m->a, do_out ? (const float *const *)routs : NULL,
                              m->dout_b / m->k, m->dout_b, rin, m->din_b,
@@ -253,7 +270,10 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
                       m->lname, m->wname, rt->reason);
   if (!rt->identity) {
     st = h->map(h->opaque, rt->module, rt->side, 0, &rr, &da, &db, &mr, &thin);
-    if (st == BICO_OK) report_map(r, rt->side ? "out" : "in", da, db, mr, thin);
+    if (st == BICO_OK) {
+      report_map(r, rt->side ? "out" : "in", da, db, mr, thin);
+      lmod_dead(m, mr, rt->side ? "out" : "in");
+    }
   }
   if (st == BICO_OK && (da != m->dout_a || db != m->dout_b))
     st = bico__fail(ctx, BICO_E_SHAPE,
@@ -261,7 +281,9 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
                     "embedding widths are %zu and %zu",
                     m->lname, da, db, m->dout_a, m->dout_b);
   const float *rl[1] = {rr};
-  if (st == BICO_OK)
+  if (st == BICO_OK && m->reason[0])
+    m->handling = "unchanged";
+  else if (st == BICO_OK)
     st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->b, m->a,
                              rr ? rl : NULL, m->dout_b, m->dout_b, NULL,
                              m->din_b, m->din_b, h->alpha, m->nb, m->na);
@@ -364,22 +386,29 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
     st = carry(r, &m);
     bico__report_end_object(&r->rep);
     bico__report_key_string(&r->rep, "handling", m.handling);
+    if (m.reason[0]) bico__report_key_string(&r->rep, "reason", m.reason);
     if (m.energy >= 0)
       bico__report_key_number(&r->rep, "energy_kept", m.energy);
     if (m.kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", m.kept);
     bico__report_end_object(&r->rep);
   }
-  if (st == BICO_OK)
+  /* A module on a dead layer stays out of the output adapter: the target
+   * weight is left unchanged, as the checkpoint path leaves it. */
+  int dead = st == BICO_OK && m.reason[0] != 0;
+  if (st == BICO_OK && !dead)
     st = bico__xfer_check_finite(ctx, m.nb, m.dout_b * m.rank,
                                  "adapter module", m.tm);
-  if (st == BICO_OK)
+  if (st == BICO_OK && !dead)
     st = bico__xfer_check_finite(ctx, m.na, m.rank * m.din_b,
                                  "adapter module", m.tm);
-  if (st == BICO_OK)
+  if (st == BICO_OK && !dead)
     st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
                               m.din_b, m.nb, m.na);
   if (st == BICO_OK) {
-    if (m.energy >= 0) {
+    if (dead) {
+      r->unchanged++;
+      logf_(r, "bico: %s <- %s: left unchanged: %s", m.tm, m.lname, m.reason);
+    } else if (m.energy >= 0) {
       r->truncated++;
       logf_(r, "bico: %s <- %s: rank %zu, %.4f of the energy kept", m.tm,
             m.lname, m.rank, m.energy);
@@ -413,8 +442,12 @@ typedef struct tensor_pair {
 } tensor_pair;
 
 /* A saved tensor's update by the maps its target tensor's route names. */
+/* The update of a saved tensor by the maps its target tensor's route
+ * names; upd stays zero and reason[cap] says why when one of them is dead
+ * (bico__map_dead). */
 static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
-                              const float *tau, float *upd) {
+                              const float *tau, float *upd, char *reason,
+                              size_t cap) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
   bico__route rt;
@@ -439,10 +472,16 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
     const float *rin = NULL;
     const float **routs = bico__calloc(ctx, kk, sizeof *routs);
     if (routs == NULL) return BICO_E_NOMEM;
-    if (rt.need[0]) st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr, &thin);
-    for (size_t j = 0; j < kk && st == BICO_OK && rt.need[1]; j++)
+    int dead = 0;
+    if (rt.need[0]) {
+      st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr, &thin);
+      dead = st == BICO_OK && bico__map_dead(mr, "in", reason, cap);
+    }
+    for (size_t j = 0; j < kk && st == BICO_OK && rt.need[1] && !dead; j++) {
       st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr, &thin);
-    if (st == BICO_OK)
+      dead = st == BICO_OK && bico__map_dead(mr, "out", reason, cap);
+    }
+    if (st == BICO_OK && !dead)
       st = bico_transport_weight_split(
           ctx, kk, dout_a, din_a, dout_b, din_b,
           h->alpha, tau, din_a,
@@ -455,7 +494,13 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
     if (na % kk || nb % kk)
       return bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
                         p->tname, kk);
-    for (size_t j = 0; j < kk && st == BICO_OK; j++) {
+    int dead = 0;
+    for (size_t j = 0; j < kk && st == BICO_OK && rt.need[1] && !dead; j++) {
+      const float *rr = NULL;
+      st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr, &thin);
+      dead = st == BICO_OK && bico__map_dead(mr, "out", reason, cap);
+    }
+    for (size_t j = 0; j < kk && st == BICO_OK && !dead; j++) {
       const float *rr = NULL;
       if (rt.need[1]) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr, &thin);
       if (st == BICO_OK)
@@ -469,6 +514,9 @@ static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
   size_t la = p->sa[p->nd_a - 1], lb = p->sb[p->nd_b - 1];
   if (!rt.identity) {
     st = h->map(h->opaque, mi, rt.side, 0, &rr, &da, &db, &mr, &thin);
+    if (st == BICO_OK &&
+        bico__map_dead(mr, rt.side ? "out" : "in", reason, cap))
+      return BICO_OK;
     if (st == BICO_OK && (da != la || db != lb))
       st = bico__fail(ctx, BICO_E_SHAPE,
                       "saved tensor %s: the map is %zu x %zu, the last "
@@ -530,12 +578,13 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   if (st == BICO_OK) st = bico_stfile_check_finite(h->sb, bi);
   for (size_t e = 0; e < na && st == BICO_OK; e++) tau[e] = data[e] - tau[e];
   double kept = -1;
+  char reason[192] = "";
   if (st == BICO_OK && na && nb) {
     if (!is_bico(h->method)) {
       st = dense_method(r, ti, nd_a, sa, tau, upd, &kept);
     } else {
       tensor_pair p = {sname, tname, nd_a, sa, na, nd_b, sb, nb};
-      st = saved_bico(r, ti, &p, tau, upd);
+      st = saved_bico(r, ti, &p, tau, upd, reason, sizeof reason);
     }
   }
   if (st == BICO_OK) st = bico_stfile_find(h->tb, tname, &fi);
@@ -549,10 +598,18 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   bico__report_begin_object(&r->rep);
   bico__report_key_string(&r->rep, "name", tname);
   bico__report_key_string(&r->rep, "source", sname);
-  bico__report_key_string(&r->rep, "handling", "saved");
+  bico__report_key_string(&r->rep, "handling",
+                          reason[0] ? "unchanged" : "saved");
+  if (reason[0]) bico__report_key_string(&r->rep, "reason", reason);
   if (kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", kept);
   bico__report_end_object(&r->rep);
-  if (st == BICO_OK) r->saved++;
+  if (st == BICO_OK && reason[0]) {
+    r->unchanged++;
+    logf_(r, "bico: saved tensor %s <- %s: left unchanged: %s", tname, sname,
+          reason);
+  } else if (st == BICO_OK) {
+    r->saved++;
+  }
   bico__free(ctx, tau);
   bico__free(ctx, upd);
   bico__free(ctx, full);
@@ -706,8 +763,9 @@ static bico_status lora_commit(lrun *r, size_t unused) {
   bico__tmp_discard(ctx, &rep);
   if (st == BICO_OK)
     logf_(r, "bico: %zu adapter modules factored, %zu truncated, %zu copied, "
-             "%zu saved tensors, %zu unused; wrote %s%s%s",
-          r->factored, r->truncated, r->copied, r->saved, unused,
+             "%zu saved tensors, %zu unused, %zu left unchanged (dead "
+             "layers); wrote %s%s%s",
+          r->factored, r->truncated, r->copied, r->saved, unused, r->unchanged,
           h->out_dir ? h->out_dir : "", h->out_dir && h->out_ckpt ? " and " : "",
           h->out_ckpt ? h->out_ckpt : "");
   return st;
@@ -839,11 +897,18 @@ static bico_status run_lora(lrun *r) {
   bico__report_key_number(&r->rep, "copied", (double)r->copied);
   bico__report_key_number(&r->rep, "saved", (double)r->saved);
   bico__report_key_number(&r->rep, "unused", (double)unused);
+  bico__report_key_number(&r->rep, "unchanged", (double)r->unchanged);
   bico__report_end_object(&r->rep);
   bico__report_end_object(&r->rep);
   bico__free(ctx, used);
   if (st == BICO_OK) st = bico__report_status(&r->rep);
-  if (st == BICO_OK && bico_lora_module_count(r->out) == 0)
+  if (st == BICO_OK && bico_lora_module_count(r->out) == 0 && r->unchanged)
+    st = bico__fail(ctx, BICO_E_NOTFOUND,
+                    "adapter %s: every module it pairs with is on a dead "
+                    "layer (its calibration statistic is all zero), so "
+                    "nothing would be carried",
+                    h->adapter_dir);
+  else if (st == BICO_OK && bico_lora_module_count(r->out) == 0)
     st = bico__fail(ctx, BICO_E_NOTFOUND,
                     "adapter %s: none of its modules pairs with a target "
                     "module",

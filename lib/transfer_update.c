@@ -326,22 +326,25 @@ static bico_status rows_update(bico__run *r, const bico__route *rt,
                              db_last, 0.0f, upd, db_last);
 }
 
-/* A map fitted on an all-zero statistic (a dead layer: no activation or
- * no gradient reached it) identifies nothing; its completion would move
- * the update arbitrarily, so the tensor is left unchanged and the report
- * says why. */
+int bico__map_dead(size_t rank, const char *side, char *reason, size_t cap) {
+  if (rank != 0) return 0;
+  snprintf(reason, cap,
+           "the statistic of its %s map is all zero (a dead layer)", side);
+  return 1;
+}
+
+/* The dead-map rule (bico__map_dead) on every map the update used: the
+ * tensor is left unchanged and the report says why. */
 static void refuse_dead_maps(bico__tinfo *info) {
-  const char *dead = NULL;
-  for (int m = 0; m < 2 && dead == NULL; m++)
-    if (info->maps[m] != NULL && info->maps[m]->rank == 0)
-      dead = info->map_names[m];
-  for (size_t b = 0; b < info->nsplit && dead == NULL; b++)
-    if (info->split_maps[b].rank == 0) dead = "out";
-  if (dead != NULL) {
-    snprintf(info->reason, sizeof info->reason,
-             "the statistic of its %s map is all zero (a dead layer)", dead);
-    info->handling = BICO__H_UNCHANGED;
-  }
+  int dead = 0;
+  for (int m = 0; m < 2 && !dead; m++)
+    if (info->maps[m] != NULL)
+      dead = bico__map_dead(info->maps[m]->rank, info->map_names[m],
+                            info->reason, sizeof info->reason);
+  for (size_t b = 0; b < info->nsplit && !dead; b++)
+    dead = bico__map_dead(info->split_maps[b].rank, "out", info->reason,
+                          sizeof info->reason);
+  if (dead) info->handling = BICO__H_UNCHANGED;
 }
 
 /* Computes the update (alpha tau_B) of target tensor ti into upd, or
