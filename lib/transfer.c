@@ -178,12 +178,9 @@ bico_status bico_transfer_get_file(const bico_transfer *t, int which,
   return BICO_OK;
 }
 
-/* The option grammar (params.h): each parameter's accepted set. */
-static const struct {
-  const char *name;
-  double lo, hi;
-  unsigned flags;
-} PARAM[BICO__NPARAMS] = {
+/* The option grammar (params.h, lib/params.c): each parameter's accepted
+ * set. */
+static const bico__param_spec PARAM[BICO__NPARAMS] = {
     [BICO_TRANSFER_METHOD] = {"method", 1, 6, BICO_PARAM_INTEGER},
     /* used as a float */
     [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
@@ -215,44 +212,23 @@ static const struct {
 
 bico_status bico_transfer_param_bounds(int param, double *lo, double *hi,
                                        unsigned *flags) {
-  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
-  if (param < 1 || param >= BICO__NPARAMS || PARAM[param].name == NULL)
-    return BICO_E_ARG;
-  *lo = PARAM[param].lo;
-  *hi = PARAM[param].hi;
-  *flags = PARAM[param].flags;
-  return BICO_OK;
+  return bico__param_bounds(PARAM, BICO__NPARAMS, param, lo, hi, flags);
 }
 
 const char *bico_transfer_param_name(int param) {
-  return param >= 1 && param < BICO__NPARAMS ? PARAM[param].name : NULL;
+  return bico__param_name(PARAM, BICO__NPARAMS, param);
 }
 
 bico_status bico_transfer_param_from_name(const char *name, int *param) {
-  if (name == NULL || param == NULL) return BICO_E_NULL;
-  for (int i = 1; i < BICO__NPARAMS; i++)
-    if (PARAM[i].name != NULL && strcmp(name, PARAM[i].name) == 0) {
-      *param = i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
+  return bico__param_from_name(PARAM, BICO__NPARAMS, name, param);
 }
 
 bico_status bico_transfer_set_param(bico_transfer *t, int param,
                                     double value) {
   if (t == NULL) return BICO_E_NULL;
   bico__clear(t->ctx);
-  double lo, hi;
-  unsigned flags;
-  if (bico_transfer_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(t->ctx, BICO_E_ARG,
-                      "transfer_set_param: unknown parameter %d", param);
-  if (!isfinite(value))
-    return bico__fail(t->ctx, BICO_E_NONFINITE,
-                      "transfer_set_param: %s = %g is not finite",
-                      PARAM[param].name, value);
-  bico_status st = bico__param_check(t->ctx, "transfer_set_param",
-                                     PARAM[param].name, value, lo, hi, flags);
+  bico_status st = bico__param_set(t->ctx, "transfer_set_param", PARAM,
+                                   BICO__NPARAMS, param, value);
   if (st != BICO_OK) return st;
   /* Choices: 0 is the default member (docs/api.md's enum rule). */
   if (param == BICO_TRANSFER_GRADFIX_MODE && value == 0)
@@ -268,11 +244,9 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
 bico_status bico_transfer_get_param(const bico_transfer *t, int param,
                                     double *value) {
   if (t == NULL || value == NULL) return BICO_E_NULL;
-  double lo, hi;
-  unsigned flags;
-  if (bico_transfer_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(t->ctx, BICO_E_ARG,
-                      "transfer_get_param: unknown parameter %d", param);
+  bico_status st = bico__param_get(t->ctx, "transfer_get_param", PARAM,
+                                   BICO__NPARAMS, param, value);
+  if (st != BICO_OK) return st;
   *value = t->param[param];
   return BICO_OK;
 }
