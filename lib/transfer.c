@@ -37,14 +37,11 @@ const char *bico_method_name(int method) {
              : NULL;
 }
 
+static bico_status from_name(const char *const *names, size_t n,
+                             const char *name, int *out);
+
 bico_status bico_method_from_name(const char *name, int *method) {
-  if (name == NULL || method == NULL) return BICO_E_NULL;
-  for (size_t i = 1; i < COUNT(METHOD_NAME); i++)
-    if (strcmp(name, METHOD_NAME[i]) == 0) {
-      *method = (int)i;
-      return BICO_OK;
-    }
-  return BICO_E_ARG;
+  return from_name(METHOD_NAME, COUNT(METHOD_NAME), name, method);
 }
 
 const char *bico_norm_map_name(int norm_map) {
@@ -54,13 +51,7 @@ const char *bico_norm_map_name(int norm_map) {
 }
 
 bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
-  if (name == NULL || norm_map == NULL) return BICO_E_NULL;
-  for (size_t i = 1; i < COUNT(NORM_MAP_NAME); i++)
-    if (strcmp(name, NORM_MAP_NAME[i]) == 0) {
-      *norm_map = (int)i;
-      return BICO_OK;
-    }
-  return BICO_E_ARG;
+  return from_name(NORM_MAP_NAME, COUNT(NORM_MAP_NAME), name, norm_map);
 }
 
 static const char *const STRUCTURE_NAME[] = {NULL, "heads", "free"};
@@ -101,6 +92,16 @@ const char *bico_handling_name(int handling) {
   return handling >= 0 && handling < BICO__H_COUNT
              ? bico__xfer_handling[handling]
              : NULL;
+}
+
+bico_status bico_handling_from_name(const char *name, int *handling) {
+  if (name == NULL || handling == NULL) return BICO_E_NULL;
+  for (int i = 0; i < BICO__H_COUNT; i++)
+    if (strcmp(name, bico__xfer_handling[i]) == 0) {
+      *handling = i;
+      return BICO_OK;
+    }
+  return BICO_E_NOTFOUND;
 }
 
 bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
