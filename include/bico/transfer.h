@@ -264,9 +264,11 @@ BICO_API bico_status bico_transfer_get_param(const bico_transfer *t,
  * (BICO_TRANSFER_ALPHA is (0, FLT_MAX]: BICO_PARAM_LO_OPEN), and the
  * parameters' names ("method", "alpha", "norm_map", "null", "rank_tol",
  * "center", "whiten", "proc_method", "workers", "solve_memory",
- * "min_paired", "gradfix_mode"; NULL / BICO_E_NOTFOUND otherwise).
- * Choices with a default (NULL, GRADFIX_MODE) take 0 for it, and
- * get_param reports the member it resolved to. */
+ * "min_paired", "gradfix_mode", "max_shard_size", "structure", "rope",
+ * "heads", "kv_heads", "head_dim", "row_chunk"; NULL / BICO_E_NOTFOUND
+ * otherwise).  Choices with a default (NORM_MAP, NULL, GRADFIX_MODE,
+ * STRUCTURE) take 0 for it, and get_param reports the member it resolved
+ * to; ROPE's 0 stays 0 ("from config.json"). */
 BICO_API bico_status bico_transfer_param_bounds(int param, double *lo,
                                                 double *hi, unsigned *flags);
 BICO_API const char *bico_transfer_param_name(int param);
