@@ -431,111 +431,31 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
   return st;
 }
 
-/* A saved tensor and its target tensor. */
-typedef struct tensor_pair {
-  const char *sname, *tname;
-  size_t nd_a;
-  const size_t *sa;
-  size_t na, nd_b;
-  const size_t *sb;
-  size_t nb;
-} tensor_pair;
-
-/* A saved tensor's update by the maps its target tensor's route names. */
-/* The update of a saved tensor by the maps its target tensor's route
- * names; upd stays zero and reason[cap] says why when one of them is dead
- * (bico__map_dead). */
-static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
-                              const float *tau, float *upd, char *reason,
-                              size_t cap) {
+/* A saved tensor's update by the maps its target tensor's route names:
+ * the checkpoint path's own step (h->carry), so that a saved tensor is
+ * carried, or left unchanged (reason[cap]: a dead map, shapes the map
+ * does not fit), exactly as the same tensor of a checkpoint would be.  A
+ * target tensor no route carries fails: the adapter's saved tensor would
+ * be lost. */
+static bico_status saved_bico(lrun *r, size_t ti, size_t si, const char *sname,
+                              const char *tname, float **tau, float *upd,
+                              size_t nb, char *reason, size_t cap) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
   bico__route rt;
   h->route(h->opaque, ti, &rt);
-  size_t mi = rt.module, kk = 1, da, db, mr;
-  int thin = 0; /* (saved tensors are not reported per map) */
   if (rt.kind == BICO__ROUTE_NONE)
     return rt.role == BICO_ROLE_OTHER
                ? bico__fail(ctx, BICO_E_UNSUPPORTED,
                             "saved tensor %s: target tensor %s is of a kind "
                             "no method carries",
-                            p->sname, p->tname)
+                            sname, tname)
                : bico__fail(ctx, BICO_E_NOTFOUND,
                             "saved tensor %s: no map carries target tensor "
                             "%s: %s",
-                            p->sname, p->tname, rt.reason);
-  if (rt.kind != BICO__ROUTE_ROWS) kk = h->split(h->opaque, mi);
-  bico_status st = BICO_OK;
-  if (rt.kind == BICO__ROUTE_WEIGHT) {
-    size_t dout_a = p->sa[0], din_a = p->na / p->sa[0], dout_b = p->sb[0],
-           din_b = p->nb / p->sb[0];
-    const float *rin = NULL;
-    const float **routs = bico__calloc(ctx, kk, sizeof *routs);
-    if (routs == NULL) return BICO_E_NOMEM;
-    int dead = 0;
-    if (rt.need[0]) {
-      st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr, &thin);
-      dead = st == BICO_OK && bico__map_dead(mr, "in", reason, cap);
-    }
-    for (size_t j = 0; j < kk && st == BICO_OK && rt.need[1] && !dead; j++) {
-      st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr, &thin);
-      dead = st == BICO_OK && bico__map_dead(mr, "out", reason, cap);
-    }
-    if (st == BICO_OK && !dead)
-      st = bico_transport_weight_split(
-          ctx, kk, dout_a, din_a, dout_b, din_b,
-          h->alpha, tau, din_a,
-          rt.need[1] ? (const float *const *)routs : NULL, dout_b / kk, rin, din_b, 0.0f, upd, din_b);
-    bico__free(ctx, routs);
-    return st;
-  }
-  if (rt.kind == BICO__ROUTE_BIAS) {
-    size_t na = p->na, nb = p->nb;
-    if (na % kk || nb % kk)
-      return bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
-                        p->tname, kk);
-    int dead = 0;
-    for (size_t j = 0; j < kk && st == BICO_OK && rt.need[1] && !dead; j++) {
-      const float *rr = NULL;
-      st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr, &thin);
-      dead = st == BICO_OK && bico__map_dead(mr, "out", reason, cap);
-    }
-    for (size_t j = 0; j < kk && st == BICO_OK && !dead; j++) {
-      const float *rr = NULL;
-      if (rt.need[1]) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr, &thin);
-      if (st == BICO_OK)
-        st = bico_transport_vector(ctx, na / kk, nb / kk, h->alpha,
-                                   tau + j * (na / kk), rr, nb / kk, 0.0f,
-                                   upd + j * (nb / kk));
-    }
-    return st;
-  }
-  const float *rr = NULL;
-  size_t la = p->sa[p->nd_a - 1], lb = p->sb[p->nd_b - 1];
-  if (!rt.identity) {
-    st = h->map(h->opaque, mi, rt.side, 0, &rr, &da, &db, &mr, &thin);
-    if (st == BICO_OK &&
-        bico__map_dead(mr, rt.side ? "out" : "in", reason, cap))
-      return BICO_OK;
-    if (st == BICO_OK && (da != la || db != lb))
-      st = bico__fail(ctx, BICO_E_SHAPE,
-                      "saved tensor %s: the map is %zu x %zu, the last "
-                      "dimensions are %zu and %zu",
-                      p->sname, da, db, la, lb);
-  }
-  if (st == BICO_OK && p->na / la != p->nb / lb) {
-    char a[128], b[128];
-    st = bico__fail(ctx, BICO_E_SHAPE,
-                    "saved tensor %s (%s): leading dimensions differ from the "
-                    "target's %s (%s)",
-                    p->sname, bico__shape_text(a, sizeof a, p->nd_a, p->sa),
-                    p->tname, bico__shape_text(b, sizeof b, p->nd_b, p->sb));
-  }
-  if (st == BICO_OK && rt.scale && rr != NULL && p->na == la)
-    bico__transport_scale(la, lb, tau, rr, lb, h->alpha, upd);
-  else if (st == BICO_OK)
-    st = bico_transport_rows(ctx, p->na / la, la, lb, h->alpha, tau, la, rr,
-                             lb, 0.0f, upd, lb);
+                            sname, tname, rt.reason);
+  bico_status st = h->carry(h->opaque, ti, si, tau, upd, reason, cap);
+  if (st == BICO_OK && reason[0]) memset(upd, 0, nb * sizeof *upd);
   return st;
 }
 
@@ -583,8 +503,11 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
     if (!is_bico(h->method)) {
       st = dense_method(r, ti, nd_a, sa, tau, upd, &kept);
     } else {
-      tensor_pair p = {sname, tname, nd_a, sa, na, nd_b, sb, nb};
-      st = saved_bico(r, ti, &p, tau, upd, reason, sizeof reason);
+      size_t si;
+      st = bico_model_find_tensor(h->ms, sname, &si);
+      if (st == BICO_OK)
+        st = saved_bico(r, ti, si, sname, tname, &tau, upd, nb, reason,
+                        sizeof reason);
     }
   }
   if (st == BICO_OK) st = bico_stfile_find(h->tb, tname, &fi);

@@ -413,6 +413,22 @@ static bico_status lora_map(void *opaque, size_t mi, int side, size_t block,
   return BICO_OK;
 }
 
+static bico_status lora_carry(void *opaque, size_t ti, size_t si,
+                              float **tau, float *upd, char *reason,
+                              size_t cap) {
+  bico__run *r = opaque;
+  bico__route rt;
+  bico__xfer_route(r, ti, &rt);
+  bico__tinfo info;
+  memset(&info, 0, sizeof info);
+  info.kept = -1;
+  bico_status st = bico__xfer_carry(r, ti, si, &rt, tau, upd, &info);
+  reason[0] = 0;
+  if (st == BICO_OK && info.handling == BICO__H_UNCHANGED)
+    snprintf(reason, cap, "%s", info.reason[0] ? info.reason : "no map");
+  return st;
+}
+
 static void lora_route(void *opaque, size_t ti, bico__route *out) {
   bico__xfer_route(opaque, ti, out);
 }
@@ -455,6 +471,7 @@ static bico_status lora_branch(bico__run *r) {
   h.split = lora_split;
   h.map = lora_map;
   h.route = lora_route;
+  h.carry = lora_carry;
   h.release = lora_release;
   h.log = lora_log;
   h.progress = r->t->progress;

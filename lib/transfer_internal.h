@@ -257,6 +257,16 @@ void bico__xfer_check_task_vector(bico__run *r);
  * or info->handling BICO__H_UNCHANGED with a reason. */
 bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
                               bico__tinfo *info);
+/* The one step that carries a tensor by its route (BiCo methods), for the
+ * checkpoint path and the LoRA branch's saved tensors alike: task vector
+ * *tau (source tensor si's shape, allocated in r->ctx; replaced when its
+ * rows are gathered by token) of target tensor ti by route rt (weight,
+ * bias or rows, transposed layouts, vocabulary rows, the dead-map rule)
+ * into upd (ti's numel floats), or info->handling BICO__H_UNCHANGED with
+ * info->reason (upd then means nothing). */
+bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
+                             const bico__route *rt, float **tau, float *upd,
+                             bico__tinfo *info);
 /* 1 when the rows of target tensor ti and source tensor si are tokens to
  * be matched by id or token string rather than taken in order (token
  * tables or vocabulary heads, tokenizers or row counts differing). */

@@ -832,6 +832,58 @@ TEST(LoraTransfer, DeadLayerIsLeftUnchangedAsTheCheckpointPathLeavesIt) {
   EXPECT_NE(r.find("dead layer"), std::string::npos) << r;
 }
 
+// Issue 25, one driver: a saved (modules_to_save) tensor is carried by the
+// checkpoint path's own step, so it comes out as the same tensor of a
+// checkpoint transfer does (the planted answer dW1 Q^T on a live layer).
+TEST(LoraTransfer, SavedTensorIsCarriedAsTheCheckpointPathCarriesIt) {
+  LoraChain c;
+  const double s = 2.0;
+  Mat d1 = scaled(bt::matmul(c.B1, c.A1), s);
+  bt::Ctx ctx;
+  auto run = [&](int slot, const std::string &in, int out_slot,
+                 const std::string &out) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A},     {BICO_FILE_TARGET_BASE, c.B},
+        {BICO_FILE_SOURCE_CALIB, c.calA}, {BICO_FILE_TARGET_CALIB, c.calB},
+        {slot, in},                       {out_slot, out}};
+    for (auto &f : files)
+      EXPECT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  std::string tuned = c.dir / "tuned.safetensors", o1 = c.dir / "o1.safetensors";
+  write_st(tuned, {{"blocks.0.fc.weight", T(c.W0)},
+                   {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  ASSERT_EQ(run(BICO_FILE_SOURCE_TUNED, tuned, BICO_FILE_OUTPUT, o1), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  std::string sv = c.dir / "saved", out = c.dir / "out";
+  mkdir(sv.c_str(), 0700);
+  write_adapter(sv,
+                "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, "
+                "\"target_modules\": [\"fc\"], \"modules_to_save\": "
+                "[\"blocks.1.fc\"], \"bias\": \"none\"}",
+                {{"blocks.0.fc.lora_A.weight", T(c.A0)},
+                 {"blocks.0.fc.lora_B.weight", T(c.B0)},
+                 {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  ASSERT_EQ(run(BICO_FILE_LORA, sv, BICO_FILE_LORA_OUTPUT, out), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  bico_lora *l = nullptr;
+  ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(bico_lora_saved_count(l), 1u);
+  const float *data;
+  bico_lora_saved(l, 0, nullptr, nullptr, nullptr, nullptr, &data);
+  Mat saved = as_mat(data, c.d, c.d);
+  bico_lora_free(l);
+  auto o = read_st(o1), b = read_st(c.B);
+  Mat ck = as_mat(o["blocks.1.fc.weight"], c.d, c.d);
+  EXPECT_LT(bt::relerr(saved, ck), 1e-6);
+  Mat base = as_mat(b["blocks.1.fc.weight"], c.d, c.d);
+  EXPECT_LT(bt::relerr(bt::sub(saved, base), bt::matmul(d1, bt::transpose(c.Q))), 1e-4);
+}
+
 TEST(LoraTransfer, PadTruncatesAndReportsEnergy) {
   LoraChain c;
   bt::Ctx ctx;
