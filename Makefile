@@ -169,10 +169,8 @@ else
 PYTEST_FILES = test/python
 endif
 
-check: $(TEST_BIN) all check-pkgconfig
-	$(TEST_BIN)
-	PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
-	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q $(PYTEST_FILES)
+# `make check`: its whole list of prerequisites is in one place, at the end
+# of this file ("---- make check ----"), after every piece is defined.
 test: check
 
 PYTHON ?= /usr/bin/python3
@@ -245,10 +243,8 @@ PY_SRCS := $(wildcard bindings/python/bico/*.py)
 .PHONY: install-python uninstall-python check-python-install
 install: install-python
 uninstall: uninstall-python
-# Python loads the library through ctypes: not under the sanitizers.
-ifneq ($(SANITIZE),1)
-check: check-python-install
-endif
+# Python loads the library through ctypes: not under the sanitizers
+# (make check runs check-python-install only in a plain build).
 
 install-python:
 	install -d $(DESTDIR)$(PYTHONDIR)/bico
@@ -268,7 +264,6 @@ ASAN_RT = $(shell $(CC) -print-file-name=libasan.so)
 PY_BINDING_TESTS = $(shell grep -l -E '^ *(import bico|from bico)|importorskip."bico' test/python/test_*.py)
 .PHONY: check-python-asan
 ifeq ($(SANITIZE),1)
-check: check-python-asan
 check-python-asan: all
 	LD_PRELOAD=$(ASAN_RT) ASAN_OPTIONS=detect_leaks=0 \
 	  PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
@@ -294,9 +289,6 @@ check-python-install: all
 # the in-tree build backend needs nothing from an index), then the package
 # loads the build's library.
 .PHONY: check-python-pip
-ifneq ($(SANITIZE),1)
-check: check-python-pip
-endif
 check-python-pip: all
 	rm -rf $(BUILD)/venv
 	$(PYTHON) -m venv --system-site-packages $(BUILD)/venv
@@ -347,7 +339,6 @@ demo-test: $(DEMO_BIN)
 	cmp $(DEMO_TEST_DIR).first.txt $(DEMO_TEST_DIR).second.txt
 	@echo "demo-test: small configuration passed; the rerun from the cache printed the same table"
 
-check: demo-test
 
 # ---- mpi ----
 # `make MPI=1` also builds build/bin/bico-mpi: the bico command whose stats
@@ -387,7 +378,6 @@ $(BUILD)/inst/bin/bico-mpi: $(MPI_OBJS) $(SHLIB) FORCE
 check-mpi: $(MPI_TOOL) $(TOOL)
 	BICO_BUILD=$(abspath $(BUILD)) BICO_MPI=$(abspath $(MPI_TOOL)) MPIRUN=$(MPIRUN) \
 	  ASAN_OPTIONS=detect_leaks=0 $(PYTHON) -m pytest -q test/mpi
-check: check-mpi
 install: install-mpi
 uninstall: uninstall-mpi
 .PHONY: install-mpi uninstall-mpi
@@ -554,4 +544,25 @@ check-robust: $(TOOL)
 	@if [ -n "$(TOOL)" ]; then $(PYTHON) test/robust/no_data_lost.py $(TOOL) $(ROBUST_KILLS); \
 	else echo "check-robust: no bico command in this tree; skipped"; fi
 
-check: header-check check-robust
+# ---- make check ----
+# Every check `make check` runs, in this order: the GoogleTest suite, the
+# build, the installed library (pkg-config), the Python binding (installed
+# and pip-installed in a plain build; under AddressSanitizer with
+# SANITIZE=1), the demo, the MPI command (MPI=1), every public header
+# alone, and the robustness test.  The recipe then runs the GoogleTest
+# binary and the pytest suite.
+CHECK_PREREQS := $(TEST_BIN) all check-pkgconfig
+ifeq ($(SANITIZE),1)
+CHECK_PREREQS += check-python-asan
+else
+CHECK_PREREQS += check-python-install check-python-pip
+endif
+CHECK_PREREQS += demo-test
+ifeq ($(MPI),1)
+CHECK_PREREQS += check-mpi
+endif
+CHECK_PREREQS += header-check check-robust
+check: $(CHECK_PREREQS)
+	$(TEST_BIN)
+	PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
+	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q $(PYTEST_FILES)

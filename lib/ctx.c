@@ -44,48 +44,44 @@ void bico_ctx_free(bico_ctx *ctx) {
   ctx->release(ctx->opaque, ctx);
 }
 
+/* The option grammar (params.h, lib/params.c). */
+static const bico__param_spec CPARAM[] = {
+    [BICO_CTX_THREADS] = {"threads", 1, 1024, BICO_PARAM_INTEGER},
+};
+
 bico_status bico_ctx_param_bounds(int param, double *lo, double *hi,
                                   unsigned *flags) {
-  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
-  switch (param) {
-    case BICO_CTX_THREADS:
-      *lo = 1, *hi = 1024, *flags = BICO_PARAM_INTEGER;
-      return BICO_OK;
-    default: return BICO_E_ARG;
-  }
+  return bico__param_bounds(CPARAM, BICO__NSPEC(CPARAM), param, lo, hi, flags);
+}
+
+const char *bico_ctx_param_name(int param) {
+  return bico__param_name(CPARAM, BICO__NSPEC(CPARAM), param);
+}
+
+bico_status bico_ctx_param_from_name(const char *name, int *param) {
+  return bico__param_from_name(CPARAM, BICO__NSPEC(CPARAM), name, param);
 }
 
 bico_status bico_ctx_set_param(bico_ctx *ctx, int param, double value) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
-  double lo, hi;
-  unsigned flags;
-  if (bico_ctx_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(ctx, BICO_E_ARG, "ctx_set_param: unknown parameter %d",
-                      param);
-  bico_status st = bico__param_check(ctx, "ctx_set_param",
-                                     bico_ctx_param_name(param), value, lo, hi,
-                                     flags);
+  bico_status st = bico__param_set(ctx, "ctx_set_param", CPARAM,
+                                   BICO__NSPEC(CPARAM), param, value);
   if (st != BICO_OK) return st;
   ctx->threads = (long)value;
   return BICO_OK;
 }
 
 /* A query: records its own failures, leaves the last error alone on
- * success (ctx.h).  The cast is the one place a const handle's error record
- * is written: it is not part of the handle's observable value. */
+ * success (ctx.h). */
 bico_status bico_ctx_get_param(const bico_ctx *ctx, int param,
                                double *value) {
   if (ctx == NULL) return BICO_E_NULL;
-  if (value == NULL)
-    return bico__fail((bico_ctx *)ctx, BICO_E_NULL,
-                      "ctx_get_param: value is NULL");
-  switch (param) {
-    case BICO_CTX_THREADS: *value = (double)ctx->threads; return BICO_OK;
-    default:
-      return bico__fail((bico_ctx *)ctx, BICO_E_ARG,
-                        "ctx_get_param: unknown parameter %d", param);
-  }
+  bico_status st = bico__param_get(ctx, "ctx_get_param", CPARAM,
+                                   BICO__NSPEC(CPARAM), param, value);
+  if (st != BICO_OK) return st;
+  *value = (double)ctx->threads;
+  return BICO_OK;
 }
 
 const char *bico_ctx_errmsg(const bico_ctx *ctx) {

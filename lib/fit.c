@@ -85,56 +85,31 @@ void bico_fit_free(bico_fit *f) {
   bico__free(ctx, f);
 }
 
-/* The option grammar (params.h): RIDGE [0, inf), RANK_TOL [0, 1) (a
- * tolerance of 1 would count nothing towards the rank). */
+/* The option grammar (params.h, lib/params.c): RIDGE [0, inf), RANK_TOL
+ * [0, 1) (a tolerance of 1 would count nothing towards the rank). */
+static const bico__param_spec FPARAM[] = {
+    [BICO_FIT_RIDGE] = {"ridge", 0, HUGE_VAL, BICO_PARAM_HI_OPEN},
+    [BICO_FIT_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
+};
+
 bico_status bico_fit_param_bounds(int param, double *lo, double *hi,
                                   unsigned *flags) {
-  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
-  switch (param) {
-    case BICO_FIT_RIDGE:
-      *lo = 0;
-      *hi = HUGE_VAL;
-      *flags = BICO_PARAM_HI_OPEN;
-      return BICO_OK;
-    case BICO_FIT_RANK_TOL:
-      *lo = 0;
-      *hi = 1;
-      *flags = BICO_PARAM_HI_OPEN;
-      return BICO_OK;
-    default: return BICO_E_ARG;
-  }
+  return bico__param_bounds(FPARAM, BICO__NSPEC(FPARAM), param, lo, hi, flags);
 }
 
 const char *bico_fit_param_name(int param) {
-  switch (param) {
-    case BICO_FIT_RIDGE: return "ridge";
-    case BICO_FIT_RANK_TOL: return "rank_tol";
-    default: return NULL;
-  }
+  return bico__param_name(FPARAM, BICO__NSPEC(FPARAM), param);
 }
 
 bico_status bico_fit_param_from_name(const char *name, int *param) {
-  if (name == NULL || param == NULL) return BICO_E_NULL;
-  for (int i = BICO_FIT_RIDGE; i <= BICO_FIT_RANK_TOL; i++)
-    if (strcmp(name, bico_fit_param_name(i)) == 0) {
-      *param = i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
+  return bico__param_from_name(FPARAM, BICO__NSPEC(FPARAM), name, param);
 }
 
 bico_status bico_fit_set_param(bico_fit *f, int param, double value) {
   if (f == NULL) return BICO_E_NULL;
-  bico_ctx *ctx = f->ctx;
-  bico__clear(ctx);
-  double lo, hi;
-  unsigned flags;
-  if (bico_fit_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(ctx, BICO_E_ARG, "fit_set_param: unknown parameter %d",
-                      param);
-  bico_status st = bico__param_check(ctx, "fit_set_param",
-                                     bico_fit_param_name(param), value, lo, hi,
-                                     flags);
+  bico__clear(f->ctx);
+  bico_status st = bico__param_set(f->ctx, "fit_set_param", FPARAM,
+                                   BICO__NSPEC(FPARAM), param, value);
   if (st != BICO_OK) return st;
   if (param == BICO_FIT_RIDGE)
     f->ridge = value;
@@ -145,16 +120,11 @@ bico_status bico_fit_set_param(bico_fit *f, int param, double value) {
 
 bico_status bico_fit_get_param(const bico_fit *f, int param, double *value) {
   if (f == NULL) return BICO_E_NULL;
-  bico_ctx *ctx = f->ctx;
-  if (value == NULL)
-    return bico__fail(ctx, BICO_E_NULL, "fit_get_param: value is NULL");
-  switch (param) {
-    case BICO_FIT_RIDGE: *value = f->ridge; return BICO_OK;
-    case BICO_FIT_RANK_TOL: *value = f->tol; return BICO_OK;
-    default:
-      return bico__fail(ctx, BICO_E_ARG, "fit_get_param: unknown parameter %d",
-                        param);
-  }
+  bico_status st = bico__param_get(f->ctx, "fit_get_param", FPARAM,
+                                   BICO__NSPEC(FPARAM), param, value);
+  if (st != BICO_OK) return st;
+  *value = param == BICO_FIT_RIDGE ? f->ridge : f->tol;
+  return BICO_OK;
 }
 
 bico_status bico_fit_info(const bico_fit *f, size_t *d_in, size_t *d_out,

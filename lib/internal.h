@@ -87,10 +87,42 @@ void bico__dgemm(const bico_ctx *ctx, int ta, int tb, size_t m, size_t n,
                  const double *b, size_t ldb, double beta, double *c,
                  size_t ldc);
 
-/* The option grammar (params.h): 1 iff value lies in the set that lo, hi
- * and flags describe; bico__param_check fails the call with BICO_E_ARG and
- * "fn: name = v is outside [lo, hi)" otherwise.  For every handle's
- * set_param, so that all of them accept and word alike. */
+/* The option grammar (params.h), table-driven: one implementation of
+ * every handle's set_param checks, param_bounds, param_name and
+ * param_from_name.  A handle keeps one table indexed by its public
+ * enumerator (entries with a NULL name are holes) and calls these, so that
+ * every handle accepts, refuses and words alike: an unknown param and any
+ * value outside the set (NaN and the infinities included) are BICO_E_ARG,
+ * "fn: unknown parameter 7" or "fn: name = v is outside [lo, hi)", the
+ * parameter by its lower-case name. */
+typedef struct bico__param_spec {
+  const char *name; /* lower case, the name _param_name returns */
+  double lo, hi;
+  unsigned flags;   /* bico_param_flag */
+} bico__param_spec;
+/* The entry of param in spec[0..n), or NULL when there is none. */
+const bico__param_spec *bico__param_find(const bico__param_spec *spec, int n,
+                                         int param);
+bico_status bico__param_bounds(const bico__param_spec *spec, int n, int param,
+                               double *lo, double *hi, unsigned *flags);
+const char *bico__param_name(const bico__param_spec *spec, int n, int param);
+bico_status bico__param_from_name(const bico__param_spec *spec, int n,
+                                  const char *name, int *param);
+/* set_param's checks (the caller then stores the value): BICO_OK, or
+ * BICO_E_ARG recorded in ctx. */
+bico_status bico__param_set(bico_ctx *ctx, const char *fn,
+                            const bico__param_spec *spec, int n, int param,
+                            double value);
+/* get_param's checks: BICO_E_NULL for a NULL value, BICO_E_ARG for an
+ * unknown param, recorded in ctx (a const handle's error record is not
+ * part of its observable value). */
+bico_status bico__param_get(const bico_ctx *ctx, const char *fn,
+                            const bico__param_spec *spec, int n, int param,
+                            const double *value);
+#define BICO__NSPEC(t) ((int)(sizeof(t) / sizeof((t)[0])))
+/* The check itself, for a value checked outside a handle (bico_fit_run's
+ * ridge): 1 iff value lies in the set lo, hi and flags describe; check
+ * fails with BICO_E_ARG and the message above otherwise. */
 int bico__param_ok(double value, double lo, double hi, unsigned flags);
 bico_status bico__param_check(bico_ctx *ctx, const char *fn, const char *name,
                               double value, double lo, double hi,

@@ -33,16 +33,18 @@ typedef struct bico__route {
   char reason[192];
 } bico__route;
 
+/* The dead-map rule, one for every path that carries a tensor by its maps
+ * (the checkpoint driver and the LoRA branch): a map fitted on an all-zero
+ * statistic (rank 0: no activation or no gradient reached the layer)
+ * identifies nothing, and its completion would move the update
+ * arbitrarily, so what it would carry is left unchanged.  Returns 1 and
+ * writes the reason, naming the map's side ("in" or "out"), into
+ * reason[cap] when rank is 0 (lib/transfer_update.c). */
+int bico__map_dead(size_t rank, const char *side, char *reason, size_t cap);
+
 /* The adapter's lora_dropout (training only; carried to outputs). */
 double bico__lora_dropout(const bico_lora *l);
 void bico__lora_set_dropout(bico_lora *l, double dropout);
-
-/* out[j] = beta out[j] + alpha sum_i r[i ld_r + j]^2 tau[i] for j < d_b:
- * the diagonal of R^T diag(tau) R for R [d_a, d_b] (a norm's scale under a
- * residual-stream map; lib/transfer_update.c). */
-void bico__transport_scale(size_t d_a, size_t d_b, const float *tau,
-                           const float *r, size_t ld_r, float alpha,
-                           float *out);
 
 typedef struct bico__lora_hook {
   bico_ctx *ctx;
@@ -67,6 +69,14 @@ typedef struct bico__lora_hook {
   bico_status (*map)(void *opaque, size_t mi, int side, size_t block,
                      const float **r, size_t *da, size_t *db, size_t *rank,
                      int *thin);
+  /* Carries task vector *tau (source base tensor si's shape, allocated in
+   * ctx; the call may replace it) of target tensor ti by its route, by the
+   * checkpoint path's own step (bico__xfer_carry: the weight/bias/rows
+   * dispatch, layouts, the dead-map rule): upd (ti's numel floats) gets
+   * alpha tau_B, or reason[cap] says why the tensor is left unchanged
+   * (reason[0] is 0 otherwise). */
+  bico_status (*carry)(void *opaque, size_t ti, size_t si, float **tau,
+                       float *upd, char *reason, size_t cap);
   /* The route of target tensor ti (see bico__route). */
   void (*route)(void *opaque, size_t ti, bico__route *out);
   /* Frees the maps of target module mi. */

@@ -30,6 +30,7 @@ typedef struct lrun {
   bico_lora *src, *out;
   bico__report rep;
   size_t factored, truncated, copied, saved;
+  size_t unchanged; /* modules and saved tensors on a dead layer */
 } lrun;
 
 static void logf_(lrun *r, const char *fmt, ...)
@@ -134,7 +135,15 @@ typedef struct lmod {
   double energy, kept;
   size_t k;            /* output split */
   size_t ts;           /* the source base weight's tensor index */
+  char reason[192];    /* why it is left unchanged (a dead map) */
 } lmod;
+
+/* The dead-map rule (bico__map_dead) on a map m's carry uses: the first
+ * dead one names the reason, and m is then left unchanged. */
+static void lmod_dead(lmod *m, size_t rank, const char *side) {
+  if (m->reason[0] == 0)
+    bico__map_dead(rank, side, m->reason, sizeof m->reason);
+}
 
 /* Names, shapes and factors of adapter module li and target module mi. */
 static bico_status lmod_locate(lrun *r, lmod *m) {
@@ -211,7 +220,10 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   bico_status st = BICO_OK;
   if (do_in) {
     st = h->map(h->opaque, m->mi, 0, 0, &rin, &da, &db, &mr, &thin);
-    if (st == BICO_OK) report_map(r, "in", da, db, mr, thin);
+    if (st == BICO_OK) {
+      report_map(r, "in", da, db, mr, thin);
+      lmod_dead(m, mr, "in");
+    }
   }
   if (do_out && m->k > 1) {
     bico__report_key(&r->rep, "out_blocks");
@@ -219,10 +231,15 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   }
   for (size_t j = 0; j < m->k && st == BICO_OK && do_out; j++) {
     st = h->map(h->opaque, m->mi, 1, j, &routs[j], &da, &db, &mr, &thin);
-    if (st == BICO_OK) report_map(r, m->k == 1 ? "out" : NULL, da, db, mr, thin);
+    if (st == BICO_OK) {
+      report_map(r, m->k == 1 ? "out" : NULL, da, db, mr, thin);
+      lmod_dead(m, mr, "out");
+    }
   }
   if (do_out && m->k > 1) bico__report_end_array(&r->rep);
-  if (st == BICO_OK)
+  if (st == BICO_OK && m->reason[0])
+    m->handling = "unchanged";
+  else if (st == BICO_OK)
     st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->b,
                              m->a, do_out ? (const float *const *)routs : NULL,
                              m->dout_b / m->k, m->dout_b, rin, m->din_b,
@@ -253,7 +270,10 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
                       m->lname, m->wname, rt->reason);
   if (!rt->identity) {
     st = h->map(h->opaque, rt->module, rt->side, 0, &rr, &da, &db, &mr, &thin);
-    if (st == BICO_OK) report_map(r, rt->side ? "out" : "in", da, db, mr, thin);
+    if (st == BICO_OK) {
+      report_map(r, rt->side ? "out" : "in", da, db, mr, thin);
+      lmod_dead(m, mr, rt->side ? "out" : "in");
+    }
   }
   if (st == BICO_OK && (da != m->dout_a || db != m->dout_b))
     st = bico__fail(ctx, BICO_E_SHAPE,
@@ -261,7 +281,9 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
                     "embedding widths are %zu and %zu",
                     m->lname, da, db, m->dout_a, m->dout_b);
   const float *rl[1] = {rr};
-  if (st == BICO_OK)
+  if (st == BICO_OK && m->reason[0])
+    m->handling = "unchanged";
+  else if (st == BICO_OK)
     st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->b, m->a,
                              rr ? rl : NULL, m->dout_b, m->dout_b, NULL,
                              m->din_b, m->din_b, h->alpha, m->nb, m->na);
@@ -364,22 +386,29 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
     st = carry(r, &m);
     bico__report_end_object(&r->rep);
     bico__report_key_string(&r->rep, "handling", m.handling);
+    if (m.reason[0]) bico__report_key_string(&r->rep, "reason", m.reason);
     if (m.energy >= 0)
       bico__report_key_number(&r->rep, "energy_kept", m.energy);
     if (m.kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", m.kept);
     bico__report_end_object(&r->rep);
   }
-  if (st == BICO_OK)
+  /* A module on a dead layer stays out of the output adapter: the target
+   * weight is left unchanged, as the checkpoint path leaves it. */
+  int dead = st == BICO_OK && m.reason[0] != 0;
+  if (st == BICO_OK && !dead)
     st = bico__xfer_check_finite(ctx, m.nb, m.dout_b * m.rank,
                                  "adapter module", m.tm);
-  if (st == BICO_OK)
+  if (st == BICO_OK && !dead)
     st = bico__xfer_check_finite(ctx, m.na, m.rank * m.din_b,
                                  "adapter module", m.tm);
-  if (st == BICO_OK)
+  if (st == BICO_OK && !dead)
     st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
                               m.din_b, m.nb, m.na);
   if (st == BICO_OK) {
-    if (m.energy >= 0) {
+    if (dead) {
+      r->unchanged++;
+      logf_(r, "bico: %s <- %s: left unchanged: %s", m.tm, m.lname, m.reason);
+    } else if (m.energy >= 0) {
       r->truncated++;
       logf_(r, "bico: %s <- %s: rank %zu, %.4f of the energy kept", m.tm,
             m.lname, m.rank, m.energy);
@@ -402,92 +431,31 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
   return st;
 }
 
-/* A saved tensor and its target tensor. */
-typedef struct tensor_pair {
-  const char *sname, *tname;
-  size_t nd_a;
-  const size_t *sa;
-  size_t na, nd_b;
-  const size_t *sb;
-  size_t nb;
-} tensor_pair;
-
-/* A saved tensor's update by the maps its target tensor's route names. */
-static bico_status saved_bico(lrun *r, size_t ti, const tensor_pair *p,
-                              const float *tau, float *upd) {
+/* A saved tensor's update by the maps its target tensor's route names:
+ * the checkpoint path's own step (h->carry), so that a saved tensor is
+ * carried, or left unchanged (reason[cap]: a dead map, shapes the map
+ * does not fit), exactly as the same tensor of a checkpoint would be.  A
+ * target tensor no route carries fails: the adapter's saved tensor would
+ * be lost. */
+static bico_status saved_bico(lrun *r, size_t ti, size_t si, const char *sname,
+                              const char *tname, float **tau, float *upd,
+                              size_t nb, char *reason, size_t cap) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
   bico__route rt;
   h->route(h->opaque, ti, &rt);
-  size_t mi = rt.module, kk = 1, da, db, mr;
-  int thin = 0; /* (saved tensors are not reported per map) */
   if (rt.kind == BICO__ROUTE_NONE)
     return rt.role == BICO_ROLE_OTHER
                ? bico__fail(ctx, BICO_E_UNSUPPORTED,
                             "saved tensor %s: target tensor %s is of a kind "
                             "no method carries",
-                            p->sname, p->tname)
+                            sname, tname)
                : bico__fail(ctx, BICO_E_NOTFOUND,
                             "saved tensor %s: no map carries target tensor "
                             "%s: %s",
-                            p->sname, p->tname, rt.reason);
-  if (rt.kind != BICO__ROUTE_ROWS) kk = h->split(h->opaque, mi);
-  bico_status st = BICO_OK;
-  if (rt.kind == BICO__ROUTE_WEIGHT) {
-    size_t dout_a = p->sa[0], din_a = p->na / p->sa[0], dout_b = p->sb[0],
-           din_b = p->nb / p->sb[0];
-    const float *rin = NULL;
-    const float **routs = bico__calloc(ctx, kk, sizeof *routs);
-    if (routs == NULL) return BICO_E_NOMEM;
-    if (rt.need[0]) st = h->map(h->opaque, mi, 0, 0, &rin, &da, &db, &mr, &thin);
-    for (size_t j = 0; j < kk && st == BICO_OK && rt.need[1]; j++)
-      st = h->map(h->opaque, mi, 1, j, &routs[j], &da, &db, &mr, &thin);
-    if (st == BICO_OK)
-      st = bico_transport_weight_split(
-          ctx, kk, dout_a, din_a, dout_b, din_b,
-          h->alpha, tau, din_a,
-          rt.need[1] ? (const float *const *)routs : NULL, dout_b / kk, rin, din_b, 0.0f, upd, din_b);
-    bico__free(ctx, routs);
-    return st;
-  }
-  if (rt.kind == BICO__ROUTE_BIAS) {
-    size_t na = p->na, nb = p->nb;
-    if (na % kk || nb % kk)
-      return bico__fail(ctx, BICO_E_SHAPE, "bias %s does not split in %zu",
-                        p->tname, kk);
-    for (size_t j = 0; j < kk && st == BICO_OK; j++) {
-      const float *rr = NULL;
-      if (rt.need[1]) st = h->map(h->opaque, mi, 1, j, &rr, &da, &db, &mr, &thin);
-      if (st == BICO_OK)
-        st = bico_transport_vector(ctx, na / kk, nb / kk, h->alpha,
-                                   tau + j * (na / kk), rr, nb / kk, 0.0f,
-                                   upd + j * (nb / kk));
-    }
-    return st;
-  }
-  const float *rr = NULL;
-  size_t la = p->sa[p->nd_a - 1], lb = p->sb[p->nd_b - 1];
-  if (!rt.identity) {
-    st = h->map(h->opaque, mi, rt.side, 0, &rr, &da, &db, &mr, &thin);
-    if (st == BICO_OK && (da != la || db != lb))
-      st = bico__fail(ctx, BICO_E_SHAPE,
-                      "saved tensor %s: the map is %zu x %zu, the last "
-                      "dimensions are %zu and %zu",
-                      p->sname, da, db, la, lb);
-  }
-  if (st == BICO_OK && p->na / la != p->nb / lb) {
-    char a[128], b[128];
-    st = bico__fail(ctx, BICO_E_SHAPE,
-                    "saved tensor %s (%s): leading dimensions differ from the "
-                    "target's %s (%s)",
-                    p->sname, bico__shape_text(a, sizeof a, p->nd_a, p->sa),
-                    p->tname, bico__shape_text(b, sizeof b, p->nd_b, p->sb));
-  }
-  if (st == BICO_OK && rt.scale && rr != NULL && p->na == la)
-    bico__transport_scale(la, lb, tau, rr, lb, h->alpha, upd);
-  else if (st == BICO_OK)
-    st = bico_transport_rows(ctx, p->na / la, la, lb, h->alpha, tau, la, rr,
-                             lb, 0.0f, upd, lb);
+                            sname, tname, rt.reason);
+  bico_status st = h->carry(h->opaque, ti, si, tau, upd, reason, cap);
+  if (st == BICO_OK && reason[0]) memset(upd, 0, nb * sizeof *upd);
   return st;
 }
 
@@ -530,12 +498,16 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   if (st == BICO_OK) st = bico_stfile_check_finite(h->sb, bi);
   for (size_t e = 0; e < na && st == BICO_OK; e++) tau[e] = data[e] - tau[e];
   double kept = -1;
+  char reason[192] = "";
   if (st == BICO_OK && na && nb) {
     if (!is_bico(h->method)) {
       st = dense_method(r, ti, nd_a, sa, tau, upd, &kept);
     } else {
-      tensor_pair p = {sname, tname, nd_a, sa, na, nd_b, sb, nb};
-      st = saved_bico(r, ti, &p, tau, upd);
+      size_t si;
+      st = bico_model_find_tensor(h->ms, sname, &si);
+      if (st == BICO_OK)
+        st = saved_bico(r, ti, si, sname, tname, &tau, upd, nb, reason,
+                        sizeof reason);
     }
   }
   if (st == BICO_OK) st = bico_stfile_find(h->tb, tname, &fi);
@@ -549,10 +521,18 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   bico__report_begin_object(&r->rep);
   bico__report_key_string(&r->rep, "name", tname);
   bico__report_key_string(&r->rep, "source", sname);
-  bico__report_key_string(&r->rep, "handling", "saved");
+  bico__report_key_string(&r->rep, "handling",
+                          reason[0] ? "unchanged" : "saved");
+  if (reason[0]) bico__report_key_string(&r->rep, "reason", reason);
   if (kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", kept);
   bico__report_end_object(&r->rep);
-  if (st == BICO_OK) r->saved++;
+  if (st == BICO_OK && reason[0]) {
+    r->unchanged++;
+    logf_(r, "bico: saved tensor %s <- %s: left unchanged: %s", tname, sname,
+          reason);
+  } else if (st == BICO_OK) {
+    r->saved++;
+  }
   bico__free(ctx, tau);
   bico__free(ctx, upd);
   bico__free(ctx, full);
@@ -706,8 +686,9 @@ static bico_status lora_commit(lrun *r, size_t unused) {
   bico__tmp_discard(ctx, &rep);
   if (st == BICO_OK)
     logf_(r, "bico: %zu adapter modules factored, %zu truncated, %zu copied, "
-             "%zu saved tensors, %zu unused; wrote %s%s%s",
-          r->factored, r->truncated, r->copied, r->saved, unused,
+             "%zu saved tensors, %zu unused, %zu left unchanged (dead "
+             "layers); wrote %s%s%s",
+          r->factored, r->truncated, r->copied, r->saved, unused, r->unchanged,
           h->out_dir ? h->out_dir : "", h->out_dir && h->out_ckpt ? " and " : "",
           h->out_ckpt ? h->out_ckpt : "");
   return st;
@@ -839,11 +820,18 @@ static bico_status run_lora(lrun *r) {
   bico__report_key_number(&r->rep, "copied", (double)r->copied);
   bico__report_key_number(&r->rep, "saved", (double)r->saved);
   bico__report_key_number(&r->rep, "unused", (double)unused);
+  bico__report_key_number(&r->rep, "unchanged", (double)r->unchanged);
   bico__report_end_object(&r->rep);
   bico__report_end_object(&r->rep);
   bico__free(ctx, used);
   if (st == BICO_OK) st = bico__report_status(&r->rep);
-  if (st == BICO_OK && bico_lora_module_count(r->out) == 0)
+  if (st == BICO_OK && bico_lora_module_count(r->out) == 0 && r->unchanged)
+    st = bico__fail(ctx, BICO_E_NOTFOUND,
+                    "adapter %s: every module it pairs with is on a dead "
+                    "layer (its calibration statistic is all zero), so "
+                    "nothing would be carried",
+                    h->adapter_dir);
+  else if (st == BICO_OK && bico_lora_module_count(r->out) == 0)
     st = bico__fail(ctx, BICO_E_NOTFOUND,
                     "adapter %s: none of its modules pairs with a target "
                     "module",

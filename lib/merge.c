@@ -206,12 +206,9 @@ bico_status bico_merge_set_file(bico_merge *m, int which, const char *path) {
   return BICO_OK;
 }
 
-/* The option grammar (params.h).  ALPHA is used as a float. */
-static const struct {
-  const char *name;
-  double lo, hi;
-  unsigned flags;
-} MPARAM[] = {
+/* The option grammar (params.h, lib/params.c).  ALPHA is used as a
+ * float. */
+static const bico__param_spec MPARAM[] = {
     [BICO_MERGE_METHOD] = {"method", BICO_MERGE_LINEAR, BICO_MERGE_TIES,
                            BICO_PARAM_INTEGER},
     [BICO_MERGE_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
@@ -219,46 +216,26 @@ static const struct {
     [BICO_MERGE_MAX_SHARD_SIZE] = {"max_shard_size", 0, 9007199254740992.0,
                                    BICO_PARAM_INTEGER},
 };
-#define NMPARAM ((int)(sizeof MPARAM / sizeof MPARAM[0]))
+#define NMPARAM BICO__NSPEC(MPARAM)
 
 bico_status bico_merge_param_bounds(int param, double *lo, double *hi,
                                     unsigned *flags) {
-  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
-  if (param < 1 || param >= NMPARAM) return BICO_E_ARG;
-  *lo = MPARAM[param].lo;
-  *hi = MPARAM[param].hi;
-  *flags = MPARAM[param].flags;
-  return BICO_OK;
+  return bico__param_bounds(MPARAM, NMPARAM, param, lo, hi, flags);
 }
 
 const char *bico_merge_param_name(int param) {
-  return param >= 1 && param < NMPARAM ? MPARAM[param].name : NULL;
+  return bico__param_name(MPARAM, NMPARAM, param);
 }
 
 bico_status bico_merge_param_from_name(const char *name, int *param) {
-  if (name == NULL || param == NULL) return BICO_E_NULL;
-  for (int i = 1; i < NMPARAM; i++)
-    if (strcmp(name, MPARAM[i].name) == 0) {
-      *param = i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
+  return bico__param_from_name(MPARAM, NMPARAM, name, param);
 }
 
 bico_status bico_merge_set_param(bico_merge *m, int param, double value) {
   if (m == NULL) return BICO_E_NULL;
   bico__clear(m->ctx);
-  double lo, hi;
-  unsigned flags;
-  if (bico_merge_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(m->ctx, BICO_E_ARG,
-                      "merge_set_param: unknown parameter %d", param);
-  if (!isfinite(value))
-    return bico__fail(m->ctx, BICO_E_NONFINITE,
-                      "merge_set_param: %s = %g is not finite",
-                      MPARAM[param].name, value);
-  bico_status st = bico__param_check(m->ctx, "merge_set_param",
-                                     MPARAM[param].name, value, lo, hi, flags);
+  bico_status st = bico__param_set(m->ctx, "merge_set_param", MPARAM, NMPARAM,
+                                   param, value);
   if (st != BICO_OK) return st;
   m->param[param] = value;
   return BICO_OK;
@@ -267,9 +244,9 @@ bico_status bico_merge_set_param(bico_merge *m, int param, double value) {
 bico_status bico_merge_get_param(const bico_merge *m, int param,
                                  double *value) {
   if (m == NULL || value == NULL) return BICO_E_NULL;
-  if (param < 1 || param >= NMPARAM)
-    return bico__fail(m->ctx, BICO_E_ARG,
-                      "merge_get_param: unknown parameter %d", param);
+  bico_status st = bico__param_get(m->ctx, "merge_get_param", MPARAM, NMPARAM,
+                                   param, value);
+  if (st != BICO_OK) return st;
   *value = m->param[param];
   return BICO_OK;
 }

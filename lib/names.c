@@ -2,7 +2,9 @@
  * caller cannot read the headers' enums, so it asks the library).  One
  * table per enumeration; the tables are the only place the words are
  * written, so a front end that parses "--proc-method eig" or writes
- * "keep" into a report calls these instead of keeping its own copy. */
+ * "keep" into a report calls these instead of keeping its own copy.
+ * Parameter names are the exception: each handle's parameter table
+ * (name and accepted set together, lib/params.c's grammar) holds them. */
 #include <string.h>
 
 #include "internal.h"
@@ -65,17 +67,9 @@ static const name_entry bico_param_flag_names[] = {
     {BICO_PARAM_INTEGER, "integer"}};
 NAME_PAIR(bico_param_flag)
 
-static const name_entry bico_ctx_param_names[] = {
-    {BICO_CTX_THREADS, "threads"}};
-NAME_PAIR(bico_ctx_param)
-
 static const name_entry bico_xcov_flag_names[] = {
     {BICO_XCOV_SUMS, "sums"}, {BICO_XCOV_GRAMS, "grams"}};
 NAME_PAIR(bico_xcov_flag)
-
-static const name_entry bico_xcov_param_names[] = {
-    {BICO_XCOV_ADD_MODE, "add_mode"}};
-NAME_PAIR(bico_xcov_param)
 
 static const name_entry bico_xcov_add_mode_names[] = {
     {BICO_XCOV_ADD_EXACT, "exact"}, {BICO_XCOV_ADD_FAST, "fast"}};
@@ -86,12 +80,6 @@ static const name_entry bico_xcov_which_names[] = {
     {BICO_XCOV_GRAM_A, "gram_a"},
     {BICO_XCOV_GRAM_B, "gram_b"}};
 NAME_PAIR(bico_xcov_which)
-
-static const name_entry bico_procrustes_param_names[] = {
-    {BICO_PROC_CENTER, "center"},     {BICO_PROC_WHITEN, "whiten"},
-    {BICO_PROC_WHITEN_EPS, "whiten_eps"}, {BICO_PROC_RANK_TOL, "rank_tol"},
-    {BICO_PROC_NULL, "null"},         {BICO_PROC_METHOD, "method"}};
-NAME_PAIR(bico_procrustes_param)
 
 static const name_entry bico_procrustes_method_names[] = {
     {BICO_PROC_SVD, "svd"}, {BICO_PROC_EIG, "eig"}, {BICO_PROC_POLAR, "polar"}};

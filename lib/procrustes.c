@@ -38,18 +38,6 @@ struct bico_procrustes {
   size_t spec_count;
 };
 
-static const char *param_name(int param) {
-  switch (param) {
-    case BICO_PROC_CENTER: return "BICO_PROC_CENTER";
-    case BICO_PROC_WHITEN: return "BICO_PROC_WHITEN";
-    case BICO_PROC_WHITEN_EPS: return "BICO_PROC_WHITEN_EPS";
-    case BICO_PROC_RANK_TOL: return "BICO_PROC_RANK_TOL";
-    case BICO_PROC_NULL: return "BICO_PROC_NULL";
-    case BICO_PROC_METHOD: return "BICO_PROC_METHOD";
-    default: return "unknown";
-  }
-}
-
 bico_status bico_procrustes_create(bico_ctx *ctx, bico_procrustes **out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
@@ -78,40 +66,39 @@ void bico_procrustes_free(bico_procrustes *p) {
   bico__free(ctx, p);
 }
 
-/* In the grammar of params.h.  WHITEN_EPS must be positive and RANK_TOL
- * below 1 (else nothing would count towards the rank): open ends. */
+/* In the grammar of params.h (lib/params.c).  WHITEN_EPS must be
+ * positive and RANK_TOL below 1 (else nothing would count towards the
+ * rank): open ends.  NULL and METHOD are choices: 0 is the default
+ * (status.h). */
+static const bico__param_spec PPARAM[] = {
+    [BICO_PROC_CENTER] = {"center", 0, 1, BICO_PARAM_INTEGER},
+    [BICO_PROC_WHITEN] = {"whiten", 0, 0.5, 0},
+    [BICO_PROC_WHITEN_EPS] = {"whiten_eps", 0, HUGE_VAL,
+                              BICO_PARAM_LO_OPEN | BICO_PARAM_HI_OPEN},
+    [BICO_PROC_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
+    [BICO_PROC_NULL] = {"null", 0, BICO_NULL_DROP, BICO_PARAM_INTEGER},
+    [BICO_PROC_METHOD] = {"method", 0, BICO_PROC_POLAR, BICO_PARAM_INTEGER},
+};
+
 bico_status bico_procrustes_param_bounds(int param, double *lo, double *hi,
                                          unsigned *flags) {
-  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
-  const unsigned integer = BICO_PARAM_INTEGER;
-  switch (param) {
-    case BICO_PROC_CENTER: *lo = 0, *hi = 1, *flags = integer; break;
-    case BICO_PROC_WHITEN: *lo = 0, *hi = 0.5, *flags = 0; break;
-    case BICO_PROC_WHITEN_EPS:
-      *lo = 0, *hi = HUGE_VAL;
-      *flags = BICO_PARAM_LO_OPEN | BICO_PARAM_HI_OPEN;
-      break;
-    case BICO_PROC_RANK_TOL: *lo = 0, *hi = 1, *flags = BICO_PARAM_HI_OPEN; break;
-    /* Choices: 0 is the default (status.h). */
-    case BICO_PROC_NULL: *lo = 0, *hi = BICO_NULL_DROP, *flags = integer; break;
-    case BICO_PROC_METHOD: *lo = 0, *hi = BICO_PROC_POLAR, *flags = integer; break;
-    default: return BICO_E_ARG;
-  }
-  return BICO_OK;
+  return bico__param_bounds(PPARAM, BICO__NSPEC(PPARAM), param, lo, hi, flags);
+}
+
+const char *bico_procrustes_param_name(int param) {
+  return bico__param_name(PPARAM, BICO__NSPEC(PPARAM), param);
+}
+
+bico_status bico_procrustes_param_from_name(const char *name, int *param) {
+  return bico__param_from_name(PPARAM, BICO__NSPEC(PPARAM), name, param);
 }
 
 bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
                                       double value) {
   if (p == NULL) return BICO_E_NULL;
-  bico_ctx *ctx = p->ctx;
-  bico__clear(ctx);
-  double lo, hi;
-  unsigned flags;
-  if (bico_procrustes_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(ctx, BICO_E_ARG,
-                      "procrustes_set_param: unknown parameter %d", param);
-  bico_status st = bico__param_check(ctx, "procrustes_set_param",
-                                     param_name(param), value, lo, hi, flags);
+  bico__clear(p->ctx);
+  bico_status st = bico__param_set(p->ctx, "procrustes_set_param", PPARAM,
+                                   BICO__NSPEC(PPARAM), param, value);
   if (st != BICO_OK) return st;
   switch (param) {
     case BICO_PROC_CENTER: p->center = (int)value; break;
@@ -131,20 +118,18 @@ bico_status bico_procrustes_set_param(bico_procrustes *p, int param,
 bico_status bico_procrustes_get_param(const bico_procrustes *p, int param,
                                       double *value) {
   if (p == NULL) return BICO_E_NULL;
-  bico_ctx *ctx = p->ctx;
-  if (value == NULL)
-    return bico__fail(ctx, BICO_E_NULL, "procrustes_get_param: value is NULL");
+  bico_status st = bico__param_get(p->ctx, "procrustes_get_param", PPARAM,
+                                   BICO__NSPEC(PPARAM), param, value);
+  if (st != BICO_OK) return st;
   switch (param) {
-    case BICO_PROC_CENTER: *value = p->center; return BICO_OK;
-    case BICO_PROC_WHITEN: *value = p->whiten; return BICO_OK;
-    case BICO_PROC_WHITEN_EPS: *value = p->eps; return BICO_OK;
-    case BICO_PROC_RANK_TOL: *value = p->tol; return BICO_OK;
-    case BICO_PROC_NULL: *value = p->null_mode; return BICO_OK;
-    case BICO_PROC_METHOD: *value = p->method; return BICO_OK;
-    default:
-      return bico__fail(ctx, BICO_E_ARG,
-                        "procrustes_get_param: unknown parameter %d", param);
+    case BICO_PROC_CENTER: *value = p->center; break;
+    case BICO_PROC_WHITEN: *value = p->whiten; break;
+    case BICO_PROC_WHITEN_EPS: *value = p->eps; break;
+    case BICO_PROC_RANK_TOL: *value = p->tol; break;
+    case BICO_PROC_NULL: *value = p->null_mode; break;
+    default: *value = p->method; break;
   }
+  return BICO_OK;
 }
 
 bico_status bico_procrustes_spectrum(const bico_procrustes *p, double *s,

@@ -37,14 +37,11 @@ const char *bico_method_name(int method) {
              : NULL;
 }
 
+static bico_status from_name(const char *const *names, size_t n,
+                             const char *name, int *out);
+
 bico_status bico_method_from_name(const char *name, int *method) {
-  if (name == NULL || method == NULL) return BICO_E_NULL;
-  for (size_t i = 1; i < COUNT(METHOD_NAME); i++)
-    if (strcmp(name, METHOD_NAME[i]) == 0) {
-      *method = (int)i;
-      return BICO_OK;
-    }
-  return BICO_E_ARG;
+  return from_name(METHOD_NAME, COUNT(METHOD_NAME), name, method);
 }
 
 const char *bico_norm_map_name(int norm_map) {
@@ -54,13 +51,7 @@ const char *bico_norm_map_name(int norm_map) {
 }
 
 bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
-  if (name == NULL || norm_map == NULL) return BICO_E_NULL;
-  for (size_t i = 1; i < COUNT(NORM_MAP_NAME); i++)
-    if (strcmp(name, NORM_MAP_NAME[i]) == 0) {
-      *norm_map = (int)i;
-      return BICO_OK;
-    }
-  return BICO_E_ARG;
+  return from_name(NORM_MAP_NAME, COUNT(NORM_MAP_NAME), name, norm_map);
 }
 
 static const char *const STRUCTURE_NAME[] = {NULL, "heads", "free"};
@@ -101,6 +92,16 @@ const char *bico_handling_name(int handling) {
   return handling >= 0 && handling < BICO__H_COUNT
              ? bico__xfer_handling[handling]
              : NULL;
+}
+
+bico_status bico_handling_from_name(const char *name, int *handling) {
+  if (name == NULL || handling == NULL) return BICO_E_NULL;
+  for (int i = 0; i < BICO__H_COUNT; i++)
+    if (strcmp(name, bico__xfer_handling[i]) == 0) {
+      *handling = i;
+      return BICO_OK;
+    }
+  return BICO_E_NOTFOUND;
 }
 
 bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
@@ -178,12 +179,9 @@ bico_status bico_transfer_get_file(const bico_transfer *t, int which,
   return BICO_OK;
 }
 
-/* The option grammar (params.h): each parameter's accepted set. */
-static const struct {
-  const char *name;
-  double lo, hi;
-  unsigned flags;
-} PARAM[BICO__NPARAMS] = {
+/* The option grammar (params.h, lib/params.c): each parameter's accepted
+ * set. */
+static const bico__param_spec PARAM[BICO__NPARAMS] = {
     [BICO_TRANSFER_METHOD] = {"method", 1, 6, BICO_PARAM_INTEGER},
     /* used as a float */
     [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
@@ -215,44 +213,23 @@ static const struct {
 
 bico_status bico_transfer_param_bounds(int param, double *lo, double *hi,
                                        unsigned *flags) {
-  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
-  if (param < 1 || param >= BICO__NPARAMS || PARAM[param].name == NULL)
-    return BICO_E_ARG;
-  *lo = PARAM[param].lo;
-  *hi = PARAM[param].hi;
-  *flags = PARAM[param].flags;
-  return BICO_OK;
+  return bico__param_bounds(PARAM, BICO__NPARAMS, param, lo, hi, flags);
 }
 
 const char *bico_transfer_param_name(int param) {
-  return param >= 1 && param < BICO__NPARAMS ? PARAM[param].name : NULL;
+  return bico__param_name(PARAM, BICO__NPARAMS, param);
 }
 
 bico_status bico_transfer_param_from_name(const char *name, int *param) {
-  if (name == NULL || param == NULL) return BICO_E_NULL;
-  for (int i = 1; i < BICO__NPARAMS; i++)
-    if (PARAM[i].name != NULL && strcmp(name, PARAM[i].name) == 0) {
-      *param = i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
+  return bico__param_from_name(PARAM, BICO__NPARAMS, name, param);
 }
 
 bico_status bico_transfer_set_param(bico_transfer *t, int param,
                                     double value) {
   if (t == NULL) return BICO_E_NULL;
   bico__clear(t->ctx);
-  double lo, hi;
-  unsigned flags;
-  if (bico_transfer_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(t->ctx, BICO_E_ARG,
-                      "transfer_set_param: unknown parameter %d", param);
-  if (!isfinite(value))
-    return bico__fail(t->ctx, BICO_E_NONFINITE,
-                      "transfer_set_param: %s = %g is not finite",
-                      PARAM[param].name, value);
-  bico_status st = bico__param_check(t->ctx, "transfer_set_param",
-                                     PARAM[param].name, value, lo, hi, flags);
+  bico_status st = bico__param_set(t->ctx, "transfer_set_param", PARAM,
+                                   BICO__NPARAMS, param, value);
   if (st != BICO_OK) return st;
   /* Choices: 0 is the default member (docs/api.md's enum rule). */
   if (param == BICO_TRANSFER_GRADFIX_MODE && value == 0)
@@ -268,11 +245,9 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
 bico_status bico_transfer_get_param(const bico_transfer *t, int param,
                                     double *value) {
   if (t == NULL || value == NULL) return BICO_E_NULL;
-  double lo, hi;
-  unsigned flags;
-  if (bico_transfer_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(t->ctx, BICO_E_ARG,
-                      "transfer_get_param: unknown parameter %d", param);
+  bico_status st = bico__param_get(t->ctx, "transfer_get_param", PARAM,
+                                   BICO__NPARAMS, param, value);
+  if (st != BICO_OK) return st;
   *value = t->param[param];
   return BICO_OK;
 }
@@ -438,6 +413,22 @@ static bico_status lora_map(void *opaque, size_t mi, int side, size_t block,
   return BICO_OK;
 }
 
+static bico_status lora_carry(void *opaque, size_t ti, size_t si,
+                              float **tau, float *upd, char *reason,
+                              size_t cap) {
+  bico__run *r = opaque;
+  bico__route rt;
+  bico__xfer_route(r, ti, &rt);
+  bico__tinfo info;
+  memset(&info, 0, sizeof info);
+  info.kept = -1;
+  bico_status st = bico__xfer_carry(r, ti, si, &rt, tau, upd, &info);
+  reason[0] = 0;
+  if (st == BICO_OK && info.handling == BICO__H_UNCHANGED)
+    snprintf(reason, cap, "%s", info.reason[0] ? info.reason : "no map");
+  return st;
+}
+
 static void lora_route(void *opaque, size_t ti, bico__route *out) {
   bico__xfer_route(opaque, ti, out);
 }
@@ -480,6 +471,7 @@ static bico_status lora_branch(bico__run *r) {
   h.split = lora_split;
   h.map = lora_map;
   h.route = lora_route;
+  h.carry = lora_carry;
   h.release = lora_release;
   h.log = lora_log;
   h.progress = r->t->progress;

@@ -1,14 +1,26 @@
 /* The transfer driver's private types (internal).
  *
- * bico_transfer_run is split by concept:
- *   transfer.c         the handle, its options, and the run's top level;
- *   transfer_plan.c    checks of the setup, which module's maps each target
- *                      tensor takes (pairing, ties, splits);
- *   transfer_maps.c    solving maps: on demand in the calling thread or
- *                      ahead of need in the solver pool;
- *   transfer_update.c  the update of one tensor, by method and role;
- *   transfer_output.c  the report entries, the output writers and the
- *                      partial-run sink.
+ * bico_transfer_run is split by concept, one section below per file:
+ *   transfer.c          the handle, its options, and the run's top level;
+ *   transfer_plan.c     checks of the setup, which module's maps each target
+ *                       tensor takes (pairing, ties, splits);
+ *   transfer_maps.c     solving maps: on demand in the calling thread or
+ *                       ahead of need in the solver pool;
+ *   transfer_heads.c    structure-aware maps for decoder blocks (heads,
+ *                       RoPE) when both families are known;
+ *   transfer_mem.c      statistics and votes lent by the host
+ *                       (bico_transfer_set_xcov, _set_votes);
+ *   transfer_names.c    name diagnostics: the source rename, the prefix
+ *                       offer, a checkpoint given as the task vector;
+ *   transfer_update.c   the update of one tensor, by method and role, and
+ *                       row tables streamed in pieces;
+ *   transfer_output.c   the report entries, the output writers and the
+ *                       partial-run sink;
+ *   transfer_assemble.c the multi-process plan (groups, costs) and the
+ *                       assembler;
+ *   transfer_explain.c  bico_transfer_explain: the plan with its reasons.
+ * The LoRA branch (lib/lora_transfer.c) reaches the run through the hook
+ * of lora_internal.h.
  * A run's state (struct run) lives for one bico_transfer_run call. */
 #ifndef BICO_TRANSFER_INTERNAL_H
 #define BICO_TRANSFER_INTERNAL_H
@@ -150,23 +162,24 @@ enum bico__tie_rule {
   BICO__TIE_FIRST_NORM   /* first element-wise module of the first block */
 };
 
+/* Target tensor index i as the target base's file holds it
+ * (transfer_output.c's bico__xfer_locate; streamed by transfer_update.c). */
+typedef struct bico__xfer_tensor {
+  const char *name;
+  int dtype, fl; /* fl: a floating-point dtype */
+  size_t ndim, nb, fi;
+  const size_t *shape;
+} bico__xfer_tensor;
+
 /* ---- transfer.c ---- */
 void bico__xfer_run_init(bico__run *r, bico_transfer *t);
 /* Everything before the first tensor: checks, inputs, models, the solver,
  * the plan. */
 bico_status bico__xfer_setup(bico__run *r);
 void bico__xfer_run_free(bico__run *r);
-
-/* ---- transfer_assemble.c ---- */
-void bico__xfer_plan_clear(bico_transfer *t);
-void bico__xfer_asm_free(bico_transfer *t);
-
-/* The source and target models with their families and block containers
- * (transfer.c). */
+/* The source and target models with their families and block
+ * containers. */
 bico_status bico__xfer_load_models(bico__run *r);
-
-/* ---- transfer_explain.c ---- */
-void bico__xfer_explain_free(bico_transfer *t);
 
 /* ---- transfer_plan.c ---- */
 void bico__xfer_log(bico__run *r, const char *fmt, ...)
@@ -218,6 +231,7 @@ int bico__xfer_structured(const bico__run *r, size_t mi, int side);
 bico_status bico__xfer_struct_solve(bico__run *r, size_t mi, int side,
                                     bico__map **out, int *fallback);
 void bico__xfer_heads_free(bico__run *r);
+
 /* ---- transfer_mem.c ---- */
 void bico__xfer_mem_free(bico_transfer *t);
 size_t bico__xfer_mem_nxcov(const bico_transfer *t);
@@ -228,20 +242,31 @@ size_t bico__xfer_mem_xcov(const bico_transfer *t, const char *module,
 const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
                                        const char *tensor);
 
+/* ---- transfer_names.c ---- */
+/* The source rename applied to an opened input (`which` a BICO_FILE_*;
+ * only the source's files are renamed); the prefix offer for a pairing
+ * message (buf gets "" or "; the names differ by a prefix: ..."); the
+ * warning (logged) for a checkpoint given as the task vector. */
+bico_status bico__xfer_rename_source(const bico_transfer *t, int which,
+                                     bico_stfile *f);
+void bico__xfer_prefix_offer(bico__run *r, char *buf, size_t cap);
+void bico__xfer_check_task_vector(bico__run *r);
+
 /* ---- transfer_update.c ---- */
 /* The update alpha tau_B of target tensor ti into upd (its numel floats),
  * or info->handling BICO__H_UNCHANGED with a reason. */
 bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
                               bico__tinfo *info);
-
-/* ---- transfer_output.c ---- */
-/* Target tensor index i as the target base's file holds it. */
-typedef struct bico__xfer_tensor {
-  const char *name;
-  int dtype, fl; /* fl: a floating-point dtype */
-  size_t ndim, nb, fi;
-  const size_t *shape;
-} bico__xfer_tensor;
+/* The one step that carries a tensor by its route (BiCo methods), for the
+ * checkpoint path and the LoRA branch's saved tensors alike: task vector
+ * *tau (source tensor si's shape, allocated in r->ctx; replaced when its
+ * rows are gathered by token) of target tensor ti by route rt (weight,
+ * bias or rows, transposed layouts, vocabulary rows, the dead-map rule)
+ * into upd (ti's numel floats), or info->handling BICO__H_UNCHANGED with
+ * info->reason (upd then means nothing). */
+bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
+                             const bico__route *rt, float **tau, float *upd,
+                             bico__tinfo *info);
 /* 1 when the rows of target tensor ti and source tensor si are tokens to
  * be matched by id or token string rather than taken in order (token
  * tables or vocabulary heads, tokenizers or row counts differing). */
@@ -253,29 +278,17 @@ int bico__xfer_token_rows(const bico__run *r, size_t ti, size_t si);
 bico_status bico__xfer_stream_rows(bico__run *r, size_t ti,
                                    const bico__xfer_tensor *a,
                                    bico__tinfo *info, int *streamed);
+
+/* ---- transfer_output.c ---- */
 bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
                               bico__xfer_tensor *x);
-/* Creates the output (and delta output, when path_d) writers with every
- * tensor of tb declared, in its order. */
-/* Each target tensor's share of the plan's cost (lib/transfer_assemble.c):
- * its elements, and a module's map solves on its first tensor. */
-bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost);
-
-/* lib/transfer_names.c: the source rename applied to an opened input
- * (`which` a BICO_FILE_*; only the source's files are renamed); the
- * prefix offer for a pairing message (buf gets "" or "; the names differ
- * by a prefix: ..."); the warning (logged) for a checkpoint given as the
- * task vector. */
-bico_status bico__xfer_rename_source(const bico_transfer *t, int which,
-                                     bico_stfile *f);
-void bico__xfer_prefix_offer(bico__run *r, char *buf, size_t cap);
-void bico__xfer_check_task_vector(bico__run *r);
-
 /* The writer for an output path: a model folder when
  * bico_output_is_folder says so (like the target, sharded by
  * BICO_TRANSFER_MAX_SHARD_SIZE), else a file. */
 bico_status bico__xfer_writer(const bico_transfer *t, const char *path,
                               bico_stwriter **w);
+/* Creates the output (and delta output, when wd) writers with every
+ * tensor of tb declared, in its order. */
 bico_status bico__xfer_declare(const bico_transfer *t, const bico_stfile *tb,
                                bico_stwriter **w, bico_stwriter **wd);
 /* Writes one tensor: theta_B + upd (upd NULL: the base's bytes), and upd
@@ -298,5 +311,16 @@ bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
 bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
                                      size_t ti, const bico__tinfo *info);
 bico_status bico__xfer_write_all(bico__run *r);
+/* (bico__xfer_check_finite and _f64 are declared in lora_internal.h.) */
+
+/* ---- transfer_assemble.c ---- */
+void bico__xfer_plan_clear(bico_transfer *t);
+void bico__xfer_asm_free(bico_transfer *t);
+/* Each target tensor's share of the plan's cost: its elements, and a
+ * module's map solves on its first tensor. */
+bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost);
+
+/* ---- transfer_explain.c ---- */
+void bico__xfer_explain_free(bico_transfer *t);
 
 #endif

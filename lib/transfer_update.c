@@ -284,9 +284,12 @@ static bico_status bias_update(bico__run *r, const bico__route *rt,
   return st;
 }
 
-void bico__transport_scale(size_t d_a, size_t d_b, const float *tau,
-                           const float *r, size_t ld_r, float alpha,
-                           float *out) {
+/* out[j] = alpha sum_i r[i ld_r + j]^2 tau[i] for j < d_b: the diagonal
+ * of R^T diag(tau) R for R [d_a, d_b] (a norm's scale under a
+ * residual-stream map). */
+static void transport_scale(size_t d_a, size_t d_b, const float *tau,
+                            const float *r, size_t ld_r, float alpha,
+                            float *out) {
   for (size_t j = 0; j < d_b; j++) out[j] = 0.0f;
   for (size_t i = 0; i < d_a; i++) {
     const float *ri = r + i * ld_r;
@@ -330,7 +333,7 @@ static bico_status rows_update(bico__run *r, const bico__route *rt,
   info->handling =
       rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
   if (rt->scale && mp != NULL && p->na == da_last) {
-    bico__transport_scale(da_last, db_last, p->tau, mp->r, db_last, r->alpha,
+    transport_scale(da_last, db_last, p->tau, mp->r, db_last, r->alpha,
                           upd);
     return BICO_OK;
   }
@@ -339,22 +342,50 @@ static bico_status rows_update(bico__run *r, const bico__route *rt,
                              db_last, 0.0f, upd, db_last);
 }
 
-/* A map fitted on an all-zero statistic (a dead layer: no activation or
- * no gradient reached it) identifies nothing; its completion would move
- * the update arbitrarily, so the tensor is left unchanged and the report
- * says why. */
+int bico__map_dead(size_t rank, const char *side, char *reason, size_t cap) {
+  if (rank != 0) return 0;
+  snprintf(reason, cap,
+           "the statistic of its %s map is all zero (a dead layer)", side);
+  return 1;
+}
+
+/* The dead-map rule (bico__map_dead) on every map the update used: the
+ * tensor is left unchanged and the report says why. */
 static void refuse_dead_maps(bico__tinfo *info) {
-  const char *dead = NULL;
-  for (int m = 0; m < 2 && dead == NULL; m++)
-    if (info->maps[m] != NULL && info->maps[m]->rank == 0)
-      dead = info->map_names[m];
-  for (size_t b = 0; b < info->nsplit && dead == NULL; b++)
-    if (info->split_maps[b].rank == 0) dead = "out";
-  if (dead != NULL) {
-    snprintf(info->reason, sizeof info->reason,
-             "the statistic of its %s map is all zero (a dead layer)", dead);
-    info->handling = BICO__H_UNCHANGED;
-  }
+  int dead = 0;
+  for (int m = 0; m < 2 && !dead; m++)
+    if (info->maps[m] != NULL)
+      dead = bico__map_dead(info->maps[m]->rank, info->map_names[m],
+                            info->reason, sizeof info->reason);
+  for (size_t b = 0; b < info->nsplit && !dead; b++)
+    dead = bico__map_dead(info->split_maps[b].rank, "out", info->reason,
+                          sizeof info->reason);
+  if (dead) info->handling = BICO__H_UNCHANGED;
+}
+
+bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
+                             const bico__route *rt, float **tau, float *upd,
+                             bico__tinfo *info) {
+  pairing p;
+  memset(&p, 0, sizeof p);
+  bico_model_tensor(r->mt, ti, &p.name, NULL, &p.ndim, &p.shape);
+  bico_model_tensor(r->ms, si, NULL, NULL, &p.nd_a, &p.sh_a);
+  p.na = bico__xfer_numel(p.nd_a, p.sh_a);
+  p.nb = bico__xfer_numel(p.ndim, p.shape);
+  p.tau = *tau;
+  info->source = bico__xfer_tname(r->ms, si);
+  bico_status st = BICO_OK;
+  if (bico__xfer_token_rows(r, ti, si)) st = gather_vocab(r, &p, info);
+  *tau = p.tau;
+  if (st == BICO_OK && rt->kind == BICO__ROUTE_WEIGHT)
+    st = weight_update(r, rt, &p, upd, info, ti, si);
+  else if (st == BICO_OK && rt->kind == BICO__ROUTE_BIAS)
+    st = bias_update(r, rt, &p, upd, info);
+  else if (st == BICO_OK && rt->kind == BICO__ROUTE_ROWS)
+    st = rows_update(r, rt, &p, upd, info);
+  if (st == BICO_OK && info->handling != BICO__H_UNCHANGED)
+    refuse_dead_maps(info);
+  return st;
 }
 
 /* Computes the update (alpha tau_B) of target tensor ti into upd, or
@@ -362,9 +393,6 @@ static void refuse_dead_maps(bico__tinfo *info) {
 static bico_status bico_update(bico__run *r, size_t ti, float *upd,
                                bico__tinfo *info) {
   bico_ctx *ctx = r->ctx;
-  pairing p;
-  memset(&p, 0, sizeof p);
-  bico_model_tensor(r->mt, ti, &p.name, NULL, &p.ndim, &p.shape);
   bico__route rt;
   bico__xfer_route(r, ti, &rt);
   if (rt.kind == BICO__ROUTE_NONE) {
@@ -381,22 +409,15 @@ static bico_status bico_update(bico__run *r, size_t ti, float *upd,
   }
   if (st != BICO_OK) return st;
   info->source = bico__xfer_tname(r->ms, si);
-  bico_model_tensor(r->ms, si, NULL, NULL, &p.nd_a, &p.sh_a);
-  p.na = bico__xfer_numel(p.nd_a, p.sh_a);
-  p.nb = bico__xfer_numel(p.ndim, p.shape);
-  p.tau = bico__alloc(ctx, (p.na ? p.na : 1) * sizeof(float));
-  if (p.tau == NULL) return BICO_E_NOMEM;
-  st = read_tau(r, si, p.tau, p.na);
-  if (st == BICO_OK && bico__xfer_token_rows(r, ti, si)) st = gather_vocab(r, &p, info);
-  if (st == BICO_OK && rt.kind == BICO__ROUTE_WEIGHT)
-    st = weight_update(r, &rt, &p, upd, info, ti, si);
-  else if (st == BICO_OK && rt.kind == BICO__ROUTE_BIAS)
-    st = bias_update(r, &rt, &p, upd, info);
-  else if (st == BICO_OK)
-    st = rows_update(r, &rt, &p, upd, info);
-  if (st == BICO_OK && info->handling != BICO__H_UNCHANGED)
-    refuse_dead_maps(info);
-  bico__free(ctx, p.tau);
+  size_t nd_a;
+  const size_t *sh_a;
+  bico_model_tensor(r->ms, si, NULL, NULL, &nd_a, &sh_a);
+  size_t na = bico__xfer_numel(nd_a, sh_a);
+  float *tau = bico__alloc(ctx, (na ? na : 1) * sizeof(float));
+  if (tau == NULL) return BICO_E_NOMEM;
+  st = read_tau(r, si, tau, na);
+  if (st == BICO_OK) st = bico__xfer_carry(r, ti, si, &rt, &tau, upd, info);
+  bico__free(ctx, tau);
   return st;
 }
 

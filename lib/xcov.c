@@ -127,29 +127,32 @@ bico_status bico_xcov_create(bico_ctx *ctx, size_t d_a, size_t d_b,
   return make(ctx, "xcov_create", d_a, d_b, flags, out);
 }
 
+/* The option grammar (params.h, lib/params.c). */
+static const bico__param_spec XPARAM[] = {
+    [BICO_XCOV_ADD_MODE] = {"add_mode", 0, BICO_XCOV_ADD_FAST,
+                            BICO_PARAM_INTEGER},
+};
+
 bico_status bico_xcov_param_bounds(int param, double *lo, double *hi,
                                    unsigned *flags) {
-  if (lo == NULL || hi == NULL || flags == NULL) return BICO_E_NULL;
-  if (param != BICO_XCOV_ADD_MODE) return BICO_E_ARG;
-  *lo = 0;
-  *hi = BICO_XCOV_ADD_FAST;
-  *flags = BICO_PARAM_INTEGER;
-  return BICO_OK;
+  return bico__param_bounds(XPARAM, BICO__NSPEC(XPARAM), param, lo, hi, flags);
+}
+
+const char *bico_xcov_param_name(int param) {
+  return bico__param_name(XPARAM, BICO__NSPEC(XPARAM), param);
+}
+
+bico_status bico_xcov_param_from_name(const char *name, int *param) {
+  return bico__param_from_name(XPARAM, BICO__NSPEC(XPARAM), name, param);
 }
 
 bico_status bico_xcov_set_param(bico_xcov *xc, int param, double value) {
   if (xc == NULL) return BICO_E_NULL;
-  bico_ctx *ctx = xc->ctx;
-  bico__clear(ctx);
-  double lo, hi;
-  unsigned flags;
-  if (bico_xcov_param_bounds(param, &lo, &hi, &flags) != BICO_OK)
-    return bico__fail(ctx, BICO_E_ARG, "xcov_set_param: unknown parameter %d",
-                      param);
-  bico_status st = bico__param_check(ctx, "xcov_set_param",
-                                     bico_xcov_param_name(param), value, lo,
-                                     hi, flags);
+  bico__clear(xc->ctx);
+  bico_status st = bico__param_set(xc->ctx, "xcov_set_param", XPARAM,
+                                   BICO__NSPEC(XPARAM), param, value);
   if (st != BICO_OK) return st;
+  /* A choice: 0 is the default member (status.h). */
   xc->add_mode = value == 0 ? BICO_XCOV_ADD_EXACT : (int)value;
   return BICO_OK;
 }
@@ -157,11 +160,9 @@ bico_status bico_xcov_set_param(bico_xcov *xc, int param, double value) {
 bico_status bico_xcov_get_param(const bico_xcov *xc, int param,
                                 double *value) {
   if (xc == NULL) return BICO_E_NULL;
-  if (value == NULL)
-    return bico__fail(xc->ctx, BICO_E_NULL, "xcov_get_param: value is NULL");
-  if (param != BICO_XCOV_ADD_MODE)
-    return bico__fail(xc->ctx, BICO_E_ARG,
-                      "xcov_get_param: unknown parameter %d", param);
+  bico_status st = bico__param_get(xc->ctx, "xcov_get_param", XPARAM,
+                                   BICO__NSPEC(XPARAM), param, value);
+  if (st != BICO_OK) return st;
   *value = xc->add_mode;
   return BICO_OK;
 }

@@ -732,6 +732,158 @@ TEST(LoraTransfer, RotatedChainGivesTheRotatedAdapterAndCheckpoint) {
   EXPECT_NE(cfg.find("\"lora_alpha\": 4"), std::string::npos) << cfg;
 }
 
+// Issue 25: a module on a dead layer (its calibration gradients all zero:
+// the output statistic is zero and its map is an arbitrary completion) is
+// left unchanged by the checkpoint path; the LoRA path must do the same for
+// an adapter module and for a saved (modules_to_save) tensor, not carry it
+// through the arbitrary map.
+TEST(LoraTransfer, DeadLayerIsLeftUnchangedAsTheCheckpointPathLeavesIt) {
+  LoraChain c;
+  bt::Rng g(5);
+  // Block 1's output gradients all zero in both models; block 0 alive.
+  Mat X = bt::randn(g, c.n, c.d), G0 = bt::randn(g, c.n, c.d);
+  Mat H = bt::matmul(X, bt::transpose(c.W0)), Qt = bt::transpose(c.Q);
+  Mat Z0(c.n, c.d);
+  std::string calA = c.dir / "deadA.safetensors", calB = c.dir / "deadB.safetensors";
+  write_st(calA, {{"blocks.0.fc.input", T(X)}, {"blocks.0.fc.output_grad", T(G0)},
+                  {"blocks.1.fc.input", T(H)}, {"blocks.1.fc.output_grad", T(Z0)}});
+  write_st(calB, {{"blocks.0.fc.input", T(X)},
+                  {"blocks.0.fc.output_grad", T(bt::matmul(G0, Qt))},
+                  {"blocks.1.fc.input", T(bt::matmul(H, Qt))},
+                  {"blocks.1.fc.output_grad", T(Z0)}});
+  const double s = 2.0;
+  Mat d0 = scaled(bt::matmul(c.B0, c.A0), s), d1 = scaled(bt::matmul(c.B1, c.A1), s);
+  auto b = read_st(c.B);
+  bt::Ctx ctx;
+  auto run = [&](int slot, const std::string &in, const std::string &out,
+                 const std::string &ckpt, const std::string &rep) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A},   {BICO_FILE_TARGET_BASE, c.B},
+        {BICO_FILE_SOURCE_CALIB, calA}, {BICO_FILE_TARGET_CALIB, calB},
+        {slot, in},                     {BICO_FILE_REPORT, rep}};
+    for (auto &f : files)
+      EXPECT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+    if (!out.empty()) bico_transfer_set_file(t, BICO_FILE_LORA_OUTPUT, out.c_str());
+    if (!ckpt.empty()) bico_transfer_set_file(t, BICO_FILE_OUTPUT, ckpt.c_str());
+    bico_status st = bico_transfer_run(t);
+    size_t updated = 0;
+    bico_transfer_counts(t, &updated, nullptr);
+    bico_transfer_free(t);
+    return std::make_pair(st, updated);
+  };
+  // The checkpoint path (the adapter's dense update as a tuned checkpoint):
+  // block 1 unchanged, block 0 carried, the report says why.
+  std::string tuned = c.dir / "tuned.safetensors", o1 = c.dir / "o1.safetensors",
+              r1 = c.dir / "r1.json";
+  write_st(tuned, {{"blocks.0.fc.weight", T(bt::add(c.W0, d0))},
+                   {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  auto res = run(BICO_FILE_SOURCE_TUNED, tuned, "", o1, r1);
+  ASSERT_EQ(res.first, BICO_OK) << bico_ctx_errmsg(ctx);
+  auto o = read_st(o1);
+  EXPECT_EQ(o["blocks.1.fc.weight"].v, b["blocks.1.fc.weight"].v);
+  EXPECT_NE(o["blocks.0.fc.weight"].v, b["blocks.0.fc.weight"].v);
+  EXPECT_NE(stt::read_bytes(r1).find("dead layer"), std::string::npos);
+  // The LoRA path: the same rule.  Block 1's module is not in the output
+  // adapter, the merged checkpoint keeps the target's weight, block 0 is
+  // the planted Q d0, and the report names the dead layer.
+  std::string out = c.dir / "out", ckpt = c.dir / "m.safetensors", rep = c.dir / "r.json";
+  res = run(BICO_FILE_LORA, c.ad, out, ckpt, rep);
+  ASSERT_EQ(res.first, BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(res.second, 1u);
+  bico_lora *l = nullptr;
+  ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(bico_lora_module_count(l), 1u);
+  size_t i;
+  EXPECT_EQ(bico_lora_find_module(l, "blocks.1.fc", &i), BICO_E_NOTFOUND);
+  ASSERT_EQ(bico_lora_find_module(l, "blocks.0.fc", &i), BICO_OK);
+  std::vector<float> dense(c.d * c.d);
+  ASSERT_EQ(bico_lora_dense(l, i, 1.0f, 0.0f, dense.data(), c.d), BICO_OK);
+  EXPECT_LT(bt::relerr(as_mat(dense.data(), c.d, c.d), bt::matmul(c.Q, d0)), 1e-4);
+  bico_lora_free(l);
+  auto m = read_st(ckpt);
+  EXPECT_EQ(m["blocks.1.fc.weight"].v, b["blocks.1.fc.weight"].v);
+  std::string r = stt::read_bytes(rep);
+  EXPECT_NE(r.find("\"handling\": \"unchanged\""), std::string::npos) << r;
+  EXPECT_NE(r.find("dead layer"), std::string::npos) << r;
+  // A saved (modules_to_save) tensor on the dead layer: the output's saved
+  // tensor is the target's weight, unchanged, and the report says why.
+  std::string sv = c.dir / "saved", out2 = c.dir / "out2", rep2 = c.dir / "r2.json";
+  mkdir(sv.c_str(), 0700);
+  write_adapter(sv,
+                "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, "
+                "\"target_modules\": [\"fc\"], \"modules_to_save\": "
+                "[\"blocks.1.fc\"], \"bias\": \"none\"}",
+                {{"blocks.0.fc.lora_A.weight", T(c.A0)},
+                 {"blocks.0.fc.lora_B.weight", T(c.B0)},
+                 {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  res = run(BICO_FILE_LORA, sv, out2, "", rep2);
+  ASSERT_EQ(res.first, BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(bico_lora_open(ctx, out2.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(bico_lora_saved_count(l), 1u);
+  const char *sn;
+  const float *data;
+  bico_lora_saved(l, 0, &sn, nullptr, nullptr, nullptr, &data);
+  EXPECT_STREQ(sn, "blocks.1.fc.weight");
+  EXPECT_EQ(std::vector<float>(data, data + c.d * c.d), b["blocks.1.fc.weight"].v);
+  bico_lora_free(l);
+  r = stt::read_bytes(rep2);
+  EXPECT_NE(r.find("dead layer"), std::string::npos) << r;
+}
+
+// Issue 25, one driver: a saved (modules_to_save) tensor is carried by the
+// checkpoint path's own step, so it comes out as the same tensor of a
+// checkpoint transfer does (the planted answer dW1 Q^T on a live layer).
+TEST(LoraTransfer, SavedTensorIsCarriedAsTheCheckpointPathCarriesIt) {
+  LoraChain c;
+  const double s = 2.0;
+  Mat d1 = scaled(bt::matmul(c.B1, c.A1), s);
+  bt::Ctx ctx;
+  auto run = [&](int slot, const std::string &in, int out_slot,
+                 const std::string &out) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A},     {BICO_FILE_TARGET_BASE, c.B},
+        {BICO_FILE_SOURCE_CALIB, c.calA}, {BICO_FILE_TARGET_CALIB, c.calB},
+        {slot, in},                       {out_slot, out}};
+    for (auto &f : files)
+      EXPECT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  std::string tuned = c.dir / "tuned.safetensors", o1 = c.dir / "o1.safetensors";
+  write_st(tuned, {{"blocks.0.fc.weight", T(c.W0)},
+                   {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  ASSERT_EQ(run(BICO_FILE_SOURCE_TUNED, tuned, BICO_FILE_OUTPUT, o1), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  std::string sv = c.dir / "saved", out = c.dir / "out";
+  mkdir(sv.c_str(), 0700);
+  write_adapter(sv,
+                "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, "
+                "\"target_modules\": [\"fc\"], \"modules_to_save\": "
+                "[\"blocks.1.fc\"], \"bias\": \"none\"}",
+                {{"blocks.0.fc.lora_A.weight", T(c.A0)},
+                 {"blocks.0.fc.lora_B.weight", T(c.B0)},
+                 {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  ASSERT_EQ(run(BICO_FILE_LORA, sv, BICO_FILE_LORA_OUTPUT, out), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  bico_lora *l = nullptr;
+  ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(bico_lora_saved_count(l), 1u);
+  const float *data;
+  bico_lora_saved(l, 0, nullptr, nullptr, nullptr, nullptr, &data);
+  Mat saved = as_mat(data, c.d, c.d);
+  bico_lora_free(l);
+  auto o = read_st(o1), b = read_st(c.B);
+  Mat ck = as_mat(o["blocks.1.fc.weight"], c.d, c.d);
+  EXPECT_LT(bt::relerr(saved, ck), 1e-6);
+  Mat base = as_mat(b["blocks.1.fc.weight"], c.d, c.d);
+  EXPECT_LT(bt::relerr(bt::sub(saved, base), bt::matmul(d1, bt::transpose(c.Q))), 1e-4);
+}
+
 TEST(LoraTransfer, PadTruncatesAndReportsEnergy) {
   LoraChain c;
   bt::Ctx ctx;

@@ -97,7 +97,7 @@ TEST(PolarTest, ParamDefaultBoundsAndErrors) {
   EXPECT_EQ(hi, BICO_PROC_POLAR);
   EXPECT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, BICO_PROC_POLAR + 1),
             BICO_E_ARG);
-  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "BICO_PROC_METHOD = 4"));
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "method = 4"));
   EXPECT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, -1), BICO_E_ARG);
   EXPECT_EQ(bico_procrustes_set_param(p, BICO_PROC_METHOD, 1.5), BICO_E_ARG);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "(integers)"));

@@ -661,15 +661,15 @@ TEST(ProcrustesTest, Params) {
   }
 
   const struct { int param; double value; const char *needle; } bad[] = {
-      {BICO_PROC_WHITEN, 0.7, "BICO_PROC_WHITEN = 0.7"},
-      {BICO_PROC_WHITEN, -0.1, "BICO_PROC_WHITEN = -0.1"},
-      {BICO_PROC_WHITEN, std::nan(""), "BICO_PROC_WHITEN = nan"},
-      {BICO_PROC_WHITEN_EPS, 0.0, "BICO_PROC_WHITEN_EPS = 0"},
-      {BICO_PROC_RANK_TOL, 1.0, "BICO_PROC_RANK_TOL = 1 is outside [0, 1)"},
-      {BICO_PROC_RANK_TOL, -1e-3, "BICO_PROC_RANK_TOL"},
-      {BICO_PROC_CENTER, 2, "BICO_PROC_CENTER = 2"},
+      {BICO_PROC_WHITEN, 0.7, "whiten = 0.7"},
+      {BICO_PROC_WHITEN, -0.1, "whiten = -0.1"},
+      {BICO_PROC_WHITEN, std::nan(""), "whiten = nan"},
+      {BICO_PROC_WHITEN_EPS, 0.0, "whiten_eps = 0"},
+      {BICO_PROC_RANK_TOL, 1.0, "rank_tol = 1 is outside [0, 1)"},
+      {BICO_PROC_RANK_TOL, -1e-3, "rank_tol"},
+      {BICO_PROC_CENTER, 2, "center = 2"},
       {BICO_PROC_CENTER, 0.5, "(integers)"},
-      {BICO_PROC_NULL, 3, "BICO_PROC_NULL = 3"},
+      {BICO_PROC_NULL, 3, "null = 3"},
       {77, 0, "unknown parameter 77"}};
   for (auto &b : bad) {
     EXPECT_EQ(bico_procrustes_set_param(p, b.param, b.value), BICO_E_ARG) << b.needle;

@@ -234,7 +234,7 @@ TEST(TransferFinite, AlphaBoundsAreFloat32s) {
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, 0.0), BICO_E_ARG);
   EXPECT_NE(std::string(bico_ctx_errmsg(ctx)).find("(0, "), std::string::npos);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, hi), BICO_OK);
-  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, INFINITY), BICO_E_NONFINITE);
+  EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, INFINITY), BICO_E_ARG);
   bico_transfer_free(t);
 }
 
@@ -251,6 +251,20 @@ TEST(TransferNames, MethodsAndNormMapsRoundTrip) {
     EXPECT_EQ(bico_method_from_name(m.second, &v), BICO_OK);
     EXPECT_EQ(v, m.first);
   }
+  const std::pair<int, const char *> handlings[] = {
+      {BICO_HANDLING_UNCHANGED, "unchanged"}, {BICO_HANDLING_LINEAR, "linear"},
+      {BICO_HANDLING_VECTOR, "vector"},       {BICO_HANDLING_TIED, "tied"},
+      {BICO_HANDLING_NAIVE, "naive"},         {BICO_HANDLING_PADDED, "padded"},
+      {BICO_HANDLING_MASKED, "masked"}};
+  for (auto &h : handlings) {
+    EXPECT_STREQ(bico_handling_name(h.first), h.second);
+    int v = -1;
+    EXPECT_EQ(bico_handling_from_name(h.second, &v), BICO_OK) << h.second;
+    EXPECT_EQ(v, h.first);
+  }
+  int v0 = -1;
+  EXPECT_EQ(bico_handling_from_name(nullptr, &v0), BICO_E_NULL);
+  EXPECT_EQ(bico_handling_from_name("linear", nullptr), BICO_E_NULL);
   const std::pair<int, const char *> norms[] = {{BICO_NORM_MAP_ACT, "act"},
                                                 {BICO_NORM_MAP_GRAD, "grad"}};
   for (auto &m : norms) {
@@ -266,8 +280,10 @@ TEST(TransferNames, UnknownValuesAndNamesAreRefused) {
   for (int bad : {-1, 0, 3, 1000}) EXPECT_EQ(bico_norm_map_name(bad), nullptr) << bad;
   int v = 42;
   for (const char *bad : {"", "BICO", "bico ", "bicoin", "gradfix\n", "ACT"}) {
-    EXPECT_EQ(bico_method_from_name(bad, &v), BICO_E_ARG) << bad;
-    EXPECT_EQ(bico_norm_map_from_name(bad, &v), BICO_E_ARG) << bad;
+    // Unknown names: BICO_E_NOTFOUND, as every lookup of status.h.
+    EXPECT_EQ(bico_method_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
+    EXPECT_EQ(bico_norm_map_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
+    EXPECT_EQ(bico_handling_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
   }
   EXPECT_EQ(v, 42);  // untouched on failure
   // Choices count from 1; 0 sets the default and get_param reports it.

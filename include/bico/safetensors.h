@@ -100,8 +100,8 @@ typedef struct bico_stfile bico_stfile;
  * outlive it) and reports failures there. */
 BICO_API bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
                                       bico_stfile **out);
-/* Unmaps and frees; accepts NULL.  Pointers obtained from the handle die
- * with it. */
+/* Closes the file and frees the handle (nothing is mapped: reads use
+ * pread); accepts NULL.  Pointers obtained from the handle die with it. */
 BICO_API void bico_stfile_close(bico_stfile *f);
 
 /* Number of tensors (0 for NULL).  Tensors are indexed 0..count-1 in header

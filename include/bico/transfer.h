@@ -79,7 +79,8 @@ typedef enum bico_norm_map {
  * and the bindings spell them: FFI callers take them from here rather than
  * copying the table.  *_name gives NULL for an unknown value (static
  * text otherwise); *_from_name gives BICO_E_NULL for a NULL argument and
- * BICO_E_ARG for an unknown name (leaving *out alone). */
+ * BICO_E_NOTFOUND for an unknown name (leaving *out alone), as every
+ * lookup of status.h does. */
 BICO_API const char *bico_method_name(int method);
 BICO_API bico_status bico_method_from_name(const char *name, int *method);
 BICO_API const char *bico_norm_map_name(int norm_map);
@@ -263,9 +264,11 @@ BICO_API bico_status bico_transfer_get_param(const bico_transfer *t,
  * (BICO_TRANSFER_ALPHA is (0, FLT_MAX]: BICO_PARAM_LO_OPEN), and the
  * parameters' names ("method", "alpha", "norm_map", "null", "rank_tol",
  * "center", "whiten", "proc_method", "workers", "solve_memory",
- * "min_paired", "gradfix_mode"; NULL / BICO_E_NOTFOUND otherwise).
- * Choices with a default (NULL, GRADFIX_MODE) take 0 for it, and
- * get_param reports the member it resolved to. */
+ * "min_paired", "gradfix_mode", "max_shard_size", "structure", "rope",
+ * "heads", "kv_heads", "head_dim", "row_chunk"; NULL / BICO_E_NOTFOUND
+ * otherwise).  Choices with a default (NORM_MAP, NULL, GRADFIX_MODE,
+ * STRUCTURE) take 0 for it, and get_param reports the member it resolved
+ * to; ROPE's 0 stays 0 ("from config.json"). */
 BICO_API bico_status bico_transfer_param_bounds(int param, double *lo,
                                                 double *hi, unsigned *flags);
 BICO_API const char *bico_transfer_param_name(int param);
@@ -379,8 +382,11 @@ typedef enum bico_handling {
   BICO_HANDLING_PADDED = 5,
   BICO_HANDLING_MASKED = 6
 } bico_handling;
-/* "unchanged", "linear", ... as in the report; NULL for an unknown value. */
+/* "unchanged", "linear", ... as in the report; NULL for an unknown value.
+ * _from_name: the value of a name (BICO_E_NULL, or BICO_E_NOTFOUND for an
+ * unknown name, leaving *handling alone). */
 BICO_API const char *bico_handling_name(int handling);
+BICO_API bico_status bico_handling_from_name(const char *name, int *handling);
 
 /* One computed target tensor, as a partial run hands it over.  `size` is
  * sizeof(bico_transfer_tensor) in the library that filled it: later

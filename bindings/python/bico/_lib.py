@@ -379,6 +379,7 @@ PROTOTYPES = {
     "bico_transfer_set_partial": (c_int, [c_void_p, c_void_p, c_size_t,
                                           c_void_p, c_void_p]),
     "bico_handling_name": (c_char_p, [c_int]),
+    "bico_handling_from_name": (c_int, [c_char_p, P(c_int)]),
     "bico_transfer_get_file": (c_int, [c_void_p, c_int, P(c_char_p)]),
     "bico_transfer_plan": (c_int, [c_void_p]),
     # Explaining the plan: the out-structs are passed as buffers whose
