@@ -495,6 +495,9 @@ def test_stale_weights_that_cannot_be_removed_never_stay_beside_new_ones(
         assert os.stat(out / "notes.txt").st_mode & 0o7777 == 0o640
         left = _bico_tmp(tmp_path)
         assert all(n.startswith(".out.bico-tmp.") for n in left), left
+        # and the user is told where the old files wait
+        assert left and all(n in r.stderr for n in left), r.stderr
+        assert "could not be removed" in r.stderr, r.stderr
     finally:
         for dirpath, _, files in os.walk(tmp_path):
             for f in files:

@@ -167,3 +167,25 @@ void cli_cleanup_install(void) {
     sigaction(sigs[i], &sa, NULL);
   }
 }
+
+/* After a successful run: this process's temporaries still present are
+ * what could not be removed (the previous folder's tree, moved aside by
+ * the swap, holding an immutable or otherwise protected file).  The new
+ * output is complete; the user is told where the old files wait. */
+int cli_cleanup_warn_leftovers(const char *cmd) {
+  int left = 0;
+  for (int i = 0; i < ndirs && mark[0]; i++) {
+    DIR *d = opendir(dirs[i]);
+    struct dirent *e;
+    while (d != NULL && (e = readdir(d)) != NULL)
+      if (has_mark(e->d_name)) {
+        fprintf(stderr, "%s: warning: %s/%s could not be removed (the "
+                "previous files it holds are protected, e.g. chattr +i); "
+                "the output is complete: remove it by hand\n",
+                cmd, dirs[i], e->d_name);
+        left++;
+      }
+    if (d != NULL) closedir(d);
+  }
+  return left;
+}

@@ -64,6 +64,9 @@ int cli_shard_size(const char *s, double *out);
  * this process's temporary files there before the process dies. */
 void cli_cleanup_add(const char *path, int is_dir);
 void cli_cleanup_install(void);
+/* After a successful run: warns on stderr, naming each, about this
+ * process's temporaries that could not be removed; returns their count. */
+int cli_cleanup_warn_leftovers(const char *cmd);
 
 /* Parses an --alpha value: a positive number that a float holds (the
  * library computes in float: 1e39 would be +Inf).  0 on success. */

@@ -109,6 +109,8 @@ static int merge_run(const merge_opts *o) {
       paths[n++] = o->in[k].path;
     }
     code = cli_lib_error_files(CMD, ctx, st, opts, paths, n);
+  } else {
+    (void)cli_cleanup_warn_leftovers(CMD);
   }
   bico_merge_free(mg);
   bico_ctx_free(ctx);

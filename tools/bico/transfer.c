@@ -446,6 +446,7 @@ static int run_transfer(const transfer_opts *o) {
     code = cli_lib_error_files(CMD, ctx, st, opts, files, NFILE_OPTS);
   } else {
     code = 0;
+    (void)cli_cleanup_warn_leftovers(CMD);
   }
 out:
   bico_transfer_free(t);
