@@ -13,9 +13,10 @@ take text files or .npy token ids.  The fit runs once (transfer_model,
 method "fit", at its defaults: ridge 1e-2, alpha chosen on a quarter of the
 calibration batches held out); each adapter is
 bico.torch.save_adapter's reduced-rank regression of that dense update,
-weighted by each layer's inputs in the fitted target (update_grams).  Prints the loss on the
-evaluation text and the share of the dense fit's gain (zero-shot loss -
-loss) each keeps."""
+weighted by each layer's inputs in the fitted target (update_grams).
+Prints the loss on the evaluation text and the share of the dense fit's
+gain (zero-shot loss - loss) each keeps; docs/llm-quickstart.md has the
+numbers on the LLM benchmark's models (bench/quality_llm/task_ids.py)."""
 import argparse
 import os
 import sys

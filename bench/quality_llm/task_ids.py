@@ -8,7 +8,8 @@ and OUT/task_eval.npy (the first 300 windows of 64 bytes of the held-out
 part: exactly the benchmark's evaluation windows, checked), both cut by
 run.py's own functions (lm.split), and OUT/models.json: the cached folders
 (BICO_LLM_CACHE, default build/quality-llm) of the pretrained source, its
-full fine-tune and the pretrained targets, by run.py's cache keys (models
+full fine-tune, its LoRA fine-tune merged and the pretrained targets, by
+run.py's cache keys (models
 not yet trained are listed with "exists": false; nothing is trained or
 written in the cache here)."""
 import json
@@ -43,6 +44,11 @@ def main():
         d = b.path("models", "%s-%s" % (kind, run.key_of(
             b.text_key, kind, spec, *rest)))
         models[name] = {"folder": d, "spec": spec, "exists": os.path.exists(
+            os.path.join(d, "model.safetensors"))}
+    d = b.path("models", "lora-%s" % run.key_of(
+        b.text_key, "lora", run.SOURCE, run.PRE, run.LORA), "merged")
+    models["source-lora-merged"] = {
+        "folder": d, "spec": run.SOURCE, "exists": os.path.exists(
             os.path.join(d, "model.safetensors"))}
     with open(os.path.join(out, "models.json"), "w") as f:
         json.dump(models, f, indent=1, sort_keys=True)
