@@ -8,12 +8,15 @@ whole through PEFT's modules_to_save).
 
 Without folders it writes test/e2e/llm_pair.py's tiny pair (16 -> 32
 wide, 2 -> 3 layers) with a *full* fine-tune of the source (norms and the
-tied embedding move too) under build/llm-adapter-rank.  The fit runs once
-(transfer_model, method "fit", alpha 1); each adapter is
+tied embedding move too) under build/llm-adapter-rank.  --text and --eval
+take text files or .npy token ids.  The fit runs once (transfer_model,
+method "fit", at its defaults: ridge 1e-2, alpha chosen on a quarter of the
+calibration batches held out); each adapter is
 bico.torch.save_adapter's reduced-rank regression of that dense update,
-weighted by each layer's inputs in the fitted target (update_grams).  Prints the loss on the
-evaluation text and the share of the dense fit's gain (zero-shot loss -
-loss) each keeps."""
+weighted by each layer's inputs in the fitted target (update_grams).
+Prints the loss on the evaluation text and the share of the dense fit's
+gain (zero-shot loss - loss) each keeps; docs/llm-quickstart.md has the
+numbers on the LLM benchmark's models (bench/quality_llm/task_ids.py)."""
 import argparse
 import os
 import sys
@@ -50,8 +53,23 @@ def main():
     p.add_argument("--text")
     p.add_argument("--eval")
     p.add_argument("--window", type=int, default=32)
+    p.add_argument("--windows", type=int, default=None,
+                   help="calibration windows, spread evenly over --text "
+                   "(default: all)")
+    p.add_argument("--eval-windows", type=int, default=None,
+                   help="evaluation windows of --eval (default: all)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="calibration windows per batch (the fit holds out "
+                   "a quarter of the batches to choose alpha)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="text_batches' seed (the order of the calibration "
+                   "batches, hence which quarter the fit holds out)")
     p.add_argument("--ranks", default="2,4,8,16,64")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     import bico.torch as bt
     if not a.source:
         d = os.path.join(ROOT, "build", "llm-adapter-rank")
@@ -62,13 +80,24 @@ def main():
                                                        "eval.txt"))
     src, srt, tgt = (bt.load_model(f, dtype=torch.float32)
                      for f in (a.source, a.source_tuned, a.target))
-    cal = bt.text_batches(a.text, a.window, holdout=0, tokenizer=a.target)
-    ev = bt.text_batches(a.eval, a.window, holdout=0, tokenizer=a.target)
+    cal = bt.text_batches(a.text, a.window, n=a.windows, holdout=0,
+                          tokenizer=a.target, batch_size=a.batch_size,
+                          seed=a.seed)
+    ev = bt.text_batches(a.eval, a.window, n=a.eval_windows, holdout=0,
+                         tokenizer=a.target)
+    print("calibration: %d windows of %d tokens in %d batches; evaluation: "
+          "%d batches" % (cal.windows, a.window, len(cal.batches),
+                          len(ev.batches)))
     base = {k: v.detach().clone() for k, v in tgt.state_dict().items()}
     zero = bt.lm_loss(tgt, ev.batches)
     src_gain = bt.lm_loss(src, ev.batches) - bt.lm_loss(srt, ev.batches)
+    rep = []
     new = bt.transfer_model(src, srt, tgt, cal.batches, method="fit",
-                            loss_fn=bt.next_token_loss)
+                            loss_fn=bt.next_token_loss, report=rep)
+    for e in rep:
+        if "rule" in e or "ridge" in e:
+            print("fit chose: %s" % {k: v for k, v in e.items()
+                                     if k in ("rule", "alpha", "ridge")})
     delta = {k: new[k].double() - base[k].double() for k in base}
 
     def loss_with(d):
