@@ -30,7 +30,7 @@ block, the target checkpoint's size (bf16, from the shapes) and one block's
 activations, and the relative difference of the two solutions.
 
 Usage: llm_fit_cost.py [--rows N] [--threads 1,2] [--size layer|quick]
-                       [--work DIR] [--ridge C]
+                       [--work DIR] [--ridge C] [--no-arch-fix]
 """
 import argparse
 import json
@@ -189,6 +189,7 @@ def main():
     ap.add_argument("--size", choices=("layer", "quick"), default="layer")
     ap.add_argument("--work", default=None)
     ap.add_argument("--ridge", type=float, default=1e-2)
+    ap.add_argument("--no-arch-fix", action="store_true")
     ap.add_argument("--child", choices=("lib", "torch"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
@@ -208,6 +209,17 @@ def main():
     if not os.path.exists(lib):
         print("# fit-cost benchmark skipped: %s not built" % lib)
         return
+    base_env = dict(os.environ)
+    arch = ""
+    if "BLIS_ARCH_TYPE" not in base_env and not a.no_arch_fix:
+        # as bench/run.py: BLIS auto-detects 'generic' on this machine's CPU
+        from run import cpu_flags
+        fl = cpu_flags()
+        if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= fl:
+            base_env["BLIS_ARCH_TYPE"], arch = "0", "skx"
+        elif {"avx2", "fma"} <= fl:
+            base_env["BLIS_ARCH_TYPE"], arch = "3", "haswell"
+    os.environ.update(base_env)  # this process's torch (fwd s/pass) too
     work = a.work or tempfile.mkdtemp(prefix="bico-fit-cost-")
     os.makedirs(work, exist_ok=True)
     try:
@@ -220,6 +232,12 @@ def main():
         print("# fits: " + ", ".join("%s %d -> %d" % (g, d_in, sum(o for _, o in outs))
                                      for g, d_in, outs, _ in gs)
               + " (q/k/v and gate/up share one accumulation each)")
+        print("# date: %s; load average at start: %s; %d cores online"
+              % (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                 " ".join("%.2f" % x for x in os.getloadavg()), os.cpu_count()))
+        if arch:
+            print("# BLIS_ARCH_TYPE=%s forces '%s' for libbico and PyTorch alike (as bench/run.py; "
+                  "--no-arch-fix keeps BLIS's own choice)" % (base_env["BLIS_ARCH_TYPE"], arch))
         print("# inputs written in %.0f s (not timed)" % (time.time() - t0), flush=True)
         ck = sum(int(np.prod(v)) for v in gen.shapes(t_full).values()) * 2 / 2 ** 20
         # one block's activations, float32, one model: the inputs of the
@@ -240,7 +258,7 @@ def main():
         widths = (6, 4, 8, 12, 14, 15, 11, 15, 16, 9, 9)
         print(" ".join(c.rjust(w) for c, w in zip(cols, widths)), flush=True)
         for thr in [int(x) for x in a.threads.split(",")]:
-            env = dict(os.environ)
+            env = dict(base_env)
             env["OMP_NUM_THREADS"] = env["BLIS_NUM_THREADS"] = str(thr)
             env["BICO_LIBRARY"] = lib
             pass_s = "%.2f" % block_forward_s(s, n, thr)
