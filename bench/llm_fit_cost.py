@@ -82,12 +82,16 @@ def load(work, g, what):
     return np.load(os.path.join(work, "%s.%s.npy" % (g, what)))
 
 
-def child_lib(work, s, ridge, out):
+def child_lib(work, s, ridge, out, threads):
     sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+    import bico
     import bico.fit
+    # the library's BLIS calls take their thread count from the context
+    # (BICO_CTX_THREADS, default 1), not from BLIS_NUM_THREADS
+    ctx = bico.Context(threads=threads)
     for g, d_in, outs, bias in groups(s):
         d_out = sum(o for _, o in outs)
-        f = bico.fit.Fit(d_in, d_out, bias=bias, ridge=ridge)
+        f = bico.fit.Fit(d_in, d_out, bias=bias, ridge=ridge, ctx=ctx)
         xn, xb, de = load(work, g, "xn"), load(work, g, "xb"), load(work, g, "d")
         f.add(xn, xb, de)
         del xn, xb, de
@@ -197,7 +201,7 @@ def main():
     if a.child:  # no llm_scale_gen here: it imports torch
         s = json.loads(a.shape)
         if a.child == "lib":
-            child_lib(a.work, s, a.ridge, a.out)
+            child_lib(a.work, s, a.ridge, a.out, int(os.environ.get("OMP_NUM_THREADS", "1")))
         else:
             child_torch(a.work, s, a.ridge, a.out, int(os.environ.get("OMP_NUM_THREADS", "1")))
         return
