@@ -387,6 +387,20 @@ def _stem_linears(model, runner, batch, forward):
 PROXY_GRID = (0.0, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 
+def _proxy_logprobs(source, source_tuned, target, b, logits_of, method):
+    """The proxy-tuned distribution on batch b (Liu et al., 2024): log
+    softmax of z_B + z_A_ft - z_A, which needs one vocabulary."""
+    zb = logits_of(target, b).float()
+    za = logits_of(source, b).float()
+    zt = logits_of(source_tuned, b).float()
+    if za.shape != zb.shape:
+        raise BicoError(E_SHAPE, "transfer_model: %s needs the source's and "
+                        "the target's logits on the same tokens and "
+                        "vocabulary, got %s and %s"
+                        % (method, tuple(za.shape), tuple(zb.shape)))
+    return torch.log_softmax(zb + zt - za, -1)
+
+
 def proxy_fit(source, source_tuned, target, fit_batches, held_batches,
               forward, logits_of, loss_of, ridge, grid, steps, skip,
               report=None, start=None):
@@ -413,15 +427,8 @@ def proxy_fit(source, source_tuned, target, fit_batches, held_batches,
     with torch.no_grad():
         teacher = []
         for b in fit_batches:
-            zb = logits_of(target, b).float()
-            za = logits_of(source, b).float()
-            zt = logits_of(source_tuned, b).float()
-            if za.shape != zb.shape:
-                raise BicoError(E_SHAPE, "transfer_model: proxy-fit needs "
-                                "the source's and the target's logits on "
-                                "the same tokens and vocabulary, got %s and "
-                                "%s" % (tuple(za.shape), tuple(zb.shape)))
-            teacher.append(torch.log_softmax(zb + zt - za, -1))
+            teacher.append(_proxy_logprobs(source, source_tuned, target, b,
+                                           logits_of, "proxy-fit"))
     base = {k: v.detach().clone() for k, v in work.state_dict().items()}
     for it in range(steps):
         stats = {n: None for n, _ in mods}
@@ -528,16 +535,8 @@ def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
 
     def teacher(b):
         with torch.no_grad():
-            zb = logits_of(target, b).float()
-            za = logits_of(source, b).float()
-            zt = logits_of(source_tuned, b).float()
-            if za.shape != zb.shape:
-                raise BicoError(E_SHAPE, "transfer_model: proxy-distill "
-                                "needs the source's and the target's logits "
-                                "on the same tokens and vocabulary, got %s "
-                                "and %s" % (tuple(za.shape),
-                                            tuple(zb.shape)))
-            return torch.log_softmax(zb + zt - za, -1)
+            return _proxy_logprobs(source, source_tuned, target, b,
+                                   logits_of, "proxy-distill")
     # the teachers are kept when they are small (256 MiB), else recomputed
     first = teacher(fit_batches[0])
     keep = first.numel() * 4 * len(fit_batches) <= (256 << 20)
