@@ -41,9 +41,13 @@ BUILD ?= build
 LDSAN :=
 endif
 
-LIB_SRCS := $(wildcard lib/*.c)
+# lib/ is one folder per layer (lib/README.md says what each owns and may
+# call); the internal headers are included by bare name from every folder.
+LIB_SRCS := $(wildcard lib/*/*.c)
 LIB_OBJS := $(patsubst lib/%.c,$(BUILD)/obj/lib/%.o,$(LIB_SRCS))
-LIB_DEPS := $(wildcard include/bico/*.h) lib/internal.h $(wildcard lib/*.h)
+LIB_DIRS := $(sort $(patsubst %/,%,$(dir $(LIB_SRCS))))
+LIB_INC := $(addprefix -I,$(LIB_DIRS))
+LIB_DEPS := $(wildcard include/bico/*.h) $(wildcard lib/*/*.h)
 LIBS_PRIVATE := $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread
 
 SONAME := libbico.so.$(VERSION_MAJOR)
@@ -74,7 +78,7 @@ lib: $(SHLIB) $(STLIB) $(BUILD)/lib/bico.pc
 
 $(BUILD)/obj/lib/%.o: lib/%.c $(LIB_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -DBICO_BUILDING_LIBRARY -c $< -o $@
+	$(CC) $(CFLAGS_ALL) $(LIB_INC) -DBICO_BUILDING_LIBRARY -c $< -o $@
 
 $(SHLIB): $(LIB_OBJS) lib/libbico.vers
 	@mkdir -p $(@D)
@@ -225,9 +229,9 @@ $(ST_TOOL): test/st_tool.c $(SHLIB)
 # (test/python/test_json_interop.py): links the static library, where the
 # internal symbols are visible.
 JSON_TOOL := $(BUILD)/test/json_tool
-$(JSON_TOOL): test/json_tool.c lib/json.h $(STLIB)
+$(JSON_TOOL): test/json_tool.c lib/base/json.h $(STLIB)
 	@mkdir -p $(@D)
-	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -Ilib -o $@ $< \
+	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) $(LIB_INC) -o $@ $< \
 	  $(STLIB) $(LDSAN) $(LAPACK_LIBS) $(BLIS_LIBS) -lm -lpthread $(LDFLAGS)
 $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
 
@@ -452,7 +456,7 @@ FUZZ_SAN := -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined 
 FUZZ_TARGETS := $(patsubst test/fuzz/%.c,%,$(wildcard test/fuzz/fuzz_*.c))
 FUZZ_BINS := $(patsubst %,build/fuzz/bin/%,$(FUZZ_TARGETS))
 
-FUZZ_CFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -g -O1 -Iinclude -Ilib $(BLIS_CFLAGS)
+FUZZ_CFLAGS := -std=c99 -D_POSIX_C_SOURCE=200809L -g -O1 -Iinclude $(LIB_INC) $(BLIS_CFLAGS)
 FUZZ_OBJS := $(patsubst lib/%.c,build/fuzz/obj/%.o,$(LIB_SRCS))
 
 # The library's objects once, instrumented for every target.
@@ -544,13 +548,20 @@ check-robust: $(TOOL)
 	@if [ -n "$(TOOL)" ]; then $(PYTHON) test/robust/no_data_lost.py $(TOOL) $(ROBUST_KILLS); \
 	else echo "check-robust: no bico command in this tree; skipped"; fi
 
+# make check-layers: lib/'s house (lib/README.md): no cycle among its files,
+# no call from a folder to one of its own or a higher layer, none up into
+# the command; read from the object files' symbols.
+.PHONY: check-layers
+check-layers: $(LIB_OBJS) $(TOOL)
+	$(PYTHON) scripts/check-layers.py $(BUILD)/obj/lib $(TOOL)
+
 # ---- make check ----
 # Every check `make check` runs, in this order: the GoogleTest suite, the
 # build, the installed library (pkg-config), the Python binding (installed
 # and pip-installed in a plain build; under AddressSanitizer with
 # SANITIZE=1), the demo, the MPI command (MPI=1), every public header
-# alone, and the robustness test.  The recipe then runs the GoogleTest
-# binary and the pytest suite.
+# alone, the library's layers, and the robustness test.  The recipe then
+# runs the GoogleTest binary and the pytest suite.
 CHECK_PREREQS := $(TEST_BIN) all check-pkgconfig
 ifeq ($(SANITIZE),1)
 CHECK_PREREQS += check-python-asan
@@ -561,7 +572,7 @@ CHECK_PREREQS += demo-test
 ifeq ($(MPI),1)
 CHECK_PREREQS += check-mpi
 endif
-CHECK_PREREQS += header-check check-robust
+CHECK_PREREQS += header-check check-layers check-robust
 check: $(CHECK_PREREQS)
 	$(TEST_BIN)
 	PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \

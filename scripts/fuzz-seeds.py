@@ -2,7 +2,7 @@
 """Writes the fuzzers' seed corpora under test/fuzz/corpus/<target>/.
 
 The seeds are built here from the formats' specifications (safetensors,
-JSON, the xcov serialisation documented in lib/xcov.c), not by libbico, so
+JSON, the xcov serialisation documented in lib/numeric/xcov.c), not by libbico, so
 that they do not inherit its mistakes.  Valid inputs and a few classic
 malformed ones; libFuzzer mutates from there.  Run: scripts/fuzz-seeds.py
 """

@@ -1,4 +1,4 @@
-/* json_tool: drives libbico's internal JSON reader and writer (lib/json.h)
+/* json_tool: drives libbico's internal JSON reader and writer (lib/base/json.h)
  * for test/python/test_json_interop.py, which compares them with Python's
  * json module.  Linked against the static library, where the internal
  * symbols are reachable.

@@ -1,4 +1,4 @@
-// The strict JSON reader and writer (lib/json.c) are internal, so they are
+// The strict JSON reader and writer (lib/base/json.c) are internal, so they are
 // tested here through the public safetensors API: headers the test composes
 // byte by byte are either accepted (and their decoded strings compared with
 // UTF-8 written out by hand) or rejected with a specific reason; the writer

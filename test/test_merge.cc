@@ -1,7 +1,7 @@
 // Merging task vectors through the public API: task arithmetic and TIES
 // against a hand-worked example and against a reference implemented here
 // (from the description of TIES-merging and mergekit's options, not from
-// lib/merge.c), then whole checkpoints with every kind of input and the
+// lib/merge/merge.c), then whole checkpoints with every kind of input and the
 // refusals.
 #include <gtest/gtest.h>
 

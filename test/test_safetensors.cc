@@ -596,7 +596,7 @@ TEST(SafetensorsReader, OsErrorsNameTheFile) {
   EXPECT_EQ(f, nullptr);
   EXPECT_TRUE(contains(errmsg(ctx), missing));
   EXPECT_TRUE(contains(errmsg(ctx), "No such file")) << errmsg(ctx);
-  // A folder is a Hugging Face model folder (lib/modelpath.c): one holding
+  // A folder is a Hugging Face model folder (lib/io/modelpath.c): one holding
   // no checkpoint is NOTFOUND, naming what it looked for.
   EXPECT_EQ(bico_stfile_open(ctx, dir.path.c_str(), &f), BICO_E_NOTFOUND);
   EXPECT_TRUE(contains(errmsg(ctx), "without model.safetensors")) << errmsg(ctx);

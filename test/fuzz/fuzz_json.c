@@ -1,4 +1,4 @@
-/* libFuzzer target: the strict JSON reader and writer (lib/json.h; the
+/* libFuzzer target: the strict JSON reader and writer (lib/base/json.h; the
  * library's sources are compiled into the fuzzer, so the internal API is
  * reachable).  An accepted document must survive a round trip: written
  * back with the writer and parsed again it gives the same tree (numbers

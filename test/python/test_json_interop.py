@@ -1,4 +1,4 @@
-"""libbico's internal strict JSON reader and writer (lib/json.c, driven
+"""libbico's internal strict JSON reader and writer (lib/base/json.c, driven
 through test/json_tool.c) against Python's json module:
 
 - documents Python writes are read and written back by libbico, and Python

@@ -1,5 +1,5 @@
 """The transfer report's text: written by the library's one JSON writer
-(lib/json.c) with the report layout (one line per top-level key and per
+(lib/base/json.c) with the report layout (one line per top-level key and per
 tensor entry) and single-precision numbers in their shortest form."""
 import json
 import os

@@ -9,10 +9,10 @@
  * too once it is empty (rmdir: a folder holding anything else stays), so
  * an interrupted run leaves no empty folder behind.  An output model
  * folder is built as a temporary sibling folder of the same name form
- * (".<folder>.bico-tmp.<pid>.XXXXXX", lib/fileio.h), so its parent is
+ * (".<folder>.bico-tmp.<pid>.XXXXXX", lib/io/fileio.h), so its parent is
  * registered too and a marked folder is removed with everything in it.
  * Files and folders left by a kill -9 are removed by the next run
- * (lib/fileio.c). */
+ * (lib/io/fileio.c). */
 #define _GNU_SOURCE 1
 #include <dirent.h>
 #include <fcntl.h>

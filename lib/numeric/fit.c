@@ -1,0 +1,448 @@
+/* bico_fit: the per-layer ridge fit of the sequential functional fit
+ * (streaming statistics in double, merge, closed-form solve with rank). */
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+#include <string.h>
+
+#include <blis.h>
+
+#include "internal.h"
+#include "lapack.h"
+
+/* Rows converted to double per GEMM (as bico_xcov's exact mode). */
+#define FIT_ROWS 256
+#define FIT_FLAGS ((unsigned)BICO_FIT_BIAS)
+
+struct bico_fit {
+  bico_ctx *ctx;
+  size_t d_in, d_out;
+  size_t a; /* d_in + 1 with the bias column, else d_in */
+  unsigned flags;
+  double ridge, tol;
+  uint64_t rows;
+  double *g;  /* X~'^T X~', a x a (upper triangle during add, then full) */
+  double *k;  /* X~'^T X~_B, a x a */
+  double *et; /* D_B^T X~', d_out x a: E^T, so that each output's right-hand
+                 side is one contiguous row (a column for LAPACK) */
+};
+
+bico_status bico_fit_create(bico_ctx *ctx, size_t d_in, size_t d_out,
+                            unsigned flags, bico_fit **out) {
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (out == NULL) return bico__fail(ctx, BICO_E_NULL, "fit_create: out is NULL");
+  *out = NULL;
+  if (d_in == 0 || d_out == 0)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "fit_create: dimensions must be positive, got d_in = "
+                      "%zu, d_out = %zu",
+                      d_in, d_out);
+  if (flags & ~FIT_FLAGS)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "fit_create: unknown flags 0x%x (known: BICO_FIT_BIAS "
+                      "= 1)",
+                      flags & ~FIT_FLAGS);
+  /* LAPACK takes 32-bit dimensions. */
+  if (d_in >= (size_t)INT_MAX || d_out > (size_t)INT_MAX)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "fit_create: d_in = %zu, d_out = %zu exceed what LAPACK "
+                      "accepts (%d)",
+                      d_in, d_out, INT_MAX - 1);
+  const size_t a = d_in + ((flags & BICO_FIT_BIAS) ? 1 : 0);
+  size_t aa, ea, total;
+  if (bico__mul(a, a, &aa) || bico__mul(d_out, a, &ea) || aa > SIZE_MAX / 2 ||
+      2 * aa > SIZE_MAX - ea || (total = 2 * aa + ea) > SIZE_MAX / sizeof(double))
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "fit_create: a fit of %zu x %zu overflows the address "
+                      "space",
+                      d_out, d_in);
+  bico_fit *f = bico__alloc(ctx, sizeof *f);
+  if (f == NULL) return BICO_E_NOMEM;
+  f->g = bico__calloc(ctx, total, sizeof(double));
+  if (f->g == NULL) {
+    bico__free(ctx, f);
+    return BICO_E_NOMEM;
+  }
+  f->k = f->g + aa;
+  f->et = f->k + aa;
+  f->ctx = ctx;
+  f->d_in = d_in;
+  f->d_out = d_out;
+  f->a = a;
+  f->flags = flags;
+  f->ridge = 1e-2;
+  f->tol = 1e-10;
+  f->rows = 0;
+  *out = f;
+  return BICO_OK;
+}
+
+void bico_fit_free(bico_fit *f) {
+  if (f == NULL) return;
+  bico_ctx *ctx = f->ctx;
+  bico__free(ctx, f->g);
+  bico__free(ctx, f);
+}
+
+/* The option grammar (params.h, lib/base/params.c): RIDGE [0, inf), RANK_TOL
+ * [0, 1) (a tolerance of 1 would count nothing towards the rank). */
+static const bico__param_spec FPARAM[] = {
+    [BICO_FIT_RIDGE] = {"ridge", 0, HUGE_VAL, BICO_PARAM_HI_OPEN},
+    [BICO_FIT_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
+};
+
+bico_status bico_fit_param_bounds(int param, double *lo, double *hi,
+                                  unsigned *flags) {
+  return bico__param_bounds(FPARAM, BICO__NSPEC(FPARAM), param, lo, hi, flags);
+}
+
+const char *bico_fit_param_name(int param) {
+  return bico__param_name(FPARAM, BICO__NSPEC(FPARAM), param);
+}
+
+bico_status bico_fit_param_from_name(const char *name, int *param) {
+  return bico__param_from_name(FPARAM, BICO__NSPEC(FPARAM), name, param);
+}
+
+bico_status bico_fit_set_param(bico_fit *f, int param, double value) {
+  if (f == NULL) return BICO_E_NULL;
+  bico__clear(f->ctx);
+  bico_status st = bico__param_set(f->ctx, "fit_set_param", FPARAM,
+                                   BICO__NSPEC(FPARAM), param, value);
+  if (st != BICO_OK) return st;
+  if (param == BICO_FIT_RIDGE)
+    f->ridge = value;
+  else
+    f->tol = value;
+  return BICO_OK;
+}
+
+bico_status bico_fit_get_param(const bico_fit *f, int param, double *value) {
+  if (f == NULL) return BICO_E_NULL;
+  bico_status st = bico__param_get(f->ctx, "fit_get_param", FPARAM,
+                                   BICO__NSPEC(FPARAM), param, value);
+  if (st != BICO_OK) return st;
+  *value = param == BICO_FIT_RIDGE ? f->ridge : f->tol;
+  return BICO_OK;
+}
+
+bico_status bico_fit_info(const bico_fit *f, size_t *d_in, size_t *d_out,
+                          uint64_t *rows, unsigned *flags) {
+  if (f == NULL) return BICO_E_NULL;
+  if (d_in) *d_in = f->d_in;
+  if (d_out) *d_out = f->d_out;
+  if (rows) *rows = f->rows;
+  if (flags) *flags = f->flags;
+  return BICO_OK;
+}
+
+bico_status bico_fit_reset(bico_fit *f) {
+  if (f == NULL) return BICO_E_NULL;
+  bico__clear(f->ctx);
+  memset(f->g, 0, (2 * f->a * f->a + f->d_out * f->a) * sizeof(double));
+  f->rows = 0;
+  return BICO_OK;
+}
+
+/* The lower triangle of g from its upper one (syrk fills only the upper). */
+static void mirror_upper(double *g, size_t d) {
+  for (size_t i = 1; i < d; i++)
+    for (size_t j = 0; j < i; j++) g[i * d + j] = g[j * d + i];
+}
+
+/* Upper triangle of g (d x d) += y^T y, y m x d with row stride ld. */
+static void dsyrk_upper(const bico_ctx *ctx, size_t d, size_t m,
+                        const double *y, size_t ld, double *g) {
+  double one = 1.0;
+  rntm_t rntm;
+  bli_rntm_init(&rntm);
+  bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
+  bli_dsyrk_ex(BLIS_UPPER, BLIS_TRANSPOSE, (dim_t)d, (dim_t)m, &one,
+               (double *)y, (inc_t)ld, 1, &one, g, (inc_t)d, 1, NULL, &rntm);
+}
+
+bico_status bico_fit_add(bico_fit *f, size_t n, const float *x_new,
+                         size_t ld_new, const float *x_orig, size_t ld_orig,
+                         const float *delta, size_t ld_delta) {
+  if (f == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = f->ctx;
+  bico__clear(ctx);
+  if (n == 0) return BICO_OK;
+  const char *fn = "fit_add";
+  if (x_new == NULL || x_orig == NULL || delta == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL with n = %zu", fn,
+                      x_new == NULL ? "x_new"
+                      : x_orig == NULL ? "x_orig"
+                                       : "delta",
+                      n);
+  if (ld_new < f->d_in || ld_orig < f->d_in || ld_delta < f->d_out) {
+    const char *w = ld_new < f->d_in ? "ld_new"
+                    : ld_orig < f->d_in ? "ld_orig"
+                                        : "ld_delta";
+    size_t v = ld_new < f->d_in ? ld_new
+               : ld_orig < f->d_in ? ld_orig
+                                   : ld_delta;
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: row stride %s = %zu is below the width %zu", fn, w,
+                      v, w[3] == 'd' ? f->d_out : f->d_in);
+  }
+  if ((uint64_t)n > UINT64_MAX - f->rows)
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: row count %llu + %zu overflows",
+                      fn, (unsigned long long)f->rows, n);
+  bico_status st;
+  if ((st = bico__check_finite_f32(ctx, fn, "x_new", x_new, n, f->d_in, ld_new)) ||
+      (st = bico__check_finite_f32(ctx, fn, "x_orig", x_orig, n, f->d_in,
+                                   ld_orig)) ||
+      (st = bico__check_finite_f32(ctx, fn, "delta", delta, n, f->d_out,
+                                   ld_delta)))
+    return st;
+
+  const size_t a = f->a, d_in = f->d_in, d_out = f->d_out;
+  const size_t chunk = n < FIT_ROWS ? n : FIT_ROWS;
+  size_t cnt;
+  if (bico__mul(chunk, 2 * a + d_out, &cnt) || cnt > SIZE_MAX / sizeof(double))
+    return bico__fail(ctx, BICO_E_SHAPE, "%s: scratch overflows", fn);
+  double *yn = bico__alloc(ctx, cnt * sizeof(double));
+  if (yn == NULL) return BICO_E_NOMEM;
+  double *yo = yn + chunk * a, *yd = yo + chunk * a;
+  /* The ones column is part of the rows, so the GEMMs accumulate the bias
+   * blocks (column sums, row count) with everything else. */
+  for (size_t r0 = 0; r0 < n; r0 += chunk) {
+    const size_t m = n - r0 < chunk ? n - r0 : chunk;
+    for (size_t i = 0; i < m; i++) {
+      const float *pn = x_new + (r0 + i) * ld_new;
+      const float *po = x_orig + (r0 + i) * ld_orig;
+      const float *pd = delta + (r0 + i) * ld_delta;
+      double *qn = yn + i * a, *qo = yo + i * a, *qd = yd + i * d_out;
+      for (size_t j = 0; j < d_in; j++) qn[j] = pn[j];
+      for (size_t j = 0; j < d_in; j++) qo[j] = po[j];
+      if (a > d_in) qn[d_in] = qo[d_in] = 1.0;
+      for (size_t j = 0; j < d_out; j++) qd[j] = pd[j];
+    }
+    dsyrk_upper(ctx, a, m, yn, a, f->g);
+    bico__dgemm(ctx, 1, 0, a, a, m, 1.0, yn, a, yo, a, 1.0, f->k, a);
+    bico__dgemm(ctx, 1, 0, d_out, a, m, 1.0, yd, d_out, yn, a, 1.0, f->et, a);
+  }
+  bico__free(ctx, yn);
+  mirror_upper(f->g, a);
+  f->rows += (uint64_t)n;
+  return BICO_OK;
+}
+
+bico_status bico_fit_merge(bico_fit *dst, const bico_fit *src) {
+  if (dst == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = dst->ctx;
+  bico__clear(ctx);
+  if (src == NULL) return bico__fail(ctx, BICO_E_NULL, "fit_merge: src is NULL");
+  if (src->d_in != dst->d_in || src->d_out != dst->d_out ||
+      src->flags != dst->flags)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "fit_merge: src is %zu -> %zu (flags %u), dst %zu -> "
+                      "%zu (flags %u)",
+                      src->d_in, src->d_out, src->flags, dst->d_in,
+                      dst->d_out, dst->flags);
+  if (src->rows > UINT64_MAX - dst->rows)
+    return bico__fail(ctx, BICO_E_SHAPE, "fit_merge: row count overflows");
+  const size_t count = 2 * dst->a * dst->a + dst->d_out * dst->a;
+  if (src == dst) {
+    for (size_t i = 0; i < count; i++) dst->g[i] *= 2.0;
+  } else {
+    for (size_t i = 0; i < count; i++) dst->g[i] += src->g[i];
+  }
+  dst->rows += src->rows;
+  return BICO_OK;
+}
+
+/* Numerical rank of g (a x a, PSD) by pivoted Cholesky on a copy. */
+static bico_status rank_of(bico_fit *f, double *work, int *piv, size_t *rank) {
+  const size_t a = f->a;
+  memcpy(work, f->g, a * a * sizeof(double));
+  double maxd = 0;
+  for (size_t i = 0; i < a; i++)
+    if (f->g[i * a + i] > maxd) maxd = f->g[i * a + i];
+  if (maxd == 0) {
+    *rank = 0;
+    return BICO_OK;
+  }
+  const int na = (int)a;
+  int r = 0, info = 0;
+  const double tol = f->tol > 0 ? f->tol * maxd : -1.0;
+  double *w2 = work + a * a;
+  dpstrf_("U", &na, work, &na, piv, &r, &tol, w2, &info, 1);
+  if (info < 0)
+    return bico__fail(f->ctx, BICO_E_INTERNAL,
+                      "fit_solve: dpstrf rejected argument %d", -info);
+  *rank = (size_t)r;
+  return BICO_OK;
+}
+
+/* Minimum-norm solve of A X = B^T (A a x a symmetric, in place; B^T is bt,
+ * nrhs x a row-major, overwritten with X^T) through A's eigendecomposition,
+ * dropping eigenvalues at or below tol * lambda_max. */
+static bico_status eig_solve(bico_fit *f, double *amat, double *bt,
+                             size_t nrhs) {
+  bico_ctx *ctx = f->ctx;
+  const size_t a = f->a;
+  const int na = (int)a;
+  int info = 0, lwork = -1, liwork = -1, iq = 0;
+  double wq = 0;
+  double *w = bico__alloc(ctx, a * sizeof(double));
+  if (w == NULL) return BICO_E_NOMEM;
+  dsyevd_("V", "U", &na, amat, &na, w, &wq, &lwork, &iq, &liwork, &info, 1, 1);
+  bico_status st = BICO_OK;
+  double *work = NULL, *t = NULL;
+  int *iwork = NULL;
+  if (info != 0 || !(wq >= 1.0) || wq >= (double)INT_MAX || iq < 1) {
+    st = bico__fail(ctx, BICO_E_INTERNAL, "fit_solve: dsyevd workspace query "
+                                          "failed (info %d)",
+                    info);
+    goto done;
+  }
+  lwork = (int)wq;
+  liwork = iq;
+  work = bico__alloc(ctx, (size_t)lwork * sizeof(double));
+  iwork = work ? bico__alloc(ctx, (size_t)liwork * sizeof(int)) : NULL;
+  if (iwork == NULL) {
+    st = BICO_E_NOMEM;
+    goto done;
+  }
+  dsyevd_("V", "U", &na, amat, &na, w, work, &lwork, iwork, &liwork, &info, 1,
+          1);
+  if (info != 0) {
+    st = bico__fail(ctx, BICO_E_NUMERIC,
+                    "fit_solve: the eigendecomposition (dsyevd) of the %zu x "
+                    "%zu normal matrix did not converge (info %d)",
+                    a, a, info);
+    goto done;
+  }
+  /* Eigenvalues ascending; amat holds the eigenvectors column-major, i.e.
+   * row-major V^T (row i = eigenvector i). */
+  const double wmax = w[a - 1];
+  const double rel = f->tol > 0 ? f->tol : (double)a * DBL_EPSILON;
+  const double thr = wmax > 0 ? rel * wmax : 0;
+  t = bico__alloc(ctx, nrhs * a * sizeof(double));
+  if (t == NULL) {
+    st = BICO_E_NOMEM;
+    goto done;
+  }
+  /* X^T = B^T V diag(1/w) V^T */
+  bico__dgemm(ctx, 0, 1, nrhs, a, a, 1.0, bt, a, amat, a, 0.0, t, a);
+  for (size_t j = 0; j < a; j++) {
+    const double s = w[j] > thr && w[j] > 0 ? 1.0 / w[j] : 0.0;
+    for (size_t i = 0; i < nrhs; i++) t[i * a + j] *= s;
+  }
+  bico__dgemm(ctx, 0, 0, nrhs, a, a, 1.0, t, a, amat, a, 0.0, bt, a);
+done:
+  bico__free(ctx, t);
+  bico__free(ctx, iwork);
+  bico__free(ctx, work);
+  bico__free(ctx, w);
+  return st;
+}
+
+bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
+                           const float *b_b, float *dw, size_t ld_dw,
+                           float *db, size_t *rank) {
+  if (f == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = f->ctx;
+  bico__clear(ctx);
+  const char *fn = "fit_solve";
+  const int bias = (f->flags & BICO_FIT_BIAS) != 0;
+  if (w_b == NULL || dw == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      w_b == NULL ? "w_b" : "dw");
+  if (bias && (b_b == NULL || db == NULL))
+    return bico__fail(ctx, BICO_E_NULL,
+                      "%s: %s is NULL but the fit has a bias (BICO_FIT_BIAS)",
+                      fn, b_b == NULL ? "b_b" : "db");
+  if (!bias && (b_b != NULL || db != NULL))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "%s: %s is given but the fit has no bias column (create "
+                      "it with BICO_FIT_BIAS)",
+                      fn, b_b != NULL ? "b_b" : "db");
+  const size_t a = f->a, d_in = f->d_in, d_out = f->d_out;
+  if (ld_w < d_in || ld_dw < d_in)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "%s: row stride %s = %zu is below d_in = %zu", fn,
+                      ld_w < d_in ? "ld_w" : "ld_dw",
+                      ld_w < d_in ? ld_w : ld_dw, d_in);
+  bico_status st;
+  if ((st = bico__check_finite_f32(ctx, fn, "w_b", w_b, d_out, d_in, ld_w)))
+    return st;
+  if (bias && (st = bico__check_finite_f32(ctx, fn, "b_b", b_b, 1, d_out, d_out)))
+    return st;
+  if (f->rows == 0) {
+    for (size_t o = 0; o < d_out; o++) {
+      memset(dw + o * ld_dw, 0, d_in * sizeof(float));
+      if (bias) db[o] = 0.0f;
+    }
+    if (rank) *rank = 0;
+    return BICO_OK;
+  }
+
+  /* Workspace: A (a x a; the dpstrf copy needs a x a + 2a), M (a x a),
+   * Theta^T and the right-hand sides (d_out x a each), pivots. */
+  size_t aa = a * a, ea = d_out * a; /* both fit: create checked them */
+  double *amat = bico__alloc(ctx, (2 * aa + 2 * a + 2 * ea) * sizeof(double));
+  int *piv = amat ? bico__alloc(ctx, a * sizeof(int)) : NULL;
+  if (piv == NULL) {
+    bico__free(ctx, amat);
+    return BICO_E_NOMEM;
+  }
+  double *mm = amat + aa + 2 * a, *tht = mm + aa, *rhs = tht + ea;
+  size_t rk = 0;
+  if ((st = rank_of(f, amat, piv, &rk))) goto done;
+
+  /* Right-hand sides: (K - G) Theta + E, stored transposed (d_out x a). */
+  for (size_t i = 0; i < aa; i++) mm[i] = f->k[i] - f->g[i];
+  for (size_t o = 0; o < d_out; o++) {
+    for (size_t j = 0; j < d_in; j++) tht[o * a + j] = w_b[o * ld_w + j];
+    if (bias) tht[o * a + d_in] = b_b[o];
+  }
+  memcpy(rhs, f->et, ea * sizeof(double));
+  bico__dgemm(ctx, 0, 1, d_out, a, a, 1.0, tht, a, mm, a, 1.0, rhs, a);
+
+  double trace = 0;
+  for (size_t j = 0; j < d_in; j++) trace += f->g[j * a + j];
+  const double lambda = f->ridge * trace / (double)d_in;
+  memcpy(amat, f->g, aa * sizeof(double));
+  for (size_t j = 0; j < d_in; j++) amat[j * a + j] += lambda;
+
+  /* Cholesky unless it is known to fail (no ridge and G singular). */
+  int solved = 0;
+  const int na = (int)a, nr = (int)d_out;
+  if (!(lambda == 0 && rk < a)) {
+    int info = 0;
+    memcpy(mm, amat, aa * sizeof(double)); /* keep A for the fallback */
+    dpotrf_("U", &na, mm, &na, &info, 1);
+    if (info == 0) {
+      memcpy(tht, rhs, ea * sizeof(double)); /* keep rhs for the fallback */
+      dpotrs_("U", &na, &nr, mm, &na, tht, &na, &info, 1);
+      if (info == 0 &&
+          bico__check_finite_f64(NULL, fn, "solution", tht, 1, ea, ea) ==
+              BICO_OK) {
+        memcpy(rhs, tht, ea * sizeof(double));
+        solved = 1;
+      }
+    }
+  }
+  if (!solved && (st = eig_solve(f, amat, rhs, d_out))) goto done;
+
+  for (size_t o = 0; o < d_out; o++) {
+    for (size_t j = 0; j < d_in; j++) dw[o * ld_dw + j] = (float)rhs[o * a + j];
+    if (bias) db[o] = (float)rhs[o * a + d_in];
+  }
+  if ((st = bico__check_finite_f32(ctx, fn, "dw", dw, d_out, d_in, ld_dw)) ||
+      (bias && (st = bico__check_finite_f32(ctx, fn, "db", db, 1, d_out, d_out)))) {
+    st = bico__fail(ctx, BICO_E_NUMERIC,
+                    "%s: the update overflows single precision (%s)", fn,
+                    bico_ctx_errmsg(ctx));
+    goto done;
+  }
+  if (rank) *rank = rk;
+done:
+  bico__free(ctx, piv);
+  bico__free(ctx, amat);
+  return st;
+}

@@ -1,0 +1,856 @@
+/* Whole-model transfer of a LoRA adapter: the branch of bico_transfer_run
+ * taken when a source adapter is set (see lora_internal.h).
+ *
+ * Per target module whose paired source module carries an adapter:
+ *   bico, bico-in, bico-out   factored: B' = alpha R_out^T B, A' = A R_in
+ *                             (block-wise for split outputs), no dense
+ *                             d_out x d_in matrix;
+ *   naive                     the factors as they are (shapes must match);
+ *   pad, gradfix              dense update, the method, then the best
+ *                             rank-r factors (truncated SVD; the report
+ *                             gives the energy kept).
+ * modules_to_save tensors are full weights: their task vector (saved minus
+ * the source base) is carried like any tensor of bico_transfer and added to
+ * the target base. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "calib.h"
+#include "family_names.h"
+#include "lora_internal.h"
+#include "report.h"
+
+typedef struct lrun {
+  const bico__lora_hook *h;
+  bico_ctx *ctx;
+  bico_lora *src, *out;
+  bico__report rep;
+  size_t factored, truncated, copied, saved;
+  size_t unchanged; /* modules and saved tensors on a dead layer */
+} lrun;
+
+static void logf_(lrun *r, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void logf_(lrun *r, const char *fmt, ...) {
+  if (r->h->log == NULL) return;
+  char line[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  r->h->log(r->h->opaque, line);
+}
+
+static int is_bico(int method) {
+  return method == BICO_METHOD_BICO || method == BICO_METHOD_BICO_IN ||
+         method == BICO_METHOD_BICO_OUT;
+}
+
+static void transpose(const float *in, size_t rows, size_t cols, float *out) {
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) out[j * rows + i] = in[i * cols + j];
+}
+
+/* naive, pad or gradfix on a dense update tau (source shape sa) into upd
+ * (target tensor ti's shape), scaled by alpha; *kept gets GradFix's kept
+ * fraction (or -1). */
+static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
+                                const size_t *sa, const float *tau,
+                                float *upd, double *kept) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  const char *name;
+  size_t ndim;
+  const size_t *shape;
+  bico_model_tensor(h->mt, ti, &name, NULL, &ndim, &shape);
+  *kept = -1;
+  if (h->method == BICO_METHOD_NAIVE)
+    return bico_baseline_naive(ctx, nd_a, sa, ndim, shape, h->alpha, tau, 0.0f,
+                               upd);
+  if (h->method == BICO_METHOD_PAD)
+    return bico_baseline_pad(ctx, nd_a, sa, ndim, shape, h->alpha, tau, 0.0f,
+                             upd);
+  /* GradFix: the target's votes for this tensor. */
+  size_t nb = 1;
+  for (size_t d = 0; d < ndim; d++) nb *= shape[d];
+  size_t na = 1;
+  for (size_t d = 0; d < nd_a; d++) na *= sa[d];
+  if (na != nb || nd_a != ndim || memcmp(sa, shape, ndim * sizeof *sa) != 0) {
+    char a[128], b[128];
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "gradfix transfer needs equal shapes: target tensor %s "
+                      "is %s, the source's %s",
+                      name, bico__shape_text(b, sizeof b, ndim, shape),
+                      bico__shape_text(a, sizeof a, nd_a, sa));
+  }
+  bico_votes *votes = NULL;
+  bico_status st = bico__calib_votes(ctx, h->votes, h->votes_path, name, ndim,
+                                     shape, &votes);
+  size_t k = 0;
+  if (st == BICO_OK)
+    st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, h->alpha, tau, 0.0f,
+                            upd, &k);
+  if (st == BICO_OK) *kept = nb ? (double)k / (double)nb : 0.0;
+  bico_votes_free(votes);
+  return st;
+}
+
+/* A map's rank, route and shape, under `key` (NULL: as an array
+ * element), as a checkpoint run's report has them. */
+static void report_map(lrun *r, const char *key, size_t da, size_t db,
+                       size_t rank, int thin) {
+  if (key) bico__report_key(&r->rep, key);
+  bico__report_begin_object(&r->rep);
+  bico__report_key_number(&r->rep, "rank", (double)rank);
+  bico__report_key_string(&r->rep, "solve", thin ? "thin" : "full");
+  bico__report_key(&r->rep, "shape");
+  bico__report_begin_array(&r->rep);
+  bico__report_number(&r->rep, (double)da);
+  bico__report_number(&r->rep, (double)db);
+  bico__report_end_array(&r->rep);
+  bico__report_end_object(&r->rep);
+}
+
+/* One adapter module on its way to a target module. */
+typedef struct lmod {
+  size_t li, mi, ti;   /* adapter module, target module, target weight */
+  const char *lname, *tm;
+  int kind, tkind, fifo, flip;
+  size_t rank, dout_a, din_a, dout_b, din_b;
+  double lalpha, scale;
+  const float *b, *a;  /* source factors */
+  size_t nd_s;         /* the source base weight's shape */
+  const size_t *sh_s;
+  size_t er_t, ec_t;   /* the target weight's shape */
+  char *wname, *sname; /* target and source weight names */
+  float *nb, *na;      /* the new factors */
+  const char *handling;
+  double energy, kept;
+  size_t k;            /* output split */
+  size_t ts;           /* the source base weight's tensor index */
+  char reason[192];    /* why it is left unchanged (a dead map) */
+} lmod;
+
+/* The dead-map rule (bico__map_dead) on a map m's carry uses: the first
+ * dead one names the reason, and m is then left unchanged. */
+static void lmod_dead(lmod *m, size_t rank, const char *side) {
+  if (m->reason[0] == 0)
+    bico__map_dead(rank, side, m->reason, sizeof m->reason);
+}
+
+/* Names, shapes and factors of adapter module li and target module mi. */
+static bico_status lmod_locate(lrun *r, lmod *m) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_lora_module(r->src, m->li, &m->lname, &m->kind, &m->rank, &m->dout_a,
+                   &m->din_a, &m->lalpha, &m->scale);
+  bico_model_module(h->mt, m->mi, &m->tm, &m->tkind, NULL, NULL);
+  bico_lora_factors(r->src, m->li, &m->b, &m->a);
+  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &m->fifo);
+  bico__clear(ctx);
+  m->flip = m->kind == BICO_LORA_EMBEDDING || m->fifo;
+  /* The target tensor the adapter updates: <module>.weight. */
+  size_t tl = strlen(m->tm) + 8, sl = strlen(m->lname) + 8, ts;
+  m->wname = bico__alloc(ctx, tl);
+  m->sname = bico__alloc(ctx, sl);
+  if (m->wname == NULL || m->sname == NULL) return BICO_E_NOMEM;
+  snprintf(m->wname, tl, "%s.weight", m->tm);
+  snprintf(m->sname, sl, "%s.weight", m->lname);
+  bico_status st = bico_model_find_tensor(h->mt, m->wname, &m->ti);
+  if (st == BICO_OK) st = bico_model_find_tensor(h->ms, m->sname, &ts);
+  if (st != BICO_OK) return st;
+  m->ts = ts;
+  size_t nd_t;
+  const size_t *sh_t;
+  bico_model_tensor(h->mt, m->ti, NULL, NULL, &nd_t, &sh_t);
+  bico_model_tensor(h->ms, ts, NULL, NULL, &m->nd_s, &m->sh_s);
+  /* The adapter's update in the weight's layout. */
+  size_t er = m->flip ? m->din_a : m->dout_a;
+  size_t ec = m->flip ? m->dout_a : m->din_a;
+  if (m->nd_s != 2 || nd_t != 2 || m->sh_s[0] != er || m->sh_s[1] != ec)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: its update is [%zu, %zu] but the "
+                      "source base's %s is not 2-D of that shape",
+                      m->lname, er, ec, m->sname);
+  m->er_t = sh_t[0];
+  m->ec_t = sh_t[1];
+  m->dout_b = m->flip ? m->ec_t : m->er_t;
+  m->din_b = m->flip ? m->er_t : m->ec_t;
+  size_t nfb = m->dout_b * m->rank, nfa = m->rank * m->din_b;
+  m->nb = bico__alloc(ctx, (nfb ? nfb : 1) * sizeof(float));
+  m->na = bico__alloc(ctx, (nfa ? nfa : 1) * sizeof(float));
+  if (m->nb == NULL || m->na == NULL) return BICO_E_NOMEM;
+  return BICO_OK;
+}
+
+/* BiCo on a linear adapter: B' = alpha R_out^T B, A' = A R_in (block-wise
+ * for a split output), the sides as the target weight's route asks. */
+static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  if (m->tkind != BICO_MODULE_LINEAR || rt->kind != BICO__ROUTE_WEIGHT)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "adapter module %s: target module %s is not linear",
+                      m->lname, m->tm);
+  if (rt->vocab)
+    return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                      "adapter module %s: the tokenizers differ, and an "
+                      "adapter on the vocabulary head (%s) is not matched by "
+                      "token string; carry it as a full checkpoint",
+                      m->lname, m->tm);
+  if (rt->tokens && m->dout_a != m->dout_b)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: the vocabularies differ (%zu source "
+                      "rows, %zu target rows of %s)",
+                      m->lname, m->dout_a, m->dout_b, m->tm);
+  int do_in = rt->need[0], do_out = rt->need[1];
+  m->k = h->split(h->opaque, m->mi);
+  const float *rin = NULL;
+  size_t da, db, mr;
+  int thin = 0;
+  const float **routs = bico__calloc(ctx, m->k, sizeof *routs);
+  if (routs == NULL) return BICO_E_NOMEM;
+  bico_status st = BICO_OK;
+  if (do_in) {
+    st = h->map(h->opaque, m->mi, 0, 0, &rin, &da, &db, &mr, &thin);
+    if (st == BICO_OK) {
+      report_map(r, "in", da, db, mr, thin);
+      lmod_dead(m, mr, "in");
+    }
+  }
+  if (do_out && m->k > 1) {
+    bico__report_key(&r->rep, "out_blocks");
+    bico__report_begin_array(&r->rep);
+  }
+  for (size_t j = 0; j < m->k && st == BICO_OK && do_out; j++) {
+    st = h->map(h->opaque, m->mi, 1, j, &routs[j], &da, &db, &mr, &thin);
+    if (st == BICO_OK) {
+      report_map(r, m->k == 1 ? "out" : NULL, da, db, mr, thin);
+      lmod_dead(m, mr, "out");
+    }
+  }
+  if (do_out && m->k > 1) bico__report_end_array(&r->rep);
+  if (st == BICO_OK && m->reason[0])
+    m->handling = "unchanged";
+  else if (st == BICO_OK)
+    st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->b,
+                             m->a, do_out ? (const float *const *)routs : NULL,
+                             m->dout_b / m->k, m->dout_b, rin, m->din_b,
+                             m->din_b, h->alpha, m->nb, m->na);
+  bico__free(ctx, routs);
+  return st;
+}
+
+/* BiCo on an embedding adapter: the table's last dimension (B's rows) by
+ * the map the target table's route names; the vocabulary (A's columns)
+ * stays. */
+static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  const float *rr = NULL;
+  size_t da = m->dout_a, db = m->dout_b, mr = 0;
+  int thin = 0;
+  bico_status st = BICO_OK;
+  if (m->din_a != m->din_b)
+    return bico__fail(ctx, BICO_E_SHAPE,
+                      "adapter module %s: the vocabularies differ (%zu source "
+                      "rows, %zu target rows of %s)",
+                      m->lname, m->din_a, m->din_b, m->wname);
+  if (rt->kind != BICO__ROUTE_ROWS)
+    return bico__fail(ctx, BICO_E_NOTFOUND,
+                      "adapter module %s: no map carries its embedding "
+                      "adapter: target %s: %s",
+                      m->lname, m->wname, rt->reason);
+  if (!rt->identity) {
+    st = h->map(h->opaque, rt->module, rt->side, 0, &rr, &da, &db, &mr, &thin);
+    if (st == BICO_OK) {
+      report_map(r, rt->side ? "out" : "in", da, db, mr, thin);
+      lmod_dead(m, mr, rt->side ? "out" : "in");
+    }
+  }
+  if (st == BICO_OK && (da != m->dout_a || db != m->dout_b))
+    st = bico__fail(ctx, BICO_E_SHAPE,
+                    "adapter module %s: the map is %zu x %zu but the "
+                    "embedding widths are %zu and %zu",
+                    m->lname, da, db, m->dout_a, m->dout_b);
+  const float *rl[1] = {rr};
+  if (st == BICO_OK && m->reason[0])
+    m->handling = "unchanged";
+  else if (st == BICO_OK)
+    st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->b, m->a,
+                             rr ? rl : NULL, m->dout_b, m->dout_b, NULL,
+                             m->din_b, m->din_b, h->alpha, m->nb, m->na);
+  return st;
+}
+
+/* pad, gradfix: the dense update, the method, back to rank r. */
+static bico_status carry_dense(lrun *r, lmod *m) {
+  bico_ctx *ctx = r->ctx;
+  size_t ns = m->dout_a * m->din_a, nt = m->dout_b * m->din_b;
+  float *dense = bico__alloc(ctx, (ns ? ns : 1) * sizeof(float));
+  float *upd = bico__alloc(ctx, (nt ? nt : 1) * sizeof(float));
+  float *tmp = bico__alloc(ctx, (ns > nt ? ns : nt ? nt : 1) * sizeof(float));
+  bico_status st = BICO_OK;
+  if (dense == NULL || upd == NULL || tmp == NULL) st = BICO_E_NOMEM;
+  if (st == BICO_OK)
+    st = bico_lora_dense(r->src, m->li, 1.0f, 0.0f, tmp, m->din_a);
+  if (st == BICO_OK) {
+    if (m->flip) transpose(tmp, m->dout_a, m->din_a, dense);
+    else memcpy(dense, tmp, ns * sizeof(float));
+    st = dense_method(r, m->ti, m->nd_s, m->sh_s, dense, upd, &m->kept);
+  }
+  if (st == BICO_OK) {
+    const float *fo = upd;
+    if (m->flip) {
+      transpose(upd, m->er_t, m->ec_t, tmp);
+      fo = tmp;
+    }
+    st = bico_lora_truncate(ctx, m->dout_b, m->din_b, fo, m->din_b, m->rank,
+                            m->scale, m->nb, m->na, &m->energy);
+  }
+  m->handling = "truncated";
+  bico__free(ctx, tmp);
+  bico__free(ctx, dense);
+  bico__free(ctx, upd);
+  return st;
+}
+
+/* The new factors of m by the run's method. */
+static bico_status carry(lrun *r, lmod *m) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  /* fan_in_fan_out: the base weights are stored [in, out]; the maps are
+   * right when the models' family says so too (GPT-2's Conv1D: module
+   * dims are then [out, in] as the factors are). */
+  if (is_bico(h->method) && m->fifo &&
+      !(bico__model_transposed(h->mt, m->ti) &&
+        bico__model_transposed(h->ms, m->ts)))
+    return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                      "adapter module %s: fan_in_fan_out adapters (transposed "
+                      "base weights) are carried by the BiCo methods only on "
+                      "a family known to store [in, out] weights (GPT-2 "
+                      "Conv1D); %s is not one",
+                      m->lname, m->wname);
+  if (is_bico(h->method)) {
+    bico__route rt;
+    h->route(h->opaque, m->ti, &rt);
+    return m->kind == BICO_LORA_LINEAR ? carry_linear(r, m, &rt)
+                                       : carry_embedding(r, m, &rt);
+  }
+  if (h->method == BICO_METHOD_NAIVE) {
+    if (m->dout_a != m->dout_b || m->din_a != m->din_b)
+      return bico__fail(ctx, BICO_E_SHAPE,
+                        "naive transfer needs equal shapes: adapter module %s "
+                        "updates [%zu, %zu], target %s is [%zu, %zu]",
+                        m->lname, m->sh_s[0], m->sh_s[1], m->wname, m->er_t,
+                        m->ec_t);
+    for (size_t e = 0; e < m->dout_b * m->rank; e++)
+      m->nb[e] = h->alpha * m->b[e];
+    memcpy(m->na, m->a, m->rank * m->din_b * sizeof(float));
+    m->handling = "copied";
+    return BICO_OK;
+  }
+  return carry_dense(r, m);
+}
+
+/* Carries adapter module li to target module mi (paired with li's source
+ * module), with its report entry. */
+static bico_status do_module(lrun *r, size_t li, size_t mi) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  lmod m;
+  memset(&m, 0, sizeof m);
+  m.li = li;
+  m.mi = mi;
+  m.handling = "factored";
+  m.energy = m.kept = -1;
+  m.k = 1;
+  bico_status st = lmod_locate(r, &m);
+  if (st == BICO_OK) {
+    bico__report_begin_object(&r->rep);
+    bico__report_key_string(&r->rep, "name", m.tm);
+    bico__report_key_string(&r->rep, "source", m.lname);
+    bico__report_key_string(&r->rep, "kind", m.kind == BICO_LORA_LINEAR
+                                                 ? "linear"
+                                                 : "embedding");
+    bico__report_key_number(&r->rep, "rank", (double)m.rank);
+    bico__report_key(&r->rep, "maps");
+    bico__report_begin_object(&r->rep);
+    st = carry(r, &m);
+    bico__report_end_object(&r->rep);
+    bico__report_key_string(&r->rep, "handling", m.handling);
+    if (m.reason[0]) bico__report_key_string(&r->rep, "reason", m.reason);
+    if (m.energy >= 0)
+      bico__report_key_number(&r->rep, "energy_kept", m.energy);
+    if (m.kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", m.kept);
+    bico__report_end_object(&r->rep);
+  }
+  /* A module on a dead layer stays out of the output adapter: the target
+   * weight is left unchanged, as the checkpoint path leaves it. */
+  int dead = st == BICO_OK && m.reason[0] != 0;
+  if (st == BICO_OK && !dead)
+    st = bico__xfer_check_finite(ctx, m.nb, m.dout_b * m.rank,
+                                 "adapter module", m.tm);
+  if (st == BICO_OK && !dead)
+    st = bico__xfer_check_finite(ctx, m.na, m.rank * m.din_b,
+                                 "adapter module", m.tm);
+  if (st == BICO_OK && !dead)
+    st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
+                              m.din_b, m.nb, m.na);
+  if (st == BICO_OK) {
+    if (dead) {
+      r->unchanged++;
+      logf_(r, "bico: %s <- %s: left unchanged: %s", m.tm, m.lname, m.reason);
+    } else if (m.energy >= 0) {
+      r->truncated++;
+      logf_(r, "bico: %s <- %s: rank %zu, %.4f of the energy kept", m.tm,
+            m.lname, m.rank, m.energy);
+    } else if (strcmp(m.handling, "copied") == 0) {
+      r->copied++;
+    } else {
+      r->factored++;
+    }
+  }
+  h->release(h->opaque, mi);
+  bico__free(ctx, m.nb);
+  bico__free(ctx, m.na);
+  bico__free(ctx, m.wname);
+  bico__free(ctx, m.sname);
+  if (st != BICO_OK && m.lname != NULL &&
+      strstr(bico_ctx_errmsg(ctx), m.lname) == NULL)
+    st = bico__fail(ctx, st, "adapter module %s: %s", m.lname,
+                    bico_ctx_errmsg(ctx)[0] ? bico_ctx_errmsg(ctx)
+                                            : bico_strerror(st));
+  return st;
+}
+
+/* A saved tensor's update by the maps its target tensor's route names:
+ * the checkpoint path's own step (h->carry), so that a saved tensor is
+ * carried, or left unchanged (reason[cap]: a dead map, shapes the map
+ * does not fit), exactly as the same tensor of a checkpoint would be.  A
+ * target tensor no route carries fails: the adapter's saved tensor would
+ * be lost. */
+static bico_status saved_bico(lrun *r, size_t ti, size_t si, const char *sname,
+                              const char *tname, float **tau, float *upd,
+                              size_t nb, char *reason, size_t cap) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico__route rt;
+  h->route(h->opaque, ti, &rt);
+  if (rt.kind == BICO__ROUTE_NONE)
+    return rt.role == BICO_ROLE_OTHER
+               ? bico__fail(ctx, BICO_E_UNSUPPORTED,
+                            "saved tensor %s: target tensor %s is of a kind "
+                            "no method carries",
+                            sname, tname)
+               : bico__fail(ctx, BICO_E_NOTFOUND,
+                            "saved tensor %s: no map carries target tensor "
+                            "%s: %s",
+                            sname, tname, rt.reason);
+  bico_status st = h->carry(h->opaque, ti, si, tau, upd, reason, cap);
+  if (st == BICO_OK && reason[0]) memset(upd, 0, nb * sizeof *upd);
+  return st;
+}
+
+/* A modules_to_save tensor (source saved index k) -> target tensor ti. */
+static bico_status do_saved(lrun *r, size_t k, size_t ti) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  const char *sname, *tname, *tmod;
+  size_t nd_a, nd_b, mi;
+  const size_t *sa, *sb;
+  const float *data;
+  int role, dtype;
+  bico_lora_saved(r->src, k, &sname, NULL, &nd_a, &sa, &data);
+  bico_model_tensor(h->mt, ti, &tname, &dtype, &nd_b, &sb);
+  bico_model_tensor_module(h->mt, ti, &mi, &role);
+  bico_model_module(h->mt, mi, &tmod, NULL, NULL, NULL);
+  size_t na = 1, nb = 1;
+  for (size_t d = 0; d < nd_a; d++) na *= sa[d];
+  for (size_t d = 0; d < nd_b; d++) nb *= sb[d];
+  size_t bi, fi;
+  bico_status st = bico_stfile_find(h->sb, sname, &bi);
+  size_t nd_base;
+  const size_t *sh_base;
+  if (st == BICO_OK)
+    st = bico_stfile_tensor_info(h->sb, bi, NULL, NULL, &nd_base, &sh_base);
+  if (st == BICO_OK &&
+      (nd_base != nd_a || memcmp(sh_base, sa, nd_a * sizeof *sa) != 0)) {
+    char a[128], b[128];
+    st = bico__fail(ctx, BICO_E_SHAPE,
+                    "saved tensor %s is %s, but %s in the source base",
+                    sname, bico__shape_text(a, sizeof a, nd_a, sa),
+                    bico__shape_text(b, sizeof b, nd_base, sh_base));
+  }
+  float *tau = st == BICO_OK ? bico__alloc(ctx, (na ? na : 1) * sizeof(float)) : NULL;
+  float *upd = st == BICO_OK ? bico__calloc(ctx, nb ? nb : 1, sizeof(float)) : NULL;
+  float *full = st == BICO_OK ? bico__alloc(ctx, (nb ? nb : 1) * sizeof(float)) : NULL;
+  if (st == BICO_OK && (tau == NULL || upd == NULL || full == NULL))
+    st = BICO_E_NOMEM;
+  if (st == BICO_OK && na) st = bico_stfile_read_f32(h->sb, bi, tau, na);
+  if (st == BICO_OK) st = bico_stfile_check_finite(h->sb, bi);
+  for (size_t e = 0; e < na && st == BICO_OK; e++) tau[e] = data[e] - tau[e];
+  double kept = -1;
+  char reason[192] = "";
+  if (st == BICO_OK && na && nb) {
+    if (!is_bico(h->method)) {
+      st = dense_method(r, ti, nd_a, sa, tau, upd, &kept);
+    } else {
+      size_t si;
+      st = bico_model_find_tensor(h->ms, sname, &si);
+      if (st == BICO_OK)
+        st = saved_bico(r, ti, si, sname, tname, &tau, upd, nb, reason,
+                        sizeof reason);
+    }
+  }
+  if (st == BICO_OK) st = bico_stfile_find(h->tb, tname, &fi);
+  if (st == BICO_OK && nb) st = bico_stfile_read_f32(h->tb, fi, full, nb);
+  if (st == BICO_OK) st = bico_stfile_check_finite(h->tb, fi);
+  for (size_t e = 0; e < nb && st == BICO_OK; e++) full[e] += upd[e];
+  if (st == BICO_OK)
+    st = bico__xfer_check_finite(ctx, full, nb, "saved tensor", tname);
+  if (st == BICO_OK)
+    st = bico_lora_add_saved(r->out, tname, tmod, nd_b, sb, full);
+  bico__report_begin_object(&r->rep);
+  bico__report_key_string(&r->rep, "name", tname);
+  bico__report_key_string(&r->rep, "source", sname);
+  bico__report_key_string(&r->rep, "handling",
+                          reason[0] ? "unchanged" : "saved");
+  if (reason[0]) bico__report_key_string(&r->rep, "reason", reason);
+  if (kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", kept);
+  bico__report_end_object(&r->rep);
+  if (st == BICO_OK && reason[0]) {
+    r->unchanged++;
+    logf_(r, "bico: saved tensor %s <- %s: left unchanged: %s", tname, sname,
+          reason);
+  } else if (st == BICO_OK) {
+    r->saved++;
+  }
+  bico__free(ctx, tau);
+  bico__free(ctx, upd);
+  bico__free(ctx, full);
+  if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), sname) == NULL)
+    st = bico__fail(ctx, st, "saved tensor %s: %s", sname,
+                    bico_ctx_errmsg(ctx)[0] ? bico_ctx_errmsg(ctx)
+                                            : bico_strerror(st));
+  return st;
+}
+
+/* The full target checkpoint: base + s B' A' where an adapter module
+ * landed, the saved tensors, the base elsewhere. */
+static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  size_t nt = bico_model_tensor_count(h->mt);
+  int fifo = 0;
+  bico_lora_get_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  bico_status st = BICO_OK;
+  for (int pass = 0; pass < 2 && st == BICO_OK; pass++)
+    for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
+      const char *name;
+      size_t ndim, fi, mi;
+      const size_t *shape;
+      int dtype;
+      bico_model_tensor(h->mt, ti, &name, NULL, &ndim, &shape);
+      st = bico_stfile_find(h->tb, name, &fi);
+      if (st == BICO_OK)
+        st = bico_stfile_tensor_info(h->tb, fi, NULL, &dtype, NULL, NULL);
+      if (st != BICO_OK) break;
+      if (pass == 0) {
+        st = bico_stwriter_declare(w, name, dtype, ndim, shape);
+        continue;
+      }
+      const char *mod;
+      bico_model_tensor_module(h->mt, ti, &mi, NULL);
+      bico_model_module(h->mt, mi, &mod, NULL, NULL, NULL);
+      size_t li = SIZE_MAX, si = SIZE_MAX;
+      size_t ml = strlen(mod);
+      if (strncmp(name, mod, ml) == 0 && strcmp(name + ml, ml ? ".weight" : "weight") == 0 &&
+          bico_lora_find_module(r->out, mod, &li) != BICO_OK)
+        li = SIZE_MAX;
+      for (size_t k = 0; k < bico_lora_saved_count(r->out); k++) {
+        const char *sn;
+        bico_lora_saved(r->out, k, &sn, NULL, NULL, NULL, NULL);
+        if (strcmp(sn, name) == 0) si = k;
+      }
+      bico__clear(ctx);
+      size_t numel = 1;
+      for (size_t d = 0; d < ndim; d++) numel *= shape[d];
+      if (si != SIZE_MAX) {
+        const float *data;
+        bico_lora_saved(r->out, si, NULL, NULL, NULL, NULL, &data);
+        st = bico_stwriter_write_f32(w, name, data, numel);
+      } else if (li != SIZE_MAX) {
+        int kind;
+        size_t dout, din;
+        bico_lora_module(r->out, li, NULL, &kind, NULL, &dout, &din, NULL, NULL);
+        int flip = kind == BICO_LORA_EMBEDDING || fifo;
+        double *base = bico__alloc(ctx, numel * sizeof(double));
+        float *d = bico__alloc(ctx, numel * sizeof(float));
+        if (base == NULL || d == NULL) st = BICO_E_NOMEM;
+        if (st == BICO_OK) st = bico_stfile_read_f64(h->tb, fi, base, numel);
+        if (st == BICO_OK) st = bico_stfile_check_finite(h->tb, fi);
+        if (st == BICO_OK) st = bico_lora_dense(r->out, li, 1.0f, 0.0f, d, din);
+        for (size_t i = 0; i < dout && st == BICO_OK; i++)
+          for (size_t j = 0; j < din; j++)
+            base[flip ? j * dout + i : i * din + j] += d[i * din + j];
+        if (st == BICO_OK)
+          st = bico__xfer_check_finite_f64(ctx, base, numel, "tensor", name);
+        if (st == BICO_OK) st = bico_stwriter_write_f64(w, name, base, numel);
+        bico__free(ctx, base);
+        bico__free(ctx, d);
+      } else {
+        const void *data;
+        size_t nbytes;
+        st = bico_stfile_data(h->tb, fi, &data, &nbytes);
+        if (st == BICO_OK && nbytes)
+          st = bico_stwriter_write_raw(w, name, data, nbytes);
+      }
+      if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), name) == NULL)
+        st = bico__fail(ctx, st, "tensor %s: %s", name, bico_ctx_errmsg(ctx));
+    }
+  return st;
+}
+
+
+/* An adapter module or saved tensor the source base does not have means
+ * the adapter belongs to another model: stop rather than drop it. */
+static bico_status check_adapter_names(lrun *r, size_t nl, size_t ns) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = BICO_OK;
+  for (size_t i = 0; i < nl + ns && st == BICO_OK; i++) {
+    const char *n;
+    size_t idx;
+    if (i < nl) {
+      bico_lora_module(r->src, i, &n, NULL, NULL, NULL, NULL, NULL, NULL);
+      if (bico_model_find_module(h->ms, n, &idx) != BICO_OK)
+        st = bico__fail(ctx, BICO_E_NOTFOUND,
+                        "adapter %s: module %s is not a module of the source "
+                        "base (is the adapter for another model?)",
+                        h->adapter_dir, n);
+    } else {
+      bico_lora_saved(r->src, i - nl, &n, NULL, NULL, NULL, NULL);
+      if (bico_model_find_tensor(h->ms, n, &idx) != BICO_OK)
+        st = bico__fail(ctx, BICO_E_NOTFOUND,
+                        "adapter %s: saved tensor %s is not in the source base",
+                        h->adapter_dir, n);
+    }
+  }
+  return st;
+}
+
+/* Outputs: every file complete in its temporary file first, then all
+ * destinations checked and committed together (lib/io/fileio.c); a failure
+ * before leaves nothing new. */
+static bico_status lora_commit(lrun *r, size_t unused) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = BICO_OK;
+  bico__tmpfile rep = {.fd = -1}, *outs[3], **ck = NULL;
+  size_t nout = 0, nck = 0;
+  bico_stwriter *w = NULL;
+  bico__lora_out lo;
+  memset(&lo, 0, sizeof lo);
+  if (h->report_path)
+    st = bico__report_tmp(ctx, "transfer_run", "report", r->rep.buf,
+                          r->rep.len, h->report_path, &rep);
+  if (st == BICO_OK && h->out_ckpt) {
+    /* a model folder by the rule every output follows */
+    st = bico_output_is_folder(h->out_ckpt, h->target_path)
+             ? bico_stwriter_create_folder(ctx, h->out_ckpt, h->target_path,
+                                           0, &w)
+             : bico_stwriter_create(ctx, h->out_ckpt, &w);
+    if (st == BICO_OK) st = write_checkpoint(r, w);
+    if (st == BICO_OK) st = bico__stwriter_finish_all(w, &ck, &nck);
+  }
+  if (st == BICO_OK && h->out_dir) {
+    st = bico__lora_save_begin(r->out, "transfer_run", h->out_dir, &lo);
+    if (st == BICO_OK) {
+      outs[nout++] = lo.weights;
+      outs[nout++] = &lo.cfg;
+    }
+  }
+  if (st == BICO_OK && h->report_path) outs[nout++] = &rep;
+  st = bico__commit_lists(ctx, "transfer_run", st, ck, nck, outs, nout, NULL);
+  if (st == BICO_OK) bico__stwriter_committed(w);
+  bico__lora_save_end(&lo, st == BICO_OK);
+  bico_stwriter_free(w);
+  bico__tmp_discard(ctx, &rep);
+  if (st == BICO_OK)
+    logf_(r, "bico: %zu adapter modules factored, %zu truncated, %zu copied, "
+             "%zu saved tensors, %zu unused, %zu left unchanged (dead "
+             "layers); wrote %s%s%s",
+          r->factored, r->truncated, r->copied, r->saved, unused, r->unchanged,
+          h->out_dir ? h->out_dir : "", h->out_dir && h->out_ckpt ? " and " : "",
+          h->out_ckpt ? h->out_ckpt : "");
+  return st;
+}
+
+/* Progress after target module mi (one unit per module). */
+static void module_progress(const lrun *r, size_t mi, bico_progress *pg,
+                            const struct timespec *t0) {
+  const bico__lora_hook *h = r->h;
+  if (h->progress == NULL) return;
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  pg->done = (double)(mi + 1);
+  pg->tensors_done = mi + 1;
+  pg->elapsed = (double)(now.tv_sec - t0->tv_sec) +
+                1e-9 * (double)(now.tv_nsec - t0->tv_nsec);
+  pg->tensor = NULL;
+  bico_model_module(h->mt, mi, &pg->tensor, NULL, NULL, NULL);
+  h->progress(h->progress_opaque, pg);
+}
+
+static bico_status run_lora(lrun *r) {
+  const bico__lora_hook *h = r->h;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = bico_lora_open(ctx, h->adapter_dir, &r->src);
+  if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
+  if (st != BICO_OK) return st;
+  int on = 0;
+  bico_lora_get_flag(r->src, BICO_LORA_RSLORA, &on);
+  bico_lora_set_flag(r->out, BICO_LORA_RSLORA, on);
+  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
+  bico_lora_set_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
+  const char *tt = NULL;
+  bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
+  st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
+  /* The output adapter is for the target; it keeps the source's dropout. */
+  if (st == BICO_OK)
+    st = bico_lora_set_string(r->out, BICO_LORA_BASE_MODEL, h->target_path);
+  bico__lora_set_dropout(r->out, bico__lora_dropout(r->src));
+  size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
+  if (st == BICO_OK) st = check_adapter_names(r, nl, ns);
+  if (st != BICO_OK) return st;
+  bico__clear(ctx);
+  unsigned char *used = bico__calloc(ctx, nl + ns + 1, 1);
+  if (used == NULL) return BICO_E_NOMEM;
+  logf_(r, "bico: adapter %s: %zu modules, %zu saved tensors; method %s",
+        h->adapter_dir, nl, ns, bico_method_name(h->method));
+  bico__report_begin_object(&r->rep);
+  bico__report_key_string(&r->rep, "method", bico_method_name(h->method));
+  bico__report_key_number(&r->rep, "alpha", (double)h->alpha);
+  bico__report_key_string(&r->rep, "adapter", h->adapter_dir);
+  bico__report_key(&r->rep, "modules");
+  bico__report_begin_array(&r->rep);
+  size_t nm = bico_model_module_count(h->mt);
+  bico_progress pg;
+  memset(&pg, 0, sizeof pg);
+  pg.size = sizeof pg;
+  pg.total = (double)nm;
+  pg.tensors_total = nm;
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (size_t mi = 0; mi < nm && st == BICO_OK; mi++) {
+    if (mi > 0) module_progress(r, mi - 1, &pg, &t0);
+    size_t si, li;
+    bico_status ps = bico_model_pair_module(h->mt, mi, h->ms, &si);
+    if (ps == BICO_E_NOTFOUND) {
+      bico__clear(ctx);
+      continue;
+    }
+    if (ps != BICO_OK) {
+      st = ps;
+      break;
+    }
+    const char *sm;
+    bico_model_module(h->ms, si, &sm, NULL, NULL, NULL);
+    if (bico_lora_find_module(r->src, sm, &li) != BICO_OK) {
+      bico__clear(ctx);
+      continue;
+    }
+    used[li] = 1;
+    st = do_module(r, li, mi);
+  }
+  if (st == BICO_OK && nm > 0) module_progress(r, nm - 1, &pg, &t0);
+  bico__report_end_array(&r->rep);
+  bico__report_key(&r->rep, "saved");
+  bico__report_begin_array(&r->rep);
+  size_t nt = bico_model_tensor_count(h->mt);
+  for (size_t ti = 0; ti < nt && st == BICO_OK && ns; ti++) {
+    size_t si;
+    bico_status ps = bico_model_pair_tensor(h->mt, ti, h->ms, &si);
+    if (ps == BICO_E_NOTFOUND) {
+      bico__clear(ctx);
+      continue;
+    }
+    if (ps != BICO_OK) {
+      st = ps;
+      break;
+    }
+    const char *sn;
+    bico_model_tensor(h->ms, si, &sn, NULL, NULL, NULL);
+    for (size_t k = 0; k < ns && st == BICO_OK; k++) {
+      const char *kn;
+      bico_lora_saved(r->src, k, &kn, NULL, NULL, NULL, NULL);
+      if (strcmp(kn, sn) != 0) continue;
+      used[nl + k] = 1;
+      st = do_saved(r, k, ti);
+    }
+  }
+  bico__report_end_array(&r->rep);
+  /* What the target has no place for is reported, never silently lost. */
+  bico__report_key(&r->rep, "unused");
+  bico__report_begin_array(&r->rep);
+  size_t unused = 0;
+  for (size_t i = 0; i < nl + ns && st == BICO_OK; i++) {
+    if (used[i]) continue;
+    const char *n;
+    if (i < nl) bico_lora_module(r->src, i, &n, NULL, NULL, NULL, NULL, NULL, NULL);
+    else bico_lora_saved(r->src, i - nl, &n, NULL, NULL, NULL, NULL);
+    bico__report_string(&r->rep, n);
+    logf_(r, "bico: unused: adapter %s %s has no partner in the target",
+          i < nl ? "module" : "saved tensor", n);
+    unused++;
+  }
+  bico__report_end_array(&r->rep);
+  bico__report_key(&r->rep, "summary");
+  bico__report_begin_object(&r->rep);
+  bico__report_key_number(&r->rep, "factored", (double)r->factored);
+  bico__report_key_number(&r->rep, "truncated", (double)r->truncated);
+  bico__report_key_number(&r->rep, "copied", (double)r->copied);
+  bico__report_key_number(&r->rep, "saved", (double)r->saved);
+  bico__report_key_number(&r->rep, "unused", (double)unused);
+  bico__report_key_number(&r->rep, "unchanged", (double)r->unchanged);
+  bico__report_end_object(&r->rep);
+  bico__report_end_object(&r->rep);
+  bico__free(ctx, used);
+  if (st == BICO_OK) st = bico__report_status(&r->rep);
+  if (st == BICO_OK && bico_lora_module_count(r->out) == 0 && r->unchanged)
+    st = bico__fail(ctx, BICO_E_NOTFOUND,
+                    "adapter %s: every module it pairs with is on a dead "
+                    "layer (its calibration statistic is all zero), so "
+                    "nothing would be carried",
+                    h->adapter_dir);
+  else if (st == BICO_OK && bico_lora_module_count(r->out) == 0)
+    st = bico__fail(ctx, BICO_E_NOTFOUND,
+                    "adapter %s: none of its modules pairs with a target "
+                    "module",
+                    h->adapter_dir);
+  if (st != BICO_OK) return st;
+
+  return lora_commit(r, unused);
+}
+
+bico_status bico__lora_transfer_run(bico__lora_hook *h) {
+  lrun r;
+  memset(&r, 0, sizeof r);
+  r.h = h;
+  r.ctx = h->ctx;
+  bico__report_init(&r.rep, h->ctx);
+  bico_status st = run_lora(&r);
+  h->updated = r.factored + r.truncated + r.copied + r.saved;
+  bico__report_free(&r.rep);
+  bico_lora_free(r.src);
+  bico_lora_free(r.out);
+  return st;
+}
