@@ -1,5 +1,4 @@
 /* bico merge: options -> bico_merge -> run. */
-#define _DEFAULT_SOURCE 1 /* realpath */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,31 +20,6 @@ static void log_line(void *opaque, const char *line) {
 }
 
 #define MAX_INPUTS 256
-
-int cli_same_model(const char *a, const char *b) {
-  if (strcmp(a, b) == 0) return 1;
-  struct stat sa, sb;
-  if (stat(a, &sa) != 0 || stat(b, &sb) != 0) return 0;
-  if (sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino) return 1;
-  if (!S_ISDIR(sa.st_mode) == !S_ISDIR(sb.st_mode)) return 0;
-  /* a folder and a file: the same model when the file is the folder's
-   * model.safetensors or its index */
-  const struct stat *sd = S_ISDIR(sa.st_mode) ? &sa : &sb;
-  char *rp = realpath(S_ISDIR(sa.st_mode) ? b : a, NULL);
-  if (rp == NULL) return 0;
-  char *slash = strrchr(rp, '/');
-  int same = 0;
-  if (slash != NULL && (strcmp(slash + 1, "model.safetensors") == 0 ||
-                        strcmp(slash + 1, "model.safetensors.index.json") == 0)) {
-    struct stat sp;
-    if (slash == rp) slash++; /* a file in "/" */
-    *slash = '\0';
-    same = stat(rp, &sp) == 0 && sp.st_dev == sd->st_dev &&
-           sp.st_ino == sd->st_ino;
-  }
-  free(rp);
-  return same;
-}
 
 typedef struct merge_input {
   int kind;
