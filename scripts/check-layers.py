@@ -99,7 +99,10 @@ def main(argv):
         if not os.path.isdir(sub):
             continue
         for name in sorted(os.listdir(sub)):
-            if name.endswith(".o"):
+            # only objects of today's sources: a stale object of a removed
+            # file would draw arrows that no longer exist
+            if name.endswith(".o") and os.path.isfile(
+                    os.path.join(ROOT, "lib", folder, name[:-2] + ".c")):
                 key = folder + "/" + name[:-2]
                 defs[key] = nm(os.path.join(sub, name), True)
                 undef[key] = nm(os.path.join(sub, name), False)

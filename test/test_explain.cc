@@ -183,3 +183,51 @@ TEST(TransferExplain, UserSplitOverridesTheFamilyDefault) {
   EXPECT_EQ(d.out_maps, 2);
   EXPECT_NE(std::string(d.rule).find("--split"), std::string::npos);
 }
+
+// One reader of config.json: the naming family honours --source-config /
+// --target-config as the attention geometry does, and a config given but
+// malformed is an error naming the file and the reason, whatever reads it.
+TEST(TransferExplain, GivenConfigDecidesNamingAndMalformedOneFails) {
+  stt::TempDir dir;
+  stt::write_bytes(dir / "a.safetensors", zeros_file(gpt2_names(4, 2)));
+  stt::write_bytes(dir / "b.safetensors", zeros_file(gpt2_names(8, 3)));
+  stt::write_bytes(dir / "src.json", "{\"model_type\": \"gpt2\"}");
+  {
+    Handles h;
+    ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_SOURCE_BASE,
+                                     (dir / "a.safetensors").c_str()), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_TARGET_BASE,
+                                     (dir / "b.safetensors").c_str()), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_SOURCE_CONFIG,
+                                     (dir / "src.json").c_str()), BICO_OK);
+    ASSERT_EQ(bico_transfer_explain(h.t), BICO_OK) << bico_ctx_errmsg(h.ctx);
+    bico_transfer_model_info m;
+    m.size = sizeof m;
+    ASSERT_EQ(bico_transfer_explain_model(h.t, 0, &m), BICO_OK);
+    EXPECT_STREQ(m.family, "gpt2");
+    EXPECT_STREQ(m.family_from, "config.json model_type \"gpt2\"");
+    m.size = sizeof m;
+    ASSERT_EQ(bico_transfer_explain_model(h.t, 1, &m), BICO_OK);
+    EXPECT_STREQ(m.family, "gpt2");  // no config: its names decide
+    EXPECT_NE(std::string(m.family_from).find("tensor names ("),
+              std::string::npos);
+  }
+  const std::pair<const char *, const char *> bad[] = {
+      {"{\"model_type\": ", "bad.json"},
+      {"{\"model_type\": 7}", "model_type is not a string"},
+      {"[1, 2]", "not a JSON object"}};
+  for (auto &b : bad) {
+    stt::write_bytes(dir / "bad.json", b.first);
+    Handles h;
+    ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_SOURCE_BASE,
+                                     (dir / "a.safetensors").c_str()), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_TARGET_BASE,
+                                     (dir / "b.safetensors").c_str()), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_TARGET_CONFIG,
+                                     (dir / "bad.json").c_str()), BICO_OK);
+    EXPECT_EQ(bico_transfer_explain(h.t), BICO_E_FORMAT) << b.first;
+    std::string msg = bico_ctx_errmsg(h.ctx);
+    EXPECT_NE(msg.find(dir / "bad.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(b.second), std::string::npos) << msg;
+  }
+}

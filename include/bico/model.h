@@ -83,10 +83,15 @@ BICO_API bico_status bico_model_tensor_role_from_name(const char *name,
                                                       int *role);
 
 /* An empty model; tensors are then registered with bico_model_add_tensor.
- * The handle keeps a pointer to ctx (which must outlive it). */
+ * The handle keeps a pointer to ctx (which must outlive it).  Names that
+ * give a model family away (GPT-2: a module ending in attn.c_attn; CLIP:
+ * vision_model/text_model.encoder.layers.N) read as that family does
+ * (docs/formats.md): GPT-2's Conv1D weights are stored [in, out], CLIP's
+ * two towers are block containers. */
 BICO_API bico_status bico_model_create(bico_ctx *ctx, bico_model **out);
 /* A model holding every tensor of an open safetensors file (names, shapes
- * and dtypes are copied: the file may be closed afterwards). */
+ * and dtypes are copied: the file may be closed afterwards); its names read
+ * as bico_model_create says. */
 BICO_API bico_status bico_model_from_stfile(bico_ctx *ctx,
                                             const bico_stfile *f,
                                             bico_model **out);

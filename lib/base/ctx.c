@@ -1,6 +1,5 @@
 /* bico_ctx: allocator, BLIS thread count, last-error message. */
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -134,28 +133,6 @@ void *bico__grow(bico_ctx *ctx, void *p, size_t count, size_t *cap,
   bico__free(ctx, p);
   *cap = ncap;
   return q;
-}
-
-bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt,
-                       ...) {
-  if (ctx == NULL) return status;
-  /* Format into a copy first: callers prefix the previous message by
-   * passing bico_ctx_errmsg(ctx) as an argument, and vsnprintf into the
-   * buffer it reads from is undefined (found by make leak-check). */
-  char buf[BICO_ERRMSG_CAP];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  memcpy(ctx->errmsg, buf, sizeof buf);
-  ctx->errcode = status;
-  return status;
-}
-
-void bico__clear(bico_ctx *ctx) {
-  if (ctx == NULL) return;
-  ctx->errcode = BICO_OK;
-  ctx->errmsg[0] = '\0';
 }
 
 bico_status bico__check_finite_f32(bico_ctx *ctx, const char *fn,

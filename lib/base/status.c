@@ -1,4 +1,11 @@
-/* Status codes and versions. */
+/* Status codes, versions, and the one primitive that sets a context's
+ * last error (bico__fail, bico__clear).  The lowest file of lib/: it
+ * calls nothing else in the library, so every file may fail through it
+ * (ctx.c, params.c, ...) without the arrows turning back. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
 #include "internal.h"
 
 const char *bico_strerror(int status) {
@@ -23,3 +30,25 @@ const char *bico_strerror(int status) {
 
 const char *bico_version_string(void) { return BICO_VERSION_STRING; }
 unsigned bico_version_number(void) { return BICO_VERSION_NUMBER; }
+
+bico_status bico__fail(bico_ctx *ctx, bico_status status, const char *fmt,
+                       ...) {
+  if (ctx == NULL) return status;
+  /* Format into a copy first: callers prefix the previous message by
+   * passing bico_ctx_errmsg(ctx) as an argument, and vsnprintf into the
+   * buffer it reads from is undefined (found by make leak-check). */
+  char buf[BICO_ERRMSG_CAP];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  memcpy(ctx->errmsg, buf, sizeof buf);
+  ctx->errcode = status;
+  return status;
+}
+
+void bico__clear(bico_ctx *ctx) {
+  if (ctx == NULL) return;
+  ctx->errcode = BICO_OK;
+  ctx->errmsg[0] = '\0';
+}

@@ -5,9 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "family_names.h"
 #include "fileio.h"
 #include "internal.h"
+#include "naming.h"
 #include "strindex.h"
 
 #define MAX_NDIM 64
@@ -46,9 +46,11 @@ struct bico_model {
   size_t *mod_sorted; /* module indices sorted by name */
   char *prefix;       /* NULL: no blocks */
   size_t nblocks;
-  int family;         /* bico__family: layout, roles, containers */
-  int family_set;     /* 1: set by the caller (config.json); else the
-                         analysis detects it from the tensor names */
+  const bico__naming *naming; /* handed by the caller (its family's row:
+                                 layout, roles, containers); NULL: generic */
+  int naming_set;              /* 1: handed; else `namer` decides it */
+  bico__namer namer;           /* the constructor's rule for a naming
+                                  from the names, or NULL */
   size_t cont_n[8];   /* blocks per container of the family (0: none) */
 };
 
@@ -65,7 +67,7 @@ static const char *module_key(const void *m, size_t i) {
   return ((const bico_model *)m)->mods[i].name;
 }
 
-bico_status bico_model_create(bico_ctx *ctx, bico_model **out) {
+bico_status bico__model_new(bico_ctx *ctx, bico_model **out) {
   if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
@@ -157,34 +159,6 @@ bico_status bico_model_add_tensor(bico_model *m, const char *name, int dtype,
   return BICO_OK;
 }
 
-bico_status bico_model_from_stfile(bico_ctx *ctx, const bico_stfile *f,
-                                   bico_model **out) {
-  if (out != NULL) *out = NULL;
-  if (ctx == NULL) return BICO_E_NULL;
-  bico__clear(ctx);
-  if (f == NULL || out == NULL)
-    return bico__fail(ctx, BICO_E_NULL, "model_from_stfile: %s is NULL",
-                      f == NULL ? "f" : "out");
-  bico_model *m;
-  bico_status st = bico_model_create(ctx, &m);
-  if (st != BICO_OK) return st;
-  size_t n = bico_stfile_count(f);
-  for (size_t i = 0; i < n; i++) {
-    const char *name;
-    int dtype;
-    size_t ndim;
-    const size_t *shape;
-    st = bico_stfile_tensor_info(f, i, &name, &dtype, &ndim, &shape);
-    if (st == BICO_OK) st = bico_model_add_tensor(m, name, dtype, ndim, shape);
-    if (st != BICO_OK) {
-      bico_model_free(m);
-      return st;
-    }
-  }
-  *out = m;
-  return BICO_OK;
-}
-
 bico_status bico_model_set_blocks(bico_model *m, const char *prefix) {
   if (m == NULL) return BICO_E_NULL;
   bico__clear(m->ctx);
@@ -200,20 +174,76 @@ bico_status bico_model_set_blocks(bico_model *m, const char *prefix) {
   return BICO_OK;
 }
 
-int bico__model_family(const bico_model *m) {
-  return m ? m->family : BICO__FAMILY_NONE;
+/* ---- naming (naming.h) ---- */
+
+static const char *last_of(const char *s, size_t len) {
+  for (size_t i = len; i-- > 0;)
+    if (s[i] == '.') return s + i + 1;
+  return s;
 }
 
-void bico__model_set_family(bico_model *m, int family) {
+/* The last component of name's module into buf ("" when none or longer
+ * than cap). */
+static void module_tail(const char *name, char *buf, size_t cap) {
+  const char *dot = strrchr(name, '.');
+  buf[0] = '\0';
+  if (dot == NULL) return;
+  size_t mlen = (size_t)(dot - name);
+  const char *c = last_of(name, mlen);
+  size_t n = (size_t)(name + mlen - c);
+  if (n >= cap) return;
+  memcpy(buf, c, n);
+  buf[n] = '\0';
+}
+
+int bico__naming_transposed(const bico__naming *n, const char *name,
+                            size_t ndim) {
+  if (n == NULL || n->conv1d == NULL || ndim != 2 || name == NULL) return 0;
+  size_t len = strlen(name);
+  if (len < 7 || strcmp(name + len - 7, ".weight") != 0) return 0;
+  char mod[64];
+  module_tail(name, mod, sizeof mod);
+  for (const char *const *c = n->conv1d; *c != NULL; c++)
+    if (strcmp(mod, *c) == 0) return 1;
+  return 0;
+}
+
+int bico__naming_role(const bico__naming *n, const char *name, size_t ndim) {
+  if (n == NULL || n->roles == NULL || name == NULL) return 0;
+  const char *last = last_of(name, strlen(name));
+  char mod[64];
+  module_tail(name, mod, sizeof mod);
+  for (const bico__role_rule *r = n->roles; r->last != NULL; r++)
+    if (strcmp(last, r->last) == 0 && ndim >= r->min_ndim &&
+        (r->module == NULL || strcmp(mod, r->module) == 0))
+      return r->role;
+  return 0;
+}
+
+const bico__naming *bico__model_naming(const bico_model *m) {
+  return m ? m->naming : NULL;
+}
+
+void bico__model_set_naming(bico_model *m, const bico__naming *n) {
   if (m == NULL) return;
-  m->family = family;
-  m->family_set = 1;
+  m->naming = n;
+  m->naming_set = 1;
+  drop_analysis(m);
+}
+
+void bico__model_set_namer(bico_model *m, bico__namer namer) {
+  if (m == NULL) return;
+  m->namer = namer;
   drop_analysis(m);
 }
 
 int bico__model_transposed(const bico_model *m, size_t i) {
   if (m == NULL || i >= m->nt) return 0;
-  return bico__family_transposed(m->family, m->t[i].name, m->t[i].ndim);
+  return bico__naming_transposed(m->naming, m->t[i].name, m->t[i].ndim);
+}
+
+static const char *const *containers_of(const bico_model *m) {
+  return m->naming ? m->naming->containers : NULL;
 }
 
 /* ---- analysis ---- */
@@ -340,7 +370,7 @@ static bico_status detect_blocks(bico_model *m) {
 /* Block counts of the family's containers (CLIP's two towers); the
  * detected container stays the one bico_model_blocks reports. */
 static void count_containers(bico_model *m) {
-  const char *const *c = bico__family_containers(m->family);
+  const char *const *c = containers_of(m);
   for (size_t k = 0; k < 8; k++) m->cont_n[k] = 0;
   for (size_t k = 0; c != NULL && c[k] != NULL && k < 8; k++) {
     size_t plen = strlen(c[k]);
@@ -358,7 +388,7 @@ static void count_containers(bico_model *m) {
  * the rest), or -1. */
 static int in_container(const bico_model *m, const char *name, long *b,
                         size_t *rest) {
-  const char *const *c = bico__family_containers(m->family);
+  const char *const *c = containers_of(m);
   for (int k = 0; c != NULL && c[k] != NULL && k < 8; k++)
     if (m->cont_n[k] > 0 && split_block(name, c[k], strlen(c[k]), b, rest))
       return k;
@@ -482,7 +512,7 @@ static bico_status build_modules(bico_model *m) {
     for (size_t k = 0; k < r->count; k++) {
       tensor_rec *t = &m->t[m->mod_tensors[r->first + k]];
       if (!is_float_dtype(t->dtype)) continue;
-      if (bico__family_role(m->family, t->name, t->ndim) != 0) continue;
+      if (bico__naming_role(m->naming, t->name, t->ndim) != 0) continue;
       if (!root && t->ndim >= 2 &&
           strcmp(last_component(t->name), "weight") == 0)
         r->weight = m->mod_tensors[r->first + k];
@@ -493,7 +523,7 @@ static bico_status build_modules(bico_model *m) {
       r->kind = (w->ndim == 2 && embedding_name(r->name))
                     ? BICO_MODULE_EMBEDDING
                     : BICO_MODULE_LINEAR;
-      if (bico__family_transposed(m->family, w->name, w->ndim)) {
+      if (bico__naming_transposed(m->naming, w->name, w->ndim)) {
         r->d_out = w->shape[1]; /* Conv1D: stored [in, out] */
         r->d_in = w->shape[0];
       } else {
@@ -511,7 +541,7 @@ static bico_status build_modules(bico_model *m) {
       size_t ti = m->mod_tensors[r->first + k];
       tensor_rec *t = &m->t[ti];
       int role = BICO_ROLE_OTHER;
-      int fam = bico__family_role(m->family, t->name, t->ndim);
+      int fam = bico__naming_role(m->naming, t->name, t->ndim);
       if (!is_float_dtype(t->dtype)) {
         role = BICO_ROLE_OTHER;
       } else if (fam != 0) {
@@ -544,13 +574,10 @@ static bico_status analyze(const bico_model *cm) {
   bico_model *m = (bico_model *)cm;
   if (m->analyzed) return BICO_OK;
   drop_analysis(m);
-  /* The naming family (GPT-2's layout, CLIP's towers) from the names, as
-   * the transfer detects it when no config.json says otherwise: every
-   * user of a model graph pairs by the same rule. */
-  if (!m->family_set) {
-    char why[8];
-    m->family = bico__family_detect(m->ctx, NULL, m, why, sizeof why);
-  }
+  /* A naming not handed in comes from the rule the constructor handed
+   * (bico_model_create: the family table's name signatures), asked again
+   * whenever the tensors change. */
+  if (!m->naming_set) m->naming = m->namer ? m->namer(m) : NULL;
   bico_status st = detect_blocks(m);
   if (st == BICO_OK) count_containers(m);
   if (st == BICO_OK) st = build_modules(m);
@@ -718,11 +745,10 @@ bico_status bico_model_map_name(const bico_model *target,
   size_t rest;
   size_t n;
   int k = in_container(target, name, &j, &rest);
-  if (k >= 0 && bico__family_containers(source->family) ==
-                    bico__family_containers(target->family)) {
+  if (k >= 0 && containers_of(source) == containers_of(target)) {
     /* A family with several containers (CLIP's towers): each maps by the
      * depth map of its own block counts. */
-    const char *cp = bico__family_containers(target->family)[k];
+    const char *cp = containers_of(target)[k];
     if (source->cont_n[k] == 0)
       return bico__fail(ctx, BICO_E_NOTFOUND,
                         "model_map_name: %s lies in the target's blocks (%s) "

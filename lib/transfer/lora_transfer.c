@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #include "calib.h"
-#include "family_names.h"
+#include "family.h"
 #include "lora_internal.h"
 #include "report.h"
 

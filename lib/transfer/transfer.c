@@ -16,7 +16,7 @@
 
 #include "fileio.h"
 #include "lora_internal.h"
-#include "family_names.h"
+#include "family.h"
 #include "transfer_internal.h"
 #include "vocab.h"
 
@@ -521,10 +521,26 @@ bico_status bico__xfer_load_models(bico__run *r) {
   bico_model *ms[2] = {r->ms, r->mt};
   const char *paths[2] = {t->files[BICO_FILE_SOURCE_BASE],
                           t->files[BICO_FILE_TARGET_BASE]};
+  const char *given[2] = {t->files[BICO_FILE_SOURCE_CONFIG],
+                          t->files[BICO_FILE_TARGET_CONFIG]};
+  static const char *const WHAT[2] = {"source", "target"};
   for (int k = 0; k < 2 && st == BICO_OK; k++) {
-    r->kind[k] = bico__family_detect(r->ctx, paths[k], ms[k], r->kind_why[k],
-                                    sizeof r->kind_why[k]);
-    bico__model_set_family(ms[k], r->kind[k]);
+    /* The one read of each side's config.json (--source-config /
+     * --target-config, else the one beside a model folder): naming here,
+     * attention geometry in bico__xfer_families. */
+    char *path = NULL;
+    st = bico__family_config(r->ctx, given[k], paths[k], &path);
+    if (st == BICO_OK) st = bico__family_read(r->ctx, path, &r->fam[k]);
+    if (st == BICO_OK && path != NULL)
+      snprintf(r->fam_path[k], sizeof r->fam_path[k], "%s", path);
+    else if (st == BICO_OK)
+      snprintf(r->fam_path[k], sizeof r->fam_path[k], "the %s's options",
+               WHAT[k]);
+    bico__free(r->ctx, path);
+    if (st != BICO_OK) break;
+    r->kind[k] = bico__family_kind(&r->fam[k], ms[k], r->kind_why[k],
+                                   sizeof r->kind_why[k]);
+    bico__model_set_naming(ms[k], bico__family_naming(r->kind[k]));
   }
   if (st == BICO_OK && bs) st = bico_model_set_blocks(r->ms, bs);
   if (st == BICO_OK && bt) st = bico_model_set_blocks(r->mt, bt);

@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "family_names.h"
+#include "family.h"
 #include "transfer_internal.h"
 #include "vocab.h"
 

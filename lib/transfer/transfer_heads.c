@@ -28,7 +28,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "calib.h"
 #include "family.h"
@@ -96,35 +95,10 @@ int bico__xfer_structured(const bico__run *r, size_t mi, int side) {
 
 /* ---- Families at setup ---- */
 
-static bico_status config_path(bico__run *r, int which_cfg, int which_base,
-                               char **out) {
-  const char *given = r->t->files[which_cfg];
-  *out = NULL;
-  if (given != NULL) {
-    size_t n = strlen(given);
-    if ((*out = bico__alloc(r->ctx, n + 1)) == NULL) return BICO_E_NOMEM;
-    memcpy(*out, given, n + 1);
-    return BICO_OK;
-  }
-  const char *base = r->t->files[which_base];
-  struct stat s;
-  if (base == NULL || stat(base, &s) != 0 || !S_ISDIR(s.st_mode))
-    return BICO_OK;
-  char *p = bico__path_join(r->ctx, base, "config.json");
-  if (p == NULL) return BICO_E_NOMEM;
-  if (stat(p, &s) != 0 || !S_ISREG(s.st_mode)) {
-    bico__free(r->ctx, p);
-    return BICO_OK;
-  }
-  *out = p;
-  return BICO_OK;
-}
-
 static void describe(const bico__family *f, char *buf, size_t cap) {
-  static const char *const ROPE[4] = {"?", "half", "interleaved", "none"};
+  const char *rope = bico_rope_name(f->rope);
   snprintf(buf, cap, "%s (%zu heads, %zu key/value, head_dim %zu, rope %s)",
-           f->type, f->heads, f->kv_heads, f->head_dim,
-           ROPE[f->rope >= 0 && f->rope <= 3 ? f->rope : 0]);
+           f->type, f->heads, f->kv_heads, f->head_dim, rope ? rope : "?");
 }
 
 bico_status bico__xfer_families(bico__run *r) {
@@ -133,27 +107,18 @@ bico_status bico__xfer_families(bico__run *r) {
   if (!bico__xfer_is_bico(r->method) ||
       t->param[BICO_TRANSFER_STRUCTURE] == BICO_STRUCTURE_FREE)
     return BICO_OK;
-  static const int CFG[2] = {BICO_FILE_SOURCE_CONFIG, BICO_FILE_TARGET_CONFIG};
-  static const int BASE[2] = {BICO_FILE_SOURCE_BASE, BICO_FILE_TARGET_BASE};
   static const char *const WHAT[2] = {"source", "target"};
   bico_status st = BICO_OK;
+  /* r->fam holds each side's config.json as bico__xfer_load_models read
+   * it; here only its attention geometry is checked and overridden. */
   for (int s = 0; s < 2 && st == BICO_OK; s++) {
-    char *path = NULL;
-    st = config_path(r, CFG[s], BASE[s], &path);
-    if (st == BICO_OK && path != NULL)
-      st = bico__family_read(r->ctx, path, &r->fam[s]);
+    st = bico__family_geometry(r->ctx, r->fam_path[s], &r->fam[s]);
     if (st == BICO_OK)
       st = bico__family_override(
           r->ctx, WHAT[s], &r->fam[s], (size_t)t->param[BICO_TRANSFER_HEADS],
           (size_t)t->param[BICO_TRANSFER_KV_HEADS],
           (size_t)t->param[BICO_TRANSFER_HEAD_DIM],
           (int)t->param[BICO_TRANSFER_ROPE]);
-    if (st == BICO_OK && path != NULL)
-      snprintf(r->fam_path[s], sizeof r->fam_path[s], "%s", path);
-    else if (st == BICO_OK)
-      snprintf(r->fam_path[s], sizeof r->fam_path[s], "the %s's options",
-               WHAT[s]);
-    bico__free(r->ctx, path);
   }
   if (st != BICO_OK) return st;
   if (!r->fam[0].known || !r->fam[1].known) {
@@ -328,7 +293,7 @@ typedef struct attn_dims {
 
 /* Dimension pair p of a head (RoPE's frequency pair p). */
 static void pair_dims(const attn_dims *a, size_t p, size_t *i, size_t *j) {
-  if (a->rope == BICO__ROPE_INTERLEAVED) {
+  if (a->rope == BICO_ROPE_INTERLEAVED) {
     *i = 2 * p;
     *j = 2 * p + 1;
   } else {
@@ -357,7 +322,7 @@ static void add_pair(const attn_dims *a, const double *M, size_t ld, size_t x,
 static double head_score(const attn_dims *a, const double *M, size_t ld,
                          size_t x, size_t y) {
   double s = 0;
-  if (a->rope == BICO__ROPE_NONE) {
+  if (a->rope == BICO_ROPE_NONE) {
     for (size_t i = 0; i < a->hd; i++)
       for (size_t j = 0; j < a->hd; j++) {
         double v = M[(x * a->hd + i) * ld + y * a->hd + j];
@@ -543,7 +508,7 @@ static bico_status solve_attn(bico__run *r, const char *pt, const char *ps,
     size_t y = gmatch[x];
     if (y == BICO__NONE) continue;
     /* q/k: one map per group, commuting with RoPE. */
-    if (a.rope == BICO__ROPE_NONE) {
+    if (a.rope == BICO_ROPE_NONE) {
       memset(blk, 0, hd * hd * sizeof *blk);
       add_block(hd, M[R_K], ldk, x, y, blk);
       for (size_t i = 0; i < ra; i++)

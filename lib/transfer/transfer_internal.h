@@ -139,14 +139,16 @@ typedef struct bico__run {
   bico__report rep;
   size_t count[BICO__H_COUNT];
   struct bico__pool *pool; /* solver threads, or NULL */
-  /* Structure-aware maps (transfer_heads.c): both models' families, where
-   * each came from (for messages), and the layers' maps being handed out. */
+  /* Both models' config.json as read once (lib/model/family.c, by
+   * bico__xfer_load_models) and where each came from (for messages); the
+   * structure-aware maps (transfer_heads.c) check their geometry and hand
+   * out the layers' maps. */
   bico__family fam[2];
   char fam_path[2][512];
   int structure_on;
   struct bico__hcache *hc;
-  /* Naming families (lib/model/family_names.c: storage layout, towers, splits) of source and target, and what decided
-   * them. */
+  /* Naming kinds (lib/model/family.c: storage layout, towers, splits) of source
+   * and target, and what decided them. */
   int kind[2];
   char kind_why[2][192];
   struct bico__vocab *vocab; /* token rows by token string, or NULL */
@@ -220,8 +222,9 @@ void bico__xfer_pool_stop(bico__run *r);
 bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
 
 /* ---- transfer_heads.c ---- */
-/* Reads the families (config.json beside a folder model, or given; the
- * overrides) and decides whether structure-aware maps are on. */
+/* Checks the families' attention geometry (r->fam, read by
+ * bico__xfer_load_models; the overrides) and decides whether
+ * structure-aware maps are on. */
 bico_status bico__xfer_families(bico__run *r);
 /* 1 when side `side` of target module mi takes a structure-aware map. */
 int bico__xfer_structured(const bico__run *r, size_t mi, int side);

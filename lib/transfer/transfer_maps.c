@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "calib.h"
-#include "family_names.h"
+#include "family.h"
 #include "transfer_internal.h"
 
 void bico__xfer_free_maps(bico__run *r, bico__modstate *s) {

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "calib.h"
-#include "family_names.h"
+#include "family.h"
 #include "fileio.h"
 #include "transfer_internal.h"
 #include "vocab.h"

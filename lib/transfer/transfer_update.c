@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "calib.h"
-#include "family_names.h"
+#include "family.h"
 #include "transfer_internal.h"
 #include "vocab.h"
 
