@@ -20,89 +20,6 @@
 #include "transfer_internal.h"
 #include "vocab.h"
 
-const char *const bico__xfer_file_option[BICO__NFILES] = {
-    NULL,           "source base",  "source tuned",  "task vector",
-    "target base",  "source calib", "target calib",  "stats",
-    "target votes", "output",       "delta output",  "report",
-    "source adapter", "output adapter", "source config", "target config"};
-
-static const char *const METHOD_NAME[] = {
-    NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
-static const char *const NORM_MAP_NAME[] = {NULL, "act", "grad"};
-#define COUNT(a) (sizeof(a) / sizeof *(a))
-
-const char *bico_method_name(int method) {
-  return method >= 0 && (size_t)method < COUNT(METHOD_NAME)
-             ? METHOD_NAME[method]
-             : NULL;
-}
-
-static bico_status from_name(const char *const *names, size_t n,
-                             const char *name, int *out);
-
-bico_status bico_method_from_name(const char *name, int *method) {
-  return from_name(METHOD_NAME, COUNT(METHOD_NAME), name, method);
-}
-
-const char *bico_norm_map_name(int norm_map) {
-  return norm_map >= 0 && (size_t)norm_map < COUNT(NORM_MAP_NAME)
-             ? NORM_MAP_NAME[norm_map]
-             : NULL;
-}
-
-bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
-  return from_name(NORM_MAP_NAME, COUNT(NORM_MAP_NAME), name, norm_map);
-}
-
-static const char *const STRUCTURE_NAME[] = {NULL, "heads", "free"};
-static const char *const ROPE_NAME[] = {NULL, "half", "interleaved", "none"};
-
-static const char *name_of(const char *const *names, size_t n, int v) {
-  return v >= 0 && (size_t)v < n ? names[v] : NULL;
-}
-
-static bico_status from_name(const char *const *names, size_t n,
-                             const char *name, int *out) {
-  if (name == NULL || out == NULL) return BICO_E_NULL;
-  for (size_t i = 1; i < n; i++)
-    if (strcmp(name, names[i]) == 0) {
-      *out = (int)i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
-}
-
-const char *bico_structure_name(int structure) {
-  return name_of(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), structure);
-}
-
-bico_status bico_structure_from_name(const char *name, int *structure) {
-  return from_name(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), name, structure);
-}
-
-const char *bico_rope_name(int rope) {
-  return name_of(ROPE_NAME, COUNT(ROPE_NAME), rope);
-}
-
-bico_status bico_rope_from_name(const char *name, int *rope) {
-  return from_name(ROPE_NAME, COUNT(ROPE_NAME), name, rope);
-}
-
-const char *bico_handling_name(int handling) {
-  return handling >= 0 && handling < BICO__H_COUNT
-             ? bico__xfer_handling[handling]
-             : NULL;
-}
-
-bico_status bico_handling_from_name(const char *name, int *handling) {
-  if (name == NULL || handling == NULL) return BICO_E_NULL;
-  for (int i = 0; i < BICO__H_COUNT; i++)
-    if (strcmp(name, bico__xfer_handling[i]) == 0) {
-      *handling = i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
-}
 
 bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   if (out != NULL) *out = NULL;
@@ -485,69 +402,6 @@ static bico_status lora_branch(bico__run *r) {
 }
 
 
-/* Opens every input the setup names (the calibration and statistics files
- * only for the BiCo methods, the votes only for GradFix) and checks that no
- * output names one of them. */
-static bico_status open_inputs(bico__run *r) {
-  int bico = bico__xfer_is_bico(r->method);
-  bico_status st = bico__xfer_open_file(r, BICO_FILE_SOURCE_BASE, &r->sb);
-  if (st == BICO_OK) st = bico__xfer_open_file(r, BICO_FILE_SOURCE_TUNED, &r->sft);
-  if (st == BICO_OK) st = bico__xfer_open_file(r, BICO_FILE_TASK_VECTOR, &r->tv);
-  if (st == BICO_OK) st = bico__xfer_open_file(r, BICO_FILE_TARGET_BASE, &r->tb);
-  if (st == BICO_OK && bico)
-    st = bico__xfer_open_file(r, BICO_FILE_SOURCE_CALIB, &r->sc);
-  if (st == BICO_OK && bico)
-    st = bico__xfer_open_file(r, BICO_FILE_TARGET_CALIB, &r->tc);
-  if (st == BICO_OK && bico)
-    st = bico__xfer_open_file(r, BICO_FILE_STATS, &r->stats);
-  if (st == BICO_OK && r->method == BICO_METHOD_GRADFIX)
-    st = bico__xfer_open_file(r, BICO_FILE_TARGET_VOTES, &r->votes);
-  if (st == BICO_OK) st = bico__xfer_check_outputs(r);
-  return st;
-}
-
-/* The two models, with their block containers as the options say. */
-bico_status bico__xfer_load_models(bico__run *r) {
-  const bico_transfer *t = r->t;
-  bico_status st = bico_model_from_stfile(r->ctx, r->sb, &r->ms);
-  if (st == BICO_OK) st = bico_model_from_stfile(r->ctx, r->tb, &r->mt);
-  const char *bs = t->strings[BICO_TRANSFER_SOURCE_BLOCKS]
-                       ? t->strings[BICO_TRANSFER_SOURCE_BLOCKS]
-                       : t->strings[BICO_TRANSFER_BLOCKS];
-  const char *bt = t->strings[BICO_TRANSFER_TARGET_BLOCKS]
-                       ? t->strings[BICO_TRANSFER_TARGET_BLOCKS]
-                       : t->strings[BICO_TRANSFER_BLOCKS];
-  /* Families first: they change how shapes read (GPT-2's Conv1D). */
-  bico_model *ms[2] = {r->ms, r->mt};
-  const char *paths[2] = {t->files[BICO_FILE_SOURCE_BASE],
-                          t->files[BICO_FILE_TARGET_BASE]};
-  for (int k = 0; k < 2 && st == BICO_OK; k++) {
-    r->kind[k] = bico__family_detect(r->ctx, paths[k], ms[k], r->kind_why[k],
-                                    sizeof r->kind_why[k]);
-    bico__model_set_family(ms[k], r->kind[k]);
-  }
-  if (st == BICO_OK && bs) st = bico_model_set_blocks(r->ms, bs);
-  if (st == BICO_OK && bt) st = bico_model_set_blocks(r->mt, bt);
-  if (st == BICO_OK) st = bico_model_blocks(r->ms, NULL, NULL);
-  if (st == BICO_OK) st = bico_model_blocks(r->mt, NULL, NULL);
-  return st;
-}
-
-/* The calling thread's Procrustes solver, configured from the options
- * (the pool's workers copy its settings). */
-static bico_status make_solver(bico__run *r) {
-  static const int pp[5][2] = {
-      {BICO_PROC_RANK_TOL, BICO_TRANSFER_RANK_TOL},
-      {BICO_PROC_NULL, BICO_TRANSFER_NULL},
-      {BICO_PROC_CENTER, BICO_TRANSFER_CENTER},
-      {BICO_PROC_WHITEN, BICO_TRANSFER_WHITEN},
-      {BICO_PROC_METHOD, BICO_TRANSFER_PROC_METHOD}};
-  bico_status st = bico_procrustes_create(r->ctx, &r->proc);
-  for (int i = 0; i < 5 && st == BICO_OK; i++)
-    st = bico_procrustes_set_param(r->proc, pp[i][0], r->t->param[pp[i][1]]);
-  return st;
-}
-
 static void describe_blocks(const bico_model *m, char *buf, size_t cap) {
   const char *p;
   size_t n;
@@ -556,29 +410,6 @@ static void describe_blocks(const bico_model *m, char *buf, size_t cap) {
     snprintf(buf, cap, "%zu blocks %s%s<i>", n, p, p[0] ? "." : "");
   else
     snprintf(buf, cap, "no blocks");
-}
-
-bico_status bico__xfer_setup(bico__run *r) {
-  bico_status st = bico__xfer_check_setup(r);
-  if (st == BICO_OK) st = open_inputs(r);
-  if (st == BICO_OK) st = bico__xfer_load_models(r);
-  if (st == BICO_OK && bico__xfer_is_bico(r->method)) st = make_solver(r);
-  if (st == BICO_OK) st = bico__xfer_families(r);
-  /* Token rows by token string when both folders have a tokenizer.json
-   * and the vocabularies differ (BiCo methods: the maps carry the rest). */
-  if (st == BICO_OK && bico__xfer_is_bico(r->method)) {
-    st = bico__vocab_map(r->ctx, r->t->files[BICO_FILE_SOURCE_BASE],
-                         r->t->files[BICO_FILE_TARGET_BASE], &r->vocab);
-    if (st == BICO_OK && r->vocab != NULL)
-      bico__xfer_log(r, "bico: the tokenizers differ (%zu source, %zu target "
-                        "tokens): token rows matched by string, %zu shared, "
-                        "%zu new",
-                     r->vocab->n_source, r->vocab->n_target, r->vocab->shared,
-                     r->vocab->fresh);
-  }
-  if (st == BICO_OK) st = bico__xfer_plan(r);
-  if (st == BICO_OK) st = bico__xfer_check_pairing(r);
-  return st;
 }
 
 static bico_status run_all(bico__run *r) {
@@ -611,36 +442,6 @@ static bico_status run_all(bico__run *r) {
   if (bico) st = bico__xfer_pool_start(r, partial ? t->select : NULL);
   if (st == BICO_OK) st = bico__xfer_write_all(r);
   return st;
-}
-
-void bico__xfer_run_init(bico__run *r, bico_transfer *t) {
-  memset(r, 0, sizeof *r);
-  r->t = t;
-  r->ctx = t->ctx;
-  r->method = (int)t->param[BICO_TRANSFER_METHOD];
-  r->alpha = (float)t->param[BICO_TRANSFER_ALPHA];
-  bico__report_init(&r->rep, t->ctx);
-}
-
-void bico__xfer_run_free(bico__run *r) {
-  bico_ctx *ctx = r->ctx;
-  bico__xfer_pool_stop(r);
-  bico__xfer_heads_free(r);
-  for (size_t m = 0; m < r->nm && r->mods; m++)
-    bico__xfer_free_maps(r, &r->mods[m]);
-  bico__free(ctx, r->mods);
-  bico__free(ctx, r->owner);
-  bico__free(ctx, r->tie_rule);
-  bico_stwriter_free(r->w);
-  bico_stwriter_free(r->wd);
-  bico_procrustes_free(r->proc);
-  bico_model_free(r->ms);
-  bico_model_free(r->mt);
-  bico__vocab_free(ctx, r->vocab);
-  bico_stfile *fs[8] = {r->sb, r->sft,  r->tv,    r->tb,
-                        r->sc, r->tc, r->stats, r->votes};
-  for (int i = 0; i < 8; i++) bico_stfile_close(fs[i]);
-  bico__report_free(&r->rep);
 }
 
 bico_status bico_transfer_run(bico_transfer *t) {

@@ -41,58 +41,6 @@ void bico__xfer_asm_free(bico_transfer *t) {
   t->as = NULL;
 }
 
-/* Operations of solving one map from a [da, db] statistic (the Gram's
- * eigen- or singular value decomposition). */
-static double solve_cost(size_t da, size_t db) {
-  double m = (double)(da < db ? da : db);
-  return (double)da * (double)db * m;
-}
-
-/* The maps module m's group solves, as its tensors' routes ask. */
-static double maps_cost(const bico__run *r, size_t m, const int need[2]) {
-  size_t dob, dib, doa, dia;
-  if (bico_model_module_dims(r->mt, m, &dob, &dib) != BICO_OK ||
-      bico_model_module_dims(r->ms, r->mods[m].src, &doa, &dia) != BICO_OK) {
-    bico__clear(r->ctx);
-    return 0;
-  }
-  double c = 0;
-  if (need[0]) c += solve_cost(dia, dib);
-  if (need[1]) c += solve_cost(doa, dob);
-  return c;
-}
-
-bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost) {
-  size_t nt = bico_model_tensor_count(r->mt), nm = r->nm;
-  int bico = bico__xfer_is_bico(r->method);
-  int (*need)[2] = bico__calloc(r->ctx, nm + 1, sizeof *need);
-  size_t *first = bico__alloc(r->ctx, (nm + 1) * sizeof *first);
-  if (need == NULL || first == NULL) {
-    bico__free(r->ctx, need);
-    bico__free(r->ctx, first);
-    return BICO_E_NOMEM;
-  }
-  for (size_t m = 0; m < nm; m++) first[m] = BICO__NONE;
-  for (size_t ti = 0; ti < nt; ti++) {
-    size_t ndim;
-    const size_t *shape;
-    bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
-    cost[ti] = 4.0 * (double)bico__xfer_numel(ndim, shape) + 1;
-    size_t m = r->owner[ti];
-    if (!bico || m == BICO__NONE) continue;
-    bico__route rt;
-    bico__xfer_route(r, ti, &rt);
-    need[m][0] |= rt.need[0];
-    need[m][1] |= rt.need[1];
-    if (first[m] == BICO__NONE) first[m] = ti;
-  }
-  for (size_t m = 0; m < nm; m++)
-    if (first[m] != BICO__NONE) cost[first[m]] += maps_cost(r, m, need[m]);
-  bico__free(r->ctx, need);
-  bico__free(r->ctx, first);
-  return BICO_OK;
-}
-
 /* Groups and costs from a planned run into t. */
 static bico_status make_groups(bico__run *r) {
   bico_transfer *t = r->t;
@@ -129,7 +77,7 @@ static bico_status make_groups(bico__run *r) {
     t->plan_cost[gid[ti]] += 4.0 * (double)bico__xfer_numel(ndim, shape) + 1;
   }
   for (size_t m = 0; st == BICO_OK && m < nm; m++)
-    if (slot[m] != BICO__NONE) t->plan_cost[slot[m]] += maps_cost(r, m, need[m]);
+    if (slot[m] != BICO__NONE) t->plan_cost[slot[m]] += bico__xfer_maps_cost(r, m, need[m]);
   /* Tensors by group, ascending within each (counting sort). */
   for (size_t ti = 0; st == BICO_OK && ti < nt; ti++) t->plan_start[gid[ti] + 1]++;
   for (size_t g = 0; st == BICO_OK && g < ng; g++)

@@ -209,6 +209,12 @@ void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out);
  * solves them ahead). */
 void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
                               int need[2]);
+/* The operations of solving the maps of module m's sides need[0] (input)
+ * and need[1] (output). */
+double bico__xfer_maps_cost(const bico__run *r, size_t m, const int need[2]);
+/* Each target tensor's share of the plan's cost: its elements, and a
+ * module's map solves on its first tensor. */
+bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost);
 
 /* ---- transfer_maps.c ---- */
 void bico__xfer_free_maps(bico__run *r, bico__modstate *s);
