@@ -15,7 +15,6 @@
 #include <string.h>
 
 #include "fileio.h"
-#include "lora_internal.h"
 #include "family_names.h"
 #include "transfer_internal.h"
 #include "vocab.h"
@@ -303,63 +302,8 @@ bico_status bico_transfer_counts(const bico_transfer *t, size_t *updated,
   return BICO_OK;
 }
 
-/* ---- The LoRA branch (lib/lora_transfer.c) reaches the maps through
- * these callbacks. ---- */
-
-static size_t lora_split(void *opaque, size_t mi) {
-  return ((bico__run *)opaque)->mods[mi].k;
-}
-
-static bico_status lora_map(void *opaque, size_t mi, int side, size_t block,
-                            const float **rm, size_t *da, size_t *db,
-                            size_t *rank, int *thin) {
-  bico__run *r = opaque;
-  bico__modstate *s = &r->mods[mi];
-  if (s->src == BICO__NONE)
-    return bico__fail(r->ctx, BICO_E_NOTFOUND,
-                      "module %s has no partner in the source",
-                      bico__xfer_mname(r->mt, mi));
-  bico_status st = bico__xfer_need_side(r, mi, side);
-  if (st != BICO_OK) return st;
-  const bico__map *m = side ? &s->out[block] : &s->in;
-  *rm = m->r;
-  *da = m->da;
-  *db = m->db;
-  *rank = m->rank;
-  *thin = m->thin;
-  return BICO_OK;
-}
-
-static bico_status lora_carry(void *opaque, size_t ti, size_t si,
-                              float **tau, float *upd, char *reason,
-                              size_t cap) {
-  bico__run *r = opaque;
-  bico__route rt;
-  bico__xfer_route(r, ti, &rt);
-  bico__tinfo info;
-  memset(&info, 0, sizeof info);
-  info.kept = -1;
-  bico_status st = bico__xfer_carry(r, ti, si, &rt, tau, upd, &info);
-  reason[0] = 0;
-  if (st == BICO_OK && info.handling == BICO__H_UNCHANGED)
-    snprintf(reason, cap, "%s", info.reason[0] ? info.reason : "no map");
-  return st;
-}
-
-static void lora_route(void *opaque, size_t ti, bico__route *out) {
-  bico__xfer_route(opaque, ti, out);
-}
-
-static void lora_release(void *opaque, size_t mi) {
-  bico__run *r = opaque;
-  bico__xfer_free_maps(r, &r->mods[mi]);
-}
-
-static void lora_log(void *opaque, const char *line) {
-  bico__run *r = opaque;
-  if (r->t->log) r->t->log(r->t->log_opaque, line);
-}
-
+/* The LoRA route (lib/lora_transfer.c): a planned run whose source is an
+ * adapter. */
 static bico_status lora_branch(bico__run *r) {
   const char *const *f = (const char *const *)r->t->files;
   if (f[BICO_FILE_LORA_OUTPUT] != NULL &&
@@ -368,35 +312,11 @@ static bico_status lora_branch(bico__run *r) {
                       "transfer_run: the output adapter %s is the source "
                       "adapter",
                       f[BICO_FILE_LORA]);
-  bico__lora_hook h;
-  memset(&h, 0, sizeof h);
-  h.ctx = r->ctx;
-  h.ms = r->ms;
-  h.mt = r->mt;
-  h.sb = r->sb;
-  h.tb = r->tb;
-  h.votes = r->votes;
-  h.votes_path = f[BICO_FILE_TARGET_VOTES];
-  h.method = r->method;
-  h.alpha = r->alpha;
-  h.adapter_dir = f[BICO_FILE_LORA];
-  h.target_path = f[BICO_FILE_TARGET_BASE];
-  h.out_dir = f[BICO_FILE_LORA_OUTPUT];
-  h.out_ckpt = f[BICO_FILE_OUTPUT];
-  h.report_path = f[BICO_FILE_REPORT];
-  h.opaque = r;
-  h.split = lora_split;
-  h.map = lora_map;
-  h.route = lora_route;
-  h.carry = lora_carry;
-  h.release = lora_release;
-  h.log = lora_log;
-  h.progress = r->t->progress;
-  h.progress_opaque = r->t->progress_opaque;
-  bico_status st = bico__lora_transfer_run(&h);
+  size_t updated = 0;
+  bico_status st = bico__lora_transfer_run(r, &updated);
   if (st == BICO_OK) {
-    r->t->updated = h.updated;
-    r->t->unchanged = bico_model_tensor_count(r->mt) - h.updated;
+    r->t->updated = updated;
+    r->t->unchanged = bico_model_tensor_count(r->mt) - updated;
   }
   return st;
 }

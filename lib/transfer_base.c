@@ -139,3 +139,9 @@ int bico__xfer_is_bico(int method) {
   return method == BICO_METHOD_BICO || method == BICO_METHOD_BICO_IN ||
          method == BICO_METHOD_BICO_OUT;
 }
+
+void bico__xfer_transpose(const float *src, size_t rows, size_t cols,
+                          float *dst) {
+  for (size_t i = 0; i < rows; i++)
+    for (size_t j = 0; j < cols; j++) dst[j * rows + i] = src[i * cols + j];
+}

@@ -161,12 +161,6 @@ static bico_status gather_vocab(bico__run *r, pairing *p, bico__tinfo *info) {
   return BICO_OK;
 }
 
-/* dst [cols, rows] = src [rows, cols] transposed. */
-static void transpose(const float *src, size_t rows, size_t cols, float *dst) {
-  for (size_t i = 0; i < rows; i++)
-    for (size_t j = 0; j < cols; j++) dst[j * rows + i] = src[i * cols + j];
-}
-
 static bico_status weight_update_oi(bico__run *r, const bico__route *rt,
                                     const pairing *p, float *upd,
                                     bico__tinfo *info);
@@ -186,7 +180,7 @@ static bico_status weight_update(bico__run *r, const bico__route *rt,
   if (ts) {
     tau = bico__alloc(ctx, p->na * sizeof(float));
     if (tau == NULL) return BICO_E_NOMEM;
-    transpose(p->tau, p->sh_a[0], p->sh_a[1], tau);
+    bico__xfer_transpose(p->tau, p->sh_a[0], p->sh_a[1], tau);
     q.tau = tau;
   }
   if (tt && (out = bico__alloc(ctx, p->nb * sizeof(float))) == NULL) {
@@ -194,7 +188,8 @@ static bico_status weight_update(bico__run *r, const bico__route *rt,
     return BICO_E_NOMEM;
   }
   bico_status st = weight_update_oi(r, rt, &q, out, info);
-  if (st == BICO_OK && tt) transpose(out, p->shape[1], p->shape[0], upd);
+  if (st == BICO_OK && tt)
+    bico__xfer_transpose(out, p->shape[1], p->shape[0], upd);
   if (tt) bico__free(ctx, out);
   bico__free(ctx, tau);
   return st;
