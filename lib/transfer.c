@@ -1,5 +1,6 @@
-/* bico_transfer: the whole-model driver every front end calls; this file
- * holds the handle, its options and the run's top level.
+/* bico_transfer: the whole-model driver every front end calls, on top of
+ * the transfer files (transfer_internal.h lists them in layer order); this
+ * file holds the handle, its options and the run's top level.
  *
  * Data flow: files -> models (bico_model) -> the plan (transfer_plan.c:
  * which target module's maps each tensor takes) -> per target module,
@@ -10,15 +11,11 @@
  * computed when the first tensor that needs them comes up and freed after
  * the last, so memory stays near the largest module's needs. */
 #include <float.h>
-#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "fileio.h"
-#include "family_names.h"
 #include "transfer_internal.h"
-#include "vocab.h"
-
 
 bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   if (out != NULL) *out = NULL;
@@ -320,7 +317,6 @@ static bico_status lora_branch(bico__run *r) {
   }
   return st;
 }
-
 
 static void describe_blocks(const bico_model *m, char *buf, size_t cap) {
   const char *p;

@@ -61,8 +61,18 @@ typedef struct bico__tie_rec {
   char *tensor, *module;
 } bico__tie_rec;
 
+/* The multi-process plan (bico_transfer_plan; transfer_assemble.c):
+ * target tensors by group, start holding ng + 1 offsets. */
+typedef struct bico__xfer_groups {
+  int planned;
+  size_t nt, ng;
+  size_t *tensors, *start;
+  double *cost;
+} bico__xfer_groups;
+
 struct bico_transfer {
   bico_ctx *ctx;
+  /* The options (transfer.c's setters), read by every step. */
   char *files[BICO__NFILES];
   double param[BICO__NPARAMS];
   char *strings[BICO__NSTRINGS];
@@ -74,20 +84,21 @@ struct bico_transfer {
   void *log_opaque;
   bico_progress_fn progress;
   void *progress_opaque;
-  int ran;
-  size_t updated, unchanged;
   unsigned char *select; /* partial runs: tensors to compute, or NULL */
   size_t nselect;
   bico_transfer_sink_fn sink;
   void *sink_opaque;
-  /* bico_transfer_plan: tensors by group (plan_start: ng + 1 offsets) */
-  int planned;
-  size_t plan_nt, plan_ng;
-  size_t *plan_tensors, *plan_start;
-  double *plan_cost;
-  struct bico__asm *as; /* the assembler, between begin and commit */
-  struct bico__explain *ex; /* bico_transfer_explain's answers */
-  struct bico__mem *mem; /* lent statistics and votes (transfer_mem.c) */
+  /* What outlives a run: the last run's counts (bico_transfer_counts;
+   * set where a run's outputs are committed), then parts each owned and
+   * freed by one file. */
+  int ran;
+  size_t updated, unchanged;
+  bico__xfer_groups plan;   /* transfer_assemble.c */
+  struct bico__asm *as;     /* the assembler, between begin and commit
+                               (transfer_assemble.c) */
+  struct bico__explain *ex; /* bico_transfer_explain's answers
+                               (transfer_explain.c) */
+  struct bico__mem *mem;    /* lent statistics and votes (transfer_mem.c) */
 };
 
 typedef struct bico__map {
