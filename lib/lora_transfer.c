@@ -21,7 +21,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "calib.h"
 #include "family_names.h"
 #include "lora_internal.h"
 #include "report.h"
@@ -63,48 +62,17 @@ static bico_status map_of(bico__run *x, size_t mi, int side, size_t block,
   return BICO_OK;
 }
 
-/* naive, pad or gradfix on a dense update tau (source shape sa) into upd
- * (target tensor ti's shape), scaled by alpha; *kept gets GradFix's kept
+/* naive, pad or gradfix on a dense update tau (source tensor si's shape)
+ * into upd (target tensor ti's shape), scaled by alpha: the checkpoint
+ * path's own step (bico__xfer_elementwise); *kept gets GradFix's kept
  * fraction (or -1). */
-static bico_status dense_method(lrun *r, size_t ti, size_t nd_a,
-                                const size_t *sa, const float *tau,
-                                float *upd, double *kept) {
-  bico__run *x = r->x;
-  bico_ctx *ctx = r->ctx;
-  const char *name;
-  size_t ndim;
-  const size_t *shape;
-  bico_model_tensor(x->mt, ti, &name, NULL, &ndim, &shape);
-  *kept = -1;
-  if (x->method == BICO_METHOD_NAIVE)
-    return bico_baseline_naive(ctx, nd_a, sa, ndim, shape, x->alpha, tau, 0.0f,
-                               upd);
-  if (x->method == BICO_METHOD_PAD)
-    return bico_baseline_pad(ctx, nd_a, sa, ndim, shape, x->alpha, tau, 0.0f,
-                             upd);
-  /* GradFix: the target's votes for this tensor. */
-  size_t nb = 1;
-  for (size_t d = 0; d < ndim; d++) nb *= shape[d];
-  size_t na = 1;
-  for (size_t d = 0; d < nd_a; d++) na *= sa[d];
-  if (na != nb || nd_a != ndim || memcmp(sa, shape, ndim * sizeof *sa) != 0) {
-    char a[128], b[128];
-    return bico__fail(ctx, BICO_E_SHAPE,
-                      "gradfix transfer needs equal shapes: target tensor %s "
-                      "is %s, the source's %s",
-                      name, bico__shape_text(b, sizeof b, ndim, shape),
-                      bico__shape_text(a, sizeof a, nd_a, sa));
-  }
-  bico_votes *votes = NULL;
-  bico_status st =
-      bico__calib_votes(ctx, x->votes, file(r, BICO_FILE_TARGET_VOTES), name,
-                        ndim, shape, &votes);
-  size_t k = 0;
-  if (st == BICO_OK)
-    st = bico_gradfix_apply(votes, BICO_GRADFIX_MAJORITY, x->alpha, tau, 0.0f,
-                            upd, &k);
-  if (st == BICO_OK) *kept = nb ? (double)k / (double)nb : 0.0;
-  bico_votes_free(votes);
+static bico_status dense_method(lrun *r, size_t ti, size_t si,
+                                const float *tau, float *upd, double *kept) {
+  bico__tinfo info;
+  memset(&info, 0, sizeof info);
+  info.kept = -1;
+  bico_status st = bico__xfer_elementwise(r->x, ti, si, tau, upd, &info);
+  *kept = info.kept;
   return st;
 }
 
@@ -310,7 +278,7 @@ static bico_status carry_dense(lrun *r, lmod *m) {
   if (st == BICO_OK) {
     if (m->flip) bico__xfer_transpose(tmp, m->dout_a, m->din_a, dense);
     else memcpy(dense, tmp, ns * sizeof(float));
-    st = dense_method(r, m->ti, m->nd_s, m->sh_s, dense, upd, &m->kept);
+    st = dense_method(r, m->ti, m->ts, dense, upd, &m->kept);
   }
   if (st == BICO_OK) {
     const float *fo = upd;
@@ -512,16 +480,14 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   for (size_t e = 0; e < na && st == BICO_OK; e++) tau[e] = data[e] - tau[e];
   double kept = -1;
   char reason[sizeof ((bico__tinfo *)0)->reason] = "";
+  size_t si;
   if (st == BICO_OK && na && nb) {
-    if (!bico__xfer_is_bico(x->method)) {
-      st = dense_method(r, ti, nd_a, sa, tau, upd, &kept);
-    } else {
-      size_t si;
-      st = bico_model_find_tensor(x->ms, sname, &si);
-      if (st == BICO_OK)
-        st = saved_bico(r, ti, si, sname, tname, &tau, upd, nb, reason,
-                        sizeof reason);
-    }
+    st = bico_model_find_tensor(x->ms, sname, &si);
+    if (st == BICO_OK && !bico__xfer_is_bico(x->method))
+      st = dense_method(r, ti, si, tau, upd, &kept);
+    else if (st == BICO_OK)
+      st = saved_bico(r, ti, si, sname, tname, &tau, upd, nb, reason,
+                      sizeof reason);
   }
   if (st == BICO_OK) st = bico_stfile_find(x->tb, tname, &fi);
   if (st == BICO_OK && nb) st = bico_stfile_read_f32(x->tb, fi, full, nb);

@@ -302,6 +302,14 @@ bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
 bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
                              const bico__route *rt, float **tau, float *upd,
                              bico__tinfo *info);
+/* naive, pad or gradfix (the run's method) on task vector tau (source
+ * tensor si's shape; a checkpoint's or the LoRA route's dense update) of
+ * target tensor ti into upd (ti's numel floats), with the votes lent or
+ * read for ti; info gets the handling, source and GradFix's kept
+ * fraction. */
+bico_status bico__xfer_elementwise(bico__run *r, size_t ti, size_t si,
+                                   const float *tau, float *upd,
+                                   bico__tinfo *info);
 /* The dead-map rule, one for every path that carries a tensor by its maps
  * (bico__xfer_carry and the LoRA route's factors): a map fitted on an
  * all-zero statistic (rank 0: no activation or no gradient reached the
