@@ -270,11 +270,9 @@ bico_status bico__xfer_write_one(bico_ctx *ctx, const bico_stfile *tb,
                                  const bico__xfer_tensor *x, bico_stwriter *w,
                                  bico_stwriter *wd, const float *upd,
                                  double *norm);
-/* The report around the tensors' entries. */
+/* The report around the tensors' entries; the tail's summary has the
+ * vocabulary map's counts (vocab may be NULL). */
 void bico__xfer_report_head(bico__report *rep, int method, float alpha);
-void bico__xfer_report_tail(bico__report *rep, const size_t *count);
-/* The same with the vocabulary map's counts in the summary (vocab may be
- * NULL). */
 void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
                                   const struct bico__vocab *vocab);
 /* Report to its temporary, then wd, w, then the report's rename. */

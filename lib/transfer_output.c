@@ -349,10 +349,6 @@ void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
   bico__report_end_object(rep);
 }
 
-void bico__xfer_report_tail(bico__report *rep, const size_t *count) {
-  bico__xfer_report_tail_vocab(rep, count, NULL);
-}
-
 bico_status bico__xfer_write_all(bico__run *r) {
   bico_transfer *t = r->t;
   int partial = t->select != NULL;
