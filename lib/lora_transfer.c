@@ -634,7 +634,6 @@ static bico_status lora_commit(lrun *r, size_t unused) {
   const char *report = file(r, BICO_FILE_REPORT);
   const char *ckpt = file(r, BICO_FILE_OUTPUT);
   const char *out_dir = file(r, BICO_FILE_LORA_OUTPUT);
-  const char *target = file(r, BICO_FILE_TARGET_BASE);
   bico_status st = BICO_OK;
   bico__tmpfile rep = {.fd = -1}, *outs[3], **ck = NULL;
   size_t nout = 0, nck = 0;
@@ -645,10 +644,8 @@ static bico_status lora_commit(lrun *r, size_t unused) {
     st = bico__report_tmp(ctx, "transfer_run", "report", r->rep.buf,
                           r->rep.len, report, &rep);
   if (st == BICO_OK && ckpt) {
-    /* a model folder by the rule every output follows */
-    st = bico_output_is_folder(ckpt, target)
-             ? bico_stwriter_create_folder(ctx, ckpt, target, 0, &w)
-             : bico_stwriter_create(ctx, ckpt, &w);
+    /* a file or a model folder, sharded, by the checkpoint path's writer */
+    st = bico__xfer_writer(r->x->t, ckpt, &w);
     if (st == BICO_OK) st = write_checkpoint(r, w);
     if (st == BICO_OK) st = bico__stwriter_finish_all(w, &ck, &nck);
   }

@@ -6,6 +6,7 @@
 // counted through the context's allocator.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -1095,6 +1096,46 @@ TEST(LoraTransfer, GradfixSavedTensorTakesTheCheckpointPathsVotes) {
     if ((lent_v.v[e] > 0) != (d1.v[e] > 0)) want.v[e] = 0;
   Mat base = as_mat(a["blocks.1.fc.weight"], c.d, c.d);
   EXPECT_LT(bt::relerr(bt::sub(saved, base), want), 1e-5);
+}
+
+// Issue 25 (one driver): the LoRA route's merged checkpoint goes through
+// the checkpoint path's writer, so a folder output is sharded by
+// BICO_TRANSFER_MAX_SHARD_SIZE as a checkpoint run's is.
+TEST(LoraTransfer, MergedFolderIsShardedAsTheCheckpointPathShardsIt) {
+  LoraChain c;
+  bt::Ctx ctx;
+  Mat d0 = scaled(bt::matmul(c.B0, c.A0), 2.0), d1 = scaled(bt::matmul(c.B1, c.A1), 2.0);
+  std::string tuned = c.dir / "tuned.safetensors";
+  write_st(tuned, {{"blocks.0.fc.weight", T(bt::add(c.W0, d0))},
+                   {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  auto run = [&](int slot, const std::string &in, const std::string &out) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_NAIVE), BICO_OK);
+    // one 8 x 8 float tensor fits a shard, two do not
+    EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_MAX_SHARD_SIZE, 300), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A}, {BICO_FILE_TARGET_BASE, c.A}, {slot, in},
+        {BICO_FILE_OUTPUT, out}};
+    for (auto &f : files)
+      EXPECT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  auto listing = [](const std::string &dir) {
+    std::vector<std::string> v;
+    for (auto &e : std::filesystem::directory_iterator(dir))
+      v.push_back(e.path().filename().string());
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  std::string o1 = c.dir / "ck/", o2 = c.dir / "lora/";
+  ASSERT_EQ(run(BICO_FILE_SOURCE_TUNED, tuned, o1), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(run(BICO_FILE_LORA, c.ad, o2), BICO_OK) << bico_ctx_errmsg(ctx);
+  auto l1 = listing(o1), l2 = listing(o2);
+  EXPECT_GT(l1.size(), 2u);  // two shards and their index
+  EXPECT_EQ(l1, l2);
 }
 
 TEST(LoraTransfer, ErrorsNameTheCulpritAndWriteNothing) {
