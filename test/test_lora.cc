@@ -6,6 +6,7 @@
 // counted through the context's allocator.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -1020,6 +1021,121 @@ TEST(LoraTransfer, GradfixMasksTheDenseUpdateAndTruncates) {
   std::snprintf(frac, sizeof frac, "\"kept_fraction\": %.9g", (double)agree / (c.d * c.d));
   EXPECT_NE(r.find(frac), std::string::npos) << frac << "\n" << r;
   EXPECT_NE(r.find("\"truncated\": 2"), std::string::npos) << r;
+}
+
+// Issue 25 (one driver): naive, pad and GradFix on the LoRA route take
+// the checkpoint path's own per-tensor step, votes lent with
+// bico_transfer_set_votes first as for a checkpoint.  A saved tensor
+// (modules_to_save) under lent votes that disagree with the votes file
+// must come out exactly as the same tensor of a checkpoint run.
+TEST(LoraTransfer, GradfixSavedTensorTakesTheCheckpointPathsVotes) {
+  LoraChain c;
+  bt::Ctx ctx;
+  Mat d1 = scaled(bt::matmul(c.B1, c.A1), 2.0);
+  bt::Rng g(7);
+  Mat file_v = bt::randn(g, c.d, c.d), lent_v = bt::randn(g, c.d, c.d);
+  auto signs = [](const Mat &m) {
+    Mat v = m;
+    for (auto &x : v.v) x = x > 0 ? 1 : -1;
+    return v;
+  };
+  std::string votes = c.dir / "votes.safetensors", tuned = c.dir / "tuned.safetensors";
+  write_st(votes, {{"blocks.0.fc.weight", T(signs(file_v))},
+                   {"blocks.1.fc.weight", T(signs(file_v))}});
+  write_st(tuned, {{"blocks.0.fc.weight", T(c.W0)},
+                   {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  std::string sv = c.dir / "saved";
+  mkdir(sv.c_str(), 0700);
+  write_adapter(sv,
+                "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, "
+                "\"target_modules\": [\"fc\"], \"modules_to_save\": "
+                "[\"blocks.1.fc\"], \"bias\": \"none\"}",
+                {{"blocks.0.fc.lora_A.weight", T(c.A0)},
+                 {"blocks.0.fc.lora_B.weight", T(c.B0)},
+                 {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  std::vector<int32_t> counts(c.d * c.d);
+  for (size_t e = 0; e < counts.size(); e++) counts[e] = lent_v.v[e] > 0 ? 1 : -1;
+  bico_votes *lent = nullptr;
+  ASSERT_EQ(bico_votes_create(ctx, counts.size(), 0, &lent), BICO_OK);
+  ASSERT_EQ(bico_votes_add_counts(lent, counts.data(), 1), BICO_OK);
+  auto run = [&](int slot, const std::string &in, int out_slot,
+                 const std::string &out) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_GRADFIX),
+              BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A}, {BICO_FILE_TARGET_BASE, c.A},
+        {BICO_FILE_TARGET_VOTES, votes}, {slot, in}, {out_slot, out}};
+    for (auto &f : files)
+      EXPECT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+    EXPECT_EQ(bico_transfer_set_votes(t, "blocks.1.fc.weight", lent), BICO_OK);
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  std::string o1 = c.dir / "o1.safetensors", out = c.dir / "out";
+  ASSERT_EQ(run(BICO_FILE_SOURCE_TUNED, tuned, BICO_FILE_OUTPUT, o1), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(run(BICO_FILE_LORA, sv, BICO_FILE_LORA_OUTPUT, out), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  bico_votes_free(lent);
+  bico_lora *l = nullptr;
+  ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(bico_lora_saved_count(l), 1u);
+  const float *data;
+  bico_lora_saved(l, 0, nullptr, nullptr, nullptr, nullptr, &data);
+  Mat saved = as_mat(data, c.d, c.d);
+  bico_lora_free(l);
+  auto o = read_st(o1), a = read_st(c.A);
+  Mat ck = as_mat(o["blocks.1.fc.weight"], c.d, c.d);
+  EXPECT_LT(bt::relerr(saved, ck), 1e-6);
+  // The planted mask: the lent votes' signs keep d1 where they agree.
+  Mat want = d1;
+  for (size_t e = 0; e < want.v.size(); e++)
+    if ((lent_v.v[e] > 0) != (d1.v[e] > 0)) want.v[e] = 0;
+  Mat base = as_mat(a["blocks.1.fc.weight"], c.d, c.d);
+  EXPECT_LT(bt::relerr(bt::sub(saved, base), want), 1e-5);
+}
+
+// Issue 25 (one driver): the LoRA route's merged checkpoint goes through
+// the checkpoint path's writer, so a folder output is sharded by
+// BICO_TRANSFER_MAX_SHARD_SIZE as a checkpoint run's is.
+TEST(LoraTransfer, MergedFolderIsShardedAsTheCheckpointPathShardsIt) {
+  LoraChain c;
+  bt::Ctx ctx;
+  Mat d0 = scaled(bt::matmul(c.B0, c.A0), 2.0), d1 = scaled(bt::matmul(c.B1, c.A1), 2.0);
+  std::string tuned = c.dir / "tuned.safetensors";
+  write_st(tuned, {{"blocks.0.fc.weight", T(bt::add(c.W0, d0))},
+                   {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  auto run = [&](int slot, const std::string &in, const std::string &out) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_NAIVE), BICO_OK);
+    // one 8 x 8 float tensor fits a shard, two do not
+    EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_MAX_SHARD_SIZE, 300), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A}, {BICO_FILE_TARGET_BASE, c.A}, {slot, in},
+        {BICO_FILE_OUTPUT, out}};
+    for (auto &f : files)
+      EXPECT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  auto listing = [](const std::string &dir) {
+    std::vector<std::string> v;
+    for (auto &e : std::filesystem::directory_iterator(dir))
+      v.push_back(e.path().filename().string());
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  std::string o1 = c.dir / "ck/", o2 = c.dir / "lora/";
+  ASSERT_EQ(run(BICO_FILE_SOURCE_TUNED, tuned, o1), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(run(BICO_FILE_LORA, c.ad, o2), BICO_OK) << bico_ctx_errmsg(ctx);
+  auto l1 = listing(o1), l2 = listing(o2);
+  EXPECT_GT(l1.size(), 2u);  // two shards and their index
+  EXPECT_EQ(l1, l2);
 }
 
 TEST(LoraTransfer, ErrorsNameTheCulpritAndWriteNothing) {

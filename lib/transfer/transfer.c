@@ -1,5 +1,6 @@
-/* bico_transfer: the whole-model driver every front end calls; this file
- * holds the handle, its options and the run's top level.
+/* bico_transfer: the whole-model driver every front end calls, on top of
+ * the transfer files (transfer_internal.h lists them in layer order); this
+ * file holds the handle, its options and the run's top level.
  *
  * Data flow: files -> models (bico_model) -> the plan (transfer_plan.c:
  * which target module's maps each tensor takes) -> per target module,
@@ -10,99 +11,11 @@
  * computed when the first tensor that needs them comes up and freed after
  * the last, so memory stays near the largest module's needs. */
 #include <float.h>
-#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "fileio.h"
-#include "lora_internal.h"
-#include "family.h"
 #include "transfer_internal.h"
-#include "vocab.h"
-
-const char *const bico__xfer_file_option[BICO__NFILES] = {
-    NULL,           "source base",  "source tuned",  "task vector",
-    "target base",  "source calib", "target calib",  "stats",
-    "target votes", "output",       "delta output",  "report",
-    "source adapter", "output adapter", "source config", "target config"};
-
-static const char *const METHOD_NAME[] = {
-    NULL, "bico", "bico-in", "bico-out", "gradfix", "naive", "pad"};
-static const char *const NORM_MAP_NAME[] = {NULL, "act", "grad"};
-#define COUNT(a) (sizeof(a) / sizeof *(a))
-
-const char *bico_method_name(int method) {
-  return method >= 0 && (size_t)method < COUNT(METHOD_NAME)
-             ? METHOD_NAME[method]
-             : NULL;
-}
-
-static bico_status from_name(const char *const *names, size_t n,
-                             const char *name, int *out);
-
-bico_status bico_method_from_name(const char *name, int *method) {
-  return from_name(METHOD_NAME, COUNT(METHOD_NAME), name, method);
-}
-
-const char *bico_norm_map_name(int norm_map) {
-  return norm_map >= 0 && (size_t)norm_map < COUNT(NORM_MAP_NAME)
-             ? NORM_MAP_NAME[norm_map]
-             : NULL;
-}
-
-bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
-  return from_name(NORM_MAP_NAME, COUNT(NORM_MAP_NAME), name, norm_map);
-}
-
-static const char *const STRUCTURE_NAME[] = {NULL, "heads", "free"};
-static const char *const ROPE_NAME[] = {NULL, "half", "interleaved", "none"};
-
-static const char *name_of(const char *const *names, size_t n, int v) {
-  return v >= 0 && (size_t)v < n ? names[v] : NULL;
-}
-
-static bico_status from_name(const char *const *names, size_t n,
-                             const char *name, int *out) {
-  if (name == NULL || out == NULL) return BICO_E_NULL;
-  for (size_t i = 1; i < n; i++)
-    if (strcmp(name, names[i]) == 0) {
-      *out = (int)i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
-}
-
-const char *bico_structure_name(int structure) {
-  return name_of(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), structure);
-}
-
-bico_status bico_structure_from_name(const char *name, int *structure) {
-  return from_name(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), name, structure);
-}
-
-const char *bico_rope_name(int rope) {
-  return name_of(ROPE_NAME, COUNT(ROPE_NAME), rope);
-}
-
-bico_status bico_rope_from_name(const char *name, int *rope) {
-  return from_name(ROPE_NAME, COUNT(ROPE_NAME), name, rope);
-}
-
-const char *bico_handling_name(int handling) {
-  return handling >= 0 && handling < BICO__H_COUNT
-             ? bico__xfer_handling[handling]
-             : NULL;
-}
-
-bico_status bico_handling_from_name(const char *name, int *handling) {
-  if (name == NULL || handling == NULL) return BICO_E_NULL;
-  for (int i = 0; i < BICO__H_COUNT; i++)
-    if (strcmp(name, bico__xfer_handling[i]) == 0) {
-      *handling = i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
-}
 
 bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   if (out != NULL) *out = NULL;
@@ -386,63 +299,8 @@ bico_status bico_transfer_counts(const bico_transfer *t, size_t *updated,
   return BICO_OK;
 }
 
-/* ---- The LoRA branch (lib/transfer/lora_transfer.c) reaches the maps through
- * these callbacks. ---- */
-
-static size_t lora_split(void *opaque, size_t mi) {
-  return ((bico__run *)opaque)->mods[mi].k;
-}
-
-static bico_status lora_map(void *opaque, size_t mi, int side, size_t block,
-                            const float **rm, size_t *da, size_t *db,
-                            size_t *rank, int *thin) {
-  bico__run *r = opaque;
-  bico__modstate *s = &r->mods[mi];
-  if (s->src == BICO__NONE)
-    return bico__fail(r->ctx, BICO_E_NOTFOUND,
-                      "module %s has no partner in the source",
-                      bico__xfer_mname(r->mt, mi));
-  bico_status st = bico__xfer_need_side(r, mi, side);
-  if (st != BICO_OK) return st;
-  const bico__map *m = side ? &s->out[block] : &s->in;
-  *rm = m->r;
-  *da = m->da;
-  *db = m->db;
-  *rank = m->rank;
-  *thin = m->thin;
-  return BICO_OK;
-}
-
-static bico_status lora_carry(void *opaque, size_t ti, size_t si,
-                              float **tau, float *upd, char *reason,
-                              size_t cap) {
-  bico__run *r = opaque;
-  bico__route rt;
-  bico__xfer_route(r, ti, &rt);
-  bico__tinfo info;
-  memset(&info, 0, sizeof info);
-  info.kept = -1;
-  bico_status st = bico__xfer_carry(r, ti, si, &rt, tau, upd, &info);
-  reason[0] = 0;
-  if (st == BICO_OK && info.handling == BICO__H_UNCHANGED)
-    snprintf(reason, cap, "%s", info.reason[0] ? info.reason : "no map");
-  return st;
-}
-
-static void lora_route(void *opaque, size_t ti, bico__route *out) {
-  bico__xfer_route(opaque, ti, out);
-}
-
-static void lora_release(void *opaque, size_t mi) {
-  bico__run *r = opaque;
-  bico__xfer_free_maps(r, &r->mods[mi]);
-}
-
-static void lora_log(void *opaque, const char *line) {
-  bico__run *r = opaque;
-  if (r->t->log) r->t->log(r->t->log_opaque, line);
-}
-
+/* The LoRA route (lib/transfer/lora_transfer.c): a planned run whose source is an
+ * adapter. */
 static bico_status lora_branch(bico__run *r) {
   const char *const *f = (const char *const *)r->t->files;
   if (f[BICO_FILE_LORA_OUTPUT] != NULL &&
@@ -451,116 +309,12 @@ static bico_status lora_branch(bico__run *r) {
                       "transfer_run: the output adapter %s is the source "
                       "adapter",
                       f[BICO_FILE_LORA]);
-  bico__lora_hook h;
-  memset(&h, 0, sizeof h);
-  h.ctx = r->ctx;
-  h.ms = r->ms;
-  h.mt = r->mt;
-  h.sb = r->sb;
-  h.tb = r->tb;
-  h.votes = r->votes;
-  h.votes_path = f[BICO_FILE_TARGET_VOTES];
-  h.method = r->method;
-  h.alpha = r->alpha;
-  h.adapter_dir = f[BICO_FILE_LORA];
-  h.target_path = f[BICO_FILE_TARGET_BASE];
-  h.out_dir = f[BICO_FILE_LORA_OUTPUT];
-  h.out_ckpt = f[BICO_FILE_OUTPUT];
-  h.report_path = f[BICO_FILE_REPORT];
-  h.opaque = r;
-  h.split = lora_split;
-  h.map = lora_map;
-  h.route = lora_route;
-  h.carry = lora_carry;
-  h.release = lora_release;
-  h.log = lora_log;
-  h.progress = r->t->progress;
-  h.progress_opaque = r->t->progress_opaque;
-  bico_status st = bico__lora_transfer_run(&h);
+  size_t updated = 0;
+  bico_status st = bico__lora_transfer_run(r, &updated);
   if (st == BICO_OK) {
-    r->t->updated = h.updated;
-    r->t->unchanged = bico_model_tensor_count(r->mt) - h.updated;
+    r->t->updated = updated;
+    r->t->unchanged = bico_model_tensor_count(r->mt) - updated;
   }
-  return st;
-}
-
-
-/* Opens every input the setup names (the calibration and statistics files
- * only for the BiCo methods, the votes only for GradFix) and checks that no
- * output names one of them. */
-static bico_status open_inputs(bico__run *r) {
-  int bico = bico__xfer_is_bico(r->method);
-  bico_status st = bico__xfer_open_file(r, BICO_FILE_SOURCE_BASE, &r->sb);
-  if (st == BICO_OK) st = bico__xfer_open_file(r, BICO_FILE_SOURCE_TUNED, &r->sft);
-  if (st == BICO_OK) st = bico__xfer_open_file(r, BICO_FILE_TASK_VECTOR, &r->tv);
-  if (st == BICO_OK) st = bico__xfer_open_file(r, BICO_FILE_TARGET_BASE, &r->tb);
-  if (st == BICO_OK && bico)
-    st = bico__xfer_open_file(r, BICO_FILE_SOURCE_CALIB, &r->sc);
-  if (st == BICO_OK && bico)
-    st = bico__xfer_open_file(r, BICO_FILE_TARGET_CALIB, &r->tc);
-  if (st == BICO_OK && bico)
-    st = bico__xfer_open_file(r, BICO_FILE_STATS, &r->stats);
-  if (st == BICO_OK && r->method == BICO_METHOD_GRADFIX)
-    st = bico__xfer_open_file(r, BICO_FILE_TARGET_VOTES, &r->votes);
-  if (st == BICO_OK) st = bico__xfer_check_outputs(r);
-  return st;
-}
-
-/* The two models, with their block containers as the options say. */
-bico_status bico__xfer_load_models(bico__run *r) {
-  const bico_transfer *t = r->t;
-  bico_status st = bico_model_from_stfile(r->ctx, r->sb, &r->ms);
-  if (st == BICO_OK) st = bico_model_from_stfile(r->ctx, r->tb, &r->mt);
-  const char *bs = t->strings[BICO_TRANSFER_SOURCE_BLOCKS]
-                       ? t->strings[BICO_TRANSFER_SOURCE_BLOCKS]
-                       : t->strings[BICO_TRANSFER_BLOCKS];
-  const char *bt = t->strings[BICO_TRANSFER_TARGET_BLOCKS]
-                       ? t->strings[BICO_TRANSFER_TARGET_BLOCKS]
-                       : t->strings[BICO_TRANSFER_BLOCKS];
-  /* Families first: they change how shapes read (GPT-2's Conv1D). */
-  bico_model *ms[2] = {r->ms, r->mt};
-  const char *paths[2] = {t->files[BICO_FILE_SOURCE_BASE],
-                          t->files[BICO_FILE_TARGET_BASE]};
-  const char *given[2] = {t->files[BICO_FILE_SOURCE_CONFIG],
-                          t->files[BICO_FILE_TARGET_CONFIG]};
-  static const char *const WHAT[2] = {"source", "target"};
-  for (int k = 0; k < 2 && st == BICO_OK; k++) {
-    /* The one read of each side's config.json (--source-config /
-     * --target-config, else the one beside a model folder): naming here,
-     * attention geometry in bico__xfer_families. */
-    char *path = NULL;
-    st = bico__family_config(r->ctx, given[k], paths[k], &path);
-    if (st == BICO_OK) st = bico__family_read(r->ctx, path, &r->fam[k]);
-    if (st == BICO_OK && path != NULL)
-      snprintf(r->fam_path[k], sizeof r->fam_path[k], "%s", path);
-    else if (st == BICO_OK)
-      snprintf(r->fam_path[k], sizeof r->fam_path[k], "the %s's options",
-               WHAT[k]);
-    bico__free(r->ctx, path);
-    if (st != BICO_OK) break;
-    r->kind[k] = bico__family_kind(&r->fam[k], ms[k], r->kind_why[k],
-                                   sizeof r->kind_why[k]);
-    bico__model_set_naming(ms[k], bico__family_naming(r->kind[k]));
-  }
-  if (st == BICO_OK && bs) st = bico_model_set_blocks(r->ms, bs);
-  if (st == BICO_OK && bt) st = bico_model_set_blocks(r->mt, bt);
-  if (st == BICO_OK) st = bico_model_blocks(r->ms, NULL, NULL);
-  if (st == BICO_OK) st = bico_model_blocks(r->mt, NULL, NULL);
-  return st;
-}
-
-/* The calling thread's Procrustes solver, configured from the options
- * (the pool's workers copy its settings). */
-static bico_status make_solver(bico__run *r) {
-  static const int pp[5][2] = {
-      {BICO_PROC_RANK_TOL, BICO_TRANSFER_RANK_TOL},
-      {BICO_PROC_NULL, BICO_TRANSFER_NULL},
-      {BICO_PROC_CENTER, BICO_TRANSFER_CENTER},
-      {BICO_PROC_WHITEN, BICO_TRANSFER_WHITEN},
-      {BICO_PROC_METHOD, BICO_TRANSFER_PROC_METHOD}};
-  bico_status st = bico_procrustes_create(r->ctx, &r->proc);
-  for (int i = 0; i < 5 && st == BICO_OK; i++)
-    st = bico_procrustes_set_param(r->proc, pp[i][0], r->t->param[pp[i][1]]);
   return st;
 }
 
@@ -572,29 +326,6 @@ static void describe_blocks(const bico_model *m, char *buf, size_t cap) {
     snprintf(buf, cap, "%zu blocks %s%s<i>", n, p, p[0] ? "." : "");
   else
     snprintf(buf, cap, "no blocks");
-}
-
-bico_status bico__xfer_setup(bico__run *r) {
-  bico_status st = bico__xfer_check_setup(r);
-  if (st == BICO_OK) st = open_inputs(r);
-  if (st == BICO_OK) st = bico__xfer_load_models(r);
-  if (st == BICO_OK && bico__xfer_is_bico(r->method)) st = make_solver(r);
-  if (st == BICO_OK) st = bico__xfer_families(r);
-  /* Token rows by token string when both folders have a tokenizer.json
-   * and the vocabularies differ (BiCo methods: the maps carry the rest). */
-  if (st == BICO_OK && bico__xfer_is_bico(r->method)) {
-    st = bico__vocab_map(r->ctx, r->t->files[BICO_FILE_SOURCE_BASE],
-                         r->t->files[BICO_FILE_TARGET_BASE], &r->vocab);
-    if (st == BICO_OK && r->vocab != NULL)
-      bico__xfer_log(r, "bico: the tokenizers differ (%zu source, %zu target "
-                        "tokens): token rows matched by string, %zu shared, "
-                        "%zu new",
-                     r->vocab->n_source, r->vocab->n_target, r->vocab->shared,
-                     r->vocab->fresh);
-  }
-  if (st == BICO_OK) st = bico__xfer_plan(r);
-  if (st == BICO_OK) st = bico__xfer_check_pairing(r);
-  return st;
 }
 
 static bico_status run_all(bico__run *r) {
@@ -627,36 +358,6 @@ static bico_status run_all(bico__run *r) {
   if (bico) st = bico__xfer_pool_start(r, partial ? t->select : NULL);
   if (st == BICO_OK) st = bico__xfer_write_all(r);
   return st;
-}
-
-void bico__xfer_run_init(bico__run *r, bico_transfer *t) {
-  memset(r, 0, sizeof *r);
-  r->t = t;
-  r->ctx = t->ctx;
-  r->method = (int)t->param[BICO_TRANSFER_METHOD];
-  r->alpha = (float)t->param[BICO_TRANSFER_ALPHA];
-  bico__report_init(&r->rep, t->ctx);
-}
-
-void bico__xfer_run_free(bico__run *r) {
-  bico_ctx *ctx = r->ctx;
-  bico__xfer_pool_stop(r);
-  bico__xfer_heads_free(r);
-  for (size_t m = 0; m < r->nm && r->mods; m++)
-    bico__xfer_free_maps(r, &r->mods[m]);
-  bico__free(ctx, r->mods);
-  bico__free(ctx, r->owner);
-  bico__free(ctx, r->tie_rule);
-  bico_stwriter_free(r->w);
-  bico_stwriter_free(r->wd);
-  bico_procrustes_free(r->proc);
-  bico_model_free(r->ms);
-  bico_model_free(r->mt);
-  bico__vocab_free(ctx, r->vocab);
-  bico_stfile *fs[8] = {r->sb, r->sft,  r->tv,    r->tb,
-                        r->sc, r->tc, r->stats, r->votes};
-  for (int i = 0; i < 8; i++) bico_stfile_close(fs[i]);
-  bico__report_free(&r->rep);
 }
 
 bico_status bico_transfer_run(bico_transfer *t) {

@@ -19,13 +19,13 @@ struct bico__asm {
 };
 
 void bico__xfer_plan_clear(bico_transfer *t) {
-  bico__free(t->ctx, t->plan_tensors);
-  bico__free(t->ctx, t->plan_start);
-  bico__free(t->ctx, t->plan_cost);
-  t->plan_tensors = t->plan_start = NULL;
-  t->plan_cost = NULL;
-  t->plan_nt = t->plan_ng = 0;
-  t->planned = 0;
+  bico__free(t->ctx, t->plan.tensors);
+  bico__free(t->ctx, t->plan.start);
+  bico__free(t->ctx, t->plan.cost);
+  t->plan.tensors = t->plan.start = NULL;
+  t->plan.cost = NULL;
+  t->plan.nt = t->plan.ng = 0;
+  t->plan.planned = 0;
 }
 
 void bico__xfer_asm_free(bico_transfer *t) {
@@ -41,58 +41,6 @@ void bico__xfer_asm_free(bico_transfer *t) {
   t->as = NULL;
 }
 
-/* Operations of solving one map from a [da, db] statistic (the Gram's
- * eigen- or singular value decomposition). */
-static double solve_cost(size_t da, size_t db) {
-  double m = (double)(da < db ? da : db);
-  return (double)da * (double)db * m;
-}
-
-/* The maps module m's group solves, as its tensors' routes ask. */
-static double maps_cost(const bico__run *r, size_t m, const int need[2]) {
-  size_t dob, dib, doa, dia;
-  if (bico_model_module_dims(r->mt, m, &dob, &dib) != BICO_OK ||
-      bico_model_module_dims(r->ms, r->mods[m].src, &doa, &dia) != BICO_OK) {
-    bico__clear(r->ctx);
-    return 0;
-  }
-  double c = 0;
-  if (need[0]) c += solve_cost(dia, dib);
-  if (need[1]) c += solve_cost(doa, dob);
-  return c;
-}
-
-bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost) {
-  size_t nt = bico_model_tensor_count(r->mt), nm = r->nm;
-  int bico = bico__xfer_is_bico(r->method);
-  int (*need)[2] = bico__calloc(r->ctx, nm + 1, sizeof *need);
-  size_t *first = bico__alloc(r->ctx, (nm + 1) * sizeof *first);
-  if (need == NULL || first == NULL) {
-    bico__free(r->ctx, need);
-    bico__free(r->ctx, first);
-    return BICO_E_NOMEM;
-  }
-  for (size_t m = 0; m < nm; m++) first[m] = BICO__NONE;
-  for (size_t ti = 0; ti < nt; ti++) {
-    size_t ndim;
-    const size_t *shape;
-    bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
-    cost[ti] = 4.0 * (double)bico__xfer_numel(ndim, shape) + 1;
-    size_t m = r->owner[ti];
-    if (!bico || m == BICO__NONE) continue;
-    bico__route rt;
-    bico__xfer_route(r, ti, &rt);
-    need[m][0] |= rt.need[0];
-    need[m][1] |= rt.need[1];
-    if (first[m] == BICO__NONE) first[m] = ti;
-  }
-  for (size_t m = 0; m < nm; m++)
-    if (first[m] != BICO__NONE) cost[first[m]] += maps_cost(r, m, need[m]);
-  bico__free(r->ctx, need);
-  bico__free(r->ctx, first);
-  return BICO_OK;
-}
-
 /* Groups and costs from a planned run into t. */
 static bico_status make_groups(bico__run *r) {
   bico_transfer *t = r->t;
@@ -102,12 +50,12 @@ static bico_status make_groups(bico__run *r) {
   size_t *gid = bico__alloc(ctx, (nt ? nt : 1) * sizeof *gid);
   size_t *slot = bico__alloc(ctx, (nm + nt + 1) * sizeof *slot);
   int (*need)[2] = bico__calloc(ctx, nm + 1, sizeof *need);
-  t->plan_tensors = bico__alloc(ctx, (nt ? nt : 1) * sizeof *t->plan_tensors);
-  t->plan_start = bico__calloc(ctx, nt + 2, sizeof *t->plan_start);
-  t->plan_cost = bico__calloc(ctx, nt + 1, sizeof *t->plan_cost);
+  t->plan.tensors = bico__alloc(ctx, (nt ? nt : 1) * sizeof *t->plan.tensors);
+  t->plan.start = bico__calloc(ctx, nt + 2, sizeof *t->plan.start);
+  t->plan.cost = bico__calloc(ctx, nt + 1, sizeof *t->plan.cost);
   bico_status st = BICO_OK;
-  if (!gid || !slot || !need || !t->plan_tensors || !t->plan_start ||
-      !t->plan_cost)
+  if (!gid || !slot || !need || !t->plan.tensors || !t->plan.start ||
+      !t->plan.cost)
     st = BICO_E_NOMEM;
   for (size_t i = 0; st == BICO_OK && i < nm + nt; i++) slot[i] = BICO__NONE;
   /* Group ids in order of first appearance. */
@@ -126,21 +74,21 @@ static bico_status make_groups(bico__run *r) {
     const size_t *shape;
     bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
     /* reading, transporting, adding and sending its elements */
-    t->plan_cost[gid[ti]] += 4.0 * (double)bico__xfer_numel(ndim, shape) + 1;
+    t->plan.cost[gid[ti]] += 4.0 * (double)bico__xfer_numel(ndim, shape) + 1;
   }
   for (size_t m = 0; st == BICO_OK && m < nm; m++)
-    if (slot[m] != BICO__NONE) t->plan_cost[slot[m]] += maps_cost(r, m, need[m]);
+    if (slot[m] != BICO__NONE) t->plan.cost[slot[m]] += bico__xfer_maps_cost(r, m, need[m]);
   /* Tensors by group, ascending within each (counting sort). */
-  for (size_t ti = 0; st == BICO_OK && ti < nt; ti++) t->plan_start[gid[ti] + 1]++;
+  for (size_t ti = 0; st == BICO_OK && ti < nt; ti++) t->plan.start[gid[ti] + 1]++;
   for (size_t g = 0; st == BICO_OK && g < ng; g++)
-    t->plan_start[g + 1] += t->plan_start[g];
+    t->plan.start[g + 1] += t->plan.start[g];
   if (st == BICO_OK) {
     size_t *fill = slot; /* reused: next free position per group */
-    for (size_t g = 0; g < ng; g++) fill[g] = t->plan_start[g];
-    for (size_t ti = 0; ti < nt; ti++) t->plan_tensors[fill[gid[ti]]++] = ti;
-    t->plan_nt = nt;
-    t->plan_ng = ng;
-    t->planned = 1;
+    for (size_t g = 0; g < ng; g++) fill[g] = t->plan.start[g];
+    for (size_t ti = 0; ti < nt; ti++) t->plan.tensors[fill[gid[ti]]++] = ti;
+    t->plan.nt = nt;
+    t->plan.ng = ng;
+    t->plan.planned = 1;
   }
   bico__free(ctx, gid);
   bico__free(ctx, slot);
@@ -167,11 +115,11 @@ bico_status bico_transfer_plan(bico_transfer *t) {
 bico_status bico_transfer_plan_size(const bico_transfer *t, size_t *tensors,
                                     size_t *groups) {
   if (t == NULL) return BICO_E_NULL;
-  if (!t->planned)
+  if (!t->plan.planned)
     return bico__fail(t->ctx, BICO_E_STATE,
                       "transfer_plan_size: no successful plan yet");
-  if (tensors) *tensors = t->plan_nt;
-  if (groups) *groups = t->plan_ng;
+  if (tensors) *tensors = t->plan.nt;
+  if (groups) *groups = t->plan.ng;
   return BICO_OK;
 }
 
@@ -179,15 +127,15 @@ bico_status bico_transfer_plan_group(const bico_transfer *t, size_t g,
                                      double *cost, size_t *count,
                                      const size_t **tensors) {
   if (t == NULL) return BICO_E_NULL;
-  if (!t->planned)
+  if (!t->plan.planned)
     return bico__fail(t->ctx, BICO_E_STATE,
                       "transfer_plan_group: no successful plan yet");
-  if (g >= t->plan_ng)
+  if (g >= t->plan.ng)
     return bico__fail(t->ctx, BICO_E_ARG,
-                      "transfer_plan_group: group %zu of %zu", g, t->plan_ng);
-  if (cost) *cost = t->plan_cost[g];
-  if (count) *count = t->plan_start[g + 1] - t->plan_start[g];
-  if (tensors) *tensors = t->plan_tensors + t->plan_start[g];
+                      "transfer_plan_group: group %zu of %zu", g, t->plan.ng);
+  if (cost) *cost = t->plan.cost[g];
+  if (count) *count = t->plan.start[g + 1] - t->plan.start[g];
+  if (tensors) *tensors = t->plan.tensors + t->plan.start[g];
   return BICO_OK;
 }
 
@@ -196,14 +144,14 @@ bico_status bico_transfer_assemble_begin(bico_transfer *t) {
   bico_ctx *ctx = t->ctx;
   bico__clear(ctx);
   bico__xfer_asm_free(t);
-  if (!t->planned)
+  if (!t->plan.planned)
     return bico__fail(ctx, BICO_E_STATE,
                       "transfer_assemble_begin: plan the run first "
                       "(bico_transfer_plan)");
   struct bico__asm *a = bico__calloc(ctx, 1, sizeof *a);
   if (a == NULL) return BICO_E_NOMEM;
   t->as = a;
-  a->nt = t->plan_nt;
+  a->nt = t->plan.nt;
   a->entries = bico__calloc(ctx, a->nt ? a->nt : 1, sizeof *a->entries);
   if (a->entries == NULL) return BICO_E_NOMEM;
   bico_status st = bico_stfile_open(ctx, t->files[BICO_FILE_TARGET_BASE], &a->tb);

@@ -31,6 +31,7 @@
 
 #include "calib.h"
 #include "family.h"
+#include "fileio.h"
 #include "transfer_internal.h"
 
 enum { R_Q = 0, R_K, R_V, R_O, R_GATE, R_UP, R_DOWN, R_COUNT };

@@ -1,27 +1,43 @@
 /* The transfer driver's private types (internal).
  *
- * bico_transfer_run is split by concept, one section below per file:
- *   transfer.c          the handle, its options, and the run's top level;
- *   transfer_plan.c     checks of the setup, which module's maps each target
- *                       tensor takes (pairing, ties, splits);
- *   transfer_maps.c     solving maps: on demand in the calling thread or
- *                       ahead of need in the solver pool;
- *   transfer_heads.c    structure-aware maps for decoder blocks (heads,
- *                       RoPE) when both families are known;
- *   transfer_mem.c      statistics and votes lent by the host
- *                       (bico_transfer_set_xcov, _set_votes);
- *   transfer_names.c    name diagnostics: the source rename, the prefix
- *                       offer, a checkpoint given as the task vector;
- *   transfer_update.c   the update of one tensor, by method and role, and
- *                       row tables streamed in pieces;
+ * bico_transfer_run is split by concept into layers; a file calls only
+ * files listed below it (no cycle: checked from the object files), and
+ * each section below declares what the file it names defines:
+ *   transfer.c          the driver: the handle, its options,
+ *                       bico_transfer_run and the LoRA branch's hand-over;
+ *   lora_transfer.c     the LoRA route: an adapter's factors carried by the
+ *                       maps; its saved tensors by bico__xfer_carry;
+ *   transfer_assemble.c the multi-process plan (groups, costs) and the
+ *                       assembler (bico_transfer_plan, _assemble_*);
+ *   transfer_explain.c  bico_transfer_explain: the plan with its reasons;
+ *   transfer_setup.c    a run's life: init, setup (checks, inputs, models,
+ *                       solver, families, vocabulary, plan), free;
  *   transfer_output.c   the report entries, the output writers and the
  *                       partial-run sink;
- *   transfer_assemble.c the multi-process plan (groups, costs) and the
- *                       assembler;
- *   transfer_explain.c  bico_transfer_explain: the plan with its reasons.
- * The LoRA branch (lib/transfer/lora_transfer.c) reaches the run through the hook
- * of lora_internal.h.
- * A run's state (struct run) lives for one bico_transfer_run call. */
+ *   transfer_update.c   the update of one tensor, by method and role (the
+ *                       one "carry this tensor by its route" step), and
+ *                       row tables streamed in pieces;
+ *   transfer_maps.c     solving maps: on demand in the calling thread or
+ *                       ahead of need in the solver pool;
+ *   transfer_plan.c     checks of the setup, which module's maps each target
+ *                       tensor takes (pairing, ties, splits, routes), and
+ *                       the plan's costs;
+ *   transfer_heads.c    structure-aware maps for decoder blocks (heads,
+ *                       RoPE) when both families are known;
+ *   transfer_names.c    name diagnostics: the source rename, the prefix
+ *                       offer, a checkpoint given as the task vector;
+ *   transfer_mem.c      statistics and votes lent by the host
+ *                       (bico_transfer_set_xcov, _set_votes);
+ *   transfer_base.c     what every step uses: names (file slots, methods,
+ *                       handlings), the log line, error wrapping, tensor
+ *                       and module names.
+ * The handle (struct bico_transfer) holds the options (set before a run)
+ * and what outlives a run, each part owned and freed by one file: the
+ * counts (transfer.c), the multi-process plan and assembler
+ * (transfer_assemble.c), the explain answers (transfer_explain.c) and the
+ * lent statistics (transfer_mem.c).  A run's state (struct bico__run)
+ * lives for one bico_transfer_run, _plan or _explain call
+ * (transfer_setup.c). */
 #ifndef BICO_TRANSFER_INTERNAL_H
 #define BICO_TRANSFER_INTERNAL_H
 
@@ -29,7 +45,6 @@
 
 #include "family.h"
 #include "internal.h"
-#include "lora_internal.h"
 #include "report.h"
 
 #define BICO__NONE SIZE_MAX
@@ -46,8 +61,18 @@ typedef struct bico__tie_rec {
   char *tensor, *module;
 } bico__tie_rec;
 
+/* The multi-process plan (bico_transfer_plan; transfer_assemble.c):
+ * target tensors by group, start holding ng + 1 offsets. */
+typedef struct bico__xfer_groups {
+  int planned;
+  size_t nt, ng;
+  size_t *tensors, *start;
+  double *cost;
+} bico__xfer_groups;
+
 struct bico_transfer {
   bico_ctx *ctx;
+  /* The options (transfer.c's setters), read by every step. */
   char *files[BICO__NFILES];
   double param[BICO__NPARAMS];
   char *strings[BICO__NSTRINGS];
@@ -59,24 +84,22 @@ struct bico_transfer {
   void *log_opaque;
   bico_progress_fn progress;
   void *progress_opaque;
-  int ran;
-  size_t updated, unchanged;
   unsigned char *select; /* partial runs: tensors to compute, or NULL */
   size_t nselect;
   bico_transfer_sink_fn sink;
   void *sink_opaque;
-  /* bico_transfer_plan: tensors by group (plan_start: ng + 1 offsets) */
-  int planned;
-  size_t plan_nt, plan_ng;
-  size_t *plan_tensors, *plan_start;
-  double *plan_cost;
-  struct bico__asm *as; /* the assembler, between begin and commit */
-  struct bico__explain *ex; /* bico_transfer_explain's answers */
-  struct bico__mem *mem; /* lent statistics and votes (transfer_mem.c) */
+  /* What outlives a run: the last run's counts (bico_transfer_counts;
+   * set where a run's outputs are committed), then parts each owned and
+   * freed by one file. */
+  int ran;
+  size_t updated, unchanged;
+  bico__xfer_groups plan;   /* transfer_assemble.c */
+  struct bico__asm *as;     /* the assembler, between begin and commit
+                               (transfer_assemble.c) */
+  struct bico__explain *ex; /* bico_transfer_explain's answers
+                               (transfer_explain.c) */
+  struct bico__mem *mem;    /* lent statistics and votes (transfer_mem.c) */
 };
-
-/* What each file slot is called in messages. */
-extern const char *const bico__xfer_file_option[BICO__NFILES];
 
 typedef struct bico__map {
   float *r; /* da x db; NULL before computed */
@@ -105,7 +128,6 @@ enum bico__handling {
   BICO__H_MASKED,
   BICO__H_COUNT
 };
-extern const char *const bico__xfer_handling[BICO__H_COUNT];
 
 /* What happened to one tensor, for the report. */
 typedef struct bico__tinfo {
@@ -121,6 +143,31 @@ typedef struct bico__tinfo {
   int vocab;    /* rows matched by token string (lib/model/vocab.c) */
   size_t vocab_shared, vocab_new;
 } bico__tinfo;
+
+/* Which maps carry target tensor ti (role dispatch, BiCo methods): the
+ * one rule the whole-model driver, its solver pool and the LoRA route
+ * follow (bico__xfer_route). */
+enum bico__route_kind {
+  BICO__ROUTE_NONE = 0, /* left unchanged: `reason` says why */
+  BICO__ROUTE_WEIGHT,   /* R_out^T tau R_in with module's maps */
+  BICO__ROUTE_BIAS,     /* R_out^T b, block-wise for a split output */
+  BICO__ROUTE_ROWS      /* each row along its last dimension by one map */
+};
+typedef struct bico__route {
+  int kind;        /* bico__route_kind */
+  int role;        /* the tensor's bico_role */
+  size_t module;   /* target module whose maps carry it */
+  int need[2];     /* sides it asks for: 0 input map, 1 output map(s) */
+  int side;        /* ROWS: the side of the one map */
+  int identity;    /* ROWS: the method leaves that side alone (no map) */
+  int vocab;       /* rows matched by token string (lib/model/vocab.c) */
+  int tokens;      /* WEIGHT: a vocabulary head (rows are tokens: no
+                      output map) */
+  int scale;       /* ROWS: a norm's scale, an operator diag(g): moved as
+                      diag(R^T diag(tau) R) = (R o R)^T tau, not R^T tau */
+  char reason[192];
+} bico__route;
+
 
 struct bico__pool;
 
@@ -174,6 +221,22 @@ typedef struct bico__xfer_tensor {
 } bico__xfer_tensor;
 
 /* ---- transfer.c ---- */
+/* (only public entry points) */
+
+/* ---- lora_transfer.c ---- */
+/* The LoRA route of a planned run (the source adapter set): the output
+ * adapter, checkpoint and report as the options name them; *updated gets
+ * the target tensors that received an update. */
+bico_status bico__lora_transfer_run(bico__run *r, size_t *updated);
+
+/* ---- transfer_assemble.c ---- */
+void bico__xfer_plan_clear(bico_transfer *t);
+void bico__xfer_asm_free(bico_transfer *t);
+
+/* ---- transfer_explain.c ---- */
+void bico__xfer_explain_free(bico_transfer *t);
+
+/* ---- transfer_setup.c ---- */
 void bico__xfer_run_init(bico__run *r, bico_transfer *t);
 /* Everything before the first tensor: checks, inputs, models, the solver,
  * the plan. */
@@ -183,106 +246,15 @@ void bico__xfer_run_free(bico__run *r);
  * containers. */
 bico_status bico__xfer_load_models(bico__run *r);
 
-/* ---- transfer_plan.c ---- */
-void bico__xfer_log(bico__run *r, const char *fmt, ...)
-#ifdef __GNUC__
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-/* Prefixes ctx's message with context ("tensor X: ...") unless it names
- * `name` already. */
-bico_status bico__xfer_wrap(bico_ctx *ctx, bico_status st, const char *what,
-                            const char *name);
-const char *bico__xfer_tname(const bico_model *m, size_t i);
-const char *bico__xfer_mname(const bico_model *m, size_t i);
-size_t bico__xfer_numel(size_t ndim, const size_t *shape);
-int bico__xfer_is_bico(int method);
-bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f);
-bico_status bico__xfer_check_setup(bico__run *r);
-bico_status bico__xfer_check_outputs(bico__run *r);
-bico_status bico__xfer_plan(bico__run *r);
-/* Counts which target tensors pair with a source tensor, logs the summary
- * and fails when too few parameters pair (BICO_TRANSFER_MIN_PAIRED). */
-bico_status bico__xfer_check_pairing(bico__run *r);
-/* Role dispatch: which maps carry target tensor ti (after
- * bico__xfer_plan; BiCo methods). */
-void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out);
-/* Which sides of which module target tensor ti will ask for (the pool
- * solves them ahead). */
-void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
-                              int need[2]);
-
-/* ---- transfer_maps.c ---- */
-void bico__xfer_free_maps(bico__run *r, bico__modstate *s);
-/* Drops target tensor ti's reference to its maps (freed after the last). */
-void bico__xfer_release(bico__run *r, size_t ti);
-bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select);
-void bico__xfer_pool_stop(bico__run *r);
-/* Makes the maps of one side of target module mi available in r->mods. */
-bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
-
-/* ---- transfer_heads.c ---- */
-/* Checks the families' attention geometry (r->fam, read by
- * bico__xfer_load_models; the overrides) and decides whether
- * structure-aware maps are on. */
-bico_status bico__xfer_families(bico__run *r);
-/* 1 when side `side` of target module mi takes a structure-aware map. */
-int bico__xfer_structured(const bico__run *r, size_t mi, int side);
-/* That map (one, in a new array), solved with its layer in the calling
- * thread; *fallback 1 (and no map) when the layer has no structured form
- * (the caller solves the free-form map). */
-bico_status bico__xfer_struct_solve(bico__run *r, size_t mi, int side,
-                                    bico__map **out, int *fallback);
-void bico__xfer_heads_free(bico__run *r);
-
-/* ---- transfer_mem.c ---- */
-void bico__xfer_mem_free(bico_transfer *t);
-size_t bico__xfer_mem_nxcov(const bico_transfer *t);
-size_t bico__xfer_mem_nvotes(const bico_transfer *t);
-/* The accumulators lent for one side of a module: their count (0: none). */
-size_t bico__xfer_mem_xcov(const bico_transfer *t, const char *module,
-                           int side, const bico_xcov *const **blocks);
-const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
-                                       const char *tensor);
-
-/* ---- transfer_names.c ---- */
-/* The source rename applied to an opened input (`which` a BICO_FILE_*;
- * only the source's files are renamed); the prefix offer for a pairing
- * message (buf gets "" or "; the names differ by a prefix: ..."); the
- * warning (logged) for a checkpoint given as the task vector. */
-bico_status bico__xfer_rename_source(const bico_transfer *t, int which,
-                                     bico_stfile *f);
-void bico__xfer_prefix_offer(bico__run *r, char *buf, size_t cap);
-void bico__xfer_check_task_vector(bico__run *r);
-
-/* ---- transfer_update.c ---- */
-/* The update alpha tau_B of target tensor ti into upd (its numel floats),
- * or info->handling BICO__H_UNCHANGED with a reason. */
-bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
-                              bico__tinfo *info);
-/* The one step that carries a tensor by its route (BiCo methods), for the
- * checkpoint path and the LoRA branch's saved tensors alike: task vector
- * *tau (source tensor si's shape, allocated in r->ctx; replaced when its
- * rows are gathered by token) of target tensor ti by route rt (weight,
- * bias or rows, transposed layouts, vocabulary rows, the dead-map rule)
- * into upd (ti's numel floats), or info->handling BICO__H_UNCHANGED with
- * info->reason (upd then means nothing). */
-bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
-                             const bico__route *rt, float **tau, float *upd,
-                             bico__tinfo *info);
-/* 1 when the rows of target tensor ti and source tensor si are tokens to
- * be matched by id or token string rather than taken in order (token
- * tables or vocabulary heads, tokenizers or row counts differing). */
-int bico__xfer_token_rows(const bico__run *r, size_t ti, size_t si);
-/* Streams target tensor ti when it is a table of rows carried row by row
- * (a tied embedding): its update computed, added and written (r->w, r->wd)
- * piece by piece, *streamed 1 and info filled.  *streamed 0: not such a
- * tensor (or a check the whole-tensor path reports failed); nothing done. */
-bico_status bico__xfer_stream_rows(bico__run *r, size_t ti,
-                                   const bico__xfer_tensor *a,
-                                   bico__tinfo *info, int *streamed);
-
 /* ---- transfer_output.c ---- */
+/* Every value the driver writes is finite: BICO_E_NONFINITE naming `what`
+ * ("tensor", "adapter module", ...) `name` and the first bad element of
+ * v[0..n) otherwise. */
+bico_status bico__xfer_check_finite(bico_ctx *ctx, const float *v, size_t n,
+                                    const char *what, const char *name);
+bico_status bico__xfer_check_finite_f64(bico_ctx *ctx, const double *v,
+                                        size_t n, const char *what,
+                                        const char *name);
 bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
                               bico__xfer_tensor *x);
 /* The writer for an output path: a model folder when
@@ -300,11 +272,9 @@ bico_status bico__xfer_write_one(bico_ctx *ctx, const bico_stfile *tb,
                                  const bico__xfer_tensor *x, bico_stwriter *w,
                                  bico_stwriter *wd, const float *upd,
                                  double *norm);
-/* The report around the tensors' entries. */
+/* The report around the tensors' entries; the tail's summary has the
+ * vocabulary map's counts (vocab may be NULL). */
 void bico__xfer_report_head(bico__report *rep, int method, float alpha);
-void bico__xfer_report_tail(bico__report *rep, const size_t *count);
-/* The same with the vocabulary map's counts in the summary (vocab may be
- * NULL). */
 void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
                                   const struct bico__vocab *vocab);
 /* Report to its temporary, then wd, w, then the report's rename. */
@@ -313,17 +283,138 @@ bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
                               bico_stwriter *wd);
 bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
                                      size_t ti, const bico__tinfo *info);
+/* Every target tensor: updated and written (or handed to the sink), the
+ * report and the commit. */
 bico_status bico__xfer_write_all(bico__run *r);
-/* (bico__xfer_check_finite and _f64 are declared in lora_internal.h.) */
 
-/* ---- transfer_assemble.c ---- */
-void bico__xfer_plan_clear(bico_transfer *t);
-void bico__xfer_asm_free(bico_transfer *t);
+/* ---- transfer_update.c ---- */
+/* The update alpha tau_B of target tensor ti into upd (its numel floats),
+ * or info->handling BICO__H_UNCHANGED with a reason. */
+bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
+                              bico__tinfo *info);
+/* The one step that carries a tensor by its route (BiCo methods), for the
+ * checkpoint path and the LoRA route's saved tensors alike: task vector
+ * *tau (source tensor si's shape, allocated in r->ctx; replaced when its
+ * rows are gathered by token) of target tensor ti by route rt (weight,
+ * bias or rows, transposed layouts, vocabulary rows, the dead-map rule)
+ * into upd (ti's numel floats), or info->handling BICO__H_UNCHANGED with
+ * info->reason (upd then means nothing). */
+bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
+                             const bico__route *rt, float **tau, float *upd,
+                             bico__tinfo *info);
+/* naive, pad or gradfix (the run's method) on task vector tau (source
+ * tensor si's shape; a checkpoint's or the LoRA route's dense update) of
+ * target tensor ti into upd (ti's numel floats), with the votes lent or
+ * read for ti; info gets the handling, source and GradFix's kept
+ * fraction. */
+bico_status bico__xfer_elementwise(bico__run *r, size_t ti, size_t si,
+                                   const float *tau, float *upd,
+                                   bico__tinfo *info);
+/* The dead-map rule, one for every path that carries a tensor by its maps
+ * (bico__xfer_carry and the LoRA route's factors): a map fitted on an
+ * all-zero statistic (rank 0: no activation or no gradient reached the
+ * layer) identifies nothing, and its completion would move the update
+ * arbitrarily, so what it would carry is left unchanged.  Returns 1 and
+ * writes the reason, naming the map's side ("in" or "out"), into
+ * reason[cap] when rank is 0. */
+int bico__map_dead(size_t rank, const char *side, char *reason, size_t cap);
+/* 1 when the rows of target tensor ti and source tensor si are tokens to
+ * be matched by id or token string rather than taken in order (token
+ * tables or vocabulary heads, tokenizers or row counts differing). */
+int bico__xfer_token_rows(const bico__run *r, size_t ti, size_t si);
+/* Streams target tensor ti when it is a table of rows carried row by row
+ * (a tied embedding): its update computed, added and written (r->w, r->wd)
+ * piece by piece, *streamed 1 and info filled.  *streamed 0: not such a
+ * tensor (or a check the whole-tensor path reports failed); nothing done. */
+bico_status bico__xfer_stream_rows(bico__run *r, size_t ti,
+                                   const bico__xfer_tensor *a,
+                                   bico__tinfo *info, int *streamed);
+
+/* ---- transfer_maps.c ---- */
+void bico__xfer_free_maps(bico__run *r, bico__modstate *s);
+/* Drops target tensor ti's reference to its maps (freed after the last). */
+void bico__xfer_release(bico__run *r, size_t ti);
+bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select);
+void bico__xfer_pool_stop(bico__run *r);
+/* Makes the maps of one side of target module mi available in r->mods. */
+bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
+
+/* ---- transfer_plan.c ---- */
+bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f);
+bico_status bico__xfer_check_setup(bico__run *r);
+bico_status bico__xfer_check_outputs(bico__run *r);
+bico_status bico__xfer_plan(bico__run *r);
+/* Counts which target tensors pair with a source tensor, logs the summary
+ * and fails when too few parameters pair (BICO_TRANSFER_MIN_PAIRED). */
+bico_status bico__xfer_check_pairing(bico__run *r);
+/* Role dispatch: which maps carry target tensor ti (after
+ * bico__xfer_plan; BiCo methods). */
+void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out);
+/* Which sides of which module target tensor ti will ask for (the pool
+ * solves them ahead). */
+void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
+                              int need[2]);
+/* The operations of solving the maps of module m's sides need[0] (input)
+ * and need[1] (output). */
+double bico__xfer_maps_cost(const bico__run *r, size_t m, const int need[2]);
 /* Each target tensor's share of the plan's cost: its elements, and a
  * module's map solves on its first tensor. */
 bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost);
 
-/* ---- transfer_explain.c ---- */
-void bico__xfer_explain_free(bico_transfer *t);
+/* ---- transfer_heads.c ---- */
+/* Checks the families' attention geometry (r->fam, read by
+ * bico__xfer_load_models; the overrides) and decides whether
+ * structure-aware maps are on. */
+bico_status bico__xfer_families(bico__run *r);
+/* 1 when side `side` of target module mi takes a structure-aware map. */
+int bico__xfer_structured(const bico__run *r, size_t mi, int side);
+/* That map (one, in a new array), solved with its layer in the calling
+ * thread; *fallback 1 (and no map) when the layer has no structured form
+ * (the caller solves the free-form map). */
+bico_status bico__xfer_struct_solve(bico__run *r, size_t mi, int side,
+                                    bico__map **out, int *fallback);
+void bico__xfer_heads_free(bico__run *r);
+
+/* ---- transfer_names.c ---- */
+/* The source rename applied to an opened input (`which` a BICO_FILE_*;
+ * only the source's files are renamed); the prefix offer for a pairing
+ * message (buf gets "" or "; the names differ by a prefix: ..."); the
+ * warning (logged) for a checkpoint given as the task vector. */
+bico_status bico__xfer_rename_source(const bico_transfer *t, int which,
+                                     bico_stfile *f);
+void bico__xfer_prefix_offer(bico__run *r, char *buf, size_t cap);
+void bico__xfer_check_task_vector(bico__run *r);
+
+/* ---- transfer_mem.c ---- */
+void bico__xfer_mem_free(bico_transfer *t);
+size_t bico__xfer_mem_nxcov(const bico_transfer *t);
+size_t bico__xfer_mem_nvotes(const bico_transfer *t);
+/* The accumulators lent for one side of a module: their count (0: none). */
+size_t bico__xfer_mem_xcov(const bico_transfer *t, const char *module,
+                           int side, const bico_xcov *const **blocks);
+const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
+                                       const char *tensor);
+
+/* ---- transfer_base.c ---- */
+/* What each file slot is called in messages. */
+extern const char *const bico__xfer_file_option[BICO__NFILES];
+/* What each handling is called (report, bico_handling_name). */
+extern const char *const bico__xfer_handling[BICO__H_COUNT];
+void bico__xfer_log(bico__run *r, const char *fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* Prefixes ctx's message with context ("tensor X: ...") unless it names
+ * `name` already. */
+bico_status bico__xfer_wrap(bico_ctx *ctx, bico_status st, const char *what,
+                            const char *name);
+const char *bico__xfer_tname(const bico_model *m, size_t i);
+const char *bico__xfer_mname(const bico_model *m, size_t i);
+size_t bico__xfer_numel(size_t ndim, const size_t *shape);
+int bico__xfer_is_bico(int method);
+/* dst [cols, rows] = src [rows, cols] transposed. */
+void bico__xfer_transpose(const float *src, size_t rows, size_t cols,
+                          float *dst);
 
 #endif

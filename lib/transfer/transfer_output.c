@@ -14,9 +14,6 @@
 #include "transfer_internal.h"
 #include "vocab.h"
 
-const char *const bico__xfer_handling[BICO__H_COUNT] = {
-    "unchanged", "linear", "vector", "tied", "naive", "padded", "masked"};
-
 bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
                                      size_t ti, const bico__tinfo *info) {
   const char *name;
@@ -79,7 +76,6 @@ bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
   bico__report_end_object(rep);
   return bico__report_status(rep);
 }
-
 
 static bico_status nonfinite(bico_ctx *ctx, const char *what,
                              const char *name, size_t e, double x) {
@@ -351,10 +347,6 @@ void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
   }
   bico__report_end_object(rep);
   bico__report_end_object(rep);
-}
-
-void bico__xfer_report_tail(bico__report *rep, const size_t *count) {
-  bico__xfer_report_tail_vocab(rep, count, NULL);
 }
 
 bico_status bico__xfer_write_all(bico__run *r) {

@@ -13,27 +13,6 @@
 #include "transfer_internal.h"
 #include "vocab.h"
 
-void bico__xfer_log(bico__run *r, const char *fmt, ...) {
-  if (r->t->log == NULL) return;
-  char line[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(line, sizeof line, fmt, ap);
-  va_end(ap);
-  r->t->log(r->t->log_opaque, line);
-}
-
-/* Prefixes ctx's message with context ("tensor X: ..."). */
-bico_status bico__xfer_wrap(bico_ctx *ctx, bico_status st, const char *what,
-                        const char *name) {
-  char detail[BICO_ERRMSG_CAP];
-  snprintf(detail, sizeof detail, "%s", bico_ctx_errmsg(ctx));
-  if (strstr(detail, name) != NULL)
-    return st; /* already names it */
-  return bico__fail(ctx, st, "%s %s: %s", what, name,
-                    detail[0] ? detail : bico_strerror(st));
-}
-
 static int ends_with_component(const char *name, const char *suffix) {
   size_t n = strlen(name), s = strlen(suffix);
   if (s > n || strcmp(name + n - s, suffix) != 0) return 0;
@@ -49,29 +28,6 @@ static size_t split_for(const bico_transfer *t, int family,
   return bico__family_split(family, module);
 }
 
-const char *bico__xfer_tname(const bico_model *m, size_t i) {
-  const char *n = "";
-  bico_model_tensor(m, i, &n, NULL, NULL, NULL);
-  return n;
-}
-
-const char *bico__xfer_mname(const bico_model *m, size_t i) {
-  const char *n = "";
-  bico_model_module(m, i, &n, NULL, NULL, NULL);
-  return n;
-}
-
-size_t bico__xfer_numel(size_t ndim, const size_t *shape) {
-  size_t n = 1;
-  for (size_t d = 0; d < ndim; d++) n *= shape[d];
-  return n;
-}
-
-int bico__xfer_is_bico(int method) {
-  return method == BICO_METHOD_BICO || method == BICO_METHOD_BICO_IN ||
-         method == BICO_METHOD_BICO_OUT;
-}
-
 bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
   const char *path = r->t->files[which];
   if (path == NULL) return BICO_OK;
@@ -80,7 +36,6 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
   if (st != BICO_OK) return bico__xfer_wrap(r->ctx, st, bico__xfer_file_option[which], path);
   return BICO_OK;
 }
-
 
 /* The module whose map carries a token tensor of the given width when the
  * user named none: the first module, in this order, whose map lives in the
@@ -242,7 +197,6 @@ bico_status bico__xfer_plan(bico__run *r) {
   }
   return BICO_OK;
 }
-
 
 bico_status bico__xfer_check_setup(bico__run *r) {
   bico_transfer *t = r->t;
@@ -577,5 +531,58 @@ bico_status bico__xfer_check_pairing(bico__run *r) {
                       first_unpaired ? first_unpaired : "?", need, offer);
   if (offer[0]) bico__xfer_log(r, "bico: note: %s", offer + 2);
   bico__xfer_check_task_vector(r);
+  return BICO_OK;
+}
+
+/* ---- The plan's costs (bico_transfer_plan's groups, progress) ---- */
+
+/* Operations of solving one map from a [da, db] statistic (the Gram's
+ * eigen- or singular value decomposition). */
+static double solve_cost(size_t da, size_t db) {
+  double m = (double)(da < db ? da : db);
+  return (double)da * (double)db * m;
+}
+
+double bico__xfer_maps_cost(const bico__run *r, size_t m, const int need[2]) {
+  size_t dob, dib, doa, dia;
+  if (bico_model_module_dims(r->mt, m, &dob, &dib) != BICO_OK ||
+      bico_model_module_dims(r->ms, r->mods[m].src, &doa, &dia) != BICO_OK) {
+    bico__clear(r->ctx);
+    return 0;
+  }
+  double c = 0;
+  if (need[0]) c += solve_cost(dia, dib);
+  if (need[1]) c += solve_cost(doa, dob);
+  return c;
+}
+
+bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost) {
+  size_t nt = bico_model_tensor_count(r->mt), nm = r->nm;
+  int bico = bico__xfer_is_bico(r->method);
+  int (*need)[2] = bico__calloc(r->ctx, nm + 1, sizeof *need);
+  size_t *first = bico__alloc(r->ctx, (nm + 1) * sizeof *first);
+  if (need == NULL || first == NULL) {
+    bico__free(r->ctx, need);
+    bico__free(r->ctx, first);
+    return BICO_E_NOMEM;
+  }
+  for (size_t m = 0; m < nm; m++) first[m] = BICO__NONE;
+  for (size_t ti = 0; ti < nt; ti++) {
+    size_t ndim;
+    const size_t *shape;
+    bico_model_tensor(r->mt, ti, NULL, NULL, &ndim, &shape);
+    cost[ti] = 4.0 * (double)bico__xfer_numel(ndim, shape) + 1;
+    size_t m = r->owner[ti];
+    if (!bico || m == BICO__NONE) continue;
+    bico__route rt;
+    bico__xfer_route(r, ti, &rt);
+    need[m][0] |= rt.need[0];
+    need[m][1] |= rt.need[1];
+    if (first[m] == BICO__NONE) first[m] = ti;
+  }
+  for (size_t m = 0; m < nm; m++)
+    if (first[m] != BICO__NONE) cost[first[m]] += bico__xfer_maps_cost(r, m, need[m]);
+  bico__free(r->ctx, need);
+  bico__free(r->ctx, first);
   return BICO_OK;
 }

@@ -161,12 +161,6 @@ static bico_status gather_vocab(bico__run *r, pairing *p, bico__tinfo *info) {
   return BICO_OK;
 }
 
-/* dst [cols, rows] = src [rows, cols] transposed. */
-static void transpose(const float *src, size_t rows, size_t cols, float *dst) {
-  for (size_t i = 0; i < rows; i++)
-    for (size_t j = 0; j < cols; j++) dst[j * rows + i] = src[i * cols + j];
-}
-
 static bico_status weight_update_oi(bico__run *r, const bico__route *rt,
                                     const pairing *p, float *upd,
                                     bico__tinfo *info);
@@ -186,7 +180,7 @@ static bico_status weight_update(bico__run *r, const bico__route *rt,
   if (ts) {
     tau = bico__alloc(ctx, p->na * sizeof(float));
     if (tau == NULL) return BICO_E_NOMEM;
-    transpose(p->tau, p->sh_a[0], p->sh_a[1], tau);
+    bico__xfer_transpose(p->tau, p->sh_a[0], p->sh_a[1], tau);
     q.tau = tau;
   }
   if (tt && (out = bico__alloc(ctx, p->nb * sizeof(float))) == NULL) {
@@ -194,7 +188,8 @@ static bico_status weight_update(bico__run *r, const bico__route *rt,
     return BICO_E_NOMEM;
   }
   bico_status st = weight_update_oi(r, rt, &q, out, info);
-  if (st == BICO_OK && tt) transpose(out, p->shape[1], p->shape[0], upd);
+  if (st == BICO_OK && tt)
+    bico__xfer_transpose(out, p->shape[1], p->shape[0], upd);
   if (tt) bico__free(ctx, out);
   bico__free(ctx, tau);
   return st;
@@ -421,43 +416,41 @@ static bico_status bico_update(bico__run *r, size_t ti, float *upd,
   return st;
 }
 
-/* naive, pad and gradfix: tensor by tensor. */
-static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
-                                      bico__tinfo *info) {
+/* naive and gradfix need equal shapes (pad does not): the check before
+ * anything is read. */
+static bico_status check_shapes(bico__run *r, size_t ti, size_t si) {
+  const char *name;
+  size_t ndim, nd_a;
+  const size_t *shape, *sh_a;
+  bico_model_tensor(r->mt, ti, &name, NULL, &ndim, &shape);
+  bico_model_tensor(r->ms, si, NULL, NULL, &nd_a, &sh_a);
+  int same = nd_a == ndim &&
+             (ndim == 0 || memcmp(sh_a, shape, ndim * sizeof *shape) == 0);
+  if (same || r->method == BICO_METHOD_PAD) return BICO_OK;
+  char a[128], b[128];
+  shape_str(a, sizeof a, nd_a, sh_a);
+  shape_str(b, sizeof b, ndim, shape);
+  return bico__fail(r->ctx, BICO_E_SHAPE,
+                    "%s transfer needs equal shapes: target tensor %s is %s, "
+                    "source tensor %s is %s",
+                    r->method == BICO_METHOD_NAIVE ? "naive" : "gradfix", name,
+                    b, bico__xfer_tname(r->ms, si), a);
+}
+
+bico_status bico__xfer_elementwise(bico__run *r, size_t ti, size_t si,
+                                   const float *tau, float *upd,
+                                   bico__tinfo *info) {
   bico_ctx *ctx = r->ctx;
   const char *name;
   size_t ndim;
   const size_t *shape;
-  int dtype;
-  bico_model_tensor(r->mt, ti, &name, &dtype, &ndim, &shape);
-  size_t si;
-  bico_status pst = bico_model_pair_tensor(r->mt, ti, r->ms, &si);
-  if (pst == BICO_E_NOTFOUND) {
-    bico__clear(ctx);
-    snprintf(info->reason, sizeof info->reason,
-             "the source has no paired tensor");
-    return BICO_OK;
-  }
-  if (pst != BICO_OK) return pst;
-  info->source = bico__xfer_tname(r->ms, si);
+  bico_model_tensor(r->mt, ti, &name, NULL, &ndim, &shape);
   size_t nd_a;
   const size_t *sh_a;
   bico_model_tensor(r->ms, si, NULL, NULL, &nd_a, &sh_a);
-  int same = nd_a == ndim && (ndim == 0 || memcmp(sh_a, shape, ndim * sizeof *shape) == 0);
-  if (!same && r->method != BICO_METHOD_PAD) {
-    char a[128], b[128];
-    shape_str(a, sizeof a, nd_a, sh_a);
-    shape_str(b, sizeof b, ndim, shape);
-    return bico__fail(ctx, BICO_E_SHAPE,
-                      "%s transfer needs equal shapes: target tensor %s is %s, "
-                      "source tensor %s is %s",
-                      r->method == BICO_METHOD_NAIVE ? "naive" : "gradfix",
-                      name, b, info->source, a);
-  }
+  info->source = bico__xfer_tname(r->ms, si);
   size_t na = bico__xfer_numel(nd_a, sh_a), nb = bico__xfer_numel(ndim, shape);
-  float *tau = bico__alloc(ctx, (na ? na : 1) * sizeof(float));
-  if (tau == NULL) return BICO_E_NOMEM;
-  bico_status st = read_tau(r, si, tau, na);
+  bico_status st = check_shapes(r, ti, si);
   if (st == BICO_OK && na > 0 && r->method == BICO_METHOD_NAIVE) {
     st = bico_baseline_naive(ctx, nd_a, sh_a, ndim, shape, r->alpha, tau, 0.0f,
                              upd);
@@ -518,10 +511,36 @@ static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
     }
     bico_votes_free(votes);
   }
-  bico__free(ctx, tau);
   return st;
 }
 
+/* naive, pad and gradfix: tensor by tensor. */
+static bico_status elementwise_update(bico__run *r, size_t ti, float *upd,
+                                      bico__tinfo *info) {
+  bico_ctx *ctx = r->ctx;
+  size_t si;
+  bico_status pst = bico_model_pair_tensor(r->mt, ti, r->ms, &si);
+  if (pst == BICO_E_NOTFOUND) {
+    bico__clear(ctx);
+    snprintf(info->reason, sizeof info->reason,
+             "the source has no paired tensor");
+    return BICO_OK;
+  }
+  if (pst != BICO_OK) return pst;
+  info->source = bico__xfer_tname(r->ms, si);
+  bico_status st = check_shapes(r, ti, si);
+  if (st != BICO_OK) return st;
+  size_t nd_a;
+  const size_t *sh_a;
+  bico_model_tensor(r->ms, si, NULL, NULL, &nd_a, &sh_a);
+  size_t na = bico__xfer_numel(nd_a, sh_a);
+  float *tau = bico__alloc(ctx, (na ? na : 1) * sizeof(float));
+  if (tau == NULL) return BICO_E_NOMEM;
+  st = read_tau(r, si, tau, na);
+  if (st == BICO_OK) st = bico__xfer_elementwise(r, ti, si, tau, upd, info);
+  bico__free(ctx, tau);
+  return st;
+}
 
 bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
                               bico__tinfo *info) {
