@@ -104,6 +104,15 @@ bico_status bico_handling_from_name(const char *name, int *handling) {
   return BICO_E_NOTFOUND;
 }
 
+const char *bico_transfer_file_name(int which) {
+  return which >= 1 && which < BICO__NFILES ? bico__xfer_file_option[which]
+                                            : NULL;
+}
+
+bico_status bico_transfer_file_from_name(const char *name, int *which) {
+  return from_name(bico__xfer_file_option, BICO__NFILES, name, which);
+}
+
 bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
@@ -641,6 +650,48 @@ void bico__xfer_run_free(bico__run *r) {
                         r->sc, r->tc, r->stats, r->votes};
   for (int i = 0; i < 8; i++) bico_stfile_close(fs[i]);
   bico__report_free(&r->rep);
+}
+
+bico_status bico_transfer_check(bico_transfer *t, int level) {
+  if (t == NULL) return BICO_E_NULL;
+  bico__clear(t->ctx);
+  if (level < 0 || level > BICO_TRANSFER_CHECK_INPUTS)
+    return bico__fail(t->ctx, BICO_E_ARG,
+                      "transfer_check: unknown level %d", level);
+  bico__run r;
+  bico__xfer_run_init(&r, t);
+  /* The options alone: which files go together, what the method reads;
+   * no file opened. */
+  bico_status st = bico__xfer_check_setup(&r);
+  /* Everything a run checks before its first map (bico__xfer_setup: the
+   * inputs opened, outputs against inputs, the models paired, splits and
+   * ties resolved), and what the run itself refuses before computing;
+   * nothing is written, no map solved. */
+  if (st == BICO_OK && level != BICO_TRANSFER_CHECK_OPTIONS) {
+    bico__xfer_run_free(&r);
+    bico__xfer_run_init(&r, t);
+    st = bico__xfer_setup(&r);
+    const char *const *f = (const char *const *)t->files;
+    if (st == BICO_OK && f[BICO_FILE_LORA] != NULL && t->select != NULL)
+      st = bico__fail(t->ctx, BICO_E_UNSUPPORTED,
+                      "transfer_check: a partial run cannot carry a LoRA "
+                      "adapter");
+    if (st == BICO_OK && f[BICO_FILE_LORA] != NULL &&
+        f[BICO_FILE_LORA_OUTPUT] != NULL &&
+        strcmp(f[BICO_FILE_LORA_OUTPUT], f[BICO_FILE_LORA]) == 0)
+      st = bico__fail(t->ctx, BICO_E_ARG,
+                      "transfer_check: the output adapter %s is the source "
+                      "adapter",
+                      f[BICO_FILE_LORA]);
+    size_t nt = st == BICO_OK ? bico_model_tensor_count(r.mt) : 0;
+    if (st == BICO_OK && t->select != NULL && t->nselect != nt)
+      st = bico__fail(t->ctx, BICO_E_SHAPE,
+                      "transfer_check: the partial run's selection covers "
+                      "%zu tensors, the target base has %zu",
+                      t->nselect, nt);
+  }
+  bico__xfer_run_free(&r);
+  return st;
 }
 
 bico_status bico_transfer_run(bico_transfer *t) {
