@@ -215,4 +215,144 @@ TEST(TransferCheck, InputsLevelFindsWhatOnlyTheFilesTell) {
                               "base.st", "other.st", "tuned.st"}));
 }
 
+// ---- The statistics plan: what bico_stats_from_calib computes ----
+
+// Calibration rows of two blocks: fc's input and output gradient, widths
+// per side (source 4/3 and 3/2, target 5/6 and 6/2).
+void write_calib(const std::string &path, size_t rows, bool target,
+                 float seed, bool drop_last = false) {
+  const size_t w[4] = {target ? 5u : 4u, target ? 6u : 3u, target ? 6u : 3u,
+                       2u};
+  const char *keys[4] = {"blocks.0.fc.input", "blocks.0.fc.output_grad",
+                         "blocks.1.fc.input", "blocks.1.fc.output_grad"};
+  std::vector<Named> f;
+  for (int k = 0; k < (drop_last ? 3 : 4); k++) {
+    std::vector<float> v(rows * w[k]);
+    for (size_t i = 0; i < v.size(); i++)
+      v[i] = seed + 0.01f * (float)((i * 7 + (size_t)k) % 13);
+    f.push_back({keys[k], {rows, w[k]}, v});
+  }
+  write_f32(path, f);
+}
+
+TEST(StatsPlan, PlansExactlyWhatStatsFromCalibWrites) {
+  stt::TempDir dir;
+  const std::string a = dir / "a.st", b = dir / "b.st", out = dir / "s.st";
+  write_calib(a, 7, false, 0.1f);
+  write_calib(b, 7, true, 0.2f);
+  bt::Ctx ctx;
+  ASSERT_EQ(bico_stats_from_calib(ctx, a.c_str(), b.c_str(), nullptr,
+                                  out.c_str()),
+            BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  const char *pa[1] = {a.c_str()}, *pb[1] = {b.c_str()};
+  bico_stats_plan *p = nullptr;
+  ASSERT_EQ(bico_stats_plan_create(ctx, pa, pb, 1, nullptr, &p), BICO_OK)
+      << bico_ctx_errmsg(ctx);
+  bico_stfile *f = nullptr;
+  ASSERT_EQ(bico_stfile_open(ctx, out.c_str(), &f), BICO_OK);
+  size_t n = 0, pairs = 0;
+  ASSERT_EQ(bico_stats_plan_size(p, &n, &pairs), BICO_OK);
+  EXPECT_EQ(pairs, 1u);
+  ASSERT_EQ(n, bico_stfile_count(f));
+  ASSERT_GT(n, 0u);
+  for (size_t i = 0; i < n; i++) {
+    const char *name, *ka, *kb;
+    size_t da, db, rows = 0;
+    ASSERT_EQ(bico_stats_plan_item(p, i, &name, &ka, &kb, &da, &db), BICO_OK);
+    size_t j, ndim;
+    const size_t *shape;
+    int dtype;
+    ASSERT_EQ(bico_stfile_find(f, name, &j), BICO_OK) << name;
+    bico_stfile_tensor_info(f, j, nullptr, &dtype, &ndim, &shape);
+    EXPECT_EQ(dtype, BICO_DTYPE_F64);
+    ASSERT_EQ(ndim, 2u);
+    EXPECT_EQ(shape[0], da) << name;
+    EXPECT_EQ(shape[1], db) << name;
+    // the calibration tensors it reads, with those widths
+    std::string nm = name, stem = nm.substr(0, nm.rfind('.'));
+    const bool in = nm.substr(nm.rfind('.') + 1) == "in_xcov";
+    EXPECT_EQ(std::string(kb), stem + (in ? ".input" : ".output_grad"));
+    EXPECT_EQ(std::string(ka), std::string(kb));  // same names pair here
+    ASSERT_EQ(bico_stats_plan_rows(p, i, 0, &rows), BICO_OK);
+    EXPECT_EQ(rows, 7u);
+  }
+  const char *name;
+  EXPECT_EQ(bico_stats_plan_item(p, n, &name, nullptr, nullptr, nullptr,
+                                 nullptr),
+            BICO_E_ARG);
+  size_t rows;
+  EXPECT_EQ(bico_stats_plan_rows(p, 0, 1, &rows), BICO_E_ARG);
+  bico_stfile_close(f);
+  bico_stats_plan_free(p);
+  bico_stats_plan_free(nullptr);
+}
+
+TEST(StatsPlan, EveryPairIsCheckedAndItsRowsCounted) {
+  stt::TempDir dir;
+  const std::string a0 = dir / "a0.st", b0 = dir / "b0.st", a1 = dir / "a1.st",
+                    b1 = dir / "b1.st", bad = dir / "bad.st",
+                    short_b = dir / "short.st", lack = dir / "lack.st";
+  write_calib(a0, 3, false, 0.1f);
+  write_calib(b0, 3, true, 0.2f);
+  write_calib(a1, 5, false, 0.3f);
+  write_calib(b1, 5, true, 0.4f);
+  write_calib(short_b, 4, true, 0.4f);         // rows that do not correspond
+  write_f32(bad, {{"blocks.0.fc.input", {5, 5}, std::vector<float>(25, 1)},
+                  {"blocks.0.fc.output_grad", {5, 3}, std::vector<float>(15, 1)},
+                  {"blocks.1.fc.input", {5, 3}, std::vector<float>(15, 1)},
+                  {"blocks.1.fc.output_grad", {5, 2}, std::vector<float>(10, 1)}});
+  write_calib(lack, 5, false, 0.3f, true);     // no blocks.1.fc.output_grad
+  bt::Ctx ctx;
+  bico_stats_plan *p = nullptr;
+  {
+    const char *pa[2] = {a0.c_str(), a1.c_str()}, *pb[2] = {b0.c_str(), b1.c_str()};
+    ASSERT_EQ(bico_stats_plan_create(ctx, pa, pb, 2, nullptr, &p), BICO_OK)
+        << bico_ctx_errmsg(ctx);
+    size_t n = 0, pairs = 0;
+    bico_stats_plan_size(p, &n, &pairs);
+    EXPECT_EQ(pairs, 2u);
+    EXPECT_EQ(n, 4u);
+    for (size_t i = 0; i < n; i++) {
+      size_t r0 = 0, r1 = 0;
+      ASSERT_EQ(bico_stats_plan_rows(p, i, 0, &r0), BICO_OK);
+      ASSERT_EQ(bico_stats_plan_rows(p, i, 1, &r1), BICO_OK);
+      EXPECT_EQ(r0, 3u);
+      EXPECT_EQ(r1, 5u);
+    }
+    bico_stats_plan_free(p);
+  }
+  struct Case {
+    std::string a1, b1;
+    bico_status st;
+    std::string word;
+  } cases[] = {{a1, short_b, BICO_E_SHAPE, "short.st"},
+               {bad, b1, BICO_E_SHAPE, "bad.st"},
+               {lack, b1, BICO_E_NOTFOUND, "lack.st"}};
+  for (auto &c : cases) {
+    const char *pa[2] = {a0.c_str(), c.a1.c_str()},
+               *pb[2] = {b0.c_str(), c.b1.c_str()};
+    p = reinterpret_cast<bico_stats_plan *>(&ctx);  // overwritten with NULL
+    EXPECT_EQ(bico_stats_plan_create(ctx, pa, pb, 2, nullptr, &p), c.st)
+        << c.word;
+    EXPECT_EQ(p, nullptr);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), c.word)) << bico_ctx_errmsg(ctx);
+  }
+  // A target module the source lacks: the same failure as
+  // bico_stats_from_calib's, and nothing written by either.
+  const char *pa[1] = {lack.c_str()}, *pb[1] = {b1.c_str()};
+  EXPECT_EQ(bico_stats_plan_create(ctx, pa, pb, 1, nullptr, &p),
+            BICO_E_NOTFOUND);
+  std::string plan_msg = bico_ctx_errmsg(ctx);
+  EXPECT_TRUE(has(plan_msg, "lacks its partner blocks.1.fc.output_grad"))
+      << plan_msg;
+  EXPECT_EQ(bico_stats_from_calib(ctx, lack.c_str(), b1.c_str(), nullptr,
+                                  (dir / "s.st").c_str()),
+            BICO_E_NOTFOUND);
+  std::string from_msg = bico_ctx_errmsg(ctx);
+  EXPECT_EQ(plan_msg.substr(plan_msg.find(':')), from_msg.substr(from_msg.find(':')));
+  EXPECT_FALSE(std::filesystem::exists(dir / "s.st"));
+  EXPECT_EQ(bico_stats_plan_create(ctx, pa, pb, 0, nullptr, &p), BICO_E_ARG);
+}
+
 }  // namespace
