@@ -452,14 +452,36 @@ static void lora_log(void *opaque, const char *line) {
   if (r->t->log) r->t->log(r->t->log_opaque, line);
 }
 
+/* What a run refuses after its setup and before any computing: a LoRA
+ * adapter in a partial run or written over itself, a partial selection of
+ * the wrong size (bico_transfer_run and bico_transfer_check alike). */
+static bico_status check_run(bico__run *r) {
+  const bico_transfer *t = r->t;
+  const char *const *f = (const char *const *)t->files;
+  if (f[BICO_FILE_LORA] != NULL) {
+    if (t->select != NULL)
+      return bico__fail(r->ctx, BICO_E_UNSUPPORTED,
+                        "transfer_run: a partial run cannot carry a LoRA "
+                        "adapter");
+    if (f[BICO_FILE_LORA_OUTPUT] != NULL &&
+        strcmp(f[BICO_FILE_LORA_OUTPUT], f[BICO_FILE_LORA]) == 0)
+      return bico__fail(r->ctx, BICO_E_ARG,
+                        "transfer_run: the output adapter %s is the source "
+                        "adapter",
+                        f[BICO_FILE_LORA]);
+    return BICO_OK;
+  }
+  size_t nt = bico_model_tensor_count(r->mt);
+  if (t->select != NULL && t->nselect != nt)
+    return bico__fail(r->ctx, BICO_E_SHAPE,
+                      "transfer_run: the partial run's selection covers %zu "
+                      "tensors, the target base has %zu",
+                      t->nselect, nt);
+  return BICO_OK;
+}
+
 static bico_status lora_branch(bico__run *r) {
   const char *const *f = (const char *const *)r->t->files;
-  if (f[BICO_FILE_LORA_OUTPUT] != NULL &&
-      strcmp(f[BICO_FILE_LORA_OUTPUT], f[BICO_FILE_LORA]) == 0)
-    return bico__fail(r->ctx, BICO_E_ARG,
-                      "transfer_run: the output adapter %s is the source "
-                      "adapter",
-                      f[BICO_FILE_LORA]);
   bico__lora_hook h;
   memset(&h, 0, sizeof h);
   h.ctx = r->ctx;
@@ -592,24 +614,13 @@ bico_status bico__xfer_setup(bico__run *r) {
 
 static bico_status run_all(bico__run *r) {
   bico_transfer *t = r->t;
-  bico_ctx *ctx = r->ctx;
   int bico = bico__xfer_is_bico(r->method);
   bico_status st = bico__xfer_setup(r);
+  if (st == BICO_OK) st = check_run(r);
   if (st != BICO_OK) return st;
   int partial = t->select != NULL;
-  if (t->files[BICO_FILE_LORA] != NULL) {
-    if (partial)
-      return bico__fail(ctx, BICO_E_UNSUPPORTED,
-                        "transfer_run: a partial run cannot carry a LoRA "
-                        "adapter");
-    return lora_branch(r);
-  }
+  if (t->files[BICO_FILE_LORA] != NULL) return lora_branch(r);
   size_t nt = bico_model_tensor_count(r->mt);
-  if (partial && t->nselect != nt)
-    return bico__fail(ctx, BICO_E_SHAPE,
-                      "transfer_run: the partial run's selection covers %zu "
-                      "tensors, the target base has %zu",
-                      t->nselect, nt);
   char bsrc[160], btgt[160];
   describe_blocks(r->ms, bsrc, sizeof bsrc);
   describe_blocks(r->mt, btgt, sizeof btgt);
@@ -671,24 +682,7 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
     bico__xfer_run_free(&r);
     bico__xfer_run_init(&r, t);
     st = bico__xfer_setup(&r);
-    const char *const *f = (const char *const *)t->files;
-    if (st == BICO_OK && f[BICO_FILE_LORA] != NULL && t->select != NULL)
-      st = bico__fail(t->ctx, BICO_E_UNSUPPORTED,
-                      "transfer_check: a partial run cannot carry a LoRA "
-                      "adapter");
-    if (st == BICO_OK && f[BICO_FILE_LORA] != NULL &&
-        f[BICO_FILE_LORA_OUTPUT] != NULL &&
-        strcmp(f[BICO_FILE_LORA_OUTPUT], f[BICO_FILE_LORA]) == 0)
-      st = bico__fail(t->ctx, BICO_E_ARG,
-                      "transfer_check: the output adapter %s is the source "
-                      "adapter",
-                      f[BICO_FILE_LORA]);
-    size_t nt = st == BICO_OK ? bico_model_tensor_count(r.mt) : 0;
-    if (st == BICO_OK && t->select != NULL && t->nselect != nt)
-      st = bico__fail(t->ctx, BICO_E_SHAPE,
-                      "transfer_check: the partial run's selection covers "
-                      "%zu tensors, the target base has %zu",
-                      t->nselect, nt);
+    if (st == BICO_OK) st = check_run(&r);
   }
   bico__xfer_run_free(&r);
   return st;
