@@ -91,6 +91,18 @@ static int param_value(const char *opt, int param, const char *v,
   return 0;
 }
 
+/* --threads within the context's bounds (BICO_CTX_THREADS). */
+static int threads_value(const char *v, size_t *out) {
+  double lo = 1, hi = 1024;
+  unsigned fl;
+  bico_ctx_param_bounds(BICO_CTX_THREADS, &lo, &hi, &fl);
+  if (cli_size(v, out) == 0 && (double)*out >= lo && (double)*out <= hi)
+    return 0;
+  cli_error(CMD, CLI_USAGE, "--threads %s: expected an integer in [%.15g, %.15g]",
+            v, lo, hi);
+  return -1;
+}
+
 /* What the command line says, before any library call. */
 typedef struct {
   const char *files[NFILE_OPTS];
@@ -207,10 +219,7 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
     VALUE("--whiten",
           if (param_value("--whiten", BICO_TRANSFER_WHITEN, v, &o->whiten))
               return CLI_USAGE)
-    VALUE("--threads",
-          if (cli_size(v, &o->threads) || o->threads > 1024) return cli_error(
-              CMD, CLI_USAGE, "--threads %s: expected an integer in 1..1024",
-              v))
+    VALUE("--threads", if (threads_value(v, &o->threads)) return CLI_USAGE)
     VALUE("--workers",
           if (param_value("--workers", BICO_TRANSFER_WORKERS, v, &o->workers))
               return CLI_USAGE)
