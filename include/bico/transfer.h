@@ -114,6 +114,16 @@ typedef enum bico_transfer_file {
   BICO_FILE_TARGET_CONFIG = 15
 } bico_transfer_file;
 
+/* Names of the file slots ("source base", "source tuned", "task vector",
+ * "target base", "source calib", "target calib", "stats", "target votes",
+ * "output", "delta output", "report", "source adapter", "output adapter",
+ * "source config", "target config"): the library's messages name a slot's
+ * file as "the <name> file", so a front end can put its own spelling of
+ * the option in its place.  NULL / BICO_E_NOTFOUND otherwise. */
+BICO_API const char *bico_transfer_file_name(int which);
+BICO_API bico_status bico_transfer_file_from_name(const char *name,
+                                                  int *which);
+
 /* Numeric options (bico_transfer_set_param), with bounds from
  * bico_transfer_param_bounds. */
 typedef enum bico_transfer_param {
@@ -355,6 +365,31 @@ BICO_API bico_status bico_transfer_set_progress(bico_transfer *t,
  * and ctx's message names the file, tensor, module or option at fault. */
 BICO_API bico_status bico_transfer_run(bico_transfer *t);
 
+/* How far bico_transfer_check goes (0 asks for the default, INPUTS). */
+typedef enum bico_transfer_check_level {
+  /* The options alone, no file opened: which files go together (a source
+   * base, a target base and an output; exactly one of source tuned and
+   * task vector, or a source adapter; both calibration files or a
+   * statistics file for the BiCo methods; the votes for GradFix and for
+   * it only), options that contradict each other, distinct output
+   * paths.  Parameter bounds are set_param's. */
+  BICO_TRANSFER_CHECK_OPTIONS = 1,
+  /* Also every check a run makes before its first map: the inputs opened
+   * and their headers read, outputs compared with inputs by file
+   * identity, the models' families, blocks, splits and ties resolved, the
+   * share of the target paired with the source (MIN_PAIRED), a partial
+   * run's selection. */
+  BICO_TRANSFER_CHECK_INPUTS = 2
+} bico_transfer_check_level;
+
+/* Validates the configured transfer without running it: BICO_OK when a
+ * run would get past its checks, else the status and message the run
+ * would fail with.  Nothing is written and no map is computed; the log
+ * function (if set) receives the pairing summary a run logs.  A front end
+ * calls it with BICO_TRANSFER_CHECK_OPTIONS to tell a usage error from a
+ * failure on the files. */
+BICO_API bico_status bico_transfer_check(bico_transfer *t, int level);
+
 /* After a successful run: counts of target tensors by handling; any
  * out-pointer may be NULL.  updated: tensors that received an update
  * (linear, vector, tied, naive, padded, masked); unchanged: the rest. */
@@ -540,6 +575,38 @@ BICO_API bico_status bico_stats_from_calib(bico_ctx *ctx,
                                            const char *target_calib,
                                            const char *blocks,
                                            const char *output);
+/* What bico_stats_from_calib computes, as a plan a front end that divides
+ * the work (bico-mpi stats) distributes instead of re-deriving it: over
+ * npairs pairs of calibration files (source_calib[k] with target_calib[k],
+ * shards of one calibration set whose rows add up), the statistics
+ * planned from the first pair's names exactly as bico_stats_from_calib
+ * plans them (its modules, their partners by the depth map, blocks as
+ * there), each checked in every pair (a floating-point dtype, the widths of
+ * the first pair, as many source rows as target rows).  Opens and reads
+ * headers only; the failures are bico_stats_from_calib's, naming the file
+ * and tensor.  Statistic i (< stats): its output tensor name
+ * ("<module>.in_xcov" / ".out_xcov", [d_source, d_target] F64: the sum over
+ * all rows of every pair of x_source x_target^T), the calibration tensors
+ * it reads ("<module>.input" / ".output_grad" in each file, rows of width
+ * d_source and d_target), and its rows in pair k.  Strings are valid until
+ * bico_stats_plan_free; any out-pointer may be NULL. */
+typedef struct bico_stats_plan bico_stats_plan;
+BICO_API bico_status bico_stats_plan_create(bico_ctx *ctx,
+                                            const char *const *source_calib,
+                                            const char *const *target_calib,
+                                            size_t npairs, const char *blocks,
+                                            bico_stats_plan **out);
+/* Accepts NULL. */
+BICO_API void bico_stats_plan_free(bico_stats_plan *p);
+BICO_API bico_status bico_stats_plan_size(const bico_stats_plan *p,
+                                          size_t *stats, size_t *pairs);
+BICO_API bico_status bico_stats_plan_item(const bico_stats_plan *p, size_t i,
+                                          const char **name,
+                                          const char **source_key,
+                                          const char **target_key,
+                                          size_t *d_source, size_t *d_target);
+BICO_API bico_status bico_stats_plan_rows(const bico_stats_plan *p, size_t i,
+                                          size_t pair, size_t *rows);
 /* Sums n statistics files (same tensors and shapes) into output. */
 BICO_API bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
                                       size_t n, const char *output);

@@ -173,15 +173,28 @@ bico_status bico__check_distinct(bico_ctx *ctx, const char *fn,
   return st;
 }
 
-/* ---- bico_stats_from_calib ---- */
+/* ---- The statistics plan (bico_stats_plan_*) and bico_stats_from_calib ---- */
 
+/* One statistic: a target module's side, its calibration tensors and
+ * their rows in every pair of files. */
 typedef struct stat_item {
   size_t module;       /* target calibration model's module */
-  size_t ia, ib;       /* source and target calibration tensors */
   size_t da, db;
-  const char *suffix;  /* "in_xcov" or "out_xcov" */
-  char *name;          /* output tensor name */
+  char *name;          /* output tensor name: "<module>.in_xcov" ... */
+  char *key_a, *key_b; /* source and target calibration tensors */
+  size_t *ia, *ib;     /* their indices, per pair */
+  size_t *rows;        /* per pair */
 } stat_item;
+
+struct bico_stats_plan {
+  bico_ctx *ctx;
+  size_t npairs;
+  bico_stfile **fa, **fb;
+  char **pa, **pb;     /* the paths, as given */
+  bico_model *ma, *mb; /* from the first pair */
+  stat_item *items;
+  size_t nitems;
+};
 
 static const char *const SIDES[2][2] = {{"input", "in_xcov"},
                                         {"output_grad", "out_xcov"}};
@@ -192,6 +205,204 @@ static bico_status last_dim(const bico_stfile *f, size_t i, size_t *d) {
   bico_status st = bico_stfile_tensor_info(f, i, NULL, NULL, &ndim, &shape);
   if (st != BICO_OK) return st;
   *d = ndim ? shape[ndim - 1] : 0;
+  return BICO_OK;
+}
+
+static char *joined(bico_ctx *ctx, const char *a, const char *b) {
+  size_t n = strlen(a) + strlen(b) + 2;
+  char *p = bico__alloc(ctx, n);
+  if (p != NULL) snprintf(p, n, "%s%s%s", a, *a ? "." : "", b);
+  return p;
+}
+
+void bico_stats_plan_free(bico_stats_plan *p) {
+  if (p == NULL) return;
+  bico_ctx *ctx = p->ctx;
+  for (size_t i = 0; i < p->nitems; i++) {
+    stat_item *it = &p->items[i];
+    bico__free(ctx, it->name);
+    bico__free(ctx, it->key_a);
+    bico__free(ctx, it->key_b);
+    bico__free(ctx, it->ia);
+    bico__free(ctx, it->ib);
+    bico__free(ctx, it->rows);
+  }
+  bico__free(ctx, p->items);
+  bico_model_free(p->ma);
+  bico_model_free(p->mb);
+  for (size_t k = 0; k < p->npairs; k++) {
+    if (p->fa) bico_stfile_close(p->fa[k]);
+    if (p->fb) bico_stfile_close(p->fb[k]);
+    if (p->pa) bico__free(ctx, p->pa[k]);
+    if (p->pb) bico__free(ctx, p->pb[k]);
+  }
+  bico__free(ctx, p->fa);
+  bico__free(ctx, p->fb);
+  bico__free(ctx, p->pa);
+  bico__free(ctx, p->pb);
+  bico__free(ctx, p);
+}
+
+/* Target module m's side s when the first target file has it: a new item
+ * with its partner, widths, and indices and rows in every pair. */
+static bico_status plan_side(bico_stats_plan *p, const char *fn, size_t m,
+                             const char *mname, int s) {
+  bico_ctx *ctx = p->ctx;
+  char *key = joined(ctx, mname, SIDES[s][0]);
+  if (key == NULL) return BICO_E_NOMEM;
+  size_t ib;
+  if (bico_stfile_find(p->fb[0], key, &ib) != BICO_OK) {
+    bico__free(ctx, key);
+    return BICO_OK;
+  }
+  stat_item *it = &p->items[p->nitems++];
+  it->module = m;
+  it->key_b = key;
+  size_t cap = strlen(key) + 4096;
+  it->key_a = bico__alloc(ctx, cap);
+  it->name = joined(ctx, mname, SIDES[s][1]);
+  it->ia = bico__calloc(ctx, p->npairs, sizeof *it->ia);
+  it->ib = bico__calloc(ctx, p->npairs, sizeof *it->ib);
+  it->rows = bico__calloc(ctx, p->npairs, sizeof *it->rows);
+  if (!it->key_a || !it->name || !it->ia || !it->ib || !it->rows)
+    return BICO_E_NOMEM;
+  bico_status st = bico_model_map_name(p->mb, p->ma, key, it->key_a, cap, NULL);
+  size_t ia;
+  if (st == BICO_OK && bico_stfile_find(p->fa[0], it->key_a, &ia) != BICO_OK)
+    return bico__fail(ctx, BICO_E_NOTFOUND,
+                      "%s: target calibration %s has %s, but source "
+                      "calibration %s lacks its partner %s",
+                      fn, p->pb[0], key, p->pa[0], it->key_a);
+  if (st == BICO_OK) st = last_dim(p->fa[0], ia, &it->da);
+  if (st == BICO_OK) st = last_dim(p->fb[0], ib, &it->db);
+  /* every pair: dtype and width, with messages naming file and tensor;
+   * rows that correspond */
+  for (size_t k = 0; k < p->npairs && st == BICO_OK; k++) {
+    size_t ra, rb;
+    st = bico__calib_find(ctx, p->fa[k], p->pa[k], it->key_a, it->da,
+                          &it->ia[k], &ra);
+    if (st == BICO_OK)
+      st = bico__calib_find(ctx, p->fb[k], p->pb[k], key, it->db, &it->ib[k],
+                            &rb);
+    if (st == BICO_OK && ra != rb)
+      st = bico__fail(ctx, BICO_E_SHAPE,
+                      "module %s: source calibration (%s) has %zu rows, "
+                      "target calibration (%s) has %zu",
+                      mname, p->pa[k], ra, p->pb[k], rb);
+    if (st == BICO_OK) it->rows[k] = ra;
+  }
+  return st;
+}
+
+static bico_status plan_create(bico_ctx *ctx, const char *fn,
+                               const char *const *source_calib,
+                               const char *const *target_calib, size_t npairs,
+                               const char *blocks, bico_stats_plan **out) {
+  *out = NULL;
+  if (source_calib == NULL || target_calib == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "%s: %s is NULL", fn,
+                      source_calib == NULL ? "source_calib" : "target_calib");
+  if (npairs == 0)
+    return bico__fail(ctx, BICO_E_ARG, "%s: no calibration files", fn);
+  for (size_t k = 0; k < npairs; k++)
+    if (source_calib[k] == NULL || target_calib[k] == NULL)
+      return bico__fail(ctx, BICO_E_NULL, "%s: %s[%zu] is NULL", fn,
+                        source_calib[k] == NULL ? "source_calib"
+                                                : "target_calib",
+                        k);
+  bico_stats_plan *p = bico__calloc(ctx, 1, sizeof *p);
+  if (p == NULL) return BICO_E_NOMEM;
+  p->ctx = ctx;
+  p->npairs = npairs;
+  p->fa = bico__calloc(ctx, npairs, sizeof *p->fa);
+  p->fb = bico__calloc(ctx, npairs, sizeof *p->fb);
+  p->pa = bico__calloc(ctx, npairs, sizeof *p->pa);
+  p->pb = bico__calloc(ctx, npairs, sizeof *p->pb);
+  bico_status st = p->fa && p->fb && p->pa && p->pb ? BICO_OK : BICO_E_NOMEM;
+  for (size_t k = 0; k < npairs && st == BICO_OK; k++) {
+    p->pa[k] = bico__strdup(ctx, source_calib[k]);
+    p->pb[k] = bico__strdup(ctx, target_calib[k]);
+    if (p->pa[k] == NULL || p->pb[k] == NULL) st = BICO_E_NOMEM;
+    if (st == BICO_OK) st = bico_stfile_open(ctx, source_calib[k], &p->fa[k]);
+    if (st == BICO_OK) st = bico_stfile_open(ctx, target_calib[k], &p->fb[k]);
+  }
+  /* Modules and their pairing from the first pair's names. */
+  if (st == BICO_OK) st = bico_model_from_stfile(ctx, p->fa[0], &p->ma);
+  if (st == BICO_OK) st = bico_model_from_stfile(ctx, p->fb[0], &p->mb);
+  if (st == BICO_OK && blocks != NULL) st = bico_model_set_blocks(p->ma, blocks);
+  if (st == BICO_OK && blocks != NULL) st = bico_model_set_blocks(p->mb, blocks);
+  size_t nmod = st == BICO_OK ? bico_model_module_count(p->mb) : 0;
+  if (st == BICO_OK) {
+    p->items = bico__calloc(ctx, 2 * (nmod ? nmod : 1), sizeof *p->items);
+    if (p->items == NULL) st = BICO_E_NOMEM;
+  }
+  /* Every (module, side) of the target file with a partner. */
+  for (size_t m = 0; m < nmod && st == BICO_OK; m++) {
+    const char *mname;
+    st = bico_model_module(p->mb, m, &mname, NULL, NULL, NULL);
+    for (int s = 0; s < 2 && st == BICO_OK; s++)
+      st = plan_side(p, fn, m, mname, s);
+  }
+  if (st == BICO_OK && p->nitems == 0)
+    st = bico__fail(ctx, BICO_E_NOTFOUND,
+                    "%s: target calibration %s holds no \"<module>.input\" or "
+                    "\"<module>.output_grad\" tensor",
+                    fn, target_calib[0]);
+  if (st != BICO_OK) {
+    bico_stats_plan_free(p);
+    return st;
+  }
+  *out = p;
+  return BICO_OK;
+}
+
+bico_status bico_stats_plan_create(bico_ctx *ctx,
+                                   const char *const *source_calib,
+                                   const char *const *target_calib,
+                                   size_t npairs, const char *blocks,
+                                   bico_stats_plan **out) {
+  if (out != NULL) *out = NULL;
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "stats_plan_create: out is NULL");
+  return plan_create(ctx, "stats_plan_create", source_calib, target_calib,
+                     npairs, blocks, out);
+}
+
+bico_status bico_stats_plan_size(const bico_stats_plan *p, size_t *stats,
+                                 size_t *pairs) {
+  if (p == NULL) return BICO_E_NULL;
+  if (stats) *stats = p->nitems;
+  if (pairs) *pairs = p->npairs;
+  return BICO_OK;
+}
+
+bico_status bico_stats_plan_item(const bico_stats_plan *p, size_t i,
+                                 const char **name, const char **source_key,
+                                 const char **target_key, size_t *d_source,
+                                 size_t *d_target) {
+  if (p == NULL) return BICO_E_NULL;
+  if (i >= p->nitems)
+    return bico__fail(p->ctx, BICO_E_ARG,
+                      "stats_plan_item: statistic %zu of %zu", i, p->nitems);
+  const stat_item *it = &p->items[i];
+  if (name) *name = it->name;
+  if (source_key) *source_key = it->key_a;
+  if (target_key) *target_key = it->key_b;
+  if (d_source) *d_source = it->da;
+  if (d_target) *d_target = it->db;
+  return BICO_OK;
+}
+
+bico_status bico_stats_plan_rows(const bico_stats_plan *p, size_t i,
+                                 size_t pair, size_t *rows) {
+  if (p == NULL || rows == NULL) return BICO_E_NULL;
+  if (i >= p->nitems || pair >= p->npairs)
+    return bico__fail(p->ctx, BICO_E_ARG,
+                      "stats_plan_rows: statistic %zu of %zu, pair %zu of %zu",
+                      i, p->nitems, pair, p->npairs);
+  *rows = p->items[i].rows[pair];
   return BICO_OK;
 }
 
@@ -206,100 +417,32 @@ bico_status bico_stats_from_calib(bico_ctx *ctx, const char *source_calib,
                       source_calib == NULL   ? "source_calib"
                       : target_calib == NULL ? "target_calib"
                                              : "output");
-  bico_stfile *fa = NULL, *fb = NULL;
-  bico_model *ma = NULL, *mb = NULL;
+  bico_stats_plan *p = NULL;
   bico_stwriter *w = NULL;
-  stat_item *items = NULL;
-  size_t nitems = 0;
   double *c = NULL;
-  bico_status st = bico_stfile_open(ctx, source_calib, &fa);
-  if (st == BICO_OK) st = bico_stfile_open(ctx, target_calib, &fb);
+  bico_status st =
+      plan_create(ctx, fn, &source_calib, &target_calib, 1, blocks, &p);
   if (st == BICO_OK)
-    st = bico__check_distinct(ctx, fn, "output", output, source_calib, fa);
+    st = bico__check_distinct(ctx, fn, "output", output, source_calib, p->fa[0]);
   if (st == BICO_OK)
-    st = bico__check_distinct(ctx, fn, "output", output, target_calib, fb);
-  if (st == BICO_OK) st = bico_model_from_stfile(ctx, fa, &ma);
-  if (st == BICO_OK) st = bico_model_from_stfile(ctx, fb, &mb);
-  if (st == BICO_OK && blocks != NULL) st = bico_model_set_blocks(ma, blocks);
-  if (st == BICO_OK && blocks != NULL) st = bico_model_set_blocks(mb, blocks);
-  size_t nmod = st == BICO_OK ? bico_model_module_count(mb) : 0;
-  if (st == BICO_OK) {
-    items = bico__calloc(ctx, 2 * (nmod ? nmod : 1), sizeof *items);
-    if (items == NULL) st = BICO_E_NOMEM;
-  }
-  /* Plan: every (module, side) of the target file with a partner. */
-  for (size_t m = 0; m < nmod && st == BICO_OK; m++) {
-    const char *mname;
-    st = bico_model_module(mb, m, &mname, NULL, NULL, NULL);
-    if (st != BICO_OK) break;
-    for (int s = 0; s < 2 && st == BICO_OK; s++) {
-      size_t klen = strlen(mname) + 16;
-      char *key = bico__alloc(ctx, klen);
-      char *src = bico__alloc(ctx, klen + 64);
-      if (key == NULL || src == NULL) {
-        bico__free(ctx, key);
-        bico__free(ctx, src);
-        st = BICO_E_NOMEM;
-        break;
-      }
-      snprintf(key, klen, "%s%s%s", mname, *mname ? "." : "", SIDES[s][0]);
-      size_t ib, ia;
-      if (bico_stfile_find(fb, key, &ib) == BICO_OK) {
-        st = bico_model_map_name(mb, ma, key, src, klen + 64, NULL);
-        if (st == BICO_OK && bico_stfile_find(fa, src, &ia) != BICO_OK)
-          st = bico__fail(ctx, BICO_E_NOTFOUND,
-                          "%s: target calibration %s has %s, but source "
-                          "calibration %s lacks its partner %s",
-                          fn, target_calib, key, source_calib, src);
-        stat_item *it = &items[nitems];
-        size_t rows;
-        if (st == BICO_OK) st = last_dim(fa, ia, &it->da);
-        if (st == BICO_OK) st = last_dim(fb, ib, &it->db);
-        /* dtype and rank checks, with messages naming file and tensor */
-        if (st == BICO_OK)
-          st = bico__calib_find(ctx, fa, source_calib, src, it->da, &ia, &rows);
-        if (st == BICO_OK)
-          st = bico__calib_find(ctx, fb, target_calib, key, it->db, &ib, &rows);
-        if (st == BICO_OK) {
-          it->module = m;
-          it->ia = ia;
-          it->ib = ib;
-          it->suffix = SIDES[s][1];
-          size_t nl = strlen(mname) + 16;
-          it->name = bico__alloc(ctx, nl);
-          if (it->name == NULL) {
-            st = BICO_E_NOMEM;
-          } else {
-            snprintf(it->name, nl, "%s%s%s", mname, *mname ? "." : "",
-                     it->suffix);
-            nitems++;
-          }
-        }
-      }
-      bico__free(ctx, key);
-      bico__free(ctx, src);
-    }
-  }
-  if (st == BICO_OK && nitems == 0)
-    st = bico__fail(ctx, BICO_E_NOTFOUND,
-                    "%s: target calibration %s holds no \"<module>.input\" or "
-                    "\"<module>.output_grad\" tensor",
-                    fn, target_calib);
+    st = bico__check_distinct(ctx, fn, "output", output, target_calib, p->fb[0]);
   if (st == BICO_OK) st = bico_stwriter_create(ctx, output, &w);
   if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "format", "bico-stats");
+  size_t nitems = p ? p->nitems : 0;
   for (size_t i = 0; i < nitems && st == BICO_OK; i++) {
-    size_t shape[2] = {items[i].da, items[i].db};
-    st = bico_stwriter_declare(w, items[i].name, BICO_DTYPE_F64, 2, shape);
+    size_t shape[2] = {p->items[i].da, p->items[i].db};
+    st = bico_stwriter_declare(w, p->items[i].name, BICO_DTYPE_F64, 2, shape);
   }
   for (size_t i = 0; i < nitems && st == BICO_OK; i++) {
-    stat_item *it = &items[i];
+    stat_item *it = &p->items[i];
     const char *mname;
     bico_xcov *xc = NULL;
     if (st == BICO_OK) st = bico_xcov_create(ctx, it->da, it->db, 0, &xc);
     if (st == BICO_OK) {
-      bico_model_module(mb, it->module, &mname, NULL, NULL, NULL);
-      st = bico__calib_accumulate(ctx, mname, fa, source_calib, it->ia, it->da,
-                                  fb, target_calib, it->ib, it->db, 1, &xc);
+      bico_model_module(p->mb, it->module, &mname, NULL, NULL, NULL);
+      st = bico__calib_accumulate(ctx, mname, p->fa[0], source_calib,
+                                  it->ia[0], it->da, p->fb[0], target_calib,
+                                  it->ib[0], it->db, 1, &xc);
     }
     if (st == BICO_OK) {
       size_t n;
@@ -320,12 +463,7 @@ bico_status bico_stats_from_calib(bico_ctx *ctx, const char *source_calib,
   }
   if (st == BICO_OK) st = bico_stwriter_commit(w);
   bico_stwriter_free(w);
-  for (size_t i = 0; i < nitems; i++) bico__free(ctx, items[i].name);
-  bico__free(ctx, items);
-  bico_model_free(ma);
-  bico_model_free(mb);
-  bico_stfile_close(fa);
-  bico_stfile_close(fb);
+  bico_stats_plan_free(p);
   return st;
 }
 

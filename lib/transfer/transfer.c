@@ -299,16 +299,37 @@ bico_status bico_transfer_counts(const bico_transfer *t, size_t *updated,
   return BICO_OK;
 }
 
+/* What a run refuses after its setup and before any computing: a LoRA
+ * adapter in a partial run or written over itself, a partial selection of
+ * the wrong size (bico_transfer_run and bico_transfer_check alike). */
+static bico_status check_run(bico__run *r) {
+  const bico_transfer *t = r->t;
+  const char *const *f = (const char *const *)t->files;
+  if (f[BICO_FILE_LORA] != NULL) {
+    if (t->select != NULL)
+      return bico__fail(r->ctx, BICO_E_UNSUPPORTED,
+                        "transfer_run: a partial run cannot carry a LoRA "
+                        "adapter");
+    if (f[BICO_FILE_LORA_OUTPUT] != NULL &&
+        strcmp(f[BICO_FILE_LORA_OUTPUT], f[BICO_FILE_LORA]) == 0)
+      return bico__fail(r->ctx, BICO_E_ARG,
+                        "transfer_run: the output adapter %s is the source "
+                        "adapter",
+                        f[BICO_FILE_LORA]);
+    return BICO_OK;
+  }
+  size_t nt = bico_model_tensor_count(r->mt);
+  if (t->select != NULL && t->nselect != nt)
+    return bico__fail(r->ctx, BICO_E_SHAPE,
+                      "transfer_run: the partial run's selection covers %zu "
+                      "tensors, the target base has %zu",
+                      t->nselect, nt);
+  return BICO_OK;
+}
+
 /* The LoRA route (lib/transfer/lora_transfer.c): a planned run whose source is an
  * adapter. */
 static bico_status lora_branch(bico__run *r) {
-  const char *const *f = (const char *const *)r->t->files;
-  if (f[BICO_FILE_LORA_OUTPUT] != NULL &&
-      strcmp(f[BICO_FILE_LORA_OUTPUT], f[BICO_FILE_LORA]) == 0)
-    return bico__fail(r->ctx, BICO_E_ARG,
-                      "transfer_run: the output adapter %s is the source "
-                      "adapter",
-                      f[BICO_FILE_LORA]);
   size_t updated = 0;
   bico_status st = bico__lora_transfer_run(r, &updated);
   if (st == BICO_OK) {
@@ -330,24 +351,13 @@ static void describe_blocks(const bico_model *m, char *buf, size_t cap) {
 
 static bico_status run_all(bico__run *r) {
   bico_transfer *t = r->t;
-  bico_ctx *ctx = r->ctx;
   int bico = bico__xfer_is_bico(r->method);
   bico_status st = bico__xfer_setup(r);
+  if (st == BICO_OK) st = check_run(r);
   if (st != BICO_OK) return st;
   int partial = t->select != NULL;
-  if (t->files[BICO_FILE_LORA] != NULL) {
-    if (partial)
-      return bico__fail(ctx, BICO_E_UNSUPPORTED,
-                        "transfer_run: a partial run cannot carry a LoRA "
-                        "adapter");
-    return lora_branch(r);
-  }
+  if (t->files[BICO_FILE_LORA] != NULL) return lora_branch(r);
   size_t nt = bico_model_tensor_count(r->mt);
-  if (partial && t->nselect != nt)
-    return bico__fail(ctx, BICO_E_SHAPE,
-                      "transfer_run: the partial run's selection covers %zu "
-                      "tensors, the target base has %zu",
-                      t->nselect, nt);
   char bsrc[160], btgt[160];
   describe_blocks(r->ms, bsrc, sizeof bsrc);
   describe_blocks(r->mt, btgt, sizeof btgt);
@@ -357,6 +367,31 @@ static bico_status run_all(bico__run *r) {
                  nt);
   if (bico) st = bico__xfer_pool_start(r, partial ? t->select : NULL);
   if (st == BICO_OK) st = bico__xfer_write_all(r);
+  return st;
+}
+
+bico_status bico_transfer_check(bico_transfer *t, int level) {
+  if (t == NULL) return BICO_E_NULL;
+  bico__clear(t->ctx);
+  if (level < 0 || level > BICO_TRANSFER_CHECK_INPUTS)
+    return bico__fail(t->ctx, BICO_E_ARG,
+                      "transfer_check: unknown level %d", level);
+  bico__run r;
+  bico__xfer_run_init(&r, t);
+  /* The options alone: which files go together, what the method reads;
+   * no file opened. */
+  bico_status st = bico__xfer_check_setup(&r);
+  /* Everything a run checks before its first map (bico__xfer_setup: the
+   * inputs opened, outputs against inputs, the models paired, splits and
+   * ties resolved), and what the run itself refuses before computing;
+   * nothing is written, no map solved. */
+  if (st == BICO_OK && level != BICO_TRANSFER_CHECK_OPTIONS) {
+    bico__xfer_run_free(&r);
+    bico__xfer_run_init(&r, t);
+    st = bico__xfer_setup(&r);
+    if (st == BICO_OK) st = check_run(&r);
+  }
+  bico__xfer_run_free(&r);
   return st;
 }
 

@@ -61,6 +61,15 @@ static bico_status from_name(const char *const *names, size_t n,
   return BICO_E_NOTFOUND;
 }
 
+const char *bico_transfer_file_name(int which) {
+  return which >= 1 && which < BICO__NFILES ? bico__xfer_file_option[which]
+                                            : NULL;
+}
+
+bico_status bico_transfer_file_from_name(const char *name, int *which) {
+  return from_name(bico__xfer_file_option, BICO__NFILES, name, which);
+}
+
 const char *bico_structure_name(int structure) {
   return name_of(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), structure);
 }

@@ -203,39 +203,50 @@ bico_status bico__xfer_check_setup(bico__run *r) {
   bico_ctx *ctx = r->ctx;
   const char *const *f = (const char *const *)t->files;
   int lora = f[BICO_FILE_LORA] != NULL;
-  if (lora && f[BICO_FILE_SOURCE_BASE] != NULL &&
-      f[BICO_FILE_TARGET_BASE] != NULL &&
-      (f[BICO_FILE_OUTPUT] != NULL || f[BICO_FILE_LORA_OUTPUT] != NULL)) {
-    if (f[BICO_FILE_SOURCE_TUNED] != NULL || f[BICO_FILE_TASK_VECTOR] != NULL ||
-        f[BICO_FILE_DELTA_OUTPUT] != NULL)
-      return bico__fail(ctx, BICO_E_ARG,
-                        "transfer_run: with a source adapter, give no %s",
-                        f[BICO_FILE_DELTA_OUTPUT] != NULL
-                            ? "delta output"
-                            : "source tuned checkpoint or task vector");
-  } else if (f[BICO_FILE_LORA_OUTPUT] != NULL && !lora) {
-    return bico__fail(ctx, BICO_E_ARG,
-                      "transfer_run: an output adapter needs a source "
-                      "adapter");
-  } else if (f[BICO_FILE_SOURCE_BASE] == NULL ||
-             f[BICO_FILE_TARGET_BASE] == NULL || f[BICO_FILE_OUTPUT] == NULL)
+  /* Files are named "the <slot> file" with the slot's name
+   * (bico_transfer_file_name): a front end maps the phrase to its own
+   * spelling of the option (tools/bico/transfer.c). */
+  if (f[BICO_FILE_SOURCE_BASE] == NULL || f[BICO_FILE_TARGET_BASE] == NULL)
     return bico__fail(ctx, BICO_E_ARG, "transfer_run: missing the %s file",
-                      f[BICO_FILE_SOURCE_BASE] == NULL   ? "source base"
-                      : f[BICO_FILE_TARGET_BASE] == NULL ? "target base"
-                                                         : "output");
-  if (!lora &&
-      (f[BICO_FILE_SOURCE_TUNED] == NULL) == (f[BICO_FILE_TASK_VECTOR] == NULL))
+                      f[BICO_FILE_SOURCE_BASE] == NULL ? "source base"
+                                                       : "target base");
+  if (lora) {
+    if (f[BICO_FILE_SOURCE_TUNED] != NULL || f[BICO_FILE_TASK_VECTOR] != NULL)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "transfer_run: the source adapter file replaces the "
+                        "source tuned file and the task vector file; give "
+                        "only one source of the task");
+    if (f[BICO_FILE_DELTA_OUTPUT] != NULL)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "transfer_run: the delta output file does not apply "
+                        "to the source adapter file: the adapter written as "
+                        "the output adapter file is the update");
+    if (f[BICO_FILE_OUTPUT] == NULL && f[BICO_FILE_LORA_OUTPUT] == NULL)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "transfer_run: the source adapter file needs the "
+                        "output adapter file (the target's adapter), the "
+                        "output file (the adapter merged into the target "
+                        "base), or both");
+  } else if (f[BICO_FILE_LORA_OUTPUT] != NULL) {
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: the output adapter file needs the "
+                      "source adapter file");
+  } else if (f[BICO_FILE_OUTPUT] == NULL) {
+    return bico__fail(ctx, BICO_E_ARG, "transfer_run: missing the output file");
+  } else if ((f[BICO_FILE_SOURCE_TUNED] == NULL) ==
+             (f[BICO_FILE_TASK_VECTOR] == NULL)) {
     return bico__fail(ctx, BICO_E_ARG,
                       "transfer_run: give exactly one of the source tuned "
-                      "checkpoint and the task vector");
+                      "file and the task vector file");
+  }
   int bico = r->method <= BICO_METHOD_BICO_OUT;
   if (bico) {
     int calib = f[BICO_FILE_SOURCE_CALIB] != NULL || f[BICO_FILE_TARGET_CALIB] != NULL;
     if (calib && (f[BICO_FILE_SOURCE_CALIB] == NULL ||
                   f[BICO_FILE_TARGET_CALIB] == NULL))
       return bico__fail(ctx, BICO_E_ARG,
-                        "transfer_run: the %s calibration file is missing "
-                        "(source and target go together)",
+                        "transfer_run: missing the %s calib file (the source "
+                        "calib file and the target calib file go together)",
                         f[BICO_FILE_SOURCE_CALIB] == NULL ? "source" : "target");
     /* Statistics lent from memory (bico_transfer_set_xcov) stand in for
      * both kinds of file. */
@@ -243,17 +254,20 @@ bico_status bico__xfer_check_setup(bico__run *r) {
     if (calib ? f[BICO_FILE_STATS] != NULL
               : f[BICO_FILE_STATS] == NULL && !lent)
       return bico__fail(ctx, BICO_E_ARG,
-                        "transfer_run: method %s needs either calibration "
-                        "files (source and target) or a statistics file%s",
+                        "transfer_run: method %s needs either the source "
+                        "calib file and the target calib file, or the stats "
+                        "file%s",
                         bico_method_name(r->method),
-                        calib ? ", not both" : " (or statistics lent with "
-                        "bico_transfer_set_xcov)");
+                        calib ? ", not both" : " (or statistics lent from "
+                        "memory)");
     if (f[BICO_FILE_STATS] != NULL &&
         (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
       return bico__fail(ctx, BICO_E_ARG,
-                        "transfer_run: centering and whitening need "
-                        "calibration files; a statistics file holds only the "
-                        "cross-covariances");
+                        "transfer_run: the %s parameter needs the source "
+                        "calib file and the target calib file; the stats file "
+                        "holds only the cross-covariances",
+                        t->param[BICO_TRANSFER_CENTER] != 0 ? "center"
+                                                            : "whiten");
   }
   if (r->method == BICO_METHOD_GRADFIX && lora &&
       t->param[BICO_TRANSFER_GRADFIX_MODE] == BICO_GRADFIX_MEAN)
@@ -270,10 +284,10 @@ bico_status bico__xfer_check_setup(bico__run *r) {
    * meant GradFix, or left an option from an earlier command. */
   if (r->method != BICO_METHOD_GRADFIX && f[BICO_FILE_TARGET_VOTES] != NULL)
     return bico__fail(ctx, BICO_E_ARG,
-                      "transfer_run: target votes (%s) are read by method "
-                      "gradfix only; method %s ignores them: drop them or "
+                      "transfer_run: the target votes file is read by method "
+                      "gradfix only; method %s would ignore it: drop it or "
                       "choose gradfix",
-                      f[BICO_FILE_TARGET_VOTES], bico_method_name(r->method));
+                      bico_method_name(r->method));
   if (lora && t->strings[BICO_TRANSFER_SOURCE_RENAME] != NULL)
     return bico__fail(ctx, BICO_E_ARG,
                       "transfer_run: the source rename applies to "
@@ -284,8 +298,8 @@ bico_status bico__xfer_check_setup(bico__run *r) {
     for (int j = i + 1; j < 3; j++)
       if (f[outs[i]] && f[outs[j]] && strcmp(f[outs[i]], f[outs[j]]) == 0)
         return bico__fail(ctx, BICO_E_ARG,
-                          "transfer_run: the %s and the %s are the same path "
-                          "%s",
+                          "transfer_run: the %s file and the %s file are the "
+                          "same path %s",
                           bico__xfer_file_option[outs[i]], bico__xfer_file_option[outs[j]], f[outs[i]]);
   return BICO_OK;
 }

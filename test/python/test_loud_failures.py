@@ -198,3 +198,40 @@ def test_merge_overflowing_difference_names_tensor_and_input(tmp_path):
     assert "taus" not in line and "tensor w" in line and "t.safetensors" in line, line
     assert "--tuned" in line, line
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_the_librarys_file_rules_are_usage_errors_naming_options(tmp_path):
+    """Which files go together is bico_transfer_check's rule (issue 25):
+    every conflict it finds is a usage error (2) that names the command's
+    options, never the library's slot words or function names, and writes
+    nothing.  Two outputs on one path, and --source-rename with --lora,
+    were failures (1) before the command asked the library."""
+    args = _case(tmp_path, "", "")
+    t = tmp_path
+    o = ["--output", t / "o.safetensors"]
+    cases = [
+        (["--report", t / "o.safetensors"], ["--output", "--report"]),
+        (["--method", "bico", "--source-calib", t / "a.safetensors"],
+         ["--target-calib", "--source-calib"]),
+        (["--method", "bico", "--stats", t / "a.safetensors", "--center"],
+         ["--center", "--stats"]),
+        (["--task-vector", t / "a.safetensors"], ["--source-tuned", "--task-vector"]),
+        (["--output-lora", t / "ad_out"], ["--output-lora", "--lora"]),
+    ]
+    for extra, words in cases:
+        argv = list(args)
+        if "--method" in extra:  # replace the method, keep the rest
+            argv[1:3] = extra[:2]
+            extra = extra[2:]
+        r = bico(*argv, *o, *extra, ok=False)
+        assert r.returncode == 2, (extra, r.stderr)
+        for w in words:
+            assert w in r.stderr, (w, r.stderr)
+        for w in ("transfer_run", "transfer_check", " file ", "calib file"):
+            assert w not in r.stderr.splitlines()[0], (w, r.stderr)
+        assert not (t / "o.safetensors").exists()
+    lora = ["transfer", "--method", "naive", "--source-base", t / "a.safetensors",
+            "--target-base", t / "b.safetensors", "--lora", t / "ad",
+            "--output-lora", t / "ad_out", "--source-rename", "a=b"]
+    r = bico(*lora, ok=False)
+    assert r.returncode == 2 and "source rename" in r.stderr, r.stderr

@@ -3,8 +3,8 @@
  * `--source-calib A --target-calib B` may be repeated: the i-th source file
  * pairs with the i-th target file, and the statistics sum over every pair's
  * rows (the calibration set may come in shards).  For each statistic
- * (module and side, planned from the first pair exactly as
- * bico_stats_from_calib plans it) the rows of all pairs, taken in order as
+ * (module and side: the library's plan, bico_stats_plan_create, the one
+ * bico_stats_from_calib computes) the rows of all pairs, taken in order as
  * one sequence, are cut into one contiguous range per rank; each rank
  * accumulates its range into a bico_xcov and the d_A x d_B sums are added
  * up on rank 0 with MPI_Reduce, in pieces of at most BICO_MPI_CHUNK
@@ -32,55 +32,11 @@ static const char HELP[] =
 #define CHUNK_FLOATS ((size_t)1 << 22)
 
 typedef struct item {
-  char *name;          /* output tensor */
-  char *key_a, *key_b; /* calibration tensors */
+  const char *name;       /* output tensor (the plan's) */
   size_t da, db;
   size_t *ia, *ib, *rows; /* per pair */
   size_t total;
 } item;
-
-static int is_float(int dtype) {
-  return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
-         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
-}
-
-static char *fmt(const char *a, const char *b) {
-  size_t n = strlen(a) + strlen(b) + 2;
-  char *p = malloc(n);
-  if (p) snprintf(p, n, "%s%s%s", a, *a ? "." : "", b);
-  return p;
-}
-
-/* Checks calibration tensor `key` of file f (path) and gets its width and
- * row count; message into msg on failure. */
-static int calib_tensor(const bico_stfile *f, const char *path,
-                        const char *key, size_t want_width, size_t *index,
-                        size_t *width, size_t *rows, char *msg, size_t cap) {
-  size_t i, ndim, numel;
-  int dtype;
-  const size_t *shape;
-  if (bico_stfile_find(f, key, &i) != BICO_OK) {
-    snprintf(msg, cap, "calibration file %s has no tensor %s", path, key);
-    return -1;
-  }
-  bico_stfile_tensor_info(f, i, NULL, &dtype, &ndim, &shape);
-  bico_stfile_tensor_size(f, i, &numel, NULL);
-  if (!is_float(dtype)) {
-    snprintf(msg, cap, "calibration file %s: tensor %s has dtype %s, expected "
-             "a floating-point type", path, key, bico_dtype_name(dtype));
-    return -1;
-  }
-  size_t w = ndim ? shape[ndim - 1] : 0;
-  if (ndim == 0 || w == 0 || (want_width && w != want_width)) {
-    snprintf(msg, cap, "calibration file %s: tensor %s has last dimension %zu, "
-             "expected %zu", path, key, w, want_width);
-    return -1;
-  }
-  *index = i;
-  *width = w;
-  *rows = numel / w;
-  return 0;
-}
 
 /* One `bico-mpi stats` run: its options, open inputs, plan and output,
  * shared by the steps below. */
@@ -93,7 +49,7 @@ typedef struct stats_run {
   size_t ninputs;
   bico_ctx *ctx;
   bico_stfile *fa[MAXPAIRS], *fb[MAXPAIRS];
-  bico_model *ma, *mb;
+  bico_stats_plan *plan;
   item *items;
   size_t nitems;
   bico_stwriter *w;
@@ -181,101 +137,49 @@ static int run_merge(stats_run *s) {
   return code;
 }
 
-/* Opens every pair and reads both models from the first: 0, or -1 with
- * s->msg set. */
-static int open_inputs(stats_run *s) {
-  bico_status st = BICO_OK;
-  for (size_t p = 0; p < s->np && st == BICO_OK; p++) {
-    st = bico_stfile_open(s->ctx, s->src[p], &s->fa[p]);
-    if (st == BICO_OK) st = bico_stfile_open(s->ctx, s->tgt[p], &s->fb[p]);
-  }
-  if (st == BICO_OK) st = bico_model_from_stfile(s->ctx, s->fa[0], &s->ma);
-  if (st == BICO_OK) st = bico_model_from_stfile(s->ctx, s->fb[0], &s->mb);
-  if (st == BICO_OK && s->blocks) st = bico_model_set_blocks(s->ma, s->blocks);
-  if (st == BICO_OK && s->blocks) st = bico_model_set_blocks(s->mb, s->blocks);
-  if (st == BICO_OK) st = bico_model_blocks(s->ma, NULL, NULL);
-  if (st == BICO_OK) st = bico_model_blocks(s->mb, NULL, NULL);
-  if (st != BICO_OK) {
-    snprintf(s->msg, sizeof s->msg, "%s", bico_ctx_errmsg(s->ctx));
-    return -1;
-  }
-  return 0;
+/* The library's message about the inputs, without its function names. */
+static int lib_failed(stats_run *s) {
+  cli_user_message(bico_ctx_errmsg(s->ctx), s->msg, sizeof s->msg);
+  return -1;
 }
 
-/* The statistic of target module mname's side sd (0 input, 1 output
- * gradient), when the first target calibration file has it: a new item
- * with its partner key, widths and rows per pair.  0, or -1 with s->msg. */
-static int plan_item(stats_run *s, const char *mname, int sd) {
-  static const char *const SIDES[2][2] = {{"input", "in_xcov"},
-                                          {"output_grad", "out_xcov"}};
-  char *key = fmt(mname, SIDES[sd][0]);
-  size_t ib;
-  if (key == NULL || bico_stfile_find(s->fb[0], key, &ib) != BICO_OK) {
-    free(key);
-    return 0;
-  }
-  item *it = &s->items[s->nitems++];
-  it->key_b = key;
-  size_t cap = strlen(key) + 4096;
-  it->key_a = malloc(cap);
-  it->name = fmt(mname, SIDES[sd][1]);
-  it->ia = calloc(s->np, sizeof *it->ia);
-  it->ib = calloc(s->np, sizeof *it->ib);
-  it->rows = calloc(s->np, sizeof *it->rows);
-  if (!it->key_a || !it->name || !it->ia || !it->ib || !it->rows) {
-    snprintf(s->msg, sizeof s->msg, "out of memory");
-    return -1;
-  }
-  if (bico_model_map_name(s->mb, s->ma, key, it->key_a, cap, NULL) != BICO_OK) {
-    snprintf(s->msg, sizeof s->msg, "%s", bico_ctx_errmsg(s->ctx));
-    return -1;
-  }
-  for (size_t p = 0; p < s->np; p++) {
-    size_t ra, rb;
-    if (p == 0 && bico_stfile_find(s->fa[0], it->key_a, &ib) != BICO_OK) {
-      snprintf(s->msg, sizeof s->msg, "stats: target calibration %s has %s, "
-               "but source calibration %s lacks its partner %s", s->tgt[0],
-               key, s->src[0], it->key_a);
-      return -1;
-    }
-    if (calib_tensor(s->fa[p], s->src[p], it->key_a, it->da, &it->ia[p],
-                     &it->da, &ra, s->msg, sizeof s->msg) ||
-        calib_tensor(s->fb[p], s->tgt[p], key, it->db, &it->ib[p], &it->db,
-                     &rb, s->msg, sizeof s->msg))
-      return -1;
-    if (ra != rb) {
-      snprintf(s->msg, sizeof s->msg, "module %s: source calibration (%s) has "
-               "%zu rows, target calibration (%s) has %zu", mname, s->src[p],
-               ra, s->tgt[p], rb);
-      return -1;
-    }
-    it->rows[p] = ra;
-    it->total += ra;
-  }
-  return 0;
-}
-
-/* Every rank plans from the headers (cheap and identical): 0, or -1 with
- * s->msg set. */
+/* Every rank plans from the headers (cheap and identical): the library's
+ * plan (which statistics, their calibration tensors, rows per pair, every
+ * pair checked), then the tensors' indices in this rank's open files.  0,
+ * or -1 with s->msg set. */
 static int plan(stats_run *s) {
-  if (open_inputs(s)) return -1;
-  size_t nmod = bico_model_module_count(s->mb);
-  s->items = calloc(2 * (nmod ? nmod : 1), sizeof *s->items);
+  if (bico_stats_plan_create(s->ctx, s->src, s->tgt, s->np, s->blocks,
+                             &s->plan) != BICO_OK)
+    return lib_failed(s);
+  for (size_t p = 0; p < s->np; p++)
+    if (bico_stfile_open(s->ctx, s->src[p], &s->fa[p]) != BICO_OK ||
+        bico_stfile_open(s->ctx, s->tgt[p], &s->fb[p]) != BICO_OK)
+      return lib_failed(s);
+  size_t n;
+  bico_stats_plan_size(s->plan, &n, NULL);
+  s->items = calloc(n ? n : 1, sizeof *s->items);
   if (s->items == NULL) {
     snprintf(s->msg, sizeof s->msg, "out of memory");
     return -1;
   }
-  for (size_t m = 0; m < nmod; m++) {
-    const char *mname;
-    bico_model_module(s->mb, m, &mname, NULL, NULL, NULL);
-    for (int sd = 0; sd < 2; sd++)
-      if (plan_item(s, mname, sd)) return -1;
-  }
-  if (s->nitems == 0) {
-    snprintf(s->msg, sizeof s->msg, "stats: target calibration %s holds no "
-             "\"<module>.input\" or \"<module>.output_grad\" tensor",
-             s->tgt[0]);
-    return -1;
+  for (size_t i = 0; i < n; i++) {
+    item *it = &s->items[s->nitems++];
+    const char *ka, *kb;
+    bico_stats_plan_item(s->plan, i, &it->name, &ka, &kb, &it->da, &it->db);
+    it->ia = calloc(s->np, sizeof *it->ia);
+    it->ib = calloc(s->np, sizeof *it->ib);
+    it->rows = calloc(s->np, sizeof *it->rows);
+    if (!it->ia || !it->ib || !it->rows) {
+      snprintf(s->msg, sizeof s->msg, "out of memory");
+      return -1;
+    }
+    for (size_t p = 0; p < s->np; p++) {
+      bico_stats_plan_rows(s->plan, i, p, &it->rows[p]);
+      it->total += it->rows[p];
+      if (bico_stfile_find(s->fa[p], ka, &it->ia[p]) != BICO_OK ||
+          bico_stfile_find(s->fb[p], kb, &it->ib[p]) != BICO_OK)
+        return lib_failed(s); /* the plan found them: a file changed */
+    }
   }
   return 0;
 }
@@ -467,16 +371,12 @@ static int report(stats_run *s, int failed, double t0) {
 
 static void free_run(stats_run *s) {
   for (size_t i = 0; i < s->nitems; i++) {
-    free(s->items[i].name);
-    free(s->items[i].key_a);
-    free(s->items[i].key_b);
     free(s->items[i].ia);
     free(s->items[i].ib);
     free(s->items[i].rows);
   }
   free(s->items);
-  bico_model_free(s->ma);
-  bico_model_free(s->mb);
+  bico_stats_plan_free(s->plan);
   for (size_t p = 0; p < s->np; p++) {
     bico_stfile_close(s->fa[p]);
     bico_stfile_close(s->fb[p]);

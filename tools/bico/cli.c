@@ -154,7 +154,7 @@ static size_t fn_prefix(const char *s) {
 /* The library's message without the API function names it carries
  * ("transfer_run: ", "stfile_open: "): the command's user gave files and
  * options, not calls. */
-static void user_message(const char *in, char *out, size_t cap) {
+void cli_user_message(const char *in, char *out, size_t cap) {
   size_t o = 0;
   for (size_t i = 0; in[i] && o + 1 < cap;) {
     size_t k = (i == 0 || (i >= 2 && in[i - 2] == ':' && in[i - 1] == ' '))
@@ -178,7 +178,7 @@ int cli_lib_error_files(const char *cmd, bico_ctx *ctx, bico_status st,
                         size_t n) {
   const char *detail = ctx ? bico_ctx_errmsg(ctx) : "";
   char msg[4096];
-  user_message(detail[0] ? detail : bico_strerror(st), msg, sizeof msg);
+  cli_user_message(detail[0] ? detail : bico_strerror(st), msg, sizeof msg);
   /* Name the option of the file the message is about: the earliest path
    * of a file option found in it. */
   const char *best = NULL, *opt = NULL;

@@ -27,11 +27,10 @@ int cmd_merge(int argc, char **argv); /* tools/bico/merge.c */
  * (tools/bico/merge.c). */
 int cli_same_model(const char *a, const char *b);
 
-/* Usage rules of `bico transfer --lora` (tools/bico/lora_opts.c): 0 when
- * the combination of files is valid, else the usage error's exit code. */
-int lora_cli_check(const char *cmd, const char *tuned, const char *task_vector,
-                   const char *output, const char *delta_output,
-                   const char *output_lora, int merge_into_base);
+/* `bico transfer --lora`'s own flag (tools/bico/lora_opts.c): --output
+ * with --lora needs --merge-into-base and the reverse; 0, else the usage
+ * error's exit code.  Which files go together is bico_transfer_check's. */
+int lora_cli_check(const char *cmd, const char *output, int merge_into_base);
 
 /* Writes s to f with its control characters (C0, DEL, C1: terminal escape
  * sequences from names in files or arguments) as \xNN / \u00NN. */
@@ -118,6 +117,9 @@ int cli_once(const char *cmd, cli_once_t *seen, const char *name, int at);
  * names the option (opts[k]) whose file (paths[k]) the message is about,
  * when the message names one of the paths and no option. */
 int cli_lib_error(const char *cmd, bico_ctx *ctx, bico_status st);
+/* A library message without the API function names it carries
+ * ("transfer_run: "): what cli_lib_error prints. */
+void cli_user_message(const char *in, char *out, size_t cap);
 int cli_lib_error_files(const char *cmd, bico_ctx *ctx, bico_status st,
                         const char *const *opts, const char *const *paths,
                         size_t n);

@@ -67,15 +67,51 @@ static int parse_bytes(const char *s, double *out) {
   return 0;
 }
 
+/* A number for option opt within the accepted set of transfer parameter
+ * param (bico_transfer_param_bounds: the library's bounds, not a copy):
+ * 0, or -1 after a usage error naming the option and the set. */
+static int param_value(const char *opt, int param, const char *v,
+                       double *out) {
+  double lo, hi, x;
+  unsigned fl;
+  if (bico_transfer_param_bounds(param, &lo, &hi, &fl) != BICO_OK) return -1;
+  int integer = (fl & BICO_PARAM_INTEGER) != 0;
+  int ok = cli_double(v, &x) == 0 && x == x;
+  if (ok) ok = (fl & BICO_PARAM_LO_OPEN) ? x > lo : x >= lo;
+  if (ok) ok = (fl & BICO_PARAM_HI_OPEN) ? x < hi : x <= hi;
+  if (ok && integer) ok = x == (double)(long long)x;
+  if (!ok) {
+    cli_error(CMD, CLI_USAGE, "%s %s: expected %s in %c%.15g, %.15g%c", opt, v,
+              integer ? "an integer" : "a number",
+              (fl & BICO_PARAM_LO_OPEN) ? '(' : '[', lo, hi,
+              (fl & BICO_PARAM_HI_OPEN) ? ')' : ']');
+    return -1;
+  }
+  *out = x;
+  return 0;
+}
+
+/* --threads within the context's bounds (BICO_CTX_THREADS). */
+static int threads_value(const char *v, size_t *out) {
+  double lo = 1, hi = 1024;
+  unsigned fl;
+  bico_ctx_param_bounds(BICO_CTX_THREADS, &lo, &hi, &fl);
+  if (cli_size(v, out) == 0 && (double)*out >= lo && (double)*out <= hi)
+    return 0;
+  cli_error(CMD, CLI_USAGE, "--threads %s: expected an integer in [%.15g, %.15g]",
+            v, lo, hi);
+  return -1;
+}
+
 /* What the command line says, before any library call. */
 typedef struct {
   const char *files[NFILE_OPTS];
   const char *method, *blocks, *norm_map, *null_mode, *proc_method;
   const char *rename; /* --source-rename OLD=NEW */
-  double alpha, rank_tol, whiten, solve_memory;
+  double alpha, rank_tol, whiten, solve_memory, workers;
   double max_shard; /* --max-shard-size, bytes (0: as the target) */
   int center, quiet, merge_into_base, allow_partial;
-  size_t threads, workers;
+  size_t threads;
   const char *splits[256], *ties[256];
   size_t nsplits, nties;
   /* Resolved by check_usage. */
@@ -83,7 +119,7 @@ typedef struct {
   size_t blas_threads;
   /* Decoder families (docs/llm.md). */
   const char *structure, *rope;
-  size_t heads, kv_heads, head_dim;
+  double heads, kv_heads, head_dim;
   int structure_v, rope_v; /* resolved by check_usage */
 } transfer_opts;
 
@@ -178,22 +214,15 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
                          "--alpha %s: expected a positive number of at most "
                          "3.4e38 (float range)", v))
     VALUE("--rank-tol",
-          if (cli_double(v, &o->rank_tol) || o->rank_tol < 0 ||
-              o->rank_tol >= 1)
-              return cli_error(CMD, CLI_USAGE,
-                               "--rank-tol %s: expected a number in [0, 1)", v))
+          if (param_value("--rank-tol", BICO_TRANSFER_RANK_TOL, v,
+                          &o->rank_tol)) return CLI_USAGE)
     VALUE("--whiten",
-          if (cli_double(v, &o->whiten) || o->whiten < 0 || o->whiten > 0.5)
-              return cli_error(CMD, CLI_USAGE,
-                               "--whiten %s: expected a number in [0, 0.5]", v))
-    VALUE("--threads",
-          if (cli_size(v, &o->threads) || o->threads > 1024) return cli_error(
-              CMD, CLI_USAGE, "--threads %s: expected an integer in 1..1024",
-              v))
+          if (param_value("--whiten", BICO_TRANSFER_WHITEN, v, &o->whiten))
+              return CLI_USAGE)
+    VALUE("--threads", if (threads_value(v, &o->threads)) return CLI_USAGE)
     VALUE("--workers",
-          if (cli_size(v, &o->workers) || o->workers > 1024) return cli_error(
-              CMD, CLI_USAGE, "--workers %s: expected an integer in 1..1024",
-              v))
+          if (param_value("--workers", BICO_TRANSFER_WORKERS, v, &o->workers))
+              return CLI_USAGE)
     VALUE("--proc-method", o->proc_method = v)
     VALUE("--solve-memory",
           if (parse_bytes(v, &o->solve_memory)) return cli_error(
@@ -203,14 +232,15 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
               v))
     VALUE("--structure", o->structure = v)
     VALUE("--rope", o->rope = v)
-#define COUNT_OPT(name, var)                                               \
-  VALUE(name, if (cli_size(v, &var) || var == 0 || var > 1048576)          \
-                  return cli_error(CMD, CLI_USAGE,                         \
-                                   "%s %s: expected a positive integer",   \
-                                   name, v))
-    COUNT_OPT("--heads", o->heads)
-    COUNT_OPT("--kv-heads", o->kv_heads)
-    COUNT_OPT("--head-dim", o->head_dim)
+    /* 0 is the library's "from config.json", not a value to give */
+#define COUNT_OPT(name, param, var)                                        \
+  VALUE(name, if (param_value(name, param, v, &var)) return CLI_USAGE;     \
+        if (var == 0) return cli_error(CMD, CLI_USAGE,                     \
+                                       "%s %s: expected a positive integer", \
+                                       name, v))
+    COUNT_OPT("--heads", BICO_TRANSFER_HEADS, o->heads)
+    COUNT_OPT("--kv-heads", BICO_TRANSFER_KV_HEADS, o->kv_heads)
+    COUNT_OPT("--head-dim", BICO_TRANSFER_HEAD_DIM, o->head_dim)
 #undef COUNT_OPT
     REPEATED("--split", if (o->nsplits == 256) return cli_error(
                          CMD, CLI_USAGE, "too many --split options");
@@ -227,51 +257,19 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
   return GO_ON;
 }
 
-/* Which files go together: GO_ON or a usage error (2). */
+/* Which files go together is the library's rule (bico_transfer_check in
+ * run_transfer); the command adds only its own flag: with --lora,
+ * --output writes the merged checkpoint only when --merge-into-base says
+ * so (lora_cli_check, tools/bico/lora_opts.c).  GO_ON or a usage error. */
 static int check_files(const transfer_opts *o) {
   const char *const *files = o->files;
-  if (files[0] == NULL) return cli_error(CMD, CLI_USAGE, "missing --source-base");
-  if (files[3] == NULL) return cli_error(CMD, CLI_USAGE, "missing --target-base");
-  if (files[11] != NULL) {
-    /* LoRA: lora_cli_check (tools/bico/lora_opts.c) owns these rules. */
-    int rc = lora_cli_check(CMD, files[1], files[2], files[8], files[9],
-                            files[12], o->merge_into_base);
-    if (rc) return rc;
-  } else {
-    if (files[12] != NULL || o->merge_into_base)
-      return cli_error(CMD, CLI_USAGE, "%s needs --lora",
-                       files[12] != NULL ? "--output-lora" : "--merge-into-base");
-    if (files[8] == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
-    if ((files[1] == NULL) == (files[2] == NULL))
-      return cli_error(CMD, CLI_USAGE,
-                       "give one of --source-tuned and --task-vector");
+  if (files[BICO_FILE_LORA - 1] == NULL) {
+    if (o->merge_into_base)
+      return cli_error(CMD, CLI_USAGE, "--merge-into-base needs --lora");
+    return GO_ON;
   }
-  int calib = files[4] != NULL || files[5] != NULL;
-  if (o->bico) {
-    if (calib && (files[4] == NULL || files[5] == NULL))
-      return cli_error(CMD, CLI_USAGE, "missing --%s-calib (source and target "
-                       "calibration files go together)",
-                       files[4] == NULL ? "source" : "target");
-    if (calib && files[6] != NULL)
-      return cli_error(CMD, CLI_USAGE,
-                       "give calibration files or --stats, not both");
-    if (!calib && files[6] == NULL)
-      return cli_error(CMD, CLI_USAGE,
-                       "method %s needs --source-calib and --target-calib, or "
-                       "--stats",
-                       o->method);
-    if (files[6] != NULL && (o->center || o->whiten > 0))
-      return cli_error(CMD, CLI_USAGE,
-                       "--center and --whiten need calibration files, not "
-                       "--stats");
-  }
-  if (o->m == BICO_METHOD_GRADFIX && files[7] == NULL)
-    return cli_error(CMD, CLI_USAGE, "method gradfix needs --target-votes");
-  if (o->m != BICO_METHOD_GRADFIX && files[7] != NULL)
-    return cli_error(CMD, CLI_USAGE,
-                     "--target-votes is read by method gradfix only; method "
-                     "%s would ignore it", o->method);
-  return GO_ON;
+  int rc = lora_cli_check(CMD, files[BICO_FILE_OUTPUT - 1], o->merge_into_base);
+  return rc ? rc : GO_ON;
 }
 
 /* Usage checks: what is missing or contradictory is a usage error (2).
@@ -294,22 +292,16 @@ static int check_usage(transfer_opts *o) {
       return cli_error(CMD, CLI_USAGE, "--norm-map %s: expected act or grad",
                           o->norm_map);
   }
-  if (o->null_mode != NULL) {
-    if (strcmp(o->null_mode, "keep") == 0) o->nl = BICO_NULL_KEEP;
-    else if (strcmp(o->null_mode, "drop") == 0) o->nl = BICO_NULL_DROP;
-    else return cli_error(CMD, CLI_USAGE, "--null %s: expected keep or drop",
-                          o->null_mode);
-  }
-
-  o->pm = BICO_PROC_EIG;
-  if (o->proc_method) {
-    if (strcmp(o->proc_method, "eig") == 0) o->pm = BICO_PROC_EIG;
-    else if (strcmp(o->proc_method, "svd") == 0) o->pm = BICO_PROC_SVD;
-    else if (strcmp(o->proc_method, "polar") == 0) o->pm = BICO_PROC_POLAR;
-    else return cli_error(CMD, CLI_USAGE,
-                          "--proc-method %s: expected eig, svd or polar",
-                          o->proc_method);
-  }
+  if (o->null_mode != NULL &&
+      bico_procrustes_null_from_name(o->null_mode, &o->nl) != BICO_OK)
+    return cli_error(CMD, CLI_USAGE, "--null %s: expected keep or drop",
+                     o->null_mode);
+  o->pm = -1; /* the library's default */
+  if (o->proc_method != NULL &&
+      bico_procrustes_method_from_name(o->proc_method, &o->pm) != BICO_OK)
+    return cli_error(CMD, CLI_USAGE,
+                     "--proc-method %s: expected eig, svd or polar",
+                     o->proc_method);
   o->structure_v = BICO_STRUCTURE_FREE;
   o->rope_v = 0; /* from config.json */
   if (o->structure != NULL &&
@@ -327,13 +319,16 @@ static int check_usage(transfer_opts *o) {
  * calling thread), keep N BLIS threads. */
 static void split_threads(transfer_opts *o) {
   if (o->workers == 0)
-    o->workers = o->bico && o->files[BICO_FILE_LORA - 1] == NULL ? o->threads : 1;
+    o->workers = o->bico && o->files[BICO_FILE_LORA - 1] == NULL
+                     ? (double)o->threads
+                     : 1;
   o->blas_threads = o->threads;
   if (o->workers > 1) {
     /* N threads in all: each solver (and the writing thread) runs BLIS with
      * its share, and so do the BLAS calls inside LAPACK, which follow
      * BLIS's process-wide count, read when BLIS first starts. */
-    o->blas_threads = o->threads / o->workers ? o->threads / o->workers : 1;
+    size_t w = (size_t)o->workers;
+    o->blas_threads = o->threads / w ? o->threads / w : 1;
     char share[32];
     snprintf(share, sizeof share, "%zu", o->blas_threads);
     setenv("BLIS_NUM_THREADS", share, 1);
@@ -366,10 +361,10 @@ static bico_status set_options(bico_transfer *t, const transfer_opts *o) {
     st = bico_transfer_set_string(t, BICO_TRANSFER_SOURCE_RENAME, o->rename);
   if (st == BICO_OK && o->max_shard > 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_MAX_SHARD_SIZE, o->max_shard);
-  if (st == BICO_OK)
+  if (st == BICO_OK && o->pm >= 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_PROC_METHOD, o->pm);
   if (st == BICO_OK)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_WORKERS, (double)o->workers);
+    st = bico_transfer_set_param(t, BICO_TRANSFER_WORKERS, o->workers);
   if (st == BICO_OK)
     st = bico_transfer_set_param(t, BICO_TRANSFER_SOLVE_MEMORY,
                                  o->solve_memory);
@@ -378,11 +373,11 @@ static bico_status set_options(bico_transfer *t, const transfer_opts *o) {
   if (st == BICO_OK)
     st = bico_transfer_set_param(t, BICO_TRANSFER_ROPE, o->rope_v);
   if (st == BICO_OK)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_HEADS, (double)o->heads);
+    st = bico_transfer_set_param(t, BICO_TRANSFER_HEADS, o->heads);
   if (st == BICO_OK)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_KV_HEADS, (double)o->kv_heads);
+    st = bico_transfer_set_param(t, BICO_TRANSFER_KV_HEADS, o->kv_heads);
   if (st == BICO_OK)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_HEAD_DIM, (double)o->head_dim);
+    st = bico_transfer_set_param(t, BICO_TRANSFER_HEAD_DIM, o->head_dim);
   return st;
 }
 
@@ -411,6 +406,42 @@ static int add_splits_ties(bico_transfer *t, const transfer_opts *o,
   return GO_ON;
 }
 
+/* A library message about the options in the command's words: "the
+ * <slot> file" (bico_transfer_file_name) becomes the slot's option, "the
+ * <param> parameter" (bico_transfer_param_name) its option. */
+static void option_words(const char *in, char *out, size_t cap) {
+  size_t o = 0;
+  while (*in && o + 1 < cap) {
+    const char *opt = NULL;
+    size_t skip = 0;
+    if (strncmp(in, "the ", 4) == 0) {
+      for (size_t f = 0; f < NFILE_OPTS && opt == NULL; f++) {
+        const char *w = bico_transfer_file_name(FILES[f].file);
+        size_t n = w ? strlen(w) : 0;
+        if (n && strncmp(in + 4, w, n) == 0 && strncmp(in + 4 + n, " file", 5) == 0 &&
+            !(in[9 + n] >= 'a' && in[9 + n] <= 'z'))
+          opt = FILES[f].opt, skip = 9 + n;
+      }
+      static const int PARAMS[] = {BICO_TRANSFER_CENTER, BICO_TRANSFER_WHITEN};
+      for (size_t k = 0; k < 2 && opt == NULL; k++) {
+        const char *w = bico_transfer_param_name(PARAMS[k]);
+        size_t n = strlen(w);
+        if (strncmp(in + 4, w, n) == 0 && strncmp(in + 4 + n, " parameter", 10) == 0)
+          opt = PARAMS[k] == BICO_TRANSFER_CENTER ? "--center" : "--whiten",
+          skip = 14 + n;
+      }
+    }
+    if (opt != NULL) {
+      int k = snprintf(out + o, cap - o, "%s", opt);
+      o = k < 0 || (size_t)k >= cap - o ? cap - 1 : o + (size_t)k;
+      in += skip;
+    } else {
+      out[o++] = *in++;
+    }
+  }
+  out[o] = '\0';
+}
+
 /* Builds the handle from o and runs it; the exit code. */
 static int run_transfer(const transfer_opts *o) {
   const char *const *files = o->files;
@@ -424,6 +455,16 @@ static int run_transfer(const transfer_opts *o) {
   if (st == BICO_OK) st = set_options(t, o);
   int code = add_splits_ties(t, o, &st);
   if (code != GO_ON) goto out;
+  /* Which files go together, contradictions: the library's rules, checked
+   * before any file is opened; a failure there is a usage error. */
+  if (st == BICO_OK &&
+      (st = bico_transfer_check(t, BICO_TRANSFER_CHECK_OPTIONS)) != BICO_OK) {
+    char msg[4096], words[4096];
+    cli_user_message(bico_ctx_errmsg(ctx), msg, sizeof msg);
+    option_words(msg, words, sizeof words);
+    code = cli_error(CMD, CLI_USAGE, "%s", words);
+    goto out;
+  }
   code = CLI_FAIL;
   if (st == BICO_OK && cli_transfer_runner != NULL) {
     code = cli_transfer_runner(t, ctx, o->quiet);
