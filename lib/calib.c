@@ -324,8 +324,8 @@ bico_status bico_stats_from_calib(bico_ctx *ctx, const char *source_calib,
   bico__free(ctx, items);
   bico_model_free(ma);
   bico_model_free(mb);
-  bico_stfile_close(fa);
-  bico_stfile_close(fb);
+  bico_stfile_free(fa);
+  bico_stfile_free(fb);
   return st;
 }
 
@@ -424,7 +424,7 @@ bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
   }
   if (st == BICO_OK) st = bico_stwriter_commit(w);
   bico_stwriter_free(w);
-  for (size_t i = 0; i < n; i++) bico_stfile_close(fs[i]);
+  for (size_t i = 0; i < n; i++) bico_stfile_free(fs[i]);
   bico__free(ctx, fs);
   return st;
 }

@@ -7,7 +7,7 @@
 
 #include "internal.h"
 
-/* RoPE layouts (bico_rope: BICO_TRANSFER_ROPE; 0 = from the config). */
+/* RoPE layouts (bico_transfer_rope: BICO_TRANSFER_ROPE; 0 = from the config). */
 enum { BICO__ROPE_HALF = 1, BICO__ROPE_INTERLEAVED = 2, BICO__ROPE_NONE = 3 };
 
 typedef struct bico__family {

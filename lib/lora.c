@@ -51,7 +51,7 @@ void bico_lora_free(bico_lora *l) {
   bico__free(ctx, l);
 }
 
-bico_status bico_lora_set_flag(bico_lora *l, int flag, int on) {
+bico_status bico_lora_set_param(bico_lora *l, int flag, int on) {
   if (l == NULL) return BICO_E_NULL;
   bico__clear(l->ctx);
   if (flag == BICO_LORA_RSLORA) l->rslora = on != 0;
@@ -62,7 +62,7 @@ bico_status bico_lora_set_flag(bico_lora *l, int flag, int on) {
   return BICO_OK;
 }
 
-bico_status bico_lora_get_flag(const bico_lora *l, int flag, int *on) {
+bico_status bico_lora_get_param(const bico_lora *l, int flag, int *on) {
   if (l == NULL) return BICO_E_NULL;
   if (on == NULL) return bico__fail(l->ctx, BICO_E_NULL, "lora_get_flag: on is NULL");
   if (flag == BICO_LORA_RSLORA) *on = l->rslora;

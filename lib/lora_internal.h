@@ -52,7 +52,7 @@ typedef struct bico__lora_hook {
   const bico_stfile *sb, *tb;      /* source and target base files */
   const bico_stfile *votes;        /* GradFix votes (or NULL) */
   const char *votes_path;
-  int method;                      /* bico_method */
+  int method;                      /* bico_transfer_method */
   float alpha;
   const char *adapter_dir;         /* source adapter folder */
   const char *target_path;         /* target base as given: the output

@@ -153,7 +153,7 @@ static bico_status lmod_locate(lrun *r, lmod *m) {
                    &m->din_a, &m->lalpha, &m->scale);
   bico_model_module(h->mt, m->mi, &m->tm, &m->tkind, NULL, NULL);
   bico_lora_factors(r->src, m->li, &m->b, &m->a);
-  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &m->fifo);
+  bico_lora_get_param(r->src, BICO_LORA_FAN_IN_FAN_OUT, &m->fifo);
   bico__clear(ctx);
   m->flip = m->kind == BICO_LORA_EMBEDDING || m->fifo;
   /* The target tensor the adapter updates: <module>.weight. */
@@ -550,7 +550,7 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
   bico_ctx *ctx = r->ctx;
   size_t nt = bico_model_tensor_count(h->mt);
   int fifo = 0;
-  bico_lora_get_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  bico_lora_get_param(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
   bico_status st = BICO_OK;
   for (int pass = 0; pass < 2 && st == BICO_OK; pass++)
     for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
@@ -664,7 +664,7 @@ static bico_status lora_commit(lrun *r, size_t unused) {
                           r->rep.len, h->report_path, &rep);
   if (st == BICO_OK && h->out_ckpt) {
     /* a model folder by the rule every output follows */
-    st = bico_output_is_folder(h->out_ckpt, h->target_path)
+    st = bico_stwriter_output_is_folder(h->out_ckpt, h->target_path)
              ? bico_stwriter_create_folder(ctx, h->out_ckpt, h->target_path,
                                            0, &w)
              : bico_stwriter_create(ctx, h->out_ckpt, &w);
@@ -717,10 +717,10 @@ static bico_status run_lora(lrun *r) {
   if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
   if (st != BICO_OK) return st;
   int on = 0;
-  bico_lora_get_flag(r->src, BICO_LORA_RSLORA, &on);
-  bico_lora_set_flag(r->out, BICO_LORA_RSLORA, on);
-  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
-  bico_lora_set_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
+  bico_lora_get_param(r->src, BICO_LORA_RSLORA, &on);
+  bico_lora_set_param(r->out, BICO_LORA_RSLORA, on);
+  bico_lora_get_param(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
+  bico_lora_set_param(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
   const char *tt = NULL;
   bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
   st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
@@ -735,9 +735,9 @@ static bico_status run_lora(lrun *r) {
   unsigned char *used = bico__calloc(ctx, nl + ns + 1, 1);
   if (used == NULL) return BICO_E_NOMEM;
   logf_(r, "bico: adapter %s: %zu modules, %zu saved tensors; method %s",
-        h->adapter_dir, nl, ns, bico_method_name(h->method));
+        h->adapter_dir, nl, ns, bico_transfer_method_name(h->method));
   bico__report_begin_object(&r->rep);
-  bico__report_key_string(&r->rep, "method", bico_method_name(h->method));
+  bico__report_key_string(&r->rep, "method", bico_transfer_method_name(h->method));
   bico__report_key_number(&r->rep, "alpha", (double)h->alpha);
   bico__report_key_string(&r->rep, "adapter", h->adapter_dir);
   bico__report_key(&r->rep, "modules");

@@ -27,7 +27,7 @@ static int cmp_name(const void *a, const void *b) {
   return strcmp(x->name, y->name);
 }
 
-void bico_stfile_close(bico_stfile *f) {
+void bico_stfile_free(bico_stfile *f) {
   if (f == NULL) return;
   bico_ctx *ctx = f->ctx;
   for (size_t k = 0; k < f->nfiles; k++)
@@ -103,7 +103,7 @@ bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
                  "%s: a PyTorch pickle, not safetensors: convert it with "
                  "`python3 -m bico.convert %s OUT.safetensors`",
                  path, given);
-    bico_stfile_close(f);
+    bico_stfile_free(f);
     return st;
   }
   *out = f;

@@ -31,7 +31,7 @@ static const char *const METHOD_NAME[] = {
 static const char *const NORM_MAP_NAME[] = {NULL, "act", "grad"};
 #define COUNT(a) (sizeof(a) / sizeof *(a))
 
-const char *bico_method_name(int method) {
+const char *bico_transfer_method_name(int method) {
   return method >= 0 && (size_t)method < COUNT(METHOD_NAME)
              ? METHOD_NAME[method]
              : NULL;
@@ -40,17 +40,17 @@ const char *bico_method_name(int method) {
 static bico_status from_name(const char *const *names, size_t n,
                              const char *name, int *out);
 
-bico_status bico_method_from_name(const char *name, int *method) {
+bico_status bico_transfer_method_from_name(const char *name, int *method) {
   return from_name(METHOD_NAME, COUNT(METHOD_NAME), name, method);
 }
 
-const char *bico_norm_map_name(int norm_map) {
+const char *bico_transfer_norm_map_name(int norm_map) {
   return norm_map >= 0 && (size_t)norm_map < COUNT(NORM_MAP_NAME)
              ? NORM_MAP_NAME[norm_map]
              : NULL;
 }
 
-bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
+bico_status bico_transfer_norm_map_from_name(const char *name, int *norm_map) {
   return from_name(NORM_MAP_NAME, COUNT(NORM_MAP_NAME), name, norm_map);
 }
 
@@ -72,29 +72,29 @@ static bico_status from_name(const char *const *names, size_t n,
   return BICO_E_NOTFOUND;
 }
 
-const char *bico_structure_name(int structure) {
+const char *bico_transfer_structure_name(int structure) {
   return name_of(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), structure);
 }
 
-bico_status bico_structure_from_name(const char *name, int *structure) {
+bico_status bico_transfer_structure_from_name(const char *name, int *structure) {
   return from_name(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), name, structure);
 }
 
-const char *bico_rope_name(int rope) {
+const char *bico_transfer_rope_name(int rope) {
   return name_of(ROPE_NAME, COUNT(ROPE_NAME), rope);
 }
 
-bico_status bico_rope_from_name(const char *name, int *rope) {
+bico_status bico_transfer_rope_from_name(const char *name, int *rope) {
   return from_name(ROPE_NAME, COUNT(ROPE_NAME), name, rope);
 }
 
-const char *bico_handling_name(int handling) {
+const char *bico_transfer_handling_name(int handling) {
   return handling >= 0 && handling < BICO__H_COUNT
              ? bico__xfer_handling[handling]
              : NULL;
 }
 
-bico_status bico_handling_from_name(const char *name, int *handling) {
+bico_status bico_transfer_handling_from_name(const char *name, int *handling) {
   if (name == NULL || handling == NULL) return BICO_E_NULL;
   for (int i = 0; i < BICO__H_COUNT; i++)
     if (strcmp(name, bico__xfer_handling[i]) == 0) {
@@ -606,7 +606,7 @@ static bico_status run_all(bico__run *r) {
   describe_blocks(r->mt, btgt, sizeof btgt);
   bico__xfer_log(r, "bico: method %s, alpha %g; source: %s; target: %s; %zu "
                     "target tensors",
-                 bico_method_name(r->method), (double)r->alpha, bsrc, btgt,
+                 bico_transfer_method_name(r->method), (double)r->alpha, bsrc, btgt,
                  nt);
   if (bico) st = bico__xfer_pool_start(r, partial ? t->select : NULL);
   if (st == BICO_OK) st = bico__xfer_write_all(r);
@@ -639,7 +639,7 @@ void bico__xfer_run_free(bico__run *r) {
   bico__vocab_free(ctx, r->vocab);
   bico_stfile *fs[8] = {r->sb, r->sft,  r->tv,    r->tb,
                         r->sc, r->tc, r->stats, r->votes};
-  for (int i = 0; i < 8; i++) bico_stfile_close(fs[i]);
+  for (int i = 0; i < 8; i++) bico_stfile_free(fs[i]);
   bico__report_free(&r->rep);
 }
 

@@ -33,7 +33,7 @@ void bico__xfer_asm_free(bico_transfer *t) {
   if (a == NULL) return;
   bico_stwriter_free(a->w);
   bico_stwriter_free(a->wd);
-  bico_stfile_close(a->tb);
+  bico_stfile_free(a->tb);
   for (size_t i = 0; a->entries && i < a->nt; i++)
     bico__free(t->ctx, a->entries[i]);
   bico__free(t->ctx, a->entries);

@@ -283,7 +283,7 @@ bico_status bico__xfer_stream_rows(bico__run *r, size_t ti,
 bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
                               bico__xfer_tensor *x);
 /* The writer for an output path: a model folder when
- * bico_output_is_folder says so (like the target, sharded by
+ * bico_stwriter_output_is_folder says so (like the target, sharded by
  * BICO_TRANSFER_MAX_SHARD_SIZE), else a file. */
 bico_status bico__xfer_writer(const bico_transfer *t, const char *path,
                               bico_stwriter **w);

@@ -418,9 +418,9 @@ static void *worker_main(void *arg) {
 
 static void solver_close(solver *sv) {
   bico_procrustes_free(sv->proc);
-  bico_stfile_close(sv->stats);
-  bico_stfile_close(sv->sc);
-  bico_stfile_close(sv->tc);
+  bico_stfile_free(sv->stats);
+  bico_stfile_free(sv->sc);
+  bico_stfile_free(sv->tc);
   bico_ctx_free(sv->ctx);
   memset(sv, 0, sizeof *sv);
 }

@@ -136,7 +136,7 @@ static bico_status provenance(const bico_transfer *t, const bico_stfile *tb,
                               bico_stwriter *w) {
   const char *lora = t->files[BICO_FILE_LORA];
   bico_status st = bico__stwriter_provenance(
-      w, tb, bico_method_name((int)t->param[BICO_TRANSFER_METHOD]),
+      w, tb, bico_transfer_method_name((int)t->param[BICO_TRANSFER_METHOD]),
       t->param[BICO_TRANSFER_ALPHA]);
   static const struct { int file; const char *key; } FILES[] = {
       {BICO_FILE_SOURCE_BASE, "bico.source_base"},
@@ -154,7 +154,7 @@ static bico_status provenance(const bico_transfer *t, const bico_stfile *tb,
 bico_status bico__xfer_writer(const bico_transfer *t, const char *path,
                               bico_stwriter **w) {
   const char *tb = t->files[BICO_FILE_TARGET_BASE];
-  if (!bico_output_is_folder(path, tb))
+  if (!bico_stwriter_output_is_folder(path, tb))
     return bico_stwriter_create(t->ctx, path, w);
   return bico_stwriter_create_folder(
       t->ctx, path, tb, (uint64_t)t->param[BICO_TRANSFER_MAX_SHARD_SIZE], w);
@@ -325,7 +325,7 @@ bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
 
 void bico__xfer_report_head(bico__report *rep, int method, float alpha) {
   bico__report_begin_object(rep);
-  bico__report_key_string(rep, "method", bico_method_name(method));
+  bico__report_key_string(rep, "method", bico_transfer_method_name(method));
   bico__report_key_number(rep, "alpha", (double)alpha);
   bico__report_key(rep, "tensors");
   bico__report_begin_array(rep);

@@ -291,7 +291,7 @@ bico_status bico__xfer_check_setup(bico__run *r) {
       return bico__fail(ctx, BICO_E_ARG,
                         "transfer_run: method %s needs either calibration "
                         "files (source and target) or a statistics file%s",
-                        bico_method_name(r->method),
+                        bico_transfer_method_name(r->method),
                         calib ? ", not both" : " (or statistics lent with "
                         "bico_transfer_set_xcov)");
     if (f[BICO_FILE_STATS] != NULL &&
@@ -319,7 +319,7 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                       "transfer_run: target votes (%s) are read by method "
                       "gradfix only; method %s ignores them: drop them or "
                       "choose gradfix",
-                      f[BICO_FILE_TARGET_VOTES], bico_method_name(r->method));
+                      f[BICO_FILE_TARGET_VOTES], bico_transfer_method_name(r->method));
   if (lora && t->strings[BICO_TRANSFER_SOURCE_RENAME] != NULL)
     return bico__fail(ctx, BICO_E_ARG,
                       "transfer_run: the source rename applies to "
@@ -401,7 +401,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
     for (int o = 0; o < 3 && st == BICO_OK; o++) {
       if (f[outs[o]] == NULL) continue;
       /* an output folder: its weights file stands for it */
-      int dir = o < 2 && bico_output_is_folder(f[outs[o]],
+      int dir = o < 2 && bico_stwriter_output_is_folder(f[outs[o]],
                                                f[BICO_FILE_TARGET_BASE]);
       if (dir && (fo[o] = bico__path_join(ctx, f[outs[o]],
                                           "model.safetensors")) == NULL)

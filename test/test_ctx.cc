@@ -545,7 +545,7 @@ TEST(Ctx, FileAdapterFitAndTransferQueriesPreserveTheLastError) {
   EXPECT_EQ(BICO_OK, bico_stfile_find(f, "fc.weight", &i)); same("stfile_find");
   EXPECT_EQ(BICO_OK, bico_stfile_metadata_get(f, "k", &s)); same("stfile_metadata_get");
   EXPECT_EQ(BICO_OK, bico_stfile_read_f32(f, 0, out, 4)); same("stfile_read_f32");
-  EXPECT_EQ(BICO_OK, bico_lora_get_flag(l, BICO_LORA_RSLORA, &on)); same("lora_get_flag");
+  EXPECT_EQ(BICO_OK, bico_lora_get_param(l, BICO_LORA_RSLORA, &on)); same("lora_get_flag");
   EXPECT_EQ(BICO_OK, bico_lora_get_string(l, BICO_LORA_TASK_TYPE, &s)); same("lora_get_string");
   EXPECT_EQ(BICO_OK, bico_lora_module(l, 0, &s, nullptr, &r, &d1, &d2, &al, &sc)); same("lora_module");
   EXPECT_EQ(BICO_OK, bico_lora_find_module(l, "fc", &i)); same("lora_find_module");
@@ -558,7 +558,7 @@ TEST(Ctx, FileAdapterFitAndTransferQueriesPreserveTheLastError) {
   bico_transfer_free(t);
   bico_fit_free(fit);
   bico_lora_free(l);
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   std::remove(path.c_str());
   rmdir(dir.c_str());
 }

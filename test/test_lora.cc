@@ -69,7 +69,7 @@ std::map<std::string, Tensor> read_st(const std::string &path) {
     EXPECT_EQ(bico_stfile_read_f32(f, i, t.v.data(), numel), BICO_OK);
     out[name] = t;
   }
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   return out;
 }
 
@@ -302,9 +302,9 @@ TEST(LoraRead, EveryFieldOfAHandWrittenAdapter) {
   ASSERT_EQ(bico_lora_open(ctx, fx.dir.path.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
   ASSERT_EQ(bico_lora_module_count(l), 3u);
   int on = -1;
-  ASSERT_EQ(bico_lora_get_flag(l, BICO_LORA_RSLORA, &on), BICO_OK);
+  ASSERT_EQ(bico_lora_get_param(l, BICO_LORA_RSLORA, &on), BICO_OK);
   EXPECT_EQ(on, 1);
-  ASSERT_EQ(bico_lora_get_flag(l, BICO_LORA_FAN_IN_FAN_OUT, &on), BICO_OK);
+  ASSERT_EQ(bico_lora_get_param(l, BICO_LORA_FAN_IN_FAN_OUT, &on), BICO_OK);
   EXPECT_EQ(on, 0);
   const char *str = nullptr;
   ASSERT_EQ(bico_lora_get_string(l, BICO_LORA_TASK_TYPE, &str), BICO_OK);
@@ -369,7 +369,7 @@ TEST(LoraRead, PlainScaleAndFanInFanOut) {
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, fx.dir.path.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
   int on = 0;
-  bico_lora_get_flag(l, BICO_LORA_FAN_IN_FAN_OUT, &on);
+  bico_lora_get_param(l, BICO_LORA_FAN_IN_FAN_OUT, &on);
   EXPECT_EQ(on, 1);
   size_t i;
   double scale;
@@ -385,8 +385,8 @@ TEST(LoraRead, SaveAndReopenKeepsEveryField) {
   bt::Ctx ctx;
   bico_lora *l = nullptr, *l2 = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, fx.dir.path.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
-  ASSERT_EQ(bico_lora_set_flag(l, BICO_LORA_RSLORA, 1), BICO_OK);
-  ASSERT_EQ(bico_lora_set_flag(l, BICO_LORA_FAN_IN_FAN_OUT, 1), BICO_OK);
+  ASSERT_EQ(bico_lora_set_param(l, BICO_LORA_RSLORA, 1), BICO_OK);
+  ASSERT_EQ(bico_lora_set_param(l, BICO_LORA_FAN_IN_FAN_OUT, 1), BICO_OK);
   std::string out = fx.dir / "out";
   ASSERT_EQ(bico_lora_save(l, out.c_str()), BICO_OK) << bico_ctx_errmsg(ctx);
   ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l2), BICO_OK) << bico_ctx_errmsg(ctx);
@@ -413,9 +413,9 @@ TEST(LoraRead, SaveAndReopenKeepsEveryField) {
   }
   EXPECT_EQ(bico_lora_saved_count(l2), 2u);
   int on = 0;
-  bico_lora_get_flag(l2, BICO_LORA_RSLORA, &on);
+  bico_lora_get_param(l2, BICO_LORA_RSLORA, &on);
   EXPECT_EQ(on, 1);
-  bico_lora_get_flag(l2, BICO_LORA_FAN_IN_FAN_OUT, &on);
+  bico_lora_get_param(l2, BICO_LORA_FAN_IN_FAN_OUT, &on);
   EXPECT_EQ(on, 1);
   const char *tt = nullptr;
   bico_lora_get_string(l2, BICO_LORA_TASK_TYPE, &tt);

@@ -694,7 +694,7 @@ TEST(SafetensorsMalformed, EachFileRejectedWithItsOwnMessage) {
     bico_status st = bico_stfile_open(ctx, path.c_str(), &f);
     EXPECT_EQ(st, it->second.status) << file << ": " << errmsg(ctx);
     EXPECT_EQ(f, nullptr);
-    bico_stfile_close(f);
+    bico_stfile_free(f);
     std::string m = errmsg(ctx);
     EXPECT_TRUE(contains(m, it->second.fragment)) << file << ": " << m;
     EXPECT_TRUE(contains(m, path)) << file << " names no file: " << m;
@@ -1079,7 +1079,7 @@ TEST(SafetensorsReader, AllocationFailuresAreCleanAtEveryStep) {
         EXPECT_EQ(st, BICO_E_NOMEM) << bico_ctx_errmsg(ctx);
         EXPECT_EQ(f, nullptr);
       }
-      bico_stfile_close(f);
+      bico_stfile_free(f);
       bico_ctx_free(ctx);
     }
     EXPECT_TRUE(done);
@@ -1182,7 +1182,7 @@ TEST(SafetensorsMalformed, RandomMutationsAreRejectedOrReadCleanly) {
         std::vector<double> out(numel);
         ASSERT_EQ(bico_stfile_read_f64(f, i, out.data(), numel), BICO_OK);
       }
-      bico_stfile_close(f);
+      bico_stfile_free(f);
     } else {
       EXPECT_TRUE(st == BICO_E_FORMAT || st == BICO_E_UNSUPPORTED)
           << st << ": " << bico_ctx_errmsg(ctx);

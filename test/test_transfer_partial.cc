@@ -106,7 +106,7 @@ struct Sink {
     Sink *s = static_cast<Sink *>(o);
     EXPECT_GE(x->size, sizeof *x);
     if ((int)s->got.size() == s->fail_at) return BICO_E_IO;
-    const char *h = bico_handling_name(x->handling);
+    const char *h = bico_transfer_handling_name(x->handling);
     EXPECT_NE(h, nullptr);
     Got g{x->index, x->name, h ? h : "", x->report_entry,
           x->update ? std::vector<float>(x->update, x->update + x->count)
@@ -391,10 +391,10 @@ TEST(TransferPlan, BadPutsAreRefusedAndAnAbandonedAssemblyLeavesNothing) {
 }
 
 TEST(TransferPlan, HandlingNamesAndFileGetter) {
-  EXPECT_STREQ(bico_handling_name(BICO_HANDLING_UNCHANGED), "unchanged");
-  EXPECT_STREQ(bico_handling_name(BICO_HANDLING_MASKED), "masked");
-  EXPECT_EQ(bico_handling_name(7), nullptr);
-  EXPECT_EQ(bico_handling_name(-1), nullptr);
+  EXPECT_STREQ(bico_transfer_handling_name(BICO_HANDLING_UNCHANGED), "unchanged");
+  EXPECT_STREQ(bico_transfer_handling_name(BICO_HANDLING_MASKED), "masked");
+  EXPECT_EQ(bico_transfer_handling_name(7), nullptr);
+  EXPECT_EQ(bico_transfer_handling_name(-1), nullptr);
   Planted p;
   bt::Ctx ctx;
   bico_transfer *t = p.make(ctx);

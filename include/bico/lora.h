@@ -70,11 +70,11 @@ typedef enum bico_lora_kind {
   BICO_LORA_EMBEDDING = 2  /* lora_embedding_A / lora_embedding_B */
 } bico_lora_kind;
 
-/* Adapter-wide flags (bico_lora_set_flag / bico_lora_get_flag). */
-typedef enum bico_lora_flag {
+/* Adapter-wide flags (bico_lora_set_param / bico_lora_get_param). */
+typedef enum bico_lora_param {
   BICO_LORA_RSLORA = 1,        /* scale alpha / sqrt(r) */
   BICO_LORA_FAN_IN_FAN_OUT = 2 /* base weights stored [d_in, d_out] */
-} bico_lora_flag;
+} bico_lora_param;
 
 /* String options carried into the written config. */
 typedef enum bico_lora_string {
@@ -91,8 +91,8 @@ BICO_API bico_status bico_lora_create(bico_ctx *ctx, bico_lora **out);
 /* Accepts NULL. */
 BICO_API void bico_lora_free(bico_lora *l);
 
-BICO_API bico_status bico_lora_set_flag(bico_lora *l, int flag, int on);
-BICO_API bico_status bico_lora_get_flag(const bico_lora *l, int flag,
+BICO_API bico_status bico_lora_set_param(bico_lora *l, int flag, int on);
+BICO_API bico_status bico_lora_get_param(const bico_lora *l, int flag,
                                         int *on);
 /* NULL unsets; a value read from a config is kept for saving. */
 BICO_API bico_status bico_lora_set_string(bico_lora *l, int which,

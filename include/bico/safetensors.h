@@ -24,7 +24,7 @@
  * data are read with pread into the caller's buffers, never mapped, so a
  * file truncated while open makes the read fail with BICO_E_IO instead of
  * raising SIGBUS in the host process.  The file stays open until
- * bico_stfile_close: replace it by renaming a new file into place, as
+ * bico_stfile_free: replace it by renaming a new file into place, as
  * bico_stwriter does.
  *
  * Writing: a bico_stwriter writes into a temporary file in the output's
@@ -102,7 +102,7 @@ BICO_API bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
                                       bico_stfile **out);
 /* Closes the file and frees the handle (nothing is mapped: reads use
  * pread); accepts NULL.  Pointers obtained from the handle die with it. */
-BICO_API void bico_stfile_close(bico_stfile *f);
+BICO_API void bico_stfile_free(bico_stfile *f);
 
 /* Number of tensors (0 for NULL).  Tensors are indexed 0..count-1 in header
  * order (for a sharded checkpoint: shards in order of first appearance in
@@ -110,7 +110,7 @@ BICO_API void bico_stfile_close(bico_stfile *f);
 BICO_API size_t bico_stfile_count(const bico_stfile *f);
 
 /* Describes tensor `index`; any out-pointer may be NULL.  *name, *shape stay
- * valid until bico_stfile_close.  ndim may be 0 (a scalar, one element). */
+ * valid until bico_stfile_free.  ndim may be 0 (a scalar, one element). */
 BICO_API bico_status bico_stfile_tensor_info(const bico_stfile *f,
                                              size_t index, const char **name,
                                              int *dtype, size_t *ndim,
@@ -232,7 +232,7 @@ BICO_API bico_status bico_stwriter_create_folder(bico_ctx *ctx,
  * safetensors file.  A folder when `output` is an existing folder, ends
  * in '/', or (nothing existing there) `like` is a folder and `output`
  * ends neither in ".safetensors" nor in ".json".  NULL output: 0. */
-BICO_API int bico_output_is_folder(const char *output, const char *like);
+BICO_API int bico_stwriter_output_is_folder(const char *output, const char *like);
 
 /* Removes the temporary file unless committed, and frees; accepts NULL. */
 BICO_API void bico_stwriter_free(bico_stwriter *w);

@@ -478,8 +478,8 @@ static void free_run(stats_run *s) {
   bico_model_free(s->ma);
   bico_model_free(s->mb);
   for (size_t p = 0; p < s->np; p++) {
-    bico_stfile_close(s->fa[p]);
-    bico_stfile_close(s->fb[p]);
+    bico_stfile_free(s->fa[p]);
+    bico_stfile_free(s->fb[p]);
   }
   bico_ctx_free(s->ctx);
 }

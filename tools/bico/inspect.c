@@ -124,7 +124,7 @@ static int explain_setup(bico_ctx *ctx, bico_transfer *t, const char *method,
                          size_t nsplits, const char **ties, size_t nties,
                          const char *src, const char *tgt) {
   *m = BICO_METHOD_BICO;
-  if (method && bico_method_from_name(method, m) != BICO_OK)
+  if (method && bico_transfer_method_from_name(method, m) != BICO_OK)
     return cli_error(CMD, CLI_USAGE, "unknown method %s", method);
   bico_status st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, *m);
   if (st == BICO_OK) st = bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, src);
@@ -189,7 +189,7 @@ static void explain_json(const explained *e) {
            e->mi[k].tensors);
   }
   printf(", \"method\": ");
-  json_str(bico_method_name(e->method));
+  json_str(bico_transfer_method_name(e->method));
   if (e->vt)
     printf(", \"vocab\": {\"source_tokens\": %zu, \"target_tokens\": %zu, "
            "\"shared\": %zu, \"new\": %zu}", e->vs, e->vt, e->vsh, e->vnew);
@@ -237,7 +237,7 @@ static void explain_text(const explained *e) {
       printf("\n  blocks: none detected");
     printf("\n  tensors: %zu\n", e->mi[k].tensors);
   }
-  printf("method: %s\n", bico_method_name(e->method));
+  printf("method: %s\n", bico_transfer_method_name(e->method));
   if (e->vt)
     printf("vocabulary: the tokenizers differ (%zu source, %zu target "
            "tokens): %zu shared, rows carried by token string; %zu new, "
@@ -387,7 +387,7 @@ int cmd_inspect(int argc, char **argv) {
   if (st != BICO_OK) {
     int code = cli_lib_error(CMD, ctx, st);
     bico_model_free(m);
-    bico_stfile_close(f);
+    bico_stfile_free(f);
     bico_ctx_free(ctx);
     return code;
   }
@@ -445,7 +445,7 @@ int cmd_inspect(int argc, char **argv) {
     printf("\n");
   }
   bico_model_free(m);
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   bico_ctx_free(ctx);
   return 0;
 }
