@@ -527,23 +527,6 @@ BICO_API bico_status bico_transfer_explain_vocab(const bico_transfer *t,
                                                  size_t *shared,
                                                  size_t *fresh);
 
-/* ---- Statistics files ---- */
-
-/* Reduces two calibration files to a statistics file: for every module M
- * of the target calibration file with "M.input"/"M.output_grad", the
- * source's paired module (by the depth map over the two files' own block
- * containers, detected from the calibration names unless blocks is given)
- * provides the other side; writes "M.in_xcov" and "M.out_xcov" (F64).
- * Modules the source lacks are an error naming them. */
-BICO_API bico_status bico_stats_from_calib(bico_ctx *ctx,
-                                           const char *source_calib,
-                                           const char *target_calib,
-                                           const char *blocks,
-                                           const char *output);
-/* Sums n statistics files (same tensors and shapes) into output. */
-BICO_API bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
-                                      size_t n, const char *output);
-
 #ifdef __cplusplus
 }
 #endif

@@ -16,6 +16,7 @@
 
 #include "bico/safetensors.h"
 #include "bico/transfer.h"
+#include "bico/stats.h"
 #include "fuzz_util.h"
 
 #define D 4
