@@ -153,7 +153,9 @@ static bico_status lmod_locate(lrun *r, lmod *m) {
                    &m->din_a, &m->lalpha, &m->scale);
   bico_model_module(h->mt, m->mi, &m->tm, &m->tkind, NULL, NULL);
   bico_lora_factors(r->src, m->li, &m->b, &m->a);
-  bico_lora_get_param(r->src, BICO_LORA_FAN_IN_FAN_OUT, &m->fifo);
+  double fifo = 0;
+  bico_lora_get_param(r->src, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  m->fifo = fifo != 0;
   bico__clear(ctx);
   m->flip = m->kind == BICO_LORA_EMBEDDING || m->fifo;
   /* The target tensor the adapter updates: <module>.weight. */
@@ -549,7 +551,7 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
   const bico__lora_hook *h = r->h;
   bico_ctx *ctx = r->ctx;
   size_t nt = bico_model_tensor_count(h->mt);
-  int fifo = 0;
+  double fifo = 0;
   bico_lora_get_param(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
   bico_status st = BICO_OK;
   for (int pass = 0; pass < 2 && st == BICO_OK; pass++)
@@ -716,7 +718,7 @@ static bico_status run_lora(lrun *r) {
   bico_status st = bico_lora_open(ctx, h->adapter_dir, &r->src);
   if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
   if (st != BICO_OK) return st;
-  int on = 0;
+  double on = 0;
   bico_lora_get_param(r->src, BICO_LORA_RSLORA, &on);
   bico_lora_set_param(r->out, BICO_LORA_RSLORA, on);
   bico_lora_get_param(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);

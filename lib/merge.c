@@ -390,7 +390,9 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
     bico__clear(ctx);
     return BICO_OK;
   }
-  bico_lora_get_param(in->l, BICO_LORA_FAN_IN_FAN_OUT, &in->fifo);
+  double fifo = 0;
+  bico_lora_get_param(in->l, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  in->fifo = fifo != 0;
   for (size_t i = 0; i < bico_lora_module_count(in->l); i++) {
     const char *mod;
     int kind;

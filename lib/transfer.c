@@ -89,14 +89,14 @@ bico_status bico_transfer_rope_from_name(const char *name, int *rope) {
 }
 
 const char *bico_transfer_handling_name(int handling) {
-  return handling >= 0 && handling < BICO__H_COUNT
+  return handling >= BICO__H_FIRST && handling < BICO__H_COUNT
              ? bico__xfer_handling[handling]
              : NULL;
 }
 
 bico_status bico_transfer_handling_from_name(const char *name, int *handling) {
   if (name == NULL || handling == NULL) return BICO_E_NULL;
-  for (int i = 0; i < BICO__H_COUNT; i++)
+  for (int i = BICO__H_FIRST; i < BICO__H_COUNT; i++)
     if (strcmp(name, bico__xfer_handling[i]) == 0) {
       *handling = i;
       return BICO_OK;
@@ -421,6 +421,7 @@ static bico_status lora_carry(void *opaque, size_t ti, size_t si,
   bico__xfer_route(r, ti, &rt);
   bico__tinfo info;
   memset(&info, 0, sizeof info);
+  info.handling = BICO__H_UNCHANGED;
   info.kept = -1;
   bico_status st = bico__xfer_carry(r, ti, si, &rt, tau, upd, &info);
   reason[0] = 0;

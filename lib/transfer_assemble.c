@@ -227,7 +227,7 @@ bico_status bico_transfer_assemble_put(bico_transfer *t, size_t index,
   if (report_entry == NULL)
     return bico__fail(ctx, BICO_E_NULL,
                       "transfer_assemble_put: report_entry is NULL");
-  if (index >= a->nt || a->entries[index] != NULL || handling < 0 ||
+  if (index >= a->nt || a->entries[index] != NULL || handling < BICO__H_FIRST ||
       handling >= BICO__H_COUNT ||
       (update == NULL) != (handling == BICO__H_UNCHANGED))
     return bico__fail(ctx, BICO_E_ARG,

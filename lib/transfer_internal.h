@@ -95,15 +95,18 @@ typedef struct bico__modstate {
   size_t job[2];  /* solver pool job index + 1 per side, 0 = none */
 } bico__modstate;
 
+/* The public bico_transfer_handling values (0 is none: index 0 of the
+ * tables below is unused). */
 enum bico__handling {
-  BICO__H_UNCHANGED = 0,
-  BICO__H_LINEAR,
-  BICO__H_VECTOR,
-  BICO__H_TIED,
-  BICO__H_NAIVE,
-  BICO__H_PADDED,
-  BICO__H_MASKED,
-  BICO__H_COUNT
+  BICO__H_UNCHANGED = BICO_HANDLING_UNCHANGED,
+  BICO__H_LINEAR = BICO_HANDLING_LINEAR,
+  BICO__H_VECTOR = BICO_HANDLING_VECTOR,
+  BICO__H_TIED = BICO_HANDLING_TIED,
+  BICO__H_NAIVE = BICO_HANDLING_NAIVE,
+  BICO__H_PADDED = BICO_HANDLING_PADDED,
+  BICO__H_MASKED = BICO_HANDLING_MASKED,
+  BICO__H_FIRST = BICO__H_UNCHANGED,
+  BICO__H_COUNT = BICO__H_MASKED + 1
 };
 extern const char *const bico__xfer_handling[BICO__H_COUNT];
 

@@ -15,7 +15,8 @@
 #include "vocab.h"
 
 const char *const bico__xfer_handling[BICO__H_COUNT] = {
-    "unchanged", "linear", "vector", "tied", "naive", "padded", "masked"};
+    NULL,   "unchanged", "linear", "vector",
+    "tied", "naive",     "padded", "masked"};
 
 bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
                                      size_t ti, const bico__tinfo *info) {
@@ -262,6 +263,7 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
   if (st != BICO_OK) return st;
   bico__tinfo info;
   memset(&info, 0, sizeof info);
+  info.handling = BICO__H_UNCHANGED;
   info.kept = -1;
   float *upd = NULL;
   int streamed = 0;
@@ -336,7 +338,7 @@ void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
   bico__report_end_array(rep);
   bico__report_key(rep, "summary");
   bico__report_begin_object(rep);
-  for (int h = 0; h < BICO__H_COUNT; h++)
+  for (int h = BICO__H_FIRST; h < BICO__H_COUNT; h++)
     bico__report_key_number(rep, bico__xfer_handling[h], (double)count[h]);
   if (vocab != NULL) {
     /* Token ids of the target's tokenizer: with a source token of the same
@@ -410,7 +412,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
                            r->wd);
   if (st != BICO_OK) return st;
   size_t updated = 0;
-  for (int h = 0; h < BICO__H_COUNT; h++)
+  for (int h = BICO__H_FIRST; h < BICO__H_COUNT; h++)
     if (h != BICO__H_UNCHANGED) updated += r->count[h];
   t->updated = updated;
   t->unchanged = r->count[BICO__H_UNCHANGED];

@@ -537,7 +537,6 @@ TEST(Ctx, FileAdapterFitAndTransferQueriesPreserveTheLastError) {
   size_t i, n, r, d1, d2;
   const char *s;
   const float *pb, *pa;
-  int on;
   double d, al, sc;
   uint64_t rows;
   unsigned fl;
@@ -545,7 +544,7 @@ TEST(Ctx, FileAdapterFitAndTransferQueriesPreserveTheLastError) {
   EXPECT_EQ(BICO_OK, bico_stfile_find(f, "fc.weight", &i)); same("stfile_find");
   EXPECT_EQ(BICO_OK, bico_stfile_metadata_get(f, "k", &s)); same("stfile_metadata_get");
   EXPECT_EQ(BICO_OK, bico_stfile_read_f32(f, 0, out, 4)); same("stfile_read_f32");
-  EXPECT_EQ(BICO_OK, bico_lora_get_param(l, BICO_LORA_RSLORA, &on)); same("lora_get_flag");
+  EXPECT_EQ(BICO_OK, bico_lora_get_param(l, BICO_LORA_RSLORA, &d)); same("lora_get_param");
   EXPECT_EQ(BICO_OK, bico_lora_get_string(l, BICO_LORA_TASK_TYPE, &s)); same("lora_get_string");
   EXPECT_EQ(BICO_OK, bico_lora_module(l, 0, &s, nullptr, &r, &d1, &d2, &al, &sc)); same("lora_module");
   EXPECT_EQ(BICO_OK, bico_lora_find_module(l, "fc", &i)); same("lora_find_module");

@@ -301,7 +301,7 @@ TEST(LoraRead, EveryFieldOfAHandWrittenAdapter) {
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, fx.dir.path.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
   ASSERT_EQ(bico_lora_module_count(l), 3u);
-  int on = -1;
+  double on = -1;
   ASSERT_EQ(bico_lora_get_param(l, BICO_LORA_RSLORA, &on), BICO_OK);
   EXPECT_EQ(on, 1);
   ASSERT_EQ(bico_lora_get_param(l, BICO_LORA_FAN_IN_FAN_OUT, &on), BICO_OK);
@@ -368,7 +368,7 @@ TEST(LoraRead, PlainScaleAndFanInFanOut) {
   bt::Ctx ctx;
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, fx.dir.path.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
-  int on = 0;
+  double on = 0;
   bico_lora_get_param(l, BICO_LORA_FAN_IN_FAN_OUT, &on);
   EXPECT_EQ(on, 1);
   size_t i;
@@ -412,7 +412,7 @@ TEST(LoraRead, SaveAndReopenKeepsEveryField) {
     EXPECT_EQ(std::vector<float>(x1, x1 + r1 * i1), std::vector<float>(x2, x2 + r2 * i2));
   }
   EXPECT_EQ(bico_lora_saved_count(l2), 2u);
-  int on = 0;
+  double on = 0;
   bico_lora_get_param(l2, BICO_LORA_RSLORA, &on);
   EXPECT_EQ(on, 1);
   bico_lora_get_param(l2, BICO_LORA_FAN_IN_FAN_OUT, &on);

@@ -305,3 +305,37 @@ TEST(TransferNames, UnknownValuesAndNamesAreRefused) {
 }
 
 }  // namespace
+
+// status.h's enumeration rule for every choice of transfer.h: 0 is no
+// member, and a binding that asks for the names of 1, 2, ... until NULL
+// (docs/api.md) lists every member once, each name mapping back to it.
+TEST(TransferNames, EveryEnumerationCountsFromOne) {
+  struct E {
+    const char *what;
+    const char *(*name)(int);
+    bico_status (*from)(const char *, int *);
+    int members;
+  } enums[] = {
+      {"method", bico_transfer_method_name, bico_transfer_method_from_name, 6},
+      {"norm_map", bico_transfer_norm_map_name, bico_transfer_norm_map_from_name, 2},
+      {"structure", bico_transfer_structure_name, bico_transfer_structure_from_name, 2},
+      {"rope", bico_transfer_rope_name, bico_transfer_rope_from_name, 3},
+      {"handling", bico_transfer_handling_name, bico_transfer_handling_from_name, 7},
+      {"side", bico_transfer_side_name, bico_transfer_side_from_name, 2}};
+  for (const E &e : enums) {
+    EXPECT_EQ(e.name(0), nullptr) << e.what << ": 0 is reserved";
+    int n = 0;
+    while (e.name(n + 1) != nullptr) {
+      int v = -1;
+      EXPECT_EQ(e.from(e.name(n + 1), &v), BICO_OK) << e.what;
+      EXPECT_EQ(v, n + 1) << e.what;
+      n++;
+    }
+    EXPECT_EQ(n, e.members) << e.what;
+  }
+  // The handling every unchanged tensor reports is listed too.
+  int v = -1;
+  ASSERT_EQ(bico_transfer_handling_from_name("unchanged", &v), BICO_OK);
+  EXPECT_EQ(v, BICO_HANDLING_UNCHANGED);
+  EXPECT_GE(v, 1);
+}

@@ -70,10 +70,12 @@ typedef enum bico_lora_kind {
   BICO_LORA_EMBEDDING = 2  /* lora_embedding_A / lora_embedding_B */
 } bico_lora_kind;
 
-/* Adapter-wide flags (bico_lora_set_param / bico_lora_get_param). */
+/* Adapter-wide switches: the option grammar of params.h
+ * (bico_lora_set_param and its three companions), values 0 or 1. */
 typedef enum bico_lora_param {
-  BICO_LORA_RSLORA = 1,        /* scale alpha / sqrt(r) */
-  BICO_LORA_FAN_IN_FAN_OUT = 2 /* base weights stored [d_in, d_out] */
+  BICO_LORA_RSLORA = 1,        /* "rslora": scale alpha / sqrt(r) */
+  BICO_LORA_FAN_IN_FAN_OUT = 2 /* "fan_in_fan_out": base weights stored
+                                  [d_in, d_out] */
 } bico_lora_param;
 
 /* String options carried into the written config. */
@@ -91,10 +93,17 @@ BICO_API bico_status bico_lora_create(bico_ctx *ctx, bico_lora **out);
 /* Accepts NULL. */
 BICO_API void bico_lora_free(bico_lora *l);
 
-BICO_API bico_status bico_lora_set_param(bico_lora *l, int flag, int on);
-BICO_API bico_status bico_lora_get_param(const bico_lora *l, int flag,
-                                        int *on);
-/* NULL unsets; a value read from a config is kept for saving. */
+BICO_API bico_status bico_lora_set_param(bico_lora *l, int param,
+                                         double value);
+BICO_API bico_status bico_lora_get_param(const bico_lora *l, int param,
+                                         double *value);
+BICO_API bico_status bico_lora_param_bounds(int param, double *lo, double *hi,
+                                            unsigned *flags);
+/* "rslora", "fan_in_fan_out"; NULL / BICO_E_NOTFOUND otherwise. */
+BICO_API const char *bico_lora_param_name(int param);
+BICO_API bico_status bico_lora_param_from_name(const char *name, int *param);
+/* String options have their own verbs (params.h), as bico_transfer's:
+ * NULL unsets; a value read from a config is kept for saving. */
 BICO_API bico_status bico_lora_set_string(bico_lora *l, int which,
                                           const char *value);
 BICO_API bico_status bico_lora_get_string(const bico_lora *l, int which,

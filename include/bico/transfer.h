@@ -373,14 +373,14 @@ BICO_API bico_status bico_transfer_counts(const bico_transfer *t,
  * library's, so the output equals a single process's byte for byte. */
 
 /* What a partial run did to one target tensor. */
-typedef enum bico_transfer_handling {
-  BICO_HANDLING_UNCHANGED = 0,
-  BICO_HANDLING_LINEAR = 1,
-  BICO_HANDLING_VECTOR = 2,
-  BICO_HANDLING_TIED = 3,
-  BICO_HANDLING_NAIVE = 4,
-  BICO_HANDLING_PADDED = 5,
-  BICO_HANDLING_MASKED = 6
+typedef enum bico_transfer_handling { /* from 1 (status.h); 0 is none */
+  BICO_HANDLING_UNCHANGED = 1,
+  BICO_HANDLING_LINEAR = 2,
+  BICO_HANDLING_VECTOR = 3,
+  BICO_HANDLING_TIED = 4,
+  BICO_HANDLING_NAIVE = 5,
+  BICO_HANDLING_PADDED = 6,
+  BICO_HANDLING_MASKED = 7
 } bico_transfer_handling;
 /* "unchanged", "linear", ... as in the report; NULL for an unknown value.
  * _from_name: the value of a name (BICO_E_NULL, or BICO_E_NOTFOUND for an

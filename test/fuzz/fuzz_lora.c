@@ -19,7 +19,8 @@ static void check_adapter(bico_ctx *ctx, const bico_lora *l) {
   size_t n = bico_lora_module_count(l);
   for (size_t i = 0; i < n; i++) {
     const char *name = NULL;
-    int kind = 0, rs = 0;
+    int kind = 0;
+    double rs = 0;
     size_t rank = 0, d_out = 0, d_in = 0, found = 0;
     double alpha = 0, scale = 0;
     const float *b = NULL, *a = NULL;

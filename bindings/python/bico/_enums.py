@@ -88,7 +88,7 @@ DEFAULT_SPLIT = {"qkv": 3, "in_proj": 3}
 
 # ---- lora.h, merge.h ----
 LORA_KINDS = {"linear": 1, "embedding": 2}
-LORA_FLAGS = {"rslora": 1, "fan_in_fan_out": 2}
+LORA_PARAMS = _names_from_library(fn.lora_param_name, "LoRA parameter")
 LORA_STRINGS = {"task_type": 1, "base_model": 2}
 MERGE_METHODS = _names_from_library(fn.merge_method_name, "merge method")
 MERGE_METHODS["task_arithmetic"] = MERGE_METHODS["linear"]  # mergekit's word
