@@ -242,10 +242,10 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   if (st == BICO_OK && m->reason[0])
     m->handling = "unchanged";
   else if (st == BICO_OK)
-    st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->b,
-                             m->a, do_out ? (const float *const *)routs : NULL,
-                             m->dout_b / m->k, m->dout_b, rin, m->din_b,
-                             m->din_b, h->alpha, m->nb, m->na);
+    st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->dout_b,
+                             m->din_b, h->alpha, m->b, m->a,
+                             do_out ? (const float *const *)routs : NULL,
+                             m->dout_b / m->k, rin, m->din_b, m->nb, m->na);
   bico__free(ctx, routs);
   return st;
 }
@@ -286,9 +286,9 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
   if (st == BICO_OK && m->reason[0])
     m->handling = "unchanged";
   else if (st == BICO_OK)
-    st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->b, m->a,
-                             rr ? rl : NULL, m->dout_b, m->dout_b, NULL,
-                             m->din_b, m->din_b, h->alpha, m->nb, m->na);
+    st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->dout_b,
+                             m->din_b, h->alpha, m->b, m->a, rr ? rl : NULL,
+                             m->dout_b, NULL, m->din_b, m->nb, m->na);
   return st;
 }
 

@@ -301,8 +301,8 @@ bico_status bico_stfile_read_f32(const bico_stfile *f, size_t index,
 }
 
 bico_status bico_stfile_read_f32_range(const bico_stfile *f, size_t index,
-                                       size_t first, size_t count,
-                                       float *out) {
+                                       size_t first, float *out,
+                                       size_t count) {
   return read_range(f, "stfile_read_f32_range", index, first, count, out, 0);
 }
 
@@ -312,8 +312,8 @@ bico_status bico_stfile_read_f64(const bico_stfile *f, size_t index,
 }
 
 bico_status bico_stfile_read_f64_range(const bico_stfile *f, size_t index,
-                                       size_t first, size_t count,
-                                       double *out) {
+                                       size_t first, double *out,
+                                       size_t count) {
   return read_range(f, "stfile_read_f64_range", index, first, count, out, 1);
 }
 

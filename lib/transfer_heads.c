@@ -214,7 +214,7 @@ static bico_status get_stat(bico__run *r, const char *tm, const char *sm,
                       "(source %s x target %s widths)",
                       path, kb, da, db, sm, tm);
     if (st == BICO_OK) {
-      st = bico_stfile_read_f64_range(r->stats, idx, 0, n, m);
+      st = bico_stfile_read_f64_range(r->stats, idx, 0, m, n);
       bico__stfile_drop(r->stats, idx);
     }
   } else {

@@ -125,10 +125,10 @@ TEST(LoraTransport, FactorsMultiplyOutToTheRotatedUpdate) {
   auto rout = Rout.f32(), rin = Rin.f32();
   const float *routs[1] = {rout.data()};
   bt::Ctx ctx;
-  ASSERT_EQ(bico_lora_transport(ctx, r, 1, dout_a, din_a, B.f32().data(),
-                                A.f32().data(), routs, dout_b, dout_b,
-                                rin.data(), din_b, din_b, (float)alpha,
-                                bo.data(), ao.data()),
+  ASSERT_EQ(bico_lora_transport(ctx, r, 1, dout_a, din_a, dout_b, din_b,
+                                (float)alpha, B.f32().data(), A.f32().data(),
+                                routs, dout_b, rin.data(), din_b, bo.data(),
+                                ao.data()),
             BICO_OK)
       << bico_ctx_errmsg(ctx);
   // s B' A' == alpha R_out^T (s B A) R_in, and B', A' are the factors
@@ -156,9 +156,9 @@ TEST(LoraTransport, PermutedTargetRecoversThePlantedUpdate) {
   const float *routs[1] = {rout.data()};
   std::vector<float> bo(d_out * r), ao(r * d_in);
   bt::Ctx ctx;
-  ASSERT_EQ(bico_lora_transport(ctx, r, 1, d_out, d_in, B.f32().data(),
-                                A.f32().data(), routs, d_out, d_out, rin.data(),
-                                d_in, d_in, 1.0f, bo.data(), ao.data()),
+  ASSERT_EQ(bico_lora_transport(ctx, r, 1, d_out, d_in, d_out, d_in, 1.0f,
+                                B.f32().data(), A.f32().data(), routs, d_out,
+                                rin.data(), d_in, bo.data(), ao.data()),
             BICO_OK);
   Mat got = bt::matmul(as_mat(bo.data(), d_out, r), as_mat(ao.data(), r, d_in));
   Mat want = bt::matmul(bt::matmul(P, bt::matmul(B, A)), bt::transpose(Q));
@@ -183,9 +183,9 @@ TEST(LoraTransport, FusedSplitActsOnRowBlocksOfB) {
     for (size_t c = 0; c < bb; c++) Rfull(ba + i, bb + c) = i == c ? 1.0 : 0.0;
   std::vector<float> bo(k * bb * r), ao(r * din);
   bt::Ctx ctx;
-  ASSERT_EQ(bico_lora_transport(ctx, r, k, k * ba, din, B.f32().data(),
-                                A.f32().data(), routs, bb, k * bb, nullptr, 0,
-                                din, 1.0f, bo.data(), ao.data()),
+  ASSERT_EQ(bico_lora_transport(ctx, r, k, k * ba, din, k * bb, din, 1.0f,
+                                B.f32().data(), A.f32().data(), routs, bb,
+                                nullptr, 0, bo.data(), ao.data()),
             BICO_OK)
       << bico_ctx_errmsg(ctx);
   EXPECT_LT(bt::relerr(as_mat(bo.data(), k * bb, r),
@@ -197,20 +197,20 @@ TEST(LoraTransport, FusedSplitActsOnRowBlocksOfB) {
 TEST(LoraTransport, BadInputIsRefusedWithAMessage) {
   bt::Ctx ctx;
   float b[6] = {1, 2, 3, 4, 5, 6}, a[6] = {1, 2, 3, 4, 5, 6}, bo[6], ao[6];
-  EXPECT_EQ(bico_lora_transport(ctx, 2, 1, 3, 3, nullptr, a, nullptr, 0, 3,
-                                nullptr, 0, 3, 1.0f, bo, ao),
+  EXPECT_EQ(bico_lora_transport(ctx, 2, 1, 3, 3, 3, 3, 1.0f, nullptr, a,
+                                nullptr, 0, nullptr, 0, bo, ao),
             BICO_E_NULL);
   EXPECT_TRUE(mentions(ctx, "lora_transport: b is NULL"));
-  EXPECT_EQ(bico_lora_transport(ctx, 2, 2, 3, 3, b, a, nullptr, 0, 3, nullptr,
-                                0, 3, 1.0f, bo, ao),
+  EXPECT_EQ(bico_lora_transport(ctx, 2, 2, 3, 3, 3, 3, 1.0f, b, a, nullptr, 0,
+                                nullptr, 0, bo, ao),
             BICO_E_SHAPE);
   EXPECT_TRUE(mentions(ctx, "do not split in 2 blocks")) << bico_ctx_errmsg(ctx);
-  EXPECT_EQ(bico_lora_transport(ctx, 0, 1, 3, 3, b, a, nullptr, 0, 3, nullptr,
-                                0, 3, 1.0f, bo, ao),
+  EXPECT_EQ(bico_lora_transport(ctx, 0, 1, 3, 3, 3, 3, 1.0f, b, a, nullptr, 0,
+                                nullptr, 0, bo, ao),
             BICO_E_SHAPE);
   b[4] = NAN;
-  EXPECT_EQ(bico_lora_transport(ctx, 2, 1, 3, 3, b, a, nullptr, 0, 3, nullptr,
-                                0, 3, 1.0f, bo, ao),
+  EXPECT_EQ(bico_lora_transport(ctx, 2, 1, 3, 3, 3, 3, 1.0f, b, a, nullptr, 0,
+                                nullptr, 0, bo, ao),
             BICO_E_NONFINITE);
   EXPECT_TRUE(mentions(ctx, "b")) << bico_ctx_errmsg(ctx);
 }
@@ -599,8 +599,8 @@ TEST(LoraMemory, FactoredPathAllocatesNoDenseMatrix) {
   ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, count_alloc, count_free, &c), BICO_OK);
   size_t base = c.peak;
   const float *routs[1] = {rout.data()};
-  ASSERT_EQ(bico_lora_transport(ctx, r, 1, d, d, b.data(), a.data(), routs, d, d,
-                                rin.data(), d, d, 1.0f, bo.data(), ao.data()),
+  ASSERT_EQ(bico_lora_transport(ctx, r, 1, d, d, d, d, 1.0f, b.data(), a.data(),
+                                routs, d, rin.data(), d, bo.data(), ao.data()),
             BICO_OK);
   size_t factored = c.peak - base;
   EXPECT_EQ(factored, 0u);

@@ -549,13 +549,13 @@ TEST(SafetensorsReader, ReadsFilesComposedByHand) {
   EXPECT_EQ(b[1], 5);
   EXPECT_EQ(a[0], 1);
   EXPECT_EQ(a[2], 3);
-  ASSERT_EQ(bico_stfile_read_f32_range(f, 1, 1, 2, part), BICO_OK);
+  ASSERT_EQ(bico_stfile_read_f32_range(f, 1, 1, part, 2), BICO_OK);
   EXPECT_EQ(part[0], 2);
   EXPECT_EQ(part[1], 3);
   double dpart[1];
-  ASSERT_EQ(bico_stfile_read_f64_range(f, 1, 2, 1, dpart), BICO_OK);
+  ASSERT_EQ(bico_stfile_read_f64_range(f, 1, 2, dpart, 1), BICO_OK);
   EXPECT_EQ(dpart[0], 3.0);
-  EXPECT_EQ(bico_stfile_read_f32_range(f, 1, 2, 2, part), BICO_E_SHAPE);
+  EXPECT_EQ(bico_stfile_read_f32_range(f, 1, 2, part, 2), BICO_E_SHAPE);
   EXPECT_TRUE(contains(errmsg(ctx), "tensor 'a' has 3 elements")) << errmsg(ctx);
   EXPECT_EQ(bico_stfile_read_f32(f, 1, a, 2), BICO_E_SHAPE);
   EXPECT_EQ(bico_stfile_read_f32(f, 2, a, 3), BICO_E_ARG);

@@ -160,7 +160,9 @@ BICO_API bico_status bico_lora_dense(const bico_lora *l, size_t i,
                                      float alpha, float beta, float *out,
                                      size_t ld);
 
-/* Factored transport of one module: b_out = alpha R_out^T b (block-wise
+/* Factored transport of one module (docs/api.md's argument order: sizes,
+ * source side first, then alpha, then the inputs each with its row stride,
+ * then the outputs): b_out = alpha R_out^T b (block-wise
  * when k > 1: block j of b's rows by r_outs[j], fused qkv), a_out = a R_in.
  *   b      [dout_a, rank]       r_outs[j] [dout_a/k, dout_b/k] (row stride
  *                               ld_rout; NULL entries, or r_outs NULL: the
@@ -170,9 +172,9 @@ BICO_API bico_status bico_lora_dense(const bico_lora *l, size_t i,
  * All contiguous row-major.  Memory: no buffer beyond the outputs. */
 BICO_API bico_status bico_lora_transport(
     bico_ctx *ctx, size_t rank, size_t k, size_t dout_a, size_t din_a,
-    const float *b, const float *a, const float *const *r_outs,
-    size_t ld_rout, size_t dout_b, const float *r_in, size_t ld_rin,
-    size_t din_b, float alpha, float *b_out, float *a_out);
+    size_t dout_b, size_t din_b, float alpha, const float *b, const float *a,
+    const float *const *r_outs, size_t ld_rout, const float *r_in,
+    size_t ld_rin, float *b_out, float *a_out);
 
 /* Best rank-`rank` factors of a dense update (truncated SVD, LAPACK):
  * scale * b_out a_out ~= dense [d_out, d_in] (row stride ld), split

@@ -122,16 +122,18 @@ BICO_API bico_status bico_stfile_read_f32(const bico_stfile *f, size_t index,
                                           float *out, size_t count);
 /* Elements [first, first + count) of tensor `index` in row-major order
  * (for streaming large tensors row block by row block); the range must lie
- * inside the tensor (else BICO_E_SHAPE). */
+ * inside the tensor (else BICO_E_SHAPE).  As everywhere in this header
+ * (read_f32, the writer's write_f32 and write_f32_range), the element
+ * count follows the buffer it sizes. */
 BICO_API bico_status bico_stfile_read_f32_range(const bico_stfile *f,
                                                 size_t index, size_t first,
-                                                size_t count, float *out);
+                                                float *out, size_t count);
 /* The same into double (F64 exactly; I64/U64 rounded to nearest). */
 BICO_API bico_status bico_stfile_read_f64(const bico_stfile *f, size_t index,
                                           double *out, size_t count);
 BICO_API bico_status bico_stfile_read_f64_range(const bico_stfile *f,
                                                 size_t index, size_t first,
-                                                size_t count, double *out);
+                                                double *out, size_t count);
 
 /* BICO_OK if tensor `index` holds no NaN or Inf (integer dtypes always
  * pass); else BICO_E_NONFINITE naming the file, tensor and element. */

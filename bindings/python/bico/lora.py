@@ -196,10 +196,10 @@ def transport(b, a, r_out=None, r_in=None, alpha=1.0, d_out=None, d_in=None,
     arr = (c_void_p * k)(*[None if r is None else r.ctypes.data for r in routs])
     bo = np.empty((dout_b, rank), np.float32)
     ao = np.empty((rank, din_b), np.float32)
-    _check(fn.lora_transport(ctx._alive(), rank, k, dout_a, din_a, _p(b), _p(a),
-                             ctypes.cast(arr, c_void_p), dout_b // k, dout_b,
-                             _p(ri), din_b, din_b, float(alpha), _p(bo),
-                             _p(ao)), ctx)
+    _check(fn.lora_transport(ctx._alive(), rank, k, dout_a, din_a, dout_b,
+                             din_b, float(alpha), _p(b), _p(a),
+                             ctypes.cast(arr, c_void_p), dout_b // k, _p(ri),
+                             din_b, _p(bo), _p(ao)), ctx)
     return bo, ao
 
 
