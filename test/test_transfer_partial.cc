@@ -361,7 +361,8 @@ TEST(TransferPlan, BadPutsAreRefusedAndAnAbandonedAssemblyLeavesNothing) {
   const char *e = "{\"name\": \"x\"}";
   EXPECT_EQ(bico_transfer_assemble_put(t, 4, BICO_HANDLING_LINEAR, upd.data(), upd.size(), e),
             BICO_E_ARG);  // out of range
-  EXPECT_EQ(bico_transfer_assemble_put(t, 0, 7, upd.data(), upd.size(), e), BICO_E_ARG);
+  for (int bad : {0, BICO_HANDLING_MASKED + 1})  // not a handling
+    EXPECT_EQ(bico_transfer_assemble_put(t, 0, bad, upd.data(), upd.size(), e), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_UNCHANGED, upd.data(), upd.size(), e),
             BICO_E_ARG);  // unchanged with an update
   EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_LINEAR, upd.data(), 5, e),
@@ -393,7 +394,8 @@ TEST(TransferPlan, BadPutsAreRefusedAndAnAbandonedAssemblyLeavesNothing) {
 TEST(TransferPlan, HandlingNamesAndFileGetter) {
   EXPECT_STREQ(bico_transfer_handling_name(BICO_HANDLING_UNCHANGED), "unchanged");
   EXPECT_STREQ(bico_transfer_handling_name(BICO_HANDLING_MASKED), "masked");
-  EXPECT_EQ(bico_transfer_handling_name(7), nullptr);
+  EXPECT_EQ(bico_transfer_handling_name(BICO_HANDLING_MASKED + 1), nullptr);
+  EXPECT_EQ(bico_transfer_handling_name(0), nullptr);  // choices count from 1
   EXPECT_EQ(bico_transfer_handling_name(-1), nullptr);
   Planted p;
   bt::Ctx ctx;
