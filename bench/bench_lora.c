@@ -130,8 +130,8 @@ int main(int argc, char **argv) {
         size_t base = cnt.cur;
         cnt.peak = base;
         double t0 = bench_now();
-        if (bico_lora_transport(ctx, r, 1, d, d, lb, la, (const float *const *)&rout, d, d,
-                                rin, d, d, 1.0f, bo, ao) != BICO_OK)
+        if (bico_lora_transport(ctx, r, 1, d, d, d, d, 1.0f, lb, la,
+                                (const float *const *)&rout, d, rin, d, bo, ao) != BICO_OK)
           die(ctx, "lora_transport");
         tf[k] = bench_now() - t0;
         if (cnt.peak - base > lib_f) lib_f = cnt.peak - base;

@@ -84,7 +84,7 @@ inline std::string f32_bytes(const std::vector<float> &v) {
 // RAII owners of the handles.
 struct File {
   bico_stfile *f = nullptr;
-  ~File() { bico_stfile_close(f); }
+  ~File() { bico_stfile_free(f); }
   operator bico_stfile *() const { return f; }
 };
 

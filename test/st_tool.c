@@ -70,7 +70,7 @@ static int dump(bico_ctx *ctx, const char *path) {
     st = bico_stfile_read_f64(f, i, v, numel);
     if (st != BICO_OK) {
       free(v);
-      bico_stfile_close(f);
+      bico_stfile_free(f);
       return fail(ctx, st);
     }
     printf("T ");
@@ -82,7 +82,7 @@ static int dump(bico_ctx *ctx, const char *path) {
     printf("\n");
     free(v);
   }
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   return 0;
 }
 

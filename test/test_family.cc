@@ -47,7 +47,7 @@ Mat read(const std::string &path, const std::string &name, size_t r, size_t c) {
   std::vector<float> v(r * c);
   EXPECT_EQ(bico_stfile_read_f32(f, i, v.data(), v.size()), BICO_OK);
   for (size_t k = 0; k < r * c; k++) m.v[k] = v[k];
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   return m;
 }
 
@@ -222,24 +222,24 @@ TEST(Family, OptionsAndNames) {
   EXPECT_EQ(bico_transfer_set_file(t, BICO_FILE_TARGET_CONFIG + 1, "e.json"), BICO_E_ARG);
   bico_transfer_free(t);
   int x = -1;
-  EXPECT_STREQ(bico_structure_name(BICO_STRUCTURE_FREE), "free");
-  EXPECT_STREQ(bico_structure_name(BICO_STRUCTURE_HEADS), "heads");
-  EXPECT_EQ(bico_structure_name(0), nullptr);
-  EXPECT_EQ(bico_structure_name(3), nullptr);
-  EXPECT_EQ(bico_structure_from_name("heads", &x), BICO_OK);
+  EXPECT_STREQ(bico_transfer_structure_name(BICO_STRUCTURE_FREE), "free");
+  EXPECT_STREQ(bico_transfer_structure_name(BICO_STRUCTURE_HEADS), "heads");
+  EXPECT_EQ(bico_transfer_structure_name(0), nullptr);
+  EXPECT_EQ(bico_transfer_structure_name(3), nullptr);
+  EXPECT_EQ(bico_transfer_structure_from_name("heads", &x), BICO_OK);
   EXPECT_EQ(x, BICO_STRUCTURE_HEADS);
-  EXPECT_EQ(bico_structure_from_name("rows", &x), BICO_E_NOTFOUND);
-  EXPECT_EQ(bico_structure_from_name(nullptr, &x), BICO_E_NULL);
+  EXPECT_EQ(bico_transfer_structure_from_name("rows", &x), BICO_E_NOTFOUND);
+  EXPECT_EQ(bico_transfer_structure_from_name(nullptr, &x), BICO_E_NULL);
   const char *ropes[4] = {nullptr, "half", "interleaved", "none"};
   for (int r = 1; r < 4; r++) {
-    EXPECT_STREQ(bico_rope_name(r), ropes[r]);
-    EXPECT_EQ(bico_rope_from_name(ropes[r], &x), BICO_OK);
+    EXPECT_STREQ(bico_transfer_rope_name(r), ropes[r]);
+    EXPECT_EQ(bico_transfer_rope_from_name(ropes[r], &x), BICO_OK);
     EXPECT_EQ(x, r);
   }
-  EXPECT_EQ(bico_rope_name(0), nullptr);
-  EXPECT_EQ(bico_rope_name(4), nullptr);
-  EXPECT_EQ(bico_rope_name(-1), nullptr);
-  EXPECT_EQ(bico_rope_from_name("spiral", &x), BICO_E_NOTFOUND);
+  EXPECT_EQ(bico_transfer_rope_name(0), nullptr);
+  EXPECT_EQ(bico_transfer_rope_name(4), nullptr);
+  EXPECT_EQ(bico_transfer_rope_name(-1), nullptr);
+  EXPECT_EQ(bico_transfer_rope_from_name("spiral", &x), BICO_E_NOTFOUND);
 }
 
 TEST(Family, PlantedLayerRecoveredWithStructure) {

@@ -100,7 +100,7 @@ void open_and_check(const std::string &path, const std::string &bytes,
     for (int k = 0; k < 8; k++) n |= (uint64_t)(unsigned char)bytes[k] << (8 * k);
     EXPECT_EQ(total, bytes.size() - 8 - n);
   }
-  bico_stfile_close(f);
+  bico_stfile_free(f);
 }
 
 TEST(FuzzRegressions, Safetensors) {
@@ -288,7 +288,7 @@ bool votes_invalid(const std::string &path,
           v[k] != std::floor(v[k]))
         bad = true;
   }
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   return bad;
 }
 
@@ -356,7 +356,7 @@ TEST(FuzzRegressions, CalibrationStatisticsVotes) {
       ASSERT_EQ(bico_stfile_open(ctx, out.c_str(), &f), BICO_OK);
       for (size_t k = 0; k < bico_stfile_count(f); k++)
         EXPECT_EQ(bico_stfile_check_finite(f, k), BICO_OK) << bico_ctx_errmsg(ctx);
-      bico_stfile_close(f);
+      bico_stfile_free(f);
     } else {
       expect_clean_failure(ctx, st);
       EXPECT_FALSE(fs::exists(out));

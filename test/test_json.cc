@@ -35,7 +35,7 @@ bico_status open_header(const std::string &header, std::string *msg,
     bico_stfile_tensor_info(f, 0, &n, nullptr, nullptr, nullptr);
     *name = n;
   }
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   return st;
 }
 

@@ -177,7 +177,7 @@ std::map<std::string, Vec> read_st(const std::string &path) {
     bico_stfile_read_f32(f, i, v.data(), n);
     out[name] = v;
   }
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   return out;
 }
 

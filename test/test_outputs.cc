@@ -1,4 +1,4 @@
-// Output folders (bico_stwriter_create_folder, bico_output_is_folder) and
+// Output folders (bico_stwriter_create_folder, bico_stwriter_output_is_folder) and
 // the transfer's structured progress (bico_transfer_set_progress).  The
 // folder tests read the shards back with the reader and the test's own
 // JSON look-ups; the progress test compares the reported work with the
@@ -72,7 +72,7 @@ void read_back(const std::string &dir, std::map<std::string, std::string> *file)
     std::string s(p);
     (*file)[NAMES[k]] = s.substr(s.rfind('/') + 1);
   }
-  bico_stfile_close(f);
+  bico_stfile_free(f);
 }
 
 TEST(OutputFolder, GreedyShardsWithIndexAndTheLikeFolderCopied) {
@@ -91,7 +91,7 @@ TEST(OutputFolder, GreedyShardsWithIndexAndTheLikeFolderCopied) {
     ASSERT_EQ(bico_stwriter_commit(w), BICO_OK);
     bico_stwriter_free(w);
   }
-  EXPECT_EQ(bico_output_is_folder(out.c_str(), like.c_str()), 1);
+  EXPECT_EQ(bico_stwriter_output_is_folder(out.c_str(), like.c_str()), 1);
   bico_stwriter *w = nullptr;
   // 30 bytes: [24] [8 + 12] [4] would pass 30 with 4 more: [24] [8+12] ...
   // 24 fits; +8 = 32 > 30: new; 8 + 12 = 20, + 4 = 24 <= 30: same shard.
@@ -122,7 +122,7 @@ TEST(OutputFolder, GreedyShardsWithIndexAndTheLikeFolderCopied) {
     bico_stfile *f = nullptr;
     ASSERT_EQ(bico_stfile_open(ctx, (out + "/" + s).c_str(), &f), BICO_OK);
     EXPECT_EQ(bico_stfile_metadata_count(f), 1u);
-    bico_stfile_close(f);
+    bico_stfile_free(f);
   }
   // again without a limit: as the like model, one model.safetensors; the
   // shards and the index of the run before are gone
@@ -187,15 +187,15 @@ TEST(OutputFolder, TheRuleAndBadFolders) {
   std::string dir = d / "m", file = d / "f.safetensors";
   ASSERT_EQ(mkdir(dir.c_str(), 0777), 0);
   std::ofstream(file) << "x";
-  EXPECT_EQ(bico_output_is_folder(dir.c_str(), nullptr), 1);      // exists
-  EXPECT_EQ(bico_output_is_folder((d / "new/").c_str(), nullptr), 1);
-  EXPECT_EQ(bico_output_is_folder((d / "new").c_str(), nullptr), 0);
-  EXPECT_EQ(bico_output_is_folder((d / "new").c_str(), dir.c_str()), 1);
-  EXPECT_EQ(bico_output_is_folder((d / "n.safetensors").c_str(), dir.c_str()), 0);
-  EXPECT_EQ(bico_output_is_folder((d / "n.json").c_str(), dir.c_str()), 0);
-  EXPECT_EQ(bico_output_is_folder((d / "new").c_str(), file.c_str()), 0);
-  EXPECT_EQ(bico_output_is_folder(file.c_str(), dir.c_str()), 0);  // a file
-  EXPECT_EQ(bico_output_is_folder(nullptr, nullptr), 0);
+  EXPECT_EQ(bico_stwriter_output_is_folder(dir.c_str(), nullptr), 1);      // exists
+  EXPECT_EQ(bico_stwriter_output_is_folder((d / "new/").c_str(), nullptr), 1);
+  EXPECT_EQ(bico_stwriter_output_is_folder((d / "new").c_str(), nullptr), 0);
+  EXPECT_EQ(bico_stwriter_output_is_folder((d / "new").c_str(), dir.c_str()), 1);
+  EXPECT_EQ(bico_stwriter_output_is_folder((d / "n.safetensors").c_str(), dir.c_str()), 0);
+  EXPECT_EQ(bico_stwriter_output_is_folder((d / "n.json").c_str(), dir.c_str()), 0);
+  EXPECT_EQ(bico_stwriter_output_is_folder((d / "new").c_str(), file.c_str()), 0);
+  EXPECT_EQ(bico_stwriter_output_is_folder(file.c_str(), dir.c_str()), 0);  // a file
+  EXPECT_EQ(bico_stwriter_output_is_folder(nullptr, nullptr), 0);
   bt::Ctx ctx;
   bico_stwriter *w = nullptr;
   EXPECT_EQ(bico_stwriter_create_folder(ctx, file.c_str(), nullptr, 0, &w), BICO_E_ARG);

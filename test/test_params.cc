@@ -93,6 +93,8 @@ TEST(Params, EveryHandleRefusesAlikeAndNamesTheParameter) {
   ASSERT_EQ(bico_procrustes_create(ctx, &pr), BICO_OK);
   ASSERT_EQ(bico_merge_create(ctx, &mg), BICO_OK);
   ASSERT_EQ(bico_transfer_create(ctx, &tr), BICO_OK);
+  bico_lora *lo = nullptr;
+  ASSERT_EQ(bico_lora_create(ctx, &lo), BICO_OK);
   bico_ctx *c = ctx;
   const Handle hs[] = {
       {"ctx", c, [&](int p, double v) { return bico_ctx_set_param(c, p, v); },
@@ -117,8 +119,12 @@ TEST(Params, EveryHandleRefusesAlikeAndNamesTheParameter) {
        [&](int p, double *v) { return bico_transfer_get_param(tr, p, v); },
        bico_transfer_param_bounds, bico_transfer_param_name,
        bico_transfer_param_from_name},
+      {"lora", c, [&](int p, double v) { return bico_lora_set_param(lo, p, v); },
+       [&](int p, double *v) { return bico_lora_get_param(lo, p, v); },
+       bico_lora_param_bounds, bico_lora_param_name, bico_lora_param_from_name},
   };
   for (const Handle &h : hs) check_grammar(h);
+  bico_lora_free(lo);
   bico_transfer_free(tr);
   bico_merge_free(mg);
   bico_procrustes_free(pr);

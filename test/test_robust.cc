@@ -398,7 +398,7 @@ TEST(RobustCrash, AnInputTruncatedWhileOpenFailsInsteadOfSigbus) {
     bad |= (bico_stfile_data(f, 0, &data, &nb) != BICO_E_IO) << 1;
     bad |= (bico_stfile_check_finite(f, 0) != BICO_E_IO) << 2;
     bad |= (strstr(bico_ctx_errmsg(ctx), "shorter") == nullptr) << 3;
-    bico_stfile_close(f);
+    bico_stfile_free(f);
     bico_ctx_free(ctx);
     return bad;
   }, 20);

@@ -549,13 +549,13 @@ TEST(SafetensorsReader, ReadsFilesComposedByHand) {
   EXPECT_EQ(b[1], 5);
   EXPECT_EQ(a[0], 1);
   EXPECT_EQ(a[2], 3);
-  ASSERT_EQ(bico_stfile_read_f32_range(f, 1, 1, 2, part), BICO_OK);
+  ASSERT_EQ(bico_stfile_read_f32_range(f, 1, 1, part, 2), BICO_OK);
   EXPECT_EQ(part[0], 2);
   EXPECT_EQ(part[1], 3);
   double dpart[1];
-  ASSERT_EQ(bico_stfile_read_f64_range(f, 1, 2, 1, dpart), BICO_OK);
+  ASSERT_EQ(bico_stfile_read_f64_range(f, 1, 2, dpart, 1), BICO_OK);
   EXPECT_EQ(dpart[0], 3.0);
-  EXPECT_EQ(bico_stfile_read_f32_range(f, 1, 2, 2, part), BICO_E_SHAPE);
+  EXPECT_EQ(bico_stfile_read_f32_range(f, 1, 2, part, 2), BICO_E_SHAPE);
   EXPECT_TRUE(contains(errmsg(ctx), "tensor 'a' has 3 elements")) << errmsg(ctx);
   EXPECT_EQ(bico_stfile_read_f32(f, 1, a, 2), BICO_E_SHAPE);
   EXPECT_EQ(bico_stfile_read_f32(f, 2, a, 3), BICO_E_ARG);
@@ -694,7 +694,7 @@ TEST(SafetensorsMalformed, EachFileRejectedWithItsOwnMessage) {
     bico_status st = bico_stfile_open(ctx, path.c_str(), &f);
     EXPECT_EQ(st, it->second.status) << file << ": " << errmsg(ctx);
     EXPECT_EQ(f, nullptr);
-    bico_stfile_close(f);
+    bico_stfile_free(f);
     std::string m = errmsg(ctx);
     EXPECT_TRUE(contains(m, it->second.fragment)) << file << ": " << m;
     EXPECT_TRUE(contains(m, path)) << file << " names no file: " << m;
@@ -1079,7 +1079,7 @@ TEST(SafetensorsReader, AllocationFailuresAreCleanAtEveryStep) {
         EXPECT_EQ(st, BICO_E_NOMEM) << bico_ctx_errmsg(ctx);
         EXPECT_EQ(f, nullptr);
       }
-      bico_stfile_close(f);
+      bico_stfile_free(f);
       bico_ctx_free(ctx);
     }
     EXPECT_TRUE(done);
@@ -1182,7 +1182,7 @@ TEST(SafetensorsMalformed, RandomMutationsAreRejectedOrReadCleanly) {
         std::vector<double> out(numel);
         ASSERT_EQ(bico_stfile_read_f64(f, i, out.data(), numel), BICO_OK);
       }
-      bico_stfile_close(f);
+      bico_stfile_free(f);
     } else {
       EXPECT_TRUE(st == BICO_E_FORMAT || st == BICO_E_UNSUPPORTED)
           << st << ": " << bico_ctx_errmsg(ctx);

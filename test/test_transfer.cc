@@ -62,7 +62,7 @@ std::map<std::string, Tensor> read(const std::string &path) {
     EXPECT_EQ(bico_stfile_read_f32(f, i, t.v.data(), numel), BICO_OK);
     out[name] = t;
   }
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   return out;
 }
 

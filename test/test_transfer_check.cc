@@ -283,7 +283,7 @@ TEST(StatsPlan, PlansExactlyWhatStatsFromCalibWrites) {
             BICO_E_ARG);
   size_t rows;
   EXPECT_EQ(bico_stats_plan_rows(p, 0, 1, &rows), BICO_E_ARG);
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   bico_stats_plan_free(p);
   bico_stats_plan_free(nullptr);
 }

@@ -196,7 +196,7 @@ TEST(TransferFinite, LargestFittingUpdateIsWritten) {
   EXPECT_EQ(got[0], 0.5f);
   EXPECT_EQ(got[4], (float)(0.5 + (double)(float)1e38 * 2.0));
   EXPECT_TRUE(std::isfinite(got[4]));
-  bico_stfile_close(o);
+  bico_stfile_free(o);
 }
 
 // Partial runs: the sink never sees a non-finite update.
@@ -245,10 +245,10 @@ TEST(TransferNames, MethodsAndNormMapsRoundTrip) {
       {BICO_METHOD_BICO_OUT, "bico-out"}, {BICO_METHOD_GRADFIX, "gradfix"},
       {BICO_METHOD_NAIVE, "naive"},     {BICO_METHOD_PAD, "pad"}};
   for (auto &m : methods) {
-    ASSERT_NE(bico_method_name(m.first), nullptr);
-    EXPECT_STREQ(bico_method_name(m.first), m.second);
+    ASSERT_NE(bico_transfer_method_name(m.first), nullptr);
+    EXPECT_STREQ(bico_transfer_method_name(m.first), m.second);
     int v = -1;
-    EXPECT_EQ(bico_method_from_name(m.second, &v), BICO_OK);
+    EXPECT_EQ(bico_transfer_method_from_name(m.second, &v), BICO_OK);
     EXPECT_EQ(v, m.first);
   }
   const std::pair<int, const char *> handlings[] = {
@@ -257,33 +257,33 @@ TEST(TransferNames, MethodsAndNormMapsRoundTrip) {
       {BICO_HANDLING_NAIVE, "naive"},         {BICO_HANDLING_PADDED, "padded"},
       {BICO_HANDLING_MASKED, "masked"}};
   for (auto &h : handlings) {
-    EXPECT_STREQ(bico_handling_name(h.first), h.second);
+    EXPECT_STREQ(bico_transfer_handling_name(h.first), h.second);
     int v = -1;
-    EXPECT_EQ(bico_handling_from_name(h.second, &v), BICO_OK) << h.second;
+    EXPECT_EQ(bico_transfer_handling_from_name(h.second, &v), BICO_OK) << h.second;
     EXPECT_EQ(v, h.first);
   }
   int v0 = -1;
-  EXPECT_EQ(bico_handling_from_name(nullptr, &v0), BICO_E_NULL);
-  EXPECT_EQ(bico_handling_from_name("linear", nullptr), BICO_E_NULL);
+  EXPECT_EQ(bico_transfer_handling_from_name(nullptr, &v0), BICO_E_NULL);
+  EXPECT_EQ(bico_transfer_handling_from_name("linear", nullptr), BICO_E_NULL);
   const std::pair<int, const char *> norms[] = {{BICO_NORM_MAP_ACT, "act"},
                                                 {BICO_NORM_MAP_GRAD, "grad"}};
   for (auto &m : norms) {
-    EXPECT_STREQ(bico_norm_map_name(m.first), m.second);
+    EXPECT_STREQ(bico_transfer_norm_map_name(m.first), m.second);
     int v = -1;
-    EXPECT_EQ(bico_norm_map_from_name(m.second, &v), BICO_OK);
+    EXPECT_EQ(bico_transfer_norm_map_from_name(m.second, &v), BICO_OK);
     EXPECT_EQ(v, m.first);
   }
 }
 
 TEST(TransferNames, UnknownValuesAndNamesAreRefused) {
-  for (int bad : {-1, 0, 7, 1000}) EXPECT_EQ(bico_method_name(bad), nullptr) << bad;
-  for (int bad : {-1, 0, 3, 1000}) EXPECT_EQ(bico_norm_map_name(bad), nullptr) << bad;
+  for (int bad : {-1, 0, 7, 1000}) EXPECT_EQ(bico_transfer_method_name(bad), nullptr) << bad;
+  for (int bad : {-1, 0, 3, 1000}) EXPECT_EQ(bico_transfer_norm_map_name(bad), nullptr) << bad;
   int v = 42;
   for (const char *bad : {"", "BICO", "bico ", "bicoin", "gradfix\n", "ACT"}) {
     // Unknown names: BICO_E_NOTFOUND, as every lookup of status.h.
-    EXPECT_EQ(bico_method_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
-    EXPECT_EQ(bico_norm_map_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
-    EXPECT_EQ(bico_handling_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
+    EXPECT_EQ(bico_transfer_method_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
+    EXPECT_EQ(bico_transfer_norm_map_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
+    EXPECT_EQ(bico_transfer_handling_from_name(bad, &v), BICO_E_NOTFOUND) << bad;
   }
   EXPECT_EQ(v, 42);  // untouched on failure
   // Choices count from 1; 0 sets the default and get_param reports it.
@@ -298,10 +298,44 @@ TEST(TransferNames, UnknownValuesAndNamesAreRefused) {
   EXPECT_EQ(got, (double)BICO_NORM_MAP_ACT);
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_NORM_MAP, 3), BICO_E_ARG);
   bico_transfer_free(t);
-  EXPECT_EQ(bico_method_from_name(nullptr, &v), BICO_E_NULL);
-  EXPECT_EQ(bico_method_from_name("bico", nullptr), BICO_E_NULL);
-  EXPECT_EQ(bico_norm_map_from_name(nullptr, &v), BICO_E_NULL);
-  EXPECT_EQ(bico_norm_map_from_name("act", nullptr), BICO_E_NULL);
+  EXPECT_EQ(bico_transfer_method_from_name(nullptr, &v), BICO_E_NULL);
+  EXPECT_EQ(bico_transfer_method_from_name("bico", nullptr), BICO_E_NULL);
+  EXPECT_EQ(bico_transfer_norm_map_from_name(nullptr, &v), BICO_E_NULL);
+  EXPECT_EQ(bico_transfer_norm_map_from_name("act", nullptr), BICO_E_NULL);
 }
 
 }  // namespace
+
+// status.h's enumeration rule for every choice of transfer.h: 0 is no
+// member, and a binding that asks for the names of 1, 2, ... until NULL
+// (docs/api.md) lists every member once, each name mapping back to it.
+TEST(TransferNames, EveryEnumerationCountsFromOne) {
+  struct E {
+    const char *what;
+    const char *(*name)(int);
+    bico_status (*from)(const char *, int *);
+    int members;
+  } enums[] = {
+      {"method", bico_transfer_method_name, bico_transfer_method_from_name, 6},
+      {"norm_map", bico_transfer_norm_map_name, bico_transfer_norm_map_from_name, 2},
+      {"structure", bico_transfer_structure_name, bico_transfer_structure_from_name, 2},
+      {"rope", bico_transfer_rope_name, bico_transfer_rope_from_name, 3},
+      {"handling", bico_transfer_handling_name, bico_transfer_handling_from_name, 7},
+      {"side", bico_transfer_side_name, bico_transfer_side_from_name, 2}};
+  for (const E &e : enums) {
+    EXPECT_EQ(e.name(0), nullptr) << e.what << ": 0 is reserved";
+    int n = 0;
+    while (e.name(n + 1) != nullptr) {
+      int v = -1;
+      EXPECT_EQ(e.from(e.name(n + 1), &v), BICO_OK) << e.what;
+      EXPECT_EQ(v, n + 1) << e.what;
+      n++;
+    }
+    EXPECT_EQ(n, e.members) << e.what;
+  }
+  // The handling every unchanged tensor reports is listed too.
+  int v = -1;
+  ASSERT_EQ(bico_transfer_handling_from_name("unchanged", &v), BICO_OK);
+  EXPECT_EQ(v, BICO_HANDLING_UNCHANGED);
+  EXPECT_GE(v, 1);
+}

@@ -106,7 +106,7 @@ struct Sink {
     Sink *s = static_cast<Sink *>(o);
     EXPECT_GE(x->size, sizeof *x);
     if ((int)s->got.size() == s->fail_at) return BICO_E_IO;
-    const char *h = bico_handling_name(x->handling);
+    const char *h = bico_transfer_handling_name(x->handling);
     EXPECT_NE(h, nullptr);
     Got g{x->index, x->name, h ? h : "", x->report_entry,
           x->update ? std::vector<float>(x->update, x->update + x->count)
@@ -361,7 +361,8 @@ TEST(TransferPlan, BadPutsAreRefusedAndAnAbandonedAssemblyLeavesNothing) {
   const char *e = "{\"name\": \"x\"}";
   EXPECT_EQ(bico_transfer_assemble_put(t, 4, BICO_HANDLING_LINEAR, upd.data(), upd.size(), e),
             BICO_E_ARG);  // out of range
-  EXPECT_EQ(bico_transfer_assemble_put(t, 0, 7, upd.data(), upd.size(), e), BICO_E_ARG);
+  for (int bad : {0, BICO_HANDLING_MASKED + 1})  // not a handling
+    EXPECT_EQ(bico_transfer_assemble_put(t, 0, bad, upd.data(), upd.size(), e), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_UNCHANGED, upd.data(), upd.size(), e),
             BICO_E_ARG);  // unchanged with an update
   EXPECT_EQ(bico_transfer_assemble_put(t, 0, BICO_HANDLING_LINEAR, upd.data(), 5, e),
@@ -391,10 +392,11 @@ TEST(TransferPlan, BadPutsAreRefusedAndAnAbandonedAssemblyLeavesNothing) {
 }
 
 TEST(TransferPlan, HandlingNamesAndFileGetter) {
-  EXPECT_STREQ(bico_handling_name(BICO_HANDLING_UNCHANGED), "unchanged");
-  EXPECT_STREQ(bico_handling_name(BICO_HANDLING_MASKED), "masked");
-  EXPECT_EQ(bico_handling_name(7), nullptr);
-  EXPECT_EQ(bico_handling_name(-1), nullptr);
+  EXPECT_STREQ(bico_transfer_handling_name(BICO_HANDLING_UNCHANGED), "unchanged");
+  EXPECT_STREQ(bico_transfer_handling_name(BICO_HANDLING_MASKED), "masked");
+  EXPECT_EQ(bico_transfer_handling_name(BICO_HANDLING_MASKED + 1), nullptr);
+  EXPECT_EQ(bico_transfer_handling_name(0), nullptr);  // choices count from 1
+  EXPECT_EQ(bico_transfer_handling_name(-1), nullptr);
   Planted p;
   bt::Ctx ctx;
   bico_transfer *t = p.make(ctx);

@@ -110,7 +110,7 @@ TEST(StWriterRange, OutOfOrderGapsOverrunsAndEarlyCommitsAreRefused) {
   std::vector<float> back(10);
   ASSERT_EQ(bico_stfile_read_f32(f, 0, back.data(), 10), BICO_OK);
   for (float x : back) EXPECT_EQ(x, 1.5f);
-  bico_stfile_close(f);
+  bico_stfile_free(f);
 }
 
 void write(const std::string &path, const std::vector<std::pair<std::string, Mat>> &f) {
@@ -137,7 +137,7 @@ Mat read(const std::string &path, const char *name, size_t rows, size_t cols) {
   EXPECT_EQ(bico_stfile_find(f, name, &i), BICO_OK) << name;
   std::vector<float> v(rows * cols);
   EXPECT_EQ(bico_stfile_read_f32(f, i, v.data(), v.size()), BICO_OK);
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   return Mat::from(v.data(), rows, cols, cols);
 }
 

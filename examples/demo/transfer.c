@@ -37,7 +37,6 @@ void demo_updates_free(demo_updates *u) {
  * layers are the repeated blocks and pair by the depth map. */
 static int pair_layers(bico_ctx *ctx, const demo_mlp *a, const demo_mlp *b,
                        int *src) {
-  bico_depthmap *dm = NULL;
   size_t la = (size_t)a->nl - 2, lb = (size_t)b->nl - 2;
   if (a->nl < 2 || b->nl < 2 || (la == 0) != (lb == 0)) {
     fprintf(stderr, "demo: cannot pair a %d-layer source with a %d-layer "
@@ -47,17 +46,14 @@ static int pair_layers(bico_ctx *ctx, const demo_mlp *a, const demo_mlp *b,
   src[0] = 0;
   src[b->nl - 1] = a->nl - 1;
   if (lb > 0) {
-    CK(bico_depthmap_create(ctx, la, lb, &dm));
     for (size_t j = 0; j < lb; j++) {
       size_t i = 0;
-      CK(bico_depthmap_source(dm, j, &i));
+      CK(bico_depthmap_source(la, lb, j, &i));
       src[j + 1] = (int)i + 1;
     }
   }
-  bico_depthmap_free(dm);
   return 0;
 fail:
-  bico_depthmap_free(dm);
   return -1;
 }
 

@@ -7,22 +7,18 @@
 #define BICO_DEPTHMAP_H
 
 #include <stddef.h>
-#include "ctx.h"
+#include "status.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef struct bico_depthmap bico_depthmap;
-
-/* l_a, l_b >= 1.  The handle keeps a pointer to ctx. */
-BICO_API bico_status bico_depthmap_create(bico_ctx *ctx, size_t l_a,
-                                          size_t l_b, bico_depthmap **out);
-/* Accepts NULL. */
-BICO_API void bico_depthmap_free(bico_depthmap *m);
-
-/* The source block for target block j (0 <= j < l_b). */
-BICO_API bico_status bico_depthmap_source(const bico_depthmap *m, size_t j,
+/* The source block i of target block j (0 <= j < l_b) with l_a source and
+ * l_b target blocks.  A pure function of its arguments (no context, no
+ * handle), so it returns the status only: BICO_E_NULL when i is NULL,
+ * BICO_E_SHAPE when l_a or l_b is 0, BICO_E_ARG when j >= l_b; *i is left
+ * alone on failure. */
+BICO_API bico_status bico_depthmap_source(size_t l_a, size_t l_b, size_t j,
                                           size_t *i);
 
 #ifdef __cplusplus

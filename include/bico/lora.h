@@ -70,11 +70,13 @@ typedef enum bico_lora_kind {
   BICO_LORA_EMBEDDING = 2  /* lora_embedding_A / lora_embedding_B */
 } bico_lora_kind;
 
-/* Adapter-wide flags (bico_lora_set_flag / bico_lora_get_flag). */
-typedef enum bico_lora_flag {
-  BICO_LORA_RSLORA = 1,        /* scale alpha / sqrt(r) */
-  BICO_LORA_FAN_IN_FAN_OUT = 2 /* base weights stored [d_in, d_out] */
-} bico_lora_flag;
+/* Adapter-wide switches: the option grammar of params.h
+ * (bico_lora_set_param and its three companions), values 0 or 1. */
+typedef enum bico_lora_param {
+  BICO_LORA_RSLORA = 1,        /* "rslora": scale alpha / sqrt(r) */
+  BICO_LORA_FAN_IN_FAN_OUT = 2 /* "fan_in_fan_out": base weights stored
+                                  [d_in, d_out] */
+} bico_lora_param;
 
 /* String options carried into the written config. */
 typedef enum bico_lora_string {
@@ -91,10 +93,17 @@ BICO_API bico_status bico_lora_create(bico_ctx *ctx, bico_lora **out);
 /* Accepts NULL. */
 BICO_API void bico_lora_free(bico_lora *l);
 
-BICO_API bico_status bico_lora_set_flag(bico_lora *l, int flag, int on);
-BICO_API bico_status bico_lora_get_flag(const bico_lora *l, int flag,
-                                        int *on);
-/* NULL unsets; a value read from a config is kept for saving. */
+BICO_API bico_status bico_lora_set_param(bico_lora *l, int param,
+                                         double value);
+BICO_API bico_status bico_lora_get_param(const bico_lora *l, int param,
+                                         double *value);
+BICO_API bico_status bico_lora_param_bounds(int param, double *lo, double *hi,
+                                            unsigned *flags);
+/* "rslora", "fan_in_fan_out"; NULL / BICO_E_NOTFOUND otherwise. */
+BICO_API const char *bico_lora_param_name(int param);
+BICO_API bico_status bico_lora_param_from_name(const char *name, int *param);
+/* String options have their own verbs (params.h), as bico_transfer's:
+ * NULL unsets; a value read from a config is kept for saving. */
 BICO_API bico_status bico_lora_set_string(bico_lora *l, int which,
                                           const char *value);
 BICO_API bico_status bico_lora_get_string(const bico_lora *l, int which,
@@ -151,7 +160,9 @@ BICO_API bico_status bico_lora_dense(const bico_lora *l, size_t i,
                                      float alpha, float beta, float *out,
                                      size_t ld);
 
-/* Factored transport of one module: b_out = alpha R_out^T b (block-wise
+/* Factored transport of one module (docs/api.md's argument order: sizes,
+ * source side first, then alpha, then the inputs each with its row stride,
+ * then the outputs): b_out = alpha R_out^T b (block-wise
  * when k > 1: block j of b's rows by r_outs[j], fused qkv), a_out = a R_in.
  *   b      [dout_a, rank]       r_outs[j] [dout_a/k, dout_b/k] (row stride
  *                               ld_rout; NULL entries, or r_outs NULL: the
@@ -161,9 +172,9 @@ BICO_API bico_status bico_lora_dense(const bico_lora *l, size_t i,
  * All contiguous row-major.  Memory: no buffer beyond the outputs. */
 BICO_API bico_status bico_lora_transport(
     bico_ctx *ctx, size_t rank, size_t k, size_t dout_a, size_t din_a,
-    const float *b, const float *a, const float *const *r_outs,
-    size_t ld_rout, size_t dout_b, const float *r_in, size_t ld_rin,
-    size_t din_b, float alpha, float *b_out, float *a_out);
+    size_t dout_b, size_t din_b, float alpha, const float *b, const float *a,
+    const float *const *r_outs, size_t ld_rout, const float *r_in,
+    size_t ld_rin, float *b_out, float *a_out);
 
 /* Best rank-`rank` factors of a dense update (truncated SVD, LAPACK):
  * scale * b_out a_out ~= dense [d_out, d_in] (row stride ld), split

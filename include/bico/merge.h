@@ -83,7 +83,7 @@ typedef enum bico_merge_param {
   BICO_MERGE_NORMALIZE = 3, /* -1: the method's default (TIES 1, LINEAR 0),
                                0 or 1; default -1 */
   BICO_MERGE_MAX_SHARD_SIZE = 4 /* bytes, >= 0; default 0: an output
-                                   folder (bico_output_is_folder, like the
+                                   folder (bico_stwriter_output_is_folder, like the
                                    base) is sharded as the base is; else
                                    greedily by this size */
 } bico_merge_param;

@@ -38,7 +38,7 @@
  *
  * Pairing.  A target name inside the target's blocks, "P_B.<j>.<rest>",
  * pairs with the source name "P_A.<i(j)>.<rest>" where i is the depth map
- * (bico_depthmap: i(j) = round(j (L_A - 1) / (L_B - 1))); a name outside
+ * (bico_depthmap_source: i(j) = round(j (L_A - 1) / (L_B - 1))); a name outside
  * the blocks pairs with the identical source name.  The same rule maps
  * tensor names, module names and calibration keys ("<module>.input").
  *

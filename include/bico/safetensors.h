@@ -24,7 +24,7 @@
  * data are read with pread into the caller's buffers, never mapped, so a
  * file truncated while open makes the read fail with BICO_E_IO instead of
  * raising SIGBUS in the host process.  The file stays open until
- * bico_stfile_close: replace it by renaming a new file into place, as
+ * bico_stfile_free: replace it by renaming a new file into place, as
  * bico_stwriter does.
  *
  * Writing: a bico_stwriter writes into a temporary file in the output's
@@ -49,35 +49,11 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "ctx.h"
+#include "dtype.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* Element types.  Values are explicit and frozen. */
-typedef enum bico_dtype {
-  BICO_DTYPE_F32 = 1,
-  BICO_DTYPE_F16 = 2,
-  BICO_DTYPE_BF16 = 3,
-  BICO_DTYPE_F64 = 4,
-  BICO_DTYPE_I8 = 5,
-  BICO_DTYPE_I16 = 6,
-  BICO_DTYPE_I32 = 7,
-  BICO_DTYPE_I64 = 8,
-  BICO_DTYPE_U8 = 9,
-  BICO_DTYPE_U16 = 10,
-  BICO_DTYPE_U32 = 11,
-  BICO_DTYPE_U64 = 12,
-  BICO_DTYPE_BOOL = 13
-} bico_dtype;
-
-/* The safetensors name of a dtype ("F32", "BF16", ...); NULL if unknown. */
-BICO_API const char *bico_dtype_name(int dtype);
-/* Bytes per element (BOOL: 1); 0 if unknown. */
-BICO_API size_t bico_dtype_size(int dtype);
-/* The dtype whose safetensors name is `name` (exact, case-sensitive) into
- * *dtype; BICO_E_NOTFOUND if none.  No context: returns the status only. */
-BICO_API bico_status bico_dtype_from_name(const char *name, int *dtype);
 
 /* ---- Reading ---- */
 
@@ -102,7 +78,7 @@ BICO_API bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
                                       bico_stfile **out);
 /* Closes the file and frees the handle (nothing is mapped: reads use
  * pread); accepts NULL.  Pointers obtained from the handle die with it. */
-BICO_API void bico_stfile_close(bico_stfile *f);
+BICO_API void bico_stfile_free(bico_stfile *f);
 
 /* Number of tensors (0 for NULL).  Tensors are indexed 0..count-1 in header
  * order (for a sharded checkpoint: shards in order of first appearance in
@@ -110,7 +86,7 @@ BICO_API void bico_stfile_close(bico_stfile *f);
 BICO_API size_t bico_stfile_count(const bico_stfile *f);
 
 /* Describes tensor `index`; any out-pointer may be NULL.  *name, *shape stay
- * valid until bico_stfile_close.  ndim may be 0 (a scalar, one element). */
+ * valid until bico_stfile_free.  ndim may be 0 (a scalar, one element). */
 BICO_API bico_status bico_stfile_tensor_info(const bico_stfile *f,
                                              size_t index, const char **name,
                                              int *dtype, size_t *ndim,
@@ -146,16 +122,18 @@ BICO_API bico_status bico_stfile_read_f32(const bico_stfile *f, size_t index,
                                           float *out, size_t count);
 /* Elements [first, first + count) of tensor `index` in row-major order
  * (for streaming large tensors row block by row block); the range must lie
- * inside the tensor (else BICO_E_SHAPE). */
+ * inside the tensor (else BICO_E_SHAPE).  As everywhere in this header
+ * (read_f32, the writer's write_f32 and write_f32_range), the element
+ * count follows the buffer it sizes. */
 BICO_API bico_status bico_stfile_read_f32_range(const bico_stfile *f,
                                                 size_t index, size_t first,
-                                                size_t count, float *out);
+                                                float *out, size_t count);
 /* The same into double (F64 exactly; I64/U64 rounded to nearest). */
 BICO_API bico_status bico_stfile_read_f64(const bico_stfile *f, size_t index,
                                           double *out, size_t count);
 BICO_API bico_status bico_stfile_read_f64_range(const bico_stfile *f,
                                                 size_t index, size_t first,
-                                                size_t count, double *out);
+                                                double *out, size_t count);
 
 /* BICO_OK if tensor `index` holds no NaN or Inf (integer dtypes always
  * pass); else BICO_E_NONFINITE naming the file, tensor and element. */
@@ -232,7 +210,7 @@ BICO_API bico_status bico_stwriter_create_folder(bico_ctx *ctx,
  * safetensors file.  A folder when `output` is an existing folder, ends
  * in '/', or (nothing existing there) `like` is a folder and `output`
  * ends neither in ".safetensors" nor in ".json".  NULL output: 0. */
-BICO_API int bico_output_is_folder(const char *output, const char *like);
+BICO_API int bico_stwriter_output_is_folder(const char *output, const char *like);
 
 /* Removes the temporary file unless committed, and frees; accepts NULL. */
 BICO_API void bico_stwriter_free(bico_stwriter *w);

@@ -59,20 +59,20 @@ extern "C" {
 
 typedef struct bico_transfer bico_transfer;
 
-typedef enum bico_method {
+typedef enum bico_transfer_method {
   BICO_METHOD_BICO = 1,
   BICO_METHOD_BICO_IN = 2,
   BICO_METHOD_BICO_OUT = 3,
   BICO_METHOD_GRADFIX = 4,
   BICO_METHOD_NAIVE = 5,
   BICO_METHOD_PAD = 6
-} bico_method;
+} bico_transfer_method;
 
-typedef enum bico_norm_map {
+typedef enum bico_transfer_norm_map {
   /* 0 asks for the default, ACT (docs/api.md's enumeration rule) */
   BICO_NORM_MAP_ACT = 1, /* map of the norm's input activations */
   BICO_NORM_MAP_GRAD = 2 /* map of the norm's output gradients */
-} bico_norm_map;
+} bico_transfer_norm_map;
 
 /* Names of the methods ("bico", "bico-in", "bico-out", "gradfix", "naive",
  * "pad") and norm maps ("act", "grad"), as the bico command, the report
@@ -81,10 +81,10 @@ typedef enum bico_norm_map {
  * text otherwise); *_from_name gives BICO_E_NULL for a NULL argument and
  * BICO_E_NOTFOUND for an unknown name (leaving *out alone), as every
  * lookup of status.h does. */
-BICO_API const char *bico_method_name(int method);
-BICO_API bico_status bico_method_from_name(const char *name, int *method);
-BICO_API const char *bico_norm_map_name(int norm_map);
-BICO_API bico_status bico_norm_map_from_name(const char *name, int *norm_map);
+BICO_API const char *bico_transfer_method_name(int method);
+BICO_API bico_status bico_transfer_method_from_name(const char *name, int *method);
+BICO_API const char *bico_transfer_norm_map_name(int norm_map);
+BICO_API bico_status bico_transfer_norm_map_from_name(const char *name, int *norm_map);
 
 /* Files (bico_transfer_set_file).  NULL unsets. */
 typedef enum bico_transfer_file {
@@ -127,9 +127,9 @@ BICO_API bico_status bico_transfer_file_from_name(const char *name,
 /* Numeric options (bico_transfer_set_param), with bounds from
  * bico_transfer_param_bounds. */
 typedef enum bico_transfer_param {
-  BICO_TRANSFER_METHOD = 1,       /* bico_method; default BICO */
+  BICO_TRANSFER_METHOD = 1,       /* bico_transfer_method; default BICO */
   BICO_TRANSFER_ALPHA = 2,        /* (0, FLT_MAX]; default 1 */
-  BICO_TRANSFER_NORM_MAP = 3,     /* bico_norm_map; default ACT */
+  BICO_TRANSFER_NORM_MAP = 3,     /* bico_transfer_norm_map; default ACT */
   BICO_TRANSFER_NULL = 4,         /* bico_null_completion; default KEEP */
   BICO_TRANSFER_RANK_TOL = 5,     /* [0, 1); default 1e-5 */
   BICO_TRANSFER_CENTER = 6,       /* 0 or 1; default 0 */
@@ -149,12 +149,12 @@ typedef enum bico_transfer_param {
                                      accumulators made with BICO_VOTES_MEAN
                                      (a votes file holds counts only) */
   BICO_TRANSFER_MAX_SHARD_SIZE = 13, /* bytes, >= 0; default 0: an output
-                                     folder (bico_output_is_folder) is
+                                     folder (bico_stwriter_output_is_folder) is
                                      sharded as the target is; else
                                      greedily by this size
                                      (bico_stwriter_create_folder) */
-  BICO_TRANSFER_STRUCTURE = 14,   /* bico_structure; 0 = default (FREE) */
-  BICO_TRANSFER_ROPE = 15,        /* bico_rope; 0 (default): from config.json */
+  BICO_TRANSFER_STRUCTURE = 14,   /* bico_transfer_structure; 0 = default (FREE) */
+  BICO_TRANSFER_ROPE = 15,        /* bico_transfer_rope; 0 (default): from config.json */
   BICO_TRANSFER_HEADS = 16,       /* query heads of both models; 0 (default):
                                      from config.json */
   BICO_TRANSFER_KV_HEADS = 17,    /* key/value heads; 0: from config.json
@@ -201,26 +201,26 @@ typedef enum bico_transfer_param {
  * BICO_E_SHAPE.  BICO_TRANSFER_HEADS/KV_HEADS/HEAD_DIM/ROPE override the
  * configs of both models (with HEADS set, a model without a config.json
  * counts as a known family).  docs/llm.md has the rules. */
-typedef enum bico_structure { /* 0 = default: FREE */
+typedef enum bico_transfer_structure { /* 0 = default: FREE */
   BICO_STRUCTURE_HEADS = 1, /* structure-aware where the family is known */
   BICO_STRUCTURE_FREE = 2   /* one free-form map per module side */
-} bico_structure;
+} bico_transfer_structure;
 
-typedef enum bico_rope {     /* 0 = default: the family's layout (HALF) */
+typedef enum bico_transfer_rope {     /* 0 = default: the family's layout (HALF) */
   BICO_ROPE_HALF = 1,        /* HF rotate_half: dims i and i + head_dim/2 */
   BICO_ROPE_INTERLEAVED = 2, /* dims 2i and 2i + 1 (GPT-J, Meta's layout) */
   BICO_ROPE_NONE = 3         /* no rotary embedding: one free orthogonal
                                 map per group on head_dim */
-} bico_rope;
+} bico_transfer_rope;
 
 /* Names of the structures ("heads", "free") and RoPE layouts ("half",
  * "interleaved", "none"), as bico transfer spells them; same conventions
- * as bico_method_name / bico_method_from_name. */
-BICO_API const char *bico_structure_name(int structure);
-BICO_API bico_status bico_structure_from_name(const char *name,
+ * as bico_transfer_method_name / bico_transfer_method_from_name. */
+BICO_API const char *bico_transfer_structure_name(int structure);
+BICO_API bico_status bico_transfer_structure_from_name(const char *name,
                                               int *structure);
-BICO_API const char *bico_rope_name(int rope);
-BICO_API bico_status bico_rope_from_name(const char *name, int *rope);
+BICO_API const char *bico_transfer_rope_name(int rope);
+BICO_API bico_status bico_transfer_rope_from_name(const char *name, int *rope);
 
 /* Pipelining (BICO_TRANSFER_WORKERS > 1, BiCo methods on checkpoints;
  * LoRA adapters are solved in the calling thread): the maps are solved by that many threads, each with its own
@@ -408,20 +408,20 @@ BICO_API bico_status bico_transfer_counts(const bico_transfer *t,
  * library's, so the output equals a single process's byte for byte. */
 
 /* What a partial run did to one target tensor. */
-typedef enum bico_handling {
-  BICO_HANDLING_UNCHANGED = 0,
-  BICO_HANDLING_LINEAR = 1,
-  BICO_HANDLING_VECTOR = 2,
-  BICO_HANDLING_TIED = 3,
-  BICO_HANDLING_NAIVE = 4,
-  BICO_HANDLING_PADDED = 5,
-  BICO_HANDLING_MASKED = 6
-} bico_handling;
+typedef enum bico_transfer_handling { /* from 1 (status.h); 0 is none */
+  BICO_HANDLING_UNCHANGED = 1,
+  BICO_HANDLING_LINEAR = 2,
+  BICO_HANDLING_VECTOR = 3,
+  BICO_HANDLING_TIED = 4,
+  BICO_HANDLING_NAIVE = 5,
+  BICO_HANDLING_PADDED = 6,
+  BICO_HANDLING_MASKED = 7
+} bico_transfer_handling;
 /* "unchanged", "linear", ... as in the report; NULL for an unknown value.
  * _from_name: the value of a name (BICO_E_NULL, or BICO_E_NOTFOUND for an
  * unknown name, leaving *handling alone). */
-BICO_API const char *bico_handling_name(int handling);
-BICO_API bico_status bico_handling_from_name(const char *name, int *handling);
+BICO_API const char *bico_transfer_handling_name(int handling);
+BICO_API bico_status bico_transfer_handling_from_name(const char *name, int *handling);
 
 /* One computed target tensor, as a partial run hands it over.  `size` is
  * sizeof(bico_transfer_tensor) in the library that filled it: later
@@ -431,7 +431,7 @@ typedef struct bico_transfer_tensor {
   size_t size;
   size_t index;             /* header order of the target base */
   const char *name;
-  int handling;             /* bico_handling */
+  int handling;             /* bico_transfer_handling */
   const float *update;      /* alpha tau_B, count floats (finite); NULL
                                when unchanged */
   size_t count;
@@ -536,7 +536,7 @@ typedef struct bico_transfer_decision {
   const char *name;   /* target tensor */
   const char *source; /* its source partner, or NULL */
   int role;           /* bico_tensor_role */
-  int handling;       /* bico_handling a run would report (predicted: a
+  int handling;       /* bico_transfer_handling a run would report (predicted: a
                          dead layer's maps, found only when solving, still
                          leave a tensor unchanged) */
   const char *module; /* target module whose maps carry it, or NULL */
@@ -561,55 +561,6 @@ BICO_API bico_status bico_transfer_explain_vocab(const bico_transfer *t,
                                                  size_t *target_tokens,
                                                  size_t *shared,
                                                  size_t *fresh);
-
-/* ---- Statistics files ---- */
-
-/* Reduces two calibration files to a statistics file: for every module M
- * of the target calibration file with "M.input"/"M.output_grad", the
- * source's paired module (by the depth map over the two files' own block
- * containers, detected from the calibration names unless blocks is given)
- * provides the other side; writes "M.in_xcov" and "M.out_xcov" (F64).
- * Modules the source lacks are an error naming them. */
-BICO_API bico_status bico_stats_from_calib(bico_ctx *ctx,
-                                           const char *source_calib,
-                                           const char *target_calib,
-                                           const char *blocks,
-                                           const char *output);
-/* What bico_stats_from_calib computes, as a plan a front end that divides
- * the work (bico-mpi stats) distributes instead of re-deriving it: over
- * npairs pairs of calibration files (source_calib[k] with target_calib[k],
- * shards of one calibration set whose rows add up), the statistics
- * planned from the first pair's names exactly as bico_stats_from_calib
- * plans them (its modules, their partners by the depth map, blocks as
- * there), each checked in every pair (a floating-point dtype, the widths of
- * the first pair, as many source rows as target rows).  Opens and reads
- * headers only; the failures are bico_stats_from_calib's, naming the file
- * and tensor.  Statistic i (< stats): its output tensor name
- * ("<module>.in_xcov" / ".out_xcov", [d_source, d_target] F64: the sum over
- * all rows of every pair of x_source x_target^T), the calibration tensors
- * it reads ("<module>.input" / ".output_grad" in each file, rows of width
- * d_source and d_target), and its rows in pair k.  Strings are valid until
- * bico_stats_plan_free; any out-pointer may be NULL. */
-typedef struct bico_stats_plan bico_stats_plan;
-BICO_API bico_status bico_stats_plan_create(bico_ctx *ctx,
-                                            const char *const *source_calib,
-                                            const char *const *target_calib,
-                                            size_t npairs, const char *blocks,
-                                            bico_stats_plan **out);
-/* Accepts NULL. */
-BICO_API void bico_stats_plan_free(bico_stats_plan *p);
-BICO_API bico_status bico_stats_plan_size(const bico_stats_plan *p,
-                                          size_t *stats, size_t *pairs);
-BICO_API bico_status bico_stats_plan_item(const bico_stats_plan *p, size_t i,
-                                          const char **name,
-                                          const char **source_key,
-                                          const char **target_key,
-                                          size_t *d_source, size_t *d_target);
-BICO_API bico_status bico_stats_plan_rows(const bico_stats_plan *p, size_t i,
-                                          size_t pair, size_t *rows);
-/* Sums n statistics files (same tensors and shapes) into output. */
-BICO_API bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
-                                      size_t n, const char *output);
 
 #ifdef __cplusplus
 }

@@ -27,7 +27,7 @@ static int cmp_name(const void *a, const void *b) {
   return strcmp(x->name, y->name);
 }
 
-void bico_stfile_close(bico_stfile *f) {
+void bico_stfile_free(bico_stfile *f) {
   if (f == NULL) return;
   bico_ctx *ctx = f->ctx;
   for (size_t k = 0; k < f->nfiles; k++)
@@ -103,7 +103,7 @@ bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
                  "%s: a PyTorch pickle, not safetensors: convert it with "
                  "`python3 -m bico.convert %s OUT.safetensors`",
                  path, given);
-    bico_stfile_close(f);
+    bico_stfile_free(f);
     return st;
   }
   *out = f;
@@ -301,8 +301,8 @@ bico_status bico_stfile_read_f32(const bico_stfile *f, size_t index,
 }
 
 bico_status bico_stfile_read_f32_range(const bico_stfile *f, size_t index,
-                                       size_t first, size_t count,
-                                       float *out) {
+                                       size_t first, float *out,
+                                       size_t count) {
   return read_range(f, "stfile_read_f32_range", index, first, count, out, 0);
 }
 
@@ -312,8 +312,8 @@ bico_status bico_stfile_read_f64(const bico_stfile *f, size_t index,
 }
 
 bico_status bico_stfile_read_f64_range(const bico_stfile *f, size_t index,
-                                       size_t first, size_t count,
-                                       double *out) {
+                                       size_t first, double *out,
+                                       size_t count) {
   return read_range(f, "stfile_read_f64_range", index, first, count, out, 1);
 }
 

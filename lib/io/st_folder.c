@@ -53,7 +53,7 @@ static int ends_with(const char *s, const char *suf) {
   return n >= m && strcmp(s + n - m, suf) == 0;
 }
 
-int bico_output_is_folder(const char *output, const char *like) {
+int bico_stwriter_output_is_folder(const char *output, const char *like) {
   if (output == NULL || output[0] == '\0') return 0;
   struct stat st;
   if (stat(output, &st) == 0) return S_ISDIR(st.st_mode);
@@ -100,7 +100,7 @@ void bico__wfolder_free(bico_ctx *ctx, bico__wfolder *f) {
   free_names(ctx, f->made, f->nmade);
   free_names(ctx, f->drop, f->ndrop);
   bico__free(ctx, f->list);
-  bico_stfile_close(f->like);
+  bico_stfile_free(f->like);
   bico__tmp_discard(ctx, &f->stage); /* the new folder, unless committed */
   bico__free(ctx, f->likedir);
   bico__free(ctx, f->real);
@@ -457,7 +457,7 @@ bico_status bico__wfolder_layout(bico_ctx *ctx, const char *fn,
   *shp = sh;
   *nshp = ns;
   /* the layout is fixed: the like model is no longer needed */
-  bico_stfile_close(f->like);
+  bico_stfile_free(f->like);
   f->like = NULL;
   return BICO_OK;
 }

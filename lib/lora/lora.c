@@ -51,25 +51,44 @@ void bico_lora_free(bico_lora *l) {
   bico__free(ctx, l);
 }
 
-bico_status bico_lora_set_flag(bico_lora *l, int flag, int on) {
+/* The option grammar (params.h, lib/base/params.c): the adapter-wide switches
+ * are 0/1 parameters like every handle's. */
+static const bico__param_spec LPARAM[] = {
+    [BICO_LORA_RSLORA] = {"rslora", 0, 1, BICO_PARAM_INTEGER},
+    [BICO_LORA_FAN_IN_FAN_OUT] = {"fan_in_fan_out", 0, 1, BICO_PARAM_INTEGER},
+};
+#define NLPARAM BICO__NSPEC(LPARAM)
+
+bico_status bico_lora_param_bounds(int param, double *lo, double *hi,
+                                   unsigned *flags) {
+  return bico__param_bounds(LPARAM, NLPARAM, param, lo, hi, flags);
+}
+
+const char *bico_lora_param_name(int param) {
+  return bico__param_name(LPARAM, NLPARAM, param);
+}
+
+bico_status bico_lora_param_from_name(const char *name, int *param) {
+  return bico__param_from_name(LPARAM, NLPARAM, name, param);
+}
+
+bico_status bico_lora_set_param(bico_lora *l, int param, double value) {
   if (l == NULL) return BICO_E_NULL;
   bico__clear(l->ctx);
-  if (flag == BICO_LORA_RSLORA) l->rslora = on != 0;
-  else if (flag == BICO_LORA_FAN_IN_FAN_OUT) l->fifo = on != 0;
-  else
-    return bico__fail(l->ctx, BICO_E_ARG, "lora_set_flag: unknown flag %d",
-                      flag);
+  bico_status st = bico__param_set(l->ctx, "lora_set_param", LPARAM, NLPARAM,
+                                   param, value);
+  if (st != BICO_OK) return st;
+  if (param == BICO_LORA_RSLORA) l->rslora = value != 0;
+  else l->fifo = value != 0;
   return BICO_OK;
 }
 
-bico_status bico_lora_get_flag(const bico_lora *l, int flag, int *on) {
+bico_status bico_lora_get_param(const bico_lora *l, int param, double *value) {
   if (l == NULL) return BICO_E_NULL;
-  if (on == NULL) return bico__fail(l->ctx, BICO_E_NULL, "lora_get_flag: on is NULL");
-  if (flag == BICO_LORA_RSLORA) *on = l->rslora;
-  else if (flag == BICO_LORA_FAN_IN_FAN_OUT) *on = l->fifo;
-  else
-    return bico__fail(l->ctx, BICO_E_ARG, "lora_get_flag: unknown flag %d",
-                      flag);
+  bico_status st = bico__param_get(l->ctx, "lora_get_param", LPARAM, NLPARAM,
+                                   param, value);
+  if (st != BICO_OK) return st;
+  *value = param == BICO_LORA_RSLORA ? l->rslora : l->fifo;
   return BICO_OK;
 }
 

@@ -511,7 +511,7 @@ bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
   if (st == BICO_OK && l->nmods == 0)
     st = bico__fail(ctx, BICO_E_FORMAT,
                     "lora_open: %s holds no LoRA factors", tpath);
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   bico__json_doc_free(doc);
   bico__free(ctx, text);
   bico__free(ctx, cpath);

@@ -37,11 +37,11 @@ bico_status bico_lora_dense(const bico_lora *l, size_t i, float alpha,
 }
 
 bico_status bico_lora_transport(bico_ctx *ctx, size_t rank, size_t k,
-                                size_t dout_a, size_t din_a, const float *b,
+                                size_t dout_a, size_t din_a, size_t dout_b,
+                                size_t din_b, float alpha, const float *b,
                                 const float *a, const float *const *r_outs,
-                                size_t ld_rout, size_t dout_b,
-                                const float *r_in, size_t ld_rin, size_t din_b,
-                                float alpha, float *b_out, float *a_out) {
+                                size_t ld_rout, const float *r_in,
+                                size_t ld_rin, float *b_out, float *a_out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   const char *fn = "lora_transport";

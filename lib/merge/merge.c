@@ -173,7 +173,7 @@ bico_status bico_merge_create(bico_ctx *ctx, bico_merge **out) {
 
 static void close_inputs(bico_merge *m) {
   for (size_t i = 0; i < m->nin; i++) {
-    bico_stfile_close(m->in[i].f);
+    bico_stfile_free(m->in[i].f);
     bico_lora_free(m->in[i].l);
     m->in[i].f = NULL;
     m->in[i].l = NULL;
@@ -390,7 +390,9 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
     bico__clear(ctx);
     return BICO_OK;
   }
-  bico_lora_get_flag(in->l, BICO_LORA_FAN_IN_FAN_OUT, &in->fifo);
+  double fifo = 0;
+  bico_lora_get_param(in->l, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  in->fifo = fifo != 0;
   for (size_t i = 0; i < bico_lora_module_count(in->l); i++) {
     const char *mod;
     int kind;
@@ -525,11 +527,11 @@ static bico_status check_tau(bico_merge *m, const input *in, const char *name,
                     in->path, name, v, e);
 }
 
-/* A model folder (like the base, bico_output_is_folder) or a file. */
+/* A model folder (like the base, bico_stwriter_output_is_folder) or a file. */
 static bico_status merge_writer(bico_merge *m, const char *path,
                                 bico_stwriter **w) {
   const char *base = m->files[BICO_MERGE_FILE_BASE];
-  if (!bico_output_is_folder(path, base))
+  if (!bico_stwriter_output_is_folder(path, base))
     return bico_stwriter_create(m->ctx, path, w);
   return bico_stwriter_create_folder(
       m->ctx, path, base, (uint64_t)m->param[BICO_MERGE_MAX_SHARD_SIZE], w);
@@ -599,7 +601,7 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
   for (int o = 2; o <= 4 && st == BICO_OK; o++) {
     if (f[o] == NULL) continue;
     int dir = o != BICO_MERGE_FILE_REPORT &&
-              bico_output_is_folder(f[o], f[BICO_MERGE_FILE_BASE]);
+              bico_stwriter_output_is_folder(f[o], f[BICO_MERGE_FILE_BASE]);
     if (dir && (fo[o] = bico__path_join(ctx, f[o], "model.safetensors")) == NULL)
       st = BICO_E_NOMEM;
     else
@@ -840,7 +842,7 @@ bico_status bico_merge_run(bico_merge *m) {
   bico_stwriter_free(w);
   bico_stwriter_free(wd);
   bico__report_free(&rep);
-  bico_stfile_close(base);
+  bico_stfile_free(base);
   close_inputs(m);
   return st;
 }

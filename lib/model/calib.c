@@ -63,7 +63,7 @@ static int beyond_float(const bico_stfile *fa, size_t ia, const bico_stfile *fb,
     for (size_t q = 0; q < n; q++)
       for (size_t c = 0; c < d; c++) {
         double v;
-        if (bico_stfile_read_f64_range(f, i, (r + q) * d + c, 1, &v) != BICO_OK)
+        if (bico_stfile_read_f64_range(f, i, (r + q) * d + c, &v, 1) != BICO_OK)
           return -1;
         /* FLT_MAX plus half an ulp: from there the float reader rounds to
          * Inf. */
@@ -81,7 +81,7 @@ static bico_status over(bico_ctx *ctx, const char *module, const char *path,
                         size_t row, size_t col, float *xa, float *xb,
                         const bico_stfile *f, size_t i, size_t d) {
   double v = 0;
-  bico_stfile_read_f64_range(f, i, row * d + col, 1, &v);
+  bico_stfile_read_f64_range(f, i, row * d + col, &v, 1);
   bico__free(ctx, xa);
   bico__free(ctx, xb);
   return bico__fail(ctx, BICO_E_NONFINITE,
@@ -125,8 +125,9 @@ bico_status bico__calib_accumulate(bico_ctx *ctx, const char *module,
   }
   for (size_t r = 0; r < rows_a && st == BICO_OK; r += chunk) {
     size_t n = rows_a - r < chunk ? rows_a - r : chunk;
-    st = bico_stfile_read_f32_range(fa, ia, r * da, n * da, xa);
-    if (st == BICO_OK) st = bico_stfile_read_f32_range(fb, ib, r * db, n * db, xb);
+    st = bico_stfile_read_f32_range(fa, ia, r * da, xa, n * da);
+    if (st == BICO_OK) st = bico_stfile_read_f32_range(fb, ib, r * db, xb,
+                                                       n * db);
     for (size_t b = 0; b < k && st == BICO_OK; b++) {
       st = bico_xcov_add(xcs[b], n, xa + b * (da / k), da, xb + b * (db / k),
                          db);
@@ -231,8 +232,8 @@ void bico_stats_plan_free(bico_stats_plan *p) {
   bico_model_free(p->ma);
   bico_model_free(p->mb);
   for (size_t k = 0; k < p->npairs; k++) {
-    if (p->fa) bico_stfile_close(p->fa[k]);
-    if (p->fb) bico_stfile_close(p->fb[k]);
+    if (p->fa) bico_stfile_free(p->fa[k]);
+    if (p->fb) bico_stfile_free(p->fb[k]);
     if (p->pa) bico__free(ctx, p->pa[k]);
     if (p->pb) bico__free(ctx, p->pb[k]);
   }
@@ -562,7 +563,7 @@ bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
   }
   if (st == BICO_OK) st = bico_stwriter_commit(w);
   bico_stwriter_free(w);
-  for (size_t i = 0; i < n; i++) bico_stfile_close(fs[i]);
+  for (size_t i = 0; i < n; i++) bico_stfile_free(fs[i]);
   bico__free(ctx, fs);
   return st;
 }

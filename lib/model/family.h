@@ -8,7 +8,7 @@
  *   the family away when no config.json says it;
  * - attention geometry for the structure-aware maps (decoder families:
  *   which fields of config.json it needs), the RoPE layout (public
- *   bico_rope values), and the defaults of tie_word_embeddings and
+ *   bico_transfer_rope values), and the defaults of tie_word_embeddings and
  *   attention_bias.
  *
  * Errors, one rule wherever a config is read: a config.json that is
@@ -49,7 +49,7 @@ typedef struct bico__family_row {
   int decoder;            /* attention geometry read for structured maps */
   int tie;                /* tie_word_embeddings when config.json omits it */
   int attn_bias;          /* attention_bias when config.json omits it */
-  int rope;               /* bico_rope of the family (0: none known) */
+  int rope;               /* bico_transfer_rope of the family (0: none known) */
 } bico__family_row;
 
 /* What one model's config.json says (bico__family_read), and its attention

@@ -1,37 +1,8 @@
 /* Depth mapping: target block j takes source block
  * round(j (l_a - 1) / (l_b - 1)), halves rounding up, in exact integer
- * arithmetic (no floating point, no overflow for any size_t). */
+ * arithmetic (no floating point, no overflow for any size_t).  A function,
+ * not a handle: the map is the formula of two counts, nothing to keep. */
 #include "internal.h"
-
-struct bico_depthmap {
-  bico_ctx *ctx;
-  size_t l_a, l_b;
-};
-
-bico_status bico_depthmap_create(bico_ctx *ctx, size_t l_a, size_t l_b,
-                                 bico_depthmap **out) {
-  if (ctx == NULL) return BICO_E_NULL;
-  bico__clear(ctx);
-  if (out == NULL)
-    return bico__fail(ctx, BICO_E_NULL, "depthmap_create: out is NULL");
-  *out = NULL;
-  if (l_a == 0 || l_b == 0)
-    return bico__fail(ctx, BICO_E_SHAPE,
-                      "depthmap_create: block counts must be >= 1 (l_a = %zu, "
-                      "l_b = %zu)",
-                      l_a, l_b);
-  bico_depthmap *m = bico__alloc(ctx, sizeof *m);
-  if (m == NULL) return BICO_E_NOMEM;
-  m->ctx = ctx;
-  m->l_a = l_a;
-  m->l_b = l_b;
-  *out = m;
-  return BICO_OK;
-}
-
-void bico_depthmap_free(bico_depthmap *m) {
-  if (m != NULL) bico__free(m->ctx, m);
-}
 
 /* (a + b) mod q for a, b < q, without overflow; *carry = 1 when the sum
  * reached q. */
@@ -73,15 +44,11 @@ size_t bico__depth_source(size_t l_a, size_t l_b, size_t j) {
   return quot + (rem >= q - rem ? 1 : 0);
 }
 
-bico_status bico_depthmap_source(const bico_depthmap *m, size_t j, size_t *i) {
-  if (m == NULL) return BICO_E_NULL;
-  if (i == NULL)
-    return bico__fail(m->ctx, BICO_E_NULL, "depthmap_source: i is NULL");
-  if (j >= m->l_b)
-    return bico__fail(m->ctx, BICO_E_ARG,
-                      "depthmap_source: target block %zu is out of range "
-                      "(%zu blocks)",
-                      j, m->l_b);
-  *i = bico__depth_source(m->l_a, m->l_b, j);
+bico_status bico_depthmap_source(size_t l_a, size_t l_b, size_t j,
+                                 size_t *i) {
+  if (i == NULL) return BICO_E_NULL;
+  if (l_a == 0 || l_b == 0) return BICO_E_SHAPE;
+  if (j >= l_b) return BICO_E_ARG;
+  *i = bico__depth_source(l_a, l_b, j);
   return BICO_OK;
 }

@@ -70,6 +70,7 @@ static bico_status dense_method(lrun *r, size_t ti, size_t si,
                                 const float *tau, float *upd, double *kept) {
   bico__tinfo info;
   memset(&info, 0, sizeof info);
+  info.handling = BICO__H_UNCHANGED;
   info.kept = -1;
   bico_status st = bico__xfer_elementwise(r->x, ti, si, tau, upd, &info);
   *kept = info.kept;
@@ -127,7 +128,9 @@ static bico_status lmod_locate(lrun *r, lmod *m) {
                    &m->din_a, &m->lalpha, &m->scale);
   bico_model_module(x->mt, m->mi, &m->tm, &m->tkind, NULL, NULL);
   bico_lora_factors(r->src, m->li, &m->b, &m->a);
-  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &m->fifo);
+  double fifo = 0;
+  bico_lora_get_param(r->src, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  m->fifo = fifo != 0;
   bico__clear(ctx);
   m->flip = m->kind == BICO_LORA_EMBEDDING || m->fifo;
   /* The target tensor the adapter updates: <module>.weight. */
@@ -214,10 +217,10 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   if (st == BICO_OK && m->reason[0])
     m->handling = "unchanged";
   else if (st == BICO_OK)
-    st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->b,
-                             m->a, do_out ? (const float *const *)routs : NULL,
-                             m->dout_b / m->k, m->dout_b, rin, m->din_b,
-                             m->din_b, x->alpha, m->nb, m->na);
+    st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->dout_b,
+                             m->din_b, x->alpha, m->b, m->a,
+                             do_out ? (const float *const *)routs : NULL,
+                             m->dout_b / m->k, rin, m->din_b, m->nb, m->na);
   bico__free(ctx, routs);
   return st;
 }
@@ -258,9 +261,9 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
   if (st == BICO_OK && m->reason[0])
     m->handling = "unchanged";
   else if (st == BICO_OK)
-    st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->b, m->a,
-                             rr ? rl : NULL, m->dout_b, m->dout_b, NULL,
-                             m->din_b, m->din_b, x->alpha, m->nb, m->na);
+    st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->dout_b,
+                             m->din_b, x->alpha, m->b, m->a, rr ? rl : NULL,
+                             m->dout_b, NULL, m->din_b, m->nb, m->na);
   return st;
 }
 
@@ -431,6 +434,7 @@ static bico_status saved_bico(lrun *r, size_t ti, size_t si, const char *sname,
                             sname, tname, rt.reason);
   bico__tinfo info;
   memset(&info, 0, sizeof info);
+  info.handling = BICO__H_UNCHANGED;
   info.kept = -1;
   bico_status st = bico__xfer_carry(x, ti, si, &rt, tau, upd, &info);
   reason[0] = 0;
@@ -528,8 +532,8 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
   bico__run *x = r->x;
   bico_ctx *ctx = r->ctx;
   size_t nt = bico_model_tensor_count(x->mt);
-  int fifo = 0;
-  bico_lora_get_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
+  double fifo = 0;
+  bico_lora_get_param(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
   bico_status st = BICO_OK;
   for (int pass = 0; pass < 2 && st == BICO_OK; pass++)
     for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
@@ -694,11 +698,11 @@ static bico_status run_lora(lrun *r) {
   bico_status st = bico_lora_open(ctx, file(r, BICO_FILE_LORA), &r->src);
   if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
   if (st != BICO_OK) return st;
-  int on = 0;
-  bico_lora_get_flag(r->src, BICO_LORA_RSLORA, &on);
-  bico_lora_set_flag(r->out, BICO_LORA_RSLORA, on);
-  bico_lora_get_flag(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
-  bico_lora_set_flag(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
+  double on = 0;
+  bico_lora_get_param(r->src, BICO_LORA_RSLORA, &on);
+  bico_lora_set_param(r->out, BICO_LORA_RSLORA, on);
+  bico_lora_get_param(r->src, BICO_LORA_FAN_IN_FAN_OUT, &on);
+  bico_lora_set_param(r->out, BICO_LORA_FAN_IN_FAN_OUT, on);
   const char *tt = NULL;
   bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
   st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
@@ -715,9 +719,9 @@ static bico_status run_lora(lrun *r) {
   if (used == NULL) return BICO_E_NOMEM;
   bico__xfer_log(x, "bico: adapter %s: %zu modules, %zu saved tensors; "
                     "method %s",
-                 file(r, BICO_FILE_LORA), nl, ns, bico_method_name(x->method));
+                 file(r, BICO_FILE_LORA), nl, ns, bico_transfer_method_name(x->method));
   bico__report_begin_object(&r->rep);
-  bico__report_key_string(&r->rep, "method", bico_method_name(x->method));
+  bico__report_key_string(&r->rep, "method", bico_transfer_method_name(x->method));
   bico__report_key_number(&r->rep, "alpha", (double)x->alpha);
   bico__report_key_string(&r->rep, "adapter", file(r, BICO_FILE_LORA));
   bico__report_key(&r->rep, "modules");

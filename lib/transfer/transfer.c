@@ -363,7 +363,7 @@ static bico_status run_all(bico__run *r) {
   describe_blocks(r->mt, btgt, sizeof btgt);
   bico__xfer_log(r, "bico: method %s, alpha %g; source: %s; target: %s; %zu "
                     "target tensors",
-                 bico_method_name(r->method), (double)r->alpha, bsrc, btgt,
+                 bico_transfer_method_name(r->method), (double)r->alpha, bsrc, btgt,
                  nt);
   if (bico) st = bico__xfer_pool_start(r, partial ? t->select : NULL);
   if (st == BICO_OK) st = bico__xfer_write_all(r);

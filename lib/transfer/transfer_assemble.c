@@ -33,7 +33,7 @@ void bico__xfer_asm_free(bico_transfer *t) {
   if (a == NULL) return;
   bico_stwriter_free(a->w);
   bico_stwriter_free(a->wd);
-  bico_stfile_close(a->tb);
+  bico_stfile_free(a->tb);
   for (size_t i = 0; a->entries && i < a->nt; i++)
     bico__free(t->ctx, a->entries[i]);
   bico__free(t->ctx, a->entries);
@@ -175,7 +175,7 @@ bico_status bico_transfer_assemble_put(bico_transfer *t, size_t index,
   if (report_entry == NULL)
     return bico__fail(ctx, BICO_E_NULL,
                       "transfer_assemble_put: report_entry is NULL");
-  if (index >= a->nt || a->entries[index] != NULL || handling < 0 ||
+  if (index >= a->nt || a->entries[index] != NULL || handling < BICO__H_FIRST ||
       handling >= BICO__H_COUNT ||
       (update == NULL) != (handling == BICO__H_UNCHANGED))
     return bico__fail(ctx, BICO_E_ARG,

@@ -20,7 +20,7 @@ static const char *const METHOD_NAME[] = {
 static const char *const NORM_MAP_NAME[] = {NULL, "act", "grad"};
 #define COUNT(a) (sizeof(a) / sizeof *(a))
 
-const char *bico_method_name(int method) {
+const char *bico_transfer_method_name(int method) {
   return method >= 0 && (size_t)method < COUNT(METHOD_NAME)
              ? METHOD_NAME[method]
              : NULL;
@@ -29,17 +29,17 @@ const char *bico_method_name(int method) {
 static bico_status from_name(const char *const *names, size_t n,
                              const char *name, int *out);
 
-bico_status bico_method_from_name(const char *name, int *method) {
+bico_status bico_transfer_method_from_name(const char *name, int *method) {
   return from_name(METHOD_NAME, COUNT(METHOD_NAME), name, method);
 }
 
-const char *bico_norm_map_name(int norm_map) {
+const char *bico_transfer_norm_map_name(int norm_map) {
   return norm_map >= 0 && (size_t)norm_map < COUNT(NORM_MAP_NAME)
              ? NORM_MAP_NAME[norm_map]
              : NULL;
 }
 
-bico_status bico_norm_map_from_name(const char *name, int *norm_map) {
+bico_status bico_transfer_norm_map_from_name(const char *name, int *norm_map) {
   return from_name(NORM_MAP_NAME, COUNT(NORM_MAP_NAME), name, norm_map);
 }
 
@@ -70,31 +70,31 @@ bico_status bico_transfer_file_from_name(const char *name, int *which) {
   return from_name(bico__xfer_file_option, BICO__NFILES, name, which);
 }
 
-const char *bico_structure_name(int structure) {
+const char *bico_transfer_structure_name(int structure) {
   return name_of(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), structure);
 }
 
-bico_status bico_structure_from_name(const char *name, int *structure) {
+bico_status bico_transfer_structure_from_name(const char *name, int *structure) {
   return from_name(STRUCTURE_NAME, COUNT(STRUCTURE_NAME), name, structure);
 }
 
-const char *bico_rope_name(int rope) {
+const char *bico_transfer_rope_name(int rope) {
   return name_of(ROPE_NAME, COUNT(ROPE_NAME), rope);
 }
 
-bico_status bico_rope_from_name(const char *name, int *rope) {
+bico_status bico_transfer_rope_from_name(const char *name, int *rope) {
   return from_name(ROPE_NAME, COUNT(ROPE_NAME), name, rope);
 }
 
-const char *bico_handling_name(int handling) {
-  return handling >= 0 && handling < BICO__H_COUNT
+const char *bico_transfer_handling_name(int handling) {
+  return handling >= BICO__H_FIRST && handling < BICO__H_COUNT
              ? bico__xfer_handling[handling]
              : NULL;
 }
 
-bico_status bico_handling_from_name(const char *name, int *handling) {
+bico_status bico_transfer_handling_from_name(const char *name, int *handling) {
   if (name == NULL || handling == NULL) return BICO_E_NULL;
-  for (int i = 0; i < BICO__H_COUNT; i++)
+  for (int i = BICO__H_FIRST; i < BICO__H_COUNT; i++)
     if (strcmp(name, bico__xfer_handling[i]) == 0) {
       *handling = i;
       return BICO_OK;
@@ -103,7 +103,8 @@ bico_status bico_handling_from_name(const char *name, int *handling) {
 }
 
 const char *const bico__xfer_handling[BICO__H_COUNT] = {
-    "unchanged", "linear", "vector", "tied", "naive", "padded", "masked"};
+    NULL,   "unchanged", "linear", "vector",
+    "tied", "naive",     "padded", "masked"};
 
 void bico__xfer_log(bico__run *r, const char *fmt, ...) {
   if (r->t->log == NULL) return;

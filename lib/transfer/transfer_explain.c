@@ -89,7 +89,7 @@ static void describe(const bico__run *r, size_t ti, const bico__route *rt,
     return;
   }
   if (!bico__xfer_is_bico(r->method)) {
-    ADD("method %s, tensor by tensor", bico_method_name(r->method));
+    ADD("method %s, tensor by tensor", bico_transfer_method_name(r->method));
     return;
   }
   if (rt->kind == BICO__ROUTE_NONE) {

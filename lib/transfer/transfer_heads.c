@@ -97,7 +97,7 @@ int bico__xfer_structured(const bico__run *r, size_t mi, int side) {
 /* ---- Families at setup ---- */
 
 static void describe(const bico__family *f, char *buf, size_t cap) {
-  const char *rope = bico_rope_name(f->rope);
+  const char *rope = bico_transfer_rope_name(f->rope);
   snprintf(buf, cap, "%s (%zu heads, %zu key/value, head_dim %zu, rope %s)",
            f->type, f->heads, f->kv_heads, f->head_dim, rope ? rope : "?");
 }
@@ -180,7 +180,7 @@ static bico_status get_stat(bico__run *r, const char *tm, const char *sm,
                       "(source %s x target %s widths)",
                       path, kb, da, db, sm, tm);
     if (st == BICO_OK) {
-      st = bico_stfile_read_f64_range(r->stats, idx, 0, n, m);
+      st = bico_stfile_read_f64_range(r->stats, idx, 0, m, n);
       bico__stfile_drop(r->stats, idx);
     }
   } else {

@@ -118,15 +118,18 @@ typedef struct bico__modstate {
   size_t job[2];  /* solver pool job index + 1 per side, 0 = none */
 } bico__modstate;
 
+/* The public bico_transfer_handling values (0 is none: index 0 of the
+ * tables below is unused). */
 enum bico__handling {
-  BICO__H_UNCHANGED = 0,
-  BICO__H_LINEAR,
-  BICO__H_VECTOR,
-  BICO__H_TIED,
-  BICO__H_NAIVE,
-  BICO__H_PADDED,
-  BICO__H_MASKED,
-  BICO__H_COUNT
+  BICO__H_UNCHANGED = BICO_HANDLING_UNCHANGED,
+  BICO__H_LINEAR = BICO_HANDLING_LINEAR,
+  BICO__H_VECTOR = BICO_HANDLING_VECTOR,
+  BICO__H_TIED = BICO_HANDLING_TIED,
+  BICO__H_NAIVE = BICO_HANDLING_NAIVE,
+  BICO__H_PADDED = BICO_HANDLING_PADDED,
+  BICO__H_MASKED = BICO_HANDLING_MASKED,
+  BICO__H_FIRST = BICO__H_UNCHANGED,
+  BICO__H_COUNT = BICO__H_MASKED + 1
 };
 
 /* What happened to one tensor, for the report. */
@@ -258,7 +261,7 @@ bico_status bico__xfer_check_finite_f64(bico_ctx *ctx, const double *v,
 bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
                               bico__xfer_tensor *x);
 /* The writer for an output path: a model folder when
- * bico_output_is_folder says so (like the target, sharded by
+ * bico_stwriter_output_is_folder says so (like the target, sharded by
  * BICO_TRANSFER_MAX_SHARD_SIZE), else a file. */
 bico_status bico__xfer_writer(const bico_transfer *t, const char *path,
                               bico_stwriter **w);
@@ -398,7 +401,7 @@ const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
 /* ---- transfer_base.c ---- */
 /* What each file slot is called in messages. */
 extern const char *const bico__xfer_file_option[BICO__NFILES];
-/* What each handling is called (report, bico_handling_name). */
+/* What each handling is called (report, bico_transfer_handling_name). */
 extern const char *const bico__xfer_handling[BICO__H_COUNT];
 void bico__xfer_log(bico__run *r, const char *fmt, ...)
 #ifdef __GNUC__

@@ -103,13 +103,13 @@ static bico_status stat_block(void *opaque, size_t i0, size_t ni, size_t j0,
                               size_t nj, double *out, size_t ld) {
   const stat_src *s = opaque;
   if (nj == s->ld && ld == nj) /* whole rows: one contiguous range */
-    return bico_stfile_read_f64_range(s->f, s->idx, (s->r0 + i0) * s->ld,
-                                      ni * nj, out);
+    return bico_stfile_read_f64_range(s->f, s->idx, (s->r0 + i0) * s->ld, out,
+                                      ni * nj);
   bico_status st = BICO_OK;
   for (size_t i = 0; i < ni && st == BICO_OK; i++)
     st = bico_stfile_read_f64_range(s->f, s->idx,
-                                    (s->r0 + i0 + i) * s->ld + s->c0 + j0, nj,
-                                    out + i * ld);
+                                    (s->r0 + i0 + i) * s->ld + s->c0 + j0,
+                                    out + i * ld, nj);
   return st;
 }
 
@@ -158,9 +158,9 @@ static bico_status thin_side(bico__run *r, solver *sv, const sidejob *j,
   bico_status st = BICO_OK;
   if (n && (xa == NULL || xb == NULL)) st = BICO_E_NOMEM;
   if (st == BICO_OK && n)
-    st = bico_stfile_read_f32_range(sv->sc, ia, 0, n * j->da, xa);
+    st = bico_stfile_read_f32_range(sv->sc, ia, 0, xa, n * j->da);
   if (st == BICO_OK && n)
-    st = bico_stfile_read_f32_range(sv->tc, ib, 0, n * j->db, xb);
+    st = bico_stfile_read_f32_range(sv->tc, ib, 0, xb, n * j->db);
   if (st != BICO_OK && st != BICO_E_NOMEM)
     st = bico__fail(ctx, st, "module %s: reading calibration rows: %s", j->tm,
                     bico_ctx_errmsg(ctx));
@@ -418,9 +418,9 @@ static void *worker_main(void *arg) {
 
 static void solver_close(solver *sv) {
   bico_procrustes_free(sv->proc);
-  bico_stfile_close(sv->stats);
-  bico_stfile_close(sv->sc);
-  bico_stfile_close(sv->tc);
+  bico_stfile_free(sv->stats);
+  bico_stfile_free(sv->sc);
+  bico_stfile_free(sv->tc);
   bico_ctx_free(sv->ctx);
   memset(sv, 0, sizeof *sv);
 }

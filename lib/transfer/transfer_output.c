@@ -132,7 +132,7 @@ static bico_status provenance(const bico_transfer *t, const bico_stfile *tb,
                               bico_stwriter *w) {
   const char *lora = t->files[BICO_FILE_LORA];
   bico_status st = bico__stwriter_provenance(
-      w, tb, bico_method_name((int)t->param[BICO_TRANSFER_METHOD]),
+      w, tb, bico_transfer_method_name((int)t->param[BICO_TRANSFER_METHOD]),
       t->param[BICO_TRANSFER_ALPHA]);
   static const struct { int file; const char *key; } FILES[] = {
       {BICO_FILE_SOURCE_BASE, "bico.source_base"},
@@ -150,7 +150,7 @@ static bico_status provenance(const bico_transfer *t, const bico_stfile *tb,
 bico_status bico__xfer_writer(const bico_transfer *t, const char *path,
                               bico_stwriter **w) {
   const char *tb = t->files[BICO_FILE_TARGET_BASE];
-  if (!bico_output_is_folder(path, tb))
+  if (!bico_stwriter_output_is_folder(path, tb))
     return bico_stwriter_create(t->ctx, path, w);
   return bico_stwriter_create_folder(
       t->ctx, path, tb, (uint64_t)t->param[BICO_TRANSFER_MAX_SHARD_SIZE], w);
@@ -258,6 +258,7 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
   if (st != BICO_OK) return st;
   bico__tinfo info;
   memset(&info, 0, sizeof info);
+  info.handling = BICO__H_UNCHANGED;
   info.kept = -1;
   float *upd = NULL;
   int streamed = 0;
@@ -321,7 +322,7 @@ bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
 
 void bico__xfer_report_head(bico__report *rep, int method, float alpha) {
   bico__report_begin_object(rep);
-  bico__report_key_string(rep, "method", bico_method_name(method));
+  bico__report_key_string(rep, "method", bico_transfer_method_name(method));
   bico__report_key_number(rep, "alpha", (double)alpha);
   bico__report_key(rep, "tensors");
   bico__report_begin_array(rep);
@@ -332,7 +333,7 @@ void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
   bico__report_end_array(rep);
   bico__report_key(rep, "summary");
   bico__report_begin_object(rep);
-  for (int h = 0; h < BICO__H_COUNT; h++)
+  for (int h = BICO__H_FIRST; h < BICO__H_COUNT; h++)
     bico__report_key_number(rep, bico__xfer_handling[h], (double)count[h]);
   if (vocab != NULL) {
     /* Token ids of the target's tokenizer: with a source token of the same
@@ -402,7 +403,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
                            r->wd);
   if (st != BICO_OK) return st;
   size_t updated = 0;
-  for (int h = 0; h < BICO__H_COUNT; h++)
+  for (int h = BICO__H_FIRST; h < BICO__H_COUNT; h++)
     if (h != BICO__H_UNCHANGED) updated += r->count[h];
   t->updated = updated;
   t->unchanged = r->count[BICO__H_UNCHANGED];

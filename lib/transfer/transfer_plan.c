@@ -257,7 +257,7 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                         "transfer_run: method %s needs either the source "
                         "calib file and the target calib file, or the stats "
                         "file%s",
-                        bico_method_name(r->method),
+                        bico_transfer_method_name(r->method),
                         calib ? ", not both" : " (or statistics lent from "
                         "memory)");
     if (f[BICO_FILE_STATS] != NULL &&
@@ -287,7 +287,7 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                       "transfer_run: the target votes file is read by method "
                       "gradfix only; method %s would ignore it: drop it or "
                       "choose gradfix",
-                      bico_method_name(r->method));
+                      bico_transfer_method_name(r->method));
   if (lora && t->strings[BICO_TRANSFER_SOURCE_RENAME] != NULL)
     return bico__fail(ctx, BICO_E_ARG,
                       "transfer_run: the source rename applies to "
@@ -369,7 +369,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
     for (int o = 0; o < 3 && st == BICO_OK; o++) {
       if (f[outs[o]] == NULL) continue;
       /* an output folder: its weights file stands for it */
-      int dir = o < 2 && bico_output_is_folder(f[outs[o]],
+      int dir = o < 2 && bico_stwriter_output_is_folder(f[outs[o]],
                                                f[BICO_FILE_TARGET_BASE]);
       if (dir && (fo[o] = bico__path_join(ctx, f[outs[o]],
                                           "model.safetensors")) == NULL)

@@ -140,7 +140,7 @@ void bico__xfer_run_free(bico__run *r) {
   bico__vocab_free(ctx, r->vocab);
   bico_stfile *fs[8] = {r->sb, r->sft,  r->tv,    r->tb,
                         r->sc, r->tc, r->stats, r->votes};
-  for (int i = 0; i < 8; i++) bico_stfile_close(fs[i]);
+  for (int i = 0; i < 8; i++) bico_stfile_free(fs[i]);
   bico__report_free(&r->rep);
 }
 

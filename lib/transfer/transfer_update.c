@@ -57,11 +57,11 @@ static bico_status tau_open(bico__run *r, size_t si, tau_src *ts) {
 static bico_status tau_read(bico__run *r, const tau_src *ts, size_t first,
                             size_t count, float *tau) {
   bico_ctx *ctx = r->ctx;
-  bico_status st = bico_stfile_read_f32_range(ts->f, ts->idx, first, count, tau);
+  bico_status st = bico_stfile_read_f32_range(ts->f, ts->idx, first, tau, count);
   if (st != BICO_OK || !ts->diff || count == 0) return st;
   float *base = bico__alloc(ctx, count * sizeof(float));
   if (base == NULL) return BICO_E_NOMEM;
-  st = bico_stfile_read_f32_range(r->sb, ts->bi, first, count, base);
+  st = bico_stfile_read_f32_range(r->sb, ts->bi, first, base, count);
   for (size_t e = 0; e < count && st == BICO_OK; e++) {
     tau[e] -= base[e];
     /* both finite (tau_open): only the difference can overflow; named by
@@ -658,7 +658,8 @@ static bico_status stream_piece(bico__run *r, const bico__xfer_tensor *a,
                       "alpha times the task vector overflow float32?); "
                       "nothing was written",
                       a->name, first + e, (double)upd[e]);
-  if (st == BICO_OK) st = bico_stfile_read_f64_range(r->tb, a->fi, first, m, base);
+  if (st == BICO_OK) st = bico_stfile_read_f64_range(r->tb, a->fi, first, base,
+                                                     m);
   for (size_t e = 0; e < m && st == BICO_OK; e++) {
     *ss += (double)upd[e] * (double)upd[e];
     base[e] += (double)upd[e];

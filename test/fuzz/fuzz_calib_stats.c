@@ -16,6 +16,7 @@
 
 #include "bico/safetensors.h"
 #include "bico/transfer.h"
+#include "bico/stats.h"
 #include "fuzz_util.h"
 
 #define D 4
@@ -98,7 +99,7 @@ static void check_output(const char *path, size_t want_count) {
   FUZZ_REQUIRE(want_count == 0 || bico_stfile_count(f) == want_count);
   for (size_t i = 0; i < bico_stfile_count(f); i++)
     FUZZ_REQUIRE(bico_stfile_check_finite(f, i) == BICO_OK);
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   bico_ctx_free(ctx);
 }
 

@@ -19,7 +19,8 @@ static void check_adapter(bico_ctx *ctx, const bico_lora *l) {
   size_t n = bico_lora_module_count(l);
   for (size_t i = 0; i < n; i++) {
     const char *name = NULL;
-    int kind = 0, rs = 0;
+    int kind = 0;
+    double rs = 0;
     size_t rank = 0, d_out = 0, d_in = 0, found = 0;
     double alpha = 0, scale = 0;
     const float *b = NULL, *a = NULL;
@@ -28,7 +29,7 @@ static void check_adapter(bico_ctx *ctx, const bico_lora *l) {
     FUZZ_REQUIRE(name != NULL && rank >= 1 && d_out >= 1 && d_in >= 1);
     FUZZ_REQUIRE(kind == BICO_LORA_LINEAR || kind == BICO_LORA_EMBEDDING);
     FUZZ_REQUIRE(isfinite(alpha) && alpha > 0 && isfinite(scale));
-    FUZZ_REQUIRE(bico_lora_get_flag(l, BICO_LORA_RSLORA, &rs) == BICO_OK);
+    FUZZ_REQUIRE(bico_lora_get_param(l, BICO_LORA_RSLORA, &rs) == BICO_OK);
     {
       double want = rs ? alpha / sqrt((double)rank) : alpha / (double)rank;
       FUZZ_REQUIRE(fabs(scale - want) <= 1e-12 * fabs(want));

@@ -25,7 +25,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     FUZZ_REQUIRE(n <= size - 8);
     size_t total = fuzz_st_exercise(ctx, f);
     FUZZ_REQUIRE(total == size - 8 - n);
-    bico_stfile_close(f);
+    bico_stfile_free(f);
   }
   bico_ctx_free(ctx);
   unlink(path);

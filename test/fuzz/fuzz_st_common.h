@@ -47,8 +47,8 @@ static size_t fuzz_st_exercise(bico_ctx *ctx, const bico_stfile *f) {
     FUZZ_REQUIRE(a && b && d);
     FUZZ_REQUIRE(bico_stfile_read_f32(f, i, a, numel) == BICO_OK);
     size_t h = numel / 2;
-    FUZZ_REQUIRE(bico_stfile_read_f32_range(f, i, 0, h, b) == BICO_OK);
-    FUZZ_REQUIRE(bico_stfile_read_f32_range(f, i, h, numel - h, b + h) ==
+    FUZZ_REQUIRE(bico_stfile_read_f32_range(f, i, 0, b, h) == BICO_OK);
+    FUZZ_REQUIRE(bico_stfile_read_f32_range(f, i, h, b + h, numel - h) ==
                  BICO_OK);
     FUZZ_REQUIRE(memcmp(a, b, numel * sizeof *a) == 0);
     FUZZ_REQUIRE(bico_stfile_read_f64(f, i, d, numel) == BICO_OK);
@@ -67,9 +67,9 @@ static size_t fuzz_st_exercise(bico_ctx *ctx, const bico_stfile *f) {
     /* Wrong counts and ranges are refused, not read. */
     fuzz_check_failure(ctx, bico_stfile_read_f32(f, i, a, numel + 1));
     fuzz_check_failure(ctx,
-                       bico_stfile_read_f32_range(f, i, h, numel - h + 1, b));
+                       bico_stfile_read_f32_range(f, i, h, b, numel - h + 1));
     fuzz_check_failure(ctx,
-                       bico_stfile_read_f64_range(f, i, SIZE_MAX, 2, d));
+                       bico_stfile_read_f64_range(f, i, SIZE_MAX, d, 2));
     free(a);
     free(b);
     free(d);

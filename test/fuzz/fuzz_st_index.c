@@ -58,7 +58,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       }
       FUZZ_REQUIRE(ok);
     }
-    bico_stfile_close(f);
+    bico_stfile_free(f);
   }
   bico_ctx_free(ctx);
   for (int k = 0; k < parts; k++) unlink(paths[k]);

@@ -369,9 +369,9 @@ def test_method_and_norm_map_names_come_from_the_library():
     assert set(_enums.METHODS) == {"bico", "bico-in", "bico-out", "gradfix",
                                    "naive", "pad"}
     assert set(_enums.NORM_MAPS) == {"act", "grad"}
-    for table, from_name in ((_enums.METHODS, bico._lib.fn.method_from_name),
+    for table, from_name in ((_enums.METHODS, bico._lib.fn.transfer_method_from_name),
                              (_enums.NORM_MAPS,
-                              bico._lib.fn.norm_map_from_name)):
+                              bico._lib.fn.transfer_norm_map_from_name)):
         for name, v in table.items():
             out = ctypes.c_int(-1)
             assert from_name(name.encode(), ctypes.byref(out)) == 0

@@ -250,10 +250,10 @@ static int accumulate(stats_run *s, size_t i, double **c) {
     for (size_t r = plo; r < phi && !bad; r += chunk) {
       size_t n = phi - r < chunk ? phi - r : chunk;
       bico_status st = bico_stfile_read_f32_range(s->fa[p], it->ia[p],
-                                                  r * it->da, n * it->da, xa);
+                                                  r * it->da, xa, n * it->da);
       if (st == BICO_OK)
-        st = bico_stfile_read_f32_range(s->fb[p], it->ib[p], r * it->db,
-                                        n * it->db, xb);
+        st = bico_stfile_read_f32_range(s->fb[p], it->ib[p], r * it->db, xb,
+                                        n * it->db);
       if (st == BICO_OK) st = bico_xcov_add(xc, n, xa, it->da, xb, it->db);
       if (st != BICO_OK) {
         snprintf(s->msg, sizeof s->msg, "statistic %s, calibration files %s "
@@ -378,8 +378,8 @@ static void free_run(stats_run *s) {
   free(s->items);
   bico_stats_plan_free(s->plan);
   for (size_t p = 0; p < s->np; p++) {
-    bico_stfile_close(s->fa[p]);
-    bico_stfile_close(s->fb[p]);
+    bico_stfile_free(s->fa[p]);
+    bico_stfile_free(s->fb[p]);
   }
   bico_ctx_free(s->ctx);
 }

@@ -13,9 +13,6 @@ static const char *const CMD = "inspect";
 /* Generated from docs/bico.1.md (scripts/gen-help.py). */
 static const char HELP[] = BICO_HELP_INSPECT;
 
-static const char *const HANDLING[] = {"unchanged", "linear", "vector", "tied",
-                                       "naive",     "padded", "masked"};
-
 /* Length of a valid UTF-8 sequence at p (1..4), or 0. */
 static size_t utf8_len(const unsigned char *p) {
   size_t n = p[0] < 0x80 ? 1 : p[0] >= 0xc2 && p[0] <= 0xdf ? 2
@@ -84,12 +81,13 @@ static const char *text(const char *s) {
 }
 
 static const char *handling_name(int h) {
-  return h >= 0 && h <= 6 ? HANDLING[h] : "?";
+  const char *s = bico_transfer_handling_name(h);
+  return s != NULL ? s : "?";
 }
 
 static void maps_str(const bico_transfer_decision *d, char *buf, size_t cap) {
   if (!d->in_map && d->out_maps == 0) {
-    snprintf(buf, cap, "%s", d->handling == 0 ? "-" : "identity");
+    snprintf(buf, cap, "%s", d->handling == BICO_HANDLING_UNCHANGED ? "-" : "identity");
     return;
   }
   if (d->out_maps > 1)
@@ -124,7 +122,7 @@ static int explain_setup(bico_ctx *ctx, bico_transfer *t, const char *method,
                          size_t nsplits, const char **ties, size_t nties,
                          const char *src, const char *tgt) {
   *m = BICO_METHOD_BICO;
-  if (method && bico_method_from_name(method, m) != BICO_OK)
+  if (method && bico_transfer_method_from_name(method, m) != BICO_OK)
     return cli_error(CMD, CLI_USAGE, "unknown method %s", method);
   bico_status st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, *m);
   if (st == BICO_OK) st = bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, src);
@@ -189,7 +187,7 @@ static void explain_json(const explained *e) {
            e->mi[k].tensors);
   }
   printf(", \"method\": ");
-  json_str(bico_method_name(e->method));
+  json_str(bico_transfer_method_name(e->method));
   if (e->vt)
     printf(", \"vocab\": {\"source_tokens\": %zu, \"target_tokens\": %zu, "
            "\"shared\": %zu, \"new\": %zu}", e->vs, e->vt, e->vsh, e->vnew);
@@ -237,7 +235,7 @@ static void explain_text(const explained *e) {
       printf("\n  blocks: none detected");
     printf("\n  tensors: %zu\n", e->mi[k].tensors);
   }
-  printf("method: %s\n", bico_method_name(e->method));
+  printf("method: %s\n", bico_transfer_method_name(e->method));
   if (e->vt)
     printf("vocabulary: the tokenizers differ (%zu source, %zu target "
            "tokens): %zu shared, rows carried by token string; %zu new, "
@@ -387,7 +385,7 @@ int cmd_inspect(int argc, char **argv) {
   if (st != BICO_OK) {
     int code = cli_lib_error(CMD, ctx, st);
     bico_model_free(m);
-    bico_stfile_close(f);
+    bico_stfile_free(f);
     bico_ctx_free(ctx);
     return code;
   }
@@ -445,7 +443,7 @@ int cmd_inspect(int argc, char **argv) {
     printf("\n");
   }
   bico_model_free(m);
-  bico_stfile_close(f);
+  bico_stfile_free(f);
   bico_ctx_free(ctx);
   return 0;
 }

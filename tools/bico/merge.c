@@ -60,8 +60,8 @@ static int merge_run(const merge_opts *o) {
                               o->in[k].weight, o->in[k].density);
   if (st == BICO_OK && !o->quiet) st = bico_merge_set_log(mg, log_line, NULL);
   if (st == BICO_OK && !o->quiet) st = cli_progress_install_merge(mg);
-  cli_cleanup_add(o->output, bico_output_is_folder(o->output, o->base));
-  cli_cleanup_add(o->delta, bico_output_is_folder(o->delta, o->base));
+  cli_cleanup_add(o->output, bico_stwriter_output_is_folder(o->output, o->base));
+  cli_cleanup_add(o->delta, bico_stwriter_output_is_folder(o->delta, o->base));
   cli_cleanup_add(o->report, 0);
   cli_cleanup_install();
   if (st == BICO_OK) st = bico_merge_run(mg);

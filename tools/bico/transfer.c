@@ -278,7 +278,7 @@ static int check_usage(transfer_opts *o) {
   if (o->method == NULL)
     return cli_error(CMD, CLI_USAGE, "missing --method");
   o->m = 0;
-  if (bico_method_from_name(o->method, &o->m) != BICO_OK)
+  if (bico_transfer_method_from_name(o->method, &o->m) != BICO_OK)
     return cli_error(CMD, CLI_USAGE,
                      "unknown method '%s' (bico, bico-in, bico-out, gradfix, "
                      "naive or pad)",
@@ -288,7 +288,7 @@ static int check_usage(transfer_opts *o) {
   if (rc != GO_ON) return rc;
   o->nm = -1, o->nl = -1;
   if (o->norm_map != NULL) {
-    if (bico_norm_map_from_name(o->norm_map, &o->nm) != BICO_OK)
+    if (bico_transfer_norm_map_from_name(o->norm_map, &o->nm) != BICO_OK)
       return cli_error(CMD, CLI_USAGE, "--norm-map %s: expected act or grad",
                           o->norm_map);
   }
@@ -305,10 +305,10 @@ static int check_usage(transfer_opts *o) {
   o->structure_v = BICO_STRUCTURE_FREE;
   o->rope_v = 0; /* from config.json */
   if (o->structure != NULL &&
-      bico_structure_from_name(o->structure, &o->structure_v) != BICO_OK)
+      bico_transfer_structure_from_name(o->structure, &o->structure_v) != BICO_OK)
     return cli_error(CMD, CLI_USAGE, "--structure %s: expected heads or free",
                      o->structure);
-  if (o->rope != NULL && bico_rope_from_name(o->rope, &o->rope_v) != BICO_OK)
+  if (o->rope != NULL && bico_transfer_rope_from_name(o->rope, &o->rope_v) != BICO_OK)
     return cli_error(CMD, CLI_USAGE,
                      "--rope %s: expected half, interleaved or none", o->rope);
   return GO_ON;
@@ -474,8 +474,8 @@ static int run_transfer(const transfer_opts *o) {
   if (st == BICO_OK && !o->quiet)
     st = cli_progress_install(t, files[BICO_FILE_LORA - 1] != NULL);
   /* --output, --delta-output: files or model folders */
-  cli_cleanup_add(files[8], bico_output_is_folder(files[8], files[3]));
-  cli_cleanup_add(files[9], bico_output_is_folder(files[9], files[3]));
+  cli_cleanup_add(files[8], bico_stwriter_output_is_folder(files[8], files[3]));
+  cli_cleanup_add(files[9], bico_stwriter_output_is_folder(files[9], files[3]));
   cli_cleanup_add(files[10], 0); /* --report */
   cli_cleanup_add(files[12], 1); /* --output-lora */
   cli_cleanup_install();

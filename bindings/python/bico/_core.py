@@ -714,23 +714,28 @@ class Votes(_Handle):
 
 # ---- depth map ----
 
-class DepthMap(_Handle):
-    """bico_depthmap: target block j -> source block i(j)."""
-    _free = staticmethod(fn.depthmap_free)
+class DepthMap:
+    """bico_depthmap_source: target block j -> source block i(j) (a
+    function of the two block counts; nothing is held)."""
 
     def __init__(self, l_a, l_b, ctx=None):
         self.l_a, self.l_b = A.size(l_a, "l_a"), A.size(l_b, "l_b")
-        self.ctx = Context() if ctx is None else ctx
-        h = c_void_p()
-        _check(fn.depthmap_create(self.ctx._alive(), self.l_a, self.l_b,
-                                  ctypes.byref(h)), self.ctx)
-        self._adopt(h.value, self.ctx)
+        self.ctx = ctx  # kept for callers that pass one; not needed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
     def source(self, j):
         j = A.size(j, "j")
         i = c_size_t()
-        _check(fn.depthmap_source(self._alive(), j, ctypes.byref(i)),
-               self.ctx)
+        st = fn.depthmap_source(self.l_a, self.l_b, j, ctypes.byref(i))
+        if st != 0:
+            raise BicoError(st, "depthmap: target block %d of %d blocks "
+                            "(source %d): %s" % (j, self.l_b, self.l_a,
+                                                 strerror(st)))
         return i.value
 
     def __getitem__(self, j):

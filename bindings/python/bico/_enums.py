@@ -1,7 +1,7 @@
 """The enumerations of include/bico/*.h, in one module.
 
 Where the library offers a name lookup (bico_dtype_from_name,
-bico_method_name, bico_norm_map_name), the tables are read from the
+bico_transfer_method_name, bico_transfer_norm_map_name), the tables are read from the
 library at import, so the binding cannot drift from it; the other values
 are frozen in the headers and written here once.  Every wrapper imports
 its table from here.
@@ -61,12 +61,12 @@ def _names_from_library(name_fn, what):
     return out
 
 
-METHODS = _names_from_library(fn.method_name, "method")
+METHODS = _names_from_library(fn.transfer_method_name, "method")
 XCOV_ADD_MODE = 1
 XCOV_ADD_MODES = _names_from_library(fn.xcov_add_mode_name, "xcov add mode")
-NORM_MAPS = _names_from_library(fn.norm_map_name, "norm map")
-STRUCTURES = _names_from_library(fn.structure_name, "structure")
-ROPES = _names_from_library(fn.rope_name, "RoPE layout")
+NORM_MAPS = _names_from_library(fn.transfer_norm_map_name, "norm map")
+STRUCTURES = _names_from_library(fn.transfer_structure_name, "structure")
+ROPES = _names_from_library(fn.transfer_rope_name, "RoPE layout")
 TRANSFER_FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
                   "target_base": 4, "source_calib": 5, "target_calib": 6,
                   "stats": 7, "target_votes": 8, "output": 9,
@@ -88,7 +88,7 @@ DEFAULT_SPLIT = {"qkv": 3, "in_proj": 3}
 
 # ---- lora.h, merge.h ----
 LORA_KINDS = {"linear": 1, "embedding": 2}
-LORA_FLAGS = {"rslora": 1, "fan_in_fan_out": 2}
+LORA_PARAMS = _names_from_library(fn.lora_param_name, "LoRA parameter")
 LORA_STRINGS = {"task_type": 1, "base_model": 2}
 MERGE_METHODS = _names_from_library(fn.merge_method_name, "merge method")
 MERGE_METHODS["task_arithmetic"] = MERGE_METHODS["linear"]  # mergekit's word

@@ -277,7 +277,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
                 best = cand
         loss, ridge, al, delta, rep, scores, cov = best
         zero = lm_loss(tgt, cal.held_out)
-        meta = {"bico_method": "fit", "bico_alpha": "%g" % al,
+        meta = {"bico_transfer_method": "fit", "bico_alpha": "%g" % al,
                 "bico_ridge": "%g" % ridge,
                 "bico_heldout_loss": "%.6g" % loss,
                 "bico_heldout_loss_target": "%.6g" % zero,

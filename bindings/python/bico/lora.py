@@ -17,7 +17,7 @@ import numpy as np
 
 from ._core import BicoError, Context, _Handle, _check, _ctx, E_SHAPE
 from . import _args as A
-from ._enums import (choose, LORA_KINDS, LORA_FLAGS, LORA_STRINGS,
+from ._enums import (choose, LORA_KINDS, LORA_PARAMS, LORA_STRINGS,
                      MERGE_METHODS, MERGE_INPUTS, MERGE_FILES, MERGE_PARAMS,
                      TRANSFER_FILES)
 from ._lib import fn, c_size_t, c_int, c_double, c_float, c_char_p, c_void_p
@@ -63,16 +63,18 @@ class Adapter(_Handle):
         return o
 
     def flag(self, name):
-        v = c_int()
-        _check(fn.lora_get_flag(self._alive(), choose(LORA_FLAGS, name,
-                                                      "LoRA flag"),
-                                ctypes.byref(v)), self.ctx)
+        """An adapter-wide switch ("rslora", "fan_in_fan_out"): a 0/1
+        parameter of the library's option grammar (bico_lora_get_param)."""
+        v = c_double()
+        _check(fn.lora_get_param(self._alive(), choose(LORA_PARAMS, name,
+                                                       "LoRA flag"),
+                                 ctypes.byref(v)), self.ctx)
         return bool(v.value)
 
     def set_flag(self, name, on):
-        _check(fn.lora_set_flag(self._alive(), choose(LORA_FLAGS, name,
-                                                      "LoRA flag"),
-                                int(bool(on))), self.ctx)
+        _check(fn.lora_set_param(self._alive(), choose(LORA_PARAMS, name,
+                                                       "LoRA flag"),
+                                 float(bool(on))), self.ctx)
 
     def string(self, name):
         v = c_char_p()
@@ -194,10 +196,10 @@ def transport(b, a, r_out=None, r_in=None, alpha=1.0, d_out=None, d_in=None,
     arr = (c_void_p * k)(*[None if r is None else r.ctypes.data for r in routs])
     bo = np.empty((dout_b, rank), np.float32)
     ao = np.empty((rank, din_b), np.float32)
-    _check(fn.lora_transport(ctx._alive(), rank, k, dout_a, din_a, _p(b), _p(a),
-                             ctypes.cast(arr, c_void_p), dout_b // k, dout_b,
-                             _p(ri), din_b, din_b, float(alpha), _p(bo),
-                             _p(ao)), ctx)
+    _check(fn.lora_transport(ctx._alive(), rank, k, dout_a, din_a, dout_b,
+                             din_b, float(alpha), _p(b), _p(a),
+                             ctypes.cast(arr, c_void_p), dout_b // k, _p(ri),
+                             din_b, _p(bo), _p(ao)), ctx)
     return bo, ao
 
 

@@ -101,7 +101,7 @@ class File(object):
     def close(self):
         p, self._ptr = self._ptr, None
         if p:
-            fn.stfile_close(p)
+            fn.stfile_free(p)
             self.ctx._release()
 
     def __enter__(self):
@@ -200,7 +200,7 @@ def write(path, tensors, metadata=None, dtypes=None, ctx=None, like=None,
     A Hugging Face model folder instead of one file when path is an
     existing folder, ends in "/", or like (a model folder or file) is a
     folder and path ends neither in ".safetensors" nor ".json" (the
-    library's bico_output_is_folder): sharded as like is (its non-weight
+    library's bico_stwriter_output_is_folder): sharded as like is (its non-weight
     files copied), or greedily by max_shard_size bytes, with
     model.safetensors.index.json; every file committed together."""
     path_b = A.cstr(path, "path", path=True)
@@ -249,7 +249,7 @@ def write(path, tensors, metadata=None, dtypes=None, ctx=None, like=None,
                         "written: %s" % ", ".join(sorted(dtypes)))
     ctx = Context() if ctx is None else ctx
     h = c_void_p()
-    if fn.output_is_folder(path_b, like_b):
+    if fn.stwriter_output_is_folder(path_b, like_b):
         _check(fn.stwriter_create_folder(ctx._alive(), path_b, like_b,
                                          max_shard_size, ctypes.byref(h)), ctx)
     else:
