@@ -32,6 +32,32 @@ static int get_bool(const bico__json *root, const char *key, int dflt) {
   return v != NULL && v->type == BICO__JSON_BOOL ? v->u.b : dflt;
 }
 
+static int ends_with(const char *s, const char *tail) {
+  size_t n = strlen(s), k = strlen(tail);
+  return n >= k && strcmp(s + n - k, tail) == 0;
+}
+
+/* f->causal_lm and f->causal_why from model_type (already in f->type) and
+ * "architectures". */
+static void causal(const bico__json *root, bico__family *f) {
+  const bico__json *a = bico__json_get(root, "architectures");
+  if (a != NULL && a->type == BICO__JSON_ARRAY)
+    for (size_t i = 0; i < a->n && !f->causal_lm; i++) {
+      const bico__json *e = &a->u.items[i];
+      if (e->type == BICO__JSON_STRING && (ends_with(e->u.s, "ForCausalLM") ||
+                                           ends_with(e->u.s, "LMHeadModel"))) {
+        f->causal_lm = 1;
+        snprintf(f->causal_why, sizeof f->causal_why,
+                 "architectures \"%.60s\"", e->u.s);
+      }
+    }
+  if (!f->causal_lm && f->known) {
+    f->causal_lm = 1;
+    snprintf(f->causal_why, sizeof f->causal_why, "model_type \"%s\"",
+             f->type);
+  }
+}
+
 /* Widths are products of the counts; a product past 2^40 (or past 2^64,
  * where it would wrap and match a small tensor) describes no tensor. */
 #define MAX_WIDTH ((size_t)1 << 40)
@@ -99,6 +125,7 @@ bico_status bico__family_read(bico_ctx *ctx, const char *path,
     snprintf(f->type, sizeof f->type, "%s", mt->u.s);
   for (size_t i = 0; i < sizeof FAMILIES / sizeof *FAMILIES; i++)
     if (strcmp(f->type, FAMILIES[i]) == 0) f->known = 1;
+  causal(root, f);
   if (!f->known) {
     bico__json_doc_free(doc);
     return BICO_OK;

@@ -15,11 +15,17 @@ typedef struct bico__family {
   char type[32];     /* model_type, or "" */
   size_t layers, hidden, heads, kv_heads, head_dim, intermediate;
   int tie, attn_bias, rope;
+  /* A causal language model: model_type one of the families above, or an
+   * "architectures" entry ending in ForCausalLM or LMHeadModel (any
+   * model_type); causal_why says which, in words ("" when not). */
+  int causal_lm;
+  char causal_why[96];
 } bico__family;
 
 /* Reads config.json at `path` into *f.  A model_type outside the known
  * decoder families (llama, mistral, qwen2, gemma, gemma2) leaves
- * f->known 0 and succeeds.  For a known family the fields are checked:
+ * f->known 0 and succeeds (causal_lm is set for any model_type).  For a
+ * known family the fields are checked:
  * a missing or ill-typed required field (hidden_size, num_attention_heads,
  * num_hidden_layers, intermediate_size), head counts that do not divide
  * (num_attention_heads by num_key_value_heads, hidden_size by

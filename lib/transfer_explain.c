@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "family.h"
 #include "family_names.h"
 #include "transfer_internal.h"
 #include "vocab.h"
@@ -17,6 +18,8 @@ typedef struct xdec {
 
 struct bico__explain {
   char *family[2], *from[2], *blocks[2];
+  char *model_type[2], *causal_from[2];
+  int causal_lm[2];
   size_t nblocks[2], tensors[2];
   xdec *d;
   size_t nt;
@@ -39,6 +42,8 @@ void bico__xfer_explain_free(bico_transfer *t) {
     bico__free(ctx, e->family[k]);
     bico__free(ctx, e->from[k]);
     bico__free(ctx, e->blocks[k]);
+    bico__free(ctx, e->model_type[k]);
+    bico__free(ctx, e->causal_from[k]);
   }
   for (size_t i = 0; e->d && i < e->nt; i++) {
     bico__free(ctx, e->d[i].name);
@@ -143,6 +148,32 @@ static void describe(const bico__run *r, size_t ti, const bico__route *rt,
 #undef ADD
 }
 
+/* Side k's config.json (BICO_FILE_*_CONFIG, or inside a base folder):
+ * model_type and whether it is a causal language model.  A config.json
+ * that is absent or does not read says nothing (a run reports it where it
+ * needs it). */
+static bico_status causal(bico__run *r, struct bico__explain *e, int k) {
+  static const int CFG[2] = {BICO_FILE_SOURCE_CONFIG, BICO_FILE_TARGET_CONFIG};
+  static const int BASE[2] = {BICO_FILE_SOURCE_BASE, BICO_FILE_TARGET_BASE};
+  bico_ctx *ctx = r->ctx;
+  char *path = NULL;
+  bico__family f;
+  memset(&f, 0, sizeof f);
+  bico_status st = bico__xfer_config_path(r, CFG[k], BASE[k], &path);
+  if (st != BICO_OK) return st;
+  if (path != NULL) {
+    (void)bico__family_read(ctx, path, &f);
+    bico__clear(ctx);
+  }
+  char why[4096 + 128] = "";
+  if (f.causal_lm) snprintf(why, sizeof why, "%s: %s", path, f.causal_why);
+  bico__free(ctx, path);
+  e->model_type[k] = dup(ctx, f.type);
+  e->causal_from[k] = dup(ctx, why);
+  e->causal_lm[k] = f.causal_lm;
+  return e->model_type[k] && e->causal_from[k] ? BICO_OK : BICO_E_NOMEM;
+}
+
 static bico_status explain(bico__run *r, struct bico__explain *e) {
   bico_ctx *ctx = r->ctx;
   bico_status st = bico__xfer_open_file(r, BICO_FILE_SOURCE_BASE, &r->sb);
@@ -168,6 +199,7 @@ static bico_status explain(bico__run *r, struct bico__explain *e) {
     e->tensors[k] = bico_model_tensor_count(ms[k]);
     if (!e->family[k] || !e->from[k] || (p && !e->blocks[k]))
       return BICO_E_NOMEM;
+    if ((st = causal(r, e, k)) != BICO_OK) return st;
   }
   if (r->vocab) {
     e->vocab[0] = r->vocab->n_source;
@@ -275,9 +307,11 @@ bico_status bico_transfer_explain_model(const bico_transfer *t, int side,
     return bico__fail(t->ctx, BICO_E_ARG, "transfer_explain_model: side %d "
                                           "(0 source, 1 target)", side);
   const struct bico__explain *e = t->ex;
-  bico_transfer_model_info m = {sizeof m, e->family[side], e->from[side],
-                                e->blocks[side], e->nblocks[side],
-                                e->tensors[side]};
+  bico_transfer_model_info m = {sizeof m,           e->family[side],
+                                e->from[side],      e->blocks[side],
+                                e->nblocks[side],   e->tensors[side],
+                                e->model_type[side], e->causal_lm[side],
+                                e->causal_from[side]};
   return fill(t->ctx, "transfer_explain_model", out, &m, sizeof m);
 }
 

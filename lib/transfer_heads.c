@@ -96,8 +96,8 @@ int bico__xfer_structured(const bico__run *r, size_t mi, int side) {
 
 /* ---- Families at setup ---- */
 
-static bico_status config_path(bico__run *r, int which_cfg, int which_base,
-                               char **out) {
+bico_status bico__xfer_config_path(bico__run *r, int which_cfg,
+                                   int which_base, char **out) {
   const char *given = r->t->files[which_cfg];
   *out = NULL;
   if (given != NULL) {
@@ -139,7 +139,7 @@ bico_status bico__xfer_families(bico__run *r) {
   bico_status st = BICO_OK;
   for (int s = 0; s < 2 && st == BICO_OK; s++) {
     char *path = NULL;
-    st = config_path(r, CFG[s], BASE[s], &path);
+    st = bico__xfer_config_path(r, CFG[s], BASE[s], &path);
     if (st == BICO_OK && path != NULL)
       st = bico__family_read(r->ctx, path, &r->fam[s]);
     if (st == BICO_OK)

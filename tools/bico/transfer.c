@@ -75,6 +75,7 @@ typedef struct {
   double alpha, rank_tol, whiten, solve_memory;
   double max_shard; /* --max-shard-size, bytes (0: as the target) */
   int center, quiet, merge_into_base, allow_partial;
+  int alpha_set; /* --alpha given (on the command line or in --config) */
   size_t threads, workers;
   const char *splits[256], *ties[256];
   size_t nsplits, nties;
@@ -176,7 +177,8 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
     VALUE("--alpha", if (cli_alpha(v, &o->alpha)) return cli_error(
                          CMD, CLI_USAGE,
                          "--alpha %s: expected a positive number of at most "
-                         "3.4e38 (float range)", v))
+                         "3.4e38 (float range)", v);
+          o->alpha_set = 1)
     VALUE("--rank-tol",
           if (cli_double(v, &o->rank_tol) || o->rank_tol < 0 ||
               o->rank_tol >= 1)
@@ -411,6 +413,30 @@ static int add_splits_ties(bico_transfer *t, const transfer_opts *o,
   return GO_ON;
 }
 
+/* No --alpha and a causal language model as the target (its config.json,
+ * as the library reads it): a usage error.  On decoder LMs the whole update
+ * (alpha 1) left the target worse than untouched in most measured cells
+ * (docs/llm.md), and the command runs no model to choose alpha on text.
+ * GO_ON otherwise, or when the plan cannot be made (the run says why). */
+static int check_lm_alpha(bico_transfer *t) {
+  if (bico_transfer_explain(t) != BICO_OK) return GO_ON;
+  bico_transfer_model_info mi;
+  memset(&mi, 0, sizeof mi);
+  mi.size = sizeof mi;
+  if (bico_transfer_explain_model(t, 1, &mi) != BICO_OK || !mi.causal_lm)
+    return GO_ON;
+  return cli_error(
+      CMD, CLI_USAGE,
+      "the target is a causal language model (%s) and --alpha is not "
+      "given: on decoder language models the whole update (alpha 1) often "
+      "leaves the target worse than untouched (docs/llm.md), and this "
+      "command runs no model to choose alpha.  Choose it on held-out "
+      "calibration text with `python3 -m bico.llm` or "
+      "bico.torch.transfer_model (alpha=\"heldout\"), or give --alpha A "
+      "(--alpha 1: the whole update, as before)",
+      mi.causal_from);
+}
+
 /* Builds the handle from o and runs it; the exit code. */
 static int run_transfer(const transfer_opts *o) {
   const char *const *files = o->files;
@@ -424,6 +450,8 @@ static int run_transfer(const transfer_opts *o) {
   if (st == BICO_OK) st = set_options(t, o);
   int code = add_splits_ties(t, o, &st);
   if (code != GO_ON) goto out;
+  if (st == BICO_OK && !o->alpha_set && (code = check_lm_alpha(t)) != GO_ON)
+    goto out;
   code = CLI_FAIL;
   if (st == BICO_OK && cli_transfer_runner != NULL) {
     code = cli_transfer_runner(t, ctx, o->quiet);
