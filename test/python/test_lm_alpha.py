@@ -104,3 +104,18 @@ def test_other_targets_keep_alpha_1(tmp_path, config):
     got, _, _ = pl.load(str(tmp_path / "out" / "model.safetensors"))
     for k in A:
         assert np.abs(got[k] - (A[k] + tau[k]).numpy()).max() < 1e-5, k
+
+
+def test_onto_its_own_base_keeps_alpha_1(tmp_path):
+    """The source base itself as the target (merging that model's own
+    fine-tune or adapter, docs/llm-quickstart.md): nothing is carried
+    between models, so no --alpha is needed and the result is A_ft."""
+    cfg = llama.default_config()
+    A, tau = folders(tmp_path, cfg)
+    r = bico("transfer", "--method", "naive", "--quiet",
+             "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
+             "--target-base", str(tmp_path / "A") + "/", "--output", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    got, _, _ = pl.load(str(tmp_path / "out" / "model.safetensors"))
+    for k in A:
+        assert np.abs(got[k] - (A[k] + tau[k]).numpy()).max() < 1e-5, k

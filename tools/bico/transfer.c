@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "bico_help.h"
 #include "cli.h"
@@ -414,11 +415,18 @@ static int add_splits_ties(bico_transfer *t, const transfer_opts *o,
 }
 
 /* No --alpha and a causal language model as the target (its config.json,
- * as the library reads it): a usage error.  On decoder LMs the whole update
+ * as the library reads it), other than the source base itself: a usage
+ * error.  On decoder LMs the whole update
  * (alpha 1) left the target worse than untouched in most measured cells
  * (docs/llm.md), and the command runs no model to choose alpha on text.
  * GO_ON otherwise, or when the plan cannot be made (the run says why). */
-static int check_lm_alpha(bico_transfer *t) {
+static int check_lm_alpha(bico_transfer *t, const transfer_opts *o) {
+  /* Onto its own base (an adapter or fine-tune of that model, merged):
+   * nothing is carried between models, alpha 1 is that fine-tune. */
+  struct stat a, b;
+  if (stat(o->files[0], &a) == 0 && stat(o->files[3], &b) == 0 &&
+      a.st_dev == b.st_dev && a.st_ino == b.st_ino)
+    return GO_ON;
   if (bico_transfer_explain(t) != BICO_OK) return GO_ON;
   bico_transfer_model_info mi;
   memset(&mi, 0, sizeof mi);
@@ -450,7 +458,7 @@ static int run_transfer(const transfer_opts *o) {
   if (st == BICO_OK) st = set_options(t, o);
   int code = add_splits_ties(t, o, &st);
   if (code != GO_ON) goto out;
-  if (st == BICO_OK && !o->alpha_set && (code = check_lm_alpha(t)) != GO_ON)
+  if (st == BICO_OK && !o->alpha_set && (code = check_lm_alpha(t, o)) != GO_ON)
     goto out;
   code = CLI_FAIL;
   if (st == BICO_OK && cli_transfer_runner != NULL) {
