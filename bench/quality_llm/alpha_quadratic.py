@@ -45,7 +45,7 @@ def transfer(bench, tname, kind, scalib, tcalib, out):
     cmd = [run.BICO, "transfer", "--method", "bico",
            "--source-base", bench.pretrained(run.SOURCE),
            "--target-base", bench.pretrained(spec), "--threads", "1",
-           "--quiet", "--output", out, "--source-calib", scalib,
+           "--quiet", "--alpha", "1", "--output", out, "--source-calib", scalib,
            "--target-calib", tcalib]
     if kind == "full":
         cmd += ["--source-tuned", bench.finetuned(run.SOURCE)]
