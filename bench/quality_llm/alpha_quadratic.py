@@ -8,7 +8,8 @@ loss), per row s_i = sum over modules of g_i^T dW x_i (linear modules and
 RMSNorm scales), and a quadratic model of the loss change
 
     dL(alpha) ~ alpha b + alpha^2 a / 2,   b = sum_i s_i,
-    a = sum_i s_i^2 (per row) or sum_w (sum_{i in w} s_i)^2 (per window)
+    a = sum_i s_i^2 (per row), sum_w (sum_{i in w} s_i)^2 (per window), or
+    sum_i (s_i - mean s)^2 (per row, centred)
 
 (an empirical-Fisher curvature; the tied embedding's change is not seen by
 the file: no module records the head's or the embedding's rows).  The maps
@@ -86,9 +87,10 @@ def main():
              for k in ("full", "lora")]
     if len(sys.argv) > 1:
         cells = [tuple(c.split("/")) for c in sys.argv[1].split(",")]
-    print("%-14s %7s %7s %7s %7s | %6s %6s %6s | %7s %7s %7s %7s %7s"
-          % ("cell", "b_ho", "se_b", "a_row", "a_win", "a*row", "a*win",
-             "a*all", "zs", "a=1", "a*row", "a*win", "best"))
+    print("%-14s %7s %7s %7s %7s | %6s %6s %6s %6s | %7s %7s %7s %7s %7s "
+          "%7s" % ("cell", "b_ho", "se_b", "a_row", "a_win", "a*row",
+                   "a*win", "a*all", "a*cen", "zs", "a=1", "a*row", "a*win",
+                   "a*cen", "best"))
     for tname, kind in cells:
         spec = run.TARGETS[tname]
         sc = bench.calib_file(run.SOURCE, ALL_W)
@@ -113,17 +115,19 @@ def main():
         pick = lambda bb, aa: float(np.clip(-bb / aa, 0, 2)) if aa > 0 else 0.
         arow, awin, aall = pick(bh, a_row), pick(bh, a_win), \
             pick(s_all.sum(), a_all)
+        # centred: the rows' covariance (the mean gradient is no curvature)
+        acen = pick(bh, ((s - s.mean()) ** 2).sum())
 
         def loss(a):
             m = lm.load(b.cfg, {k: b0[k] + a * delta[k] for k in b0})
             return lm.mean_loss(m, bench.eval_task)
         grid = {a: loss(a) for a in (0.0, 0.25, 0.5, 0.75, 1.0)}
         best = min(grid, key=grid.get)
-        print("%-14s %7.2f %7.2f %7.1f %7.1f | %6.3f %6.3f %6.3f | "
-              "%7.4f %7.4f %7.4f %7.4f %4.2f:%.4f"
+        print("%-14s %7.2f %7.2f %7.1f %7.1f | %6.3f %6.3f %6.3f %6.3f | "
+              "%7.4f %7.4f %7.4f %7.4f %7.4f %4.2f:%.4f"
               % ("%s/%s" % (tname, kind), bh, se, a_row, a_win, arow, awin,
-                 aall, grid[0.0], grid[1.0], loss(arow), loss(awin), best,
-                 grid[best]), flush=True)
+                 aall, acen, grid[0.0], grid[1.0], loss(arow), loss(awin),
+                 loss(acen), best, grid[best]), flush=True)
 
 
 if __name__ == "__main__":
