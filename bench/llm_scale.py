@@ -128,7 +128,7 @@ def main():
                 raise SystemExit(f"llm_scale.py: --cases: unknown case {key!r} (lora, full)")
         for name, bargs, targs, (ob, ot, base) in [keys[k] for k in a.cases.split(",")]:
             if not a.skip_bico:
-                wall, rss, _ = timed([bico, "transfer", "--method", "bico", "--quiet",
+                wall, rss, _ = timed([bico, "transfer", "--alpha", "1", "--method", "bico", "--quiet",
                                       "--threads", str(a.threads)] + common + bargs, env)
                 rep = json.load(open(bargs[bargs.index("--report") + 1]))
                 nthin = nfull = 0

@@ -231,3 +231,62 @@ TEST(TransferExplain, GivenConfigDecidesNamingAndMalformedOneFails) {
     EXPECT_NE(msg.find(b.second), std::string::npos) << msg;
   }
 }
+
+// model_type / causal_lm / causal_from (the fields bico transfer reads to
+// require --alpha on a causal-LM target): from BICO_FILE_TARGET_CONFIG,
+// "architectures" before model_type; none without a config.json; a struct
+// sized before these fields gets the older fields only.
+TEST(TransferExplain, CausalLmFromConfigJson) {
+  stt::TempDir dir;
+  stt::write_bytes(dir / "a.safetensors", zeros_file(gpt2_names(4, 2)));
+  stt::write_bytes(dir / "b.safetensors", zeros_file(gpt2_names(8, 3)));
+  stt::write_bytes(dir / "lm.json",
+                   "{\"model_type\": \"mylm\", \"architectures\": "
+                   "[\"MyBackbone\", \"MyLMForCausalLM\"]}");
+  stt::write_bytes(dir / "llama.json", "{\"model_type\": \"llama\", "
+                   "\"hidden_size\": 8, \"num_attention_heads\": 2, "
+                   "\"num_hidden_layers\": 3, \"intermediate_size\": 32}");
+  stt::write_bytes(dir / "vit.json", "{\"model_type\": \"vit\", "
+                   "\"architectures\": [\"ViTForImageClassification\"]}");
+  struct Case {
+    const char *cfg, *type;
+    int causal;
+    const char *why;
+  } cases[] = {{nullptr, "", 0, ""},
+               {"lm.json", "mylm", 1, "architectures \"MyLMForCausalLM\""},
+               {"llama.json", "llama", 1, "model_type \"llama\""},
+               {"vit.json", "vit", 0, ""}};
+  for (const Case &c : cases) {
+    Handles h;
+    ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_SOURCE_BASE,
+                                     (dir / "a.safetensors").c_str()), BICO_OK);
+    ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_TARGET_BASE,
+                                     (dir / "b.safetensors").c_str()), BICO_OK);
+    if (c.cfg)
+      ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_TARGET_CONFIG,
+                                       (dir / c.cfg).c_str()), BICO_OK);
+    ASSERT_EQ(bico_transfer_explain(h.t), BICO_OK) << bico_ctx_errmsg(h.ctx);
+    bico_transfer_model_info m;
+    m.size = sizeof m;
+    ASSERT_EQ(bico_transfer_explain_model(h.t, 1, &m), BICO_OK);
+    EXPECT_STREQ(m.model_type, c.type) << (c.cfg ? c.cfg : "none");
+    EXPECT_EQ(m.causal_lm, c.causal) << (c.cfg ? c.cfg : "none");
+    std::string why(m.causal_from);
+    if (c.causal) {
+      EXPECT_NE(why.find((dir / c.cfg) + ": " + c.why), std::string::npos)
+          << why;
+    } else {
+      EXPECT_EQ(why, "");
+    }
+    ASSERT_EQ(bico_transfer_explain_model(h.t, 0, &m), BICO_OK);
+    EXPECT_EQ(m.causal_lm, 0);  // the source has no config.json
+    // A caller built before these fields: they are left as the caller set
+    // them.
+    bico_transfer_model_info old;
+    old.model_type = "unset";
+    old.size = offsetof(bico_transfer_model_info, model_type);
+    ASSERT_EQ(bico_transfer_explain_model(h.t, 1, &old), BICO_OK);
+    EXPECT_STREQ(old.model_type, "unset");
+    EXPECT_EQ(old.tensors, gpt2_names(8, 3).size());
+  }
+}

@@ -525,6 +525,16 @@ typedef struct bico_transfer_model_info {
   const char *blocks;      /* block container ("" for bare "<i>.") or NULL */
   size_t nblocks;
   size_t tensors;
+  /* Since 1.0.0 (read them only with size covering them): */
+  const char *model_type;  /* config.json's model_type, "" when there is
+                              no config.json (BICO_FILE_*_CONFIG, or one
+                              inside a base folder) or no model_type */
+  int causal_lm;           /* 1: a causal (decoder) language model by its
+                              config.json: an "architectures" entry ending
+                              in ForCausalLM or LMHeadModel, or model_type
+                              llama, mistral, qwen2, gemma, gemma2 */
+  const char *causal_from; /* "PATH: architectures \"LlamaForCausalLM\""
+                              (what decided causal_lm); "" when 0 */
 } bico_transfer_model_info;
 /* side 0: the source base, 1: the target base. */
 BICO_API bico_status bico_transfer_explain_model(const bico_transfer *t,

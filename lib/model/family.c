@@ -168,6 +168,32 @@ static int get_bool(const bico__json *root, const char *key, int dflt) {
   return v != NULL && v->type == BICO__JSON_BOOL ? v->u.b : dflt;
 }
 
+static int ends_with(const char *s, const char *tail) {
+  size_t n = strlen(s), k = strlen(tail);
+  return n >= k && strcmp(s + n - k, tail) == 0;
+}
+
+/* f->causal_lm and f->causal_why from "architectures" and the row (f->type
+ * and f->row already set). */
+static void causal(const bico__json *root, bico__family *f) {
+  const bico__json *a = bico__json_get(root, "architectures");
+  if (a != NULL && a->type == BICO__JSON_ARRAY)
+    for (size_t i = 0; i < a->n && !f->causal_lm; i++) {
+      const bico__json *e = &a->u.items[i];
+      if (e->type == BICO__JSON_STRING && (ends_with(e->u.s, "ForCausalLM") ||
+                                           ends_with(e->u.s, "LMHeadModel"))) {
+        f->causal_lm = 1;
+        snprintf(f->causal_why, sizeof f->causal_why,
+                 "architectures \"%.60s\"", e->u.s);
+      }
+    }
+  if (!f->causal_lm && f->row != NULL && f->row->decoder) {
+    f->causal_lm = 1;
+    snprintf(f->causal_why, sizeof f->causal_why, "model_type \"%s\"",
+             f->type);
+  }
+}
+
 bico_status bico__family_read(bico_ctx *ctx, const char *path,
                               bico__family *f) {
   memset(f, 0, sizeof *f);
@@ -196,6 +222,7 @@ bico_status bico__family_read(bico_ctx *ctx, const char *path,
   if (mt != NULL && mt->type == BICO__JSON_STRING)
     snprintf(f->type, sizeof f->type, "%s", mt->u.s);
   f->row = bico__family_lookup(f->type);
+  causal(root, f);
   if (f->row != NULL) {
     for (int k = 0; k < F_COUNT; k++) {
       int bad = 0;

@@ -63,6 +63,11 @@ typedef struct bico__family {
   int tie, attn_bias, rope;
   unsigned bad;      /* bit per count field present but not a positive
                         integer (checked by bico__family_geometry) */
+  /* A causal language model: a decoder row of the table, or an
+   * "architectures" entry ending in ForCausalLM or LMHeadModel (any
+   * model_type); causal_why says which, in words ("" when not). */
+  int causal_lm;
+  char causal_why[96];
 } bico__family;
 
 /* The row of model_type, or NULL. */

@@ -17,6 +17,8 @@ typedef struct xdec {
 
 struct bico__explain {
   char *family[2], *from[2], *blocks[2];
+  char *model_type[2], *causal_from[2];
+  int causal_lm[2];
   size_t nblocks[2], tensors[2];
   xdec *d;
   size_t nt;
@@ -39,6 +41,8 @@ void bico__xfer_explain_free(bico_transfer *t) {
     bico__free(ctx, e->family[k]);
     bico__free(ctx, e->from[k]);
     bico__free(ctx, e->blocks[k]);
+    bico__free(ctx, e->model_type[k]);
+    bico__free(ctx, e->causal_from[k]);
   }
   for (size_t i = 0; e->d && i < e->nt; i++) {
     bico__free(ctx, e->d[i].name);
@@ -143,6 +147,21 @@ static void describe(const bico__run *r, size_t ti, const bico__route *rt,
 #undef ADD
 }
 
+/* Side k's model_type and whether it is a causal language model, from
+ * its config.json as the run read it (bico__xfer_load_models: the one
+ * read; none given or beside a folder: nothing to say). */
+static bico_status causal(bico__run *r, struct bico__explain *e, int k) {
+  bico_ctx *ctx = r->ctx;
+  const bico__family *f = &r->fam[k];
+  char why[512 + 128] = "";
+  if (f->causal_lm)
+    snprintf(why, sizeof why, "%s: %s", r->fam_path[k], f->causal_why);
+  e->model_type[k] = dup(ctx, f->type);
+  e->causal_from[k] = dup(ctx, why);
+  e->causal_lm[k] = f->causal_lm;
+  return e->model_type[k] && e->causal_from[k] ? BICO_OK : BICO_E_NOMEM;
+}
+
 static bico_status explain(bico__run *r, struct bico__explain *e) {
   bico_ctx *ctx = r->ctx;
   bico_status st = bico__xfer_open_file(r, BICO_FILE_SOURCE_BASE, &r->sb);
@@ -168,6 +187,7 @@ static bico_status explain(bico__run *r, struct bico__explain *e) {
     e->tensors[k] = bico_model_tensor_count(ms[k]);
     if (!e->family[k] || !e->from[k] || (p && !e->blocks[k]))
       return BICO_E_NOMEM;
+    if ((st = causal(r, e, k)) != BICO_OK) return st;
   }
   if (r->vocab) {
     e->vocab[0] = r->vocab->n_source;
@@ -275,9 +295,11 @@ bico_status bico_transfer_explain_model(const bico_transfer *t, int side,
     return bico__fail(t->ctx, BICO_E_ARG, "transfer_explain_model: side %d "
                                           "(0 source, 1 target)", side);
   const struct bico__explain *e = t->ex;
-  bico_transfer_model_info m = {sizeof m, e->family[side], e->from[side],
-                                e->blocks[side], e->nblocks[side],
-                                e->tensors[side]};
+  bico_transfer_model_info m = {sizeof m,           e->family[side],
+                                e->from[side],      e->blocks[side],
+                                e->nblocks[side],   e->tensors[side],
+                                e->model_type[side], e->causal_lm[side],
+                                e->causal_from[side]};
   return fill(t->ctx, "transfer_explain_model", out, &m, sizeof m);
 }
 

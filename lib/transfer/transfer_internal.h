@@ -369,6 +369,11 @@ bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost);
  * bico__xfer_load_models; the overrides) and decides whether
  * structure-aware maps are on. */
 bico_status bico__xfer_families(bico__run *r);
+/* The config.json of one side: the file given as which_cfg
+ * (BICO_FILE_*_CONFIG), else <which_base>/config.json when that base is a
+ * folder holding one; *out NULL when neither (freed by the caller). */
+bico_status bico__xfer_config_path(bico__run *r, int which_cfg,
+                                   int which_base, char **out);
 /* 1 when side `side` of target module mi takes a structure-aware map. */
 int bico__xfer_structured(const bico__run *r, size_t mi, int side);
 /* That map (one, in a new array), solved with its layer in the calling

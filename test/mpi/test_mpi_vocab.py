@@ -14,7 +14,7 @@ import test_vocab_map as vm  # noqa: E402
 
 def test_vocab_counts_in_the_assembled_report(tmp_path):
     vm._pair(tmp_path)
-    common = ["transfer", "--method", "bico", "--source-base", tmp_path / "A",
+    common = ["transfer", "--alpha", "1", "--method", "bico", "--source-base", tmp_path / "A",
               "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
               "--source-calib", tmp_path / "calA.safetensors",
               "--target-calib", tmp_path / "calB.safetensors"]

@@ -82,7 +82,7 @@ def test_bico_recovers_planted_gpt2_folders(tmp_path, prefix, config):
     the family is known from config.json, or from the names without it."""
     p = _plant(tmp_path, prefix, config)
     out = tmp_path / "out.safetensors"
-    bico("transfer", "--method", "bico", "--source-base", tmp_path / "A",
+    bico("transfer", "--alpha", "1", "--method", "bico", "--source-base", tmp_path / "A",
          "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
          *_calib(tmp_path), "--quiet", "--output", out, "--report", tmp_path / "rep.json")
     got, _, _ = pl.load(str(out))
@@ -106,7 +106,7 @@ def test_c_attn_splits_in_three_by_default(tmp_path):
     _plant(tmp_path)
     for extra, want in (([], 3), (["--split", "attn.c_attn=1"], 1)):
         rep = tmp_path / "rep.json"
-        bico("transfer", "--method", "bico", "--source-base", tmp_path / "A",
+        bico("transfer", "--alpha", "1", "--method", "bico", "--source-base", tmp_path / "A",
              "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
              *_calib(tmp_path), *extra, "--quiet", "--output", tmp_path / "o.safetensors",
              "--report", rep)
@@ -144,7 +144,7 @@ def test_lora_on_c_attn_with_fan_in_fan_out(tmp_path):
         tens[P + m + ".lora_A.weight"] = a.numpy().astype(np.float32)
         tens[P + m + ".lora_B.weight"] = b.numpy().astype(np.float32)
     pl.save(str(folder / "adapter_model.safetensors"), tens)
-    bico("transfer", "--method", "bico", "--source-base", tmp_path / "A",
+    bico("transfer", "--alpha", "1", "--method", "bico", "--source-base", tmp_path / "A",
          "--target-base", tmp_path / "B", *_calib(tmp_path), "--lora", folder,
          "--output-lora", tmp_path / "out", "--quiet")
     got, _, _ = pl.load(str(tmp_path / "out" / "adapter_model.safetensors"))
@@ -162,7 +162,7 @@ def test_lora_on_c_attn_with_fan_in_fan_out(tmp_path):
     # Merged into the target base instead: the stored [in, out] weight is
     # B + T(delta), the update transposed back into Conv1D's layout.
     merged = tmp_path / "merged.safetensors"
-    bico("transfer", "--method", "bico", "--source-base", tmp_path / "A",
+    bico("transfer", "--alpha", "1", "--method", "bico", "--source-base", tmp_path / "A",
          "--target-base", tmp_path / "B", *_calib(tmp_path), "--lora", folder,
          "--merge-into-base", "--output", merged, "--quiet")
     got, _, _ = pl.load(str(merged))

@@ -183,7 +183,7 @@ def target(tmp_path_factory):
 
 def merged_by_bico(tmp_path, target_folder, adapter):
     out = tmp_path / "merged.safetensors"
-    subprocess.run([BICO, "transfer", "--method", "naive", "--source-base",
+    subprocess.run([BICO, "transfer", "--alpha", "1", "--method", "naive", "--source-base",
                     str(target_folder), "--target-base", str(target_folder),
                     "--lora", str(adapter), "--output-lora",
                     str(tmp_path / "carried"), "--merge-into-base", "--output",
@@ -308,7 +308,7 @@ def test_formats_recipe_records_rmsnorm_for_bico_transfer(tmp_path):
                                 str(tmp_path / (n + ".calib.safetensors")))
     got = st.open(str(tmp_path / "B.calib.safetensors"))
     assert "model.layers.0.input_layernorm.input" in got
-    r = subprocess.run([BICO, "transfer", "--method", "bico",
+    r = subprocess.run([BICO, "transfer", "--alpha", "1", "--method", "bico",
                         "--source-base", str(tmp_path / "A"),
                         "--source-tuned", str(tmp_path / "A_ft"),
                         "--target-base", str(tmp_path / "B"),

@@ -23,7 +23,7 @@ def inspect_json(*args):
 
 
 def report_of(t, src, tgt, cal_a, cal_b, extra=()):
-    bico("transfer", "--method", "bico", "--source-base", src, "--source-tuned", t / "Aft",
+    bico("transfer", "--alpha", "1", "--method", "bico", "--source-base", src, "--source-tuned", t / "Aft",
          "--target-base", tgt, "--source-calib", cal_a, "--target-calib", cal_b,
          "--output", t / "o.safetensors", "--report", t / "r.json", "--quiet", *extra)
     return {e["name"]: e for e in json.load(open(t / "r.json"))["tensors"]}

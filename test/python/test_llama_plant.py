@@ -76,7 +76,7 @@ def planted_transfer(tmp_path, cfg, A, tau, cfgB, B, ids, z, zB, *extra):
     pl.save(str(tmp_path / "calA.safetensors"), llama.calibrate(cfg, A, ids, z))
     pl.save(str(tmp_path / "calB.safetensors"), llama.calibrate(cfgB, B, ids, zB))
     out = tmp_path / "out.safetensors"
-    r = subprocess.run([os.path.join(build, "bin", "bico"), "transfer", "--method", "bico",
+    r = subprocess.run([os.path.join(build, "bin", "bico"), "transfer", "--alpha", "1", "--method", "bico",
                         "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
                         "--target-base", tmp_path / "B",
                         "--source-calib", tmp_path / "calA.safetensors",

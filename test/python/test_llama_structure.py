@@ -76,7 +76,7 @@ def test_planted_checkpoint_recovered_with_structure(tmp_path, kw):
     result computes A_ft's logits."""
     p = planted_pair(tmp_path, **kw)
     cfg, A, tau, sym, B = p["cfg"], p["A"], p["tau"], p["sym"], p["B"]
-    r = bico("transfer", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
+    r = bico("transfer", "--alpha", "1", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
              "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
              *calib_args(tmp_path), "--output", tmp_path / "out.safetensors")
     assert "structure-aware maps" in r.stderr, r.stderr
@@ -97,7 +97,7 @@ def test_structure_switch_and_free_form_on_the_plant(tmp_path):
     tauB = llama.transform(p["cfg"], p["tau"], p["sym"])
     for mode in ("free", "heads"):
         out = tmp_path / ("out_%s.safetensors" % mode)
-        r = bico("transfer", "--method", "bico", "--structure", mode,
+        r = bico("transfer", "--alpha", "1", "--method", "bico", "--structure", mode,
                  "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
                  "--target-base", tmp_path / "B", *calib_args(tmp_path),
                  "--output", out)
@@ -105,7 +105,7 @@ def test_structure_switch_and_free_form_on_the_plant(tmp_path):
         got = load64(out)
         for k, t in p["B"].items():
             assert max_rel(got[k], t + tauB[k], tauB[k]) < 2e-3, (mode, k)
-    r = bico("transfer", "--method", "bico", "--structure", "rows",
+    r = bico("transfer", "--alpha", "1", "--method", "bico", "--structure", "rows",
              "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
              "--target-base", tmp_path / "B", *calib_args(tmp_path),
              "--output", tmp_path / "x.safetensors", ok=False)
@@ -139,7 +139,7 @@ def test_planted_lora_on_all_seven_projections(tmp_path, flags):
               open(tmp_path / "ad" / "adapter_config.json", "w"))
     pl.save(str(tmp_path / "ad" / "adapter_model.safetensors"),
             {k: v.astype("float32") for k, v in fac.items()})
-    r = bico("transfer", "--method", "bico", *flags, "--source-base", tmp_path / "A",
+    r = bico("transfer", "--alpha", "1", "--method", "bico", *flags, "--source-base", tmp_path / "A",
              "--target-base", tmp_path / "B", *calib_args(tmp_path),
              "--lora", tmp_path / "ad", "--output-lora", tmp_path / "out",
              "--merge-into-base", "--output", tmp_path / "merged.safetensors",
@@ -241,7 +241,7 @@ def test_structured_maps_keep_attention_scores_on_unplanted_pairs(tmp_path, kw):
     res = {}
     for mode in ("heads", "free"):
         d = tmp_path / ("d_%s.safetensors" % mode)
-        bico("transfer", "--method", "bico", "--structure", mode,
+        bico("transfer", "--alpha", "1", "--method", "bico", "--structure", mode,
              "--source-base", tmp_path / "A", "--task-vector", tmp_path / "tau.safetensors",
              "--target-base", tmp_path / "B", *calib_args(tmp_path),
              "--output", tmp_path / ("o_%s.safetensors" % mode), "--delta-output", d,
@@ -314,7 +314,7 @@ def test_rope_override_interleaved(tmp_path):
     errs = {}
     for rope in ("interleaved", "half"):
         out = tmp_path / ("out_%s.safetensors" % rope)
-        r = bico("transfer", "--method", "bico", "--structure", "heads", "--rope", rope, *common, "--output", out)
+        r = bico("transfer", "--alpha", "1", "--method", "bico", "--structure", "heads", "--rope", rope, *common, "--output", out)
         assert "structure-aware maps" in r.stderr and "rope %s" % rope in r.stderr
         got = load64(out)
         errs[rope] = max(max_rel(got[k], Bi[k] + tauBi[k], tauBi[k])
@@ -349,14 +349,14 @@ def test_bad_config_names_file_and_field(tmp_path, edit, field):
     edit(cfg)
     json.dump(cfg, open(path, "w"))
     out = tmp_path / "out.safetensors"
-    r = bico("transfer", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
+    r = bico("transfer", "--alpha", "1", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
              "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
              *calib_args(tmp_path), "--output", out, ok=False, timeout=60)
     assert r.returncode == 1, r.stderr
     assert str(path) in r.stderr and field in r.stderr, r.stderr
     assert not out.exists()
     # Free-form maps do not read the config: the run succeeds.
-    bico("transfer", "--method", "bico", "--structure", "free", "--quiet",
+    bico("transfer", "--alpha", "1", "--method", "bico", "--structure", "free", "--quiet",
          "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
          "--target-base", tmp_path / "B", *calib_args(tmp_path), "--output", out)
     assert out.exists()
@@ -376,7 +376,7 @@ def pair_of_configs(tmp_path, cfg_a, cfg_b, seed=13):
     llama.write_folder(tmp_path / "B", cfg_b, B)
     pl.save(str(tmp_path / "calA.safetensors"), llama.calibrate(cfg_a, A, ids, z))
     pl.save(str(tmp_path / "calB.safetensors"), llama.calibrate(cfg_b, B, ids, z))
-    r = bico("transfer", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
+    r = bico("transfer", "--alpha", "1", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
              "--task-vector", tmp_path / "tau.safetensors", "--target-base", tmp_path / "B",
              *calib_args(tmp_path), "--output", tmp_path / "o.safetensors",
              "--delta-output", tmp_path / "d.safetensors")
@@ -418,7 +418,7 @@ def test_planted_checkpoint_from_a_statistics_file(tmp_path):
     """The structured maps read a statistics file (bico stats) as well."""
     p = planted_pair(tmp_path, seed=8)
     bico("stats", *calib_args(tmp_path), "--output", tmp_path / "S.safetensors")
-    r = bico("transfer", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
+    r = bico("transfer", "--alpha", "1", "--method", "bico", "--structure", "heads", "--source-base", tmp_path / "A",
              "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
              "--stats", tmp_path / "S.safetensors", "--output", tmp_path / "o.safetensors")
     assert "structure-aware maps" in r.stderr
@@ -467,7 +467,7 @@ def test_solver_pool_leaves_structured_sides_to_the_writer(tmp_path):
     outs = []
     for w in ("1", "2"):
         out = tmp_path / ("w%s.safetensors" % w)
-        bico("transfer", "--method", "bico", "--structure", "heads", "--workers", w, "--threads", w,
+        bico("transfer", "--alpha", "1", "--method", "bico", "--structure", "heads", "--workers", w, "--threads", w,
              "--source-base", tmp_path / "A", "--source-tuned", tmp_path / "Aft",
              "--target-base", tmp_path / "B", *calib_args(tmp_path), "--quiet",
              "--output", out)

@@ -67,7 +67,7 @@ def _pair(tmp_path, n_new=8, seed=31):
 
 
 def _run(t, target="B", extra=()):
-    return bico("transfer", "--method", "bico", "--source-base", t / "A",
+    return bico("transfer", "--alpha", "1", "--method", "bico", "--source-base", t / "A",
                 "--source-tuned", t / "Aft", "--target-base", t / target,
                 "--source-calib", t / "calA.safetensors",
                 "--target-calib", t / "calB.safetensors",
@@ -105,7 +105,7 @@ def test_identical_vocabularies_need_no_map(tmp_path):
     """Same tokenizer on both sides (and a target that is A itself): no
     vocabulary entry anywhere, no summary line."""
     _pair(tmp_path)
-    r = bico("transfer", "--method", "bico", "--source-base", tmp_path / "A",
+    r = bico("transfer", "--alpha", "1", "--method", "bico", "--source-base", tmp_path / "A",
              "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "A",
              "--source-calib", tmp_path / "calA.safetensors",
              "--target-calib", tmp_path / "calA.safetensors",
@@ -121,7 +121,7 @@ def test_malformed_tokenizer_is_named(tmp_path):
     with open(tmp_path / "B" / "tokenizer.json", "w") as f:
         f.write('{"model": {"vocab": {"a": "x"}}}')
     r = bico(
-        "transfer", "--method", "bico", "--source-base", tmp_path / "A",
+        "transfer", "--alpha", "1", "--method", "bico", "--source-base", tmp_path / "A",
         "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
         "--source-calib", tmp_path / "calA.safetensors",
         "--target-calib", tmp_path / "calB.safetensors",
@@ -142,7 +142,7 @@ def test_a_token_id_far_beyond_the_vocabulary_is_refused_fast(tmp_path):
         with open(tmp_path / "B" / "tokenizer.json", "w") as f:
             json.dump(doc, f)
         r = bico(
-            "transfer", "--method", "bico", "--source-base", tmp_path / "A",
+            "transfer", "--alpha", "1", "--method", "bico", "--source-base", tmp_path / "A",
             "--source-tuned", tmp_path / "Aft", "--target-base", tmp_path / "B",
             "--source-calib", tmp_path / "calA.safetensors",
             "--target-calib", tmp_path / "calB.safetensors",

@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "bico_help.h"
 #include "cli.h"
@@ -111,6 +112,7 @@ typedef struct {
   double alpha, rank_tol, whiten, solve_memory, workers;
   double max_shard; /* --max-shard-size, bytes (0: as the target) */
   int center, quiet, merge_into_base, allow_partial;
+  int alpha_set; /* --alpha given (on the command line or in --config) */
   size_t threads;
   const char *splits[256], *ties[256];
   size_t nsplits, nties;
@@ -212,7 +214,8 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
     VALUE("--alpha", if (cli_alpha(v, &o->alpha)) return cli_error(
                          CMD, CLI_USAGE,
                          "--alpha %s: expected a positive number of at most "
-                         "3.4e38 (float range)", v))
+                         "3.4e38 (float range)", v);
+          o->alpha_set = 1)
     VALUE("--rank-tol",
           if (param_value("--rank-tol", BICO_TRANSFER_RANK_TOL, v,
                           &o->rank_tol)) return CLI_USAGE)
@@ -442,6 +445,37 @@ static void option_words(const char *in, char *out, size_t cap) {
   out[o] = '\0';
 }
 
+/* No --alpha and a causal language model as the target (its config.json,
+ * as the library reads it), other than the source base itself: a usage
+ * error.  On decoder LMs the whole update
+ * (alpha 1) left the target worse than untouched in most measured cells
+ * (docs/llm.md), and the command runs no model to choose alpha on text.
+ * GO_ON otherwise, or when the plan cannot be made (the run says why). */
+static int check_lm_alpha(bico_transfer *t, const transfer_opts *o) {
+  /* Onto its own base (an adapter or fine-tune of that model, merged):
+   * nothing is carried between models, alpha 1 is that fine-tune. */
+  struct stat a, b;
+  if (stat(o->files[0], &a) == 0 && stat(o->files[3], &b) == 0 &&
+      a.st_dev == b.st_dev && a.st_ino == b.st_ino)
+    return GO_ON;
+  if (bico_transfer_explain(t) != BICO_OK) return GO_ON;
+  bico_transfer_model_info mi;
+  memset(&mi, 0, sizeof mi);
+  mi.size = sizeof mi;
+  if (bico_transfer_explain_model(t, 1, &mi) != BICO_OK || !mi.causal_lm)
+    return GO_ON;
+  return cli_error(
+      CMD, CLI_USAGE,
+      "the target is a causal language model (%s) and --alpha is not "
+      "given: on decoder language models the whole update (alpha 1) often "
+      "leaves the target worse than untouched (docs/llm.md), and this "
+      "command runs no model to choose alpha.  Choose it on held-out "
+      "calibration text with `python3 -m bico.llm` or "
+      "bico.torch.transfer_model (alpha=\"heldout\"), or give --alpha A "
+      "(--alpha 1: the whole update, as before)",
+      mi.causal_from);
+}
+
 /* Builds the handle from o and runs it; the exit code. */
 static int run_transfer(const transfer_opts *o) {
   const char *const *files = o->files;
@@ -465,6 +499,8 @@ static int run_transfer(const transfer_opts *o) {
     code = cli_error(CMD, CLI_USAGE, "%s", words);
     goto out;
   }
+  if (st == BICO_OK && !o->alpha_set && (code = check_lm_alpha(t, o)) != GO_ON)
+    goto out;
   code = CLI_FAIL;
   if (st == BICO_OK && cli_transfer_runner != NULL) {
     code = cli_transfer_runner(t, ctx, o->quiet);
