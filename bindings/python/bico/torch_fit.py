@@ -15,8 +15,11 @@ of a target segment, in the order its forward calls them:
 
 and bico.fit.Fit solves the ridge problem for [dW db], which is applied to
 B' before the next layer's inputs are taken.  Then the segment runs once
-more on B' to give the next segment its inputs.  Memory: one segment's
-inputs for four models, plus one segment's layer rows.
+more on B' to give the next segment its inputs.  Layers that read one
+input tensor one after the other (q/k/v, gate/up) take X' from one pass
+of B'.  Memory: one segment's inputs for four models, plus one segment's
+layer rows; B' shares B's tensors until its segment comes (it is made a
+block at a time, and its tensors are the result).
 """
 import copy
 import math
