@@ -8,8 +8,12 @@ target), X_B (its input on the original target) and D_B (the desired output
 change), random but deterministic (bench/benchdata.py), by
 
   lib    bico.fit.Fit (bico_fit_add / bico_fit_solve: cross-products
-         accumulated in double, pivoted Cholesky for the rank, Cholesky
-         solve of (G + lambda P) Delta = (K - G) Theta + E);
+         accumulated in double, Cholesky solve of (G + lambda P) Delta =
+         (K - G) Theta + E; the rank only on request, as bico.torch's fit
+         asks for it only with a report);
+  lib+rank  the same with the rank asked for (solve(rank=True): a pivoted
+         Cholesky of G more, the library's cost before issue 23's change),
+         run beside the others for a paired comparison;
   torch  a plain PyTorch fit of the same mathematics in float64 (the
          library's precision): G, K, E by matmul, torch.linalg.cholesky and
          torch.cholesky_solve (no rank).
@@ -82,7 +86,7 @@ def load(work, g, what):
     return np.load(os.path.join(work, "%s.%s.npy" % (g, what)))
 
 
-def child_lib(work, s, ridge, out, threads):
+def child_lib(work, s, ridge, out, threads, rank=False):
     sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
     import bico
     import bico.fit
@@ -97,7 +101,7 @@ def child_lib(work, s, ridge, out, threads):
         del xn, xb, de
         w = load(work, g, "w")
         b = load(work, g, "b") if bias else None
-        dw, db = f.solve(w, b)
+        dw, db = f.solve(w, b, rank=rank)
         f.close()
         np.save(os.path.join(out, g + ".dw.npy"), dw)
         if bias:
@@ -194,14 +198,15 @@ def main():
     ap.add_argument("--work", default=None)
     ap.add_argument("--ridge", type=float, default=1e-2)
     ap.add_argument("--no-arch-fix", action="store_true")
-    ap.add_argument("--child", choices=("lib", "torch"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("lib", "lib+rank", "torch"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:  # no llm_scale_gen here: it imports torch
         s = json.loads(a.shape)
-        if a.child == "lib":
-            child_lib(a.work, s, a.ridge, a.out, int(os.environ.get("OMP_NUM_THREADS", "1")))
+        if a.child in ("lib", "lib+rank"):
+            child_lib(a.work, s, a.ridge, a.out, int(os.environ.get("OMP_NUM_THREADS", "1")),
+                      rank=a.child == "lib+rank")
         else:
             child_torch(a.work, s, a.ridge, a.out, int(os.environ.get("OMP_NUM_THREADS", "1")))
         return
@@ -251,15 +256,16 @@ def main():
         bound = 1.5 * ck + acts
         L, Ls = t_full["L"], (gen.SIZES["full"] if a.size == "layer" else cfg)["src"]["L"]
         # block forward passes per target block (bico.torch's fit_model):
-        # B' once per linear (7) and once to advance, B once, A and A_ft
-        # once each plus their advance (Ls / L per target block); sharing
-        # one pass per input group (q/k/v, o, gate/up, down) makes B' 4 + 1.
+        # B' once per linear (7) and once to advance before issue 23's
+        # change, once per input group (q/k/v, o, gate/up, down) and once
+        # to advance now; B once, A and A_ft once each plus their advance
+        # (Ls / L per target block).
         src = 2 * (1 + Ls / L)
-        now, shared = 7 + 1 + 1 + src, len(gs) + 1 + 1 + src
-        fwd = "%.1f/%.1f" % (now, shared)
-        cols = ("side", "thr", "block s", "peak RSS MB", "x%d blocks s" % L, "fwd now/shared",
+        before, now = 7 + 1 + 1 + src, len(gs) + 1 + 1 + src
+        fwd = "%.1f/%.1f" % (before, now)
+        cols = ("side", "thr", "block s", "peak RSS MB", "x%d blocks s" % L, "fwd before/now",
                 "fwd s/pass", "target ckpt MB", "1 block acts MB", "bound MB", "rel diff")
-        widths = (6, 4, 8, 12, 14, 15, 11, 15, 16, 9, 9)
+        widths = (8, 4, 8, 12, 14, 15, 11, 15, 16, 9, 9)
         print(" ".join(c.rjust(w) for c, w in zip(cols, widths)), flush=True)
         for thr in [int(x) for x in a.threads.split(",")]:
             env = dict(base_env)
@@ -267,7 +273,7 @@ def main():
             env["BICO_LIBRARY"] = lib
             pass_s = "%.2f" % block_forward_s(s, n, thr)
             outs = {}
-            for side in ("lib", "torch"):
+            for side in ("lib", "lib+rank", "torch"):
                 out = os.path.join(work, "%s-%d" % (side, thr))
                 os.makedirs(out, exist_ok=True)
                 wall, rss, _ = benchdata.timed_run(
@@ -275,7 +281,7 @@ def main():
                      "--out", out, "--shape", json.dumps(s), "--ridge", repr(a.ridge)],
                     env, "llm_fit_cost.py")
                 outs[side] = out
-                d = "%.1e" % rel_diff(outs["lib"], out, s) if side == "torch" else ""
+                d = "%.1e" % rel_diff(outs["lib"], out, s) if side != "lib" else ""
                 vals = (side, str(thr), "%.1f" % wall, "%.0f" % rss, "%.0f" % (wall * L), fwd,
                         pass_s, "%.0f" % ck, "%.0f" % acts, "%.0f" % bound, d)
                 print(" ".join(v.rjust(w) for v, w in zip(vals, widths)), flush=True)
@@ -284,11 +290,12 @@ def main():
         print("# holds one layer's statistics at a time: its peak does not grow with depth);")
         print("# bound = 1.5 x target checkpoint (bf16, tied head, from the shapes) + one block's")
         print("# activations (float32: inputs of the 4 input groups + outputs of the 7 linears, %d rows);" % n)
-        print("# fwd now/shared: block forward passes per target block in bico.torch's fit_model (B' per")
-        print("# linear + advance, B, A and A_ft with their advance, %d/%d source blocks per target" % (Ls, L))
-        print("# block) / with one B' pass per input group; fwd s/pass: one target-block forward")
+        print("# fwd before/now: block forward passes per target block in bico.torch's fit_model: B' per")
+        print("# linear + advance before, per input group + advance now; B, A and A_ft with their advance,")
+        print("# %d/%d source blocks per target block; fwd s/pass: one target-block forward" % (Ls, L))
         print("# (float32, in-process, best of 3), not part of 'block s';")
-        print("# rel diff = ||lib - torch|| / ||torch|| over every dW, db")
+        print("# rel diff = ||lib - other|| / ||other|| over every dW, db (lib+rank: 0, the same update)")
+        print("# lib+rank = lib asked for the rank too (the library's default before issue 23's change)")
         print(flush=True)
     finally:
         if a.work is None:

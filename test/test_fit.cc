@@ -398,6 +398,46 @@ TEST(FitTest, RankDeficientInputsReportRank) {
   bico_fit_free(f);
 }
 
+// The rank is computed only on request (a rank pointer): rows of planted
+// rank r, with and without a ridge and a bias, give bit-identical dW and db
+// whether the rank is asked for or not, and the rank asked for is the
+// planted one (r, plus the ones column with a bias).
+TEST(FitTest, RankOnlyOnRequestSameUpdate) {
+  bt::Ctx ctx;
+  bt::Rng g(23);
+  const size_t n = 200, di = 9, dout = 5, r = 4;
+  Mat z = bt::randn(g, n, r), m = bt::randn(g, r, di);
+  Mat xo = rounded(bt::matmul(z, m));
+  Mat xn = rounded(bt::matmul(bt::add(z, bt::randn(g, n, r)), m));
+  Mat d = rounded(bt::randn(g, n, dout));
+  Mat w = rounded(bt::randn(g, dout, di)), b = rounded(bt::randn(g, 1, dout));
+  for (double c : {1e-2, 0.0}) {
+    for (bool bias : {false, true}) {
+      bico_fit *f = make_fit(ctx, di, dout, bias, c);
+      add(f, xn, xo, d);
+      Solved with = solve(f, w, b, bias);
+      ASSERT_EQ(with.st, BICO_OK) << bico_ctx_errmsg(ctx);
+      EXPECT_EQ(with.rank, r + (bias ? 1 : 0)) << "c " << c;
+      std::vector<float> wf = w.f32(), bf = b.f32();
+      std::vector<float> dw(dout * di, -1.0f), db(dout, -1.0f);
+      ASSERT_EQ(bico_fit_solve(f, wf.data(), di, bias ? bf.data() : nullptr,
+                               dw.data(), di, bias ? db.data() : nullptr,
+                               nullptr),
+                BICO_OK)
+          << bico_ctx_errmsg(ctx);
+      std::vector<float> dw1 = with.dw.f32(), db1 = with.db.f32();
+      EXPECT_EQ(std::memcmp(dw.data(), dw1.data(), dw.size() * sizeof(float)),
+                0)
+          << "c " << c << " bias " << bias;
+      if (bias) {
+        EXPECT_EQ(
+            std::memcmp(db.data(), db1.data(), db.size() * sizeof(float)), 0);
+      }
+      bico_fit_free(f);
+    }
+  }
+}
+
 TEST(FitTest, ParamsAndBounds) {
   bt::Ctx ctx;
   bico_fit *f = nullptr;

@@ -108,7 +108,9 @@ BICO_API bico_status bico_fit_info(const bico_fit *f, size_t *d_in,
 /* Solves for the update of W_B (d_out x d_in, row stride ld_w >= d_in) and
  * b_B (d_out floats; must be NULL without BICO_FIT_BIAS, non-NULL with it):
  * writes dW (d_out x d_in, row stride ld_dw >= d_in) and db (d_out floats;
- * NULL exactly when b_b is) and the numerical rank of G (rank may be NULL).
+ * NULL exactly when b_b is) and, when rank is not NULL, the numerical rank
+ * of G (a pivoted Cholesky of G, as costly as the solve itself: pass NULL
+ * when the rank is not needed; dW and db are the same either way).
  * The solve is a Cholesky factorisation of G + lambda P; where that fails
  * (c = 0 and G singular, or too badly conditioned for the factorisation),
  * an eigendecomposition gives the minimum-norm solution.  With no rows,

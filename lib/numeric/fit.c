@@ -392,7 +392,15 @@ bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
   }
   double *mm = amat + aa + 2 * a, *tht = mm + aa, *rhs = tht + ea;
   size_t rk = 0;
-  if ((st = rank_of(f, amat, piv, &rk))) goto done;
+  /* The rank only when the caller asks for it (a pointer) or the solve
+   * needs it (no ridge: a singular G goes to the eigendecomposition).
+   * With a ridge it does not change the solution, and its pivoted
+   * Cholesky costs about as much as the solve itself. */
+  double trace = 0;
+  for (size_t j = 0; j < d_in; j++) trace += f->g[j * a + j];
+  const double lambda = f->ridge * trace / (double)d_in;
+  const int need_rank = rank != NULL || lambda == 0;
+  if (need_rank && (st = rank_of(f, amat, piv, &rk))) goto done;
 
   /* Right-hand sides: (K - G) Theta + E, stored transposed (d_out x a). */
   for (size_t i = 0; i < aa; i++) mm[i] = f->k[i] - f->g[i];
@@ -403,9 +411,6 @@ bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
   memcpy(rhs, f->et, ea * sizeof(double));
   bico__dgemm(ctx, 0, 1, d_out, a, a, 1.0, tht, a, mm, a, 1.0, rhs, a);
 
-  double trace = 0;
-  for (size_t j = 0; j < d_in; j++) trace += f->g[j * a + j];
-  const double lambda = f->ridge * trace / (double)d_in;
   memcpy(amat, f->g, aa * sizeof(double));
   for (size_t j = 0; j < d_in; j++) amat[j * a + j] += lambda;
 

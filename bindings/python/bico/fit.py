@@ -4,7 +4,8 @@
     f = Fit(d_in, d_out, bias=True, ridge=1e-2)
     f.add(x_new, x_orig, delta)      # [n, d_in], [n, d_in], [n, d_out]
     dw, db = f.solve(w, b)           # w [d_out, d_in], b [d_out] or None
-    f.rank, f.rows
+    f.solve(w, b, rank=True); f.rank # the rank only on request
+    f.rows
 
 x_new are the layer's inputs on the target with the earlier layers'
 updates applied (X'), x_orig its inputs on the original target (X_B), delta
@@ -114,9 +115,11 @@ class Fit(_Handle):
     """bico_fit: streaming statistics and closed-form solve for one layer.
 
     Fit(d_in, d_out, bias=True, ridge=1e-2, rank_tol=None, ctx=None).
-    add(x_new, x_orig, delta); merge(other); reset(); solve(w, b) ->
-    (dw, db) (float32; db is None without bias); rank (of X~'^T X~' at the
-    last solve, None before one); rows; ridge and rank_tol (read/write).
+    add(x_new, x_orig, delta); merge(other); reset(); solve(w, b,
+    rank=False) -> (dw, db) (float32; db is None without bias); rank (of
+    X~'^T X~' at the last solve made with rank=True, else None: the rank is
+    a pivoted Cholesky as costly as the solve, and the update is the same
+    without it); rows; ridge and rank_tol (read/write).
     """
     _free = staticmethod(_fn.free)
 
@@ -202,9 +205,11 @@ class Fit(_Handle):
         self.rank = None
         return self
 
-    def solve(self, w, b=None):
+    def solve(self, w, b=None, rank=False):
         """(dw, db): float32 [d_out, d_in] and [d_out] (None without bias)
-        for the layer's current weight w [d_out, d_in] and bias b."""
+        for the layer's current weight w [d_out, d_in] and bias b.  rank:
+        also compute the numerical rank of X~'^T X~' into self.rank (else
+        self.rank is None); dw and db do not depend on it."""
         wa = _f32(w, "w", self.d_in)
         if wa.shape[0] != self.d_out:
             raise ValueError("w has %d rows, expected d_out = %d"
@@ -219,13 +224,15 @@ class Fit(_Handle):
                              "(Fit(..., bias=True))")
         dw = np.empty((self.d_out, self.d_in), dtype=np.float32)
         db = np.empty(self.d_out, dtype=np.float32) if self.bias else None
-        rank = ctypes.c_size_t()
+        rk = ctypes.c_size_t()
+        self.rank = None
         _check(_fn.solve(self._alive(), wa.ctypes.data, self.d_in,
                          ba.ctypes.data if self.bias else None,
                          dw.ctypes.data, self.d_in,
                          db.ctypes.data if self.bias else None,
-                         ctypes.byref(rank)), self.ctx)
-        self.rank = int(rank.value)
+                         ctypes.byref(rk) if rank else None), self.ctx)
+        if rank:
+            self.rank = int(rk.value)
         return dw, db
 
     @staticmethod

@@ -53,12 +53,13 @@ class _FitProgress(object):
         orig = self._orig
 
         class Fit(orig):
-            def solve(self, w, b=None):
-                out = orig.solve(self, w, b)
+            def solve(self, w, b=None, **kw):
+                out = orig.solve(self, w, b, **kw)
                 prog.n += 1
-                _log(prog.quiet, "fit: layer %d/%d (d_in %d, d_out %d, "
-                     "rank %d)" % (prog.n, prog.total, self.d_in,
-                                   self.d_out, self.rank))
+                _log(prog.quiet, "fit: layer %d/%d (d_in %d, d_out %d%s)"
+                     % (prog.n, prog.total, self.d_in, self.d_out,
+                        "" if self.rank is None
+                        else ", rank %d" % self.rank))
                 return out
         _fit.Fit = Fit
         return self

@@ -759,7 +759,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    tied="carry", report=None, show_progress=False,
                    holdout="auto", alpha_grid=None, proxy_steps=8,
                    distill_steps=400, distill_lr=2e-3, distill_every=25,
-                   **options):
+                   threads=None, **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -794,6 +794,9 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     per step, at most distill_steps steps; every distill_every steps the
     held-out loss is measured, and the best state (the untouched target
     included) is returned.  Same vocabulary needed.
+    threads (fit, bico*): the library's thread count (BICO_CTX_THREADS)
+    for the statistics and the fit's solves; None (default): the
+    library's context default (1).
     shared_out (fit): target modules whose outputs are in the same
     coordinates as their source partner's (a classifier head over the same
     classes): D is used as it is, no output map.
@@ -930,7 +933,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
             split=split, ties=ties, norm_map=norm_map,
             source_blocks=source_blocks, target_blocks=target_blocks,
             ridge=ridges[0], shared_out=shared_out, tied=tied, report=rep,
-            show_progress=show_progress, holdout=held_b, **options)
+            show_progress=show_progress, holdout=held_b, threads=threads,
+            **options)
         new = torch_fit.proxy_fit(
             source, source_tuned, target, fit_b, held_b, None,
             lambda m, b: _output(_on(forward, _device(m))(m, b)),
@@ -945,7 +949,9 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                                  target_blocks=target_blocks,
                                  sums=bool(options.get("center")),
                                  grams=bool(options.get("whiten")),
-                                 show_progress=show_progress)
+                                 show_progress=show_progress,
+                                 **({} if threads is None
+                                    else {"threads": threads}))
     if method == "gradfix" and votes is None:
         votes = collect_votes(target, fit_b, loss_fn, step=step,
                               mean=gradfix_mode == "mean",
@@ -961,7 +967,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                 new = _fit(source, source_tuned, target, fit_b, forward,
                            col, a0, a1, b0, a, r, topts, frep,
                            show_progress, tuple(shared_out or ()), groups,
-                           tied)
+                           tied, threads)
                 delta = {k: new[k].float() - b0[k].detach().float().cpu()
                          for k in b0 if k in new
                          and new[k].is_floating_point()}
@@ -985,7 +991,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         if method == "fit":
             new = _fit(source, source_tuned, target, fit_b, forward, col,
                        a0, a1, b0, a, ridges[0], topts, report,
-                       show_progress, tuple(shared_out or ()), groups, tied)
+                       show_progress, tuple(shared_out or ()), groups, tied,
+                       threads)
             if auto is None:
                 return new
             delta = {k: new[k].float() - b0[k].detach().float().cpu()
@@ -1081,7 +1088,7 @@ def _apply(b0, delta, alpha):
 
 def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
          alpha, ridge, topts, report, show_progress, shared_out, groups,
-         tied):
+         tied, threads=None):
     from . import torch_fit
     names = dict(target.named_modules())
     for n in shared_out:
@@ -1127,10 +1134,16 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     start = {k: (b0[k] if k in fitted else new_bico[k].to(b0[k].device))
              for k in b0}
     freport = [] if report is not None else None
+    # one context for the layers' fits (made and solved one at a time, on
+    # this thread), at the caller's thread count
+    ctx = Context() if threads is None else Context(threads=threads)
+
+    def fit_class(*args, **kw):
+        return Fit(*args, ctx=ctx, **kw)
     out = torch_fit.fit_model(
         source, source_tuned, target, batches, _on(forward, _device(target)),
-        maps, pairing, start, alpha, ridge, Fit, freport, show_progress,
-        tuple(shared_out), skip)
+        maps, pairing, start, alpha, ridge, fit_class, freport,
+        show_progress, tuple(shared_out), skip)
     if report is not None:
         done = set(e["name"] for e in freport)
         report.extend(e for e in rep if e["name"].rsplit(".", 1)[0]

@@ -15,8 +15,11 @@ of a target segment, in the order its forward calls them:
 
 and bico.fit.Fit solves the ridge problem for [dW db], which is applied to
 B' before the next layer's inputs are taken.  Then the segment runs once
-more on B' to give the next segment its inputs.  Memory: one segment's
-inputs for four models, plus one segment's layer rows.
+more on B' to give the next segment its inputs.  Layers that read one
+input tensor one after the other (q/k/v, gate/up) take X' from one pass
+of B'.  Memory: one segment's inputs for four models, plus one segment's
+layer rows; B' shares B's tensors until its segment comes (it is made a
+block at a time, and its tensors are the result).
 """
 import copy
 import math
@@ -67,6 +70,7 @@ class _Runner(object):
         self.forward = forward
         self.state = None  # per batch: (args, kwargs) of the next block
         self.pos = -1      # the block whose input self.state holds
+        self.runs = 0      # forward passes over the batches so far
 
     def _capture(self, names, side):
         """Forward hooks storing each named module's input or output rows,
@@ -80,13 +84,21 @@ class _Runner(object):
             hooks.append(mods[n].register_forward_hook(hook))
         return hooks
 
-    def run(self, segment, names=(), side="in", advance=False, order=None):
+    def run(self, segment, names=(), side="in", advance=False, order=None,
+            same=None):
         """Runs segment ("stem", block index, "tail" or "all") on every
         batch; returns {name: [per batch: [per call: rows]]}.  advance:
         keep the segment's output as the next block's input.  order: a
-        list that receives module names in first-call order."""
+        list that receives module names in first-call order.  same: a dict
+        that receives, per name of names, [per batch: [per call: token]],
+        the token counting the distinct input tensors seen so far (a new
+        object, or the same one changed in place, is a new token): two
+        modules called one after the other on one tensor get one token."""
+        self.runs += 1
         self.got = {n: [] for n in names}
         hooks = self._capture(names, side)
+        if same is not None:
+            hooks += self._tokens(names, same)
         if order is not None:
             mods = dict(self.model.named_modules())
             for n, m in mods.items():
@@ -100,6 +112,8 @@ class _Runner(object):
                 for bi, batch in enumerate(self.batches):
                     for n in names:
                         self.got[n].append([])
+                        if same is not None:
+                            same[n].append([])
                     if segment == "all":
                         self.forward(self.model, batch)
                     elif segment == "stem":
@@ -118,6 +132,21 @@ class _Runner(object):
             self.state = new_state
             self.pos = 0 if segment == "stem" else segment + 1
         return self.got
+
+    def _tokens(self, names, same):
+        mods = dict(self.model.named_modules())
+        last = [None, -1, 0]  # the last input tensor, its version, token
+
+        def hook(m, inp, out, n):
+            t = inp[0]
+            if last[0] is not t or last[1] != t._version:
+                last[0], last[1] = t, t._version
+                last[2] += 1
+            same[n][-1].append(last[2])
+        for n in names:
+            same[n] = []
+        return [mods[n].register_forward_hook(
+            lambda m, i, o, n=n: hook(m, i, o, n)) for n in names]
 
     def _stem(self, batch):
         box = []
@@ -247,13 +276,20 @@ def _carry(d, r):
 
 def fit_model(source, source_tuned, target, batches, forward, maps,
               pairing, start_state, alpha, ridge, fit_class, report,
-              show_progress=False, shared_out=(), skip=()):
+              show_progress=False, shared_out=(), skip=(),
+              share_passes=True, rank=None):
     """Returns the working target's state dict after the fit.  maps: from
     Collector.maps() (R_out per target module); start_state: the target
     state dict to start from (BiCo's carried norms/tokens, original linear
-    weights); skip: target linears left as start_state has them."""
-    work = copy.deepcopy(target)
-    work.load_state_dict(start_state)
+    weights); skip: target linears left as start_state has them.
+    share_passes: layers fitted one after the other that read one input
+    tensor (q/k/v, gate/up) take their working-target inputs X' from one
+    forward pass (the earlier ones' updates cannot change that input).
+    rank: compute each layer's rank for the report (default: when there
+    is a report)."""
+    if rank is None:
+        rank = report is not None
+    work = _shallow_copy(target)
     for m in (source, source_tuned, target, work):
         m.eval()
     tmods = dict(target.named_modules())
@@ -266,6 +302,12 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
     runners = [_Runner(m, p, batches, forward) for m, p in
                ((source, pa), (source_tuned, pa), (target, pb), (work, pb))]
     ra, rt, rb, rw = runners
+    # the working copy is made a block at a time: what is outside the
+    # blocks now, each block when its segment comes (until then the blocks
+    # share the target's tensors, and nothing reads their outputs)
+    own_of = {}
+    _materialize(work, start_state, own_of,
+                 skip=list(rw.blocks) if rw.blocks is not None else [])
     if (rb.n == 0) != (ra.n == 0):
         raise BicoError(E_ARG, "transfer_model: one model has repeated "
                         "blocks and the other not")
@@ -276,6 +318,9 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
     depth = pairing.depth
     stem = _stem_linears(target, rb, batches[0], forward) if rb.n else set()
     for seg in segments:
+        if isinstance(seg, int):
+            _materialize(rw.blocks[seg], start_state, own_of,
+                         prefix=pb + "." + str(seg))
         # this segment's target linears, and their source partners
         own = [n for n in linear if _segment_of(n, pb, rb.n, stem) == seg]
         src = sorted(set(pairing.source_name(n) for n in own))
@@ -291,12 +336,21 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
                 r.advance_to(sseg)
         ya = ra.run(sseg, src, side="out", advance=sseg == "stem")
         yt = rt.run(sseg, src, side="out", advance=sseg == "stem")
-        order = []
+        order, same = [], {}
         xb = rb.run(seg, own, side="in", advance=seg not in ("tail", "all"),
-                    order=order)
-        for name in [n for n in order if n in own]:
+                    order=order, same=same)
+        fit_order = [n for n in order if n in own]
+        xw_group = {}
+        for i, name in enumerate(fit_order):
+            if name not in xw_group:
+                group = [name]
+                while share_passes and i + len(group) < len(fit_order) and \
+                        _one_input(same, group[-1],
+                                   fit_order[i + len(group)]):
+                    group.append(fit_order[i + len(group)])
+                xw_group = rw.run(seg, group, side="in")
             s = pairing.source_name(name)
-            xw = rw.run(seg, [name], side="in")[name]
+            xw = xw_group.pop(name)
             lin = tmods[name]
             wl = dict(work.named_modules())[name]
             if name in shared_out:
@@ -334,7 +388,7 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
             w = lin.weight.detach().float().cpu().numpy()
             b = lin.bias.detach().float().cpu().numpy() \
                 if lin.bias is not None else None
-            dw, dbias = f.solve(w, b)
+            dw, dbias = f.solve(w, b, rank=rank)
             with torch.no_grad():
                 wl.weight.copy_(torch.from_numpy(w + dw).to(wl.weight))
                 if b is not None:
@@ -342,7 +396,8 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
             if report is not None:
                 report.append({"name": name, "source": s,
                                "handling": "fit", "rows": int(f.rows),
-                               "rank": int(f.rank),
+                               "rank": None if f.rank is None
+                               else int(f.rank),
                                "update_norm": float(np.sqrt(
                                    np.sum(np.square(dw)) + (
                                        0.0 if dbias is None else
@@ -351,7 +406,56 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
             rw.run(seg, advance=True)
         for r in runners:
             r.got = {}
-    return {k: v.detach().clone() for k, v in work.state_dict().items()}
+    # every tensor of work is its own by now (no clone needed)
+    return {k: v.detach() for k, v in work.state_dict().items()}
+
+
+def _shallow_copy(model):
+    """A copy of model's module tree that shares its parameters and
+    buffers (no memory for them); _materialize gives it its own."""
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        memo[id(t)] = t
+    return copy.deepcopy(model, memo)
+
+
+def _materialize(root, state, done, prefix="", skip=()):
+    """Gives every parameter and buffer under module root (named prefix in
+    the whole model) its own tensor with state's value (the target's where
+    state lacks the key), except under the modules in skip.  done maps
+    id(shared tensor) -> its replacement and id(replacement) -> itself,
+    so that a tensor owned twice (a tied head) stays one."""
+    skip = set(id(m) for m in skip)
+
+    def walk(m, name):
+        if id(m) in skip:
+            return
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(m, kind)
+            for pn, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) in done:  # shared with one made before, or own
+                    table[pn] = done[id(t)]
+                    continue
+                key = name + "." + pn if name else pn
+                v = state.get(key, t).detach()
+                new = v.to(device=t.device, dtype=t.dtype).clone()
+                if kind == "_parameters":
+                    new = nn.Parameter(new, requires_grad=t.requires_grad)
+                table[pn] = new
+                done[id(t)] = done[id(new)] = new
+        for cn, c in m._modules.items():
+            if c is not None:
+                walk(c, name + "." + cn if name else cn)
+    walk(root, prefix)
+
+
+def _one_input(same, a, b):
+    """Whether modules a and b (b called after a) read the same input
+    tensor at every call on every batch (Runner.run's tokens)."""
+    ta, tb = same.get(a), same.get(b)
+    return bool(ta) and ta == tb and all(ta)
 
 
 def _segment_of(module, prefix, n_blocks, stem):
