@@ -367,6 +367,8 @@ class Bench(object):
                 info.setdefault("layer_ridges", {})[e["name"]] = e["ridge"]
             elif "rule" in e and info is not None:
                 info["alpha_chosen"] = e["alpha"]
+                if "ridge" in e:
+                    info["ridge_chosen"] = e["ridge"]
                 info["heldout_losses"] = {str(k): v for k, v in
                                           e["losses"].items()}
         return {k: v.detach().float().numpy() for k, v in new.items()}
