@@ -354,17 +354,32 @@ class Bench(object):
         batches = [(w[:, :-1], w[:, 1:]) for w in
                    self.calib_all[:n].split(per)]
         rep = []
+        opts = dict(FIT_OPTIONS)
+        if "general_batches" in opts:
+            # an integer n here: the first n windows of the general
+            # *training* text in a seeded random order, 8 per batch
+            allg = lm.windows(self.gtr, DATA["ctx"])
+            perm = torch.randperm(len(allg), generator=torch.Generator()
+                                  .manual_seed(CALIB["seed"] + 1))
+            gw = allg[perm[:int(opts["general_batches"])]]
+            opts["general_batches"] = [(w[:, :-1], w[:, 1:])
+                                       for w in gw.split(8)]
         new = bt.transfer_model(a, aft, b, batches,
                                 method=PY_METHODS[method],
                                 loss_fn=lm.loss_sum, report=rep,
-                                **FIT_OPTIONS)
+                                **opts)
         for e in rep:
             if e.get("rule") == "proxy-distill" and info is not None:
                 info["distill_step"] = e["step"]
             elif e.get("rule") == "proxy-fit" and info is not None:
                 info.setdefault("proxy_steps", []).append(e["alpha"])
+            elif e.get("handling") == "fit" and "ridge" in e \
+                    and info is not None:
+                info.setdefault("layer_ridges", {})[e["name"]] = e["ridge"]
             elif "rule" in e and info is not None:
                 info["alpha_chosen"] = e["alpha"]
+                if "ridge" in e:
+                    info["ridge_chosen"] = e["ridge"]
                 info["heldout_losses"] = {str(k): v for k, v in
                                           e["losses"].items()}
         return {k: v.detach().float().numpy() for k, v in new.items()}
@@ -451,6 +466,15 @@ def main():
             store = json.load(f)
 
     def save():
+        # another run may share the cache: keep the cells it stored since
+        if os.path.exists(rpath):
+            try:
+                with open(rpath) as f:
+                    disk = json.load(f)
+                for k, v in disk.items():
+                    store.setdefault(k, v)
+            except ValueError:
+                pass
         tmp = rpath + ".tmp.%d" % os.getpid()
         with open(tmp, "w") as f:
             json.dump(store, f, indent=1, sort_keys=True)

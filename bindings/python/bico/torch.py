@@ -759,7 +759,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    tied="carry", report=None, show_progress=False,
                    holdout="auto", alpha_grid=None, proxy_steps=8,
                    distill_steps=400, distill_lr=2e-3, distill_every=25,
-                   threads=None, **options):
+                   threads=None, ridge_prior="zero", general_batches=None,
+                   **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -778,7 +779,15 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     (norms, tokens, embeddings, nn.MultiheadAttention) is carried by BiCo.
     ridge may be a list with alpha="heldout": one fit per value, the
     (ridge, alpha) pair with the least held-out loss is kept (report:
-    "ridge", "ridge_losses").
+    "ridge", "ridge_losses").  ridge="gcv" (fit): each layer's c chosen
+    in closed form by generalised cross-validation (report: per layer
+    "ridge").  ridge_prior (fit): "zero" (default) or "bico": the ridge
+    pulls each layer's update towards BiCo's update of the layer instead
+    of towards zero, so that where the rows say little the fit falls back
+    to BiCo.  general_batches (fit): batches of general text (as batches);
+    the ridge's identity becomes the second moment of each layer's inputs
+    on them (the target's own, scaled to trace d_in), so the penalty is
+    the change of the layer's outputs on general text.
     proxy-fit: the fit (at its held-out alpha), then its nn.Linear layers
     moved towards the proxy-tuned distribution softmax(z_B + z_A_ft - z_A)
     (the logits of the three models on the same tokens, one vocabulary):
@@ -886,13 +895,29 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         raise BicoError(E_ARG, "transfer_model: tied must be 'carry' or "
                         "'fit', got %r" % (tied,))
     ridges = list(ridge) if isinstance(ridge, (list, tuple)) else [ridge]
-    if not ridges or any(not (isinstance(r, (int, float))
-                              and not isinstance(r, bool)
-                              and math.isfinite(r) and r >= 0)
+    if not ridges or any(not ((isinstance(r, (int, float))
+                               and not isinstance(r, bool)
+                               and math.isfinite(r) and r >= 0)
+                              or (r == "gcv" and method == "fit"))
                          for r in ridges):
-        raise BicoError(E_ARG, "transfer_model: ridge must be >= 0 (or, "
-                        "for fit with alpha='heldout', a list of such), got "
-                        "%r" % (ridge,))
+        raise BicoError(E_ARG, "transfer_model: ridge must be >= 0 or, "
+                        "for fit, 'gcv' (or, for fit with alpha='heldout', "
+                        "a list of such), got %r" % (ridge,))
+    if ridge_prior not in ("zero", "bico"):
+        raise BicoError(E_ARG, "transfer_model: ridge_prior must be 'zero' "
+                        "or 'bico', got %r" % (ridge_prior,))
+    if (ridge_prior != "zero" or general_batches is not None) \
+            and method != "fit":
+        raise BicoError(E_ARG, "transfer_model: ridge_prior and "
+                        "general_batches are options of method='fit', not "
+                        "of %r" % (method,))
+    if general_batches is not None:
+        general_batches = list(general_batches)
+        if not general_batches:
+            raise BicoError(E_ARG, "transfer_model: general_batches is "
+                            "empty (give general-text batches, or None for "
+                            "the identity penalty)")
+    fopts = dict(ridge_prior=ridge_prior, general_batches=general_batches)
     if len(ridges) > 1 and (method != "fit" or auto != "heldout"):
         raise BicoError(E_ARG, "transfer_model: a list of ridge values is "
                         "chosen among on held-out batches: it needs "
@@ -967,7 +992,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                 new = _fit(source, source_tuned, target, fit_b, forward,
                            col, a0, a1, b0, a, r, topts, frep,
                            show_progress, tuple(shared_out or ()), groups,
-                           tied, threads)
+                           tied, threads, **fopts)
                 delta = {k: new[k].float() - b0[k].detach().float().cpu()
                          for k in b0 if k in new
                          and new[k].is_floating_point()}
@@ -992,7 +1017,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
             new = _fit(source, source_tuned, target, fit_b, forward, col,
                        a0, a1, b0, a, ridges[0], topts, report,
                        show_progress, tuple(shared_out or ()), groups, tied,
-                       threads)
+                       threads, **fopts)
             if auto is None:
                 return new
             delta = {k: new[k].float() - b0[k].detach().float().cpu()
@@ -1088,7 +1113,7 @@ def _apply(b0, delta, alpha):
 
 def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
          alpha, ridge, topts, report, show_progress, shared_out, groups,
-         tied, threads=None):
+         tied, threads=None, ridge_prior="zero", general_batches=None):
     from . import torch_fit
     names = dict(target.named_modules())
     for n in shared_out:
@@ -1134,6 +1159,19 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     start = {k: (b0[k] if k in fitted else new_bico[k].to(b0[k].device))
              for k in b0}
     freport = [] if report is not None else None
+    prior = None
+    if ridge_prior == "bico":
+        # BiCo's update of each fitted layer's weight (at this alpha)
+        prior = {}
+        for n, m in target.named_modules():
+            k = (n + ".weight") if n else "weight"
+            if isinstance(m, nn.Linear) and k in fitted:
+                prior[n] = (new_bico[k].detach().double().cpu()
+                            - b0[k].detach().double().cpu()).numpy()
+    metric = None
+    if general_batches is not None:
+        metric = _input_moments(target, general_batches,
+                                _on(forward, _device(target)))
     # one context for the layers' fits (made and solved one at a time, on
     # this thread), at the caller's thread count
     ctx = Context() if threads is None else Context(threads=threads)
@@ -1143,7 +1181,7 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     out = torch_fit.fit_model(
         source, source_tuned, target, batches, _on(forward, _device(target)),
         maps, pairing, start, alpha, ridge, fit_class, freport,
-        show_progress, tuple(shared_out), skip)
+        show_progress, tuple(shared_out), skip, prior=prior, metric=metric)
     if report is not None:
         done = set(e["name"] for e in freport)
         report.extend(e for e in rep if e["name"].rsplit(".", 1)[0]
@@ -1151,6 +1189,31 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
         report.extend(freport)
     return _retied({k: v.cpu() for k, v in out.items()}, b0, groups)
 
+
+
+def _input_moments(model, batches, forward):
+    """{name: X^T X} (float64 NumPy) of every nn.Linear's inputs on the
+    batches (one forward pass each, hooks only)."""
+    acc, hooks = {}, []
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            def hook(mod, inp, out, n=n):
+                x = inp[0].detach().reshape(-1, inp[0].shape[-1]).double() \
+                    .cpu()
+                g = x.T @ x
+                acc[n] = g if n not in acc else acc[n] + g
+            hooks.append(m.register_forward_hook(hook))
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b in batches:
+                forward(model, b)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+    return {n: g.numpy() for n, g in acc.items()}
 
 
 # ---- alpha on held-out calibration batches ----
