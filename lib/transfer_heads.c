@@ -121,10 +121,10 @@ static bico_status config_path(bico__run *r, int which_cfg, int which_base,
 }
 
 static void describe(const bico__family *f, char *buf, size_t cap) {
-  static const char *const ROPE[4] = {"?", "half", "interleaved", "none"};
+  const char *rope = bico_rope_name(f->rope);
   snprintf(buf, cap, "%s (%zu heads, %zu key/value, head_dim %zu, rope %s)",
            f->type, f->heads, f->kv_heads, f->head_dim,
-           ROPE[f->rope >= 0 && f->rope <= 3 ? f->rope : 0]);
+           rope ? rope : "?");
 }
 
 bico_status bico__xfer_families(bico__run *r) {

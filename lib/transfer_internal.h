@@ -105,7 +105,7 @@ enum bico__handling {
   BICO__H_MASKED,
   BICO__H_COUNT
 };
-extern const char *const bico__xfer_handling[BICO__H_COUNT];
+/* the public bico_handling's values; names: bico_handling_name */
 
 /* What happened to one tensor, for the report. */
 typedef struct bico__tinfo {

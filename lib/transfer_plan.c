@@ -536,8 +536,7 @@ bico_status bico__xfer_check_pairing(bico__run *r) {
     size_t ndim;
     const size_t *shape;
     bico_model_tensor(r->mt, ti, &name, &dtype, &ndim, &shape);
-    if (dtype != BICO_DTYPE_F32 && dtype != BICO_DTYPE_F16 &&
-        dtype != BICO_DTYPE_BF16 && dtype != BICO_DTYPE_F64)
+    if (!bico_dtype_is_float(dtype))
       continue;
     bico_model_tensor_module(r->mt, ti, NULL, &role);
     int k = role == BICO_ROLE_WEIGHT ? K_WEIGHT

@@ -114,6 +114,15 @@ typedef enum bico_transfer_file {
   BICO_FILE_TARGET_CONFIG = 15
 } bico_transfer_file;
 
+/* Names of the files as the bindings spell them ("source_base",
+ * "source_tuned", "task_vector", "target_base", "source_calib",
+ * "target_calib", "stats", "target_votes", "output", "delta_output",
+ * "report", "lora", "lora_output", "source_config", "target_config");
+ * same conventions as bico_method_name / bico_method_from_name. */
+BICO_API const char *bico_transfer_file_name(int which);
+BICO_API bico_status bico_transfer_file_from_name(const char *name,
+                                                  int *which);
+
 /* Numeric options (bico_transfer_set_param), with bounds from
  * bico_transfer_param_bounds. */
 typedef enum bico_transfer_param {
@@ -246,6 +255,11 @@ typedef enum bico_transfer_string {
                                      report are the renamed ones.  Not with
                                      a LoRA adapter (BICO_E_ARG). */
 } bico_transfer_string;
+/* Names: "blocks", "source_blocks", "target_blocks", "source_rename"
+ * (NULL / BICO_E_NOTFOUND otherwise). */
+BICO_API const char *bico_transfer_string_name(int which);
+BICO_API bico_status bico_transfer_string_from_name(const char *name,
+                                                    int *which);
 
 /* A line of progress or summary text (no trailing newline). */
 typedef void (*bico_transfer_log_fn)(void *opaque, const char *line);

@@ -39,11 +39,6 @@ typedef struct item {
   size_t total;
 } item;
 
-static int is_float(int dtype) {
-  return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
-         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
-}
-
 static char *fmt(const char *a, const char *b) {
   size_t n = strlen(a) + strlen(b) + 2;
   char *p = malloc(n);
@@ -65,7 +60,7 @@ static int calib_tensor(const bico_stfile *f, const char *path,
   }
   bico_stfile_tensor_info(f, i, NULL, &dtype, &ndim, &shape);
   bico_stfile_tensor_size(f, i, &numel, NULL);
-  if (!is_float(dtype)) {
+  if (!bico_dtype_is_float(dtype)) {
     snprintf(msg, cap, "calibration file %s: tensor %s has dtype %s, expected "
              "a floating-point type", path, key, bico_dtype_name(dtype));
     return -1;

@@ -13,9 +13,6 @@ static const char *const CMD = "inspect";
 /* Generated from docs/bico.1.md (scripts/gen-help.py). */
 static const char HELP[] = BICO_HELP_INSPECT;
 
-static const char *const HANDLING[] = {"unchanged", "linear", "vector", "tied",
-                                       "naive",     "padded", "masked"};
-
 /* Length of a valid UTF-8 sequence at p (1..4), or 0. */
 static size_t utf8_len(const unsigned char *p) {
   size_t n = p[0] < 0x80 ? 1 : p[0] >= 0xc2 && p[0] <= 0xdf ? 2
@@ -84,7 +81,8 @@ static const char *text(const char *s) {
 }
 
 static const char *handling_name(int h) {
-  return h >= 0 && h <= 6 ? HANDLING[h] : "?";
+  const char *s = bico_handling_name(h);
+  return s ? s : "?";
 }
 
 static void maps_str(const bico_transfer_decision *d, char *buf, size_t cap) {

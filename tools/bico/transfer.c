@@ -295,18 +295,15 @@ static int check_usage(transfer_opts *o) {
                           o->norm_map);
   }
   if (o->null_mode != NULL) {
-    if (strcmp(o->null_mode, "keep") == 0) o->nl = BICO_NULL_KEEP;
-    else if (strcmp(o->null_mode, "drop") == 0) o->nl = BICO_NULL_DROP;
-    else return cli_error(CMD, CLI_USAGE, "--null %s: expected keep or drop",
+    if (bico_procrustes_null_from_name(o->null_mode, &o->nl) != BICO_OK)
+      return cli_error(CMD, CLI_USAGE, "--null %s: expected keep or drop",
                           o->null_mode);
   }
 
   o->pm = BICO_PROC_EIG;
   if (o->proc_method) {
-    if (strcmp(o->proc_method, "eig") == 0) o->pm = BICO_PROC_EIG;
-    else if (strcmp(o->proc_method, "svd") == 0) o->pm = BICO_PROC_SVD;
-    else if (strcmp(o->proc_method, "polar") == 0) o->pm = BICO_PROC_POLAR;
-    else return cli_error(CMD, CLI_USAGE,
+    if (bico_procrustes_method_from_name(o->proc_method, &o->pm) != BICO_OK)
+      return cli_error(CMD, CLI_USAGE,
                           "--proc-method %s: expected eig, svd or polar",
                           o->proc_method);
   }

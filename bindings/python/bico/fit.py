@@ -21,12 +21,13 @@ import numpy as np
 
 from . import _lib
 from ._core import BicoError, Context, _Handle, _check, _to_numpy
+from ._enums import FIT_FLAGS, FIT_PARAMS
 
 __all__ = ["Fit", "run", "FIT_BIAS", "FIT_RIDGE", "FIT_RANK_TOL"]
 
-# include/bico/fit.h
-FIT_BIAS = 1
-FIT_RIDGE, FIT_RANK_TOL = 1, 2
+# include/bico/fit.h (values from the library)
+FIT_BIAS = FIT_FLAGS["bias"]
+FIT_RIDGE, FIT_RANK_TOL = FIT_PARAMS["ridge"], FIT_PARAMS["rank_tol"]
 
 _S = ctypes.c_int
 _P = ctypes.POINTER
@@ -322,8 +323,3 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None):
         raise failure[0]
     _check(st, ctx)
 
-
-if __name__ == "__main__":  # python3 -m bico.fit: the command of bico.llm
-    import sys
-    from bico.llm import main as _main
-    sys.exit(_main(prog="python3 -m bico.fit"))

@@ -43,8 +43,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._core import (BicoError, Context, Procrustes, Votes, XCov, E_ARG,
-                    E_NOTFOUND, E_SHAPE, E_STATE)
+from ._core import BicoError, Context, Procrustes, Votes, XCov
+from ._status import E_ARG, E_NOTFOUND, E_SHAPE, E_STATE
 from ._names import Pairing
 from . import safetensors as _st
 from ._enums import DEFAULT_SPLIT
