@@ -175,3 +175,10 @@ def test_no_hand_written_enumeration_is_left():
     assert _hand_tables(bico.fit.__file__) == []
     for mod in ("lora.py", "model.py", "_core.py", "safetensors.py"):
         assert _hand_tables(os.path.join(pkg, mod)) == [], mod
+
+
+def test_torch_methods_are_the_librarys_and_the_fits():
+    bt = pytest.importorskip("bico.torch")
+    assert set(_enums.METHODS) <= set(bt.MODEL_METHODS)
+    assert set(bt.MODEL_METHODS) - set(_enums.METHODS) == \
+        {"fit", "proxy-fit", "proxy-distill"}

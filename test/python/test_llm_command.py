@@ -159,6 +159,38 @@ def test_fit_module_does_not_import_the_command():
     assert r.returncode == 0 and "--output-lora" in r.stdout, r.stderr
 
 
+def test_no_import_cycle_among_the_binding_modules():
+    """No module of the package reaches itself through its imports (those
+    inside functions included): the graph of bico/*.py is acyclic."""
+    import ast
+    import glob
+    import bico
+    pkg = os.path.dirname(bico.__file__)
+    deps = {}
+    for f in glob.glob(os.path.join(pkg, "*.py")):
+        m = os.path.basename(f)[:-3]
+        d = set()
+        for n in ast.walk(ast.parse(open(f).read())):
+            if isinstance(n, ast.ImportFrom) and n.level == 1:
+                d |= ({n.module.split(".")[0]} if n.module
+                      else {a.name for a in n.names})
+            elif isinstance(n, ast.ImportFrom) and \
+                    (n.module or "").startswith("bico."):
+                d.add(n.module.split(".")[1])
+            elif isinstance(n, ast.Import):
+                d |= {a.name.split(".")[1] for a in n.names
+                      if a.name.startswith("bico.")}
+        deps[m] = d - {"__init__"}
+    for m in deps:
+        seen, todo = set(), [m]
+        while todo:
+            for y in deps.get(todo.pop(), ()):
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        assert m not in seen, "import cycle through bico.%s" % m
+
+
 def test_transformers_option_says_what_is_missing(pair, tmp_path):
     import importlib.util
     if importlib.util.find_spec("transformers") is not None:
