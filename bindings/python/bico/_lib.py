@@ -395,6 +395,7 @@ PROTOTYPES = {
     "bico_lora_string_name": (c_char_p, [c_int]),
     "bico_lora_string_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_dtype_is_float": (c_int, [c_int]),
+    # fit.h's names (bico.fit declares the rest of fit.h itself)
     "bico_fit_param_name": (c_char_p, [c_int]),
     "bico_fit_param_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_fit_flag_name": (c_char_p, [c_int]),

@@ -39,8 +39,6 @@ _PROTOTYPES = {
     "bico_fit_get_param": (_S, [_vp, ctypes.c_int, _P(_d)]),
     "bico_fit_param_bounds": (_S, [ctypes.c_int, _P(_d), _P(_d),
                                    _P(ctypes.c_uint)]),
-    "bico_fit_param_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "bico_fit_param_from_name": (_S, [ctypes.c_char_p, _P(ctypes.c_int)]),
     "bico_fit_add": (_S, [_vp, _sz, _vp, _sz, _vp, _sz, _vp, _sz]),
     "bico_fit_merge": (_S, [_vp, _vp]),
     "bico_fit_reset": (_S, [_vp]),
