@@ -95,17 +95,16 @@ typedef struct bico__modstate {
   size_t job[2];  /* solver pool job index + 1 per side, 0 = none */
 } bico__modstate;
 
-enum bico__handling {
-  BICO__H_UNCHANGED = 0,
-  BICO__H_LINEAR,
-  BICO__H_VECTOR,
-  BICO__H_TIED,
-  BICO__H_NAIVE,
-  BICO__H_PADDED,
-  BICO__H_MASKED,
-  BICO__H_COUNT
-};
-/* the public bico_handling's values; names: bico_handling_name */
+/* Short names of the public bico_handling (transfer.h holds the values,
+ * bico_handling_name the words). */
+#define BICO__H_UNCHANGED BICO_HANDLING_UNCHANGED
+#define BICO__H_LINEAR BICO_HANDLING_LINEAR
+#define BICO__H_VECTOR BICO_HANDLING_VECTOR
+#define BICO__H_TIED BICO_HANDLING_TIED
+#define BICO__H_NAIVE BICO_HANDLING_NAIVE
+#define BICO__H_PADDED BICO_HANDLING_PADDED
+#define BICO__H_MASKED BICO_HANDLING_MASKED
+#define BICO__H_COUNT (BICO_HANDLING_MASKED + 1)
 
 /* What happened to one tensor, for the report. */
 typedef struct bico__tinfo {
