@@ -248,11 +248,14 @@ def merge_tensors(taus, weights, densities=None, method="linear",
 
 
 def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
-          delta_output=None, report=None, ctx=None):
+          delta_output=None, report=None, max_shard_size=None, ctx=None):
     """What `bico merge` runs.  inputs: (kind, path, weight, density) with
-    kind "task_vector", "tuned" or "lora"."""
+    kind "task_vector", "tuned" or "lora".  max_shard_size: bytes per shard
+    of an output folder (`--max-shard-size`; None: sharded as the base)."""
     m = choose(MERGE_METHODS, method, "merge method")
     alpha = A.scalar_f64(alpha, "alpha")
+    if max_shard_size is not None:
+        max_shard_size = A.scalar_f64(max_shard_size, "max_shard_size")
     files = [(MERGE_FILES[w], _enc(p, w)) for w, p in
              (("base", base), ("output", output),
               ("delta_output", delta_output), ("report", report))
@@ -275,6 +278,9 @@ def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
         _check(fn.merge_set_param(h, MERGE_PARAMS["normalize"],
                                   -1 if normalize is None
                                   else int(bool(normalize))), ctx)
+        if max_shard_size is not None:
+            _check(fn.merge_set_param(h, MERGE_PARAMS["max_shard_size"],
+                                      max_shard_size), ctx)
         for kind, path, weight, density in ins:
             _check(fn.merge_add_input(h, kind, path, weight, density), ctx)
         _check(fn.merge_run(h), ctx)
