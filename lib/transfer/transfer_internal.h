@@ -28,9 +28,10 @@
  *                       offer, a checkpoint given as the task vector;
  *   transfer_mem.c      statistics and votes lent by the host
  *                       (bico_transfer_set_xcov, _set_votes);
- *   transfer_base.c     what every step uses: names (file slots, methods,
- *                       handlings), the log line, error wrapping, tensor
- *                       and module names.
+ *   transfer_base.c     what every step uses: the log line, error
+ *                       wrapping, tensor and module names (the names of
+ *                       file slots, methods and handlings are
+ *                       lib/base/names.c's public functions).
  * The handle (struct bico_transfer) holds the options (set before a run)
  * and what outlives a run, each part owned and freed by one file: the
  * counts (transfer.c), the multi-process plan and assembler
