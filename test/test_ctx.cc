@@ -359,8 +359,8 @@ struct EnumCase {
   bool flags;                // powers of two, else 1..N (status: 0..N)
 };
 
-// The enumerations of status.h, ctx.h, xcov.h, procrustes.h, gradfix.h and
-// model.h, listed here by their identifiers (an independent copy of the
+// The enumerations of status.h, ctx.h, xcov.h, procrustes.h, gradfix.h,
+// model.h, merge.h, transfer.h, lora.h and safetensors.h, listed here by their identifiers (an independent copy of the
 // headers' lists): each value has a name, the name leads back to it, the
 // names are distinct, and the values follow the rule of status.h.
 TEST(Names, EveryEnumeratorRoundTripsAndFollowsTheRule) {
@@ -408,11 +408,72 @@ TEST(Names, EveryEnumeratorRoundTripsAndFollowsTheRule) {
        {BICO_ROLE_WEIGHT, BICO_ROLE_BIAS, BICO_ROLE_VECTOR, BICO_ROLE_TOKEN,
         BICO_ROLE_OTHER},
        false},
+      {"fit_flag", bico_fit_flag_name, bico_fit_flag_from_name,
+       {BICO_FIT_BIAS}, true},
+      {"fit_param", bico_fit_param_name, bico_fit_param_from_name,
+       {BICO_FIT_RIDGE, BICO_FIT_RANK_TOL}, false},
+      {"merge_param", bico_merge_param_name, bico_merge_param_from_name,
+       {BICO_MERGE_METHOD, BICO_MERGE_ALPHA, BICO_MERGE_NORMALIZE,
+        BICO_MERGE_MAX_SHARD_SIZE},
+       false},
+      {"merge_input", bico_merge_input_name, bico_merge_input_from_name,
+       {BICO_MERGE_TASK_VECTOR, BICO_MERGE_TUNED, BICO_MERGE_LORA}, false},
+      {"merge_file", bico_merge_file_name, bico_merge_file_from_name,
+       {BICO_MERGE_FILE_BASE, BICO_MERGE_FILE_OUTPUT,
+        BICO_MERGE_FILE_DELTA_OUTPUT, BICO_MERGE_FILE_REPORT},
+       false},
+      {"transfer_method", bico_transfer_method_name, bico_transfer_method_from_name,
+       {BICO_METHOD_BICO, BICO_METHOD_BICO_IN, BICO_METHOD_BICO_OUT,
+        BICO_METHOD_GRADFIX, BICO_METHOD_NAIVE, BICO_METHOD_PAD},
+       false},
+      {"transfer_norm_map", bico_transfer_norm_map_name, bico_transfer_norm_map_from_name,
+       {BICO_NORM_MAP_ACT, BICO_NORM_MAP_GRAD}, false},
+      {"transfer_structure", bico_transfer_structure_name, bico_transfer_structure_from_name,
+       {BICO_STRUCTURE_HEADS, BICO_STRUCTURE_FREE}, false},
+      {"transfer_rope", bico_transfer_rope_name, bico_transfer_rope_from_name,
+       {BICO_ROPE_HALF, BICO_ROPE_INTERLEAVED, BICO_ROPE_NONE}, false},
+      {"transfer_handling", bico_transfer_handling_name, bico_transfer_handling_from_name,
+       {BICO_HANDLING_UNCHANGED, BICO_HANDLING_LINEAR, BICO_HANDLING_VECTOR,
+        BICO_HANDLING_TIED, BICO_HANDLING_NAIVE, BICO_HANDLING_PADDED,
+        BICO_HANDLING_MASKED},
+       false},
+      {"transfer_side", bico_transfer_side_name, bico_transfer_side_from_name,
+       {BICO_SIDE_IN, BICO_SIDE_OUT}, false},
+      {"transfer_file", bico_transfer_file_name, bico_transfer_file_from_name,
+       {BICO_FILE_SOURCE_BASE, BICO_FILE_SOURCE_TUNED, BICO_FILE_TASK_VECTOR,
+        BICO_FILE_TARGET_BASE, BICO_FILE_SOURCE_CALIB, BICO_FILE_TARGET_CALIB,
+        BICO_FILE_STATS, BICO_FILE_TARGET_VOTES, BICO_FILE_OUTPUT,
+        BICO_FILE_DELTA_OUTPUT, BICO_FILE_REPORT, BICO_FILE_LORA,
+        BICO_FILE_LORA_OUTPUT, BICO_FILE_SOURCE_CONFIG,
+        BICO_FILE_TARGET_CONFIG},
+       false},
+      {"transfer_check_level", bico_transfer_check_level_name,
+       bico_transfer_check_level_from_name,
+       {BICO_TRANSFER_CHECK_OPTIONS, BICO_TRANSFER_CHECK_INPUTS}, false},
+      {"transfer_string", bico_transfer_string_name,
+       bico_transfer_string_from_name,
+       {BICO_TRANSFER_BLOCKS, BICO_TRANSFER_SOURCE_BLOCKS,
+        BICO_TRANSFER_TARGET_BLOCKS, BICO_TRANSFER_SOURCE_RENAME},
+       false},
+      {"lora_kind", bico_lora_kind_name, bico_lora_kind_from_name,
+       {BICO_LORA_LINEAR, BICO_LORA_EMBEDDING}, false},
+      {"lora_param", bico_lora_param_name, bico_lora_param_from_name,
+       {BICO_LORA_RSLORA, BICO_LORA_FAN_IN_FAN_OUT}, false},
+      {"lora_string", bico_lora_string_name, bico_lora_string_from_name,
+       {BICO_LORA_TASK_TYPE, BICO_LORA_BASE_MODEL}, false},
+      {"dtype", bico_dtype_name, bico_dtype_from_name,
+       {BICO_DTYPE_F32, BICO_DTYPE_F16, BICO_DTYPE_BF16, BICO_DTYPE_F64,
+        BICO_DTYPE_I8, BICO_DTYPE_I16, BICO_DTYPE_I32, BICO_DTYPE_I64,
+        BICO_DTYPE_U8, BICO_DTYPE_U16, BICO_DTYPE_U32, BICO_DTYPE_U64,
+        BICO_DTYPE_BOOL},
+       false},
   };
   for (const EnumCase &c : cases) {
     std::set<std::string> seen;
     std::set<int> values(c.members.begin(), c.members.end());
-    const bool status = std::string(c.what) == "status";
+    // status codes and handlings start at 0 (BICO_OK, UNCHANGED)
+    const bool status = std::string(c.what) == "status" ||
+                        std::string(c.what) == "handling";
     for (size_t k = 0; k < c.members.size(); k++) {
       const int v = c.members[k];
       if (c.flags) {
@@ -456,7 +517,18 @@ TEST(Names, DocumentedSpellings) {
   EXPECT_STREQ(bico_gradfix_mode_name(BICO_GRADFIX_MAJORITY), "majority");
   EXPECT_STREQ(bico_model_tensor_role_name(BICO_ROLE_TOKEN), "token");
   EXPECT_STREQ(bico_ctx_param_name(BICO_CTX_THREADS), "threads");
+  // the report's and bico inspect's handling words, the CLI's words
+  EXPECT_STREQ(bico_transfer_handling_name(BICO_HANDLING_UNCHANGED), "unchanged");
+  EXPECT_STREQ(bico_transfer_handling_name(BICO_HANDLING_MASKED), "masked");
+  EXPECT_STREQ(bico_transfer_method_name(BICO_METHOD_BICO_IN), "bico-in");
+  EXPECT_STREQ(bico_transfer_rope_name(BICO_ROPE_INTERLEAVED), "interleaved");
+  EXPECT_STREQ(bico_merge_param_name(BICO_MERGE_MAX_SHARD_SIZE),
+               "max_shard_size");
+  EXPECT_STREQ(bico_dtype_name(BICO_DTYPE_BF16), "BF16");
   int v = -1;
+  // mergekit's alias, accepted but never given back as a name
+  EXPECT_EQ(BICO_OK, bico_merge_method_from_name("task_arithmetic", &v));
+  EXPECT_EQ(BICO_MERGE_LINEAR, v);
   // Exact spelling: no case folding, no identifier form for the words.
   EXPECT_EQ(BICO_E_NOTFOUND, bico_procrustes_method_from_name("EIG", &v));
   EXPECT_EQ(BICO_E_NOTFOUND, bico_procrustes_method_from_name("eig ", &v));

@@ -169,6 +169,19 @@ TEST(SafetensorsDtype, NamesSizesAndFrozenValues) {
   EXPECT_EQ(bico_dtype_from_name(nullptr, &d), BICO_E_NULL);
 }
 
+// The one float predicate: exactly the dtypes whose safetensors name is an
+// IEEE or brain float ("F..", "BF.."), nothing outside the enumeration.
+TEST(SafetensorsDtype, IsFloatExactlyTheFloatingPointNames) {
+  int nfloat = 0;
+  for (int d = -2; d < 40; d++) {
+    const char *n = bico_dtype_name(d);
+    const bool fl = n != nullptr && (n[0] == 'F' || (n[0] == 'B' && n[1] == 'F'));
+    EXPECT_EQ(bico_dtype_is_float(d), fl ? 1 : 0) << d;
+    nfloat += fl;
+  }
+  EXPECT_EQ(nfloat, 4);
+}
+
 TEST(SafetensorsRoundTrip, HandPickedEncodings) {
   // Bit patterns that follow from the IEEE definitions alone.
   struct {

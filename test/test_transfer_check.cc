@@ -162,6 +162,20 @@ TEST(TransferCheck, FilesThatGoTogetherAreCheckedWithoutOpeningAny) {
   int w = -7;
   EXPECT_EQ(bico_transfer_file_from_name("sauce base", &w), BICO_E_NOTFOUND);
   EXPECT_EQ(w, -7);
+  // The bindings' spelling (an underscore for each space) names the same
+  // slot; it is accepted, never listed, and only for a space.
+  for (int f = BICO_FILE_SOURCE_BASE; f <= BICO_FILE_TARGET_CONFIG; f++) {
+    std::string u = bico_transfer_file_name(f);
+    for (char &c : u)
+      if (c == ' ') c = '_';
+    int back = 0;
+    EXPECT_EQ(bico_transfer_file_from_name(u.c_str(), &back), BICO_OK) << u;
+    EXPECT_EQ(back, f) << u;
+  }
+  EXPECT_EQ(bico_transfer_file_from_name("stats_", &w), BICO_E_NOTFOUND);
+  EXPECT_EQ(bico_transfer_file_from_name("source_base ", &w), BICO_E_NOTFOUND);
+  EXPECT_EQ(bico_transfer_file_from_name("source_base", nullptr), BICO_E_NULL);
+  EXPECT_EQ(w, -7);
   // And the good configuration is back: nothing written by any of it.
   EXPECT_EQ(bico_transfer_check(s.t, 0), BICO_OK) << s.msg();
   EXPECT_EQ(s.dir.list(), (std::vector<std::string>{

@@ -37,6 +37,9 @@ BICO_API size_t bico_dtype_size(int dtype);
 /* The dtype whose safetensors name is `name` (exact, case-sensitive) into
  * *dtype; BICO_E_NOTFOUND if none.  No context: returns the status only. */
 BICO_API bico_status bico_dtype_from_name(const char *name, int *dtype);
+/* 1 for the floating-point dtypes (F32, F16, BF16, F64: the tensors a
+ * transfer updates and a merge combines), 0 otherwise. */
+BICO_API int bico_dtype_is_float(int dtype);
 
 #ifdef __cplusplus
 }

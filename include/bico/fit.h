@@ -46,6 +46,9 @@ typedef enum bico_fit_flag {
   BICO_FIT_BIAS = 1 /* fit a bias too: a column of ones is appended to X'
                        and X_B */
 } bico_fit_flag;
+/* Names: "bias" (NULL / BICO_E_NOTFOUND otherwise). */
+BICO_API const char *bico_fit_flag_name(int flag);
+BICO_API bico_status bico_fit_flag_from_name(const char *name, int *flag);
 
 /* Options (bico_fit_set_param):
  *   BICO_FIT_RIDGE     c >= 0, default 1e-2: lambda = c tr(X'^T X') / d_in.

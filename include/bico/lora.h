@@ -83,6 +83,14 @@ typedef enum bico_lora_string {
   BICO_LORA_TASK_TYPE = 1,
   BICO_LORA_BASE_MODEL = 2 /* base_model_name_or_path */
 } bico_lora_string;
+/* Names of the kinds ("linear", "embedding") and strings ("task_type",
+ * "base_model"), as the bindings spell them (the switches' names are
+ * bico_lora_param_name's); NULL / BICO_E_NOTFOUND otherwise. */
+BICO_API const char *bico_lora_kind_name(int kind);
+BICO_API bico_status bico_lora_kind_from_name(const char *name, int *kind);
+BICO_API const char *bico_lora_string_name(int which);
+BICO_API bico_status bico_lora_string_from_name(const char *name,
+                                                int *which);
 
 /* Reads and validates a PEFT adapter folder (see above).  The factors are
  * read into memory (the adapter's size); the files are closed on return. */

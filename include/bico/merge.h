@@ -76,6 +76,13 @@ typedef enum bico_merge_file {
   BICO_MERGE_FILE_DELTA_OUTPUT = 3, /* alpha * merged alone (optional) */
   BICO_MERGE_FILE_REPORT = 4        /* JSON report (optional) */
 } bico_merge_file;
+/* Names of the input kinds ("task_vector", "tuned", "lora") and files
+ * ("base", "output", "delta_output", "report"), as the bindings spell
+ * them; NULL / BICO_E_NOTFOUND otherwise. */
+BICO_API const char *bico_merge_input_name(int kind);
+BICO_API bico_status bico_merge_input_from_name(const char *name, int *kind);
+BICO_API const char *bico_merge_file_name(int which);
+BICO_API bico_status bico_merge_file_from_name(const char *name, int *which);
 
 typedef enum bico_merge_param {
   BICO_MERGE_METHOD = 1,    /* bico_merge_method; default LINEAR */
@@ -96,8 +103,9 @@ BICO_API bico_status bico_merge_set_file(bico_merge *m, int which,
 BICO_API bico_status bico_merge_set_param(bico_merge *m, int param,
                                           double value);
 /* The option grammar of params.h: METHOD [1, 2], ALPHA (0, FLT_MAX]
- * (BICO_PARAM_LO_OPEN; used as a float), NORMALIZE [-1, 1] (integers);
- * names "method", "alpha", "normalize". */
+ * (BICO_PARAM_LO_OPEN; used as a float), NORMALIZE [-1, 1] (integers),
+ * MAX_SHARD_SIZE (bytes); names "method", "alpha", "normalize",
+ * "max_shard_size". */
 BICO_API bico_status bico_merge_get_param(const bico_merge *m, int param,
                                           double *value);
 BICO_API bico_status bico_merge_param_bounds(int param, double *lo,

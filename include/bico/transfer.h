@@ -119,7 +119,9 @@ typedef enum bico_transfer_file {
  * "output", "delta output", "report", "source adapter", "output adapter",
  * "source config", "target config"): the library's messages name a slot's
  * file as "the <name> file", so a front end can put its own spelling of
- * the option in its place.  NULL / BICO_E_NOTFOUND otherwise. */
+ * the option in its place.  _from_name also takes the bindings' spelling,
+ * an underscore for each space ("source_base").  NULL / BICO_E_NOTFOUND
+ * otherwise. */
 BICO_API const char *bico_transfer_file_name(int which);
 BICO_API bico_status bico_transfer_file_from_name(const char *name,
                                                   int *which);
@@ -256,6 +258,11 @@ typedef enum bico_transfer_string {
                                      report are the renamed ones.  Not with
                                      a LoRA adapter (BICO_E_ARG). */
 } bico_transfer_string;
+/* Names: "blocks", "source_blocks", "target_blocks", "source_rename"
+ * (NULL / BICO_E_NOTFOUND otherwise). */
+BICO_API const char *bico_transfer_string_name(int which);
+BICO_API bico_status bico_transfer_string_from_name(const char *name,
+                                                    int *which);
 
 /* A line of progress or summary text (no trailing newline). */
 typedef void (*bico_transfer_log_fn)(void *opaque, const char *line);
@@ -389,6 +396,11 @@ typedef enum bico_transfer_check_level {
  * calls it with BICO_TRANSFER_CHECK_OPTIONS to tell a usage error from a
  * failure on the files. */
 BICO_API bico_status bico_transfer_check(bico_transfer *t, int level);
+/* Names of the levels ("options", "inputs"); NULL / BICO_E_NOTFOUND
+ * otherwise. */
+BICO_API const char *bico_transfer_check_level_name(int level);
+BICO_API bico_status bico_transfer_check_level_from_name(const char *name,
+                                                         int *level);
 
 /* After a successful run: counts of target tensors by handling; any
  * out-pointer may be NULL.  updated: tensors that received an update

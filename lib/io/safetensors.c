@@ -321,7 +321,7 @@ bico_status bico_stfile_check_finite(const bico_stfile *f, size_t index) {
   bico_status st = check_index(f, "stfile_check_finite", index);
   if (st != BICO_OK) return st;
   const st_tensor *t = &f->tensors[index];
-  if (!bico__st_is_float(t->dtype)) return BICO_OK;
+  if (!bico_dtype_is_float(t->dtype)) return BICO_OK;
   size_t es = bico_dtype_size(t->dtype), per = CHUNK / es;
   unsigned char buf[CHUNK];
   for (size_t k = 0; k < t->numel; k += per) {

@@ -8,37 +8,25 @@
 
 /* ---- dtypes ---- */
 
-static const struct {
-  const char *name;
-  size_t size;
-} dtypes[] = {
-    {NULL, 0},     {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"F64", 8},
-    {"I8", 1},     {"I16", 2}, {"I32", 4}, {"I64", 8},  {"U8", 1},
-    {"U16", 2},    {"U32", 4}, {"U64", 8}, {"BOOL", 1},
-};
-#define NDTYPES ((int)(sizeof dtypes / sizeof dtypes[0]))
-
-const char *bico_dtype_name(int dtype) {
-  return dtype > 0 && dtype < NDTYPES ? dtypes[dtype].name : NULL;
-}
+/* Element sizes by dtype (the names are lib/base/names.c's). */
+static const size_t dtype_sizes[] = {
+    [BICO_DTYPE_F32] = 4, [BICO_DTYPE_F16] = 2, [BICO_DTYPE_BF16] = 2,
+    [BICO_DTYPE_F64] = 8, [BICO_DTYPE_I8] = 1,  [BICO_DTYPE_I16] = 2,
+    [BICO_DTYPE_I32] = 4, [BICO_DTYPE_I64] = 8, [BICO_DTYPE_U8] = 1,
+    [BICO_DTYPE_U16] = 2, [BICO_DTYPE_U32] = 4, [BICO_DTYPE_U64] = 8,
+    [BICO_DTYPE_BOOL] = 1};
 
 size_t bico_dtype_size(int dtype) {
-  return dtype > 0 && dtype < NDTYPES ? dtypes[dtype].size : 0;
+  return dtype > 0 && (size_t)dtype < sizeof dtype_sizes / sizeof *dtype_sizes
+             ? dtype_sizes[dtype]
+             : 0;
 }
 
-bico_status bico_dtype_from_name(const char *name, int *dtype) {
-  if (name == NULL || dtype == NULL) return BICO_E_NULL;
-  for (int d = 1; d < NDTYPES; d++)
-    if (strcmp(dtypes[d].name, name) == 0) {
-      *dtype = d;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
-}
-
-int bico__st_is_float(int d) {
-  return d == BICO_DTYPE_F32 || d == BICO_DTYPE_F16 || d == BICO_DTYPE_BF16 ||
-         d == BICO_DTYPE_F64;
+/* The one rule for "is this a floating-point dtype" (what a transfer
+ * updates, a merge combines, a calibration file may hold). */
+int bico_dtype_is_float(int dtype) {
+  return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
+         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
 }
 
 

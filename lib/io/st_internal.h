@@ -56,7 +56,6 @@ struct bico_stfile {
 /* A name for messages: long ones cut with "...". */
 const char *bico__st_shortname(const char *s, char *buf, size_t cap);
 
-int bico__st_is_float(int dtype);
 uint64_t bico__st_load_le(const unsigned char *p, size_t n);
 void bico__st_store_le(unsigned char *p, uint64_t v, size_t n);
 /* Nearest value (ties to even) of a binary format with ebits exponent and

@@ -18,7 +18,6 @@
 #define shortname bico__st_shortname
 #define store_le bico__st_store_le
 #define round_to_format bico__st_round
-#define is_float_dtype bico__st_is_float
 
 typedef struct wt_tensor {
   char *name;
@@ -454,7 +453,7 @@ static bico_status w_convert(bico_stwriter *w, const char *fn, size_t k,
                              size_t count) {
   wt_tensor *t = &w->t[k];
   char nb[160];
-  if (!is_float_dtype(t->dtype))
+  if (!bico_dtype_is_float(t->dtype))
     return bico__fail(w->ctx, BICO_E_ARG,
                       "%s: %s: tensor '%s' is declared %s; float data convert "
                       "only to F32, F16, BF16 or F64 (use write_raw)",

@@ -341,11 +341,6 @@ static void logf_(const bico_merge *m, const char *fmt, ...) {
   m->log(m->log_opaque, line);
 }
 
-static int is_float(int dtype) {
-  return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
-         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
-}
-
 static int same_shape(size_t na, const size_t *a, size_t nb, const size_t *b) {
   return na == nb && (na == 0 || memcmp(a, b, na * sizeof *a) == 0);
 }
@@ -379,7 +374,7 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
                           what, in->path, name,
                           bico__shape_text(sa, sizeof sa, nd, sh),
                           bico__shape_text(sb, sizeof sb, bnd, bsh));
-      if (!is_float(bdt))
+      if (!bico_dtype_is_float(bdt))
         return bico__fail(ctx, BICO_E_ARG,
                           "merge_run: %s %s: tensor %s is not floating point "
                           "in the base, so it cannot be merged",
@@ -645,7 +640,7 @@ static bico_status merge_one(bico_merge *m, const bico_stfile *base, size_t ti,
   size_t used = 0;
   double *b = NULL;
   float *out = NULL;
-  if (is_float(dtype) && n > 0) {
+  if (bico_dtype_is_float(dtype) && n > 0) {
     b = bico__alloc(ctx, n * sizeof(double));
     out = bico__alloc(ctx, n * sizeof(float));
     if (b == NULL || out == NULL) st = BICO_E_NOMEM;
@@ -688,7 +683,7 @@ static bico_status merge_one(bico_merge *m, const bico_stfile *base, size_t ti,
     size_t nbytes;
     st = bico_stfile_data(base, ti, &data, &nbytes);
     if (st == BICO_OK && nbytes) st = bico_stwriter_write_raw(w, name, data, nbytes);
-    if (st == BICO_OK && wd && is_float(dtype) && n > 0) {
+    if (st == BICO_OK && wd && bico_dtype_is_float(dtype) && n > 0) {
       memset(out, 0, n * sizeof(float));
       st = bico_stwriter_write_f32(wd, name, out, n);
     }
@@ -761,7 +756,7 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
     const size_t *sh;
     bico_stfile_tensor_info(base, ti, &name, &dtype, &nd, &sh);
     st = bico_stwriter_declare(*wp, name, dtype, nd, sh);
-    if (st == BICO_OK && *wdp && is_float(dtype))
+    if (st == BICO_OK && *wdp && bico_dtype_is_float(dtype))
       st = bico_stwriter_declare(*wdp, name, dtype, nd, sh);
   }
   bico__report_begin_object(rep);

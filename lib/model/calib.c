@@ -14,11 +14,6 @@
  * statistics' size whatever the calibration set's. */
 #define CHUNK_FLOATS ((size_t)1 << 22)
 
-static int is_float(int dtype) {
-  return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
-         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
-}
-
 bico_status bico__calib_find(bico_ctx *ctx, const bico_stfile *f,
                              const char *path, const char *key, size_t width,
                              size_t *index, size_t *rows) {
@@ -32,7 +27,7 @@ bico_status bico__calib_find(bico_ctx *ctx, const bico_stfile *f,
   bico_status st = bico_stfile_tensor_info(f, i, NULL, &dtype, &ndim, &shape);
   if (st == BICO_OK) st = bico_stfile_tensor_size(f, i, &numel, NULL);
   if (st != BICO_OK) return st;
-  if (!is_float(dtype))
+  if (!bico_dtype_is_float(dtype))
     return bico__fail(ctx, BICO_E_FORMAT,
                       "calibration file %s: tensor %s has dtype %s, expected "
                       "a floating-point type",
@@ -505,7 +500,7 @@ bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
       int dt;
       st = bico_stfile_tensor_info(fs[0], t, &name, &dt, &nd0, &s0);
       if (st != BICO_OK) break;
-      if (!is_float(dt)) {
+      if (!bico_dtype_is_float(dt)) {
         st = bico__fail(ctx, BICO_E_FORMAT,
                         "%s: %s: tensor %s is not floating point", fn,
                         inputs[0], name);
@@ -518,7 +513,7 @@ bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
       }
       st = bico_stfile_tensor_info(fs[i], j, NULL, &dt, &nd1, &s1);
       if (st != BICO_OK) break;
-      if (!is_float(dt) || nd0 != nd1 ||
+      if (!bico_dtype_is_float(dt) || nd0 != nd1 ||
           (nd0 && memcmp(s0, s1, nd0 * sizeof *s0) != 0)) {
         char a[128], b[128];
         st = bico__fail(ctx, BICO_E_SHAPE,

@@ -54,9 +54,9 @@ struct bico_model {
   size_t cont_n[8];   /* blocks per container of the family (0: none) */
 };
 
+/* A graph built from shapes alone (dtype 0) counts as floating point. */
 static int is_float_dtype(int dtype) {
-  return dtype == 0 || dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
-         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
+  return dtype == 0 || bico_dtype_is_float(dtype);
 }
 
 static const char *tensor_key(const void *m, size_t i) {

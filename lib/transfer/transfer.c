@@ -74,7 +74,7 @@ bico_status bico_transfer_set_file(bico_transfer *t, int which,
   if (path != NULL && path[0] == '\0')
     return bico__fail(t->ctx, BICO_E_ARG,
                       "transfer_set_file: empty path for the %s",
-                      bico__xfer_file_option[which]);
+                      bico_transfer_file_name(which));
   char *p = NULL;
   if (path != NULL && (p = bico__strdup(t->ctx, path)) == NULL) return BICO_E_NOMEM;
   bico__free(t->ctx, t->files[which]);

@@ -28,9 +28,10 @@
  *                       offer, a checkpoint given as the task vector;
  *   transfer_mem.c      statistics and votes lent by the host
  *                       (bico_transfer_set_xcov, _set_votes);
- *   transfer_base.c     what every step uses: names (file slots, methods,
- *                       handlings), the log line, error wrapping, tensor
- *                       and module names.
+ *   transfer_base.c     what every step uses: the log line, error
+ *                       wrapping, tensor and module names (the names of
+ *                       file slots, methods and handlings are
+ *                       lib/base/names.c's public functions).
  * The handle (struct bico_transfer) holds the options (set before a run)
  * and what outlives a run, each part owned and freed by one file: the
  * counts (transfer.c), the multi-process plan and assembler
@@ -119,7 +120,7 @@ typedef struct bico__modstate {
 } bico__modstate;
 
 /* The public bico_transfer_handling values (0 is none: index 0 of the
- * tables below is unused). */
+ * per-handling counts is unused; bico_transfer_handling_name the words). */
 enum bico__handling {
   BICO__H_UNCHANGED = BICO_HANDLING_UNCHANGED,
   BICO__H_LINEAR = BICO_HANDLING_LINEAR,
@@ -404,10 +405,8 @@ const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
                                        const char *tensor);
 
 /* ---- transfer_base.c ---- */
-/* What each file slot is called in messages. */
-extern const char *const bico__xfer_file_option[BICO__NFILES];
-/* What each handling is called (report, bico_transfer_handling_name). */
-extern const char *const bico__xfer_handling[BICO__H_COUNT];
+/* The log line (the names of file slots and handlings are
+ * bico_transfer_file_name's and bico_transfer_handling_name's). */
 void bico__xfer_log(bico__run *r, const char *fmt, ...)
 #ifdef __GNUC__
     __attribute__((format(printf, 2, 3)))

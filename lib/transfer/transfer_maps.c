@@ -450,8 +450,9 @@ static bico_status solver_open(bico__run *r, solver *sv, long threads) {
     if (have[i] != NULL) {
       st = bico_stfile_open(sv->ctx, r->t->files[which[i]], fs[i]);
       if (st == BICO_OK) st = bico__xfer_rename_source(r->t, which[i], *fs[i]);
-      if (st != BICO_OK) st = bico__xfer_wrap(sv->ctx, st, bico__xfer_file_option[which[i]],
-                                   r->t->files[which[i]]);
+      if (st != BICO_OK)
+        st = bico__xfer_wrap(sv->ctx, st, bico_transfer_file_name(which[i]),
+                             r->t->files[which[i]]);
     }
   if (st != BICO_OK) {
     st = bico__fail(c, st, "transfer_run: worker setup: %s",

@@ -33,22 +33,6 @@ struct bico__mem {
   size_t nv, capv;
 };
 
-static const char *const SIDE_NAME[] = {NULL, "in", "out"};
-
-const char *bico_transfer_side_name(int side) {
-  return side >= 1 && side <= 2 ? SIDE_NAME[side] : NULL;
-}
-
-bico_status bico_transfer_side_from_name(const char *name, int *side) {
-  if (name == NULL || side == NULL) return BICO_E_NULL;
-  for (int i = 1; i <= 2; i++)
-    if (strcmp(name, SIDE_NAME[i]) == 0) {
-      *side = i;
-      return BICO_OK;
-    }
-  return BICO_E_NOTFOUND;
-}
-
 void bico__xfer_mem_free(bico_transfer *t) {
   struct bico__mem *m = t->mem;
   if (m == NULL) return;

@@ -131,8 +131,7 @@ void bico__xfer_check_task_vector(bico__run *r) {
     const size_t *shape;
     if (bico_stfile_tensor_info(r->tv, i, &name, &dtype, &ndim, &shape) != BICO_OK)
       continue;
-    if (dtype != BICO_DTYPE_F32 && dtype != BICO_DTYPE_F16 &&
-        dtype != BICO_DTYPE_BF16 && dtype != BICO_DTYPE_F64)
+    if (!bico_dtype_is_float(dtype))
       continue;
     if (bico_stfile_find(r->sb, name, &si) != BICO_OK) continue;
     size_t nb = bico__xfer_numel(ndim, shape), bn;

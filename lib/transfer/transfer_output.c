@@ -22,7 +22,7 @@ bico_status bico__xfer_report_tensor(bico__report *rep, const bico_model *mt,
   bico_model_tensor(mt, ti, &name, NULL, &ndim, &shape);
   bico__report_begin_object(rep);
   bico__report_key_string(rep, "name", name);
-  bico__report_key_string(rep, "handling", bico__xfer_handling[info->handling]);
+  bico__report_key_string(rep, "handling", bico_transfer_handling_name(info->handling));
   bico__report_key(rep, "shape");
   bico__report_begin_array(rep);
   for (size_t d = 0; d < ndim; d++) bico__report_number(rep, (double)shape[d]);
@@ -101,10 +101,6 @@ bico_status bico__xfer_check_finite_f64(bico_ctx *ctx, const double *v,
   return BICO_OK;
 }
 
-static int is_float(int dtype) {
-  return dtype == BICO_DTYPE_F32 || dtype == BICO_DTYPE_F16 ||
-         dtype == BICO_DTYPE_BF16 || dtype == BICO_DTYPE_F64;
-}
 
 bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
                               bico__xfer_tensor *x) {
@@ -114,7 +110,7 @@ bico_status bico__xfer_locate(bico_ctx *ctx, const bico_stfile *tb, size_t i,
   if (st != BICO_OK) return st;
   x->fi = i;
   x->nb = bico__xfer_numel(x->ndim, x->shape);
-  x->fl = is_float(x->dtype);
+  x->fl = bico_dtype_is_float(x->dtype);
   return BICO_OK;
 }
 
@@ -334,7 +330,8 @@ void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
   bico__report_key(rep, "summary");
   bico__report_begin_object(rep);
   for (int h = BICO__H_FIRST; h < BICO__H_COUNT; h++)
-    bico__report_key_number(rep, bico__xfer_handling[h], (double)count[h]);
+    bico__report_key_number(rep, bico_transfer_handling_name(h),
+                            (double)count[h]);
   if (vocab != NULL) {
     /* Token ids of the target's tokenizer: with a source token of the same
      * string (their rows carried) or without (left unchanged). */

@@ -33,7 +33,8 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
   if (path == NULL) return BICO_OK;
   bico_status st = bico_stfile_open(r->ctx, path, f);
   if (st == BICO_OK) st = bico__xfer_rename_source(r->t, which, *f);
-  if (st != BICO_OK) return bico__xfer_wrap(r->ctx, st, bico__xfer_file_option[which], path);
+  if (st != BICO_OK)
+    return bico__xfer_wrap(r->ctx, st, bico_transfer_file_name(which), path);
   return BICO_OK;
 }
 
@@ -300,7 +301,8 @@ bico_status bico__xfer_check_setup(bico__run *r) {
         return bico__fail(ctx, BICO_E_ARG,
                           "transfer_run: the %s file and the %s file are the "
                           "same path %s",
-                          bico__xfer_file_option[outs[i]], bico__xfer_file_option[outs[j]], f[outs[i]]);
+                          bico_transfer_file_name(outs[i]),
+                          bico_transfer_file_name(outs[j]), f[outs[i]]);
   return BICO_OK;
 }
 
@@ -353,7 +355,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
   if (st == BICO_OK) {
     for (int i = 0; i < 10; i++) {
       if (f[ins[i]] == NULL) continue;
-      const char *what = bico__xfer_file_option[ins[i]];
+      const char *what = bico_transfer_file_name(ins[i]);
       u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0, 0};
       /* a model folder (or the folder of an index): no output file in it */
       if (i < 8) u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0, 3};
@@ -375,12 +377,12 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
                                           "model.safetensors")) == NULL)
         st = BICO_E_NOMEM;
       else
-        u[n++] = (bico__fileuse){bico__xfer_file_option[outs[o]],
+        u[n++] = (bico__fileuse){bico_transfer_file_name(outs[o]),
                                  dir ? fo[o] : f[outs[o]], 1, dir, dir ? 2 : 0};
       /* ... and the folder itself: it may neither be nor hold any other
        * file of the run */
       if (dir && st == BICO_OK)
-        u[n++] = (bico__fileuse){bico__xfer_file_option[outs[o]], f[outs[o]],
+        u[n++] = (bico__fileuse){bico_transfer_file_name(outs[o]), f[outs[o]],
                                  1, 1, 1};
     }
     if (st == BICO_OK) st = bico__check_files(ctx, "transfer_run", u, n);
@@ -504,8 +506,7 @@ bico_status bico__xfer_check_pairing(bico__run *r) {
     size_t ndim;
     const size_t *shape;
     bico_model_tensor(r->mt, ti, &name, &dtype, &ndim, &shape);
-    if (dtype != BICO_DTYPE_F32 && dtype != BICO_DTYPE_F16 &&
-        dtype != BICO_DTYPE_BF16 && dtype != BICO_DTYPE_F64)
+    if (!bico_dtype_is_float(dtype))
       continue;
     bico_model_tensor_module(r->mt, ti, NULL, &role);
     int k = role == BICO_ROLE_WEIGHT ? K_WEIGHT

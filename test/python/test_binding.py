@@ -420,8 +420,7 @@ SPLIT = {"blocks.%d.attn.qkv" % i: 3 for i in range(2)}
 TIES = {"cls_token": "patch_embed", "pos_embed": "patch_embed"}
 
 
-@pytest.mark.parametrize("engine", ["c", "auto"])
-def test_bico_equals_torch_reference_on_small_transformer(engine):
+def test_bico_equals_torch_reference_on_small_transformer():
     torch.manual_seed(0)
     a = Tiny(d=8, heads=2, hidden=16, depth=2)
     b = Tiny(d=12, heads=2, hidden=20, depth=2)
@@ -433,7 +432,7 @@ def test_bico_equals_torch_reference_on_small_transformer(engine):
     ref = ref_bico(sa, a_ft, sb, stats, lambda n: n, SPLIT, TIES, alpha=1.5)
     got = bico.transfer_state_dict(
         sa, a_ft, sb, {k: v.numpy() for k, v in stats.items()},
-        alpha=1.5, ties=TIES, engine=engine)
+        alpha=1.5, ties=TIES)
     for k in sb:
         assert got[k].dtype == sb[k].dtype and got[k].shape == sb[k].shape
         assert torch.allclose(got[k], ref[k], atol=1e-4, rtol=1e-4), k
@@ -441,8 +440,7 @@ def test_bico_equals_torch_reference_on_small_transformer(engine):
             assert not torch.equal(got[k], sb[k]), k  # every tensor moved
 
 
-@pytest.mark.parametrize("engine", ["c", "auto"])
-def test_planted_rotated_permuted_copy_recovered_exactly(engine):
+def test_planted_rotated_permuted_copy_recovered_exactly():
     torch.manual_seed(0)
     d, heads, hidden, depth = 8, 2, 16, 2
     a = Tiny(d=d, heads=heads, hidden=hidden, depth=depth)
@@ -456,7 +454,7 @@ def test_planted_rotated_permuted_copy_recovered_exactly(engine):
     col = bt.collect_statistics(a, b, data, mse_loss, show_progress=False)
     report = []
     got = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(), col,
-                                 engine=engine, report=report)
+                                 report=report)
     assert len(report) == len(want := T(a_ft))
     ranks = [(m, x.info()[:2], p.solve(x)[1]) for m, v in
              col.statistics().items() for x in (v if isinstance(v, list)
@@ -471,7 +469,7 @@ def test_planted_rotated_permuted_copy_recovered_exactly(engine):
         assert torch.allclose(got[k], want[k], atol=1e-4), k
     # naive transfer is not the same thing
     naive = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(),
-                                   method="naive", engine=engine)
+                                   method="naive")
     assert not torch.allclose(naive["blocks.0.mlp.fc1.weight"],
                               want["blocks.0.mlp.fc1.weight"], atol=1e-3)
     ft_a = Tiny(d=d, heads=heads, hidden=hidden, depth=depth)

@@ -183,7 +183,7 @@ def test_multihead_attention_projections_are_collected(batch_first,
     for opts in (dict(workers=3), dict(proc_method="svd", workers=2),
                  dict(proc_method="polar", solve_memory=1)):
         other = bt.transfer_state_dict(a.state_dict(), a_ft, b.state_dict(),
-                                       col, engine="c", **opts)
+                                       col, **opts)
         for k in new:
             assert torch.allclose(new[k], other[k], atol=1e-5), (opts, k)
 
@@ -378,8 +378,7 @@ def test_pairing_threshold_and_allow_partial():
 
 # ---- GradFix ----
 
-@pytest.mark.parametrize("engine", ["c", "auto"])
-def test_gradfix_votes_and_masks_equal_reference(engine, tmp_path):
+def test_gradfix_votes_and_masks_equal_reference(tmp_path):
     torch.manual_seed(0)
     b = Tiny()
     data = [(torch.randn(3, 5, 6), torch.randn(3, 4)) for _ in range(2)]
@@ -399,7 +398,7 @@ def test_gradfix_votes_and_masks_equal_reference(engine, tmp_path):
         assert votes[n].samples == 6
     a, a_ft = b.state_dict(), perturbed(b)   # same shapes: source = target
     new = bt.transfer_state_dict(a, a_ft, b.state_dict(), method="gradfix",
-                                 votes=votes, alpha=0.7, engine=engine)
+                                 votes=votes, alpha=0.7)
     for n, p in b.state_dict().items():
         tau = a_ft[n] - a[n]
         mask = (torch.sign(tau) == torch.sign(ref[n])) & (ref[n] != 0)
@@ -463,7 +462,7 @@ def test_missing_statistics_reported_by_the_driver():
                                 modules=["head"], show_progress=False)
     with pytest.raises(bico.BicoError) as e:
         bt.transfer_state_dict(a.state_dict(), perturbed(a), b.state_dict(),
-                               col, engine="c")
+                               col)
     assert e.value.status == bico.E_NOTFOUND
     assert "in_xcov" in e.value.message or "out_xcov" in e.value.message
 

@@ -138,15 +138,57 @@ def test_refusals_name_the_input(pair, tmp_path):
         "Traceback" not in r.stderr, r.stderr
 
 
-def test_also_runs_as_bico_fit():
-    """python3 -m bico.fit is the same command (bico.fit is imported on
-    first use, so runpy does not warn about a module imported twice)."""
-    r = subprocess.run([sys.executable, "-W", "error", "-m", "bico.fit",
+def test_fit_module_does_not_import_the_command():
+    """bico.fit is the per-layer solver under bico.llm: it never imports
+    bico.llm (the cycle fit -> llm -> fit is gone), and the command is
+    bico.llm alone."""
+    import ast
+    import bico.fit as fit_mod
+    tree = ast.parse(open(fit_mod.__file__).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names = [(node.module or "")] + [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        assert not any(n in ("llm", "bico.llm") or n.endswith(".llm")
+                       for n in names), ast.dump(node)
+    r = subprocess.run([sys.executable, "-W", "error", "-m", "bico.llm",
                         "--help"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "--output-lora" in r.stdout and "Warning" not in r.stderr
+    assert r.returncode == 0 and "--output-lora" in r.stdout, r.stderr
+
+
+def test_no_import_cycle_among_the_binding_modules():
+    """No module of the package reaches itself through its imports (those
+    inside functions included): the graph of bico/*.py is acyclic."""
+    import ast
+    import glob
     import bico
-    assert bico.fit.Fit is not None
+    pkg = os.path.dirname(bico.__file__)
+    deps = {}
+    for f in glob.glob(os.path.join(pkg, "*.py")):
+        m = os.path.basename(f)[:-3]
+        d = set()
+        for n in ast.walk(ast.parse(open(f).read())):
+            if isinstance(n, ast.ImportFrom) and n.level == 1:
+                d |= ({n.module.split(".")[0]} if n.module
+                      else {a.name for a in n.names})
+            elif isinstance(n, ast.ImportFrom) and \
+                    (n.module or "").startswith("bico."):
+                d.add(n.module.split(".")[1])
+            elif isinstance(n, ast.Import):
+                d |= {a.name.split(".")[1] for a in n.names
+                      if a.name.startswith("bico.")}
+        deps[m] = d - {"__init__"}
+    for m in deps:
+        seen, todo = set(), [m]
+        while todo:
+            for y in deps.get(todo.pop(), ()):
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        assert m not in seen, "import cycle through bico.%s" % m
 
 
 def test_transformers_option_says_what_is_missing(pair, tmp_path):

@@ -88,3 +88,30 @@ def test_transfer_and_merge_files(tmp_path):
              tmp_path / "mm.safetensors")
     mm = bico.safetensors.read(str(tmp_path / "mm.safetensors"))["fc.weight"]
     np.testing.assert_allclose(mm, base["fc.weight"] + out[1] @ out[2], atol=1e-5)
+
+
+def test_merge_takes_max_shard_size_like_bico_merge(tmp_path):
+    """bico.lora.merge reaches every merge parameter of the library (its
+    table used to lack max_shard_size): an output folder is sharded by it,
+    and the shards read back as base + alpha * tau."""
+    import json
+    g = np.random.default_rng(5)
+    base = {"layer.%d.w" % i: g.standard_normal((50, 40)).astype(np.float32)
+            for i in range(5)}  # 8000 bytes each
+    tau = {k: g.standard_normal(v.shape).astype(np.float32)
+           for k, v in base.items()}
+    bico.safetensors.write(str(tmp_path / "base.safetensors"), base)
+    bico.safetensors.write(str(tmp_path / "tau.safetensors"), tau)
+    out = tmp_path / "merged"
+    bl.merge(tmp_path / "base.safetensors",
+             [("task_vector", tmp_path / "tau.safetensors", 1.0, 1.0)],
+             str(out) + "/", alpha=0.5, max_shard_size=17000)
+    idx = json.load(open(out / "model.safetensors.index.json"))
+    assert len(set(idx["weight_map"].values())) == 3
+    back = bico.safetensors.read(str(out))
+    for k in base:
+        np.testing.assert_allclose(back[k], base[k] + 0.5 * tau[k], atol=1e-5)
+    with pytest.raises(bico.BicoError):
+        bl.merge(tmp_path / "base.safetensors",
+                 [("task_vector", tmp_path / "tau.safetensors", 1.0, 1.0)],
+                 str(tmp_path / "bad") + "/", max_shard_size=-1)

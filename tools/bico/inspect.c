@@ -310,10 +310,8 @@ static int explain_pair(const char *src, const char *tgt, int json,
   return code;
 }
 
-static const char *const KINDS[] = {"?", "linear", "elementwise", "embedding",
-                                    "other"};
-static const char *const ROLES[] = {"?", "weight", "bias", "vector", "token",
-                                    "other"};
+/* The library's names of module kinds and tensor roles ("?" if none). */
+static const char *or_unknown(const char *name) { return name ? name : "?"; }
 
 int cmd_inspect(int argc, char **argv) {
   const char *path = NULL, *path2 = NULL, *blocks = NULL, *method = NULL;
@@ -418,7 +416,7 @@ int cmd_inspect(int argc, char **argv) {
       w += snprintf(buf + w, sizeof buf - (size_t)w, "%s%zu", d ? ", " : "",
                     shape[d]);
     if (w < (int)sizeof buf) snprintf(buf + w, sizeof buf - (size_t)w, "]");
-    printf("%-22s %s\n", buf, ROLES[role >= 1 && role <= 5 ? role : 0]);
+    printf("%-22s %s\n", buf, or_unknown(bico_model_tensor_role_name(role)));
   }
   size_t nm = bico_model_module_count(m);
   printf("\n%-48s %-11s %-6s %s\n", "MODULE", "KIND", "BLOCK", "D_OUT x D_IN");
@@ -428,7 +426,7 @@ int cmd_inspect(int argc, char **argv) {
     long block;
     bico_model_module(m, i, &name, &kind, &block, NULL);
     printf("%-48s %-11s ", name[0] ? text(name) : "(root)",
-           KINDS[kind >= 1 && kind <= 4 ? kind : 0]);
+           or_unknown(bico_model_module_kind_name(kind)));
     if (block >= 0)
       printf("%-6ld ", block);
     else

@@ -12,15 +12,15 @@ bico_ctx_errmsg of the call.  See docs/python.md.
 """
 from . import _lib
 from ._core import (BicoError, Context, XCov, Procrustes, Votes, DepthMap,
-                    default_context, depthmap, procrustes, strerror, version,
+                    default_context, depthmap, procrustes, version,
                     version_number, naive, pad)
-from ._core import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM,
-                    E_NUMERIC, E_FORMAT, E_IO, E_VERSION, E_NOTFOUND,
-                    E_UNSUPPORTED, E_STATE, E_INTERNAL, NULL_KEEP, NULL_DROP)
+from ._status import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM,
+                      E_NUMERIC, E_FORMAT, E_IO, E_VERSION, E_NOTFOUND,
+                      E_UNSUPPORTED, E_STATE, E_INTERNAL, strerror)
+from ._enums import NULL_KEEP, NULL_DROP
 from . import _core as _core_mod
 from . import safetensors
-# bico.fit is imported on first use (below), so that `python3 -m bico.fit`
-# runs it as a script without importing it twice
+# bico.fit (ctypes prototypes of its own) is imported on first use (below)
 from . import model
 from .model import Model, Transfer, transfer_files
 from .transfer import transfer_state_dict
@@ -45,7 +45,11 @@ __all__ = ["BicoError", "Context", "XCov", "Procrustes", "Votes", "DepthMap",
            "depthmap", "procrustes", "transport", "naive", "pad",
            "safetensors", "transfer_state_dict", "library_path", "version",
            "strerror", "Pairing", "model", "Model", "Transfer",
-           "transfer_files"]
+           "transfer_files", "default_context", "version_number",
+           "detect_blocks", "NULL_KEEP", "NULL_DROP", "OK", "E_NULL", "E_ARG",
+           "E_SHAPE", "E_NONFINITE", "E_NOMEM", "E_NUMERIC", "E_FORMAT",
+           "E_IO", "E_VERSION", "E_NOTFOUND", "E_UNSUPPORTED", "E_STATE",
+           "E_INTERNAL"]
 
 
 def __getattr__(name):  # PEP 562: bico.fit on first use

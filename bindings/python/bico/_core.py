@@ -6,18 +6,15 @@ import threading
 import numpy as np
 
 
-from ._lib import fn, c_size_t, c_uint64, c_uint, c_long, c_double, c_void_p
+from ._lib import fn, c_size_t, c_uint64, c_uint, c_double, c_void_p
 
-from ._status import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE,  # noqa: F401
-                      E_NOMEM, E_NUMERIC, E_FORMAT, E_IO, E_VERSION,
-                      E_NOTFOUND, E_UNSUPPORTED, E_STATE, E_INTERNAL,
-                      BicoError, strerror, check as _check)
+from ._status import OK, E_ARG, E_SHAPE, BicoError, check as _check
 from . import _args as A
 from ._args import rows_f32, ptr as _ptr  # noqa: F401
 from ._enums import (choose, XCOV_SUMS, XCOV_GRAMS, XCOV_WHICH,
                      XCOV_ADD_MODE, XCOV_ADD_MODES, PROC_PARAMS,
                      PROC_NULL_NAMES, PROC_METHOD_NAMES, VOTES_MEAN,
-                     GRADFIX_MODES, CTX_THREADS, NULL_KEEP, NULL_DROP)  # noqa: F401
+                     GRADFIX_MODES, CTX_THREADS)
 
 def version():
     """The linked library's version string, e.g. "1.0.0"."""

@@ -1,10 +1,10 @@
-"""The enumerations of include/bico/*.h, in one module.
+"""The enumerations of include/bico/*.h, read from the library at import.
 
-Where the library offers a name lookup (bico_dtype_from_name,
-bico_transfer_method_name, bico_transfer_norm_map_name), the tables are read from the
-library at import, so the binding cannot drift from it; the other values
-are frozen in the headers and written here once.  Every wrapper imports
-its table from here.
+Every table is built by asking the linked libbico for its names
+(bico_<prefix>_name over the values, bico_<prefix>_from_name for the
+spellings it also accepts, such as mergekit's "task_arithmetic"): the
+binding keeps no copy of a name or a value, so it cannot drift from the
+library.  Every wrapper imports its table from here.
 """
 import ctypes
 
@@ -29,95 +29,113 @@ def choose(table, value, what):
                     % (what, ", ".join(sorted(table)), value))
 
 
-# ---- ctx.h, xcov.h, procrustes.h, gradfix.h ----
-CTX_THREADS = 1
-XCOV_SUMS, XCOV_GRAMS = 1, 2
-XCOV_WHICH = {"cross": 1, "gram_a": 2, "gram_b": 3}
-PROC_PARAMS = {"center": 1, "whiten": 2, "whiten_eps": 3, "rank_tol": 4,
-               "null": 5, "method": 6}
-NULL_KEEP, NULL_DROP = 1, 2
-PROC_NULL_NAMES = {"keep": NULL_KEEP, "drop": NULL_DROP}
-PROC_METHOD_NAMES = {"svd": 1, "eig": 2, "polar": 3}
-VOTES_MEAN = 1
-GRADFIX_MODES = {"majority": 1, "vote": 1, "mean": 2}
-
-# ---- model.h ----
-MODULE_KINDS = {1: "linear", 2: "elementwise", 3: "embedding", 4: "other"}
-TENSOR_ROLES = {1: "weight", 2: "bias", 3: "vector", 4: "token", 5: "other"}
-
-# ---- transfer.h: method and norm-map names from the library ----
-
-def _names_from_library(name_fn, what):
-    """{name: value} of an enumeration whose bico_*_name gives NULL for an
-    unknown value (the values are small: see the enum rule in the
-    headers)."""
-    out = {}
-    for v in range(256):
-        raw = name_fn(v)
-        if raw:
-            out[raw.decode()] = v
-    if not out:
-        raise ImportError("bico: the library names no %s" % what)
-    return out
+# The values asked for: choices and keys run from 0 or 1 without gaps and
+# flags are powers of two (status.h's enumeration rule).
+_VALUES = sorted(set(range(256)) | {1 << k for k in range(31)})
 
 
-METHODS = _names_from_library(fn.transfer_method_name, "method")
-XCOV_ADD_MODE = 1
-XCOV_ADD_MODES = _names_from_library(fn.xcov_add_mode_name, "xcov add mode")
-NORM_MAPS = _names_from_library(fn.transfer_norm_map_name, "norm map")
-STRUCTURES = _names_from_library(fn.transfer_structure_name, "structure")
-ROPES = _names_from_library(fn.transfer_rope_name, "RoPE layout")
-TRANSFER_FILES = {"source_base": 1, "source_tuned": 2, "task_vector": 3,
-                  "target_base": 4, "source_calib": 5, "target_calib": 6,
-                  "stats": 7, "target_votes": 8, "output": 9,
-                  "delta_output": 10, "report": 11, "lora": 12,
-                  "lora_output": 13, "source_config": 14,
-                  "target_config": 15}
-TRANSFER_PARAMS = _names_from_library(fn.transfer_param_name,
-                                     "transfer parameter")
-TRANSFER_SIDES = _names_from_library(fn.transfer_side_name, "transfer side")
-TRANSFER_STRINGS = {"blocks": 1, "source_blocks": 2, "target_blocks": 3,
-                    "source_rename": 4}
+class Names(dict):
+    """{name: value} of the enumeration whose C functions are
+    bico_<prefix>_name and bico_<prefix>_from_name.  Iteration gives the
+    library's own names; lookups also take the other spellings its
+    _from_name accepts (an alias is never listed, as the C side never
+    names it)."""
+
+    def __init__(self, prefix):
+        dict.__init__(self)
+        self.prefix = prefix
+        self._from = getattr(fn, prefix + "_from_name")
+        name_of = getattr(fn, prefix + "_name")
+        for v in _VALUES:
+            raw = name_of(v)
+            if raw:
+                self[raw.decode()] = v
+        if not dict.__len__(self):
+            raise ImportError("bico: the library names no %s "
+                              "(bico_%s_name)" % (prefix, prefix))
+
+    def __missing__(self, key):
+        if isinstance(key, str):
+            out = ctypes.c_int()
+            if self._from(key.encode(), ctypes.byref(out)) == 0:
+                return out.value
+        raise KeyError(key)
+
+    def __contains__(self, key):
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
+# ---- params.h, ctx.h, xcov.h, procrustes.h, votes.h, gradfix.h, fit.h ----
+PARAM_FLAGS = Names("param_flag")
+CTX_PARAMS = Names("ctx_param")
+CTX_THREADS = CTX_PARAMS["threads"]
+XCOV_FLAGS = Names("xcov_flag")
+XCOV_SUMS, XCOV_GRAMS = XCOV_FLAGS["sums"], XCOV_FLAGS["grams"]
+XCOV_WHICH = Names("xcov_which")
+XCOV_PARAMS = Names("xcov_param")
+XCOV_ADD_MODE = XCOV_PARAMS["add_mode"]
+XCOV_ADD_MODES = Names("xcov_add_mode")
+PROC_PARAMS = Names("procrustes_param")
+PROC_NULL_NAMES = Names("procrustes_null")
+NULL_KEEP, NULL_DROP = PROC_NULL_NAMES["keep"], PROC_NULL_NAMES["drop"]
+PROC_METHOD_NAMES = Names("procrustes_method")
+VOTES_FLAGS = Names("votes_flag")
+VOTES_MEAN = VOTES_FLAGS["mean"]
+GRADFIX_MODES = Names("gradfix_mode")
+FIT_FLAGS = Names("fit_flag")
+FIT_PARAMS = Names("fit_param")
+
+# ---- model.h: {value: name} ----
+MODULE_KINDS = {v: k for k, v in Names("model_module_kind").items()}
+TENSOR_ROLES = {v: k for k, v in Names("model_tensor_role").items()}
+
+# ---- transfer.h ----
+METHODS = Names("transfer_method")
+NORM_MAPS = Names("transfer_norm_map")
+STRUCTURES = Names("transfer_structure")
+ROPES = Names("transfer_rope")
+HANDLINGS = Names("transfer_handling")
+TRANSFER_FILES = Names("transfer_file")   # also takes "source_base"
+TRANSFER_PARAMS = Names("transfer_param")
+TRANSFER_SIDES = Names("transfer_side")
+TRANSFER_STRINGS = Names("transfer_string")
+TRANSFER_CHECK_LEVELS = Names("transfer_check_level")
 # the parameters that take a name, and their names
 TRANSFER_ENUMS = {"method": METHODS, "norm_map": NORM_MAPS,
                   "null": PROC_NULL_NAMES, "proc_method": PROC_METHOD_NAMES,
                   "gradfix_mode": GRADFIX_MODES, "structure": STRUCTURES,
                   "rope": ROPES}
-# the fused projections split by default (suffix: blocks)
+# The binding's default splits of fused projections (suffix: blocks); a
+# default of the Python front end, not a library table (the C driver
+# splits only what it is told to).
 DEFAULT_SPLIT = {"qkv": 3, "in_proj": 3}
 
 # ---- lora.h, merge.h ----
-LORA_KINDS = {"linear": 1, "embedding": 2}
-LORA_PARAMS = _names_from_library(fn.lora_param_name, "LoRA parameter")
-LORA_STRINGS = {"task_type": 1, "base_model": 2}
-MERGE_METHODS = _names_from_library(fn.merge_method_name, "merge method")
-MERGE_METHODS["task_arithmetic"] = MERGE_METHODS["linear"]  # mergekit's word
-MERGE_INPUTS = {"task_vector": 1, "tuned": 2, "lora": 3}
-MERGE_FILES = {"base": 1, "output": 2, "delta_output": 3, "report": 4}
-MERGE_PARAMS = {"method": 1, "alpha": 2, "normalize": 3}
+LORA_KINDS = Names("lora_kind")
+LORA_PARAMS = Names("lora_param")
+LORA_STRINGS = Names("lora_string")
+MERGE_METHODS = Names("merge_method")   # also takes "task_arithmetic"
+MERGE_INPUTS = Names("merge_input")
+MERGE_FILES = Names("merge_file")
+MERGE_PARAMS = Names("merge_param")
 
-# ---- safetensors.h: dtype codes from the library ----
-# NumPy's side of each safetensors dtype name (BF16 has none: float32).
-_NP_OF_NAME = {"F32": np.float32, "F16": np.float16, "BF16": None,
-               "F64": np.float64, "I8": np.int8, "I16": np.int16,
-               "I32": np.int32, "I64": np.int64, "U8": np.uint8,
-               "U16": np.uint16, "U32": np.uint32, "U64": np.uint64,
-               "BOOL": np.bool_}
-
-
-def _dtype_codes():
-    out = {}
-    for name in _NP_OF_NAME:
-        code = ctypes.c_int()
-        if fn.dtype_from_name(name.encode(), ctypes.byref(code)) == 0:
-            out[name] = code.value
-    return out
-
-
-DTYPES = _dtype_codes()                      # {"F32": code, ...}
+# ---- safetensors.h ----
+DTYPES = Names("dtype")                  # {"F32": code, ...}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# NumPy's side of each safetensors dtype (BF16 has none: it reads as
+# float32): NumPy's knowledge, not the library's.
+_NP_OF_NAME = {"F32": np.float32, "F16": np.float16, "F64": np.float64,
+               "I8": np.int8, "I16": np.int16, "I32": np.int32,
+               "I64": np.int64, "U8": np.uint8, "U16": np.uint16,
+               "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_}
 NP_OF_DTYPE = {DTYPES[k]: np.dtype(v) for k, v in _NP_OF_NAME.items()
-               if v is not None and k in DTYPES}
+               if k in DTYPES}
 DTYPE_OF_NP = {v: k for k, v in NP_OF_DTYPE.items()}
-FLOAT_DTYPES = {DTYPES[k] for k in ("F32", "F16", "BF16", "F64")
-                if k in DTYPES}
+FLOAT_DTYPES = {v for v in DTYPES.values() if fn.dtype_is_float(v)}

@@ -395,6 +395,24 @@ PROTOTYPES = {
                                           c_void_p, c_void_p]),
     "bico_transfer_handling_name": (c_char_p, [c_int]),
     "bico_transfer_handling_from_name": (c_int, [c_char_p, P(c_int)]),
+    "bico_transfer_check_level_name": (c_char_p, [c_int]),
+    "bico_transfer_check_level_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_transfer_string_name": (c_char_p, [c_int]),
+    "bico_transfer_string_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_merge_input_name": (c_char_p, [c_int]),
+    "bico_merge_input_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_merge_file_name": (c_char_p, [c_int]),
+    "bico_merge_file_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_lora_kind_name": (c_char_p, [c_int]),
+    "bico_lora_kind_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_lora_string_name": (c_char_p, [c_int]),
+    "bico_lora_string_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_dtype_is_float": (c_int, [c_int]),
+    # fit.h's names (bico.fit declares the rest of fit.h itself)
+    "bico_fit_param_name": (c_char_p, [c_int]),
+    "bico_fit_param_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_fit_flag_name": (c_char_p, [c_int]),
+    "bico_fit_flag_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_transfer_get_file": (c_int, [c_void_p, c_int, P(c_char_p)]),
     "bico_transfer_plan": (c_int, [c_void_p]),
     # Explaining the plan: the out-structs are passed as buffers whose
@@ -419,9 +437,7 @@ PROTOTYPES = {
     "bico_merge_run": (c_int, [c_void_p]),
 }
 
-# bico_alloc_fn, bico_free_fn, bico_transfer_log_fn
-ALLOC_FN = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_size_t)
-FREE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
+# bico_transfer_log_fn
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_char_p)
 
 

@@ -16,14 +16,6 @@ def split_for(module, split):
     return 1
 
 
-def module_of(name):
-    """("blocks.3.mlp.fc1", "weight") for "blocks.3.mlp.fc1.weight"."""
-    if "." not in name:
-        return "", name
-    m, p = name.rsplit(".", 1)
-    return m, p
-
-
 def _model(names, blocks=None):
     """The library's model graph (bico_model) of a name list or a
     {name: tensor or shape} mapping (a bare name counts as a vector)."""

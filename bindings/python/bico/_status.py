@@ -1,11 +1,24 @@
-"""Status codes and BicoError (the one Python copy of include/bico/status.h,
-whose values are frozen: a code is never renumbered or reused)."""
+"""Status codes and BicoError.  The codes of include/bico/status.h are read
+from the library (bico_status_from_name), not copied."""
+import ctypes
+
 from ._lib import fn
 
-OK = 0
-E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM, E_NUMERIC = 1, 2, 3, 4, 5, 6
-E_FORMAT, E_IO, E_VERSION, E_NOTFOUND, E_UNSUPPORTED = 7, 8, 9, 10, 11
-E_STATE, E_INTERNAL = 12, 13
+
+def _code(name):
+    v = ctypes.c_int()
+    if fn.status_from_name(("BICO_" + name).encode(), ctypes.byref(v)) != 0:
+        raise ImportError("bico: the library has no status BICO_%s" % name)
+    return v.value
+
+
+OK = _code("OK")
+E_NULL, E_ARG, E_SHAPE = _code("E_NULL"), _code("E_ARG"), _code("E_SHAPE")
+E_NONFINITE, E_NOMEM = _code("E_NONFINITE"), _code("E_NOMEM")
+E_NUMERIC, E_FORMAT, E_IO = _code("E_NUMERIC"), _code("E_FORMAT"), _code("E_IO")
+E_VERSION, E_NOTFOUND = _code("E_VERSION"), _code("E_NOTFOUND")
+E_UNSUPPORTED, E_STATE = _code("E_UNSUPPORTED"), _code("E_STATE")
+E_INTERNAL = _code("E_INTERNAL")
 
 
 def strerror(status):

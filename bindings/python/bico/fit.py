@@ -22,12 +22,13 @@ import numpy as np
 
 from . import _lib
 from ._core import BicoError, Context, _Handle, _check, _to_numpy
+from ._enums import FIT_FLAGS, FIT_PARAMS
 
 __all__ = ["Fit", "run", "FIT_BIAS", "FIT_RIDGE", "FIT_RANK_TOL"]
 
-# include/bico/fit.h
-FIT_BIAS = 1
-FIT_RIDGE, FIT_RANK_TOL = 1, 2
+# include/bico/fit.h (values from the library)
+FIT_BIAS = FIT_FLAGS["bias"]
+FIT_RIDGE, FIT_RANK_TOL = FIT_PARAMS["ridge"], FIT_PARAMS["rank_tol"]
 
 _S = ctypes.c_int
 _P = ctypes.POINTER
@@ -39,8 +40,6 @@ _PROTOTYPES = {
     "bico_fit_get_param": (_S, [_vp, ctypes.c_int, _P(_d)]),
     "bico_fit_param_bounds": (_S, [ctypes.c_int, _P(_d), _P(_d),
                                    _P(ctypes.c_uint)]),
-    "bico_fit_param_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "bico_fit_param_from_name": (_S, [ctypes.c_char_p, _P(ctypes.c_int)]),
     "bico_fit_add": (_S, [_vp, _sz, _vp, _sz, _vp, _sz, _vp, _sz]),
     "bico_fit_merge": (_S, [_vp, _vp]),
     "bico_fit_reset": (_S, [_vp]),
@@ -329,8 +328,3 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None):
         raise failure[0]
     _check(st, ctx)
 
-
-if __name__ == "__main__":  # python3 -m bico.fit: the command of bico.llm
-    import sys
-    from bico.llm import main as _main
-    sys.exit(_main(prog="python3 -m bico.fit"))

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._core import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
+from ._status import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
 from . import safetensors as _st
 
 __all__ = ["load_model", "model_config", "DecoderLM", "tokenize",

@@ -26,8 +26,8 @@ P = ctypes.POINTER
 
 LINEAR, EMBEDDING = LORA_KINDS["linear"], LORA_KINDS["embedding"]
 KINDS = {v: k for k, v in LORA_KINDS.items()}
-FILE_LORA, FILE_LORA_OUTPUT = TRANSFER_FILES["lora"], \
-    TRANSFER_FILES["lora_output"]
+FILE_LORA, FILE_LORA_OUTPUT = TRANSFER_FILES["source adapter"], \
+    TRANSFER_FILES["output adapter"]
 
 
 def _enc(s, name="path"):
@@ -250,11 +250,14 @@ def merge_tensors(taus, weights, densities=None, method="linear",
 
 
 def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
-          delta_output=None, report=None, ctx=None):
+          delta_output=None, report=None, max_shard_size=None, ctx=None):
     """What `bico merge` runs.  inputs: (kind, path, weight, density) with
-    kind "task_vector", "tuned" or "lora"."""
+    kind "task_vector", "tuned" or "lora".  max_shard_size: bytes per shard
+    of an output folder (`--max-shard-size`; None: sharded as the base)."""
     m = choose(MERGE_METHODS, method, "merge method")
     alpha = A.scalar_f64(alpha, "alpha")
+    if max_shard_size is not None:
+        max_shard_size = A.scalar_f64(max_shard_size, "max_shard_size")
     files = [(MERGE_FILES[w], _enc(p, w)) for w, p in
              (("base", base), ("output", output),
               ("delta_output", delta_output), ("report", report))
@@ -277,6 +280,9 @@ def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
         _check(fn.merge_set_param(h, MERGE_PARAMS["normalize"],
                                   -1 if normalize is None
                                   else int(bool(normalize))), ctx)
+        if max_shard_size is not None:
+            _check(fn.merge_set_param(h, MERGE_PARAMS["max_shard_size"],
+                                      max_shard_size), ctx)
         for kind, path, weight, density in ins:
             _check(fn.merge_add_input(h, kind, path, weight, density), ctx)
         _check(fn.merge_run(h), ctx)
@@ -301,7 +307,8 @@ def transfer(source_base, target_base, adapter, output_lora=None,
                      ("output", merged_output)):
             if v is not None:
                 t.set_file(k, v)
-        for k, v in (("lora", adapter), ("lora_output", output_lora)):
+        for k, v in (("source_adapter", adapter),
+                     ("output_adapter", output_lora)):
             if v is not None:
                 t.set_file(k, v)
         t.set("method", method)

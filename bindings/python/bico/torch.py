@@ -43,11 +43,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._core import (BicoError, Context, Procrustes, Votes, XCov, E_ARG,
-                    E_NOTFOUND, E_SHAPE, E_STATE)
+from ._core import BicoError, Context, Procrustes, Votes, XCov
+from ._status import E_ARG, E_NOTFOUND, E_SHAPE, E_STATE
 from ._names import Pairing
 from . import safetensors as _st
-from ._enums import DEFAULT_SPLIT
+from ._enums import DEFAULT_SPLIT, METHODS as _C_METHODS
 from ._names import split_for as _split_for
 from .transfer import transfer_state_dict as _transfer_np
 
@@ -719,8 +719,8 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
 
 # ---- whole models ----
 
-MODEL_METHODS = ("bico", "bico-in", "bico-out", "naive", "pad", "gradfix",
-                 "fit", "proxy-fit", "proxy-distill")
+# the library's methods, then the fits this module adds
+MODEL_METHODS = tuple(_C_METHODS) + ("fit", "proxy-fit", "proxy-distill")
 _PROCRUSTES_KEYS = ("rank_tol", "null", "center", "whiten", "method",
                     "completion")
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ._core import BicoError, E_ARG, E_SHAPE, E_STATE
+from ._status import BicoError, E_ARG, E_SHAPE, E_STATE
 
 
 class _Stop(Exception):

@@ -18,10 +18,8 @@ split module a list of per-block ones), or a path to a statistics file.
 nn.MultiheadAttention's "M.in_proj_weight" / "M.in_proj_bias" are the
 fused linear module "M.in_proj" (split in 3 by default: q, k, v).
 """
-from ._core import BicoError, E_ARG
 from ._driver import transfer_via_driver
 from ._enums import METHODS as _METHOD_CODES, DEFAULT_SPLIT, choose
-from ._names import split_for as _split_for  # noqa: F401 (torch.py)
 
 METHODS = tuple(_METHOD_CODES)
 
@@ -33,7 +31,7 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
                         split=None, ties=None, votes=None,
                         gradfix_mode="majority", source_blocks=None,
                         target_blocks=None, report=None, return_delta=False,
-                        allow_partial=False, engine="auto", **options):
+                        allow_partial=False, **options):
     """A new target state dict: theta_B + alpha * tau_B for every tensor a
     method carries, theta_B unchanged otherwise, with target_base's names,
     shapes and dtypes.
@@ -56,13 +54,7 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
     min_paired=0 (`--allow-partial`).
     report: a list to append one dict per target tensor to (the driver's
     JSON report entries).
-    engine: "auto" or "c", both the C driver (kept for callers of 0.x; the
-    Python engine is gone).
     """
-    if engine not in ("auto", "c"):
-        raise BicoError(E_ARG, "transfer: engine must be auto or c, got %r "
-                        "(libbico's driver runs every transfer; the Python "
-                        "engine was removed)" % (engine,))
     choose(_METHOD_CODES, method, "transfer: method")
     if allow_partial:
         options["min_paired"] = 0
