@@ -17,7 +17,7 @@ from ._enums import (choose, MODULE_KINDS as KINDS, TENSOR_ROLES as ROLES,
                      METHODS, TRANSFER_FILES as FILES,
                      TRANSFER_PARAMS as PARAMS, TRANSFER_STRINGS as STRINGS,
                      TRANSFER_ENUMS as _ENUMS, TRANSFER_SIDES as _SIDES,
-                     DTYPE_NAMES)
+                     TRANSFER_CHECK_LEVELS as _CHECK_LEVELS, DTYPE_NAMES)
 
 __all__ = ["Model", "Transfer", "transfer_files", "stats_from_calib",
            "stats_merge", "KINDS", "ROLES", "METHODS", "FILES", "PARAMS"]
@@ -316,6 +316,17 @@ class Transfer(_Handle):
         _check(fn.transfer_set_progress(self._alive(),
                                         ctypes.cast(self._progress_cb,
                                                     c_void_p), None),
+               self.ctx)
+
+    def check(self, level="inputs"):
+        """bico_transfer_check: the run's checks without the run.  level
+        "options": which files go together and contradictions, no file
+        opened; "inputs" (default): also every check a run makes before
+        its first map (inputs opened, outputs against inputs, models
+        paired, ties, the pairing threshold).  Nothing is written; raises
+        BicoError as run() would."""
+        _check(fn.transfer_check(self._alive(),
+                                 choose(_CHECK_LEVELS, level, "level")),
                self.ctx)
 
     def run(self):
