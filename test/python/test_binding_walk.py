@@ -481,7 +481,7 @@ NO_ARRAYS = {
         "Model.source_name", "Transfer", "Transfer.set_file", "Transfer.set",
         "Transfer.get", "Transfer.add_split", "Transfer.add_tie",
         "Transfer.set_log", "Transfer.set_progress", "Transfer.run",
-        "Transfer.counts",
+        "Transfer.counts", "Transfer.check",
         "Transfer.set_xcov", "Transfer.set_votes",
         "transfer_files", "stats_from_calib", "stats_merge")} | {
     "bico.safetensors:" + n for n in (
