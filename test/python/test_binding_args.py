@@ -400,3 +400,11 @@ def test_transfer_lending_checks_its_arguments():
     t.set_votes("fc.weight", bico.Votes(4))
     t.set_votes("fc.weight", None)
     t.close()
+
+
+def test_depth_map_block_out_of_range_is_a_bico_error():
+    """j >= l_b: the library's BICO_E_ARG, as a BicoError naming the
+    block (the binding once raised NameError on this path)."""
+    with pytest.raises(bico.BicoError) as e:
+        bico.DepthMap(3, 4).source(4)
+    assert e.value.status == bico.E_ARG and "block 4" in str(e.value)

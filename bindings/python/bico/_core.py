@@ -8,7 +8,7 @@ import numpy as np
 
 from ._lib import fn, c_size_t, c_uint64, c_uint, c_double, c_void_p
 
-from ._status import OK, E_ARG, E_SHAPE, BicoError, check as _check
+from ._status import OK, E_ARG, E_SHAPE, BicoError, strerror, check as _check
 from . import _args as A
 from ._args import rows_f32, ptr as _ptr  # noqa: F401
 from ._enums import (choose, XCOV_SUMS, XCOV_GRAMS, XCOV_WHICH,

@@ -44,6 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._core import BicoError, Context, Procrustes, Votes, XCov
+from ._core import naive as _naive
+from ._args import plain as _as_numpy
 from ._status import E_ARG, E_NOTFOUND, E_SHAPE, E_STATE
 from ._names import Pairing
 from . import safetensors as _st
@@ -1366,6 +1368,35 @@ def _batch_losses(model, batches, loss_of):
     return [float(v) for v in vals]
 
 
+def _scaled(base, delta, g):
+    """The state dict theta + g delta: base's tensors, those named in delta
+    moved by g times their update (in float32, then in the tensor's own
+    dtype).  A non-empty float tensor held on the CPU goes through the
+    library's bico_baseline_naive (which refuses an update whose shape is
+    not the tensor's; a 0-d tensor as one of shape [1]); one on an
+    accelerator stays there (torch), since a round trip to host memory per
+    candidate would cost more than the sum."""
+    sd = {}
+    for k, v in base.items():
+        if k not in delta:
+            sd[k] = v
+        elif v.device.type == "cpu" and v.is_floating_point() and v.numel():
+            out = v.float().numpy().copy()
+            d = delta[k]
+            if out.ndim == 0:  # the library's shapes have a dimension
+                out, d = out.reshape(1), np.reshape(_as_numpy(d), -1)
+            try:
+                _naive(d, out.shape, alpha=g, out=out, beta=1.0)
+            except BicoError as e:
+                raise BicoError(e.status, "choose_alpha: the update of %s: "
+                                "%s" % (k, e.message))
+            sd[k] = torch.from_numpy(out.reshape(v.shape)).to(v.dtype)
+        else:
+            sd[k] = (v.float() + g * torch.as_tensor(
+                np.asarray(delta[k])).float().to(v.device)).to(v.dtype)
+    return sd
+
+
 def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
                  forward=None, grid=None, loss_fn=None, step=None):
     """The scale alpha of an update delta ({target tensor: array}) chosen
@@ -1413,9 +1444,7 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
                              .pow(2).sum()) for b in batches)
         scores, signed = {}, {}
         for g in grid:
-            sd = {k: (v.float() + g * torch.as_tensor(
-                np.asarray(delta[k])).to(v.device)).to(v.dtype)
-                if k in delta else v for k, v in base.items()}
+            sd = _scaled(base, delta, g)
             work.load_state_dict(sd)
             outs = [_output(fb(work, b)).float() for b in batches]
             if rule == "match":
@@ -1450,9 +1479,7 @@ def _choose_heldout(target, delta, batches, grid, loss_of):
     base = {k: v.detach().clone() for k, v in target.state_dict().items()}
     scores, per = {}, {}
     for g in grid:
-        sd = {k: (v.float() + g * torch.as_tensor(
-            np.asarray(delta[k])).float().to(v.device)).to(v.dtype)
-            if k in delta else v for k, v in base.items()}
+        sd = _scaled(base, delta, g)
         work.load_state_dict(sd)
         per[g] = _batch_losses(work, batches, loss_of)
         scores[g] = float(sum(per[g]) / len(per[g]))

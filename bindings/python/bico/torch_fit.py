@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ._core import rows as _transport_rows
 from ._status import BicoError, E_ARG, E_SHAPE, E_STATE
 
 
@@ -265,13 +266,22 @@ def _out_map(maps, module):
     return r[0]
 
 
-def _carry(d, r):
-    """D [n, d_out,A] -> D R_out [n, d_out,B]; r a list for fused blocks."""
-    if isinstance(r, list):
-        k = len(r)
-        w = d.shape[1] // k
-        return np.hstack([d[:, i * w:(i + 1) * w] @ r[i] for i in range(k)])
-    return d @ r
+def _carry(d, r, alpha=1.0):
+    """alpha D R_out: D [n, d_out,A] -> [n, d_out,B] float32, by the
+    library's rows transport (bico_transport_rows); r a list for fused
+    blocks, block i of D's columns carried by r[i] into block i of the
+    result's."""
+    d = np.ascontiguousarray(d, dtype=np.float32)
+    if not isinstance(r, list):
+        return _transport_rows(d, r, alpha=alpha)
+    k = len(r)
+    w = d.shape[1] // k
+    wb = np.shape(r[0])[1]
+    out = np.empty((d.shape[0], wb * k), dtype=np.float32)
+    for i in range(k):
+        out[:, i * wb:(i + 1) * wb] = _transport_rows(
+            d[:, i * w:(i + 1) * w], r[i], alpha=alpha)
+    return out
 
 
 def fit_model(source, source_tuned, target, batches, forward, maps,
@@ -391,11 +401,9 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
                                         "target must see the same tokens"
                                         % (name, x1.shape[0], s, y0.shape[0],
                                            bi))
-                    d = (y1 - y0).double().numpy()
-                    db_ = alpha * _carry(d, r_out)
+                    db_ = _carry((y1 - y0).float().numpy(), r_out, alpha)
                     f.add(np.ascontiguousarray(x1.numpy()),
-                          np.ascontiguousarray(x0.numpy()),
-                          np.ascontiguousarray(db_, dtype=np.float32))
+                          np.ascontiguousarray(x0.numpy()), db_)
             dw, dbias = f.solve(w, b) if use_ridgefit else \
                 f.solve(w, b, rank=rank)
             with torch.no_grad():

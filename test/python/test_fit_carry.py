@@ -1,0 +1,84 @@
+"""The fit's carried output change alpha D R_out (torch_fit._carry) and
+choose_alpha's candidate update theta + alpha delta (torch._scaled) go
+through the library's kernels (bico_transport_rows, bico_baseline_naive),
+and give what the NumPy / torch expressions give."""
+import numpy as np
+import pytest
+import torch
+
+import bico._core as core
+from bico._status import BicoError
+from bico.torch import _scaled
+from bico.torch_fit import _carry
+
+
+def counting(monkeypatch, name):
+    calls = []
+    f = getattr(core.fn, name)
+
+    def g(*args):
+        calls.append(args)
+        return f(*args)
+    monkeypatch.setattr(core.fn, name, g)
+    return calls
+
+
+def test_carry_single_map_by_the_library(monkeypatch):
+    rng = np.random.default_rng(1)
+    d = rng.standard_normal((37, 12))
+    r = rng.standard_normal((12, 9)).astype(np.float32)
+    calls = counting(monkeypatch, "transport_rows")
+    got = _carry(d, r, 0.7)
+    assert len(calls) == 1
+    assert got.dtype == np.float32 and got.shape == (37, 9)
+    np.testing.assert_allclose(got, 0.7 * (d @ r.astype(np.float64)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_carry_fused_blocks_by_the_library(monkeypatch):
+    rng = np.random.default_rng(2)
+    k, wa, wb = 3, 8, 5
+    d = rng.standard_normal((21, k * wa)).astype(np.float32)
+    rs = [rng.standard_normal((wa, wb)).astype(np.float32) for _ in range(k)]
+    calls = counting(monkeypatch, "transport_rows")
+    got = _carry(d, rs, 1.5)
+    assert len(calls) == k
+    want = 1.5 * np.hstack([d[:, i * wa:(i + 1) * wa].astype(np.float64)
+                            @ rs[i] for i in range(k)])
+    assert got.shape == (21, k * wb)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_scaled_cpu_by_the_library(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    base = {"w": torch.randn(6, 4, generator=g),
+            "h": torch.randn(5, generator=g).to(torch.bfloat16),
+            "ids": torch.arange(4)}
+    delta = {"w": np.random.default_rng(4).standard_normal((6, 4)),
+             "h": torch.randn(5, generator=g)}
+    calls = counting(monkeypatch, "baseline_naive")
+    sd = _scaled(base, delta, 0.25)
+    assert len(calls) == 2
+    assert sd["ids"] is base["ids"]
+    assert sd["h"].dtype == torch.bfloat16
+    want_w = base["w"].double() + 0.25 * torch.from_numpy(delta["w"])
+    assert torch.allclose(sd["w"].double(), want_w, rtol=1e-6, atol=1e-6)
+    want_h = (base["h"].float() + 0.25 * delta["h"]).to(torch.bfloat16)
+    assert torch.equal(sd["h"], want_h)
+    # the base is left as it was
+    assert not torch.equal(sd["w"], base["w"])
+
+
+def test_scaled_refuses_a_misshapen_update_naming_the_tensor():
+    base = {"layer.w": torch.zeros(3, 4)}
+    with pytest.raises(BicoError) as e:
+        _scaled(base, {"layer.w": np.ones((1, 4))}, 1.0)
+    assert "layer.w" in str(e.value)
+
+
+def test_scaled_zero_dim_and_empty_tensors():
+    base = {"s": torch.tensor(2.0), "e": torch.zeros(0, 3)}
+    sd = _scaled(base, {"s": np.array(1.0, np.float32),
+                        "e": np.zeros((0, 3))}, 0.5)
+    assert sd["s"].shape == () and float(sd["s"]) == 2.5
+    assert sd["e"].shape == (0, 3)
