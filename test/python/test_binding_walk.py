@@ -474,14 +474,15 @@ NO_ARRAYS = {
     "bico.lora:" + n for n in (
         "Adapter", "Adapter.open", "Adapter.flag", "Adapter.set_flag",
         "Adapter.string", "Adapter.set_string", "Adapter.modules",
-        "Adapter.saved", "Adapter.save", "merge", "transfer")} | {
+        "Adapter.saved", "Adapter.save", "merge", "merge_check",
+        "transfer")} | {
     "bico.model:" + n for n in (
         "Model", "Model.open", "Model.from_shapes", "Model.set_blocks", "Model.tensors",
         "Model.modules", "Model.module_dims", "Model.blocks",
         "Model.source_name", "Transfer", "Transfer.set_file", "Transfer.set",
         "Transfer.get", "Transfer.add_split", "Transfer.add_tie",
         "Transfer.set_log", "Transfer.set_progress", "Transfer.run",
-        "Transfer.counts",
+        "Transfer.counts", "Transfer.check",
         "Transfer.set_xcov", "Transfer.set_votes",
         "transfer_files", "stats_from_calib", "stats_merge")} | {
     "bico.safetensors:" + n for n in (
