@@ -53,3 +53,49 @@ def test_each_rule_is_refused_by_check_and_run(tmp_path, case):
         for w in says:
             assert w in str(e.value)
         assert not os.path.exists(p["out"])
+
+
+# `bico merge` leaves these rules to the library (bico_merge_check) and
+# says them in its option words: a usage error (exit 2), nothing written,
+# the option named and no library function's name.
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "e2e"))
+from cli import bico as run_bico  # noqa: E402
+
+
+@pytest.mark.parametrize("case", ["no_base", "no_output", "no_inputs",
+                                  "linear_density", "density_range",
+                                  "same_path"])
+def test_the_command_says_the_library_rules_in_option_words(tmp_path, case):
+    p = _files(tmp_path)
+    rep = str(tmp_path / "rep.json")
+    args = {"--base": p["base"], "--output": p["out"]}
+    extra = ["--tuned", p["ft"]]
+    says = []
+    if case == "no_base":
+        del args["--base"]
+        says = ["--base"]
+    elif case == "no_output":
+        del args["--output"]
+        says = ["--output"]
+    elif case == "no_inputs":
+        extra = []
+        says = ["--task-vector", "--tuned", "--lora"]
+    elif case == "linear_density":
+        extra += ["--density", "0.5"]
+        says = [p["ft"], "--density 0.5", "--method ties"]
+    elif case == "density_range":
+        extra += ["--method", "ties", "--density", "1.5"]
+        says = [p["ft"], "--density 1.5", "(0, 1]"]
+    else:
+        args["--report"] = p["out"]
+        says = ["--output", "--report", p["out"]]
+    argv = [a for kv in args.items() for a in kv] + extra
+    r = run_bico("merge", *argv, ok=False)
+    assert r.returncode == 2, r.stderr
+    for w in says:
+        assert w in r.stderr, r.stderr
+    assert "merge_check" not in r.stderr and "merge_add_input" not in r.stderr
+    assert not os.path.exists(p["out"]) and not os.path.exists(rep)
