@@ -342,6 +342,94 @@ TEST(MergeRun, RefusalsNameTheProblemAndWriteNothing) {
   EXPECT_TRUE(mentions(ctx, "no inputs")) << bico_ctx_errmsg(ctx);
 }
 
+// bico_merge_check: the run's option rules without the run.  A good
+// configuration passes and leaves the folder as it was; each broken rule
+// fails with BICO_E_ARG and a message naming the file slot or the input,
+// and the same configuration's run fails with the same status.
+TEST(MergeCheck, RulesOfTheRunWithoutTheRun) {
+  Checkpoints c;
+  bt::Ctx ctx;
+  std::string rep = c.dir / "rep.json", missing = c.dir / "missing.safetensors";
+  struct Config {
+    bool base = true, output = true, inputs = true;
+    double density = 1;
+    int method = BICO_MERGE_LINEAR;
+    std::string report;
+  };
+  auto make = [&](Merger &mg, const Config &k) {
+    if (k.base) bico_merge_set_file(mg.m, BICO_MERGE_FILE_BASE, c.base.c_str());
+    if (k.output) bico_merge_set_file(mg.m, BICO_MERGE_FILE_OUTPUT, c.out.c_str());
+    if (!k.report.empty())
+      bico_merge_set_file(mg.m, BICO_MERGE_FILE_REPORT, k.report.c_str());
+    bico_merge_set_param(mg.m, BICO_MERGE_METHOD, k.method);
+    if (k.inputs) {
+      EXPECT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TASK_VECTOR, c.tv1.c_str(), 1.0,
+                                     1.0),
+                BICO_OK);
+      EXPECT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TUNED, c.ft.c_str(), 0.5,
+                                     k.density),
+                BICO_OK);
+    }
+  };
+  auto check = [&](const Config &k) {
+    Merger mg(ctx);
+    make(mg, k);
+    return bico_merge_check(mg.m);
+  };
+  auto runs = [&](const Config &k) {
+    Merger mg(ctx);
+    make(mg, k);
+    return bico_merge_run(mg.m);
+  };
+  EXPECT_EQ(bico_merge_check(nullptr), BICO_E_NULL);
+  Config good;
+  good.report = rep;
+  EXPECT_EQ(check(good), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(access(c.out.c_str(), F_OK), -1);  // nothing written
+  EXPECT_EQ(access(rep.c_str(), F_OK), -1);
+  Config ties = good;
+  ties.method = BICO_MERGE_TIES;
+  ties.density = 0.5;
+  EXPECT_EQ(check(ties), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(access(c.out.c_str(), F_OK), -1);
+
+  struct Bad {
+    Config k;
+    std::vector<std::string> says;
+  };
+  std::vector<Bad> bad;
+  bad.push_back({good, {"missing the base file"}});
+  bad.back().k.base = false;
+  bad.push_back({good, {"missing the output file"}});
+  bad.back().k.output = false;
+  bad.push_back({good, {"no inputs"}});
+  bad.back().k.inputs = false;
+  bad.push_back({good, {"the output file and the report file", c.out}});
+  bad.back().k.report = c.out;
+  bad.push_back({good, {c.ft, "density 0.5", "TIES only"}});
+  bad.back().k.density = 0.5;
+  for (const Bad &b : bad) {
+    EXPECT_EQ(check(b.k), BICO_E_ARG) << b.says[0];
+    std::string msg = bico_ctx_errmsg(ctx);
+    EXPECT_EQ(msg.rfind("merge_check: ", 0), 0u) << msg;
+    for (const std::string &w : b.says) EXPECT_TRUE(mentions(ctx, w)) << msg;
+    EXPECT_EQ(access(c.out.c_str(), F_OK), -1);
+    EXPECT_EQ(runs(b.k), BICO_E_ARG) << b.says[0];  // the run's own rule
+  }
+  // What needs the files is the run's: a missing input passes the check.
+  Merger mg(ctx);
+  bico_merge_set_file(mg.m, BICO_MERGE_FILE_BASE, c.base.c_str());
+  bico_merge_set_file(mg.m, BICO_MERGE_FILE_OUTPUT, c.out.c_str());
+  ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TUNED, missing.c_str(), 1, 1),
+            BICO_OK);
+  EXPECT_EQ(bico_merge_check(mg.m), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(bico_merge_run(mg.m), BICO_E_IO);
+  EXPECT_TRUE(mentions(ctx, missing)) << bico_ctx_errmsg(ctx);
+  // The good configuration then runs.
+  EXPECT_EQ(runs(good), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(access(c.out.c_str(), F_OK), 0);
+}
+
 }  // namespace
 
 namespace {

@@ -191,6 +191,9 @@ TEST(TransferCheck, InputsLevelFindsWhatOnlyTheFilesTell) {
   EXPECT_EQ(bico_transfer_check(s.t, BICO_TRANSFER_CHECK_OPTIONS), BICO_OK);
   EXPECT_EQ(bico_transfer_check(s.t, BICO_TRANSFER_CHECK_INPUTS), BICO_E_ARG);
   EXPECT_TRUE(has(s.msg(), "same file")) << s.msg();
+  // The check's messages are the check's, not the run's (the run's own
+  // rules wrote "transfer_run:").
+  EXPECT_EQ(s.msg().rfind("transfer_check: ", 0), 0u) << s.msg();
   EXPECT_EQ(stt::read_bytes(s.tuned), bytes);
   s.set(BICO_FILE_OUTPUT, s.out);
   // A source whose names pair with none of the target's: below the

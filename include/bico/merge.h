@@ -129,6 +129,17 @@ BICO_API bico_status bico_merge_set_log(bico_merge *m,
 BICO_API bico_status bico_merge_set_progress(bico_merge *m,
                                              bico_progress_fn fn,
                                              void *opaque);
+/* The checks bico_merge_run makes before it opens any file, without the
+ * run: the base and the output given, at least one input, no two outputs
+ * (output, delta output, report) on one path, and no input with a density
+ * below 1 under LINEAR; BICO_E_ARG with a message naming the file (as
+ * "the <bico_merge_file_name> file", "delta output" spelled with a space)
+ * or the input and its density.  Weights, densities and parameters are
+ * checked where they are set.  No file is opened and nothing is written:
+ * what needs the files (an input missing or unreadable, a tensor without
+ * a base tensor of its shape, an output naming an input) is still
+ * refused by bico_merge_run alone, before it writes anything. */
+BICO_API bico_status bico_merge_check(bico_merge *m);
 /* Runs the merge; on failure nothing is written. */
 BICO_API bico_status bico_merge_run(bico_merge *m);
 

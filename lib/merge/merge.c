@@ -263,11 +263,12 @@ bico_status bico_merge_add_input(bico_merge *m, int kind, const char *path,
                       kind, path);
   if (path[0] == '\0') return bico__fail(ctx, BICO_E_ARG, "%s: empty path", fn);
   if (!isfinite(weight))
-    return bico__fail(ctx, BICO_E_NONFINITE, "%s: %s: weight %g is not finite",
+    return bico__fail(ctx, BICO_E_NONFINITE, "%s: the input %s: weight %g is not finite",
                       fn, path, weight);
   if (!(density > 0 && density <= 1))
     return bico__fail(ctx, isnan(density) ? BICO_E_NONFINITE : BICO_E_ARG,
-                      "%s: %s: density %g is outside (0, 1]", fn, path, density);
+                      "%s: the input %s: density %g is outside (0, 1]", fn, path,
+                      density);
   input *p = bico__alloc(ctx, (m->nin + 1) * sizeof *p);
   char *d = bico__strdup(ctx, path);
   if (p == NULL || d == NULL) {
@@ -704,34 +705,57 @@ static bico_status merge_one(bico_merge *m, const bico_stfile *base, size_t ti,
   return st;
 }
 
+/* What a run refuses before opening any file (bico_merge_run and
+ * bico_merge_check alike): the base and the output given, some input, no
+ * two outputs on one path, no density below 1 for LINEAR.  fn: the API
+ * name the messages start with. */
+static bico_status check_options(bico_merge *m, const char *fn) {
+  bico_ctx *ctx = m->ctx;
+  const char *const *f = (const char *const *)m->files;
+  if (f[BICO_MERGE_FILE_BASE] == NULL || f[BICO_MERGE_FILE_OUTPUT] == NULL)
+    return bico__fail(ctx, BICO_E_ARG, "%s: missing the %s file", fn,
+                      f[BICO_MERGE_FILE_BASE] == NULL ? "base" : "output");
+  if (m->nin == 0)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "%s: no inputs to merge (a task vector, a tuned "
+                      "checkpoint or a LoRA adapter)",
+                      fn);
+  for (int a = 2; a <= 4; a++)
+    for (int b = a + 1; b <= 4; b++)
+      if (f[a] && f[b] && strcmp(f[a], f[b]) == 0)
+        return bico__fail(ctx, BICO_E_ARG,
+                          "%s: the %s file and the %s file are the same path "
+                          "%s",
+                          fn, FILE_NAME[a], FILE_NAME[b], f[a]);
+  for (size_t i = 0; i < m->nin; i++)
+    if ((int)m->param[BICO_MERGE_METHOD] == BICO_MERGE_LINEAR &&
+        m->in[i].density != 1)
+      return bico__fail(ctx, BICO_E_ARG,
+                        "%s: the input %s has density %g, but density "
+                        "(trimming) applies to TIES only (the ties method)",
+                        fn, m->in[i].path, m->in[i].density);
+  return BICO_OK;
+}
+
+bico_status bico_merge_check(bico_merge *m) {
+  if (m == NULL) return BICO_E_NULL;
+  bico__clear(m->ctx);
+  return check_options(m, "merge_check");
+}
+
 static bico_status merge_all(bico_merge *m, bico_stfile **basep,
                              bico_stwriter **wp, bico_stwriter **wdp,
                              bico__report *rep) {
   bico_ctx *ctx = m->ctx;
   const char *const *f = (const char *const *)m->files;
-  if (f[BICO_MERGE_FILE_BASE] == NULL || f[BICO_MERGE_FILE_OUTPUT] == NULL)
-    return bico__fail(ctx, BICO_E_ARG, "merge_run: missing the %s file",
-                      f[BICO_MERGE_FILE_BASE] == NULL ? "base" : "output");
-  if (m->nin == 0)
-    return bico__fail(ctx, BICO_E_ARG, "merge_run: no inputs to merge");
-  for (int a = 2; a <= 4; a++)
-    for (int b = a + 1; b <= 4; b++)
-      if (f[a] && f[b] && strcmp(f[a], f[b]) == 0)
-        return bico__fail(ctx, BICO_E_ARG,
-                          "merge_run: the %s and the %s are the same path %s",
-                          FILE_NAME[a], FILE_NAME[b], f[a]);
+  bico_status st = check_options(m, "merge_run");
+  if (st != BICO_OK) return st;
   int method = (int)m->param[BICO_MERGE_METHOD];
   int normalize = m->param[BICO_MERGE_NORMALIZE] < 0
                       ? method == BICO_MERGE_TIES
                       : (int)m->param[BICO_MERGE_NORMALIZE];
   float alpha = (float)m->param[BICO_MERGE_ALPHA];
-  for (size_t i = 0; i < m->nin; i++)
-    if (method == BICO_MERGE_LINEAR && m->in[i].density != 1)
-      return bico__fail(ctx, BICO_E_ARG,
-                        "merge_run: %s has density %g, but density (trimming) "
-                        "applies to TIES only",
-                        m->in[i].path, m->in[i].density);
-  bico_status st = bico_stfile_open(ctx, f[BICO_MERGE_FILE_BASE], basep);
+  st = bico_stfile_open(ctx, f[BICO_MERGE_FILE_BASE], basep);
   bico_stfile *base = *basep;
   for (size_t i = 0; i < m->nin && st == BICO_OK; i++) {
     input *in = &m->in[i];

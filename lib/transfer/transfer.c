@@ -392,6 +392,13 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
     if (st == BICO_OK) st = check_run(&r);
   }
   bico__xfer_run_free(&r);
+  /* The run's own rules say "transfer_run:"; the caller asked for a check */
+  const char *msg = bico_ctx_errmsg(t->ctx);
+  if (st != BICO_OK && strncmp(msg, "transfer_run: ", 14) == 0) {
+    char rest[BICO_ERRMSG_CAP];
+    snprintf(rest, sizeof rest, "%s", msg + 14);
+    st = bico__fail(t->ctx, st, "transfer_check: %s", rest);
+  }
   return st;
 }
 

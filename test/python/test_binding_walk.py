@@ -474,7 +474,8 @@ NO_ARRAYS = {
     "bico.lora:" + n for n in (
         "Adapter", "Adapter.open", "Adapter.flag", "Adapter.set_flag",
         "Adapter.string", "Adapter.set_string", "Adapter.modules",
-        "Adapter.saved", "Adapter.save", "merge", "transfer")} | {
+        "Adapter.saved", "Adapter.save", "merge", "merge_check",
+        "transfer")} | {
     "bico.model:" + n for n in (
         "Model", "Model.open", "Model.from_shapes", "Model.set_blocks", "Model.tensors",
         "Model.modules", "Model.module_dims", "Model.blocks",

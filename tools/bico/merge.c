@@ -35,6 +35,47 @@ typedef struct merge_opts {
   size_t nin;
 } merge_opts;
 
+/* A library message about the options in the command's words: "the
+ * <file> file" (merge.h's bico_merge_check) becomes the file's option,
+ * "density"/"weight" the input's --density/--weight, "the ties method"
+ * --method ties. */
+static void option_words(const char *in, char *out, size_t cap) {
+  static const struct {
+    const char *words, *opt;
+  } MAP[] = {{"the base file", "--base"},
+             {"the output file", "--output"},
+             {"the delta output file", "--delta-output"},
+             {"the report file", "--report"},
+             {"the ties method", "--method ties"},
+             {"a task vector, a tuned checkpoint or a LoRA adapter",
+              "--task-vector, --tuned or --lora"},
+             {"density", "--density"},
+             {"weight", "--weight"}};
+  size_t o = 0;
+  const char *start = in;
+  while (*in && o + 1 < cap) {
+    const char *opt = NULL;
+    size_t skip = 0;
+    int word_start = in == start || in[-1] == ' ' || in[-1] == '(';
+    for (size_t k = 0; k < sizeof MAP / sizeof *MAP && opt == NULL && word_start;
+         k++) {
+      size_t n = strlen(MAP[k].words);
+      char after = in[n];
+      if (strncmp(in, MAP[k].words, n) == 0 &&
+          !(after >= 'a' && after <= 'z') && after != '_' && after != '-')
+        opt = MAP[k].opt, skip = n;
+    }
+    if (opt != NULL) {
+      int k = snprintf(out + o, cap - o, "%s", opt);
+      o = k < 0 || (size_t)k >= cap - o ? cap - 1 : o + (size_t)k;
+      in += skip;
+    } else {
+      out[o++] = *in++;
+    }
+  }
+  out[o] = '\0';
+}
+
 /* Configures and runs the library's merge; the CLI exit code. */
 static int merge_run(const merge_opts *o) {
   bico_ctx *ctx = NULL;
@@ -58,7 +99,21 @@ static int merge_run(const merge_opts *o) {
   for (size_t k = 0; k < o->nin && st == BICO_OK; k++)
     st = bico_merge_add_input(mg, o->in[k].kind, o->in[k].path,
                               o->in[k].weight, o->in[k].density);
-  if (st == BICO_OK && !o->quiet) st = bico_merge_set_log(mg, log_line, NULL);
+  /* The options' rules are the library's (bico_merge_add_input: weight
+   * and density; bico_merge_check: files given, outputs apart, density
+   * under linear): a failure there is a usage error, in option words. */
+  if (st == BICO_OK) st = bico_merge_check(mg);
+  if (st != BICO_OK) {
+    char msg[4096], words[4096];
+    cli_user_message(bico_ctx_errmsg(ctx), msg, sizeof msg);
+    option_words(msg, words, sizeof words);
+    int code = cli_error(CMD, st == BICO_E_NOMEM ? CLI_FAIL : CLI_USAGE, "%s",
+                         words);
+    bico_merge_free(mg);
+    bico_ctx_free(ctx);
+    return code;
+  }
+  if (!o->quiet) st = bico_merge_set_log(mg, log_line, NULL);
   if (st == BICO_OK && !o->quiet) st = cli_progress_install_merge(mg);
   cli_cleanup_add(o->output, bico_stwriter_output_is_folder(o->output, o->base));
   cli_cleanup_add(o->delta, bico_stwriter_output_is_folder(o->delta, o->base));
@@ -201,10 +256,9 @@ int cmd_merge(int argc, char **argv) {
               CMD, CLI_USAGE, "option --density given twice for input %s",
               in[nin - 1].path);
           wd[nin - 1] |= 2;
-          if (cli_double(v, &in[nin - 1].density) ||
-              !(in[nin - 1].density > 0 && in[nin - 1].density <= 1))
+          if (cli_double(v, &in[nin - 1].density))
               return cli_error(CMD, CLI_USAGE,
-                               "--density %s: expected a number in (0, 1]", v))
+                               "--density %s: expected a number", v))
 #undef PATH
 #undef VALUE
 #undef EACH
@@ -212,22 +266,11 @@ int cmd_merge(int argc, char **argv) {
     return cli_error(CMD, CLI_USAGE, "unexpected argument %s", a);
   }
   cli_arg_at = -1;
-  if (base == NULL) return cli_error(CMD, CLI_USAGE, "missing --base");
-  if (output == NULL) return cli_error(CMD, CLI_USAGE, "missing --output");
-  if (nin == 0)
-    return cli_error(CMD, CLI_USAGE,
-                     "no inputs: give --task-vector, --tuned or --lora");
   int m = BICO_MERGE_LINEAR;
   if (method != NULL && bico_merge_method_from_name(method, &m) != BICO_OK)
     return cli_error(CMD, CLI_USAGE,
                      "unknown method '%s' (linear, task_arithmetic or ties)",
                      method);
-  for (size_t k = 0; k < nin; k++)
-    if (m == BICO_MERGE_LINEAR && in[k].density != 1)
-      return cli_error(CMD, CLI_USAGE,
-                       "--density applies to --method ties (input %s has "
-                       "density %g)",
-                       in[k].path, in[k].density);
 
   merge_opts o = {base, output, delta, report, m, normalize, quiet,
                   alpha, max_shard, in, nin};

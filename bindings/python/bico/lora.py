@@ -254,6 +254,23 @@ def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
     """What `bico merge` runs.  inputs: (kind, path, weight, density) with
     kind "task_vector", "tuned" or "lora".  max_shard_size: bytes per shard
     of an output folder (`--max-shard-size`; None: sharded as the base)."""
+    return _merge(base, inputs, output, method, alpha, normalize,
+                  delta_output, report, max_shard_size, ctx, fn.merge_run)
+
+
+def merge_check(base, inputs, output, method="linear", alpha=1.0,
+                normalize=None, delta_output=None, report=None,
+                max_shard_size=None, ctx=None):
+    """bico_merge_check: merge()'s arguments checked without the run (the
+    base and output given, some input, outputs on distinct paths, no
+    density under "linear", the values' ranges); no file is opened, nothing
+    written.  Raises BicoError as merge() would; returns None."""
+    _merge(base, inputs, output, method, alpha, normalize, delta_output,
+           report, max_shard_size, ctx, fn.merge_check)
+
+
+def _merge(base, inputs, output, method, alpha, normalize, delta_output,
+           report, max_shard_size, ctx, last):
     m = choose(MERGE_METHODS, method, "merge method")
     alpha = A.scalar_f64(alpha, "alpha")
     if max_shard_size is not None:
@@ -285,7 +302,7 @@ def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
                                       max_shard_size), ctx)
         for kind, path, weight, density in ins:
             _check(fn.merge_add_input(h, kind, path, weight, density), ctx)
-        _check(fn.merge_run(h), ctx)
+        _check(last(h), ctx)
     finally:
         fn.merge_free(h)
     return output
