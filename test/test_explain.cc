@@ -262,9 +262,10 @@ TEST(TransferExplain, CausalLmFromConfigJson) {
                                      (dir / "a.safetensors").c_str()), BICO_OK);
     ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_TARGET_BASE,
                                      (dir / "b.safetensors").c_str()), BICO_OK);
-    if (c.cfg)
+    if (c.cfg) {
       ASSERT_EQ(bico_transfer_set_file(h.t, BICO_FILE_TARGET_CONFIG,
                                        (dir / c.cfg).c_str()), BICO_OK);
+    }
     ASSERT_EQ(bico_transfer_explain(h.t), BICO_OK) << bico_ctx_errmsg(h.ctx);
     bico_transfer_model_info m;
     m.size = sizeof m;
