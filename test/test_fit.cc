@@ -186,6 +186,37 @@ TEST(FitTest, PlantedUpdateRecoveredAsRidgeVanishes) {
   }
 }
 
+// A normal matrix wider than the blocked Cholesky's block (256): the
+// planted update comes back at one and at two threads, and the two agree
+// to rounding (the blocks' panel solves and trailing updates run through
+// BLIS with the context's thread count).
+TEST(FitTest, PlantedUpdateRecoveredAcrossCholeskyBlocks) {
+  bt::Rng g(13);
+  const size_t n = 900, di = 600, dout = 5;  // a = 601: blocks 256, 256, 89
+  Mat x = rounded(bt::randn(g, n, di)), w = bt::randn(g, dout, di);
+  Mat b = bt::randn(g, 1, dout);
+  Mat pdw = bt::randn(g, dout, di, 0.3), pdb = bt::randn(g, 1, dout, 0.3);
+  Mat d = bt::matmul(x, bt::transpose(pdw));
+  for (size_t i = 0; i < n; i++)
+    for (size_t o = 0; o < dout; o++) d(i, o) += pdb(0, o);
+  d = rounded(d);
+  Mat dw1;
+  for (int threads : {1, 2}) {
+    bt::Ctx ctx;
+    ASSERT_EQ(bico_ctx_set_param(ctx, BICO_CTX_THREADS, threads), BICO_OK);
+    bico_fit *f = make_fit(ctx, di, dout, true, 1e-9);
+    add(f, x, x, d);
+    Solved s = solve(f, w, b, true);
+    ASSERT_EQ(s.st, BICO_OK) << bico_ctx_errmsg(ctx);
+    EXPECT_EQ(s.rank, di + 1);
+    EXPECT_LT(bt::relerr(s.dw, pdw) + bt::relerr(s.db, pdb), 1e-4)
+        << threads << " threads";
+    if (threads == 1) dw1 = s.dw;
+    else EXPECT_LT(bt::relerr(s.dw, dw1), 1e-6);
+    bico_fit_free(f);
+  }
+}
+
 // The sequential case (X' != X_B) against the QR reference, for ridge
 // values around the recommended one, rectangular shapes both ways, with and
 // without bias, and a weight with a row stride.

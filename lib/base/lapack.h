@@ -41,14 +41,10 @@ void dsyevr_(const char *jobz, const char *range, const char *uplo,
              int *iwork, const int *liwork, int *info, size_t jobz_len,
              size_t range_len, size_t uplo_len);
 
-/* Cholesky factorisation (the certificates of the EIG and polar routes). */
+/* Cholesky factorisation (the certificates of the EIG and polar routes;
+ * the fit's blocked Cholesky on its diagonal blocks). */
 void dpotrf_(const char *uplo, const int *n, double *a, const int *lda,
              int *info, size_t uplo_len);
-
-/* Solves A X = B with the Cholesky factor from dpotrf (the fit's solve). */
-void dpotrs_(const char *uplo, const int *n, const int *nrhs, const double *a,
-             const int *lda, double *b, const int *ldb, int *info,
-             size_t uplo_len);
 
 /* Cholesky factorisation with complete pivoting of a positive semidefinite
  * matrix: its rank (the fit's numerical rank of X'^T X'). */

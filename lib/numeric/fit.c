@@ -341,6 +341,59 @@ done:
   return st;
 }
 
+/* Block size of chol_upper: the trailing update is a rank-FIT_NB syrk,
+ * big enough for BLIS to run near its GEMM speed. */
+#define FIT_NB 256
+
+/* Upper Cholesky factor of a (n x n, column-major, lda n) in place, A =
+ * U^T U; the strict lower triangle is left alone.  Right-looking blocked:
+ * reference LAPACK's dpotrf on each diagonal block, then the panel solve
+ * and the trailing syrk through BLIS with the context's thread count
+ * (reference dpotrf's own BLAS calls go through the BLAS API, which takes
+ * BLIS's global thread count, and its 64-wide panels run well below GEMM
+ * speed).  Returns 0, or LAPACK's info: the order of the first leading
+ * minor that is not positive definite. */
+static int chol_upper(const bico_ctx *ctx, int n, double *a) {
+  double one = 1.0, minus_one = -1.0;
+  rntm_t rntm;
+  bli_rntm_init(&rntm);
+  bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
+  const size_t ld = (size_t)n;
+  for (int k = 0; k < n; k += FIT_NB) {
+    int b = n - k < FIT_NB ? n - k : FIT_NB, info = 0;
+    double *a11 = a + (size_t)k * ld + (size_t)k;
+    dpotrf_("U", &b, a11, &n, &info, 1);
+    if (info != 0) return info < 0 ? info : k + info;
+    const int n2 = n - k - b;
+    if (n2 == 0) break;
+    double *a12 = a + (size_t)(k + b) * ld + (size_t)k;
+    double *a22 = a12 + (size_t)b;
+    bli_dtrsm_ex(BLIS_LEFT, BLIS_UPPER, BLIS_TRANSPOSE, BLIS_NONUNIT_DIAG,
+                 (dim_t)b, (dim_t)n2, &one, a11, 1, (inc_t)ld, a12, 1,
+                 (inc_t)ld, NULL, &rntm);
+    bli_dsyrk_ex(BLIS_UPPER, BLIS_TRANSPOSE, (dim_t)n2, (dim_t)b, &minus_one,
+                 a12, 1, (inc_t)ld, &one, a22, 1, (inc_t)ld, NULL, &rntm);
+  }
+  return 0;
+}
+
+/* X = A^{-1} B with A = U^T U (u from chol_upper), B n x nrhs
+ * column-major (lda n), in place: two triangular solves through BLIS with
+ * the context's thread count (what dpotrs does through the BLAS API). */
+static void chol_solve(const bico_ctx *ctx, int n, int nrhs, const double *u,
+                       double *b) {
+  double one = 1.0;
+  rntm_t rntm;
+  bli_rntm_init(&rntm);
+  bli_rntm_set_num_threads((dim_t)ctx->threads, &rntm);
+  bli_dtrsm_ex(BLIS_LEFT, BLIS_UPPER, BLIS_TRANSPOSE, BLIS_NONUNIT_DIAG,
+               (dim_t)n, (dim_t)nrhs, &one, (double *)u, 1, (inc_t)n, b, 1,
+               (inc_t)n, NULL, &rntm);
+  bli_dtrsm_ex(BLIS_LEFT, BLIS_UPPER, BLIS_NO_TRANSPOSE, BLIS_NONUNIT_DIAG,
+               (dim_t)n, (dim_t)nrhs, &one, (double *)u, 1, (inc_t)n, b, 1,
+               (inc_t)n, NULL, &rntm);
+}
+
 bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
                            const float *b_b, float *dw, size_t ld_dw,
                            float *db, size_t *rank) {
@@ -420,11 +473,11 @@ bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
   if (!(lambda == 0 && rk < a)) {
     int info = 0;
     memcpy(mm, amat, aa * sizeof(double)); /* keep A for the fallback */
-    dpotrf_("U", &na, mm, &na, &info, 1);
+    info = chol_upper(ctx, na, mm);
     if (info == 0) {
       memcpy(tht, rhs, ea * sizeof(double)); /* keep rhs for the fallback */
-      dpotrs_("U", &na, &nr, mm, &na, tht, &na, &info, 1);
-      if (info == 0 &&
+      chol_solve(ctx, na, nr, mm, tht);
+      if (
           bico__check_finite_f64(NULL, fn, "solution", tht, 1, ea, ea) ==
               BICO_OK) {
         memcpy(rhs, tht, ea * sizeof(double));
