@@ -205,7 +205,7 @@ def test_xcov_strided_views_and_other_layouts():
     assert np.allclose(bico.XCov(7, 4).add(xa[::-1], xb[::-1]).matrix(), ref)
     assert np.allclose(bico.XCov(7, 4).add(torch.from_numpy(big)[:, 2:9],
                                            torch.from_numpy(xb)).matrix(), ref)
-    arr, n, d, ld = bico._core.rows_f32(xa)
+    arr, n, d, ld = bico._args.rows_f32(xa)
     assert arr is xa and ld == 12  # zero-copy path taken
 
 

@@ -6,10 +6,13 @@ Two parts:
   must equal a float64 NumPy reference computed here, an inconsistent one
   must raise before the C call, and out= arrays that cannot be written must
   be refused and left unchanged;
-- a census: every public callable of bico, bico.lora, bico.safetensors and
-  bico.model is listed below either with the arrays it takes (and each of
-  those gets arrays no wrapper may accept) or as taking none, so that a new
-  wrapper without checks fails here.
+- a census: every public callable of the binding's wrapper modules (one
+  per header of include/bico/: bico._status, _version, _ctx, _xcov,
+  _procrustes, _votes, _gradfix, transport, _baseline, _depthmap,
+  safetensors, model, _stats, transfer, lora, merge) is listed below
+  either with the arrays it takes (and each of those gets arrays no
+  wrapper may accept) or as taking none, so that a new wrapper without
+  checks fails here.
 Under `make check-python-asan` the same tests run with the sanitized
 library preloaded, so a read past a buffer aborts the run."""
 import inspect
@@ -353,12 +356,17 @@ def _public(obj_module):
     return out
 
 
+WRAPPER_MODULES = ("bico._status", "bico._version", "bico._handle",
+                   "bico._ctx", "bico._xcov", "bico._procrustes",
+                   "bico._votes", "bico._gradfix", "bico.transport",
+                   "bico._baseline", "bico._depthmap", "bico.safetensors",
+                   "bico.model", "bico._stats", "bico.transfer", "bico.lora",
+                   "bico.merge")
+
+
 def _modules():
-    import bico._core
-    import bico.model
-    import bico.safetensors
-    return {"bico._core": bico._core, "bico.lora": bl,
-            "bico.model": bico.model, "bico.safetensors": bico.safetensors}
+    import importlib
+    return {m: importlib.import_module(m) for m in WRAPPER_MODULES}
 
 
 def bad_array(kind, shape):
@@ -385,26 +393,34 @@ def _v():
     return bico.Votes((2, 2))
 
 
+def _gradfix():
+    import bico._gradfix
+    return bico._gradfix
+
+
+_SD = {"fc.weight": np.ones((2, 2), np.float32)}
+
+
 # name -> {array argument: call taking that argument}; every other
 # argument is valid in the call
 ARRAY_CALLS = {
-    "bico._core:XCov.add": {
+    "bico._xcov:XCov.add": {
         "x_a": lambda x: bico.XCov(2, 2).add(x, np.ones((2, 2))),
         "x_b": lambda x: bico.XCov(2, 2).add(np.ones((2, 2)), x)},
-    "bico._core:XCov.add_matrix": {
+    "bico._xcov:XCov.add_matrix": {
         "c": lambda x: bico.XCov(2, 2).add_matrix(x, 1)},
-    "bico._core:XCov.from_bytes": {"data": lambda x: bico.XCov.from_bytes(x)},
-    "bico._core:Procrustes.solve_matrix": {
+    "bico._xcov:XCov.from_bytes": {"data": lambda x: bico.XCov.from_bytes(x)},
+    "bico._procrustes:Procrustes.solve_matrix": {
         "c": lambda x: bico.Procrustes().solve_matrix(x)},
-    "bico._core:Procrustes.solve": {"xcov": lambda x: bico.Procrustes()
+    "bico._procrustes:Procrustes.solve": {"xcov": lambda x: bico.Procrustes()
                                     .solve(x)},
-    "bico._core:procrustes": {"c": lambda x: bico.procrustes(x)},
-    "bico._core:weight": {
+    "bico._procrustes:procrustes": {"c": lambda x: bico.procrustes(x)},
+    "bico.transport:weight": {
         "tau": lambda x: bico.transport.weight(x),
         "r_out": lambda x: bico.transport.weight(np.ones((2, 2)), x),
         "r_in": lambda x: bico.transport.weight(np.ones((2, 2)), None, x),
         "out": lambda x: bico.transport.weight(np.ones((2, 2)), out=x)},
-    "bico._core:weight_split": {
+    "bico.transport:weight_split": {
         "tau": lambda x: bico.transport.weight_split(x, None, k=2),
         "r_outs": lambda x: bico.transport.weight_split(np.ones((2, 2)),
                                                         [x, x]),
@@ -412,31 +428,35 @@ ARRAY_CALLS = {
                                                       x, k=2),
         "out": lambda x: bico.transport.weight_split(np.ones((2, 2)), None,
                                                      k=2, out=x)},
-    "bico._core:vector": {
+    "bico.transport:vector": {
         "v": lambda x: bico.transport.vector(x),
         "r": lambda x: bico.transport.vector(np.ones(2), x),
         "out": lambda x: bico.transport.vector(np.ones(2), out=x)},
-    "bico._core:rows": {
+    "bico.transport:rows": {
         "t": lambda x: bico.transport.rows(x),
         "r": lambda x: bico.transport.rows(np.ones((2, 2)), x),
         "out": lambda x: bico.transport.rows(np.ones((2, 2)), out=x)},
-    "bico._core:naive": {
+    "bico._baseline:naive": {
         "tau": lambda x: bico.naive(x, (2, 2)),
         "target_shape": lambda x: bico.naive(np.ones((2, 2)), x),
         "out": lambda x: bico.naive(np.ones((2, 2)), (2, 2), out=x)},
-    "bico._core:pad": {
+    "bico._baseline:pad": {
         "tau": lambda x: bico.pad(x, (2, 2)),
         "target_shape": lambda x: bico.pad(np.ones((2, 2)), x),
         "out": lambda x: bico.pad(np.ones((2, 2)), (2, 2), out=x)},
-    "bico._core:Votes": {"shape": lambda x: bico.Votes(x)},
-    "bico._core:Votes.add": {"grad": lambda x: _v().add(x)},
-    "bico._core:Votes.add_counts": {"votes": lambda x: _v().add_counts(x, 1)},
-    "bico._core:Votes.merge": {"other": lambda x: _v().merge(x)},
-    "bico._core:Votes.mask": {"tau": lambda x: _v().mask(x)},
-    "bico._core:Votes.apply": {
+    "bico._votes:Votes": {"shape": lambda x: bico.Votes(x)},
+    "bico._votes:Votes.add": {"grad": lambda x: _v().add(x)},
+    "bico._votes:Votes.add_counts": {"votes": lambda x: _v().add_counts(x, 1)},
+    "bico._votes:Votes.merge": {"other": lambda x: _v().merge(x)},
+    "bico._votes:Votes.mask": {"tau": lambda x: _v().mask(x)},
+    "bico._votes:Votes.apply": {
         "tau": lambda x: _v().apply(x),
         "out": lambda x: _v().apply(np.ones((2, 2)), out=x)},
-    "bico._core:XCov.merge": {"other": lambda x: bico.XCov(2, 2).merge(x)},
+    "bico._gradfix:mask": {"tau": lambda x: _gradfix().mask(_v(), x)},
+    "bico._gradfix:apply": {
+        "tau": lambda x: _gradfix().apply(_v(), x),
+        "out": lambda x: _gradfix().apply(_v(), np.ones((2, 2)), out=x)},
+    "bico._xcov:XCov.merge": {"other": lambda x: bico.XCov(2, 2).merge(x)},
     "bico.lora:Adapter.add_module": {
         "b": lambda x: bl.Adapter().add_module("m", x, np.ones((2, 2)), 1.0),
         "a": lambda x: bl.Adapter().add_module("m", np.ones((2, 2)), x, 1.0)},
@@ -449,11 +469,22 @@ ARRAY_CALLS = {
         "r_in": lambda x: bl.transport(np.ones((2, 2)), np.ones((2, 2)),
                                        None, x)},
     "bico.lora:truncate": {"dense": lambda x: bl.truncate(x, 1)},
-    "bico.lora:merge_tensors": {
+    "bico.merge:merge_tensors": {
         "taus": lambda x: bl.merge_tensors([x, x], [1, 1]),
         "weights": lambda x: bl.merge_tensors([np.ones(2)] * 2, x),
         "densities": lambda x: bl.merge_tensors([np.ones(2)] * 2, [1, 1],
                                                 x, method="ties")},
+    "bico.transfer:transfer_state_dict": {
+        "source_base": lambda x: bico.transfer_state_dict(
+            {"fc.weight": x}, _SD, _SD, method="naive"),
+        "source_tuned": lambda x: bico.transfer_state_dict(
+            _SD, {"fc.weight": x}, _SD, method="naive"),
+        "target_base": lambda x: bico.transfer_state_dict(
+            _SD, _SD, {"fc.weight": x}, method="naive"),
+        "stats": lambda x: bico.transfer_state_dict(
+            _SD, _SD, _SD, {"fc.in_xcov": x, "fc.out_xcov": np.eye(2)}),
+        "votes": lambda x: bico.transfer_state_dict(
+            _SD, _SD, _SD, method="gradfix", votes={"fc.weight": x})},
     "bico.safetensors:write": {
         "tensors": lambda x: bico.safetensors.write("/nonexistent/x", {
             "x": x})},
@@ -463,28 +494,36 @@ ARRAY_CALLS = {
 
 # callables without array arguments (paths, names, numbers, handles)
 NO_ARRAYS = {
-    "bico._core:" + n for n in (
-        "Context", "XCov", "Procrustes", "DepthMap", "BicoError",
-        "Context.close", "XCov.info", "XCov.matrix", "XCov.sums",
-        "XCov.to_bytes", "XCov.save", "XCov.load", "Procrustes.set",
-        "Procrustes.get", "Procrustes.spectrum", "Votes.info",
-        "Votes.counts", "Votes.add_grad", "DepthMap.source",
-        "DepthMap.tolist", "depthmap", "default_context", "version",
-        "version_number", "strerror")} | {
+    "bico._status:" + n for n in ("BicoError", "strerror", "check")} | {
+    "bico._version:" + n for n in ("version", "version_number")} | {
+    "bico._ctx:" + n for n in ("Context", "Context.close",
+                               "default_context")} | {
+    "bico._xcov:" + n for n in (
+        "XCov", "XCov.info", "XCov.matrix", "XCov.sums", "XCov.to_bytes",
+        "XCov.save", "XCov.load")} | {
+    "bico._procrustes:" + n for n in (
+        "Procrustes", "Procrustes.set", "Procrustes.get",
+        "Procrustes.spectrum")} | {
+    "bico._votes:" + n for n in ("Votes.info", "Votes.counts",
+                                 "Votes.add_grad")} | {
+    "bico._depthmap:" + n for n in ("DepthMap", "DepthMap.source",
+                                    "DepthMap.tolist", "depthmap")} | {
     "bico.lora:" + n for n in (
         "Adapter", "Adapter.open", "Adapter.flag", "Adapter.set_flag",
         "Adapter.string", "Adapter.set_string", "Adapter.modules",
-        "Adapter.saved", "Adapter.save", "merge", "merge_check",
-        "transfer")} | {
+        "Adapter.saved", "Adapter.save", "transfer")} | {
+    "bico.merge:" + n for n in ("merge", "merge_check")} | {
     "bico.model:" + n for n in (
-        "Model", "Model.open", "Model.from_shapes", "Model.set_blocks", "Model.tensors",
-        "Model.modules", "Model.module_dims", "Model.blocks",
-        "Model.source_name", "Transfer", "Transfer.set_file", "Transfer.set",
-        "Transfer.get", "Transfer.add_split", "Transfer.add_tie",
-        "Transfer.set_log", "Transfer.set_progress", "Transfer.run",
-        "Transfer.counts", "Transfer.check",
-        "Transfer.set_xcov", "Transfer.set_votes",
-        "transfer_files", "stats_from_calib", "stats_merge")} | {
+        "Model", "Model.open", "Model.from_shapes", "Model.set_blocks",
+        "Model.tensors", "Model.modules", "Model.module_dims",
+        "Model.blocks", "Model.source_name")} | {
+    "bico.transfer:" + n for n in (
+        "Transfer", "Transfer.set_file", "Transfer.set", "Transfer.get",
+        "Transfer.add_split", "Transfer.add_tie", "Transfer.set_log",
+        "Transfer.set_progress", "Transfer.run", "Transfer.counts",
+        "Transfer.check", "Transfer.set_xcov", "Transfer.set_votes",
+        "transfer_files")} | {
+    "bico._stats:" + n for n in ("stats_from_calib", "stats_merge")} | {
     "bico.safetensors:" + n for n in (
         "File", "File.keys", "File.info", "File.get", "File.check_finite",
         "File.close", "open", "read", "dtype_name")}
@@ -497,6 +536,9 @@ def test_census_every_public_wrapper_is_walked():
     listed = set(ARRAY_CALLS) | NO_ARRAYS
     assert found - listed == set(), "wrappers not walked: %s" % sorted(
         found - listed)
+    # and nothing listed is stale (a wrapper moved or gone)
+    assert listed - found == set(), "listed, not found: %s" % sorted(
+        listed - found)
 
 
 @pytest.mark.parametrize("name", sorted(ARRAY_CALLS))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import bico._core as core
+import bico._lib as core
 from bico._status import BicoError
 from bico.torch import _scaled
 from bico.torch_fit import _carry

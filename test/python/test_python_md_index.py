@@ -8,10 +8,12 @@ import bico
 import bico.convert
 import bico.fit
 import bico.lora
+import bico.merge
 import bico.model
 import bico.safetensors
 import bico.torch
 import bico.transfer
+import bico.transport
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs",
                    "python.md")
@@ -29,8 +31,9 @@ def public(mod):
 def test_every_public_name_is_in_python_md():
     doc = open(DOC).read()
     missing = ["%s.%s" % (m.__name__, n)
-               for m in (bico, bico.torch, bico.lora, bico.safetensors,
-                         bico.model, bico.fit, bico.convert, bico.transfer)
+               for m in (bico, bico.torch, bico.lora, bico.merge,
+                         bico.safetensors, bico.model, bico.fit, bico.convert,
+                         bico.transfer, bico.transport)
                for n in public(m) if "`%s" % n not in doc and
                ".%s" % n not in doc]
     assert not missing, "docs/python.md does not name: " + ", ".join(missing)

@@ -9,33 +9,33 @@ calibration collector.
 
 Failures of the library raise bico.BicoError(status, message), message being
 bico_ctx_errmsg of the call.  See docs/python.md.
+
+One module per header of include/bico/: _status (status.h), _version,
+_ctx, _xcov, _procrustes, _votes, _gradfix, transport, _baseline,
+_depthmap, safetensors, model, _stats, transfer, lora, merge, fit (the
+private ones hold what this package re-exports: bico.XCov is
+bico._xcov.XCov).
 """
 from . import _lib
-from ._core import (BicoError, Context, XCov, Procrustes, Votes, DepthMap,
-                    default_context, depthmap, procrustes, version,
-                    version_number, naive, pad)
-from ._status import (OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE, E_NOMEM,
-                      E_NUMERIC, E_FORMAT, E_IO, E_VERSION, E_NOTFOUND,
-                      E_UNSUPPORTED, E_STATE, E_INTERNAL, strerror)
+from ._baseline import naive, pad
+from ._ctx import Context, default_context
+from ._depthmap import DepthMap, depthmap
+from ._procrustes import Procrustes, procrustes
+from ._status import (BicoError, OK, E_NULL, E_ARG, E_SHAPE, E_NONFINITE,
+                      E_NOMEM, E_NUMERIC, E_FORMAT, E_IO, E_VERSION,
+                      E_NOTFOUND, E_UNSUPPORTED, E_STATE, E_INTERNAL,
+                      strerror)
+from ._version import version, version_number
+from ._votes import Votes
+from ._xcov import XCov
 from ._enums import NULL_KEEP, NULL_DROP
-from . import _core as _core_mod
+from . import transport
 from . import safetensors
 # bico.fit (ctypes prototypes of its own) is imported on first use (below)
 from . import model
-from .model import Model, Transfer, transfer_files
-from .transfer import transfer_state_dict
+from .model import Model
+from .transfer import Transfer, transfer_files, transfer_state_dict
 from ._names import Pairing, detect_blocks
-
-
-class _Transport(object):
-    """bico.transport.weight / weight_split / vector / rows."""
-    weight = staticmethod(_core_mod.weight)
-    weight_split = staticmethod(_core_mod.weight_split)
-    vector = staticmethod(_core_mod.vector)
-    rows = staticmethod(_core_mod.rows)
-
-
-transport = _Transport()
 
 library_path = _lib.library_path
 library_source = _lib.library_source

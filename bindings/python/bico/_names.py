@@ -2,7 +2,7 @@
 include/bico/model.h, so that Python and the C driver pair alike)."""
 import re
 
-from ._core import depthmap
+from ._depthmap import depthmap
 
 _INT = re.compile(r"^[0-9]+$")
 

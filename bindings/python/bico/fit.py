@@ -1,4 +1,5 @@
-"""bico.fit: the per-layer ridge fit of the sequential functional fit.
+"""bico.fit (include/bico/fit.h): the per-layer ridge fit of the
+sequential functional fit.
 
     from bico.fit import Fit
     f = Fit(d_in, d_out, bias=True, ridge=1e-2)
@@ -21,7 +22,10 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from ._core import BicoError, Context, _Handle, _check, _to_numpy
+from ._args import plain as _to_numpy
+from ._ctx import Context
+from ._handle import _Handle
+from ._status import BicoError, check as _check
 from ._enums import FIT_FLAGS, FIT_PARAMS
 
 __all__ = ["Fit", "run", "FIT_BIAS", "FIT_RIDGE", "FIT_RANK_TOL"]

@@ -88,7 +88,7 @@ def _choose_alpha(model, base, delta, held, grid, quiet):
 
 
 def _transformers_loader():
-    from ._core import BicoError
+    from ._status import BicoError
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -171,7 +171,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
 
     import bico.torch as bt
     from .hf import text_batches, next_token_loss, lm_loss
-    from ._core import BicoError
+    from ._status import BicoError
     q = a.quiet
     t0 = time.time()
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)

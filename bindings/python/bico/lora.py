@@ -1,5 +1,6 @@
-"""LoRA adapters and task merging (include/bico/lora.h, merge.h): thin
-ctypes wrappers over the C API; see docs/lora.md.
+"""include/bico/lora.h: LoRA adapters, thin ctypes wrappers over the C
+API; see docs/lora.md.  Task merging (merge.h) is bico.merge; its
+merge_tensors, merge and merge_check are importable from here too.
 
     import bico.lora as bl
     ad = bl.Adapter.open("adapter_dir")          # PEFT folder
@@ -15,12 +16,15 @@ import ctypes
 
 import numpy as np
 
-from ._core import BicoError, Context, _Handle, _check, _ctx, E_SHAPE
 from . import _args as A
+from ._ctx import Context, _or_default
 from ._enums import (choose, LORA_KINDS, LORA_PARAMS, LORA_STRINGS,
-                     MERGE_METHODS, MERGE_INPUTS, MERGE_FILES, MERGE_PARAMS,
                      TRANSFER_FILES)
+from ._handle import _Handle
 from ._lib import fn, c_size_t, c_int, c_double, c_float, c_char_p, c_void_p
+from ._status import E_SHAPE, BicoError, check as _check
+from .merge import merge, merge_check, merge_tensors  # noqa: F401
+from .transfer import Transfer
 
 P = ctypes.POINTER
 
@@ -154,7 +158,7 @@ def transport(b, a, r_out=None, r_in=None, alpha=1.0, d_out=None, d_in=None,
     """Factored BiCo: (alpha R_out^T B, A R_in).  r_out may be a list of k
     block maps (fused qkv); None entries, or None, are the rectangular
     identity (then d_out / d_in give the target widths)."""
-    ctx = _ctx(ctx)
+    ctx = _or_default(ctx)
     b = _f32(b, "b")
     a = _f32(a, "a", shape=(b.shape[1], None), why="the rank, b's columns")
     rank, dout_a, din_a = a.shape[0], b.shape[0], a.shape[1]
@@ -205,7 +209,7 @@ def transport(b, a, r_out=None, r_in=None, alpha=1.0, d_out=None, d_in=None,
 
 def truncate(dense, rank, scale=1.0, ctx=None):
     """Best rank-r factors: scale B A ~= dense.  -> (B, A, energy kept)."""
-    ctx = _ctx(ctx)
+    ctx = _or_default(ctx)
     d = _f32(dense, "dense")
     m, n = d.shape
     rank = A.size(rank, "rank", lo=1)
@@ -218,96 +222,6 @@ def truncate(dense, rank, scale=1.0, ctx=None):
     return bo, ao, e.value
 
 
-def merge_tensors(taus, weights, densities=None, method="linear",
-                  normalize=None, ctx=None):
-    """bico_merge_tensor over same-shaped arrays (one weight, and one
-    density when given, per array); normalize None: the method's default
-    (TIES yes, linear no)."""
-    ctx = _ctx(ctx)
-    m = choose(MERGE_METHODS, method, "merge method")
-    if isinstance(taus, np.ndarray) or not hasattr(taus, "__iter__"):
-        raise TypeError("merge_tensors: taus must be a list of arrays")
-    xs = [A.f32(t, "taus[%d]" % i) for i, t in enumerate(taus)]
-    if not xs:
-        raise BicoError(E_SHAPE, "merge_tensors: no task vectors")
-    shape = xs[0].shape
-    for i, x in enumerate(xs):
-        if x.shape != shape:
-            raise BicoError(E_SHAPE, "merge_tensors: taus[%d] has shape %s, "
-                            "taus[0] %s" % (i, A.shape_str(x.shape),
-                                            A.shape_str(shape)))
-    w = A.f64(weights, "weights", shape=(len(xs),), why="one per task vector")
-    d = None if densities is None else A.f64(
-        densities, "densities", shape=(len(xs),), why="one per task vector")
-    if normalize is None:
-        normalize = m == MERGE_METHODS["ties"]
-    ptrs = (c_void_p * len(xs))(*[x.ctypes.data for x in xs])
-    out = np.empty(shape, np.float32)
-    _check(fn.merge_tensor(ctx._alive(), m, len(xs), out.size,
-                           ctypes.cast(ptrs, c_void_p), _p(w), _p(d),
-                           int(bool(normalize)), _p(out)), ctx)
-    return out
-
-
-def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
-          delta_output=None, report=None, max_shard_size=None, ctx=None):
-    """What `bico merge` runs.  inputs: (kind, path, weight, density) with
-    kind "task_vector", "tuned" or "lora".  max_shard_size: bytes per shard
-    of an output folder (`--max-shard-size`; None: sharded as the base)."""
-    return _merge(base, inputs, output, method, alpha, normalize,
-                  delta_output, report, max_shard_size, ctx, fn.merge_run)
-
-
-def merge_check(base, inputs, output, method="linear", alpha=1.0,
-                normalize=None, delta_output=None, report=None,
-                max_shard_size=None, ctx=None):
-    """bico_merge_check: merge()'s arguments checked without the run (the
-    base and output given, some input, outputs on distinct paths, no
-    density under "linear", the values' ranges); no file is opened, nothing
-    written.  Raises BicoError as merge() would; returns None."""
-    _merge(base, inputs, output, method, alpha, normalize, delta_output,
-           report, max_shard_size, ctx, fn.merge_check)
-
-
-def _merge(base, inputs, output, method, alpha, normalize, delta_output,
-           report, max_shard_size, ctx, last):
-    m = choose(MERGE_METHODS, method, "merge method")
-    alpha = A.scalar_f64(alpha, "alpha")
-    if max_shard_size is not None:
-        max_shard_size = A.scalar_f64(max_shard_size, "max_shard_size")
-    files = [(MERGE_FILES[w], _enc(p, w)) for w, p in
-             (("base", base), ("output", output),
-              ("delta_output", delta_output), ("report", report))
-             if p is not None]
-    ins = []
-    for i, item in enumerate(inputs):
-        kind, path, weight, density = item
-        ins.append((choose(MERGE_INPUTS, kind, "merge input kind"),
-                    _enc(path, "inputs[%d] path" % i),
-                    A.scalar_f64(weight, "inputs[%d] weight" % i),
-                    A.scalar_f64(density, "inputs[%d] density" % i)))
-    ctx = Context() if ctx is None else ctx
-    h = c_void_p()
-    _check(fn.merge_create(ctx._alive(), ctypes.byref(h)), ctx)
-    try:
-        for which, path in files:
-            _check(fn.merge_set_file(h, which, path), ctx)
-        _check(fn.merge_set_param(h, MERGE_PARAMS["method"], m), ctx)
-        _check(fn.merge_set_param(h, MERGE_PARAMS["alpha"], alpha), ctx)
-        _check(fn.merge_set_param(h, MERGE_PARAMS["normalize"],
-                                  -1 if normalize is None
-                                  else int(bool(normalize))), ctx)
-        if max_shard_size is not None:
-            _check(fn.merge_set_param(h, MERGE_PARAMS["max_shard_size"],
-                                      max_shard_size), ctx)
-        for kind, path, weight, density in ins:
-            _check(fn.merge_add_input(h, kind, path, weight, density), ctx)
-        _check(last(h), ctx)
-    finally:
-        fn.merge_free(h)
-    return output
-
-
 def transfer(source_base, target_base, adapter, output_lora=None,
              merged_output=None, stats=None, source_calib=None,
              target_calib=None, target_votes=None, report=None, method="bico",
@@ -315,7 +229,6 @@ def transfer(source_base, target_base, adapter, output_lora=None,
     """What `bico transfer --lora` runs: the adapter folder carried to the
     target as a PEFT folder (output_lora) and/or merged into the target
     checkpoint (merged_output)."""
-    from .model import Transfer
     with Transfer(log=log) as t:
         for k, v in (("source_base", source_base), ("target_base", target_base),
                      ("stats", stats), ("source_calib", source_calib),

@@ -1,29 +1,29 @@
-"""Model graphs (bico_model) and the whole-model transfer driver
-(bico_transfer), the engine behind `bico transfer`.
+"""include/bico/model.h: model graphs (bico_model), tensors grouped into
+modules and the pairing of a target's names with a source's.
 
     m = bico.Model.open("vit.safetensors")
     m.modules()      # [(name, kind, block, [tensor names])]
-    bico.transfer_files(source_base="A.safetensors",
-                        source_tuned="A_ft.safetensors",
-                        target_base="B.safetensors", stats="S.safetensors",
-                        output="B_ft.safetensors", alpha=1.0)
+
+The whole-model driver is bico.transfer (Transfer, transfer_files) and the
+statistics files bico._stats (stats_from_calib, stats_merge); both are
+also importable from here, where they were before.
 """
 import ctypes
-import sys
 
-from ._core import BicoError, Context, _Handle, _check, E_ARG
 from . import _args as A
+from . import safetensors as _st
+from ._ctx import Context
 from ._enums import (choose, MODULE_KINDS as KINDS, TENSOR_ROLES as ROLES,
                      METHODS, TRANSFER_FILES as FILES,
-                     TRANSFER_PARAMS as PARAMS, TRANSFER_STRINGS as STRINGS,
-                     TRANSFER_ENUMS as _ENUMS, TRANSFER_SIDES as _SIDES,
-                     TRANSFER_CHECK_LEVELS as _CHECK_LEVELS, DTYPE_NAMES)
+                     TRANSFER_PARAMS as PARAMS, DTYPE_NAMES)
+from ._handle import _Handle
+from ._lib import fn, c_size_t, c_int, c_long, c_char_p, c_void_p
+from ._stats import stats_from_calib, stats_merge
+from ._status import check as _check
+from .transfer import Transfer, transfer_files
 
 __all__ = ["Model", "Transfer", "transfer_files", "stats_from_calib",
            "stats_merge", "KINDS", "ROLES", "METHODS", "FILES", "PARAMS"]
-from ._lib import fn, c_size_t, c_int, c_long, c_char_p, c_void_p, c_double
-from ._lib import LOG_FN, PROGRESS_FN
-from . import safetensors as _st
 
 
 def _enc(s, name="name"):
@@ -161,252 +161,3 @@ class Model(_Handle):
                 cap = n.value + 1
                 continue
             _check(st, self.ctx)
-
-
-# ---- the driver ----
-
-class Transfer(_Handle):
-    """bico_transfer: set files and options, then run().
-
-    Transfer(ctx=None, log=None, progress=None): log is a callable taking
-    one line of progress/summary text (None: silent; True: lines to
-    stderr); progress a callable taking a dict after each target tensor
-    (each module of a LoRA run): done, total (work units of the plan),
-    tensors_done, tensors_total, elapsed (seconds) and tensor (the name
-    just finished), see set_progress."""
-    _free = staticmethod(fn.transfer_free)
-
-    def __init__(self, ctx=None, log=None, progress=None):
-        ctx = Context() if ctx is None else ctx
-        h = c_void_p()
-        _check(fn.transfer_create(ctx._alive(), ctypes.byref(h)), ctx)
-        self._adopt(h.value, ctx)
-        self._log_cb = None
-        self._progress_cb = None
-        self._progress_err = None
-        self._lent = {}  # lent accumulators stay alive with the handle
-        if log:
-            self.set_log(log)
-        if progress is not None:
-            self.set_progress(progress)
-
-    def set_file(self, which, path):
-        if which not in FILES:
-            raise BicoError(E_ARG, "Transfer: unknown file %r (known: %s)"
-                            % (which, ", ".join(sorted(FILES))))
-        _check(fn.transfer_set_file(self._alive(), FILES[which],
-                                    None if path is None
-                                    else A.cstr(path, which, path=True)),
-               self.ctx)
-
-    def set(self, name, value):
-        """An option: a string (blocks, source_blocks, target_blocks), a
-        name (method, norm_map, null, proc_method) or a number."""
-        if name in STRINGS:
-            _check(fn.transfer_set_string(self._alive(), STRINGS[name],
-                                          None if value is None
-                                          else _enc(value, name)), self.ctx)
-            return
-        if name not in PARAMS:
-            raise BicoError(E_ARG, "Transfer: unknown option %r (known: %s)"
-                            % (name, ", ".join(sorted(set(PARAMS) |
-                                                      set(STRINGS)))))
-        if name in _ENUMS:
-            value = choose(_ENUMS[name], value, "Transfer: " + name)
-        elif isinstance(value, str):
-            raise BicoError(E_ARG, "Transfer: %s takes a number, got %r"
-                            % (name, value))
-        value = A.scalar_f64(value, "Transfer: " + name)
-        _check(fn.transfer_set_param(self._alive(), PARAMS[name], value),
-               self.ctx)
-
-    def get(self, name):
-        if name not in PARAMS:
-            raise BicoError(E_ARG, "Transfer: unknown option %r (known: %s)"
-                            % (name, ", ".join(sorted(PARAMS))))
-        v = c_double()
-        _check(fn.transfer_get_param(self._alive(), PARAMS[name],
-                                     ctypes.byref(v)), self.ctx)
-        return v.value
-
-    def add_split(self, suffix, k):
-        _check(fn.transfer_add_split(self._alive(), _enc(suffix, "suffix"),
-                                     A.size(k, "split k")), self.ctx)
-
-    def add_tie(self, tensor, module):
-        _check(fn.transfer_add_tie(self._alive(), _enc(tensor, "tensor"),
-                                   _enc(module, "module")), self.ctx)
-
-    def set_xcov(self, module, side, xcovs):
-        """Lends statistics of one side ("in" or "out") of target module
-        `module`: a bico.XCov, or a list of one per output block (a split
-        module); None or [] withdraws.  The handle keeps them (and so the
-        accumulators stay alive) until it is closed or the side is set
-        again; they must not change meanwhile."""
-        side = choose(_SIDES, side, "Transfer.set_xcov: side")
-        from ._core import XCov
-        if xcovs is None:
-            xcovs = []
-        elif isinstance(xcovs, XCov):
-            xcovs = [xcovs]
-        xcovs = list(xcovs)
-        for x in xcovs:
-            if not isinstance(x, XCov):
-                raise TypeError("Transfer.set_xcov: %s: expected bico.XCov, "
-                                "got %s" % (module, type(x).__name__))
-        arr = (c_void_p * max(len(xcovs), 1))(*[x._alive() for x in xcovs])
-        _check(fn.transfer_set_xcov(self._alive(), _enc(module, "module"),
-                                    side, len(xcovs), arr), self.ctx)
-        self._lent[("xcov", module, side)] = xcovs
-
-    def set_votes(self, tensor, votes):
-        """Lends GradFix votes (a bico.Votes) for target tensor `tensor`;
-        None withdraws.  Kept like set_xcov's accumulators."""
-        from ._core import Votes
-        if votes is not None and not isinstance(votes, Votes):
-            raise TypeError("Transfer.set_votes: %s: expected bico.Votes, "
-                            "got %s" % (tensor, type(votes).__name__))
-        _check(fn.transfer_set_votes(self._alive(), _enc(tensor, "tensor"),
-                                     None if votes is None
-                                     else votes._alive()), self.ctx)
-        self._lent[("votes", tensor)] = votes
-
-    def set_log(self, log):
-        if log is True:
-            log = lambda line: sys.stderr.write(line + "\n")
-        if log is not None and not callable(log):
-            raise TypeError("Transfer: log must be callable, True or None")
-        if log is None:
-            self._log_cb = None
-            _check(fn.transfer_set_log(self._alive(), None, None), self.ctx)
-            return
-        # the CFUNCTYPE object must live as long as the handle uses it
-        self._log_cb = LOG_FN(lambda opaque, line: log(_dec(line)))
-        _check(fn.transfer_set_log(self._alive(),
-                                   ctypes.cast(self._log_cb, c_void_p), None),
-               self.ctx)
-
-    def set_progress(self, progress):
-        """progress(dict) after each target tensor of a run (or module of a
-        LoRA run), from the library's bico_progress; None removes it.  An
-        exception it raises is re-raised by run() after the run ends (the
-        library's callback cannot stop a run)."""
-        if progress is not None and not callable(progress):
-            raise TypeError("Transfer: progress must be callable or None")
-        if progress is None:
-            self._progress_cb = None
-            _check(fn.transfer_set_progress(self._alive(), None, None),
-                   self.ctx)
-            return
-
-        def call(opaque, p):
-            if self._progress_err is not None:
-                return
-            q = p.contents
-            try:
-                progress({"done": q.done, "total": q.total,
-                          "tensors_done": q.tensors_done,
-                          "tensors_total": q.tensors_total,
-                          "elapsed": q.elapsed,
-                          "tensor": None if q.tensor is None
-                          else _dec(q.tensor)})
-            except BaseException as e:  # raised again by run()
-                self._progress_err = e
-        self._progress_cb = PROGRESS_FN(call)
-        _check(fn.transfer_set_progress(self._alive(),
-                                        ctypes.cast(self._progress_cb,
-                                                    c_void_p), None),
-               self.ctx)
-
-    def check(self, level="inputs"):
-        """bico_transfer_check: the run's checks without the run.  level
-        "options": which files go together and contradictions, no file
-        opened; "inputs" (default): also every check a run makes before
-        its first map (inputs opened, outputs against inputs, models
-        paired, ties, the pairing threshold).  Nothing is written; raises
-        BicoError as run() would."""
-        _check(fn.transfer_check(self._alive(),
-                                 choose(_CHECK_LEVELS, level, "level")),
-               self.ctx)
-
-    def run(self):
-        self._progress_err = None
-        st = fn.transfer_run(self._alive())
-        err, self._progress_err = self._progress_err, None
-        _check(st, self.ctx)
-        if err is not None:
-            raise err
-        return self.counts()
-
-    def counts(self):
-        """(updated, unchanged) target tensors of the last run."""
-        u, n = c_size_t(), c_size_t()
-        _check(fn.transfer_counts(self._alive(), ctypes.byref(u),
-                                  ctypes.byref(n)), self.ctx)
-        return u.value, n.value
-
-
-def transfer_files(source_base, target_base, output, source_tuned=None,
-                   task_vector=None, stats=None, source_calib=None,
-                   target_calib=None, target_votes=None, delta_output=None,
-                   report=None, method="bico", alpha=1.0, split=None,
-                   ties=None, log=None, source_config=None,
-                   target_config=None, progress=None, **options):
-    """Runs the C driver on files: what `bico transfer` does.  options:
-    norm_map ("act"|"grad"), null ("keep"|"drop"), rank_tol, center,
-    whiten, proc_method ("eig"|"svd"|"polar"), workers (solver threads),
-    solve_memory (bytes), blocks, source_blocks, target_blocks; decoder
-    families (docs/llm.md): structure ("free" default | "heads"), rope
-    ("half"|"interleaved"|"none"; default from config.json), heads, kv_heads, head_dim (0:
-    from config.json), source_config/target_config (config.json paths);
-    source_rename ("OLD=NEW", a prefix rename of the source's tensor
-    names), max_shard_size (bytes; an output folder's shards), row_chunk
-    (rows per streamed piece of a token table).  split {suffix: k}, ties
-    {tensor: module}; progress a callable (Transfer.set_progress).
-    Returns (updated, unchanged) tensor counts."""
-    with Transfer(log=log, progress=progress) as t:
-        for k, v in (("source_base", source_base),
-                     ("target_base", target_base), ("output", output),
-                     ("source_tuned", source_tuned),
-                     ("task_vector", task_vector), ("stats", stats),
-                     ("source_calib", source_calib),
-                     ("target_calib", target_calib),
-                     ("target_votes", target_votes),
-                     ("delta_output", delta_output), ("report", report),
-                     ("source_config", source_config),
-                     ("target_config", target_config)):
-            if v is not None:
-                t.set_file(k, v)
-        t.set("method", method)
-        t.set("alpha", alpha)
-        for k, v in options.items():
-            t.set(k, v)
-        for suffix, k in (split or {}).items():
-            t.add_split(suffix, k)
-        for tensor, module in (ties or {}).items():
-            t.add_tie(tensor, module)
-        return t.run()
-
-
-def stats_from_calib(source_calib, target_calib, output, blocks=None,
-                     ctx=None):
-    """Reduces two calibration files to a statistics file."""
-    ctx = Context() if ctx is None else ctx
-    args = (A.cstr(source_calib, "source_calib", path=True),
-            A.cstr(target_calib, "target_calib", path=True),
-            None if blocks is None else _enc(blocks, "blocks"),
-            A.cstr(output, "output", path=True))
-    _check(fn.stats_from_calib(ctx._alive(), *args), ctx)
-    return output
-
-
-def stats_merge(inputs, output, ctx=None):
-    """Sums statistics files (same tensors and shapes) into output."""
-    enc = [A.cstr(p, "inputs[%d]" % i, path=True)
-           for i, p in enumerate(inputs)]
-    out = A.cstr(output, "output", path=True)
-    ctx = Context() if ctx is None else ctx
-    arr = (c_char_p * max(len(enc), 1))(*enc)
-    _check(fn.stats_merge(ctx._alive(), ctypes.cast(arr, c_void_p), len(enc),
-                          out), ctx)
-    return output

@@ -1,5 +1,6 @@
-"""safetensors files through libbico: the validating reader and the atomic
-writer (bico_stfile_*, bico_stwriter_*).
+"""include/bico/safetensors.h (and dtype.h): safetensors files through
+libbico: the validating reader and the atomic writer (bico_stfile_*,
+bico_stwriter_*).
 
     tensors = bico.safetensors.read("model.safetensors")      # name -> array
     bico.safetensors.write("out.safetensors", tensors, metadata={"k": "v"})
@@ -16,8 +17,9 @@ import ctypes
 
 import numpy as np
 
-from ._core import BicoError, Context, _check, E_ARG
 from . import _args as A
+from ._ctx import Context
+from ._status import E_ARG, BicoError, check as _check
 from ._enums import (DTYPES as _NAMES, NP_OF_DTYPE as _NP,
                      DTYPE_OF_NP as _FROM_NP, FLOAT_DTYPES as _FLOATS)
 from ._lib import fn, c_size_t, c_int, c_char_p, c_void_p

@@ -43,10 +43,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._core import BicoError, Context, Procrustes, Votes, XCov
-from ._core import naive as _naive
+from ._baseline import naive as _naive
+from ._ctx import Context
+from ._procrustes import Procrustes
+from ._status import BicoError, E_ARG, E_NOTFOUND, E_SHAPE, E_STATE
+from ._votes import Votes
+from ._xcov import XCov
 from ._args import plain as _as_numpy
-from ._status import E_ARG, E_NOTFOUND, E_SHAPE, E_STATE
 from ._names import Pairing
 from . import safetensors as _st
 from ._enums import DEFAULT_SPLIT, METHODS as _C_METHODS

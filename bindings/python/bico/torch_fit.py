@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ._core import rows as _transport_rows
+from .transport import rows as _transport_rows
 from ._status import BicoError, E_ARG, E_SHAPE, E_STATE
 
 

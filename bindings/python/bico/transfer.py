@@ -1,4 +1,8 @@
-"""Whole-model transfer over in-memory state dicts, run by libbico's driver.
+"""include/bico/transfer.h: the whole-model transfer driver (bico_transfer),
+the engine behind `bico transfer`, on files and on in-memory state dicts.
+
+    with bico.Transfer() as t: t.set_file("source_base", ...); t.run()
+    transfer_files(source_base=..., target_base=..., output=..., ...)
 
 transfer_state_dict(source_base, source_tuned, target_base, stats,
                     method="bico", alpha=1.0, ...) -> (new state dict)
@@ -18,12 +22,357 @@ split module a list of per-block ones), or a path to a statistics file.
 nn.MultiheadAttention's "M.in_proj_weight" / "M.in_proj_bias" are the
 fused linear module "M.in_proj" (split in 3 by default: q, k, v).
 """
-from ._driver import transfer_via_driver
-from ._enums import METHODS as _METHOD_CODES, DEFAULT_SPLIT, choose
+import ctypes
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+from . import _args as A
+from . import safetensors as _st
+from ._args import plain as _to_numpy
+from ._ctx import Context
+from ._enums import (choose, DEFAULT_SPLIT, METHODS as _METHOD_CODES,
+                     TRANSFER_FILES as FILES, TRANSFER_PARAMS as PARAMS,
+                     TRANSFER_STRINGS as STRINGS, TRANSFER_ENUMS as _ENUMS,
+                     TRANSFER_SIDES as _SIDES,
+                     TRANSFER_CHECK_LEVELS as _CHECK_LEVELS)
+from ._handle import _Handle
+from ._lib import fn, c_size_t, c_void_p, c_double, LOG_FN, PROGRESS_FN
+from ._status import E_ARG, E_SHAPE, BicoError, check as _check
+from ._votes import Votes
+from ._xcov import XCov
 
 METHODS = tuple(_METHOD_CODES)
 
-__all__ = ["transfer_state_dict", "METHODS", "DEFAULT_SPLIT"]
+__all__ = ["Transfer", "transfer_files", "transfer_state_dict", "METHODS",
+           "DEFAULT_SPLIT"]
+
+
+def _enc(s, name="name"):
+    return A.cstr(s, name)
+
+
+def _dec(b):
+    return b.decode("utf-8") if b is not None else None
+
+
+class Transfer(_Handle):
+    """bico_transfer: set files and options, then run().
+
+    Transfer(ctx=None, log=None, progress=None): log is a callable taking
+    one line of progress/summary text (None: silent; True: lines to
+    stderr); progress a callable taking a dict after each target tensor
+    (each module of a LoRA run): done, total (work units of the plan),
+    tensors_done, tensors_total, elapsed (seconds) and tensor (the name
+    just finished), see set_progress."""
+    _free = staticmethod(fn.transfer_free)
+
+    def __init__(self, ctx=None, log=None, progress=None):
+        ctx = Context() if ctx is None else ctx
+        h = c_void_p()
+        _check(fn.transfer_create(ctx._alive(), ctypes.byref(h)), ctx)
+        self._adopt(h.value, ctx)
+        self._log_cb = None
+        self._progress_cb = None
+        self._progress_err = None
+        self._lent = {}  # lent accumulators stay alive with the handle
+        if log:
+            self.set_log(log)
+        if progress is not None:
+            self.set_progress(progress)
+
+    def set_file(self, which, path):
+        if which not in FILES:
+            raise BicoError(E_ARG, "Transfer: unknown file %r (known: %s)"
+                            % (which, ", ".join(sorted(FILES))))
+        _check(fn.transfer_set_file(self._alive(), FILES[which],
+                                    None if path is None
+                                    else A.cstr(path, which, path=True)),
+               self.ctx)
+
+    def set(self, name, value):
+        """An option: a string (blocks, source_blocks, target_blocks), a
+        name (method, norm_map, null, proc_method) or a number."""
+        if name in STRINGS:
+            _check(fn.transfer_set_string(self._alive(), STRINGS[name],
+                                          None if value is None
+                                          else _enc(value, name)), self.ctx)
+            return
+        if name not in PARAMS:
+            raise BicoError(E_ARG, "Transfer: unknown option %r (known: %s)"
+                            % (name, ", ".join(sorted(set(PARAMS) |
+                                                      set(STRINGS)))))
+        if name in _ENUMS:
+            value = choose(_ENUMS[name], value, "Transfer: " + name)
+        elif isinstance(value, str):
+            raise BicoError(E_ARG, "Transfer: %s takes a number, got %r"
+                            % (name, value))
+        value = A.scalar_f64(value, "Transfer: " + name)
+        _check(fn.transfer_set_param(self._alive(), PARAMS[name], value),
+               self.ctx)
+
+    def get(self, name):
+        if name not in PARAMS:
+            raise BicoError(E_ARG, "Transfer: unknown option %r (known: %s)"
+                            % (name, ", ".join(sorted(PARAMS))))
+        v = c_double()
+        _check(fn.transfer_get_param(self._alive(), PARAMS[name],
+                                     ctypes.byref(v)), self.ctx)
+        return v.value
+
+    def add_split(self, suffix, k):
+        _check(fn.transfer_add_split(self._alive(), _enc(suffix, "suffix"),
+                                     A.size(k, "split k")), self.ctx)
+
+    def add_tie(self, tensor, module):
+        _check(fn.transfer_add_tie(self._alive(), _enc(tensor, "tensor"),
+                                   _enc(module, "module")), self.ctx)
+
+    def set_xcov(self, module, side, xcovs):
+        """Lends statistics of one side ("in" or "out") of target module
+        `module`: a bico.XCov, or a list of one per output block (a split
+        module); None or [] withdraws.  The handle keeps them (and so the
+        accumulators stay alive) until it is closed or the side is set
+        again; they must not change meanwhile."""
+        side = choose(_SIDES, side, "Transfer.set_xcov: side")
+        if xcovs is None:
+            xcovs = []
+        elif isinstance(xcovs, XCov):
+            xcovs = [xcovs]
+        xcovs = list(xcovs)
+        for x in xcovs:
+            if not isinstance(x, XCov):
+                raise TypeError("Transfer.set_xcov: %s: expected bico.XCov, "
+                                "got %s" % (module, type(x).__name__))
+        arr = (c_void_p * max(len(xcovs), 1))(*[x._alive() for x in xcovs])
+        _check(fn.transfer_set_xcov(self._alive(), _enc(module, "module"),
+                                    side, len(xcovs), arr), self.ctx)
+        self._lent[("xcov", module, side)] = xcovs
+
+    def set_votes(self, tensor, votes):
+        """Lends GradFix votes (a bico.Votes) for target tensor `tensor`;
+        None withdraws.  Kept like set_xcov's accumulators."""
+        if votes is not None and not isinstance(votes, Votes):
+            raise TypeError("Transfer.set_votes: %s: expected bico.Votes, "
+                            "got %s" % (tensor, type(votes).__name__))
+        _check(fn.transfer_set_votes(self._alive(), _enc(tensor, "tensor"),
+                                     None if votes is None
+                                     else votes._alive()), self.ctx)
+        self._lent[("votes", tensor)] = votes
+
+    def set_log(self, log):
+        if log is True:
+            log = lambda line: sys.stderr.write(line + "\n")
+        if log is not None and not callable(log):
+            raise TypeError("Transfer: log must be callable, True or None")
+        if log is None:
+            self._log_cb = None
+            _check(fn.transfer_set_log(self._alive(), None, None), self.ctx)
+            return
+        # the CFUNCTYPE object must live as long as the handle uses it
+        self._log_cb = LOG_FN(lambda opaque, line: log(_dec(line)))
+        _check(fn.transfer_set_log(self._alive(),
+                                   ctypes.cast(self._log_cb, c_void_p), None),
+               self.ctx)
+
+    def set_progress(self, progress):
+        """progress(dict) after each target tensor of a run (or module of a
+        LoRA run), from the library's bico_progress; None removes it.  An
+        exception it raises is re-raised by run() after the run ends (the
+        library's callback cannot stop a run)."""
+        if progress is not None and not callable(progress):
+            raise TypeError("Transfer: progress must be callable or None")
+        if progress is None:
+            self._progress_cb = None
+            _check(fn.transfer_set_progress(self._alive(), None, None),
+                   self.ctx)
+            return
+
+        def call(opaque, p):
+            if self._progress_err is not None:
+                return
+            q = p.contents
+            try:
+                progress({"done": q.done, "total": q.total,
+                          "tensors_done": q.tensors_done,
+                          "tensors_total": q.tensors_total,
+                          "elapsed": q.elapsed,
+                          "tensor": None if q.tensor is None
+                          else _dec(q.tensor)})
+            except BaseException as e:  # raised again by run()
+                self._progress_err = e
+        self._progress_cb = PROGRESS_FN(call)
+        _check(fn.transfer_set_progress(self._alive(),
+                                        ctypes.cast(self._progress_cb,
+                                                    c_void_p), None),
+               self.ctx)
+
+    def check(self, level="inputs"):
+        """bico_transfer_check: the run's checks without the run.  level
+        "options": which files go together and contradictions, no file
+        opened; "inputs" (default): also every check a run makes before
+        its first map (inputs opened, outputs against inputs, models
+        paired, ties, the pairing threshold).  Nothing is written; raises
+        BicoError as run() would."""
+        _check(fn.transfer_check(self._alive(),
+                                 choose(_CHECK_LEVELS, level, "level")),
+               self.ctx)
+
+    def run(self):
+        self._progress_err = None
+        st = fn.transfer_run(self._alive())
+        err, self._progress_err = self._progress_err, None
+        _check(st, self.ctx)
+        if err is not None:
+            raise err
+        return self.counts()
+
+    def counts(self):
+        """(updated, unchanged) target tensors of the last run."""
+        u, n = c_size_t(), c_size_t()
+        _check(fn.transfer_counts(self._alive(), ctypes.byref(u),
+                                  ctypes.byref(n)), self.ctx)
+        return u.value, n.value
+
+
+def transfer_files(source_base, target_base, output, source_tuned=None,
+                   task_vector=None, stats=None, source_calib=None,
+                   target_calib=None, target_votes=None, delta_output=None,
+                   report=None, method="bico", alpha=1.0, split=None,
+                   ties=None, log=None, source_config=None,
+                   target_config=None, progress=None, **options):
+    """Runs the C driver on files: what `bico transfer` does.  options:
+    norm_map ("act"|"grad"), null ("keep"|"drop"), rank_tol, center,
+    whiten, proc_method ("eig"|"svd"|"polar"), workers (solver threads),
+    solve_memory (bytes), blocks, source_blocks, target_blocks; decoder
+    families (docs/llm.md): structure ("free" default | "heads"), rope
+    ("half"|"interleaved"|"none"; default from config.json), heads, kv_heads, head_dim (0:
+    from config.json), source_config/target_config (config.json paths);
+    source_rename ("OLD=NEW", a prefix rename of the source's tensor
+    names), max_shard_size (bytes; an output folder's shards), row_chunk
+    (rows per streamed piece of a token table).  split {suffix: k}, ties
+    {tensor: module}; progress a callable (Transfer.set_progress).
+    Returns (updated, unchanged) tensor counts."""
+    with Transfer(log=log, progress=progress) as t:
+        for k, v in (("source_base", source_base),
+                     ("target_base", target_base), ("output", output),
+                     ("source_tuned", source_tuned),
+                     ("task_vector", task_vector), ("stats", stats),
+                     ("source_calib", source_calib),
+                     ("target_calib", target_calib),
+                     ("target_votes", target_votes),
+                     ("delta_output", delta_output), ("report", report),
+                     ("source_config", source_config),
+                     ("target_config", target_config)):
+            if v is not None:
+                t.set_file(k, v)
+        t.set("method", method)
+        t.set("alpha", alpha)
+        for k, v in options.items():
+            t.set(k, v)
+        for suffix, k in (split or {}).items():
+            t.add_split(suffix, k)
+        for tensor, module in (ties or {}).items():
+            t.add_tie(tensor, module)
+        return t.run()
+
+
+# ---- in-memory state dicts through the driver ----
+# The state dicts go to temporary safetensors files, statistics and votes
+# are lent from memory (bico_transfer_set_xcov, _set_votes), bico_transfer
+# runs, the output comes back.  nn.MultiheadAttention's
+# "M.in_proj_weight"/"_bias" are renamed "M.in_proj.weight"/".bias" on the
+# way (so that the driver sees a linear module "M.in_proj", split in 3 like
+# "qkv") and back.
+
+def _is_torch(x):
+    return hasattr(x, "detach") and hasattr(x, "cpu")
+
+
+def _like_target(value, ref, keep_dtype=True):
+    """value (a NumPy array) in the kind of ref, the target's tensor: a
+    torch tensor of ref's dtype on ref's device when ref is one, else a
+    NumPy array of ref's dtype (float32 when keep_dtype is False: the
+    update alone).  The one rule of transfer_state_dict's output."""
+    if _is_torch(ref):
+        import torch
+        t = torch.from_numpy(np.ascontiguousarray(value))
+        return t.to(device=ref.device,
+                    dtype=ref.dtype if keep_dtype else torch.float32)
+    want = _to_numpy(ref).dtype if keep_dtype else np.float32
+    return np.asarray(value, dtype=want)
+
+
+def _rename(name):
+    head, _, last = name.rpartition(".")
+    if last in ("in_proj_weight", "in_proj_bias"):
+        return (head + "." if head else "") + "in_proj." + last[8:]
+    return name
+
+
+def _unrename(name, originals):
+    return originals.get(name, name)
+
+
+def _arrays(sd, keep_dtype):
+    out, dtypes = {}, {}
+    for k, v in sd.items():
+        bf16 = str(getattr(v, "dtype", "")) == "torch.bfloat16"
+        a = _to_numpy(v)
+        if not keep_dtype and np.issubdtype(a.dtype, np.floating):
+            a = a.astype(np.float32)
+        elif bf16:
+            dtypes[_rename(k)] = "BF16"
+        out[_rename(k)] = a
+    return out, dtypes
+
+
+_OPTIONS = ("null", "rank_tol", "center", "whiten", "proc_method",
+            "workers", "solve_memory", "min_paired")
+
+
+def _as_xcov(v, key):
+    """An XCov for a statistics value: itself, or one holding an array
+    (bico_xcov_add_matrix with one row: maps do not depend on the scale)."""
+    if isinstance(v, XCov):
+        return v
+    c = np.asarray(A.real(v, "transfer: statistic " + key),
+                   dtype=np.float64)
+    if c.ndim != 2:
+        raise BicoError(E_SHAPE, "transfer: statistic %s has shape %s; a "
+                        "cross-covariance is 2-D" % (key, c.shape))
+    x = XCov(c.shape[0], c.shape[1])
+    x.add_matrix(c, 1)
+    return x
+
+
+def _lend_stats(t, stats):
+    """Lends every statistic of the dict to the handle t (bico.Transfer)."""
+    for key, v in stats.items():
+        module, _, side = key.rpartition(".")
+        if side not in ("in_xcov", "out_xcov") or not module:
+            raise BicoError(E_ARG, "transfer: statistics key %r is not "
+                            "\"<module>.in_xcov\" or \"<module>.out_xcov\""
+                            % (key,))
+        blocks = v if isinstance(v, (list, tuple)) else [v]
+        t.set_xcov(module, side[:-5],
+                   [_as_xcov(b, "%s[%d]" % (key, i))
+                    for i, b in enumerate(blocks)])
+
+
+def _lend_votes(t, votes):
+    for k, v in votes.items():
+        if not isinstance(v, Votes):
+            counts = np.asarray(A.real(v, "transfer: votes of " + k)
+                                ).astype(np.int32)
+            vv = Votes(counts.shape if counts.ndim else (1,))
+            vv.add_counts(counts.reshape(vv.shape),
+                          int(np.abs(counts).max()) if counts.size else 0)
+            v = vv
+        t.set_votes(_rename(k), v)
 
 
 def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
@@ -58,9 +407,69 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
     choose(_METHOD_CODES, method, "transfer: method")
     if allow_partial:
         options["min_paired"] = 0
-    return transfer_via_driver(
-        source_base, source_tuned, target_base, stats, method=method,
-        alpha=alpha, norm_map=norm_map, split=split, ties=ties, votes=votes,
-        gradfix_mode=gradfix_mode, source_blocks=source_blocks,
-        target_blocks=target_blocks, report=report,
-        return_delta=return_delta, **options)
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError("transfer: unknown options %s" % ", ".join(unknown))
+    split = dict(DEFAULT_SPLIT if split is None else split)
+    with tempfile.TemporaryDirectory(prefix="bico-") as d:
+        p = lambda n: os.path.join(d, n)
+        a0, _ = _arrays(source_base, False)
+        a1, _ = _arrays(source_tuned, False)
+        b0, b_dtypes = _arrays(target_base, True)
+        originals = {_rename(k): k for k in target_base}
+        # The driver refuses a split that matches no module (a typo); the
+        # default entries (qkv, in_proj) apply only where the target has
+        # such a module, anything else the caller named is passed on.
+        mods = {k.rsplit(".", 1)[0] for k in b0 if k.endswith(".weight")}
+        split = {s: n for s, n in split.items()
+                 if DEFAULT_SPLIT.get(s) != n
+                 or any(m == s or m.endswith("." + s) for m in mods)}
+        _st.write(p("a.safetensors"), a0)
+        _st.write(p("a_ft.safetensors"), a1)
+        _st.write(p("b.safetensors"), b0, dtypes=b_dtypes)
+        with Transfer() as t:
+            t.set_file("source_base", p("a.safetensors"))
+            t.set_file("source_tuned", p("a_ft.safetensors"))
+            t.set_file("target_base", p("b.safetensors"))
+            t.set_file("output", p("out.safetensors"))
+            t.set_file("report", p("report.json"))
+            if return_delta:
+                t.set_file("delta_output", p("delta.safetensors"))
+            if method.startswith("bico"):
+                if isinstance(stats, str) or hasattr(stats, "__fspath__"):
+                    t.set_file("stats", os.fspath(stats))
+                else:
+                    _lend_stats(t, stats or {})
+            if method == "gradfix":
+                _lend_votes(t, votes or {})
+                t.set("gradfix_mode", gradfix_mode)
+            t.set("method", method)
+            t.set("alpha", alpha)
+            t.set("norm_map", norm_map)
+            for k, v in options.items():
+                t.set(k, v)
+            for name, v in (("source_blocks", source_blocks),
+                            ("target_blocks", target_blocks)):
+                if v is not None:
+                    t.set(name, v)
+            for suffix, k in split.items():
+                t.add_split(suffix, k)
+            for tensor, module in (ties or {}).items():
+                t.add_tie(_rename(tensor), module)
+            t.run()
+        out = _st.read(p("out.safetensors"))
+        delta = _st.read(p("delta.safetensors")) if return_delta else None
+        if report is not None:
+            with open(p("report.json")) as f:
+                rep = json.load(f)
+            report.extend(rep.get("tensors", rep) if isinstance(rep, dict)
+                          else rep)
+    new = {_unrename(k, originals): v for k, v in out.items()}
+    new = {k: _like_target(new[k], target_base[k]) for k in target_base}
+    if return_delta:
+        delta = {_unrename(k, originals): v for k, v in delta.items()}
+        delta = {k: _like_target(v, target_base[k], keep_dtype=False)
+                 for k, v in delta.items()}
+        return new, delta
+    return new
+
