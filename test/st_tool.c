@@ -48,8 +48,14 @@ static char *from_hex(const char *h) {
 static int dump(bico_ctx *ctx, const char *path) {
   bico_stfile *f = NULL;
   bico_status st = bico_stfile_open(ctx, path, &f);
-  if (st != BICO_OK) return fail(ctx, st);
-  for (size_t i = 0; i < bico_stfile_metadata_count(f); i++) {
+  size_t nmeta = 0, nt = 0;
+  if (st == BICO_OK) st = bico_stfile_metadata_count(f, &nmeta);
+  if (st == BICO_OK) st = bico_stfile_count(f, &nt);
+  if (st != BICO_OK) {
+    bico_stfile_free(f);
+    return fail(ctx, st);
+  }
+  for (size_t i = 0; i < nmeta; i++) {
     const char *k, *v;
     bico_stfile_metadata_at(f, i, &k, &v);
     printf("M ");
@@ -58,7 +64,7 @@ static int dump(bico_ctx *ctx, const char *path) {
     put_hex(v);
     printf("\n");
   }
-  for (size_t i = 0; i < bico_stfile_count(f); i++) {
+  for (size_t i = 0; i < nt; i++) {
     const char *name;
     int dtype;
     size_t ndim, numel;

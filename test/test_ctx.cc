@@ -314,8 +314,8 @@ TEST(Ctx, QueriesPreserveTheLastError) {
   EXPECT_EQ(BICO_OK, bico_depthmap_source(3, 5, 4, &i)); same("depthmap_source");
   EXPECT_EQ(BICO_OK, bico_ctx_get_param(ctx, BICO_CTX_THREADS, &l)); same("ctx_get_param");
   EXPECT_EQ(BICO_OK, bico_ctx_param_bounds(BICO_CTX_THREADS, &llo, &lhi, &bf)); same("ctx_param_bounds");
-  EXPECT_EQ(3u, bico_model_tensor_count(mb)); same("model_tensor_count");
-  EXPECT_EQ(3u, bico_model_module_count(mb)); same("model_module_count");
+  EXPECT_EQ(BICO_OK, bico_model_tensor_count(mb, &n)); EXPECT_EQ(3u, n); same("model_tensor_count");
+  EXPECT_EQ(BICO_OK, bico_model_module_count(mb, &n)); EXPECT_EQ(3u, n); same("model_module_count");
   EXPECT_EQ(BICO_OK, bico_model_tensor(mb, 1, &name, &dt, &n, nullptr)); same("model_tensor");
   EXPECT_EQ(BICO_OK, bico_model_find_tensor(mb, "blocks.2.fc.weight", &i)); same("model_find_tensor");
   EXPECT_EQ(BICO_OK, bico_model_tensor_module(mb, 1, &i, &role)); same("model_tensor_module");

@@ -78,6 +78,14 @@ TEST(TransferExplain, QueriesBeforeAnExplainAreStateErrors) {
   size_t n = 7;
   EXPECT_EQ(bico_transfer_explain_count(h.t, &n), BICO_E_STATE);
   EXPECT_EQ(n, 7u);
+  // The count's form (docs/api.md): NULL handle or n is BICO_E_NULL.
+  EXPECT_EQ(bico_transfer_explain_count(nullptr, &n), BICO_E_NULL);
+  EXPECT_EQ(n, 7u);
+  EXPECT_EQ(bico_transfer_explain_count(h.t, nullptr), BICO_E_NULL);
+  EXPECT_NE(std::string(bico_ctx_errmsg(h.ctx)).find(
+                "transfer_explain_count: n is NULL"),
+            std::string::npos)
+      << bico_ctx_errmsg(h.ctx);
   bico_transfer_decision d;
   d.size = sizeof d;
   EXPECT_EQ(bico_transfer_explain_tensor(h.t, 0, &d), BICO_E_STATE);

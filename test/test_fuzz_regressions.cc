@@ -63,7 +63,7 @@ void expect_clean_failure(bico_ctx *ctx, bico_status st) {
 // Reads every tensor of an accepted file; returns the total data bytes.
 size_t read_all(bico_ctx *ctx, bico_stfile *f) {
   size_t total = 0;
-  for (size_t i = 0; i < bico_stfile_count(f); i++) {
+  for (size_t i = 0; i < bt::count(bico_stfile_count, f); i++) {
     size_t numel = 0, nbytes = 0;
     EXPECT_EQ(bico_stfile_tensor_size(f, i, &numel, &nbytes), BICO_OK);
     total += nbytes;
@@ -227,8 +227,8 @@ TEST(FuzzRegressions, LoraAdapter) {
     bico_lora *again = nullptr;
     ASSERT_EQ(bico_lora_open(ctx, (dir / "saved").c_str(), &again), BICO_OK)
         << bico_ctx_errmsg(ctx);
-    EXPECT_EQ(bico_lora_module_count(again), bico_lora_module_count(l));
-    for (size_t k = 0; k < bico_lora_module_count(l); k++) {
+    EXPECT_EQ(bt::count(bico_lora_module_count, again), bt::count(bico_lora_module_count, l));
+    for (size_t k = 0; k < bt::count(bico_lora_module_count, l); k++) {
       const char *name = nullptr;
       size_t r1 = 0, o1 = 0, i1 = 0, j = 0, r2 = 0, o2 = 0, i2 = 0;
       ASSERT_EQ(bico_lora_module(l, k, &name, nullptr, &r1, &o1, &i1, nullptr, nullptr),
@@ -354,7 +354,7 @@ TEST(FuzzRegressions, CalibrationStatisticsVotes) {
     if (st == BICO_OK) {
       bico_stfile *f = nullptr;
       ASSERT_EQ(bico_stfile_open(ctx, out.c_str(), &f), BICO_OK);
-      for (size_t k = 0; k < bico_stfile_count(f); k++)
+      for (size_t k = 0; k < bt::count(bico_stfile_count, f); k++)
         EXPECT_EQ(bico_stfile_check_finite(f, k), BICO_OK) << bico_ctx_errmsg(ctx);
       bico_stfile_free(f);
     } else {

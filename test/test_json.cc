@@ -30,7 +30,7 @@ bico_status open_header(const std::string &header, std::string *msg,
   bico_stfile *f = nullptr;
   bico_status st = bico_stfile_open(ctx, path.c_str(), &f);
   *msg = bico_ctx_errmsg(ctx);
-  if (st == BICO_OK && name != nullptr && bico_stfile_count(f) > 0) {
+  if (st == BICO_OK && name != nullptr && bt::count(bico_stfile_count, f) > 0) {
     const char *n;
     bico_stfile_tensor_info(f, 0, &n, nullptr, nullptr, nullptr);
     *name = n;

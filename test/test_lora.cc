@@ -60,7 +60,7 @@ std::map<std::string, Tensor> read_st(const std::string &path) {
   std::map<std::string, Tensor> out;
   EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
   if (f == nullptr) return out;
-  for (size_t i = 0; i < bico_stfile_count(f); i++) {
+  for (size_t i = 0; i < bt::count(bico_stfile_count, f); i++) {
     const char *name;
     size_t ndim, numel;
     const size_t *shape;
@@ -301,7 +301,7 @@ TEST(LoraRead, EveryFieldOfAHandWrittenAdapter) {
   bt::Ctx ctx;
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, fx.dir.path.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
-  ASSERT_EQ(bico_lora_module_count(l), 3u);
+  ASSERT_EQ(bt::count(bico_lora_module_count, l), 3u);
   double on = -1;
   ASSERT_EQ(bico_lora_get_param(l, BICO_LORA_RSLORA, &on), BICO_OK);
   EXPECT_EQ(on, 1);
@@ -347,7 +347,7 @@ TEST(LoraRead, EveryFieldOfAHandWrittenAdapter) {
   EXPECT_LT(bt::relerr(as_mat(dense.data(), 6, 10),
                        scaled(bt::matmul(fx.eB, fx.eA), 2.0 * 8.0 / 2.0)),
             1e-6);
-  ASSERT_EQ(bico_lora_saved_count(l), 2u);
+  ASSERT_EQ(bt::count(bico_lora_saved_count, l), 2u);
   for (size_t k = 0; k < 2; k++) {
     const char *name, *module;
     size_t ndim;
@@ -391,8 +391,8 @@ TEST(LoraRead, SaveAndReopenKeepsEveryField) {
   std::string out = fx.dir / "out";
   ASSERT_EQ(bico_lora_save(l, out.c_str()), BICO_OK) << bico_ctx_errmsg(ctx);
   ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l2), BICO_OK) << bico_ctx_errmsg(ctx);
-  ASSERT_EQ(bico_lora_module_count(l2), bico_lora_module_count(l));
-  for (size_t i = 0; i < bico_lora_module_count(l); i++) {
+  ASSERT_EQ(bt::count(bico_lora_module_count, l2), bt::count(bico_lora_module_count, l));
+  for (size_t i = 0; i < bt::count(bico_lora_module_count, l); i++) {
     const char *n1, *n2;
     int k1, k2;
     size_t r1, r2, o1, o2, i1, i2, j;
@@ -412,7 +412,7 @@ TEST(LoraRead, SaveAndReopenKeepsEveryField) {
     EXPECT_EQ(std::vector<float>(b1, b1 + o1 * r1), std::vector<float>(b2, b2 + o2 * r2));
     EXPECT_EQ(std::vector<float>(x1, x1 + r1 * i1), std::vector<float>(x2, x2 + r2 * i2));
   }
-  EXPECT_EQ(bico_lora_saved_count(l2), 2u);
+  EXPECT_EQ(bt::count(bico_lora_saved_count, l2), 2u);
   double on = 0;
   bico_lora_get_param(l2, BICO_LORA_RSLORA, &on);
   EXPECT_EQ(on, 1);
@@ -700,7 +700,7 @@ TEST(LoraTransfer, RotatedChainGivesTheRotatedAdapterAndCheckpoint) {
   Mat want1 = bt::matmul(scaled(bt::matmul(c.B1, c.A1), s), bt::transpose(c.Q));
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
-  ASSERT_EQ(bico_lora_module_count(l), 2u);
+  ASSERT_EQ(bt::count(bico_lora_module_count, l), 2u);
   const Mat *wants[2] = {&want0, &want1};
   for (int k = 0; k < 2; k++) {
     size_t i, rank;
@@ -795,7 +795,7 @@ TEST(LoraTransfer, DeadLayerIsLeftUnchangedAsTheCheckpointPathLeavesIt) {
   EXPECT_EQ(res.second, 1u);
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
-  EXPECT_EQ(bico_lora_module_count(l), 1u);
+  EXPECT_EQ(bt::count(bico_lora_module_count, l), 1u);
   size_t i;
   EXPECT_EQ(bico_lora_find_module(l, "blocks.1.fc", &i), BICO_E_NOTFOUND);
   ASSERT_EQ(bico_lora_find_module(l, "blocks.0.fc", &i), BICO_OK);
@@ -822,7 +822,7 @@ TEST(LoraTransfer, DeadLayerIsLeftUnchangedAsTheCheckpointPathLeavesIt) {
   res = run(BICO_FILE_LORA, sv, out2, "", rep2);
   ASSERT_EQ(res.first, BICO_OK) << bico_ctx_errmsg(ctx);
   ASSERT_EQ(bico_lora_open(ctx, out2.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
-  ASSERT_EQ(bico_lora_saved_count(l), 1u);
+  ASSERT_EQ(bt::count(bico_lora_saved_count, l), 1u);
   const char *sn;
   const float *data;
   bico_lora_saved(l, 0, &sn, nullptr, nullptr, nullptr, &data);
@@ -873,7 +873,7 @@ TEST(LoraTransfer, SavedTensorIsCarriedAsTheCheckpointPathCarriesIt) {
       << bico_ctx_errmsg(ctx);
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
-  ASSERT_EQ(bico_lora_saved_count(l), 1u);
+  ASSERT_EQ(bt::count(bico_lora_saved_count, l), 1u);
   const float *data;
   bico_lora_saved(l, 0, nullptr, nullptr, nullptr, nullptr, &data);
   Mat saved = as_mat(data, c.d, c.d);
@@ -1082,7 +1082,7 @@ TEST(LoraTransfer, GradfixSavedTensorTakesTheCheckpointPathsVotes) {
   bico_votes_free(lent);
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_open(ctx, out.c_str(), &l), BICO_OK) << bico_ctx_errmsg(ctx);
-  ASSERT_EQ(bico_lora_saved_count(l), 1u);
+  ASSERT_EQ(bt::count(bico_lora_saved_count, l), 1u);
   const float *data;
   bico_lora_saved(l, 0, nullptr, nullptr, nullptr, nullptr, &data);
   Mat saved = as_mat(data, c.d, c.d);
@@ -1351,7 +1351,7 @@ TEST(LoraScale, FortyThousandModulesAreNearLinear) {
   ASSERT_EQ(bico_lora_open(ctx, ad.c_str(), &back), BICO_OK) << bico_ctx_errmsg(ctx);
   secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_LT(secs, 10.0) << "opening 40k modules took " << secs << " s";
-  EXPECT_EQ(bico_lora_module_count(back), n);
+  EXPECT_EQ(bt::count(bico_lora_module_count, back), n);
   bico_lora_free(back);
 }
 

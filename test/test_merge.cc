@@ -168,7 +168,7 @@ std::map<std::string, Vec> read_st(const std::string &path) {
   std::map<std::string, Vec> out;
   EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
   if (!f) return out;
-  for (size_t i = 0; i < bico_stfile_count(f); i++) {
+  for (size_t i = 0; i < bt::count(bico_stfile_count, f); i++) {
     const char *name;
     size_t n;
     bico_stfile_tensor_info(f, i, &name, nullptr, nullptr, nullptr);

@@ -79,10 +79,10 @@ TEST(ModelGroup, ModulesKindsRolesAndDims) {
   m.add("embeddings.word_embeddings.weight", {100, 8});
 
   // 4 stem tensors + 12 per block + 4 + the two extras.
-  EXPECT_EQ(bico_model_tensor_count(m.m), 4u + 36u + 4u + 2u);
+  EXPECT_EQ(bt::count(bico_model_tensor_count, m.m), 4u + 36u + 4u + 2u);
   // Modules: root, patch_embed.proj, 6 per block, norm, head, attn (holding
   // the counter), embeddings.word_embeddings.
-  EXPECT_EQ(bico_model_module_count(m.m), 2u + 18u + 2u + 1u + 1u);
+  EXPECT_EQ(bt::count(bico_model_module_count, m.m), 2u + 18u + 2u + 1u + 1u);
 
   EXPECT_EQ(m.kind("patch_embed.proj"), BICO_MODULE_LINEAR);
   EXPECT_EQ(m.kind("blocks.1.attn.qkv"), BICO_MODULE_LINEAR);

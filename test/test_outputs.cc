@@ -60,7 +60,7 @@ void read_back(const std::string &dir, std::map<std::string, std::string> *file)
   bt::Ctx ctx;
   bico_stfile *f = nullptr;
   ASSERT_EQ(bico_stfile_open(ctx, dir.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
-  ASSERT_EQ(bico_stfile_count(f), 4u);
+  ASSERT_EQ(bt::count(bico_stfile_count, f), 4u);
   for (int k = 0; k < 4; k++) {
     size_t i;
     ASSERT_EQ(bico_stfile_find(f, NAMES[k], &i), BICO_OK);
@@ -121,7 +121,7 @@ TEST(OutputFolder, GreedyShardsWithIndexAndTheLikeFolderCopied) {
   for (auto &s : {s1, s2}) {
     bico_stfile *f = nullptr;
     ASSERT_EQ(bico_stfile_open(ctx, (out + "/" + s).c_str(), &f), BICO_OK);
-    EXPECT_EQ(bico_stfile_metadata_count(f), 1u);
+    EXPECT_EQ(bt::count(bico_stfile_metadata_count, f), 1u);
     bico_stfile_free(f);
   }
   // again without a limit: as the like model, one model.safetensors; the

@@ -52,7 +52,7 @@ std::map<std::string, Tensor> read(const std::string &path) {
   std::map<std::string, Tensor> out;
   EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
   if (f == nullptr) return out;
-  for (size_t i = 0; i < bico_stfile_count(f); i++) {
+  for (size_t i = 0; i < bt::count(bico_stfile_count, f); i++) {
     const char *name;
     size_t ndim, numel;
     const size_t *shape;

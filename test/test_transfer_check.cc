@@ -271,7 +271,7 @@ TEST(StatsPlan, PlansExactlyWhatStatsFromCalibWrites) {
   size_t n = 0, pairs = 0;
   ASSERT_EQ(bico_stats_plan_size(p, &n, &pairs), BICO_OK);
   EXPECT_EQ(pairs, 1u);
-  ASSERT_EQ(n, bico_stfile_count(f));
+  ASSERT_EQ(n, bt::count(bico_stfile_count, f));
   ASSERT_GT(n, 0u);
   for (size_t i = 0; i < n; i++) {
     const char *name, *ka, *kb;

@@ -10,7 +10,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "bico/bico.h"
 
@@ -173,6 +176,18 @@ struct Ctx {
   ~Ctx() { bico_ctx_free(p); }
   operator bico_ctx *() const { return p; }
 };
+
+// A handle's count through its bico_X_count (status, out-pointer): the
+// count, or 0 with a test failure when the call does not succeed.  H is
+// deduced from fn alone, so a wrapper converting to the handle passes.
+template <class H>
+inline size_t count(bico_status (*fn)(const H *, size_t *),
+                    const typename std::common_type<H>::type *h) {
+  size_t n = 0;
+  bico_status st = fn(h, &n);
+  EXPECT_EQ(st, BICO_OK) << bico_status_name(st);
+  return st == BICO_OK ? n : 0;
+}
 
 }  // namespace bt
 

@@ -119,7 +119,8 @@ BICO_API bico_status bico_lora_get_string(const bico_lora *l, int which,
 
 /* ---- Adapted modules ---- */
 
-BICO_API size_t bico_lora_module_count(const bico_lora *l);
+/* The number of modules into *n; BICO_E_NULL for a NULL adapter or n. */
+BICO_API bico_status bico_lora_module_count(const bico_lora *l, size_t *n);
 /* Module i (in the order of the file, or of addition): name, kind
  * (bico_lora_kind), rank, d_out (rows of B), d_in (columns of A), alpha
  * and the scale s; any out-pointer may be NULL. */
@@ -143,7 +144,9 @@ BICO_API bico_status bico_lora_add_module(bico_lora *l, const char *name,
 
 /* ---- Full tensors (modules_to_save) ---- */
 
-BICO_API size_t bico_lora_saved_count(const bico_lora *l);
+/* The number of saved tensors into *n; BICO_E_NULL for a NULL adapter or
+ * n. */
+BICO_API bico_status bico_lora_saved_count(const bico_lora *l, size_t *n);
 /* Saved tensor i: its base-model name ("classifier.weight"), module
  * ("classifier"), shape and data (valid until the adapter is freed). */
 BICO_API bico_status bico_lora_saved(const bico_lora *l, size_t i,

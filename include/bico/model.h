@@ -114,7 +114,8 @@ BICO_API bico_status bico_model_set_blocks(bico_model *m, const char *prefix);
 
 /* ---- Tensors ---- */
 
-BICO_API size_t bico_model_tensor_count(const bico_model *m);
+/* The number of tensors into *n; BICO_E_NULL for a NULL model or n. */
+BICO_API bico_status bico_model_tensor_count(const bico_model *m, size_t *n);
 /* Name, dtype, shape of tensor i (in registration order); any out-pointer
  * may be NULL.  Pointers stay valid until the model is freed. */
 BICO_API bico_status bico_model_tensor(const bico_model *m, size_t i,
@@ -130,7 +131,10 @@ BICO_API bico_status bico_model_tensor_module(const bico_model *m, size_t i,
 
 /* ---- Modules ---- */
 
-BICO_API size_t bico_model_module_count(const bico_model *m);
+/* The number of modules into *n; BICO_E_NULL for a NULL model or n, and
+ * the analysis's failure (a block prefix no tensor uses: BICO_E_NOTFOUND)
+ * as for every query that needs it. */
+BICO_API bico_status bico_model_module_count(const bico_model *m, size_t *n);
 /* Module i (ordered by first tensor): name ("" for the root), kind
  * (bico_module_kind), block index (-1 outside the blocks) and the number
  * of tensors it owns; any out-pointer may be NULL. */

@@ -80,10 +80,11 @@ BICO_API bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
  * pread); accepts NULL.  Pointers obtained from the handle die with it. */
 BICO_API void bico_stfile_free(bico_stfile *f);
 
-/* Number of tensors (0 for NULL).  Tensors are indexed 0..count-1 in header
- * order (for a sharded checkpoint: shards in order of first appearance in
- * the weight_map, each in its header order). */
-BICO_API size_t bico_stfile_count(const bico_stfile *f);
+/* The number of tensors into *n; BICO_E_NULL for a NULL handle or n.
+ * Tensors are indexed 0..n-1 in header order (for a sharded checkpoint:
+ * shards in order of first appearance in the weight_map, each in its
+ * header order). */
+BICO_API bico_status bico_stfile_count(const bico_stfile *f, size_t *n);
 
 /* Describes tensor `index`; any out-pointer may be NULL.  *name, *shape stay
  * valid until bico_stfile_free.  ndim may be 0 (a scalar, one element). */
@@ -142,8 +143,10 @@ BICO_API bico_status bico_stfile_check_finite(const bico_stfile *f,
 
 /* The "__metadata__" entries, in header order.  For a sharded checkpoint:
  * the index's "metadata" object, strings as they are and numbers as their
- * JSON text (other values are skipped). */
-BICO_API size_t bico_stfile_metadata_count(const bico_stfile *f);
+ * JSON text (other values are skipped).  The count into *n (BICO_E_NULL for
+ * a NULL handle or n). */
+BICO_API bico_status bico_stfile_metadata_count(const bico_stfile *f,
+                                                size_t *n);
 BICO_API bico_status bico_stfile_metadata_at(const bico_stfile *f, size_t i,
                                              const char **key,
                                              const char **value);

@@ -568,9 +568,10 @@ typedef struct bico_transfer_decision {
   int vocab;          /* rows matched by token string */
   const char *rule;   /* the rule that decided, in words */
 } bico_transfer_decision;
-/* The target base's tensor count after a successful explain. */
+/* The target base's tensor count into *n after a successful explain
+ * (BICO_E_STATE before one). */
 BICO_API bico_status bico_transfer_explain_count(const bico_transfer *t,
-                                                 size_t *tensors);
+                                                 size_t *n);
 /* Tensor i (header order of the target base). */
 BICO_API bico_status bico_transfer_explain_tensor(const bico_transfer *t,
                                                   size_t i,

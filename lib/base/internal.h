@@ -139,6 +139,15 @@ bico_status bico__xcov_block(bico_ctx *ctx, const bico_xcov *x, size_t b,
  * handles (creating one clears the context's last error). */
 size_t bico__depth_source(size_t l_a, size_t l_b, size_t j);
 
+/* A handle's counts for the library's own loops over handles it holds: a
+ * size_t, 0 for NULL.  Callers outside use the public bico_X_count (a
+ * status and an out-pointer: none is told from a bad handle). */
+size_t bico__stfile_ntensors(const bico_stfile *f);
+size_t bico__stfile_nmeta(const bico_stfile *f);
+size_t bico__model_ntensors(const bico_model *m);
+size_t bico__lora_nmodules(const bico_lora *l);
+size_t bico__lora_nsaved(const bico_lora *l);
+
 /* Frees the copy bico_stfile_data made (after its pointer has been used;
  * a later bico_stfile_data reads again). */
 void bico__stfile_drop(const bico_stfile *f, size_t index);

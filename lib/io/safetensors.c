@@ -110,7 +110,15 @@ bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
   return BICO_OK;
 }
 
-size_t bico_stfile_count(const bico_stfile *f) {
+bico_status bico_stfile_count(const bico_stfile *f, size_t *n) {
+  if (f == NULL) return BICO_E_NULL;
+  if (n == NULL)
+    return bico__fail(f->ctx, BICO_E_NULL, "stfile_count: n is NULL");
+  *n = f->count;
+  return BICO_OK;
+}
+
+size_t bico__stfile_ntensors(const bico_stfile *f) {
   return f == NULL ? 0 : f->count;
 }
 
@@ -342,7 +350,15 @@ bico_status bico_stfile_check_finite(const bico_stfile *f, size_t index) {
   return BICO_OK;
 }
 
-size_t bico_stfile_metadata_count(const bico_stfile *f) {
+bico_status bico_stfile_metadata_count(const bico_stfile *f, size_t *n) {
+  if (f == NULL) return BICO_E_NULL;
+  if (n == NULL)
+    return bico__fail(f->ctx, BICO_E_NULL, "stfile_metadata_count: n is NULL");
+  *n = f->nmeta;
+  return BICO_OK;
+}
+
+size_t bico__stfile_nmeta(const bico_stfile *f) {
   return f == NULL ? 0 : f->nmeta;
 }
 

@@ -373,7 +373,7 @@ bico_status bico__wfolder_layout(bico_ctx *ctx, const char *fn,
     /* The like model's files, by tensor: its shard layout when it has
      * more than one file or an index. */
     const char *first = NULL;
-    size_t lc = bico_stfile_count(f->like);
+    size_t lc = bico__stfile_ntensors(f->like);
     for (size_t i = 0; i < lc; i++) {
       const char *p;
       if (bico_stfile_tensor_path(f->like, i, &p) != BICO_OK) continue;

@@ -716,7 +716,7 @@ bico_status bico__stwriter_provenance(bico_stwriter *w,
                                       const char *method, double alpha) {
   bico_status st = BICO_OK;
   int format = 0;
-  size_t nm = bico_stfile_metadata_count(base);
+  size_t nm = bico__stfile_nmeta(base);
   for (size_t i = 0; i < nm && st == BICO_OK; i++) {
     const char *k, *v;
     st = bico_stfile_metadata_at(base, i, &k, &v);

@@ -117,9 +117,15 @@ bico_status bico_lora_get_string(const bico_lora *l, int which,
   return BICO_OK;
 }
 
-size_t bico_lora_module_count(const bico_lora *l) {
-  return l ? l->nmods : 0;
+bico_status bico_lora_module_count(const bico_lora *l, size_t *n) {
+  if (l == NULL) return BICO_E_NULL;
+  if (n == NULL)
+    return bico__fail(l->ctx, BICO_E_NULL, "lora_module_count: n is NULL");
+  *n = l->nmods;
+  return BICO_OK;
 }
+
+size_t bico__lora_nmodules(const bico_lora *l) { return l ? l->nmods : 0; }
 
 double bico__lora_scale(const bico_lora *l, const lmod *m) {
   return l->rslora ? m->alpha / sqrt((double)m->rank)
@@ -260,9 +266,15 @@ bico_status bico_lora_add_module(bico_lora *l, const char *name, int kind,
   return bico__lora_push_module(l, n, kind, rank, alpha, d_out, d_in, bc, ac);
 }
 
-size_t bico_lora_saved_count(const bico_lora *l) {
-  return l ? l->nsaved : 0;
+bico_status bico_lora_saved_count(const bico_lora *l, size_t *n) {
+  if (l == NULL) return BICO_E_NULL;
+  if (n == NULL)
+    return bico__fail(l->ctx, BICO_E_NULL, "lora_saved_count: n is NULL");
+  *n = l->nsaved;
+  return BICO_OK;
 }
+
+size_t bico__lora_nsaved(const bico_lora *l) { return l ? l->nsaved : 0; }
 
 bico_status bico_lora_saved(const bico_lora *l, size_t i, const char **name,
                             const char **module, size_t *ndim,

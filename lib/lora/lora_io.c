@@ -366,7 +366,7 @@ static bico_status pair_factors(bico_lora *l, const char *path,
 static bico_status load_tensors(bico_lora *l, const char *path,
                                 const bico_stfile *f, const config *c) {
   bico_ctx *ctx = l->ctx;
-  size_t nt = bico_stfile_count(f), np = 0;
+  size_t nt = bico__stfile_ntensors(f), np = 0;
   pending *pend = bico__calloc(ctx, nt ? nt : 1, sizeof *pend);
   if (pend == NULL) return BICO_E_NOMEM;
   bico__strindex ix = {NULL, 0};

@@ -355,7 +355,7 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
   bico_ctx *ctx = m->ctx;
   const char *what = KIND_NAME[in->kind];
   if (in->f) {
-    size_t n = bico_stfile_count(in->f);
+    size_t n = bico__stfile_ntensors(in->f);
     for (size_t i = 0; i < n; i++) {
       const char *name;
       size_t nd, bi, bnd;
@@ -389,7 +389,7 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
   double fifo = 0;
   bico_lora_get_param(in->l, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
   in->fifo = fifo != 0;
-  for (size_t i = 0; i < bico_lora_module_count(in->l); i++) {
+  for (size_t i = 0; i < bico__lora_nmodules(in->l); i++) {
     const char *mod;
     int kind;
     size_t dout, din, bi, bnd;
@@ -418,7 +418,7 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
     bico__free(ctx, w);
     if (st != BICO_OK) return st;
   }
-  for (size_t i = 0; i < bico_lora_saved_count(in->l); i++) {
+  for (size_t i = 0; i < bico__lora_nsaved(in->l); i++) {
     const char *name;
     size_t nd, bi, bnd;
     const size_t *sh, *bsh;
@@ -462,7 +462,7 @@ static bico_status input_tau(bico_merge *m, input *in, const char *name,
     *has = 1;
     return BICO_OK;
   }
-  for (size_t k = 0; k < bico_lora_saved_count(in->l); k++) {
+  for (size_t k = 0; k < bico__lora_nsaved(in->l); k++) {
     const char *sn;
     const float *data;
     bico_lora_saved(in->l, k, &sn, NULL, NULL, NULL, &data);
@@ -557,9 +557,9 @@ static bico_status provenance(bico_merge *m, const bico_stfile *base,
 static bico_status check_files(bico_merge *m, const bico_stfile *base) {
   bico_ctx *ctx = m->ctx;
   const char *const *f = (const char *const *)m->files;
-  size_t cap = 10 + bico_stfile_count(base);
+  size_t cap = 10 + bico__stfile_ntensors(base);
   for (size_t i = 0; i < m->nin; i++)
-    cap += 3 + (m->in[i].f ? bico_stfile_count(m->in[i].f) : 0);
+    cap += 3 + (m->in[i].f ? bico__stfile_ntensors(m->in[i].f) : 0);
   bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
   char **lp = bico__calloc(ctx, 2 * m->nin + 1, sizeof *lp);
   bico_status st = u && lp ? BICO_OK : BICO_E_NOMEM;
@@ -582,7 +582,7 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
     /* a model folder (or the folder of an index): no output file in it */
     u[n++] = (bico__fileuse){what, path, 0, 0, 3};
     const char *last = path;
-    size_t nt = fs ? bico_stfile_count(fs) : 0;
+    size_t nt = fs ? bico__stfile_ntensors(fs) : 0;
     for (size_t k = 0; k < nt; k++) {
       const char *p;
       if (bico_stfile_tensor_path(fs, k, &p) != BICO_OK || strcmp(p, last) == 0)
@@ -767,7 +767,7 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
   if (st != BICO_OK) return st;
   logf_(m, "bico merge: %s of %zu inputs, alpha %g%s", bico_merge_method_name(method), m->nin,
         (double)alpha, normalize ? ", normalised" : "");
-  size_t nt = bico_stfile_count(base);
+  size_t nt = bico__stfile_ntensors(base);
   st = merge_writer(m, f[BICO_MERGE_FILE_OUTPUT], wp);
   if (st == BICO_OK && f[BICO_MERGE_FILE_DELTA_OUTPUT])
     st = merge_writer(m, f[BICO_MERGE_FILE_DELTA_OUTPUT], wdp);

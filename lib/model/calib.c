@@ -151,7 +151,7 @@ bico_status bico__check_distinct(bico_ctx *ctx, const char *fn,
                                  const char *what, const char *output,
                                  const char *input, const bico_stfile *f) {
   if (output == NULL) return BICO_OK;
-  size_t nt = bico_stfile_count(f), n = 0;
+  size_t nt = bico__stfile_ntensors(f), n = 0;
   bico__fileuse *u = bico__alloc(ctx, (nt + 2) * sizeof *u);
   if (u == NULL) return BICO_E_NOMEM;
   u[n++] = (bico__fileuse){what, output, 1, 0, 0};
@@ -327,7 +327,8 @@ static bico_status plan_create(bico_ctx *ctx, const char *fn,
   if (st == BICO_OK) st = bico_model_from_stfile(ctx, p->fb[0], &p->mb);
   if (st == BICO_OK && blocks != NULL) st = bico_model_set_blocks(p->ma, blocks);
   if (st == BICO_OK && blocks != NULL) st = bico_model_set_blocks(p->mb, blocks);
-  size_t nmod = st == BICO_OK ? bico_model_module_count(p->mb) : 0;
+  size_t nmod = 0;
+  if (st == BICO_OK) st = bico_model_module_count(p->mb, &nmod);
   if (st == BICO_OK) {
     p->items = bico__calloc(ctx, 2 * (nmod ? nmod : 1), sizeof *p->items);
     if (p->items == NULL) st = BICO_E_NOMEM;
@@ -486,13 +487,13 @@ bico_status bico_stats_merge(bico_ctx *ctx, const char *const *inputs,
     if (st == BICO_OK)
       st = bico__check_distinct(ctx, fn, "output", output, inputs[i], fs[i]);
   }
-  size_t nt = st == BICO_OK ? bico_stfile_count(fs[0]) : 0;
+  size_t nt = st == BICO_OK ? bico__stfile_ntensors(fs[0]) : 0;
   /* Same tensor set and shapes in every file. */
   for (size_t i = 1; i < n && st == BICO_OK; i++) {
-    if (bico_stfile_count(fs[i]) != nt)
+    if (bico__stfile_ntensors(fs[i]) != nt)
       st = bico__fail(ctx, BICO_E_FORMAT,
                       "%s: %s holds %zu tensors, %s holds %zu", fn, inputs[i],
-                      bico_stfile_count(fs[i]), inputs[0], nt);
+                      bico__stfile_ntensors(fs[i]), inputs[0], nt);
     for (size_t t = 0; t < nt && st == BICO_OK; t++) {
       const char *name;
       size_t nd0, nd1, j;

@@ -359,7 +359,7 @@ static int in_blocks(const char *name, const char *const *cont) {
 }
 
 static int from_names(const bico_model *m, char *why, size_t cap) {
-  size_t n = bico_model_tensor_count(m);
+  size_t n = bico__model_ntensors(m);
   for (size_t i = 0; i < n; i++) {
     const char *name;
     if (bico_model_tensor(m, i, &name, NULL, NULL, NULL) != BICO_OK) continue;
@@ -411,7 +411,7 @@ bico_status bico_model_from_stfile(bico_ctx *ctx, const bico_stfile *f,
   bico_model *m;
   bico_status st = bico_model_create(ctx, &m);
   if (st != BICO_OK) return st;
-  size_t n = bico_stfile_count(f);
+  size_t n = bico__stfile_ntensors(f);
   for (size_t i = 0; i < n; i++) {
     const char *name;
     int dtype;

@@ -591,9 +591,15 @@ static bico_status analyze(const bico_model *cm) {
 
 /* ---- queries ---- */
 
-size_t bico_model_tensor_count(const bico_model *m) {
-  return m ? m->nt : 0;
+bico_status bico_model_tensor_count(const bico_model *m, size_t *n) {
+  if (m == NULL) return BICO_E_NULL;
+  if (n == NULL)
+    return bico__fail(m->ctx, BICO_E_NULL, "model_tensor_count: n is NULL");
+  *n = m->nt;
+  return BICO_OK;
 }
+
+size_t bico__model_ntensors(const bico_model *m) { return m ? m->nt : 0; }
 
 static bico_status check_tensor(const bico_model *m, const char *fn,
                                 size_t i) {
@@ -641,9 +647,13 @@ bico_status bico_model_tensor_module(const bico_model *m, size_t i,
   return BICO_OK;
 }
 
-size_t bico_model_module_count(const bico_model *m) {
-  if (m == NULL || analyze(m) != BICO_OK) return 0;
-  return m->nm;
+bico_status bico_model_module_count(const bico_model *m, size_t *n) {
+  if (m == NULL) return BICO_E_NULL;
+  if (n == NULL)
+    return bico__fail(m->ctx, BICO_E_NULL, "model_module_count: n is NULL");
+  bico_status st = analyze(m);
+  if (st == BICO_OK) *n = m->nm;
+  return st;
 }
 
 static bico_status check_module(const bico_model *m, const char *fn,

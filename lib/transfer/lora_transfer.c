@@ -531,7 +531,7 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
 static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
   bico__run *x = r->x;
   bico_ctx *ctx = r->ctx;
-  size_t nt = bico_model_tensor_count(x->mt);
+  size_t nt = bico__model_ntensors(x->mt);
   double fifo = 0;
   bico_lora_get_param(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
   bico_status st = BICO_OK;
@@ -558,7 +558,7 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
       if (strncmp(name, mod, ml) == 0 && strcmp(name + ml, ml ? ".weight" : "weight") == 0 &&
           bico_lora_find_module(r->out, mod, &li) != BICO_OK)
         li = SIZE_MAX;
-      for (size_t k = 0; k < bico_lora_saved_count(r->out); k++) {
+      for (size_t k = 0; k < bico__lora_nsaved(r->out); k++) {
         const char *sn;
         bico_lora_saved(r->out, k, &sn, NULL, NULL, NULL, NULL);
         if (strcmp(sn, name) == 0) si = k;
@@ -711,7 +711,7 @@ static bico_status run_lora(lrun *r) {
     st = bico_lora_set_string(r->out, BICO_LORA_BASE_MODEL,
                               file(r, BICO_FILE_TARGET_BASE));
   bico__lora_set_dropout(r->out, bico__lora_dropout(r->src));
-  size_t nl = bico_lora_module_count(r->src), ns = bico_lora_saved_count(r->src);
+  size_t nl = bico__lora_nmodules(r->src), ns = bico__lora_nsaved(r->src);
   if (st == BICO_OK) st = check_adapter_names(r, nl, ns);
   if (st != BICO_OK) return st;
   bico__clear(ctx);
@@ -726,7 +726,8 @@ static bico_status run_lora(lrun *r) {
   bico__report_key_string(&r->rep, "adapter", file(r, BICO_FILE_LORA));
   bico__report_key(&r->rep, "modules");
   bico__report_begin_array(&r->rep);
-  size_t nm = bico_model_module_count(x->mt);
+  size_t nm = 0;
+  st = bico_model_module_count(x->mt, &nm);
   bico_progress pg;
   memset(&pg, 0, sizeof pg);
   pg.size = sizeof pg;
@@ -759,7 +760,7 @@ static bico_status run_lora(lrun *r) {
   bico__report_end_array(&r->rep);
   bico__report_key(&r->rep, "saved");
   bico__report_begin_array(&r->rep);
-  size_t nt = bico_model_tensor_count(x->mt);
+  size_t nt = bico__model_ntensors(x->mt);
   for (size_t ti = 0; ti < nt && st == BICO_OK && ns; ti++) {
     size_t si;
     bico_status ps = bico_model_pair_tensor(x->mt, ti, x->ms, &si);
@@ -810,13 +811,13 @@ static bico_status run_lora(lrun *r) {
   bico__report_end_object(&r->rep);
   bico__free(ctx, used);
   if (st == BICO_OK) st = bico__report_status(&r->rep);
-  if (st == BICO_OK && bico_lora_module_count(r->out) == 0 && r->unchanged)
+  if (st == BICO_OK && bico__lora_nmodules(r->out) == 0 && r->unchanged)
     st = bico__fail(ctx, BICO_E_NOTFOUND,
                     "adapter %s: every module it pairs with is on a dead "
                     "layer (its calibration statistic is all zero), so "
                     "nothing would be carried",
                     file(r, BICO_FILE_LORA));
-  else if (st == BICO_OK && bico_lora_module_count(r->out) == 0)
+  else if (st == BICO_OK && bico__lora_nmodules(r->out) == 0)
     st = bico__fail(ctx, BICO_E_NOTFOUND,
                     "adapter %s: none of its modules pairs with a target "
                     "module",

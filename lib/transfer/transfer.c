@@ -318,7 +318,7 @@ static bico_status check_run(bico__run *r) {
                         f[BICO_FILE_LORA]);
     return BICO_OK;
   }
-  size_t nt = bico_model_tensor_count(r->mt);
+  size_t nt = bico__model_ntensors(r->mt);
   if (t->select != NULL && t->nselect != nt)
     return bico__fail(r->ctx, BICO_E_SHAPE,
                       "transfer_run: the partial run's selection covers %zu "
@@ -334,7 +334,7 @@ static bico_status lora_branch(bico__run *r) {
   bico_status st = bico__lora_transfer_run(r, &updated);
   if (st == BICO_OK) {
     r->t->updated = updated;
-    r->t->unchanged = bico_model_tensor_count(r->mt) - updated;
+    r->t->unchanged = bico__model_ntensors(r->mt) - updated;
   }
   return st;
 }
@@ -357,7 +357,7 @@ static bico_status run_all(bico__run *r) {
   if (st != BICO_OK) return st;
   int partial = t->select != NULL;
   if (t->files[BICO_FILE_LORA] != NULL) return lora_branch(r);
-  size_t nt = bico_model_tensor_count(r->mt);
+  size_t nt = bico__model_ntensors(r->mt);
   char bsrc[160], btgt[160];
   describe_blocks(r->ms, bsrc, sizeof bsrc);
   describe_blocks(r->mt, btgt, sizeof btgt);

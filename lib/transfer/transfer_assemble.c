@@ -45,7 +45,7 @@ void bico__xfer_asm_free(bico_transfer *t) {
 static bico_status make_groups(bico__run *r) {
   bico_transfer *t = r->t;
   bico_ctx *ctx = r->ctx;
-  size_t nt = bico_model_tensor_count(r->mt), nm = r->nm, ng = 0;
+  size_t nt = bico__model_ntensors(r->mt), nm = r->nm, ng = 0;
   int bico = bico__xfer_is_bico(r->method);
   size_t *gid = bico__alloc(ctx, (nt ? nt : 1) * sizeof *gid);
   size_t *slot = bico__alloc(ctx, (nm + nt + 1) * sizeof *slot);

@@ -184,7 +184,7 @@ static bico_status explain(bico__run *r, struct bico__explain *e) {
     e->family[k] = dup(ctx, bico__family_name(r->kind[k]));
     e->from[k] = dup(ctx, r->kind_why[k]);
     e->blocks[k] = p ? dup(ctx, p) : NULL;
-    e->tensors[k] = bico_model_tensor_count(ms[k]);
+    e->tensors[k] = bico__model_ntensors(ms[k]);
     if (!e->family[k] || !e->from[k] || (p && !e->blocks[k]))
       return BICO_E_NOMEM;
     if ((st = causal(r, e, k)) != BICO_OK) return st;
@@ -195,7 +195,7 @@ static bico_status explain(bico__run *r, struct bico__explain *e) {
     e->vocab[2] = r->vocab->shared;
     e->vocab[3] = r->vocab->fresh;
   }
-  size_t nt = bico_model_tensor_count(r->mt);
+  size_t nt = bico__model_ntensors(r->mt);
   e->d = bico__calloc(ctx, nt ? nt : 1, sizeof *e->d);
   if (e->d == NULL) return BICO_E_NOMEM;
   e->nt = nt;
@@ -303,14 +303,12 @@ bico_status bico_transfer_explain_model(const bico_transfer *t, int side,
   return fill(t->ctx, "transfer_explain_model", out, &m, sizeof m);
 }
 
-bico_status bico_transfer_explain_count(const bico_transfer *t,
-                                        size_t *tensors) {
+bico_status bico_transfer_explain_count(const bico_transfer *t, size_t *n) {
   if (t == NULL) return BICO_E_NULL;
-  if (tensors == NULL)
-    return bico__fail(t->ctx, BICO_E_NULL,
-                      "transfer_explain_count: tensors is NULL");
+  if (n == NULL)
+    return bico__fail(t->ctx, BICO_E_NULL, "transfer_explain_count: n is NULL");
   bico_status st = ready(t, "transfer_explain_count");
-  if (st == BICO_OK) *tensors = t->ex->nt;
+  if (st == BICO_OK) *n = t->ex->nt;
   return st;
 }
 

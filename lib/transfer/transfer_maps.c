@@ -494,7 +494,7 @@ void bico__xfer_pool_stop(bico__run *r) {
 bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select) {
   bico_ctx *ctx = r->ctx;
   size_t nw = (size_t)r->t->param[BICO_TRANSFER_WORKERS];
-  size_t nt = bico_model_tensor_count(r->mt), cap = 0;
+  size_t nt = bico__model_ntensors(r->mt), cap = 0;
   if (nw < 2 || r->nm == 0) return BICO_OK;
   pool *P = bico__calloc(ctx, 1, sizeof *P);
   if (P == NULL) return BICO_E_NOMEM;

@@ -34,7 +34,7 @@ typedef struct pcount {
 /* The three most frequent leading components of the model's tensors. */
 static size_t top_leads(const bico_model *m, pcount *top) {
   pcount c[16];
-  size_t nc = 0, nt = bico_model_tensor_count(m);
+  size_t nc = 0, nt = bico__model_ntensors(m);
   for (size_t i = 0; i < nt; i++) {
     const char *name;
     bico_model_tensor(m, i, &name, NULL, NULL, NULL);
@@ -68,7 +68,7 @@ static size_t top_leads(const bico_model *m, pcount *top) {
  * names begin with `to` instead of `from`. */
 static size_t same_names(const bico_model *mt, const bico_model *ms,
                          const char *from, const char *to) {
-  size_t nt = bico_model_tensor_count(mt), hits = 0;
+  size_t nt = bico__model_ntensors(mt), hits = 0;
   size_t fl = strlen(from), tl = strlen(to);
   char buf[1024];
   for (size_t i = 0; i < nt; i++) {
@@ -112,7 +112,7 @@ void bico__xfer_prefix_offer(bico__run *r, char *buf, size_t cap) {
            "; the names differ by a prefix: --source-rename '%s=%s' "
            "(BICO_TRANSFER_SOURCE_RENAME) gives %zu of the target's %zu "
            "tensors a source tensor of the same name (%zu now)",
-           from, to, best, bico_model_tensor_count(r->mt), now);
+           from, to, best, bico__model_ntensors(r->mt), now);
 }
 
 /* ---- a checkpoint given as the task vector ---- */
@@ -122,7 +122,7 @@ void bico__xfer_check_task_vector(bico__run *r) {
   /* A task vector is small next to the weights; a fine-tuned checkpoint
    * is the weights plus a small change.  Up to 16 floating-point tensors
    * of both files: nearer the source base than zero means a checkpoint. */
-  size_t n = bico_stfile_count(r->tv), looked = 0, near_base = 0;
+  size_t n = bico__stfile_ntensors(r->tv), looked = 0, near_base = 0;
   double tv2 = 0, base2 = 0;
   for (size_t i = 0; i < n && looked < 16; i++) {
     const char *name;

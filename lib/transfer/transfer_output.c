@@ -161,7 +161,7 @@ bico_status bico__xfer_declare(const bico_transfer *t, const bico_stfile *tb,
   if (st == BICO_OK && path_d) st = bico__xfer_writer(t, path_d, wd);
   if (st == BICO_OK) st = provenance(t, tb, *w);
   if (st == BICO_OK && path_d) st = provenance(t, tb, *wd);
-  size_t nt = bico_stfile_count(tb);
+  size_t nt = bico__stfile_ntensors(tb);
   for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
     bico__xfer_tensor x;
     st = bico__xfer_locate(ctx, tb, ti, &x);
@@ -350,7 +350,7 @@ void bico__xfer_report_tail_vocab(bico__report *rep, const size_t *count,
 bico_status bico__xfer_write_all(bico__run *r) {
   bico_transfer *t = r->t;
   int partial = t->select != NULL;
-  size_t nt = bico_model_tensor_count(r->mt);
+  size_t nt = bico__model_ntensors(r->mt);
   bico_status st = partial ? BICO_OK
                            : bico__xfer_declare(t, r->tb, &r->w, &r->wd);
   bico__xfer_report_head(&r->rep, r->method, r->alpha);

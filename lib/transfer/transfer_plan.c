@@ -121,8 +121,10 @@ static bico_status tie_module(bico__run *r, size_t ti, size_t *mi,
  * reference counts that free them after the last user. */
 bico_status bico__xfer_plan(bico__run *r) {
   bico_ctx *ctx = r->ctx;
-  size_t nt = bico_model_tensor_count(r->mt);
-  r->nm = bico_model_module_count(r->mt);
+  size_t nt = bico__model_ntensors(r->mt);
+  r->nm = 0;
+  bico_status cs = bico_model_module_count(r->mt, &r->nm);
+  if (cs != BICO_OK) return cs;
   r->mods = bico__calloc(ctx, r->nm ? r->nm : 1, sizeof *r->mods);
   r->owner = bico__alloc(ctx, (nt ? nt : 1) * sizeof *r->owner);
   r->tie_rule = bico__calloc(ctx, nt ? nt : 1, 1);
@@ -310,7 +312,7 @@ bico_status bico__xfer_check_setup(bico__run *r) {
 static size_t add_shards(bico__fileuse *u, size_t n, const char *what,
                          const bico_stfile *f) {
   const char *last = NULL;
-  size_t nt = bico_stfile_count(f);
+  size_t nt = bico__stfile_ntensors(f);
   for (size_t i = 0; i < nt; i++) {
     const char *p;
     if (bico_stfile_tensor_path(f, i, &p) != BICO_OK) continue;
@@ -339,7 +341,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
   bico_stfile *fs[10] = {r->sb, r->sft, r->tv,    r->tb, r->sc,
                          r->tc, r->stats, r->votes, NULL,  NULL};
   size_t cap = 48;
-  for (int i = 0; i < 10; i++) cap += bico_stfile_count(fs[i]);
+  for (int i = 0; i < 10; i++) cap += bico__stfile_ntensors(fs[i]);
   bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
   char *lp[4] = {NULL, NULL, NULL, NULL}, *fo[3] = {NULL, NULL, NULL};
   const char *ld[2] = {f[BICO_FILE_LORA], f[BICO_FILE_LORA_OUTPUT]};
@@ -499,7 +501,7 @@ bico_status bico__xfer_check_pairing(bico__run *r) {
                                        "tokens", "other"};
   size_t n[NK][2] = {{0}}, params = 0, paired_params = 0;
   const char *first_unpaired = NULL;
-  size_t nt = bico_model_tensor_count(r->mt);
+  size_t nt = bico__model_ntensors(r->mt);
   for (size_t ti = 0; ti < nt; ti++) {
     const char *name;
     int dtype, role;
@@ -572,7 +574,7 @@ double bico__xfer_maps_cost(const bico__run *r, size_t m, const int need[2]) {
 }
 
 bico_status bico__xfer_tensor_costs(const bico__run *r, double *cost) {
-  size_t nt = bico_model_tensor_count(r->mt), nm = r->nm;
+  size_t nt = bico__model_ntensors(r->mt), nm = r->nm;
   int bico = bico__xfer_is_bico(r->method);
   int (*need)[2] = bico__calloc(r->ctx, nm + 1, sizeof *need);
   size_t *first = bico__alloc(r->ctx, (nm + 1) * sizeof *first);

@@ -11,7 +11,8 @@
 
 /* Exercises an open file; returns the total data bytes of its tensors. */
 static size_t fuzz_st_exercise(bico_ctx *ctx, const bico_stfile *f) {
-  size_t n = bico_stfile_count(f), total = 0;
+  size_t n = 0, total = 0;
+  FUZZ_REQUIRE(bico_stfile_count(f, &n) == BICO_OK);
   for (size_t i = 0; i < n; i++) {
     const char *name = NULL, *path = NULL;
     const size_t *shape = NULL;
@@ -77,7 +78,8 @@ static size_t fuzz_st_exercise(bico_ctx *ctx, const bico_stfile *f) {
   /* Out of range. */
   fuzz_check_failure(ctx, bico_stfile_tensor_info(f, n, NULL, NULL, NULL,
                                                   NULL));
-  size_t m = bico_stfile_metadata_count(f);
+  size_t m = 0;
+  FUZZ_REQUIRE(bico_stfile_metadata_count(f, &m) == BICO_OK);
   for (size_t i = 0; i < m; i++) {
     const char *key = NULL, *value = NULL, *again = NULL;
     FUZZ_REQUIRE(bico_stfile_metadata_at(f, i, &key, &value) == BICO_OK);

@@ -47,7 +47,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     size_t total = fuzz_st_exercise(ctx, f);
     /* Every tensor lives in one of the shards written here. */
     FUZZ_REQUIRE(total <= size);
-    for (size_t i = 0; i < bico_stfile_count(f); i++) {
+    size_t n = 0;
+    FUZZ_REQUIRE(bico_stfile_count(f, &n) == BICO_OK);
+    for (size_t i = 0; i < n; i++) {
       const char *path = NULL;
       int ok = 0;
       FUZZ_REQUIRE(bico_stfile_tensor_path(f, i, &path) == BICO_OK);

@@ -7,7 +7,9 @@
  *    (bico_stfile_read_f32_range as bico_stwriter_write_f32_range);
  *  - one way to close: bico_X_free (bico_stfile_free);
  *  - the option grammar of params.h (bico_lora_set_param);
- *  - the depth map is a function of the two block counts. */
+ *  - the depth map is a function of the two block counts;
+ *  - one way to report a count: a status and an out-pointer,
+ *    bico_X_count(const bico_X *, size_t *n). */
 #include <bico/bico.h>
 
 typedef bico_status (*lora_transport_fn)(bico_ctx *, size_t, size_t, size_t,
@@ -26,6 +28,10 @@ typedef void (*stfile_free_fn)(bico_stfile *);
 typedef bico_status (*lora_set_param_fn)(bico_lora *, int, double);
 typedef bico_status (*lora_get_param_fn)(const bico_lora *, int, double *);
 typedef bico_status (*depthmap_source_fn)(size_t, size_t, size_t, size_t *);
+typedef bico_status (*stfile_count_fn)(const bico_stfile *, size_t *);
+typedef bico_status (*model_count_fn)(const bico_model *, size_t *);
+typedef bico_status (*lora_count_fn)(const bico_lora *, size_t *);
+typedef bico_status (*transfer_count_fn)(const bico_transfer *, size_t *);
 
 int bico_argument_order_check(void);
 int bico_argument_order_check(void) {
@@ -37,6 +43,11 @@ int bico_argument_order_check(void) {
   lora_set_param_fn f = bico_lora_set_param;
   lora_get_param_fn g = bico_lora_get_param;
   depthmap_source_fn h = bico_depthmap_source;
+  stfile_count_fn i = bico_stfile_count, j = bico_stfile_metadata_count;
+  model_count_fn k = bico_model_tensor_count, l = bico_model_module_count;
+  lora_count_fn m = bico_lora_module_count, n = bico_lora_saved_count;
+  transfer_count_fn o = bico_transfer_explain_count;
   return a != 0 && b != 0 && c != 0 && d != 0 && e != 0 && f != 0 &&
-         g != 0 && h != 0;
+         g != 0 && h != 0 && i != 0 && j != 0 && k != 0 && l != 0 &&
+         m != 0 && n != 0 && o != 0;
 }

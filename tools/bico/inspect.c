@@ -380,6 +380,10 @@ int cmd_inspect(int argc, char **argv) {
   const char *prefix = NULL;
   size_t nblocks = 0;
   if (st == BICO_OK) st = bico_model_blocks(m, &prefix, &nblocks);
+  size_t nt = 0, nmd = 0, nm = 0;
+  if (st == BICO_OK) st = bico_stfile_count(f, &nt);
+  if (st == BICO_OK) st = bico_stfile_metadata_count(f, &nmd);
+  if (st == BICO_OK) st = bico_model_module_count(m, &nm);
   if (st != BICO_OK) {
     int code = cli_lib_error(CMD, ctx, st);
     bico_model_free(m);
@@ -387,7 +391,6 @@ int cmd_inspect(int argc, char **argv) {
     bico_ctx_free(ctx);
     return code;
   }
-  size_t nt = bico_stfile_count(f), nmd = bico_stfile_metadata_count(f);
   printf("file: %s\n", text(path));
   printf("tensors: %zu\n", nt);
   for (size_t i = 0; i < nmd; i++) {
@@ -418,7 +421,6 @@ int cmd_inspect(int argc, char **argv) {
     if (w < (int)sizeof buf) snprintf(buf + w, sizeof buf - (size_t)w, "]");
     printf("%-22s %s\n", buf, or_unknown(bico_model_tensor_role_name(role)));
   }
-  size_t nm = bico_model_module_count(m);
   printf("\n%-48s %-11s %-6s %s\n", "MODULE", "KIND", "BLOCK", "D_OUT x D_IN");
   for (size_t i = 0; i < nm; i++) {
     const char *name;

@@ -59,3 +59,12 @@ def check(status, ctx=None):
             raw = fn.ctx_errmsg(ctx._ptr)
             msg = raw.decode("utf-8", "replace") if raw else ""
         raise BicoError(status, msg or None)
+
+
+def count(f, handle, ctx=None):
+    """A handle's count through its bico_X_count (a status and an
+    out-pointer), e.g. count(fn.stfile_count, ptr, ctx); BicoError as check
+    raises it when the call fails (a NULL handle: E_NULL)."""
+    n = ctypes.c_size_t()
+    check(f(handle, ctypes.byref(n)), ctx)
+    return n.value

@@ -23,6 +23,7 @@ from ._enums import (choose, LORA_KINDS, LORA_PARAMS, LORA_STRINGS,
 from ._handle import _Handle
 from ._lib import fn, c_size_t, c_int, c_double, c_float, c_char_p, c_void_p
 from ._status import E_SHAPE, BicoError, check as _check
+from ._status import count as _count
 from .merge import merge, merge_check, merge_tensors  # noqa: F401
 from .transfer import Transfer
 
@@ -95,7 +96,8 @@ class Adapter(_Handle):
     def modules(self):
         """{name: (kind, B [d_out, r], A [r, d_in], alpha, scale)}, copies."""
         out = {}
-        for i in range(fn.lora_module_count(self._alive())):
+        for i in range(_count(fn.lora_module_count, self._alive(),
+                              self.ctx)):
             name, kind = c_char_p(), c_int()
             r, do, di = c_size_t(), c_size_t(), c_size_t()
             alpha, scale = c_double(), c_double()
@@ -116,7 +118,8 @@ class Adapter(_Handle):
     def saved(self):
         """{tensor name: (module, array)} of the modules_to_save tensors."""
         out = {}
-        for i in range(fn.lora_saved_count(self._alive())):
+        for i in range(_count(fn.lora_saved_count, self._alive(),
+                              self.ctx)):
             name, mod = c_char_p(), c_char_p()
             nd, shp, data = c_size_t(), P(c_size_t)(), P(c_float)()
             _check(fn.lora_saved(self._ptr, i, ctypes.byref(name),

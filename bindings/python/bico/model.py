@@ -19,7 +19,7 @@ from ._enums import (choose, MODULE_KINDS as KINDS, TENSOR_ROLES as ROLES,
 from ._handle import _Handle
 from ._lib import fn, c_size_t, c_int, c_long, c_char_p, c_void_p
 from ._stats import stats_from_calib, stats_merge
-from ._status import check as _check
+from ._status import check as _check, count as _count
 from .transfer import Transfer, transfer_files
 
 __all__ = ["Model", "Transfer", "transfer_files", "stats_from_calib",
@@ -86,7 +86,8 @@ class Model(_Handle):
     def tensors(self):
         """[(name, shape, module name, role)]."""
         out = []
-        for i in range(fn.model_tensor_count(self._alive())):
+        for i in range(_count(fn.model_tensor_count, self._alive(),
+                              self.ctx)):
             name, nd, shp = c_char_p(), c_size_t(), ctypes.POINTER(c_size_t)()
             _check(fn.model_tensor(self._ptr, i, ctypes.byref(name), None,
                                    ctypes.byref(nd), ctypes.byref(shp)),
@@ -108,7 +109,8 @@ class Model(_Handle):
     def modules(self):
         """[(name, kind, block index or -1, [tensor names])]."""
         out = []
-        for i in range(fn.model_module_count(self._alive())):
+        for i in range(_count(fn.model_module_count, self._alive(),
+                              self.ctx)):
             name, kind, block, nt = c_char_p(), c_int(), c_long(), c_size_t()
             _check(fn.model_module(self._ptr, i, ctypes.byref(name),
                                    ctypes.byref(kind), ctypes.byref(block),

@@ -23,6 +23,7 @@ from ._status import E_ARG, BicoError, check as _check
 from ._enums import (DTYPES as _NAMES, NP_OF_DTYPE as _NP,
                      DTYPE_OF_NP as _FROM_NP, FLOAT_DTYPES as _FLOATS)
 from ._lib import fn, c_size_t, c_int, c_char_p, c_void_p
+from ._status import count as _count
 
 # the dtype codes, as the library numbers them (bico_dtype_from_name)
 F32, F16, BF16, F64 = (_NAMES[k] for k in ("F32", "F16", "BF16", "F64"))
@@ -83,7 +84,7 @@ class File(object):
         self.ctx._children += 1  # the context outlives the file
         self._index = {}
         self._infos = []
-        for i in range(fn.stfile_count(self._ptr)):
+        for i in range(_count(fn.stfile_count, self._ptr, self.ctx)):
             name, dt, nd, shp = (c_char_p(), c_int(), c_size_t(),
                                  ctypes.POINTER(c_size_t)())
             _check(fn.stfile_tensor_info(self._ptr, i, ctypes.byref(name),
@@ -94,7 +95,8 @@ class File(object):
             self._index[n] = i
             self._infos.append((n, dt.value, shape))
         self.metadata = {}
-        for i in range(fn.stfile_metadata_count(self._ptr)):
+        for i in range(_count(fn.stfile_metadata_count, self._ptr,
+                              self.ctx)):
             k, v = c_char_p(), c_char_p()
             _check(fn.stfile_metadata_at(self._ptr, i, ctypes.byref(k),
                                          ctypes.byref(v)), self.ctx)
