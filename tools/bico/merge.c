@@ -100,9 +100,11 @@ static int merge_run(const merge_opts *o) {
     st = bico_merge_add_input(mg, o->in[k].kind, o->in[k].path,
                               o->in[k].weight, o->in[k].density);
   /* The options' rules are the library's (bico_merge_add_input: weight
-   * and density; bico_merge_check: files given, outputs apart, density
-   * under linear): a failure there is a usage error, in option words. */
-  if (st == BICO_OK) st = bico_merge_check(mg);
+   * and density; bico_merge_check at its options level: files given,
+   * outputs apart, density under linear): a failure there is a usage
+   * error, in option words.  What needs the files is the run's first step
+   * (the inputs level of the same checks), a failure on the files. */
+  if (st == BICO_OK) st = bico_merge_check(mg, BICO_MERGE_CHECK_OPTIONS);
   if (st != BICO_OK) {
     char msg[4096], words[4096];
     cli_user_message(bico_ctx_errmsg(ctx), msg, sizeof msg);

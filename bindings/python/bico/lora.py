@@ -19,7 +19,7 @@ from ._core import BicoError, Context, _Handle, _check, _ctx, E_SHAPE
 from . import _args as A
 from ._enums import (choose, LORA_KINDS, LORA_PARAMS, LORA_STRINGS,
                      MERGE_METHODS, MERGE_INPUTS, MERGE_FILES, MERGE_PARAMS,
-                     TRANSFER_FILES)
+                     TRANSFER_FILES, MERGE_CHECK_LEVELS)
 from ._lib import fn, c_size_t, c_int, c_double, c_float, c_char_p, c_void_p
 
 P = ctypes.POINTER
@@ -260,13 +260,17 @@ def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
 
 def merge_check(base, inputs, output, method="linear", alpha=1.0,
                 normalize=None, delta_output=None, report=None,
-                max_shard_size=None, ctx=None):
-    """bico_merge_check: merge()'s arguments checked without the run (the
-    base and output given, some input, outputs on distinct paths, no
-    density under "linear", the values' ranges); no file is opened, nothing
-    written.  Raises BicoError as merge() would; returns None."""
+                max_shard_size=None, ctx=None, level="inputs"):
+    """bico_merge_check: merge()'s arguments checked without the run.
+    level "options": the base and output given, some input, outputs on
+    distinct paths, no density under "linear", the values' ranges, no file
+    opened; "inputs" (default): also what needs the files (the base and
+    inputs opened, each input's tensors on base tensors of their shape,
+    no output that is an input).  Nothing is written.  Raises BicoError as
+    merge() would; returns None."""
+    lv = choose(MERGE_CHECK_LEVELS, level, "level")
     _merge(base, inputs, output, method, alpha, normalize, delta_output,
-           report, max_shard_size, ctx, fn.merge_check)
+           report, max_shard_size, ctx, lambda h: fn.merge_check(h, lv))
 
 
 def _merge(base, inputs, output, method, alpha, normalize, delta_output,
