@@ -110,33 +110,67 @@ int cli_size(const char *s, size_t *out) {
   return 0;
 }
 
-/* Hugging Face's size grammar (max_shard_size): an integer of bytes, or an
- * integer with KB, MB, GB (powers of 1000) or KiB, MiB, GiB (powers of
- * 1024), any case, except that a lowercase final "b" after K/M/G means
- * bits ("5Gb" is 5e9 / 8 bytes), as there. */
-int cli_shard_size(const char *s, double *out) {
+/* The one byte-count grammar of the size options (--max-shard-size,
+ * --solve-memory; bico and bico-mpi): a decimal number (digits, an
+ * optional fraction, an optional sign) with an optional unit, any case:
+ * K, M, G, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers of 1000,
+ * Hugging Face's max_shard_size), except that a lowercase final "b" after
+ * K/M/G means bits ("5Gb" is 5e9 / 8 bytes), as there.  With a unit,
+ * fractions of a byte are dropped.  Only the grammar: the range (a
+ * negative count, one beyond 2^53, a fraction without a unit) is the
+ * library's set_param's to refuse. */
+int cli_bytes(const char *s, double *out) {
   static const struct {
     const char *unit;
     double mul;
-  } U[] = {{"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0},
+  } U[] = {{"k", 1024.0},  {"m", 1048576.0}, {"g", 1073741824.0},
+           {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0},
            {"kb", 1e3},     {"mb", 1e6},         {"gb", 1e9}};
-  size_t n = strlen(s), digits = 0;
-  while (digits < n && s[digits] >= '0' && s[digits] <= '9') digits++;
-  if (digits == 0 || digits > 15) return -1;
-  double v = (double)strtoull(s, NULL, 10), mul = 1;
-  const char *u = s + digits;
-  if (*u != '\0') {
-    size_t k, ul = strlen(u);
-    for (k = 0; k < sizeof U / sizeof *U; k++)
-      if (ul == strlen(U[k].unit) && strncasecmp(u, U[k].unit, ul) == 0) break;
-    if (k == sizeof U / sizeof *U) return -1;
-    mul = U[k].mul;
-    if (ul == 2 && u[1] == 'b') mul /= 8; /* bits */
+  size_t i = 0, digits = 0;
+  if (s[i] == '-' || s[i] == '+') i++;
+  while (s[i] >= '0' && s[i] <= '9') i++, digits++;
+  if (s[i] == '.') {
+    i++;
+    while (s[i] >= '0' && s[i] <= '9') i++, digits++;
   }
-  v = floor(v * mul);
-  if (!(v > 0) || v > 9007199254740992.0) return -1;
-  *out = v;
+  if (digits == 0) return -1;
+  char num[64];
+  if (i >= sizeof num) {
+    /* more digits than any byte count has: beyond the range, for the
+     * library to say so */
+    *out = s[0] == '-' ? -HUGE_VAL : HUGE_VAL;
+  } else {
+    memcpy(num, s, i);
+    num[i] = '\0';
+    *out = strtod(num, NULL);
+  }
+  const char *u = s + i;
+  if (*u == '\0') return 0;
+  size_t k, ul = strlen(u);
+  for (k = 0; k < sizeof U / sizeof *U; k++)
+    if (ul == strlen(U[k].unit) && strncasecmp(u, U[k].unit, ul) == 0) break;
+  if (k == sizeof U / sizeof *U) return -1;
+  double mul = U[k].mul;
+  if (ul == 2 && u[1] == 'b') mul /= 8; /* bits */
+  *out = floor(*out * mul);
   return 0;
+}
+
+int cli_bytes_option(const char *cmd, const char *opt, const char *v,
+                     double *out) {
+  if (cli_bytes(v, out) == 0) return 0;
+  return cli_error(cmd, CLI_USAGE,
+                   "%s %s: expected bytes: a number, optionally with K, M, "
+                   "G, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers "
+                   "of 1000)",
+                   opt, v);
+}
+
+int cli_param_refused(const char *cmd, bico_ctx *ctx, const char *opt,
+                      const char *v) {
+  char msg[2048];
+  cli_user_message(bico_ctx_errmsg(ctx), msg, sizeof msg);
+  return cli_error(cmd, CLI_USAGE, "%s %s: %s", opt, v, msg);
 }
 
 /* Length of a library function's name followed by ": " at s (an API name
