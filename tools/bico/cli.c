@@ -3,6 +3,7 @@
  * (transfer.c, merge.c, stats.c, inspect.c, config.c) calls these; main.c
  * only dispatches, so the arrows go one way. */
 #define _DEFAULT_SOURCE 1 /* realpath */
+#include <dlfcn.h>
 #include <errno.h>
 #include <float.h>
 #include <math.h>
@@ -173,16 +174,32 @@ int cli_param_refused(const char *cmd, bico_ctx *ctx, const char *opt,
   return cli_error(cmd, CLI_USAGE, "%s %s: %s", opt, v, msg);
 }
 
+/* 1 when "bico_" + the n characters at s name a function the library
+ * exports (a real API name such as stfile_open or transfer_run), looked up
+ * in the process's symbols: a user's file "task_a" in a message is not
+ * one, and stays. */
+static int api_name(const char *s, size_t n) {
+  static void *self;
+  char sym[128];
+  if (n + 6 > sizeof sym) return 0;
+  memcpy(sym, "bico_", 5);
+  memcpy(sym + 5, s, n);
+  sym[5 + n] = '\0';
+  if (self == NULL) self = dlopen(NULL, RTLD_LAZY);
+  return self != NULL && dlsym(self, sym) != NULL;
+}
+
 /* Length of a library function's name followed by ": " at s (an API name
  * such as stfile_open or stwriter_create_folder: lowercase words joined by
- * '_'), or 0. */
+ * '_', with "bico_" before it a symbol of the library), or 0. */
 static size_t fn_prefix(const char *s) {
   size_t i = 0, us = 0;
   if (!(s[0] >= 'a' && s[0] <= 'z')) return 0;
   while ((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= '0' && s[i] <= '9') ||
          s[i] == '_')
     us += s[i++] == '_';
-  return us > 0 && s[i - 1] != '_' && s[i] == ':' && s[i + 1] == ' ' ? i + 2 : 0;
+  if (!(us > 0 && s[i - 1] != '_' && s[i] == ':' && s[i + 1] == ' ')) return 0;
+  return api_name(s, i) ? i + 2 : 0;
 }
 
 /* The library's message without the API function names it carries
