@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -726,8 +727,14 @@ TEST(LoraTransfer, RotatedChainGivesTheRotatedAdapterAndCheckpoint) {
                        want1),
             1e-5);
   std::string r = stt::read_bytes(rep);
-  EXPECT_NE(r.find("\"handling\": \"factored\""), std::string::npos) << r;
-  EXPECT_NE(r.find("\"factored\": 2"), std::string::npos) << r;
+  // The modules report the handling their weights get on the checkpoint
+  // path (bico_transfer_explain says the same), in the one table's words.
+  int lin = 0;
+  ASSERT_EQ(bico_transfer_handling_from_name("linear", &lin), BICO_OK);
+  EXPECT_EQ(lin, BICO_HANDLING_LINEAR);
+  EXPECT_NE(r.find("\"handling\": \"linear\""), std::string::npos) << r;
+  EXPECT_NE(r.find("\"linear\": 2"), std::string::npos) << r;
+  EXPECT_EQ(r.find("factored"), std::string::npos) << r;
   std::string cfg = stt::read_bytes(out + "/adapter_config.json");
   EXPECT_NE(cfg.find("\"blocks.0.fc\""), std::string::npos) << cfg;
   EXPECT_NE(cfg.find("\"lora_alpha\": 4"), std::string::npos) << cfg;
@@ -885,6 +892,103 @@ TEST(LoraTransfer, SavedTensorIsCarriedAsTheCheckpointPathCarriesIt) {
   EXPECT_LT(bt::relerr(bt::sub(saved, base), bt::matmul(d1, bt::transpose(c.Q))), 1e-4);
 }
 
+// Issue 25 (one writer): the merged checkpoint of a LoRA transfer is
+// written by the checkpoint path's writer.  A target base stored in F64,
+// with values float32 cannot hold, and carrying its own metadata: the saved
+// (modules_to_save) tensor must come out bit for bit as the checkpoint path
+// writes the same tensor (theta_B + update summed in double, rounded once,
+// not through float32), every base tensor as the base has it, and the
+// output keeps the target's metadata with the run's provenance.
+TEST(LoraTransfer, MergedCheckpointIsWrittenByTheCheckpointPathsWriter) {
+  LoraChain c;
+  const double s = 2.0;
+  Mat d1 = scaled(bt::matmul(c.B1, c.A1), s);
+  bt::Rng g(77);
+  // The target base in F64: Q W0, W1 Q^T plus detail below float32's grain.
+  std::string B64 = c.dir / "B64.safetensors";
+  {
+    Mat w0 = bt::matmul(c.Q, c.W0), w1 = bt::matmul(c.W1, bt::transpose(c.Q));
+    Mat fine = bt::randn(g, c.d, c.d, 1e-9);
+    w0 = bt::add(w0, fine);
+    w1 = bt::add(w1, fine);
+    bt::Ctx wctx;
+    bico_stwriter *w = nullptr;
+    size_t sh[2] = {c.d, c.d};
+    ASSERT_EQ(bico_stwriter_create(wctx, B64.c_str(), &w), BICO_OK);
+    ASSERT_EQ(bico_stwriter_add_metadata(w, "format", "pt"), BICO_OK);
+    ASSERT_EQ(bico_stwriter_declare(w, "blocks.0.fc.weight", BICO_DTYPE_F64, 2, sh), BICO_OK);
+    ASSERT_EQ(bico_stwriter_declare(w, "blocks.1.fc.weight", BICO_DTYPE_F64, 2, sh), BICO_OK);
+    ASSERT_EQ(bico_stwriter_write_f64(w, "blocks.0.fc.weight", w0.v.data(), w0.v.size()), BICO_OK);
+    ASSERT_EQ(bico_stwriter_write_f64(w, "blocks.1.fc.weight", w1.v.data(), w1.v.size()), BICO_OK);
+    ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(wctx);
+    bico_stwriter_free(w);
+  }
+  bt::Ctx ctx;
+  auto run = [&](int slot, const std::string &in, const std::string &out) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    const std::pair<int, std::string> files[] = {
+        {BICO_FILE_SOURCE_BASE, c.A},     {BICO_FILE_TARGET_BASE, B64},
+        {BICO_FILE_SOURCE_CALIB, c.calA}, {BICO_FILE_TARGET_CALIB, c.calB},
+        {slot, in},                       {BICO_FILE_OUTPUT, out}};
+    for (auto &f : files)
+      EXPECT_EQ(bico_transfer_set_file(t, f.first, f.second.c_str()), BICO_OK);
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  // Only block 1 changes in the checkpoint run, as the saved tensor.
+  std::string tuned = c.dir / "tuned.safetensors", o1 = c.dir / "o1.safetensors";
+  write_st(tuned, {{"blocks.0.fc.weight", T(c.W0)},
+                   {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  ASSERT_EQ(run(BICO_FILE_SOURCE_TUNED, tuned, o1), BICO_OK) << bico_ctx_errmsg(ctx);
+  std::string sv = c.dir / "saved", merged = c.dir / "merged.safetensors";
+  mkdir(sv.c_str(), 0700);
+  write_adapter(sv,
+                "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, "
+                "\"target_modules\": [\"fc\"], \"modules_to_save\": "
+                "[\"blocks.1.fc\"], \"bias\": \"none\"}",
+                {{"blocks.0.fc.lora_A.weight", T(c.A0)},
+                 {"blocks.0.fc.lora_B.weight", T(c.B0)},
+                 {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
+  ASSERT_EQ(run(BICO_FILE_LORA, sv, merged), BICO_OK) << bico_ctx_errmsg(ctx);
+  auto f64 = [&](const std::string &path, const char *name, std::string *meta,
+                 std::string *adapter) {
+    bico_stfile *f = nullptr;
+    std::vector<double> v(c.d * c.d);
+    EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
+    if (f == nullptr) return v;
+    size_t i;
+    int dtype = 0;
+    EXPECT_EQ(bico_stfile_find(f, name, &i), BICO_OK);
+    bico_stfile_tensor_info(f, i, nullptr, &dtype, nullptr, nullptr);
+    EXPECT_EQ(dtype, BICO_DTYPE_F64) << path << " " << name;
+    EXPECT_EQ(bico_stfile_read_f64(f, i, v.data(), v.size()), BICO_OK);
+    const char *m = nullptr;
+    if (meta && bico_stfile_metadata_get(f, "format", &m) == BICO_OK) *meta = m;
+    if (adapter && bico_stfile_metadata_get(f, "bico.source_adapter", &m) == BICO_OK)
+      *adapter = m;
+    bico_stfile_free(f);
+    return v;
+  };
+  std::string fmt, src;
+  auto ck = f64(o1, "blocks.1.fc.weight", nullptr, nullptr);
+  auto lo = f64(merged, "blocks.1.fc.weight", &fmt, &src);
+  auto base = f64(B64, "blocks.1.fc.weight", nullptr, nullptr);
+  EXPECT_EQ(std::memcmp(ck.data(), lo.data(), ck.size() * sizeof(double)), 0)
+      << "the saved tensor differs from the checkpoint path's";
+  EXPECT_NE(std::memcmp(base.data(), lo.data(), base.size() * sizeof(double)), 0);
+  EXPECT_EQ(fmt, "pt");
+  EXPECT_EQ(src, sv);
+  // Block 0 (the factored module): theta_B + s B' A' with theta_B's own
+  // detail kept (a float32 sum would lose it).
+  auto m0 = f64(merged, "blocks.0.fc.weight", nullptr, nullptr);
+  auto b0 = f64(B64, "blocks.0.fc.weight", nullptr, nullptr);
+  Mat want0 = bt::matmul(c.Q, scaled(bt::matmul(c.B0, c.A0), s)), got0(c.d, c.d);
+  for (size_t e = 0; e < m0.size(); e++) got0.v[e] = m0[e] - b0[e];
+  EXPECT_LT(bt::relerr(got0, want0), 1e-5);
+}
+
 TEST(LoraTransfer, PadTruncatesAndReportsEnergy) {
   LoraChain c;
   bt::Ctx ctx;
@@ -910,7 +1014,10 @@ TEST(LoraTransfer, PadTruncatesAndReportsEnergy) {
   EXPECT_LT(bt::relerr(as_mat(dense.data(), c.d, c.d), scaled(bt::matmul(c.B1, c.A1), 2.0)), 1e-5);
   bico_lora_free(l);
   std::string r = stt::read_bytes(rep);
-  EXPECT_NE(r.find("\"handling\": \"truncated\""), std::string::npos) << r;
+  // pad's handling, as a checkpoint run names it; the truncation to rank r
+  // is told by energy_kept and the summary's count.
+  EXPECT_NE(r.find("\"handling\": \"padded\""), std::string::npos) << r;
+  EXPECT_NE(r.find("\"truncated\": 2"), std::string::npos) << r;
   EXPECT_NE(r.find("\"energy_kept\": 1"), std::string::npos) << r;
 }
 

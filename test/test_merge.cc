@@ -371,20 +371,22 @@ TEST(MergeCheck, RulesOfTheRunWithoutTheRun) {
                 BICO_OK);
     }
   };
-  auto check = [&](const Config &k) {
+  auto check = [&](const Config &k, int level = BICO_MERGE_CHECK_OPTIONS) {
     Merger mg(ctx);
     make(mg, k);
-    return bico_merge_check(mg.m);
+    return bico_merge_check(mg.m, level);
   };
   auto runs = [&](const Config &k) {
     Merger mg(ctx);
     make(mg, k);
     return bico_merge_run(mg.m);
   };
-  EXPECT_EQ(bico_merge_check(nullptr), BICO_E_NULL);
+  EXPECT_EQ(bico_merge_check(nullptr, 0), BICO_E_NULL);
   Config good;
   good.report = rep;
   EXPECT_EQ(check(good), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(check(good, BICO_MERGE_CHECK_INPUTS), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(check(good, 0), BICO_OK) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(access(c.out.c_str(), F_OK), -1);  // nothing written
   EXPECT_EQ(access(rep.c_str(), F_OK), -1);
   Config ties = good;
@@ -408,23 +410,65 @@ TEST(MergeCheck, RulesOfTheRunWithoutTheRun) {
   bad.back().k.report = c.out;
   bad.push_back({good, {c.ft, "density 0.5", "TIES only"}});
   bad.back().k.density = 0.5;
-  for (const Bad &b : bad) {
-    EXPECT_EQ(check(b.k), BICO_E_ARG) << b.says[0];
-    std::string msg = bico_ctx_errmsg(ctx);
-    EXPECT_EQ(msg.rfind("merge_check: ", 0), 0u) << msg;
-    for (const std::string &w : b.says) EXPECT_TRUE(mentions(ctx, w)) << msg;
-    EXPECT_EQ(access(c.out.c_str(), F_OK), -1);
-    EXPECT_EQ(runs(b.k), BICO_E_ARG) << b.says[0];  // the run's own rule
+  for (const Bad &b : bad)
+    for (int level : {BICO_MERGE_CHECK_OPTIONS, BICO_MERGE_CHECK_INPUTS}) {
+      EXPECT_EQ(check(b.k, level), BICO_E_ARG) << b.says[0];
+      std::string msg = bico_ctx_errmsg(ctx);
+      EXPECT_EQ(msg.rfind("merge_check: ", 0), 0u) << msg;
+      for (const std::string &w : b.says) EXPECT_TRUE(mentions(ctx, w)) << msg;
+      EXPECT_EQ(access(c.out.c_str(), F_OK), -1);
+      EXPECT_EQ(runs(b.k), BICO_E_ARG) << b.says[0];  // the run's own rule
+    }
+  // An unknown level is refused.
+  {
+    Merger mg(ctx);
+    make(mg, good);
+    EXPECT_EQ(bico_merge_check(mg.m, 3), BICO_E_ARG);
+    EXPECT_TRUE(mentions(ctx, "level 3")) << bico_ctx_errmsg(ctx);
   }
-  // What needs the files is the run's: a missing input passes the check.
-  Merger mg(ctx);
-  bico_merge_set_file(mg.m, BICO_MERGE_FILE_BASE, c.base.c_str());
-  bico_merge_set_file(mg.m, BICO_MERGE_FILE_OUTPUT, c.out.c_str());
-  ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TUNED, missing.c_str(), 1, 1),
-            BICO_OK);
-  EXPECT_EQ(bico_merge_check(mg.m), BICO_OK) << bico_ctx_errmsg(ctx);
-  EXPECT_EQ(bico_merge_run(mg.m), BICO_E_IO);
-  EXPECT_TRUE(mentions(ctx, missing)) << bico_ctx_errmsg(ctx);
+  // What needs the files: the options level passes, the inputs level
+  // refuses as the run does (a missing input, an input tensor of another
+  // shape than the base's, an output that is an input), writing nothing
+  // and leaving the inputs as they were.
+  std::string odd = c.dir / "odd.safetensors";
+  write_st(odd, {{"fc.weight", {{4, 3}, c.W}}});
+  std::string ft_bytes = stt::read_bytes(c.ft);
+  struct FileCase {
+    std::string input, output;
+    bico_status st;
+    std::vector<std::string> says;
+  };
+  const FileCase files[] = {
+      {missing, c.out, BICO_E_IO, {missing}},
+      {odd, c.out, BICO_E_SHAPE, {odd, "fc.weight", "[4, 3]", "[3, 4]"}},
+      {c.ft, (c.dir / ".") + "/ft.safetensors", BICO_E_ARG, {"output"}},
+  };
+  for (const FileCase &fc : files) {
+    auto setup = [&](Merger &mg) {
+      bico_merge_set_file(mg.m, BICO_MERGE_FILE_BASE, c.base.c_str());
+      bico_merge_set_file(mg.m, BICO_MERGE_FILE_OUTPUT, fc.output.c_str());
+      ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TUNED, fc.input.c_str(), 1, 1),
+                BICO_OK);
+    };
+    Merger mg(ctx);
+    setup(mg);
+    EXPECT_EQ(bico_merge_check(mg.m, BICO_MERGE_CHECK_OPTIONS), BICO_OK)
+        << bico_ctx_errmsg(ctx);
+    EXPECT_EQ(bico_merge_check(mg.m, BICO_MERGE_CHECK_INPUTS), fc.st) << fc.input;
+    std::string msg = bico_ctx_errmsg(ctx);
+    if (fc.st != BICO_E_IO) {  // (an unopenable file: the reader's message)
+      EXPECT_EQ(msg.rfind("merge_check: ", 0), 0u) << msg;
+    }
+    for (const std::string &w : fc.says) EXPECT_TRUE(mentions(ctx, w)) << msg;
+    EXPECT_EQ(access(c.out.c_str(), F_OK), -1);
+    EXPECT_EQ(stt::read_bytes(c.ft), ft_bytes);
+    // The same handle checked twice gives the same answer (files closed
+    // after each check), and its run fails alike.
+    EXPECT_EQ(bico_merge_check(mg.m, 0), fc.st) << fc.input;
+    EXPECT_EQ(bico_merge_run(mg.m), fc.st) << fc.input;
+    EXPECT_TRUE(mentions(ctx, fc.says[0])) << bico_ctx_errmsg(ctx);
+    EXPECT_EQ(stt::read_bytes(c.ft), ft_bytes);
+  }
   // The good configuration then runs.
   EXPECT_EQ(runs(good), BICO_OK) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(access(c.out.c_str(), F_OK), 0);

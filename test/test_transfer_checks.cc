@@ -13,31 +13,13 @@
 
 #include "st_testutil.h"
 #include "testutil.h"
+#include "transfer_testutil.h"
 
 namespace {
 
-struct Named {
-  std::string name;
-  std::vector<size_t> shape;
-  std::vector<float> v;
-};
-
-void write_f32(const std::string &path, const std::vector<Named> &f) {
-  bt::Ctx ctx;
-  bico_stwriter *w = nullptr;
-  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK);
-  for (auto &e : f)
-    ASSERT_EQ(bico_stwriter_declare(w, e.name.c_str(), BICO_DTYPE_F32,
-                                    e.shape.size(), e.shape.data()),
-              BICO_OK);
-  for (auto &e : f)
-    ASSERT_EQ(bico_stwriter_write_f32(w, e.name.c_str(), e.v.data(), e.v.size()),
-              BICO_OK);
-  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
-  bico_stwriter_free(w);
-}
-
-std::vector<float> filled(size_t n, float x) { return std::vector<float>(n, x); }
+using ttu::Named;
+using ttu::write_f32;
+using ttu::filled;
 
 // One 4 x 4 linear layer; votes all +1 except element 5, which is `bad`.
 struct Votes {

@@ -129,17 +129,32 @@ BICO_API bico_status bico_merge_set_log(bico_merge *m,
 BICO_API bico_status bico_merge_set_progress(bico_merge *m,
                                              bico_progress_fn fn,
                                              void *opaque);
-/* The checks bico_merge_run makes before it opens any file, without the
- * run: the base and the output given, at least one input, no two outputs
- * (output, delta output, report) on one path, and no input with a density
- * below 1 under LINEAR; BICO_E_ARG with a message naming the file (as
- * "the <bico_merge_file_name> file", "delta output" spelled with a space)
- * or the input and its density.  Weights, densities and parameters are
- * checked where they are set.  No file is opened and nothing is written:
- * what needs the files (an input missing or unreadable, a tensor without
- * a base tensor of its shape, an output naming an input) is still
- * refused by bico_merge_run alone, before it writes anything. */
-BICO_API bico_status bico_merge_check(bico_merge *m);
+/* How far bico_merge_check goes (0 asks for the default, INPUTS); the
+ * values and names ("options", "inputs") of bico_transfer_check_level. */
+typedef enum bico_merge_check_level {
+  /* The options alone, no file opened: the base and the output given, at
+   * least one input, no two outputs (output, delta output, report) on one
+   * path, no input with a density below 1 under LINEAR.  Weights,
+   * densities and parameters are checked where they are set. */
+  BICO_MERGE_CHECK_OPTIONS = 1,
+  /* Also every check bico_merge_run makes on the files before it writes
+   * anything: the base and every input opened (a missing or unreadable
+   * one), each input's tensors on base tensors of their shape (floating
+   * point in the base, finite in the input; an adapter's modules and saved
+   * tensors alike), and inputs and outputs compared by file identity (an
+   * output naming an input, under any spelling).  The files are closed
+   * again. */
+  BICO_MERGE_CHECK_INPUTS = 2
+} bico_merge_check_level;
+
+/* Validates the configured merge without running it, to `level`: BICO_OK
+ * when a run would get past those checks, else the status and message the
+ * run would fail with (the message starts with "merge_check:" and names
+ * the file, as "the <bico_merge_file_name> file" with "delta output"
+ * spelled with a space, or the input and its tensor).  Nothing is written.
+ * A front end calls it with BICO_MERGE_CHECK_OPTIONS to tell a usage
+ * error from a failure on the files; an unknown level is BICO_E_ARG. */
+BICO_API bico_status bico_merge_check(bico_merge *m, int level);
 /* Runs the merge; on failure nothing is written. */
 BICO_API bico_status bico_merge_run(bico_merge *m);
 

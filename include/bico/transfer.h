@@ -429,7 +429,13 @@ typedef enum bico_transfer_handling { /* from 1 (status.h); 0 is none */
   BICO_HANDLING_PADDED = 6,
   BICO_HANDLING_MASKED = 7
 } bico_transfer_handling;
-/* "unchanged", "linear", ... as in the report; NULL for an unknown value.
+/* A LoRA transfer (BICO_FILE_LORA) reports its adapter modules and saved
+ * tensors with the same words, no others: factors carried by the maps are
+ * LINEAR (a linear module) or TIED (an embedding table), as the module's
+ * weight would be; NAIVE copies the factors; PADDED and MASKED (pad,
+ * gradfix) build the dense update, then truncate it back to the adapter's
+ * rank (the report's "energy_kept"); UNCHANGED on a dead layer.
+ * "unchanged", "linear", ... as in the report; NULL for an unknown value.
  * _from_name: the value of a name (BICO_E_NULL, or BICO_E_NOTFOUND for an
  * unknown name, leaving *handling alone). */
 BICO_API const char *bico_transfer_handling_name(int handling);

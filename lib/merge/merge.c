@@ -350,8 +350,8 @@ static const char *const KIND_NAME[4] = {NULL, "task vector", "tuned checkpoint"
                                          "adapter"};
 
 /* Every tensor of every input must land on a base tensor of its shape. */
-static bico_status check_input(bico_merge *m, const bico_stfile *base,
-                               input *in) {
+static bico_status check_input(bico_merge *m, const char *fn,
+                               const bico_stfile *base, input *in) {
   bico_ctx *ctx = m->ctx;
   const char *what = KIND_NAME[in->kind];
   if (in->f) {
@@ -364,22 +364,22 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
       bico_stfile_tensor_info(in->f, i, &name, NULL, &nd, &sh);
       if (bico_stfile_find(base, name, &bi) != BICO_OK)
         return bico__fail(ctx, BICO_E_NOTFOUND,
-                          "merge_run: %s %s: tensor %s is not in the base %s",
+                          "%s: %s %s: tensor %s is not in the base %s", fn,
                           what, in->path, name, m->files[BICO_MERGE_FILE_BASE]);
       bico_stfile_tensor_info(base, bi, NULL, &bdt, &bnd, &bsh);
       char sa[128], sb[128];
       if (!same_shape(nd, sh, bnd, bsh))
         return bico__fail(ctx, BICO_E_SHAPE,
-                          "merge_run: %s %s: tensor %s is %s there but %s in "
+                          "%s: %s %s: tensor %s is %s there but %s in "
                           "the base",
-                          what, in->path, name,
+                          fn, what, in->path, name,
                           bico__shape_text(sa, sizeof sa, nd, sh),
                           bico__shape_text(sb, sizeof sb, bnd, bsh));
       if (!bico_dtype_is_float(bdt))
         return bico__fail(ctx, BICO_E_ARG,
-                          "merge_run: %s %s: tensor %s is not floating point "
+                          "%s: %s %s: tensor %s is not floating point "
                           "in the base, so it cannot be merged",
-                          what, in->path, name);
+                          fn, what, in->path, name);
       bico_status st = bico_stfile_check_finite(in->f, i);
       if (st != BICO_OK) return st;
     }
@@ -404,16 +404,16 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
     bico_status st = BICO_OK;
     if (bico_stfile_find(base, w, &bi) != BICO_OK)
       st = bico__fail(ctx, BICO_E_NOTFOUND,
-                      "merge_run: adapter %s: module %s has no tensor %s in "
+                      "%s: adapter %s: module %s has no tensor %s in "
                       "the base",
-                      in->path, mod, w);
+                      fn, in->path, mod, w);
     else {
       bico_stfile_tensor_info(base, bi, NULL, NULL, &bnd, &bsh);
       if (!same_shape(2, want, bnd, bsh))
         st = bico__fail(ctx, BICO_E_SHAPE,
-                        "merge_run: adapter %s: module %s updates [%zu, %zu], "
+                        "%s: adapter %s: module %s updates [%zu, %zu], "
                         "but the base's %s has another shape",
-                        in->path, mod, want[0], want[1], w);
+                        fn, in->path, mod, want[0], want[1], w);
     }
     bico__free(ctx, w);
     if (st != BICO_OK) return st;
@@ -425,16 +425,16 @@ static bico_status check_input(bico_merge *m, const bico_stfile *base,
     bico_lora_saved(in->l, i, &name, NULL, &nd, &sh, NULL);
     if (bico_stfile_find(base, name, &bi) != BICO_OK)
       return bico__fail(ctx, BICO_E_NOTFOUND,
-                        "merge_run: adapter %s: saved tensor %s is not in the "
+                        "%s: adapter %s: saved tensor %s is not in the "
                         "base",
-                        in->path, name);
+                        fn, in->path, name);
     bico_stfile_tensor_info(base, bi, NULL, NULL, &bnd, &bsh);
     char sa[128], sb[128];
     if (!same_shape(nd, sh, bnd, bsh))
       return bico__fail(ctx, BICO_E_SHAPE,
-                        "merge_run: adapter %s: saved tensor %s is %s there "
+                        "%s: adapter %s: saved tensor %s is %s there "
                         "but %s in the base",
-                        in->path, name, bico__shape_text(sa, sizeof sa, nd, sh),
+                        fn, in->path, name, bico__shape_text(sa, sizeof sa, nd, sh),
                         bico__shape_text(sb, sizeof sb, bnd, bsh));
   }
   bico__clear(ctx);
@@ -554,7 +554,8 @@ static bico_status provenance(bico_merge *m, const bico_stfile *base,
 
 /* Every input (base, checkpoints with their shards, adapters with both
  * files) and every output compared by identity (lib/io/fileio.c). */
-static bico_status check_files(bico_merge *m, const bico_stfile *base) {
+static bico_status check_files(bico_merge *m, const char *fn,
+                               const bico_stfile *base) {
   bico_ctx *ctx = m->ctx;
   const char *const *f = (const char *const *)m->files;
   size_t cap = 10 + bico__stfile_ntensors(base);
@@ -608,7 +609,7 @@ static bico_status check_files(bico_merge *m, const bico_stfile *base) {
     if (dir && st == BICO_OK)
       u[n++] = (bico__fileuse){FILE_NAME[o], f[o], 1, 1, 1};
   }
-  if (st == BICO_OK) st = bico__check_files(ctx, "merge_run", u, n);
+  if (st == BICO_OK) st = bico__check_files(ctx, fn, u, n);
   for (int o = 0; o < 5; o++) bico__free(ctx, fo[o]);
   for (size_t i = 0; lp && i < 2 * m->nin; i++) bico__free(ctx, lp[i]);
   bico__free(ctx, lp);
@@ -737,10 +738,42 @@ static bico_status check_options(bico_merge *m, const char *fn) {
   return BICO_OK;
 }
 
-bico_status bico_merge_check(bico_merge *m) {
+/* What a run checks on the files before it writes anything: the base
+ * and every input opened, each input's tensors on base tensors of their
+ * shape (floating point, finite), inputs and outputs compared by file
+ * identity.  The opened files stay with m (*basep and the inputs) for
+ * the run, or for close_inputs. */
+static bico_status open_inputs(bico_merge *m, const char *fn,
+                               bico_stfile **basep) {
+  bico_ctx *ctx = m->ctx;
+  bico_status st = bico_stfile_open(ctx, m->files[BICO_MERGE_FILE_BASE], basep);
+  for (size_t i = 0; i < m->nin && st == BICO_OK; i++) {
+    input *in = &m->in[i];
+    if (in->kind == BICO_MERGE_LORA) st = bico_lora_open(ctx, in->path, &in->l);
+    else st = bico_stfile_open(ctx, in->path, &in->f);
+    if (st == BICO_OK) st = check_input(m, fn, *basep, in);
+  }
+  if (st == BICO_OK) st = check_files(m, fn, *basep);
+  return st;
+}
+
+bico_status bico_merge_check(bico_merge *m, int level) {
   if (m == NULL) return BICO_E_NULL;
-  bico__clear(m->ctx);
-  return check_options(m, "merge_check");
+  bico_ctx *ctx = m->ctx;
+  bico__clear(ctx);
+  if (level == 0) level = BICO_MERGE_CHECK_INPUTS;
+  if (level != BICO_MERGE_CHECK_OPTIONS && level != BICO_MERGE_CHECK_INPUTS)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "merge_check: level %d is not a check level (1 "
+                      "options, 2 inputs)",
+                      level);
+  bico_status st = check_options(m, "merge_check");
+  if (st != BICO_OK || level == BICO_MERGE_CHECK_OPTIONS) return st;
+  bico_stfile *base = NULL;
+  st = open_inputs(m, "merge_check", &base);
+  bico_stfile_free(base);
+  close_inputs(m);
+  return st;
 }
 
 static bico_status merge_all(bico_merge *m, bico_stfile **basep,
@@ -755,15 +788,8 @@ static bico_status merge_all(bico_merge *m, bico_stfile **basep,
                       ? method == BICO_MERGE_TIES
                       : (int)m->param[BICO_MERGE_NORMALIZE];
   float alpha = (float)m->param[BICO_MERGE_ALPHA];
-  st = bico_stfile_open(ctx, f[BICO_MERGE_FILE_BASE], basep);
+  st = open_inputs(m, "merge_run", basep);
   bico_stfile *base = *basep;
-  for (size_t i = 0; i < m->nin && st == BICO_OK; i++) {
-    input *in = &m->in[i];
-    if (in->kind == BICO_MERGE_LORA) st = bico_lora_open(ctx, in->path, &in->l);
-    else st = bico_stfile_open(ctx, in->path, &in->f);
-    if (st == BICO_OK) st = check_input(m, base, in);
-  }
-  if (st == BICO_OK) st = check_files(m, base);
   if (st != BICO_OK) return st;
   logf_(m, "bico merge: %s of %zu inputs, alpha %g%s", bico_merge_method_name(method), m->nin,
         (double)alpha, normalize ? ", normalised" : "");

@@ -14,7 +14,15 @@
  *                             gives the energy kept).
  * modules_to_save tensors are full weights: their task vector (saved minus
  * the source base) is carried like any tensor of bico_transfer and added to
- * the target base. */
+ * the target base.
+ *
+ * The words are the checkpoint path's: a module or saved tensor reports
+ * the handling its target tensor gets there (bico_transfer_handling_name:
+ * linear or tied for factors carried by the maps, naive, padded, masked;
+ * unchanged on a dead layer), a rank truncation adds "energy_kept"; the
+ * merged checkpoint is written by the checkpoint path's writer
+ * (bico__xfer_declare, bico__xfer_write_one: the target's metadata and
+ * provenance, theta_B + update summed in double and rounded once). */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -31,8 +39,12 @@ typedef struct lrun {
   bico_ctx *ctx;
   bico_lora *src, *out;
   bico__report rep;
-  size_t factored, truncated, copied, saved;
-  size_t unchanged; /* modules and saved tensors on a dead layer */
+  /* modules and saved tensors by handling (unchanged: a dead layer) */
+  size_t count[BICO__H_COUNT];
+  size_t truncated; /* modules whose update was truncated to its rank */
+  float **supd;     /* per output saved tensor: its update for the merged
+                       checkpoint (NULL: left unchanged) */
+  size_t nsupd;
 } lrun;
 
 /* The path the handle's option `which` (a BICO_FILE_*) names, or NULL. */
@@ -67,13 +79,15 @@ static bico_status map_of(bico__run *x, size_t mi, int side, size_t block,
  * path's own step (bico__xfer_elementwise); *kept gets GradFix's kept
  * fraction (or -1). */
 static bico_status dense_method(lrun *r, size_t ti, size_t si,
-                                const float *tau, float *upd, double *kept) {
+                                const float *tau, float *upd, double *kept,
+                                int *handling) {
   bico__tinfo info;
   memset(&info, 0, sizeof info);
   info.handling = BICO__H_UNCHANGED;
   info.kept = -1;
   bico_status st = bico__xfer_elementwise(r->x, ti, si, tau, upd, &info);
   *kept = info.kept;
+  *handling = info.handling;
   return st;
 }
 
@@ -106,7 +120,7 @@ typedef struct lmod {
   size_t er_t, ec_t;   /* the target weight's shape */
   char *wname, *sname; /* target and source weight names */
   float *nb, *na;      /* the new factors */
-  const char *handling;
+  int handling;        /* bico_transfer_handling */
   double energy, kept;
   size_t k;            /* output split */
   size_t ts;           /* the source base weight's tensor index */
@@ -214,9 +228,8 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
     }
   }
   if (do_out && m->k > 1) bico__report_end_array(&r->rep);
-  if (st == BICO_OK && m->reason[0])
-    m->handling = "unchanged";
-  else if (st == BICO_OK)
+  m->handling = m->reason[0] ? BICO__H_UNCHANGED : bico__xfer_route_handling(rt);
+  if (st == BICO_OK && !m->reason[0])
     st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->dout_b,
                              m->din_b, x->alpha, m->b, m->a,
                              do_out ? (const float *const *)routs : NULL,
@@ -258,9 +271,8 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
                     "embedding widths are %zu and %zu",
                     m->lname, da, db, m->dout_a, m->dout_b);
   const float *rl[1] = {rr};
-  if (st == BICO_OK && m->reason[0])
-    m->handling = "unchanged";
-  else if (st == BICO_OK)
+  m->handling = m->reason[0] ? BICO__H_UNCHANGED : bico__xfer_route_handling(rt);
+  if (st == BICO_OK && !m->reason[0])
     st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->dout_b,
                              m->din_b, x->alpha, m->b, m->a, rr ? rl : NULL,
                              m->dout_b, NULL, m->din_b, m->nb, m->na);
@@ -281,7 +293,7 @@ static bico_status carry_dense(lrun *r, lmod *m) {
   if (st == BICO_OK) {
     if (m->flip) bico__xfer_transpose(tmp, m->dout_a, m->din_a, dense);
     else memcpy(dense, tmp, ns * sizeof(float));
-    st = dense_method(r, m->ti, m->ts, dense, upd, &m->kept);
+    st = dense_method(r, m->ti, m->ts, dense, upd, &m->kept, &m->handling);
   }
   if (st == BICO_OK) {
     const float *fo = upd;
@@ -292,7 +304,6 @@ static bico_status carry_dense(lrun *r, lmod *m) {
     st = bico_lora_truncate(ctx, m->dout_b, m->din_b, fo, m->din_b, m->rank,
                             m->scale, m->nb, m->na, &m->energy);
   }
-  m->handling = "truncated";
   bico__free(ctx, tmp);
   bico__free(ctx, dense);
   bico__free(ctx, upd);
@@ -331,7 +342,7 @@ static bico_status carry(lrun *r, lmod *m) {
     for (size_t e = 0; e < m->dout_b * m->rank; e++)
       m->nb[e] = x->alpha * m->b[e];
     memcpy(m->na, m->a, m->rank * m->din_b * sizeof(float));
-    m->handling = "copied";
+    m->handling = BICO__H_NAIVE;
     return BICO_OK;
   }
   return carry_dense(r, m);
@@ -346,7 +357,7 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
   memset(&m, 0, sizeof m);
   m.li = li;
   m.mi = mi;
-  m.handling = "factored";
+  m.handling = BICO__H_UNCHANGED;
   m.energy = m.kept = -1;
   m.k = 1;
   bico_status st = lmod_locate(r, &m);
@@ -362,7 +373,8 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
     bico__report_begin_object(&r->rep);
     st = carry(r, &m);
     bico__report_end_object(&r->rep);
-    bico__report_key_string(&r->rep, "handling", m.handling);
+    bico__report_key_string(&r->rep, "handling",
+                            bico_transfer_handling_name(m.handling));
     if (m.reason[0]) bico__report_key_string(&r->rep, "reason", m.reason);
     if (m.energy >= 0)
       bico__report_key_number(&r->rep, "energy_kept", m.energy);
@@ -382,18 +394,16 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
     st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
                               m.din_b, m.nb, m.na);
   if (st == BICO_OK) {
+    r->count[dead ? BICO__H_UNCHANGED : m.handling]++;
     if (dead) {
-      r->unchanged++;
       bico__xfer_log(r->x, "bico: %s <- %s: left unchanged: %s", m.tm,
                      m.lname, m.reason);
     } else if (m.energy >= 0) {
       r->truncated++;
-      bico__xfer_log(r->x, "bico: %s <- %s: rank %zu, %.4f of the energy kept",
-                     m.tm, m.lname, m.rank, m.energy);
-    } else if (strcmp(m.handling, "copied") == 0) {
-      r->copied++;
-    } else {
-      r->factored++;
+      bico__xfer_log(r->x, "bico: %s <- %s: %s, truncated to rank %zu, "
+                           "%.4f of the energy kept",
+                     m.tm, m.lname, bico_transfer_handling_name(m.handling),
+                     m.rank, m.energy);
     }
   }
   bico__xfer_free_maps(x, &x->mods[mi]);
@@ -417,7 +427,8 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
  * be lost. */
 static bico_status saved_bico(lrun *r, size_t ti, size_t si, const char *sname,
                               const char *tname, float **tau, float *upd,
-                              size_t nb, char *reason, size_t cap) {
+                              size_t nb, char *reason, size_t cap,
+                              int *handling) {
   bico__run *x = r->x;
   bico_ctx *ctx = r->ctx;
   bico__route rt;
@@ -437,6 +448,7 @@ static bico_status saved_bico(lrun *r, size_t ti, size_t si, const char *sname,
   info.handling = BICO__H_UNCHANGED;
   info.kept = -1;
   bico_status st = bico__xfer_carry(x, ti, si, &rt, tau, upd, &info);
+  *handling = info.handling;
   reason[0] = 0;
   if (st == BICO_OK && info.handling == BICO__H_UNCHANGED)
     snprintf(reason, cap, "%s", info.reason[0] ? info.reason : "no map");
@@ -484,15 +496,18 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   for (size_t e = 0; e < na && st == BICO_OK; e++) tau[e] = data[e] - tau[e];
   double kept = -1;
   char reason[sizeof ((bico__tinfo *)0)->reason] = "";
+  int handling = BICO__H_UNCHANGED;
   size_t si;
   if (st == BICO_OK && na && nb) {
     st = bico_model_find_tensor(x->ms, sname, &si);
     if (st == BICO_OK && !bico__xfer_is_bico(x->method))
-      st = dense_method(r, ti, si, tau, upd, &kept);
+      st = dense_method(r, ti, si, tau, upd, &kept, &handling);
     else if (st == BICO_OK)
       st = saved_bico(r, ti, si, sname, tname, &tau, upd, nb, reason,
-                      sizeof reason);
+                      sizeof reason, &handling);
   }
+  if (st == BICO_OK && handling == BICO__H_UNCHANGED && !reason[0])
+    snprintf(reason, sizeof reason, "%s", nb ? "no update" : "empty tensor");
   if (st == BICO_OK) st = bico_stfile_find(x->tb, tname, &fi);
   if (st == BICO_OK && nb) st = bico_stfile_read_f32(x->tb, fi, full, nb);
   if (st == BICO_OK) st = bico_stfile_check_finite(x->tb, fi);
@@ -500,21 +515,30 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   if (st == BICO_OK)
     st = bico__xfer_check_finite(ctx, full, nb, "saved tensor", tname);
   if (st == BICO_OK)
+    st = bico__xfer_check_finite(ctx, upd, nb, "saved tensor", tname);
+  if (st == BICO_OK)
     st = bico_lora_add_saved(r->out, tname, tmod, nd_b, sb, full);
+  if (reason[0]) handling = BICO__H_UNCHANGED;
   bico__report_begin_object(&r->rep);
   bico__report_key_string(&r->rep, "name", tname);
   bico__report_key_string(&r->rep, "source", sname);
   bico__report_key_string(&r->rep, "handling",
-                          reason[0] ? "unchanged" : "saved");
+                          bico_transfer_handling_name(handling));
   if (reason[0]) bico__report_key_string(&r->rep, "reason", reason);
   if (kept >= 0) bico__report_key_number(&r->rep, "kept_fraction", kept);
   bico__report_end_object(&r->rep);
-  if (st == BICO_OK && reason[0]) {
-    r->unchanged++;
-    bico__xfer_log(r->x, "bico: saved tensor %s <- %s: left unchanged: %s",
-                   tname, sname, reason);
-  } else if (st == BICO_OK) {
-    r->saved++;
+  if (st == BICO_OK) {
+    r->count[handling]++;
+    if (reason[0])
+      bico__xfer_log(r->x, "bico: saved tensor %s <- %s: left unchanged: %s",
+                     tname, sname, reason);
+    /* The merged checkpoint takes the update, not the float sum the
+     * adapter stores: theta_B + update is summed by the one writer. */
+    size_t k = bico_lora_saved_count(r->out) - 1;
+    if (k < r->nsupd && handling != BICO__H_UNCHANGED) {
+      r->supd[k] = upd;
+      upd = NULL;
+    }
   }
   bico__free(ctx, tau);
   bico__free(ctx, upd);
@@ -526,82 +550,88 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
   return st;
 }
 
-/* The full target checkpoint: base + s B' A' where an adapter module
- * landed, the saved tensors, the base elsewhere. */
-static bico_status write_checkpoint(lrun *r, bico_stwriter *w) {
+/* The update of target tensor `name` (numel floats, the weight's layout)
+ * into *upd, or *upd NULL when nothing changes it: s B' A' where an
+ * adapter module landed, the carried task vector of a saved tensor. */
+static bico_status merged_update(lrun *r, const char *name, size_t numel,
+                                 float **upd) {
   bico__run *x = r->x;
   bico_ctx *ctx = r->ctx;
-  size_t nt = bico__model_ntensors(x->mt);
+  *upd = NULL;
+  for (size_t k = 0; k < bico_lora_saved_count(r->out); k++) {
+    const char *sn;
+    bico_lora_saved(r->out, k, &sn, NULL, NULL, NULL, NULL);
+    if (strcmp(sn, name) != 0) continue;
+    if (k >= r->nsupd || r->supd[k] == NULL) return BICO_OK;
+    *upd = r->supd[k];
+    r->supd[k] = NULL;
+    return BICO_OK;
+  }
+  size_t ti, mi, li;
+  const char *mod;
+  if (bico_model_find_tensor(x->mt, name, &ti) != BICO_OK) {
+    bico__clear(ctx);
+    return BICO_OK;
+  }
+  bico_model_tensor_module(x->mt, ti, &mi, NULL);
+  bico_model_module(x->mt, mi, &mod, NULL, NULL, NULL);
+  size_t ml = strlen(mod);
+  if (strncmp(name, mod, ml) != 0 ||
+      strcmp(name + ml, ml ? ".weight" : "weight") != 0 ||
+      bico_lora_find_module(r->out, mod, &li) != BICO_OK) {
+    bico__clear(ctx);
+    return BICO_OK;
+  }
+  int kind;
+  size_t dout, din;
   double fifo = 0;
   bico_lora_get_param(r->out, BICO_LORA_FAN_IN_FAN_OUT, &fifo);
-  bico_status st = BICO_OK;
-  for (int pass = 0; pass < 2 && st == BICO_OK; pass++)
-    for (size_t ti = 0; ti < nt && st == BICO_OK; ti++) {
-      const char *name;
-      size_t ndim, fi, mi;
-      const size_t *shape;
-      int dtype;
-      bico_model_tensor(x->mt, ti, &name, NULL, &ndim, &shape);
-      st = bico_stfile_find(x->tb, name, &fi);
-      if (st == BICO_OK)
-        st = bico_stfile_tensor_info(x->tb, fi, NULL, &dtype, NULL, NULL);
-      if (st != BICO_OK) break;
-      if (pass == 0) {
-        st = bico_stwriter_declare(w, name, dtype, ndim, shape);
-        continue;
-      }
-      const char *mod;
-      bico_model_tensor_module(x->mt, ti, &mi, NULL);
-      bico_model_module(x->mt, mi, &mod, NULL, NULL, NULL);
-      size_t li = SIZE_MAX, si = SIZE_MAX;
-      size_t ml = strlen(mod);
-      if (strncmp(name, mod, ml) == 0 && strcmp(name + ml, ml ? ".weight" : "weight") == 0 &&
-          bico_lora_find_module(r->out, mod, &li) != BICO_OK)
-        li = SIZE_MAX;
-      for (size_t k = 0; k < bico__lora_nsaved(r->out); k++) {
-        const char *sn;
-        bico_lora_saved(r->out, k, &sn, NULL, NULL, NULL, NULL);
-        if (strcmp(sn, name) == 0) si = k;
-      }
-      bico__clear(ctx);
-      size_t numel = 1;
-      for (size_t d = 0; d < ndim; d++) numel *= shape[d];
-      if (si != SIZE_MAX) {
-        const float *data;
-        bico_lora_saved(r->out, si, NULL, NULL, NULL, NULL, &data);
-        st = bico_stwriter_write_f32(w, name, data, numel);
-      } else if (li != SIZE_MAX) {
-        int kind;
-        size_t dout, din;
-        bico_lora_module(r->out, li, NULL, &kind, NULL, &dout, &din, NULL, NULL);
-        int flip = kind == BICO_LORA_EMBEDDING || fifo;
-        double *base = bico__alloc(ctx, numel * sizeof(double));
-        float *d = bico__alloc(ctx, numel * sizeof(float));
-        if (base == NULL || d == NULL) st = BICO_E_NOMEM;
-        if (st == BICO_OK) st = bico_stfile_read_f64(x->tb, fi, base, numel);
-        if (st == BICO_OK) st = bico_stfile_check_finite(x->tb, fi);
-        if (st == BICO_OK) st = bico_lora_dense(r->out, li, 1.0f, 0.0f, d, din);
-        for (size_t i = 0; i < dout && st == BICO_OK; i++)
-          for (size_t j = 0; j < din; j++)
-            base[flip ? j * dout + i : i * din + j] += d[i * din + j];
-        if (st == BICO_OK)
-          st = bico__xfer_check_finite_f64(ctx, base, numel, "tensor", name);
-        if (st == BICO_OK) st = bico_stwriter_write_f64(w, name, base, numel);
-        bico__free(ctx, base);
-        bico__free(ctx, d);
-      } else {
-        const void *data;
-        size_t nbytes;
-        st = bico_stfile_data(x->tb, fi, &data, &nbytes);
-        if (st == BICO_OK && nbytes)
-          st = bico_stwriter_write_raw(w, name, data, nbytes);
-      }
-      if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), name) == NULL)
-        st = bico__fail(ctx, st, "tensor %s: %s", name, bico_ctx_errmsg(ctx));
-    }
-  return st;
+  bico_lora_module(r->out, li, NULL, &kind, NULL, &dout, &din, NULL, NULL);
+  if (dout * din != numel)
+    return bico__fail(ctx, BICO_E_INTERNAL,
+                      "tensor %s: the adapter module's update has %zu "
+                      "elements, the tensor %zu",
+                      name, dout * din, numel);
+  int flip = kind == BICO_LORA_EMBEDDING || fifo != 0;
+  float *d = bico__alloc(ctx, (numel ? numel : 1) * sizeof(float));
+  float *u = flip ? bico__alloc(ctx, (numel ? numel : 1) * sizeof(float)) : d;
+  bico_status st = d == NULL || u == NULL ? BICO_E_NOMEM : BICO_OK;
+  if (st == BICO_OK) st = bico_lora_dense(r->out, li, 1.0f, 0.0f, d, din);
+  if (st == BICO_OK && flip) bico__xfer_transpose(d, dout, din, u);
+  if (flip) bico__free(ctx, d);
+  if (st == BICO_OK) st = bico__xfer_check_finite(ctx, u, numel, "tensor", name);
+  if (st != BICO_OK) {
+    bico__free(ctx, u);
+    return st;
+  }
+  *upd = u;
+  return BICO_OK;
 }
 
+/* The full target checkpoint by the checkpoint path's writer: every
+ * tensor of the target base declared in its order with the target's
+ * metadata and the run's provenance, theta_B + update where an adapter
+ * module or a saved tensor changed it, the base's bytes elsewhere. */
+static bico_status write_checkpoint(lrun *r, bico_stwriter **w) {
+  bico__run *x = r->x;
+  bico_ctx *ctx = r->ctx;
+  bico_stwriter *wd = NULL; /* no delta output on this route */
+  bico_status st = bico__xfer_declare(x->t, x->tb, w, &wd);
+  size_t nt = bico_stfile_count(x->tb);
+  for (size_t fi = 0; fi < nt && st == BICO_OK; fi++) {
+    bico__xfer_tensor a;
+    float *upd = NULL;
+    double norm;
+    st = bico__xfer_locate(ctx, x->tb, fi, &a);
+    if (st == BICO_OK) st = merged_update(r, a.name, a.nb, &upd);
+    if (st == BICO_OK)
+      st = bico__xfer_write_one(ctx, x->tb, &a, *w, NULL, upd, &norm);
+    bico__free(ctx, upd);
+    if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), a.name) == NULL)
+      st = bico__fail(ctx, st, "tensor %s: %s", a.name, bico_ctx_errmsg(ctx));
+  }
+  return st;
+}
 
 /* An adapter module or saved tensor the source base does not have means
  * the adapter belongs to another model: stop rather than drop it. */
@@ -649,8 +679,7 @@ static bico_status lora_commit(lrun *r, size_t unused) {
                           r->rep.len, report, &rep);
   if (st == BICO_OK && ckpt) {
     /* a file or a model folder, sharded, by the checkpoint path's writer */
-    st = bico__xfer_writer(r->x->t, ckpt, &w);
-    if (st == BICO_OK) st = write_checkpoint(r, w);
+    st = write_checkpoint(r, &w);
     if (st == BICO_OK) st = bico__stwriter_finish_all(w, &ck, &nck);
   }
   if (st == BICO_OK && out_dir) {
@@ -666,13 +695,26 @@ static bico_status lora_commit(lrun *r, size_t unused) {
   bico__lora_save_end(&lo, st == BICO_OK);
   bico_stwriter_free(w);
   bico__tmp_discard(ctx, &rep);
-  if (st == BICO_OK)
-    bico__xfer_log(r->x, "bico: %zu adapter modules factored, %zu truncated, "
-                         "%zu copied, %zu saved tensors, %zu unused, %zu "
-                         "left unchanged (dead layers); wrote %s%s%s",
-                   r->factored, r->truncated, r->copied, r->saved, unused,
-                   r->unchanged, out_dir ? out_dir : "",
+  if (st == BICO_OK) {
+    /* the counts by the one handling table, as a checkpoint run logs */
+    char by[256] = "";
+    size_t n = 0, updated = 0;
+    for (int h = BICO__H_FIRST; h < BICO__H_COUNT; h++) {
+      if (h == BICO__H_UNCHANGED || r->count[h] == 0) continue;
+      updated += r->count[h];
+      n += (size_t)snprintf(by + n, n < sizeof by ? sizeof by - n : 0,
+                            "%s%s %zu", n ? ", " : "",
+                            bico_transfer_handling_name(h), r->count[h]);
+      if (n >= sizeof by) n = sizeof by - 1;
+    }
+    bico__xfer_log(r->x, "bico: %zu adapter modules and saved tensors "
+                         "updated (%s), %zu truncated to their rank, %zu "
+                         "unused, %zu left unchanged (dead layers); wrote "
+                         "%s%s%s",
+                   updated, by, r->truncated, unused,
+                   r->count[BICO__H_UNCHANGED], out_dir ? out_dir : "",
                    out_dir && ckpt ? " and " : "", ckpt ? ckpt : "");
+  }
   return st;
 }
 
@@ -717,6 +759,14 @@ static bico_status run_lora(lrun *r) {
   bico__clear(ctx);
   unsigned char *used = bico__calloc(ctx, nl + ns + 1, 1);
   if (used == NULL) return BICO_E_NOMEM;
+  if (file(r, BICO_FILE_OUTPUT) != NULL && ns > 0) {
+    r->supd = bico__calloc(ctx, ns, sizeof *r->supd);
+    if (r->supd == NULL) {
+      bico__free(ctx, used);
+      return BICO_E_NOMEM;
+    }
+    r->nsupd = ns;
+  }
   bico__xfer_log(x, "bico: adapter %s: %zu modules, %zu saved tensors; "
                     "method %s",
                  file(r, BICO_FILE_LORA), nl, ns, bico_transfer_method_name(x->method));
@@ -801,17 +851,17 @@ static bico_status run_lora(lrun *r) {
   bico__report_end_array(&r->rep);
   bico__report_key(&r->rep, "summary");
   bico__report_begin_object(&r->rep);
-  bico__report_key_number(&r->rep, "factored", (double)r->factored);
+  for (int h = BICO__H_FIRST; h < BICO__H_COUNT; h++)
+    bico__report_key_number(&r->rep, bico_transfer_handling_name(h),
+                            (double)r->count[h]);
   bico__report_key_number(&r->rep, "truncated", (double)r->truncated);
-  bico__report_key_number(&r->rep, "copied", (double)r->copied);
-  bico__report_key_number(&r->rep, "saved", (double)r->saved);
   bico__report_key_number(&r->rep, "unused", (double)unused);
-  bico__report_key_number(&r->rep, "unchanged", (double)r->unchanged);
   bico__report_end_object(&r->rep);
   bico__report_end_object(&r->rep);
   bico__free(ctx, used);
   if (st == BICO_OK) st = bico__report_status(&r->rep);
-  if (st == BICO_OK && bico__lora_nmodules(r->out) == 0 && r->unchanged)
+  if (st == BICO_OK && bico_lora_module_count(r->out) == 0 &&
+      r->count[BICO__H_UNCHANGED])
     st = bico__fail(ctx, BICO_E_NOTFOUND,
                     "adapter %s: every module it pairs with is on a dead "
                     "layer (its calibration statistic is all zero), so "
@@ -834,7 +884,11 @@ bico_status bico__lora_transfer_run(bico__run *x, size_t *updated) {
   r.ctx = x->ctx;
   bico__report_init(&r.rep, x->ctx);
   bico_status st = run_lora(&r);
-  *updated = r.factored + r.truncated + r.copied + r.saved;
+  *updated = 0;
+  for (int h = BICO__H_FIRST; h < BICO__H_COUNT; h++)
+    if (h != BICO__H_UNCHANGED) *updated += r.count[h];
+  for (size_t k = 0; k < r.nsupd; k++) bico__free(x->ctx, r.supd[k]);
+  bico__free(x->ctx, r.supd);
   bico__report_free(&r.rep);
   bico_lora_free(r.src);
   bico_lora_free(r.out);

@@ -227,10 +227,7 @@ static bico_status explain(bico__run *r, struct bico__explain *e) {
       d->in_map = rt.need[0];
       d->out_maps = rt.need[1] ? (rt.kind == BICO__ROUTE_ROWS ? 1 : (int)k) : 0;
       d->vocab = bico__xfer_token_rows(r, ti, si);
-      d->handling = rt.kind == BICO__ROUTE_WEIGHT ? BICO_HANDLING_LINEAR
-                    : rt.kind == BICO__ROUTE_BIAS ? BICO_HANDLING_VECTOR
-                    : d->role == BICO_ROLE_VECTOR ? BICO_HANDLING_VECTOR
-                                                  : BICO_HANDLING_TIED;
+      d->handling = bico__xfer_route_handling(&rt);
     } else if (paired && !bico && d->role != BICO_ROLE_OTHER) {
       d->handling = r->method == BICO_METHOD_NAIVE ? BICO_HANDLING_NAIVE
                     : r->method == BICO_METHOD_PAD ? BICO_HANDLING_PADDED

@@ -306,6 +306,11 @@ bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
 bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
                              const bico__route *rt, float **tau, float *upd,
                              bico__tinfo *info);
+/* The handling (bico_transfer_handling) a tensor carried by route rt
+ * gets: linear (WEIGHT), vector (BIAS, or ROWS of a vector), tied (ROWS of
+ * a token table); unchanged for no route.  The one rule for the checkpoint
+ * path, the LoRA route's factors and bico_transfer_explain. */
+int bico__xfer_route_handling(const bico__route *rt);
 /* naive, pad or gradfix (the run's method) on task vector tau (source
  * tensor si's shape; a checkpoint's or the LoRA route's dense update) of
  * target tensor ti into upd (ti's numel floats), with the votes lent or

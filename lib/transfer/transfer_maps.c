@@ -247,9 +247,8 @@ static bico_status solve_side(bico__run *r, solver *sv, const sidejob *j,
     st = solve_lent(sv, j, nlent, lent, maps);
   } else if (st == BICO_OK && sv->stats == NULL && sv->sc == NULL) {
     st = bico__fail(ctx, BICO_E_NOTFOUND,
-                    "no statistics for module %s (%s.%s): none lent "
-                    "(bico_transfer_set_xcov) and no statistics or "
-                    "calibration file",
+                    "no statistics for module %s (%s.%s): none held in "
+                    "memory, and no stats file or calibration files",
                     tm, tm, j->side ? "out_xcov" : "in_xcov");
   } else if (st == BICO_OK && sv->stats != NULL) {
     /* Statistics file, keyed by the target module. */

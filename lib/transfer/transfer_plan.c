@@ -261,8 +261,9 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                         "calib file and the target calib file, or the stats "
                         "file%s",
                         bico_transfer_method_name(r->method),
-                        calib ? ", not both" : " (or statistics lent from "
-                        "memory)");
+                        calib ? ", not both"
+                              : " (or, from a program using the library, "
+                                "the statistics held in memory)");
     if (f[BICO_FILE_STATS] != NULL &&
         (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
       return bico__fail(ctx, BICO_E_ARG,
@@ -275,9 +276,9 @@ bico_status bico__xfer_check_setup(bico__run *r) {
   if (r->method == BICO_METHOD_GRADFIX && lora &&
       t->param[BICO_TRANSFER_GRADFIX_MODE] == BICO_GRADFIX_MEAN)
     return bico__fail(ctx, BICO_E_ARG,
-                      "transfer_run: gradfix mode mean needs lent votes "
-                      "(bico_transfer_set_votes); the LoRA branch reads the "
-                      "votes file, which holds counts only");
+                      "transfer_run: gradfix mode mean needs votes with "
+                      "their means held in memory; a LoRA transfer reads "
+                      "the target votes file, which holds counts only");
   if (r->method == BICO_METHOD_GRADFIX && f[BICO_FILE_TARGET_VOTES] == NULL &&
       (bico__xfer_mem_nvotes(t) == 0 || lora))
     return bico__fail(ctx, BICO_E_ARG,

@@ -247,7 +247,7 @@ static bico_status weight_update_oi(bico__run *r, const bico__route *rt,
         do_out ? (const float *const *)routs : NULL, dout_b / s->k, rin, din_b, 0.0f, upd, din_b);
     bico__free(ctx, routs);
   }
-  info->handling = BICO__H_LINEAR;
+  info->handling = bico__xfer_route_handling(rt);
   return st;
 }
 
@@ -275,7 +275,7 @@ static bico_status bias_update(bico__run *r, const bico__route *rt,
     info->split_maps = s->out;
     info->nsplit = k;
   }
-  info->handling = BICO__H_VECTOR;
+  info->handling = bico__xfer_route_handling(rt);
   return st;
 }
 
@@ -325,8 +325,7 @@ static bico_status rows_update(bico__run *r, const bico__route *rt,
     info->maps[0] = mp;
     info->map_names[0] = side ? "out" : "in";
   }
-  info->handling =
-      rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
+  info->handling = bico__xfer_route_handling(rt);
   if (rt->scale && mp != NULL && p->na == da_last) {
     transport_scale(da_last, db_last, p->tau, mp->r, db_last, r->alpha,
                           upd);
@@ -356,6 +355,19 @@ static void refuse_dead_maps(bico__tinfo *info) {
     dead = bico__map_dead(info->split_maps[b].rank, "out", info->reason,
                           sizeof info->reason);
   if (dead) info->handling = BICO__H_UNCHANGED;
+}
+
+int bico__xfer_route_handling(const bico__route *rt) {
+  switch (rt->kind) {
+  case BICO__ROUTE_WEIGHT:
+    return BICO__H_LINEAR;
+  case BICO__ROUTE_BIAS:
+    return BICO__H_VECTOR;
+  case BICO__ROUTE_ROWS:
+    return rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
+  default:
+    return BICO__H_UNCHANGED;
+  }
 }
 
 bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
@@ -704,9 +716,11 @@ bico_status bico__xfer_stream_rows(bico__run *r, size_t ti,
   int role = BICO_ROLE_OTHER;
   bico_model_tensor_module(r->mt, ti, NULL, &role);
   info->source = bico__xfer_tname(r->ms, sp.si);
-  info->handling = sp.weight                 ? BICO__H_LINEAR
-                   : role == BICO_ROLE_VECTOR ? BICO__H_VECTOR
-                                              : BICO__H_TIED;
+  bico__route hr;
+  memset(&hr, 0, sizeof hr);
+  hr.kind = sp.weight ? BICO__ROUTE_WEIGHT : BICO__ROUTE_ROWS;
+  hr.role = role;
+  info->handling = bico__xfer_route_handling(&hr);
   info->vocab = sp.vocab;
   if (sp.mp) {
     info->maps[0] = sp.mp;

@@ -32,6 +32,8 @@ TABLES = {
     "bico_merge_input": ("MERGE_INPUTS", "merge_input"),
     "bico_merge_file": ("MERGE_FILES", "merge_file"),
     "bico_merge_param": ("MERGE_PARAMS", "merge_param"),
+    # merge.h's levels are bico_transfer_check_level's values and names
+    "bico_merge_check_level": ("MERGE_CHECK_LEVELS", "transfer_check_level"),
     "bico_module_kind": ("MODULE_KINDS", "model_module_kind"),
     "bico_tensor_role": ("TENSOR_ROLES", "model_tensor_role"),
     "bico_procrustes_param": ("PROC_PARAMS", "procrustes_param"),

@@ -248,7 +248,11 @@ def test_bico_transfer_writes_the_rotated_adapter(chain, stats):
     want_h = chain["B"]["head.weight"] + (saved["head.weight"] - chain["A"]["head.weight"])
     assert rel(saved_out["head.weight"], want_h) < 1e-5
     rep = json.load(open(t / "rep.json"))
-    assert rep["summary"]["factored"] == 2 and rep["summary"]["saved"] == 1
+    # The checkpoint path's words: both modules and the head's saved weight
+    # are linear weights carried by their maps.
+    assert [m["handling"] for m in rep["modules"]] == ["linear", "linear"]
+    assert [m["handling"] for m in rep["saved"]] == ["linear"]
+    assert rep["summary"]["linear"] == 3 and rep["summary"]["unchanged"] == 0
 
 
 def test_merge_of_transferred_adapter_and_task_vector(chain):

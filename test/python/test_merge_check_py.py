@@ -99,3 +99,39 @@ def test_the_command_says_the_library_rules_in_option_words(tmp_path, case):
         assert w in r.stderr, r.stderr
     assert "merge_check" not in r.stderr and "merge_add_input" not in r.stderr
     assert not os.path.exists(p["out"]) and not os.path.exists(rep)
+
+
+# The level (bico_merge_check's, named as Transfer.check's): "options"
+# opens no file, so a missing input or an input of another shape passes
+# it; "inputs" (the default) refuses them as merge() does, naming the
+# file, and writes nothing.
+@pytest.mark.parametrize("case", ["missing", "shape", "output_is_input"])
+def test_the_inputs_level_refuses_what_needs_the_files(tmp_path, case):
+    p = _files(tmp_path)
+    out = p["out"]
+    if case == "missing":
+        src = str(tmp_path / "missing.safetensors")
+        says = [src]
+    elif case == "shape":
+        src = str(tmp_path / "odd.safetensors")
+        st.write(src, {"l.weight": np.zeros((3, 4), np.float32)})
+        says = [src, "l.weight", "[3, 4]", "[4, 3]"]
+    else:
+        src = p["ft"]
+        out = str(tmp_path / "." / "ft.safetensors")
+        says = ["output"]
+    before = open(p["ft"], "rb").read()
+    ins = [("tuned", src, 1.0, 1.0)]
+    assert lora.merge_check(p["base"], ins, out, level="options") is None
+    for call in (lambda: lora.merge_check(p["base"], ins, out),
+                 lambda: lora.merge_check(p["base"], ins, out, level="inputs"),
+                 lambda: lora.merge(p["base"], ins, out)):
+        with pytest.raises(bico.BicoError) as e:
+            call()
+        for w in says:
+            assert w in str(e.value)
+        assert not os.path.exists(p["out"])
+        assert open(p["ft"], "rb").read() == before
+    with pytest.raises(bico.BicoError) as e:
+        lora.merge_check(p["base"], ins, out, level="everything")
+    assert "options" in str(e.value) and "inputs" in str(e.value)

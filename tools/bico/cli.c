@@ -3,6 +3,7 @@
  * (transfer.c, merge.c, stats.c, inspect.c, config.c) calls these; main.c
  * only dispatches, so the arrows go one way. */
 #define _DEFAULT_SOURCE 1 /* realpath */
+#include <dlfcn.h>
 #include <errno.h>
 #include <float.h>
 #include <math.h>
@@ -110,45 +111,95 @@ int cli_size(const char *s, size_t *out) {
   return 0;
 }
 
-/* Hugging Face's size grammar (max_shard_size): an integer of bytes, or an
- * integer with KB, MB, GB (powers of 1000) or KiB, MiB, GiB (powers of
- * 1024), any case, except that a lowercase final "b" after K/M/G means
- * bits ("5Gb" is 5e9 / 8 bytes), as there. */
-int cli_shard_size(const char *s, double *out) {
+/* The one byte-count grammar of the size options (--max-shard-size,
+ * --solve-memory; bico and bico-mpi): a decimal number (digits, an
+ * optional fraction, an optional sign) with an optional unit, any case:
+ * K, M, G, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers of 1000,
+ * Hugging Face's max_shard_size), except that a lowercase final "b" after
+ * K/M/G means bits ("5Gb" is 5e9 / 8 bytes), as there.  With a unit,
+ * fractions of a byte are dropped.  Only the grammar: the range (a
+ * negative count, one beyond 2^53, a fraction without a unit) is the
+ * library's set_param's to refuse. */
+int cli_bytes(const char *s, double *out) {
   static const struct {
     const char *unit;
     double mul;
-  } U[] = {{"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0},
+  } U[] = {{"k", 1024.0},  {"m", 1048576.0}, {"g", 1073741824.0},
+           {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0},
            {"kb", 1e3},     {"mb", 1e6},         {"gb", 1e9}};
-  size_t n = strlen(s), digits = 0;
-  while (digits < n && s[digits] >= '0' && s[digits] <= '9') digits++;
-  if (digits == 0 || digits > 15) return -1;
-  double v = (double)strtoull(s, NULL, 10), mul = 1;
-  const char *u = s + digits;
-  if (*u != '\0') {
-    size_t k, ul = strlen(u);
-    for (k = 0; k < sizeof U / sizeof *U; k++)
-      if (ul == strlen(U[k].unit) && strncasecmp(u, U[k].unit, ul) == 0) break;
-    if (k == sizeof U / sizeof *U) return -1;
-    mul = U[k].mul;
-    if (ul == 2 && u[1] == 'b') mul /= 8; /* bits */
+  size_t i = 0, digits = 0;
+  if (s[i] == '-' || s[i] == '+') i++;
+  while (s[i] >= '0' && s[i] <= '9') i++, digits++;
+  if (s[i] == '.') {
+    i++;
+    while (s[i] >= '0' && s[i] <= '9') i++, digits++;
   }
-  v = floor(v * mul);
-  if (!(v > 0) || v > 9007199254740992.0) return -1;
-  *out = v;
+  if (digits == 0) return -1;
+  char num[64];
+  if (i >= sizeof num) {
+    /* more digits than any byte count has: beyond the range, for the
+     * library to say so */
+    *out = s[0] == '-' ? -HUGE_VAL : HUGE_VAL;
+  } else {
+    memcpy(num, s, i);
+    num[i] = '\0';
+    *out = strtod(num, NULL);
+  }
+  const char *u = s + i;
+  if (*u == '\0') return 0;
+  size_t k, ul = strlen(u);
+  for (k = 0; k < sizeof U / sizeof *U; k++)
+    if (ul == strlen(U[k].unit) && strncasecmp(u, U[k].unit, ul) == 0) break;
+  if (k == sizeof U / sizeof *U) return -1;
+  double mul = U[k].mul;
+  if (ul == 2 && u[1] == 'b') mul /= 8; /* bits */
+  *out = floor(*out * mul);
   return 0;
+}
+
+int cli_bytes_option(const char *cmd, const char *opt, const char *v,
+                     double *out) {
+  if (cli_bytes(v, out) == 0) return 0;
+  return cli_error(cmd, CLI_USAGE,
+                   "%s %s: expected bytes: a number, optionally with K, M, "
+                   "G, KiB, MiB, GiB (powers of 1024) or KB, MB, GB (powers "
+                   "of 1000)",
+                   opt, v);
+}
+
+int cli_param_refused(const char *cmd, bico_ctx *ctx, const char *opt,
+                      const char *v) {
+  char msg[2048];
+  cli_user_message(bico_ctx_errmsg(ctx), msg, sizeof msg);
+  return cli_error(cmd, CLI_USAGE, "%s %s: %s", opt, v, msg);
+}
+
+/* 1 when "bico_" + the n characters at s name a function the library
+ * exports (a real API name such as stfile_open or transfer_run), looked up
+ * in the process's symbols: a user's file "task_a" in a message is not
+ * one, and stays. */
+static int api_name(const char *s, size_t n) {
+  static void *self;
+  char sym[128];
+  if (n + 6 > sizeof sym) return 0;
+  memcpy(sym, "bico_", 5);
+  memcpy(sym + 5, s, n);
+  sym[5 + n] = '\0';
+  if (self == NULL) self = dlopen(NULL, RTLD_LAZY);
+  return self != NULL && dlsym(self, sym) != NULL;
 }
 
 /* Length of a library function's name followed by ": " at s (an API name
  * such as stfile_open or stwriter_create_folder: lowercase words joined by
- * '_'), or 0. */
+ * '_', with "bico_" before it a symbol of the library), or 0. */
 static size_t fn_prefix(const char *s) {
   size_t i = 0, us = 0;
   if (!(s[0] >= 'a' && s[0] <= 'z')) return 0;
   while ((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= '0' && s[i] <= '9') ||
          s[i] == '_')
     us += s[i++] == '_';
-  return us > 0 && s[i - 1] != '_' && s[i] == ':' && s[i + 1] == ' ' ? i + 2 : 0;
+  if (!(us > 0 && s[i - 1] != '_' && s[i] == ':' && s[i + 1] == ' ')) return 0;
+  return api_name(s, i) ? i + 2 : 0;
 }
 
 /* The library's message without the API function names it carries

@@ -53,9 +53,17 @@ int cli_opt(int argc, char **argv, int *i, const char *name,
 /* Parses a finite double / a positive size; 0 on success. */
 int cli_double(const char *s, double *out);
 int cli_size(const char *s, size_t *out);
-/* Parses a --max-shard-size value as Hugging Face does ("5GB" = 5e9 bytes,
- * "500MiB", "2000000"); 0 on success (*out > 0 whole bytes). */
-int cli_shard_size(const char *s, double *out);
+/* A size option's byte count (--max-shard-size, --solve-memory), the one
+ * grammar of both commands and bico-mpi: a number with K, M, G, KiB, MiB,
+ * GiB (powers of 1024) or KB, MB, GB (powers of 1000); 0 on success.  The
+ * range is the library's (set_param): cli_bytes_option's usage error
+ * names the option and the grammar, cli_param_refused (after set_param
+ * refused the value) the option, the value and the library's reason. */
+int cli_bytes(const char *s, double *out);
+int cli_bytes_option(const char *cmd, const char *opt, const char *v,
+                     double *out);
+int cli_param_refused(const char *cmd, bico_ctx *ctx, const char *opt,
+                      const char *v);
 
 /* Signals (tools/bico/cleanup.c): cli_cleanup_add registers the folder of
  * an output file (is_dir: the path is itself a folder, as an output

@@ -33,6 +33,7 @@ typedef struct merge_opts {
   double alpha, max_shard;
   const merge_input *in;
   size_t nin;
+  const char *max_shard_text; /* as given; NULL: not given */
 } merge_opts;
 
 /* A library message about the options in the command's words: "the
@@ -94,15 +95,24 @@ static int merge_run(const merge_opts *o) {
   if (st == BICO_OK) st = bico_merge_set_param(mg, BICO_MERGE_ALPHA, o->alpha);
   if (st == BICO_OK)
     st = bico_merge_set_param(mg, BICO_MERGE_NORMALIZE, o->normalize);
-  if (st == BICO_OK && o->max_shard > 0)
-    st = bico_merge_set_param(mg, BICO_MERGE_MAX_SHARD_SIZE, o->max_shard);
+  if (st == BICO_OK && o->max_shard_text &&
+      (st = bico_merge_set_param(mg, BICO_MERGE_MAX_SHARD_SIZE,
+                                 o->max_shard)) != BICO_OK) {
+    /* its range is the library's */
+    int code = cli_param_refused(CMD, ctx, "--max-shard-size", o->max_shard_text);
+    bico_merge_free(mg);
+    bico_ctx_free(ctx);
+    return code;
+  }
   for (size_t k = 0; k < o->nin && st == BICO_OK; k++)
     st = bico_merge_add_input(mg, o->in[k].kind, o->in[k].path,
                               o->in[k].weight, o->in[k].density);
   /* The options' rules are the library's (bico_merge_add_input: weight
-   * and density; bico_merge_check: files given, outputs apart, density
-   * under linear): a failure there is a usage error, in option words. */
-  if (st == BICO_OK) st = bico_merge_check(mg);
+   * and density; bico_merge_check at its options level: files given,
+   * outputs apart, density under linear): a failure there is a usage
+   * error, in option words.  What needs the files is the run's first step
+   * (the inputs level of the same checks), a failure on the files. */
+  if (st == BICO_OK) st = bico_merge_check(mg, BICO_MERGE_CHECK_OPTIONS);
   if (st != BICO_OK) {
     char msg[4096], words[4096];
     cli_user_message(bico_ctx_errmsg(ctx), msg, sizeof msg);
@@ -152,6 +162,7 @@ int cmd_merge(int argc, char **argv) {
   double alpha = 1.0;
   int normalize = -1, quiet = 0;
   double max_shard = 0;
+  const char *max_shard_text = NULL;
   merge_input in[MAX_INPUTS];
   size_t nin = 0;
   static const struct {
@@ -226,10 +237,9 @@ int cmd_merge(int argc, char **argv) {
     PATH("--report", report)
     VALUE("--method", method = v)
     VALUE("--max-shard-size",
-          if (cli_shard_size(v, &max_shard)) return cli_error(
-              CMD, CLI_USAGE,
-              "--max-shard-size %s: expected bytes, or a whole number with "
-              "KB, MB, GB (powers of 1000) or KiB, MiB, GiB", v))
+          if (cli_bytes_option(CMD, "--max-shard-size", v, &max_shard))
+              return CLI_USAGE;
+          max_shard_text = v)
     VALUE("--alpha", if (cli_alpha(v, &alpha)) return cli_error(
                          CMD, CLI_USAGE,
                          "--alpha %s: expected a positive number of at most "
@@ -273,6 +283,6 @@ int cmd_merge(int argc, char **argv) {
                      method);
 
   merge_opts o = {base, output, delta, report, m, normalize, quiet,
-                  alpha, max_shard, in, nin};
+                  alpha, max_shard, in, nin, max_shard_text};
   return merge_run(&o);
 }

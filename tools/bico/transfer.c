@@ -54,20 +54,6 @@ static int split_eq(const char *s, char *a, size_t cap, const char **b) {
   return 0;
 }
 
-/* "123", "600M", "2G": bytes (K, M, G are powers of 1024). */
-static int parse_bytes(const char *s, double *out) {
-  char *end;
-  double v = strtod(s, &end);
-  if (end == s || !(v >= 0) || v > 9e15) return -1;
-  double unit = 1;
-  if (*end == 'K' || *end == 'k') unit = 1024.0, end++;
-  else if (*end == 'M' || *end == 'm') unit = 1024.0 * 1024, end++;
-  else if (*end == 'G' || *end == 'g') unit = 1024.0 * 1024 * 1024, end++;
-  if (*end != '\0' || v * unit > 9e15) return -1;
-  *out = (double)(long long)(v * unit);
-  return 0;
-}
-
 /* A number for option opt within the accepted set of transfer parameter
  * param (bico_transfer_param_bounds: the library's bounds, not a copy):
  * 0, or -1 after a usage error naming the option and the set. */
@@ -111,6 +97,8 @@ typedef struct {
   const char *rename; /* --source-rename OLD=NEW */
   double alpha, rank_tol, whiten, solve_memory, workers;
   double max_shard; /* --max-shard-size, bytes (0: as the target) */
+  /* the size options as given (NULL: not given), for the messages */
+  const char *max_shard_text, *solve_memory_text;
   int center, quiet, merge_into_base, allow_partial;
   int alpha_set; /* --alpha given (on the command line or in --config) */
   size_t threads;
@@ -205,10 +193,9 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
               v);
           o->rename = v)
     VALUE("--max-shard-size",
-          if (cli_shard_size(v, &o->max_shard)) return cli_error(
-              CMD, CLI_USAGE,
-              "--max-shard-size %s: expected bytes, or a whole number with "
-              "KB, MB, GB (powers of 1000) or KiB, MiB, GiB", v))
+          if (cli_bytes_option(CMD, "--max-shard-size", v, &o->max_shard))
+              return CLI_USAGE;
+          o->max_shard_text = v)
     VALUE("--norm-map", o->norm_map = v)
     VALUE("--null", o->null_mode = v)
     VALUE("--alpha", if (cli_alpha(v, &o->alpha)) return cli_error(
@@ -228,11 +215,9 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
               return CLI_USAGE)
     VALUE("--proc-method", o->proc_method = v)
     VALUE("--solve-memory",
-          if (parse_bytes(v, &o->solve_memory)) return cli_error(
-              CMD, CLI_USAGE,
-              "--solve-memory %s: expected bytes, optionally with K, M or G "
-              "(powers of 1024)",
-              v))
+          if (cli_bytes_option(CMD, "--solve-memory", v, &o->solve_memory))
+              return CLI_USAGE;
+          o->solve_memory_text = v)
     VALUE("--structure", o->structure = v)
     VALUE("--rope", o->rope = v)
     /* 0 is the library's "from config.json", not a value to give */
@@ -339,7 +324,10 @@ static void split_threads(transfer_opts *o) {
 }
 
 /* Files and scalar parameters onto the handle. */
-static bico_status set_options(bico_transfer *t, const transfer_opts *o) {
+/* *bad: the size option whose value set_param refused (its range is the
+ * library's), else left alone. */
+static bico_status set_options(bico_transfer *t, const transfer_opts *o,
+                               const char **bad) {
   bico_status st = BICO_OK;
   for (size_t f = 0; f < NFILE_OPTS && st == BICO_OK; f++)
     if (o->files[f]) st = bico_transfer_set_file(t, FILES[f].file, o->files[f]);
@@ -362,15 +350,18 @@ static bico_status set_options(bico_transfer *t, const transfer_opts *o) {
     st = bico_transfer_set_string(t, BICO_TRANSFER_BLOCKS, o->blocks);
   if (st == BICO_OK && o->rename)
     st = bico_transfer_set_string(t, BICO_TRANSFER_SOURCE_RENAME, o->rename);
-  if (st == BICO_OK && o->max_shard > 0)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_MAX_SHARD_SIZE, o->max_shard);
+  if (st == BICO_OK && o->max_shard_text &&
+      (st = bico_transfer_set_param(t, BICO_TRANSFER_MAX_SHARD_SIZE,
+                                    o->max_shard)) != BICO_OK)
+    *bad = "--max-shard-size";
   if (st == BICO_OK && o->pm >= 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_PROC_METHOD, o->pm);
   if (st == BICO_OK)
     st = bico_transfer_set_param(t, BICO_TRANSFER_WORKERS, o->workers);
-  if (st == BICO_OK)
-    st = bico_transfer_set_param(t, BICO_TRANSFER_SOLVE_MEMORY,
-                                 o->solve_memory);
+  if (st == BICO_OK && o->solve_memory_text &&
+      (st = bico_transfer_set_param(t, BICO_TRANSFER_SOLVE_MEMORY,
+                                    o->solve_memory)) != BICO_OK)
+    *bad = "--solve-memory";
   if (st == BICO_OK)
     st = bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, o->structure_v);
   if (st == BICO_OK)
@@ -486,8 +477,17 @@ static int run_transfer(const transfer_opts *o) {
   bico_status st =
       bico_ctx_set_param(ctx, BICO_CTX_THREADS, (long)o->blas_threads);
   if (st == BICO_OK) st = bico_transfer_create(ctx, &t);
-  if (st == BICO_OK) st = set_options(t, o);
-  int code = add_splits_ties(t, o, &st);
+  const char *bad = NULL;
+  if (st == BICO_OK) st = set_options(t, o, &bad);
+  int code = GO_ON;
+  if (bad != NULL) {
+    code = cli_param_refused(CMD, ctx, bad,
+                             strcmp(bad, "--max-shard-size") == 0
+                                 ? o->max_shard_text
+                                 : o->solve_memory_text);
+    goto out;
+  }
+  code = add_splits_ties(t, o, &st);
   if (code != GO_ON) goto out;
   /* Which files go together, contradictions: the library's rules, checked
    * before any file is opened; a failure there is a usage error. */

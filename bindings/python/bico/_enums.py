@@ -107,6 +107,8 @@ TRANSFER_PARAMS = Names("transfer_param")
 TRANSFER_SIDES = Names("transfer_side")
 TRANSFER_STRINGS = Names("transfer_string")
 TRANSFER_CHECK_LEVELS = Names("transfer_check_level")
+# bico_merge_check_level: the same values and names (merge.h)
+MERGE_CHECK_LEVELS = TRANSFER_CHECK_LEVELS
 # the parameters that take a name, and their names
 TRANSFER_ENUMS = {"method": METHODS, "norm_map": NORM_MAPS,
                   "null": PROC_NULL_NAMES, "proc_method": PROC_METHOD_NAMES,

@@ -435,7 +435,7 @@ PROTOTYPES = {
     "bico_lora_dense": (c_int, [c_void_p, c_size_t, c_float, c_float,
                                 c_void_p, c_size_t]),
     "bico_merge_run": (c_int, [c_void_p]),
-    "bico_merge_check": (c_int, [c_void_p]),
+    "bico_merge_check": (c_int, [c_void_p, c_int]),
 }
 
 # bico_transfer_log_fn

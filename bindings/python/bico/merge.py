@@ -14,7 +14,7 @@ import numpy as np
 from . import _args as A
 from ._ctx import Context, _or_default
 from ._enums import (choose, MERGE_METHODS, MERGE_INPUTS, MERGE_FILES,
-                     MERGE_PARAMS)
+                     MERGE_PARAMS, MERGE_CHECK_LEVELS)
 from ._lib import fn, c_void_p
 from ._status import E_SHAPE, BicoError, check as _check
 
@@ -71,13 +71,17 @@ def merge(base, inputs, output, method="linear", alpha=1.0, normalize=None,
 
 def merge_check(base, inputs, output, method="linear", alpha=1.0,
                 normalize=None, delta_output=None, report=None,
-                max_shard_size=None, ctx=None):
-    """bico_merge_check: merge()'s arguments checked without the run (the
-    base and output given, some input, outputs on distinct paths, no
-    density under "linear", the values' ranges); no file is opened, nothing
-    written.  Raises BicoError as merge() would; returns None."""
+                max_shard_size=None, ctx=None, level="inputs"):
+    """bico_merge_check: merge()'s arguments checked without the run.
+    level "options": the base and output given, some input, outputs on
+    distinct paths, no density under "linear", the values' ranges, no file
+    opened; "inputs" (default): also what needs the files (the base and
+    inputs opened, each input's tensors on base tensors of their shape,
+    no output that is an input).  Nothing is written.  Raises BicoError as
+    merge() would; returns None."""
+    lv = choose(MERGE_CHECK_LEVELS, level, "level")
     _merge(base, inputs, output, method, alpha, normalize, delta_output,
-           report, max_shard_size, ctx, fn.merge_check)
+           report, max_shard_size, ctx, lambda h: fn.merge_check(h, lv))
 
 
 def _merge(base, inputs, output, method, alpha, normalize, delta_output,
