@@ -534,7 +534,7 @@ static bico_status do_saved(lrun *r, size_t k, size_t ti) {
                      tname, sname, reason);
     /* The merged checkpoint takes the update, not the float sum the
      * adapter stores: theta_B + update is summed by the one writer. */
-    size_t k = bico_lora_saved_count(r->out) - 1;
+    size_t k = bico__lora_nsaved(r->out) - 1;
     if (k < r->nsupd && handling != BICO__H_UNCHANGED) {
       r->supd[k] = upd;
       upd = NULL;
@@ -558,7 +558,7 @@ static bico_status merged_update(lrun *r, const char *name, size_t numel,
   bico__run *x = r->x;
   bico_ctx *ctx = r->ctx;
   *upd = NULL;
-  for (size_t k = 0; k < bico_lora_saved_count(r->out); k++) {
+  for (size_t k = 0; k < bico__lora_nsaved(r->out); k++) {
     const char *sn;
     bico_lora_saved(r->out, k, &sn, NULL, NULL, NULL, NULL);
     if (strcmp(sn, name) != 0) continue;
@@ -617,7 +617,7 @@ static bico_status write_checkpoint(lrun *r, bico_stwriter **w) {
   bico_ctx *ctx = r->ctx;
   bico_stwriter *wd = NULL; /* no delta output on this route */
   bico_status st = bico__xfer_declare(x->t, x->tb, w, &wd);
-  size_t nt = bico_stfile_count(x->tb);
+  size_t nt = bico__stfile_ntensors(x->tb);
   for (size_t fi = 0; fi < nt && st == BICO_OK; fi++) {
     bico__xfer_tensor a;
     float *upd = NULL;
@@ -860,7 +860,7 @@ static bico_status run_lora(lrun *r) {
   bico__report_end_object(&r->rep);
   bico__free(ctx, used);
   if (st == BICO_OK) st = bico__report_status(&r->rep);
-  if (st == BICO_OK && bico_lora_module_count(r->out) == 0 &&
+  if (st == BICO_OK && bico__lora_nmodules(r->out) == 0 &&
       r->count[BICO__H_UNCHANGED])
     st = bico__fail(ctx, BICO_E_NOTFOUND,
                     "adapter %s: every module it pairs with is on a dead "
