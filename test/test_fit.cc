@@ -826,6 +826,7 @@ TEST(FitRunTest, RecoversPlantedUpdateLayerByLayer) {
   Net u;
   Host h = planted_host(g, &u);
   bico_fit_runner r = runner_for(&h);
+  r.want_rank = 1;
   ASSERT_EQ(bico_fit_run(ctx, &r, 0.0), BICO_OK) << bico_ctx_errmsg(ctx);
   ASSERT_EQ(h.dw.size(), 3u);
   for (size_t l = 0; l < 3; l++) {
@@ -917,6 +918,38 @@ TEST(FitRunTest, CallbackFailuresStopTheRunAndNameTheLayer) {
     EXPECT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_E_STATE);
     EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "update callback"));
     EXPECT_EQ(h.layer_calls.size(), 1u);
+  }
+}
+
+// The rank on request: the updates are bit-identical with and without it;
+// without it update() receives BICO_FIT_NO_RANK; a runner whose size ends
+// before want_rank (a caller compiled against 1.0's struct) gets the rank.
+TEST(FitRunTest, RankOnlyOnRequest) {
+  bt::Ctx ctx;
+  bt::Rng g(25);
+  Net u;
+  Host base = planted_host(g, &u);
+  Host with = base, without = base, old = base;
+  bico_fit_runner r = runner_for(&with);
+  r.want_rank = 1;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  r = runner_for(&without);
+  r.want_rank = 0;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  r = runner_for(&old);
+  r.size = offsetof(bico_fit_runner, want_rank);  // 1.0's struct
+  r.want_rank = 0;  // beyond size: must not be read
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(with.dw.size(), 3u);
+  ASSERT_EQ(without.dw.size(), 3u);
+  ASSERT_EQ(old.dw.size(), 3u);
+  for (size_t l = 0; l < 3; l++) {
+    EXPECT_EQ(with.dw[l].v, without.dw[l].v) << "layer " << l;
+    EXPECT_EQ(with.db[l].v, without.db[l].v) << "layer " << l;
+    EXPECT_EQ(with.dw[l].v, old.dw[l].v) << "layer " << l;
+    EXPECT_EQ(with.rank[l], base.b.w[l].c + 1);
+    EXPECT_EQ(old.rank[l], with.rank[l]);
+    EXPECT_EQ(without.rank[l], BICO_FIT_NO_RANK);
   }
 }
 

@@ -149,7 +149,9 @@ BICO_API bico_status bico_fit_solve(bico_fit *f, const float *w_b,
  *       BICO_FIT_RIDGE = ridge and the other options at their defaults.
  *   update(opaque, l, dw, ld_dw, db, rank)
  *       the solved update (dW d_out x d_in with row stride ld_dw, db d_out
- *       floats or NULL without bias) and the numerical rank of X~'^T X~';
+ *       floats or NULL without bias) and the numerical rank of X~'^T X~'
+ *       when the runner asks for it (want_rank), else BICO_FIT_NO_RANK
+ *       (the update is the same either way);
  *       the host applies it (W_B + dW, b_B + db, or a scaled version) to
  *       the model its next forward passes run.  The buffers are valid
  *       during the call only.
@@ -159,6 +161,9 @@ BICO_API bico_status bico_fit_solve(bico_fit *f, const float *w_b,
  * detail of a failed libbico call made inside it, if that is what it
  * returns).  The layers before the failing one have had their updates
  * applied by then. */
+
+/* The rank update() receives when the runner did not ask for it. */
+#define BICO_FIT_NO_RANK ((size_t)-1)
 
 /* The host's side of bico_fit_run.  `size` must be set to
  * sizeof(bico_fit_runner) as the caller compiled it: later versions may
@@ -173,6 +178,13 @@ typedef struct bico_fit_runner {
   bico_status (*rows)(void *opaque, size_t l, bico_fit *fit);
   bico_status (*update)(void *opaque, size_t l, const float *dw,
                         size_t ld_dw, const float *db, size_t rank);
+  /* ---- Appended after 1.0's first fields: read only when size covers
+   * them (a runner sized before them behaves as described there). ---- */
+  /* Nonzero: compute each layer's rank (a pivoted Cholesky of G, as costly
+   * as the solve) and pass it to update; 0: update receives
+   * BICO_FIT_NO_RANK.  A runner whose size ends before this field gets the
+   * rank (what it was compiled for). */
+  int want_rank;
 } bico_fit_runner;
 
 /* Runs the sequential fit over runner->layers layers (0 is a no-op), with

@@ -8,6 +8,10 @@
 /* The part of bico_fit_runner that 1.0 reads. */
 #define RUNNER_1_0 (offsetof(bico_fit_runner, update) + sizeof(void (*)(void)))
 
+/* Whether the runner (of the caller's size) holds field f. */
+#define HAS(r, f) \
+  ((r)->size >= offsetof(bico_fit_runner, f) + sizeof((r)->f))
+
 /* Fails the run after callback `what` of layer l returned st: keeps the
  * detail a failed libbico call left in ctx, if any. */
 static bico_status callback_failed(bico_ctx *ctx, size_t l, const char *what,
@@ -45,6 +49,9 @@ bico_status bico_fit_run(bico_ctx *ctx, const bico_fit_runner *runner,
   if (bico__param_check(ctx, "fit_run", "ridge", ridge, lo, hi, flags) !=
       BICO_OK)
     return BICO_E_ARG;
+
+  /* A runner sized before want_rank was compiled to receive the rank. */
+  const int want_rank = HAS(runner, want_rank) ? runner->want_rank != 0 : 1;
 
   bico_status st = BICO_OK;
   bico_fit *fit = NULL;
@@ -84,8 +91,9 @@ bico_status bico_fit_run(bico_ctx *ctx, const bico_fit_runner *runner,
       st = callback_failed(ctx, l, "rows", st);
       break;
     }
-    size_t rank = 0;
-    st = bico_fit_solve(fit, w, ld_w, b, dw, d_in, db, &rank);
+    size_t rank = BICO_FIT_NO_RANK;
+    st = bico_fit_solve(fit, w, ld_w, b, dw, d_in, db,
+                        want_rank ? &rank : NULL);
     if (st != BICO_OK) {
       st = bico__fail(ctx, st, "fit_run: layer %zu: %s", l,
                       bico_ctx_errmsg(ctx));
