@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ._core import rows as _transport_rows
+from . import _core
 from ._status import BicoError, E_ARG, E_SHAPE, E_STATE
 
 
@@ -266,26 +266,50 @@ def _out_map(maps, module):
     return r[0]
 
 
+def _maps32(r):
+    if isinstance(r, list):
+        return [np.ascontiguousarray(x, dtype=np.float32) for x in r]
+    return np.ascontiguousarray(r, dtype=np.float32)
+
+
 def _out_map32(r):
-    """R_out as _carry takes it (a matrix, or a list per fused block)."""
-    return r
+    """R_out as _carry takes it, made once per layer: a C-contiguous
+    float32 matrix, or a list of them per fused block."""
+    return _maps32(r)
 
 
 def _carry(d, r, alpha=1.0):
     """alpha D R_out: D [n, d_out,A] -> [n, d_out,B] float32, by the
-    library's rows transport (bico_transport_rows); r a list for fused
-    blocks, block i of D's columns carried by r[i] into block i of the
-    result's."""
+    library's rows transport (bico_transport_rows); r a matrix or a list
+    for fused blocks, block i of D's columns carried by r[i] into block i
+    of the result's.  Each block's columns are read in place and written
+    in place (the kernel's row strides), with no copy of a slice; r is
+    converted to float32 only when it is not already (_out_map32 does it
+    once per layer)."""
     d = np.ascontiguousarray(d, dtype=np.float32)
-    if not isinstance(r, list):
-        return _transport_rows(d, r, alpha=alpha)
-    k = len(r)
-    w = d.shape[1] // k
-    wb = np.shape(r[0])[1]
-    out = np.empty((d.shape[0], wb * k), dtype=np.float32)
+    rs = _maps32(r if isinstance(r, list) else [r])  # no copy if float32
+    k = len(rs)
+    n, da = d.shape
+    w = da // k if k else 0
+    wb = rs[0].shape[1] if rs[0].ndim == 2 else -1
+    for i, x in enumerate(rs):
+        if x.ndim != 2 or x.shape != (w, wb) or w * k != da:
+            raise BicoError(E_SHAPE, "transfer_model: the output map %s is "
+                            "%s; the output change has %d columns in %d "
+                            "block(s), each needs a %d x %d map"
+                            % ("" if k == 1 else "of block %d" % i,
+                               "x".join(str(s) for s in x.shape), da, k, w,
+                               wb if wb >= 0 else 0))
+    out = np.empty((n, wb * k), dtype=np.float32)
+    if n == 0 or w == 0 or wb == 0:
+        out[...] = 0
+        return out
+    ctx = _core.default_context()
     for i in range(k):
-        out[:, i * wb:(i + 1) * wb] = _transport_rows(
-            d[:, i * w:(i + 1) * w], r[i], alpha=alpha)
+        _core._check(_core.fn.transport_rows(
+            ctx._alive(), n, w, wb, float(alpha),
+            d.ctypes.data + 4 * i * w, da, rs[i].ctypes.data, wb, 0.0,
+            out.ctypes.data + 4 * i * wb, wb * k), ctx)
     return out
 
 
