@@ -1373,3 +1373,30 @@ TEST(FitRunTest, BadBlocksAndGroupsAreRejected) {
     EXPECT_TRUE(h.events.empty());
   }
 }
+
+// Every allocation of a grouped run with blocks may fail: the run stops
+// with BICO_E_NOMEM and frees what it had (the group's fits too).
+TEST(FitRunTest, GroupedAllocationFailuresAreClean) {
+  bt::Rng g(35);
+  ParHost base = par_host(g);
+  int completed = 0;
+  for (long k = 1; k < 400 && !completed; k++) {
+    bt::Failing fa;
+    fa.fail_at = k;
+    bico_ctx *ctx = nullptr;
+    if (bico_ctx_create_with_allocator(&ctx, bt::fail_once_alloc,
+                                       bt::fail_free, &fa) != BICO_OK)
+      continue;
+    ParHost h = base;
+    bico_fit_runner r = par_runner(&h, true);
+    bico_status st = bico_fit_run(ctx, &r, 1e-2);
+    if (st == BICO_OK) {
+      completed = 1;
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k;
+    }
+    bico_ctx_free(ctx);
+    EXPECT_EQ(fa.live.load(), 0) << "allocation " << k;
+  }
+  EXPECT_TRUE(completed);
+}

@@ -220,7 +220,8 @@ bico_status bico_fit_run(bico_ctx *ctx, const bico_fit_runner *runner,
       if (r.block_end != NULL) {
         bico__clear(ctx);
         st = r.block_end(r.opaque, k);
-        if (st != BICO_OK) st = callback_failed(ctx, "block", k, "block_end", st);
+        if (st != BICO_OK)
+          st = callback_failed(ctx, "block", k, "block_end", st);
       }
     }
   }
