@@ -777,8 +777,9 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     gradfix (votes collected here on the target unless votes= is given),
     naive, pad, or fit: the sequential functional fit (METHODS.md), block by
     block; every nn.Linear of the target with a Linear source partner gets
-    its update by bico.fit.Fit with ridge c = ridge; everything else
-    (norms, tokens, embeddings, nn.MultiheadAttention) is carried by BiCo.
+    its update by the library's fit (bico.fit.run) with ridge c = ridge;
+    everything else (norms, tokens, embeddings, nn.MultiheadAttention) is
+    carried by BiCo.
     ridge may be a list with alpha="heldout": one fit per value, the
     (ridge, alpha) pair with the least held-out loss is kept (report:
     "ridge", "ridge_losses").  ridge="gcv" (fit): each layer's c chosen

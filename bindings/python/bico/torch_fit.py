@@ -13,11 +13,13 @@ of a target segment, in the order its forward calls them:
   D_B = alpha D R_out          BiCo's output map (per block of a fused qkv);
   X'  = the layer's input on B', X_B its input on B;
 
-and bico.fit.Fit solves the ridge problem for [dW db], which is applied to
+and the library solves the ridge problem for [dW db], which is applied to
 B' before the next layer's inputs are taken.  Then the segment runs once
 more on B' to give the next segment its inputs.  Layers that read one
 input tensor one after the other (q/k/v, gate/up) take X' from one pass
-of B'.  Memory: one segment's inputs for four models, plus one segment's
+of B'.  The loop is the library's (bico_fit_run through bico.fit.run):
+a segment is one of its blocks, a run of layers reading one input one of
+its groups; fit_model's callbacks run the passes and write the updates.  Memory: one segment's inputs for four models, plus one segment's
 layer rows; B' shares B's tensors until its segment comes (it is made a
 block at a time, and its tensors are the result).
 """
