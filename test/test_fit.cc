@@ -826,6 +826,7 @@ TEST(FitRunTest, RecoversPlantedUpdateLayerByLayer) {
   Net u;
   Host h = planted_host(g, &u);
   bico_fit_runner r = runner_for(&h);
+  r.want_rank = 1;
   ASSERT_EQ(bico_fit_run(ctx, &r, 0.0), BICO_OK) << bico_ctx_errmsg(ctx);
   ASSERT_EQ(h.dw.size(), 3u);
   for (size_t l = 0; l < 3; l++) {
@@ -920,6 +921,38 @@ TEST(FitRunTest, CallbackFailuresStopTheRunAndNameTheLayer) {
   }
 }
 
+// The rank on request: the updates are bit-identical with and without it;
+// without it update() receives BICO_FIT_NO_RANK; a runner whose size ends
+// before want_rank (a caller compiled against 1.0's struct) gets the rank.
+TEST(FitRunTest, RankOnlyOnRequest) {
+  bt::Ctx ctx;
+  bt::Rng g(25);
+  Net u;
+  Host base = planted_host(g, &u);
+  Host with = base, without = base, old = base;
+  bico_fit_runner r = runner_for(&with);
+  r.want_rank = 1;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  r = runner_for(&without);
+  r.want_rank = 0;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  r = runner_for(&old);
+  r.size = offsetof(bico_fit_runner, want_rank);  // 1.0's struct
+  r.want_rank = 0;  // beyond size: must not be read
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(with.dw.size(), 3u);
+  ASSERT_EQ(without.dw.size(), 3u);
+  ASSERT_EQ(old.dw.size(), 3u);
+  for (size_t l = 0; l < 3; l++) {
+    EXPECT_EQ(with.dw[l].v, without.dw[l].v) << "layer " << l;
+    EXPECT_EQ(with.db[l].v, without.db[l].v) << "layer " << l;
+    EXPECT_EQ(with.dw[l].v, old.dw[l].v) << "layer " << l;
+    EXPECT_EQ(with.rank[l], base.b.w[l].c + 1);
+    EXPECT_EQ(old.rank[l], with.rank[l]);
+    EXPECT_EQ(without.rank[l], BICO_FIT_NO_RANK);
+  }
+}
+
 TEST(FitRunTest, BadRunnerIsRejected) {
   bt::Ctx ctx;
   bt::Rng g(24);
@@ -977,6 +1010,385 @@ TEST(FitRunTest, AllocationFailuresAreClean) {
       continue;
     Host h = base;
     bico_fit_runner r = runner_for(&h);
+    bico_status st = bico_fit_run(ctx, &r, 1e-2);
+    if (st == BICO_OK) {
+      completed = 1;
+    } else {
+      EXPECT_EQ(st, BICO_E_NOMEM) << "allocation " << k;
+    }
+    bico_ctx_free(ctx);
+    EXPECT_EQ(fa.live.load(), 0) << "allocation " << k;
+  }
+  EXPECT_TRUE(completed);
+}
+
+// ---- bico_fit_run's blocks, shared inputs and host solve ----
+
+namespace {
+
+// A model of blocks of stages: every layer of a stage reads the stage's
+// input h, and the next h is relu(sum of the stage's outputs).  Layers are
+// numbered in order over all blocks.
+struct Par {
+  std::vector<std::vector<std::vector<size_t>>> blocks;  // block, stage, ids
+  std::vector<Mat> w, b;                                   // per layer
+};
+
+void par_forward(const Par &p, const Mat &x, std::vector<Mat> *in,
+                 std::vector<Mat> *out) {
+  in->assign(p.w.size(), Mat());
+  out->assign(p.w.size(), Mat());
+  Mat h = x;
+  for (const auto &blk : p.blocks)
+    for (const auto &stage : blk) {
+      Mat s;
+      for (size_t l : stage) {
+        (*in)[l] = h;
+        Mat z = bt::matmul(h, bt::transpose(p.w[l]));
+        for (size_t i = 0; i < z.r; i++)
+          for (size_t j = 0; j < z.c; j++) z(i, j) += p.b[l](0, j);
+        (*out)[l] = z;
+        s = s.r == 0 ? z : bt::add(s, z);
+      }
+      h = s;
+      for (auto &v : h.v) v = v > 0 ? v : 0;
+    }
+}
+
+// The host: target B (updated in place), its original B0 and its
+// fine-tuned twin FT = B0 + U (source = B0, R_out = I): with the rows of
+// the sequential fit and no ridge, every layer's update is U's.
+struct ParHost {
+  Par b, b0, ft, u;
+  Mat x;
+  std::vector<size_t> stage_size;  // per layer: layers of its stage from it
+  bool grouped = true;
+  long bad_group_at = -1;
+  long fail_block_at = -1;
+  bool own_solve = false;
+  std::vector<std::vector<float>> wbuf, bbuf;
+  std::vector<std::string> events;
+  std::vector<Mat> dw, db;
+  std::vector<size_t> rank;
+  std::vector<int> solve_rank_asked;
+};
+
+size_t par_layers(const Par &p, size_t k) {
+  size_t n = 0;
+  for (const auto &s : p.blocks[k]) n += s.size();
+  return n;
+}
+
+ParHost par_host(bt::Rng &g) {
+  ParHost h;
+  // block 0: a stage of 2 layers (5 -> 7), one of 1 (7 -> 6); block 1: a
+  // stage of 3 (6 -> 5); block 2: no layer; block 3: one (5 -> 4).
+  const size_t d_in[] = {5, 5, 7, 6, 6, 6, 5};
+  const size_t d_out[] = {7, 7, 6, 5, 5, 5, 4};
+  h.b.blocks = {{{0, 1}, {2}}, {{3, 4, 5}}, {}, {{6}}};
+  for (size_t l = 0; l < 7; l++) {
+    h.b.w.push_back(bt::randn(g, d_out[l], d_in[l], 1.0 / std::sqrt(d_in[l])));
+    h.b.b.push_back(bt::randn(g, 1, d_out[l], 0.2));
+  }
+  h.u = h.b;
+  for (size_t l = 0; l < 7; l++) {
+    h.u.w[l] = bt::randn(g, d_out[l], d_in[l], 0.3 / std::sqrt(d_in[l]));
+    h.u.b[l] = bt::randn(g, 1, d_out[l], 0.1);
+  }
+  h.b0 = h.b;
+  h.ft = h.b;
+  for (size_t l = 0; l < 7; l++) {
+    h.ft.w[l] = bt::add(h.b.w[l], h.u.w[l]);
+    h.ft.b[l] = bt::add(h.b.b[l], h.u.b[l]);
+  }
+  h.stage_size.assign(7, 0);
+  for (const auto &blk : h.b.blocks)
+    for (const auto &s : blk) h.stage_size[s[0]] = s.size();
+  h.x = rounded(bt::randn(g, 200, 5));
+  h.wbuf.resize(7);
+  h.bbuf.resize(7);
+  return h;
+}
+
+bico_status par_layer(void *o, size_t l, size_t *d_in, size_t *d_out,
+                      const float **w, size_t *ld_w, const float **b) {
+  ParHost *h = static_cast<ParHost *>(o);
+  h->events.push_back("layer " + std::to_string(l));
+  *d_in = h->b.w[l].c;
+  *d_out = h->b.w[l].r;
+  h->wbuf[l] = h->b.w[l].f32();
+  h->bbuf[l] = h->b.b[l].f32();
+  *w = h->wbuf[l].data();
+  *ld_w = *d_in;
+  *b = h->bbuf[l].data();
+  return BICO_OK;
+}
+
+bico_status par_add(ParHost *h, size_t l, bico_fit *fit) {
+  std::vector<Mat> in_b, out_b, in_o, out_o, in_f, out_f;
+  par_forward(h->b, h->x, &in_b, &out_b);
+  par_forward(h->b0, h->x, &in_o, &out_o);
+  par_forward(h->ft, h->x, &in_f, &out_f);
+  Mat d = bt::sub(out_f[l], out_o[l]);
+  std::vector<float> a = in_b[l].f32(), xo = in_o[l].f32(), e = d.f32();
+  const size_t n = d.r, di = in_b[l].c, dout = d.c;
+  for (size_t k = 0; k < 2; k++) {  // two batches
+    size_t r0 = n * k / 2, r1 = n * (k + 1) / 2;
+    bico_status st = bico_fit_add(fit, r1 - r0, a.data() + r0 * di, di,
+                                  xo.data() + r0 * di, di,
+                                  e.data() + r0 * dout, dout);
+    if (st != BICO_OK) return st;
+  }
+  return BICO_OK;
+}
+
+bico_status par_rows(void *o, size_t l, bico_fit *fit) {
+  ParHost *h = static_cast<ParHost *>(o);
+  h->events.push_back("rows " + std::to_string(l));
+  return par_add(h, l, fit);
+}
+
+bico_status par_rows_group(void *o, size_t l, size_t count,
+                           bico_fit *const *fits) {
+  ParHost *h = static_cast<ParHost *>(o);
+  h->events.push_back("rows_group " + std::to_string(l) + " " +
+                      std::to_string(count));
+  for (size_t i = 0; i < count; i++) {
+    bico_status st = par_add(h, l + i, fits[i]);
+    if (st != BICO_OK) return st;
+  }
+  return BICO_OK;
+}
+
+bico_status par_group(void *o, size_t l, size_t *count) {
+  ParHost *h = static_cast<ParHost *>(o);
+  *count = (long)l == h->bad_group_at ? 9 : h->stage_size[l];
+  return BICO_OK;
+}
+
+bico_status par_block_begin(void *o, size_t k, size_t first, size_t *count) {
+  ParHost *h = static_cast<ParHost *>(o);
+  if ((long)k == h->fail_block_at) return BICO_E_IO;
+  h->events.push_back("begin " + std::to_string(k) + " " +
+                      std::to_string(first));
+  *count = par_layers(h->b, k);
+  return BICO_OK;
+}
+
+bico_status par_block_end(void *o, size_t k) {
+  ParHost *h = static_cast<ParHost *>(o);
+  h->events.push_back("end " + std::to_string(k));
+  return BICO_OK;
+}
+
+bico_status par_update(void *o, size_t l, const float *dw, size_t ld,
+                       const float *db, size_t rank) {
+  ParHost *h = static_cast<ParHost *>(o);
+  h->events.push_back("update " + std::to_string(l));
+  if (h->dw.size() <= l) {
+    h->dw.resize(l + 1);
+    h->db.resize(l + 1);
+    h->rank.resize(l + 1);
+  }
+  h->dw[l] = Mat::from(dw, h->b.w[l].r, h->b.w[l].c, ld);
+  h->db[l] = Mat::from(db, 1, h->b.w[l].r, h->b.w[l].r);
+  h->rank[l] = rank;
+  h->b.w[l] = bt::add(h->b.w[l], h->dw[l]);
+  h->b.b[l] = bt::add(h->b.b[l], h->db[l]);
+  return BICO_OK;
+}
+
+// The host's own solve: the planted U itself, scaled by 1/2.
+bico_status par_solve(void *o, size_t l, bico_fit *fit, float *dw, size_t ld,
+                      float *db, size_t *rank) {
+  ParHost *h = static_cast<ParHost *>(o);
+  uint64_t rows = 0;
+  EXPECT_EQ(bico_fit_info(fit, nullptr, nullptr, &rows, nullptr), BICO_OK);
+  EXPECT_EQ(rows, (uint64_t)h->x.r);  // the rows the host added are there
+  h->solve_rank_asked.push_back(rank != nullptr);
+  const Mat &u = h->u.w[l];
+  for (size_t i = 0; i < u.r; i++) {
+    for (size_t j = 0; j < u.c; j++) dw[i * ld + j] = (float)(0.5 * u(i, j));
+    db[i] = (float)(0.5 * h->u.b[l](0, i));
+  }
+  if (rank != nullptr) *rank = 42;
+  return BICO_OK;
+}
+
+bico_fit_runner par_runner(ParHost *h, bool blocks) {
+  bico_fit_runner r;
+  std::memset(&r, 0, sizeof r);
+  r.size = sizeof r;
+  r.opaque = h;
+  r.layer = par_layer;
+  r.update = par_update;
+  if (blocks) {
+    r.blocks = h->b.blocks.size();
+    r.block_begin = par_block_begin;
+    r.block_end = par_block_end;
+  } else {
+    r.layers = h->b.w.size();
+  }
+  if (h->grouped) {
+    r.group = par_group;
+    r.rows_group = par_rows_group;
+  } else {
+    r.rows = par_rows;
+  }
+  if (h->own_solve) r.solve = par_solve;
+  return r;
+}
+
+}  // namespace
+
+// Blocks of groups recover the plant; the callbacks come in the order the
+// header states: a block's begin, per group its layers, one rows_group,
+// then each layer's update, the block's end after its last update.
+TEST(FitRunTest, BlocksAndGroupsRecoverThePlantInOrder) {
+  bt::Ctx ctx;
+  bt::Rng g(31);
+  ParHost h = par_host(g);
+  bico_fit_runner r = par_runner(&h, true);
+  r.want_rank = 1;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.0), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(h.dw.size(), 7u);
+  for (size_t l = 0; l < 7; l++) {
+    EXPECT_LT(bt::relerr(h.dw[l], h.u.w[l]), 1e-4) << "layer " << l;
+    EXPECT_LT(bt::relerr(h.db[l], h.u.b[l]), 1e-4) << "layer " << l;
+    EXPECT_EQ(h.rank[l], h.b.w[l].c + 1);
+  }
+  const std::vector<std::string> want = {
+      "begin 0 0",    "layer 0",  "layer 1",  "rows_group 0 2", "update 0",
+      "update 1",     "layer 2",  "rows_group 2 1",             "update 2",
+      "end 0",        "begin 1 3", "layer 3", "layer 4",        "layer 5",
+      "rows_group 3 3", "update 3", "update 4", "update 5",     "end 1",
+      "begin 2 6",    "end 2",    "begin 3 6", "layer 6",       "rows_group 6 1",
+      "update 6",     "end 3"};
+  EXPECT_EQ(h.events, want);
+}
+
+// Shared inputs change nothing but the number of rows calls: a grouped run
+// with blocks gives bit for bit the updates of a plain one-by-one run (a
+// stage's later layers read an input its earlier ones' updates leave
+// alone), and so does a grouped run whose host has no rows_group.
+TEST(FitRunTest, GroupRunEqualsSeparateRuns) {
+  bt::Ctx ctx;
+  bt::Rng g(32);
+  ParHost base = par_host(g);
+  ParHost grouped = base, plain = base, by_rows = base;
+  bico_fit_runner r = par_runner(&grouped, true);
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  plain.grouped = false;
+  r = par_runner(&plain, false);
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  r = par_runner(&by_rows, true);
+  r.rows_group = nullptr;
+  r.rows = par_rows;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(grouped.dw.size(), 7u);
+  ASSERT_EQ(plain.dw.size(), 7u);
+  ASSERT_EQ(by_rows.dw.size(), 7u);
+  for (size_t l = 0; l < 7; l++) {
+    EXPECT_EQ(grouped.dw[l].v, plain.dw[l].v) << "layer " << l;
+    EXPECT_EQ(grouped.db[l].v, plain.db[l].v) << "layer " << l;
+    EXPECT_EQ(by_rows.dw[l].v, plain.dw[l].v) << "layer " << l;
+    EXPECT_EQ(grouped.rank[l], BICO_FIT_NO_RANK);
+  }
+  // by_rows: the group's rows are all asked for before its updates
+  std::vector<std::string> seen;
+  for (const auto &e : by_rows.events)
+    if (e.rfind("rows", 0) == 0 || e.rfind("update", 0) == 0) seen.push_back(e);
+  EXPECT_EQ(std::vector<std::string>(seen.begin(), seen.begin() + 4),
+            (std::vector<std::string>{"rows 0", "rows 1", "update 0",
+                                      "update 1"}));
+  // a runner of 1.0's size: the appended fields are not read
+  ParHost old = base;
+  old.grouped = false;
+  r = par_runner(&old, false);
+  r.size = offsetof(bico_fit_runner, want_rank);
+  r.blocks = 99;  // beyond size: garbage the runner must not read
+  r.group = par_group;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.1), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(old.dw.size(), 7u);
+  EXPECT_EQ(old.dw[6].v, plain.dw[6].v);
+  EXPECT_EQ(old.rank[6], old.b.w[6].c + 1);  // 1.0's runner gets the rank
+}
+
+// The host's solve replaces bico_fit_solve; its rank pointer follows
+// want_rank.
+TEST(FitRunTest, HostSolveReplacesTheSolve) {
+  bt::Ctx ctx;
+  bt::Rng g(33);
+  ParHost h = par_host(g);
+  h.own_solve = true;
+  bico_fit_runner r = par_runner(&h, true);
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.0), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(h.dw.size(), 7u);
+  for (size_t l = 0; l < 7; l++) {
+    EXPECT_LT(bt::relerr(h.dw[l], bt::add(Mat(h.u.w[l].r, h.u.w[l].c),
+                                          h.u.w[l], 0.5)),
+              1e-6);
+    EXPECT_EQ(h.rank[l], BICO_FIT_NO_RANK);
+  }
+  EXPECT_EQ(h.solve_rank_asked, std::vector<int>(7, 0));
+  ParHost h2 = par_host(g);
+  h2.own_solve = true;
+  r = par_runner(&h2, true);
+  r.want_rank = 1;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.0), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(h2.rank, std::vector<size_t>(7, 42));
+}
+
+TEST(FitRunTest, BadBlocksAndGroupsAreRejected) {
+  bt::Ctx ctx;
+  bt::Rng g(34);
+  ParHost base = par_host(g);
+  {
+    ParHost h = base;
+    h.bad_group_at = 3;  // 9 layers from layer 3: beyond block 1
+    bico_fit_runner r = par_runner(&h, true);
+    EXPECT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_E_ARG);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "layer 3"));
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "group callback gave 9"));
+    EXPECT_EQ(h.dw.size(), 3u);  // block 0 was done
+  }
+  {
+    ParHost h = base;
+    h.fail_block_at = 1;
+    bico_fit_runner r = par_runner(&h, true);
+    EXPECT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_E_IO);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "block 1"));
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "block_begin callback"));
+  }
+  {
+    ParHost h = base;
+    bico_fit_runner r = par_runner(&h, true);
+    r.block_begin = nullptr;
+    EXPECT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_E_NULL);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "block_begin"));
+    r = par_runner(&h, true);
+    r.rows_group = nullptr;  // and rows NULL too
+    EXPECT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_E_NULL);
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "rows"));
+    EXPECT_TRUE(h.events.empty());
+  }
+}
+
+// Every allocation of a grouped run with blocks may fail: the run stops
+// with BICO_E_NOMEM and frees what it had (the group's fits too).
+TEST(FitRunTest, GroupedAllocationFailuresAreClean) {
+  bt::Rng g(35);
+  ParHost base = par_host(g);
+  int completed = 0;
+  for (long k = 1; k < 400 && !completed; k++) {
+    bt::Failing fa;
+    fa.fail_at = k;
+    bico_ctx *ctx = nullptr;
+    if (bico_ctx_create_with_allocator(&ctx, bt::fail_once_alloc,
+                                       bt::fail_free, &fa) != BICO_OK)
+      continue;
+    ParHost h = base;
+    bico_fit_runner r = par_runner(&h, true);
     bico_status st = bico_fit_run(ctx, &r, 1e-2);
     if (st == BICO_OK) {
       completed = 1;

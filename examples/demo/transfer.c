@@ -219,6 +219,7 @@ static int run_fit(bico_ctx *ctx, const demo_mlp *a, const demo_mlp *a_ft,
   r.layer = fit_layer;
   r.rows = fit_rows;
   r.update = fit_update;
+  r.want_rank = 1; /* the log shows each layer's rank */
   CK(bico_fit_run(ctx, &r, ridge));
   *off += h.log_off;
   ret = 0;

@@ -149,16 +149,53 @@ BICO_API bico_status bico_fit_solve(bico_fit *f, const float *w_b,
  *       BICO_FIT_RIDGE = ridge and the other options at their defaults.
  *   update(opaque, l, dw, ld_dw, db, rank)
  *       the solved update (dW d_out x d_in with row stride ld_dw, db d_out
- *       floats or NULL without bias) and the numerical rank of X~'^T X~';
+ *       floats or NULL without bias) and the numerical rank of X~'^T X~'
+ *       when the runner asks for it (want_rank), else BICO_FIT_NO_RANK
+ *       (the update is the same either way);
  *       the host applies it (W_B + dW, b_B + db, or a scaled version) to
  *       the model its next forward passes run.  The buffers are valid
  *       during the call only.
+ *
+ * Optional callbacks (fields appended after 1.0's; NULL or zero: unused):
+ *
+ *   blocks, block_begin(opaque, k, first, &count), block_end(opaque, k)
+ *       the layers come in `blocks` blocks (a model's stem, its repeated
+ *       blocks, its tail), in order; `layers` is then not read.  For block
+ *       k the runner calls block_begin, which sets count, the number of
+ *       layers of the block (0 is allowed), numbered first ..
+ *       first+count-1 (first: the layers of the blocks before); then fits
+ *       them; then block_end (may be NULL).  The host advances its own
+ *       models there (runs the block once more on the updated target to
+ *       give the next block its inputs, say).  block_begin is called after
+ *       every update of the blocks before, block_end after every update
+ *       of its own.
+ *   group(opaque, l, &count)
+ *       called before layer l's layer() when no group holds l: count >= 1
+ *       consecutive layers l .. l+count-1 of the block (or of all layers
+ *       without blocks) read the same input X' (q/k/v, gate/up), so that
+ *       their rows can come from one forward pass: the runner calls
+ *       layer() for each, then asks for the rows of all of them before
+ *       any of their updates, then solves and updates them in order.  The
+ *       pointers layer() gave stay valid until that layer's update
+ *       returns.  NULL: every layer is a group of one.
+ *   rows_group(opaque, l, count, fits)
+ *       when non-NULL, called once per group (of one, too) instead of
+ *       rows: fits[i] is layer l+i's fit (rows may then be NULL).
+ *   solve(opaque, l, fit, dw, ld_dw, db, rank)
+ *       when non-NULL, replaces bico_fit_solve: the host writes layer l's
+ *       update (dW d_out x d_in with row stride ld_dw, db d_out floats or
+ *       NULL without bias) and, when rank is not NULL, the rank; fit holds
+ *       the rows the host added (a host with its own solver, e.g. a ridge
+ *       with a prior, may have kept its own statistics instead).
  *
  * A callback returns BICO_OK to go on; any other status stops the run and
  * is returned, with a message naming the layer and the callback (and the
  * detail of a failed libbico call made inside it, if that is what it
  * returns).  The layers before the failing one have had their updates
  * applied by then. */
+
+/* The rank update() receives when the runner did not ask for it. */
+#define BICO_FIT_NO_RANK ((size_t)-1)
 
 /* The host's side of bico_fit_run.  `size` must be set to
  * sizeof(bico_fit_runner) as the caller compiled it: later versions may
@@ -173,12 +210,32 @@ typedef struct bico_fit_runner {
   bico_status (*rows)(void *opaque, size_t l, bico_fit *fit);
   bico_status (*update)(void *opaque, size_t l, const float *dw,
                         size_t ld_dw, const float *db, size_t rank);
+  /* ---- Appended after 1.0's first fields: read only when size covers
+   * them (a runner sized before them runs without them). ---- */
+  /* Nonzero: compute each layer's rank (a pivoted Cholesky of G, as costly
+   * as the solve) and pass it to update; 0: update receives
+   * BICO_FIT_NO_RANK.  A runner whose size ends before this field gets the
+   * rank (what it was compiled for). */
+  int want_rank;
+  /* Blocks, shared inputs and the host's solve (see above); NULL or 0 in
+   * a runner that does not use them. */
+  size_t blocks;
+  bico_status (*block_begin)(void *opaque, size_t k, size_t first,
+                             size_t *count);
+  bico_status (*block_end)(void *opaque, size_t k);
+  bico_status (*group)(void *opaque, size_t l, size_t *count);
+  bico_status (*rows_group)(void *opaque, size_t l, size_t count,
+                            bico_fit *const *fits);
+  bico_status (*solve)(void *opaque, size_t l, bico_fit *fit, float *dw,
+                       size_t ld_dw, float *db, size_t *rank);
 } bico_fit_runner;
 
-/* Runs the sequential fit over runner->layers layers (0 is a no-op), with
- * ridge c = `ridge` (BICO_FIT_RIDGE's range) for every layer unless the
- * rows callback changes it.  Memory: one layer's statistics and update at a
- * time (through ctx's allocator). */
+/* Runs the sequential fit over runner->layers layers (0 is a no-op), or
+ * over runner->blocks blocks, with ridge c = `ridge` (BICO_FIT_RIDGE's
+ * range) for every layer unless the rows callback changes it.  Memory: one
+ * group's statistics (one layer's without the group callback) and one
+ * update at a time (through ctx's allocator); a layer's statistics are
+ * freed before its update is handed back. */
 BICO_API bico_status bico_fit_run(bico_ctx *ctx,
                                   const bico_fit_runner *runner,
                                   double ridge);

@@ -208,11 +208,19 @@ def test_run_recovers_planted_update_of_a_relu_net():
         cur_w[l] = cur_w[l] + dw
         cur_b[l] = cur_b[l] + db
 
-    bico.fit.run(3, lambda l: (cur_w[l], cur_b[l]), rows, update, ridge=0.0)
+    bico.fit.run(3, lambda l: (cur_w[l], cur_b[l]), rows, update, ridge=0.0,
+                 rank=True)
     for l in range(3):
         assert rel(got[l][0], uw[l]) < 1e-4, l
         assert rel(got[l][1], ub[l]) < 1e-4, l
         assert ranks[l] == dims[l] + 1
+    # the rank only on request: the same updates, rank None
+    first = {l: got[l] for l in range(3)}
+    cur_w[:], cur_b[:] = [m.copy() for m in w], [v.copy() for v in b]
+    bico.fit.run(3, lambda l: (cur_w[l], cur_b[l]), rows, update, ridge=0.0)
+    for l in range(3):
+        assert np.array_equal(got[l][0], first[l][0]), l
+        assert ranks[l] is None
 
     # A failing callback: its exception comes back, the run stops.
     seen = []

@@ -82,3 +82,49 @@ def test_scaled_zero_dim_and_empty_tensors():
                         "e": np.zeros((0, 3))}, 0.5)
     assert sd["s"].shape == () and float(sd["s"]) == 2.5
     assert sd["e"].shape == (0, 3)
+
+
+def test_carry_fused_blocks_in_place(monkeypatch):
+    """Each fused block's columns go to the kernel in place: the pointer
+    into D (and into the result) with the whole row as leading dimension,
+    no copy of the slice; a float32 map is passed as it is."""
+    rng = np.random.default_rng(5)
+    k, wa, wb = 3, 8, 5
+    d = rng.standard_normal((21, k * wa)).astype(np.float32)
+    rs = [rng.standard_normal((wa, wb)).astype(np.float32) for _ in range(k)]
+    calls = counting(monkeypatch, "transport_rows")
+    got = _carry(d, rs, 1.0)
+    assert len(calls) == k
+    for i, c in enumerate(calls):
+        assert c[5] == d.ctypes.data + 4 * i * wa and c[6] == k * wa
+        assert c[7] == rs[i].ctypes.data
+        assert c[11] == k * wb
+    np.testing.assert_allclose(
+        got, np.hstack([d[:, i * wa:(i + 1) * wa] @ rs[i] for i in range(k)]),
+        rtol=1e-5, atol=1e-5)
+    with pytest.raises(BicoError, match="output map"):
+        _carry(d, rs[:2], 1.0)   # 24 columns are not 2 blocks of 8
+
+
+def test_fit_converts_each_output_map_once(monkeypatch):
+    """In a fit, R_out is made float32 once per layer (_out_map32), not per
+    batch: every kernel call reads a map made by that conversion."""
+    import bico.torch_fit as tf
+    from test_fit_driver import data, linears, made, run_fit, tuned
+    made_maps = []
+    conv = tf._out_map32
+
+    def recording(r):
+        m = conv(r)
+        made_maps.append(m)
+        return m
+    monkeypatch.setattr(tf, "_out_map32", recording)
+    calls = counting(monkeypatch, "transport_rows")
+    b = made(11)
+    maps = {n: {"out": (np.eye(b.get_submodule(n).out_features),)}
+            for n in linears(b)}
+    run_fit(b, tuned(b, 12, 0.05), b, data(n_batches=3), maps, 1.0, 0.1)
+    assert len(made_maps) == len(linears(b))
+    assert len(calls) == 3 * len(linears(b))
+    ptrs = set(m.ctypes.data for m in made_maps)
+    assert all(c[7] in ptrs for c in calls)

@@ -128,19 +128,22 @@ def test_inplace_change_is_not_a_shared_input(monkeypatch):
 
 
 def recorded(monkeypatch):
-    """Patches bico.fit.Fit to record each Fit's context threads and each
-    solve's rank request."""
-    seen = {"threads": [], "rank": []}
+    """Patches bico.fit.run (the driver fit_model hands its layers to) to
+    record the threads of the context its fits are made in and whether it
+    asks for the rank; and each update's rank as the driver gives it."""
+    seen = {"threads": [], "rank": [], "ranks": []}
+    run = bfit.run
 
-    class Rec(bfit.Fit):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            seen["threads"].append(self.ctx.threads)
+    def rec(*a, **kw):
+        seen["threads"].append(kw["ctx"].threads)
+        seen["rank"].append(kw.get("rank", False))
+        upd = a[3]
 
-        def solve(self, w, b=None, rank=False):
-            seen["rank"].append(rank)
-            return super().solve(w, b, rank=rank)
-    monkeypatch.setattr(bfit, "Fit", Rec)
+        def update(l, dw, db, rank):
+            seen["ranks"].append(rank)
+            return upd(l, dw, db, rank)
+        return run(*(a[:3] + (update,) + a[4:]), **kw)
+    monkeypatch.setattr(bfit, "run", rec)
     return seen
 
 
@@ -165,10 +168,13 @@ def test_rank_only_with_a_report(monkeypatch):
     seen = recorded(monkeypatch)
     fit(model)
     assert seen["rank"] and not any(seen["rank"])
+    assert seen["ranks"] and all(r is None for r in seen["ranks"])
     seen["rank"].clear()
+    seen["ranks"].clear()
     rep = []
     fit(model, report=rep)
     assert seen["rank"] and all(seen["rank"])
+    assert seen["ranks"] and all(isinstance(r, int) for r in seen["ranks"])
     fits = [e for e in rep if e.get("handling") == "fit"]
     assert fits and all(isinstance(e["rank"], int) and e["rank"] > 0
                         for e in fits)

@@ -58,12 +58,23 @@ _LAYER_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _P(_sz), _P(_sz), _P(_vp),
                              _P(_sz), _P(_vp))
 _ROWS_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _vp)
 _UPDATE_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _vp, _sz, _vp, _sz)
+_BLOCK_BEGIN_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _sz, _P(_sz))
+_BLOCK_END_FN = ctypes.CFUNCTYPE(_S, _vp, _sz)
+_GROUP_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _P(_sz))
+_ROWS_GROUP_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _sz, _P(_vp))
+_SOLVE_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _vp, _vp, _sz, _vp, _P(_sz))
+
+# BICO_FIT_NO_RANK: the rank update() receives when it was not asked for
+FIT_NO_RANK = ctypes.c_size_t(-1).value
 
 
 class _Runner(ctypes.Structure):
     _fields_ = [("size", _sz), ("opaque", _vp), ("layers", _sz),
                 ("layer", _LAYER_FN), ("rows", _ROWS_FN),
-                ("update", _UPDATE_FN)]
+                ("update", _UPDATE_FN), ("want_rank", ctypes.c_int),
+                ("blocks", _sz), ("block_begin", _BLOCK_BEGIN_FN),
+                ("block_end", _BLOCK_END_FN), ("group", _GROUP_FN),
+                ("rows_group", _ROWS_GROUP_FN), ("solve", _SOLVE_FN)]
 
 
 # Declared here, not in _lib.PROTOTYPES' literal, but registered there so
@@ -263,18 +274,33 @@ class _Borrowed(Fit):
         self._ptr = None
 
 
-def run(layers, layer, rows, update, ridge=1e-2, ctx=None):
+def run(layers, layer, rows, update, ridge=1e-2, ctx=None, rank=False,
+        blocks=0, block_begin=None, block_end=None, group=None,
+        rows_group=None, solve=None):
     """The sequential driver (bico_fit_run) over a model the caller runs.
 
-    layers: number of linear layers, in forward order.
+    layers: number of linear layers, in forward order (not read when
+        blocks > 0).
     layer(l) -> (w, b): layer l's current weight [d_out, d_in] and bias
         [d_out] (None: no bias is fitted);
     rows(l, fit): runs the calibration data through the target with the
         updates of layers < l applied and through the original target, and
         calls fit.add(x_new, x_orig, delta) as often as it likes (it may
-        set fit.ridge for this layer);
+        set fit.ridge for this layer); may be None when rows_group is given;
     update(l, dw, db, rank): applies the update (float32 arrays, copies)
-        before the next layer's rows are asked for.
+        before the next layer's rows are asked for; rank is the numerical
+        rank of X~'^T X~' when rank=True, else None (it costs as much as
+        the solve).
+    Optional (fit.h's appended runner fields):
+    blocks, block_begin(k, first) -> count, block_end(k): the layers come
+        in `blocks` blocks; block_begin says how many layers block k has
+        (numbered from first), block_end is called after its last update.
+    group(l) -> count: layers l .. l+count-1 read the same input: their
+        rows are all asked for before any of their updates.
+    rows_group(l, fits): called once per group instead of rows, fits[i]
+        layer l+i's fit.
+    solve(l, fit, want_rank) -> (dw, db, rank): the caller's own solve in
+        place of the library's (rank None when not wanted).
     An exception in a callback stops the run and is raised again here.
     """
     ctx = Context() if ctx is None else ctx
@@ -304,10 +330,13 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None):
         b_out[0] = ba.ctypes.data if ba is not None else None
         return 0
 
+    def borrowed(l, fptr):
+        di, do, bias = shapes[l]
+        return _Borrowed(fptr, ctx, di, do, bias)
+
     @guard
     def c_rows(_o, l, fptr):
-        di, do, bias = shapes[l]
-        f = _Borrowed(fptr, ctx, di, do, bias)
+        f = borrowed(l, fptr)
         try:
             rows(l, f)
         finally:
@@ -315,20 +344,82 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None):
         return 0
 
     @guard
-    def c_update(_o, l, dw, ld, db, rank):
+    def c_rows_group(_o, l, count, fptrs):
+        fs = [borrowed(l + i, fptrs[i]) for i in range(count)]
+        try:
+            rows_group(l, fs)
+        finally:
+            for f in fs:
+                f.close()
+        return 0
+
+    @guard
+    def c_update(_o, l, dw, ld, db, rk):
         di, do, bias = shapes[l]
         w = np.ctypeslib.as_array(ctypes.cast(dw, _P(ctypes.c_float)),
                                   shape=(do, ld))[:, :di].copy()
         b = (np.ctypeslib.as_array(ctypes.cast(db, _P(ctypes.c_float)),
                                    shape=(do,)).copy() if bias else None)
-        update(l, w, b, int(rank))
+        update(l, w, b, None if rk == FIT_NO_RANK else int(rk))
         keep.pop(l, None)
         return 0
 
-    cbs = (_LAYER_FN(c_layer), _ROWS_FN(c_rows), _UPDATE_FN(c_update))
-    r = _Runner(ctypes.sizeof(_Runner), None, int(layers), *cbs)
+    @guard
+    def c_block_begin(_o, k, first, count):
+        count[0] = int(block_begin(k, first))
+        return 0
+
+    @guard
+    def c_block_end(_o, k):
+        block_end(k)
+        return 0
+
+    @guard
+    def c_group(_o, l, count):
+        count[0] = int(group(l))
+        return 0
+
+    @guard
+    def c_solve(_o, l, fptr, dw_out, ld, db_out, rk):
+        di, do, bias = shapes[l]
+        f = borrowed(l, fptr)
+        try:
+            dw, db, r = solve(l, f, bool(rk))
+        finally:
+            f.close()
+        out = np.ctypeslib.as_array(ctypes.cast(dw_out, _P(ctypes.c_float)),
+                                    shape=(do, ld))
+        out[:, :di] = _f32(dw, "dw", di)
+        if bias:
+            np.ctypeslib.as_array(ctypes.cast(db_out, _P(ctypes.c_float)),
+                                  shape=(do,))[:] = _vec32(db, "db", do)
+        if rk:
+            rk[0] = FIT_NO_RANK if r is None else int(r)
+        return 0
+
+    r = _Runner()
+    r.size = ctypes.sizeof(_Runner)
+    r.layers = int(layers)
+    cbs = []  # the ctypes thunks live until the C call returns
+
+    def put(field, fn_type, fn):
+        if fn is not None:
+            cbs.append(fn_type(fn))
+            setattr(r, field, cbs[-1])
+    put("layer", _LAYER_FN, c_layer)
+    put("rows", _ROWS_FN, c_rows if rows is not None else None)
+    put("update", _UPDATE_FN, c_update)
+    r.want_rank = 1 if rank else 0
+    r.blocks = int(blocks)
+    put("block_begin", _BLOCK_BEGIN_FN,
+        c_block_begin if block_begin is not None else None)
+    put("block_end", _BLOCK_END_FN,
+        c_block_end if block_end is not None else None)
+    put("group", _GROUP_FN, c_group if group is not None else None)
+    put("rows_group", _ROWS_GROUP_FN,
+        c_rows_group if rows_group is not None else None)
+    put("solve", _SOLVE_FN, c_solve if solve is not None else None)
     st = _fn.run(ctx._alive(), ctypes.byref(r), float(ridge))
     if failure:
         raise failure[0]
     _check(st, ctx)
-

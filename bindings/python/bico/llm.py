@@ -40,7 +40,8 @@ def _log(quiet, *a):
 
 
 class _FitProgress(object):
-    """Counts the fit's per-layer solves (bico.fit.Fit.solve) and prints a
+    """Counts the fit's per-layer updates (the update callback of
+    bico.fit.run, the driver transfer_model's fit runs on) and prints a
     line per layer while transfer_model runs."""
 
     def __init__(self, total, quiet):
@@ -48,24 +49,31 @@ class _FitProgress(object):
 
     def __enter__(self):
         from . import fit as _fit
-        self._mod, self._orig = _fit, _fit.Fit
+        self._mod, self._orig = _fit, _fit.run
         prog = self
         orig = self._orig
 
-        class Fit(orig):
-            def solve(self, w, b=None, **kw):
-                out = orig.solve(self, w, b, **kw)
+        def run(*a, **kw):
+            a = list(a)
+            inner = a[3] if len(a) > 3 else kw["update"]
+
+            def update(l, dw, db, rank):
+                out = inner(l, dw, db, rank)
                 prog.n += 1
                 _log(prog.quiet, "fit: layer %d/%d (d_in %d, d_out %d%s)"
-                     % (prog.n, prog.total, self.d_in, self.d_out,
-                        "" if self.rank is None
-                        else ", rank %d" % self.rank))
+                     % (prog.n, prog.total, dw.shape[1], dw.shape[0],
+                        "" if rank is None else ", rank %d" % rank))
                 return out
-        _fit.Fit = Fit
+            if len(a) > 3:
+                a[3] = update
+            else:
+                kw["update"] = update
+            return orig(*a, **kw)
+        _fit.run = run
         return self
 
     def __exit__(self, *exc):
-        self._mod.Fit = self._orig
+        self._mod.run = self._orig
         return False
 
 

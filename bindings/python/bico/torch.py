@@ -780,8 +780,9 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     gradfix (votes collected here on the target unless votes= is given),
     naive, pad, or fit: the sequential functional fit (METHODS.md), block by
     block; every nn.Linear of the target with a Linear source partner gets
-    its update by bico.fit.Fit with ridge c = ridge; everything else
-    (norms, tokens, embeddings, nn.MultiheadAttention) is carried by BiCo.
+    its update by the library's fit (bico.fit.run) with ridge c = ridge;
+    everything else (norms, tokens, embeddings, nn.MultiheadAttention) is
+    carried by BiCo.
     ridge may be a list with alpha="heldout": one fit per value, the
     (ridge, alpha) pair with the least held-out loss is kept (report:
     "ridge", "ridge_losses").  ridge="gcv" (fit): each layer's c chosen
@@ -1126,7 +1127,7 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
             raise BicoError(E_NOTFOUND, "transfer_model: shared_out names "
                             "%r, which is no nn.Linear of the target" % (n,))
     try:
-        from .fit import Fit
+        from .fit import run  # noqa: F401 (the fit's driver)
     except ImportError as e:
         raise BicoError(E_STATE, "transfer_model: method fit needs bico.fit "
                         "(%s)" % e)
@@ -1180,12 +1181,9 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     # one context for the layers' fits (made and solved one at a time, on
     # this thread), at the caller's thread count
     ctx = Context() if threads is None else Context(threads=threads)
-
-    def fit_class(*args, **kw):
-        return Fit(*args, ctx=ctx, **kw)
     out = torch_fit.fit_model(
         source, source_tuned, target, batches, _on(forward, _device(target)),
-        maps, pairing, start, alpha, ridge, fit_class, freport,
+        maps, pairing, start, alpha, ridge, ctx, freport,
         show_progress, tuple(shared_out), skip, prior=prior, metric=metric)
     if report is not None:
         done = set(e["name"] for e in freport)

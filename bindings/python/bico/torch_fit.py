@@ -13,11 +13,13 @@ of a target segment, in the order its forward calls them:
   D_B = alpha D R_out          BiCo's output map (per block of a fused qkv);
   X'  = the layer's input on B', X_B its input on B;
 
-and bico.fit.Fit solves the ridge problem for [dW db], which is applied to
+and the library solves the ridge problem for [dW db], which is applied to
 B' before the next layer's inputs are taken.  Then the segment runs once
 more on B' to give the next segment its inputs.  Layers that read one
 input tensor one after the other (q/k/v, gate/up) take X' from one pass
-of B'.  Memory: one segment's inputs for four models, plus one segment's
+of B'.  The loop is the library's (bico_fit_run through bico.fit.run):
+a segment is one of its blocks, a run of layers reading one input one of
+its groups; fit_model's callbacks run the passes and write the updates.  Memory: one segment's inputs for four models, plus one segment's
 layer rows; B' shares B's tensors until its segment comes (it is made a
 block at a time, and its tensors are the result).
 """
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .transport import rows as _transport_rows
+from .transport import _rows_at as _transport_rows_at
 from ._status import BicoError, E_ARG, E_SHAPE, E_STATE
 
 
@@ -266,39 +268,74 @@ def _out_map(maps, module):
     return r[0]
 
 
+def _maps32(r):
+    if isinstance(r, list):
+        return [np.ascontiguousarray(x, dtype=np.float32) for x in r]
+    return np.ascontiguousarray(r, dtype=np.float32)
+
+
+def _out_map32(r):
+    """R_out as _carry takes it, made once per layer: a C-contiguous
+    float32 matrix, or a list of them per fused block."""
+    return _maps32(r)
+
+
 def _carry(d, r, alpha=1.0):
     """alpha D R_out: D [n, d_out,A] -> [n, d_out,B] float32, by the
-    library's rows transport (bico_transport_rows); r a list for fused
-    blocks, block i of D's columns carried by r[i] into block i of the
-    result's."""
+    library's rows transport (bico_transport_rows); r a matrix or a list
+    for fused blocks, block i of D's columns carried by r[i] into block i
+    of the result's.  Each block's columns are read in place and written
+    in place (the kernel's row strides), with no copy of a slice; r is
+    converted to float32 only when it is not already (_out_map32 does it
+    once per layer)."""
     d = np.ascontiguousarray(d, dtype=np.float32)
-    if not isinstance(r, list):
-        return _transport_rows(d, r, alpha=alpha)
-    k = len(r)
-    w = d.shape[1] // k
-    wb = np.shape(r[0])[1]
-    out = np.empty((d.shape[0], wb * k), dtype=np.float32)
+    rs = _maps32(r if isinstance(r, list) else [r])  # no copy if float32
+    k = len(rs)
+    n, da = d.shape
+    w = da // k if k else 0
+    wb = rs[0].shape[1] if rs[0].ndim == 2 else -1
+    for i, x in enumerate(rs):
+        if x.ndim != 2 or x.shape != (w, wb) or w * k != da:
+            raise BicoError(E_SHAPE, "transfer_model: the output map %s is "
+                            "%s; the output change has %d columns in %d "
+                            "block(s), each needs a %d x %d map"
+                            % ("" if k == 1 else "of block %d" % i,
+                               "x".join(str(s) for s in x.shape), da, k, w,
+                               wb if wb >= 0 else 0))
+    out = np.empty((n, wb * k), dtype=np.float32)
+    if n == 0 or w == 0 or wb == 0:
+        out[...] = 0
+        return out
     for i in range(k):
-        out[:, i * wb:(i + 1) * wb] = _transport_rows(
-            d[:, i * w:(i + 1) * w], r[i], alpha=alpha)
+        _transport_rows_at(n, w, wb, alpha, d, i * w, da, rs[i], out,
+                           i * wb, wb * k)
     return out
 
 
 def fit_model(source, source_tuned, target, batches, forward, maps,
-              pairing, start_state, alpha, ridge, fit_class, report,
+              pairing, start_state, alpha, ridge, ctx, report,
               show_progress=False, shared_out=(), skip=(),
               share_passes=True, rank=None, prior=None, metric=None):
     """Returns the working target's state dict after the fit.  maps: from
     Collector.maps() (R_out per target module); start_state: the target
     state dict to start from (BiCo's carried norms/tokens, original linear
-    weights); skip: target linears left as start_state has them.
+    weights); skip: target linears left as start_state has them; ctx: the
+    bico.Context of the layers' fits (None: a new one).
     share_passes: layers fitted one after the other that read one input
     tensor (q/k/v, gate/up) take their working-target inputs X' from one
     forward pass (the earlier ones' updates cannot change that input).
     rank: compute each layer's rank for the report (default: when there
     is a report).  prior {name: dW0} (the ridge's centre), metric {name: M}
     (the penalty's metric) or ridge="gcv": each layer is solved by RidgeFit
-    instead of fit_class."""
+    instead of the library's solve.
+
+    The loop is the library's (bico.fit.run, i.e. bico_fit_run): a block
+    per segment (block_begin runs the segment's capture passes and says
+    how many of its linears ran, block_end advances the working target),
+    a group per run of linears reading one input (one capture pass of the
+    working target for all of them), rows() adding each layer's rows,
+    update() writing W + dW into the working target."""
+    from .fit import run as _fit_run
     if rank is None:
         rank = report is not None
     use_ridgefit = bool(prior) or bool(metric) or ridge == "gcv"
@@ -307,6 +344,7 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
         m.eval()
     tmods = dict(target.named_modules())
     smods = dict(source.named_modules())
+    wmods = dict(work.named_modules())
     linear = [n for n, m in tmods.items() if isinstance(m, nn.Linear)
               and pairing.source_name(n) in smods
               and isinstance(smods[pairing.source_name(n)], nn.Linear)
@@ -330,7 +368,11 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
         segments = ["stem"] + list(range(rb.n)) + ["tail"]
     depth = pairing.depth
     stem = _stem_linears(target, rb, batches[0], forward) if rb.n else set()
-    for seg in segments:
+    cur = {}   # the segment being fitted: its captures and layer order
+    info = {}  # per layer: name, source, W, b, R_out, its fit's outcome
+
+    def block_begin(k, first):
+        seg = segments[k]
         if isinstance(seg, int):
             _materialize(rw.blocks[seg], start_state, own_of,
                          prefix=pb + "." + str(seg))
@@ -353,40 +395,67 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
         xb = rb.run(seg, own, side="in", advance=seg not in ("tail", "all"),
                     order=order, same=same)
         fit_order = [n for n in order if n in own]
-        xw_group = {}
-        for i, name in enumerate(fit_order):
-            if name not in xw_group:
-                group = [name]
-                while share_passes and i + len(group) < len(fit_order) and \
-                        _one_input(same, group[-1],
-                                   fit_order[i + len(group)]):
-                    group.append(fit_order[i + len(group)])
-                xw_group = rw.run(seg, group, side="in")
-            s = pairing.source_name(name)
-            xw = xw_group.pop(name)
-            lin = tmods[name]
-            wl = dict(work.named_modules())[name]
-            if name in shared_out:
-                if lin.out_features != smods[s].out_features:
-                    raise BicoError(E_SHAPE, "transfer_model: shared_out "
-                                    "module %s has %d outputs, its source "
-                                    "%s %d" % (name, lin.out_features, s,
-                                               smods[s].out_features))
-                r_out = np.eye(lin.out_features)
-            else:
-                r_out = _out_map(maps, name)
-            w = lin.weight.detach().float().cpu().numpy()
-            b = lin.bias.detach().float().cpu().numpy() \
-                if lin.bias is not None else None
+        # runs of layers that read one input: one pass of B' for each
+        groups, i = {}, 0
+        while i < len(fit_order):
+            n = 1
+            while share_passes and i + n < len(fit_order) and \
+                    _one_input(same, fit_order[i + n - 1], fit_order[i + n]):
+                n += 1
+            groups[first + i] = n
+            i += n
+        cur.clear()
+        cur.update(seg=seg, first=first, order=fit_order, groups=groups,
+                   ya=ya, yt=yt, xb=xb)
+        return len(fit_order)
+
+    def block_end(k):
+        seg = segments[k]
+        if seg not in ("tail", "all"):
+            rw.run(seg, advance=True)
+        for r in runners:
+            r.got = {}
+        cur.clear()
+
+    def group(l):
+        return cur["groups"][l]
+
+    def layer(l):
+        name = cur["order"][l - cur["first"]]
+        s = pairing.source_name(name)
+        lin = tmods[name]
+        if name in shared_out:
+            if lin.out_features != smods[s].out_features:
+                raise BicoError(E_SHAPE, "transfer_model: shared_out "
+                                "module %s has %d outputs, its source "
+                                "%s %d" % (name, lin.out_features, s,
+                                           smods[s].out_features))
+            r_out = np.eye(lin.out_features)
+        else:
+            r_out = _out_map(maps, name)
+        w = lin.weight.detach().float().cpu().numpy()
+        b = lin.bias.detach().float().cpu().numpy() \
+            if lin.bias is not None else None
+        info[l] = {"name": name, "source": s, "w": w, "b": b,
+                   "r_out": _out_map32(r_out)}
+        return w, b
+
+    def rows_group(l, fits):
+        seg = cur["seg"]
+        names = [info[l + i]["name"] for i in range(len(fits))]
+        xw_group = rw.run(seg, names, side="in")
+        for i, f in enumerate(fits):
+            it = info[l + i]
+            name, s = it["name"], it["source"]
             if use_ridgefit:
-                f = RidgeFit(lin.in_features, lin.out_features, w, b,
-                             ridge=ridge, prior=(prior or {}).get(name),
-                             metric=(metric or {}).get(name))
-            else:
-                f = fit_class(lin.in_features, lin.out_features,
-                              bias=lin.bias is not None, ridge=ridge)
+                f = it["ridgefit"] = RidgeFit(
+                    f.d_in, f.d_out, it["w"], it["b"], ridge=ridge,
+                    prior=(prior or {}).get(name),
+                    metric=(metric or {}).get(name))
+            xw = xw_group.pop(name)
+            xb, ya, yt = cur["xb"][name], cur["ya"][s], cur["yt"][s]
             for bi in range(len(batches)):
-                calls = (xw[bi], xb[name][bi], ya[s][bi], yt[s][bi])
+                calls = (xw[bi], xb[bi], ya[bi], yt[bi])
                 if len(set(len(c) for c in calls)) != 1:
                     raise BicoError(E_STATE, "transfer_model: %s ran %d "
                                     "times in the target, its source %s %d "
@@ -401,30 +470,46 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
                                         "target must see the same tokens"
                                         % (name, x1.shape[0], s, y0.shape[0],
                                            bi))
-                    db_ = _carry((y1 - y0).float().numpy(), r_out, alpha)
+                    db_ = _carry((y1 - y0).float().numpy(), it["r_out"],
+                                 alpha)
                     f.add(np.ascontiguousarray(x1.numpy()),
                           np.ascontiguousarray(x0.numpy()), db_)
-            dw, dbias = f.solve(w, b) if use_ridgefit else \
-                f.solve(w, b, rank=rank)
-            with torch.no_grad():
-                wl.weight.copy_(torch.from_numpy(w + dw).to(wl.weight))
-                if b is not None:
-                    wl.bias.copy_(torch.from_numpy(b + dbias).to(wl.bias))
-            if report is not None:
-                report.append({"name": name, "source": s,
-                               "handling": "fit", "rows": int(f.rows),
-                               "rank": None if f.rank is None
-                               else int(f.rank),
-                               "update_norm": float(np.sqrt(
-                                   np.sum(np.square(dw)) + (
-                                       0.0 if dbias is None else
-                                       np.sum(np.square(dbias)))))})
-                if use_ridgefit:
-                    report[-1]["ridge"] = f.chosen
-        if seg not in ("tail", "all"):
-            rw.run(seg, advance=True)
-        for r in runners:
-            r.got = {}
+            it["rows"] = int(f.rows)
+
+    def solve(l, f, want_rank):
+        # RidgeFit's solve (a prior, a metric or GCV); it always has the
+        # rank (an eigendecomposition it needs anyway)
+        it = info[l]
+        rf = it.pop("ridgefit")
+        dw, db = rf.solve(it["w"], it["b"])
+        it["rank"], it["ridge"] = rf.rank, rf.chosen
+        return dw, db, rf.rank
+
+    def update(l, dw, dbias, rk):
+        it = info.pop(l)
+        name, w, b = it["name"], it["w"], it["b"]
+        wl = wmods[name]
+        with torch.no_grad():
+            wl.weight.copy_(torch.from_numpy(w + dw).to(wl.weight))
+            if b is not None:
+                wl.bias.copy_(torch.from_numpy(b + dbias).to(wl.bias))
+        if report is not None:
+            r = it.get("rank", rk)
+            report.append({"name": name, "source": it["source"],
+                           "handling": "fit", "rows": it["rows"],
+                           "rank": None if r is None else int(r),
+                           "update_norm": float(np.sqrt(
+                               np.sum(np.square(dw)) + (
+                                   0.0 if dbias is None else
+                                   np.sum(np.square(dbias)))))})
+            if use_ridgefit:
+                report[-1]["ridge"] = it["ridge"]
+
+    c_ridge = 1e-2 if ridge == "gcv" else ridge
+    _fit_run(0, layer, None, update, ridge=c_ridge, ctx=ctx,
+             rank=rank and not use_ridgefit, blocks=len(segments),
+             block_begin=block_begin, block_end=block_end, group=group,
+             rows_group=rows_group, solve=solve if use_ridgefit else None)
     # every tensor of work is its own by now (no clone needed)
     return {k: v.detach() for k, v in work.state_dict().items()}
 

@@ -156,3 +156,17 @@ def rows(t, r=None, alpha=1.0, out=None, beta=0.0, d_b=None, ctx=None):
                              _ptr(a2), max(d_a, 1), _ptr(rm), ldr, float(beta),
                              _ptr(o), max(db, 1)), ctx)
     return A.finish(o, back)
+
+
+def _rows_at(n, d_a, d_b, alpha, t, t_off, ld_t, r, out, out_off, ld_out,
+             ctx=None):
+    """alpha t R into out, on n rows of column blocks of two C-contiguous
+    float32 arrays read and written in place: t's block starts at element
+    t_off with row stride ld_t, out's at out_off with row stride ld_out; r
+    a C-contiguous float32 d_a x d_b map (the fit's fused-block carry,
+    bico.torch_fit._carry; no checks beyond the library's)."""
+    ctx = _or_default(ctx)
+    _check(fn.transport_rows(ctx._alive(), n, d_a, d_b, float(alpha),
+                             t.ctypes.data + 4 * t_off, ld_t,
+                             r.ctypes.data, d_b, 0.0,
+                             out.ctypes.data + 4 * out_off, ld_out), ctx)
