@@ -494,7 +494,7 @@ ARRAY_CALLS = {
 
 # callables without array arguments (paths, names, numbers, handles)
 NO_ARRAYS = {
-    "bico._status:" + n for n in ("BicoError", "strerror", "check")} | {
+    "bico._status:" + n for n in ("BicoError", "strerror", "check", "count")} | {
     "bico._version:" + n for n in ("version", "version_number")} | {
     "bico._ctx:" + n for n in ("Context", "Context.close",
                                "default_context")} | {
