@@ -25,7 +25,7 @@ from ._lib import fn, c_size_t, c_int, c_double, c_float, c_char_p, c_void_p
 from ._status import E_SHAPE, BicoError, check as _check
 from ._status import count as _count
 from .merge import merge, merge_check, merge_tensors  # noqa: F401
-from .transfer import Transfer
+from .transfer import Transfer, _configure
 
 P = ctypes.POINTER
 
@@ -233,24 +233,14 @@ def transfer(source_base, target_base, adapter, output_lora=None,
     target as a PEFT folder (output_lora) and/or merged into the target
     checkpoint (merged_output)."""
     with Transfer(log=log) as t:
-        for k, v in (("source_base", source_base), ("target_base", target_base),
-                     ("stats", stats), ("source_calib", source_calib),
-                     ("target_calib", target_calib),
-                     ("target_votes", target_votes), ("report", report),
-                     ("output", merged_output)):
-            if v is not None:
-                t.set_file(k, v)
-        for k, v in (("source_adapter", adapter),
-                     ("output_adapter", output_lora)):
-            if v is not None:
-                t.set_file(k, v)
-        t.set("method", method)
-        t.set("alpha", alpha)
-        for k, v in options.items():
-            t.set(k, v)
-        for suffix, k in (split or {}).items():
-            t.add_split(suffix, k)
-        for tensor, module in (ties or {}).items():
-            t.add_tie(tensor, module)
+        _configure(t, (("source_base", source_base),
+                       ("target_base", target_base), ("stats", stats),
+                       ("source_calib", source_calib),
+                       ("target_calib", target_calib),
+                       ("target_votes", target_votes), ("report", report),
+                       ("output", merged_output),
+                       ("source_adapter", adapter),
+                       ("output_adapter", output_lora)),
+                   method, alpha, options, split, ties)
         t.run()
     return output_lora if output_lora is not None else merged_output

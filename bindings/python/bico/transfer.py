@@ -257,27 +257,35 @@ def transfer_files(source_base, target_base, output, source_tuned=None,
     {tensor: module}; progress a callable (Transfer.set_progress).
     Returns (updated, unchanged) tensor counts."""
     with Transfer(log=log, progress=progress) as t:
-        for k, v in (("source_base", source_base),
-                     ("target_base", target_base), ("output", output),
-                     ("source_tuned", source_tuned),
-                     ("task_vector", task_vector), ("stats", stats),
-                     ("source_calib", source_calib),
-                     ("target_calib", target_calib),
-                     ("target_votes", target_votes),
-                     ("delta_output", delta_output), ("report", report),
-                     ("source_config", source_config),
-                     ("target_config", target_config)):
-            if v is not None:
-                t.set_file(k, v)
-        t.set("method", method)
-        t.set("alpha", alpha)
-        for k, v in options.items():
-            t.set(k, v)
-        for suffix, k in (split or {}).items():
-            t.add_split(suffix, k)
-        for tensor, module in (ties or {}).items():
-            t.add_tie(tensor, module)
+        _configure(t, (("source_base", source_base),
+                       ("target_base", target_base), ("output", output),
+                       ("source_tuned", source_tuned),
+                       ("task_vector", task_vector), ("stats", stats),
+                       ("source_calib", source_calib),
+                       ("target_calib", target_calib),
+                       ("target_votes", target_votes),
+                       ("delta_output", delta_output), ("report", report),
+                       ("source_config", source_config),
+                       ("target_config", target_config)),
+                   method, alpha, options, split, ties)
         return t.run()
+
+
+def _configure(t, files, method, alpha, options, split, ties):
+    """A Transfer set up as the file-driven front ends set it (transfer_files
+    and bico.lora.transfer): the files given (None left out), method,
+    alpha, the other options, the split and tie rules."""
+    for k, v in files:
+        if v is not None:
+            t.set_file(k, v)
+    t.set("method", method)
+    t.set("alpha", alpha)
+    for k, v in options.items():
+        t.set(k, v)
+    for suffix, k in (split or {}).items():
+        t.add_split(suffix, k)
+    for tensor, module in (ties or {}).items():
+        t.add_tie(tensor, module)
 
 
 # ---- in-memory state dicts through the driver ----
