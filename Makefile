@@ -243,6 +243,8 @@ $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
 # for /usr/local and /usr on Debian, PREFIX/lib/python3.X/site-packages else.
 PYTHONDIR ?= $(shell $(PYTHON) scripts/pythondir.py $(PREFIX))
 PY_SRCS := $(wildcard bindings/python/bico/*.py)
+# the sub-packages (bico.torch, bico.llm): folders with an __init__.py
+PY_SUBPKGS := $(patsubst bindings/python/bico/%/__init__.py,%,$(wildcard bindings/python/bico/*/__init__.py))
 
 .PHONY: install-python uninstall-python check-python-install
 install: install-python
@@ -253,6 +255,12 @@ uninstall: uninstall-python
 install-python:
 	install -d $(DESTDIR)$(PYTHONDIR)/bico
 	install -m 644 $(filter-out %/_install.py,$(PY_SRCS)) $(DESTDIR)$(PYTHONDIR)/bico/
+	# a sub-package replaces the module of its name an older install left
+	for p in $(PY_SUBPKGS); do \
+	  rm -f $(DESTDIR)$(PYTHONDIR)/bico/$$p.py; \
+	  install -d $(DESTDIR)$(PYTHONDIR)/bico/$$p && \
+	  install -m 644 bindings/python/bico/$$p/*.py $(DESTDIR)$(PYTHONDIR)/bico/$$p/ || exit 1; \
+	done
 	printf '# Written by make install.\nLIBDIR = %s\n' "'$(LIBDIR)'" > $(DESTDIR)$(PYTHONDIR)/bico/_install.py
 
 uninstall-python:
@@ -285,6 +293,8 @@ check-python-install: all
 	$(MAKE) --no-print-directory install PREFIX=$(abspath $(BUILD)/pystage) BUILD=$(BUILD) >/dev/null
 	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$$($(PYTHON) $(abspath scripts/pythondir.py) $(abspath $(BUILD)/pystage)) \
 	  $(PYTHON) -c 'import bico, sys; print("installed binding:", bico.__file__, "->", bico.library_path); sys.exit(not bico.library_path.startswith("$(abspath $(BUILD)/pystage)/lib/"))'
+	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$$($(PYTHON) $(abspath scripts/pythondir.py) $(abspath $(BUILD)/pystage)) \
+	  $(PYTHON) $(abspath scripts/check-python-import.py) $(abspath bindings/python/bico) $(abspath $(BUILD)/pystage)
 	@d=$$($(PYTHON) scripts/pythondir.py /usr/local); $(PYTHON) -c "import sys; sys.exit(0 if '$$d' in sys.path else 1)" || \
 	  { echo "check-python-install: $$d (PREFIX=/usr/local) is not on $(PYTHON)'s sys.path"; exit 1; }
 	@echo "check-python-install: PREFIX=/usr/local installs into $$($(PYTHON) scripts/pythondir.py /usr/local), on sys.path"
@@ -299,6 +309,8 @@ check-python-pip: all
 	$(BUILD)/venv/bin/pip install -q --no-index --no-cache-dir ./bindings/python
 	cd / && BICO_LIBRARY=$(abspath $(SHLIB)) $(abspath $(BUILD))/venv/bin/python -c \
 	  'import bico, sys; print("pip-installed binding:", bico.__file__, bico.version()); sys.exit(not bico.__file__.startswith("$(abspath $(BUILD))/venv/"))'
+	cd / && BICO_LIBRARY=$(abspath $(SHLIB)) $(abspath $(BUILD))/venv/bin/python \
+	  $(abspath scripts/check-python-import.py) $(abspath bindings/python/bico) $(abspath $(BUILD))/venv
 
 # ---- demo ----
 # `make demo`: the main job end to end on Fashion-MNIST (examples/demo/, an

@@ -109,7 +109,7 @@ def test_carry_fused_blocks_in_place(monkeypatch):
 def test_fit_converts_each_output_map_once(monkeypatch):
     """In a fit, R_out is made float32 once per layer (_out_map32), not per
     batch: every kernel call reads a map made by that conversion."""
-    import bico.torch_fit as tf
+    import bico.torch.fit as tf  # where fit_model looks _out_map32 up
     from test_fit_driver import data, linears, made, run_fit, tuned
     made_maps = []
     conv = tf._out_map32

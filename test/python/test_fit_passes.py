@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import bico
 import bico.fit as bfit
 import bico.torch as bt
-import bico.torch_fit as tf
+import bico.torch.fit as tf  # the fit's host: patched where it is looked up
 from test_binding_models import float32_default  # noqa: F401
 from test_hf_decoder import CFG, HEAD, calibration, ce, planted
 

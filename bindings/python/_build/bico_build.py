@@ -1,5 +1,6 @@
 """A PEP 517 build backend for the pure-Python bico package that needs no
-download: it zips bico/*.py into a wheel (and the tree into an sdist).
+download: it zips bico/*.py and its sub-packages (bico/torch/, bico/llm/)
+into a wheel (and the tree into an sdist).
 
 pip's build isolation installs the backend's requirements from an index;
 this one has none, so `pip install ./bindings/python` works offline.  The
@@ -34,12 +35,19 @@ def _metadata():
 
 
 def _package_files():
+    """(name in the archive, bytes) of bico/*.py and of its sub-packages'
+    .py files (bico/torch/, bico/llm/), in a fixed order."""
     pkg = os.path.join(HERE, NAME)
     out = []
-    for fn in sorted(os.listdir(pkg)):
-        if fn.endswith(".py") and fn != "_install.py":
-            with open(os.path.join(pkg, fn), "rb") as f:
-                out.append((f"{NAME}/{fn}", f.read()))
+    for dp, dns, fns in os.walk(pkg):
+        dns[:] = sorted(d for d in dns if d != "__pycache__")
+        rel = os.path.relpath(dp, pkg)
+        for fn in sorted(fns):
+            if not fn.endswith(".py") or (rel == "." and fn == "_install.py"):
+                continue
+            arc = fn if rel == "." else f"{rel.replace(os.sep, '/')}/{fn}"
+            with open(os.path.join(dp, fn), "rb") as f:
+                out.append((f"{NAME}/{arc}", f.read()))
     libdir = os.environ.get("BICO_LIBDIR")
     if libdir:
         out.append((f"{NAME}/_install.py",

@@ -1,0 +1,320 @@
+"""bico.llm.families: Hugging Face decoder folders as PyTorch modules
+(config.json -> DecoderLM).
+
+    import bico.torch as bt          # or: from bico.llm.families import ...
+    src = bt.load_model("Qwen2-0.5B/")              # nn.Module, HF names
+
+load_model knows the decoder families of test/e2e/llama.py: Llama,
+Mistral, Qwen2 and Gemma (config.json's model_type), with RMSNorm (Gemma's
+1 + w), half-split rotary embeddings with rope_theta (and Llama 3's or
+linear rope_scaling), grouped-query attention, SwiGLU / GeGLU, the q/k/v
+(and o / MLP) biases the files hold, a tied or untied head, one file or
+shards (model.safetensors.index.json) in BF16/F16/F32, read with libbico's
+validating reader.  Its layers are called the Hugging Face way
+(layer(h, attention_mask=..., position_embeddings=(cos, sin))), so
+transfer_model's fit replays them.  Where `transformers` is installed,
+its AutoModelForCausalLM modules may be used instead (their output's
+.logits is read).
+"""
+import json
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .._status import BicoError, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
+from .. import safetensors as _st
+
+__all__ = ["load_model", "model_config", "DecoderLM"]
+
+FAMILIES = ("llama", "mistral", "qwen2", "gemma")
+_TORCH_DT = {"BF16": torch.bfloat16, "F16": torch.float16,
+             "F32": torch.float32, "F64": torch.float64}
+_ACT = {"silu": F.silu, "swish": F.silu,
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu": F.gelu}
+
+
+# ---------------------------------------------------------------- model
+
+class RMSNorm(nn.Module):
+    """Hugging Face's RMSNorm (no mean); gemma: scale 1 + weight.  Half
+    precision inputs are normalised in float32, as transformers does."""
+
+    def __init__(self, weight, eps, gemma=False):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.eps, self.gemma = eps, gemma
+
+    def forward(self, x):
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
+        return self.weight * y.to(x.dtype)
+
+
+def _linear(w, b=None):
+    m = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    m.weight = nn.Parameter(w)
+    if b is not None:
+        m.bias = nn.Parameter(b)
+    return m
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, t, p):
+        super().__init__()
+        self.H, self.KV, self.hd = cfg["H"], cfg["KV"], cfg["hd"]
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, n, _linear(t.pop(p + n + ".weight"),
+                                     t.pop(p + n + ".bias", None)))
+
+    def forward(self, hidden_states, attention_mask=None,
+                position_embeddings=None, **kwargs):
+        x = hidden_states
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.KV, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.KV, self.hd).transpose(1, 2)
+        cos, sin = position_embeddings
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        rep = self.H // self.KV
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
+        if attention_mask is not None:
+            s = s + attention_mask.to(s.dtype)
+        a = torch.softmax(s.float() if s.dtype != torch.float64 else s,
+                          dim=-1).to(v.dtype)
+        o = (a @ v).transpose(1, 2).reshape(B, T, self.H * self.hd)
+        return self.o_proj(o)
+
+
+class Mlp(nn.Module):
+    def __init__(self, cfg, t, p):
+        super().__init__()
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self, n, _linear(t.pop(p + n + ".weight"),
+                                     t.pop(p + n + ".bias", None)))
+        self.act = _ACT[cfg["act"]]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Called as transformers calls its decoder layers: hidden states and
+    keyword arguments; returns a tuple."""
+
+    def __init__(self, cfg, t, p):
+        super().__init__()
+        g, eps = cfg["gemma"], cfg["eps"]
+        self.input_layernorm = RMSNorm(t.pop(p + "input_layernorm.weight"),
+                                       eps, g)
+        self.self_attn = Attention(cfg, t, p + "self_attn.")
+        self.post_attention_layernorm = RMSNorm(
+            t.pop(p + "post_attention_layernorm.weight"), eps, g)
+        self.mlp = Mlp(cfg, t, p + "mlp.")
+
+    def forward(self, hidden_states, attention_mask=None,
+                position_embeddings=None, **kwargs):
+        h = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings)
+        return (h + self.mlp(self.post_attention_layernorm(h)),)
+
+
+class Model(nn.Module):
+    def __init__(self, cfg, t):
+        super().__init__()
+        self.cfg = cfg
+        emb = t.pop("model.embed_tokens.weight")
+        self.embed_tokens = nn.Embedding(emb.shape[0], emb.shape[1],
+                                         device="meta")
+        self.embed_tokens.weight = nn.Parameter(emb)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, t, "model.layers.%d." % i)
+            for i in range(cfg["L"]))
+        self.norm = RMSNorm(t.pop("model.norm.weight"), cfg["eps"],
+                            cfg["gemma"])
+        self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed_tokens(input_ids)
+        if self.cfg["gemma"]:
+            h = h * torch.tensor(self.cfg["d"] ** 0.5, dtype=h.dtype)
+        T = input_ids.shape[-1]
+        ft = torch.float64 if h.dtype == torch.float64 else torch.float32
+        pos = torch.arange(T, device=h.device, dtype=ft)
+        ang = pos[:, None] * self.inv_freq.to(h.device, ft)[None, :]
+        emb = torch.cat([ang, ang], dim=-1)
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        mask = _causal_mask(T, self.cfg.get("window"), h)
+        if attention_mask is not None:  # [B, T] padding: 1 keep, 0 drop
+            pad = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) \
+                * torch.finfo(h.dtype).min
+            mask = mask + pad
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask,
+                      position_embeddings=(cos, sin))[0]
+        return self.norm(h)
+
+
+def _causal_mask(T, window, h):
+    i = torch.arange(T, device=h.device)
+    bad = i[None, :] > i[:, None]
+    if window:
+        bad = bad | (i[:, None] - i[None, :] >= window)
+    m = torch.zeros(T, T, dtype=h.dtype, device=h.device)
+    return m.masked_fill(bad, float("-inf"))[None, None]
+
+
+def _inv_freq(cfg):
+    hd, theta = cfg["hd"], cfg["theta"]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    rs = cfg.get("rope_scaling")
+    if rs:
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind == "linear":
+            inv = inv / float(rs["factor"])
+        elif kind == "llama3":
+            f, lo, hi = (float(rs["factor"]), float(rs["low_freq_factor"]),
+                         float(rs["high_freq_factor"]))
+            old = float(rs["original_max_position_embeddings"])
+            wl = 2 * math.pi / inv
+            scaled = torch.where(wl > old / lo, inv / f, inv)
+            smooth = (old / wl - lo) / (hi - lo)
+            mid = (1 - smooth) * scaled / f + smooth * scaled
+            is_mid = (wl <= old / lo) & (wl >= old / hi)
+            inv = torch.where(is_mid, mid, scaled)
+        elif kind not in (None, "default"):
+            raise BicoError(E_UNSUPPORTED, "load_model: %s: rope_scaling "
+                            "type %r is not supported (known: linear, "
+                            "llama3)" % (cfg["path"], kind))
+    return inv
+
+
+class DecoderLM(nn.Module):
+    """A decoder language model with Hugging Face's tensor names
+    (model.embed_tokens, model.layers.N.self_attn.q_proj, ..., lm_head).
+    model(input_ids [B, T], attention_mask=None) -> logits [B, T, V] (a
+    tensor).  A tied head is an nn.Linear whose weight IS
+    model.embed_tokens.weight (its state dict holds both names)."""
+
+    def __init__(self, cfg, tensors):
+        super().__init__()
+        t = dict(tensors)
+        self.config = cfg["raw"]
+        self.model = Model(cfg, t)
+        head = t.pop("lm_head.weight", None)
+        if cfg["tied"]:
+            head = self.model.embed_tokens.weight
+            self.lm_head = _linear(head.data)
+            self.lm_head.weight = head
+        else:
+            self.lm_head = _linear(head)
+        if t:
+            raise BicoError(E_FORMAT, "load_model: %s holds tensors a %s "
+                            "decoder does not have: %s" % (
+                                cfg["path"], cfg["type"],
+                                ", ".join(sorted(t)[:5])))
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.lm_head(self.model(input_ids, attention_mask))
+
+
+def model_config(folder):
+    """config.json of a model folder as a dict (an error naming the file
+    when it is missing or unreadable)."""
+    p = os.path.join(str(folder), "config.json")
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise BicoError(E_NOTFOUND if isinstance(e, OSError) else E_FORMAT,
+                        "load_model: cannot read %s (%s)" % (p, e))
+
+
+def _weights_path(folder):
+    for n in ("model.safetensors.index.json", "model.safetensors"):
+        p = os.path.join(folder, n)
+        if os.path.exists(p):
+            return p
+    raise BicoError(E_NOTFOUND, "load_model: %s holds neither "
+                    "model.safetensors nor model.safetensors.index.json"
+                    % folder)
+
+
+def load_model(folder, dtype=None):
+    """The decoder of a Hugging Face model folder (config.json and
+    model.safetensors, or shards with model.safetensors.index.json) as a
+    DecoderLM in eval mode.  dtype: None keeps the files' dtype (BF16 stays
+    torch.bfloat16), or a torch float dtype.  Unknown model types are
+    refused naming config.json and the type."""
+    folder = str(folder)
+    raw = model_config(folder)
+    mt = raw.get("model_type")
+    if mt not in FAMILIES:
+        raise BicoError(E_UNSUPPORTED, "load_model: %s: model_type %r is not "
+                        "a decoder family bico.torch.load_model knows (%s); "
+                        "load it with transformers' AutoModelForCausalLM "
+                        "instead" % (os.path.join(folder, "config.json"), mt,
+                                     ", ".join(FAMILIES)))
+    path = _weights_path(folder)
+    tensors = {}
+    with _st.open(path) as f:
+        for name in f.keys():
+            dt, _ = f.info(name)
+            want = dtype if dtype is not None else _TORCH_DT.get(dt)
+            if want is None:
+                raise BicoError(E_FORMAT, "load_model: %s: tensor %s has "
+                                "dtype %s, not a float" % (path, name, dt))
+            a = f.get(name, np.float64 if want == torch.float64 else
+                      np.float32)
+            tensors[name] = torch.from_numpy(a).to(want)
+    gemma = mt == "gemma"
+    d = raw["hidden_size"]
+    H = raw["num_attention_heads"]
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or \
+        ("gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and act == "gelu":
+        act = "gelu_pytorch_tanh"  # transformers' Gemma does the same
+    if act not in _ACT:
+        raise BicoError(E_UNSUPPORTED, "load_model: %s: hidden_act %r is not "
+                        "supported (known: %s)" % (os.path.join(
+                            folder, "config.json"), act, ", ".join(_ACT)))
+    tied = "lm_head.weight" not in tensors or \
+        bool(raw.get("tie_word_embeddings", gemma))
+    if tied:
+        tensors.pop("lm_head.weight", None)
+    window = None
+    if mt == "mistral" or (mt == "qwen2" and raw.get("use_sliding_window")):
+        window = raw.get("sliding_window")
+    cfg = dict(raw=raw, path=folder, type=mt, gemma=gemma, d=d, H=H,
+               KV=raw.get("num_key_value_heads") or H,
+               hd=raw.get("head_dim") or d // H,
+               L=raw["num_hidden_layers"],
+               eps=raw.get("rms_norm_eps", 1e-6),
+               theta=float(raw.get("rope_theta", 10000.0)),
+               rope_scaling=raw.get("rope_scaling"), act=act, tied=tied,
+               window=window)
+    try:
+        m = DecoderLM(cfg, tensors)
+    except KeyError as e:
+        raise BicoError(E_FORMAT, "load_model: %s lacks tensor %s, which a "
+                        "%s decoder with %d layers has" % (path, e.args[0],
+                                                           mt, cfg["L"]))
+    return m.eval()
