@@ -95,11 +95,10 @@ def test_each_wrapper_calls_only_its_own_header():
     # and no other module of the package calls the library directly
     # (bico._enums reads the name tables of every header, through names)
     wrappers = set(owned) | {"_enums", "_lib"}
-    for f in glob.glob(os.path.join(PKG, "*.py")):
-        m = os.path.basename(f)[:-3]
+    for m, f in sorted(package_modules(PKG).items()):
         if m not in wrappers:
-            assert not c_calls(f), "%s.py calls the library: %s" % (
-                m, sorted(c_calls(f)))
+            assert not c_calls(f), "%s calls the library: %s" % (
+                f, sorted(c_calls(f)))
 
 
 def import_graph(pkg_dir, pkg_name="bico"):
@@ -184,11 +183,10 @@ def test_a_planted_cycle_is_found(tmp_path, plant):
 
 
 def test_every_module_imports():
-    for f in sorted(glob.glob(os.path.join(PKG, "*.py"))):
-        m = os.path.basename(f)[:-3]
-        if m == "__init__":
+    for m in sorted(package_modules(PKG)):
+        if m in ("", "llm.__main__"):  # the package; the command's run
             continue
-        if m in ("torch", "torch_fit", "hf", "llm"):
+        if m.split(".")[0] in ("torch", "torch_fit", "hf", "llm"):
             pytest.importorskip("torch")
         importlib.import_module("bico." + m)
 
@@ -211,3 +209,241 @@ def test_old_places_still_work():
     # functions of the package are not shadowed by modules of one name
     assert callable(bico.depthmap) and callable(bico.procrustes)
     assert callable(bico.naive) and callable(bico.version)
+
+
+# ---- the sub-packages: bico.torch (the PyTorch front end) and bico.llm
+# (decoders from model folders, on top of bico.torch) ----
+
+def package_modules(pkg_dir):
+    """{dotted name under bico ("" for the package, "torch",
+    "torch.collect", ...): path} of every module of the package, the
+    sub-packages' included."""
+    out = {}
+    for dp, dns, fns in os.walk(pkg_dir):
+        dns[:] = sorted(d for d in dns if d != "__pycache__")
+        rel = os.path.relpath(dp, pkg_dir)
+        pkg = "" if rel == "." else rel.replace(os.sep, ".")
+        for f in sorted(fns):
+            if f.endswith(".py"):
+                name = pkg if f == "__init__.py" else \
+                    (pkg + "." if pkg else "") + f[:-3]
+                out[name] = os.path.join(dp, f)
+    return out
+
+
+def _ancestors(name):
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def full_import_graph(pkg_dir, pkg_name="bico"):
+    """{module: {modules it imports}} over package_modules (names as
+    there), from every import statement at any level of a module.
+    Importing a module of another sub-package runs that sub-package's
+    __init__ first: an edge to it too (not to the importer's own
+    packages, which are initialised before it)."""
+    mods = package_modules(pkg_dir)
+    graph = {}
+    for m, path in mods.items():
+        is_pkg = os.path.basename(path) == "__init__.py"
+        here = m if is_pkg else ".".join(m.split(".")[:-1])
+        targets = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:              # from .x / from .. import y
+                    up = here.split(".") if here else []
+                    if node.level - 1 > len(up):
+                        continue
+                    base = ".".join(up[:len(up) - (node.level - 1)])
+                    if node.module:
+                        base = (base + "." if base else "") + node.module
+                elif node.module == pkg_name or (node.module or "") \
+                        .startswith(pkg_name + "."):
+                    base = node.module[len(pkg_name) + 1:]
+                else:
+                    continue
+                targets.add(base)           # a module, or y of base
+                targets.update((base + "." if base else "") + a.name
+                               for a in node.names)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name[len(pkg_name) + 1:] for a in node.names
+                               if a.name.startswith(pkg_name + "."))
+        own = set(_ancestors(m)) | {m, ""}
+        deps = set()
+        for t in targets & set(mods):
+            deps.update(p for p in [t] + _ancestors(t) if p not in own)
+        graph[m] = deps
+    return graph
+
+
+def layer_of(m):
+    """binding (the wrappers and the package), torch, llm, or shim (the
+    former modules bico.hf and bico.torch_fit, re-exports only)."""
+    top = m.split(".")[0]
+    if top in ("torch", "llm"):
+        return top
+    return "shim" if top in ("hf", "torch_fit") else "binding"
+
+
+# what each layer may import: bico.llm builds on bico.torch (the transfer,
+# the held-out choice, tied weights), never the other way round
+MAY_IMPORT = {"binding": {"binding"}, "torch": {"binding", "torch"},
+              "llm": {"binding", "torch", "llm"},
+              "shim": {"binding", "torch", "llm"}}
+
+
+def layer_breaches(graph):
+    return sorted((m, d) for m, ds in graph.items() for d in ds
+                  if layer_of(d) not in MAY_IMPORT[layer_of(m)])
+
+
+def test_sub_packages_import_one_way_without_cycles():
+    graph = full_import_graph(PKG)
+    assert {"torch", "torch.collect", "torch.choose", "torch.transfer",
+            "llm", "llm.command", "llm.families"} <= set(graph)
+    # a few edges the graph must see (relative imports of two levels,
+    # lazy imports, another sub-package's __init__)
+    assert "torch.choose" in graph["torch.transfer"]
+    assert "_status" in graph["torch.collect"]
+    assert "fit" in graph["llm.command"]            # bico.fit, lazy
+    assert {"torch.tied", "torch"} <= graph["llm.adapters"]
+    assert not layer_breaches(graph), layer_breaches(graph)
+    assert find_cycle(graph) is None, "import cycle: " + " -> ".join(
+        find_cycle(graph))
+
+
+@pytest.mark.parametrize("plant,line,breach,cycle", [
+    ("torch/collect.py", "def _f():\n    from ..llm import text\n",
+     ("torch.collect", "llm.text"), False),           # lazy, wrong way
+    ("torch/choose.py", "from .transfer import transfer_model\n",
+     None, True),                                      # a circle inside
+    ("torch/tied.py", "import bico.llm.adapters\n",
+     ("torch.tied", "llm.adapters"), True),            # across
+    ("_xcov.py", "from .torch import tied\n",
+     ("_xcov", "torch.tied"), True),  # a wrapper upwards (torch uses it)
+])
+def test_a_planted_breach_or_cycle_is_found(tmp_path, plant, line, breach,
+                                            cycle):
+    pkg = tmp_path / "bico"
+    shutil.copytree(PKG, str(pkg),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(str(pkg / plant), "a") as out:
+        out.write("\n" + line)
+    graph = full_import_graph(str(pkg))
+    if breach:
+        assert breach in layer_breaches(graph)
+    else:
+        assert not layer_breaches(graph)
+    assert (find_cycle(graph) is not None) == cycle
+
+
+def _fresh(code):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_bico_torch_does_not_load_bico_llm():
+    """bico.torch's re-exports of bico.llm's functions are resolved on
+    first use: importing bico.torch loads no bico.llm module."""
+    pytest.importorskip("torch")
+    out = _fresh("import sys, bico.torch as bt\n"
+                 "print(sorted(m for m in sys.modules if 'llm' in m))\n"
+                 "bt.load_model\n"
+                 "print(sorted(m for m in sys.modules if 'llm' in m))\n")
+    before, after = out.splitlines()
+    assert before == "[]" and "bico.llm.families" in after, out
+
+
+@pytest.mark.parametrize("first", [
+    "bico.llm.adapters", "bico.llm.command", "bico.llm.families",
+    "bico.hf", "bico.torch_fit", "bico.torch.tied", "bico.torch.fit"])
+def test_any_module_may_be_imported_first(first):
+    """Imported first in a fresh interpreter, each module loads (no
+    half-initialised module on the way)."""
+    pytest.importorskip("torch")
+    _fresh("import %s\nimport bico.torch as bt, bico.llm as bl\n"
+           "assert callable(bt.save_adapter) and callable(bl.main)\n"
+           % first)
+
+
+# every name the former modules bico/torch.py, torch_fit.py, hf.py and
+# llm.py held (their imports of other packages aside), and its new home
+OLD_NAMES = {
+    "bico.torch": {
+        "torch.collect": "BicoError Collector Context DEFAULT_SPLIT E_ARG "
+        "E_NOTFOUND E_SHAPE E_STATE Pairing Procrustes Votes XCov _GradMode "
+        "_NOT_LAST_DIM _Site _dims _grads _is_norm _kind _mha_forward "
+        "_norm_width _rows_np _samples _split_for collect_statistics "
+        "collect_votes default_modules save_votes",
+        "torch._common": "_default_forward _default_step _device _on _output "
+        "_plain _to_device progress",
+        "torch.choose": "HELDOUT_GRID _HELDOUT_METHODS _HOLDOUT_AUTO "
+        "_alpha_grid _as_numpy _batch_losses _choose_heldout "
+        "_heldout_loss_fn _loss_available _mean_loss _naive "
+        "_resolve_heldout _scaled _token_ids choose_alpha",
+        "torch.tied": "_report_tied _retied _tied_groups _untied",
+        "torch.transfer": "MODEL_METHODS _C_METHODS _PROCRUSTES_KEYS _apply "
+        "_fit _transfer_np transfer_model transfer_state_dict",
+        "torch.fit": "_input_moments",
+        "llm.families": "load_model",
+        "llm.text": "lm_loss next_token_loss text_batches tokenize",
+        "llm.adapters": "input_covariances low_rank save_adapter "
+        "update_grams"},
+    "bico.torch_fit": {
+        "torch.fit": "BicoError E_ARG E_SHAPE E_STATE GCV_GRID RidgeFit "
+        "_CACHE_ARGS _Runner _Stop _carry _catch_call _first _hidden _maps32 "
+        "_materialize _one_input _out_map _out_map32 _replayable _rows "
+        "_segment_of _shallow_copy _stem_linears _transport_rows_at "
+        "_with_hidden fit_model",
+        "torch.proxy": "PROXY_GRID _proxy_logprobs proxy_distill proxy_fit",
+        "torch.choose": "_helps"},
+    "bico.hf": {
+        "llm.families": "Attention BicoError DecoderLM DecoderLayer "
+        "E_FORMAT E_NOTFOUND E_UNSUPPORTED FAMILIES Mlp Model RMSNorm _ACT "
+        "_TORCH_DT _causal_mask _inv_freq _linear _rotate_half _weights_path "
+        "load_model model_config",
+        "llm.text": "Calibration E_ARG _byte_level _bytes_to_unicode "
+        "_tokenizer_file lm_loss namedtuple next_token_loss text_batches "
+        "tokenize",
+        "llm.adapters": "_module_names _short _tied input_covariances "
+        "low_rank save_adapter update_grams"},
+    "bico.llm": {
+        "llm.command": "GRID _FitProgress _apply _choose_alpha _log "
+        "_transformers_loader _tuned_from_lora main"},
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_NAMES))
+def test_old_paths_of_the_split_modules_still_work(old):
+    """Every name of the former single modules resolves from its old path
+    (import bico.torch as bt; bt.X, from bico.hf import X, ...) to the
+    object in its new home, and the public lists are the same."""
+    pytest.importorskip("torch")
+    mod = importlib.import_module(old)
+    for home, names in OLD_NAMES[old].items():
+        new = importlib.import_module("bico." + home)
+        for n in names.split():
+            assert getattr(mod, n) is getattr(new, n), (old, n, home)
+            ns = {}
+            exec("from %s import %s" % (old, n), ns)
+            assert ns[n] is getattr(new, n)
+            assert n in dir(mod), (old, n)
+    with pytest.raises(AttributeError):
+        getattr(mod, "no_such_name")
+    all_before = {
+        "bico.torch": "Collector collect_statistics collect_votes save_votes "
+        "transfer_state_dict transfer_model choose_alpha default_modules "
+        "progress load_model tokenize text_batches next_token_loss lm_loss "
+        "save_adapter input_covariances update_grams low_rank",
+        "bico.hf": "load_model model_config DecoderLM tokenize text_batches "
+        "Calibration next_token_loss lm_loss save_adapter input_covariances "
+        "update_grams low_rank"}
+    if old in all_before:
+        assert mod.__all__ == all_before[old].split()
+        ns = {}
+        exec("from %s import *" % old, ns)
+        assert set(all_before[old].split()) <= set(ns)
