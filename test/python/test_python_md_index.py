@@ -12,6 +12,15 @@ import bico.merge
 import bico.model
 import bico.safetensors
 import bico.torch
+import bico.torch.choose
+import bico.torch.collect
+import bico.torch.fit
+import bico.torch.proxy
+import bico.torch.transfer
+import bico.llm
+import bico.llm.adapters
+import bico.llm.families
+import bico.llm.text
 import bico.transfer
 import bico.transport
 
@@ -33,7 +42,12 @@ def test_every_public_name_is_in_python_md():
     missing = ["%s.%s" % (m.__name__, n)
                for m in (bico, bico.torch, bico.lora, bico.merge,
                          bico.safetensors, bico.model, bico.fit, bico.convert,
-                         bico.transfer, bico.transport)
+                         bico.transfer, bico.transport,
+                         # the PyTorch front end's modules by concern
+                         bico.torch.collect, bico.torch.transfer,
+                         bico.torch.choose, bico.torch.fit,
+                         bico.torch.proxy, bico.llm, bico.llm.families,
+                         bico.llm.text, bico.llm.adapters)
                for n in public(m) if "`%s" % n not in doc and
                ".%s" % n not in doc]
     assert not missing, "docs/python.md does not name: " + ", ".join(missing)
