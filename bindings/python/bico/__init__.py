@@ -1,5 +1,7 @@
-"""bico: Python binding of libbico (ctypes), and bico.torch, the PyTorch
-calibration collector.
+"""bico: Python binding of libbico (ctypes), and its PyTorch front end:
+bico.torch (statistics, transfer_model, the held-out choice, the fit's
+host, for any nn.Module) and bico.llm (decoder folders, text windows,
+adapters, the command python3 -m bico.llm), packages by concern.
 
     import bico
     print(bico.library_path)           # which libbico.so was loaded

@@ -521,7 +521,7 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     metric = None
     if general_batches is not None:
         metric = _host._input_moments(target, general_batches,
-                                _on(forward, _device(target)))
+                                      _on(forward, _device(target)))
     # one context for the layers' fits (made and solved one at a time, on
     # this thread), at the caller's thread count
     ctx = Context() if threads is None else Context(threads=threads)
