@@ -1400,3 +1400,117 @@ TEST(FitRunTest, GroupedAllocationFailuresAreClean) {
   }
   EXPECT_TRUE(completed);
 }
+
+namespace {
+
+// Counts the bytes live through a context's allocator and their peak.
+struct Counting {
+  size_t live = 0, peak = 0;
+};
+void *count_alloc(void *o, size_t n) {
+  auto *c = static_cast<Counting *>(o);
+  auto *p = static_cast<size_t *>(std::malloc(n + sizeof(size_t) * 2));
+  if (p == nullptr) return nullptr;
+  p[0] = n;
+  c->live += n;
+  if (c->live > c->peak) c->peak = c->live;
+  return p + 2;
+}
+void count_free(void *o, void *q) {
+  if (q == nullptr) return;
+  auto *c = static_cast<Counting *>(o);
+  size_t *p = static_cast<size_t *>(q) - 2;
+  c->live -= p[0];
+  std::free(p);
+}
+
+// One wide layer (d_in 160 -> d_out 6, a bias): the whole host.
+struct WideHost {
+  Mat w, b, xn, xo, d;
+  std::vector<float> wf, bf, xnf, xof, df;
+  Mat dw, db;
+};
+bico_status wide_layer(void *o, size_t, size_t *d_in, size_t *d_out,
+                       const float **w, size_t *ld_w, const float **b) {
+  auto *h = static_cast<WideHost *>(o);
+  *d_in = h->w.c;
+  *d_out = h->w.r;
+  *w = h->wf.data();
+  *ld_w = h->w.c;
+  *b = h->bf.data();
+  return BICO_OK;
+}
+bico_status wide_rows(void *o, size_t, bico_fit *fit) {
+  auto *h = static_cast<WideHost *>(o);
+  const size_t n = h->xn.r, di = h->w.c, dout = h->w.r;
+  for (size_t r0 = 0; r0 < n; r0 += 100) {  // three batches
+    size_t m = n - r0 < 100 ? n - r0 : 100;
+    bico_status st = bico_fit_add(fit, m, h->xnf.data() + r0 * di, di,
+                                  h->xof.data() + r0 * di, di,
+                                  h->df.data() + r0 * dout, dout);
+    if (st != BICO_OK) return st;
+  }
+  return BICO_OK;
+}
+bico_status wide_update(void *o, size_t, const float *dw, size_t ld,
+                        const float *db, size_t) {
+  auto *h = static_cast<WideHost *>(o);
+  h->dw = Mat::from(dw, h->w.r, h->w.c, ld);
+  h->db = Mat::from(db, 1, h->w.r, h->w.r);
+  return BICO_OK;
+}
+
+}  // namespace
+
+// A layer with fewer outputs than inputs (a down projection): the driver
+// accumulates its right-hand side for the layer's own weight instead of
+// X~'^T X~_B, so it never holds a second (d_in+1)^2 matrix (peak bytes
+// through the context's allocator below 2.5 of them, where statistics and
+// a solve with K took 4), and the update equals a plain add/solve on the
+// same rows to rounding.
+TEST(FitRunTest, FewOutputsHoldNoInputCrossProduct) {
+  bt::Rng g(41);
+  WideHost h;
+  const size_t di = 160, dout = 6, n = 260;
+  h.w = bt::randn(g, dout, di, 0.1);
+  h.b = bt::randn(g, 1, dout, 0.1);
+  h.xo = rounded(bt::randn(g, n, di));
+  h.xn = rounded(bt::add(h.xo, bt::randn(g, n, di), 0.05));
+  h.d = rounded(bt::randn(g, n, dout, 0.2));
+  h.wf = h.w.f32();
+  h.bf = h.b.f32();
+  h.xnf = h.xn.f32();
+  h.xof = h.xo.f32();
+  h.df = h.d.f32();
+  Counting cnt;
+  bico_ctx *ctx = nullptr;
+  ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, count_alloc, count_free,
+                                           &cnt),
+            BICO_OK);
+  bico_fit_runner r;
+  std::memset(&r, 0, sizeof r);
+  r.size = sizeof r;
+  r.opaque = &h;
+  r.layers = 1;
+  r.layer = wide_layer;
+  r.rows = wide_rows;
+  r.update = wide_update;
+  const size_t base = cnt.live;
+  cnt.peak = base;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 1e-2), BICO_OK) << bico_ctx_errmsg(ctx);
+  const double aa = (double)(di + 1) * (di + 1) * sizeof(double);
+  EXPECT_LT((double)(cnt.peak - base), 2.5 * aa);
+  EXPECT_GT((double)(cnt.peak - base), 1.5 * aa);  // G and the solve's A
+  // the same rows through bico_fit_add / bico_fit_solve (K kept)
+  bico_fit *f = make_fit(ctx, di, dout, true, 1e-2);
+  ASSERT_EQ(wide_rows(&h, 0, f), BICO_OK);
+  std::vector<float> dw(dout * di), db(dout);
+  ASSERT_EQ(bico_fit_solve(f, h.wf.data(), di, h.bf.data(), dw.data(), di,
+                           db.data(), nullptr),
+            BICO_OK);
+  EXPECT_LT(bt::relerr(h.dw, Mat::from(dw.data(), dout, di, di)), 1e-5);
+  EXPECT_LT(bt::relerr(h.db, Mat::from(db.data(), 1, dout, dout)), 1e-5);
+  EXPECT_GT(bt::fro(h.dw), 1e-3);  // a real update, not zeros
+  bico_fit_free(f);
+  bico_ctx_free(ctx);
+}

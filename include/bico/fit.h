@@ -235,7 +235,14 @@ typedef struct bico_fit_runner {
  * range) for every layer unless the rows callback changes it.  Memory: one
  * group's statistics (one layer's without the group callback) and one
  * update at a time (through ctx's allocator); a layer's statistics are
- * freed before its update is handed back. */
+ * freed before its update is handed back.  A layer with fewer outputs
+ * than inputs (d_out < d_in, plus one with a bias) is given its W_B and
+ * b_B before its rows, and its fit accumulates the right-hand side
+ * (D_B + (X~_B - X~') Theta)^T X~' for that weight instead of K =
+ * X~'^T X~_B: d_out x (d_in + 1) doubles instead of (d_in + 1)^2, and
+ * fewer flops; the update is the same up to rounding.  The rows callback
+ * must therefore add rows for the weight layer() gave (it always does:
+ * the driver applies the update only afterwards). */
 BICO_API bico_status bico_fit_run(bico_ctx *ctx,
                                   const bico_fit_runner *runner,
                                   double ridge);

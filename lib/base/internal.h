@@ -29,6 +29,16 @@ struct bico_votes {
   double *sum;    /* sum_k -g_k, only with BICO_VOTES_MEAN */
 };
 
+/* The fit's theta mode (lib/numeric/fit.c), for bico_fit_run: an empty fit
+ * given its layer's W_B (and b_B exactly when it has a bias) accumulates
+ * the whole right-hand side (D_B + (X~_B - X~') Theta)^T X~' instead of
+ * K = X~'^T X~_B (a x a); memory d_out x a for Theta instead, and fewer
+ * flops when d_out < a.  The rows added and the solve must then use that
+ * W_B and b_B (the driver's pointers do).  BICO_E_STATE for a fit with
+ * rows, already in theta mode, or W/b missing. */
+bico_status bico__fit_use_theta(bico_fit *f, const float *w, size_t ld_w,
+                                const float *b);
+
 /* Memory through the context's allocator.  bico__alloc fails the call with
  * BICO_E_NOMEM and a message (naming `what`) when it returns NULL. */
 void *bico__alloc(bico_ctx *ctx, size_t size);

@@ -22,9 +22,14 @@ struct bico_fit {
   double ridge, tol;
   uint64_t rows;
   double *g;  /* X~'^T X~', a x a (upper triangle during add, then full) */
-  double *k;  /* X~'^T X~_B, a x a */
+  double *k;  /* X~'^T X~_B, a x a; allocated at the first add (NULL until
+                 then, and always in theta mode) */
   double *et; /* D_B^T X~', d_out x a: E^T, so that each output's right-hand
-                 side is one contiguous row (a column for LAPACK) */
+                 side is one contiguous row (a column for LAPACK); in theta
+                 mode (D_B + (X~_B - X~') Theta)^T X~', the whole right-hand
+                 side */
+  double *th; /* theta mode (bico__fit_use_theta): Theta^T = [W_B b_B] in
+                 double, d_out x a; NULL otherwise */
 };
 
 bico_status bico_fit_create(bico_ctx *ctx, size_t d_in, size_t d_out,
@@ -59,13 +64,17 @@ bico_status bico_fit_create(bico_ctx *ctx, size_t d_in, size_t d_out,
                       d_out, d_in);
   bico_fit *f = bico__alloc(ctx, sizeof *f);
   if (f == NULL) return BICO_E_NOMEM;
-  f->g = bico__calloc(ctx, total, sizeof(double));
+  /* G and E^T now; K (a x a) at the first add, so that a fit the driver
+   * puts in theta mode never holds it. */
+  (void)total;
+  f->g = bico__calloc(ctx, aa + ea, sizeof(double));
   if (f->g == NULL) {
     bico__free(ctx, f);
     return BICO_E_NOMEM;
   }
-  f->k = f->g + aa;
-  f->et = f->k + aa;
+  f->k = NULL;
+  f->th = NULL;
+  f->et = f->g + aa;
   f->ctx = ctx;
   f->d_in = d_in;
   f->d_out = d_out;
@@ -82,7 +91,28 @@ void bico_fit_free(bico_fit *f) {
   if (f == NULL) return;
   bico_ctx *ctx = f->ctx;
   bico__free(ctx, f->g);
+  bico__free(ctx, f->k);
+  bico__free(ctx, f->th);
   bico__free(ctx, f);
+}
+
+bico_status bico__fit_use_theta(bico_fit *f, const float *w, size_t ld_w,
+                                const float *b) {
+  bico_ctx *ctx = f->ctx;
+  if (f->rows != 0 || f->k != NULL || f->th != NULL || w == NULL ||
+      ld_w < f->d_in || ((f->flags & BICO_FIT_BIAS) != 0) != (b != NULL))
+    return bico__fail(ctx, BICO_E_STATE,
+                      "fit: theta mode needs an empty fit and W (and b "
+                      "exactly when the fit has a bias)");
+  const size_t a = f->a, d_in = f->d_in;
+  double *th = bico__alloc(ctx, f->d_out * a * sizeof(double));
+  if (th == NULL) return BICO_E_NOMEM;
+  for (size_t o = 0; o < f->d_out; o++) {
+    for (size_t j = 0; j < d_in; j++) th[o * a + j] = w[o * ld_w + j];
+    if (a > d_in) th[o * a + d_in] = b[o];
+  }
+  f->th = th;
+  return BICO_OK;
 }
 
 /* The option grammar (params.h, lib/base/params.c): RIDGE [0, inf), RANK_TOL
@@ -140,7 +170,8 @@ bico_status bico_fit_info(const bico_fit *f, size_t *d_in, size_t *d_out,
 bico_status bico_fit_reset(bico_fit *f) {
   if (f == NULL) return BICO_E_NULL;
   bico__clear(f->ctx);
-  memset(f->g, 0, (2 * f->a * f->a + f->d_out * f->a) * sizeof(double));
+  memset(f->g, 0, (f->a * f->a + f->d_out * f->a) * sizeof(double));
+  if (f->k != NULL) memset(f->k, 0, f->a * f->a * sizeof(double));
   f->rows = 0;
   return BICO_OK;
 }
@@ -203,6 +234,10 @@ bico_status bico_fit_add(bico_fit *f, size_t n, const float *x_new,
   size_t cnt;
   if (bico__mul(chunk, 2 * a + d_out, &cnt) || cnt > SIZE_MAX / sizeof(double))
     return bico__fail(ctx, BICO_E_SHAPE, "%s: scratch overflows", fn);
+  if (f->th == NULL && f->k == NULL) {
+    f->k = bico__calloc(ctx, a * a, sizeof(double));
+    if (f->k == NULL) return BICO_E_NOMEM;
+  }
   double *yn = bico__alloc(ctx, cnt * sizeof(double));
   if (yn == NULL) return BICO_E_NOMEM;
   double *yo = yn + chunk * a, *yd = yo + chunk * a;
@@ -216,12 +251,22 @@ bico_status bico_fit_add(bico_fit *f, size_t n, const float *x_new,
       const float *pd = delta + (r0 + i) * ld_delta;
       double *qn = yn + i * a, *qo = yo + i * a, *qd = yd + i * d_out;
       for (size_t j = 0; j < d_in; j++) qn[j] = pn[j];
-      for (size_t j = 0; j < d_in; j++) qo[j] = po[j];
-      if (a > d_in) qn[d_in] = qo[d_in] = 1.0;
+      if (f->th != NULL) /* X_B - X' (exact in double), the bias column 0 */
+        for (size_t j = 0; j < d_in; j++) qo[j] = (double)po[j] - qn[j];
+      else
+        for (size_t j = 0; j < d_in; j++) qo[j] = po[j];
+      if (a > d_in) {
+        qn[d_in] = 1.0;
+        qo[d_in] = f->th != NULL ? 0.0 : 1.0;
+      }
       for (size_t j = 0; j < d_out; j++) qd[j] = pd[j];
     }
     dsyrk_upper(ctx, a, m, yn, a, f->g);
-    bico__dgemm(ctx, 1, 0, a, a, m, 1.0, yn, a, yo, a, 1.0, f->k, a);
+    if (f->th != NULL) /* the rows' residual: D_B + (X~_B - X~') Theta */
+      bico__dgemm(ctx, 0, 1, m, d_out, a, 1.0, yo, a, f->th, a, 1.0, yd,
+                  d_out);
+    else
+      bico__dgemm(ctx, 1, 0, a, a, m, 1.0, yn, a, yo, a, 1.0, f->k, a);
     bico__dgemm(ctx, 1, 0, d_out, a, m, 1.0, yd, d_out, yn, a, 1.0, f->et, a);
   }
   bico__free(ctx, yn);
@@ -244,11 +289,26 @@ bico_status bico_fit_merge(bico_fit *dst, const bico_fit *src) {
                       dst->d_out, dst->flags);
   if (src->rows > UINT64_MAX - dst->rows)
     return bico__fail(ctx, BICO_E_SHAPE, "fit_merge: row count overflows");
-  const size_t count = 2 * dst->a * dst->a + dst->d_out * dst->a;
+  if ((dst->th != NULL) != (src->th != NULL))
+    return bico__fail(ctx, BICO_E_STATE,
+                      "fit_merge: one fit accumulates its right-hand side "
+                      "for a given weight (theta mode), the other not");
+  if (src->th != NULL &&
+      memcmp(src->th, dst->th, dst->d_out * dst->a * sizeof(double)) != 0)
+    return bico__fail(ctx, BICO_E_STATE,
+                      "fit_merge: the fits were given different weights");
+  if (dst->th == NULL && src->k != NULL && dst->k == NULL) {
+    dst->k = bico__calloc(ctx, dst->a * dst->a, sizeof(double));
+    if (dst->k == NULL) return BICO_E_NOMEM;
+  }
+  const size_t count = dst->a * dst->a + dst->d_out * dst->a;
+  const size_t kk = src->k != NULL ? dst->a * dst->a : 0;
   if (src == dst) {
     for (size_t i = 0; i < count; i++) dst->g[i] *= 2.0;
+    for (size_t i = 0; i < kk; i++) dst->k[i] *= 2.0;
   } else {
     for (size_t i = 0; i < count; i++) dst->g[i] += src->g[i];
+    for (size_t i = 0; i < kk; i++) dst->k[i] += src->k[i];
   }
   dst->rows += src->rows;
   return BICO_OK;
@@ -394,6 +454,15 @@ static void chol_solve(const bico_ctx *ctx, int n, int nrhs, const double *u,
                (inc_t)n, NULL, &rntm);
 }
 
+/* Rows of K - G per GEMM of the right-hand side (K mode). */
+#define FIT_PANEL 256
+
+/* amat = G + lambda P (a x a). */
+static void normal_matrix(const bico_fit *f, double lambda, double *amat) {
+  memcpy(amat, f->g, f->a * f->a * sizeof(double));
+  for (size_t j = 0; j < f->d_in; j++) amat[j * f->a + j] += lambda;
+}
+
 bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
                            const float *b_b, float *dw, size_t ld_dw,
                            float *db, size_t *rank) {
@@ -434,16 +503,20 @@ bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
     return BICO_OK;
   }
 
-  /* Workspace: A (a x a; the dpstrf copy needs a x a + 2a), M (a x a),
-   * Theta^T and the right-hand sides (d_out x a each), pivots. */
+  /* Workspace: A (a x a; the dpstrf copy needs a x a + 2a, and the
+   * Cholesky factor overwrites A, which the fallback rebuilds from G),
+   * Theta^T and the right-hand sides (d_out x a each), a panel of K - G
+   * (FIT_PANEL x a), pivots. */
   size_t aa = a * a, ea = d_out * a; /* both fit: create checked them */
-  double *amat = bico__alloc(ctx, (2 * aa + 2 * a + 2 * ea) * sizeof(double));
+  const size_t panel = a < FIT_PANEL ? a : FIT_PANEL;
+  double *amat = bico__alloc(
+      ctx, (aa + 2 * a + 2 * ea + (f->th ? 0 : panel * a)) * sizeof(double));
   int *piv = amat ? bico__alloc(ctx, a * sizeof(int)) : NULL;
   if (piv == NULL) {
     bico__free(ctx, amat);
     return BICO_E_NOMEM;
   }
-  double *mm = amat + aa + 2 * a, *tht = mm + aa, *rhs = tht + ea;
+  double *tht = amat + aa + 2 * a, *rhs = tht + ea, *mm = rhs + ea;
   size_t rk = 0;
   /* The rank only when the caller asks for it (a pointer) or the solve
    * needs it (no ridge: a singular G goes to the eigendecomposition).
@@ -455,28 +528,34 @@ bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
   const int need_rank = rank != NULL || lambda == 0;
   if (need_rank && (st = rank_of(f, amat, piv, &rk))) goto done;
 
-  /* Right-hand sides: (K - G) Theta + E, stored transposed (d_out x a). */
-  for (size_t i = 0; i < aa; i++) mm[i] = f->k[i] - f->g[i];
-  for (size_t o = 0; o < d_out; o++) {
-    for (size_t j = 0; j < d_in; j++) tht[o * a + j] = w_b[o * ld_w + j];
-    if (bias) tht[o * a + d_in] = b_b[o];
-  }
+  /* Right-hand sides, stored transposed (d_out x a): E in theta mode (it
+   * holds the whole right-hand side), else (K - G) Theta + E, K - G taken
+   * a panel of rows at a time. */
   memcpy(rhs, f->et, ea * sizeof(double));
-  bico__dgemm(ctx, 0, 1, d_out, a, a, 1.0, tht, a, mm, a, 1.0, rhs, a);
-
-  memcpy(amat, f->g, aa * sizeof(double));
-  for (size_t j = 0; j < d_in; j++) amat[j * a + j] += lambda;
+  if (f->th == NULL) {
+    for (size_t o = 0; o < d_out; o++) {
+      for (size_t j = 0; j < d_in; j++) tht[o * a + j] = w_b[o * ld_w + j];
+      if (bias) tht[o * a + d_in] = b_b[o];
+    }
+    for (size_t i0 = 0; i0 < a; i0 += panel) {
+      const size_t p = a - i0 < panel ? a - i0 : panel;
+      for (size_t e = 0; e < p * a; e++)
+        mm[e] = f->k[i0 * a + e] - f->g[i0 * a + e];
+      /* columns i0 .. i0+p of Theta^T (K - G)^T */
+      bico__dgemm(ctx, 0, 1, d_out, p, a, 1.0, tht, a, mm, a, 1.0, rhs + i0,
+                  a);
+    }
+  }
 
   /* Cholesky unless it is known to fail (no ridge and G singular). */
   int solved = 0;
   const int na = (int)a, nr = (int)d_out;
   if (!(lambda == 0 && rk < a)) {
-    int info = 0;
-    memcpy(mm, amat, aa * sizeof(double)); /* keep A for the fallback */
-    info = chol_upper(ctx, na, mm);
+    normal_matrix(f, lambda, amat);
+    int info = chol_upper(ctx, na, amat);
     if (info == 0) {
       memcpy(tht, rhs, ea * sizeof(double)); /* keep rhs for the fallback */
-      chol_solve(ctx, na, nr, mm, tht);
+      chol_solve(ctx, na, nr, amat, tht);
       if (
           bico__check_finite_f64(NULL, fn, "solution", tht, 1, ea, ea) ==
               BICO_OK) {
@@ -485,7 +564,10 @@ bico_status bico_fit_solve(bico_fit *f, const float *w_b, size_t ld_w,
       }
     }
   }
-  if (!solved && (st = eig_solve(f, amat, rhs, d_out))) goto done;
+  if (!solved) {
+    normal_matrix(f, lambda, amat); /* (again: the factor overwrote it) */
+    if ((st = eig_solve(f, amat, rhs, d_out))) goto done;
+  }
 
   for (size_t o = 0; o < d_out; o++) {
     for (size_t j = 0; j < d_in; j++) dw[o * ld_dw + j] = (float)rhs[o * a + j];

@@ -65,6 +65,11 @@ static bico_status run_group(bico_ctx *ctx, const bico_fit_runner *r,
     st = bico_fit_create(ctx, q->d_in, q->d_out,
                          q->b != NULL ? BICO_FIT_BIAS : 0, &q->fit);
     if (st == BICO_OK) st = bico_fit_set_param(q->fit, BICO_FIT_RIDGE, ridge);
+    /* Fewer outputs than inputs: the right-hand side for this W_B takes
+     * d_out x a doubles where K takes a x a (a down projection's K is
+     * its largest matrix), and fewer flops. */
+    if (st == BICO_OK && q->d_out < q->d_in + (q->b != NULL))
+      st = bico__fit_use_theta(q->fit, q->w, q->ld_w, q->b);
     if (st != BICO_OK) {
       st = bico__fail(ctx, st, "fit_run: layer %zu: %s", l + i,
                       bico_ctx_errmsg(ctx));
