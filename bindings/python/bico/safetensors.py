@@ -176,6 +176,23 @@ class File(object):
             out = out.astype(_NP[dt]).reshape(shape)
         return out if dtype is None else out.astype(dtype)
 
+    def get_range(self, name, first, count, dtype=np.float32):
+        """Elements [first, first + count) of a tensor in row-major order
+        as a 1-D float32 (or float64) array, read without the rest of the
+        tensor (bico_stfile_read_f32_range): rows of a large table."""
+        i = self._find(name)
+        dt = np.dtype(dtype)
+        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise BicoError(E_ARG, "safetensors.get_range: dtype must be "
+                            "float32 or float64, got %s" % dt)
+        first = A.size(first, "first")
+        count = A.size(count, "count")
+        out = np.empty(count, dtype=dt)
+        f = fn.stfile_read_f32_range if dt == np.float32 else \
+            fn.stfile_read_f64_range
+        _check(f(self._ptr, i, first, out.ctypes.data, count), self.ctx)
+        return out
+
     def check_finite(self, name):
         _check(fn.stfile_check_finite(self._ptr, self._find(name)), self.ctx)
 
@@ -190,6 +207,120 @@ def read(path, dtype=None, with_metadata=False, ctx=None):
         out = {n: f.get(n, dtype) for n in f.keys()}
         meta = dict(f.metadata)
     return (out, meta) if with_metadata else out
+
+
+class Writer(object):
+    """A safetensors file or model folder written a tensor at a time
+    (bico_stwriter): declare every tensor first, then write each once in
+    any order, then commit; nothing appears at path until the commit (the
+    file or the whole folder is renamed or swapped in), and close() before
+    it removes what was written.  The folder rule is write()'s (path an
+    existing folder, ending in "/", or like a folder).
+
+        w = Writer("out/", like="B/", metadata={"k": "v"})
+        w.declare("model.norm.weight", "BF16", (1536,))
+        w.write("model.norm.weight", array)    # converted to the dtype
+        w.commit()
+    """
+
+    def __init__(self, path, like=None, metadata=None, max_shard_size=0,
+                 ctx=None):
+        path_b = A.cstr(path, "path", path=True)
+        like_b = None if like is None else A.cstr(like, "like", path=True)
+        max_shard_size = A.size(max_shard_size, "max_shard_size")
+        self.ctx = Context() if ctx is None else ctx
+        self._codes = {}
+        h = c_void_p()
+        if fn.stwriter_output_is_folder(path_b, like_b):
+            _check(fn.stwriter_create_folder(self.ctx._alive(), path_b,
+                                             like_b, max_shard_size,
+                                             ctypes.byref(h)), self.ctx)
+        else:
+            _check(fn.stwriter_create(self.ctx._alive(), path_b,
+                                      ctypes.byref(h)), self.ctx)
+        self._w = h.value
+        try:
+            for k, v in (metadata or {}).items():
+                _check(fn.stwriter_add_metadata(
+                    self._w, A.cstr(str(k), "metadata key"),
+                    A.cstr(str(v), "metadata value")), self.ctx)
+        except BaseException:
+            self.close()
+            raise
+
+    def _alive(self):
+        if not self._w:
+            raise ValueError("safetensors.Writer is closed")
+        return self._w
+
+    def declare(self, name, dtype, shape):
+        """A tensor: name, dtype ("F32", "BF16", ... or a code) and shape,
+        laid out in declaration order."""
+        code = _NAMES.get(dtype) if isinstance(dtype, str) else dtype
+        if code is None:
+            raise BicoError(E_ARG, "safetensors.Writer: unknown dtype %r for "
+                            "%s (known: %s)" % (dtype, name,
+                                                ", ".join(sorted(_NAMES))))
+        shape = tuple(int(x) for x in shape)
+        shp = (c_size_t * max(len(shape), 1))(*shape)
+        _check(fn.stwriter_declare(self._alive(), _enc(name, "tensor name"),
+                                   code, len(shape), shp), self.ctx)
+        self._codes[name] = code
+
+    def write(self, name, t):
+        """A declared tensor's values (NumPy or torch; a float tensor is
+        converted to the declared float dtype, round to nearest even;
+        integers and bool are taken when they convert exactly)."""
+        if name not in self._codes:
+            raise BicoError(E_ARG, "safetensors.Writer: %s was not declared"
+                            % name)
+        code = self._codes[name]
+        nm = _enc(name, "tensor name")
+        a = _native(A.plain(t))
+        a = a if a.flags.c_contiguous else np.array(a, order="C")
+        w = self._alive()
+        if code in _FLOATS and _FROM_NP.get(a.dtype) == code:
+            b = a.astype(a.dtype.newbyteorder("<"), copy=False)
+            _check(fn.stwriter_write_raw(w, nm, b.ctypes.data, b.nbytes),
+                   self.ctx)
+        elif code in _FLOATS:
+            if a.dtype == np.float64:
+                _check(fn.stwriter_write_f64(w, nm, a.ctypes.data, a.size),
+                       self.ctx)
+            else:
+                b = np.ascontiguousarray(a, dtype=np.float32)
+                _check(fn.stwriter_write_f32(w, nm, b.ctypes.data, b.size),
+                       self.ctx)
+        else:
+            b = np.array(_exact(a, code, name),
+                         dtype=np.dtype(_NP[code]).newbyteorder("<"),
+                         order="C")
+            _check(fn.stwriter_write_raw(w, nm, b.ctypes.data, b.nbytes),
+                   self.ctx)
+
+    def commit(self):
+        """Renames (or swaps) the output into place; then close()."""
+        _check(fn.stwriter_commit(self._alive()), self.ctx)
+        self.close()
+
+    def close(self):
+        """Frees the writer; before a commit, removes what was written."""
+        w, self._w = getattr(self, "_w", None), None
+        if w:
+            fn.stwriter_free(w)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def write(path, tensors, metadata=None, dtypes=None, ctx=None, like=None,

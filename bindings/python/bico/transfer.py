@@ -47,6 +47,18 @@ from ._xcov import XCov
 
 METHODS = tuple(_METHOD_CODES)
 
+
+class _TransferTensor(ctypes.Structure):
+    """bico_transfer_tensor (a partial run's tensor)."""
+    _fields_ = [("size", c_size_t), ("index", c_size_t),
+                ("name", ctypes.c_char_p), ("handling", ctypes.c_int),
+                ("update", ctypes.c_void_p), ("count", c_size_t),
+                ("report_entry", ctypes.c_char_p)]
+
+
+_SINK_FN = ctypes.CFUNCTYPE(ctypes.c_int, c_void_p,
+                            ctypes.POINTER(_TransferTensor))
+
 __all__ = ["Transfer", "transfer_files", "transfer_state_dict", "METHODS",
            "DEFAULT_SPLIT"]
 
@@ -79,6 +91,8 @@ class Transfer(_Handle):
         self._progress_cb = None
         self._progress_err = None
         self._lent = {}  # lent accumulators stay alive with the handle
+        self._sink_cb = None
+        self._sink_err = []
         if log:
             self.set_log(log)
         if progress is not None:
@@ -210,6 +224,67 @@ class Transfer(_Handle):
                                                     c_void_p), None),
                self.ctx)
 
+    def set_partial(self, names, sink):
+        """Makes the next runs partial (bico_transfer_set_partial): only
+        the target tensors in `names` are computed, nothing is written,
+        and sink(t) receives each, in the target's order, as a dict: name,
+        index, handling ("vector", "tied", "unchanged", ...), update (a
+        float32 NumPy view of alpha tau_B, valid during the call only:
+        copy what you keep; None when unchanged) and report (the tensor's
+        report entry, parsed).  An exception in sink stops the run and is
+        raised again by run().  names None restores whole runs."""
+        if names is None:
+            self._sink_cb = None
+            _check(fn.transfer_set_partial(self._alive(), None, 0, None,
+                                           None), self.ctx)
+            return
+        with _st.open(self._target_path()) as f:
+            order = f.keys()
+        want = set(names)
+        missing = sorted(want - set(order))
+        if missing:
+            raise BicoError(E_ARG, "Transfer.set_partial: the target has no "
+                            "tensor %s" % ", ".join(missing[:5]))
+        sel = (ctypes.c_ubyte * max(len(order), 1))(
+            *[1 if n in want else 0 for n in order])
+        err = self._sink_err = []
+
+        def call(opaque, tp):
+            try:
+                x = tp.contents
+                upd = None
+                if x.update and x.count:
+                    upd = np.ctypeslib.as_array(
+                        ctypes.cast(x.update, ctypes.POINTER(ctypes.c_float)),
+                        shape=(x.count,))
+                h = fn.transfer_handling_name(x.handling)
+                sink({"name": _dec(x.name), "index": x.index,
+                      "handling": _dec(h), "update": upd,
+                      "report": json.loads(_dec(x.report_entry) or "{}")})
+                return 0
+            except BaseException as e:
+                err.append(e)
+                return 12  # BICO_E_STATE: stops the run
+        self._sink_cb = _SINK_FN(call)
+        self._sel = sel
+        _check(fn.transfer_set_partial(self._alive(), sel, len(order),
+                                       ctypes.cast(self._sink_cb, c_void_p),
+                                       None), self.ctx)
+
+    def _target_path(self):
+        p = ctypes.c_char_p()
+        _check(fn.transfer_get_file(self._alive(), FILES["target_base"],
+                                    ctypes.byref(p)), self.ctx)
+        if p.value is None:
+            raise BicoError(E_ARG, "Transfer.set_partial: set the target "
+                            "base first")
+        path = _dec(p.value)
+        if os.path.isdir(path):
+            for n in ("model.safetensors.index.json", "model.safetensors"):
+                if os.path.exists(os.path.join(path, n)):
+                    return os.path.join(path, n)
+        return path
+
     def check(self, level="inputs"):
         """bico_transfer_check: the run's checks without the run.  level
         "options": which files go together and contradictions, no file
@@ -223,8 +298,11 @@ class Transfer(_Handle):
 
     def run(self):
         self._progress_err = None
+        self._sink_err = []
         st = fn.transfer_run(self._alive())
         err, self._progress_err = self._progress_err, None
+        if self._sink_err:
+            raise self._sink_err[0]
         _check(st, self.ctx)
         if err is not None:
             raise err

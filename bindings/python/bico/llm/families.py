@@ -82,10 +82,18 @@ class Attention(nn.Module):
     def forward(self, hidden_states, attention_mask=None,
                 position_embeddings=None, **kwargs):
         x = hidden_states
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.KV, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.KV, self.hd).transpose(1, 2)
+        return self.o_proj(self.core(self.q_proj(x), self.k_proj(x),
+                                     self.v_proj(x), attention_mask,
+                                     position_embeddings))
+
+    def core(self, q, k, v, attention_mask, position_embeddings):
+        """The attention between the projections: q, k, v (the q/k/v
+        projections' outputs, [B, T, *]) -> o_proj's input [B, T, H hd]
+        (what forward computes; the streamed runner calls it by stage)."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.H, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.KV, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.KV, self.hd).transpose(1, 2)
         cos, sin = position_embeddings
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -98,8 +106,7 @@ class Attention(nn.Module):
             s = s + attention_mask.to(s.dtype)
         a = torch.softmax(s.float() if s.dtype != torch.float64 else s,
                           dim=-1).to(v.dtype)
-        o = (a @ v).transpose(1, 2).reshape(B, T, self.H * self.hd)
-        return self.o_proj(o)
+        return (a @ v).transpose(1, 2).reshape(B, T, self.H * self.hd)
 
 
 class Mlp(nn.Module):
@@ -111,7 +118,11 @@ class Mlp(nn.Module):
         self.act = _ACT[cfg["act"]]
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.inner(x))
+
+    def inner(self, x):
+        """down_proj's input: act(gate(x)) * up(x)."""
+        return self.act(self.gate_proj(x)) * self.up_proj(x)
 
 
 class DecoderLayer(nn.Module):
@@ -318,3 +329,80 @@ def load_model(folder, dtype=None):
                         "%s decoder with %d layers has" % (path, e.args[0],
                                                            mt, cfg["L"]))
     return m.eval()
+
+
+# ---- one block at a time (the streamed runner, bico.llm.runtime) ----
+
+def stream_config(folder, names):
+    """The configuration load_model builds for a folder (the same dict a
+    loaded model's .model.cfg holds), from config.json and the weights'
+    tensor names alone: for running the decoder a block at a time."""
+    folder = str(folder)
+    raw = model_config(folder)
+    mt = raw.get("model_type")
+    if mt not in FAMILIES:
+        raise BicoError(E_UNSUPPORTED, "load_model: %s: model_type %r is not "
+                        "a decoder family bico.torch.load_model knows (%s); "
+                        "load it with transformers' AutoModelForCausalLM "
+                        "instead" % (os.path.join(folder, "config.json"), mt,
+                                     ", ".join(FAMILIES)))
+    gemma = mt == "gemma"
+    d = raw["hidden_size"]
+    H = raw["num_attention_heads"]
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or \
+        ("gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and act == "gelu":
+        act = "gelu_pytorch_tanh"
+    if act not in _ACT:
+        raise BicoError(E_UNSUPPORTED, "load_model: %s: hidden_act %r is not "
+                        "supported (known: %s)" % (os.path.join(
+                            folder, "config.json"), act, ", ".join(_ACT)))
+    tied = "lm_head.weight" not in names or \
+        bool(raw.get("tie_word_embeddings", gemma))
+    window = None
+    if mt == "mistral" or (mt == "qwen2" and raw.get("use_sliding_window")):
+        window = raw.get("sliding_window")
+    return dict(raw=raw, path=folder, type=mt, gemma=gemma, d=d, H=H,
+                KV=raw.get("num_key_value_heads") or H,
+                hd=raw.get("head_dim") or d // H,
+                L=raw["num_hidden_layers"],
+                eps=raw.get("rms_norm_eps", 1e-6),
+                theta=float(raw.get("rope_theta", 10000.0)),
+                rope_scaling=raw.get("rope_scaling"), act=act, tied=tied,
+                window=window)
+
+
+def decoder_layer(cfg, tensors, i):
+    """Decoder layer i built from its tensors ({"model.layers.i.<...>":
+    tensor}), as load_model builds it; eval mode.  A tensor of another
+    layer, or one missing, is an error naming it."""
+    t = dict(tensors)
+    p = "model.layers.%d." % i
+    try:
+        layer = DecoderLayer(cfg, t, p)
+    except KeyError as e:
+        raise BicoError(E_FORMAT, "load_model: %s lacks tensor %s, which a "
+                        "%s decoder with %d layers has" % (
+                            cfg["path"], e.args[0], cfg["type"], cfg["L"]))
+    if t:
+        raise BicoError(E_FORMAT, "load_model: %s: layer %d has tensors a %s "
+                        "decoder layer does not have: %s" % (
+                            cfg["path"], i, cfg["type"],
+                            ", ".join(sorted(t)[:5])))
+    return layer.eval()
+
+
+def positions(cfg, T, h, attention_mask=None):
+    """((cos, sin), mask) of Model.forward for T tokens and hidden states
+    h (their dtype and device): what every layer of a window receives."""
+    ft = torch.float64 if h.dtype == torch.float64 else torch.float32
+    pos = torch.arange(T, device=h.device, dtype=ft)
+    ang = pos[:, None] * _inv_freq(cfg).to(h.device, ft)[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+    mask = _causal_mask(T, cfg.get("window"), h)
+    if attention_mask is not None:
+        pad = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) \
+            * torch.finfo(h.dtype).min
+        mask = mask + pad
+    return (cos, sin), mask

@@ -1,0 +1,235 @@
+"""bico.llm.stream_fit: the sequential fit over decoders streamed a block at
+a time from their folders (the third sweep of the streamed runner).
+
+The library's driver (bico.fit.run, i.e. bico_fit_run) runs the loop: a
+block per target decoder layer, a group per run of linears that read one
+input (q/k/v, o, gate/up, down).  _StreamHost's callbacks do what
+bico.torch.fit's _FitHost does for nn.Modules, block by block:
+
+  block_begin  reads target block j, its source block i(j) and the tuned
+               source's; recomputes the source's and the target's block
+               forward and backward from the saved boundary states and
+               output gradients (bico.llm.stream_stats) for BiCo's output
+               statistics of the block's seven linears, solves their maps
+               (R_out) and frees the statistics; keeps the block's rows:
+               X_B (the target's inputs) per group and D = Y_At - Y_A
+               (the source linears' output change);
+  rows_group   advances the working target B' (B with the updates so
+               far, the norms BiCo carried) by one stage of the layer's
+               forward and adds the group's rows (X', X_B, D R_out);
+  update       W + dW into B', handed to the route's sink (the result's
+               writer, or the adapter's pair); the library's solve runs on
+               the run's context (its thread count);
+  block_end    B' runs its last stage: the next block's input.
+
+B' is computed once per block, a stage per group (no group's input is
+recomputed), the source pair once per target block, the target twice
+(the forward of the statistics, with its backward, gives X_B).  Rows and
+results are those of the in-memory host on the same batches: the fit's
+updates equal its updates bit for bit when the maps do."""
+import numpy as np
+import torch
+
+from .._procrustes import Procrustes
+from .._xcov import XCov
+from ..torch.fit import _carry, _out_map32
+from . import families as _fam
+from .runtime import GROUPS, LINEARS, NORMS, step
+from .stream_stats import _rows, block_backward
+
+__all__ = ["fit_blocks"]
+
+
+def fit_blocks(run, ridge, alpha=1.0, sink=None, report=None, rank=False,
+               progress=None):
+    """The sequential fit of every target block's linears (bico.fit.run
+    over the folders of run, a bico.llm.stream_stats.Run whose sweeps have
+    run).  sink(name, info) receives each layer's result: info holds
+    "weight" (the new weight, compute dtype), "bias" (or None), "old"
+    (the weight before), "inputs" (the X' rows the fit used, per batch,
+    float32 tensors).  report: a list receiving one dict per layer (as
+    transfer_model's).  progress(name, dw, rank) after each layer."""
+    from ..fit import run as _fit_run
+    host = _StreamHost(run, alpha, sink, report, progress)
+    try:
+        _fit_run(0, host.layer, None, host.update, ridge=ridge, ctx=run.ctx,
+                 rank=rank, blocks=run.B.L, block_begin=host.block_begin,
+                 block_end=host.block_end, group=host.group,
+                 rows_group=host.rows_group)
+    finally:
+        host.close()
+    return host
+
+
+class _StreamHost(object):
+    """fit_blocks' side of bico_fit_run (see the module's doc)."""
+
+    def __init__(self, run, alpha, sink, report, progress):
+        self.run, self.alpha, self.sink = run, alpha, sink
+        self.report, self.progress = report, progress
+        self.proc = Procrustes(ctx=run.ctx)
+        self.cur, self.info = {}, {}
+        self.at = 0  # the tuned source's states hold block `at`'s input
+        emb = run.carried.get(run.B.embed_name())
+        for b, (x, _) in enumerate(run.batches):
+            run.store.put(("hAt", b), run.embed_rows(run.At, x))
+            run.store.put(("hW", b), run.embed_rows(run.B, x, emb))
+
+    def close(self):
+        self.proc.close()
+        for b in range(len(self.run.batches)):
+            self.run.store.pop(("hAt", b))
+            self.run.store.pop(("hW", b))
+        self.cur.clear()
+
+    def _advance_tuned(self, s):
+        run, At = self.run, self.run.At
+        while self.at < s:
+            layer = At.layer(self.at)
+            with torch.no_grad():
+                for b, (x, _) in enumerate(run.batches):
+                    st = {"h": run.store.get(("hAt", b))}
+                    pe, mask = run.pe(At, x.shape[1])
+                    for g in range(5):
+                        step(layer, st, g, pe, mask)
+                    run.store.put(("hAt", b), st["out"])
+            self.at += 1
+
+    def block_begin(self, k, first):
+        run, A, At, B = self.run, self.run.A, self.run.At, self.run.B
+        j, s = k, run.depth[k]
+        self._advance_tuned(s)
+        la, lt, lb = A.layer(s), At.layer(s), B.layer(j)
+        pb, pa = "model.layers.%d." % j, "model.layers.%d." % s
+        xcs = {n: XCov(getattr(la.get_submodule(n), "out_features"),
+                       getattr(lb.get_submodule(n), "out_features"),
+                       ctx=run.ctx) for n in LINEARS}
+        d = {n: [] for n in LINEARS}
+        xb = {g: [] for g in range(len(GROUPS))}
+        for b, (x, _) in enumerate(run.batches):
+            T = x.shape[1]
+            ka, kb, kt = {}, {}, {}
+            block_backward(la, run.store.get(("hA", s, b)), *run.pe(A, T),
+                           run.store.get(("gA", s + 1, b)), keep=ka)
+            block_backward(lb, run.store.get(("hB", j, b)), *run.pe(B, T),
+                           run.store.get(("gB", j + 1, b)), keep=kb)
+            with torch.no_grad():
+                st = {"h": run.store.get(("hAt", b))}
+                for g in range(5):
+                    step(lt, st, g, *run.pe(At, T), keep=kt)
+            for n in LINEARS:
+                xcs[n].add(_rows(ka["grad"][n]), _rows(kb["grad"][n]))
+                d[n].append(torch.from_numpy(_rows(kt[n])) -
+                            torch.from_numpy(_rows(ka["out"][n])))
+            for g in range(len(GROUPS)):
+                xb[g].append(torch.from_numpy(_rows(kb["stages"]["x%d" % g])))
+            del ka, kb, kt, st
+        r_out = {}
+        for n in LINEARS:
+            r_out[n] = _out_map32(self.proc.solve(xcs[n])[0])
+            xcs[n].close()
+        del la, lt
+        tensors = lb.state_dict()
+        for nm in NORMS:
+            key = run.carried.get(pb + nm + ".weight")
+            if key is not None:
+                tensors[nm + ".weight"] = run.store.get(key)
+        work = _fam.decoder_layer(run.B.cfg, {pb + n: v for n, v in
+                                              tensors.items()}, j)
+        groups, l = {}, first
+        for g in GROUPS:
+            groups[l] = len(g)
+            l += len(g)
+        self.cur = dict(j=j, s=s, first=first, pb=pb, pa=pa, d=d, xb=xb,
+                        r_out=r_out, work=work, groups=groups,
+                        st=[{"h": run.store.get(("hW", b))}
+                            for b in range(len(run.batches))], done=0)
+        return len(LINEARS)
+
+    def group(self, l):
+        return self.cur["groups"][l]
+
+    def layer(self, l):
+        cur = self.cur
+        n = LINEARS[l - cur["first"]]
+        lin = cur["work"].get_submodule(n)
+        w = lin.weight.detach().float().numpy()
+        b = lin.bias.detach().float().numpy() if lin.bias is not None \
+            else None
+        self.info[l] = {"name": cur["pb"] + n, "short": n,
+                        "source": cur["pa"] + n, "w": w, "b": b}
+        return w, b
+
+    def rows_group(self, l, fits):
+        cur, run = self.cur, self.run
+        g = [i for i, grp in enumerate(GROUPS)
+             if LINEARS[l - cur["first"]] == grp[0]][0]
+        with torch.no_grad():  # B' one stage further (this group's input)
+            for b, (x, _) in enumerate(run.batches):
+                pe, mask = run.pe(run.B, x.shape[1])
+                for i in range(cur["done"], g + 1):
+                    step(cur["work"], cur["st"][b], i, pe, mask)
+            cur["done"] = max(cur["done"], g + 1)
+        xs = [_rows(st["x%d" % g]) for st in cur["st"]]
+        for i, f in enumerate(fits):
+            it = self.info[l + i]
+            n = it["short"]
+            for bi in range(len(run.batches)):
+                x1, x0 = xs[bi], cur["xb"][g][bi].numpy()
+                dd = cur["d"][n][bi]
+                if dd.shape[0] != x1.shape[0]:
+                    raise_rows(it, x1, dd, bi)
+                db_ = _carry(dd.numpy(), cur["r_out"][n], self.alpha)
+                f.add(np.ascontiguousarray(x1), np.ascontiguousarray(x0),
+                      db_)
+            it["rows"] = int(f.rows)
+            it["group"] = g
+            cur["d"][n] = None
+            cur["r_out"][n] = None
+        cur["xb"][g] = None
+
+    def update(self, l, dw, dbias, rk):
+        it = self.info.pop(l)
+        cur = self.cur
+        lin = cur["work"].get_submodule(it["short"])
+        old = lin.weight.detach()
+        with torch.no_grad():
+            lin.weight = torch.nn.Parameter(torch.from_numpy(
+                it["w"] + dw).to(old.dtype), requires_grad=False)
+            if it["b"] is not None:
+                lin.bias = torch.nn.Parameter(torch.from_numpy(
+                    it["b"] + dbias).to(lin.bias.dtype), requires_grad=False)
+        if self.sink is not None:
+            g = it["group"]
+            self.sink(it["name"], {
+                "weight": lin.weight.detach(), "old": old,
+                "bias": None if lin.bias is None else lin.bias.detach(),
+                "inputs": [st["x%d" % g] for st in cur["st"]]})
+        if self.report is not None:
+            self.report.append({
+                "name": it["name"], "source": it["source"], "handling": "fit",
+                "rows": it["rows"], "rank": None if rk is None else int(rk),
+                "update_norm": float(np.sqrt(
+                    np.sum(np.square(dw)) + (0.0 if dbias is None else
+                                             np.sum(np.square(dbias)))))})
+        if self.progress is not None:
+            self.progress(it["name"], dw, rk)
+
+    def block_end(self, k):
+        cur, run = self.cur, self.run
+        with torch.no_grad():
+            for b, (x, _) in enumerate(run.batches):
+                st = cur["st"][b]
+                pe, mask = run.pe(run.B, x.shape[1])
+                for g in range(cur["done"], 5):
+                    step(cur["work"], st, g, pe, mask)
+                run.store.put(("hW", b), st["out"])
+        self.cur = {}
+
+
+def raise_rows(it, x1, dd, bi):
+    from .._status import BicoError, E_SHAPE
+    raise BicoError(E_SHAPE, "streamed fit: %s has %d rows in the target, "
+                    "its source %s %d (batch %d): source and target must "
+                    "see the same tokens" % (it["name"], x1.shape[0],
+                                             it["source"], dd.shape[0], bi))
