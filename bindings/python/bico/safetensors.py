@@ -298,6 +298,25 @@ class Writer(object):
             _check(fn.stwriter_write_raw(w, nm, b.ctypes.data, b.nbytes),
                    self.ctx)
 
+    def write_range(self, name, first, t):
+        """Elements [first, first + t.size) of a declared float tensor, in
+        row-major order (bico_stwriter_write_f32_range / _f64_range:
+        pieces go in order, each where the last ended); float64 values
+        are converted from double, anything else from float32."""
+        if name not in self._codes:
+            raise BicoError(E_ARG, "safetensors.Writer: %s was not declared"
+                            % name)
+        a = _native(A.plain(t))
+        nm = _enc(name, "tensor name")
+        first = A.size(first, "first")
+        if a.dtype == np.float64:
+            b = np.ascontiguousarray(a)
+            f = fn.stwriter_write_f64_range
+        else:
+            b = np.ascontiguousarray(a, dtype=np.float32)
+            f = fn.stwriter_write_f32_range
+        _check(f(self._alive(), nm, first, b.ctypes.data, b.size), self.ctx)
+
     def commit(self):
         """Renames (or swaps) the output into place; then close()."""
         _check(fn.stwriter_commit(self._alive()), self.ctx)

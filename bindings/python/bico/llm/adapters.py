@@ -136,6 +136,69 @@ def low_rank(delta, r, gram=None):
     return u, u.T @ d
 
 
+def balanced_pair(dk, r, c=None):
+    """The rank-r pair (B [d_out, r], A [r, d_in], float64) of update dk
+    (low_rank with gram c), padded with zeros to rank r and balanced (B
+    and A of equal norm), before PEFT's lora_alpha / r scale."""
+    b, a = low_rank(dk, r, c)
+    if b.shape[1] < r:  # pad to r (PEFT's rank is one number)
+        b = torch.cat([b, b.new_zeros(b.shape[0], r - b.shape[1])], 1)
+        a = torch.cat([a, a.new_zeros(r - a.shape[0], a.shape[1])], 0)
+    # balance the factors' sizes; PEFT multiplies by lora_alpha / r
+    nb, na = float(b.norm()), float(a.norm())
+    if nb > 0 and na > 0:
+        s = math.sqrt(na / nb)
+        b, a = b * s, a / s
+    return b, a
+
+
+def adapter_meta(metadata, left_out):
+    """adapter_model.safetensors' metadata."""
+    meta = {"format": "pt"}
+    meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    if left_out:
+        meta["bico_left_out"] = ",".join(left_out)
+    return meta
+
+
+def adapter_config(r, alpha, target_modules, saved_mods,
+                   base_model_name_or_path, task_type="CAUSAL_LM",
+                   lora_dropout=0.0):
+    """PEFT's adapter_config.json for a LoRA adapter save_adapter writes."""
+    return {"peft_type": "LORA", "task_type": task_type, "r": r,
+            "lora_alpha": alpha, "target_modules": target_modules,
+            "lora_dropout": lora_dropout, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": sorted(saved_mods) or None,
+            "base_model_name_or_path": base_model_name_or_path,
+            "revision": None, "rank_pattern": {}, "alpha_pattern": {},
+            "layers_to_transform": None, "layers_pattern": None}
+
+
+def adapter_note(report, weighted, metadata):
+    """bico_adapter.json: what was left out, the factorization, the
+    choices recorded."""
+    note = {"left_out": report["left_out"],
+            "left_out_norm": report["left_out_norm"],
+            "factorization": "reduced-rank regression (input-weighted)"
+            if weighted else "truncated SVD"}
+    note.update(metadata or {})
+    return note
+
+
+def write_adapter_json(folder, cfg, note):
+    """bico_adapter.json and adapter_config.json into folder (PEFT and
+    libbico refuse fields they do not know in adapter_config.json: the
+    note goes beside it)."""
+    with open(os.path.join(str(folder), "bico_adapter.json"), "w") as f:
+        json.dump(note, f, indent=2, sort_keys=True)
+    tmp = os.path.join(str(folder), "adapter_config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(str(folder), "adapter_config.json"))
+
+
 def _module_names(model):
     if isinstance(model, nn.Module):
         sd = model.state_dict()
@@ -248,15 +311,7 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
         if dk is None:
             dk = torch.zeros(tuple(sd[w].shape), dtype=torch.float64)
         c = None if covariance is None else covariance.get(m)
-        b, a = low_rank(dk, r, c)
-        if b.shape[1] < r:  # pad to r (PEFT's rank is one number)
-            b = torch.cat([b, b.new_zeros(b.shape[0], r - b.shape[1])], 1)
-            a = torch.cat([a, a.new_zeros(r - a.shape[0], a.shape[1])], 0)
-        # balance the factors' sizes; PEFT multiplies by lora_alpha / r
-        nb, na = float(b.norm()), float(a.norm())
-        if nb > 0 and na > 0:
-            s = math.sqrt(na / nb)
-            b, a = b * s, a / s
+        b, a = balanced_pair(dk, r, c)
         b = b * (r / alpha)
         dt = dtype or (target_dtypes or {}).get(w) or sd[w].dtype
         pre = "base_model.model." + m
@@ -295,35 +350,14 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
     lost = sum(float(changed[k].pow(2).sum()) for k in report["left_out"])
     report["left_out_norm"] = math.sqrt(lost / tot) if tot > 0 else 0.0
     os.makedirs(str(folder), exist_ok=True)
-    meta = {"format": "pt"}
-    meta.update({k: str(v) for k, v in (metadata or {}).items()})
-    if report["left_out"]:
-        meta["bico_left_out"] = ",".join(report["left_out"])
+    meta = adapter_meta(metadata, report["left_out"])
     _st.write(os.path.join(str(folder), "adapter_model.safetensors"),
               tensors, metadata=meta)
-    cfg = {"peft_type": "LORA", "task_type": task_type, "r": r,
-           "lora_alpha": alpha, "target_modules": target_modules,
-           "lora_dropout": lora_dropout, "bias": "none",
-           "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-           "init_lora_weights": True, "inference_mode": True,
-           "modules_to_save": sorted(saved_mods) or None,
-           "base_model_name_or_path": base_model_name_or_path,
-           "revision": None, "rank_pattern": {}, "alpha_pattern": {},
-           "layers_to_transform": None, "layers_pattern": None}
-    bico_note = {"left_out": report["left_out"],
-                 "left_out_norm": report["left_out_norm"],
-                 "factorization": "reduced-rank regression (input-weighted)"
-                 if covariance is not None else "truncated SVD"}
-    bico_note.update(metadata or {})
+    cfg = adapter_config(r, alpha, target_modules, saved_mods,
+                         base_model_name_or_path, task_type, lora_dropout)
     report["config"] = cfg
     if return_effective:
         report["effective"] = eff
-    # PEFT and libbico refuse fields they do not know in
-    # adapter_config.json: the note goes beside it
-    with open(os.path.join(str(folder), "bico_adapter.json"), "w") as f:
-        json.dump(bico_note, f, indent=2, sort_keys=True)
-    tmp = os.path.join(str(folder), "adapter_config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(str(folder), "adapter_config.json"))
+    write_adapter_json(folder, cfg, adapter_note(
+        report, covariance is not None, metadata))
     return report

@@ -57,6 +57,12 @@ class _FitProgress(object):
     def __init__(self, total, quiet):
         self.total, self.quiet, self.n = total, quiet, 0
 
+    def line(self, dw, rank):
+        self.n += 1
+        _log(self.quiet, "fit: layer %d/%d (d_in %d, d_out %d%s)"
+             % (self.n, self.total, dw.shape[1], dw.shape[0],
+                "" if rank is None else ", rank %d" % rank))
+
     def __enter__(self):
         from .. import fit as _fit
         self._mod, self._orig = _fit, _fit.run
@@ -183,6 +189,20 @@ def _parser(prog):
                    "AutoModelForCausalLM (when installed) instead of "
                    "bico.torch.load_model: for families load_model does "
                    "not know")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for PyTorch and for libbico's statistics, "
+                   "maps and fit (default: PyTorch's count)")
+    p.add_argument("--in-memory", action="store_true",
+                   help="hold the models whole in memory (the route before "
+                   "streaming; --transformers implies it); default: run "
+                   "the models a block at a time from their folders")
+    p.add_argument("--memory-budget", type=float, default=64,
+                   help="MB of calibration states and fitted blocks kept in "
+                   "memory by the streamed run; beyond it they go to a "
+                   "temporary file (64)")
+    p.add_argument("--spill-dir", default=None,
+                   help="folder for that temporary file (default: the "
+                   "output's folder, else $TMPDIR; never an input folder)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -196,15 +216,7 @@ def _load(a, dt, tmp, q):
         tuned = _tuned_from_lora(a.source, a.lora, tmp)
     _log(q, "loading %s, %s, %s" % (a.source, a.source_tuned or a.lora,
                                      a.target))
-    toks = [os.path.join(f, "tokenizer.json") for f in (a.source,
-                                                         a.target)]
-    if all(os.path.exists(t) for t in toks):
-        with open(toks[0], "rb") as f1, open(toks[1], "rb") as f2:
-            if f1.read() != f2.read():
-                print("python3 -m bico.llm: warning: %s and %s differ; "
-                      "the fit assumes one tokenizer (token ids mean "
-                      "the same in both models)" % tuple(toks),
-                      file=sys.stderr)
+    _warn_tokenizers(a)
     load = _transformers_loader() if a.transformers else load_model
     src, srt, tgt = (load(f, dtype=dt)
                      for f in (a.source, tuned, a.target))
@@ -219,6 +231,18 @@ def _load(a, dt, tmp, q):
                  "F32": torch.float32, "F64": torch.float64}
         tdtypes = {k: names[v] for k, v in files.items() if v in names}
     return src, srt, tgt, tdtypes
+
+
+def _warn_tokenizers(a):
+    toks = [os.path.join(f, "tokenizer.json") for f in (a.source,
+                                                         a.target)]
+    if all(os.path.exists(t) for t in toks):
+        with open(toks[0], "rb") as f1, open(toks[1], "rb") as f2:
+            if f1.read() != f2.read():
+                print("python3 -m bico.llm: warning: %s and %s differ; "
+                      "the fit assumes one tokenizer (token ids mean "
+                      "the same in both models)" % tuple(toks),
+                      file=sys.stderr)
 
 
 def _calibration(a, q):
@@ -265,7 +289,7 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
                                  # the scale is chosen below, on
                                  # the text's own held-out windows
                                  alpha=1.0, holdout=0,
-                                 show_progress=not q)
+                                 show_progress=not q, threads=a.threads)
         delta = {k: new[k].double() - base[k].double() for k in base
                  if k in new}
         eff, rep = delta, None
@@ -298,11 +322,8 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
     return base, best
 
 
-def _write(a, tgt, base, best, cal, tdtypes):
-    """The chosen update written: an adapter (--output-lora) or a model
-    folder (--output), what was chosen printed and recorded."""
-    loss, ridge, al, delta, rep, scores, cov = best
-    zero = lm_loss(tgt, cal.held_out)
+def _meta(a, al, ridge, loss, zero, cal):
+    """What was chosen, printed and recorded in the output's metadata."""
     meta = {"bico_transfer_method": "fit", "bico_alpha": "%g" % al,
             "bico_ridge": "%g" % ridge,
             "bico_heldout_loss": "%.6g" % loss,
@@ -317,6 +338,15 @@ def _write(a, tgt, base, best, cal, tdtypes):
     if al == 0:
         print("note: no scale helped on the held-out windows: the "
               "output is the target unchanged", flush=True)
+    return meta
+
+
+def _write(a, tgt, base, best, cal, tdtypes):
+    """The chosen update written: an adapter (--output-lora) or a model
+    folder (--output), what was chosen printed and recorded."""
+    loss, ridge, al, delta, rep, scores, cov = best
+    zero = lm_loss(tgt, cal.held_out)
+    meta = _meta(a, al, ridge, loss, zero, cal)
     scaled = {k: v * al for k, v in delta.items()}
     if a.output_lora:
         saves = [s for s in a.modules_to_save.split(",") if s]
@@ -346,6 +376,86 @@ def _write(a, tgt, base, best, cal, tdtypes):
         print("wrote %s" % a.output, flush=True)
 
 
+def _run_streamed(a, dt, tmp, q, ridges, alpha_arg):
+    """The fit with the models run a block at a time from their folders
+    (bico.llm.stream_route): the statistics, one fit per ridge, the
+    held-out choice and the output, in memory that does not grow with
+    the models' depth; the same choices, lines and outputs as the
+    in-memory route."""
+    from .runtime import spill_folder
+    from .stream_route import StreamedFit, lm_loss_of
+    tuned = a.source_tuned
+    if a.lora:
+        _log(q, "merging %s into %s" % (a.lora, a.source))
+        tuned = _tuned_from_lora(a.source, a.lora, tmp)
+    _warn_tokenizers(a)
+    cal = _calibration(a, q)
+    spill = spill_folder(a.output or a.output_lora,
+                         [a.source, a.source_tuned, a.target, a.lora],
+                         a.spill_dir)
+    kind = "adapter" if a.output_lora else "model"
+    saves = [x for x in a.modules_to_save.split(",") if x]
+    grid = GRID if alpha_arg == "auto" else [alpha_arg]
+    with StreamedFit(a.source, tuned, a.target, cal.batches, cal.held_out,
+                     dtype=dt, threads=a.threads,
+                     budget=int(a.memory_budget * 2 ** 20), spill_dir=spill,
+                     log=lambda line: _log(q, line)) as sf:
+        n_lin = 7 * sf.run.B.L
+        best, losses = None, {}
+        for j, ridge in enumerate(ridges):
+            _log(q, "fit: ridge %g, %d layers" % (ridge, n_lin))
+            prog = _FitProgress(n_lin, q)
+            res = sf.fit(ridge, kind=kind, rank=a.rank, saves=saves,
+                         progress=lambda n, dw, rk: prog.line(dw, rk))
+            scores = {al: lm_loss_of(v) for al, v in
+                      sf.score(res, grid).items()}
+            for al in (grid if alpha_arg == "auto" else ()):
+                _log(q, "alpha %-5g held-out loss %.4f" % (al, scores[al]))
+            al = pick(scores) if alpha_arg == "auto" else alpha_arg
+            losses[j] = scores[al]
+            if pick(losses) == j:   # the least held-out loss so far
+                if best is not None:
+                    best[3].drop()
+                best = (scores[al], ridge, al, res, scores)
+            else:
+                res.drop()
+        loss, ridge, al, res, scores = best
+        zero = scores[0.0] if 0.0 in scores else \
+            lm_loss_of(sf.score(res, [0.0])[0.0])
+        meta = _meta(a, al, ridge, loss, zero, cal)
+        if a.output_lora:
+            rep = sf.write_adapter(
+                res, a.output_lora, al, lora_alpha=a.lora_alpha,
+                metadata=meta, base_model=a.base_model_name_or_path or
+                os.path.abspath(a.target))
+            print("wrote %s: %d LoRA pairs (rank %d), %d saved tensors; "
+                  "left out: %s (%.1f %% of the update's norm)" % (
+                      a.output_lora, len(rep["modules"]), a.rank,
+                      len(rep["saved"]), ", ".join(rep["left_out"])
+                      or "nothing", 100 * rep["left_out_norm"]), flush=True)
+        else:
+            dest = a.output if a.output.endswith("/") else a.output + "/"
+            sf.write_model(res, dest, al, dict(meta, format="pt"))
+            print("wrote %s" % a.output, flush=True)
+
+
+def _tmp_folder():
+    """The command's temporary folder (a merged LoRA source): named with
+    the process id; those of processes that no longer run (a SIGKILL)
+    are removed first."""
+    from .runtime import _alive
+    base = tempfile.gettempdir()
+    try:
+        for n in os.listdir(base):
+            pid = n[len("bico-llm-"):].split("-", 1)[0]
+            if n.startswith("bico-llm-") and pid.isdigit() and \
+                    not _alive(int(pid)):
+                shutil.rmtree(os.path.join(base, n), ignore_errors=True)
+    except OSError:
+        pass
+    return tempfile.mkdtemp(prefix="bico-llm-%d-" % os.getpid())
+
+
 def main(argv=None, prog="python3 -m bico.llm"):
     p = _parser(prog)
     a = p.parse_args(argv)
@@ -359,15 +469,28 @@ def main(argv=None, prog="python3 -m bico.llm"):
             alpha_arg = float(alpha_arg)
     except ValueError as e:
         p.error("--ridge / --alpha: %s" % e)
-    tmp = tempfile.mkdtemp(prefix="bico-llm-")
+    if a.threads is not None:
+        if a.threads < 1:
+            p.error("--threads must be at least 1")
+        torch.set_num_threads(a.threads)
+    from .runtime import signals, Killed
+    tmp = _tmp_folder()
     try:
-        src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
-        cal = _calibration(a, q)
-        base, best = _fit_and_choose(a, src, srt, tgt, cal, ridges,
-                                     alpha_arg, tmp, q)
-        _write(a, tgt, base, best, cal, tdtypes)
+        with signals():
+            if a.in_memory or a.transformers:
+                src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
+                cal = _calibration(a, q)
+                base, best = _fit_and_choose(a, src, srt, tgt, cal, ridges,
+                                             alpha_arg, tmp, q)
+                _write(a, tgt, base, best, cal, tdtypes)
+            else:
+                _run_streamed(a, dt, tmp, q, ridges, alpha_arg)
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
+    except Killed as e:  # SIGTERM / SIGHUP: clean up, then die of it
+        shutil.rmtree(tmp, ignore_errors=True)
+        signals.reraise(e)
+        raise
     except BicoError as e:
         print("python3 -m bico.llm: %s" % e, file=sys.stderr)
         return 1
