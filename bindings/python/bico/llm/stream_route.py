@@ -32,18 +32,19 @@ class StreamedFit(object):
     dtype (None: the files'); threads: the library's and torch's thread
     count (None: torch's current one); budget: bytes of spilled tensors
     kept in memory; spill_dir: where the temporary file goes (None:
-    $TMPDIR); log: a function of one line."""
+    $TMPDIR); log: a function of one line; alpha: the scale BiCo carries
+    the norms and the embedding at (the fit's own scale is fit()'s)."""
 
     def __init__(self, source, tuned, target, batches, held=(),
                  dtype=torch.float32, threads=None, budget=DEFAULT_BUDGET,
-                 spill_dir=None, log=None):
+                 spill_dir=None, log=None, alpha=1.0):
         if threads is None:
             threads = torch.get_num_threads()
         torch.set_num_threads(int(threads))
         self.log = log or (lambda line: None)
         self.run = Run(source, tuned, target, batches, held, dtype=dtype,
                        threads=threads, budget=budget, spill_dir=spill_dir,
-                       log=self.log)
+                       log=self.log, alpha=alpha)
         self.fits = 0
         self.times = {}
         try:
@@ -110,3 +111,114 @@ def lm_loss_of(per):
 def mean_loss_of(per):
     """The mean of the per-batch losses (bico.torch.choose._mean_loss)."""
     return float(sum(v for v, _ in per) / len(per))
+
+
+def transfer_folders(kw):
+    """bico.torch.transfer_model(method="fit") on model folders (kw: its
+    arguments): the streamed fit, alpha and ridge chosen on held-out
+    batches as transfer_model chooses them (pick, rule "clear", the mean
+    of the per-batch losses), the result returned as a state dict or
+    written to kw["output"]."""
+    from .._status import BicoError, E_ARG
+    from ..torch.choose import pick, _resolve_heldout, _alpha_grid
+    from ..torch.transfer import _check_alpha, _check_fit_options
+    from .text import next_token_loss
+    if kw["loss_fn"] not in (None, next_token_loss) or kw["step"] is not None:
+        raise BicoError(E_ARG, "transfer_model: model folders run with the "
+                        "next-token loss on token-id batches; pass "
+                        "loss_fn=None (or next_token_loss), or load the "
+                        "models (load_model) for another loss")
+    batches = list(kw["batches"])
+    if not batches:
+        raise BicoError(E_ARG, "transfer_model: no calibration batches")
+
+    def loss_of(m, b):
+        return None
+    loss_of.static = True
+    alpha, fit_b, held = _resolve_heldout("fit", kw["alpha"], kw["holdout"],
+                                          batches, loss_of,
+                                          kw["alpha_grid"])
+    auto = _check_alpha("fit", alpha)
+    ridges, _ = _check_fit_options("fit", auto, kw["tied"], kw["ridge"],
+                                   kw["ridge_prior"], kw["general_batches"])
+    if kw["ridge_prior"] != "zero" or kw["general_batches"] is not None or \
+            "gcv" in ridges or kw["shared_out"] or kw["tied"] != "carry":
+        raise BicoError(E_ARG, "transfer_model: ridge_prior, "
+                        "general_batches, ridge='gcv', shared_out and "
+                        "tied='fit' need the models in memory (stream=False)")
+    grid = _alpha_grid(kw["alpha_grid"])
+    a = 1.0 if auto else alpha
+    budget = kw["memory_budget"] or DEFAULT_BUDGET
+    with StreamedFit(kw["source"], kw["source_tuned"], kw["target"], fit_b,
+                     held, threads=kw["threads"], budget=budget,
+                     spill_dir=kw["spill_dir"], alpha=a) as sf:
+        tried = []
+        for ridge in ridges:
+            frep = [] if kw["report"] is not None else None
+            res = sf.fit(ridge, alpha=a, report=frep)
+            scale, scores, per = 1.0, None, None
+            if auto:
+                per = {g: [v for v, _ in pb] for g, pb in
+                       sf.score(res, grid).items()}
+                scores = {g: mean_loss_of([(v, 0) for v in per[g]])
+                          for g in grid}
+                scale = pick(scores, per, rule="clear")
+            tried.append((scores[scale] if scores else 0.0, ridge, scale,
+                          scores, res, frep))
+        i = pick({j: t[0] for j, t in enumerate(tried)}) if auto else 0
+        _, ridge, scale, scores, res, frep = tried[i]
+        _report(kw, sf, frep, scale, scores, ridges, tried, fit_b, held)
+        if kw["output"] is not None:
+            sf.write_model(res, kw["output"], scale, {
+                "format": "pt", "bico_transfer_method": "fit",
+                "bico_alpha": "%g" % (scale if auto else alpha),
+                "bico_ridge": "%g" % ridge})
+            return {"output": kw["output"], "alpha": scale if auto else
+                    alpha, "ridge": ridge, "losses": scores}
+        return _state_dict(res, scale)
+
+
+def _report(kw, sf, frep, scale, scores, ridges, tried, fit_b, held):
+    rep = kw["report"]
+    if rep is None:
+        return
+    B = sf.run.B
+    rep.extend(sf.run.carry_report)
+    if B.cfg["tied"]:
+        rep.append({"name": "lm_head.weight", "handling": "shared",
+                    "shares": B.embed_name()})
+    rep.extend(frep or [])
+    if scores is None:
+        return
+    zero = scores.get(0.0)
+    if zero is None:
+        zero = mean_loss_of(sf.score(tried[0][4], [0.0])[0.0])
+    entry = {"alpha": scale, "rule": "heldout", "losses": scores,
+             "zero_shot": zero, "heldout_batches": len(held),
+             "fit_batches": len(fit_b)}
+    if len(ridges) > 1:
+        entry.update(ridge=tried[[t[1] for t in tried].index(
+            [t for t in tried if t[2] == scale][0][1])][1],
+            ridge_losses={t[1]: t[0] for t in tried})
+    rep.append(entry)
+
+
+def _state_dict(res, scale):
+    """The target's state dict moved by scale times the result (compute
+    dtype; a tied head the same tensor as the embedding), in float32 as
+    transfer_model's in-memory routes apply a chosen scale (_apply)."""
+    from .stream_out import _order
+    B = res.run.B
+    out = {}
+    for n in _order(B):
+        base = B.tensor(n)
+        d = res.delta(n, base)
+        if d is None or scale == 1.0:
+            out[n] = base if d is None else (base.double() + d).to(
+                base.dtype)
+            continue
+        d32 = (base.double() + d).to(base.dtype).float() - base.float()
+        out[n] = (base.float() + scale * d32).to(base.dtype)
+    if B.cfg["tied"]:
+        out["lm_head.weight"] = out[B.embed_name()]
+    return out

@@ -51,8 +51,10 @@ class Run(object):
 
     def __init__(self, source, tuned, target, batches, held=(),
                  dtype=torch.float32, threads=None, budget=None,
-                 spill_dir=None, logits_budget=LOGITS_BUDGET, log=None):
+                 spill_dir=None, logits_budget=LOGITS_BUDGET, log=None,
+                 alpha=1.0):
         self.dtype = dtype
+        self.alpha = float(alpha)  # the scale BiCo carries norms etc. at
         self.A = Folder(source, dtype)
         self.At = Folder(tuned, dtype)
         self.B = Folder(target, dtype)
@@ -81,6 +83,7 @@ class Run(object):
         self.log = log or (lambda *a: None)
         self._pe = {}
         self.carried = {}  # target tensor -> store key of its carried value
+        self.carry_report = []  # the library's report entries of those
 
     def close(self):
         self.store.close()
@@ -211,7 +214,7 @@ def _carry_tail(run):
 
 def carry(run, names, stats):
     """The target tensors `names` carried by the library's BiCo (method
-    bico at alpha 1, norm_map "act": a partial run on the folders, the
+    bico at run.alpha, norm_map "act": a partial run on the folders, the
     statistics lent from memory): each carried value (theta_B + update,
     in double, rounded once to the compute dtype, as the in-memory
     route's state dicts hold it) goes to the store under
@@ -221,6 +224,7 @@ def carry(run, names, stats):
 
     def sink(t):
         name, upd = t["name"], t["update"]
+        run.carry_report.append(t["report"])
         key = "carry/" + name
         shape = B.shapes[name]
         if upd is None:
@@ -243,7 +247,7 @@ def carry(run, names, stats):
                 run.store.folder or tempfile.gettempdir(),
                 ".bico-partial-%d.safetensors" % os.getpid()))
             t.set("method", "bico")
-            t.set("alpha", 1.0)
+            t.set("alpha", run.alpha)
             t.set("norm_map", "act")
             for mod, xc in stats.items():
                 t.set_xcov(mod, "in", xc)

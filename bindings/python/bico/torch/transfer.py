@@ -9,6 +9,7 @@ library's methods bico, bico-in, bico-out, gradfix, naive, pad),
 _route_proxy_fit and _route_proxy_distill (bico.torch.proxy).  Every scale
 or ridge chosen on held-out batches is chosen by bico.torch.choose."""
 import math
+import os
 
 import numpy as np
 import torch
@@ -62,7 +63,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    holdout="auto", alpha_grid=None, proxy_steps=8,
                    distill_steps=400, distill_lr=2e-3, distill_every=25,
                    threads=None, ridge_prior="zero", general_batches=None,
-                   **options):
+                   output=None, stream=True, spill_dir=None,
+                   memory_budget=None, **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -107,8 +109,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     held-out loss is measured, and the best state (the untouched target
     included) is returned.  Same vocabulary needed.
     threads (fit, bico*): the library's thread count (BICO_CTX_THREADS)
-    for the statistics and the fit's solves; None (default): the
-    library's context default (1).
+    for the statistics and the fit's solves; None (default): PyTorch's
+    (torch.get_num_threads()).
     shared_out (fit): target modules whose outputs are in the same
     coordinates as their source partner's (a classifier head over the same
     classes): D is used as it is, no output map.
@@ -142,12 +144,31 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     alpha_grid: the candidate scales for alpha="heldout" (numbers >= 0).
     The other options (split, ties, norm_map, source_blocks, target_blocks,
     rank_tol, null, center, whiten, ...) are those of transfer_state_dict.
+    Model folders (paths) instead of nn.Modules: method "fit" runs the
+    models a block at a time from the folders (bico.llm.stream_route: the
+    statistics, the fit and the held-out choice never hold a whole model;
+    Llama, Mistral, Qwen2 and Gemma folders, batches of token ids, the
+    next-token loss); the fit equals the in-memory one's bit for bit on
+    the same batches.  output: a folder to write the result to (the
+    library's folder writer, committed in one step; theta_B + alpha
+    delta rounded once to each file's dtype); then the return value is a
+    dict of what was chosen, else the new state dict as for modules.
+    spill_dir / memory_budget (bytes): where and beyond how much the
+    calibration states and fitted blocks go to a nameless temporary file.
+    stream=False, or another method: the folders are loaded whole
+    (load_model, float32) and run in memory.
     report: a list that receives one dict per target tensor (fit: one per
     fitted layer, with rows, rank and update_norm; and a dict with "alpha"
     and "rule" when it was chosen; for "heldout" also "losses" {candidate:
     held-out loss}, "zero_shot" (the untouched target's held-out loss),
     "heldout_batches" and "fit_batches").
     """
+    if any(_is_folder(m) for m in (source, source_tuned, target)):
+        kw = dict(locals())
+        kw.update(kw.pop("options"))
+        source, source_tuned, target, done = _folders(kw)
+        if done is not None:
+            return done
     batches = _check_models(method, source, source_tuned, target, batches)
     grid = _check_steps(method, alpha_grid, proxy_steps, distill_steps,
                         distill_every, distill_lr)
@@ -183,6 +204,34 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
              "proxy-fit": _route_proxy_fit,
              "fit": _route_fit}.get(method, _route_library)
     return route(r)
+
+
+# ---- model folders ----
+
+def _is_folder(m):
+    return isinstance(m, (str, os.PathLike))
+
+
+def _folders(kw):
+    """(source, source_tuned, target, result): method "fit" on folders
+    runs streamed (result: its return value); otherwise the folders are
+    loaded (result None) for the in-memory routes.  bico.llm is resolved
+    here, on first use, as the package's re-exports are: bico.torch does
+    not import it."""
+    import importlib
+    names = ("source", "source_tuned", "target")
+    if not all(_is_folder(kw[n]) for n in names):
+        raise BicoError(E_ARG, "transfer_model: %s are model folders but %s "
+                        "not: give three folders or three nn.Modules"
+                        % (", ".join(n for n in names if _is_folder(kw[n])),
+                           ", ".join(n for n in names
+                                     if not _is_folder(kw[n]))))
+    if kw["method"] == "fit" and kw["stream"]:
+        route = importlib.import_module("bico.llm.stream_route")
+        return None, None, None, route.transfer_folders(kw)
+    fam = importlib.import_module("bico.llm.families")
+    return tuple(fam.load_model(kw[n], dtype=torch.float32)
+                 for n in names) + (None,)
 
 
 # ---- the options, checked (in transfer_model's order) ----
@@ -347,8 +396,8 @@ def _statistics(r):
                               sums=bool(r.options.get("center")),
                               grams=bool(r.options.get("whiten")),
                               show_progress=r.show_progress,
-                              **({} if r.threads is None
-                                 else {"threads": r.threads}))
+                              threads=torch.get_num_threads()
+                              if r.threads is None else r.threads)
 
 
 def _route_fit(r):
@@ -524,7 +573,8 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
                                       _on(forward, _device(target)))
     # one context for the layers' fits (made and solved one at a time, on
     # this thread), at the caller's thread count
-    ctx = Context() if threads is None else Context(threads=threads)
+    ctx = Context(threads=torch.get_num_threads() if threads is None
+                  else threads)
     out = _host.fit_model(
         source, source_tuned, target, batches, _on(forward, _device(target)),
         maps, pairing, start, alpha, ridge, ctx, freport,
