@@ -388,6 +388,10 @@ def _run_streamed(a, dt, tmp, q, ridges, alpha_arg):
     if a.lora:
         _log(q, "merging %s into %s" % (a.lora, a.source))
         tuned = _tuned_from_lora(a.source, a.lora, tmp)
+    from .families import model_config, _weights_path
+    for f in (a.source, tuned, a.target):  # as loading them would
+        model_config(f)
+        _weights_path(f)
     _warn_tokenizers(a)
     cal = _calibration(a, q)
     spill = spill_folder(a.output or a.output_lora,

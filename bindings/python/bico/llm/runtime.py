@@ -447,6 +447,22 @@ class signals(object):
         os.kill(os.getpid(), e.signum)
 
 
+def test_point(point, i):
+    """A test hook (as the C front ends' BICO_MPI_TEST_KILL): with
+    BICO_STREAM_TEST_KILL=POINT:K[:SIGNAL] in the environment, the
+    process sends itself SIGNAL (KILL by default, or TERM) at the K-th
+    (from 1) passage of POINT ("fit": a layer's update, "write": a
+    tensor written), so that tests can stop a run where they want."""
+    spec = os.environ.get("BICO_STREAM_TEST_KILL")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] == point and int(parts[1]) == i + 1:
+        sig = getattr(signal, "SIG" + (parts[2] if len(parts) > 2
+                                       else "KILL"))
+        os.kill(os.getpid(), sig)
+
+
 def temp_sibling(dest):
     """A new hidden folder beside dest (same file system), named
     .<name>.bico-tmp.<pid>.XXXXXX as the library names its temporaries."""
@@ -513,11 +529,11 @@ def commit_folder(tmp, dest):
 def _exchange(a, b):
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
+        rename2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
-                   ctypes.c_char_p, ctypes.c_uint]
+    rename2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                        ctypes.c_char_p, ctypes.c_uint]
     at_cwd = -100
-    return fn(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b),
-              _RENAME_EXCHANGE) == 0
+    return rename2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b),
+                   _RENAME_EXCHANGE) == 0

@@ -34,7 +34,7 @@ from .._procrustes import Procrustes
 from .._xcov import XCov
 from ..torch.fit import _carry, _out_map32
 from . import families as _fam
-from .runtime import GROUPS, LINEARS, NORMS, step
+from .runtime import GROUPS, LINEARS, NORMS, step, test_point
 from .stream_stats import _rows, block_backward
 
 __all__ = ["fit_blocks"]
@@ -189,6 +189,7 @@ class _StreamHost(object):
         cur["xb"][g] = None
 
     def update(self, l, dw, dbias, rk):
+        test_point("fit", l)
         it = self.info.pop(l)
         cur = self.cur
         lin = cur["work"].get_submodule(it["short"])

@@ -32,7 +32,7 @@ from .. import safetensors as _st
 from . import families as _fam
 from .adapters import (balanced_pair, adapter_meta, adapter_config,
                        adapter_note, write_adapter_json)
-from .runtime import LINEARS, temp_sibling, commit_folder
+from .runtime import LINEARS, temp_sibling, commit_folder, test_point
 
 __all__ = ["Result", "score", "write_model", "write_adapter"]
 
@@ -276,7 +276,8 @@ def write_model(result, dest, alpha, metadata, chunk_rows=8192):
     with _st.Writer(dest, like=B.path, metadata=metadata) as w:
         for n in order:
             w.declare(n, B.dtypes[n], B.shapes[n])
-        for n in order:
+        for i, n in enumerate(order):
+            test_point("write", i)
             if len(B.shapes[n]) == 2 and n in (B.embed_name(),
                                                "lm_head.weight"):
                 _write_rows(result, w, n, alpha, chunk_rows)
@@ -413,7 +414,8 @@ def _adapter_tensors(result, w, mods, s, scale, alpha, chunk_rows=8192):
         w.declare(k, names[t.dtype], tuple(t.shape))
     for n in saved:
         w.declare("base_model.model." + n, B.dtypes[n], B.shapes[n])
-    for k, t in pairs:
+    for i, (k, t) in enumerate(pairs):
+        test_point("write", i)
         w.write(k, t.contiguous())
     for n in saved:
         key, dt = run.carried[n], _TORCH_OF[B.dtypes[n]]

@@ -167,7 +167,8 @@ def transfer_folders(kw):
                           scores, res, frep))
         i = pick({j: t[0] for j, t in enumerate(tried)}) if auto else 0
         _, ridge, scale, scores, res, frep = tried[i]
-        _report(kw, sf, frep, scale, scores, ridges, tried, fit_b, held)
+        _report(kw, sf, frep, scale, scores, ridge, ridges, tried, fit_b,
+                held)
         if kw["output"] is not None:
             sf.write_model(res, kw["output"], scale, {
                 "format": "pt", "bico_transfer_method": "fit",
@@ -178,7 +179,8 @@ def transfer_folders(kw):
         return _state_dict(res, scale)
 
 
-def _report(kw, sf, frep, scale, scores, ridges, tried, fit_b, held):
+def _report(kw, sf, frep, scale, scores, ridge, ridges, tried, fit_b,
+            held):
     rep = kw["report"]
     if rep is None:
         return
@@ -197,9 +199,7 @@ def _report(kw, sf, frep, scale, scores, ridges, tried, fit_b, held):
              "zero_shot": zero, "heldout_batches": len(held),
              "fit_batches": len(fit_b)}
     if len(ridges) > 1:
-        entry.update(ridge=tried[[t[1] for t in tried].index(
-            [t for t in tried if t[2] == scale][0][1])][1],
-            ridge_losses={t[1]: t[0] for t in tried})
+        entry.update(ridge=ridge, ridge_losses={t[1]: t[0] for t in tried})
     rep.append(entry)
 
 

@@ -318,7 +318,7 @@ def top_grad(norm, w, h, y, budget=LOGITS_BUDGET):
     return out.reshape(h.shape)
 
 
-def block_backward(layer, h, pe, mask, g, keep=None):
+def block_backward(layer, h, pe, mask, g, keep=None, hooked=True):
     """(gradient at the block's input, ...): the block's forward
     recomputed from its input h with gradients, then its backward from
     g, the gradient at its output.  keep (a dict) receives "grad" {linear:
@@ -327,10 +327,12 @@ def block_backward(layer, h, pe, mask, g, keep=None):
     them (bico.torch.collect): full backward hooks on every linear and
     norm (the nodes they add decide the order in which autograd sums the
     contributions to a shared input, q/k/v's), so that the values agree
-    bit for bit; the parameters' gradients are not computed."""
+    bit for bit; the parameters' gradients are not computed.  hooked
+    False: a source block no target block pairs with, which the collector
+    does not hook (keep must then be None)."""
     hh = h.detach().requires_grad_(True)
     outs, grads, hooks = {}, {}, []
-    for n, m in layer.named_modules():
+    for n, m in layer.named_modules() if hooked else ():
         if isinstance(m, torch.nn.Linear) or isinstance(m, _fam.RMSNorm):
             hooks.append(m.register_full_backward_hook(
                 lambda m, gi, go, n=n: grads.__setitem__(n, go[0])))
@@ -353,12 +355,14 @@ def backward_sweep(run, folder, hkey, gkey):
     L .. 1: the head's, then each block's backward from its saved input
     (the block read once, the batches through it)."""
     head_grads(run, folder, hkey, gkey)
+    partners = set(run.depth) if folder is run.A else None
     for i in range(folder.L - 1, 0, -1):
         layer = folder.layer(i)
         for b, (x, _) in enumerate(run.batches):
             pe, mask = run.pe(folder, x.shape[1])
             g = block_backward(layer, run.store.get((hkey, i, b)), pe, mask,
-                               run.store.get((gkey, i + 1, b)))
+                               run.store.get((gkey, i + 1, b)),
+                               hooked=partners is None or i in partners)
             run.store.put((gkey, i, b), g)
         del layer
     run.log("statistics: gradients of %s (%d blocks)" % (folder.path,

@@ -1,0 +1,366 @@
+"""The streamed runner (bico.llm.runtime, stream_stats, stream_fit,
+stream_out, stream_route): decoders run a block at a time from their
+folders give the in-memory route's results, hold what grows with depth in
+a spill store that leaves nothing behind, and leave no partial output
+when killed.
+
+References are computed independently of the code under test: the
+in-memory route on nn.Modules (bico.torch.transfer_model, bico.llm with
+--in-memory), load_model's whole-model forward, and the store's own
+bytes compared with what went in."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import bico.safetensors as st
+import bico.torch as bt
+from bico._status import BicoError
+from bico.llm import families as fam
+from bico.llm import runtime as rt
+from bico.llm.stream_route import StreamedFit
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import llama  # noqa: E402
+import llm_pair  # noqa: E402
+
+torch.set_num_threads(1)
+PY = [sys.executable, "-m", "bico.llm"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """llm_pair's folders (Qwen2-style, tied, sharded BF16, 16 -> 32
+    wide, 2 -> 3 layers) plus A_full: a full fine-tune of A (norms and
+    the embedding move too, so BiCo's carried tensors matter)."""
+    d = tmp_path_factory.mktemp("stream")
+    info = llm_pair.make(str(d))
+    text = open(d / "task.txt").read()
+    full = llm_pair.bf16(llm_pair.train_full(
+        llm_pair.CFG_A, info["sa"], llm_pair.byte_ids(text), steps=40))
+    llm_pair.write_model(str(d / "A_full"), llm_pair.CFG_A, full)
+    return d
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A Llama pair with untied heads (F32 folders, GQA, no biases)."""
+    d = tmp_path_factory.mktemp("untied")
+    g = torch.Generator().manual_seed(5)
+    ca = llama.default_config(vocab_size=64, hidden_size=16,
+                              intermediate_size=24, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2,
+                              tie_word_embeddings=False)
+    cb = llama.default_config(vocab_size=64, hidden_size=24,
+                              intermediate_size=40, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2,
+                              tie_word_embeddings=False)
+    sa = llama.random_state(ca, g)
+    sft = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+           for k, v in sa.items()}
+    for name, cfg, sd in (("A", ca, sa), ("A_ft", ca, sft),
+                          ("B", cb, llama.random_state(cb, g))):
+        llama.write_folder(str(d / name), cfg, sd)
+    ids = torch.randint(0, 64, (6, 4, 17), generator=g)
+    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in ids]
+    return d, batches
+
+
+def cal_of(d, **kw):
+    return bt.text_batches(str(d / "task.txt"), 32, tokenizer=str(d / "B"),
+                           batch_size=8, **kw)
+
+
+def models(d, tuned="A_full"):
+    return tuple(bt.load_model(d / f, dtype=torch.float32)
+                 for f in ("A", tuned, "B"))
+
+
+# ---- the pieces ----
+
+def test_stages_and_config_equal_load_model(pair, untied):
+    for folder in (pair / "B", untied[0] / "B"):
+        m = bt.load_model(folder, dtype=torch.float32)
+        f = rt.Folder(folder, torch.float32)
+        assert f.cfg == m.model.cfg
+        x = torch.randint(0, f.shapes[f.embed_name()][0], (3, 9))
+        with torch.no_grad():
+            h = rt.embed(f.cfg, f.rows(f.embed_name(), x.reshape(-1))
+                         .reshape(3, 9, -1))
+            assert torch.equal(h, m.model.embed_tokens(x))
+            pe, mask = fam.positions(f.cfg, 9, h)
+            for i in range(f.L):
+                want = m.model.layers[i](h, attention_mask=mask,
+                                         position_embeddings=pe)[0]
+                got = rt.stages(f.layer(i), h, pe, mask)
+                assert torch.equal(got["out"], want), i
+                h = want
+        f.close()
+
+
+def test_folder_reads_rows_and_refuses_bad_ids(pair):
+    f = rt.Folder(pair / "B", torch.float32)
+    table = bt.load_model(pair / "B", dtype=torch.float32) \
+        .model.embed_tokens.weight.detach()
+    ids = torch.tensor([5, 3, 3, 200, 4, 0])
+    assert torch.equal(f.rows(f.embed_name(), ids), table[ids])
+    with pytest.raises(BicoError, match="outside the vocabulary"):
+        f.rows(f.embed_name(), torch.tensor([256]))
+    f.close()
+
+
+def test_spill_store_keeps_the_budget_and_leaves_no_file(tmp_path):
+    before = set(os.listdir(tmp_path))
+    s = rt.SpillStore(budget=4000, folder=str(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    vals = {i: torch.randn(10 + i, 30, generator=g) for i in range(6)}
+    for i, v in vals.items():
+        s.put(("k", i), v)
+    assert s.used <= 4000 and s.disk and s.mem      # both places used
+    assert set(os.listdir(tmp_path)) == before      # the file has no name
+    for i, v in vals.items():
+        assert torch.equal(s.get(("k", i)), v)
+        ids = torch.tensor([0, 7, 3])
+        assert torch.equal(s.rows(("k", i), ids), v[ids])
+        assert torch.equal(s.slice(("k", i), 2, 5), v[2:5])
+    end = s.end
+    s.pop(("k", 5))
+    s.put(("again", 5), vals[5] * 2)                # the freed slot reused
+    assert s.end == end and torch.equal(s.get(("again", 5)), vals[5] * 2)
+    s.reserve("t", (50, 30), torch.float32)
+    for r0 in range(0, 50, 20):
+        s.write_rows("t", r0, torch.full((min(20, 50 - r0), 30),
+                                         float(r0)))
+    assert torch.equal(s.slice("t", 40, 42), torch.full((2, 30), 40.0))
+    with pytest.raises(KeyError):
+        s.get("nothing")
+    s.close()
+    assert set(os.listdir(tmp_path)) == before
+
+
+def test_spill_folder_avoids_the_inputs(tmp_path):
+    inp = tmp_path / "A"
+    inp.mkdir()
+    assert rt.spill_folder(str(tmp_path / "out"), [str(inp)]) == \
+        str(tmp_path)
+    assert rt.spill_folder(str(inp / "out"), [str(inp)]) != str(inp)
+    with pytest.raises(BicoError, match="inside the input"):
+        rt.spill_folder(None, [str(inp)], given=str(inp))
+
+
+# ---- results equal the in-memory route's ----
+
+def test_fit_equals_in_memory_bit_for_bit(pair):
+    """transfer_model on folders and on the loaded modules, the same
+    batches: every tensor equal (the fit's, and the norms and tied
+    embedding BiCo carries), at a given alpha and with the held-out
+    choice; the report says the same."""
+    cal = cal_of(pair, holdout=0)
+    src, srt, tgt = models(pair)
+    paths = [str(pair / f) for f in ("A", "A_full", "B")]
+    for kw in (dict(alpha=0.8), dict(ridge=[0.01, 0.1])):
+        r_mem, r_str = [], []
+        want = bt.transfer_model(src, srt, tgt, cal.batches, method="fit",
+                                 loss_fn=bt.next_token_loss, report=r_mem,
+                                 **kw)
+        got = bt.transfer_model(*paths, cal.batches, method="fit",
+                                report=r_str, memory_budget=1 << 14, **kw)
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (kw, k)
+        assert got["lm_head.weight"] is got["model.embed_tokens.weight"]
+        moved = [k for k in want if not torch.equal(
+            want[k], tgt.state_dict()[k])]
+        assert "model.norm.weight" in moved and \
+            "model.embed_tokens.weight" in moved
+        fit = lambda r: [(e["name"], e["rows"], e["rank"]) for e in r
+                         if e.get("handling") == "fit"]
+        assert fit(r_str) == fit(r_mem) and len(fit(r_mem)) == 21
+        # the choice: the same; the losses to rounding (the in-memory
+        # route scales in float32, the streamed one in double)
+        c_str = [e for e in r_str if "alpha" in e]
+        c_mem = [e for e in r_mem if "alpha" in e]
+        assert len(c_str) == len(c_mem) == ("ridge" in kw)
+        for a, b in zip(c_str, c_mem):
+            assert a.keys() == b.keys()
+            assert (a["alpha"], a.get("ridge")) == (b["alpha"], b.get("ridge"))
+            for g in b["losses"]:
+                assert abs(a["losses"][g] - b["losses"][g]) < 1e-6
+
+
+def test_command_outputs_equal_the_in_memory_route(pair, tmp_path):
+    """python3 -m bico.llm streamed and --in-memory: the model folders
+    are byte for byte the same; the adapters hold the same tensors."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for args in (["--output", "OUT/", "--ridge", "0.01,0.1"],
+                 ["--output-lora", "OUT/", "--rank", "4", "--alpha", "1.5",
+                  "--modules-to-save",
+                  "norm,input_layernorm,post_attention_layernorm,"
+                  "embed_tokens"]):
+        outs = {}
+        for mode in ("stream", "mem"):
+            dest = tmp_path / ("%s-%s" % (mode, args[0][2:]))
+            cmd = PY + ["--source", "A/", "--source-tuned", "A_full/",
+                        "--target", "B/", "--text", "task.txt", "--window",
+                        "32", "--threads", "1"] + \
+                [str(dest) + "/" if a == "OUT/" else a for a in args] + \
+                (["--in-memory"] if mode == "mem" else [])
+            r = subprocess.run(cmd, cwd=str(pair), env=env,
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-3000:]
+            outs[mode] = (dest, r.stdout)
+        (ds, out_s), (dm, out_m) = outs["stream"], outs["mem"]
+        assert out_s.splitlines()[0] == out_m.splitlines()[0]  # chosen: ...
+        assert sorted(os.listdir(ds)) == sorted(os.listdir(dm))
+        if args[0] == "--output":
+            for n in os.listdir(dm):
+                assert open(ds / n, "rb").read() == open(dm / n, "rb").read()
+        else:
+            a = st.read(str(ds / "adapter_model.safetensors"))
+            b = st.read(str(dm / "adapter_model.safetensors"))
+            assert list(a) == list(b)
+            for k in b:
+                np.testing.assert_allclose(a[k], b[k], rtol=0,
+                                           atol=1e-2 * np.abs(b[k]).max())
+            assert json.load(open(ds / "adapter_config.json")) == \
+                json.load(open(dm / "adapter_config.json"))
+
+
+def test_untied_heads_fit_blocks_as_in_memory(untied):
+    """Llama folders with untied heads: the blocks' fitted layers equal
+    the in-memory fit's; the head is carried by BiCo's row rule (its
+    input map) instead of fitted (no vocabulary x vocabulary statistic)."""
+    d, batches = untied
+    src, srt, tgt = (bt.load_model(d / f, dtype=torch.float32)
+                     for f in ("A", "A_ft", "B"))
+    want = bt.transfer_model(src, srt, tgt, batches, method="fit",
+                             loss_fn=bt.next_token_loss, alpha=1.0)
+    rep = []
+    got = bt.transfer_model(str(d / "A"), str(d / "A_ft"), str(d / "B"),
+                            batches, method="fit", alpha=1.0, report=rep)
+    for k in want:
+        if k != "lm_head.weight":
+            assert torch.equal(got[k], want[k]), k
+    head = [e for e in rep if e["name"] == "lm_head.weight"]
+    assert head and head[0]["handling"] == "linear" and \
+        "in" in head[0]["maps"] and "out" not in head[0]["maps"]
+    assert not torch.equal(got["lm_head.weight"], tgt.lm_head.weight)
+
+
+def test_threads_reach_the_library(pair, monkeypatch):
+    """threads=None is PyTorch's count for the library's contexts (the
+    fit's solves and the statistics): before, the fit's context ran on
+    one thread whatever PyTorch used."""
+    import bico.fit
+    seen = []
+    orig = bico.fit.run
+
+    def run(*a, **kw):
+        seen.append(kw["ctx"].threads)
+        return orig(*a, **kw)
+    monkeypatch.setattr(bico.fit, "run", run)
+    cal = cal_of(pair, holdout=0)
+    src, srt, tgt = models(pair)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        bt.transfer_model(src, srt, tgt, cal.batches[:2], method="fit",
+                          loss_fn=bt.next_token_loss, alpha=1.0)
+        with StreamedFit(*(str(pair / f) for f in ("A", "A_full", "B")),
+                         cal.batches[:2], threads=3) as sf:
+            assert sf.run.ctx.threads == 3 and torch.get_num_threads() == 3
+            sf.fit(0.01)
+    finally:
+        torch.set_num_threads(old)
+    assert seen == [2, 3]
+
+
+def test_bad_inputs_are_refused(pair, untied):
+    cal = cal_of(pair, holdout=0)
+    src = bt.load_model(pair / "A")
+    with pytest.raises(BicoError, match="model folders but target"):
+        bt.transfer_model(str(pair / "A"), str(pair / "A_full"), src,
+                          cal.batches, method="fit")
+    with pytest.raises(BicoError, match="next-token loss"):
+        bt.transfer_model(*(str(pair / f) for f in ("A", "A_full", "B")),
+                          cal.batches, method="fit",
+                          loss_fn=lambda o, y: o.sum())
+    with pytest.raises(BicoError, match="tuned source must have"):
+        StreamedFit(str(pair / "A"), str(untied[0] / "A"), str(pair / "B"),
+                    cal.batches)
+    with pytest.raises(BicoError, match="batches of token ids"):
+        StreamedFit(*(str(pair / f) for f in ("A", "A_full", "B")),
+                    [torch.zeros(2, 3)])
+
+
+# ---- a kill at any moment ----
+
+def _stale_tmp():
+    """The command's temporary folders ($TMPDIR/bico-llm-PID-*) of
+    processes that no longer run."""
+    base = os.environ.get("TMPDIR", "/tmp")
+    out = []
+    for n in os.listdir(base):
+        pid = n[len("bico-llm-"):].split("-", 1)[0]
+        if n.startswith("bico-llm-") and pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                out.append(n)
+            except PermissionError:
+                pass
+    return out
+
+
+def _spill_like(folder):
+    return sorted(n for n in os.listdir(folder)
+                  if "bico-spill" in n or "bico-tmp" in n)
+
+
+@pytest.mark.parametrize("point,sig", [("fit:5", "TERM"), ("write:7", "TERM"),
+                                       ("write:7", "KILL")])
+def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
+                                                       sig):
+    """A run stopped by a signal in the fit or while writing: the output
+    folder is the old one, untouched; SIGTERM leaves no temporary at all,
+    SIGKILL only the library's hidden temporary folder, which the next
+    run removes; the spill file never had a name.  The next run
+    completes."""
+    out = tmp_path / "B_ft"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               BICO_STREAM_TEST_KILL="%s:%s" % (point, sig))
+    cmd = PY + ["--source", "A/", "--source-tuned", "A_full/", "--target",
+                "B/", "--text", "task.txt", "--window", "32", "--output",
+                str(out) + "/", "--spill-dir", str(spill), "--memory-budget",
+                "0.01", "--alpha", "1"]
+    r = subprocess.run(cmd, cwd=str(pair), env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == -getattr(signal, "SIG" + sig), r.stderr[-2000:]
+    assert os.listdir(out) == ["old.txt"] and \
+        (out / "old.txt").read_text() == "old"
+    assert os.listdir(spill) == []
+    left = _spill_like(tmp_path)
+    assert left == [] if sig == "TERM" else \
+        all(n.startswith(".B_ft.bico-tmp.") for n in left)
+    if sig == "TERM":
+        assert _stale_tmp() == []
+    env.pop("BICO_STREAM_TEST_KILL")
+    r = subprocess.run(cmd, cwd=str(pair), env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "model.safetensors.index.json" in os.listdir(out)
+    # the folder commit carries the old folder's other files over
+    assert (out / "old.txt").read_text() == "old"
+    assert _spill_like(tmp_path) == [] and os.listdir(spill) == []
+    assert _stale_tmp() == []
