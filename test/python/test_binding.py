@@ -518,3 +518,28 @@ def test_one_xcov_from_eight_threads_equals_the_serial_sum():
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(xc.matrix("gram_a"), serial.matrix("gram_a"),
                                rtol=1e-9, atol=1e-9)
+
+
+def test_procrustes_solve_rows_against_the_statistic_and_numpy():
+    """Procrustes.solve_rows: with more rows than widths it equals the
+    statistic's solve; with fewer (the thin solve) its identified part is
+    U_r V_r^T of X_a^T X_b (NumPy's SVD, independent); rows that do not
+    correspond are refused."""
+    g = np.random.default_rng(7)
+    xa, xb = g.standard_normal((40, 6)), g.standard_normal((40, 5))
+    with bico.Procrustes() as p, bico.XCov(6, 5) as xc:
+        xc.add(xa.astype(np.float32), xb.astype(np.float32))
+        full, rank = p.solve(xc)
+        r, rank_r, thin = p.solve_rows(xa, xb)
+        assert not thin and rank_r == rank == 5
+        np.testing.assert_allclose(r, full, atol=1e-6)
+        ya, yb = g.standard_normal((3, 6)), g.standard_normal((3, 5))
+        r, rank_r, thin = p.solve_rows(ya, yb)
+        assert thin and rank_r == 3 and r.shape == (6, 5)
+        u, s, vt = np.linalg.svd(ya.astype(np.float32).astype(np.float64).T
+                                 @ yb.astype(np.float32).astype(np.float64))
+        u, v = u[:, :3], vt[:3].T
+        np.testing.assert_allclose(u @ u.T @ r @ v @ v.T, u @ v.T,
+                                   atol=1e-5)
+        with pytest.raises(bico.BicoError):
+            p.solve_rows(ya, yb[:2])

@@ -19,7 +19,9 @@ class Procrustes(_Handle):
     Procrustes(center=False, whiten=0.0, whiten_eps=1e-6, rank_tol=1e-5,
     null="keep"|"drop", method="eig"|"svd"|"polar", ctx=None);
     solve(xcov) -> (R float32 [d_a, d_b], rank); solve_matrix(C) -> (R,
-    rank); spectrum() -> singular values of the last solve.
+    rank); solve_rows(x_a, x_b) -> (R, rank, thin) from the rows (the
+    thin solve when they are fewer than both widths); spectrum() ->
+    singular values of the last solve.
     """
     _free = staticmethod(fn.procrustes_free)
     _PARAMS = PROC_PARAMS
@@ -81,6 +83,25 @@ class Procrustes(_Handle):
                                           max(ldc, 1), _ptr(r), max(db, 1),
                                           ctypes.byref(rank)), self.ctx)
         return r, rank.value
+
+    def solve_rows(self, x_a, x_b):
+        """R from the rows themselves (bico_procrustes_solve_rows): x_a
+        [n, d_a] and x_b [n, d_b] corresponding rows; the thin solve when
+        n <= min(d_a, d_b) (and no whitening), else the rows' statistic
+        solved.  Returns (R float32 [d_a, d_b], rank, thin)."""
+        a, n, da, lda = A.rows_f32(x_a, "x_a")
+        b, nb, db, ldb = A.rows_f32(x_b, "x_b")
+        if n != nb:
+            from ._status import BicoError, E_SHAPE
+            raise BicoError(E_SHAPE, "Procrustes.solve_rows: x_a has %d "
+                            "rows, x_b %d" % (n, nb))
+        r = np.empty((da, db), dtype=np.float32)
+        rank, thin = c_size_t(), ctypes.c_int()
+        _check(fn.procrustes_solve_rows(self._alive(), n, da, db, _ptr(a),
+                                        lda, _ptr(b), ldb, _ptr(r),
+                                        max(db, 1), ctypes.byref(rank),
+                                        ctypes.byref(thin)), self.ctx)
+        return r, rank.value, bool(thin.value)
 
     def spectrum(self):
         n = c_size_t()

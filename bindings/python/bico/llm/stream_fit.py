@@ -101,9 +101,8 @@ class _StreamHost(object):
         self._advance_tuned(s)
         la, lt, lb = A.layer(s), At.layer(s), B.layer(j)
         pb, pa = "model.layers.%d." % j, "model.layers.%d." % s
-        xcs = {n: XCov(getattr(la.get_submodule(n), "out_features"),
-                       getattr(lb.get_submodule(n), "out_features"),
-                       ctx=run.ctx) for n in LINEARS}
+        ga = {n: [] for n in LINEARS}
+        gb = {n: [] for n in LINEARS}
         d = {n: [] for n in LINEARS}
         xb = {g: [] for g in range(len(GROUPS))}
         for b, (x, _) in enumerate(run.batches):
@@ -118,16 +117,14 @@ class _StreamHost(object):
                 for g in range(5):
                     step(lt, st, g, *run.pe(At, T), keep=kt)
             for n in LINEARS:
-                xcs[n].add(_rows(ka["grad"][n]), _rows(kb["grad"][n]))
+                ga[n].append(_rows(ka["grad"][n]))
+                gb[n].append(_rows(kb["grad"][n]))
                 d[n].append(torch.from_numpy(_rows(kt[n])) -
                             torch.from_numpy(_rows(ka["out"][n])))
             for g in range(len(GROUPS)):
                 xb[g].append(torch.from_numpy(_rows(kb["stages"]["x%d" % g])))
             del ka, kb, kt, st
-        r_out = {}
-        for n in LINEARS:
-            r_out[n] = _out_map32(self.proc.solve(xcs[n])[0])
-            xcs[n].close()
+        r_out = {n: self._map(ga.pop(n), gb.pop(n)) for n in LINEARS}
         del la, lt
         tensors = lb.state_dict()
         for nm in NORMS:
@@ -145,6 +142,27 @@ class _StreamHost(object):
                         st=[{"h": run.store.get(("hW", b))}
                             for b in range(len(run.batches))], done=0)
         return len(LINEARS)
+
+    def _map(self, ga, gb):
+        """R_out of one linear from its gradient rows on both sides: the
+        rows' statistic solved (the in-memory collector's route, added a
+        batch at a time as it adds them) when the rows outnumber a width,
+        else the library's thin solve from the rows (never the d_A x d_B
+        statistic, nor its solve's workspace: its identified part is the
+        statistic's map, its completion the rows' QR basis)."""
+        n = sum(len(a) for a in ga)
+        da, db = ga[0].shape[1], gb[0].shape[1]
+        if n > min(da, db):
+            xc = XCov(da, db, ctx=self.run.ctx)
+            try:
+                for a, b in zip(ga, gb):
+                    xc.add(a, b)
+                return _out_map32(self.proc.solve(xc)[0])
+            finally:
+                xc.close()
+        xa, xb = np.concatenate(ga), np.concatenate(gb)
+        del ga[:], gb[:]
+        return _out_map32(self.proc.solve_rows(xa, xb)[0])
 
     def group(self, l):
         return self.cur["groups"][l]

@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""The streamed LLM routes' memory and time (issue 31): python3 -m bico.llm
+run on synthetic model folders in a child process under /usr/bin/time -v
+(peak resident set, wall time), the in-memory route beside it on request.
+
+  bench/llm_stream.py depth [--in-memory] [--work DIR]
+      random float32 Qwen2-shaped folders, 512 wide (MLP 1376, 8/4 heads
+      of 64, vocabulary 2048), a 4-layer source, targets of 4 and of 16
+      layers, 16 windows of 128 tokens, --output-lora at the defaults:
+      the peaks must be within 10 % of each other (memory that does not
+      grow with depth).
+  bench/llm_stream.py scale [--layers-b N] [--windows W] [--in-memory]
+      the 0.5B -> 1.5B-shaped pair of bench/llm_scale_gen.py (bf16; the
+      target's depth N, 28 for the whole 1.5B shape), W windows of 128
+      tokens, --output (a model folder): peak against the target
+      checkpoint's size, and the time.
+  bench/llm_stream.py block [--layers 1,2]
+      a 7B-shaped block (hidden 4096, MLP 14336, 32/8 heads of 128) on
+      both sides, vocabulary 2048, 16 windows of 128 tokens: the run at 1
+      and 2 layers, the difference is one block's cost.
+
+Each case prints one line: case, side, layers, wall s, peak RSS MB,
+checkpoint MB, RSS/ckpt.  Files are written once into --work (default
+build/llm_stream) and reused."""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import llm_scale_gen as gen  # noqa: E402
+
+PY = "/usr/bin/python3"
+
+DEPTH = dict(d=512, f=1376, H=8, KV=4, hd=64, V=2048)
+BLOCK7B = dict(d=4096, f=14336, H=32, KV=8, hd=128, V=2048)
+
+
+def folder(path, s, salt, dtype):
+    """A Qwen2-shaped folder (llm_scale_gen's names and config) of random
+    weights in dtype ("F32" or "BF16"), written tensor by tensor."""
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return os.path.getsize(os.path.join(path, "model.safetensors"))
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(gen.config(s), f, indent=2)
+    make = (lambda n, sh: gen.weight(n, sh, salt)) if salt != "A_ft" else \
+        (lambda n, sh: gen.weight(n, sh, "A") + 0.01 * gen.weight(n, sh,
+                                                                  "tau"))
+    return gen.write_st(os.path.join(path, "model.safetensors"),
+                        list(gen.shapes(s).items()), make, dtype=dtype)
+
+
+def ids(path, n_tokens, vocab, seed=0):
+    if not os.path.exists(path):
+        g = np.random.default_rng(seed)
+        np.save(path, g.integers(0, vocab, n_tokens).astype(np.int64))
+    return path
+
+
+def measure(cmd, env=None):
+    """(wall s, peak RSS MB, returncode, stderr tail) of a child process
+    under /usr/bin/time -v."""
+    t0 = time.time()
+    r = subprocess.run(["/usr/bin/time", "-v"] + cmd, capture_output=True,
+                       text=True, env=env)
+    wall = time.time() - t0
+    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr)
+    peak = int(m.group(1)) / 1024.0 if m else float("nan")
+    return wall, peak, r.returncode, r.stderr[-1500:]
+
+
+def run(work, name, a, b, args, in_memory, threads):
+    out = os.path.join(work, "out-" + name)
+    cmd = [PY, "-m", "bico.llm", "--source", a, "--source-tuned",
+           a + "_ft", "--target", b, "--threads", str(threads),
+           "--quiet"] + args + (["--in-memory"] if in_memory else [])
+    cmd = [c.replace("OUT", out) for c in cmd]
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "bindings",
+                                                   "python"),
+               BICO_BUILD=os.path.join(ROOT, "build"))
+    wall, peak, rc, err = measure(cmd, env)
+    if rc != 0:
+        print("# %s failed (%d): %s" % (name, rc, err), flush=True)
+    return wall, peak
+
+
+def line(case, side, layers, wall, peak, ckpt):
+    print("%10s %9s %6d %9.1f %12.0f %15.1f %9.2f" % (
+        case, side, layers, wall, peak, ckpt / 2 ** 20, peak * 2 ** 20 /
+        ckpt), flush=True)
+
+
+def header():
+    print("%10s %9s %6s %9s %12s %15s %9s" % (
+        "case", "side", "layers", "wall s", "peak RSS MB", "target ckpt MB",
+        "RSS/ckpt"), flush=True)
+
+
+def pair(work, tag, s_a, s_b, layers_b, dtype):
+    sa, sb = dict(s_a), dict(s_b, L=layers_b)
+    a = os.path.join(work, "%s-A" % tag)
+    folder(a, sa, "A", dtype)
+    folder(a + "_ft", sa, "A_ft", dtype)
+    b = os.path.join(work, "%s-B%d" % (tag, layers_b))
+    size = folder(b, sb, "B", dtype)
+    return a, b, size
+
+
+def depth(work, in_memory, threads):
+    print("## depth: 512 wide, MLP 1376, vocabulary 2048, F32; source 4 "
+          "layers; 16 windows of 128 tokens; --output-lora at the defaults")
+    header()
+    t = ids(os.path.join(work, "ids-2048.npy"), 16 * 128 + 1, DEPTH["V"])
+    src = dict(DEPTH, L=4)
+    peaks = {}
+    for lb in (4, 16):
+        a, b, size = pair(work, "depth", src, DEPTH, lb, "F32")
+        for side in ("stream",) + (("in-memory",) if in_memory else ()):
+            wall, peak = run(work, "depth%d" % lb, a, b,
+                             ["--ids", t, "--output-lora", "OUT"],
+                             side == "in-memory", threads)
+            peaks[(side, lb)] = peak
+            line("depth", side, lb, wall, peak, size)
+    for side in ("stream",) + (("in-memory",) if in_memory else ()):
+        p4, p16 = peaks[(side, 4)], peaks[(side, 16)]
+        print("# %s: peak at 16 layers / at 4 layers = %.3f" % (
+            side, p16 / p4), flush=True)
+
+
+def scale(work, layers_b, windows, in_memory, threads):
+    full = gen.SIZES["full"]
+    print("## scale: Qwen2 0.5B-shaped (896 x 24, MLP 4864) -> 1.5B-shaped "
+          "(1536 x %d, MLP 8960), vocabulary 151936, bf16; %d windows of "
+          "128 tokens; --output (a model folder)" % (layers_b, windows))
+    header()
+    t = ids(os.path.join(work, "ids-151936-%d.npy" % windows),
+            windows * 128 + 1, full["tgt"]["V"])
+    a, b, size = pair(work, "scale", full["src"], full["tgt"], layers_b,
+                      "BF16")
+    for side in ("stream",) + (("in-memory",) if in_memory else ()):
+        wall, peak = run(work, "scale%d" % layers_b, a, b,
+                         ["--ids", t, "--output", "OUT/", "--alpha", "auto",
+                          "--dtype", "float32"], side == "in-memory",
+                         threads)
+        line("scale", side, layers_b, wall, peak, size)
+
+
+def block(work, layers, threads):
+    print("## block: a 7B-shaped block (hidden 4096, MLP 14336, 32/8 heads "
+          "of 128) on both sides, vocabulary 2048, F32 files... bf16; 16 "
+          "windows of 128 tokens; --output")
+    header()
+    t = ids(os.path.join(work, "ids-2048.npy"), 16 * 128 + 1, 2048)
+    got = {}
+    for lb in layers:
+        s = dict(BLOCK7B, L=lb)
+        a, b, size = pair(work, "block%d" % lb, s, s, lb, "BF16")
+        wall, peak = run(work, "block%d" % lb, a, b,
+                         ["--ids", t, "--output", "OUT/"], False, threads)
+        got[lb] = (wall, peak)
+        line("block", "stream", lb, wall, peak, size)
+    if len(layers) == 2:
+        (l1, (w1, _)), (l2, (w2, _)) = sorted(got.items())
+        print("# one 7B-shaped block: %.1f s (difference of the %d- and "
+              "%d-layer runs)" % ((w2 - w1) / (l2 - l1), l1, l2), flush=True)
+
+
+# ---- the arithmetic: what a streamed run holds, by phase ----
+
+SHAPES = {
+    "0.5B": dict(d=896, f=4864, H=14, KV=2, hd=64, L=24, V=151936),
+    "1.5B": dict(d=1536, f=8960, H=12, KV=2, hd=128, L=28, V=151936),
+    "7B": dict(d=4096, f=14336, H=32, KV=8, hd=128, L=32, V=128256),
+    "8B": dict(d=4096, f=14336, H=32, KV=8, hd=128, L=32, V=128256),
+    "70B": dict(d=8192, f=28672, H=64, KV=8, hd=128, L=80, V=128256),
+}
+
+
+def _lin(s):
+    """(name, d_out, d_in) of a block's seven linears."""
+    d, f, q, kv = s["d"], s["f"], s["H"] * s["hd"], s["KV"] * s["hd"]
+    return [("q", q, d), ("k", kv, d), ("v", kv, d), ("o", d, q),
+            ("gate", f, d), ("up", f, d), ("down", d, f)]
+
+
+def _block_params(s):
+    return sum(o * i for _, o, i in _lin(s)) + 2 * s["d"]
+
+
+def phases(src, tgt, n, cbytes=4, tied=True):
+    """GB held at each phase's peak by the streamed run (beside the
+    process itself), n calibration rows, compute dtype of cbytes."""
+    G = 1e-9
+    V = tgt["V"]
+    blk = lambda s: _block_params(s) * cbytes
+    out = {}
+    # the library's partial run carrying the (tied) embedding: its update
+    # and task vector whole (float32), our rows a piece at a time
+    out["embedding carried"] = (V * tgt["d"] + V * src["d"]) * 4 * G
+    # the head while the loss gradient is taken (and while scoring)
+    out["head"] = V * tgt["d"] * cbytes * G + 64e6 * G
+    # a block's statistics: out maps of the seven linears, accumulated
+    # together, then solved one at a time (EIG: the Gram of the smaller
+    # side, a copy of C, R in float32)
+    st = sum(oa * ob for (_, oa, _), (_, ob, _) in zip(_lin(src), _lin(tgt)))
+    big = max(oa * ob for (_, oa, _), (_, ob, _) in zip(_lin(src),
+                                                         _lin(tgt)))
+    small = max(min(oa, ob) ** 2 for (_, oa, _), (_, ob, _) in
+                zip(_lin(src), _lin(tgt)))
+    rows = n * (2 * tgt["d"] + tgt["H"] * tgt["hd"] + tgt["f"]) * 4 + \
+        n * sum(o for _, o, _ in _lin(src)) * 4
+    out["block statistics"] = (st * 8 + big * 8 + small * 8 * 2 + big * 4 +
+                               rows) * G + (2 * blk(src) + 2 * blk(tgt)) * G
+    # the fit's largest group: statistics of its layers (G and E, and
+    # Theta (theta mode) or K), plus the solve of one (A, two d_out x a)
+    fit = 0
+    for grp in (("q", "k", "v"), ("o",), ("gate", "up"), ("down",)):
+        hold, solve = 0, 0
+        for name, o, i in _lin(tgt):
+            if name not in grp:
+                continue
+            a = i + 1
+            hold += a * a + o * a + (o * a if o < a else a * a)
+            solve = max(solve, a * a + 2 * o * a + 256 * a)
+        fit = max(fit, (hold + solve) * 8)
+    out["fit, largest group"] = fit * G + (2 * blk(tgt) + n * tgt["f"] *
+                                           4) * G
+    return out
+
+
+def arith():
+    print("## what a streamed run holds at each phase's peak, GB (beside the "
+          "process, about 0.35 GB): float32 compute, 2048 rows; the "
+          "checkpoint in bf16")
+    for a, b in (("0.5B", "1.5B"), ("7B", "8B"), ("8B", "70B")):
+        src, tgt = SHAPES[a], SHAPES[b]
+        ph = phases(src, tgt, 2048)
+        ckpt = (tgt["L"] * _block_params(tgt) + tgt["V"] * tgt["d"]) * 2e-9
+        print("# %s -> %s: target checkpoint %.1f GB; %s; peak %.1f GB" % (
+            a, b, ckpt, "; ".join("%s %.2f" % kv for kv in ph.items()),
+            max(ph.values()) + 0.35))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("case", choices=("depth", "scale", "block", "arith"))
+    p.add_argument("--work", default=os.path.join(ROOT, "build",
+                                                  "llm_stream"))
+    p.add_argument("--in-memory", action="store_true")
+    p.add_argument("--layers-b", type=int, default=28)
+    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--layers", default="1,2")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    if a.case == "arith":
+        return arith()
+    os.makedirs(a.work, exist_ok=True)
+    print("# %s; load average %s; %d cores; threads %d" % (
+        time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        " ".join("%.2f" % x for x in os.getloadavg()), os.cpu_count(),
+        a.threads), flush=True)
+    if a.case == "depth":
+        depth(a.work, a.in_memory, a.threads)
+    elif a.case == "scale":
+        scale(a.work, a.layers_b, a.windows, a.in_memory, a.threads)
+    else:
+        block(a.work, [int(x) for x in a.layers.split(",")], a.threads)
+
+
+if __name__ == "__main__":
+    main()
