@@ -294,22 +294,11 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
     tot = sum(float(v.pow(2).sum()) for v in changed.values())
     lost = sum(float(changed[k].pow(2).sum()) for k in report["left_out"])
     report["left_out_norm"] = math.sqrt(lost / tot) if tot > 0 else 0.0
-    os.makedirs(str(folder), exist_ok=True)
-    meta = {"format": "pt"}
-    meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
     if report["left_out"]:
         meta["bico_left_out"] = ",".join(report["left_out"])
-    _st.write(os.path.join(str(folder), "adapter_model.safetensors"),
-              tensors, metadata=meta)
-    cfg = {"peft_type": "LORA", "task_type": task_type, "r": r,
-           "lora_alpha": alpha, "target_modules": target_modules,
-           "lora_dropout": lora_dropout, "bias": "none",
-           "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-           "init_lora_weights": True, "inference_mode": True,
-           "modules_to_save": sorted(saved_mods) or None,
-           "base_model_name_or_path": base_model_name_or_path,
-           "revision": None, "rank_pattern": {}, "alpha_pattern": {},
-           "layers_to_transform": None, "layers_pattern": None}
+    cfg = _peft_config(r, alpha, target_modules, sorted(saved_mods),
+                       base_model_name_or_path, task_type, lora_dropout)
     bico_note = {"left_out": report["left_out"],
                  "left_out_norm": report["left_out_norm"],
                  "factorization": "reduced-rank regression (input-weighted)"
@@ -318,12 +307,70 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
     report["config"] = cfg
     if return_effective:
         report["effective"] = eff
+    write_adapter_folder(folder, tensors, cfg, bico_note, meta)
+    return report
+
+
+def _peft_config(r, alpha, target_modules, saved_modules, base_model,
+                 task_type="CAUSAL_LM", lora_dropout=0.0):
+    """adapter_config.json as PEFT writes it for a LoRA adapter."""
+    return {"peft_type": "LORA", "task_type": task_type, "r": r,
+            "lora_alpha": alpha, "target_modules": target_modules,
+            "lora_dropout": lora_dropout, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": list(saved_modules) or None,
+            "base_model_name_or_path": base_model,
+            "revision": None, "rank_pattern": {}, "alpha_pattern": {},
+            "layers_to_transform": None, "layers_pattern": None}
+
+
+def write_adapter_folder(folder, tensors, cfg, note, metadata=None):
+    """The one writer of an adapter folder: adapter_model.safetensors
+    (tensors, with metadata), adapter_config.json (cfg) and
+    bico_adapter.json (note: what PEFT would refuse in its config)."""
+    os.makedirs(str(folder), exist_ok=True)
+    meta = {"format": "pt"}
+    meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    _st.write(os.path.join(str(folder), "adapter_model.safetensors"),
+              tensors, metadata=meta)
     # PEFT and libbico refuse fields they do not know in
     # adapter_config.json: the note goes beside it
     with open(os.path.join(str(folder), "bico_adapter.json"), "w") as f:
-        json.dump(bico_note, f, indent=2, sort_keys=True)
+        json.dump(note, f, indent=2, sort_keys=True)
     tmp = os.path.join(str(folder), "adapter_config.json.tmp")
     with open(tmp, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     os.replace(tmp, os.path.join(str(folder), "adapter_config.json"))
-    return report
+
+
+def write_pairs(folder, pairs, r, lora_alpha, saved=None,
+                base_model_name_or_path=None, metadata=None,
+                task_type="CAUSAL_LM", target_modules=None):
+    """A PEFT LoRA adapter of trained factors, written as they are.
+
+    pairs: {module: (B [d_out, r], A [r, d_in])} with the update
+    lora_alpha / r * B A (PEFT's scale); saved: {tensor name: tensor}
+    stored whole (PEFT's modules_to_save: their modules are listed).
+    Factors and saved tensors are stored in float32 (PEFT's convention
+    for adapter weights).  target_modules: PEFT's list (default: the
+    modules' last names).  Returns the config written."""
+    tensors = {}
+    for m, (b, a) in sorted(pairs.items()):
+        pre = "base_model.model." + m
+        tensors[pre + ".lora_A.weight"] = a.detach().float().cpu() \
+            .contiguous()
+        tensors[pre + ".lora_B.weight"] = b.detach().float().cpu() \
+            .contiguous()
+    mods = set()
+    for k, v in sorted((saved or {}).items()):
+        tensors["base_model.model." + k] = v.detach().float().cpu() \
+            .contiguous()
+        mods.add(k.rsplit(".", 1)[0])
+    short = sorted(target_modules or set(_short(m) for m in pairs))
+    cfg = _peft_config(r, float(lora_alpha), short, sorted(mods),
+                       base_model_name_or_path, task_type)
+    note = {"factorization": "trained (distillation)", "left_out": []}
+    note.update(metadata or {})
+    write_adapter_folder(folder, tensors, cfg, note, metadata)
+    return cfg
