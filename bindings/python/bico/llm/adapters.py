@@ -222,7 +222,10 @@ def _matches(mod, pats):
 
 def _pair(dk, r, alpha, c):
     """(B, A) of the update dk: rank r (padded), sizes balanced, B scaled
-    so that lora_alpha / r * B A is the update."""
+    so that lora_alpha / r * B A is the update (both zero for a zero
+    update: PEFT's no-op, B = 0)."""
+    if not bool(dk.any()):
+        return dk.new_zeros(dk.shape[0], r), dk.new_zeros(r, dk.shape[1])
     b, a = low_rank(dk, r, c)
     if b.shape[1] < r:  # pad to r (PEFT's rank is one number)
         b = torch.cat([b, b.new_zeros(b.shape[0], r - b.shape[1])], 1)

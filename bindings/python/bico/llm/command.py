@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from .._status import BicoError
+from .._status import BicoError, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
 from ..torch.tied import _tied_groups
@@ -251,14 +251,15 @@ def _named(opt, path, fn, *args, **kw):
 
 
 def _calibration(a, q):
-    """The windows of --text / --ids (text_batches), some held out, at
-    most --windows of them, in --seed's order."""
+    """(the windows of --text / --ids (text_batches), some held out, at
+    most --windows of them, in --seed's order; all the token ids)."""
     data, what = opts.read_data(a)
     if a.text:
         tok = a.tokenizer or a.target
         data = _named("--tokenizer" if a.tokenizer else "--target", tok,
                       tokenize, data, tok)
-    total = (int(np.asarray(data).size) - 1) // a.window
+    ids = np.asarray(data).reshape(-1)
+    total = (int(ids.size) - 1) // a.window
     try:
         cal = text_batches(data, a.window, n=a.windows,
                            holdout=a.holdout, batch_size=a.batch_size,
@@ -276,7 +277,7 @@ def _calibration(a, q):
                     "; %d of the %d windows the text makes (--windows "
                     "raises the cap)" % (cal.windows + held, total)
                     if total > cal.windows + held else ""))
-    return cal
+    return cal, ids
 
 
 def _fitted_layers(model):
@@ -417,13 +418,21 @@ def _write(a, tgt, base, best, cal, tdtypes):
     if al == 0:
         print("note: no scale helped on the held-out windows: the "
               "output is the target unchanged", flush=True)
+    try:
+        if a.output_lora:
+            _adapters._write(a.output_lora, built, meta)
+        else:
+            dest = a.output if a.output.endswith("/") else a.output + "/"
+            _st.write(dest, out, metadata=dict(meta, format="pt"),
+                      like=a.target)
+    except (BicoError, OSError) as e:
+        opt = "--output-lora" if a.output_lora else "--output"
+        raise BicoError(getattr(e, "status", E_IO), "%s %s: cannot write "
+                        "it (%s)" % (opt, a.output_lora or a.output,
+                                     getattr(e, "message", None) or e))
     if a.output_lora:
-        _adapters._write(a.output_lora, built, meta)
         print(_summary(a, built["report"]), flush=True)
     else:
-        dest = a.output if a.output.endswith("/") else a.output + "/"
-        _st.write(dest, out, metadata=dict(meta, format="pt"),
-                  like=a.target)
         print("wrote %s" % a.output, flush=True)
 
 
@@ -438,10 +447,10 @@ def _prepare(a, dt, tmp, q, prog):
     if a.tokenizer is not None and not os.path.exists(a.tokenizer):
         raise opts.UsageError("--tokenizer %s: no such file or folder"
                               % a.tokenizer)
-    cal = _calibration(a, q)
+    cal, ids = _calibration(a, q)
     src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
     what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
-    opts.check_ids(cal, what, [(o, f, _vocab(m)) for o, f, m in (
+    opts.check_ids(ids, what, [(o, f, _vocab(m)) for o, f, m in (
         ("--source", a.source, src), ("--target", a.target, tgt))])
     if a.output_lora:
         opts.check_modules_to_save(

@@ -202,17 +202,21 @@ def read_data(a):
     return ids, what
 
 
-def check_ids(cal, what, models):
-    """Every token id of the windows is below the vocabulary size of each
-    model (models: [(option, folder, vocabulary size)])."""
-    hi = max(int(t.max()) for b in (cal.batches, cal.held_out)
-             for x, y in b for t in (x, y))
+def check_ids(ids, what, models):
+    """Every token id of the input (a 1-D array) is below the vocabulary
+    size of each model (models: [(option, folder, vocabulary size)])."""
+    if not ids.size:
+        return
     for opt, folder, vocab in models:
-        if vocab is not None and hi >= vocab:
+        if vocab is None:
+            continue
+        bad = np.nonzero(ids >= vocab)[0]
+        if bad.size:
             raise UsageError(
-                "%s: token id %d is not below the vocabulary size %d of %s "
-                "%s; the ids must come from that model's tokenizer" % (
-                    what, hi, vocab, opt, folder))
+                "%s: token id %d (at position %d) is not below the "
+                "vocabulary size %d of %s %s; the ids must come from that "
+                "model's tokenizer" % (what, int(ids[bad[0]]), int(bad[0]),
+                                       vocab, opt, folder))
 
 
 def check_modules_to_save(names, model, target):
