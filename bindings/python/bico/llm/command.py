@@ -40,6 +40,9 @@ from . import adapters as _adapters
 from .adapters import save_adapter, update_grams
 from .families import load_model
 from . import options as opts
+from .options import (named as _named, setup as _setup,  # noqa: F401
+                      vocab_size as _vocab,
+                      transformers_loader as _transformers_loader)
 from .text import text_batches, next_token_loss, lm_loss, tokenize
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
@@ -103,21 +106,6 @@ def _choose_alpha(model, base, delta, held, grid, quiet):
     model.load_state_dict(base)
     best = pick(scores)
     return best, scores
-
-
-def _transformers_loader():
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise BicoError(2, "--transformers: the transformers package is not "
-                        "installed (pip install transformers), or leave the "
-                        "option out to read the folders with "
-                        "bico.torch.load_model")
-
-    def load(folder, dtype=None):
-        return AutoModelForCausalLM.from_pretrained(
-            folder, torch_dtype=dtype or "auto").eval()
-    return load
 
 
 def _tuned_from_lora(source, adapter, tmp):
@@ -239,15 +227,6 @@ def _load(a, dt, tmp, q):
                  "F32": torch.float32, "F64": torch.float64}
         tdtypes = {k: names[v] for k, v in files.items() if v in names}
     return src, srt, tgt, tdtypes
-
-
-def _named(opt, path, fn, *args, **kw):
-    """fn(*args, **kw), its BicoError prefixed with the option and path
-    it concerns."""
-    try:
-        return fn(*args, **kw)
-    except BicoError as e:
-        raise BicoError(e.status, "%s %s: %s" % (opt, path, e.message))
 
 
 def _calibration(a, q):
@@ -458,13 +437,6 @@ def _prepare(a, dt, tmp, q, prog):
     return src, srt, tgt, tdtypes, cal
 
 
-def _vocab(model):
-    emb = model.get_input_embeddings() if hasattr(
-        model, "get_input_embeddings") else getattr(
-            getattr(model, "model", None), "embed_tokens", None)
-    return getattr(emb, "num_embeddings", None)
-
-
 def _before_fit(a, src, tgt, cal, q, prog):
     """The untouched target's held-out loss, a warning when it is above
     ln(vocabulary) (ids that do not match the target's tokenizer), and
@@ -484,15 +456,6 @@ def _before_fit(a, src, tgt, cal, q, prog):
              "sets how many)" % (opts.duration(est), cal.windows,
                                  sum(len(x) for x, _ in cal.held_out), per))
     return zero
-
-
-def _setup(a):
-    """--threads and --seed: PyTorch's threads (the library's go to
-    transfer_model), and every random generator seeded."""
-    if a.threads is not None:
-        torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    np.random.seed(a.seed % 2 ** 32)
 
 
 def main(argv=None, prog="python3 -m bico.llm"):

@@ -24,8 +24,13 @@ import os
 import sys
 
 import numpy as np
+import torch
 
-from .._status import BicoError, E_IO, E_NOMEM, E_INTERNAL
+from .._status import BicoError, E_ARG, E_IO, E_NOMEM, E_INTERNAL
+
+__all__ = ["UsageError", "exit_status", "Parser", "check_inputs",
+           "read_data", "check_ids", "vocab_warning", "estimate", "USAGE",
+           "FAILURE", "DEFAULT_WINDOWS"]
 
 USAGE, FAILURE = 2, 1
 
@@ -270,3 +275,46 @@ def duration(sec):
     if sec < 5400:
         return "%.0f min" % (sec / 60)
     return "%.1f h" % (sec / 3600)
+
+def transformers_loader():
+    """load(folder, dtype) by transformers' AutoModelForCausalLM, or a
+    refusal naming --transformers when the package is missing."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise BicoError(E_ARG, "--transformers: the transformers package is not "
+                        "installed (pip install transformers), or leave the "
+                        "option out to read the folders with "
+                        "bico.torch.load_model")
+
+    def load(folder, dtype=None):
+        return AutoModelForCausalLM.from_pretrained(
+            folder, torch_dtype=dtype or "auto").eval()
+    return load
+
+
+def named(opt, path, fn, *args, **kw):
+    """fn(*args, **kw), its BicoError prefixed with the option and path
+    it concerns."""
+    try:
+        return fn(*args, **kw)
+    except BicoError as e:
+        raise BicoError(e.status, "%s %s: %s" % (opt, path, e.message))
+
+
+def vocab_size(model):
+    """The model's vocabulary: its input embedding's rows (None when
+    it has no nn.Embedding there)."""
+    emb = model.get_input_embeddings() if hasattr(
+        model, "get_input_embeddings") else getattr(
+            getattr(model, "model", None), "embed_tokens", None)
+    return getattr(emb, "num_embeddings", None)
+
+
+def setup(a):
+    """--threads and --seed: PyTorch's threads (the library's go to
+    transfer_model), and every random generator seeded."""
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    np.random.seed(a.seed % 2 ** 32)

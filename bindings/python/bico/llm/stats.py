@@ -27,11 +27,18 @@ import torch
 from .._status import BicoError, E_IO
 from ..torch.collect import collect_statistics
 from . import options as opts
-from .command import _log, _named, _setup, _vocab, _transformers_loader
+from .options import (named as _named, setup as _setup,
+                      vocab_size as _vocab,
+                      transformers_loader as _transformers_loader)
 from .families import load_model
 from .text import next_token_loss, text_batches, tokenize
 
 __all__ = ["main"]
+
+
+def _log(quiet, *a):
+    if not quiet:
+        print(*a, file=sys.stderr, flush=True)
 
 
 def _parser(prog):
