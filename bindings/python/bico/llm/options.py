@@ -186,8 +186,12 @@ def read_data(a):
     refusal naming the option."""
     if getattr(a, "text", None):
         what = "--text %s" % a.text
-        with open(a.text, "rb") as f:
-            raw = f.read()
+        try:
+            with open(a.text, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise UsageError("%s: cannot read it (%s)" % (what, e.strerror
+                                                          or e))
         try:
             return raw.decode("utf-8"), what
         except UnicodeDecodeError as e:
