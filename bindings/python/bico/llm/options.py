@@ -286,9 +286,9 @@ def transformers_loader():
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise BicoError(E_ARG, "--transformers: the transformers package is not "
-                        "installed (pip install transformers), or leave the "
-                        "option out to read the folders with "
+        raise BicoError(E_ARG, "--transformers: the transformers package "
+                        "is not installed (pip install transformers), or "
+                        "leave the option out to read the folders with "
                         "bico.torch.load_model")
 
     def load(folder, dtype=None):
