@@ -19,7 +19,10 @@ import bico.torch.proxy
 import bico.torch.transfer
 import bico.llm
 import bico.llm.adapters
+import bico.llm.config
 import bico.llm.families
+import bico.llm.options
+import bico.llm.stats
 import bico.llm.text
 import bico.transfer
 import bico.transport
@@ -47,7 +50,8 @@ def test_every_public_name_is_in_python_md():
                          bico.torch.collect, bico.torch.transfer,
                          bico.torch.choose, bico.torch.fit,
                          bico.torch.proxy, bico.llm, bico.llm.families,
-                         bico.llm.text, bico.llm.adapters)
+                         bico.llm.text, bico.llm.adapters,
+                         bico.llm.config, bico.llm.options, bico.llm.stats)
                for n in public(m) if "`%s" % n not in doc and
                ".%s" % n not in doc]
     assert not missing, "docs/python.md does not name: " + ", ".join(missing)

@@ -22,7 +22,6 @@ output: the safetensors metadata of --output, bico_adapter.json beside
 the adapter of --output-lora (PEFT refuses unknown keys in
 adapter_config.json).  Both models must share the tokenizer.
 """
-import argparse
 import os
 import shutil
 import sys
@@ -32,16 +31,21 @@ import time
 import numpy as np
 import torch
 
-from .._status import BicoError
+from .._status import BicoError, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
 from ..torch.tied import _tied_groups
 from ..torch.transfer import transfer_model
+from . import adapters as _adapters
 from .adapters import save_adapter, update_grams, low_rank, write_pairs
 from . import distill as _distill
 from .distill import LINEAR_MODULES
 from .families import load_model
-from .text import text_batches, next_token_loss, lm_loss
+from . import options as opts
+from .options import (named as _named, setup as _setup,  # noqa: F401
+                      vocab_size as _vocab,
+                      transformers_loader as _transformers_loader)
+from .text import text_batches, next_token_loss, lm_loss, tokenize
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
@@ -106,21 +110,6 @@ def _choose_alpha(model, base, delta, held, grid, quiet):
     return best, scores
 
 
-def _transformers_loader():
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise BicoError(2, "--transformers: the transformers package is not "
-                        "installed (pip install transformers), or leave the "
-                        "option out to read the folders with "
-                        "bico.torch.load_model")
-
-    def load(folder, dtype=None):
-        return AutoModelForCausalLM.from_pretrained(
-            folder, torch_dtype=dtype or "auto").eval()
-    return load
-
-
 def _tuned_from_lora(source, adapter, tmp):
     """The source folder with the adapter merged (libbico's own merge)."""
     from ..lora import transfer
@@ -135,8 +124,12 @@ def _tuned_from_lora(source, adapter, tmp):
 
 
 def _parser(prog):
-    p = argparse.ArgumentParser(
-        prog=prog,
+    p = opts.Parser(
+        prog=prog, epilog="Exit status: 0 done; 2 a user mistake (an "
+        "option's value, a missing or unusable input), one line naming the "
+        "option or file, nothing written; 1 a failure while running.  "
+        "'%s stats --help': the statistics file `bico transfer --stats` "
+        "reads, from the same folders and text." % prog,
         description="Carry a decoder fine-tune to another decoder with the "
         "fit, from model folders and task text, to a PEFT adapter "
         "(--output-lora) or a model folder (--output).")
@@ -153,26 +146,39 @@ def _parser(prog):
     o = p.add_mutually_exclusive_group(required=True)
     o.add_argument("--output-lora", help="adapter folder to write")
     o.add_argument("--output", help="model folder to write")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (16)")
-    p.add_argument("--lora-alpha", type=float, default=None,
+    p.add_argument("--rank", type=opts.count, default=16,
+                   help="LoRA rank (16)")
+    p.add_argument("--lora-alpha", type=opts.positive, default=None,
                    help="PEFT lora_alpha (default: the rank)")
     p.add_argument("--modules-to-save", default="",
                    help="comma list of modules stored whole in the adapter "
                    "(e.g. norm,input_layernorm,post_attention_layernorm,"
                    "embed_tokens); other non-linear updates are left out "
                    "and reported")
-    p.add_argument("--base-model-name-or-path", default=None)
-    p.add_argument("--window", type=int, default=128,
-                   help="tokens per calibration window (128)")
-    p.add_argument("--windows", type=int, default=None,
-                   help="at most this many windows")
-    p.add_argument("--holdout", type=float, default=0.125,
+    p.add_argument("--base-model-name-or-path", default=None,
+                   help="the adapter's base_model_name_or_path (default: "
+                   "the absolute path of --target)")
+    p.add_argument("--window", type=opts.count, default=128,
+                   help="tokens per calibration window (128; at most the "
+                   "models' max_position_embeddings)")
+    p.add_argument("--windows", type=opts.count,
+                   default=opts.DEFAULT_WINDOWS,
+                   help="at most this many windows, spread evenly over the "
+                   "text (%d; the time grows with it: the command prints "
+                   "an estimate before the fit)" % opts.DEFAULT_WINDOWS)
+    p.add_argument("--holdout", type=opts.share, default=0.125,
                    help="share of windows held out for alpha/ridge (0.125)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--ridge", default="0.01",
+    p.add_argument("--batch-size", type=opts.count, default=8)
+    p.add_argument("--ridge", type=opts.ridges, default=[0.01],
                    help="ridge c of the fit, or a comma list to choose "
                    "from on the held-out windows (0.01)")
-    p.add_argument("--alpha", default="auto",
+    p.add_argument("--threads", type=opts.count, default=None,
+                   help="threads of PyTorch and of the library (default: "
+                   "theirs)")
+    p.add_argument("--seed", type=opts.seed, default=0,
+                   help="seed of the window order and of any randomness "
+                   "(0): one seed, one result")
+    p.add_argument("--alpha", type=opts.alpha, default="auto",
                    help="scale of the carried update: auto (held-out "
                    "choice among %s) or a number" % ", ".join(
                        "%g" % a for a in GRID))
@@ -206,27 +212,27 @@ def _parser(prog):
                    help="linear layers that get LoRA factors in "
                    "distillation, PEFT names (%s)" % ",".join(
                        LINEAR_MODULES))
-    d.add_argument("--steps", type=int, default=None,
+    d.add_argument("--steps", type=opts.count, default=None,
                    help="distillation's optimiser steps (default: 20 "
                    "passes over the windows, 200 to 1200)")
-    d.add_argument("--lr", type=float, default=None,
+    d.add_argument("--lr", type=opts.positive, default=None,
                    help="distillation's learning rate (5e-3 for factors, "
                    "2e-3 for dense weights)")
-    d.add_argument("--text-weight", type=float,
+    d.add_argument("--text-weight", type=opts.nonnegative,
                    default=_distill.TEXT_WEIGHT,
                    help="distillation's loss adds this times the windows' "
                    "own next-token loss (%g; 0: the teacher alone)"
                    % _distill.TEXT_WEIGHT)
-    d.add_argument("--teacher-weight", type=float, default=1.0,
+    d.add_argument("--teacher-weight", type=opts.nonnegative, default=1.0,
                    help="distillation's loss: this times the KL to the "
                    "teacher (1; 0 with --text-weight 1 trains the target "
                    "on the text alone, a control that carries nothing "
                    "from the source)")
-    d.add_argument("--teacher-k", type=int, default=64,
+    d.add_argument("--teacher-k", type=opts.count, default=64,
                    help="teacher entries kept per token: the top k "
                    "log-probabilities and the rest's mass (64; all when "
                    "the vocabulary is not larger)")
-    d.add_argument("--teacher-memory", type=float, default=1024,
+    d.add_argument("--teacher-memory", type=opts.nonnegative, default=1024,
                    help="MiB of teacher entries kept in memory; the rest "
                    "go to a temporary folder (1024)")
     d.add_argument("--device", default="cpu",
@@ -242,7 +248,8 @@ def _load(a, dt, tmp, q):
     tuned = a.source_tuned
     if a.lora:
         _log(q, "merging %s into %s" % (a.lora, a.source))
-        tuned = _tuned_from_lora(a.source, a.lora, tmp)
+        tuned = _named("--lora", a.lora, _tuned_from_lora, a.source, a.lora,
+                       tmp)
     _log(q, "loading %s, %s, %s" % (a.source, a.source_tuned or a.lora,
                                      a.target))
     toks = [os.path.join(f, "tokenizer.json") for f in (a.source,
@@ -255,8 +262,9 @@ def _load(a, dt, tmp, q):
                       "the same in both models)" % tuple(toks),
                       file=sys.stderr)
     load = _transformers_loader() if a.transformers else load_model
-    src, srt, tgt = (load(f, dtype=dt)
-                     for f in (a.source, tuned, a.target))
+    src, srt, tgt = (_named(o, f, load, f, dtype=dt) for o, f in (
+        ("--source", a.source), ("--lora" if a.lora else "--source-tuned",
+                                 tuned), ("--target", a.target)))
     tdtypes = None
     if dt is not None:
         tf = os.path.join(a.target, "model.safetensors.index.json")
@@ -271,39 +279,52 @@ def _load(a, dt, tmp, q):
 
 
 def _calibration(a, q):
-    """The windows of --text / --ids (text_batches), some held out."""
+    """(the windows of --text / --ids (text_batches), some held out, at
+    most --windows of them, in --seed's order; all the token ids)."""
+    data, what = opts.read_data(a)
     if a.text:
-        with open(a.text, encoding="utf-8") as f:
-            data = f.read()
         tok = a.tokenizer or a.target
-    else:
-        data, tok = np.load(a.ids), None
-    what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
+        data = _named("--tokenizer" if a.tokenizer else "--target", tok,
+                      tokenize, data, tok)
+    ids = np.asarray(data).reshape(-1)
+    total = (int(ids.size) - 1) // a.window
     try:
         cal = text_batches(data, a.window, n=a.windows,
-                           holdout=a.holdout, tokenizer=tok,
-                           batch_size=a.batch_size)
+                           holdout=a.holdout, batch_size=a.batch_size,
+                           seed=a.seed)
     except BicoError as e:
         raise BicoError(e.status, "%s: %s" % (what, e.message))
     if not cal.held_out:
-        raise BicoError(2, "%s makes %d window(s) of %d tokens: too "
-                        "few to hold any out; give more text or a "
-                        "smaller --window" % (what, cal.windows,
-                                              a.window))
-    _log(q, "calibration: %d windows of %d tokens (%d batches), %d "
-         "held out" % (cal.windows, a.window, len(cal.batches),
-                       sum(len(x) for x, _ in cal.held_out)))
-    return cal
+        raise opts.UsageError(
+            "%s makes %d window(s) of %d tokens: too few to hold any out; "
+            "give more text or a smaller --window" % (what, cal.windows,
+                                                      a.window))
+    held = sum(len(x) for x, _ in cal.held_out)
+    _log(q, "calibration: %d windows of %d tokens (%d batches), %d held "
+         "out%s" % (cal.windows, a.window, len(cal.batches), held,
+                    "; %d of the %d windows the text makes (--windows "
+                    "raises the cap)" % (cal.windows + held, total)
+                    if total > cal.windows + held else ""))
+    return cal, ids
 
 
-def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
+def _fitted_layers(model):
+    """The nn.Linear layers the fit updates, one progress line each: all
+    but a head tied to the embedding (an untied lm_head is fitted)."""
+    tied = set(n for o, al in _tied_groups(model) for n in [o] + al)
+    return sum(1 for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and
+               (n + ".weight" if n else "weight") not in tied)
+
+
+def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q,
+                    tdtypes=None):
     """(the target's state dict, the chosen (held-out loss, ridge, alpha,
     update, adapter report, {alpha: loss}, covariances)): one fit per
     ridge, each scaled by its alpha (chosen on the held-out windows, or
     --alpha), the ridge chosen on them too (pick)."""
     base = {k: v.detach().clone() for k, v in tgt.state_dict().items()}
-    n_lin = sum(1 for m in tgt.modules() if isinstance(m, torch.nn.Linear)
-                and m is not tgt.lm_head)
+    n_lin = _fitted_layers(tgt)
     best, losses = None, {}
     for j, ridge in enumerate(ridges):
         _log(q, "fit: ridge %g, %d layers" % (ridge, n_lin))
@@ -314,7 +335,7 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
                                  # the scale is chosen below, on
                                  # the text's own held-out windows
                                  alpha=1.0, holdout=0,
-                                 show_progress=not q)
+                                 show_progress=not q, threads=a.threads)
         delta = {k: new[k].double() - base[k].double() for k in base
                  if k in new}
         eff, rep = delta, None
@@ -329,7 +350,8 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
             rep = save_adapter(os.path.join(tmp, "probe"), tgt, delta,
                                a.rank, is_delta=True, covariance=cov,
                                modules_to_save=saves,
-                               return_effective=True)
+                               return_effective=True,
+                               target_dtypes=tdtypes)
             eff = rep["effective"]
         if alpha_arg == "auto":
             al, scores = _choose_alpha(tgt, base, eff, cal.held_out,
@@ -347,17 +369,75 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
     return base, best
 
 
+def _adapter(a, tgt, scaled, cov, rep, tdtypes):
+    """The adapter of the scaled update, built in memory (its factors
+    float32, saved tensors in the target's dtype), for the pairs the
+    probe chose (so that alpha 0 gives zero factors, not no pairs)."""
+    saves = [s for s in a.modules_to_save.split(",") if s]
+    return _adapters._build(
+        tgt, scaled, a.rank, a.lora_alpha,
+        rep["config"]["target_modules"],
+        a.base_model_name_or_path or os.path.abspath(a.target), saves, cov,
+        True, None, "CAUSAL_LM", 0.0, tdtypes, torch.float32, True)
+
+
+def _folder(tgt, base, scaled, tdtypes):
+    """(the output folder's tensors in the target's dtypes, the update
+    they carry as written, aliases of tied tensors included)."""
+    groups = _tied_groups(tgt)
+    alias = {al_: o for o, als in groups for al_ in als}
+    out, eff = {}, {}
+    for k, v in base.items():
+        if k in alias:
+            continue
+        w = v.double() + scaled[k] if k in scaled else v.double()
+        out[k] = w.to((tdtypes or {}).get(k, v.dtype))
+        if k in scaled:
+            eff[k] = out[k].double() - v.double()
+    for al_, o in alias.items():
+        if o in eff:
+            eff[al_] = eff[o]
+    return out, eff
+
+
+def _summary(a, rep):
+    tied = [k for k in rep["saved"] if k == "lm_head.weight" and
+            "model.embed_tokens.weight" in rep["saved"]]
+    return ("wrote %s: %d LoRA pairs (rank %d, float32%s), %d saved "
+            "tensors%s; left out: %s (%.1f %% of the update's norm)" % (
+                a.output_lora, len(rep["modules"]), a.rank,
+                "; one on the untied lm_head" if "lm_head" in rep["modules"]
+                else "", len(rep["saved"]),
+                " (lm_head.weight beside the tied model.embed_tokens.weight:"
+                " PEFT loads each saved module as its own copy)" if tied
+                else "", ", ".join(rep["left_out"]) or "nothing",
+                100 * rep["left_out_norm"]))
+
+
 def _write(a, tgt, base, best, cal, tdtypes):
     """The chosen update written: an adapter (--output-lora) or a model
-    folder (--output), what was chosen printed and recorded."""
-    loss, ridge, al, delta, rep, scores, cov = best
+    folder (--output), what was chosen printed and recorded.  The held-out
+    loss printed and recorded is that of the output as written (factors,
+    saved tensors and weights at their stored precision; a tied head as
+    PEFT or load_model will have it), scored before the write."""
+    _, ridge, al, delta, rep, scores, cov = best
     zero = lm_loss(tgt, cal.held_out)
+    scaled = {k: v * al for k, v in delta.items()}
+    if a.output_lora:
+        built = _adapter(a, tgt, scaled, cov, rep, tdtypes)
+        eff = built["effective"]
+    else:
+        out, eff = _folder(tgt, base, scaled, tdtypes)
+    _apply(tgt, base, eff, 1.0)
+    loss = lm_loss(tgt, cal.held_out)
+    tgt.load_state_dict(base)
     meta = {"bico_transfer_method": "fit", "bico_alpha": "%g" % al,
             "bico_ridge": "%g" % ridge,
             "bico_heldout_loss": "%.6g" % loss,
             "bico_heldout_loss_target": "%.6g" % zero,
             "bico_windows": str(cal.windows),
             "bico_window": str(a.window),
+            "bico_seed": str(a.seed),
             "bico_source": a.source,
             "bico_source_tuned": a.source_tuned or "",
             "bico_lora": a.lora or ""}
@@ -366,32 +446,21 @@ def _write(a, tgt, base, best, cal, tdtypes):
     if al == 0:
         print("note: no scale helped on the held-out windows: the "
               "output is the target unchanged", flush=True)
-    scaled = {k: v * al for k, v in delta.items()}
+    try:
+        if a.output_lora:
+            _adapters._write(a.output_lora, built, meta)
+        else:
+            dest = a.output if a.output.endswith("/") else a.output + "/"
+            _st.write(dest, out, metadata=dict(meta, format="pt"),
+                      like=a.target)
+    except (BicoError, OSError) as e:
+        opt = "--output-lora" if a.output_lora else "--output"
+        raise BicoError(getattr(e, "status", E_IO), "%s %s: cannot write "
+                        "it (%s)" % (opt, a.output_lora or a.output,
+                                     getattr(e, "message", None) or e))
     if a.output_lora:
-        saves = [s for s in a.modules_to_save.split(",") if s]
-        rep = save_adapter(
-            a.output_lora, tgt, scaled, a.rank, lora_alpha=a.lora_alpha,
-            is_delta=True, covariance=cov, modules_to_save=saves,
-            base_model_name_or_path=a.base_model_name_or_path or
-            os.path.abspath(a.target), metadata=meta,
-            target_dtypes=tdtypes)
-        print("wrote %s: %d LoRA pairs (rank %d), %d saved tensors; "
-              "left out: %s (%.1f %% of the update's norm)" % (
-                  a.output_lora, len(rep["modules"]), a.rank,
-                  len(rep["saved"]),
-                  ", ".join(rep["left_out"]) or "nothing",
-                  100 * rep["left_out_norm"]), flush=True)
+        print(_summary(a, built["report"]), flush=True)
     else:
-        out = {}
-        tied = set(al_ for _, als in _tied_groups(tgt) for al_ in als)
-        for k, v in base.items():
-            if k in tied:
-                continue
-            w = v.double() + scaled[k] if k in scaled else v.double()
-            out[k] = w.to((tdtypes or {}).get(k, v.dtype))
-        dest = a.output if a.output.endswith("/") else a.output + "/"
-        _st.write(dest, out, metadata=dict(meta, format="pt"),
-                  like=a.target)
         print("wrote %s" % a.output, flush=True)
 
 
@@ -426,7 +495,7 @@ def _warm_pairs(a, tgt, best, names):
     return out
 
 
-def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q):
+def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
     """Runs the routes --method names and returns (chosen route, {route:
     per-window held-out losses}, fit result or None, distillation result
     or None, the target's original state)."""
@@ -437,7 +506,7 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q):
     warm = a.init == "warm" and a.output_lora is not None
     if a.method in ("fit", "auto") or (warm and a.method == "distill"):
         _, fit = _fit_and_choose(a, models["source"], models["tuned"], tgt,
-                                 cal, ridges, alpha_arg, tmp, q)
+                                 cal, ridges, alpha_arg, tmp, q, tdtypes)
         if a.method != "distill":
             per[1] = _fit_windows(tgt, base, fit, cal)
     if a.method in ("distill", "auto"):
@@ -453,7 +522,7 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q):
             save=saves if mode == "lora" else (), init=init, steps=a.steps,
             lr=a.lr, teacher_k=a.teacher_k,
             budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
-            seed=a.seed if hasattr(a, "seed") else 0,
+            seed=a.seed,
             release=models.clear, text_weight=a.text_weight,
             teacher_weight=a.teacher_weight)
         per[2] = res.per_window
@@ -547,45 +616,90 @@ def _device(a):
     try:
         dev = torch.device(a.device)
     except (RuntimeError, ValueError) as e:
-        raise BicoError(2, "--device %s: %s" % (a.device, e))
+        raise opts.UsageError("--device %s: %s" % (a.device, e))
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BicoError(2, "--device %s: CUDA is not available to this "
-                        "PyTorch" % a.device)
+        raise opts.UsageError("--device %s: CUDA is not available to this "
+                              "PyTorch" % a.device)
     return dev
 
 
+def _prepare(a, dt, tmp, q, prog):
+    """The inputs checked, read and loaded (every refusal here is a user
+    mistake, exit 2, before anything is written): (src, srt, tgt,
+    tdtypes, cal)."""
+    opts.routes(a)
+    opts.check_inputs(a, [("--source", a.source),
+                          ("--source-tuned", a.source_tuned),
+                          ("--lora", a.lora), ("--target", a.target)],
+                      [("--text", a.text), ("--ids", a.ids)])
+    if a.tokenizer is not None and not os.path.exists(a.tokenizer):
+        raise opts.UsageError("--tokenizer %s: no such file or folder"
+                              % a.tokenizer)
+    cal, ids = _calibration(a, q)
+    dev = _device(a)
+    src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
+    for m in (src, srt, tgt):
+        m.to(dev)
+    what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
+    opts.check_ids(ids, what, [(o, f, _vocab(m)) for o, f, m in (
+        ("--source", a.source, src), ("--target", a.target, tgt))])
+    if a.output_lora:
+        opts.check_modules_to_save(
+            [s for s in a.modules_to_save.split(",") if s], tgt, a.target)
+    return src, srt, tgt, tdtypes, cal
+
+
+def _before_fit(a, src, tgt, cal, q, prog):
+    """The untouched target's held-out loss, a warning when it is above
+    ln(vocabulary) (ids that do not match the target's tokenizer), and
+    the time the fit will take, extrapolated from that forward pass."""
+    t = time.time()
+    zero = lm_loss(tgt, cal.held_out)
+    per = (time.time() - t) / max(1, sum(len(x) for x, _ in cal.held_out))
+    what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
+    w = opts.vocab_warning(zero, _vocab(tgt), what, prog)
+    if w:
+        print(w, file=sys.stderr, flush=True)
+    if not q:
+        est = opts.estimate(per, cal, len(a.ridge), a.output_lora,
+                            a.alpha == "auto", len(GRID))
+        _log(q, "estimate: about %s for %d fit windows and %d held out "
+             "(%.3f s per window of the target's forward pass; --windows "
+             "sets how many)" % (opts.duration(est), cal.windows,
+                                 sum(len(x) for x, _ in cal.held_out), per))
+    return zero
+
+
 def main(argv=None, prog="python3 -m bico.llm"):
+    """The command; returns its exit status (docs in bico.llm.options:
+    0 done, 2 a user mistake, 1 a failure while running)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["stats"]:
+        from .stats import main as stats_main
+        return stats_main(argv[1:], prog + " stats")
     p = _parser(prog)
     a = p.parse_args(argv)
     q = a.quiet
     t0 = time.time()
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)
-    try:
-        ridges = [float(x) for x in a.ridge.split(",") if x.strip()]
-        alpha_arg = a.alpha
-        if alpha_arg != "auto":
-            alpha_arg = float(alpha_arg)
-    except ValueError as e:
-        p.error("--ridge / --alpha: %s" % e)
+    _setup(a)
     tmp = tempfile.mkdtemp(prefix="bico-llm-")
     try:
-        dev = _device(a)
-        src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
-        for m in (src, srt, tgt):
-            m.to(dev)
-        cal = _calibration(a, q)
+        try:
+            src, srt, tgt, tdtypes, cal = _prepare(a, dt, tmp, q, prog)
+        except (opts.UsageError, BicoError, OSError, MemoryError) as e:
+            opts.say(prog, e)
+            return opts.exit_status(e)
+        _before_fit(a, src, tgt, cal, q, prog)
         models = {"source": src, "tuned": srt}
         del src, srt
         chosen, means, fit, res, base = _run_routes(
-            a, models, tgt, cal, ridges, alpha_arg, tmp, q)
+            a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
         _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes)
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
-    except BicoError as e:
-        print("python3 -m bico.llm: %s" % e, file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:  # unreadable --text / --ids
-        print("python3 -m bico.llm: %s" % e, file=sys.stderr)
-        return 1
+    except (BicoError, OSError, ValueError, MemoryError) as e:
+        opts.say(prog, e)
+        return opts.FAILURE
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
