@@ -469,6 +469,9 @@ class Bench(object):
         res = self.score(lm.load(b.cfg, sd))
         res["seconds"] = secs
         res["peak_mb"] = peak[0] / 1024.0 if peak else None
+        # the command chooses for itself: no alpha of the bench's own
+        res["task_calib_alpha"] = res["task"]
+        res["general_calib_alpha"] = res["general"]
         res["chosen"] = [x for x in r.stdout.splitlines()
                          if x.startswith("chosen:")]
         return res
@@ -528,6 +531,9 @@ def main():
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--kinds", default="full,lora")
     ap.add_argument("--methods", default=",".join(m[0] for m in METHODS))
+    ap.add_argument("--commands", default="",
+                    help="rows of the one command (CMD_METHODS labels, "
+                    "comma list; \"all\" for every one), after --methods")
     ap.add_argument("--bico-flags", default="",
                     help="extra options for the bico, bico-in and bico-out "
                     "transfers, one string")
@@ -573,7 +579,9 @@ def main():
               EVAL]
     tool = tool_key()
     table = {}
-    methods = args.methods.split(",")
+    methods = [m for m in args.methods.split(",") if m]
+    cmds = list(CMD) if args.commands == "all" else \
+        [c for c in args.commands.split(",") if c]
     if "lora" in args.kinds.split(",") and not args.cached:
         bench.check_adapter()
     for tname in args.targets.split(","):
@@ -607,7 +615,30 @@ def main():
                         store[k] = r
                         save()
                 table[cid][label] = r
-    print_table(table, methods, args.bico_flags, bench)
+            for label in cmds:
+                if label not in CMD:
+                    raise SystemExit("unknown command row %r (known: %s)"
+                                     % (label, ", ".join(CMD)))
+                k = key_of(common, TARGETS[tname], cid, "cmd", CMD[label],
+                           tool)
+                r = store.get(k)
+                if r is None and args.cached:
+                    continue
+                if r is None:
+                    try:
+                        r = bench.cmd(tname, kind, label)
+                    except Exception as e:
+                        r = {"error": " / ".join(str(e).splitlines())[:300]}
+                    log("%s %s: %s" % (cid, label, r.get("error") or
+                                       "task %.4f general %.4f, %.0f s, "
+                                       "%.0f MB" % (r["task"], r["general"],
+                                                    r["seconds"],
+                                                    r["peak_mb"] or 0)))
+                    if "error" not in r:
+                        store[k] = r
+                        save()
+                table[cid][label] = r
+    print_table(table, methods + cmds, args.bico_flags, bench)
 
 
 def gap(loss, e):
@@ -625,14 +656,14 @@ def print_table(table, methods, flags, bench):
               for n, c in TARGETS.items()),
              "  bico flags: %s" % flags if flags else ""))
     rows = ["zero-shot"] + [m[0] for m in METHODS if m[0] in methods] + \
-        ["fine-tuned"]
+        [m[0] for m in CMD_METHODS if m[0] in methods] + ["fine-tuned"]
 
     def block(title, fn):
         print()
         print(title)
-        print("%-12s" % "method" + "".join("%*s" % (w, c) for c in cids)
+        print("%-24s" % "method" + "".join("%*s" % (w, c) for c in cids)
               + "%10s" % "mean gap")
-        print("%-12s" % "" + "".join("%*s" % (w, "(control)")
+        print("%-24s" % "" + "".join("%*s" % (w, "(control)")
                                     if c.startswith("planted") else " " * w
                                     for c in cids)
               + "%10s" % "(no ctrl)")
@@ -643,7 +674,7 @@ def print_table(table, methods, flags, bench):
                 vals.append(v[0])
                 if v[1] is not None and not c.startswith("planted"):
                     gaps.append(v[1])
-            print("%-12s" % r + "".join("%*s" % (w, v) for v in vals)
+            print("%-24s" % r + "".join("%*s" % (w, v) for v in vals)
                   + "%10s" % ("%.0f%%" % (100 * np.mean(gaps))
                               if gaps else "-"))
 
@@ -695,6 +726,15 @@ def print_table(table, methods, flags, bench):
     if FIT_OPTIONS:
         print("transfer_model options: %s" % json.dumps(FIT_OPTIONS))
     block("general-text loss (forgetting; default settings)", gen_cell)
+
+    def cost_cell(r, t):
+        x = t.get(r)
+        if r not in CMD or x is None or "error" in x:
+            return "-", None
+        return "%.0fs %.0fMB" % (x["seconds"], x["peak_mb"] or 0), None
+    if any(m in CMD for m in methods):
+        block("the command's cost per cell: wall time (1 thread) and peak "
+              "resident memory", cost_cell)
     errs = ["%s %s: %s" % (c, m, table[c][m]["error"]) for c in cids
             for m in methods if m in table[c] and "error" in table[c][m]]
     if errs:
