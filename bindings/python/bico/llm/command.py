@@ -628,6 +628,7 @@ def _prepare(a, dt, tmp, q, prog):
     mistake, exit 2, before anything is written): (src, srt, tgt,
     tdtypes, cal)."""
     opts.routes(a)
+    dev = _device(a)
     opts.check_inputs(a, [("--source", a.source),
                           ("--source-tuned", a.source_tuned),
                           ("--lora", a.lora), ("--target", a.target)],
@@ -636,7 +637,6 @@ def _prepare(a, dt, tmp, q, prog):
         raise opts.UsageError("--tokenizer %s: no such file or folder"
                               % a.tokenizer)
     cal, ids = _calibration(a, q)
-    dev = _device(a)
     src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
     for m in (src, srt, tgt):
         m.to(dev)
