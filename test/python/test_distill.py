@@ -277,3 +277,44 @@ def test_distill_refuses_bad_options():
         D.distill(b, t, xs, 1, lambda m: [0.0])
     with pytest.raises(bico.BicoError, match="teacher entries"):
         D.distill(b, t, xs + xs, 1, lambda m: [0.0], params=ps)
+
+
+def test_checkpointed_layers_give_the_same_gradients(tmp_path):
+    """Gradient checkpointing of a Hugging Face decoder's layers (keyword
+    arguments, a tied head), LoRA factors the only trainable tensors, a
+    chunked loss with the text's own tokens: the same loss and factor
+    gradients as without."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
+    import llm_pair
+    import bico.torch as bt
+    llm_pair.write_model(str(tmp_path / "B"), llm_pair.CFG_B,
+                         llm_pair.target_of(llm_pair.source()))
+    m = bt.load_model(tmp_path / "B", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, llm_pair.V, (2, 12), generator=g)
+    y = torch.randint(0, llm_pair.V, (2, 12), generator=g)
+    t = D.Teacher(k=8)
+    t.put(0, torch.log_softmax(torch.randn(2, 12, llm_pair.V,
+                                           generator=g), -1))
+    names = [n for n, mm in m.named_modules()
+             if isinstance(mm, nn.Linear) and n != "lm_head"]
+    ad = D.Adapter(m, names, 2, seed=3)
+    with torch.no_grad():
+        for b, _ in ad.factors.values():
+            b.normal_(0, 0.1, generator=g)
+    grads = []
+    for on in (False, True):
+        for p in ad.parameters():
+            p.grad = None
+            p.requires_grad_(True)
+        with D._Checkpointed(m, on) as c:
+            assert len(c.layers) == (llm_pair.CFG_B["num_hidden_layers"]
+                                     if on else 0)
+            v = D._student_loss(m, x, t.get(0), None, 5, y, 0.5)
+        grads.append((v, [p.grad.clone() for p in ad.parameters()]))
+    assert abs(grads[0][0] - grads[1][0]) < 1e-6
+    for u, w in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(u, w, atol=1e-6)
+    # the layers' own forward is back
+    assert all("forward" not in vars(layer) for layer in m.model.layers)

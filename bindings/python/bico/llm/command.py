@@ -544,6 +544,7 @@ def _restore(tgt, res, base):
 def _write_distill(a, tgt, res, base, cal, tdtypes, means):
     meta = {"bico_transfer_method": "distill",
             "bico_distill_step": str(res.step),
+            "bico_seed": str(a.seed),
             "bico_heldout_loss": "%.6g" % means[2],
             "bico_heldout_loss_target": "%.6g" % means[0],
             "bico_windows": str(cal.windows),

@@ -198,7 +198,7 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
             adapter=adapter, steps=steps, lr=lr, every=every, seed=seed,
             chunk=chunk, progress=lambda i, n, v: clock(i, "loss %.4f" % v),
             report=rep, targets=targets, text_weight=weights[0],
-            teacher_weight=weights[1])
+            teacher_weight=weights[1], checkpoint=True)
     per = _d.window_losses(target, cal.held_out, chunk)
     log("distill: kept step %d of %d (held-out loss %.4f; untouched "
         "target %.4f)" % (step, steps, losses[step], losses[0]))
@@ -233,7 +233,7 @@ def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
                      seed=seed, chunk=chunk,
                      progress=lambda i, n, v: clock(i, "loss %.4f" % v),
                      report=rep, targets=targets, text_weight=weights[0],
-                     teacher_weight=weights[1])
+                     teacher_weight=weights[1], checkpoint=True)
     return out
 
 

@@ -388,6 +388,40 @@ def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
     return total
 
 
+class _Checkpointed(object):
+    """Gradient checkpointing of a decoder's layers (model.model.layers):
+    each layer keeps only its input for the backward pass and recomputes
+    its forward there, so the activations held for a step are those of
+    one layer, not of every layer (memory that does not grow with depth).
+    A no-op for models without such layers."""
+
+    def __init__(self, model, on=True):
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        self.layers = list(layers) if on and isinstance(
+            layers, nn.ModuleList) else []
+        self.saved = []
+
+    def __enter__(self):
+        from torch.utils.checkpoint import checkpoint
+
+        def wrap(f):
+            return lambda *a, **kw: checkpoint(f, *a, use_reentrant=False,
+                                               **kw)
+        for layer in self.layers:
+            self.saved.append(vars(layer).get("forward"))
+            layer.forward = wrap(layer.forward)
+        return self
+
+    def __exit__(self, *exc):
+        for layer, f in zip(self.layers, self.saved):
+            if f is None:        # the class's forward again
+                del layer.forward
+            else:
+                layer.forward = f
+        self.saved = []
+        return False
+
+
 def _flat_entry(entry, n):
     """A teacher entry with its token dimensions flattened to n rows."""
     if isinstance(entry, torch.Tensor):
@@ -420,7 +454,7 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
             adapter=None, steps=1200, lr=5e-3, every=25, schedule="cosine",
             warmup=0, seed=0, forward=None, chunk=TOKEN_CHUNK,
             progress=None, report=None, targets=None, text_weight=0.0,
-            teacher_weight=1.0):
+            teacher_weight=1.0, checkpoint=False):
     """Trains model towards the teacher (a Teacher whose batch i is
     inputs[i]) and leaves it in the best held-out state.
 
@@ -430,7 +464,10 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     for the report).  targets: the next tokens of each input (decoders'
     windows) and text_weight > 0: the loss adds text_weight times their
     cross-entropy (the task text's own tokens besides the teacher);
-    teacher_weight scales the KL (0: the text alone, a control).  Adam (lr) with a cosine schedule (or "constant"),
+    teacher_weight scales the KL (0: the text alone, a control).
+    checkpoint: a decoder's layers recompute their forward in the
+    backward pass (gradient checkpointing: one layer's activations held
+    at a time; the same gradients, about a third more compute).  Adam (lr) with a cosine schedule (or "constant"),
     one batch per step in a seeded random order; every `every` steps and
     at the last, the held-out losses; the state kept is chosen by
     bico.torch.choose.pick (rule "least-or-zero": the least mean loss,
@@ -482,8 +519,9 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         opt.zero_grad(set_to_none=True)
         x = teacher.draw(i) if hasattr(teacher, "draw") else inputs[i]
         y = None if targets is None else targets[i].to(dev)
-        value = _student_loss(model, x, teacher.get(i, dev), forward, chunk,
-                              y, text_weight, teacher_weight)
+        with _Checkpointed(model, checkpoint):
+            value = _student_loss(model, x, teacher.get(i, dev), forward,
+                                  chunk, y, text_weight, teacher_weight)
         opt.step()
         if sch is not None:
             sch.step()
