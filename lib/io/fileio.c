@@ -41,6 +41,7 @@ char *bico__path_join(bico_ctx *ctx, const char *dir, const char *file) {
 }
 
 static const char *kind_of(mode_t m) {
+  if (S_ISREG(m)) return "a file";
   if (S_ISDIR(m)) return "a folder";
   if (S_ISFIFO(m)) return "a FIFO";
   if (S_ISCHR(m)) return "a character device";

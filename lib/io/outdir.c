@@ -157,6 +157,9 @@ static double seconds_since(const struct timespec *t0) {
  * else a failure status (message set). */
 static int wait_lock(bico_ctx *ctx, const char *dir, int fd, int join,
                      const struct timespec *t0, bico_status *st) {
+  /* a holder writes its name right after taking the lock: a moment for
+   * it to do so, so that the message can name it */
+  int unnamed = 0;
   for (;;) {
     if (flock(fd, LOCK_EX | LOCK_NB) == 0) return 0;
     int e = errno;
@@ -172,6 +175,11 @@ static int wait_lock(bico_ctx *ctx, const char *dir, int fd, int join,
     char cmd[420];
     double age;
     holder_of(fd, &pid, cmd, sizeof cmd, &age);
+    if (pid == 0 && unnamed++ < 100) {
+      struct timespec ts = {0, 10000000}; /* 10 ms, at most 1 s in all */
+      nanosleep(&ts, NULL);
+      continue;
+    }
     if (pid == (long)getpid()) {
       if (join) return 1;
       *st = bico__fail(ctx, BICO_E_IO,
@@ -279,12 +287,14 @@ bico_status bico__lock_take(bico_ctx *ctx, const char *dir, int join,
     if (r == 0) {
       bico__lock *l = bico__calloc(ctx, 1, sizeof *l);
       char *keep = l ? bico__strdup(ctx, lp) : NULL;
-      free(lp);
       if (keep == NULL) {
         bico__free(ctx, l);
+        (void)unlink(lp); /* ours: taken, not yet let go */
+        free(lp);
         close(fd);
         return BICO_E_NOMEM;
       }
+      free(lp);
       write_holder(fd);
       l->ctx = ctx;
       l->fd = fd;
@@ -343,7 +353,12 @@ static int find_mount(int fd, dev_t dev, int depth, char *rel, size_t cap,
       break;
     }
     if (depth + 1 < MAX_DEPTH) {
-      int sub = openat(fd, n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      /* O_NOATIME: looking must not change the access times the carry
+       * keeps (allowed to the owner and root; else an ordinary open) */
+      int sub = openat(fd, n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC |
+                                  O_NOATIME);
+      if (sub < 0 && errno == EPERM)
+        sub = openat(fd, n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
       if (sub >= 0) {
         found = find_mount(sub, dev, depth + 1, rel, cap, nl);
         close(sub);

@@ -263,7 +263,7 @@ int cli_lib_error_files(const char *cmd, bico_ctx *ctx, bico_status st,
   const char *best = NULL, *opt = NULL;
   size_t best_len = 0;
   int ambiguous = 0;
-  for (size_t k = 0; k < n && strstr(msg, "--") == NULL; k++) {
+  for (size_t k = 0; k < n; k++) {
     if (paths[k] == NULL || opts[k] == NULL) continue;
     size_t len = strlen(paths[k]);
     while (len > 1 && paths[k][len - 1] == '/') len--;
@@ -281,6 +281,11 @@ int cli_lib_error_files(const char *cmd, bico_ctx *ctx, bico_status st,
       break;
     }
   }
+  /* a message that names an option before the file needs no other (one
+   * after it, as a holder's command line quoted at the end, does not
+   * count) */
+  const char *dash = strstr(msg, "--");
+  if (dash != NULL && (best == NULL || dash < best)) opt = NULL;
   if (opt != NULL && !ambiguous) return cli_error(cmd, CLI_FAIL, "%s: %s", opt, msg);
   return cli_error(cmd, CLI_FAIL, "%s", msg);
 }
