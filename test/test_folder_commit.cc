@@ -336,7 +336,9 @@ TEST(FolderCarry, FilesMadeInASubFolderDuringCommitsAreKept) {
   std::atomic<bool> stop{false};
   std::vector<std::string> made;
   std::thread maker([&] {
-    for (int i = 0; !stop.load() || made.size() < 50; i++) {
+    // at least 50 files, at most 3000 (each commit carries all of them)
+    for (int i = 0; (!stop.load() || made.size() < 50) && made.size() < 3000;
+         i++) {
       std::string name = "f" + std::to_string(i);
       int fd = open((out + "/sub/" + name).c_str(),
                     O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);

@@ -100,7 +100,7 @@ def test_a_process_writing_into_a_sub_folder_loses_nothing(models, tmp_path):
 
     def maker():
         i = 0
-        while not stop.is_set() or len(made) < 30:
+        while (not stop.is_set() or len(made) < 30) and len(made) < 3000:
             name = "f%d" % i
             i += 1
             try:
