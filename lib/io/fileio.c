@@ -41,11 +41,13 @@ char *bico__path_join(bico_ctx *ctx, const char *dir, const char *file) {
 }
 
 static const char *kind_of(mode_t m) {
+  if (S_ISREG(m)) return "a file";
   if (S_ISDIR(m)) return "a folder";
   if (S_ISFIFO(m)) return "a FIFO";
   if (S_ISCHR(m)) return "a character device";
   if (S_ISBLK(m)) return "a block device";
   if (S_ISSOCK(m)) return "a socket";
+  if (S_ISLNK(m)) return "a symbolic link";
   return "of another type";
 }
 
@@ -577,7 +579,9 @@ bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
   t->path = bico__strdup(ctx, path);
   t->tmp = bico__alloc(ctx, tcap);
   t->aside = bico__alloc(ctx, tcap + 1);
-  if (dir == NULL || t->path == NULL || t->tmp == NULL || t->aside == NULL) {
+  t->keptname = bico__alloc(ctx, tcap + 2);
+  if (dir == NULL || t->path == NULL || t->tmp == NULL || t->aside == NULL ||
+      t->keptname == NULL) {
     bico__free(ctx, dir);
     t->gone = 1;
     bico__tmp_discard(ctx, t);
@@ -604,6 +608,10 @@ bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
   }
   /* the same form: a later run's leftover scan recognises it */
   snprintf(t->aside, tcap + 1, "%so", t->tmp);
+  /* a kept old tree: a form that scan never removes */
+  size_t pre = strlen(dir) + 2 + blen;
+  snprintf(t->keptname, tcap + 2, "%.*s%s%s", (int)pre, t->tmp,
+           BICO__KEPT_MARK, t->tmp + pre + strlen(BICO__TMP_MARK));
   bico__free(ctx, dir);
   return BICO_OK;
 }
@@ -705,7 +713,8 @@ void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t) {
   bico__free(ctx, t->tmp);
   bico__free(ctx, t->path);
   bico__free(ctx, t->aside);
-  t->tmp = t->path = t->aside = NULL;
+  bico__free(ctx, t->keptname);
+  t->tmp = t->path = t->aside = t->keptname = NULL;
 }
 
 static void sync_dir(const char *path) {
@@ -805,6 +814,12 @@ bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
     int e = 0;
     if (t[i]->isdir) e = bico__swap_folder(t[i]);
     else if (rename(t[i]->tmp, t[i]->path) != 0) e = errno;
+    if (e == EEXIST && t[i]->isdir) {
+      st = bico__fail(ctx, BICO_E_IO, "the output folder %s appeared while "
+                      "the run wrote it (there was none when it began); it "
+                      "is left as it is and nothing was written", t[i]->path);
+      break;
+    }
     if (e != 0) {
       st = bico__fail(ctx, BICO_E_IO, "%s: %s: cannot move the new %s into "
                       "place: %s", fn, t[i]->path,
@@ -815,8 +830,13 @@ bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
     sync_dir(t[i]->path);
   }
   for (size_t i = 0; i < n; i++) {
-    if (t[i]->isdir && t[i]->oldtree)
-      (void)bico__remove_tree(t[i]->oldtree == 1 ? t[i]->tmp : t[i]->aside);
+    if (t[i]->isdir && t[i]->oldtree) {
+      const char *old = t[i]->oldtree == 1 ? t[i]->tmp : t[i]->aside;
+      /* carried: only what went into the new folder or was dropped on
+       * purpose goes; replaced: everything (never another file system) */
+      if (t[i]->carried != NULL) bico__retire_tree(t[i], old);
+      else (void)bico__remove_tree(old);
+    }
     t[i]->oldtree = 0;
     if (t[i]->tmp != NULL && !t[i]->gone) {
       if (t[i]->isdir) (void)bico__remove_tree(t[i]->tmp);

@@ -24,6 +24,7 @@ TABLES = {
     "bico_ctx_param": ("CTX_PARAMS", "ctx_param"),
     "bico_fit_flag": ("FIT_FLAGS", "fit_flag"),
     "bico_fit_param": ("FIT_PARAMS", "fit_param"),
+    "bico_folder_policy": ("FOLDER_POLICIES", "folder_policy"),
     "bico_gradfix_mode": ("GRADFIX_MODES", "gradfix_mode"),
     "bico_lora_kind": ("LORA_KINDS", "lora_kind"),
     "bico_lora_param": ("LORA_PARAMS", "lora_param"),

@@ -7,6 +7,7 @@ import os
 import bico
 import bico.convert
 import bico.fit
+import bico.folder
 import bico.lora
 import bico.merge
 import bico.model
@@ -45,7 +46,7 @@ def test_every_public_name_is_in_python_md():
     missing = ["%s.%s" % (m.__name__, n)
                for m in (bico, bico.torch, bico.lora, bico.merge,
                          bico.safetensors, bico.model, bico.fit, bico.convert,
-                         bico.transfer, bico.transport,
+                         bico.folder, bico.transfer, bico.transport,
                          # the PyTorch front end's modules by concern
                          bico.torch.collect, bico.torch.transfer,
                          bico.torch.choose, bico.torch.fit,

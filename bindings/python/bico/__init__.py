@@ -14,7 +14,7 @@ bico_ctx_errmsg of the call.  See docs/python.md.
 
 One module per header of include/bico/: _status (status.h), _version,
 _ctx, _xcov, _procrustes, _votes, _gradfix, transport, _baseline,
-_depthmap, safetensors, model, _stats, transfer, lora, merge, fit (the
+_depthmap, safetensors, model, _stats, transfer, lora, merge, fit, folder (the
 private ones hold what this package re-exports: bico.XCov is
 bico._xcov.XCov).
 """
