@@ -16,6 +16,16 @@ from bico.torch import distill as D
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _float32():
+    """These tests build float32 models and tensors: another test module
+    of the same pytest process may have set float64 as the default."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(old)
+
+
 def _logp(shape, V, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.log_softmax(torch.randn(*shape, V, generator=g) * 3, -1)

@@ -23,6 +23,7 @@ the adapter of --output-lora (PEFT refuses unknown keys in
 adapter_config.json).  Both models must share the tokenizer.
 """
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -31,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from .._status import BicoError, E_IO
+from .._status import BicoError, E_ARG, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
 from ..torch.tied import _tied_groups
@@ -51,6 +52,7 @@ GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 
 def _log(quiet, *a):
+    _distill.check_stop()
     if not quiet:
         print(*a, file=sys.stderr, flush=True)
 
@@ -146,6 +148,13 @@ def _parser(prog):
     o = p.add_mutually_exclusive_group(required=True)
     o.add_argument("--output-lora", help="adapter folder to write")
     o.add_argument("--output", help="model folder to write")
+    p.add_argument("--replace", action="store_true",
+                   help="--output-lora may name a folder that holds files: "
+                   "they are replaced by the new adapter (default: such a "
+                   "folder is refused)")
+    p.add_argument("--wait", type=opts.nonnegative, default=0,
+                   help="seconds to wait for another run writing the "
+                   "output folder (default 0: refused at once, naming it)")
     p.add_argument("--rank", type=opts.count, default=16,
                    help="LoRA rank (16)")
     p.add_argument("--lora-alpha", type=opts.positive, default=None,
@@ -448,7 +457,7 @@ def _write(a, tgt, base, best, cal, tdtypes):
               "output is the target unchanged", flush=True)
     try:
         if a.output_lora:
-            _adapters._write(a.output_lora, built, meta)
+            _adapters._write(_adapter_folder(a), built, meta)
         else:
             dest = a.output if a.output.endswith("/") else a.output + "/"
             _st.write(dest, out, metadata=dict(meta, format="pt"),
@@ -554,7 +563,7 @@ def _write_distill(a, tgt, res, base, cal, tdtypes, means):
             "bico_lora": a.lora or ""}
     bm = a.base_model_name_or_path or os.path.abspath(a.target)
     if a.output_lora and res.adapter is not None:
-        cfg = write_pairs(a.output_lora, res.state, res.adapter.r,
+        cfg = write_pairs(_adapter_folder(a), res.state, res.adapter.r,
                           res.adapter.alpha, saved=res.trained,
                           base_model_name_or_path=bm, metadata=meta,
                           target_modules=[m for m in
@@ -624,6 +633,46 @@ def _device(a):
     return dev
 
 
+def _outputs(a):
+    """The run's output folder, checked and locked before anything is
+    read (bico.folder: the library's rules, as `bico transfer`'s): an
+    output that is, holds or lies inside an input, whatever the spelling,
+    is refused; so is an adapter folder that holds anything unless
+    --replace (a model folder keeps the files the new one lacks, as the
+    library's folder writer does); another run writing it is named.  The
+    adapter is built whole in a hidden sibling folder and swapped in at
+    the end; a model folder is written by the library's writer under the
+    same lock."""
+    from ..folder import Run
+    ins = [(o, v) for o, v in (("--source", a.source),
+                               ("--source-tuned", a.source_tuned),
+                               ("--lora", a.lora), ("--target", a.target),
+                               ("--text", a.text), ("--ids", a.ids),
+                               ("--tokenizer", a.tokenizer)) if v]
+    if a.output_lora:
+        out = ("--output-lora", a.output_lora,
+               "replace" if a.replace else "refuse")
+    else:
+        out = ("--output", a.output, "carry")
+    try:
+        return Run(inputs=ins, outputs=[out], wait=a.wait).__enter__()
+    except BicoError as e:
+        # the library's words, without its function's name; the option
+        # that lifts the refusal of a folder that holds files
+        msg = re.sub(r"^[a-z_]+: ", "", e.message)
+        msg = msg.replace("or ask for it to be replaced", "or give --replace")
+        if out[0] not in msg and not any(o in msg for o, _ in ins):
+            msg = "%s: %s" % (out[0], msg)
+        raise opts.UsageError(msg) if e.status == E_ARG else \
+            BicoError(e.status, msg)
+
+
+def _adapter_folder(a):
+    """Where the adapter's files go: the run's new folder, swapped in for
+    --output-lora when the command ends well."""
+    return a.run.path(0)
+
+
 def _prepare(a, dt, tmp, q, prog):
     """The inputs checked, read and loaded (every refusal here is a user
     mistake, exit 2, before anything is written): (src, srt, tgt,
@@ -637,6 +686,7 @@ def _prepare(a, dt, tmp, q, prog):
     if a.tokenizer is not None and not os.path.exists(a.tokenizer):
         raise opts.UsageError("--tokenizer %s: no such file or folder"
                               % a.tokenizer)
+    a.run = _outputs(a)
     cal, ids = _calibration(a, q)
     src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
     for m in (src, srt, tgt):
@@ -684,7 +734,9 @@ def main(argv=None, prog="python3 -m bico.llm"):
     t0 = time.time()
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)
     _setup(a)
-    tmp = tempfile.mkdtemp(prefix="bico-llm-")
+    a.run = None
+    _on_signals()
+    tmp = _scratch()
     try:
         try:
             src, srt, tgt, tdtypes, cal = _prepare(a, dt, tmp, q, prog)
@@ -697,10 +749,55 @@ def main(argv=None, prog="python3 -m bico.llm"):
         chosen, means, fit, res, base = _run_routes(
             a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
         _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes)
+        run, a.run = a.run, None
+        run.__exit__(None, None, None)          # the output swapped in
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
     except (BicoError, OSError, ValueError, MemoryError) as e:
         opts.say(prog, e)
         return opts.FAILURE
     finally:
+        if a.run is not None:       # nothing of the output changes
+            a.run.__exit__(RuntimeError, RuntimeError("not done"), None)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _scratch():
+    """The run's temporary folder ($TMPDIR/bico-llm-<pid>-*: the merged
+    source of a LoRA, the teacher's spill), after removing those of runs
+    that were killed (their process gone: a SIGKILL leaves no time to
+    clean up)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        names = []
+    for n in names:
+        m = re.match(r"bico-llm-(\d+)-", n)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue                        # its run goes on
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue                        # another user's
+        shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    return tempfile.mkdtemp(prefix="bico-llm-%d-" % os.getpid())
+
+
+def _on_signals():
+    """SIGTERM and SIGHUP end the command as an exception would: the
+    output left as it was, the temporary folders (teacher spill, merged
+    source) removed."""
+    import signal
+
+    def stop(sig, frame):
+        _distill.STOP.append(sig)   # raised again at the next step
+        raise SystemExit(128 + sig)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, stop)
+        except (ValueError, OSError):   # not the main thread
+            pass

@@ -34,6 +34,17 @@ Result = namedtuple("Result", "step losses held per_window state adapter "
                     "trained report seconds")
 
 
+# A signal that asked the command to stop (set by its handler): raised
+# again at the next step, since a handler's exception raised inside a
+# finalizer is dropped by Python
+STOP = []
+
+
+def check_stop():
+    if STOP:
+        raise SystemExit(128 + STOP[0])
+
+
 class Clock(object):
     """Prints a phase's progress with the elapsed time and an estimate of
     what is left, at most every `every` seconds (and at the end)."""
@@ -43,6 +54,7 @@ class Clock(object):
         self.t0 = self.last = time.time()
 
     def __call__(self, done, extra=""):
+        check_stop()
         now = time.time()
         if done < self.total and now - self.last < self.every:
             return
