@@ -252,7 +252,17 @@ uninstall: uninstall-python
 # Python loads the library through ctypes: not under the sanitizers
 # (make check runs check-python-install only in a plain build).
 
+# bico-llm: `python3 -m bico.llm` as a command whose interpreter is
+# $(PYTHON) (its absolute path in the shebang), on the package installed
+# here (scripts/bico-llm.in).
+PYTHON_ABS = $(shell $(PYTHON) -c 'import sys; print(sys.executable)')
+
 install-python:
+	install -d $(DESTDIR)$(BINDIR)
+	sed -e 's|@PYTHON@|$(PYTHON_ABS)|g' -e 's|@PYTHONDIR@|$(PYTHONDIR)|g' \
+	    scripts/bico-llm.in > $(DESTDIR)$(BINDIR)/bico-llm.tmp
+	chmod 755 $(DESTDIR)$(BINDIR)/bico-llm.tmp
+	mv $(DESTDIR)$(BINDIR)/bico-llm.tmp $(DESTDIR)$(BINDIR)/bico-llm
 	install -d $(DESTDIR)$(PYTHONDIR)/bico
 	install -m 644 $(filter-out %/_install.py,$(PY_SRCS)) $(DESTDIR)$(PYTHONDIR)/bico/
 	# a sub-package replaces the module of its name an older install left
@@ -261,10 +271,11 @@ install-python:
 	  install -d $(DESTDIR)$(PYTHONDIR)/bico/$$p && \
 	  install -m 644 bindings/python/bico/$$p/*.py $(DESTDIR)$(PYTHONDIR)/bico/$$p/ || exit 1; \
 	done
-	printf '# Written by make install.\nLIBDIR = %s\n' "'$(LIBDIR)'" > $(DESTDIR)$(PYTHONDIR)/bico/_install.py
+	printf '# Written by make install.\nLIBDIR = %s\nPYTHON = %s\n' "'$(LIBDIR)'" "'$(PYTHON_ABS)'" > $(DESTDIR)$(PYTHONDIR)/bico/_install.py
 
 uninstall-python:
 	rm -rf $(DESTDIR)$(PYTHONDIR)/bico
+	rm -f $(DESTDIR)$(BINDIR)/bico-llm
 
 # The binding under AddressSanitizer.  A sanitized libbico loads into a
 # plain interpreter only when the ASan runtime comes first in the process:
@@ -295,6 +306,13 @@ check-python-install: all
 	  $(PYTHON) -c 'import bico, sys; print("installed binding:", bico.__file__, "->", bico.library_path); sys.exit(not bico.library_path.startswith("$(abspath $(BUILD)/pystage)/lib/"))'
 	cd / && env -u BICO_LIBRARY -u BICO_BUILD PYTHONPATH=$$($(PYTHON) $(abspath scripts/pythondir.py) $(abspath $(BUILD)/pystage)) \
 	  $(PYTHON) $(abspath scripts/check-python-import.py) $(abspath bindings/python/bico) $(abspath $(BUILD)/pystage)
+	@# bico-llm: its interpreter is $(PYTHON), and it runs from anywhere
+	head -1 $(BUILD)/pystage/bin/bico-llm | grep -qx '#!$(PYTHON_ABS)'
+	cd / && env -u BICO_LIBRARY -u BICO_BUILD -u PYTHONPATH $(abspath $(BUILD)/pystage)/bin/bico-llm --help | grep -q -- '--output-lora'
+	cd / && env -u BICO_LIBRARY -u BICO_BUILD -u PYTHONPATH $(abspath $(BUILD)/pystage)/bin/bico-llm stats --help | grep -q -- '--stats'
+	$(MAKE) --no-print-directory uninstall-python PREFIX=$(abspath $(BUILD)/pystage) BUILD=$(BUILD) >/dev/null
+	test ! -e $(BUILD)/pystage/bin/bico-llm
+	@echo "check-python-install: bico-llm runs with $(PYTHON_ABS); make uninstall removes it"
 	@d=$$($(PYTHON) scripts/pythondir.py /usr/local); $(PYTHON) -c "import sys; sys.exit(0 if '$$d' in sys.path else 1)" || \
 	  { echo "check-python-install: $$d (PREFIX=/usr/local) is not on $(PYTHON)'s sys.path"; exit 1; }
 	@echo "check-python-install: PREFIX=/usr/local installs into $$($(PYTHON) scripts/pythondir.py /usr/local), on sys.path"

@@ -80,9 +80,11 @@ def measure(cmd, env=None):
 
 def run(work, name, a, b, args, in_memory, threads):
     out = os.path.join(work, "out-" + name)
-    cmd = [PY, "-m", "bico.llm", "--source", a, "--source-tuned",
+    cmd = [PY, "-m", "bico.llm", "--method", "fit", "--source", a,
+           "--source-tuned",
            a + "_ft", "--target", b, "--threads", str(threads),
-           "--quiet"] + args + (["--in-memory"] if in_memory else [])
+           "--quiet"] + args + (["--in-memory"] if in_memory else []) + \
+        (["--replace"] if "--output-lora" in args else [])  # a rerun
     cmd = [c.replace("OUT", out) for c in cmd]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "bindings",
                                                    "python"),

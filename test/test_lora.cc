@@ -558,7 +558,7 @@ TEST(LoraWrite, FailedSaveLeavesExistingFilesAlone) {
   }
   std::string file_path = dir / "plainfile";
   stt::write_bytes(file_path, "x");
-  EXPECT_EQ(bico_lora_save(l, file_path.c_str()), BICO_E_IO);
+  EXPECT_EQ(bico_lora_save(l, file_path.c_str()), BICO_E_ARG);
   EXPECT_TRUE(mentions(ctx, "is not a folder")) << bico_ctx_errmsg(ctx);
   bico_lora_free(l);
 }

@@ -18,6 +18,7 @@
 #include "depthmap.h"
 #include "dtype.h"
 #include "safetensors.h"
+#include "folder.h"
 #include "model.h"
 #include "transfer.h"
 #include "stats.h"

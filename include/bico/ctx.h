@@ -42,8 +42,13 @@ BICO_API void bico_ctx_free(bico_ctx *ctx);
 
 /* Context parameters, in the grammar of params.h. */
 typedef enum bico_ctx_param {
-  BICO_CTX_THREADS = 1 /* threads for BLIS calls made with this context;
-                          integers 1..1024, default 1 */
+  BICO_CTX_THREADS = 1, /* threads for BLIS calls made with this context;
+                           integers 1..1024, default 1 */
+  BICO_CTX_FOLDER_WAIT = 2 /* seconds a folder commit made with this
+                              context waits for another process that is
+                              writing the same output folder (the run's
+                              lock, folder.h) before it refuses; 0..1e9,
+                              default 0: refuse at once */
 } bico_ctx_param;
 
 BICO_API bico_status bico_ctx_set_param(bico_ctx *ctx, int param,
@@ -52,7 +57,7 @@ BICO_API bico_status bico_ctx_get_param(const bico_ctx *ctx, int param,
                                         double *value);
 BICO_API bico_status bico_ctx_param_bounds(int param, double *lo, double *hi,
                                            unsigned *flags);
-/* Parameter names: "threads". */
+/* Parameter names: "threads", "folder_wait". */
 BICO_API const char *bico_ctx_param_name(int param);
 BICO_API bico_status bico_ctx_param_from_name(const char *name, int *param);
 

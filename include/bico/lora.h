@@ -41,9 +41,19 @@
  *
  * Writing: bico_lora_create gives an empty adapter; modules and saved
  * tensors are added, and bico_lora_save writes the folder (created if
- * absent): adapter_model.safetensors through the atomic writer, then
- * adapter_config.json through a temporary file renamed into place, so on
- * failure existing files stay as they were.  The config written has
+ * absent) in one step, as a model folder is committed (safetensors.h,
+ * bico_stwriter_create_folder; folder.h): the whole adapter
+ * (adapter_model.safetensors, adapter_config.json, and every other entry of
+ * the old folder carried over by hard link, sub-folders with their
+ * attributes) is built in a hidden sibling folder and swapped in with one
+ * renameat2(RENAME_EXCHANGE), so a reader sees the old adapter or the new
+ * one, never new weights beside an old config, and on failure the folder
+ * stays as it was.  It takes the folder's lock (folder.h: another process
+ * writing the folder is refused, BICO_E_IO naming it; a run of this
+ * process that holds it is joined) and refuses what a folder commit
+ * refuses: a path that exists and is not a folder (BICO_E_ARG), a dangling
+ * link, a mount point or a folder holding one, the working directory or a
+ * folder holding it.  The config written has
  * peft_type "LORA", r and lora_alpha (the most common rank and alpha),
  * rank_pattern / alpha_pattern entries (full module names) for modules that
  * differ, target_modules the sorted list of full module names,

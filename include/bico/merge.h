@@ -155,7 +155,8 @@ typedef enum bico_merge_check_level {
  * A front end calls it with BICO_MERGE_CHECK_OPTIONS to tell a usage
  * error from a failure on the files; an unknown level is BICO_E_ARG. */
 BICO_API bico_status bico_merge_check(bico_merge *m, int level);
-/* Runs the merge; on failure nothing is written. */
+/* Runs the merge; on failure nothing is written.  A folder output is
+ * locked before any input is read, as for bico_transfer_run (folder.h). */
 BICO_API bico_status bico_merge_run(bico_merge *m);
 
 #ifdef __cplusplus

@@ -199,9 +199,24 @@ BICO_API bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
  * too), except an earlier model's weights that would mislead a reader:
  * model.safetensors, the index, model-NNNNN-of-NNNNN.safetensors files and
  * the old index's shards that have a weight suffix (never a file of
- * another name).  The folder keeps its mode.  `dir` naming the same folder
- * as `like` is BICO_E_ARG; `dir` naming something that is not a folder is
- * BICO_E_ARG. */
+ * another name).  Sub-folders are recreated with their mode, owner (as
+ * root), extended attributes (ACLs included) and access and modification
+ * times; a file that cannot be linked is copied with the same.  An entry
+ * that vanishes while it is carried fails the commit (BICO_E_IO).  After
+ * the swap the old tree is removed entry by entry, only what was carried
+ * or replaced: an entry another process made there during the run is
+ * moved into the new folder, and one that cannot be placed keeps the old
+ * tree as ".<dir>.bico-kept.<pid>.XXXXXX" (never removed by a later run).
+ * The folder keeps its mode and extended attributes.  `dir` naming the
+ * same folder as `like` is BICO_E_ARG; `dir` naming something that is not
+ * a folder is BICO_E_ARG, a dangling symbolic link too (naming where it
+ * leads); a mount point, a folder holding one at any depth (BICO_E_IO)
+ * and the working directory or a folder holding it (BICO_E_ARG) are
+ * refused here, before anything is written.  The writer takes the
+ * folder's lock (folder.h) from here until the commit has removed the old
+ * tree (or until freed): another process writing the folder is BICO_E_IO
+ * naming it; a bico_folder, bico_transfer_run or bico_merge_run of this
+ * process that holds the folder is joined. */
 BICO_API bico_status bico_stwriter_create_folder(bico_ctx *ctx,
                                                  const char *dir,
                                                  const char *like,

@@ -369,7 +369,13 @@ BICO_API bico_status bico_transfer_set_progress(bico_transfer *t,
                                                 void *opaque);
 
 /* Runs the transfer.  On failure nothing is written (the report neither)
- * and ctx's message names the file, tensor, module or option at fault. */
+ * and ctx's message names the file, tensor, module or option at fault.
+ * Each folder output (--output or --delta-output written as a model
+ * folder, the output adapter) is locked before any input is read and
+ * until its old tree is removed (folder.h: another process writing it is
+ * BICO_E_IO naming that process, after BICO_CTX_FOLDER_WAIT seconds); a
+ * partial run (bico_transfer_set_partial) writes nothing and locks
+ * nothing. */
 BICO_API bico_status bico_transfer_run(bico_transfer *t);
 
 /* How far bico_transfer_check goes (0 asks for the default, INPUTS). */

@@ -46,6 +46,7 @@ void bico_ctx_free(bico_ctx *ctx) {
 /* The option grammar (params.h, lib/base/params.c). */
 static const bico__param_spec CPARAM[] = {
     [BICO_CTX_THREADS] = {"threads", 1, 1024, BICO_PARAM_INTEGER},
+    [BICO_CTX_FOLDER_WAIT] = {"folder_wait", 0, 1e9, 0},
 };
 
 bico_status bico_ctx_param_bounds(int param, double *lo, double *hi,
@@ -67,7 +68,8 @@ bico_status bico_ctx_set_param(bico_ctx *ctx, int param, double value) {
   bico_status st = bico__param_set(ctx, "ctx_set_param", CPARAM,
                                    BICO__NSPEC(CPARAM), param, value);
   if (st != BICO_OK) return st;
-  ctx->threads = (long)value;
+  if (param == BICO_CTX_THREADS) ctx->threads = (long)value;
+  else ctx->folder_wait = value;
   return BICO_OK;
 }
 
@@ -79,7 +81,7 @@ bico_status bico_ctx_get_param(const bico_ctx *ctx, int param,
   bico_status st = bico__param_get(ctx, "ctx_get_param", CPARAM,
                                    BICO__NSPEC(CPARAM), param, value);
   if (st != BICO_OK) return st;
-  *value = (double)ctx->threads;
+  *value = param == BICO_CTX_THREADS ? (double)ctx->threads : ctx->folder_wait;
   return BICO_OK;
 }
 

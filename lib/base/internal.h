@@ -15,6 +15,7 @@ struct bico_ctx {
   bico_free_fn release;
   void *opaque;
   long threads;
+  double folder_wait; /* BICO_CTX_FOLDER_WAIT, seconds */
   bico_status errcode; /* the status of the last failure, BICO_OK if none */
   char errmsg[BICO_ERRMSG_CAP];
 };
@@ -185,6 +186,12 @@ bico_status bico__stwriter_finish(bico_stwriter *w, struct bico__tmpfile **tf);
 bico_status bico__stwriter_finish_all(bico_stwriter *w,
                                       struct bico__tmpfile ***tf, size_t *n);
 void bico__stwriter_committed(bico_stwriter *w);
+/* A file writer whose file is made at once under its final name `tmp`
+ * (inside a new folder that a folder commit will swap in: O_EXCL, mode
+ * 0600 until finished); `path` is the destination named in messages.
+ * bico__stwriter_finish leaves the file complete there. */
+bico_status bico__stwriter_create_at(bico_ctx *ctx, const char *path,
+                                     const char *tmp, bico_stwriter **out);
 
 /* A statistic read block by block: rows [i0, i0 + ni) x columns
  * [j0, j0 + nj) of C into out (row stride ld); release (may be NULL) says

@@ -249,6 +249,14 @@ static const name_entry bico_lora_string_names[] = {
     {BICO_LORA_TASK_TYPE, "task_type"}, {BICO_LORA_BASE_MODEL, "base_model"}};
 NAME_PAIR(bico_lora_string)
 
+/* ---- folder.h ---- */
+
+static const name_entry bico_folder_policy_names[] = {
+    {BICO_FOLDER_REFUSE, "refuse"},
+    {BICO_FOLDER_REPLACE, "replace"},
+    {BICO_FOLDER_CARRY, "carry"}};
+NAME_PAIR(bico_folder_policy)
+
 /* ---- safetensors.h ---- */
 
 static const name_entry bico_dtype_names[] = {

@@ -41,11 +41,13 @@ char *bico__path_join(bico_ctx *ctx, const char *dir, const char *file) {
 }
 
 static const char *kind_of(mode_t m) {
+  if (S_ISREG(m)) return "a file";
   if (S_ISDIR(m)) return "a folder";
   if (S_ISFIFO(m)) return "a FIFO";
   if (S_ISCHR(m)) return "a character device";
   if (S_ISBLK(m)) return "a block device";
   if (S_ISSOCK(m)) return "a socket";
+  if (S_ISLNK(m)) return "a symbolic link";
   return "of another type";
 }
 
@@ -383,6 +385,45 @@ static bico_status check_folders(bico_ctx *ctx, const char *fn,
   return BICO_OK;
 }
 
+/* Any output, a file or a folder, lying at any depth inside a folder the
+ * run reads (an input given as a folder: a model, an adapter): the run
+ * would put its files among the user's inputs.  (A folder output holding
+ * an input is check_folders'.)  Input folders in groups of the mask's
+ * width. */
+static bico_status check_inside_inputs(bico_ctx *ctx, const char *fn,
+                                       const bico__fileuse *u,
+                                       const fid *ids, size_t n) {
+  enum { GROUP = 8 * sizeof(unsigned long) };
+  const fid *in[GROUP];
+  size_t at[GROUP];
+  for (size_t i = 0; i < n;) {
+    size_t k = 0;
+    for (; i < n && k < GROUP; i++)
+      if (u[i].path != NULL && !u[i].output && ids[i].exists &&
+          S_ISDIR(ids[i].mode)) {
+        in[k] = &ids[i];
+        at[k++] = i;
+      }
+    for (size_t j = 0; j < n && k > 0; j++) {
+      if (u[j].path == NULL || !u[j].output || u[j].folder == 2) continue;
+      char *dir = real_parent(u[j].path);
+      if (dir == NULL) return BICO_E_NOMEM;
+      struct stat start;
+      unsigned long m = within(dir, in, k, &start);
+      free(dir);
+      for (size_t b = 0; b < k; b++)
+        if (m & (1ul << b))
+          return bico__fail(ctx, BICO_E_ARG,
+                            "%s: the %s %s lies inside the %s folder %s, "
+                            "which the run reads; write the %s outside that "
+                            "folder (nothing was written)",
+                            fn, u[j].what, u[j].path, u[at[b]].what,
+                            u[at[b]].path, u[j].what);
+    }
+  }
+  return BICO_OK;
+}
+
 /* Output files lying directly in a model folder the run reads (an input
  * with `folder` 3): its index, config.json, tokenizer, README are the
  * user's model. */
@@ -468,6 +509,7 @@ bico_status bico__check_files(bico_ctx *ctx, const char *fn,
   }
   /* after the file identities: "the same file as" says more */
   if (st == BICO_OK) st = check_input_folders(ctx, fn, u, n);
+  if (st == BICO_OK) st = check_inside_inputs(ctx, fn, u, ids, n);
   for (size_t i = 0; i < n; i++) free(trim[i]);
   bico__free(ctx, trim);
   bico__free(ctx, ids);
@@ -577,7 +619,9 @@ bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
   t->path = bico__strdup(ctx, path);
   t->tmp = bico__alloc(ctx, tcap);
   t->aside = bico__alloc(ctx, tcap + 1);
-  if (dir == NULL || t->path == NULL || t->tmp == NULL || t->aside == NULL) {
+  t->keptname = bico__alloc(ctx, tcap + 2);
+  if (dir == NULL || t->path == NULL || t->tmp == NULL || t->aside == NULL ||
+      t->keptname == NULL) {
     bico__free(ctx, dir);
     t->gone = 1;
     bico__tmp_discard(ctx, t);
@@ -604,6 +648,10 @@ bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
   }
   /* the same form: a later run's leftover scan recognises it */
   snprintf(t->aside, tcap + 1, "%so", t->tmp);
+  /* a kept old tree: a form that scan never removes */
+  size_t pre = strlen(dir) + 2 + blen;
+  snprintf(t->keptname, tcap + 2, "%.*s%s%s", (int)pre, t->tmp,
+           BICO__KEPT_MARK, t->tmp + pre + strlen(BICO__TMP_MARK));
   bico__free(ctx, dir);
   return BICO_OK;
 }
@@ -705,7 +753,8 @@ void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t) {
   bico__free(ctx, t->tmp);
   bico__free(ctx, t->path);
   bico__free(ctx, t->aside);
-  t->tmp = t->path = t->aside = NULL;
+  bico__free(ctx, t->keptname);
+  t->tmp = t->path = t->aside = t->keptname = NULL;
 }
 
 static void sync_dir(const char *path) {
@@ -805,6 +854,12 @@ bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
     int e = 0;
     if (t[i]->isdir) e = bico__swap_folder(t[i]);
     else if (rename(t[i]->tmp, t[i]->path) != 0) e = errno;
+    if (e == EEXIST && t[i]->isdir) {
+      st = bico__fail(ctx, BICO_E_IO, "the output folder %s appeared while "
+                      "the run wrote it (there was none when it began); it "
+                      "is left as it is and nothing was written", t[i]->path);
+      break;
+    }
     if (e != 0) {
       st = bico__fail(ctx, BICO_E_IO, "%s: %s: cannot move the new %s into "
                       "place: %s", fn, t[i]->path,
@@ -815,8 +870,13 @@ bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
     sync_dir(t[i]->path);
   }
   for (size_t i = 0; i < n; i++) {
-    if (t[i]->isdir && t[i]->oldtree)
-      (void)bico__remove_tree(t[i]->oldtree == 1 ? t[i]->tmp : t[i]->aside);
+    if (t[i]->isdir && t[i]->oldtree) {
+      const char *old = t[i]->oldtree == 1 ? t[i]->tmp : t[i]->aside;
+      /* carried: only what went into the new folder or was dropped on
+       * purpose goes; replaced: everything (never another file system) */
+      if (t[i]->carried != NULL) bico__retire_tree(t[i], old);
+      else (void)bico__remove_tree(old);
+    }
     t[i]->oldtree = 0;
     if (t[i]->tmp != NULL && !t[i]->gone) {
       if (t[i]->isdir) (void)bico__remove_tree(t[i]->tmp);

@@ -32,7 +32,9 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -116,6 +118,17 @@ typedef struct bico__tmpfile {
    * old folder after the swap, to remove. */
   int isdir, oldtree;
   char *aside;
+  /* What the swap may do with an existing folder (isdir): carried (the
+   * record of bico__carry_files: the old tree is then retired entry by
+   * entry, bico__retire_tree), replace (its contents are dropped), or
+   * neither (a folder that appeared meanwhile is refused: EEXIST). */
+  const struct bico__carried *carried;
+  int replace;
+  /* Where the old tree goes when it holds entries that were neither
+   * carried nor dropped (preallocated: the commit allocates nothing after
+   * its first rename); kept is set once it went there. */
+  char *keptname;
+  int kept;
 } bico__tmpfile;
 
 /* Creates the temporary file for destination `path` (what names the role
@@ -137,7 +150,10 @@ bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
                              const char *path, bico__tmpfile *t);
 /* Removes path and everything under it without following symbolic links
  * (a folder it cannot enter is made 0700 first when it is the caller's);
- * what cannot be removed stays.  Returns 0 or the first errno. */
+ * what cannot be removed stays.  Never crosses into another file system:
+ * a sub-folder on another device than path's parent folder (a mount
+ * point, or path itself mounted on) is left with everything in it
+ * (EXDEV).  Returns 0 or the first errno. */
 int bico__remove_tree(const char *path);
 /* Makes everything written under the folder path durable at once
  * (syncfs of its file system, fsync of the folder where that is missing):
@@ -181,7 +197,141 @@ bico_status bico__commit_lists(bico_ctx *ctx, const char *fn, bico_status st,
                                bico__tmpfile *c);
 
 /* The temporary-name marker and its form, for the commands' signal
- * handlers: ".<base>" BICO__TMP_MARK "<pid>.XXXXXX". */
+ * handlers: ".<base>" BICO__TMP_MARK "<pid>.XXXXXX".  An old tree kept
+ * because it holds entries that were not carried (bico__retire_tree) is
+ * renamed to the same name with BICO__KEPT_MARK: the leftover scan of
+ * later runs never removes it. */
 #define BICO__TMP_MARK ".bico-tmp."
+#define BICO__KEPT_MARK ".bico-kept."
+/* The lock file of an output folder: ".<base>" BICO__LOCK_SUFFIX in the
+ * folder's real parent (base cut to 200 bytes). */
+#define BICO__LOCK_SUFFIX ".bico-lock"
+
+/* ---- output folders (lib/io/outdir.c) ----
+ *
+ * The run's lock: one writer of an output folder at a time, between
+ * processes.  The lock is an exclusive flock(2) on the hidden file
+ * ".<name>.bico-lock" in the folder's real parent (the folder a symbolic
+ * link leads to, so that every spelling meets one lock), which holds the
+ * holder's pid and command line; the holder removes it when it lets go
+ * (a file left by a killed holder is reused and removed by the next run).
+ * After the lock is taken, the lock file and the folder's real path are
+ * checked again (a holder that let go meanwhile removed the file; a link
+ * that now leads elsewhere): on a change the lock is taken again.
+ * Another process holding it: BICO_E_IO naming the folder, the holder's
+ * pid, how long it has held it and its command, after waiting up to the
+ * context's folder_wait seconds (0: refuse at once).
+ * Within one process: a run (bico_transfer_run, bico_merge_run, a
+ * bico_folder) takes the lock for its whole length (join 0) and the
+ * writers it creates join it (join 1: the lock file names this process;
+ * nothing of their own is taken); a run meeting this process's own lock is
+ * refused at once.  A parent folder where no lock file can be created
+ * (missing, read-only) gives no lock and no error: the commit, which
+ * needs that folder too, fails there with its own reason. */
+typedef struct bico__lock bico__lock;
+bico_status bico__lock_take(bico_ctx *ctx, const char *dir, int join,
+                            bico__lock **out);
+/* Removes the lock file (when it is still this lock's) and lets go;
+ * accepts NULL. */
+void bico__lock_release(bico__lock *l);
+
+/* An entry the carry copied instead of linking: its identity then, so
+ * that the old tree's retirement knows it was carried. */
+typedef struct bico__copied {
+  dev_t dev;
+  ino_t ino;
+  off_t size;
+  struct timespec mtime;
+} bico__copied;
+
+/* The record of a carry (bico__carry_files) for the old tree's
+ * retirement after the swap: the keep rule of the top level (entries it
+ * refuses were dropped on purpose), the old folder's device, the entries
+ * carried as copies. */
+typedef int (*bico__keep_fn)(void *arg, const char *name);
+typedef struct bico__carried {
+  bico__keep_fn keep;
+  void *arg;
+  dev_t dev;
+  bico__copied *copies;
+  size_t ncopies, capcopies;
+} bico__carried;
+void bico__carried_free(bico_ctx *ctx, bico__carried *r);
+
+/* lib/io/st_swap.c: carries the entries of folder `from` for which keep(arg,
+ * name) says 1 (every entry of its sub-folders) into the folder `to`: a
+ * hard link for each file and link (a copy with its mode, times and
+ * extended attributes when linking is refused: EXDEV, EPERM, ...), each
+ * sub-folder recreated with its mode, extended attributes (ACLs
+ * included), access and modification times (and owner, as root).  An
+ * entry that vanishes while it is carried, a sub-folder on another file
+ * system, or one nested deeper than 64 levels is BICO_E_IO, as is any
+ * entry that cannot be carried, naming `shown` and the entry.  rec (zeroed
+ * by the caller) records the copies and the keep rule for the old tree's
+ * retirement (bico__retire_tree); the caller frees it with
+ * bico__carried_free. */
+bico_status bico__carry_files(bico_ctx *ctx, const char *fn,
+                              const char *shown, const char *from,
+                              const char *to, bico__keep_fn keep, void *arg,
+                              bico__carried *rec);
+/* After the swap (lib/io/fileio.c's commit): removes the old tree `old` of
+ * t (t->carried set) entry by entry, and only what was carried or dropped
+ * on purpose: a top-level entry that t->carried's keep rule refuses (the
+ * weights the new folder replaces), an entry whose new folder holds the
+ * same file (a hard link) or its copy (unchanged since), a sub-folder once
+ * its entries are retired.  An entry that is not in the new folder (made
+ * by another process during the run) is moved into it; one whose name the
+ * new folder holds as another file (changed during the run) stays.  When
+ * anything of the user's stays, the old tree is renamed to t->keptname
+ * and t->kept set.  Never crosses into another file system. */
+void bico__retire_tree(bico__tmpfile *t, const char *old);
+
+/* A folder commit: the output folder resolved and checked, the run's lock,
+ * the new folder built beside it (lib/io/outdir.c). */
+typedef struct bico__stage {
+  char *dir;  /* as the caller spelt it, trailing '/'s removed */
+  char *real; /* its real path: what the commit replaces */
+  int exists; /* an old folder is there */
+  struct stat old;
+  bico__lock *lock; /* NULL: joined, or none could be taken */
+  bico__tmpfile t;  /* the new folder (isdir) once made */
+  bico__carried rec;
+} bico__stage;
+
+/* Takes the folder's lock (join as for bico__lock_take) and checks what
+ * no folder commit may replace, before anything is written: something
+ * that is not a folder (BICO_E_ARG), a dangling symbolic link (BICO_E_ARG,
+ * naming where it leads), a folder that cannot be written (BICO_E_IO), a
+ * mount point or a folder holding one at any depth (BICO_E_IO: the
+ * removal of the old tree must never reach into another file system),
+ * the working directory or a folder holding it (BICO_E_ARG: the swap
+ * would leave the process in a removed folder), a new folder whose
+ * parent is missing (BICO_E_IO).  Messages name `dir`.  s is zeroed
+ * first; bico__stage_free is safe after a failure. */
+bico_status bico__stage_open(bico_ctx *ctx, const char *fn, const char *dir,
+                             int join, bico__stage *s);
+/* Creates the new folder (bico__tmp_folder) of an opened stage. */
+bico_status bico__stage_make(bico_ctx *ctx, const char *fn, bico__stage *s);
+/* Once the new folder is complete: with keep (and an old folder), the old
+ * folder's entries keep(arg, name) accepts are carried into the new one
+ * (bico__carry_files) and the swap retires the old tree by that record;
+ * without keep, the swap replaces the old folder (its contents dropped).
+ * Then the new folder gets the old folder's mode, owner (as root) and
+ * extended attributes (ACLs included), or the mode mkdir would give, and
+ * everything in it is made durable at once. */
+bico_status bico__stage_finish(bico_ctx *ctx, const char *fn, bico__stage *s,
+                               bico__keep_fn keep, void *arg);
+/* Removes the new folder unless committed, lets the lock go, frees. */
+void bico__stage_free(bico_ctx *ctx, bico__stage *s);
+/* Lets the lock go early (after the commit); bico__stage_free after. */
+void bico__stage_unlock(bico__stage *s);
+
+/* Extended attributes of the folder or file `from` onto `to` (both open
+ * descriptors): every attribute of from set on to, every one of to that
+ * from lacks removed (an inherited default ACL).  Attributes outside the
+ * user and system namespaces that this process may not read or set
+ * (trusted, security as a non-root user) are passed over.  0, or an errno
+ * with the attribute's name in name (cap bytes). */
+int bico__copy_xattrs(int from, int to, char *name, size_t cap);
 
 #endif

@@ -27,11 +27,7 @@ typedef struct wcopy {
 } wcopy;
 
 struct bico__wfolder {
-  char *dir;  /* as the caller spelt it (messages, file names) */
-  char *real; /* the folder's real path: what the commit replaces */
-  int exists; /* an old folder is there */
-  struct stat old;
-  bico__tmpfile stage; /* the new folder, built complete */
+  bico__stage st; /* the output folder, its lock and its new folder */
   bico_stfile *like;  /* the model whose shard layout is followed */
   char *likedir;      /* its folder, whose other files are copied */
   char **likew;       /* the like model's weight files (base names) */
@@ -101,10 +97,8 @@ void bico__wfolder_free(bico_ctx *ctx, bico__wfolder *f) {
   free_names(ctx, f->drop, f->ndrop);
   bico__free(ctx, f->list);
   bico_stfile_free(f->like);
-  bico__tmp_discard(ctx, &f->stage); /* the new folder, unless committed */
+  bico__stage_free(ctx, &f->st); /* the new folder, unless committed */
   bico__free(ctx, f->likedir);
-  bico__free(ctx, f->real);
-  bico__free(ctx, f->dir);
   bico__free(ctx, f);
 }
 
@@ -125,64 +119,6 @@ static bico_status push_name(bico_ctx *ctx, char ***v, size_t *n, size_t *cap,
   if ((g[*n] = bico__strdup(ctx, name)) == NULL) return BICO_E_NOMEM;
   (*n)++;
   return BICO_OK;
-}
-
-/* The output folder's real path: the folder a link leads to, or (a new
- * folder) its real parent and its name. */
-static bico_status resolve_out(bico_ctx *ctx, bico__wfolder *f) {
-  struct stat ds;
-  if (stat(f->dir, &ds) == 0) {
-    if (!S_ISDIR(ds.st_mode))
-      return bico__fail(ctx, BICO_E_ARG,
-                        "the output folder %s exists and is not a folder",
-                        f->dir);
-    if (access(f->dir, W_OK | X_OK) != 0)
-      return bico__fail(ctx, BICO_E_IO,
-                        "cannot write into the output folder %s: %s", f->dir,
-                        strerror(errno));
-    char *r = realpath(f->dir, NULL);
-    if (r == NULL)
-      return bico__fail(ctx, BICO_E_IO, "the output folder %s: %s", f->dir,
-                        strerror(errno));
-    f->real = bico__strdup(ctx, r);
-    free(r);
-    f->exists = 1;
-    f->old = ds;
-    if (f->real == NULL) return BICO_E_NOMEM;
-    /* a mount point cannot be swapped (EBUSY, EXDEV): say so first */
-    char *up = bico__path_join(ctx, f->real, "..");
-    struct stat ps;
-    int mount = up != NULL && stat(up, &ps) == 0 && ps.st_dev != ds.st_dev;
-    bico__free(ctx, up);
-    if (mount)
-      return bico__fail(ctx, BICO_E_IO,
-                        "the output folder %s is a mount point: a model folder "
-                        "is built beside the output and swapped in whole; "
-                        "write into a sub-folder of it (nothing was written)",
-                        f->dir);
-    return BICO_OK;
-  }
-  const char *slash = strrchr(f->dir, '/');
-  const char *base = slash ? slash + 1 : f->dir;
-  if (strcmp(base, ".") == 0 || strcmp(base, "..") == 0)
-    return bico__fail(ctx, BICO_E_ARG, "the output folder '%s' names no "
-                      "folder", f->dir);
-  char *parent = slash == NULL ? bico__strdup(ctx, ".")
-                 : slash == f->dir ? bico__strdup(ctx, "/")
-                 : bico__strndup(ctx, f->dir, (size_t)(slash - f->dir));
-  if (parent == NULL) return BICO_E_NOMEM;
-  char *r = realpath(parent, NULL);
-  bico_status st = BICO_OK;
-  if (r == NULL || stat(r, &ds) != 0 || !S_ISDIR(ds.st_mode))
-    st = bico__fail(ctx, BICO_E_IO, "cannot create the output folder %s: its "
-                    "parent folder %s %s", f->dir, parent,
-                    r == NULL && errno == ENOENT ? "does not exist"
-                                                 : "is not a folder");
-  else if ((f->real = bico__path_join(ctx, r, base)) == NULL)
-    st = BICO_E_NOMEM;
-  free(r);
-  bico__free(ctx, parent);
-  return st;
 }
 
 /* real lies inside folder (both real paths). */
@@ -302,17 +238,13 @@ bico_status bico__wfolder_open(bico_ctx *ctx, const char *fn, const char *dir,
                       fn);
   bico__wfolder *f = bico__calloc(ctx, 1, sizeof *f);
   if (f == NULL) return BICO_E_NOMEM;
-  f->stage.fd = -1;
-  f->stage.gone = 1;
   f->max_shard = max_shard;
-  size_t dl = strlen(dir);
-  while (dl > 1 && dir[dl - 1] == '/') dl--;
-  f->dir = bico__strndup(ctx, dir, dl);
-  bico_status st = f->dir ? resolve_out(ctx, f) : BICO_E_NOMEM;
+  /* the lock (joining the run's that holds it) and the checks */
+  bico_status st = bico__stage_open(ctx, fn, dir, 1, &f->st);
   struct stat ls, rs;
   if (st == BICO_OK && like != NULL && stat(like, &ls) == 0 &&
       S_ISDIR(ls.st_mode)) {
-    if (stat(f->real, &rs) == 0 && ls.st_dev == rs.st_dev &&
+    if (stat(f->st.real, &rs) == 0 && ls.st_dev == rs.st_dev &&
         ls.st_ino == rs.st_ino)
       st = bico__fail(ctx, BICO_E_ARG,
                       "the output folder %s is the model folder %s it "
@@ -323,7 +255,7 @@ bico_status bico__wfolder_open(bico_ctx *ctx, const char *fn, const char *dir,
   }
   if (st == BICO_OK && like != NULL) st = bico_stfile_open(ctx, like, &f->like);
   if (st == BICO_OK && f->likedir != NULL) st = plan_copies(ctx, f);
-  if (st == BICO_OK) st = bico__tmp_folder(ctx, fn, f->dir, f->real, &f->stage);
+  if (st == BICO_OK) st = bico__stage_make(ctx, fn, &f->st);
   if (st != BICO_OK) {
     bico__wfolder_free(ctx, f);
     return st;
@@ -343,9 +275,9 @@ static bico_status stage_file(bico_ctx *ctx, const char *fn, bico__wfolder *f,
   if (name[0] == '\0' || strchr(name, '/') != NULL ||
       strcmp(name, ".") == 0 || strcmp(name, "..") == 0)
     return bico__fail(ctx, BICO_E_ARG, "the output folder %s: '%s' is not a "
-                      "file name", f->dir, name);
-  char *path = bico__path_join(ctx, f->dir, name);
-  char *tmp = bico__path_join(ctx, f->stage.tmp, name);
+                      "file name", f->st.dir, name);
+  char *path = bico__path_join(ctx, f->st.dir, name);
+  char *tmp = bico__path_join(ctx, f->st.t.tmp, name);
   bico_status st = path && tmp ? BICO_OK : BICO_E_NOMEM;
   if (st == BICO_OK) st = bico__tmp_create_in(ctx, fn, what, path, tmp, t);
   bico__free(ctx, path);
@@ -538,7 +470,7 @@ static bico_status copy_file(bico_ctx *ctx, const char *fn, bico__wfolder *f,
   if (st == BICO_OK) {
     t->setmode = 1;
     t->mode = c->mode;
-    t->nosync = 1; /* stage_mode syncs the new folder once */
+    t->nosync = 1; /* bico__stage_finish syncs the new folder once */
     st = bico__tmp_finish(ctx, fn, t);
   }
   if (fd >= 0) close(fd);
@@ -551,7 +483,7 @@ static bico_status copy_file(bico_ctx *ctx, const char *fn, bico__wfolder *f,
  * another name, whatever the old index says. */
 static bico_status find_drop(bico_ctx *ctx, bico__wfolder *f) {
   bico_status st = BICO_OK;
-  char *ip = bico__path_join(ctx, f->real, INDEX_NAME);
+  char *ip = bico__path_join(ctx, f->st.real, INDEX_NAME);
   if (ip == NULL) return BICO_E_NOMEM;
   struct stat s;
   if (lstat(ip, &s) == 0 && S_ISREG(s.st_mode)) {
@@ -590,34 +522,6 @@ static int keep_old(void *arg, const char *n) {
       is_shard_name(n))
     return 0;
   return !in_sorted(f->drop, f->ndrop, n);
-}
-
-/* The new folder's own mode (and owner, as root): the old folder's, or
- * what mkdir would give. */
-static bico_status stage_mode(bico_ctx *ctx, bico__wfolder *f) {
-  int fd = open(f->stage.tmp, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
-    return bico__fail(ctx, BICO_E_IO, "the output folder %s: its new folder "
-                      "is gone: %s", f->dir, strerror(errno));
-  int bad = 0;
-  if (f->exists) {
-    if (geteuid() == 0 && fchown(fd, f->old.st_uid, f->old.st_gid) != 0)
-      bad = errno;
-    if (!bad && fchmod(fd, f->old.st_mode & 07777) != 0) bad = errno;
-  } else if (fchmod(fd, 0777 & ~bico__umask()) != 0) {
-    bad = errno;
-  }
-  close(fd);
-  if (bad)
-    return bico__fail(ctx, BICO_E_IO, "the output folder %s: cannot give the "
-                      "new folder the old one's mode: %s", f->dir,
-                      strerror(bad));
-  /* the copies and carried files were not synced one by one */
-  int e = bico__sync_folder(f->stage.tmp);
-  if (e != 0 && e != EINVAL && e != EROFS)
-    return bico__fail(ctx, BICO_E_IO, "the output folder %s: cannot make the "
-                      "new files durable: %s", f->dir, strerror(e));
-  return BICO_OK;
 }
 
 /* The sorted names of every file the writer produces. */
@@ -659,11 +563,9 @@ bico_status bico__wfolder_finish(bico_ctx *ctx, const char *fn,
     st = push_name(ctx, &f->made, &f->nmade, &mcap, f->copies[k].name);
   if (st == BICO_OK && f->nmade > 1)
     qsort(f->made, f->nmade, sizeof *f->made, cmp_name);
-  if (st == BICO_OK && f->exists) st = find_drop(ctx, f);
-  if (st == BICO_OK && f->exists)
-    st = bico__carry_files(ctx, fn, f->dir, f->real, f->stage.tmp, keep_old,
-                           f);
-  if (st == BICO_OK) st = stage_mode(ctx, f);
+  if (st == BICO_OK && f->st.exists) st = find_drop(ctx, f);
+  /* the user's files carried, the folder's attributes, one sync */
+  if (st == BICO_OK) st = bico__stage_finish(ctx, fn, &f->st, keep_old, f);
   return st;
 }
 
@@ -675,8 +577,8 @@ bico_status bico__wfolder_files(bico_ctx *ctx, bico__wfolder *f,
   bico__free(ctx, f->list);
   f->list = bico__alloc(ctx, sizeof *f->list);
   if (f->list == NULL) return BICO_E_NOMEM;
-  f->stage.gone = 0;
-  f->list[0] = &f->stage;
+  f->st.t.gone = 0;
+  f->list[0] = &f->st.t;
   *list = f->list;
   *n = 1;
   return BICO_OK;
@@ -685,5 +587,6 @@ bico_status bico__wfolder_files(bico_ctx *ctx, bico__wfolder *f,
 void bico__wfolder_committed(bico__wfolder *f) {
   /* the files went with the folder: nothing of theirs to remove */
   for (size_t k = 0; k < f->nextra; k++) f->extra[k].gone = 1;
-  f->stage.gone = 1;
+  f->st.t.gone = 1;
+  bico__stage_unlock(&f->st); /* the old tree is retired: let go */
 }

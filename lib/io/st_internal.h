@@ -127,17 +127,6 @@ bico_status bico__wfolder_files(bico_ctx *ctx, bico__wfolder *f,
  * any more). */
 void bico__wfolder_committed(bico__wfolder *f);
 
-/* lib/io/st_swap.c: carries the entries of folder `from` for which keep(arg,
- * name) says 1 (every entry of its sub-folders) into the folder `to`: a
- * hard link for each file and link (a copy, mode kept, when linking is
- * refused: EXDEV, EPERM, ...), each sub-folder recreated with its mode
- * (and owner, as root).  BICO_E_IO naming `shown` and the entry when one
- * cannot be carried. */
-typedef int (*bico__keep_fn)(void *arg, const char *name);
-bico_status bico__carry_files(bico_ctx *ctx, const char *fn,
-                              const char *shown, const char *from,
-                              const char *to, bico__keep_fn keep, void *arg);
-
 /* What every derived checkpoint says about itself (transfer, merge): the
  * base's "__metadata__" kept except "bico.*" keys and a sharded base's
  * total_size (it describes the base's files), "format": "pt" added when

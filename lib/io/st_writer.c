@@ -90,6 +90,41 @@ void bico_stwriter_free(bico_stwriter *w) {
   bico__free(ctx, w);
 }
 
+/* The writer of one file: its temporary file in the destination's folder
+ * (tmp NULL), or made at once at tmp. */
+static bico_status create_file(bico_ctx *ctx, const char *path,
+                               const char *tmp, bico_stwriter **out) {
+  bico_stwriter *w = bico__calloc(ctx, 1, sizeof *w);
+  if (w == NULL) return BICO_E_NOMEM;
+  w->ctx = ctx;
+  w->path = bico__strdup(ctx, path);
+  w->buf = bico__alloc(ctx, WBUF);
+  w->sh = bico__calloc(ctx, 1, sizeof *w->sh);
+  if (!w->path || !w->buf || !w->sh) {
+    bico_stwriter_free(w);
+    return BICO_E_NOMEM;
+  }
+  w->sh[0].tf.fd = -1;
+  w->nsh = 1;
+  bico_status s =
+      tmp ? bico__tmp_create_in(ctx, "stwriter_create", "output", path, tmp,
+                                &w->sh[0].tf)
+          : bico__tmp_create(ctx, "stwriter_create", "output", path,
+                             &w->sh[0].tf);
+  if (s != BICO_OK) {
+    bico_stwriter_free(w);
+    return s;
+  }
+  *out = w;
+  return BICO_OK;
+}
+
+bico_status bico__stwriter_create_at(bico_ctx *ctx, const char *path,
+                                     const char *tmp, bico_stwriter **out) {
+  *out = NULL;
+  return create_file(ctx, path, tmp, out);
+}
+
 bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
                                  bico_stwriter **out) {
   if (ctx == NULL) return BICO_E_NULL;
@@ -113,26 +148,7 @@ bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
   if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
     return bico__fail(ctx, BICO_E_ARG,
                       "stwriter_create: %s is a directory", path);
-  bico_stwriter *w = bico__calloc(ctx, 1, sizeof *w);
-  if (w == NULL) return BICO_E_NOMEM;
-  w->ctx = ctx;
-  w->path = bico__strdup(ctx, path);
-  w->buf = bico__alloc(ctx, WBUF);
-  w->sh = bico__calloc(ctx, 1, sizeof *w->sh);
-  if (!w->path || !w->buf || !w->sh) {
-    bico_stwriter_free(w);
-    return BICO_E_NOMEM;
-  }
-  w->sh[0].tf.fd = -1;
-  w->nsh = 1;
-  bico_status s = bico__tmp_create(ctx, "stwriter_create", "output", path,
-                                   &w->sh[0].tf);
-  if (s != BICO_OK) {
-    bico_stwriter_free(w);
-    return s;
-  }
-  *out = w;
-  return BICO_OK;
+  return create_file(ctx, path, NULL, out);
 }
 
 static bico_status w_state(bico_stwriter *w, const char *fn, int need_open) {
@@ -701,7 +717,7 @@ bico_status bico_stwriter_create_folder(bico_ctx *ctx, const char *dir,
     bico_stwriter_free(w);
     return BICO_E_NOMEM;
   }
-  bico_status st = bico__wfolder_open(ctx, "bico_stwriter_create_folder", dir,
+  bico_status st = bico__wfolder_open(ctx, "stwriter_create_folder", dir,
                                       like, max_shard_size, &w->folder);
   if (st != BICO_OK) {
     bico_stwriter_free(w);

@@ -12,19 +12,16 @@ void bico__lora_set_dropout(bico_lora *l, double dropout);
 
 /* bico_lora_save in two steps, so that a run commits the adapter together
  * with its other outputs (lib/io/fileio.h): begin checks both destinations,
- * creates the folder if missing and leaves both files complete in
- * temporary files (weights, cfg); the caller passes them to bico__commit,
- * then calls end (which removes what was not committed, and the folder if
- * begin created it and nothing landed).  end is safe after a failed
- * begin. */
+ * takes the folder's lock (joining a run's) and builds the whole adapter
+ * folder beside it (lib/io/outdir.c: adapter_model.safetensors,
+ * adapter_config.json, the old folder's other entries carried); the caller
+ * passes &o->st.t (one folder, swapped in whole) to bico__commit, then
+ * calls end (which removes the new folder unless committed and lets the
+ * lock go).  end is safe after a failed begin. */
 #include "fileio.h"
 typedef struct bico__lora_out {
   bico_ctx *ctx;
-  bico_stwriter *w;
-  bico__tmpfile *weights; /* inside w, once finished */
-  bico__tmpfile cfg;
-  char *dir;
-  int made;
+  bico__stage st;
 } bico__lora_out;
 bico_status bico__lora_save_begin(const bico_lora *l, const char *fn,
                                   const char *dir, bico__lora_out *o);

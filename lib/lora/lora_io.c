@@ -684,43 +684,77 @@ static bico_status write_tensors(const bico_lora *l, bico_stwriter *w) {
   return st;
 }
 
+/* What a new adapter folder takes from the old one: everything but the
+ * two files it writes (and temporaries of this library's runs). */
+static int keep_old_entry(void *arg, const char *n) {
+  (void)arg;
+  if (n[0] == '.' && strstr(n, BICO__TMP_MARK) != NULL) return 0;
+  return strcmp(n, "adapter_model.safetensors") != 0 &&
+         strcmp(n, "adapter_config.json") != 0;
+}
+
+/* adapter_config.json of the new folder: made at its final name there,
+ * named dir/adapter_config.json in messages. */
+static bico_status write_config(const bico_lora *l, const char *fn,
+                                const char *cpath, const char *at) {
+  bico_ctx *ctx = l->ctx;
+  bico__jw jw;
+  bico__jw_init(&jw, ctx, 2);
+  bico__tmpfile t;
+  bico_status st = build_config(l, &jw);
+  if (st == BICO_OK)
+    st = bico__tmp_create_in(ctx, fn, "output adapter config", cpath, at, &t);
+  if (st == BICO_OK) {
+    t.nosync = 1; /* the new folder is synced once */
+    st = bico__tmp_write(ctx, fn, &t, jw.buf, jw.len);
+    if (st == BICO_OK) st = bico__tmp_finish(ctx, fn, &t);
+    t.gone = 1; /* it stays in the new folder, which goes as a whole */
+    bico__tmp_discard(ctx, &t);
+  }
+  bico__jw_free(&jw);
+  return st;
+}
+
 bico_status bico__lora_save_begin(const bico_lora *l, const char *fn,
                                   const char *dir, bico__lora_out *o) {
   bico_ctx *ctx = l->ctx;
   memset(o, 0, sizeof *o);
-  o->cfg.fd = -1;
-  o->ctx = ctx;
+  o->st.t.fd = -1;
+  o->st.t.gone = 1;
   if (l->nmods == 0)
     return bico__fail(ctx, BICO_E_STATE,
                       "%s: the adapter has no modules (%s not written)", fn,
                       dir);
   char *cpath = join(ctx, dir, "adapter_config.json");
   char *tpath = join(ctx, dir, "adapter_model.safetensors");
-  o->dir = bico__strdup(ctx, dir);
-  bico_status st = cpath && tpath && o->dir ? BICO_OK : BICO_E_NOMEM;
+  bico_status st = cpath && tpath ? BICO_OK : BICO_E_NOMEM;
   bico__fileuse use[2] = {{"output adapter weights", tpath, 1, 1, 0},
                           {"output adapter config", cpath, 1, 1, 0}};
   if (st == BICO_OK) st = bico__check_files(ctx, fn, use, 2);
   if (st == BICO_OK) {
-    if (mkdir(dir, 0777) == 0)
-      o->made = 1;
-    else if (errno != EEXIST)
-      st = bico__fail(ctx, BICO_E_IO, "%s: cannot create folder %s: %s", fn,
-                      dir, strerror(errno));
+    o->ctx = ctx;
+    st = bico__stage_open(ctx, fn, dir, 1, &o->st);
   }
-  struct stat sb;
-  if (st == BICO_OK && (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode)))
-    st = bico__fail(ctx, BICO_E_IO, "%s: %s is not a folder", fn, dir);
-  bico__jw jw;
-  bico__jw_init(&jw, ctx, 2);
-  if (st == BICO_OK) st = build_config(l, &jw);
+  if (st == BICO_OK) st = bico__stage_make(ctx, fn, &o->st);
+  char *cat = st == BICO_OK ? join(ctx, o->st.t.tmp, "adapter_config.json")
+                            : NULL;
+  char *tat = st == BICO_OK
+                  ? join(ctx, o->st.t.tmp, "adapter_model.safetensors")
+                  : NULL;
+  if (st == BICO_OK && (cat == NULL || tat == NULL)) st = BICO_E_NOMEM;
+  if (st == BICO_OK) st = write_config(l, fn, cpath, cat);
+  bico_stwriter *w = NULL;
+  if (st == BICO_OK) st = bico__stwriter_create_at(ctx, tpath, tat, &w);
+  if (st == BICO_OK) st = write_tensors(l, w);
+  bico__tmpfile *wt = NULL;
+  if (st == BICO_OK) st = bico__stwriter_finish(w, &wt);
+  if (st == BICO_OK) wt->gone = 1; /* in the new folder, which goes whole */
+  bico_stwriter_free(w);
   if (st == BICO_OK)
-    st = bico__report_tmp(ctx, fn, "output adapter config", jw.buf, jw.len,
-                          cpath, &o->cfg);
-  bico__jw_free(&jw);
-  if (st == BICO_OK) st = bico_stwriter_create(ctx, tpath, &o->w);
-  if (st == BICO_OK) st = write_tensors(l, o->w);
-  if (st == BICO_OK) st = bico__stwriter_finish(o->w, &o->weights);
+    st = bico__stage_finish(ctx, fn, &o->st, keep_old_entry, NULL);
+  if (st == BICO_OK) o->st.t.gone = 0; /* for bico__commit */
+  bico__free(ctx, cat);
+  bico__free(ctx, tat);
   bico__free(ctx, cpath);
   bico__free(ctx, tpath);
   return st;
@@ -728,17 +762,15 @@ bico_status bico__lora_save_begin(const bico_lora *l, const char *fn,
 
 void bico__lora_save_end(bico__lora_out *o, int committed) {
   if (o->ctx == NULL) return;
-  bico_stwriter_free(o->w);
-  bico__tmp_discard(o->ctx, &o->cfg);
-  /* A folder this run created goes again unless the files landed. */
-  if (!committed && o->made && o->dir) (void)rmdir(o->dir);
-  bico__free(o->ctx, o->dir);
+  if (committed) o->st.t.gone = 1;
+  bico__stage_free(o->ctx, &o->st);
   memset(o, 0, sizeof *o);
 }
 
-/* Both files of an adapter go to temporary files, both destinations are
- * checked, then both are committed: a failure anywhere leaves the folder
- * as it was (a folder this call created is removed again). */
+/* The whole adapter folder is built beside the old one and swapped in at
+ * once: a failure anywhere leaves the folder as it was, and a reader sees
+ * the old adapter or the new one, never the new weights beside the old
+ * config. */
 bico_status bico_lora_save(const bico_lora *l, const char *dir) {
   if (l == NULL) return BICO_E_NULL;
   bico_ctx *ctx = l->ctx;
@@ -750,8 +782,8 @@ bico_status bico_lora_save(const bico_lora *l, const char *dir) {
   bico__lora_out o;
   bico_status st = bico__lora_save_begin(l, "lora_save", dir, &o);
   if (st == BICO_OK) {
-    bico__tmpfile *outs[2] = {o.weights, &o.cfg};
-    st = bico__commit(ctx, "lora_save", outs, 2);
+    bico__tmpfile *outs[1] = {&o.st.t};
+    st = bico__commit(ctx, "lora_save", outs, 1);
   }
   bico__lora_save_end(&o, st == BICO_OK);
   return st;

@@ -868,7 +868,18 @@ bico_status bico_merge_run(bico_merge *m) {
   bico_stwriter *w = NULL, *wd = NULL;
   bico__report rep;
   bico__report_init(&rep, ctx);
-  bico_status st = merge_all(m, &base, &w, &wd, &rep);
+  /* the run's lock on each folder it writes, before anything is read
+   * (its writers join it) */
+  bico__lock *locks[2] = {NULL, NULL};
+  const char *bp = m->files[BICO_MERGE_FILE_BASE];
+  bico_status st = BICO_OK;
+  for (int k = 0; k < 2 && st == BICO_OK; k++) {
+    const char *o = m->files[k ? BICO_MERGE_FILE_DELTA_OUTPUT
+                               : BICO_MERGE_FILE_OUTPUT];
+    if (o != NULL && bico_stwriter_output_is_folder(o, bp))
+      st = bico__lock_take(ctx, o, 0, &locks[k]);
+  }
+  if (st == BICO_OK) st = merge_all(m, &base, &w, &wd, &rep);
   /* Every output complete in its temporary file, then all destinations
    * checked and committed together (lib/io/fileio.c). */
   const char *rp = m->files[BICO_MERGE_FILE_REPORT];
@@ -889,5 +900,6 @@ bico_status bico_merge_run(bico_merge *m) {
   bico__report_free(&rep);
   bico_stfile_free(base);
   close_inputs(m);
+  for (int k = 0; k < 2; k++) bico__lock_release(locks[k]);
   return st;
 }

@@ -684,10 +684,7 @@ static bico_status lora_commit(lrun *r, size_t unused) {
   }
   if (st == BICO_OK && out_dir) {
     st = bico__lora_save_begin(r->out, "transfer_run", out_dir, &lo);
-    if (st == BICO_OK) {
-      outs[nout++] = lo.weights;
-      outs[nout++] = &lo.cfg;
-    }
+    if (st == BICO_OK) outs[nout++] = &lo.st.t; /* the folder, whole */
   }
   if (st == BICO_OK && report) outs[nout++] = &rep;
   st = bico__commit_lists(ctx, "transfer_run", st, ck, nck, outs, nout, NULL);

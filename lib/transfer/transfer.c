@@ -402,14 +402,35 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
   return st;
 }
 
+/* The run's lock on each folder it writes (lib/io/fileio.h), from before
+ * its inputs are read to after the old trees are removed; its writers
+ * join it.  A partial run writes nothing of its own. */
+static bico_status lock_outputs(bico_transfer *t, bico__lock **locks) {
+  const char *tb = t->files[BICO_FILE_TARGET_BASE];
+  const char *dirs[3] = {t->files[BICO_FILE_OUTPUT],
+                         t->files[BICO_FILE_DELTA_OUTPUT],
+                         t->files[BICO_FILE_LORA_OUTPUT]};
+  bico_status st = BICO_OK;
+  for (int k = 0; k < 3 && st == BICO_OK && t->select == NULL; k++)
+    if (dirs[k] != NULL &&
+        (k == 2 || bico_stwriter_output_is_folder(dirs[k], tb)))
+      st = bico__lock_take(t->ctx, dirs[k], 0, &locks[k]);
+  return st;
+}
+
 bico_status bico_transfer_run(bico_transfer *t) {
   if (t == NULL) return BICO_E_NULL;
   bico__clear(t->ctx);
   t->ran = 0;
-  bico__run r;
-  bico__xfer_run_init(&r, t);
-  bico_status st = run_all(&r);
-  bico__xfer_run_free(&r);
+  bico__lock *locks[3] = {NULL, NULL, NULL};
+  bico_status st = lock_outputs(t, locks);
+  if (st == BICO_OK) {
+    bico__run r;
+    bico__xfer_run_init(&r, t);
+    st = run_all(&r);
+    bico__xfer_run_free(&r);
+  }
+  for (int k = 0; k < 3; k++) bico__lock_release(locks[k]);
   if (st == BICO_OK) t->ran = 1;
   return st;
 }

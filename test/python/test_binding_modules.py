@@ -25,7 +25,7 @@ HEADER_MODULE = {
     "baseline.h": "_baseline", "depthmap.h": "_depthmap",
     "safetensors.h": "safetensors", "model.h": "model", "stats.h": "_stats",
     "transfer.h": "transfer", "lora.h": "lora", "merge.h": "merge",
-    "fit.h": "fit",
+    "fit.h": "fit", "folder.h": "folder",
     # the dtype codes are safetensors' (bico.safetensors.dtype_name, F32...)
     "dtype.h": "safetensors",
 }

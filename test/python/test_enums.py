@@ -24,6 +24,7 @@ TABLES = {
     "bico_ctx_param": ("CTX_PARAMS", "ctx_param"),
     "bico_fit_flag": ("FIT_FLAGS", "fit_flag"),
     "bico_fit_param": ("FIT_PARAMS", "fit_param"),
+    "bico_folder_policy": ("FOLDER_POLICIES", "folder_policy"),
     "bico_gradfix_mode": ("GRADFIX_MODES", "gradfix_mode"),
     "bico_lora_kind": ("LORA_KINDS", "lora_kind"),
     "bico_lora_param": ("LORA_PARAMS", "lora_param"),
@@ -188,7 +189,7 @@ def test_torch_methods_are_the_librarys_and_the_fits():
     bt = pytest.importorskip("bico.torch")
     assert set(_enums.METHODS) <= set(bt.MODEL_METHODS)
     assert set(bt.MODEL_METHODS) - set(_enums.METHODS) == \
-        {"fit", "proxy-fit", "proxy-distill"}
+        {"fit", "proxy-fit", "distill", "proxy-distill"}
 
 
 def test_transfer_set_file_takes_the_bindings_spelling_of_every_slot():

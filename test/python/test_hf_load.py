@@ -224,10 +224,15 @@ def test_save_adapter_loads_and_merges_to_the_truncated_update(tmp_path,
         names = st.open(str(ad / "adapter_model.safetensors"))
         for m in rep["modules"]:
             w = base[m + ".weight"]
+            # one dtype rule: float32 factors (PEFT's), whole tensors in
+            # the target's dtype (BF16 here)
             assert names.info("base_model.model.%s.lora_A.weight" % m) == \
-                ("BF16", (r, w.shape[1]))
+                ("F32", (r, w.shape[1]))
             assert names.info("base_model.model.%s.lora_B.weight" % m) == \
-                ("BF16", (w.shape[0], r))
+                ("F32", (w.shape[0], r))
+        if save:
+            assert names.info("base_model.model.model.norm.weight")[0] == \
+                "BF16"
         # what could not be carried is said
         assert "model.layers.0.self_attn.q_proj.bias" in rep["left_out"]
         assert ("model.norm.weight" in rep["left_out"]) == (not save)
@@ -256,8 +261,15 @@ def test_save_adapter_loads_and_merges_to_the_truncated_update(tmp_path,
 
 def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
     """A tied embedding stored whole (modules_to_save) is one tensor with
-    the head: the adapter's effective update holds both names, and
-    libbico's merge into the tied folder gives the new embedding."""
+    the head.  PEFT gives each module of modules_to_save its own copy, so
+    the adapter stores the tensor under both names (embed_tokens and
+    lm_head, both in modules_to_save): loaded by PEFT's rules
+    (test/e2e/peft_rules.py) the model is the target moved by the
+    adapter's effective update, head included.  (Saved under the
+    embedding's name alone, as before, PEFT moved the embedding copy and
+    left the head: the scored model was not the loaded one.)"""
+    sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+    import peft_rules
     folder, cfg = target
     model = bt.load_model(folder)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -270,13 +282,30 @@ def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
     rep = bt.save_adapter(tmp_path / "ad", model, d, 4, is_delta=True,
                           modules_to_save=["embed_tokens"],
                           return_effective=True)
-    assert rep["saved"] == [emb] and not rep["left_out"]
-    assert torch.equal(rep["effective"][emb], rep["effective"]["lm_head.weight"])
-    merged = merged_by_bico(tmp_path, folder, tmp_path / "ad")
-    want = (model.model.embed_tokens.weight.detach().double() + d[emb]).numpy()
-    np.testing.assert_allclose(merged[emb], want, atol=0.02)
+    assert rep["saved"] == [emb, "lm_head.weight"] and not rep["left_out"]
+    cfgj = json.load(open(tmp_path / "ad" / "adapter_config.json"))
+    assert cfgj["modules_to_save"] == ["lm_head", "model.embed_tokens"]
+    assert torch.equal(rep["effective"][emb],
+                       rep["effective"]["lm_head.weight"])
+    # the effective update is what the stored tensors give, not the
+    # float64 request: the BF16 embedding as stored
+    stored = model.model.embed_tokens.weight.detach().double() + d[emb]
+    assert torch.equal(rep["effective"][emb], stored.to(torch.bfloat16)
+                       .double() - model.model.embed_tokens.weight.double())
+    ids = torch.randint(0, cfg["vocab_size"], (2, 10),
+                        generator=torch.Generator().manual_seed(3))
+    want = bt.load_model(folder, dtype=torch.float64)
+    sd = want.state_dict()
+    for k, v in rep["effective"].items():
+        sd[k] = sd[k] + v
+    want.load_state_dict(sd)   # tied: one tensor, moved once
+    got = bt.load_model(folder, dtype=torch.float64)
+    done = peft_rules.load(got, str(tmp_path / "ad"))
+    assert sorted(done["saved"]) == ["lm_head", "model.embed_tokens"]
+    with torch.no_grad():
+        assert torch.allclose(got(ids), want(ids), atol=1e-9)
     rep = bt.save_adapter(tmp_path / "ad2", model, d, 4, is_delta=True)
-    assert emb in rep["left_out"] and q not in rep["left_out"]
+    assert rep["left_out"] == [emb] and q not in rep["left_out"]
     assert 0 < rep["left_out_norm"] < 1
     with pytest.raises(bico.BicoError, match="no linear"):
         bt.save_adapter(tmp_path / "ad3", model, {emb: d[emb]}, 4,

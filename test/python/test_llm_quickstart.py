@@ -75,3 +75,39 @@ def test_quickstart_runs(tmp_path, monkeypatch, capsys):
     for folder in ("B_merged", "B_ft"):
         assert loss(folder) < zero - 0.3 * gap, folder
     assert np.isfinite(loss("B_bico"))
+    # the statistics of `python3 -m bico.llm stats`: the module pairs of
+    # the Python-collected file
+    import bico.safetensors as st
+    a = st.open(str(tmp_path / "stats_cli.safetensors"))
+    b = st.open(str(tmp_path / "stats.safetensors"))
+    assert sorted(a.keys()) == sorted(b.keys())
+
+
+def test_the_ids_one_liner_uses_the_targets_tokenizer(tmp_path):
+    """The page's --ids one-liner, run where B's tokenizer is a byte-level
+    BPE whose ids are not byte values (its vocabulary permuted), writes
+    B's token ids (the one-liner used to write raw bytes)."""
+    line = next(l for k, code in blocks() if k == "sh"
+                for l in code.splitlines() if "ids.npy" in l and
+                l.startswith("python3 -c"))
+    text = "key=lfz;\nabc=bcd;\n\u00e9t\u00e9\n" * 20
+    (tmp_path / "task.txt").write_text(text, encoding="utf-8")
+    os.makedirs(tmp_path / "B")
+    spec = llm_pair.tokenizer_json()
+    vocab = spec["model"]["vocab"]
+    perm = np.random.default_rng(1).permutation(len(vocab))
+    spec["model"]["vocab"] = {t: int(perm[i]) for t, i in vocab.items()}
+    json.dump(spec, open(tmp_path / "B" / "tokenizer.json", "w"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(ROOT, "bindings", "python"),
+         os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(["bash", "-c", line.replace("python3",
+                                                   sys.executable, 1)],
+                       cwd=str(tmp_path), env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = np.load(tmp_path / "ids.npy")
+    want = bt.tokenize(text, str(tmp_path / "B")).numpy()
+    assert got.dtype.kind == "i" and np.array_equal(got, want)
+    raw = np.frombuffer(text.encode(), np.uint8)
+    assert not np.array_equal(want, raw)

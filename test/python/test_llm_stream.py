@@ -11,6 +11,7 @@ bytes compared with what went in."""
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -32,7 +33,8 @@ import llama  # noqa: E402
 import llm_pair  # noqa: E402
 
 torch.set_num_threads(1)
-PY = [sys.executable, "-m", "bico.llm"]
+# the fit route (--method fit) streams; distill and auto hold the models
+PY = [sys.executable, "-m", "bico.llm", "--method", "fit"]
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +197,37 @@ def test_fit_equals_in_memory_bit_for_bit(pair):
                 assert abs(a["losses"][g] - b["losses"][g]) < 1e-6
 
 
+def test_transfer_model_output_follows_the_folder_rules(pair, tmp_path):
+    """transfer_model(folders, output=): the folder written holds the
+    state dict the call returns without output= (the file's dtype); an
+    output inside an input folder is refused before anything is read,
+    and nothing appears there."""
+    cal = cal_of(pair, holdout=0)
+    paths = [str(pair / f) for f in ("A", "A_full", "B")]
+    want = bt.transfer_model(*paths, cal.batches, method="fit", alpha=0.8)
+    out = tmp_path / "B_ft"
+    got = bt.transfer_model(*paths, cal.batches, method="fit", alpha=0.8,
+                            output=str(out) + "/")
+    assert got["output"] == str(out) + "/" and got["alpha"] == 0.8
+    files = st.read(str(out) + "/")
+    assert set(files) == set(want) - {"lm_head.weight"}
+    with st.open(fam._weights_path(str(pair / "B"))) as f:
+        dts = {k: f.info(k)[0] for k in f.keys()}
+    old = st.read(str(pair / "B") + "/")
+    for k, v in files.items():
+        # rounded once to the file's dtype (the state dict: the compute
+        # dtype): equal to a rounding of the file's dtype
+        w = want[k].float().numpy()
+        np.testing.assert_allclose(v, w, rtol=2.0 ** -7 if dts[k] == "BF16"
+                                   else 1e-6, atol=0, err_msg=k)
+        assert not np.array_equal(v, old[k]) or np.array_equal(w, v), k
+    inside = pair / "B" / "sub"
+    with pytest.raises(BicoError) as e:
+        bt.transfer_model(*paths, cal.batches, method="fit", alpha=0.8,
+                          output=str(inside) + "/")
+    assert "B" in e.value.message and not inside.exists()
+
+
 def test_command_outputs_equal_the_in_memory_route(pair, tmp_path):
     """python3 -m bico.llm streamed and --in-memory: the model folders
     are byte for byte the same; the adapters hold the same tensors."""
@@ -221,7 +254,21 @@ def test_command_outputs_equal_the_in_memory_route(pair, tmp_path):
         assert sorted(os.listdir(ds)) == sorted(os.listdir(dm))
         if args[0] == "--output":
             for n in os.listdir(dm):
-                assert open(ds / n, "rb").read() == open(dm / n, "rb").read()
+                if not n.endswith(".safetensors"):
+                    assert open(ds / n, "rb").read() == \
+                        open(dm / n, "rb").read()
+                    continue
+                a, b = st.read(str(ds / n)), st.read(str(dm / n))
+                assert list(a) == list(b)
+                for k in b:
+                    assert a[k].dtype == b[k].dtype and \
+                        a[k].tobytes() == b[k].tobytes(), k
+                # the same metadata; the held-out loss recorded is the
+                # streamed update's at the compute dtype, the in-memory
+                # route's that of the output as written: rounding apart
+                ma, mb = _metadata(ds / n), _metadata(dm / n)
+                la, lb = (float(m.pop("bico_heldout_loss")) for m in (ma, mb))
+                assert ma == mb and abs(la - lb) < 1e-3 * lb
         else:
             a = st.read(str(ds / "adapter_model.safetensors"))
             b = st.read(str(dm / "adapter_model.safetensors"))
@@ -231,6 +278,12 @@ def test_command_outputs_equal_the_in_memory_route(pair, tmp_path):
                                            atol=1e-2 * np.abs(b[k]).max())
             assert json.load(open(ds / "adapter_config.json")) == \
                 json.load(open(dm / "adapter_config.json"))
+
+
+def _metadata(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))["__metadata__"]
 
 
 def test_untied_heads_fit_blocks_as_in_memory(untied):
@@ -346,7 +399,9 @@ def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
                 "0.01", "--alpha", "1"]
     r = subprocess.run(cmd, cwd=str(pair), env=env, capture_output=True,
                        text=True, timeout=300)
-    assert r.returncode == -getattr(signal, "SIG" + sig), r.stderr[-2000:]
+    # SIGTERM ends the command as an exception would (exit 128 + signal)
+    assert r.returncode == (128 + signal.SIGTERM if sig == "TERM" else
+                            -signal.SIGKILL), r.stderr[-2000:]
     assert os.listdir(out) == ["old.txt"] and \
         (out / "old.txt").read_text() == "old"
     assert os.listdir(spill) == []

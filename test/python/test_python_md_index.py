@@ -7,6 +7,7 @@ import os
 import bico
 import bico.convert
 import bico.fit
+import bico.folder
 import bico.lora
 import bico.merge
 import bico.model
@@ -19,7 +20,10 @@ import bico.torch.proxy
 import bico.torch.transfer
 import bico.llm
 import bico.llm.adapters
+import bico.llm.config
 import bico.llm.families
+import bico.llm.options
+import bico.llm.stats
 import bico.llm.text
 import bico.llm.runtime
 import bico.llm.stream_route
@@ -44,13 +48,14 @@ def test_every_public_name_is_in_python_md():
     missing = ["%s.%s" % (m.__name__, n)
                for m in (bico, bico.torch, bico.lora, bico.merge,
                          bico.safetensors, bico.model, bico.fit, bico.convert,
-                         bico.transfer, bico.transport,
+                         bico.folder, bico.transfer, bico.transport,
                          # the PyTorch front end's modules by concern
                          bico.torch.collect, bico.torch.transfer,
                          bico.torch.choose, bico.torch.fit,
                          bico.torch.proxy, bico.llm, bico.llm.families,
                          bico.llm.text, bico.llm.adapters,
-                         bico.llm.runtime, bico.llm.stream_route)
+                         bico.llm.runtime, bico.llm.stream_route,
+                         bico.llm.config, bico.llm.options, bico.llm.stats)
                for n in public(m) if "`%s" % n not in doc and
                ".%s" % n not in doc]
     assert not missing, "docs/python.md does not name: " + ", ".join(missing)

@@ -22,7 +22,9 @@ previous output byte-identical and no half-written file under its name.
      user files) and the user's own files (a sub-folder, a dot file):
      afterwards the folder holds exactly the old files or exactly the new
      ones, byte for byte, the user's files intact; the only leftovers are
-     ".out.bico-tmp.<pid>.*" siblings, which the next run removes.  A
+     ".out.bico-tmp.<pid>.*" siblings and the folder's lock file
+     ".out.bico-lock" (held by no one once its run is dead), which the
+     next run removes.  A
      folder the run creates is absent or complete.  SIGTERM leaves no
      temporary folder at all.
 When run as root (permissions do not bind root), 3 and 4 run the command
@@ -259,7 +261,8 @@ def folder_commits(root, rnd):
         if state:
             outcomes[state] += 1
         left = [n for n in listing(parent) if n != "out"]
-        check(all(n.startswith(".out.bico-tmp.") for n in left),
+        check(all(n.startswith(".out.bico-tmp.") or n == ".out.bico-lock"
+                  for n in left),
               "kill %d: leftovers are recognisable temporaries %s" % (k, left[:4]))
     print("folder kills: %d, old kept %d, new complete %d" %
           (KILLS, outcomes["old"], outcomes["new"]))

@@ -34,8 +34,23 @@ int main(int argc, char **argv) {
     code = mpi_cmd_stats(argc - 1, argv + 1);
   else if (argc >= 2 && strcmp(argv[1], "transfer") == 0) {
     if (rank != 0) mpi_quiet_stderr();
-    cli_transfer_runner = mpi_transfer_run;
-    code = cmd_transfer(argc - 1, argv + 1);
+    /* --config F.yaml as in the serial command; then the options it stood
+     * for compared once more (the file may differ between nodes) */
+    int sub_argc = argc - 1;
+    char **sub_argv = argv + 1;
+    int rc = cli_config_expand("transfer", &sub_argc, &sub_argv);
+    if (mpi_any_failed(rc != 0, "its --config file could not be read",
+                       msg, sizeof msg)) {
+      if (rank == 0 && rc == 0) fprintf(stderr, "bico transfer: %s\n", msg);
+      code = rc ? rc : 1;
+    } else if (mpi_same_args(sub_argc, sub_argv, msg, sizeof msg)) {
+      if (rank == 0) fprintf(stderr, "bico transfer: %s (after --config)\n",
+                             msg);
+      code = 1;
+    } else {
+      cli_transfer_runner = mpi_transfer_run;
+      code = cmd_transfer(sub_argc, sub_argv);
+    }
     mpi_restore_stderr();
   }
   else

@@ -137,6 +137,13 @@ static int run_merge(stats_run *s) {
   return code;
 }
 
+/* The context's message without the library's function names. */
+static const char *user_msg(bico_ctx *ctx) {
+  static char m[1024]; /* the context's message is at most this long */
+  cli_user_message(bico_ctx_errmsg(ctx), m, sizeof m);
+  return m;
+}
+
 /* The library's message about the inputs, without its function names. */
 static int lib_failed(stats_run *s) {
   cli_user_message(bico_ctx_errmsg(s->ctx), s->msg, sizeof s->msg);
@@ -201,7 +208,7 @@ static int open_output(stats_run *s) {
                                  shape);
     }
     if (st != BICO_OK) {
-      snprintf(s->all, sizeof s->all, "rank 0: %s", bico_ctx_errmsg(s->ctx));
+      snprintf(s->all, sizeof s->all, "rank 0: %s", user_msg(s->ctx));
       wfail = 1;
     }
   }
@@ -258,7 +265,7 @@ static int accumulate(stats_run *s, size_t i, double **c) {
       if (st != BICO_OK) {
         snprintf(s->msg, sizeof s->msg, "statistic %s, calibration files %s "
                  "and %s, rows %zu..%zu: %s", it->name, s->src[p], s->tgt[p],
-                 r, r + n - 1, bico_ctx_errmsg(s->ctx));
+                 r, r + n - 1, user_msg(s->ctx));
         bad = 1;
       }
     }
@@ -277,7 +284,7 @@ static int accumulate(stats_run *s, size_t i, double **c) {
     }
   }
   if (bad && !s->msg[0])
-    snprintf(s->msg, sizeof s->msg, "%s", bico_ctx_errmsg(s->ctx));
+    snprintf(s->msg, sizeof s->msg, "%s", user_msg(s->ctx));
   bico_xcov_free(xc);
   return bad ? -1 : 0;
 }
@@ -306,7 +313,7 @@ static int compute_all(stats_run *s) {
       st = bico_stwriter_write_f64(s->w, it->name, c, nel);
       if (st != BICO_OK) {
         /* Rank 0 alone failed: the others are told at the next check. */
-        snprintf(s->msg, sizeof s->msg, "%s", bico_ctx_errmsg(s->ctx));
+        snprintf(s->msg, sizeof s->msg, "%s", user_msg(s->ctx));
       }
     }
     free(c);
@@ -321,7 +328,7 @@ static int commit(stats_run *s, int failed) {
   if (!failed && s->rank == 0) {
     bico_status st = bico_stwriter_commit(s->w);
     if (st != BICO_OK) {
-      snprintf(s->all, sizeof s->all, "rank 0: %s", bico_ctx_errmsg(s->ctx));
+      snprintf(s->all, sizeof s->all, "rank 0: %s", user_msg(s->ctx));
       failed = 1;
     }
   }

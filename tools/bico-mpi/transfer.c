@@ -265,6 +265,8 @@ static bico_status sink_put(void *opaque, const bico_transfer_tensor *x) {
 }
 
 /* One tensor from rank src (its head probed). */
+static const char *message(bico_ctx *ctx, bico_status st);
+
 static void receive_tensor(receiver *s, int src) {
   int64_t head[4];
   MPI_Recv(head, 4, MPI_INT64_T, src, TAG_HEAD, MPI_COMM_WORLD,
@@ -285,7 +287,7 @@ static void receive_tensor(receiver *s, int src) {
   } else if (!s->failed) {
     bico_status st = bico_transfer_assemble_put(
         s->t, (size_t)head[0], (int)head[2], count ? upd : NULL, count, entry);
-    if (st != BICO_OK) fail_once(s, 0, bico_ctx_errmsg(s->ctx));
+    if (st != BICO_OK) fail_once(s, 0, message(s->ctx, st));
   }
   free(entry);
   free(upd);
@@ -357,10 +359,30 @@ static void gather_hosts(rank_info *ranks) {
 }
 
 static const char *message(bico_ctx *ctx, bico_status st) {
-  const char *m = bico_ctx_errmsg(ctx);
-  /* as the serial command: no library function's name after the command's */
-  if (strncmp(m, "transfer_run: ", 14) == 0 && m[14] != '\0') m += 14;
+  static char m[1024]; /* the context's message is at most this long */
+  /* as the serial command: no library function's names */
+  cli_user_message(bico_ctx_errmsg(ctx), m, sizeof m);
   return m[0] ? m : bico_strerror(st);
+}
+
+/* Rank 0 holds the lock of each output folder (folder.h) for the whole
+ * run, from before the plan reads the inputs to after the commit has
+ * removed the old tree; the writers of bico_transfer_assemble_begin join
+ * it.  The folders' own checks (a dangling link, a mount point, the
+ * working directory) come first too. */
+static bico_status lock_outputs(bico_transfer *t, bico_ctx *ctx,
+                                bico_folder **f) {
+  const char *tb = NULL, *o[2] = {NULL, NULL};
+  bico_transfer_get_file(t, BICO_FILE_TARGET_BASE, &tb);
+  bico_transfer_get_file(t, BICO_FILE_OUTPUT, &o[0]);
+  bico_transfer_get_file(t, BICO_FILE_DELTA_OUTPUT, &o[1]);
+  static const char *const what[2] = {"output", "delta output"};
+  bico_status st = bico_folder_create(ctx, f);
+  for (int k = 0; k < 2 && st == BICO_OK; k++)
+    if (o[k] != NULL && bico_stwriter_output_is_folder(o[k], tb))
+      st = bico_folder_add_output(*f, what[k], o[k], BICO_FOLDER_CARRY, NULL);
+  if (st == BICO_OK) st = bico_folder_begin(*f);
+  return st;
 }
 
 /* A worker's part after its plan: compute, send, report. */
@@ -467,7 +489,9 @@ int mpi_transfer_run(bico_transfer *t, bico_ctx *ctx, int quiet) {
     return 1;
   }
   /* Every rank plans the same run (and so checks the same setup). */
-  bico_status st = bico_transfer_plan(t);
+  bico_folder *lock = NULL;
+  bico_status st = g_rank == 0 ? lock_outputs(t, ctx, &lock) : BICO_OK;
+  if (st == BICO_OK) st = bico_transfer_plan(t);
   size_t nt = 0, ng = 0;
   if (st == BICO_OK) st = bico_transfer_plan_size(t, &nt, &ng);
   int *owner = malloc((nt ? nt : 1) * sizeof *owner);
@@ -515,5 +539,6 @@ int mpi_transfer_run(bico_transfer *t, bico_ctx *ctx, int quiet) {
   free(load);
   free(select);
   free(s.ranks);
+  bico_folder_free(lock);
   return st == BICO_OK ? 0 : 1;
 }

@@ -167,6 +167,17 @@ int cli_bytes_option(const char *cmd, const char *opt, const char *v,
                    opt, v);
 }
 
+int cli_wait(const char *cmd, bico_ctx *ctx, const char *v) {
+  double x;
+  if (v == NULL) return 0;
+  if (cli_double(v, &x))
+    return cli_error(cmd, CLI_USAGE, "--wait %s: expected a number of seconds",
+                     v);
+  if (bico_ctx_set_param(ctx, BICO_CTX_FOLDER_WAIT, x) != BICO_OK)
+    return cli_param_refused(cmd, ctx, "--wait", v);
+  return 0;
+}
+
 int cli_param_refused(const char *cmd, bico_ctx *ctx, const char *opt,
                       const char *v) {
   char msg[2048];
@@ -199,8 +210,15 @@ static size_t fn_prefix(const char *s) {
          s[i] == '_')
     us += s[i++] == '_';
   if (!(us > 0 && s[i - 1] != '_' && s[i] == ':' && s[i + 1] == ' ')) return 0;
-  return api_name(s, i) ? i + 2 : 0;
+  /* the full symbol too ("bico_stwriter_create_folder: ") */
+  size_t skip = i > 5 && strncmp(s, "bico_", 5) == 0 ? 5 : 0;
+  return api_name(s + skip, i - skip) ? i + 2 : 0;
 }
+
+/* The library's words for its own settings, in the command's options. */
+static const struct {
+  const char *lib, *cli;
+} SETTINGS[] = {{"the context's folder_wait", "--wait SECONDS"}};
 
 /* The library's message without the API function names it carries
  * ("transfer_run: ", "stfile_open: "): the command's user gave files and
@@ -212,6 +230,16 @@ void cli_user_message(const char *in, char *out, size_t cap) {
                    ? fn_prefix(in + i) : 0;
     if (k) {
       i += k;
+      continue;
+    }
+    size_t w;
+    for (w = 0; w < sizeof SETTINGS / sizeof *SETTINGS; w++)
+      if (strncmp(in + i, SETTINGS[w].lib, strlen(SETTINGS[w].lib)) == 0)
+        break;
+    if (w < sizeof SETTINGS / sizeof *SETTINGS) {
+      int n = snprintf(out + o, cap - o, "%s", SETTINGS[w].cli);
+      o = n < 0 || (size_t)n >= cap - o ? cap - 1 : o + (size_t)n;
+      i += strlen(SETTINGS[w].lib);
       continue;
     }
     out[o++] = in[i++];
@@ -235,7 +263,7 @@ int cli_lib_error_files(const char *cmd, bico_ctx *ctx, bico_status st,
   const char *best = NULL, *opt = NULL;
   size_t best_len = 0;
   int ambiguous = 0;
-  for (size_t k = 0; k < n && strstr(msg, "--") == NULL; k++) {
+  for (size_t k = 0; k < n; k++) {
     if (paths[k] == NULL || opts[k] == NULL) continue;
     size_t len = strlen(paths[k]);
     while (len > 1 && paths[k][len - 1] == '/') len--;
@@ -253,6 +281,11 @@ int cli_lib_error_files(const char *cmd, bico_ctx *ctx, bico_status st,
       break;
     }
   }
+  /* a message that names an option before the file needs no other (one
+   * after it, as a holder's command line quoted at the end, does not
+   * count) */
+  const char *dash = strstr(msg, "--");
+  if (dash != NULL && (best == NULL || dash < best)) opt = NULL;
   if (opt != NULL && !ambiguous) return cli_error(cmd, CLI_FAIL, "%s: %s", opt, msg);
   return cli_error(cmd, CLI_FAIL, "%s", msg);
 }

@@ -64,6 +64,10 @@ int cli_bytes_option(const char *cmd, const char *opt, const char *v,
                      double *out);
 int cli_param_refused(const char *cmd, bico_ctx *ctx, const char *opt,
                       const char *v);
+/* --wait SECONDS (v; NULL: not given) onto ctx's BICO_CTX_FOLDER_WAIT: how
+ * long a run waits for another process writing its output folder before
+ * it refuses (the library's range); 0, or the usage error's code. */
+int cli_wait(const char *cmd, bico_ctx *ctx, const char *v);
 
 /* Signals (tools/bico/cleanup.c): cli_cleanup_add registers the folder of
  * an output file (is_dir: the path is itself a folder, as an output

@@ -34,6 +34,7 @@ typedef struct merge_opts {
   const merge_input *in;
   size_t nin;
   const char *max_shard_text; /* as given; NULL: not given */
+  const char *wait_text;      /* --wait SECONDS; NULL: not given */
 } merge_opts;
 
 /* A library message about the options in the command's words: "the
@@ -83,6 +84,10 @@ static int merge_run(const merge_opts *o) {
   bico_merge *mg = NULL;
   if (bico_ctx_create(&ctx) != BICO_OK)
     return cli_error(CMD, CLI_FAIL, "out of memory");
+  if (cli_wait(CMD, ctx, o->wait_text) != 0) {
+    bico_ctx_free(ctx);
+    return CLI_USAGE;
+  }
   bico_status st = bico_merge_create(ctx, &mg);
   if (st == BICO_OK) st = bico_merge_set_file(mg, BICO_MERGE_FILE_BASE, o->base);
   if (st == BICO_OK)
@@ -162,7 +167,7 @@ int cmd_merge(int argc, char **argv) {
   double alpha = 1.0;
   int normalize = -1, quiet = 0;
   double max_shard = 0;
-  const char *max_shard_text = NULL;
+  const char *max_shard_text = NULL, *wait_text = NULL;
   merge_input in[MAX_INPUTS];
   size_t nin = 0;
   static const struct {
@@ -236,6 +241,7 @@ int cmd_merge(int argc, char **argv) {
     PATH("--delta-output", delta)
     PATH("--report", report)
     VALUE("--method", method = v)
+    VALUE("--wait", wait_text = v)
     VALUE("--max-shard-size",
           if (cli_bytes_option(CMD, "--max-shard-size", v, &max_shard))
               return CLI_USAGE;
@@ -283,6 +289,6 @@ int cmd_merge(int argc, char **argv) {
                      method);
 
   merge_opts o = {base, output, delta, report, m, normalize, quiet,
-                  alpha, max_shard, in, nin, max_shard_text};
+                  alpha, max_shard, in, nin, max_shard_text, wait_text};
   return merge_run(&o);
 }

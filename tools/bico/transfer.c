@@ -99,6 +99,7 @@ typedef struct {
   double max_shard; /* --max-shard-size, bytes (0: as the target) */
   /* the size options as given (NULL: not given), for the messages */
   const char *max_shard_text, *solve_memory_text;
+  const char *wait_text; /* --wait SECONDS (NULL: refuse at once) */
   int center, quiet, merge_into_base, allow_partial;
   int alpha_set; /* --alpha given (on the command line or in --config) */
   size_t threads;
@@ -197,6 +198,7 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
               return CLI_USAGE;
           o->max_shard_text = v)
     VALUE("--norm-map", o->norm_map = v)
+    VALUE("--wait", o->wait_text = v)
     VALUE("--null", o->null_mode = v)
     VALUE("--alpha", if (cli_alpha(v, &o->alpha)) return cli_error(
                          CMD, CLI_USAGE,
@@ -476,10 +478,14 @@ static int run_transfer(const transfer_opts *o) {
     return cli_error(CMD, CLI_FAIL, "out of memory");
   bico_status st =
       bico_ctx_set_param(ctx, BICO_CTX_THREADS, (long)o->blas_threads);
+  int code = GO_ON;
+  if (st == BICO_OK && cli_wait(CMD, ctx, o->wait_text) != 0) {
+    code = CLI_USAGE;
+    goto out;
+  }
   if (st == BICO_OK) st = bico_transfer_create(ctx, &t);
   const char *bad = NULL;
   if (st == BICO_OK) st = set_options(t, o, &bad);
-  int code = GO_ON;
   if (bad != NULL) {
     code = cli_param_refused(CMD, ctx, bad,
                              strcmp(bad, "--max-shard-size") == 0

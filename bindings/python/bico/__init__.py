@@ -14,10 +14,18 @@ bico_ctx_errmsg of the call.  See docs/python.md.
 
 One module per header of include/bico/: _status (status.h), _version,
 _ctx, _xcov, _procrustes, _votes, _gradfix, transport, _baseline,
-_depthmap, safetensors, model, _stats, transfer, lora, merge, fit (the
+_depthmap, safetensors, model, _stats, transfer, lora, merge, fit, folder (the
 private ones hold what this package re-exports: bico.XCov is
 bico._xcov.XCov).
 """
+try:
+    import numpy as _numpy  # noqa: F401 (every wrapper needs it)
+except ImportError as _e:
+    import sys as _sys
+    from . import _deps
+    if _sys.argv[:1] == ["-m"]:   # python3 -m bico.X: one line, no trace
+        _deps.missing(_e, _deps.module_prog())
+    raise ImportError(_deps.message(_e, "bico"), name=_e.name) from _e
 from . import _lib
 from ._baseline import naive, pad
 from ._ctx import Context, default_context

@@ -3,7 +3,7 @@ import ctypes
 import threading
 
 from . import _args as A
-from ._enums import CTX_THREADS
+from ._enums import CTX_THREADS, CTX_FOLDER_WAIT
 from ._handle import _Handle
 from ._lib import fn, c_double, c_void_p
 from ._status import OK, BicoError, check as _check
@@ -45,6 +45,21 @@ class Context(_Handle):
     def threads(self, n):
         n = A.size(n, "threads", lo=-2 ** 63, hi=2 ** 63 - 1)
         _check(fn.ctx_set_param(self._alive(), CTX_THREADS, n), self)
+
+    @property
+    def folder_wait(self):
+        """BICO_CTX_FOLDER_WAIT: seconds a folder commit made with this
+        context waits for another process writing the same output folder
+        before it refuses (0, the default: refuse at once; bico.folder)."""
+        v = c_double()
+        _check(fn.ctx_get_param(self._alive(), CTX_FOLDER_WAIT,
+                                ctypes.byref(v)), self)
+        return v.value
+
+    @folder_wait.setter
+    def folder_wait(self, seconds):
+        seconds = A.scalar_f64(seconds, "folder_wait")
+        _check(fn.ctx_set_param(self._alive(), CTX_FOLDER_WAIT, seconds), self)
 
     @property
     def errmsg(self):

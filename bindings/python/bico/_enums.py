@@ -76,6 +76,7 @@ class Names(dict):
 PARAM_FLAGS = Names("param_flag")
 CTX_PARAMS = Names("ctx_param")
 CTX_THREADS = CTX_PARAMS["threads"]
+CTX_FOLDER_WAIT = CTX_PARAMS["folder_wait"]
 XCOV_FLAGS = Names("xcov_flag")
 XCOV_SUMS, XCOV_GRAMS = XCOV_FLAGS["sums"], XCOV_FLAGS["grams"]
 XCOV_WHICH = Names("xcov_which")
@@ -127,6 +128,9 @@ MERGE_METHODS = Names("merge_method")   # also takes "task_arithmetic"
 MERGE_INPUTS = Names("merge_input")
 MERGE_FILES = Names("merge_file")
 MERGE_PARAMS = Names("merge_param")
+
+# ---- folder.h ----
+FOLDER_POLICIES = Names("folder_policy")
 
 # ---- safetensors.h ----
 DTYPES = Names("dtype")                  # {"F32": code, ...}

@@ -408,6 +408,18 @@ PROTOTYPES = {
     "bico_lora_string_name": (c_char_p, [c_int]),
     "bico_lora_string_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_dtype_is_float": (c_int, [c_int]),
+    # folder.h: output folders committed in one step
+    "bico_folder_policy_name": (c_char_p, [c_int]),
+    "bico_folder_policy_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_folder_create": (_S, [c_void_p, PP]),
+    "bico_folder_free": (None, [c_void_p]),
+    "bico_folder_add_input": (_S, [c_void_p, c_char_p, c_char_p]),
+    "bico_folder_add_output": (_S, [c_void_p, c_char_p, c_char_p, c_int,
+                                    P(c_size_t)]),
+    "bico_folder_begin": (_S, [c_void_p]),
+    "bico_folder_path": (_S, [c_void_p, c_size_t, P(c_char_p)]),
+    "bico_folder_commit": (_S, [c_void_p]),
+    "bico_folder_kept": (_S, [c_void_p, c_size_t, P(c_char_p)]),
     # fit.h's names (bico.fit declares the rest of fit.h itself)
     "bico_fit_param_name": (c_char_p, [c_int]),
     "bico_fit_param_from_name": (_S, [c_char_p, P(c_int)]),

@@ -6,9 +6,16 @@ bico.torch.
                DecoderLayer, Model
   text.py      tokenizer.json, tokenize, text_batches (calibration and
                held-out windows), Calibration, next_token_loss, lm_loss
+  config.py    config.json checked against itself and the tensors'
+               shapes before load_model reads a tensor (check_config)
   adapters.py  PEFT LoRA adapters from fitted updates: save_adapter,
                low_rank, update_grams, input_covariances
-  command.py   the command `python3 -m bico.llm` (main)
+  options.py   what the command checks, and its exit status rule (2 a
+               user mistake, 1 a failure while running)
+  command.py   the command `python3 -m bico.llm` (main), installed as
+               bico-llm by make install
+  stats.py     its `stats` subcommand: the statistics file of `bico
+               transfer --stats` from folders and text
 
 bico.llm may import bico.torch's modules (the transfer, the held-out
 choice, tied weights); bico.torch never imports bico.llm (its re-exports

@@ -136,69 +136,6 @@ def low_rank(delta, r, gram=None):
     return u, u.T @ d
 
 
-def balanced_pair(dk, r, c=None):
-    """The rank-r pair (B [d_out, r], A [r, d_in], float64) of update dk
-    (low_rank with gram c), padded with zeros to rank r and balanced (B
-    and A of equal norm), before PEFT's lora_alpha / r scale."""
-    b, a = low_rank(dk, r, c)
-    if b.shape[1] < r:  # pad to r (PEFT's rank is one number)
-        b = torch.cat([b, b.new_zeros(b.shape[0], r - b.shape[1])], 1)
-        a = torch.cat([a, a.new_zeros(r - a.shape[0], a.shape[1])], 0)
-    # balance the factors' sizes; PEFT multiplies by lora_alpha / r
-    nb, na = float(b.norm()), float(a.norm())
-    if nb > 0 and na > 0:
-        s = math.sqrt(na / nb)
-        b, a = b * s, a / s
-    return b, a
-
-
-def adapter_meta(metadata, left_out):
-    """adapter_model.safetensors' metadata."""
-    meta = {"format": "pt"}
-    meta.update({k: str(v) for k, v in (metadata or {}).items()})
-    if left_out:
-        meta["bico_left_out"] = ",".join(left_out)
-    return meta
-
-
-def adapter_config(r, alpha, target_modules, saved_mods,
-                   base_model_name_or_path, task_type="CAUSAL_LM",
-                   lora_dropout=0.0):
-    """PEFT's adapter_config.json for a LoRA adapter save_adapter writes."""
-    return {"peft_type": "LORA", "task_type": task_type, "r": r,
-            "lora_alpha": alpha, "target_modules": target_modules,
-            "lora_dropout": lora_dropout, "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-            "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": sorted(saved_mods) or None,
-            "base_model_name_or_path": base_model_name_or_path,
-            "revision": None, "rank_pattern": {}, "alpha_pattern": {},
-            "layers_to_transform": None, "layers_pattern": None}
-
-
-def adapter_note(report, weighted, metadata):
-    """bico_adapter.json: what was left out, the factorization, the
-    choices recorded."""
-    note = {"left_out": report["left_out"],
-            "left_out_norm": report["left_out_norm"],
-            "factorization": "reduced-rank regression (input-weighted)"
-            if weighted else "truncated SVD"}
-    note.update(metadata or {})
-    return note
-
-
-def write_adapter_json(folder, cfg, note):
-    """bico_adapter.json and adapter_config.json into folder (PEFT and
-    libbico refuse fields they do not know in adapter_config.json: the
-    note goes beside it)."""
-    with open(os.path.join(str(folder), "bico_adapter.json"), "w") as f:
-        json.dump(note, f, indent=2, sort_keys=True)
-    tmp = os.path.join(str(folder), "adapter_config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(str(folder), "adapter_config.json"))
-
-
 def _module_names(model):
     if isinstance(model, nn.Module):
         sd = model.state_dict()
@@ -221,7 +158,7 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
                  modules_to_save=None, covariance=None, is_delta=False,
                  dtype=None, task_type="CAUSAL_LM", metadata=None,
                  lora_dropout=0.0, return_effective=False,
-                 target_dtypes=None):
+                 target_dtypes=None, factor_dtype=torch.float32):
     """Writes the update of target's weights as a PEFT LoRA adapter folder
     (adapter_model.safetensors, adapter_config.json) and returns a dict
     saying what it holds and what it left out.
@@ -241,43 +178,140 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
     modules_to_save: modules (full names or PEFT suffixes, e.g. "norm",
     "input_layernorm", "embed_tokens") whose updated tensors are stored
     whole (PEFT's modules_to_save); updates of other tensors are left out
-    and reported.  dtype: of the stored tensors (default the target's, or
-    target_dtypes {tensor: torch dtype} when the target was loaded in
-    another dtype than its files').  return_effective: the result also
-    holds "effective", {tensor: float64 update} of what the adapter
-    carries (B A products and saved tensors), for scoring it.
+    and reported.  A saved tensor tied to another module (an embedding
+    whose lm_head is the same tensor) is stored under both names, both
+    modules in modules_to_save: PEFT gives each module of modules_to_save
+    its own copy, so a head not saved beside its embedding would stay as
+    it was (report "saved" lists both).
+    Dtypes (one rule, PEFT's convention): the LoRA factors are
+    factor_dtype (float32); saved whole tensors keep the target's dtype
+    (target_dtypes {tensor: torch dtype} when the target was loaded in
+    another dtype than its files'); dtype, when given, is that of every
+    stored tensor.  return_effective: the result also holds "effective",
+    {tensor: float64 update} of what the adapter carries as stored (the
+    factors' product at their stored precision times lora_alpha / r, the
+    saved tensors as stored minus the target's), for scoring it.
     Returns {"modules": [...], "saved": [...], "left_out": [names],
     "left_out_norm": relative size of what was left out, "rank": r}."""
+    built = _build(target, fitted, r, lora_alpha, target_modules,
+                   base_model_name_or_path, modules_to_save, covariance,
+                   is_delta, dtype, task_type, lora_dropout, target_dtypes,
+                   factor_dtype, return_effective)
+    _write(folder, built, metadata)
+    report = built["report"]
+    if return_effective:
+        report["effective"] = built["effective"]
+    return report
+
+
+def _delta_of(fitted, sd, k, is_delta):
+    v = fitted.get(k)
+    if v is None:
+        return None
+    v = torch.as_tensor(np.asarray(v.detach().cpu().float().numpy()
+                                   if isinstance(v, torch.Tensor)
+                                   else v)).double()
+    if is_delta:
+        return v
+    return v - sd[k].detach().cpu().double()
+
+
+def _matches(mod, pats):
+    return any(mod == p or mod.endswith("." + p) for p in pats)
+
+
+def balanced_pair(dk, r, c=None):
+    """The rank-r pair (B [d_out, r], A [r, d_in], float64) of update dk
+    (low_rank with gram c), padded with zeros to rank r and balanced (B
+    and A of equal norm), before PEFT's lora_alpha / r scale; both zero
+    for a zero update (PEFT's no-op, B = 0)."""
+    if not bool(dk.any()):
+        return dk.new_zeros(dk.shape[0], r), dk.new_zeros(r, dk.shape[1])
+    b, a = low_rank(dk, r, c)
+    if b.shape[1] < r:  # pad to r (PEFT's rank is one number)
+        b = torch.cat([b, b.new_zeros(b.shape[0], r - b.shape[1])], 1)
+        a = torch.cat([a, a.new_zeros(r - a.shape[0], a.shape[1])], 0)
+    nb, na = float(b.norm()), float(a.norm())
+    if nb > 0 and na > 0:
+        s = math.sqrt(na / nb)
+        b, a = b * s, a / s
+    return b, a
+
+
+def _pair(dk, r, alpha, c):
+    """(B, A) of the update dk (balanced_pair), B scaled so that
+    lora_alpha / r * B A is the update."""
+    b, a = balanced_pair(dk, r, c)
+    return b * (r / alpha), a
+
+
+def adapter_meta(metadata, left_out):
+    """adapter_model.safetensors' metadata."""
+    meta = {"format": "pt"}
+    meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    if left_out:
+        meta["bico_left_out"] = ",".join(left_out)
+    return meta
+
+
+def adapter_config(r, alpha, target_modules, saved_mods,
+                   base_model_name_or_path, task_type="CAUSAL_LM",
+                   lora_dropout=0.0):
+    """PEFT's adapter_config.json of a LoRA adapter."""
+    return {"peft_type": "LORA", "task_type": task_type, "r": r,
+            "lora_alpha": alpha, "target_modules": target_modules,
+            "lora_dropout": lora_dropout, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": sorted(saved_mods) or None,
+            "base_model_name_or_path": base_model_name_or_path,
+            "revision": None, "rank_pattern": {}, "alpha_pattern": {},
+            "layers_to_transform": None, "layers_pattern": None}
+
+
+def adapter_note(report, weighted):
+    """bico_adapter.json's own fields: what was left out, the
+    factorization (the choices recorded are added by the writer)."""
+    return {"left_out": report["left_out"],
+            "left_out_norm": report["left_out_norm"],
+            "factorization": "reduced-rank regression (input-weighted)"
+            if weighted else "truncated SVD"}
+
+
+def write_adapter_json(folder, cfg, note):
+    """bico_adapter.json and adapter_config.json (last) into folder: PEFT
+    and libbico refuse fields they do not know in adapter_config.json, so
+    the note goes beside it."""
+    with open(os.path.join(str(folder), "bico_adapter.json"), "w") as f:
+        json.dump(note, f, indent=2, sort_keys=True)
+    tmp = os.path.join(str(folder), "adapter_config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(str(folder), "adapter_config.json"))
+
+
+def _build(target, fitted, r, lora_alpha, target_modules, base_name,
+           modules_to_save, covariance, is_delta, dtype, task_type,
+           lora_dropout, target_dtypes, factor_dtype, effective=True):
+    """What save_adapter writes, in memory: {"tensors", "config",
+    "report", "effective" (None unless effective), "note"}."""
     sd, linear = _module_names(target)
-    if not (isinstance(r, int) and r >= 1):
+    if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1):
         raise BicoError(E_ARG, "save_adapter: r must be a positive integer, "
                         "got %r" % (r,))
     alpha = float(r if lora_alpha is None else lora_alpha)
-    if not alpha > 0:
-        raise BicoError(E_ARG, "save_adapter: lora_alpha must be > 0")
+    if not (math.isfinite(alpha) and alpha > 0):
+        raise BicoError(E_ARG, "save_adapter: lora_alpha must be a finite "
+                        "number > 0, got %r" % (lora_alpha,))
     tied, tied_with = set(), {}
     if isinstance(target, nn.Module):
         for grp in _tied(target):
             tied.update(grp)
             for k in grp:
                 tied_with[k] = [t for t in grp if t != k]
-
-    def delta_of(k):
-        v = fitted.get(k)
-        if v is None:
-            return None
-        v = torch.as_tensor(np.asarray(v.detach().cpu().float().numpy()
-                                       if isinstance(v, torch.Tensor)
-                                       else v)).double()
-        if is_delta:
-            return v
-        return v - sd[k].detach().cpu().double()
-
-    def matches(mod, pats):
-        return any(mod == p or mod.endswith("." + p) for p in pats)
     changed = {}
     for k in sd:
-        dk = delta_of(k)
+        dk = _delta_of(fitted, sd, k, is_delta)
         if dk is not None and float(dk.abs().max() if dk.numel() else 0) > 0:
             changed[k] = dk
     if target_modules is None:
@@ -289,15 +323,14 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
     else:
         target_modules = [target_modules] if isinstance(target_modules, str) \
             else list(target_modules)
-    pairs = sorted(m for m in linear if matches(m, target_modules)
+    pairs = sorted(m for m in linear if _matches(m, target_modules)
                    and m + ".weight" in sd)
     if not pairs:
         raise BicoError(E_ARG, "save_adapter: no linear layer of the target "
                         "matches target_modules %s (or has an update): an "
                         "adapter needs at least one LoRA pair"
                         % (target_modules,))
-    saves = list(modules_to_save or [])
-    tensors, done, eff = {}, set(), {}
+    tensors, eff = {}, {}
     report = {"modules": [], "saved": [], "left_out": [], "rank": r}
     for m in pairs:
         w = m + ".weight"
@@ -310,54 +343,112 @@ def save_adapter(folder, target, fitted, r, lora_alpha=None,
         dk = changed.get(w)
         if dk is None:
             dk = torch.zeros(tuple(sd[w].shape), dtype=torch.float64)
-        c = None if covariance is None else covariance.get(m)
-        b, a = balanced_pair(dk, r, c)
-        b = b * (r / alpha)
-        dt = dtype or (target_dtypes or {}).get(w) or sd[w].dtype
+        b, a = _pair(dk, r, alpha, None if covariance is None
+                     else covariance.get(m))
+        dt = dtype or factor_dtype
         pre = "base_model.model." + m
         tensors[pre + ".lora_A.weight"] = a.to(dt).contiguous()
         tensors[pre + ".lora_B.weight"] = b.to(dt).contiguous()
-        done.add(w)
         report["modules"].append(m)
-        if return_effective:
-            eff[w] = (b @ a) * (alpha / r)
+        # what PEFT adds: the stored factors' product, times alpha / r
+        if effective:
+            eff[w] = (tensors[pre + ".lora_B.weight"].double() @
+                      tensors[pre + ".lora_A.weight"].double()) * \
+                (alpha / r)
+    saved_mods = _saved(changed, sd, fitted, is_delta, list(
+        modules_to_save or []), tied, tied_with,
+        set(m + ".weight" for m in report["modules"]),
+        dtype, target_dtypes, tensors, eff, report)
+    tot = sum(float(v.pow(2).sum()) for v in changed.values())
+    lost = sum(float(changed[k].pow(2).sum()) for k in report["left_out"])
+    report["left_out_norm"] = math.sqrt(lost / tot) if tot > 0 else 0.0
+    cfg = adapter_config(r, alpha, target_modules, saved_mods, base_name,
+                         task_type, lora_dropout)
+    report["config"] = cfg
+    note = adapter_note(report, covariance is not None)
+    return {"tensors": tensors, "config": cfg, "report": report,
+            "effective": eff if effective else None, "note": note}
+
+
+def _saved(changed, sd, fitted, is_delta, saves, tied, tied_with, done,
+           dtype, target_dtypes, tensors, eff, report):
+    """The whole tensors of modules_to_save (a tied tensor under every
+    name it has) into tensors / eff / report; the other updates not in a
+    pair into report["left_out"].  Returns the saved modules."""
     saved_mods = set()
     for k, dk in changed.items():
-        if k in done:
+        if k in done or k in report["saved"]:
             continue
-        mod = k.rsplit(".", 1)[0]
-        if saves and matches(mod, saves):
+        names = [k] + [t for t in tied_with.get(k, ()) if t not in done]
+        if saves and any(_matches(n.rsplit(".", 1)[0], saves)
+                         for n in names):
             v = fitted[k] if not is_delta else sd[k].detach().cpu().double() \
                 + dk
             v = torch.as_tensor(np.asarray(v.detach().cpu().float().numpy()
                                            if isinstance(v, torch.Tensor)
                                            else v))
-            tensors["base_model.model." + k] = v.to(
-                dtype or (target_dtypes or {}).get(k) or sd[k].dtype
-            ).contiguous()
-            if return_effective:
-                eff[k] = dk
-                for t in tied_with.get(k, ()):  # one tensor: its aliases too
-                    eff[t] = dk
-            saved_mods.add(mod)
-            report["saved"].append(k)
+            stored = v.to(dtype or (target_dtypes or {}).get(k) or
+                          sd[k].dtype).contiguous()
+            # PEFT loads each module of modules_to_save as its own copy: a
+            # tied head not saved beside its embedding would not move
+            for n in names:
+                tensors["base_model.model." + n] = stored
+                eff[n] = stored.double() - sd[k].detach().cpu().double()
+                saved_mods.add(n.rsplit(".", 1)[0])
+                report["saved"].append(n)
+        elif k in tied and any(t in done or t in report["left_out"]
+                               for t in tied_with.get(k, ())):
+            continue   # one tensor: named once
         else:
-            if k in tied and any(t in done or t in report["saved"]
-                                 for t in tied if t != k):
-                continue
             report["left_out"].append(k)
-    tot = sum(float(v.pow(2).sum()) for v in changed.values())
-    lost = sum(float(changed[k].pow(2).sum()) for k in report["left_out"])
-    report["left_out_norm"] = math.sqrt(lost / tot) if tot > 0 else 0.0
+    report["left_out"] = [k for k in report["left_out"]
+                          if k not in report["saved"]]
+    return saved_mods
+
+
+def _write(folder, built, metadata):
+    """The built adapter written into folder: adapter_model.safetensors,
+    bico_adapter.json (the note: PEFT and libbico refuse fields they do
+    not know in adapter_config.json), adapter_config.json last."""
+    report = built["report"]
     os.makedirs(str(folder), exist_ok=True)
-    meta = adapter_meta(metadata, report["left_out"])
     _st.write(os.path.join(str(folder), "adapter_model.safetensors"),
-              tensors, metadata=meta)
-    cfg = adapter_config(r, alpha, target_modules, saved_mods,
-                         base_model_name_or_path, task_type, lora_dropout)
-    report["config"] = cfg
-    if return_effective:
-        report["effective"] = eff
-    write_adapter_json(folder, cfg, adapter_note(
-        report, covariance is not None, metadata))
-    return report
+              built["tensors"], metadata=adapter_meta(metadata,
+                                                      report["left_out"]))
+    note = dict(built["note"])
+    note.update(metadata or {})
+    write_adapter_json(folder, built["config"], note)
+
+
+def write_pairs(folder, pairs, r, lora_alpha, saved=None,
+                base_model_name_or_path=None, metadata=None,
+                task_type="CAUSAL_LM", target_modules=None):
+    """A PEFT LoRA adapter of trained factors, written as they are
+    (distillation's adapters; save_adapter factors a dense update).
+
+    pairs: {module: (B [d_out, r], A [r, d_in])}, the update lora_alpha /
+    r * B A (PEFT's scale); saved: {tensor name: tensor} stored whole
+    (PEFT's modules_to_save: their modules are listed).  Factors are
+    stored in float32 (PEFT's convention, as save_adapter's), saved
+    tensors as given.  target_modules: PEFT's list (default: the modules'
+    last names).  Returns the config written."""
+    tensors = {}
+    for m, (b, a) in sorted(pairs.items()):
+        pre = "base_model.model." + m
+        tensors[pre + ".lora_A.weight"] = a.detach().float().cpu() \
+            .contiguous()
+        tensors[pre + ".lora_B.weight"] = b.detach().float().cpu() \
+            .contiguous()
+    mods = set()
+    for k, v in sorted((saved or {}).items()):
+        tensors["base_model.model." + k] = v.detach().cpu().contiguous()
+        mods.add(k.rsplit(".", 1)[0])
+    names = sorted(target_modules or set(_short(m) for m in pairs))
+    cfg = adapter_config(r, float(lora_alpha), names, mods,
+                         base_model_name_or_path, task_type)
+    built = {"tensors": tensors, "config": cfg,
+             "report": {"left_out": []},
+             "note": {"factorization": "trained (distillation)",
+                      "left_out": []}}
+    _write(folder, built, metadata)
+    return cfg

@@ -7,8 +7,11 @@ target folder, with the fit.
     python3 -m bico.llm --source A/ --lora A_adapter/ --target B/ \\
         --ids ids.npy --output B_ft/
 
-The models are read with bico.torch.load_model (Llama, Mistral, Qwen2,
-Gemma folders; one file or shards).  --text is tokenized with the
+--method fit (on the CPU, without --in-memory or --transformers) runs the
+models a block at a time from their folders (bico.llm.stream_route: memory
+that does not grow with their depth); --method distill and auto (the
+default), and --in-memory, read them whole with bico.torch.load_model
+(Llama, Mistral, Qwen2, Gemma folders; one file or shards).  --text is tokenized with the
 target folder's tokenizer.json (or --tokenizer): by Hugging Face's
 `tokenizers` when installed, natively for a byte-level tokenizer without
 merges; --ids takes token ids (.npy) from any tokenizer.  The text is cut
@@ -22,8 +25,8 @@ output: the safetensors metadata of --output, bico_adapter.json beside
 the adapter of --output-lora (PEFT refuses unknown keys in
 adapter_config.json).  Both models must share the tokenizer.
 """
-import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -32,19 +35,27 @@ import time
 import numpy as np
 import torch
 
-from .._status import BicoError
+from .._status import BicoError, E_ARG, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
 from ..torch.tied import _tied_groups
 from ..torch.transfer import transfer_model
-from .adapters import save_adapter, update_grams
+from . import adapters as _adapters
+from .adapters import save_adapter, update_grams, low_rank, write_pairs
+from . import distill as _distill
+from .distill import LINEAR_MODULES
 from .families import load_model
-from .text import text_batches, next_token_loss, lm_loss
+from . import options as opts
+from .options import (named as _named, setup as _setup,  # noqa: F401
+                      vocab_size as _vocab,
+                      transformers_loader as _transformers_loader)
+from .text import text_batches, next_token_loss, lm_loss, tokenize
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 
 def _log(quiet, *a):
+    _distill.check_stop()
     if not quiet:
         print(*a, file=sys.stderr, flush=True)
 
@@ -58,6 +69,7 @@ class _FitProgress(object):
         self.total, self.quiet, self.n = total, quiet, 0
 
     def line(self, dw, rank):
+        """One layer's line (the streamed route calls it itself)."""
         self.n += 1
         _log(self.quiet, "fit: layer %d/%d (d_in %d, d_out %d%s)"
              % (self.n, self.total, dw.shape[1], dw.shape[0],
@@ -75,10 +87,7 @@ class _FitProgress(object):
 
             def update(l, dw, db, rank):
                 out = inner(l, dw, db, rank)
-                prog.n += 1
-                _log(prog.quiet, "fit: layer %d/%d (d_in %d, d_out %d%s)"
-                     % (prog.n, prog.total, dw.shape[1], dw.shape[0],
-                        "" if rank is None else ", rank %d" % rank))
+                prog.line(dw, rank)
                 return out
             if len(a) > 3:
                 a[3] = update
@@ -110,21 +119,6 @@ def _choose_alpha(model, base, delta, held, grid, quiet):
     return best, scores
 
 
-def _transformers_loader():
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise BicoError(2, "--transformers: the transformers package is not "
-                        "installed (pip install transformers), or leave the "
-                        "option out to read the folders with "
-                        "bico.torch.load_model")
-
-    def load(folder, dtype=None):
-        return AutoModelForCausalLM.from_pretrained(
-            folder, torch_dtype=dtype or "auto").eval()
-    return load
-
-
 def _tuned_from_lora(source, adapter, tmp):
     """The source folder with the adapter merged (libbico's own merge)."""
     from ..lora import transfer
@@ -139,8 +133,12 @@ def _tuned_from_lora(source, adapter, tmp):
 
 
 def _parser(prog):
-    p = argparse.ArgumentParser(
-        prog=prog,
+    p = opts.Parser(
+        prog=prog, epilog="Exit status: 0 done; 2 a user mistake (an "
+        "option's value, a missing or unusable input), one line naming the "
+        "option or file, nothing written; 1 a failure while running.  "
+        "'%s stats --help': the statistics file `bico transfer --stats` "
+        "reads, from the same folders and text." % prog,
         description="Carry a decoder fine-tune to another decoder with the "
         "fit, from model folders and task text, to a PEFT adapter "
         "(--output-lora) or a model folder (--output).")
@@ -157,26 +155,46 @@ def _parser(prog):
     o = p.add_mutually_exclusive_group(required=True)
     o.add_argument("--output-lora", help="adapter folder to write")
     o.add_argument("--output", help="model folder to write")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (16)")
-    p.add_argument("--lora-alpha", type=float, default=None,
+    p.add_argument("--replace", action="store_true",
+                   help="--output-lora may name a folder that holds files: "
+                   "they are replaced by the new adapter (default: such a "
+                   "folder is refused)")
+    p.add_argument("--wait", type=opts.nonnegative, default=0,
+                   help="seconds to wait for another run writing the "
+                   "output folder (default 0: refused at once, naming it)")
+    p.add_argument("--rank", type=opts.count, default=16,
+                   help="LoRA rank (16)")
+    p.add_argument("--lora-alpha", type=opts.positive, default=None,
                    help="PEFT lora_alpha (default: the rank)")
     p.add_argument("--modules-to-save", default="",
                    help="comma list of modules stored whole in the adapter "
                    "(e.g. norm,input_layernorm,post_attention_layernorm,"
                    "embed_tokens); other non-linear updates are left out "
                    "and reported")
-    p.add_argument("--base-model-name-or-path", default=None)
-    p.add_argument("--window", type=int, default=128,
-                   help="tokens per calibration window (128)")
-    p.add_argument("--windows", type=int, default=None,
-                   help="at most this many windows")
-    p.add_argument("--holdout", type=float, default=0.125,
+    p.add_argument("--base-model-name-or-path", default=None,
+                   help="the adapter's base_model_name_or_path (default: "
+                   "the absolute path of --target)")
+    p.add_argument("--window", type=opts.count, default=128,
+                   help="tokens per calibration window (128; at most the "
+                   "models' max_position_embeddings)")
+    p.add_argument("--windows", type=opts.count,
+                   default=opts.DEFAULT_WINDOWS,
+                   help="at most this many windows, spread evenly over the "
+                   "text (%d; the time grows with it: the command prints "
+                   "an estimate before the fit)" % opts.DEFAULT_WINDOWS)
+    p.add_argument("--holdout", type=opts.share, default=0.125,
                    help="share of windows held out for alpha/ridge (0.125)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--ridge", default="0.01",
+    p.add_argument("--batch-size", type=opts.count, default=8)
+    p.add_argument("--ridge", type=opts.ridges, default=[0.01],
                    help="ridge c of the fit, or a comma list to choose "
                    "from on the held-out windows (0.01)")
-    p.add_argument("--alpha", default="auto",
+    p.add_argument("--threads", type=opts.count, default=None,
+                   help="threads of PyTorch and of the library (default: "
+                   "theirs)")
+    p.add_argument("--seed", type=opts.seed, default=0,
+                   help="seed of the window order and of any randomness "
+                   "(0): one seed, one result")
+    p.add_argument("--alpha", type=opts.alpha, default="auto",
                    help="scale of the carried update: auto (held-out "
                    "choice among %s) or a number" % ", ".join(
                        "%g" % a for a in GRID))
@@ -188,21 +206,70 @@ def _parser(prog):
                    help="read the models with transformers' "
                    "AutoModelForCausalLM (when installed) instead of "
                    "bico.torch.load_model: for families load_model does "
-                   "not know")
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads for PyTorch and for libbico's statistics, "
-                   "maps and fit (default: PyTorch's count)")
+                   "not know (implies --in-memory)")
     p.add_argument("--in-memory", action="store_true",
-                   help="hold the models whole in memory (the route before "
-                   "streaming; --transformers implies it); default: run "
-                   "the models a block at a time from their folders")
-    p.add_argument("--memory-budget", type=float, default=64,
-                   help="MB of calibration states and fitted blocks kept in "
-                   "memory by the streamed run; beyond it they go to a "
-                   "temporary file (64)")
+                   help="--method fit: hold the models whole in memory (the "
+                   "route before streaming); by default the fit runs the "
+                   "models a block at a time from their folders, in memory "
+                   "that does not grow with their depth.  --method distill "
+                   "and auto always hold the models in memory")
+    p.add_argument("--memory-budget", type=opts.nonnegative, default=64,
+                   help="MiB of calibration states and fitted blocks the "
+                   "streamed fit keeps in memory; beyond it they go to a "
+                   "temporary file that has no name (64)")
     p.add_argument("--spill-dir", default=None,
-                   help="folder for that temporary file (default: the "
-                   "output's folder, else $TMPDIR; never an input folder)")
+                   help="folder of that temporary file (default: the "
+                   "output's parent folder, else $TMPDIR; never an input "
+                   "folder)")
+    d = p.add_argument_group(
+        "routes", "--method fit: the sequential fit (a dense update, an "
+        "adapter by reduced-rank regression); distill: the target "
+        "trained towards the proxy-tuned teacher softmax(z_B + z_A_ft - "
+        "z_A) (an adapter's factors directly, or every weight for "
+        "--output); auto: both, the one with the least held-out loss "
+        "kept (the untouched target unless one beats it clearly).  The fit "
+        "streams the models from their folders a block at a time; "
+        "distill and auto hold the models whole in memory")
+    d.add_argument("--method", choices=("fit", "distill", "auto"),
+                   default="auto", help="route (auto)")
+    d.add_argument("--trainable", choices=("lora", "dense"), default=None,
+                   help="what distillation trains: LoRA factors (default "
+                   "with --output-lora) or every weight (default with "
+                   "--output)")
+    d.add_argument("--init", choices=("cold", "warm"), default="cold",
+                   help="distillation's factors start as PEFT's (cold: A "
+                   "random, B zero) or from the fit's rank-r pairs (warm; "
+                   "runs the fit first)")
+    d.add_argument("--target-modules", default=",".join(LINEAR_MODULES),
+                   help="linear layers that get LoRA factors in "
+                   "distillation, PEFT names (%s)" % ",".join(
+                       LINEAR_MODULES))
+    d.add_argument("--steps", type=opts.count, default=None,
+                   help="distillation's optimiser steps (default: 20 "
+                   "passes over the windows, 200 to 1200)")
+    d.add_argument("--lr", type=opts.positive, default=None,
+                   help="distillation's learning rate (5e-3 for factors, "
+                   "2e-3 for dense weights)")
+    d.add_argument("--text-weight", type=opts.nonnegative,
+                   default=_distill.TEXT_WEIGHT,
+                   help="distillation's loss adds this times the windows' "
+                   "own next-token loss (%g; 0: the teacher alone)"
+                   % _distill.TEXT_WEIGHT)
+    d.add_argument("--teacher-weight", type=opts.nonnegative, default=1.0,
+                   help="distillation's loss: this times the KL to the "
+                   "teacher (1; 0 with --text-weight 1 trains the target "
+                   "on the text alone, a control that carries nothing "
+                   "from the source)")
+    d.add_argument("--teacher-k", type=opts.count, default=64,
+                   help="teacher entries kept per token: the top k "
+                   "log-probabilities and the rest's mass (64; all when "
+                   "the vocabulary is not larger)")
+    d.add_argument("--teacher-memory", type=opts.nonnegative, default=1024,
+                   help="MiB of teacher entries kept in memory; the rest "
+                   "go to a temporary folder (1024)")
+    d.add_argument("--device", default="cpu",
+                   help="torch device the models run on: cpu (default) or "
+                   "cuda[:N] when present (implies --in-memory)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -213,13 +280,15 @@ def _load(a, dt, tmp, q):
     tuned = a.source_tuned
     if a.lora:
         _log(q, "merging %s into %s" % (a.lora, a.source))
-        tuned = _tuned_from_lora(a.source, a.lora, tmp)
+        tuned = _named("--lora", a.lora, _tuned_from_lora, a.source, a.lora,
+                       tmp)
     _log(q, "loading %s, %s, %s" % (a.source, a.source_tuned or a.lora,
                                      a.target))
     _warn_tokenizers(a)
     load = _transformers_loader() if a.transformers else load_model
-    src, srt, tgt = (load(f, dtype=dt)
-                     for f in (a.source, tuned, a.target))
+    src, srt, tgt = (_named(o, f, load, f, dtype=dt) for o, f in (
+        ("--source", a.source), ("--lora" if a.lora else "--source-tuned",
+                                 tuned), ("--target", a.target)))
     tdtypes = None
     if dt is not None:
         tf = os.path.join(a.target, "model.safetensors.index.json")
@@ -246,39 +315,52 @@ def _warn_tokenizers(a):
 
 
 def _calibration(a, q):
-    """The windows of --text / --ids (text_batches), some held out."""
+    """(the windows of --text / --ids (text_batches), some held out, at
+    most --windows of them, in --seed's order; all the token ids)."""
+    data, what = opts.read_data(a)
     if a.text:
-        with open(a.text, encoding="utf-8") as f:
-            data = f.read()
         tok = a.tokenizer or a.target
-    else:
-        data, tok = np.load(a.ids), None
-    what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
+        data = _named("--tokenizer" if a.tokenizer else "--target", tok,
+                      tokenize, data, tok)
+    ids = np.asarray(data).reshape(-1)
+    total = (int(ids.size) - 1) // a.window
     try:
         cal = text_batches(data, a.window, n=a.windows,
-                           holdout=a.holdout, tokenizer=tok,
-                           batch_size=a.batch_size)
+                           holdout=a.holdout, batch_size=a.batch_size,
+                           seed=a.seed)
     except BicoError as e:
         raise BicoError(e.status, "%s: %s" % (what, e.message))
     if not cal.held_out:
-        raise BicoError(2, "%s makes %d window(s) of %d tokens: too "
-                        "few to hold any out; give more text or a "
-                        "smaller --window" % (what, cal.windows,
-                                              a.window))
-    _log(q, "calibration: %d windows of %d tokens (%d batches), %d "
-         "held out" % (cal.windows, a.window, len(cal.batches),
-                       sum(len(x) for x, _ in cal.held_out)))
-    return cal
+        raise opts.UsageError(
+            "%s makes %d window(s) of %d tokens: too few to hold any out; "
+            "give more text or a smaller --window" % (what, cal.windows,
+                                                      a.window))
+    held = sum(len(x) for x, _ in cal.held_out)
+    _log(q, "calibration: %d windows of %d tokens (%d batches), %d held "
+         "out%s" % (cal.windows, a.window, len(cal.batches), held,
+                    "; %d of the %d windows the text makes (--windows "
+                    "raises the cap)" % (cal.windows + held, total)
+                    if total > cal.windows + held else ""))
+    return cal, ids
 
 
-def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
+def _fitted_layers(model):
+    """The nn.Linear layers the fit updates, one progress line each: all
+    but a head tied to the embedding (an untied lm_head is fitted)."""
+    tied = set(n for o, al in _tied_groups(model) for n in [o] + al)
+    return sum(1 for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and
+               (n + ".weight" if n else "weight") not in tied)
+
+
+def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q,
+                    tdtypes=None):
     """(the target's state dict, the chosen (held-out loss, ridge, alpha,
     update, adapter report, {alpha: loss}, covariances)): one fit per
     ridge, each scaled by its alpha (chosen on the held-out windows, or
     --alpha), the ridge chosen on them too (pick)."""
     base = {k: v.detach().clone() for k, v in tgt.state_dict().items()}
-    n_lin = sum(1 for m in tgt.modules() if isinstance(m, torch.nn.Linear)
-                and m is not tgt.lm_head)
+    n_lin = _fitted_layers(tgt)
     best, losses = None, {}
     for j, ridge in enumerate(ridges):
         _log(q, "fit: ridge %g, %d layers" % (ridge, n_lin))
@@ -304,8 +386,9 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
             rep = save_adapter(os.path.join(tmp, "probe"), tgt, delta,
                                a.rank, is_delta=True, covariance=cov,
                                modules_to_save=saves,
-                               return_effective=True)
-            eff = rep.pop("effective")
+                               return_effective=True,
+                               target_dtypes=tdtypes)
+            eff = rep["effective"]
         if alpha_arg == "auto":
             al, scores = _choose_alpha(tgt, base, eff, cal.held_out,
                                        GRID, q)
@@ -322,14 +405,100 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q):
     return base, best
 
 
-def _meta(a, al, ridge, loss, zero, cal):
-    """What was chosen, printed and recorded in the output's metadata."""
+def _adapter(a, tgt, scaled, cov, rep, tdtypes):
+    """The adapter of the scaled update, built in memory (its factors
+    float32, saved tensors in the target's dtype), for the pairs the
+    probe chose (so that alpha 0 gives zero factors, not no pairs)."""
+    saves = [s for s in a.modules_to_save.split(",") if s]
+    return _adapters._build(
+        tgt, scaled, a.rank, a.lora_alpha,
+        rep["config"]["target_modules"],
+        a.base_model_name_or_path or os.path.abspath(a.target), saves, cov,
+        True, None, "CAUSAL_LM", 0.0, tdtypes, torch.float32, True)
+
+
+def _folder(tgt, base, scaled, tdtypes):
+    """(the output folder's tensors in the target's dtypes, the update
+    they carry as written, aliases of tied tensors included)."""
+    groups = _tied_groups(tgt)
+    alias = {al_: o for o, als in groups for al_ in als}
+    out, eff = {}, {}
+    for k, v in base.items():
+        if k in alias:
+            continue
+        w = v.double() + scaled[k] if k in scaled else v.double()
+        out[k] = w.to((tdtypes or {}).get(k, v.dtype))
+        if k in scaled:
+            eff[k] = out[k].double() - v.double()
+    for al_, o in alias.items():
+        if o in eff:
+            eff[al_] = eff[o]
+    return out, eff
+
+
+def _summary(a, rep):
+    tied = [k for k in rep["saved"] if k == "lm_head.weight" and
+            "model.embed_tokens.weight" in rep["saved"]]
+    return ("wrote %s: %d LoRA pairs (rank %d, float32%s), %d saved "
+            "tensors%s; left out: %s (%.1f %% of the update's norm)" % (
+                a.output_lora, len(rep["modules"]), a.rank,
+                "; one on the untied lm_head" if "lm_head" in rep["modules"]
+                else "", len(rep["saved"]),
+                " (lm_head.weight beside the tied model.embed_tokens.weight:"
+                " PEFT loads each saved module as its own copy)" if tied
+                else "", ", ".join(rep["left_out"]) or "nothing",
+                100 * rep["left_out_norm"]))
+
+
+def _write(a, tgt, base, best, cal, tdtypes):
+    """The chosen update written: an adapter (--output-lora) or a model
+    folder (--output), what was chosen printed and recorded.  The held-out
+    loss printed and recorded is that of the output as written (factors,
+    saved tensors and weights at their stored precision; a tied head as
+    PEFT or load_model will have it), scored before the write."""
+    _, ridge, al, delta, rep, scores, cov = best
+    zero = lm_loss(tgt, cal.held_out)
+    scaled = {k: v * al for k, v in delta.items()}
+    if a.output_lora:
+        built = _adapter(a, tgt, scaled, cov, rep, tdtypes)
+        eff = built["effective"]
+    else:
+        out, eff = _folder(tgt, base, scaled, tdtypes)
+    _apply(tgt, base, eff, 1.0)
+    loss = lm_loss(tgt, cal.held_out)
+    tgt.load_state_dict(base)
+    meta = _fit_meta(a, al, ridge, loss, zero, cal)
+    try:
+        if a.output_lora:
+            _adapters._write(_adapter_folder(a), built, meta)
+        else:
+            dest = a.output if a.output.endswith("/") else a.output + "/"
+            _st.write(dest, out, metadata=dict(meta, format="pt"),
+                      like=a.target)
+    except (BicoError, OSError) as e:
+        raise _write_error(a, e)
+    if a.output_lora:
+        print(_summary(a, built["report"]), flush=True)
+    else:
+        print("wrote %s" % a.output, flush=True)
+
+
+def _write_error(a, e):
+    opt = "--output-lora" if a.output_lora else "--output"
+    return BicoError(getattr(e, "status", E_IO), "%s %s: cannot write it "
+                     "(%s)" % (opt, a.output_lora or a.output,
+                               getattr(e, "message", None) or e))
+
+
+def _fit_meta(a, al, ridge, loss, zero, cal):
+    """The fit's choice printed, and recorded in the output's metadata."""
     meta = {"bico_transfer_method": "fit", "bico_alpha": "%g" % al,
             "bico_ridge": "%g" % ridge,
             "bico_heldout_loss": "%.6g" % loss,
             "bico_heldout_loss_target": "%.6g" % zero,
             "bico_windows": str(cal.windows),
             "bico_window": str(a.window),
+            "bico_seed": str(a.seed),
             "bico_source": a.source,
             "bico_source_tuned": a.source_tuned or "",
             "bico_lora": a.lora or ""}
@@ -341,165 +510,456 @@ def _meta(a, al, ridge, loss, zero, cal):
     return meta
 
 
-def _write(a, tgt, base, best, cal, tdtypes):
-    """The chosen update written: an adapter (--output-lora) or a model
-    folder (--output), what was chosen printed and recorded."""
+ROUTES = {0: "target", 1: "fit", 2: "distill"}
+
+
+def _fit_windows(tgt, base, best, cal):
+    """The held-out windows' losses of the fit's chosen update."""
     loss, ridge, al, delta, rep, scores, cov = best
-    zero = lm_loss(tgt, cal.held_out)
-    meta = _meta(a, al, ridge, loss, zero, cal)
-    scaled = {k: v * al for k, v in delta.items()}
-    if a.output_lora:
+    eff = delta if rep is None else rep["effective"]
+    _apply(tgt, base, eff, al)
+    per = _distill._d.window_losses(tgt, cal.held_out)
+    tgt.load_state_dict(base)
+    return per
+
+
+def _warm_pairs(a, tgt, best, names):
+    """The fit's rank-r pairs at its chosen alpha, the distillation's warm
+    start ({module: (B, A)}, B A the update); modules whose update is zero
+    keep PEFT's start."""
+    loss, ridge, al, delta, rep, scores, cov = best
+    out = {}
+    for m in names:
+        d = delta.get(m + ".weight")
+        if d is None or al == 0 or not float(d.abs().max()) > 0:
+            continue
+        b, aa = low_rank(d * al, a.rank, None if cov is None
+                         else cov.get(m))
+        if b.shape[1] < a.rank:
+            continue
+        out[m] = (b, aa)
+    return out
+
+
+def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
+    """Runs the routes --method names and returns (chosen route, {route:
+    per-window held-out losses}, fit result or None, distillation result
+    or None, the target's original state)."""
+    log = lambda *m: _log(q, *m)  # noqa: E731
+    base = {k: v.detach().clone() for k, v in tgt.state_dict().items()}
+    per = {0: _distill._d.window_losses(tgt, cal.held_out)}
+    fit = res = None
+    warm = a.init == "warm" and a.output_lora is not None
+    if a.method in ("fit", "auto") or (warm and a.method == "distill"):
+        _, fit = _fit_and_choose(a, models["source"], models["tuned"], tgt,
+                                 cal, ridges, alpha_arg, tmp, q, tdtypes)
+        if a.method != "distill":
+            per[1] = _fit_windows(tgt, base, fit, cal)
+    if a.method in ("distill", "auto"):
+        mode = a.trainable or ("lora" if a.output_lora else "dense")
+        mods = [m for m in a.target_modules.split(",") if m]
+        init = None
+        if warm and mode == "lora" and fit is not None:
+            init = _warm_pairs(a, tgt, fit, _distill.lora_modules(tgt, mods))
         saves = [s for s in a.modules_to_save.split(",") if s]
-        rep = save_adapter(
-            a.output_lora, tgt, scaled, a.rank, lora_alpha=a.lora_alpha,
-            is_delta=True, covariance=cov, modules_to_save=saves,
-            base_model_name_or_path=a.base_model_name_or_path or
-            os.path.abspath(a.target), metadata=meta,
-            target_dtypes=tdtypes)
-        print("wrote %s: %d LoRA pairs (rank %d), %d saved tensors; "
-              "left out: %s (%.1f %% of the update's norm)" % (
-                  a.output_lora, len(rep["modules"]), a.rank,
-                  len(rep["saved"]),
-                  ", ".join(rep["left_out"]) or "nothing",
-                  100 * rep["left_out_norm"]), flush=True)
+        res = _distill.run(
+            models["source"], models["tuned"], tgt, cal, log, mode=mode,
+            rank=a.rank, lora_alpha=a.lora_alpha, modules=mods,
+            save=saves if mode == "lora" else (), init=init, steps=a.steps,
+            lr=a.lr, teacher_k=a.teacher_k,
+            budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
+            seed=a.seed,
+            release=models.clear, text_weight=a.text_weight,
+            teacher_weight=a.teacher_weight)
+        per[2] = res.per_window
+    chosen, means = _choose_route(per, log)
+    return chosen, means, fit, res, base
+
+
+def _choose_route(per, log):
+    """(the route kept, {route: mean held-out loss}) from {route:
+    per-window held-out losses}: the untouched target unless a route
+    beats it clearly (pick, rule "clear")."""
+    means = {r: sum(v) / len(v) for r, v in per.items()}
+    chosen = pick(means, per, rule="clear", zero=0)
+    log("held-out next-token loss on %d windows: %s" % (
+        len(per[0]), "; ".join("%s %.4f" % (ROUTES[r], means[r])
+                               for r in sorted(means))))
+    return chosen, means
+
+
+def _restore(tgt, res, base):
+    """The target back to its original weights, the factors detached."""
+    if res is not None and res.adapter is not None:
+        res.adapter.remove()
+    tgt.load_state_dict(base)
+
+
+def _write_distill(a, tgt, res, base, cal, tdtypes, means):
+    meta = {"bico_transfer_method": "distill",
+            "bico_distill_step": str(res.step),
+            "bico_seed": str(a.seed),
+            "bico_heldout_loss": "%.6g" % means[2],
+            "bico_heldout_loss_target": "%.6g" % means[0],
+            "bico_windows": str(cal.windows),
+            "bico_window": str(a.window),
+            "bico_source": a.source,
+            "bico_source_tuned": a.source_tuned or "",
+            "bico_lora": a.lora or ""}
+    bm = a.base_model_name_or_path or os.path.abspath(a.target)
+    if a.output_lora and res.adapter is not None:
+        cfg = write_pairs(_adapter_folder(a), res.state, res.adapter.r,
+                          res.adapter.alpha, saved=res.trained,
+                          base_model_name_or_path=bm, metadata=meta,
+                          target_modules=[m for m in
+                                          a.target_modules.split(",") if m])
+        print("wrote %s: %d LoRA pairs (rank %d, trained), %d saved "
+              "tensors" % (a.output_lora, len(res.state), res.adapter.r,
+                           len(res.trained)), flush=True)
+        return cfg
+    if res.adapter is not None:          # factors merged into the weights
+        ups = {m + ".weight": res.adapter.update(m) for m in res.state}
+        res.adapter.remove()
+        with torch.no_grad():
+            for k, v in tgt.state_dict().items():
+                if k in ups:
+                    v.copy_((v.double() + ups[k].to(v.device)).to(v.dtype))
+    out = {}
+    tied = set(al_ for _, als in _tied_groups(tgt) for al_ in als)
+    for k, v in tgt.state_dict().items():
+        if k not in tied:
+            out[k] = v.detach().cpu().to((tdtypes or {}).get(k, v.dtype))
+    dest = a.output if a.output.endswith("/") else a.output + "/"
+    _st.write(dest, out, metadata=dict(meta, format="pt"), like=a.target)
+    print("wrote %s" % a.output, flush=True)
+
+
+def _write_unchanged(a, tgt, res, cal, tdtypes, means):
+    """The untouched target written (distillation did not help): an
+    adapter whose factors are zero, or the target's weights."""
+    print("note: distillation did not beat the untouched target on the "
+          "held-out windows: the output is the target unchanged",
+          flush=True)
+    zero = res._replace(
+        state={m: (torch.zeros_like(b), torch.zeros_like(aa))
+               for m, (b, aa) in (res.state or {}).items()},
+        trained={k: v.detach().clone() for k, v in
+                 tgt.state_dict().items() if k in res.trained},
+        adapter=res.adapter if a.output_lora else None)
+    return _write_distill(a, tgt, zero, None, cal, tdtypes, means)
+
+
+def _say_chosen(chosen, means):
+    ran = [ROUTES[r] for r in sorted(means) if r]
+    why = ("the least held-out loss, and a gain over the untouched target "
+           "larger than its standard error" if chosen else
+           "no route beat the untouched target clearly on the held-out "
+           "windows")
+    print("chosen: %s among %s (%s)" % (ROUTES[chosen], ", ".join(ran),
+                                        why), flush=True)
+
+
+def _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes):
+    _say_chosen(chosen, means)
+    if chosen == 2:
+        return _write_distill(a, tgt, res, base, cal, tdtypes, means)
+    _restore(tgt, res, base)
+    if fit is None:      # distillation only, and it did not help
+        return _write_unchanged(a, tgt, res, cal, tdtypes, means)
+    if chosen == 0:
+        fit = (means[0],) + tuple(fit[1:2]) + (0.0,) + tuple(fit[3:])
+    return _write(a, tgt, base, fit, cal, tdtypes)
+
+
+def _device(a):
+    try:
+        dev = torch.device(a.device)
+    except (RuntimeError, ValueError) as e:
+        raise opts.UsageError("--device %s: %s" % (a.device, e))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise opts.UsageError("--device %s: CUDA is not available to this "
+                              "PyTorch" % a.device)
+    return dev
+
+
+def _outputs(a):
+    """The run's output folder, checked and locked before anything is
+    read (bico.folder: the library's rules, as `bico transfer`'s): an
+    output that is, holds or lies inside an input, whatever the spelling,
+    is refused; so is an adapter folder that holds anything unless
+    --replace (a model folder keeps the files the new one lacks, as the
+    library's folder writer does); another run writing it is named.  The
+    adapter is built whole in a hidden sibling folder and swapped in at
+    the end; a model folder is written by the library's writer under the
+    same lock."""
+    from ..folder import Run
+    ins = [(o, v) for o, v in (("--source", a.source),
+                               ("--source-tuned", a.source_tuned),
+                               ("--lora", a.lora), ("--target", a.target),
+                               ("--text", a.text), ("--ids", a.ids),
+                               ("--tokenizer", a.tokenizer)) if v]
+    if a.output_lora:
+        out = ("--output-lora", a.output_lora,
+               "replace" if a.replace else "refuse")
     else:
-        out = {}
-        tied = set(al_ for _, als in _tied_groups(tgt) for al_ in als)
-        for k, v in base.items():
-            if k in tied:
-                continue
-            w = v.double() + scaled[k] if k in scaled else v.double()
-            out[k] = w.to((tdtypes or {}).get(k, v.dtype))
-        dest = a.output if a.output.endswith("/") else a.output + "/"
-        _st.write(dest, out, metadata=dict(meta, format="pt"),
-                  like=a.target)
-        print("wrote %s" % a.output, flush=True)
+        out = ("--output", a.output, "carry")
+    try:
+        return Run(inputs=ins, outputs=[out], wait=a.wait).__enter__()
+    except BicoError as e:
+        # the library's words, without its function's name; the option
+        # that lifts the refusal of a folder that holds files
+        msg = re.sub(r"^[a-z_]+: ", "", e.message)
+        msg = msg.replace("or ask for it to be replaced", "or give --replace")
+        if out[0] not in msg and not any(o in msg for o, _ in ins):
+            msg = "%s: %s" % (out[0], msg)
+        raise opts.UsageError(msg) if e.status == E_ARG else \
+            BicoError(e.status, msg)
 
 
-def _run_streamed(a, dt, tmp, q, ridges, alpha_arg):
-    """The fit with the models run a block at a time from their folders
-    (bico.llm.stream_route): the statistics, one fit per ridge, the
-    held-out choice and the output, in memory that does not grow with
-    the models' depth; the same choices, lines and outputs as the
-    in-memory route."""
+def _adapter_folder(a):
+    """Where the adapter's files go: the run's new folder, swapped in for
+    --output-lora when the command ends well."""
+    return a.run.path(0)
+
+
+def _prepare(a, dt, tmp, q, prog):
+    """The inputs checked, read and loaded (every refusal here is a user
+    mistake, exit 2, before anything is written): (src, srt, tgt,
+    tdtypes, cal)."""
+    opts.routes(a)
+    dev = _device(a)
+    opts.check_inputs(a, [("--source", a.source),
+                          ("--source-tuned", a.source_tuned),
+                          ("--lora", a.lora), ("--target", a.target)],
+                      [("--text", a.text), ("--ids", a.ids)])
+    if a.tokenizer is not None and not os.path.exists(a.tokenizer):
+        raise opts.UsageError("--tokenizer %s: no such file or folder"
+                              % a.tokenizer)
+    a.run = _outputs(a)
+    cal, ids = _calibration(a, q)
+    src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
+    for m in (src, srt, tgt):
+        m.to(dev)
+    what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
+    opts.check_ids(ids, what, [(o, f, _vocab(m)) for o, f, m in (
+        ("--source", a.source, src), ("--target", a.target, tgt))])
+    if a.output_lora:
+        opts.check_modules_to_save(
+            [s for s in a.modules_to_save.split(",") if s], tgt, a.target)
+    return src, srt, tgt, tdtypes, cal
+
+
+def _streamed(a):
+    """Whether the run streams the models from their folders: --method
+    fit on the CPU, without --in-memory or --transformers."""
+    return a.method == "fit" and not (a.in_memory or a.transformers) and \
+        a.device == "cpu"
+
+
+def _prepare_streamed(a, tmp, q):
+    """_prepare without loading the models: the inputs checked, the output
+    locked, the windows read, the folders' configs read (the ids checked
+    against their vocabularies); (calibration, the tuned source folder, the
+    spill folder)."""
+    from .families import model_config, _weights_path
     from .runtime import spill_folder
-    from .stream_route import StreamedFit, lm_loss_of
+    opts.routes(a)
+    ins = [("--source", a.source), ("--source-tuned", a.source_tuned),
+           ("--lora", a.lora), ("--target", a.target)]
+    opts.check_inputs(a, ins, [("--text", a.text), ("--ids", a.ids)])
+    if a.tokenizer is not None and not os.path.exists(a.tokenizer):
+        raise opts.UsageError("--tokenizer %s: no such file or folder"
+                              % a.tokenizer)
+    spill = _named("--spill-dir", a.spill_dir, spill_folder,
+                   a.output or a.output_lora, [f for _, f in ins],
+                   a.spill_dir) if a.spill_dir else None
+    a.run = _outputs(a)
+    cal, ids = _calibration(a, q)
     tuned = a.source_tuned
     if a.lora:
         _log(q, "merging %s into %s" % (a.lora, a.source))
-        tuned = _tuned_from_lora(a.source, a.lora, tmp)
-    from .families import model_config, _weights_path
-    for f in (a.source, tuned, a.target):  # as loading them would
-        model_config(f)
-        _weights_path(f)
+        tuned = _named("--lora", a.lora, _tuned_from_lora, a.source, a.lora,
+                       tmp)
+    cfg = {}
+    for o, f in (("--source", a.source), ("--target", a.target)):
+        cfg[o] = _named(o, f, model_config, f)
+        _named(o, f, _weights_path, f)
     _warn_tokenizers(a)
-    cal = _calibration(a, q)
-    spill = spill_folder(a.output or a.output_lora,
-                         [a.source, a.source_tuned, a.target, a.lora],
-                         a.spill_dir)
+    what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
+    opts.check_ids(ids, what, [(o, f, cfg[o].get("vocab_size")) for o, f in
+                               (("--source", a.source),
+                                ("--target", a.target))])
+    if a.output_lora:
+        opts.check_modules_to_save(
+            [s for s in a.modules_to_save.split(",") if s],
+            _st_modules(a.target), a.target)
+    if spill is None:
+        spill = spill_folder(a.output or a.output_lora,
+                             [f for _, f in ins], None)
+    return cal, tuned, spill
+
+
+def _st_modules(folder):
+    """The module names of a model folder's tensors (every dotted prefix
+    of a tensor's name), for check_modules_to_save."""
+    from .families import _weights_path
+    with _st.open(_weights_path(folder)) as f:
+        names = list(f.keys())
+    return sorted(set(n.rsplit(".", k)[0] for n in names
+                      for k in range(1, n.count(".") + 1)))
+
+
+def _run_streamed(a, dt, q, cal, tuned, spill, prog):
+    """--method fit with the models run a block at a time from their
+    folders (bico.llm.stream_route): the same choices, lines and outputs
+    as the in-memory route (the recorded losses at the compute dtype),
+    in memory that does not grow with the models' depth."""
+    from .stream_route import StreamedFit, command_fit
+    log = lambda *m: _log(q, *m)  # noqa: E731
     kind = "adapter" if a.output_lora else "model"
     saves = [x for x in a.modules_to_save.split(",") if x]
-    grid = GRID if alpha_arg == "auto" else [alpha_arg]
+
+    def progress(n):
+        p = _FitProgress(n, q)
+        return lambda i, dw, rank: p.line(dw, rank)
     with StreamedFit(a.source, tuned, a.target, cal.batches, cal.held_out,
                      dtype=dt, threads=a.threads,
                      budget=int(a.memory_budget * 2 ** 20), spill_dir=spill,
-                     log=lambda line: _log(q, line)) as sf:
-        n_lin = 7 * sf.run.B.L
-        best, losses = None, {}
-        for j, ridge in enumerate(ridges):
-            _log(q, "fit: ridge %g, %d layers" % (ridge, n_lin))
-            prog = _FitProgress(n_lin, q)
-            res = sf.fit(ridge, kind=kind, rank=a.rank, saves=saves,
-                         progress=lambda n, dw, rk: prog.line(dw, rk))
-            scores = {al: lm_loss_of(v) for al, v in
-                      sf.score(res, grid).items()}
-            for al in (grid if alpha_arg == "auto" else ()):
-                _log(q, "alpha %-5g held-out loss %.4f" % (al, scores[al]))
-            al = pick(scores) if alpha_arg == "auto" else alpha_arg
-            losses[j] = scores[al]
-            if pick(losses) == j:   # the least held-out loss so far
-                if best is not None:
-                    best[3].drop()
-                best = (scores[al], ridge, al, res, scores)
+                     log=log) as sf:
+        best, per = command_fit(sf, a.ridge, a.alpha, GRID, kind, a.rank,
+                                saves, log, progress)
+        chosen, means = _choose_route(per, log)
+        w = opts.vocab_warning(means[0], sf.run.B.cfg["V"], (
+            "--text %s" % a.text) if a.text else ("--ids %s" % a.ids), prog)
+        if w:
+            print(w, file=sys.stderr, flush=True)
+        _say_chosen(chosen, means)
+        loss, ridge, al, res, _ = best
+        if not chosen:
+            loss, al = means[0], 0.0
+        meta = _fit_meta(a, al, ridge, loss, means[0], cal)
+        try:
+            if a.output_lora:
+                rep = sf.write_adapter(
+                    res, _adapter_folder(a), al, lora_alpha=a.lora_alpha,
+                    metadata=meta, base_model=a.base_model_name_or_path or
+                    os.path.abspath(a.target))
             else:
-                res.drop()
-        loss, ridge, al, res, scores = best
-        zero = scores[0.0] if 0.0 in scores else \
-            lm_loss_of(sf.score(res, [0.0])[0.0])
-        meta = _meta(a, al, ridge, loss, zero, cal)
-        if a.output_lora:
-            rep = sf.write_adapter(
-                res, a.output_lora, al, lora_alpha=a.lora_alpha,
-                metadata=meta, base_model=a.base_model_name_or_path or
-                os.path.abspath(a.target))
-            print("wrote %s: %d LoRA pairs (rank %d), %d saved tensors; "
-                  "left out: %s (%.1f %% of the update's norm)" % (
-                      a.output_lora, len(rep["modules"]), a.rank,
-                      len(rep["saved"]), ", ".join(rep["left_out"])
-                      or "nothing", 100 * rep["left_out_norm"]), flush=True)
-        else:
-            dest = a.output if a.output.endswith("/") else a.output + "/"
-            sf.write_model(res, dest, al, dict(meta, format="pt"))
-            print("wrote %s" % a.output, flush=True)
+                dest = a.output if a.output.endswith("/") else a.output + "/"
+                sf.write_model(res, dest, al, dict(meta, format="pt"))
+        except (BicoError, OSError) as e:
+            raise _write_error(a, e)
+    print(_summary(a, rep) if a.output_lora else "wrote %s" % a.output,
+          flush=True)
 
 
-def _tmp_folder():
-    """The command's temporary folder (a merged LoRA source): named with
-    the process id; those of processes that no longer run (a SIGKILL)
-    are removed first."""
-    from .runtime import _alive
-    base = tempfile.gettempdir()
-    try:
-        for n in os.listdir(base):
-            pid = n[len("bico-llm-"):].split("-", 1)[0]
-            if n.startswith("bico-llm-") and pid.isdigit() and \
-                    not _alive(int(pid)):
-                shutil.rmtree(os.path.join(base, n), ignore_errors=True)
-    except OSError:
-        pass
-    return tempfile.mkdtemp(prefix="bico-llm-%d-" % os.getpid())
+def _before_fit(a, src, tgt, cal, q, prog):
+    """The untouched target's held-out loss, a warning when it is above
+    ln(vocabulary) (ids that do not match the target's tokenizer), and
+    the time the fit will take, extrapolated from that forward pass."""
+    t = time.time()
+    zero = lm_loss(tgt, cal.held_out)
+    per = (time.time() - t) / max(1, sum(len(x) for x, _ in cal.held_out))
+    what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
+    w = opts.vocab_warning(zero, _vocab(tgt), what, prog)
+    if w:
+        print(w, file=sys.stderr, flush=True)
+    if not q:
+        est = opts.estimate(per, cal, len(a.ridge), a.output_lora,
+                            a.alpha == "auto", len(GRID))
+        _log(q, "estimate: about %s for %d fit windows and %d held out "
+             "(%.3f s per window of the target's forward pass; --windows "
+             "sets how many)" % (opts.duration(est), cal.windows,
+                                 sum(len(x) for x, _ in cal.held_out), per))
+    return zero
 
 
 def main(argv=None, prog="python3 -m bico.llm"):
+    """The command; returns its exit status (docs in bico.llm.options:
+    0 done, 2 a user mistake, 1 a failure while running)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["stats"]:
+        from .stats import main as stats_main
+        return stats_main(argv[1:], prog + " stats")
     p = _parser(prog)
     a = p.parse_args(argv)
     q = a.quiet
     t0 = time.time()
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)
+    _setup(a)
+    a.run = None
+    _on_signals()
+    tmp = _scratch()
     try:
-        ridges = [float(x) for x in a.ridge.split(",") if x.strip()]
-        alpha_arg = a.alpha
-        if alpha_arg != "auto":
-            alpha_arg = float(alpha_arg)
-    except ValueError as e:
-        p.error("--ridge / --alpha: %s" % e)
-    if a.threads is not None:
-        if a.threads < 1:
-            p.error("--threads must be at least 1")
-        torch.set_num_threads(a.threads)
-    from .runtime import signals, Killed
-    tmp = _tmp_folder()
-    try:
-        with signals():
-            if a.in_memory or a.transformers:
-                src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
-                cal = _calibration(a, q)
-                base, best = _fit_and_choose(a, src, srt, tgt, cal, ridges,
-                                             alpha_arg, tmp, q)
-                _write(a, tgt, base, best, cal, tdtypes)
-            else:
-                _run_streamed(a, dt, tmp, q, ridges, alpha_arg)
+        if _streamed(a):
+            try:
+                cal, tuned, spill = _prepare_streamed(a, tmp, q)
+            except (opts.UsageError, BicoError, OSError, MemoryError) as e:
+                opts.say(prog, e)
+                return opts.exit_status(e)
+            _run_streamed(a, dt, q, cal, tuned, spill, prog)
+        else:
+            try:
+                src, srt, tgt, tdtypes, cal = _prepare(a, dt, tmp, q, prog)
+            except (opts.UsageError, BicoError, OSError, MemoryError) as e:
+                opts.say(prog, e)
+                return opts.exit_status(e)
+            _before_fit(a, src, tgt, cal, q, prog)
+            models = {"source": src, "tuned": srt}
+            del src, srt
+            chosen, means, fit, res, base = _run_routes(
+                a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
+            _write_chosen(a, tgt, chosen, means, fit, res, base, cal,
+                          tdtypes)
+        run, a.run = a.run, None
+        run.__exit__(None, None, None)          # the output swapped in
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
-    except Killed as e:  # SIGTERM / SIGHUP: clean up, then die of it
-        shutil.rmtree(tmp, ignore_errors=True)
-        signals.reraise(e)
-        raise
-    except BicoError as e:
-        print("python3 -m bico.llm: %s" % e, file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:  # unreadable --text / --ids
-        print("python3 -m bico.llm: %s" % e, file=sys.stderr)
-        return 1
+    except (BicoError, OSError, ValueError, MemoryError) as e:
+        opts.say(prog, e)
+        return opts.FAILURE
     finally:
+        if a.run is not None:       # nothing of the output changes
+            a.run.__exit__(RuntimeError, RuntimeError("not done"), None)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _scratch():
+    """The run's temporary folder ($TMPDIR/bico-llm-<pid>-*: the merged
+    source of a LoRA, the teacher's spill), after removing those of runs
+    that were killed (their process gone: a SIGKILL leaves no time to
+    clean up)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        names = []
+    for n in names:
+        m = re.match(r"bico-llm-(\d+)-", n)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue                        # its run goes on
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue                        # another user's
+        shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    return tempfile.mkdtemp(prefix="bico-llm-%d-" % os.getpid())
+
+
+def _on_signals():
+    """SIGTERM and SIGHUP end the command as an exception would: the
+    output left as it was, the temporary folders (teacher spill, merged
+    source) removed."""
+    import signal
+
+    def stop(sig, frame):
+        _distill.STOP.append(sig)   # raised again at the next step
+        raise SystemExit(128 + sig)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, stop)
+        except (ValueError, OSError):   # not the main thread
+            pass

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .._status import BicoError, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
 from .. import safetensors as _st
+from .config import check_config
 
 __all__ = ["load_model", "model_config", "DecoderLM"]
 
@@ -194,27 +195,24 @@ def _causal_mask(T, window, h):
 
 
 def _inv_freq(cfg):
+    """The rotary frequencies; cfg's rope_scaling was checked by
+    bico.llm.config (known type, factors > 0, high above low)."""
     hd, theta = cfg["hd"], cfg["theta"]
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    rs = cfg.get("rope_scaling")
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "linear":
-            inv = inv / float(rs["factor"])
-        elif kind == "llama3":
-            f, lo, hi = (float(rs["factor"]), float(rs["low_freq_factor"]),
-                         float(rs["high_freq_factor"]))
-            old = float(rs["original_max_position_embeddings"])
-            wl = 2 * math.pi / inv
-            scaled = torch.where(wl > old / lo, inv / f, inv)
-            smooth = (old / wl - lo) / (hi - lo)
-            mid = (1 - smooth) * scaled / f + smooth * scaled
-            is_mid = (wl <= old / lo) & (wl >= old / hi)
-            inv = torch.where(is_mid, mid, scaled)
-        elif kind not in (None, "default"):
-            raise BicoError(E_UNSUPPORTED, "load_model: %s: rope_scaling "
-                            "type %r is not supported (known: linear, "
-                            "llama3)" % (cfg["path"], kind))
+    rs = cfg.get("rope_scaling") or {}
+    kind = rs.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind == "llama3":
+        f, lo, hi = rs["factor"], rs["low_freq_factor"], \
+            rs["high_freq_factor"]
+        old = float(rs["original_max_position_embeddings"])
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > old / lo, inv / f, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / f + smooth * scaled
+        is_mid = (wl <= old / lo) & (wl >= old / hi)
+        inv = torch.where(is_mid, mid, scaled)
     return inv
 
 
@@ -269,59 +267,47 @@ def _weights_path(folder):
                     % folder)
 
 
+def _shapes(path):
+    """{tensor: (dtype, shape)} of a weights file's headers (no data)."""
+    with _st.open(path) as f:
+        return {name: f.info(name) for name in f.keys()}
+
+
 def load_model(folder, dtype=None):
     """The decoder of a Hugging Face model folder (config.json and
     model.safetensors, or shards with model.safetensors.index.json) as a
     DecoderLM in eval mode.  dtype: None keeps the files' dtype (BF16 stays
     torch.bfloat16), or a torch float dtype.  Unknown model types are
-    refused naming config.json and the type."""
+    refused naming config.json and the type; config.json is checked
+    against itself and the tensors' shapes before any tensor is read
+    (bico.llm.config.check_config: a BicoError naming the file and key)."""
     folder = str(folder)
     raw = model_config(folder)
-    mt = raw.get("model_type")
-    if mt not in FAMILIES:
+    cpath = os.path.join(folder, "config.json")
+    mt = raw.get("model_type") if isinstance(raw, dict) else None
+    if isinstance(raw, dict) and mt not in FAMILIES:
         raise BicoError(E_UNSUPPORTED, "load_model: %s: model_type %r is not "
                         "a decoder family bico.torch.load_model knows (%s); "
                         "load it with transformers' AutoModelForCausalLM "
-                        "instead" % (os.path.join(folder, "config.json"), mt,
-                                     ", ".join(FAMILIES)))
+                        "instead" % (cpath, mt, ", ".join(FAMILIES)))
     path = _weights_path(folder)
+    info = _shapes(path)
+    for name, (dt, _) in info.items():
+        if dtype is None and dt not in _TORCH_DT:
+            raise BicoError(E_FORMAT, "load_model: %s: tensor %s has "
+                            "dtype %s, not a float" % (path, name, dt))
+    checked = check_config(raw, cpath, {k: v[1] for k, v in info.items()},
+                           path, tuple(_ACT))
     tensors = {}
     with _st.open(path) as f:
         for name in f.keys():
-            dt, _ = f.info(name)
-            want = dtype if dtype is not None else _TORCH_DT.get(dt)
-            if want is None:
-                raise BicoError(E_FORMAT, "load_model: %s: tensor %s has "
-                                "dtype %s, not a float" % (path, name, dt))
+            want = dtype if dtype is not None else _TORCH_DT[info[name][0]]
             a = f.get(name, np.float64 if want == torch.float64 else
                       np.float32)
             tensors[name] = torch.from_numpy(a).to(want)
-    gemma = mt == "gemma"
-    d = raw["hidden_size"]
-    H = raw["num_attention_heads"]
-    act = raw.get("hidden_activation") or raw.get("hidden_act") or \
-        ("gelu_pytorch_tanh" if gemma else "silu")
-    if gemma and act == "gelu":
-        act = "gelu_pytorch_tanh"  # transformers' Gemma does the same
-    if act not in _ACT:
-        raise BicoError(E_UNSUPPORTED, "load_model: %s: hidden_act %r is not "
-                        "supported (known: %s)" % (os.path.join(
-                            folder, "config.json"), act, ", ".join(_ACT)))
-    tied = "lm_head.weight" not in tensors or \
-        bool(raw.get("tie_word_embeddings", gemma))
-    if tied:
+    if checked["tied"]:
         tensors.pop("lm_head.weight", None)
-    window = None
-    if mt == "mistral" or (mt == "qwen2" and raw.get("use_sliding_window")):
-        window = raw.get("sliding_window")
-    cfg = dict(raw=raw, path=folder, type=mt, gemma=gemma, d=d, H=H,
-               KV=raw.get("num_key_value_heads") or H,
-               hd=raw.get("head_dim") or d // H,
-               L=raw["num_hidden_layers"],
-               eps=raw.get("rms_norm_eps", 1e-6),
-               theta=float(raw.get("rope_theta", 10000.0)),
-               rope_scaling=raw.get("rope_scaling"), act=act, tied=tied,
-               window=window)
+    cfg = dict(checked, raw=raw, path=folder, type=mt)
     try:
         m = DecoderLM(cfg, tensors)
     except KeyError as e:
@@ -333,43 +319,23 @@ def load_model(folder, dtype=None):
 
 # ---- one block at a time (the streamed runner, bico.llm.runtime) ----
 
-def stream_config(folder, names):
+def stream_config(folder, shapes):
     """The configuration load_model builds for a folder (the same dict a
-    loaded model's .model.cfg holds), from config.json and the weights'
-    tensor names alone: for running the decoder a block at a time."""
+    loaded model's .model.cfg holds, checked by the same check_config),
+    from config.json and the weights' headers alone ({tensor: shape}): for
+    running the decoder a block at a time."""
     folder = str(folder)
     raw = model_config(folder)
-    mt = raw.get("model_type")
-    if mt not in FAMILIES:
+    cpath = os.path.join(folder, "config.json")
+    mt = raw.get("model_type") if isinstance(raw, dict) else None
+    if isinstance(raw, dict) and mt not in FAMILIES:
         raise BicoError(E_UNSUPPORTED, "load_model: %s: model_type %r is not "
                         "a decoder family bico.torch.load_model knows (%s); "
                         "load it with transformers' AutoModelForCausalLM "
-                        "instead" % (os.path.join(folder, "config.json"), mt,
-                                     ", ".join(FAMILIES)))
-    gemma = mt == "gemma"
-    d = raw["hidden_size"]
-    H = raw["num_attention_heads"]
-    act = raw.get("hidden_activation") or raw.get("hidden_act") or \
-        ("gelu_pytorch_tanh" if gemma else "silu")
-    if gemma and act == "gelu":
-        act = "gelu_pytorch_tanh"
-    if act not in _ACT:
-        raise BicoError(E_UNSUPPORTED, "load_model: %s: hidden_act %r is not "
-                        "supported (known: %s)" % (os.path.join(
-                            folder, "config.json"), act, ", ".join(_ACT)))
-    tied = "lm_head.weight" not in names or \
-        bool(raw.get("tie_word_embeddings", gemma))
-    window = None
-    if mt == "mistral" or (mt == "qwen2" and raw.get("use_sliding_window")):
-        window = raw.get("sliding_window")
-    return dict(raw=raw, path=folder, type=mt, gemma=gemma, d=d, H=H,
-                KV=raw.get("num_key_value_heads") or H,
-                hd=raw.get("head_dim") or d // H,
-                L=raw["num_hidden_layers"],
-                eps=raw.get("rms_norm_eps", 1e-6),
-                theta=float(raw.get("rope_theta", 10000.0)),
-                rope_scaling=raw.get("rope_scaling"), act=act, tied=tied,
-                window=window)
+                        "instead" % (cpath, mt, ", ".join(FAMILIES)))
+    checked = check_config(raw, cpath, dict(shapes), _weights_path(folder),
+                           tuple(_ACT))
+    return dict(checked, raw=raw, path=folder, type=mt)
 
 
 def decoder_layer(cfg, tensors, i):

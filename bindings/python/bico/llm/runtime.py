@@ -14,16 +14,12 @@ The pieces every streamed route (bico.llm.stream_fit) is made of:
   stages      a decoder layer's forward in the stages the fit needs (the
               inputs of q/k/v, o, gate/up and down, the residuals, the
               output), the operations of DecoderLayer.forward in its order.
-  signals     SIGTERM / SIGHUP handled as an exception for the duration of
-              a run, so that the writers' and spill's clean-up runs.
-  commit_folder  a finished folder moved into place in one step.
 
 Memory never depends on the depth: what grows with it goes to the store.
 """
 import ctypes
 import errno
 import os
-import shutil
 import signal
 import tempfile
 
@@ -34,8 +30,8 @@ from .._status import BicoError, E_ARG, E_IO, E_NOTFOUND
 from .. import safetensors as _st
 from . import families as _fam
 
-__all__ = ["Folder", "SpillStore", "stages", "signals", "Killed",
-           "commit_folder", "spill_folder", "DEFAULT_BUDGET"]
+__all__ = ["Folder", "SpillStore", "stages", "spill_folder",
+           "DEFAULT_BUDGET"]
 
 # bytes of spilled tensors kept in memory before the store writes to disk
 DEFAULT_BUDGET = 64 << 20
@@ -269,7 +265,7 @@ class Folder(object):
         for n in self.names:
             dt, shape = self.file.info(n)
             self.dtypes[n], self.shapes[n] = dt, tuple(shape)
-        self.cfg = _fam.stream_config(self.path, set(self.names))
+        self.cfg = _fam.stream_config(self.path, self.shapes)
         self.L = self.cfg["L"]
         self.d = self.cfg["d"]
 
@@ -404,48 +400,7 @@ def step(layer, st, g, pe, mask, keep=None):
     return st
 
 
-# ---- signals and the final step of a folder output ----
-
-class Killed(BaseException):
-    """A SIGTERM / SIGHUP during a run: unwinds like KeyboardInterrupt so
-    that every writer and temporary is cleaned up, then the process ends
-    with that signal (signals.reraise)."""
-
-    def __init__(self, signum):
-        BaseException.__init__(self, signum)
-        self.signum = signum
-
-
-class signals(object):
-    """with signals(): SIGTERM and SIGHUP raise Killed inside the block
-    (the main thread only; elsewhere a no-op)."""
-
-    SIGS = (signal.SIGTERM, signal.SIGHUP)
-
-    def __enter__(self):
-        self.old = {}
-        try:
-            for s in self.SIGS:
-                self.old[s] = signal.signal(s, self._raise)
-        except ValueError:  # not the main thread
-            self.old = {}
-        return self
-
-    @staticmethod
-    def _raise(signum, frame):
-        raise Killed(signum)
-
-    def __exit__(self, *exc):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-        return False
-
-    @staticmethod
-    def reraise(e):
-        """End the process with the signal e (a Killed) stood for."""
-        signal.signal(e.signum, signal.SIG_DFL)
-        os.kill(os.getpid(), e.signum)
-
+# ---- a test hook ----
 
 def test_point(point, i):
     """A test hook (as the C front ends' BICO_MPI_TEST_KILL): with
@@ -461,79 +416,3 @@ def test_point(point, i):
         sig = getattr(signal, "SIG" + (parts[2] if len(parts) > 2
                                        else "KILL"))
         os.kill(os.getpid(), sig)
-
-
-def temp_sibling(dest):
-    """A new hidden folder beside dest (same file system), named
-    .<name>.bico-tmp.<pid>.XXXXXX as the library names its temporaries."""
-    dest = os.path.abspath(str(dest).rstrip(os.sep))
-    parent, base = os.path.split(dest)
-    _remove_stale(parent, base)
-    return tempfile.mkdtemp(prefix=".%s.bico-tmp.%d." % (base[:200],
-                                                         os.getpid()),
-                            dir=parent)
-
-
-def _remove_stale(parent, base):
-    """Temporaries of dest left by processes that no longer run (a
-    SIGKILL): removed, as the library's writer removes its own."""
-    pre = ".%s.bico-tmp." % base[:200]
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for n in names:
-        if not n.startswith(pre):
-            continue
-        pid = n[len(pre):].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and \
-                not _alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-_RENAME_EXCHANGE = 2
-
-
-def commit_folder(tmp, dest):
-    """Moves the complete folder tmp to dest in one step: a rename when
-    dest does not exist, else an exchange (renameat2 RENAME_EXCHANGE)
-    followed by the removal of the old folder, so that a reader sees the
-    old folder or the new one; where the exchange is refused, the old
-    folder is renamed aside first.  dest must be a folder if it exists."""
-    dest = os.path.abspath(str(dest).rstrip(os.sep))
-    if not os.path.lexists(dest):
-        os.rename(tmp, dest)
-        return
-    if not os.path.isdir(dest) or os.path.islink(dest):
-        raise BicoError(E_ARG, "%s exists and is not a folder; nothing was "
-                        "written" % dest)
-    if _exchange(tmp, dest):
-        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old one
-        return
-    aside = tmp + ".old"
-    os.rename(dest, aside)
-    os.rename(tmp, dest)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _exchange(a, b):
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        rename2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    rename2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
-                        ctypes.c_char_p, ctypes.c_uint]
-    at_cwd = -100
-    return rename2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b),
-                   _RENAME_EXCHANGE) == 0

@@ -16,15 +16,13 @@ score()  the held-out next-token loss of the target moved by alpha times
 write_model() / write_adapter()  the chosen scale applied block by block
          into the library's folder writer (bico.safetensors.Writer: a
          model folder committed in one step), or the adapter's pairs
-         into a folder moved into place in one step (runtime.
-         commit_folder).  The values are the in-memory route's
+         into a folder the caller commits (the run's new folder,
+         bico.folder.Run.path).  The values are the in-memory route's
          (bico.llm.command): theta_B + alpha * delta in double, rounded
          once to the file's dtype."""
 import math
 import os
-import shutil
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +30,7 @@ from .. import safetensors as _st
 from . import families as _fam
 from .adapters import (balanced_pair, adapter_meta, adapter_config,
                        adapter_note, write_adapter_json)
-from .runtime import LINEARS, temp_sibling, commit_folder, test_point
+from .runtime import LINEARS, test_point
 
 __all__ = ["Result", "score", "write_model", "write_adapter"]
 
@@ -83,8 +81,19 @@ class Result(object):
     def saved(self, name):
         """Whether carried tensor name is stored whole in an adapter
         (modules_to_save, PEFT's suffix rule)."""
-        mod = name.rsplit(".", 1)[0]
-        return any(mod == s or mod.endswith("." + s) for s in self.saves)
+        return any(mod == s or mod.endswith("." + s) for s in self.saves
+                   for mod in (n.rsplit(".", 1)[0] for n in
+                               self.names_of(name)))
+
+    def names_of(self, name):
+        """The names a saved tensor is stored under: a tied embedding
+        also as lm_head.weight (PEFT gives each module of
+        modules_to_save its own copy: a head not saved beside its
+        embedding would not move)."""
+        B = self.run.B
+        if B.cfg["tied"] and name == B.embed_name():
+            return [name, "lm_head.weight"]
+        return [name]
 
     def delta(self, name, base):
         """The update of tensor name (float64) scored at alpha 1: the
@@ -134,10 +143,12 @@ def _at(base, d, a):
 
 # ---- held-out scoring ----
 
-def score(result, held, grid, chunk_rows=8192):
+def score(result, held, grid, chunk_rows=8192, windows=None):
     """{alpha: [(mean next-token loss, tokens) per held-out batch]} of the
     target moved by alpha times the result (each batch's loss as
-    bico.llm.text.lm_loss computes it)."""
+    bico.llm.text.lm_loss computes it); windows, a dict, gets {alpha:
+    [mean loss of each held-out window]} (bico.torch.distill.
+    window_losses' values)."""
     run, B, store = result.run, result.run.B, result.run.store
     grid = list(grid)
     emb = B.embed_name()
@@ -162,7 +173,7 @@ def score(result, held, grid, chunk_rows=8192):
                     store.put(("hS", a, b), layer(h, attention_mask=mask,
                                                   position_embeddings=pe)[0])
         del tensors, deltas
-    return _score_head(result, held, grid, chunk_rows)
+    return _score_head(result, held, grid, chunk_rows, windows)
 
 
 def _rowwise(result, name):
@@ -182,7 +193,7 @@ def _fam_embed(B, rows, x):
     return embed(B.cfg, rows.reshape(x.shape[0], x.shape[1], -1))
 
 
-def _score_head(result, held, grid, chunk_rows):
+def _score_head(result, held, grid, chunk_rows, windows):
     run, B, store = result.run, result.run.B, result.run.store
     nw = B.tensor("model.norm.weight")
     dn = result.delta("model.norm.weight", nw)
@@ -191,14 +202,16 @@ def _score_head(result, held, grid, chunk_rows):
     for a in grid:
         w = _head_at(result, hname, a, chunk_rows)
         norm = _fam.RMSNorm(_at(nw, dn, a), B.cfg["eps"], B.cfg["gemma"])
-        per = []
+        per, win = [], []
         with torch.no_grad():
             for b, (x, y) in enumerate(held):
                 h = store.get(("hS", a, b))
                 store.pop(("hS", a, b))
-                per.append((_batch_loss(norm, w, h, y, run.logits_budget),
-                            y.numel()))
+                per.append((_batch_loss(norm, w, h, y, run.logits_budget,
+                                        win), y.numel()))
         scores[a] = per
+        if windows is not None:
+            windows[a] = win
         del w
     return scores
 
@@ -221,23 +234,27 @@ def _head_at(result, name, a, chunk_rows):
     return out
 
 
-def _batch_loss(norm, w, h, y, budget):
+def _batch_loss(norm, w, h, y, budget, win):
     """One batch's mean next-token loss (the whole batch's logits at once
     when they fit in budget bytes, as lm_loss computes them; else summed
-    a chunk of tokens at a time)."""
+    a chunk of tokens at a time); each window's mean loss appended to
+    win."""
     V = w.shape[0]
     n = y.numel()
     rows = max(1, budget // max(1, V * 4))
     if rows >= n:
-        logits = F.linear(norm(h), w)
-        return float(F.cross_entropy(logits.reshape(-1, V).float(),
-                                     y.reshape(-1)))
+        logits = F.linear(norm(h), w).reshape(-1, V).float()
+        ce = F.cross_entropy(logits, y.reshape(-1), reduction="none")
+        win.extend(ce.reshape(y.shape).mean(-1).tolist())
+        return float(F.cross_entropy(logits, y.reshape(-1)))
     hf, yf = h.reshape(n, -1), y.reshape(-1)
-    tot = 0.0
+    tot, ces = 0.0, []
     for r0 in range(0, n, rows):
         lc = F.linear(norm(hf[r0:r0 + rows]), w)
-        tot += float(F.cross_entropy(lc.float(), yf[r0:r0 + rows],
-                                     reduction="sum"))
+        ce = F.cross_entropy(lc.float(), yf[r0:r0 + rows], reduction="none")
+        tot += float(ce.sum())
+        ces.append(ce)
+    win.extend(torch.cat(ces).reshape(y.shape).mean(-1).tolist())
     return tot / n
 
 
@@ -312,12 +329,12 @@ def _write_rows(result, w, name, alpha, chunk_rows):
         w.write_range(name, r0 * d, _to_file(out, B.dtypes[name]))
 
 
-def write_adapter(result, dest, alpha, lora_alpha=None, metadata=None,
-                  base_model=None, target_dtypes=None):
-    """The result scaled by alpha as a PEFT adapter folder (as
-    save_adapter writes it; built beside dest and moved into place in one
-    step).  Returns save_adapter's report."""
-    run, B, store = result.run, result.run.B, result.run.store
+def write_adapter(result, folder, alpha, lora_alpha=None, metadata=None,
+                  base_model=None):
+    """The result scaled by alpha as a PEFT adapter written into folder
+    (an existing, empty folder: the run's new folder, which the caller
+    commits), as save_adapter writes it: the factors float32, saved
+    tensors in the target's dtypes.  Returns save_adapter's report."""
     r = result.rank
     la = float(r if lora_alpha is None else lora_alpha)
     s = math.sqrt(alpha)
@@ -326,22 +343,18 @@ def write_adapter(result, dest, alpha, lora_alpha=None, metadata=None,
     tot, lost = _left_out(result, report)
     report["left_out_norm"] = math.sqrt(lost / tot) if tot > 0 and \
         alpha > 0 else 0.0
-    tmp = temp_sibling(dest)
-    try:
-        meta = adapter_meta(metadata, report["left_out"])
-        path = os.path.join(tmp, "adapter_model.safetensors")
-        with _st.Writer(path, metadata=meta) as w:
-            _adapter_tensors(result, w, mods, s, r / la, alpha)
-            w.commit()
-        short = sorted(set(m.rsplit(".", 1)[-1] for m in mods))
-        saved_mods = set(k.rsplit(".", 1)[0] for k in report["saved"])
-        cfg = adapter_config(r, la, short, saved_mods, base_model)
-        report["config"] = cfg
-        write_adapter_json(tmp, cfg, adapter_note(report, True, metadata))
-        commit_folder(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    meta = adapter_meta(metadata, report["left_out"])
+    path = os.path.join(str(folder), "adapter_model.safetensors")
+    with _st.Writer(path, metadata=meta) as w:
+        _adapter_tensors(result, w, mods, s, r / la, alpha)
+        w.commit()
+    short = sorted(set(m.rsplit(".", 1)[-1] for m in mods))
+    saved_mods = set(k.rsplit(".", 1)[0] for k in report["saved"])
+    cfg = adapter_config(r, la, short, saved_mods, base_model)
+    report["config"] = cfg
+    note = adapter_note(report, True)
+    note.update(metadata or {})
+    write_adapter_json(folder, cfg, note)
     return report
 
 
@@ -366,8 +379,7 @@ def _left_out(result, report):
             continue
         tot += sq
         if src in run.carried and result.saved(src):
-            if name == src:
-                report["saved"].append(name)
+            report["saved"].append(name)
             continue
         report["left_out"].append(name)
         lost += sq
@@ -396,34 +408,41 @@ def _carried_sq(result, name, chunk_rows=8192):
 
 def _adapter_tensors(result, w, mods, s, scale, alpha, chunk_rows=8192):
     """Declares and writes the pairs (scaled by sqrt(alpha) each, B by
-    r / lora_alpha) and the saved tensors (theta_B + alpha delta, a table
-    a piece of rows at a time)."""
+    r / lora_alpha; float32, PEFT's convention) and the saved tensors
+    (theta_B + alpha delta in the target's dtype, a table a piece of rows
+    at a time; a tied embedding under the head's name too)."""
     run, B, store = result.run, result.run.B, result.run.store
-    names = {torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.float32: "F32", torch.float64: "F64"}
     pairs = []
     for m in mods:
         kb, ka = result.pairs[m]
-        dt = _TORCH_OF[B.dtypes[m + ".weight"]]
         pairs.append(("base_model.model.%s.lora_A.weight" % m,
-                      (store.get(ka) * s).to(dt)))
+                      (store.get(ka) * s).float()))
         pairs.append(("base_model.model.%s.lora_B.weight" % m,
-                      (store.get(kb) * s * scale).to(dt)))
+                      (store.get(kb) * s * scale).float()))
     saved = [n for n in _order(B) if n in run.carried and result.saved(n)]
     for k, t in pairs:
-        w.declare(k, names[t.dtype], tuple(t.shape))
+        w.declare(k, "F32", tuple(t.shape))
     for n in saved:
-        w.declare("base_model.model." + n, B.dtypes[n], B.shapes[n])
+        for k in result.names_of(n):
+            w.declare("base_model.model." + k, B.dtypes[n], B.shapes[n])
     for i, (k, t) in enumerate(pairs):
         test_point("write", i)
         w.write(k, t.contiguous())
     for n in saved:
+        _write_saved(result, w, n, alpha, chunk_rows)
+
+
+def _write_saved(result, w, n, alpha, chunk_rows):
+    """theta_B + alpha delta of carried tensor n under each of its names
+    (a table a piece of rows at a time)."""
+    run, B, store = result.run, result.run.B, result.run.store
+    for k in result.names_of(n):
         key, dt = run.carried[n], _TORCH_OF[B.dtypes[n]]
         if len(B.shapes[n]) != 2:
             base = B.tensor(n)
             v = base.double() + (store.get(key).double() - base.double()) \
                 * alpha
-            w.write("base_model.model." + n, v.float().to(dt))
+            w.write("base_model.model." + k, v.float().to(dt))
             continue
         V, d = B.shapes[n]
         for r0 in range(0, V, chunk_rows):
@@ -432,5 +451,5 @@ def _adapter_tensors(result, w, mods, s, scale, alpha, chunk_rows=8192):
                 n, r0 * d, (r1 - r0) * d)).reshape(r1 - r0, d).to(B._want(n))
             v = base.double() + (store.slice(key, r0, r1).double() -
                                  base.double()) * alpha
-            w.write_range("base_model.model." + n, r0 * d,
+            w.write_range("base_model.model." + k, r0 * d,
                           v.float().to(dt).float())

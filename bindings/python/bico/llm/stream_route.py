@@ -1,5 +1,6 @@
 """bico.llm.stream_route: the streamed runner as the routes use it
-(python3 -m bico.llm, and bico.torch.transfer_model given model folders).
+(python3 -m bico.llm --method fit, and bico.torch.transfer_model given
+model folders).
 
     sf = StreamedFit("A/", "A_ft/", "B/", cal.batches, cal.held_out)
     res = sf.fit(1e-2)                       # a stream_out.Result
@@ -23,7 +24,7 @@ from . import stream_out as _out
 from .stream_fit import fit_blocks
 from .stream_stats import Run, forward_sweep, backward_sweep
 
-__all__ = ["StreamedFit", "lm_loss_of", "mean_loss_of"]
+__all__ = ["StreamedFit", "lm_loss_of", "mean_loss_of", "command_fit"]
 
 
 class StreamedFit(object):
@@ -71,19 +72,20 @@ class StreamedFit(object):
         self.times["fit"] = self.times.get("fit", 0) + time.time() - t0
         return res
 
-    def score(self, result, grid, held=None):
-        """{alpha: [(mean next-token loss, tokens) per held-out batch]}."""
+    def score(self, result, grid, held=None, windows=None):
+        """{alpha: [(mean next-token loss, tokens) per held-out batch]};
+        windows (a dict) gets each alpha's per-window losses."""
         t0 = time.time()
         out = _out.score(result, held if held is not None else self.run.held,
-                         grid)
+                         grid, windows=windows)
         self.times["score"] = self.times.get("score", 0) + time.time() - t0
         return out
 
     def write_model(self, result, dest, alpha, metadata):
         _out.write_model(result, dest, alpha, metadata)
 
-    def write_adapter(self, result, dest, alpha, **kw):
-        return _out.write_adapter(result, dest, alpha, **kw)
+    def write_adapter(self, result, folder, alpha, **kw):
+        return _out.write_adapter(result, folder, alpha, **kw)
 
     def close(self):
         if getattr(self, "run", None) is not None:
@@ -113,6 +115,45 @@ def mean_loss_of(per):
     return float(sum(v for v, _ in per) / len(per))
 
 
+def command_fit(sf, ridges, alpha, grid, kind, rank, saves, log,
+                progress):
+    """python3 -m bico.llm --method fit's choices on a StreamedFit, as the
+    in-memory route makes them (bico.llm.command._fit_and_choose and
+    _run_routes): one fit per ridge, its alpha the held-out choice among
+    grid (pick) or the given number, the ridge of the least held-out
+    loss; then the untouched target kept unless the fit beats it clearly
+    on the held-out windows (pick, rule "clear").  Returns (held-out
+    loss, ridge, alpha, Result, {alpha: loss}) of the fit kept and {0:
+    the target's per-window losses, 1: the fit's}; the other fits are
+    dropped from the store."""
+    from ..torch.choose import pick
+    auto = alpha == "auto"
+    cands = list(grid) if auto else [alpha]
+    n_lin = 7 * sf.run.B.L
+    best, losses = None, {}
+    for j, ridge in enumerate(ridges):
+        log("fit: ridge %g, %d layers" % (ridge, n_lin))
+        res = sf.fit(ridge, kind=kind, rank=rank, saves=saves,
+                     progress=progress(n_lin))
+        win = {}
+        scores = {al: lm_loss_of(v) for al, v in
+                  sf.score(res, sorted(set(cands) | {0.0}),
+                           windows=win).items()}
+        for al in (cands if auto else ()):
+            log("alpha %-5g held-out loss %.4f" % (al, scores[al]))
+        al = pick({g: scores[g] for g in cands}) if auto else alpha
+        losses[j] = scores[al]
+        if pick(losses) == j:   # the least held-out loss so far
+            if best is not None:
+                best[0][3].drop()
+            best = ((scores[al], ridge, al, res,
+                     {g: scores[g] for g in cands}),
+                    {0: win[0.0], 1: win[al]})
+        else:
+            res.drop()
+    return best
+
+
 def transfer_folders(kw):
     """bico.torch.transfer_model(method="fit") on model folders (kw: its
     arguments): the streamed fit, alpha and ridge chosen on held-out
@@ -120,7 +161,7 @@ def transfer_folders(kw):
     of the per-batch losses), the result returned as a state dict or
     written to kw["output"]."""
     from .._status import BicoError, E_ARG
-    from ..torch.choose import pick, _resolve_heldout, _alpha_grid
+    from ..torch.choose import _resolve_heldout, _alpha_grid
     from ..torch.transfer import _check_alpha, _check_fit_options
     from .text import next_token_loss
     if kw["loss_fn"] not in (None, next_token_loss) or kw["step"] is not None:
@@ -149,6 +190,22 @@ def transfer_folders(kw):
     grid = _alpha_grid(kw["alpha_grid"])
     a = 1.0 if auto else alpha
     budget = kw["memory_budget"] or DEFAULT_BUDGET
+    if kw["output"] is None:
+        return _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a,
+                            budget)
+    from ..folder import Run
+    # the folder rules of the command: an output inside an input refused,
+    # the output locked before the inputs are read
+    with Run(inputs=[("source", kw["source"]),
+                     ("source_tuned", kw["source_tuned"]),
+                     ("target", kw["target"])],
+             outputs=[("output", kw["output"], "carry")]):
+        return _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a,
+                            budget)
+
+
+def _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a, budget):
+    from ..torch.choose import pick
     with StreamedFit(kw["source"], kw["source_tuned"], kw["target"], fit_b,
                      held, threads=kw["threads"], budget=budget,
                      spill_dir=kw["spill_dir"], alpha=a) as sf:

@@ -8,16 +8,17 @@ Face's `tokenizers`), and the next-token loss.
 """
 import json
 import os
+import re
 from collections import namedtuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._status import BicoError, E_ARG, E_NOTFOUND, E_UNSUPPORTED
+from .._status import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
 
 __all__ = ["tokenize", "text_batches", "Calibration", "next_token_loss",
-           "lm_loss"]
+           "lm_loss", "path_like"]
 
 
 def _bytes_to_unicode():
@@ -47,6 +48,9 @@ def _byte_level(spec, path):
     byte one token), or None."""
     model = spec.get("model") or {}
     pre = spec.get("pre_tokenizer") or {}
+    if not (isinstance(model, dict) and isinstance(pre, dict) and
+            isinstance(model.get("vocab") or {}, dict)):
+        return None
     if model.get("type") != "BPE" or model.get("merges") or \
             pre.get("type") != "ByteLevel":
         return None
@@ -54,7 +58,7 @@ def _byte_level(spec, path):
     m = _bytes_to_unicode()
     try:
         table = np.array([vocab[m[b]] for b in range(256)], dtype=np.int64)
-    except KeyError:
+    except (KeyError, TypeError, ValueError, OverflowError):
         return None
     return table, bool(pre.get("add_prefix_space"))
 
@@ -74,11 +78,20 @@ def tokenize(text, tokenizer):
         except ImportError:
             Tokenizer = None
         if Tokenizer is not None:
-            ids = Tokenizer.from_file(path).encode(text).ids
-            return torch.tensor(ids, dtype=torch.int64)
-        with open(path, encoding="utf-8") as f:
-            spec = json.load(f)
-        bl = _byte_level(spec, path)
+            try:
+                tk = Tokenizer.from_file(path)
+            except Exception as e:  # the package's own error type
+                raise BicoError(E_FORMAT, "tokenize: %s is not a tokenizer "
+                                "file the tokenizers package reads (%s)"
+                                % (path, str(e).splitlines()[0][:200]))
+            return torch.tensor(tk.encode(text).ids, dtype=torch.int64)
+        try:
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+        except (OSError, ValueError) as e:
+            raise BicoError(E_FORMAT, "tokenize: %s is not a JSON tokenizer "
+                            "file (%s)" % (path, e))
+        bl = _byte_level(spec, path) if isinstance(spec, dict) else None
         if bl is None:
             raise BicoError(E_UNSUPPORTED, "tokenize: %s needs Hugging Face's "
                             "`tokenizers` package (pip install tokenizers), "
@@ -101,6 +114,81 @@ def tokenize(text, tokenizer):
     return torch.as_tensor(np.asarray(out), dtype=torch.int64).reshape(-1)
 
 
+_EXT = re.compile(r"\.[A-Za-z0-9_]{1,8}$")
+
+
+def path_like(s):
+    """Whether the string s reads as a file name rather than text: one
+    line of at most 4096 characters without whitespace that holds a "/"
+    (or os.sep) or ends in a dot and 1-8 letters, digits or "_" ("task.md",
+    "data/task", "ids.npy").  text_batches refuses such a string when no
+    file has that name."""
+    return (isinstance(s, str) and 0 < len(s) <= 4096 and
+            not any(c.isspace() for c in s) and
+            ("/" in s or os.sep in s or bool(_EXT.search(s))))
+
+
+def _exists(p):
+    try:
+        return os.path.exists(p)
+    except (ValueError, TypeError):   # a NUL in the name
+        return False
+
+
+def _read_source(src):
+    """ids_or_text with a path read: a .npy file's array, another file's
+    UTF-8 text; other values as they are."""
+    if isinstance(src, os.PathLike) or (isinstance(src, str) and
+                                        _exists(src)):
+        return _read_file(os.fspath(src))
+    if path_like(src):
+        raise BicoError(E_NOTFOUND, "text_batches: %r names no file (a "
+                        "string that looks like a path is never tokenized "
+                        "as text: pass the text itself, or its ids)" % src)
+    return src
+
+
+def _read_file(p):
+    if os.path.isdir(p):
+        raise BicoError(E_ARG, "text_batches: %s is a folder, not a text or "
+                        ".npy file" % p)
+    try:
+        if p.endswith(".npy"):
+            return np.load(p, allow_pickle=False)
+        with open(p, "rb") as f:
+            raw = f.read()
+    except (OSError, ValueError) as e:
+        raise BicoError(E_NOTFOUND if isinstance(e, FileNotFoundError)
+                        else E_ARG, "text_batches: cannot read %s (%s)"
+                        % (p, e))
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BicoError(E_ARG, "text_batches: %s is not UTF-8 text (byte "
+                        "0x%02x at offset %d); convert it, e.g. iconv -t "
+                        "UTF-8" % (p, raw[e.start], e.start))
+
+
+def _as_ids(src):
+    """A 1-D int64 tensor of token ids: integers >= 0, refused otherwise
+    (floats, booleans, strings)."""
+    try:
+        a = np.asarray(src.detach().cpu().numpy() if isinstance(
+            src, torch.Tensor) else src)
+    except (TypeError, ValueError) as e:
+        raise BicoError(E_ARG, "text_batches: token ids must be integers "
+                        "(%s)" % e)
+    if a.dtype.kind not in "iu":
+        raise BicoError(E_ARG, "text_batches: token ids must be integers, "
+                        "got %s" % a.dtype)
+    ids = torch.from_numpy(a.astype(np.int64, copy=False)).reshape(-1)
+    if ids.numel() and int(ids.min()) < 0:
+        i = int(torch.nonzero(ids < 0)[0])
+        raise BicoError(E_ARG, "text_batches: token ids must be >= 0, got "
+                        "%d at position %d" % (int(ids[i]), i))
+    return ids
+
+
 Calibration = namedtuple("Calibration", "batches held_out windows")
 
 
@@ -109,7 +197,11 @@ def text_batches(ids_or_text, window, n=None, holdout=0.125, tokenizer=None,
     """Calibration batches for a decoder from token ids or text.
 
     ids_or_text: token ids (a 1-D tensor, array or list), text (a str), or
-    a path to a .txt file (read as UTF-8) or a .npy file of ids.  The ids
+    a path (an os.PathLike, or a str naming an existing file): a .npy file
+    of ids, any other file read as UTF-8 text.  A str that names no file
+    but looks like a path (path_like: one line without spaces that holds
+    a "/" or ends in a short extension such as ".md") is refused naming
+    it, never tokenized as text.  The ids
     are cut into consecutive windows of window + 1 tokens; each batch is
     (ids [b, window], next ids [b, window]), for model(x) and
     next_token_loss(logits, y).  n: at most this many windows (spread
@@ -124,24 +216,16 @@ def text_batches(ids_or_text, window, n=None, holdout=0.125, tokenizer=None,
     if not (0 <= holdout < 1):
         raise BicoError(E_ARG, "text_batches: holdout must be in [0, 1), "
                         "got %r" % (holdout,))
-    src = ids_or_text
-    if isinstance(src, os.PathLike) or (isinstance(src, str) and
-                                        src.endswith((".txt", ".npy"))
-                                        and os.path.exists(src)):
-        p = str(src)
-        if p.endswith(".npy"):
-            src = np.load(p)
-        else:
-            with open(p, encoding="utf-8") as f:
-                src = f.read()
+    for name, v in (("n", n), ("batch_size", batch_size)):
+        if v is not None and (isinstance(v, bool) or not
+                              isinstance(v, (int, np.integer)) or v < 1):
+            raise BicoError(E_ARG, "text_batches: %s must be a positive "
+                            "integer, got %r" % (name, v))
+    src = _read_source(ids_or_text)
     if isinstance(src, str):
         ids = tokenize(src, tokenizer)
     else:
-        ids = torch.as_tensor(np.asarray(src)).reshape(-1)
-        if ids.dtype.is_floating_point:
-            raise BicoError(E_ARG, "text_batches: token ids must be "
-                            "integers, got %s" % ids.dtype)
-        ids = ids.to(torch.int64)
+        ids = _as_ids(src)
     m = (ids.numel() - 1) // window
     if m < 1:
         raise BicoError(E_ARG, "the text has %d tokens, too few for one "
