@@ -202,3 +202,32 @@ def test_a_kill_at_any_moment_leaves_the_old_or_the_new_adapter(
                                                "fit"], tmp=scratch)
         q.communicate(timeout=600)
     assert os.listdir(scratch) == []
+
+
+def test_a_signal_inside_autograd_ends_as_the_signal(pair, tmp_path, capsys,
+                                                     monkeypatch):
+    """A SIGTERM whose SystemExit is raised inside autograd's backward
+    comes back as a RuntimeError: the command still ends with 128 +
+    the signal (it was exit 1 with a traceback), the output untouched."""
+    import bico.llm.command as cmd
+    import bico.llm.distill as dl
+    monkeypatch.setattr(dl, "STOP", [])
+
+    def stopped(*a, **kw):
+        dl.STOP.append(signal.SIGTERM)
+        raise RuntimeError("RuntimeError: SystemExit: 143")
+    monkeypatch.setattr(cmd, "_run_routes", stopped)
+    ad = tmp_path / "ad"
+    with pytest.raises(SystemExit) as e:
+        run(pair, capsys, "--source", "A", "--lora", "A_adapter", "--target",
+            "B", "--text", "task.txt", "--output-lora", ad, *QUICK)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert not ad.exists() and \
+        not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    # any other RuntimeError is not a signal's
+    monkeypatch.setattr(dl, "STOP", [])
+    monkeypatch.setattr(cmd, "_run_routes", lambda *a, **kw: (_ for _ in ())
+                        .throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError):
+        run(pair, capsys, "--source", "A", "--lora", "A_adapter", "--target",
+            "B", "--text", "task.txt", "--output-lora", ad, *QUICK)

@@ -915,6 +915,11 @@ def main(argv=None, prog="python3 -m bico.llm"):
         run.__exit__(None, None, None)          # the output swapped in
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
+    except RuntimeError:
+        # a signal's SystemExit raised inside autograd's backward comes
+        # back as a RuntimeError: ended as the signal asked
+        _distill.check_stop()
+        raise
     except (BicoError, OSError, ValueError, MemoryError) as e:
         opts.say(prog, e)
         return opts.FAILURE
