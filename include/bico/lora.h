@@ -136,10 +136,12 @@ BICO_API bico_status bico_lora_find_module(const bico_lora *l,
 BICO_API bico_status bico_lora_factors(const bico_lora *l, size_t i,
                                        const float **b, const float **a);
 /* Adds a module (name unique, else BICO_E_ARG; rank, d_out, d_in >= 1;
- * alpha > 0 finite); the factors are copied. */
+ * alpha > 0 finite) with factors b [d_out, rank] and a [rank, d_in]; the
+ * factors are copied.  The sizes in bico_lora_module's order, then the
+ * scalar, then the arrays (docs/api.md). */
 BICO_API bico_status bico_lora_add_module(bico_lora *l, const char *name,
-                                          int kind, size_t rank, double alpha,
-                                          size_t d_out, size_t d_in,
+                                          int kind, size_t rank, size_t d_out,
+                                          size_t d_in, double alpha,
                                           const float *b, const float *a);
 
 /* ---- Full tensors (modules_to_save) ---- */
@@ -184,7 +186,7 @@ BICO_API bico_status bico_lora_dense(const bico_lora *l, size_t i,
 BICO_API bico_status bico_lora_transport(
     bico_ctx *ctx, size_t rank, size_t k, size_t dout_a, size_t din_a,
     size_t dout_b, size_t din_b, float alpha, const float *b, const float *a,
-    const float *const *r_outs, size_t ld_rout, const float *r_in,
+    float *const *r_outs, size_t ld_rout, const float *r_in,
     size_t ld_rin, float *b_out, float *a_out);
 
 /* Best rank-`rank` factors of a dense update (truncated SVD, LAPACK):
@@ -193,9 +195,9 @@ BICO_API bico_status bico_lora_transport(
  * *energy (may be NULL) gets sum_{i<r} s_i^2 / sum_i s_i^2 (1 for a zero
  * matrix).  scale > 0. */
 BICO_API bico_status bico_lora_truncate(bico_ctx *ctx, size_t d_out,
-                                        size_t d_in, const float *dense,
-                                        size_t ld, size_t rank, double scale,
-                                        float *b_out, float *a_out,
+                                        size_t d_in, size_t rank,
+                                        double scale, const float *dense,
+                                        size_t ld, float *b_out, float *a_out,
                                         double *energy);
 
 #ifdef __cplusplus

@@ -129,14 +129,14 @@ BICO_API bico_status bico_transfer_file_from_name(const char *name,
 /* Numeric options (bico_transfer_set_param), with bounds from
  * bico_transfer_param_bounds. */
 typedef enum bico_transfer_param {
-  BICO_TRANSFER_METHOD = 1,       /* bico_transfer_method; default BICO */
+  BICO_TRANSFER_METHOD = 1,       /* bico_transfer_method; 0 = default (BICO) */
   BICO_TRANSFER_ALPHA = 2,        /* (0, FLT_MAX]; default 1 */
   BICO_TRANSFER_NORM_MAP = 3,     /* bico_transfer_norm_map; default ACT */
   BICO_TRANSFER_NULL = 4,         /* bico_null_completion; default KEEP */
   BICO_TRANSFER_RANK_TOL = 5,     /* [0, 1); default 1e-5 */
   BICO_TRANSFER_CENTER = 6,       /* 0 or 1; default 0 */
   BICO_TRANSFER_WHITEN = 7,       /* [0, 0.5]; default 0 */
-  BICO_TRANSFER_PROC_METHOD = 8,  /* bico_procrustes_method; default EIG */
+  BICO_TRANSFER_PROC_METHOD = 8,  /* bico_procrustes_method; 0 = default (EIG) */
   BICO_TRANSFER_WORKERS = 9,      /* solver threads, 1..1024; default 1 */
   BICO_TRANSFER_SOLVE_MEMORY = 10, /* bytes, >= 0; default 0 (no limit) */
   BICO_TRANSFER_MIN_PAIRED = 11,  /* [0, 1]; default 0.5: the run fails
@@ -283,9 +283,10 @@ BICO_API bico_status bico_transfer_get_param(const bico_transfer *t,
  * "center", "whiten", "proc_method", "workers", "solve_memory",
  * "min_paired", "gradfix_mode", "max_shard_size", "structure", "rope",
  * "heads", "kv_heads", "head_dim", "row_chunk"; NULL / BICO_E_NOTFOUND
- * otherwise).  Choices with a default (NORM_MAP, NULL, GRADFIX_MODE,
- * STRUCTURE) take 0 for it, and get_param reports the member it resolved
- * to; ROPE's 0 stays 0 ("from config.json"). */
+ * otherwise).  Every choice has a default and takes 0 for it (METHOD,
+ * NORM_MAP, NULL, PROC_METHOD, GRADFIX_MODE, STRUCTURE), and get_param
+ * reports the member it resolved to; ROPE's 0 stays 0 ("from
+ * config.json"). */
 BICO_API bico_status bico_transfer_param_bounds(int param, double *lo,
                                                 double *hi, unsigned *flags);
 BICO_API const char *bico_transfer_param_name(int param);
@@ -340,8 +341,8 @@ BICO_API bico_status bico_transfer_side_from_name(const char *name,
  * checked when the run solves the module. */
 BICO_API bico_status bico_transfer_set_xcov(bico_transfer *t,
                                             const char *module, int side,
-                                            size_t nblocks,
-                                            const bico_xcov *const *blocks);
+                                            bico_xcov *const *blocks,
+                                            size_t nblocks);
 /* Lends GradFix votes for target tensor `tensor` (as many elements as the
  * tensor; NULL withdraws).  Used before the votes file: with votes lent
  * for every tensor GradFix needs no file.  The LoRA branch reads only the

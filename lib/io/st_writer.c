@@ -92,6 +92,7 @@ void bico_stwriter_free(bico_stwriter *w) {
 
 bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
                                  bico_stwriter **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL || path == NULL)
@@ -686,6 +687,7 @@ bico_status bico_stwriter_create_folder(bico_ctx *ctx, const char *dir,
                                         const char *like,
                                         uint64_t max_shard_size,
                                         bico_stwriter **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL || dir == NULL)

@@ -474,6 +474,29 @@ static bico_status load_tensors(bico_lora *l, const char *path,
 
 #define join bico__path_join
 
+/* An adapter is a folder: a file given in its place (its weights file, its
+ * config, a checkpoint) is named with the folder to give instead. */
+static bico_status not_a_folder(bico_ctx *ctx, const char *dir) {
+  struct stat sb;
+  if (stat(dir, &sb) != 0 || S_ISDIR(sb.st_mode)) return BICO_OK;
+  const char *base = strrchr(dir, '/');
+  base = base ? base + 1 : dir;
+  if (strcmp(base, "adapter_model.safetensors") == 0 ||
+      strcmp(base, "adapter_config.json") == 0 ||
+      strcmp(base, "adapter_model.bin") == 0) {
+    size_t n = (size_t)(base - dir); /* "ad/x": the folder is "ad" */
+    return bico__fail(ctx, BICO_E_IO,
+                      "lora_open: %s is a file of an adapter: give its "
+                      "folder, %.*s",
+                      dir, (int)(n > 1 ? n - 1 : 1), n ? dir : ".");
+  }
+  return bico__fail(ctx, BICO_E_IO,
+                    "lora_open: %s is a file, not an adapter folder: give "
+                    "the folder that holds adapter_config.json and "
+                    "adapter_model.safetensors",
+                    dir);
+}
+
 bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
   if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
@@ -483,6 +506,8 @@ bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
                       dir == NULL ? "dir" : "out");
   if (dir[0] == '\0')
     return bico__fail(ctx, BICO_E_ARG, "lora_open: empty folder name");
+  bico_status bad = not_a_folder(ctx, dir);
+  if (bad != BICO_OK) return bad;
   bico_lora *l = NULL;
   bico_status st = bico_lora_create(ctx, &l);
   if (st != BICO_OK) return st;

@@ -56,7 +56,7 @@ static const char *file(const lrun *r, int which) {
  * output, k blocks), solved on first use (bico__xfer_need_side); *rm is
  * da x db row-major; *thin 1 when it was solved from the rows. */
 static bico_status map_of(bico__run *x, size_t mi, int side, size_t block,
-                          const float **rm, size_t *da, size_t *db,
+                          float **rm, size_t *da, size_t *db,
                           size_t *rank, int *thin) {
   bico__modstate *s = &x->mods[mi];
   if (s->src == BICO__NONE)
@@ -203,10 +203,10 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
                       m->lname, m->dout_a, m->dout_b, m->tm);
   int do_in = rt->need[0], do_out = rt->need[1];
   m->k = x->mods[m->mi].k;
-  const float *rin = NULL;
+  float *rin = NULL;
   size_t da, db, mr;
   int thin = 0;
-  const float **routs = bico__calloc(ctx, m->k, sizeof *routs);
+  float **routs = bico__calloc(ctx, m->k, sizeof *routs);
   if (routs == NULL) return BICO_E_NOMEM;
   bico_status st = BICO_OK;
   if (do_in) {
@@ -232,7 +232,7 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   if (st == BICO_OK && !m->reason[0])
     st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->dout_b,
                              m->din_b, x->alpha, m->b, m->a,
-                             do_out ? (const float *const *)routs : NULL,
+                             do_out ? routs : NULL,
                              m->dout_b / m->k, rin, m->din_b, m->nb, m->na);
   bico__free(ctx, routs);
   return st;
@@ -244,7 +244,7 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
 static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
   bico__run *x = r->x;
   bico_ctx *ctx = r->ctx;
-  const float *rr = NULL;
+  float *rr = NULL;
   size_t da = m->dout_a, db = m->dout_b, mr = 0;
   int thin = 0;
   bico_status st = BICO_OK;
@@ -270,7 +270,7 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
                     "adapter module %s: the map is %zu x %zu but the "
                     "embedding widths are %zu and %zu",
                     m->lname, da, db, m->dout_a, m->dout_b);
-  const float *rl[1] = {rr};
+  float *rl[1] = {rr};
   m->handling = m->reason[0] ? BICO__H_UNCHANGED : bico__xfer_route_handling(rt);
   if (st == BICO_OK && !m->reason[0])
     st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->dout_b,
@@ -301,8 +301,8 @@ static bico_status carry_dense(lrun *r, lmod *m) {
       bico__xfer_transpose(upd, m->er_t, m->ec_t, tmp);
       fo = tmp;
     }
-    st = bico_lora_truncate(ctx, m->dout_b, m->din_b, fo, m->din_b, m->rank,
-                            m->scale, m->nb, m->na, &m->energy);
+    st = bico_lora_truncate(ctx, m->dout_b, m->din_b, m->rank, m->scale, fo,
+                            m->din_b, m->nb, m->na, &m->energy);
   }
   bico__free(ctx, tmp);
   bico__free(ctx, dense);
@@ -391,8 +391,8 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
     st = bico__xfer_check_finite(ctx, m.na, m.rank * m.din_b,
                                  "adapter module", m.tm);
   if (st == BICO_OK && !dead)
-    st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
-                              m.din_b, m.nb, m.na);
+    st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.dout_b, m.din_b,
+                              m.lalpha, m.nb, m.na);
   if (st == BICO_OK) {
     r->count[dead ? BICO__H_UNCHANGED : m.handling]++;
     if (dead) {
@@ -737,7 +737,15 @@ static void module_progress(const lrun *r, size_t mi, bico_progress *pg,
 static bico_status run_lora(lrun *r) {
   bico__run *x = r->x;
   bico_ctx *ctx = r->ctx;
-  bico_status st = bico_lora_open(ctx, file(r, BICO_FILE_LORA), &r->src);
+  const char *ad = file(r, BICO_FILE_LORA);
+  bico_status st = bico_lora_open(ctx, ad, &r->src);
+  /* A message about the folder itself ("ad is a file, not an adapter
+   * folder") names its slot; one about a file inside names that file. */
+  const char *m = strstr(bico_ctx_errmsg(ctx), ": ");
+  size_t n = strlen(ad);
+  if (st != BICO_OK && m != NULL && strncmp(m + 2, ad, n) == 0 &&
+      (m[2 + n] == ' ' || m[2 + n] == ':'))
+    st = bico__xfer_wrap_file(ctx, st, BICO_FILE_LORA, ad);
   if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
   if (st != BICO_OK) return st;
   double on = 0;

@@ -95,7 +95,7 @@ bico_status bico_transfer_get_file(const bico_transfer *t, int which,
 /* The option grammar (params.h, lib/base/params.c): each parameter's accepted
  * set. */
 static const bico__param_spec PARAM[BICO__NPARAMS] = {
-    [BICO_TRANSFER_METHOD] = {"method", 1, 6, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_METHOD] = {"method", 0, BICO_METHOD_PAD, BICO_PARAM_INTEGER},
     /* used as a float */
     [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
     [BICO_TRANSFER_NORM_MAP] = {"norm_map", 0, BICO_NORM_MAP_GRAD,
@@ -104,8 +104,8 @@ static const bico__param_spec PARAM[BICO__NPARAMS] = {
     [BICO_TRANSFER_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
     [BICO_TRANSFER_CENTER] = {"center", 0, 1, BICO_PARAM_INTEGER},
     [BICO_TRANSFER_WHITEN] = {"whiten", 0, 0.5, 0},
-    [BICO_TRANSFER_PROC_METHOD] = {"proc_method", BICO_PROC_SVD,
-                                   BICO_PROC_POLAR, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_PROC_METHOD] = {"proc_method", 0, BICO_PROC_POLAR,
+                                   BICO_PARAM_INTEGER},
     [BICO_TRANSFER_WORKERS] = {"workers", 1, 1024, BICO_PARAM_INTEGER},
     [BICO_TRANSFER_SOLVE_MEMORY] = {"solve_memory", 0, 9007199254740992.0,
                                     BICO_PARAM_INTEGER},
@@ -144,7 +144,10 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   bico_status st = bico__param_set(t->ctx, "transfer_set_param", PARAM,
                                    BICO__NPARAMS, param, value);
   if (st != BICO_OK) return st;
-  /* Choices: 0 is the default member (docs/api.md's enum rule). */
+  /* Choices: 0 is the default member (docs/api.md's enum rule), for every
+   * choice with a default (ROPE's 0 is itself a setting: from config.json). */
+  if (param == BICO_TRANSFER_METHOD && value == 0) value = BICO_METHOD_BICO;
+  if (param == BICO_TRANSFER_PROC_METHOD && value == 0) value = BICO_PROC_EIG;
   if (param == BICO_TRANSFER_GRADFIX_MODE && value == 0)
     value = BICO_GRADFIX_MAJORITY;
   if (param == BICO_TRANSFER_NULL && value == 0) value = BICO_NULL_KEEP;
@@ -399,6 +402,7 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
     snprintf(rest, sizeof rest, "%s", msg + 14);
     st = bico__fail(t->ctx, st, "transfer_check: %s", rest);
   }
+  if (st != BICO_OK) st = bico__xfer_prefix(t->ctx, st, "transfer_check");
   return st;
 }
 
@@ -411,5 +415,6 @@ bico_status bico_transfer_run(bico_transfer *t) {
   bico_status st = run_all(&r);
   bico__xfer_run_free(&r);
   if (st == BICO_OK) t->ran = 1;
+  else st = bico__xfer_prefix(t->ctx, st, "transfer_run");
   return st;
 }

@@ -408,6 +408,10 @@ size_t bico__xfer_mem_xcov(const bico_transfer *t, const char *module,
                            int side, const bico_xcov *const **blocks);
 const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
                                        const char *tensor);
+/* The lent statistics and votes against the target model (r->mt): names
+ * that are no module or tensor of it, accumulators without rows, votes
+ * without samples (bico_transfer_check's inputs level and every run). */
+bico_status bico__xfer_mem_check(bico__run *r);
 
 /* ---- transfer_base.c ---- */
 /* The log line (the names of file slots and handlings are
@@ -421,6 +425,15 @@ void bico__xfer_log(bico__run *r, const char *fmt, ...)
  * `name` already. */
 bico_status bico__xfer_wrap(bico_ctx *ctx, bico_status st, const char *what,
                             const char *name);
+/* A failure on the file of slot `which` (a BICO_FILE_*) named by its slot,
+ * "the source tuned file PATH: reason" (the message of the call that
+ * failed, without its function's name and the path it repeats). */
+bico_status bico__xfer_wrap_file(bico_ctx *ctx, bico_status st, int which,
+                                 const char *path);
+/* Every message of an entry point starts with its name ("transfer_run: "):
+ * a message that starts with another function's name gets fn's instead,
+ * one without a name gets fn's in front. */
+bico_status bico__xfer_prefix(bico_ctx *ctx, bico_status st, const char *fn);
 const char *bico__xfer_tname(const bico_model *m, size_t i);
 const char *bico__xfer_mname(const bico_model *m, size_t i);
 size_t bico__xfer_numel(size_t ndim, const size_t *shape);

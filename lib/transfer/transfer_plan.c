@@ -33,8 +33,7 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
   if (path == NULL) return BICO_OK;
   bico_status st = bico_stfile_open(r->ctx, path, f);
   if (st == BICO_OK) st = bico__xfer_rename_source(r->t, which, *f);
-  if (st != BICO_OK)
-    return bico__xfer_wrap(r->ctx, st, bico_transfer_file_name(which), path);
+  if (st != BICO_OK) return bico__xfer_wrap_file(r->ctx, st, which, path);
   return BICO_OK;
 }
 

@@ -518,9 +518,16 @@ static int run_transfer(const transfer_opts *o) {
   if (st == BICO_OK) st = bico_transfer_run(t);
   cli_progress_finish();
   if (st != BICO_OK) {
+    /* A message that names a file by its slot ("the source tuned file X")
+     * says the option itself; else the option whose path it names. */
+    char msg[4096], words[4096];
+    cli_user_message(bico_ctx_errmsg(ctx), msg, sizeof msg);
+    option_words(msg, words, sizeof words);
     const char *opts[NFILE_OPTS];
     for (size_t f = 0; f < NFILE_OPTS; f++) opts[f] = FILES[f].opt;
-    code = cli_lib_error_files(CMD, ctx, st, opts, files, NFILE_OPTS);
+    code = strcmp(msg, words) != 0
+               ? cli_error(CMD, CLI_FAIL, "%s", words)
+               : cli_lib_error_files(CMD, ctx, st, opts, files, NFILE_OPTS);
   } else {
     code = 0;
     (void)cli_cleanup_warn_leftovers(CMD);
