@@ -23,8 +23,10 @@
  * merged checkpoint is written by the checkpoint path's writer
  * (bico__xfer_declare, bico__xfer_write_one: the target's metadata and
  * provenance, theta_B + update summed in double and rounded once). */
+#define _DEFAULT_SOURCE 1 /* realpath */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -756,10 +758,15 @@ static bico_status run_lora(lrun *r) {
   const char *tt = NULL;
   bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
   st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
-  /* The output adapter is for the target; it keeps the source's dropout. */
+  /* The output adapter is for the target: its base_model_name_or_path is
+   * the target base's absolute path (the same however the path was typed,
+   * from whatever folder, or taken from a bridge), never the source's.  It
+   * keeps the source's dropout. */
+  char *real = realpath(file(r, BICO_FILE_TARGET_BASE), NULL);
   if (st == BICO_OK)
     st = bico_lora_set_string(r->out, BICO_LORA_BASE_MODEL,
-                              file(r, BICO_FILE_TARGET_BASE));
+                              real ? real : file(r, BICO_FILE_TARGET_BASE));
+  free(real);
   bico__lora_set_dropout(r->out, bico__lora_dropout(r->src));
   size_t nl = bico__lora_nmodules(r->src), ns = bico__lora_nsaved(r->src);
   if (st == BICO_OK) st = check_adapter_names(r, nl, ns);

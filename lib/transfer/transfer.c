@@ -155,6 +155,7 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   if (param == BICO_TRANSFER_STRUCTURE && value == 0)
     value = BICO_STRUCTURE_FREE;
   t->param[param] = value;
+  t->pset[param] = 1;
   return BICO_OK;
 }
 
@@ -381,6 +382,10 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
                       "transfer_check: unknown level %d", level);
   bico__run r;
   bico__xfer_run_init(&r, t);
+  /* A handle with a bridge output is checked as bico_transfer_bridge
+   * would run it. */
+  int bridge = t->files[BICO_FILE_BRIDGE_OUTPUT] != NULL;
+  r.making_bridge = bridge;
   /* The options alone: which files go together, what the method reads;
    * no file opened. */
   bico_status st = bico__xfer_check_setup(&r);
@@ -391,8 +396,9 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
   if (st == BICO_OK && level != BICO_TRANSFER_CHECK_OPTIONS) {
     bico__xfer_run_free(&r);
     bico__xfer_run_init(&r, t);
+    r.making_bridge = bridge;
     st = bico__xfer_setup(&r);
-    if (st == BICO_OK) st = check_run(&r);
+    if (st == BICO_OK && !bridge) st = check_run(&r);
   }
   bico__xfer_run_free(&r);
   /* The run's own rules say "transfer_run:"; the caller asked for a check */
@@ -403,6 +409,26 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
     st = bico__fail(t->ctx, st, "transfer_check: %s", rest);
   }
   if (st != BICO_OK) st = bico__xfer_prefix(t->ctx, st, "transfer_check");
+  return st;
+}
+
+bico_status bico_transfer_bridge(bico_transfer *t) {
+  if (t == NULL) return BICO_E_NULL;
+  bico__clear(t->ctx);
+  bico__run r;
+  bico__xfer_run_init(&r, t);
+  r.making_bridge = 1;
+  bico_status st = bico__xfer_setup(&r);
+  if (st == BICO_OK) st = bico__bridge_write(&r);
+  bico__xfer_run_free(&r);
+  /* The run's steps say "transfer_run:"; the caller made a bridge. */
+  const char *msg = bico_ctx_errmsg(t->ctx);
+  if (st != BICO_OK && strncmp(msg, "transfer_run: ", 14) == 0) {
+    char rest[BICO_ERRMSG_CAP];
+    snprintf(rest, sizeof rest, "%s", msg + 14);
+    st = bico__fail(t->ctx, st, "transfer_bridge: %s", rest);
+  }
+  if (st != BICO_OK) st = bico__xfer_prefix(t->ctx, st, "transfer_bridge");
   return st;
 }
 

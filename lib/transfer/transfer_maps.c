@@ -494,7 +494,7 @@ bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select) {
   bico_ctx *ctx = r->ctx;
   size_t nw = (size_t)r->t->param[BICO_TRANSFER_WORKERS];
   size_t nt = bico__model_ntensors(r->mt), cap = 0;
-  if (nw < 2 || r->nm == 0) return BICO_OK;
+  if (nw < 2 || r->nm == 0 || r->bridge != NULL) return BICO_OK;
   pool *P = bico__calloc(ctx, 1, sizeof *P);
   if (P == NULL) return BICO_E_NOMEM;
   P->r = r;
@@ -572,6 +572,12 @@ static bico_status compute_side(bico__run *r, size_t mi, int side) {
 bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side) {
   bico__modstate *s = &r->mods[mi];
   if (side ? s->have_out : s->have_in) return BICO_OK;
+  if (r->bridge != NULL) { /* the maps were solved when the bridge was made */
+    bico__map *maps = NULL;
+    bico_status st = bico__bridge_load(r, mi, side, &maps);
+    if (st == BICO_OK) publish(r, mi, side, maps);
+    return st;
+  }
   if (bico__xfer_structured(r, mi, side)) {
     bico__map *maps = NULL;
     int fallback = 0;

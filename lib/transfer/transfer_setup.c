@@ -148,7 +148,9 @@ static bico_status make_solver(bico__run *r) {
 }
 
 bico_status bico__xfer_setup(bico__run *r) {
-  bico_status st = bico__xfer_check_setup(r);
+  /* A bridge's options and bases count as set from here on. */
+  bico_status st = r->making_bridge ? BICO_OK : bico__bridge_begin(r);
+  if (st == BICO_OK) st = bico__xfer_check_setup(r);
   if (st == BICO_OK) st = open_inputs(r);
   if (st == BICO_OK) st = bico__xfer_load_models(r);
   if (st == BICO_OK) st = bico__xfer_mem_check(r);
@@ -170,6 +172,7 @@ bico_status bico__xfer_setup(bico__run *r) {
   if (st == BICO_OK) st = bico__xfer_check_pairing(r);
   if (st == BICO_OK && bico__xfer_is_bico(r->method))
     st = check_calib_sides(r);
+  if (st == BICO_OK) st = bico__bridge_verify(r);
   return st;
 }
 
@@ -201,5 +204,6 @@ void bico__xfer_run_free(bico__run *r) {
                         r->sc, r->tc, r->stats, r->votes};
   for (int i = 0; i < 8; i++) bico_stfile_free(fs[i]);
   bico__report_free(&r->rep);
+  bico__bridge_end(r); /* the handle's options and files as they were */
 }
 

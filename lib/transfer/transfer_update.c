@@ -357,19 +357,6 @@ static void refuse_dead_maps(bico__tinfo *info) {
   if (dead) info->handling = BICO__H_UNCHANGED;
 }
 
-int bico__xfer_route_handling(const bico__route *rt) {
-  switch (rt->kind) {
-  case BICO__ROUTE_WEIGHT:
-    return BICO__H_LINEAR;
-  case BICO__ROUTE_BIAS:
-    return BICO__H_VECTOR;
-  case BICO__ROUTE_ROWS:
-    return rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
-  default:
-    return BICO__H_UNCHANGED;
-  }
-}
-
 bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
                              const bico__route *rt, float **tau, float *upd,
                              bico__tinfo *info) {

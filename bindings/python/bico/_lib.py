@@ -328,6 +328,7 @@ PROTOTYPES = {
     "bico_merge_method_name": (c_char_p, [c_int]),
     "bico_merge_method_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_transfer_run": (_S, [c_void_p]),
+    "bico_transfer_bridge": (_S, [c_void_p]),
     "bico_transfer_counts": (_S, [c_void_p, P(c_size_t), P(c_size_t)]),
     "bico_stats_from_calib": (_S, [c_void_p, c_char_p, c_char_p, c_char_p,
                                    c_char_p]),

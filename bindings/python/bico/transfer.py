@@ -230,6 +230,21 @@ class Transfer(_Handle):
             raise err
         return self.counts()
 
+    def bridge(self):
+        """bico_transfer_bridge: solves every map a transfer between the
+        two bases uses and writes them to the "bridge_output" file, with
+        the plan, the map options and both bases' fingerprints (set the
+        bases and statistics as for run(), no fine-tune, no output).  A
+        later Transfer with set_file("bridge", path) and a fine-tune then
+        reads its maps from it: no statistics, the same output bit for
+        bit (docs/api.md, docs/formats.md)."""
+        self._progress_err = None
+        st = fn.transfer_bridge(self._alive())
+        err, self._progress_err = self._progress_err, None
+        _check(st, self.ctx)
+        if err is not None:
+            raise err
+
     def counts(self):
         """(updated, unchanged) target tensors of the last run."""
         u, n = c_size_t(), c_size_t()
