@@ -18,6 +18,14 @@
  *   base_model.model.<module>.<param>                a full tensor of a
  *                                                    module listed in
  *                                                    modules_to_save
+ * target_modules says which modules PEFT adapts, by PEFT's rule: a list
+ * names a module when an entry equals its name or is a "."-suffix of it; a
+ * string is a regular expression the whole name matches (read as a POSIX
+ * extended expression; Python-only syntax such as \d, \w, (?...) or lazy
+ * quantifiers is refused, BICO_E_UNSUPPORTED), "all-linear" every linear
+ * module but lm_head; null or absent: every module with factors.  Factors
+ * of a module it does not name are refused (BICO_E_FORMAT naming the file
+ * and the module): PEFT would not apply them.
  * The config's r and lora_alpha give the default rank and alpha;
  * rank_pattern and alpha_pattern override them for modules whose name
  * equals a key or ends with "." + key (literal; keys holding regular
@@ -49,7 +57,8 @@
  * differ, target_modules the sorted list of full module names,
  * modules_to_save, use_rslora, fan_in_fan_out, bias "none", use_dora false,
  * and the string options set with bico_lora_set_string (task_type,
- * base_model_name_or_path).
+ * base_model_name_or_path).  Factors and saved tensors are written as F32
+ * (PEFT's convention), whatever the base model's dtype.
  *
  * Names.  Module names are the base model's (the safetensors names without
  * "base_model.model." and without the parameter), as bico_model uses. */
