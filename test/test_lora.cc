@@ -1546,4 +1546,63 @@ TEST(LoraOom, WholeModelTransfer) {
       {out + "/adapter_config.json", out + "/adapter_model.safetensors", ckpt, rep});
 }
 
+// target_modules by PEFT's rules (issue 32): a module's factors are read
+// when target_modules names it -- a list entry equal to its name or a
+// dotted suffix of it, a regular expression its whole name matches,
+// "all-linear" (every linear module but lm_head), or no target_modules --
+// and refused, naming the file and the module, when it does not (PEFT
+// would not apply them).  Python-only regular expression syntax is refused.
+TEST(LoraOpen, TargetModulesByPeftsRules) {
+  stt::TempDir dir;
+  bt::Ctx ctx;
+  bt::Rng g(8);
+  Mat a = bt::randn(g, 1, 3), b = bt::randn(g, 2, 1);
+  const File factors = {{"model.layers.0.self_attn.q_proj.lora_A.weight", T(a)},
+                        {"model.layers.0.self_attn.q_proj.lora_B.weight", T(b)},
+                        {"model.layers.0.mlp.up_proj.lora_A.weight", T(a)},
+                        {"model.layers.0.mlp.up_proj.lora_B.weight", T(b)},
+                        {"lm_head.lora_A.weight", T(a)},
+                        {"lm_head.lora_B.weight", T(b)}};
+  struct Case {
+    const char *targets;  // the JSON value, or nullptr: absent
+    bico_status want;
+    const char *refused;  // the module the message names
+  } cases[] = {
+      {nullptr, BICO_OK, nullptr},
+      {"null", BICO_OK, nullptr},
+      {"[\"q_proj\", \"up_proj\", \"lm_head\"]", BICO_OK, nullptr},
+      {"[\"self_attn.q_proj\", \"mlp.up_proj\", \"lm_head\"]", BICO_OK, nullptr},
+      // "proj" is no dotted suffix of q_proj: a suffix must end at a dot
+      {"[\"proj\", \"lm_head\"]", BICO_E_FORMAT, "model.layers.0.self_attn.q_proj"},
+      {"[\"q_proj\", \"lm_head\"]", BICO_E_FORMAT, "model.layers.0.mlp.up_proj"},
+      {"\".*(q_proj|up_proj)|lm_head\"", BICO_OK, nullptr},
+      // a full match: "q_proj" alone matches no whole name
+      {"\"q_proj|.*up_proj|lm_head\"", BICO_E_FORMAT, "model.layers.0.self_attn.q_proj"},
+      {"\"all-linear\"", BICO_E_FORMAT, "lm_head"},
+      {"\".*\\\\.(q|up)_proj\\\\d*|lm_head\"", BICO_E_UNSUPPORTED, "\\d"},
+      {"\"(?:.*q_proj)|.*\"", BICO_E_UNSUPPORTED, "(?"},
+      {"\"[\"", BICO_E_FORMAT, "not a regular expression"},
+      {"42", BICO_E_FORMAT, "target_modules"},
+  };
+  int k = 0;
+  for (auto &c : cases) {
+    SCOPED_TRACE(c.targets ? c.targets : "(absent)");
+    std::string ad = dir / ("ad" + std::to_string(k++));
+    mkdir(ad.c_str(), 0700);
+    std::string cfg = "{\"peft_type\": \"LORA\", \"r\": 1, \"lora_alpha\": 1";
+    if (c.targets) cfg += std::string(", \"target_modules\": ") + c.targets;
+    write_adapter(ad, cfg + "}", factors);
+    bico_lora *l = reinterpret_cast<bico_lora *>(&ctx);
+    EXPECT_EQ(bico_lora_open(ctx, ad.c_str(), &l), c.want) << bico_ctx_errmsg(ctx);
+    if (c.want == BICO_OK) {
+      EXPECT_EQ(bt::count(bico_lora_module_count, l), 3u);
+    } else {
+      EXPECT_EQ(l, nullptr);
+      EXPECT_TRUE(mentions(ctx, c.refused)) << bico_ctx_errmsg(ctx);
+      EXPECT_TRUE(mentions(ctx, ad + "/adapter_")) << bico_ctx_errmsg(ctx);
+    }
+    bico_lora_free(l);
+  }
+}
+
 }  // namespace
