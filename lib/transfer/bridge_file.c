@@ -16,12 +16,24 @@
 #include "transfer_internal.h"
 
 /* The options that shape the maps or the plan: recorded by a bridge,
- * adopted by a run that sets none of them, compared when it sets one. */
-static const int PARAMS[] = {
-    BICO_TRANSFER_METHOD,     BICO_TRANSFER_NORM_MAP, BICO_TRANSFER_NULL,
-    BICO_TRANSFER_RANK_TOL,   BICO_TRANSFER_CENTER,   BICO_TRANSFER_WHITEN,
-    BICO_TRANSFER_PROC_METHOD, BICO_TRANSFER_STRUCTURE, BICO_TRANSFER_ROPE,
-    BICO_TRANSFER_HEADS,      BICO_TRANSFER_KV_HEADS, BICO_TRANSFER_HEAD_DIM};
+ * adopted by a run that sets none of them, compared when it sets one.
+ * Their keys are the file format's (docs/formats.md), the words of
+ * bico_transfer_param_name. */
+static const struct {
+  int param;
+  const char *key;
+} PARAMS[] = {{BICO_TRANSFER_METHOD, "method"},
+              {BICO_TRANSFER_NORM_MAP, "norm_map"},
+              {BICO_TRANSFER_NULL, "null"},
+              {BICO_TRANSFER_RANK_TOL, "rank_tol"},
+              {BICO_TRANSFER_CENTER, "center"},
+              {BICO_TRANSFER_WHITEN, "whiten"},
+              {BICO_TRANSFER_PROC_METHOD, "proc_method"},
+              {BICO_TRANSFER_STRUCTURE, "structure"},
+              {BICO_TRANSFER_ROPE, "rope"},
+              {BICO_TRANSFER_HEADS, "heads"},
+              {BICO_TRANSFER_KV_HEADS, "kv_heads"},
+              {BICO_TRANSFER_HEAD_DIM, "head_dim"}};
 #define NPARAMS (sizeof PARAMS / sizeof *PARAMS)
 static const int STRINGS[] = {BICO_TRANSFER_BLOCKS, BICO_TRANSFER_SOURCE_BLOCKS,
                               BICO_TRANSFER_TARGET_BLOCKS,
@@ -50,8 +62,8 @@ struct bico__bridge {
 void bico__bridge_options(const bico_transfer *t, bico__jw *w) {
   bico__jw_begin_object(w);
   for (size_t i = 0; i < NPARAMS; i++) {
-    bico__jw_key(w, bico_transfer_param_name(PARAMS[i]));
-    bico__jw_double(w, t->param[PARAMS[i]]);
+    bico__jw_key(w, PARAMS[i].key);
+    bico__jw_double(w, t->param[PARAMS[i].param]);
   }
   for (size_t i = 0; i < NSTRINGS; i++) {
     bico__jw_key(w, bico_transfer_string_name(STRINGS[i]));
@@ -173,7 +185,8 @@ static bico_status malformed(bico__run *r, const char *what) {
 
 /* A recorded option against the handle's: adopted when the handle left
  * it unset, else compared.  The values' words for the message. */
-static bico_status take_param(bico__run *r, int p, const bico__json *v) {
+static bico_status take_param(bico__run *r, int p, const char *key,
+                              const bico__json *v) {
   bico_transfer *t = r->t;
   if (v == NULL || (v->type != BICO__JSON_INT && v->type != BICO__JSON_REAL))
     return malformed(r, "options without a number for each map option");
@@ -195,7 +208,7 @@ static bico_status take_param(bico__run *r, int p, const bico__json *v) {
                     "transfer_run: the bridge file %s was made with %s %s; "
                     "this transfer sets %s (leave it unset to take the "
                     "bridge's, or make a bridge with it)",
-                    path_of(r), bico_transfer_param_name(p), na, nb);
+                    path_of(r), key, na, nb);
 }
 
 static bico_status take_string(bico__run *r, int s, const bico__json *v) {
@@ -262,15 +275,26 @@ static bico_status take_lists(bico__run *r, const bico__json *sp,
                       "splits and %zu ties; this transfer's differ (leave "
                       "them unset to take the bridge's)",
                       path_of(r), sp->n, ti->n);
-  bico_status st = BICO_OK;
-  for (size_t i = 0; i < sp->n && st == BICO_OK; i++)
-    st = bico_transfer_add_split(t, sp->u.items[i].u.items[0].u.s,
-                                 (size_t)sp->u.items[i].u.items[1].u.i);
-  for (size_t i = 0; i < ti->n && st == BICO_OK; i++)
-    st = bico_transfer_add_tie(t, ti->u.items[i].u.items[0].u.s,
-                               ti->u.items[i].u.items[1].u.s);
+  /* Installed in the handle for the run, as bico_transfer_add_split and
+   * _add_tie would (bico__bridge_end takes them out again). */
   r->bridge->took_splits = r->bridge->took_ties = 1;
-  return st;
+  if (sp->n > 0 && (t->splits = bico__calloc(ctx, sp->n, sizeof *t->splits)) == NULL)
+    return BICO_E_NOMEM;
+  for (size_t i = 0; i < sp->n; i++, t->nsplits++) {
+    t->splits[i].suffix = bico__strdup(ctx, sp->u.items[i].u.items[0].u.s);
+    t->splits[i].k = (size_t)sp->u.items[i].u.items[1].u.i;
+    if (t->splits[i].suffix == NULL) return BICO_E_NOMEM;
+  }
+  if (ti->n > 0 && (t->ties = bico__calloc(ctx, ti->n, sizeof *t->ties)) == NULL)
+    return BICO_E_NOMEM;
+  for (size_t i = 0; i < ti->n; i++) {
+    t->ties[i].tensor = bico__strdup(ctx, ti->u.items[i].u.items[0].u.s);
+    t->ties[i].module = bico__strdup(ctx, ti->u.items[i].u.items[1].u.s);
+    t->nties++; /* freed by bico__bridge_end, partial or not */
+    if (t->ties[i].tensor == NULL || t->ties[i].module == NULL)
+      return BICO_E_NOMEM;
+  }
+  return BICO_OK;
 }
 
 /* The bases (and configs) the bridge recorded, for the slots the handle
@@ -323,8 +347,8 @@ bico_status bico__bridge_begin(bico__run *r) {
   if (st == BICO_OK && (opt == NULL || opt->type != BICO__JSON_OBJECT))
     st = malformed(r, "no options object");
   for (size_t i = 0; i < NPARAMS && st == BICO_OK; i++)
-    st = take_param(r, PARAMS[i],
-                    bico__json_get(opt, bico_transfer_param_name(PARAMS[i])));
+    st = take_param(r, PARAMS[i].param, PARAMS[i].key,
+                    bico__json_get(opt, PARAMS[i].key));
   for (size_t i = 0; i < NSTRINGS && st == BICO_OK; i++)
     st = take_string(r, STRINGS[i],
                      bico__json_get(opt, bico_transfer_string_name(STRINGS[i])));
