@@ -449,7 +449,8 @@ BICO_API bico_status bico_transfer_check_level_from_name(const char *name,
  * the bridge gave).  Before any map is read, a base whose fingerprint
  * differs from the bridge's, or a plan that differs (a target tensor with
  * another partner, handling or maps), is BICO_E_ARG naming the file and
- * the difference. */
+ * the difference.  The assembler (bico_transfer_assemble_begin) takes no
+ * bases from a bridge: a divided run sets them. */
 BICO_API bico_status bico_transfer_bridge(bico_transfer *t);
 
 /* After a successful run: counts of target tensors by handling; any

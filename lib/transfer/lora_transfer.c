@@ -736,8 +736,9 @@ static void module_progress(const lrun *r, size_t mi, bico_progress *pg,
   x->t->progress(x->t->progress_opaque, pg);
 }
 
-static bico_status run_lora(lrun *r) {
-  bico__run *x = r->x;
+/* The source adapter opened, and the output adapter made with its
+ * switches, task type and dropout, and the target as its base. */
+static bico_status open_adapters(lrun *r) {
   bico_ctx *ctx = r->ctx;
   const char *ad = file(r, BICO_FILE_LORA);
   bico_status st = bico_lora_open(ctx, ad, &r->src);
@@ -768,6 +769,14 @@ static bico_status run_lora(lrun *r) {
                               real ? real : file(r, BICO_FILE_TARGET_BASE));
   free(real);
   bico__lora_set_dropout(r->out, bico__lora_dropout(r->src));
+  return st;
+}
+
+static bico_status run_lora(lrun *r) {
+  bico__run *x = r->x;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = open_adapters(r);
+  if (st != BICO_OK) return st;
   size_t nl = bico__lora_nmodules(r->src), ns = bico__lora_nsaved(r->src);
   if (st == BICO_OK) st = check_adapter_names(r, nl, ns);
   if (st != BICO_OK) return st;
