@@ -352,8 +352,11 @@ TEST(CApiBridge, MadeFromLentStatisticsAndReadBackBitForBit) {
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "was made with null 2; this transfer sets 1"))
       << bico_ctx_errmsg(ctx);
   EXPECT_EQ(access(via.c_str(), F_OK), -1);  // nothing written
-  // lent statistics beside the bridge: refused at the options level
+  // 0 asks for the default: with a bridge, the bridge's
   ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_NULL, 0), BICO_OK);
+  EXPECT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(stt::read_bytes(via), stt::read_bytes(direct));
+  // lent statistics beside the bridge: refused at the options level
   bico_xcov *x = lent.xs[0];
   ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.0.fc", BICO_SIDE_IN, &x, 1), BICO_OK);
   EXPECT_EQ(bico_transfer_check(tr.t, BICO_TRANSFER_CHECK_OPTIONS), BICO_E_ARG);

@@ -444,7 +444,8 @@ BICO_API bico_status bico_transfer_check_level_from_name(const char *name,
  * bases and configs default to the bridge's (the paths it recorded, as
  * real paths); one the handle sets (bico_transfer_set_param, _set_string,
  * _add_split, _add_tie, _set_file) must equal the bridge's, else BICO_E_ARG
- * naming it and both values.  The handle's own settings are as before
+ * naming it and both values.  Setting a choice (or a structure override)
+ * to 0 asks for the default, which with a bridge is the bridge's.  The handle's own settings are as before
  * after the call (bico_transfer_get_param reports what was set, not what
  * the bridge gave).  Before any map is read, a base whose fingerprint
  * differs from the bridge's, or a plan that differs (a target tensor with

@@ -38,6 +38,10 @@ typedef struct config {
   const bico__json *targets;
   int all_linear, have_re;
   regex_t re;
+  bico__strindex tix; /* a list's entries, looked up by each dotted suffix
+                         of a module's name: linear in the modules (a
+                         scan of the list per module made an adapter of 40k
+                         modules, which lists them all, quadratic) */
 } config;
 
 /* Fields that describe training or provenance, not the weights. */
@@ -134,6 +138,10 @@ static bico_status target_regex(bico_ctx *ctx, const char *path,
   return BICO_OK;
 }
 
+static const char *target_key(const void *owner, size_t i) {
+  return ((const bico__json *)owner)->u.items[i].u.s;
+}
+
 static bico_status parse_targets(bico_ctx *ctx, const char *path,
                                  const bico__json *v, config *c) {
   if (v->type == BICO__JSON_NULL) return BICO_OK;
@@ -147,13 +155,19 @@ static bico_status parse_targets(bico_ctx *ctx, const char *path,
                       "of module names or a string, not %s",
                       path, bico__json_type_name(v->type));
   for (size_t j = 0; j < v->n; j++)
-    if (v->u.items[j].type != BICO__JSON_STRING || v->u.items[j].n == 0)
+    if (v->u.items[j].type != BICO__JSON_STRING || v->u.items[j].n == 0 ||
+        strlen(v->u.items[j].u.s) != v->u.items[j].n)
       return bico__fail(ctx, BICO_E_FORMAT,
                         "lora_open: %s: target_modules entry %zu is not a "
                         "module name",
                         path, j);
   c->targets = v;
-  return BICO_OK;
+  bico_status st = bico__strindex_reserve(ctx, &c->tix, v->n, target_key, v);
+  for (size_t j = 0; j < v->n && st == BICO_OK; j++)
+    if (bico__strindex_find(&c->tix, v->u.items[j].u.s, v->u.items[j].n,
+                            target_key, v) == SIZE_MAX)
+      bico__strindex_insert(&c->tix, j, target_key, v);
+  return st;
 }
 
 /* PEFT's rule (check_target_module_exists): a list names a module when
@@ -168,13 +182,13 @@ static int targeted(const config *c, const char *module, int kind) {
     return kind == BICO_LORA_LINEAR && strcmp(last ? last + 1 : module, "lm_head") != 0;
   }
   if (c->have_re) return regexec(&c->re, module, 0, NULL, 0) == 0;
-  size_t n = strlen(module);
-  for (size_t j = 0; j < c->targets->n; j++) {
-    const char *e = c->targets->u.items[j].u.s;
-    size_t k = strlen(e);
-    if (k == n && strcmp(module, e) == 0) return 1;
-    if (k < n && module[n - k - 1] == '.' && strcmp(module + n - k, e) == 0)
+  /* the name itself, then each suffix after a dot */
+  for (const char *s = module; s != NULL;) {
+    if (bico__strindex_find(&c->tix, s, strlen(s), target_key, c->targets) !=
+        SIZE_MAX)
       return 1;
+    s = strchr(s, '.');
+    if (s != NULL) s++;
   }
   return 0;
 }
@@ -645,6 +659,7 @@ bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
                     "lora_open: %s holds no LoRA factors", tpath);
   bico_stfile_free(f);
   if (c.have_re) regfree(&c.re);
+  bico__strindex_free(ctx, &c.tix);
   bico__json_doc_free(doc);
   bico__free(ctx, text);
   bico__free(ctx, cpath);

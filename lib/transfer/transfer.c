@@ -144,6 +144,15 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   bico_status st = bico__param_set(t->ctx, "transfer_set_param", PARAM,
                                    BICO__NPARAMS, param, value);
   if (st != BICO_OK) return st;
+  /* 0 asks for the default (a choice's, or config.json's for the
+   * structure overrides): with a bridge, the default is the bridge's. */
+  int zero_is_default =
+      param == BICO_TRANSFER_METHOD || param == BICO_TRANSFER_NORM_MAP ||
+      param == BICO_TRANSFER_NULL || param == BICO_TRANSFER_PROC_METHOD ||
+      param == BICO_TRANSFER_GRADFIX_MODE || param == BICO_TRANSFER_STRUCTURE ||
+      param == BICO_TRANSFER_ROPE || param == BICO_TRANSFER_HEADS ||
+      param == BICO_TRANSFER_KV_HEADS || param == BICO_TRANSFER_HEAD_DIM;
+  t->pset[param] = !(zero_is_default && value == 0);
   /* Choices: 0 is the default member (docs/api.md's enum rule), for every
    * choice with a default (ROPE's 0 is itself a setting: from config.json). */
   if (param == BICO_TRANSFER_METHOD && value == 0) value = BICO_METHOD_BICO;
@@ -155,7 +164,6 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   if (param == BICO_TRANSFER_STRUCTURE && value == 0)
     value = BICO_STRUCTURE_FREE;
   t->param[param] = value;
-  t->pset[param] = 1;
   return BICO_OK;
 }
 
