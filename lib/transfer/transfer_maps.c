@@ -278,8 +278,14 @@ static bico_status solve_side(bico__run *r, solver *sv, const sidejob *j,
       if (st == BICO_OK && (ndim != 2 || shape[0] != da || shape[1] != db))
         st = bico__fail(ctx, BICO_E_SHAPE,
                         "statistics file %s: tensor %s should be [%zu, %zu] "
-                        "(source %s x target %s widths)",
-                        path, key, da, db, sm, tm);
+                        "(source %s x target %s widths)%s",
+                        path, key, da, db, sm, tm,
+                        ndim == 2 && shape[0] == db && shape[1] == da
+                            ? "; it is [target, source]: made from "
+                              "calibration files given the wrong way round "
+                              "(bico stats --source-calib takes the source "
+                              "model's)?"
+                            : "");
     }
     for (size_t b = 0; b < k && st == BICO_OK; b++) {
       /* Block b's statistic is the diagonal block (b, b) of the full one,

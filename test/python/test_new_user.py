@@ -110,6 +110,19 @@ def test_swapped_calibration_files_are_named(tmp_path):
              "--target-calib", tmp_path / "calB.safetensors",
              "--lora", tmp_path / "ad", "--output-lora", tmp_path / "out")
     assert "look swapped" not in r.stderr
+    # a statistics file made from swapped calibration files: its tensors
+    # are [target, source], and the message says what that means
+    bico("stats", "--source-calib", tmp_path / "calB.safetensors",
+         "--target-calib", tmp_path / "calA.safetensors",
+         "--output", tmp_path / "swapped.stats.safetensors")
+    r = bico("transfer", "--method", "bico", "--alpha", "1",
+             "--source-base", tmp_path / "A", "--target-base", tmp_path / "B",
+             "--stats", tmp_path / "swapped.stats.safetensors",
+             "--lora", tmp_path / "ad", "--output-lora", tmp_path / "out2",
+             ok=False)
+    assert r.returncode == 1
+    assert "wrong way round" in r.stderr, r.stderr
+    assert not (tmp_path / "out2").exists()
 
 
 def test_output_adapter_names_the_target_by_its_absolute_path(tmp_path):
