@@ -626,6 +626,11 @@ TEST(FolderApi, OutputsThatAreOrHoldAnInputAreRefusedWhateverTheSpelling) {
       {d.path, BICO_E_ARG, "holds the source model"},
       {in, BICO_E_ARG, "is a file, not a folder"},
       {src + "/sub/../..", BICO_E_ARG, "holds"},
+      // inside a folder the run reads, at any depth, however spelled
+      {src + "/adapter", BICO_E_ARG, "lies inside the source model folder"},
+      {link + "/a", BICO_E_ARG, "lies inside the source model folder"},
+      {d.path + "/./src/x/", BICO_E_ARG,
+       "lies inside the source model folder"},
   };
   for (const Case &c : cases) {
     SCOPED_TRACE(c.out);

@@ -96,6 +96,42 @@ METHODS = [("naive", "naive", "same", 8), ("gradfix", "gradfix", "same", 8),
            ("proxy-tuning", "proxy", "all", 0)]
 PY_METHODS = {"fit": "fit", "bico-py": "bico", "proxy-fit": "proxy-fit",
               "proxy-distill": "proxy-distill"}
+# The one command (python3 -m bico.llm) on the cached model folders, as a
+# user runs it: --ids of the task's training text (the calibration text),
+# --window 64, --windows n (spread evenly over the text; the command holds
+# out 1/8 of them), --threads 1; its output (an adapter, or a model folder
+# for --output) is merged into the target and scored like every row.  Peak
+# memory is the command's maximum resident set (/usr/bin/time -v).
+# (label, extra options, windows, output: "lora" or "folder")
+CMD_METHODS = [
+    ("cmd fit 64", ["--method", "fit"], 64, "lora"),
+    ("cmd fit 512", ["--method", "fit"], 512, "lora"),
+    ("distill r16 64", ["--method", "distill"], 64, "lora"),
+    ("distill r16 warm 64", ["--method", "distill", "--init", "warm"], 64,
+     "lora"),
+    ("distill r64 64", ["--method", "distill", "--rank", "64"], 64, "lora"),
+    ("distill dense 64", ["--method", "distill"], 64, "folder"),
+    ("distill r16 512", ["--method", "distill"], 512, "lora"),
+    ("distill r16 warm 512", ["--method", "distill", "--init", "warm"], 512,
+     "lora"),
+    ("distill r64 512", ["--method", "distill", "--rank", "64"], 512,
+     "lora"),
+    ("distill dense 512", ["--method", "distill"], 512, "folder"),
+    ("cmd auto 512", [], 512, "lora"),
+    # what the defaults are made of (fewer cells)
+    ("distill r16 KL only 512", ["--method", "distill", "--text-weight",
+                                 "0"], 512, "lora"),
+    ("distill r16 k8 512", ["--method", "distill", "--teacher-k", "8"], 512,
+     "lora"),
+    ("distill r16 k256 512", ["--method", "distill", "--teacher-k", "256"],
+     512, "lora"),
+    # the control: the target's factors trained on the calibration text
+    # alone (its own next-token loss, no teacher): what the text gives
+    # without the source's fine-tune
+    ("text only r16 512", ["--method", "distill", "--text-weight", "1",
+                           "--teacher-weight", "0"], 512, "lora"),
+]
+CMD = {m[0]: m for m in CMD_METHODS}
 
 
 def tool_key():
@@ -384,6 +420,62 @@ class Bench(object):
                                           e["losses"].items()}
         return {k: v.detach().float().numpy() for k, v in new.items()}
 
+    def cmd(self, tname, kind, label):
+        """python3 -m bico.llm on the folders (CMD_METHODS), scored."""
+        _, flags, n, out_kind = CMD[label]
+        spec = TARGETS[tname]
+        ids = self.path("calib", "task_train-%s.npy" % self.text_key)
+        if not os.path.exists(ids):
+            os.makedirs(os.path.dirname(ids), exist_ok=True)
+            np.save(ids + ".tmp.npy", self.ttr.astype(np.int64))
+            os.replace(ids + ".tmp.npy", ids)
+        out = self.path("out", "cmd-%s-%s-%s" % (
+            tname, kind, hashlib.sha256(label.encode()).hexdigest()[:8]))
+        subprocess.run(["rm", "-rf", out])
+        src = ["--source-tuned", self.finetuned(SOURCE)] if kind == "full" \
+            else ["--lora", self.lora(SOURCE)[0]]
+        cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "bico.llm",
+               "--source", self.pretrained(SOURCE)] + src + [
+               "--target", self.pretrained(spec), "--ids", ids,
+               "--window", str(DATA["ctx"]), "--windows", str(n),
+               "--threads", "1", "--quiet",
+               "--output-lora" if out_kind == "lora" else "--output",
+               out + "/"] + flags
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(
+            ROOT, "bindings", "python"))
+        t0 = time.time()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        secs = time.time() - t0
+        if r.returncode != 0:
+            raise RuntimeError("bico.llm failed (%d): %s" % (
+                r.returncode, r.stderr.strip()[-600:]))
+        peak = [int(x.split(":")[1]) for x in r.stderr.splitlines()
+                if "Maximum resident set size" in x]
+        b = self.model(self.pretrained(spec))
+        sd = {k: v.detach().clone() for k, v in b.state_dict().items()}
+        if out_kind == "lora":
+            import bico.lora as bl
+            ad = bl.Adapter.open(out)
+            # PEFT's merge: W + scale B A; saved tensors replace the base's
+            for m, (_, fb, fa, _, scale) in ad.modules().items():
+                sd[m + ".weight"] = (sd[m + ".weight"].double() + scale
+                                     * torch.from_numpy(fb).double()
+                                     @ torch.from_numpy(fa).double()).float()
+            for name, (_, arr) in ad.saved().items():
+                sd[name] = torch.from_numpy(arr).float()
+        else:
+            got, _, _ = pl.load(os.path.join(out, "model.safetensors"))
+            sd = {k: torch.as_tensor(np.asarray(got[k])).float() for k in sd}
+        res = self.score(lm.load(b.cfg, sd))
+        res["seconds"] = secs
+        res["peak_mb"] = peak[0] / 1024.0 if peak else None
+        # the command chooses for itself: no alpha of the bench's own
+        res["task_calib_alpha"] = res["task"]
+        res["general_calib_alpha"] = res["general"]
+        res["chosen"] = [x for x in r.stdout.splitlines()
+                         if x.startswith("chosen:")]
+        return res
+
     def proxy(self, tname, kind):
         """Proxy-tuning (Liu et al., 2024): the target's logits plus the
         source fine-tune's logit change, at every evaluation step."""
@@ -439,6 +531,9 @@ def main():
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--kinds", default="full,lora")
     ap.add_argument("--methods", default=",".join(m[0] for m in METHODS))
+    ap.add_argument("--commands", default="",
+                    help="rows of the one command (CMD_METHODS labels, "
+                    "comma list; \"all\" for every one), after --methods")
     ap.add_argument("--bico-flags", default="",
                     help="extra options for the bico, bico-in and bico-out "
                     "transfers, one string")
@@ -484,7 +579,9 @@ def main():
               EVAL]
     tool = tool_key()
     table = {}
-    methods = args.methods.split(",")
+    methods = [m for m in args.methods.split(",") if m]
+    cmds = list(CMD) if args.commands == "all" else \
+        [c for c in args.commands.split(",") if c]
     if "lora" in args.kinds.split(",") and not args.cached:
         bench.check_adapter()
     for tname in args.targets.split(","):
@@ -518,7 +615,30 @@ def main():
                         store[k] = r
                         save()
                 table[cid][label] = r
-    print_table(table, methods, args.bico_flags, bench)
+            for label in cmds:
+                if label not in CMD:
+                    raise SystemExit("unknown command row %r (known: %s)"
+                                     % (label, ", ".join(CMD)))
+                k = key_of(common, TARGETS[tname], cid, "cmd", CMD[label],
+                           tool)
+                r = store.get(k)
+                if r is None and args.cached:
+                    continue
+                if r is None:
+                    try:
+                        r = bench.cmd(tname, kind, label)
+                    except Exception as e:
+                        r = {"error": " / ".join(str(e).splitlines())[:300]}
+                    log("%s %s: %s" % (cid, label, r.get("error") or
+                                       "task %.4f general %.4f, %.0f s, "
+                                       "%.0f MB" % (r["task"], r["general"],
+                                                    r["seconds"],
+                                                    r["peak_mb"] or 0)))
+                    if "error" not in r:
+                        store[k] = r
+                        save()
+                table[cid][label] = r
+    print_table(table, methods + cmds, args.bico_flags, bench)
 
 
 def gap(loss, e):
@@ -536,14 +656,14 @@ def print_table(table, methods, flags, bench):
               for n, c in TARGETS.items()),
              "  bico flags: %s" % flags if flags else ""))
     rows = ["zero-shot"] + [m[0] for m in METHODS if m[0] in methods] + \
-        ["fine-tuned"]
+        [m[0] for m in CMD_METHODS if m[0] in methods] + ["fine-tuned"]
 
     def block(title, fn):
         print()
         print(title)
-        print("%-12s" % "method" + "".join("%*s" % (w, c) for c in cids)
+        print("%-24s" % "method" + "".join("%*s" % (w, c) for c in cids)
               + "%10s" % "mean gap")
-        print("%-12s" % "" + "".join("%*s" % (w, "(control)")
+        print("%-24s" % "" + "".join("%*s" % (w, "(control)")
                                     if c.startswith("planted") else " " * w
                                     for c in cids)
               + "%10s" % "(no ctrl)")
@@ -554,7 +674,7 @@ def print_table(table, methods, flags, bench):
                 vals.append(v[0])
                 if v[1] is not None and not c.startswith("planted"):
                     gaps.append(v[1])
-            print("%-12s" % r + "".join("%*s" % (w, v) for v in vals)
+            print("%-24s" % r + "".join("%*s" % (w, v) for v in vals)
                   + "%10s" % ("%.0f%%" % (100 * np.mean(gaps))
                               if gaps else "-"))
 
@@ -606,6 +726,15 @@ def print_table(table, methods, flags, bench):
     if FIT_OPTIONS:
         print("transfer_model options: %s" % json.dumps(FIT_OPTIONS))
     block("general-text loss (forgetting; default settings)", gen_cell)
+
+    def cost_cell(r, t):
+        x = t.get(r)
+        if r not in CMD or x is None or "error" in x:
+            return "-", None
+        return "%.0fs %.0fMB" % (x["seconds"], x["peak_mb"] or 0), None
+    if any(m in CMD for m in methods):
+        block("the command's cost per cell: wall time (1 thread) and peak "
+              "resident memory", cost_cell)
     errs = ["%s %s: %s" % (c, m, table[c][m]["error"]) for c in cids
             for m in methods if m in table[c] and "error" in table[c][m]]
     if errs:

@@ -385,6 +385,45 @@ static bico_status check_folders(bico_ctx *ctx, const char *fn,
   return BICO_OK;
 }
 
+/* Any output, a file or a folder, lying at any depth inside a folder the
+ * run reads (an input given as a folder: a model, an adapter): the run
+ * would put its files among the user's inputs.  (A folder output holding
+ * an input is check_folders'.)  Input folders in groups of the mask's
+ * width. */
+static bico_status check_inside_inputs(bico_ctx *ctx, const char *fn,
+                                       const bico__fileuse *u,
+                                       const fid *ids, size_t n) {
+  enum { GROUP = 8 * sizeof(unsigned long) };
+  const fid *in[GROUP];
+  size_t at[GROUP];
+  for (size_t i = 0; i < n;) {
+    size_t k = 0;
+    for (; i < n && k < GROUP; i++)
+      if (u[i].path != NULL && !u[i].output && ids[i].exists &&
+          S_ISDIR(ids[i].mode)) {
+        in[k] = &ids[i];
+        at[k++] = i;
+      }
+    for (size_t j = 0; j < n && k > 0; j++) {
+      if (u[j].path == NULL || !u[j].output || u[j].folder == 2) continue;
+      char *dir = real_parent(u[j].path);
+      if (dir == NULL) return BICO_E_NOMEM;
+      struct stat start;
+      unsigned long m = within(dir, in, k, &start);
+      free(dir);
+      for (size_t b = 0; b < k; b++)
+        if (m & (1ul << b))
+          return bico__fail(ctx, BICO_E_ARG,
+                            "%s: the %s %s lies inside the %s folder %s, "
+                            "which the run reads; write the %s outside that "
+                            "folder (nothing was written)",
+                            fn, u[j].what, u[j].path, u[at[b]].what,
+                            u[at[b]].path, u[j].what);
+    }
+  }
+  return BICO_OK;
+}
+
 /* Output files lying directly in a model folder the run reads (an input
  * with `folder` 3): its index, config.json, tokenizer, README are the
  * user's model. */
@@ -470,6 +509,7 @@ bico_status bico__check_files(bico_ctx *ctx, const char *fn,
   }
   /* after the file identities: "the same file as" says more */
   if (st == BICO_OK) st = check_input_folders(ctx, fn, u, n);
+  if (st == BICO_OK) st = check_inside_inputs(ctx, fn, u, ids, n);
   for (size_t i = 0; i < n; i++) free(trim[i]);
   bico__free(ctx, trim);
   bico__free(ctx, ids);

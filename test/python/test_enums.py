@@ -189,7 +189,7 @@ def test_torch_methods_are_the_librarys_and_the_fits():
     bt = pytest.importorskip("bico.torch")
     assert set(_enums.METHODS) <= set(bt.MODEL_METHODS)
     assert set(bt.MODEL_METHODS) - set(_enums.METHODS) == \
-        {"fit", "proxy-fit", "proxy-distill"}
+        {"fit", "proxy-fit", "distill", "proxy-distill"}
 
 
 def test_transfer_set_file_takes_the_bindings_spelling_of_every_slot():

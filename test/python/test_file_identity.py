@@ -185,12 +185,20 @@ def test_outputs_inside_a_new_output_folder(m, inside):
 
 
 def test_what_stays_allowed(m):
-    """The rule refuses only what it must: an output folder inside the
-    target's folder, a report beside the output folder, an output folder
-    of a new name are written."""
+    """The rule refuses only what it must: a report beside the output
+    folder and an output folder of a new name beside the inputs are
+    written.  An output folder inside the target's folder is refused (issue
+    32: one rule for the C command and bico.llm, an output never lies
+    inside an input) before anything is written."""
     d = m["dir"]
-    _transfer(m, "--output", "tgt/out", "--report", "r.json", target="tgt", ok=True)
-    assert (d / "tgt" / "out" / "model.safetensors").exists()
+    before = snapshot(d)
+    r = _transfer(m, "--output", "tgt/out", target="tgt")
+    assert r.returncode != 0 and "lies inside the target base folder" \
+        in r.stderr, r.stderr
+    assert snapshot(d) == before
+    _transfer(m, "--output", "tgt_out", "--report", "r.json", target="tgt",
+              ok=True)
+    assert (d / "tgt_out" / "model.safetensors").exists()
     assert (d / "r.json").exists()
     bico("merge", "--quiet", "--base", "src_sh", "--tuned", "srcft_sh",
          "--output", "merged/", "--delta-output", "delta/")

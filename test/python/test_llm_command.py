@@ -54,6 +54,7 @@ def test_adapter_from_a_lora_and_text(pair):
     d, info = pair
     r = command(d, "--source", "A/", "--lora", "A_adapter/", "--target", "B/",
                 "--text", "task.txt", "--output-lora", "B_adapter/",
+                "--method", "fit",
                 "--rank", "8", "--window", "32")
     # progress per fitted layer and the choice, printed and recorded
     assert "fit: layer 1/" in r.stderr and "chosen: alpha" in r.stdout
@@ -98,6 +99,7 @@ def test_full_folder_from_a_tuned_folder_and_ids(pair):
     np.save(d / "ids.npy", ids.astype(np.int64))
     r = command(d, "--source", "A", "--source-tuned", "A_ft", "--target", "B",
                 "--ids", "ids.npy", "--output", "B_ft", "--window", "32",
+                "--method", "fit",
                 "--ridge", "0.01,0.1")
     assert "chosen: alpha" in r.stdout
     assert os.path.exists(d / "B_ft" / "model.safetensors.index.json")

@@ -165,14 +165,14 @@ def test_a_user_mistake_is_one_line_exit_2_nothing_written(
 
 
 def test_a_failure_while_running_is_exit_1(pair, tmp_path, capsys):
-    """The output cannot be written (its parent is a file): found only when
-    writing, after the fit: exit 1, one line naming the option (after the
-    warnings the run printed)."""
+    """The output cannot be written (its parent is a file): found when
+    the output folder is begun, before anything is loaded: exit 1, one
+    line naming the option and the reason."""
     (tmp_path / "file").write_text("x")
     args = argv(pair, tmp_path / "file" / "out", {"--windows": "16"})
     status, lines = run(args, capsys)
     assert status == 1, (status, lines)
-    assert "--output-lora" in lines[-1] and "cannot write" in lines[-1]
+    assert "--output-lora" in lines[-1] and "not a folder" in lines[-1]
     assert not any("Traceback" in line for line in lines)
 
 

@@ -78,7 +78,8 @@ def test_a_tied_embedding_adapter_loads_in_peft_as_scored(pair, tmp_path,
     status, out, err = run(
         pair, capsys, "--source", "A", "--source-tuned", "A_full",
         "--target", "B", "--text", "task.txt", "--output-lora", ad,
-        "--rank", "8", "--window", "32", "--modules-to-save",
+        "--method", "fit", "--rank", "8", "--window", "32",
+        "--modules-to-save",
         "norm,input_layernorm,post_attention_layernorm,embed_tokens")
     assert status == 0, err
     cfg = json.load(open(ad / "adapter_config.json"))
@@ -105,7 +106,7 @@ def test_an_untied_head_gets_a_pair_announced_and_counted(pair, tmp_path,
     status, out, err = run(
         pair, capsys, "--source", "A", "--source-tuned", "A_full",
         "--target", "B_untied", "--text", "task.txt", "--output-lora", ad,
-        "--rank", "8", "--window", "32")
+        "--method", "fit", "--rank", "8", "--window", "32")
     assert status == 0, err
     counts = [tuple(int(x) for x in line.split()[2].split("/"))
               for line in err.splitlines() if line.startswith("fit: layer ")]
@@ -135,7 +136,8 @@ def test_ids_that_do_not_match_the_target_tokenizer_are_warned(
         status, out, err = run(
             pair, capsys, "--source", "A", "--source-tuned", "A_full",
             "--target", "A_full", "--ids", tmp_path / (name + ".npy"),
-            "--output-lora", tmp_path / name, "--rank", "2", "--window",
+            "--output-lora", tmp_path / name, "--method", "fit",
+            "--rank", "2", "--window",
             "32", "--windows", "16", "--alpha", "0", "--quiet")
         assert status == 0, err
         seen[name] = err
@@ -148,7 +150,8 @@ def test_alpha_0_writes_an_adapter_of_zero_factors(pair, tmp_path, capsys):
     status, out, err = run(
         pair, capsys, "--source", "A", "--lora", "A_adapter", "--target",
         "B", "--text", "task.txt", "--output-lora", tmp_path / "ad",
-        "--rank", "4", "--window", "32", "--windows", "16", "--alpha", "0")
+        "--method", "fit", "--rank", "4", "--window", "32", "--windows",
+        "16", "--alpha", "0")
     assert status == 0, err
     t = st.read(str(tmp_path / "ad" / "adapter_model.safetensors"))
     assert t and all(not np.any(v) for k, v in t.items())  # PEFT's no-op
@@ -220,6 +223,7 @@ def test_base_model_name_or_path(pair, tmp_path, capsys):
         status, out, err = run(
             pair, capsys, "--source", "A", "--lora", "A_adapter",
             "--target", "B", "--text", "task.txt", "--output-lora", ad,
+            "--method", "fit",
             "--rank", "2", "--window", "32", "--windows", "16", "--alpha",
             "1", *extra)
         assert status == 0, err

@@ -383,3 +383,44 @@ def _write(folder, built, metadata):
     with open(tmp, "w") as f:
         json.dump(built["config"], f, indent=2, sort_keys=True)
     os.replace(tmp, os.path.join(str(folder), "adapter_config.json"))
+
+
+def write_pairs(folder, pairs, r, lora_alpha, saved=None,
+                base_model_name_or_path=None, metadata=None,
+                task_type="CAUSAL_LM", target_modules=None):
+    """A PEFT LoRA adapter of trained factors, written as they are
+    (distillation's adapters; save_adapter factors a dense update).
+
+    pairs: {module: (B [d_out, r], A [r, d_in])}, the update lora_alpha /
+    r * B A (PEFT's scale); saved: {tensor name: tensor} stored whole
+    (PEFT's modules_to_save: their modules are listed).  Factors are
+    stored in float32 (PEFT's convention, as save_adapter's), saved
+    tensors as given.  target_modules: PEFT's list (default: the modules'
+    last names).  Returns the config written."""
+    tensors = {}
+    for m, (b, a) in sorted(pairs.items()):
+        pre = "base_model.model." + m
+        tensors[pre + ".lora_A.weight"] = a.detach().float().cpu() \
+            .contiguous()
+        tensors[pre + ".lora_B.weight"] = b.detach().float().cpu() \
+            .contiguous()
+    mods = set()
+    for k, v in sorted((saved or {}).items()):
+        tensors["base_model.model." + k] = v.detach().cpu().contiguous()
+        mods.add(k.rsplit(".", 1)[0])
+    names = sorted(target_modules or set(_short(m) for m in pairs))
+    cfg = {"peft_type": "LORA", "task_type": task_type, "r": r,
+           "lora_alpha": float(lora_alpha), "target_modules": names,
+           "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+           "use_rslora": False, "use_dora": False,
+           "init_lora_weights": True, "inference_mode": True,
+           "modules_to_save": sorted(mods) or None,
+           "base_model_name_or_path": base_model_name_or_path,
+           "revision": None, "rank_pattern": {}, "alpha_pattern": {},
+           "layers_to_transform": None, "layers_pattern": None}
+    built = {"tensors": tensors, "config": cfg,
+             "report": {"left_out": []},
+             "note": {"factorization": "trained (distillation)",
+                      "left_out": []}}
+    _write(folder, built, metadata)
+    return cfg

@@ -23,6 +23,7 @@ the adapter of --output-lora (PEFT refuses unknown keys in
 adapter_config.json).  Both models must share the tokenizer.
 """
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -31,13 +32,15 @@ import time
 import numpy as np
 import torch
 
-from .._status import BicoError, E_IO
+from .._status import BicoError, E_ARG, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
 from ..torch.tied import _tied_groups
 from ..torch.transfer import transfer_model
 from . import adapters as _adapters
-from .adapters import save_adapter, update_grams
+from .adapters import save_adapter, update_grams, low_rank, write_pairs
+from . import distill as _distill
+from .distill import LINEAR_MODULES
 from .families import load_model
 from . import options as opts
 from .options import (named as _named, setup as _setup,  # noqa: F401
@@ -49,6 +52,7 @@ GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 
 def _log(quiet, *a):
+    _distill.check_stop()
     if not quiet:
         print(*a, file=sys.stderr, flush=True)
 
@@ -144,6 +148,13 @@ def _parser(prog):
     o = p.add_mutually_exclusive_group(required=True)
     o.add_argument("--output-lora", help="adapter folder to write")
     o.add_argument("--output", help="model folder to write")
+    p.add_argument("--replace", action="store_true",
+                   help="--output-lora may name a folder that holds files: "
+                   "they are replaced by the new adapter (default: such a "
+                   "folder is refused)")
+    p.add_argument("--wait", type=opts.nonnegative, default=0,
+                   help="seconds to wait for another run writing the "
+                   "output folder (default 0: refused at once, naming it)")
     p.add_argument("--rank", type=opts.count, default=16,
                    help="LoRA rank (16)")
     p.add_argument("--lora-alpha", type=opts.positive, default=None,
@@ -189,6 +200,53 @@ def _parser(prog):
                    "AutoModelForCausalLM (when installed) instead of "
                    "bico.torch.load_model: for families load_model does "
                    "not know")
+    d = p.add_argument_group(
+        "routes", "--method fit: the sequential fit (a dense update, an "
+        "adapter by reduced-rank regression); distill: the target "
+        "trained towards the proxy-tuned teacher softmax(z_B + z_A_ft - "
+        "z_A) (an adapter's factors directly, or every weight for "
+        "--output); auto: both, the one with the least held-out loss "
+        "kept (the untouched target unless one beats it clearly)")
+    d.add_argument("--method", choices=("fit", "distill", "auto"),
+                   default="auto", help="route (auto)")
+    d.add_argument("--trainable", choices=("lora", "dense"), default=None,
+                   help="what distillation trains: LoRA factors (default "
+                   "with --output-lora) or every weight (default with "
+                   "--output)")
+    d.add_argument("--init", choices=("cold", "warm"), default="cold",
+                   help="distillation's factors start as PEFT's (cold: A "
+                   "random, B zero) or from the fit's rank-r pairs (warm; "
+                   "runs the fit first)")
+    d.add_argument("--target-modules", default=",".join(LINEAR_MODULES),
+                   help="linear layers that get LoRA factors in "
+                   "distillation, PEFT names (%s)" % ",".join(
+                       LINEAR_MODULES))
+    d.add_argument("--steps", type=opts.count, default=None,
+                   help="distillation's optimiser steps (default: 20 "
+                   "passes over the windows, 200 to 1200)")
+    d.add_argument("--lr", type=opts.positive, default=None,
+                   help="distillation's learning rate (5e-3 for factors, "
+                   "2e-3 for dense weights)")
+    d.add_argument("--text-weight", type=opts.nonnegative,
+                   default=_distill.TEXT_WEIGHT,
+                   help="distillation's loss adds this times the windows' "
+                   "own next-token loss (%g; 0: the teacher alone)"
+                   % _distill.TEXT_WEIGHT)
+    d.add_argument("--teacher-weight", type=opts.nonnegative, default=1.0,
+                   help="distillation's loss: this times the KL to the "
+                   "teacher (1; 0 with --text-weight 1 trains the target "
+                   "on the text alone, a control that carries nothing "
+                   "from the source)")
+    d.add_argument("--teacher-k", type=opts.count, default=64,
+                   help="teacher entries kept per token: the top k "
+                   "log-probabilities and the rest's mass (64; all when "
+                   "the vocabulary is not larger)")
+    d.add_argument("--teacher-memory", type=opts.nonnegative, default=1024,
+                   help="MiB of teacher entries kept in memory; the rest "
+                   "go to a temporary folder (1024)")
+    d.add_argument("--device", default="cpu",
+                   help="torch device the models run on: cpu (default) or "
+                   "cuda[:N] when present")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -303,7 +361,7 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q,
                                modules_to_save=saves,
                                return_effective=True,
                                target_dtypes=tdtypes)
-            eff = rep.pop("effective")
+            eff = rep["effective"]
         if alpha_arg == "auto":
             al, scores = _choose_alpha(tgt, base, eff, cal.held_out,
                                        GRID, q)
@@ -399,7 +457,7 @@ def _write(a, tgt, base, best, cal, tdtypes):
               "output is the target unchanged", flush=True)
     try:
         if a.output_lora:
-            _adapters._write(a.output_lora, built, meta)
+            _adapters._write(_adapter_folder(a), built, meta)
         else:
             dest = a.output if a.output.endswith("/") else a.output + "/"
             _st.write(dest, out, metadata=dict(meta, format="pt"),
@@ -415,10 +473,212 @@ def _write(a, tgt, base, best, cal, tdtypes):
         print("wrote %s" % a.output, flush=True)
 
 
+ROUTES = {0: "target", 1: "fit", 2: "distill"}
+
+
+def _fit_windows(tgt, base, best, cal):
+    """The held-out windows' losses of the fit's chosen update."""
+    loss, ridge, al, delta, rep, scores, cov = best
+    eff = delta if rep is None else rep["effective"]
+    _apply(tgt, base, eff, al)
+    per = _distill._d.window_losses(tgt, cal.held_out)
+    tgt.load_state_dict(base)
+    return per
+
+
+def _warm_pairs(a, tgt, best, names):
+    """The fit's rank-r pairs at its chosen alpha, the distillation's warm
+    start ({module: (B, A)}, B A the update); modules whose update is zero
+    keep PEFT's start."""
+    loss, ridge, al, delta, rep, scores, cov = best
+    out = {}
+    for m in names:
+        d = delta.get(m + ".weight")
+        if d is None or al == 0 or not float(d.abs().max()) > 0:
+            continue
+        b, aa = low_rank(d * al, a.rank, None if cov is None
+                         else cov.get(m))
+        if b.shape[1] < a.rank:
+            continue
+        out[m] = (b, aa)
+    return out
+
+
+def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
+    """Runs the routes --method names and returns (chosen route, {route:
+    per-window held-out losses}, fit result or None, distillation result
+    or None, the target's original state)."""
+    log = lambda *m: _log(q, *m)  # noqa: E731
+    base = {k: v.detach().clone() for k, v in tgt.state_dict().items()}
+    per = {0: _distill._d.window_losses(tgt, cal.held_out)}
+    fit = res = None
+    warm = a.init == "warm" and a.output_lora is not None
+    if a.method in ("fit", "auto") or (warm and a.method == "distill"):
+        _, fit = _fit_and_choose(a, models["source"], models["tuned"], tgt,
+                                 cal, ridges, alpha_arg, tmp, q, tdtypes)
+        if a.method != "distill":
+            per[1] = _fit_windows(tgt, base, fit, cal)
+    if a.method in ("distill", "auto"):
+        mode = a.trainable or ("lora" if a.output_lora else "dense")
+        mods = [m for m in a.target_modules.split(",") if m]
+        init = None
+        if warm and mode == "lora" and fit is not None:
+            init = _warm_pairs(a, tgt, fit, _distill.lora_modules(tgt, mods))
+        saves = [s for s in a.modules_to_save.split(",") if s]
+        res = _distill.run(
+            models["source"], models["tuned"], tgt, cal, log, mode=mode,
+            rank=a.rank, lora_alpha=a.lora_alpha, modules=mods,
+            save=saves if mode == "lora" else (), init=init, steps=a.steps,
+            lr=a.lr, teacher_k=a.teacher_k,
+            budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
+            seed=a.seed,
+            release=models.clear, text_weight=a.text_weight,
+            teacher_weight=a.teacher_weight)
+        per[2] = res.per_window
+    means = {r: sum(v) / len(v) for r, v in per.items()}
+    chosen = pick(means, per, rule="clear", zero=0)
+    log("held-out next-token loss on %d windows: %s" % (
+        len(per[0]), "; ".join("%s %.4f" % (ROUTES[r], means[r])
+                               for r in sorted(means))))
+    return chosen, means, fit, res, base
+
+
+def _restore(tgt, res, base):
+    """The target back to its original weights, the factors detached."""
+    if res is not None and res.adapter is not None:
+        res.adapter.remove()
+    tgt.load_state_dict(base)
+
+
+def _write_distill(a, tgt, res, base, cal, tdtypes, means):
+    meta = {"bico_transfer_method": "distill",
+            "bico_distill_step": str(res.step),
+            "bico_seed": str(a.seed),
+            "bico_heldout_loss": "%.6g" % means[2],
+            "bico_heldout_loss_target": "%.6g" % means[0],
+            "bico_windows": str(cal.windows),
+            "bico_window": str(a.window),
+            "bico_source": a.source,
+            "bico_source_tuned": a.source_tuned or "",
+            "bico_lora": a.lora or ""}
+    bm = a.base_model_name_or_path or os.path.abspath(a.target)
+    if a.output_lora and res.adapter is not None:
+        cfg = write_pairs(_adapter_folder(a), res.state, res.adapter.r,
+                          res.adapter.alpha, saved=res.trained,
+                          base_model_name_or_path=bm, metadata=meta,
+                          target_modules=[m for m in
+                                          a.target_modules.split(",") if m])
+        print("wrote %s: %d LoRA pairs (rank %d, trained), %d saved "
+              "tensors" % (a.output_lora, len(res.state), res.adapter.r,
+                           len(res.trained)), flush=True)
+        return cfg
+    if res.adapter is not None:          # factors merged into the weights
+        ups = {m + ".weight": res.adapter.update(m) for m in res.state}
+        res.adapter.remove()
+        with torch.no_grad():
+            for k, v in tgt.state_dict().items():
+                if k in ups:
+                    v.copy_((v.double() + ups[k].to(v.device)).to(v.dtype))
+    out = {}
+    tied = set(al_ for _, als in _tied_groups(tgt) for al_ in als)
+    for k, v in tgt.state_dict().items():
+        if k not in tied:
+            out[k] = v.detach().cpu().to((tdtypes or {}).get(k, v.dtype))
+    dest = a.output if a.output.endswith("/") else a.output + "/"
+    _st.write(dest, out, metadata=dict(meta, format="pt"), like=a.target)
+    print("wrote %s" % a.output, flush=True)
+
+
+def _write_unchanged(a, tgt, res, cal, tdtypes, means):
+    """The untouched target written (distillation did not help): an
+    adapter whose factors are zero, or the target's weights."""
+    print("note: distillation did not beat the untouched target on the "
+          "held-out windows: the output is the target unchanged",
+          flush=True)
+    zero = res._replace(
+        state={m: (torch.zeros_like(b), torch.zeros_like(aa))
+               for m, (b, aa) in (res.state or {}).items()},
+        trained={k: v.detach().clone() for k, v in
+                 tgt.state_dict().items() if k in res.trained},
+        adapter=res.adapter if a.output_lora else None)
+    return _write_distill(a, tgt, zero, None, cal, tdtypes, means)
+
+
+def _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes):
+    ran = [ROUTES[r] for r in sorted(means) if r]
+    why = ("the least held-out loss, and a gain over the untouched target "
+           "larger than its standard error" if chosen else
+           "no route beat the untouched target clearly on the held-out "
+           "windows")
+    print("chosen: %s among %s (%s)" % (ROUTES[chosen], ", ".join(ran),
+                                        why), flush=True)
+    if chosen == 2:
+        return _write_distill(a, tgt, res, base, cal, tdtypes, means)
+    _restore(tgt, res, base)
+    if fit is None:      # distillation only, and it did not help
+        return _write_unchanged(a, tgt, res, cal, tdtypes, means)
+    if chosen == 0:
+        fit = (means[0],) + tuple(fit[1:2]) + (0.0,) + tuple(fit[3:])
+    return _write(a, tgt, base, fit, cal, tdtypes)
+
+
+def _device(a):
+    try:
+        dev = torch.device(a.device)
+    except (RuntimeError, ValueError) as e:
+        raise opts.UsageError("--device %s: %s" % (a.device, e))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise opts.UsageError("--device %s: CUDA is not available to this "
+                              "PyTorch" % a.device)
+    return dev
+
+
+def _outputs(a):
+    """The run's output folder, checked and locked before anything is
+    read (bico.folder: the library's rules, as `bico transfer`'s): an
+    output that is, holds or lies inside an input, whatever the spelling,
+    is refused; so is an adapter folder that holds anything unless
+    --replace (a model folder keeps the files the new one lacks, as the
+    library's folder writer does); another run writing it is named.  The
+    adapter is built whole in a hidden sibling folder and swapped in at
+    the end; a model folder is written by the library's writer under the
+    same lock."""
+    from ..folder import Run
+    ins = [(o, v) for o, v in (("--source", a.source),
+                               ("--source-tuned", a.source_tuned),
+                               ("--lora", a.lora), ("--target", a.target),
+                               ("--text", a.text), ("--ids", a.ids),
+                               ("--tokenizer", a.tokenizer)) if v]
+    if a.output_lora:
+        out = ("--output-lora", a.output_lora,
+               "replace" if a.replace else "refuse")
+    else:
+        out = ("--output", a.output, "carry")
+    try:
+        return Run(inputs=ins, outputs=[out], wait=a.wait).__enter__()
+    except BicoError as e:
+        # the library's words, without its function's name; the option
+        # that lifts the refusal of a folder that holds files
+        msg = re.sub(r"^[a-z_]+: ", "", e.message)
+        msg = msg.replace("or ask for it to be replaced", "or give --replace")
+        if out[0] not in msg and not any(o in msg for o, _ in ins):
+            msg = "%s: %s" % (out[0], msg)
+        raise opts.UsageError(msg) if e.status == E_ARG else \
+            BicoError(e.status, msg)
+
+
+def _adapter_folder(a):
+    """Where the adapter's files go: the run's new folder, swapped in for
+    --output-lora when the command ends well."""
+    return a.run.path(0)
+
+
 def _prepare(a, dt, tmp, q, prog):
     """The inputs checked, read and loaded (every refusal here is a user
     mistake, exit 2, before anything is written): (src, srt, tgt,
     tdtypes, cal)."""
+    opts.routes(a)
+    dev = _device(a)
     opts.check_inputs(a, [("--source", a.source),
                           ("--source-tuned", a.source_tuned),
                           ("--lora", a.lora), ("--target", a.target)],
@@ -426,8 +686,11 @@ def _prepare(a, dt, tmp, q, prog):
     if a.tokenizer is not None and not os.path.exists(a.tokenizer):
         raise opts.UsageError("--tokenizer %s: no such file or folder"
                               % a.tokenizer)
+    a.run = _outputs(a)
     cal, ids = _calibration(a, q)
     src, srt, tgt, tdtypes = _load(a, dt, tmp, q)
+    for m in (src, srt, tgt):
+        m.to(dev)
     what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
     opts.check_ids(ids, what, [(o, f, _vocab(m)) for o, f, m in (
         ("--source", a.source, src), ("--target", a.target, tgt))])
@@ -471,7 +734,9 @@ def main(argv=None, prog="python3 -m bico.llm"):
     t0 = time.time()
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)
     _setup(a)
-    tmp = tempfile.mkdtemp(prefix="bico-llm-")
+    a.run = None
+    _on_signals()
+    tmp = _scratch()
     try:
         try:
             src, srt, tgt, tdtypes, cal = _prepare(a, dt, tmp, q, prog)
@@ -479,13 +744,60 @@ def main(argv=None, prog="python3 -m bico.llm"):
             opts.say(prog, e)
             return opts.exit_status(e)
         _before_fit(a, src, tgt, cal, q, prog)
-        base, best = _fit_and_choose(a, src, srt, tgt, cal, a.ridge,
-                                     a.alpha, tmp, q, tdtypes)
-        _write(a, tgt, base, best, cal, tdtypes)
+        models = {"source": src, "tuned": srt}
+        del src, srt
+        chosen, means, fit, res, base = _run_routes(
+            a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
+        _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes)
+        run, a.run = a.run, None
+        run.__exit__(None, None, None)          # the output swapped in
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
     except (BicoError, OSError, ValueError, MemoryError) as e:
         opts.say(prog, e)
         return opts.FAILURE
     finally:
+        if a.run is not None:       # nothing of the output changes
+            a.run.__exit__(RuntimeError, RuntimeError("not done"), None)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _scratch():
+    """The run's temporary folder ($TMPDIR/bico-llm-<pid>-*: the merged
+    source of a LoRA, the teacher's spill), after removing those of runs
+    that were killed (their process gone: a SIGKILL leaves no time to
+    clean up)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        names = []
+    for n in names:
+        m = re.match(r"bico-llm-(\d+)-", n)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue                        # its run goes on
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue                        # another user's
+        shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    return tempfile.mkdtemp(prefix="bico-llm-%d-" % os.getpid())
+
+
+def _on_signals():
+    """SIGTERM and SIGHUP end the command as an exception would: the
+    output left as it was, the temporary folders (teacher spill, merged
+    source) removed."""
+    import signal
+
+    def stop(sig, frame):
+        _distill.STOP.append(sig)   # raised again at the next step
+        raise SystemExit(128 + sig)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, stop)
+        except (ValueError, OSError):   # not the main thread
+            pass

@@ -108,6 +108,31 @@ def positive(s):
     return v
 
 
+def nonnegative(s):
+    """A finite number >= 0 (--text-weight, --teacher-weight,
+    --teacher-memory)."""
+    v = _number(s)
+    if not (math.isfinite(v) and v >= 0):
+        raise _bad("a finite number >= 0", s)
+    return v
+
+
+def routes(a):
+    """The route options of the command, checked together."""
+    if a.trainable == "dense" and a.output_lora:
+        raise UsageError("--trainable dense trains every weight: it writes "
+                         "a model folder (--output), not --output-lora")
+    if a.init == "warm" and not (a.output_lora or a.trainable == "lora"):
+        raise UsageError("--init warm starts LoRA factors: give "
+                         "--output-lora (or --trainable lora)")
+    if a.method == "fit" and (a.trainable or a.init != "cold"):
+        raise UsageError("--trainable and --init are options of the "
+                         "distillation: --method distill or auto")
+    if not (a.text_weight or a.teacher_weight):
+        raise UsageError("--text-weight and --teacher-weight are both 0: "
+                         "distillation would learn nothing")
+
+
 def share(s):
     """A number strictly between 0 and 1 (--holdout)."""
     v = _number(s)

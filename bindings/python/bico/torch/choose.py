@@ -72,7 +72,10 @@ def pick(losses, per=None, rule="least", zero=0.0):
 
 HELDOUT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 _HELDOUT_METHODS = ("fit", "bico", "bico-in", "bico-out", "proxy-fit",
-                    "proxy-distill")
+                    "proxy-distill", "distill")
+# these choose on held-out batches even without a loss there (the KL to
+# the teacher then)
+_TEACHER_METHODS = ("distill", "proxy-distill")
 _HOLDOUT_AUTO = 0.25
 
 
@@ -161,11 +164,13 @@ def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
         if off:
             alpha = 1.0
         elif given or (method in _HELDOUT_METHODS and len(batches) >= 3
-                       and _loss_available(loss_of, batches[0])):
+                       and (_loss_available(loss_of, batches[0])
+                            or method in _TEACHER_METHODS)):
             alpha = "heldout"
         else:
             alpha = 1.0
-    if method.startswith("proxy") and alpha != "heldout":
+    if (method.startswith("proxy") or method in _TEACHER_METHODS) and \
+            alpha != "heldout":
         raise BicoError(E_ARG, "transfer_model: %s chooses its steps "
                         "on held-out batches: alpha must be 'heldout' "
                         "(default) and holdout not 0, with a loss" % method)
@@ -192,7 +197,8 @@ def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
                             "calibration batch for the update (%d batches)"
                             % (holdout, len(batches)))
         fit_b, held = batches[:-k], batches[-k:]
-    if not _loss_available(loss_of, held[0]):
+    if not _loss_available(loss_of, held[0]) and \
+            method not in _TEACHER_METHODS:
         raise BicoError(E_ARG, "transfer_model: alpha='heldout' needs a "
                         "loss on the held-out batches: pass loss_fn or "
                         "step, or batches of token ids")

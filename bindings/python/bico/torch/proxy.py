@@ -136,65 +136,16 @@ def proxy_fit(source, source_tuned, target, fit_batches, held_batches,
 def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
                   logits_of, loss_of, steps, lr, every, report=None,
                   seed=0):
-    """The target trained towards the proxy-tuned distribution
-    softmax(z_B + z_A_ft - z_A) on the calibration batches that are not
-    held out: Adam (lr) on the mean over tokens of KL(proxy || working
-    target), one batch per step in a seeded random order; every `every`
-    steps the held-out loss is measured and the best state so far (the
-    untouched target is step 0) is kept, unless its gain over the target
-    is within its standard error over the held-out batches (then the
-    target).  loss_of(model, batches) -> per-batch losses.  Returns
-    (state dict, {step: mean held-out loss})."""
-    work = copy.deepcopy(target).train(False)
-    for m in (source, source_tuned, target):
-        m.eval()
-    params = [p for p in work.parameters() if p.is_floating_point()]
-    for p in params:
-        p.requires_grad_(True)
-
-    def teacher(b):
-        with torch.no_grad():
-            return _proxy_logprobs(source, source_tuned, target, b,
-                                   logits_of, "proxy-distill")
-    # the teachers are kept when they are small (256 MiB), else recomputed
-    first = teacher(fit_batches[0])
-    keep = first.numel() * 4 * len(fit_batches) <= (256 << 20)
-    cache = {0: first} if keep else {}
-    opt = torch.optim.Adam(params, lr=lr)
-    per = {0: loss_of(work, held_batches)}
-    mean = lambda v: float(sum(v) / len(v))  # noqa: E731
-    losses = {0: mean(per[0])}
-    start = {k: v.detach().clone() for k, v in work.state_dict().items()}
-    best = (losses[0], 0, start)
-    g = torch.Generator().manual_seed(seed)
-    order = []
-    for it in range(1, steps + 1):
-        if not order:
-            order = torch.randperm(len(fit_batches), generator=g).tolist()
-        i = order.pop()
-        if i in cache:
-            t = cache[i]
-        else:
-            t = teacher(fit_batches[i])
-            if keep:
-                cache[i] = t
-        z = logits_of(work, fit_batches[i]).float()
-        ls = torch.log_softmax(z, -1)
-        kl = (t.exp() * (t - ls)).sum(-1).mean()
-        opt.zero_grad()
-        kl.backward()
-        opt.step()
-        if it % every == 0 or it == steps:
-            per[it] = loss_of(work, held_batches)
-            losses[it] = mean(per[it])
-            if losses[it] < best[0]:
-                best = (losses[it], it, {k: v.detach().clone() for k, v
-                                         in work.state_dict().items()})
-    # the least held-out loss (best, kept while training), or the target
-    # where that does not beat it clearly
-    if pick(losses, per, rule="least-or-zero", zero=0) != best[1]:
-        best = (losses[0], 0, start)   # no clear gain: the target
-    if report is not None:
-        report.append({"rule": "proxy-distill", "step": best[1],
-                       "losses": losses, "zero_shot": losses[0]})
-    return best[2], losses
+    """The target trained towards the proxy-tuned distribution (kept for
+    the old path bico.torch_fit.proxy_distill): bico.torch.distill's
+    engine (distill_model) on the batches as they are, no augmentation,
+    every floating parameter trained.  logits_of(model, batch) -> logits;
+    loss_of(model, batches) -> per-batch held-out losses.  Returns (state
+    dict, {step: mean held-out loss})."""
+    from .distill import distill_model
+    rep = [] if report is None else report
+    sd = distill_model(source, source_tuned, target, list(fit_batches),
+                       list(held_batches), logits_of,
+                       lambda m, b: loss_of(m, [b])[0], steps=steps, lr=lr,
+                       every=every, augment=None, seed=seed, report=rep)
+    return sd, rep[-1]["losses"]

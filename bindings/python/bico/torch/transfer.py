@@ -6,7 +6,8 @@ one is named), holds out batches (bico.torch.choose._resolve_heldout) and
 hands the run to one function per route: _route_fit (the sequential fit,
 one ridge or a list chosen on held-out batches), _route_library (the
 library's methods bico, bico-in, bico-out, gradfix, naive, pad),
-_route_proxy_fit and _route_proxy_distill (bico.torch.proxy).  Every scale
+_route_proxy_fit (bico.torch.proxy) and _route_distill (bico.torch.distill,
+the proxy-tuned teacher distilled into the target).  Every scale
 or ridge chosen on held-out batches is chosen by bico.torch.choose."""
 import math
 
@@ -22,6 +23,7 @@ from ..transfer import transfer_state_dict as _transfer_np
 from ._common import _default_forward, _output, _on, _device
 from .collect import Collector, collect_statistics, collect_votes
 from .choose import (choose_alpha, pick, _heldout_loss_fn, _resolve_heldout,
+                     _loss_available,
                      _alpha_grid, _batch_losses, _mean_loss)
 from .tied import _tied_groups, _untied, _retied, _report_tied
 from . import fit as _host
@@ -48,7 +50,8 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
 
 
 # the library's methods, then the fits this module adds
-MODEL_METHODS = tuple(_C_METHODS) + ("fit", "proxy-fit", "proxy-distill")
+MODEL_METHODS = tuple(_C_METHODS) + ("fit", "proxy-fit", "distill",
+                                     "proxy-distill")
 _PROCRUSTES_KEYS = ("rank_tol", "null", "center", "whiten", "method",
                     "completion")
 
@@ -60,9 +63,9 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    target_blocks=None, ridge=1e-2, shared_out=(),
                    tied="carry", report=None, show_progress=False,
                    holdout="auto", alpha_grid=None, proxy_steps=8,
-                   distill_steps=400, distill_lr=2e-3, distill_every=25,
+                   distill_steps=None, distill_lr=None, distill_every=25,
                    threads=None, ridge_prior="zero", general_batches=None,
-                   **options):
+                   distill_rank=None, distill_augment="auto", **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -100,12 +103,22 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     0.1, 0.3, 1, 3, 10, 30, 100) with the least held-out loss; at most
     proxy_steps steps, stopping at a step of 0.  Needs held-out batches
     (alpha="heldout", the default); norms and embeddings stay the fit's.
-    proxy-distill: the target (every floating parameter) trained
-    towards the proxy-tuned distribution on the calibration batches that
-    are not held out: Adam (distill_lr) on KL(proxy || target), one batch
-    per step, at most distill_steps steps; every distill_every steps the
-    held-out loss is measured, and the best state (the untouched target
-    included) is returned.  Same vocabulary needed.
+    distill (alias proxy-distill): a copy of the target trained towards
+    the proxy-tuned teacher softmax(z_B + z_A_ft - z_A) on the calibration
+    batches that are not held out (bico.torch.distill; same outputs
+    needed: one vocabulary or label set): Adam (distill_lr; default 1e-3
+    dense, 5e-3 factors) on KL(teacher || target), one batch per step,
+    distill_steps steps (default: 40 passes over the batches, 300 to
+    1500), every distill_every steps the held-out loss (labels where the
+    batches carry them, else the KL to the teacher on the held-out
+    batches); the best state, the untouched target among the candidates
+    (kept unless another beats it by more than the standard error), is
+    returned.  distill_rank: None trains every floating parameter; an
+    integer trains LoRA factors of that rank on every nn.Linear (merged
+    into the result).  distill_augment: "auto" (mixup of the inputs when
+    they are floating tensors: images, features; none for token ids),
+    None, "mixup", or a callable(batch, torch.Generator) -> batch; the
+    teacher is computed on each augmented batch.
     threads (fit, bico*): the library's thread count (BICO_CTX_THREADS)
     for the statistics and the fit's solves; None (default): the
     library's context default (1).
@@ -174,12 +187,13 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
         report=report, rep=[] if report is None else report,
         show_progress=show_progress, proxy_steps=proxy_steps,
         distill_steps=distill_steps, distill_lr=distill_lr,
-        distill_every=distill_every, threads=threads, options=options,
+        distill_every=distill_every, distill_rank=distill_rank,
+        distill_augment=distill_augment, threads=threads, options=options,
         a0=a0, a1=a1, b0=b0, groups=_tied_groups(target),
         topts=dict(norm_map=norm_map, split=split, ties=ties,
                    source_blocks=source_blocks, target_blocks=target_blocks,
                    gradfix_mode=gradfix_mode, **options))
-    route = {"proxy-distill": _route_proxy_distill,
+    route = {"proxy-distill": _route_distill, "distill": _route_distill,
              "proxy-fit": _route_proxy_fit,
              "fit": _route_fit}.get(method, _route_library)
     return route(r)
@@ -217,11 +231,14 @@ def _check_steps(method, alpha_grid, proxy_steps, distill_steps,
                         "integer >= 1, got %r" % (proxy_steps,))
     for name, v, lo in (("distill_steps", distill_steps, 1),
                         ("distill_every", distill_every, 1)):
+        if v is None and name == "distill_steps":
+            continue
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
             raise BicoError(E_ARG, "transfer_model: %s must be an integer "
                             ">= %d, got %r" % (name, lo, v))
-    if not (isinstance(distill_lr, (int, float)) and not isinstance(
-            distill_lr, bool) and math.isfinite(distill_lr)
+    if distill_lr is not None and not (
+            isinstance(distill_lr, (int, float)) and not isinstance(
+                distill_lr, bool) and math.isfinite(distill_lr)
             and distill_lr > 0):
         raise BicoError(E_ARG, "transfer_model: distill_lr must be a "
                         "positive number, got %r" % (distill_lr,))
@@ -301,12 +318,18 @@ class _Route(object):
         self.__dict__.update(kw)
 
 
-def _route_proxy_distill(r):
-    new, _ = _proxy.proxy_distill(
+def _route_distill(r):
+    from .distill import distill_model
+    held = r.loss_of if _loss_available(r.loss_of, r.held_b[0]) else None
+    rep = []
+    new = distill_model(
         r.source, r.source_tuned, r.target, r.fit_b, r.held_b,
-        lambda m, b: _output(_on(r.forward, _device(m))(m, b)),
-        lambda m, bs: _batch_losses(m, bs, r.loss_of), r.distill_steps,
-        r.distill_lr, r.distill_every, r.rep)
+        _on(r.forward, _device(r.target)), held, steps=r.distill_steps,
+        lr=r.distill_lr, every=r.distill_every, rank=r.distill_rank,
+        augment=r.distill_augment, report=rep)
+    for e in rep:        # the report says the method as it was asked for
+        e["rule"] = r.method
+    r.rep.extend(rep)
     _report_tied(r.rep, r.groups)
     out = {k: new[k].cpu() for k in new}
     return _retied(out, r.b0, r.groups)

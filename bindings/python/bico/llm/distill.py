@@ -1,0 +1,253 @@
+"""bico.llm.distill: the command's distillation route for decoders.
+
+The target (its LoRA factors, or every weight) is trained on the task
+text's windows towards the proxy-tuned teacher softmax(z_B + z_A_ft -
+z_A) (bico.torch.distill): the teacher is computed once per window with
+the three models, kept compactly (top-k + the rest's mass for a large
+vocabulary, spilled to a temporary folder beyond a memory budget), and
+the source pair can then be released; the student trains with Adam, and
+its state is chosen on the held-out windows by their next-token loss
+(the untouched target among the candidates).  Progress lines say the
+elapsed time and an estimate for every phase.
+"""
+import math
+import sys
+import time
+from collections import namedtuple
+
+import torch
+import torch.nn as nn
+
+from .._status import BicoError, E_ARG
+from ..torch import distill as _d
+from ..torch.tied import _tied_groups
+
+# PEFT's names of a Llama-family decoder's linear layers
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                  "up_proj", "down_proj")
+
+# the windows' own next-token loss beside the teacher's KL (docs/llm.md:
+# measured on the LLM table)
+TEXT_WEIGHT = 0.5
+
+Result = namedtuple("Result", "step losses held per_window state adapter "
+                    "trained report seconds")
+
+
+# A signal that asked the command to stop (set by its handler): raised
+# again at the next step, since a handler's exception raised inside a
+# finalizer is dropped by Python
+STOP = []
+
+
+def check_stop():
+    if STOP:
+        raise SystemExit(128 + STOP[0])
+
+
+class Clock(object):
+    """Prints a phase's progress with the elapsed time and an estimate of
+    what is left, at most every `every` seconds (and at the end)."""
+
+    def __init__(self, what, total, log, every=10.0):
+        self.what, self.total, self.log, self.every = what, total, log, every
+        self.t0 = self.last = time.time()
+
+    def __call__(self, done, extra=""):
+        check_stop()
+        now = time.time()
+        if done < self.total and now - self.last < self.every:
+            return
+        self.last = now
+        el = now - self.t0
+        eta = el / done * (self.total - done) if done else float("nan")
+        self.log("%s: %d/%d, %s elapsed, about %s left%s" % (
+            self.what, done, self.total, _secs(el), _secs(eta),
+            (" (" + extra + ")") if extra else ""))
+
+
+def _secs(s):
+    if not math.isfinite(s):
+        return "?"
+    return "%.0f s" % s if s < 120 else "%.1f min" % (s / 60)
+
+
+def _matches(name, pats):
+    return any(name == p or name.endswith("." + p) for p in pats)
+
+
+def lora_modules(model, names=LINEAR_MODULES):
+    """The nn.Linear modules of model that PEFT's target_modules list
+    `names` selects (a module matches an entry equal to its name or to a
+    dotted suffix of it), in model order; a head tied to the embedding is
+    never one (a pair on it would move the embedding in PEFT only)."""
+    tied = set(k for o, al in _tied_groups(model) for k in [o] + al)
+    out = [n for n, m in model.named_modules()
+           if isinstance(m, nn.Linear) and _matches(n, names)
+           and n + ".weight" not in tied]
+    if not out:
+        raise BicoError(E_ARG, "distill: no linear layer of the target "
+                        "matches target modules %s" % ", ".join(names))
+    return out
+
+
+def saved_parameters(model, names):
+    """{parameter name: parameter} of the modules `names` selects (PEFT's
+    modules_to_save: stored whole), tied copies refused."""
+    tied = set(k for o, al in _tied_groups(model) for k in [o] + al)
+    out = {}
+    for n, m in model.named_modules():
+        if n and _matches(n, names):
+            for pn, p in m.named_parameters(recurse=False):
+                full = n + "." + pn
+                if full in tied:
+                    raise BicoError(E_ARG, "distill: %s is tied to another "
+                                    "tensor (the embedding and the head); "
+                                    "train it by --output (dense), not as "
+                                    "a saved module" % full)
+                if p.is_floating_point():
+                    out[full] = p
+    return out
+
+
+def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
+        lora_alpha=None, modules=LINEAR_MODULES, save=(), init=None,
+        steps=None, lr=None, every=25, teacher_k=64, budget=1 << 30,
+        spill_dir=None, seed=0, chunk=_d.TOKEN_CHUNK, release=None,
+        text_weight=TEXT_WEIGHT, teacher_weight=1.0):
+    """Distils target towards the proxy-tuned teacher on cal (a
+    Calibration: batches of (ids, next ids), held_out the same).
+
+    mode "lora": factors of rank `rank` on the linear layers `modules`
+    (PEFT names; init: {module: (B, A)} warm-start pairs, None for PEFT's
+    start) and the parameters of the `save` modules trained whole; mode
+    "dense": every floating parameter of the target.  steps / lr: None
+    takes the measured defaults (docs/llm.md).  release(): called once
+    the teacher is computed (the source pair is no longer needed).
+    text_weight: the loss adds this times the windows' own next-token
+    cross-entropy (0: the teacher alone); teacher_weight scales the
+    teacher's KL (0: the text alone, a control).  Returns a Result; target is
+    left in the chosen state (the factors still attached in mode "lora":
+    result.adapter.remove() detaches)."""
+    if mode not in ("lora", "dense"):
+        raise BicoError(E_ARG, "distill: mode must be 'lora' or 'dense', "
+                        "got %r" % (mode,))
+    t0 = time.time()
+    inputs = [x for x, _ in cal.batches]
+    dev = next(target.parameters()).device
+    inputs = [x.to(dev) for x in inputs]
+    clock = Clock("teacher (three models per window)", len(inputs), log)
+    teacher = _d.build_teacher(source, source_tuned, target, inputs, None,
+                               k=teacher_k, budget=budget,
+                               spill_dir=spill_dir, chunk=chunk,
+                               progress=lambda i, n: clock(i))
+    try:
+        log("teacher: %d batches, %.1f MB in memory, %.1f MB spilled%s" % (
+            len(teacher), teacher.bytes_memory / 1e6,
+            teacher.bytes_disk / 1e6, "" if teacher.k is None or
+            teacher.k >= (teacher.outputs or 0) else
+            " (top %d of %d outputs kept per token)" % (teacher.k,
+                                                        teacher.outputs)))
+        if release is not None:
+            release()
+        targets = [y.to(dev) for _, y in cal.batches]
+        return _train(target, teacher, inputs, cal, log, mode, rank,
+                      lora_alpha, modules, save, init, steps, lr, every,
+                      seed, chunk, t0, targets, (text_weight,
+                                                  teacher_weight))
+    finally:
+        teacher.close()
+
+
+def _defaults(mode, steps, lr, n_batches):
+    """The measured defaults (docs/llm.md): Adam with a cosine schedule,
+    about 20 passes over the fit batches (at least 200 steps, at most
+    1200), lr 5e-3 for factors and 2e-3 for dense weights."""
+    if steps is None:
+        steps = int(min(1200, max(200, 20 * n_batches)))
+    if lr is None:
+        lr = 5e-3 if mode == "lora" else 2e-3
+    return steps, lr
+
+
+def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
+           modules, save, init, steps, lr, every, seed, chunk, t0, targets,
+           weights):
+    steps, lr = _defaults(mode, steps, lr, len(inputs))
+    adapter, params, trained = None, None, {}
+    if mode == "lora":
+        names = lora_modules(target, modules)
+        trained = saved_parameters(target, save) if save else {}
+        adapter = _d.Adapter(target, names, rank, lora_alpha, init=init,
+                             seed=seed)
+        extra = list(trained.values())
+        for p in extra:
+            p.requires_grad_(True)
+        log("distill: LoRA rank %d on %d layers (%s start)%s, %d steps" % (
+            rank, len(names), "warm" if init else "cold",
+            (", %d saved tensors" % len(extra)) if extra else "", steps))
+    else:
+        params = [p for p in target.parameters() if p.is_floating_point()]
+        log("distill: every weight of the target (%d tensors), %d steps"
+            % (len(params), steps))
+    nwin = sum(len(x) for x, _ in cal.held_out)
+    per_window = {}
+
+    def held_losses(m):
+        v = _d.window_losses(m, cal.held_out, chunk)
+        per_window[len(per_window)] = v
+        return v
+    clock = Clock("distill steps", steps, log)
+    rep = []
+    if adapter is not None and trained:
+        step, losses = _with_saved(target, teacher, inputs, nwin,
+                                   held_losses, adapter, trained, steps, lr,
+                                   every, seed, chunk, clock, rep, targets,
+                                   weights)
+    else:
+        step, losses = _d.distill(
+            target, teacher, inputs, nwin, held_losses, params=params,
+            adapter=adapter, steps=steps, lr=lr, every=every, seed=seed,
+            chunk=chunk, progress=lambda i, n, v: clock(i, "loss %.4f" % v),
+            report=rep, targets=targets, text_weight=weights[0],
+            teacher_weight=weights[1], checkpoint=True)
+    per = _d.window_losses(target, cal.held_out, chunk)
+    log("distill: kept step %d of %d (held-out loss %.4f; untouched "
+        "target %.4f)" % (step, steps, losses[step], losses[0]))
+    state = adapter.state() if adapter is not None else None
+    return Result(step, losses, nwin, per, state, adapter,
+                  {k: p.detach().clone() for k, p in trained.items()},
+                  rep[0] if rep else None, time.time() - t0)
+
+
+def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
+                steps, lr, every, seed, chunk, clock, rep, targets, weights):
+    """distill with the factors and whole saved tensors training together
+    (one Adam over both; the saved tensors' state kept with the
+    factors')."""
+    params = list(saved.values())
+
+    class _Both(object):
+        def parameters(self):
+            return adapter.parameters() + params
+
+        def state(self):
+            return (adapter.state(), [p.detach().clone() for p in params])
+
+        def load(self, st):
+            adapter.load(st[0])
+            with torch.no_grad():
+                for p, v in zip(params, st[1]):
+                    p.copy_(v)
+    both = _Both()
+    out = _d.distill(target, teacher, inputs, nwin, held_losses,
+                     adapter=both, steps=steps, lr=lr, every=every,
+                     seed=seed, chunk=chunk,
+                     progress=lambda i, n, v: clock(i, "loss %.4f" % v),
+                     report=rep, targets=targets, text_weight=weights[0],
+                     teacher_weight=weights[1], checkpoint=True)
+    return out
+
+
+def warn(msg):
+    print("python3 -m bico.llm: warning: %s" % msg, file=sys.stderr)

@@ -1,0 +1,209 @@
+"""python3 -m bico.llm's distillation route end to end, on the folders of
+test/e2e/llm_pair.py (widths 16 -> 32, depths 2 -> 3, sharded BF16, tied
+heads, a byte-level tokenizer.json, a PEFT adapter of the source and its
+task text): the adapter it trains has PEFT's names, float32 factors and
+config, loads and merges with libbico, and lowers the next-token loss on
+held-out task text (eval.txt, never seen by the command) below the
+untouched target's; --method auto keeps the route with the least
+held-out loss; a dense run writes a model folder; the teacher spills to a
+temporary folder that is gone afterwards; a harmful teacher leaves the
+target unchanged."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import bico.lora as bl
+import bico.safetensors as st
+import bico.torch as bt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import llm_pair  # noqa: E402
+
+torch.set_num_threads(1)
+BICO = os.path.join(os.environ.get("BICO_BUILD", "build"), "bin", "bico")
+LINEARS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+           "v_proj"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    info = llm_pair.make(str(d))
+    assert info["loss_ft"] < info["loss_a"] - 0.5
+    return d, info
+
+
+def command(d, *args, env=None, ok=True):
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    r = subprocess.run([sys.executable, "-m", "bico.llm"] + list(args),
+                       cwd=str(d), env=e, capture_output=True, text=True,
+                       timeout=600)
+    if ok:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def eval_loss(model, d):
+    cal = bt.text_batches(str(d / "eval.txt"), 32, holdout=0,
+                          tokenizer=str(d / "B"))
+    return bt.lm_loss(model, cal.batches)
+
+
+def merged_loss(d, adapter):
+    """B with the adapter merged by libbico (bico transfer), scored."""
+    out = d / ("%s.safetensors" % adapter)
+    subprocess.run([BICO, "transfer", "--method", "naive", "--source-base",
+                    "B", "--target-base", "B", "--lora", adapter,
+                    "--output-lora", "carried-" + adapter,
+                    "--merge-into-base", "--output", str(out), "--quiet"],
+                   cwd=str(d), check=True)
+    tgt = bt.load_model(d / "B", dtype=torch.float32)
+    sd = tgt.state_dict()
+    sd.update({k: torch.from_numpy(v) for k, v in
+               st.read(str(out), dtype=np.float32).items()})
+    tgt.load_state_dict(sd)
+    return eval_loss(tgt, d)
+
+
+def held_out(stderr):
+    """{route: held-out loss} from the line the command prints."""
+    line = [x for x in stderr.splitlines()
+            if x.startswith("held-out next-token loss on")][-1]
+    return {k: float(v) for k, v in (p.split() for p in
+                                     line.split(": ", 1)[1].split("; "))}
+
+
+def test_trained_adapter_end_to_end(pair):
+    d, info = pair
+    r = command(d, "--source", "A/", "--lora", "A_adapter/", "--target",
+                "B/", "--text", "task.txt", "--output-lora", "B_distilled/",
+                "--rank", "4", "--window", "32", "--method", "distill",
+                "--steps", "120")
+    # every phase says its progress; the choice is printed
+    for phase in ("teacher (three models per window)", "distill steps:",
+                  "distill: kept step"):
+        assert phase in r.stderr, r.stderr
+    assert "chosen: distill" in r.stdout, r.stdout
+    ad = d / "B_distilled"
+    cfg = json.load(open(ad / "adapter_config.json"))
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and \
+        cfg["lora_alpha"] == 4.0 and cfg["target_modules"] == LINEARS
+    assert cfg["base_model_name_or_path"] == os.path.realpath(d / "B") or \
+        cfg["base_model_name_or_path"] == os.path.abspath(d / "B")
+    note = json.load(open(ad / "bico_adapter.json"))
+    assert note["bico_transfer_method"] == "distill"
+    # PEFT's names, float32 factors of rank 4 on every linear but the head
+    tgt = bt.load_model(d / "B")
+    f = st.open(str(ad / "adapter_model.safetensors"))
+    lin = [n for n, m in tgt.named_modules()
+           if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for n in lin:
+        w = tgt.get_submodule(n).weight
+        assert f.info("base_model.model.%s.lora_A.weight" % n) == \
+            ("F32", (4, w.shape[1]))
+        assert f.info("base_model.model.%s.lora_B.weight" % n) == \
+            ("F32", (w.shape[0], 4))
+    assert sorted(bl.Adapter.open(str(ad)).modules()) == sorted(lin)
+    # merged by libbico: the held-out task loss well below zero-shot
+    zero = eval_loss(bt.load_model(d / "B", dtype=torch.float32), d)
+    got = merged_loss(d, "B_distilled")
+    assert got < zero - 0.3 * (zero - info["loss_ft"]), (got, zero)
+    losses = held_out(r.stderr)
+    assert losses["distill"] < losses["target"]
+
+
+def test_auto_keeps_the_route_with_the_least_held_out_loss(pair):
+    d, _ = pair
+    r = command(d, "--source", "A", "--source-tuned", "A_ft", "--target",
+                "B", "--text", "task.txt", "--output-lora", "B_auto",
+                "--rank", "4", "--window", "32", "--steps", "60")
+    losses = held_out(r.stderr)
+    assert set(losses) == {"target", "fit", "distill"}
+    best = min(("fit", "distill"), key=lambda k: losses[k])
+    assert ("chosen: %s among fit, distill" % best) in r.stdout, r.stdout
+    note = json.load(open(d / "B_auto" / "bico_adapter.json"))
+    assert note["bico_transfer_method"] == best
+
+
+def test_dense_distillation_writes_a_model_folder(pair):
+    d, info = pair
+    r = command(d, "--source", "A", "--source-tuned", "A_ft", "--target",
+                "B", "--text", "task.txt", "--output", "B_dense",
+                "--window", "32", "--method", "distill", "--steps", "80")
+    assert "every weight of the target" in r.stderr
+    new = bt.load_model(d / "B_dense")
+    assert new.lm_head.weight is new.model.embed_tokens.weight
+    assert all(v.dtype == torch.bfloat16 for v in new.state_dict().values())
+    zero = eval_loss(bt.load_model(d / "B", dtype=torch.float32), d)
+    got = eval_loss(new.float(), d)
+    assert got < zero - 0.3 * (zero - info["loss_ft"]), (got, zero)
+
+
+def test_the_teacher_spills_and_leaves_nothing(pair, tmp_path):
+    d, _ = pair
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = command(d, "--source", "A", "--source-tuned", "A_ft", "--target",
+                "B", "--text", "task.txt", "--output-lora",
+                str(tmp_path / "ad"), "--window", "32", "--method",
+                "distill", "--steps", "20", "--teacher-memory", "0",
+                "--teacher-k", "16", env={"TMPDIR": str(tmp)})
+    line = [x for x in r.stderr.splitlines() if x.startswith("teacher: ")]
+    assert line and "0.0 MB in memory" in line[0] and \
+        "top 16 of 256 outputs" in line[0], r.stderr
+    assert float(line[0].split(", ")[2].split()[0]) > 0   # MB spilled
+    assert os.listdir(tmp) == [], os.listdir(tmp)
+
+
+def test_a_harmful_teacher_leaves_the_target_unchanged(pair, tmp_path):
+    """A "fine-tune" that is noise, carried to a target that already does
+    the task (A_ft itself): the teacher misleads, no step beats the
+    untouched target clearly on the held-out windows, and the adapter
+    written is PEFT's no-op (zero factors)."""
+    d, _ = pair
+    sd = bt.load_model(d / "A").state_dict()
+    g = torch.Generator().manual_seed(0)
+    noisy = {k: (v.float() + 2.0 * torch.randn(v.shape, generator=g))
+             for k, v in sd.items() if k != "lm_head.weight"}
+    st.write(str(tmp_path / "A_noise") + "/", noisy, like=str(d / "A"))
+    r = command(d, "--source", "A", "--source-tuned",
+                str(tmp_path / "A_noise"), "--target", "A_ft", "--text",
+                "task.txt", "--output-lora", str(tmp_path / "ad"),
+                "--window", "32", "--method", "distill", "--steps", "40",
+                "--text-weight", "0")
+    assert "chosen: target" in r.stdout and "unchanged" in r.stdout, \
+        r.stdout + r.stderr
+    f = st.open(str(tmp_path / "ad" / "adapter_model.safetensors"))
+    for k in f.keys():
+        if k.endswith("lora_B.weight"):
+            assert not np.any(f.get(k, np.float32))
+
+
+def test_route_options_are_checked_before_anything_runs(pair, tmp_path):
+    d, _ = pair
+    base = ["--source", "A", "--source-tuned", "A_ft", "--target", "B",
+            "--text", "task.txt"]
+    for extra, msg in (
+            (["--output-lora", "OUT", "--trainable", "dense"], "--trainable"),
+            (["--output", "OUT", "--init", "warm"], "--init warm"),
+            (["--output-lora", "OUT", "--method", "fit", "--init", "warm"],
+             "--init"),
+            (["--output-lora", "OUT", "--text-weight", "0",
+              "--teacher-weight", "0"], "both 0"),
+            (["--output-lora", "OUT", "--teacher-k", "0"], "--teacher-k"),
+            (["--output-lora", "OUT", "--steps", "-3"], "--steps"),
+            (["--output-lora", "OUT", "--lr", "nan"], "--lr"),
+            (["--output-lora", "OUT", "--device", "cuda:7"], "--device")):
+        if extra[-2:] == ["--device", "cuda:7"] and torch.cuda.is_available():
+            continue
+        r = command(d, *(base + [a.replace("OUT", str(tmp_path / "x"))
+                                 for a in extra]), ok=False)
+        assert r.returncode == 2 and msg in r.stderr and \
+            len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)
+        assert not os.path.exists(tmp_path / "x")

@@ -1,0 +1,187 @@
+"""What python3 -m bico.llm writes, by the library's folder rules (issue
+32): an output that is, holds or lies inside an input is refused before
+anything is read, whatever the spelling; an adapter folder that holds
+files is refused unless --replace; the adapter is built whole and swapped
+in, so a failure or a kill at any moment leaves the old folder or the
+complete new one; another run writing the folder is named.  Folders of
+test/e2e/llm_pair.py."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import bico.folder
+import bico.llm
+import bico.lora as bl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import llm_pair  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    llm_pair.make(str(d))
+    os.symlink("A", str(d / "A_link"))
+    return d
+
+
+def run(d, capsys, *args):
+    old = os.getcwd()
+    os.chdir(str(d))
+    try:
+        status = bico.llm.main([str(a) for a in args])
+    finally:
+        os.chdir(old)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def snapshot(folder):
+    """{file: bytes} of a folder (no sub-folders here)."""
+    return {n: open(os.path.join(folder, n), "rb").read()
+            for n in sorted(os.listdir(folder))}
+
+
+QUICK = ["--window", "32", "--windows", "24", "--method", "distill",
+         "--steps", "10", "--rank", "2", "--quiet"]
+
+
+@pytest.mark.parametrize("out,what", [
+    (["--output", "A"], "--source"),
+    (["--output", "./A/"], "--source"),
+    (["--output", "A_link"], "--source"),
+    (["--output-lora", "A_adapter"], "--lora"),
+    (["--output-lora", "./A_adapter/"], "--lora"),
+    (["--output-lora", "B/adapter"], "--target"),
+    (["--output", "A_adapter/merged"], "--lora"),
+    (["--output-lora", "."], "holds the --source"),
+])
+def test_an_output_that_is_or_lies_in_an_input_is_refused_first(
+        pair, capsys, out, what):
+    before = {f: snapshot(pair / f) for f in ("A", "A_adapter", "B")}
+    status, o, err = run(pair, capsys, "--source", "A", "--lora",
+                         "A_adapter", "--target", "B", "--text", "task.txt",
+                         *out, *QUICK)
+    assert status == 2 and what in err and \
+        len(err.strip().splitlines()) == 1, err
+    # refused before anything was read: no calibration, no loading
+    assert "calibration" not in err and "loading" not in err
+    for f, snap in before.items():
+        assert snapshot(pair / f) == snap
+    assert not os.path.exists(pair / "B" / "adapter")
+
+
+def test_a_folder_that_holds_files_needs_replace(pair, tmp_path, capsys):
+    ad = tmp_path / "ad"
+    ad.mkdir()
+    (ad / "adapter_config.json").write_text('{"mine": true}')
+    (ad / "notes.txt").write_text("the user's")
+    status, _, err = run(pair, capsys, "--source", "A", "--lora",
+                         "A_adapter", "--target", "B", "--text", "task.txt",
+                         "--output-lora", ad, *QUICK)
+    assert status == 2 and "--replace" in err and "not empty" in err, err
+    assert json.load(open(ad / "adapter_config.json")) == {"mine": True}
+    status, _, err = run(pair, capsys, "--source", "A", "--lora",
+                         "A_adapter", "--target", "B", "--text", "task.txt",
+                         "--output-lora", ad, "--replace", *QUICK)
+    assert status == 0, err
+    assert sorted(os.listdir(ad)) == ["adapter_config.json",
+                                      "adapter_model.safetensors",
+                                      "bico_adapter.json"]
+    assert json.load(open(ad / "adapter_config.json"))["r"] == 2
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_a_failure_while_writing_leaves_the_old_adapter(pair, tmp_path,
+                                                         capsys,
+                                                         monkeypatch):
+    """The weights are written, then the config fails: the old adapter
+    stays whole (before: rank-2 factors beside the old r = 8 config)."""
+    ad = tmp_path / "ad"
+    status, _, err = run(pair, capsys, "--source", "A", "--lora",
+                         "A_adapter", "--target", "B", "--text", "task.txt",
+                         "--output-lora", ad, *QUICK[:-3], "--rank", "3",
+                         "--quiet")
+    assert status == 0, err
+    old = snapshot(ad)
+    import bico.llm.adapters as adapters
+    real = adapters._write
+
+    def half(folder, built, meta):
+        real(folder, built, meta)
+        os.remove(os.path.join(str(folder), "adapter_config.json"))
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(adapters, "_write", half)
+    status, _, err = run(pair, capsys, "--source", "A", "--lora",
+                         "A_adapter", "--target", "B", "--text", "task.txt",
+                         "--output-lora", ad, "--replace", "--method",
+                         "fit", "--window", "32", "--windows", "24",
+                         "--rank", "2", "--quiet")
+    assert status == 1 and "No space left" in err, err
+    assert snapshot(ad) == old
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def _command(d, out, extra=(), tmp=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
+    return subprocess.Popen(
+        [sys.executable, "-m", "bico.llm", "--source", "A", "--lora",
+         "A_adapter", "--target", "B", "--text", "task.txt",
+         "--output-lora", str(out), "--replace", "--window", "32",
+         "--windows", "24", "--method", "distill", "--steps", "400",
+         "--rank", "2"] + list(extra), cwd=str(d), env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_another_run_writing_the_folder_is_named(pair, tmp_path):
+    ad = tmp_path / "held"
+    with bico.folder.Run(outputs=[("test", str(ad), "replace")]):
+        p = _command(pair, ad)
+        _, err = p.communicate(timeout=600)
+    assert p.returncode != 0 and str(os.getpid()) in err and \
+        "Traceback" not in err, err
+    assert not os.path.exists(ad)
+
+
+@pytest.mark.parametrize("sig,when", [(signal.SIGKILL, 4.0),
+                                      (signal.SIGTERM, 8.0),
+                                      (signal.SIGKILL, 14.0)])
+def test_a_kill_at_any_moment_leaves_the_old_or_the_new_adapter(
+        pair, tmp_path, capsys, sig, when):
+    ad = tmp_path / "ad"
+    status, _, err = run(pair, capsys, "--source", "A", "--lora",
+                         "A_adapter", "--target", "B", "--text", "task.txt",
+                         "--output-lora", ad, *QUICK)
+    assert status == 0, err
+    old = snapshot(ad)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    p = _command(pair, ad, ["--teacher-memory", "0"], tmp=scratch)
+    time.sleep(when)
+    p.send_signal(sig)
+    p.communicate(timeout=600)
+    now = snapshot(ad)
+    if now != old:      # the new adapter, complete and consistent
+        a = bl.Adapter.open(str(ad))
+        cfg = json.load(open(ad / "adapter_config.json"))
+        assert cfg["r"] == 2 and len(a.modules()) == 21
+    if sig == signal.SIGTERM:    # ended as an exception would: cleaned up
+        assert p.returncode == 128 + signal.SIGTERM
+        assert not [n for n in os.listdir(tmp_path)
+                    if ".bico-tmp." in n or n.endswith(".bico-lock")]
+    if sig == signal.SIGKILL:    # the next run removes what it left
+        q = _command(pair, tmp_path / "next", ["--steps", "1", "--method",
+                                               "fit"], tmp=scratch)
+        q.communicate(timeout=600)
+    assert os.listdir(scratch) == []
