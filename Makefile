@@ -1,6 +1,7 @@
 # libbico build.  `make` builds the shared and static library, the `bico`
 # tool and the examples; `make check` runs every test; `make install`
-# honours PREFIX, DESTDIR, LIBDIR, INCLUDEDIR, BINDIR and PKGCONFIGDIR.
+# honours PREFIX, DESTDIR, LIBDIR, INCLUDEDIR, BINDIR, PKGCONFIGDIR, MANDIR
+# and DOCDIR (the API guide and the example programs).
 
 VERSION_MAJOR := $(shell sed -n 's/^\#define BICO_VERSION_MAJOR \([0-9]*\)/\1/p' include/bico/version.h)
 VERSION_MINOR := $(shell sed -n 's/^\#define BICO_VERSION_MINOR \([0-9]*\)/\1/p' include/bico/version.h)
@@ -13,6 +14,7 @@ INCLUDEDIR ?= $(PREFIX)/include
 BINDIR ?= $(PREFIX)/bin
 PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
 MANDIR ?= $(PREFIX)/share/man
+DOCDIR ?= $(PREFIX)/share/doc/libbico
 DESTDIR ?=
 
 CC ?= cc
@@ -60,8 +62,11 @@ TOOL := $(if $(TOOL_SRCS),$(BUILD)/bin/bico)
 MAN_SRCS := $(wildcard docs/*.1.md)
 MAN_PAGES := $(patsubst docs/%.md,$(BUILD)/man/%,$(MAN_SRCS))
 
+# One small program per handle (docs/api.md walks them), C and C++17.
 EXAMPLE_SRCS := $(wildcard examples/*.c)
-EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(EXAMPLE_SRCS))
+EXAMPLE_CXX_SRCS := $(wildcard examples/*.cpp)
+EXAMPLES := $(patsubst examples/%.c,$(BUILD)/examples/%,$(EXAMPLE_SRCS)) \
+            $(patsubst examples/%.cpp,$(BUILD)/examples/%,$(EXAMPLE_CXX_SRCS))
 
 TEST_SRCS := $(wildcard test/*.cc)
 TEST_OBJS := $(patsubst test/%.cc,$(BUILD)/obj/test/%.o,$(TEST_SRCS))
@@ -123,7 +128,12 @@ examples: $(EXAMPLES)
 $(BUILD)/examples/%: examples/%.c $(SHLIB)
 	@mkdir -p $(@D)
 	$(CC) $(filter-out -fvisibility=hidden,$(CFLAGS_ALL)) -o $@ $< \
-	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lm $(LDFLAGS)
+	  -L$(BUILD)/lib -lbico $(RPATH) $(LDSAN) $(BLIS_LIBS) -lm -pthread $(LDFLAGS)
+# The C++ wrapper (include/bico/bico.hpp) warning-free as C++17.
+$(BUILD)/examples/%: examples/%.cpp include/bico/bico.hpp $(SHLIB)
+	@mkdir -p $(@D)
+	$(CXX) $(CXXFLAGS_ALL) -Werror -o $@ $< -L$(BUILD)/lib -lbico $(RPATH) \
+	  $(LDSAN) $(LDFLAGS)
 
 $(BUILD)/obj/test/%.o: test/%.cc $(wildcard test/*.h) $(LIB_DEPS)
 	@mkdir -p $(@D)
@@ -161,7 +171,29 @@ check-pkgconfig: all
 	  test "$$rp" = "$(STAGE)/lib"; fi
 	MANPATH=$(STAGE)/share/man man -w bico | grep -q '^$(STAGE)/share/man/man1/bico.1'
 	MANPATH=$(STAGE)/share/man man bico 2>/dev/null | grep -q 'carry a fine-tuning'
+	test -f $(STAGE)/share/doc/libbico/api.md && test -f $(STAGE)/include/bico/bico.hpp
+	@for e in $(EXAMPLE_SRCS) $(EXAMPLE_CXX_SRCS); do \
+	  test -f $(STAGE)/share/doc/libbico/$$e || { echo "check-pkgconfig: $$e is not installed"; exit 1; }; done
 	@echo "check-pkgconfig: installed library builds and runs through pkg-config (shared and static); only bico_* exported"
+
+# Every example program built from the installed headers and library
+# alone (pkg-config, warnings as errors; the C++ one as C++17), run, and its
+# planted answer checked: each checks its own result, exits 0 and ends
+# with "<name>: ok".
+EXAMPLE_STAGE := $(BUILD)/stage/examples
+check-examples: check-pkgconfig
+	@mkdir -p $(EXAMPLE_STAGE)
+	@set -e; for src in $(EXAMPLE_SRCS) $(EXAMPLE_CXX_SRCS); do \
+	  name=$$(basename $${src%.*}); bin=$(EXAMPLE_STAGE)/$$name; \
+	  case $$src in \
+	    *.cpp) PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CXX) -std=c++17 -Wall -Wextra -Werror $(LDSAN) -o '$$bin' '$$src' $$($(PKG_CONFIG) --cflags --libs bico)';; \
+	    *) PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CC) -Wall -Wextra -Werror $(LDSAN) -o '$$bin' '$$src' $$($(PKG_CONFIG) --cflags --libs bico) -lm -pthread';; \
+	  esac; \
+	  LD_LIBRARY_PATH=$(STAGE)/lib $$bin > $$bin.out 2>&1 || { cat $$bin.out; echo "check-examples: $$name failed"; exit 1; }; \
+	  tail -n 1 $$bin.out | grep -qx "$$name: ok" || { cat $$bin.out; echo "check-examples: $$name did not end with '$$name: ok'"; exit 1; }; \
+	  echo "check-examples: $$name: ok"; \
+	done
+.PHONY: check-examples
 
 # Under the sanitizers, the Python tests that drive the (sanitized)
 # programs run here; the binding's own tests (which load the library into
@@ -181,7 +213,7 @@ PYTHON ?= /usr/bin/python3
 
 install: lib $(TOOL) $(if $(TOOL),$(BUILD)/inst/bin/bico) $(MAN_PAGES)
 	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR)/bico $(DESTDIR)$(PKGCONFIGDIR)
-	install -m 644 include/bico/*.h $(DESTDIR)$(INCLUDEDIR)/bico/
+	install -m 644 include/bico/*.h include/bico/*.hpp $(DESTDIR)$(INCLUDEDIR)/bico/
 	install -m 755 $(SHLIB) $(DESTDIR)$(LIBDIR)/
 	ln -sf libbico.so.$(VERSION) $(DESTDIR)$(LIBDIR)/$(SONAME)
 	ln -sf $(SONAME) $(DESTDIR)$(LIBDIR)/libbico.so
@@ -192,6 +224,9 @@ install: lib $(TOOL) $(if $(TOOL),$(BUILD)/inst/bin/bico) $(MAN_PAGES)
 	$(if $(TOOL),install -d $(DESTDIR)$(BINDIR) && install -m 755 $(BUILD)/inst/bin/bico $(DESTDIR)$(BINDIR)/bico)
 	install -d $(DESTDIR)$(MANDIR)/man1
 	install -m 644 $(MAN_PAGES) $(DESTDIR)$(MANDIR)/man1/
+	install -d $(DESTDIR)$(DOCDIR)/examples
+	install -m 644 docs/api.md $(DESTDIR)$(DOCDIR)/
+	install -m 644 $(EXAMPLE_SRCS) $(EXAMPLE_CXX_SRCS) $(DESTDIR)$(DOCDIR)/examples/
 
 # Manual pages, generated from their Markdown source (docs/*.1.md): one
 # text for the installed `man bico` and the docs folder.
@@ -209,7 +244,7 @@ uninstall:
 	      $(DESTDIR)$(LIBDIR)/libbico.so $(DESTDIR)$(LIBDIR)/libbico.a \
 	      $(DESTDIR)$(PKGCONFIGDIR)/bico.pc $(DESTDIR)$(BINDIR)/bico \
 	      $(patsubst $(BUILD)/man/%,$(DESTDIR)$(MANDIR)/man1/%,$(MAN_PAGES))
-	rm -rf $(DESTDIR)$(INCLUDEDIR)/bico
+	rm -rf $(DESTDIR)$(INCLUDEDIR)/bico $(DESTDIR)$(DOCDIR)
 
 deps:
 	sh scripts/deps.sh
@@ -587,12 +622,13 @@ check-layers: $(LIB_OBJS) $(TOOL)
 
 # ---- make check ----
 # Every check `make check` runs, in this order: the GoogleTest suite, the
-# build, the installed library (pkg-config), the Python binding (installed
+# build, the installed library (pkg-config) and the example programs built
+# and run against it, the Python binding (installed
 # and pip-installed in a plain build; under AddressSanitizer with
 # SANITIZE=1), the demo, the MPI command (MPI=1), every public header
 # alone, the library's layers, and the robustness test.  The recipe then
 # runs the GoogleTest binary and the pytest suite.
-CHECK_PREREQS := $(TEST_BIN) all check-pkgconfig
+CHECK_PREREQS := $(TEST_BIN) all check-pkgconfig check-examples
 ifeq ($(SANITIZE),1)
 CHECK_PREREQS += check-python-asan
 else

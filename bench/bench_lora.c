@@ -113,8 +113,8 @@ int main(int argc, char **argv) {
       fill(a, r * d, 22);
       bico_lora *l = NULL;
       if (bico_lora_create(ctx, &l) != BICO_OK) die(ctx, "lora_create");
-      if (bico_lora_add_module(l, "layer.fc", BICO_LORA_LINEAR, r, 2.0 * (double)r,
-                               d, d, b, a) != BICO_OK)
+      if (bico_lora_add_module(l, "layer.fc", BICO_LORA_LINEAR, r, d, d,
+                               2.0 * (double)r, b, a) != BICO_OK)
         die(ctx, "lora_add_module");
       double scale = 0;
       if (bico_lora_module(l, 0, NULL, NULL, NULL, NULL, NULL, NULL, &scale) != BICO_OK)
@@ -131,7 +131,7 @@ int main(int argc, char **argv) {
         cnt.peak = base;
         double t0 = bench_now();
         if (bico_lora_transport(ctx, r, 1, d, d, d, d, 1.0f, lb, la,
-                                (const float *const *)&rout, d, rin, d, bo, ao) != BICO_OK)
+                                &rout, d, rin, d, bo, ao) != BICO_OK)
           die(ctx, "lora_transport");
         tf[k] = bench_now() - t0;
         if (cnt.peak - base > lib_f) lib_f = cnt.peak - base;
@@ -143,7 +143,7 @@ int main(int argc, char **argv) {
         if (bico_transport_weight(ctx, d, d, d, d, 1.0f, dense, d, rout, d, rin, d, 0.0f,
                                   moved, d) != BICO_OK)
           die(ctx, "transport_weight");
-        if (bico_lora_truncate(ctx, d, d, moved, d, r, scale, bo, ao, NULL) != BICO_OK)
+        if (bico_lora_truncate(ctx, d, d, r, scale, moved, d, bo, ao, NULL) != BICO_OK)
           die(ctx, "lora_truncate");
         td[k] = bench_now() - t0;
         if (cnt.peak - base > lib_d) lib_d = cnt.peak - base;

@@ -1,6 +1,9 @@
 /* The smallest libbico program: align two random 4-d point clouds that
- * differ by a rotation and print the recovered map.  Built in `make check`
- * against the installed library through pkg-config. */
+ * differ by a signed permutation (a rotation) and print the recovered map:
+ * a context, an accumulator of the cross-covariance of corresponding rows,
+ * and the Procrustes solve.  Built and run by `make check` against the
+ * installed library through pkg-config, as every program here is:
+ *   cc hello.c $(pkg-config --cflags --libs bico) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <bico/bico.h>
@@ -45,5 +48,6 @@ int main(void) {
   bico_procrustes_free(pr);
   bico_xcov_free(xc);
   bico_ctx_free(ctx);
+  printf("hello: %s\n", rc == BICO_OK ? "ok" : "WRONG");
   return rc == BICO_OK ? 0 : 1;
 }

@@ -3,7 +3,7 @@
 manual's one source, docs/bico.1.md, as a C header, so that the help and
 the manual cannot drift apart.
 
-For each command (transfer, merge, stats, inspect) the text is its lines
+For each command (transfer, bridge, merge, stats, inspect) the text is its lines
 of the SYNOPSIS block (a line starting "bico COMMAND" and the indented
 lines after it) followed by its "### bico COMMAND" subsection of OPTIONS;
 for `bico --help`, the NAME line, the whole SYNOPSIS and the "### bico"
@@ -15,7 +15,7 @@ usage: gen-help.py docs/bico.1.md OUT.h
 import re
 import sys
 
-COMMANDS = ("transfer", "merge", "stats", "inspect")
+COMMANDS = ("transfer", "bridge", "merge", "stats", "inspect")
 
 
 def sections(text):

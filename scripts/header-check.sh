@@ -51,6 +51,10 @@ for src in test/headers/*.c; do
   [ -e "$src" ] || continue
   $cc $cflags -x c "$src" || { echo "header-check: $src fails as C99"; fail=1; }
   $cxx $cxxflags -x c++ "$src" || { echo "header-check: $src fails as C++11"; fail=1; }
+  # ... and as a C programmer compiles it: the compiler's default dialect
+  # and warnings, made errors (GCC 14 refuses incompatible pointer types).
+  $cc -Werror -fsyntax-only -Iinclude -x c "$src" ||
+    { echo "header-check: $src fails with $cc's default flags and -Werror"; fail=1; }
 done
 # Exports: only bico_* (the version script's node names are not symbols).
 extra=$(nm -D --defined-only "$shlib" | awk '{print $3}' | grep -v '^bico_' |

@@ -175,7 +175,7 @@ TEST(Counts, LoraCountsArePlantedModulesAndSavedTensors) {
     float b[2] = {1, 2}, a[3] = {1, 0, -1};
     for (size_t i = 0; i < nm; i++)
       ASSERT_EQ(bico_lora_add_module(l, ("m" + std::to_string(i)).c_str(),
-                                     BICO_LORA_LINEAR, 1, 2.0, 2, 3, b, a),
+                                     BICO_LORA_LINEAR, 1, 2, 3, 2.0, b, a),
                 BICO_OK)
           << errmsg(ctx);
     for (size_t i = 0; i < ns; i++) {

@@ -589,7 +589,7 @@ TEST(Ctx, FileAdapterFitAndTransferQueriesPreserveTheLastError) {
   ASSERT_EQ(BICO_OK, bico_stfile_open(ctx, path.c_str(), &f));
   ASSERT_EQ(BICO_OK, bico_lora_create(ctx, &l));
   const float b[2] = {1, 2}, a[2] = {3, 4};
-  ASSERT_EQ(BICO_OK, bico_lora_add_module(l, "fc", BICO_LORA_LINEAR, 1, 1.0, 2, 2, b, a));
+  ASSERT_EQ(BICO_OK, bico_lora_add_module(l, "fc", BICO_LORA_LINEAR, 1, 2, 2, 1.0, b, a));
   ASSERT_EQ(BICO_OK, bico_fit_create(ctx, 2, 2, 0, &fit));
   ASSERT_EQ(BICO_OK, bico_transfer_create(ctx, &t));
   ASSERT_EQ(BICO_OK, bico_xcov_create(ctx, 2, 2, 0, &xc));

@@ -219,7 +219,7 @@ TEST(Family, OptionsAndNames) {
   EXPECT_EQ(bico_transfer_set_param(t, BICO_TRANSFER_HEADS, 32), BICO_OK);
   EXPECT_EQ(bico_transfer_set_file(t, BICO_FILE_SOURCE_CONFIG, "c.json"), BICO_OK);
   EXPECT_EQ(bico_transfer_set_file(t, BICO_FILE_TARGET_CONFIG, "d.json"), BICO_OK);
-  EXPECT_EQ(bico_transfer_set_file(t, BICO_FILE_TARGET_CONFIG + 1, "e.json"), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_set_file(t, BICO_FILE_BRIDGE_OUTPUT + 1, "e.json"), BICO_E_ARG);
   bico_transfer_free(t);
   int x = -1;
   EXPECT_STREQ(bico_transfer_structure_name(BICO_STRUCTURE_FREE), "free");

@@ -134,7 +134,7 @@ Mat rounded(const Mat &m) {
 bico_fit *make_fit(bico_ctx *ctx, size_t di, size_t dout, bool bias,
                    double c) {
   bico_fit *f = nullptr;
-  EXPECT_EQ(bico_fit_create(ctx, di, dout, bias ? BICO_FIT_BIAS : 0, &f),
+  EXPECT_EQ(bico_fit_create(ctx, dout, di, bias ? BICO_FIT_BIAS : 0, &f),
             BICO_OK);
   EXPECT_EQ(bico_fit_set_param(f, BICO_FIT_RIDGE, c), BICO_OK);
   return f;
@@ -473,7 +473,7 @@ TEST(FitTest, ParamsAndBounds) {
   bt::Ctx ctx;
   bico_fit *f = nullptr;
   double v = -1, lo = 0, hi = 0;
-  ASSERT_EQ(bico_fit_create(ctx, 3, 2, 0, &f), BICO_OK);
+  ASSERT_EQ(bico_fit_create(ctx, 2, 3, 0, &f), BICO_OK);  // [d_out, d_in]
   EXPECT_EQ(bico_fit_get_param(f, BICO_FIT_RIDGE, &v), BICO_OK);
   EXPECT_EQ(v, 1e-2);
   EXPECT_EQ(bico_fit_get_param(f, BICO_FIT_RANK_TOL, &v), BICO_OK);
@@ -508,7 +508,7 @@ TEST(FitTest, ParamsAndBounds) {
   EXPECT_EQ(v, 1e-2);  // failed sets left it alone
   size_t di = 0, dout = 0;
   fl = 9;
-  EXPECT_EQ(bico_fit_info(f, &di, &dout, nullptr, &fl), BICO_OK);
+  EXPECT_EQ(bico_fit_info(f, &dout, &di, nullptr, &fl), BICO_OK);
   EXPECT_EQ(di, 3u);
   EXPECT_EQ(dout, 2u);
   EXPECT_EQ(fl, 0u);
@@ -522,12 +522,13 @@ TEST(FitTest, BadInputIsRejectedAndLeavesStateAlone) {
   bico_fit *f = nullptr;
   EXPECT_EQ(bico_fit_create(nullptr, 3, 2, 0, &f), BICO_E_NULL);
   EXPECT_EQ(bico_fit_create(ctx, 3, 2, 0, nullptr), BICO_E_NULL);
-  EXPECT_EQ(bico_fit_create(ctx, 0, 2, 0, &f), BICO_E_SHAPE);
+  EXPECT_EQ(bico_fit_create(ctx, 2, 0, 0, &f), BICO_E_SHAPE);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "d_in = 0"));
-  EXPECT_EQ(bico_fit_create(ctx, 3, 0, 0, &f), BICO_E_SHAPE);
+  EXPECT_EQ(bico_fit_create(ctx, 0, 3, 0, &f), BICO_E_SHAPE);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "d_out = 0"));
   EXPECT_EQ(bico_fit_create(ctx, 3, 2, 6, &f), BICO_E_ARG);
   EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "0x6"));
-  EXPECT_EQ(bico_fit_create(ctx, (size_t)1 << 40, 2, 0, &f), BICO_E_SHAPE);
+  EXPECT_EQ(bico_fit_create(ctx, 2, (size_t)1 << 40, 0, &f), BICO_E_SHAPE);
   EXPECT_EQ(f, nullptr);
   bico_fit_free(nullptr);
 
@@ -636,7 +637,7 @@ TEST(FitTest, AllocationFailuresAreClean) {
       bico_fit *f = nullptr;
       bico_status st = bico_ctx_create_with_allocator(
           &ctx, bt::fail_once_alloc, bt::fail_free, &fa);
-      if (st == BICO_OK) st = bico_fit_create(ctx, di, dout, BICO_FIT_BIAS, &f);
+      if (st == BICO_OK) st = bico_fit_create(ctx, dout, di, BICO_FIT_BIAS, &f);
       if (st == BICO_OK && zero_ridge) {
         bico_fit_set_param(f, BICO_FIT_RIDGE, 0.0);
         // Rank-deficient (dead column): the eigen fallback runs.
@@ -726,7 +727,7 @@ struct Host {
   std::vector<size_t> layer_calls;
 };
 
-bico_status host_layer(void *o, size_t l, size_t *d_in, size_t *d_out,
+bico_status host_layer(void *o, size_t l, size_t *d_out, size_t *d_in,
                        const float **w, size_t *ld_w, const float **b) {
   Host *h = static_cast<Host *>(o);
   h->layer_calls.push_back(l);
@@ -978,7 +979,7 @@ TEST(FitRunTest, BadRunnerIsRejected) {
   EXPECT_EQ(bico_fit_run(ctx, &none, 1e-2), BICO_OK);
   // A layer callback that reports a zero width: the fit's own message.
   struct Zero {
-    static bico_status layer(void *, size_t, size_t *d_in, size_t *d_out,
+    static bico_status layer(void *, size_t, size_t *d_out, size_t *d_in,
                              const float **w, size_t *ld, const float **b) {
       static const float one = 1.0f;
       *d_in = 0;
@@ -1110,7 +1111,7 @@ ParHost par_host(bt::Rng &g) {
   return h;
 }
 
-bico_status par_layer(void *o, size_t l, size_t *d_in, size_t *d_out,
+bico_status par_layer(void *o, size_t l, size_t *d_out, size_t *d_in,
                       const float **w, size_t *ld_w, const float **b) {
   ParHost *h = static_cast<ParHost *>(o);
   h->events.push_back("layer " + std::to_string(l));
@@ -1148,8 +1149,8 @@ bico_status par_rows(void *o, size_t l, bico_fit *fit) {
   return par_add(h, l, fit);
 }
 
-bico_status par_rows_group(void *o, size_t l, size_t count,
-                           bico_fit *const *fits) {
+bico_status par_rows_group(void *o, size_t l, bico_fit *const *fits,
+                           size_t count) {
   ParHost *h = static_cast<ParHost *>(o);
   h->events.push_back("rows_group " + std::to_string(l) + " " +
                       std::to_string(count));

@@ -783,8 +783,8 @@ bico_status make_adapter(bico_ctx *ctx, size_t r, float v, bico_lora **l) {
   std::vector<float> b(4 * r, v), a(r * 3, v);
   bico_status st = bico_lora_create(ctx, l);
   if (st == BICO_OK)
-    st = bico_lora_add_module(*l, "m", BICO_LORA_LINEAR, r, 2.0 * (double)r, 4,
-                              3, b.data(), a.data());
+    st = bico_lora_add_module(*l, "m", BICO_LORA_LINEAR, r, 4, 3,
+                              2.0 * (double)r, b.data(), a.data());
   return st;
 }
 }  // namespace

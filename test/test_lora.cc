@@ -125,7 +125,7 @@ TEST(LoraTransport, FactorsMultiplyOutToTheRotatedUpdate) {
   Mat Rout = semi_orth(g, dout_a, dout_b), Rin = semi_orth(g, din_a, din_b);
   std::vector<float> bo(dout_b * r), ao(r * din_b);
   auto rout = Rout.f32(), rin = Rin.f32();
-  const float *routs[1] = {rout.data()};
+  float *routs[1] = {rout.data()};
   bt::Ctx ctx;
   ASSERT_EQ(bico_lora_transport(ctx, r, 1, dout_a, din_a, dout_b, din_b,
                                 (float)alpha, B.f32().data(), A.f32().data(),
@@ -155,7 +155,7 @@ TEST(LoraTransport, PermutedTargetRecoversThePlantedUpdate) {
   Mat P = bt::rand_perm(g, d_out), Q = bt::rand_orth(g, d_in);
   Mat Rout = bt::transpose(P), Rin = bt::transpose(Q);
   auto rout = Rout.f32(), rin = Rin.f32();
-  const float *routs[1] = {rout.data()};
+  float *routs[1] = {rout.data()};
   std::vector<float> bo(d_out * r), ao(r * d_in);
   bt::Ctx ctx;
   ASSERT_EQ(bico_lora_transport(ctx, r, 1, d_out, d_in, d_out, d_in, 1.0f,
@@ -180,7 +180,7 @@ TEST(LoraTransport, FusedSplitActsOnRowBlocksOfB) {
     for (size_t i = 0; i < ba; i++)
       for (size_t c = 0; c < bb; c++) Rfull(j * ba + i, j * bb + c) = R[j](i, c);
   }
-  const float *routs[3] = {rf[0].data(), nullptr, rf[2].data()};  // block 1: identity
+  float *routs[3] = {rf[0].data(), nullptr, rf[2].data()};  // block 1: identity
   for (size_t i = 0; i < ba; i++)
     for (size_t c = 0; c < bb; c++) Rfull(ba + i, bb + c) = i == c ? 1.0 : 0.0;
   std::vector<float> bo(k * bb * r), ao(r * din);
@@ -239,7 +239,7 @@ TEST(LoraTruncate, PlantedSpectrumGivesKnownEnergyAndBestFactors) {
   double energy = -1;
   bt::Ctx ctx;
   auto d = D.f32();
-  ASSERT_EQ(bico_lora_truncate(ctx, m, n, d.data(), n, r, scale, bo.data(),
+  ASSERT_EQ(bico_lora_truncate(ctx, m, n, r, scale, d.data(), n, bo.data(),
                                ao.data(), &energy),
             BICO_OK)
       << bico_ctx_errmsg(ctx);
@@ -249,13 +249,13 @@ TEST(LoraTruncate, PlantedSpectrumGivesKnownEnergyAndBestFactors) {
 
   // A matrix of rank r comes back exactly, with all its energy.
   auto dr = Dr.f32();
-  ASSERT_EQ(bico_lora_truncate(ctx, m, n, dr.data(), n, r, 1.0, bo.data(),
+  ASSERT_EQ(bico_lora_truncate(ctx, m, n, r, 1.0, dr.data(), n, bo.data(),
                                ao.data(), &energy),
             BICO_OK);
   EXPECT_NEAR(energy, 1.0, 1e-6);
   EXPECT_LT(bt::relerr(bt::matmul(as_mat(bo.data(), m, r), as_mat(ao.data(), r, n)), Dr), 1e-5);
 
-  EXPECT_EQ(bico_lora_truncate(ctx, m, n, d.data(), n, r, 0.0, bo.data(),
+  EXPECT_EQ(bico_lora_truncate(ctx, m, n, r, 0.0, d.data(), n, bo.data(),
                                ao.data(), &energy),
             BICO_E_ARG);
   EXPECT_TRUE(mentions(ctx, "lora_truncate: scale 0"));
@@ -534,10 +534,10 @@ TEST(LoraWrite, FailedSaveLeavesExistingFilesAlone) {
   std::string out = dir / "adapter";
   EXPECT_EQ(bico_lora_save(l, out.c_str()), BICO_E_STATE);  // no modules
   float b[2] = {1, 2}, a[3] = {1, 2, 3};
-  EXPECT_EQ(bico_lora_add_module(l, "m", BICO_LORA_LINEAR, 1, 0.0, 2, 3, b, a), BICO_E_ARG);
+  EXPECT_EQ(bico_lora_add_module(l, "m", BICO_LORA_LINEAR, 1, 2, 3, 0.0, b, a), BICO_E_ARG);
   EXPECT_TRUE(mentions(ctx, "alpha 0"));
-  ASSERT_EQ(bico_lora_add_module(l, "m", BICO_LORA_LINEAR, 1, 2.0, 2, 3, b, a), BICO_OK);
-  EXPECT_EQ(bico_lora_add_module(l, "m", BICO_LORA_LINEAR, 1, 2.0, 2, 3, b, a), BICO_E_ARG);
+  ASSERT_EQ(bico_lora_add_module(l, "m", BICO_LORA_LINEAR, 1, 2, 3, 2.0, b, a), BICO_OK);
+  EXPECT_EQ(bico_lora_add_module(l, "m", BICO_LORA_LINEAR, 1, 2, 3, 2.0, b, a), BICO_E_ARG);
   EXPECT_TRUE(mentions(ctx, "module m added twice"));
   EXPECT_EQ(bico_lora_add_saved(l, "other.weight", "m", 1, nullptr, b), BICO_E_NULL);
   size_t sh[1] = {2};
@@ -547,7 +547,7 @@ TEST(LoraWrite, FailedSaveLeavesExistingFilesAlone) {
   ASSERT_EQ(bico_lora_save(l, out.c_str()), BICO_OK) << bico_ctx_errmsg(ctx);
   std::string before = stt::read_bytes(out + "/adapter_config.json");
   std::string st_before = stt::read_bytes(out + "/adapter_model.safetensors");
-  ASSERT_EQ(bico_lora_add_module(l, "n", BICO_LORA_LINEAR, 1, 2.0, 2, 3, b, a), BICO_OK);
+  ASSERT_EQ(bico_lora_add_module(l, "n", BICO_LORA_LINEAR, 1, 2, 3, 2.0, b, a), BICO_OK);
   stt::write_bytes(out + "/blocker", "");
   if (geteuid() != 0) {
     chmod(out.c_str(), 0500);
@@ -600,7 +600,7 @@ TEST(LoraMemory, FactoredPathAllocatesNoDenseMatrix) {
   bico_ctx *ctx = nullptr;
   ASSERT_EQ(bico_ctx_create_with_allocator(&ctx, count_alloc, count_free, &c), BICO_OK);
   size_t base = c.peak;
-  const float *routs[1] = {rout.data()};
+  float *routs[1] = {rout.data()};
   ASSERT_EQ(bico_lora_transport(ctx, r, 1, d, d, d, d, 1.0f, b.data(), a.data(),
                                 routs, d, rin.data(), d, bo.data(), ao.data()),
             BICO_OK);
@@ -610,7 +610,7 @@ TEST(LoraMemory, FactoredPathAllocatesNoDenseMatrix) {
   bico_lora *l = nullptr;
   ASSERT_EQ(bico_lora_create(ctx, &l), BICO_OK);
   size_t before = c.live;
-  ASSERT_EQ(bico_lora_add_module(l, "m", BICO_LORA_LINEAR, r, 16, d, d, bo.data(), ao.data()), BICO_OK);
+  ASSERT_EQ(bico_lora_add_module(l, "m", BICO_LORA_LINEAR, r, d, d, 16, bo.data(), ao.data()), BICO_OK);
   size_t held = c.live - before;
   // + the module-name index (a 64-slot table) and the name itself.
   EXPECT_LT(held, 2 * r * d * sizeof(float) + 2048);
@@ -618,7 +618,7 @@ TEST(LoraMemory, FactoredPathAllocatesNoDenseMatrix) {
   ASSERT_EQ(bico_lora_dense(l, 0, 1.0f, 0.0f, dense.data(), d), BICO_OK);
   c.peak = c.live;
   base = c.peak;
-  ASSERT_EQ(bico_lora_truncate(ctx, d, d, dense.data(), d, r, 2.0, bo.data(), ao.data(), nullptr),
+  ASSERT_EQ(bico_lora_truncate(ctx, d, d, r, 2.0, dense.data(), d, bo.data(), ao.data(), nullptr),
             BICO_OK);
   size_t dense_path = c.peak - base;
   EXPECT_GT(dense_path, d * d * sizeof(double));
@@ -1438,8 +1438,8 @@ TEST(LoraScale, FortyThousandModulesAreNearLinear) {
     std::string name = "layers." + std::to_string(i) + ".q";
     // Ranks all 1; alphas 1..3 in thirds: the mode is the one kept in r /
     // lora_alpha, the rest go to alpha_pattern.
-    ASSERT_EQ(bico_lora_add_module(l, name.c_str(), BICO_LORA_LINEAR, 1,
-                                   1.0 + (double)(i % 3 == 0), 2, 1, b, a),
+    ASSERT_EQ(bico_lora_add_module(l, name.c_str(), BICO_LORA_LINEAR, 1, 2, 1,
+                                   1.0 + (double)(i % 3 == 0), b, a),
               BICO_OK);
   }
   size_t k = 0;
@@ -1544,6 +1544,65 @@ TEST(LoraOom, WholeModelTransfer) {
         return st;
       },
       {out + "/adapter_config.json", out + "/adapter_model.safetensors", ckpt, rep});
+}
+
+// target_modules by PEFT's rules (issue 32): a module's factors are read
+// when target_modules names it -- a list entry equal to its name or a
+// dotted suffix of it, a regular expression its whole name matches,
+// "all-linear" (every linear module but lm_head), or no target_modules --
+// and refused, naming the file and the module, when it does not (PEFT
+// would not apply them).  Python-only regular expression syntax is refused.
+TEST(LoraOpen, TargetModulesByPeftsRules) {
+  stt::TempDir dir;
+  bt::Ctx ctx;
+  bt::Rng g(8);
+  Mat a = bt::randn(g, 1, 3), b = bt::randn(g, 2, 1);
+  const File factors = {{"model.layers.0.self_attn.q_proj.lora_A.weight", T(a)},
+                        {"model.layers.0.self_attn.q_proj.lora_B.weight", T(b)},
+                        {"model.layers.0.mlp.up_proj.lora_A.weight", T(a)},
+                        {"model.layers.0.mlp.up_proj.lora_B.weight", T(b)},
+                        {"lm_head.lora_A.weight", T(a)},
+                        {"lm_head.lora_B.weight", T(b)}};
+  struct Case {
+    const char *targets;  // the JSON value, or nullptr: absent
+    bico_status want;
+    const char *refused;  // the module the message names
+  } cases[] = {
+      {nullptr, BICO_OK, nullptr},
+      {"null", BICO_OK, nullptr},
+      {"[\"q_proj\", \"up_proj\", \"lm_head\"]", BICO_OK, nullptr},
+      {"[\"self_attn.q_proj\", \"mlp.up_proj\", \"lm_head\"]", BICO_OK, nullptr},
+      // "proj" is no dotted suffix of q_proj: a suffix must end at a dot
+      {"[\"proj\", \"lm_head\"]", BICO_E_FORMAT, "model.layers.0.self_attn.q_proj"},
+      {"[\"q_proj\", \"lm_head\"]", BICO_E_FORMAT, "model.layers.0.mlp.up_proj"},
+      {"\".*(q_proj|up_proj)|lm_head\"", BICO_OK, nullptr},
+      // a full match: "q_proj" alone matches no whole name
+      {"\"q_proj|.*up_proj|lm_head\"", BICO_E_FORMAT, "model.layers.0.self_attn.q_proj"},
+      {"\"all-linear\"", BICO_E_FORMAT, "lm_head"},
+      {"\".*\\\\.(q|up)_proj\\\\d*|lm_head\"", BICO_E_UNSUPPORTED, "\\d"},
+      {"\"(?:.*q_proj)|.*\"", BICO_E_UNSUPPORTED, "(?"},
+      {"\"[\"", BICO_E_FORMAT, "not a regular expression"},
+      {"42", BICO_E_FORMAT, "target_modules"},
+  };
+  int k = 0;
+  for (auto &c : cases) {
+    SCOPED_TRACE(c.targets ? c.targets : "(absent)");
+    std::string ad = dir / ("ad" + std::to_string(k++));
+    mkdir(ad.c_str(), 0700);
+    std::string cfg = "{\"peft_type\": \"LORA\", \"r\": 1, \"lora_alpha\": 1";
+    if (c.targets) cfg += std::string(", \"target_modules\": ") + c.targets;
+    write_adapter(ad, cfg + "}", factors);
+    bico_lora *l = reinterpret_cast<bico_lora *>(&ctx);
+    EXPECT_EQ(bico_lora_open(ctx, ad.c_str(), &l), c.want) << bico_ctx_errmsg(ctx);
+    if (c.want == BICO_OK) {
+      EXPECT_EQ(bt::count(bico_lora_module_count, l), 3u);
+    } else {
+      EXPECT_EQ(l, nullptr);
+      EXPECT_TRUE(mentions(ctx, c.refused)) << bico_ctx_errmsg(ctx);
+      EXPECT_TRUE(mentions(ctx, ad + "/adapter_")) << bico_ctx_errmsg(ctx);
+    }
+    bico_lora_free(l);
+  }
 }
 
 }  // namespace

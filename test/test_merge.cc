@@ -29,8 +29,10 @@ bool mentions(bico_ctx *ctx, const std::string &what) {
 Vec merge(bico_ctx *ctx, int method, const std::vector<Vec> &taus,
           const std::vector<double> &w, const std::vector<double> &d,
           int normalize, bico_status want = BICO_OK) {
-  std::vector<const float *> p;
-  for (auto &t : taus) p.push_back(t.data());
+  // Arrays of pointers are T *const * (docs/api.md): a table of const
+  // pointers is passed with a cast; the library writes through none.
+  std::vector<float *> p;
+  for (auto &t : taus) p.push_back(const_cast<float *>(t.data()));
   Vec out(taus[0].size(), -99.0f);
   EXPECT_EQ(bico_merge_tensor(ctx, method, taus.size(), out.size(), p.data(),
                               w.data(), d.empty() ? nullptr : d.data(),

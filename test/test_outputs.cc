@@ -559,7 +559,7 @@ TEST(TransferProgress, LoraRunsReportEveryTargetModule) {
     bico_lora *l = nullptr;
     ASSERT_EQ(bico_lora_create(ctx, &l), BICO_OK);
     std::vector<float> b(3 * 2, 0.25f), a(2 * 5, 0.5f);
-    ASSERT_EQ(bico_lora_add_module(l, "blocks.1.fc", BICO_LORA_LINEAR, 2, 2.0, 3, 5,
+    ASSERT_EQ(bico_lora_add_module(l, "blocks.1.fc", BICO_LORA_LINEAR, 2, 3, 5, 2.0,
                                    b.data(), a.data()),
               BICO_OK) << bico_ctx_errmsg(ctx);
     ASSERT_EQ(bico_lora_save(l, (d / "ad").c_str()), BICO_OK) << bico_ctx_errmsg(ctx);

@@ -674,8 +674,8 @@ struct Lent {
                  {"blocks.1.fc", BICO_SIDE_OUT, &r.out1a, &r.out1b}};
     for (auto &s : sides) {
       xs.push_back(acc(ctx, *s.a, *s.b, flags));
-      const bico_xcov *one = xs.back();
-      ASSERT_EQ(bico_transfer_set_xcov(t, s.m, s.side, 1, &one), BICO_OK);
+      bico_xcov *one = xs.back();
+      ASSERT_EQ(bico_transfer_set_xcov(t, s.m, s.side, &one, 1), BICO_OK);
     }
   }
 };
@@ -811,13 +811,12 @@ TEST(TransferLent, SplitSideFromOneOrPerBlockAccumulators) {
     lent.all(ctx, tr.t, rows, fl);
     if (per_block) {
       size_t h = c.d / 2;
-      std::vector<const bico_xcov *> blocks;
+      std::vector<bico_xcov *> blocks;
       for (size_t b = 0; b < 2; b++) {
         lent.xs.push_back(acc(ctx, rows.out0a, rows.out0b, fl, b * h, h, b * h, h));
         blocks.push_back(lent.xs.back());
       }
-      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.0.fc", BICO_SIDE_OUT, 2,
-                                       blocks.data()),
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.0.fc", BICO_SIDE_OUT, blocks.data(), 2),
                 BICO_OK);
     }
     ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
@@ -837,18 +836,18 @@ TEST(TransferLent, BadAccumulatorsAndArgumentsAreNamed) {
   std::string out = c.dir + "/out.safetensors";
   bico_xcov *x = acc(ctx, rows.in0a, rows.in0b, 0);
   bico_xcov *half = acc(ctx, rows.in0a, rows.in0b, 0, 0, c.d / 2, 0, c.d);
-  const bico_xcov *two[2] = {x, x};
+  bico_xcov *two[2] = {x, x};
   {
     Transfer tr(ctx);
-    EXPECT_EQ(bico_transfer_set_xcov(tr.t, nullptr, BICO_SIDE_IN, 1, two), BICO_E_NULL);
-    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", 0, 1, two), BICO_E_ARG);
-    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", 3, 1, two), BICO_E_ARG);
-    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, 2, two), BICO_E_ARG);
-    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "", BICO_SIDE_IN, 1, two), BICO_E_ARG);
-    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, 1, nullptr), BICO_E_NULL);
-    EXPECT_EQ(bico_transfer_set_xcov(nullptr, "m", BICO_SIDE_IN, 1, two), BICO_E_NULL);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, nullptr, BICO_SIDE_IN, two, 1), BICO_E_NULL);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", 0, two, 1), BICO_E_ARG);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", 3, two, 1), BICO_E_ARG);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, two, 2), BICO_E_ARG);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "", BICO_SIDE_IN, two, 1), BICO_E_ARG);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, nullptr, 1), BICO_E_NULL);
+    EXPECT_EQ(bico_transfer_set_xcov(nullptr, "m", BICO_SIDE_IN, two, 1), BICO_E_NULL);
     EXPECT_EQ(bico_transfer_set_votes(tr.t, nullptr, nullptr), BICO_E_NULL);
-    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, 0, nullptr), BICO_OK);
+    EXPECT_EQ(bico_transfer_set_xcov(tr.t, "m", BICO_SIDE_IN, nullptr, 0), BICO_OK);
   }
   EXPECT_STREQ(bico_transfer_side_name(BICO_SIDE_IN), "in");
   EXPECT_STREQ(bico_transfer_side_name(BICO_SIDE_OUT), "out");
@@ -868,19 +867,19 @@ TEST(TransferLent, BadAccumulatorsAndArgumentsAreNamed) {
     bico_status want = BICO_E_NOTFOUND;
     const char *needle = "blocks.1.fc.out_xcov";
     if (variant == 0) {
-      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, 0, nullptr), BICO_OK);
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, nullptr, 0), BICO_OK);
     } else if (variant == 1) {
-      const bico_xcov *h = half;
-      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.0.fc", BICO_SIDE_IN, 1, &h), BICO_OK);
+      bico_xcov *h = half;
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.0.fc", BICO_SIDE_IN, &h, 1), BICO_OK);
       want = BICO_E_SHAPE;
       needle = "blocks.0.fc";
     } else if (variant == 2) {
-      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, 2, two), BICO_OK);
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, two, 2), BICO_OK);
       want = BICO_E_SHAPE;  // 2 blocks for a module that is not split
       needle = "blocks.1.fc";
     } else {
       ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_WORKERS, 3), BICO_OK);
-      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, 0, nullptr), BICO_OK);
+      ASSERT_EQ(bico_transfer_set_xcov(tr.t, "blocks.1.fc", BICO_SIDE_OUT, nullptr, 0), BICO_OK);
     }
     EXPECT_EQ(bico_transfer_run(tr.t), want);
     EXPECT_EQ(bico_ctx_errcode(ctx), want);
@@ -964,6 +963,8 @@ TEST(TransferLent, GradfixVotesFromMemoryInBothModes) {
       ASSERT_EQ(bico_votes_create(ctx, e.second.v.size(), variant ? BICO_VOTES_MEAN : 0, &v),
                 BICO_OK);
       all.push_back(v);
+      std::vector<float> g(e.second.v.size(), 1.0f);  // one sample (none is refused)
+      ASSERT_EQ(bico_votes_add_grad(v, g.data()), BICO_OK);
       ASSERT_EQ(bico_transfer_set_votes(tr.t, e.first.c_str(), v), BICO_OK);
     }
     EXPECT_EQ(bico_transfer_run(tr.t), variant ? BICO_E_NOTFOUND : BICO_E_STATE);

@@ -141,7 +141,7 @@ TEST(TransferCheck, FilesThatGoTogetherAreCheckedWithoutOpeningAny) {
     EXPECT_EQ(back, f);
   }
   EXPECT_EQ(bico_transfer_file_name(0), nullptr);
-  EXPECT_EQ(bico_transfer_file_name(BICO_FILE_TARGET_CONFIG + 1), nullptr);
+  EXPECT_EQ(bico_transfer_file_name(BICO_FILE_BRIDGE_OUTPUT + 1), nullptr);
   int w = -7;
   EXPECT_EQ(bico_transfer_file_from_name("sauce base", &w), BICO_E_NOTFOUND);
   EXPECT_EQ(w, -7);

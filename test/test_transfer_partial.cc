@@ -406,7 +406,7 @@ TEST(TransferPlan, HandlingNamesAndFileGetter) {
   ASSERT_EQ(bico_transfer_get_file(t, BICO_FILE_DELTA_OUTPUT, &path), BICO_OK);
   EXPECT_EQ(path, nullptr);
   EXPECT_EQ(bico_transfer_get_file(t, 0, &path), BICO_E_ARG);
-  EXPECT_EQ(bico_transfer_get_file(t, BICO_FILE_TARGET_CONFIG + 1, &path), BICO_E_ARG);
+  EXPECT_EQ(bico_transfer_get_file(t, BICO_FILE_BRIDGE_OUTPUT + 1, &path), BICO_E_ARG);
   EXPECT_EQ(bico_transfer_get_file(t, 1, nullptr), BICO_E_NULL);
   bico_transfer_free(t);
 }

@@ -270,7 +270,7 @@ TEST(Transport, SplitEqualsBlockwiseAndBlockDiagonal) {
       Buf tau(bt::randn(g, dout_a, din_a), pad);
       std::vector<Buf> rs;
       for (size_t i = 0; i < k; i++) rs.emplace_back(bt::randn(g, bd.a, bd.b), pad);
-      std::vector<const float *> ptrs(k);
+      std::vector<float *> ptrs(k);
       std::vector<Mat> rm(k);
       std::vector<const Mat *> blk(k);
       for (size_t i = 0; i < k; i++) {
@@ -327,7 +327,7 @@ TEST(Transport, SplitWithOneBlockEqualsWeight) {
   Buf tau(bt::randn(g, 6, 4), 0), rout(bt::randn(g, 6, 5), 0),
       rin(bt::randn(g, 4, 3), 0);
   Buf a = Buf::filled(5, 3, 0, kNaN), b = Buf::filled(5, 3, 0, kNaN);
-  const float *rs[] = {rout.p()};
+  float *rs[] = {rout.p()};
   ASSERT_EQ(BICO_OK, bico_transport_weight_split(ctx, 1, 6, 4, 5, 3, 1.0f,
                                                  tau.p(), 4, rs, 5, rin.p(), 3,
                                                  0.0f, a.p(), 3));
@@ -468,7 +468,7 @@ TEST_F(TransportErrors, StridesTooSmall) {
 }
 
 TEST_F(TransportErrors, SplitBlocksMustDivide) {
-  const float *rs[] = {nullptr, nullptr, nullptr};
+  float *rs[] = {nullptr, nullptr, nullptr};
   Buf t6 = Buf::filled(6, 3, 0, 1.0f), o = Buf::filled(7, 3, 0, 7.0f);
   EXPECT_EQ(BICO_E_SHAPE,
             bico_transport_weight_split(ctx, 3, 6, 3, 7, 3, 1.0f, t6.p(), 3,
@@ -510,7 +510,7 @@ TEST_F(TransportErrors, NonFiniteInputs) {
   // Split names the offending block; vector and rows name their arguments.
   Buf r0 = Buf::filled(2, 2, 0, 1.0f), r1 = Buf::filled(2, 2, 0, 1.0f);
   r1.at(0, 1) = kNaN;
-  const float *rs[] = {r0.p(), r1.p()};
+  float *rs[] = {r0.p(), r1.p()};
   Buf o = Buf::filled(4, 3, 0, 0.0f);
   EXPECT_EQ(BICO_E_NONFINITE,
             bico_transport_weight_split(ctx, 2, 4, 3, 4, 3, 1.0f, tau.p(), 3,

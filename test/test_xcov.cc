@@ -452,8 +452,9 @@ TEST(XcovTest, NullPointersAndZeroDims) {
   size_t sz;
   EXPECT_EQ(bico_xcov_serialized_size(nullptr, &sz), BICO_E_NULL);
   EXPECT_EQ(bico_xcov_serialized_size(xc, nullptr), BICO_E_NULL);
-  EXPECT_EQ(bico_xcov_deserialize(nullptr, xa, 4, &xc), BICO_E_NULL);
-  bico_xcov *dummy = nullptr;
+  bico_xcov *dummy = xc;
+  EXPECT_EQ(bico_xcov_deserialize(nullptr, xa, 4, &dummy), BICO_E_NULL);
+  EXPECT_EQ(dummy, nullptr);  // a failed create writes NULL, even without a context
   EXPECT_EQ(bico_xcov_deserialize(ctx, nullptr, 4, &dummy), BICO_E_NULL);
   EXPECT_EQ(bico_xcov_merge(nullptr, xc), BICO_E_NULL);
   EXPECT_EQ(bico_xcov_merge(xc, nullptr), BICO_E_NULL);

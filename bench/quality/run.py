@@ -48,6 +48,7 @@ import vit  # noqa: E402
 
 import bico.torch as bt  # noqa: E402
 from bico.fit import Fit  # noqa: E402
+from bico.torch import distill as bt_distill  # noqa: E402
 
 ORACLE = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0]
 RESULTS_VERSION = 4
@@ -224,6 +225,27 @@ def cell(case, method, variant, calib):
                                 shared_out=variant.get("shared_out", ()))
         delta = delta_of(new, case.b0)
         res["alpha"] = 1.0
+    elif method == "distill":
+        # the same 100 images in batches of 25: transfer_model holds out a
+        # quarter of the batches (3 or more) to choose its step
+        aug = variant.get("augment", "auto")
+        if aug == "mixup+shift":
+            aug = bt_distill.compose(bt_distill.mixup(), bt_distill.shift(2))
+        new = bt.transfer_model(A, Aft, B, calib_batches(case.task, calib, 25),
+                                method="distill", loss_fn=loss_fn,
+                                distill_augment=aug)
+        delta = delta_of(new, case.b0)
+        res["alpha"] = 1.0
+    elif method == "proxy-tuning":
+        # the reference: B + (A_ft - A) on the logits at test time (not a
+        # transfer: the three models run on every image)
+        class Proxy(torch.nn.Module):
+            def forward(self, x):
+                return B(x) + Aft(x) - A(x)
+        x, y = case.test
+        acc = vit.accuracy(Proxy().eval(), x, y)
+        return {"acc": acc, "alpha": 1.0, "acc_oracle": acc,
+                "alpha_oracle": 1.0}
     elif method == "head-fit":
         delta = head_fit(case, batches, variant.get("ridge", 1e-2))
         res["alpha"] = 1.0
@@ -289,6 +311,13 @@ ROWS = [
 # computed only when named with --rows (slow)
 EXTRA_ROWS = [
     ("fit 1000 calib", "fit", {}, 1000, "all"),
+    # issue 30: the proxy-tuned teacher distilled into the target's weights
+    # (transfer_model's defaults: mixup, 1500 steps), with the images
+    # also shifted, and the teacher itself as the reference
+    ("distill", "distill", {}, 100, "all"),
+    ("distill mixup+shift", "distill", {"augment": "mixup+shift"}, 100,
+     "all"),
+    ("proxy-tuning", "proxy-tuning", {}, 100, "all"),
 ]
 # the order of the work: these tiers of rows first, then the rest
 TIERS = [["bico", "fit", "fit 400 calib"],

@@ -124,7 +124,7 @@ typedef struct fit_host {
   size_t log_cap, log_off;
 } fit_host;
 
-static bico_status fit_layer(void *o, size_t l, size_t *d_in, size_t *d_out,
+static bico_status fit_layer(void *o, size_t l, size_t *d_out, size_t *d_in,
                              const float **w, size_t *ld_w, const float **b) {
   fit_host *h = o;
   *d_in = h->b->dims[l];

@@ -67,10 +67,11 @@ typedef enum bico_fit_param {
   BICO_FIT_RANK_TOL = 2
 } bico_fit_param;
 
-/* Creates an empty fit for a layer with d_in inputs and d_out outputs.  The
- * handle keeps a pointer to ctx (which must outlive it) and reports
- * failures there. */
-BICO_API bico_status bico_fit_create(bico_ctx *ctx, size_t d_in, size_t d_out,
+/* Creates an empty fit for a layer with d_out outputs and d_in inputs
+ * (docs/api.md's dimension order: a layer's widths as its weight's shape,
+ * [d_out, d_in]).  The handle keeps a pointer to ctx (which must outlive
+ * it) and reports failures there. */
+BICO_API bico_status bico_fit_create(bico_ctx *ctx, size_t d_out, size_t d_in,
                                      unsigned flags, bico_fit **out);
 /* Frees the fit; accepts NULL. */
 BICO_API void bico_fit_free(bico_fit *f);
@@ -104,8 +105,8 @@ BICO_API bico_status bico_fit_merge(bico_fit *dst, const bico_fit *src);
 BICO_API bico_status bico_fit_reset(bico_fit *f);
 
 /* Dimensions, rows added so far and flags; any out-pointer may be NULL. */
-BICO_API bico_status bico_fit_info(const bico_fit *f, size_t *d_in,
-                                   size_t *d_out, uint64_t *rows,
+BICO_API bico_status bico_fit_info(const bico_fit *f, size_t *d_out,
+                                   size_t *d_in, uint64_t *rows,
                                    unsigned *flags);
 
 /* Solves for the update of W_B (d_out x d_in, row stride ld_w >= d_in) and
@@ -132,7 +133,7 @@ BICO_API bico_status bico_fit_solve(bico_fit *f, const float *w_b,
  * for the next layer's rows, so those rows already see the update.  For
  * layer l the host's callbacks do this:
  *
- *   layer(opaque, l, &d_in, &d_out, &w, &ld_w, &b)
+ *   layer(opaque, l, &d_out, &d_in, &w, &ld_w, &b)
  *       the layer's shape and its current weight W_B (d_out x d_in, row
  *       stride ld_w) and bias b_B (d_out floats, or NULL for a layer
  *       without bias: then no bias is fitted).  The pointers must stay
@@ -178,7 +179,7 @@ BICO_API bico_status bico_fit_solve(bico_fit *f, const float *w_b,
  *       any of their updates, then solves and updates them in order.  The
  *       pointers layer() gave stay valid until that layer's update
  *       returns.  NULL: every layer is a group of one.
- *   rows_group(opaque, l, count, fits)
+ *   rows_group(opaque, l, fits, count)
  *       when non-NULL, called once per group (of one, too) instead of
  *       rows: fits[i] is layer l+i's fit (rows may then be NULL).
  *   solve(opaque, l, fit, dw, ld_dw, db, rank)
@@ -205,7 +206,7 @@ typedef struct bico_fit_runner {
   size_t size;   /* sizeof(bico_fit_runner) */
   void *opaque;  /* passed to every callback */
   size_t layers; /* number of linear layers to fit, in forward order */
-  bico_status (*layer)(void *opaque, size_t l, size_t *d_in, size_t *d_out,
+  bico_status (*layer)(void *opaque, size_t l, size_t *d_out, size_t *d_in,
                        const float **w, size_t *ld_w, const float **b);
   bico_status (*rows)(void *opaque, size_t l, bico_fit *fit);
   bico_status (*update)(void *opaque, size_t l, const float *dw,
@@ -224,8 +225,8 @@ typedef struct bico_fit_runner {
                              size_t *count);
   bico_status (*block_end)(void *opaque, size_t k);
   bico_status (*group)(void *opaque, size_t l, size_t *count);
-  bico_status (*rows_group)(void *opaque, size_t l, size_t count,
-                            bico_fit *const *fits);
+  bico_status (*rows_group)(void *opaque, size_t l, bico_fit *const *fits,
+                            size_t count);
   bico_status (*solve)(void *opaque, size_t l, bico_fit *fit, float *dw,
                        size_t ld_dw, float *db, size_t *rank);
 } bico_fit_runner;

@@ -18,6 +18,14 @@
  *   base_model.model.<module>.<param>                a full tensor of a
  *                                                    module listed in
  *                                                    modules_to_save
+ * target_modules says which modules PEFT adapts, by PEFT's rule: a list
+ * names a module when an entry equals its name or is a "."-suffix of it; a
+ * string is a regular expression the whole name matches (read as a POSIX
+ * extended expression; Python-only syntax such as \d, \w, (?...) or lazy
+ * quantifiers is refused, BICO_E_UNSUPPORTED), "all-linear" every linear
+ * module but lm_head; null or absent: every module with factors.  Factors
+ * of a module it does not name are refused (BICO_E_FORMAT naming the file
+ * and the module): PEFT would not apply them.
  * The config's r and lora_alpha give the default rank and alpha;
  * rank_pattern and alpha_pattern override them for modules whose name
  * equals a key or ends with "." + key (literal; keys holding regular
@@ -59,7 +67,8 @@
  * differ, target_modules the sorted list of full module names,
  * modules_to_save, use_rslora, fan_in_fan_out, bias "none", use_dora false,
  * and the string options set with bico_lora_set_string (task_type,
- * base_model_name_or_path).
+ * base_model_name_or_path).  Factors and saved tensors are written as F32
+ * (PEFT's convention), whatever the base model's dtype.
  *
  * Names.  Module names are the base model's (the safetensors names without
  * "base_model.model." and without the parameter), as bico_model uses. */
@@ -146,10 +155,12 @@ BICO_API bico_status bico_lora_find_module(const bico_lora *l,
 BICO_API bico_status bico_lora_factors(const bico_lora *l, size_t i,
                                        const float **b, const float **a);
 /* Adds a module (name unique, else BICO_E_ARG; rank, d_out, d_in >= 1;
- * alpha > 0 finite); the factors are copied. */
+ * alpha > 0 finite) with factors b [d_out, rank] and a [rank, d_in]; the
+ * factors are copied.  The sizes in bico_lora_module's order, then the
+ * scalar, then the arrays (docs/api.md). */
 BICO_API bico_status bico_lora_add_module(bico_lora *l, const char *name,
-                                          int kind, size_t rank, double alpha,
-                                          size_t d_out, size_t d_in,
+                                          int kind, size_t rank, size_t d_out,
+                                          size_t d_in, double alpha,
                                           const float *b, const float *a);
 
 /* ---- Full tensors (modules_to_save) ---- */
@@ -194,7 +205,7 @@ BICO_API bico_status bico_lora_dense(const bico_lora *l, size_t i,
 BICO_API bico_status bico_lora_transport(
     bico_ctx *ctx, size_t rank, size_t k, size_t dout_a, size_t din_a,
     size_t dout_b, size_t din_b, float alpha, const float *b, const float *a,
-    const float *const *r_outs, size_t ld_rout, const float *r_in,
+    float *const *r_outs, size_t ld_rout, const float *r_in,
     size_t ld_rin, float *b_out, float *a_out);
 
 /* Best rank-`rank` factors of a dense update (truncated SVD, LAPACK):
@@ -203,9 +214,9 @@ BICO_API bico_status bico_lora_transport(
  * *energy (may be NULL) gets sum_{i<r} s_i^2 / sum_i s_i^2 (1 for a zero
  * matrix).  scale > 0. */
 BICO_API bico_status bico_lora_truncate(bico_ctx *ctx, size_t d_out,
-                                        size_t d_in, const float *dense,
-                                        size_t ld, size_t rank, double scale,
-                                        float *b_out, float *a_out,
+                                        size_t d_in, size_t rank,
+                                        double scale, const float *dense,
+                                        size_t ld, float *b_out, float *a_out,
                                         double *energy);
 
 #ifdef __cplusplus

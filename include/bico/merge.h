@@ -53,7 +53,7 @@ BICO_API bico_status bico_merge_method_from_name(const char *name,
  * 1; LINEAR requires density 1).  normalize: 0 or 1. */
 BICO_API bico_status bico_merge_tensor(bico_ctx *ctx, int method,
                                        size_t ntasks, size_t n,
-                                       const float *const *taus,
+                                       float *const *taus,
                                        const double *weights,
                                        const double *densities, int normalize,
                                        float *out);
@@ -85,7 +85,7 @@ BICO_API const char *bico_merge_file_name(int which);
 BICO_API bico_status bico_merge_file_from_name(const char *name, int *which);
 
 typedef enum bico_merge_param {
-  BICO_MERGE_METHOD = 1,    /* bico_merge_method; default LINEAR */
+  BICO_MERGE_METHOD = 1,    /* bico_merge_method; 0 = default (LINEAR) */
   BICO_MERGE_ALPHA = 2,     /* finite, > 0; default 1 (mergekit's lambda) */
   BICO_MERGE_NORMALIZE = 3, /* -1: the method's default (TIES 1, LINEAR 0),
                                0 or 1; default -1 */
@@ -102,7 +102,8 @@ BICO_API bico_status bico_merge_set_file(bico_merge *m, int which,
                                          const char *path);
 BICO_API bico_status bico_merge_set_param(bico_merge *m, int param,
                                           double value);
-/* The option grammar of params.h: METHOD [1, 2], ALPHA (0, FLT_MAX]
+/* The option grammar of params.h: METHOD [0, 2] (0: the default,
+ * LINEAR; get_param reports the member), ALPHA (0, FLT_MAX]
  * (BICO_PARAM_LO_OPEN; used as a float), NORMALIZE [-1, 1] (integers),
  * MAX_SHARD_SIZE (bytes); names "method", "alpha", "normalize",
  * "max_shard_size". */

@@ -111,13 +111,19 @@ typedef enum bico_transfer_file {
    * below); optional: by default the config.json inside a base given as a
    * model folder is read. */
   BICO_FILE_SOURCE_CONFIG = 14,
-  BICO_FILE_TARGET_CONFIG = 15
+  BICO_FILE_TARGET_CONFIG = 15,
+  /* A bridge file (bico_transfer_bridge, below): read by a run in place of
+   * the statistics (BRIDGE), written by bico_transfer_bridge
+   * (BRIDGE_OUTPUT). */
+  BICO_FILE_BRIDGE = 16,
+  BICO_FILE_BRIDGE_OUTPUT = 17
 } bico_transfer_file;
 
 /* Names of the file slots ("source base", "source tuned", "task vector",
  * "target base", "source calib", "target calib", "stats", "target votes",
  * "output", "delta output", "report", "source adapter", "output adapter",
- * "source config", "target config"): the library's messages name a slot's
+ * "source config", "target config", "bridge", "bridge output"): the
+ * library's messages name a slot's
  * file as "the <name> file", so a front end can put its own spelling of
  * the option in its place.  _from_name also takes the bindings' spelling,
  * an underscore for each space ("source_base").  NULL / BICO_E_NOTFOUND
@@ -129,14 +135,14 @@ BICO_API bico_status bico_transfer_file_from_name(const char *name,
 /* Numeric options (bico_transfer_set_param), with bounds from
  * bico_transfer_param_bounds. */
 typedef enum bico_transfer_param {
-  BICO_TRANSFER_METHOD = 1,       /* bico_transfer_method; default BICO */
+  BICO_TRANSFER_METHOD = 1,       /* bico_transfer_method; 0 = default (BICO) */
   BICO_TRANSFER_ALPHA = 2,        /* (0, FLT_MAX]; default 1 */
   BICO_TRANSFER_NORM_MAP = 3,     /* bico_transfer_norm_map; default ACT */
   BICO_TRANSFER_NULL = 4,         /* bico_null_completion; default KEEP */
   BICO_TRANSFER_RANK_TOL = 5,     /* [0, 1); default 1e-5 */
   BICO_TRANSFER_CENTER = 6,       /* 0 or 1; default 0 */
   BICO_TRANSFER_WHITEN = 7,       /* [0, 0.5]; default 0 */
-  BICO_TRANSFER_PROC_METHOD = 8,  /* bico_procrustes_method; default EIG */
+  BICO_TRANSFER_PROC_METHOD = 8,  /* bico_procrustes_method; 0 = default (EIG) */
   BICO_TRANSFER_WORKERS = 9,      /* solver threads, 1..1024; default 1 */
   BICO_TRANSFER_SOLVE_MEMORY = 10, /* bytes, >= 0; default 0 (no limit) */
   BICO_TRANSFER_MIN_PAIRED = 11,  /* [0, 1]; default 0.5: the run fails
@@ -283,9 +289,10 @@ BICO_API bico_status bico_transfer_get_param(const bico_transfer *t,
  * "center", "whiten", "proc_method", "workers", "solve_memory",
  * "min_paired", "gradfix_mode", "max_shard_size", "structure", "rope",
  * "heads", "kv_heads", "head_dim", "row_chunk"; NULL / BICO_E_NOTFOUND
- * otherwise).  Choices with a default (NORM_MAP, NULL, GRADFIX_MODE,
- * STRUCTURE) take 0 for it, and get_param reports the member it resolved
- * to; ROPE's 0 stays 0 ("from config.json"). */
+ * otherwise).  Every choice has a default and takes 0 for it (METHOD,
+ * NORM_MAP, NULL, PROC_METHOD, GRADFIX_MODE, STRUCTURE), and get_param
+ * reports the member it resolved to; ROPE's 0 stays 0 ("from
+ * config.json"). */
 BICO_API bico_status bico_transfer_param_bounds(int param, double *lo,
                                                 double *hi, unsigned *flags);
 BICO_API const char *bico_transfer_param_name(int param);
@@ -340,8 +347,8 @@ BICO_API bico_status bico_transfer_side_from_name(const char *name,
  * checked when the run solves the module. */
 BICO_API bico_status bico_transfer_set_xcov(bico_transfer *t,
                                             const char *module, int side,
-                                            size_t nblocks,
-                                            const bico_xcov *const *blocks);
+                                            bico_xcov *const *blocks,
+                                            size_t nblocks);
 /* Lends GradFix votes for target tensor `tensor` (as many elements as the
  * tensor; NULL withdraws).  Used before the votes file: with votes lent
  * for every tensor GradFix needs no file.  The LoRA branch reads only the
@@ -407,6 +414,51 @@ BICO_API bico_status bico_transfer_check(bico_transfer *t, int level);
 BICO_API const char *bico_transfer_check_level_name(int level);
 BICO_API bico_status bico_transfer_check_level_from_name(const char *name,
                                                          int *level);
+
+/* ---- Bridges: the maps of a pair of base models, kept ----
+ *
+ * BiCo's maps depend on the two base models, the calibration data and the
+ * options that shape them, never on the fine-tune they carry.
+ * bico_transfer_bridge solves every map a transfer from the source base to
+ * the target base would use and writes them, with the plan (each target
+ * tensor's source partner, handling and maps), those options and a
+ * fingerprint of each base, to the bridge output file (a safetensors file:
+ * docs/formats.md, "Bridge files").  Any number of later transfers read
+ * the maps from it (BICO_FILE_BRIDGE) instead of statistics -- no
+ * calibration data, no solve -- and write what a run from the statistics
+ * writes, bit for bit.
+ *
+ * Making one: the inputs of a BiCo transfer without its fine-tune -- the
+ * source and target bases (and configs), the calibration files, a
+ * statistics file or lent statistics -- and BICO_FILE_BRIDGE_OUTPUT; a
+ * BiCo method (bico, bico-in, bico-out); the options that shape maps
+ * (METHOD, NORM_MAP, NULL, RANK_TOL, CENTER, WHITEN, PROC_METHOD,
+ * STRUCTURE, ROPE, HEADS, KV_HEADS, HEAD_DIM, the block strings,
+ * SOURCE_RENAME, the splits and ties) as for those transfers.
+ * BICO_TRANSFER_WORKERS solves maps in parallel; the progress function
+ * counts maps.  The source tuned, task vector, source adapter, target
+ * votes, output, delta output, output adapter, report and bridge files do
+ * not apply (BICO_E_ARG naming the file).  The file is written atomically
+ * (nothing on failure).  Messages start with "transfer_bridge:".
+ * bico_transfer_check checks a handle whose bridge output is set as this
+ * call would (a run refuses a bridge output).
+ *
+ * Reading one: a run (or bico_transfer_check, _plan, _explain) with
+ * BICO_FILE_BRIDGE set, the fine-tune (source tuned, task vector or
+ * source adapter) and outputs as for any run, and no statistics
+ * (BICO_E_ARG).  Every option that shapes maps and the source and target
+ * bases and configs default to the bridge's (the paths it recorded, as
+ * real paths); one the handle sets (bico_transfer_set_param, _set_string,
+ * _add_split, _add_tie, _set_file) must equal the bridge's, else BICO_E_ARG
+ * naming it and both values.  Setting a choice (or a structure override)
+ * to 0 asks for the default, which with a bridge is the bridge's.  The handle's own settings are as before
+ * after the call (bico_transfer_get_param reports what was set, not what
+ * the bridge gave).  Before any map is read, a base whose fingerprint
+ * differs from the bridge's, or a plan that differs (a target tensor with
+ * another partner, handling or maps), is BICO_E_ARG naming the file and
+ * the difference.  The assembler (bico_transfer_assemble_begin) takes no
+ * bases from a bridge: a divided run sets them. */
+BICO_API bico_status bico_transfer_bridge(bico_transfer *t);
 
 /* After a successful run: counts of target tensors by handling; any
  * out-pointer may be NULL.  updated: tensors that received an update
@@ -542,7 +594,12 @@ BICO_API bico_status bico_transfer_explain(bico_transfer *t);
 
 typedef struct bico_transfer_model_info {
   size_t size;
-  const char *family;      /* "gpt2", "clip" or "none" */
+  const char *family;      /* the model's family, the one a run uses:
+                              config.json's model_type when the library
+                              knows it ("llama", "mistral", "qwen2",
+                              "gemma", "gemma2", "gpt2", "clip"), else
+                              what the tensor names give away ("gpt2",
+                              "clip"), else "none" */
   const char *family_from; /* what decided it: config.json's model_type
                               or the tensor names, in words; "" for
                               "none" */

@@ -47,7 +47,7 @@ BICO_API bico_status bico_transport_weight(
 BICO_API bico_status bico_transport_weight_split(
     bico_ctx *ctx, size_t k, size_t dout_a, size_t din_a, size_t dout_b,
     size_t din_b, float alpha, const float *tau, size_t ld_tau,
-    const float *const *r_outs, size_t ld_rout, const float *r_in,
+    float *const *r_outs, size_t ld_rout, const float *r_in,
     size_t ld_rin, float beta, float *out, size_t ld_out);
 
 /* out[d_b] = alpha R^T v + beta out, with R d_a x d_b (or NULL). */

@@ -21,8 +21,8 @@ static void default_free(void *opaque, void *p) {
 bico_status bico_ctx_create_with_allocator(bico_ctx **out, bico_alloc_fn alloc,
                                            bico_free_fn release,
                                            void *opaque) {
+  if (out != NULL) *out = NULL;
   if (out == NULL || alloc == NULL || release == NULL) return BICO_E_NULL;
-  *out = NULL;
   bico_ctx *ctx = alloc(opaque, sizeof *ctx);
   if (ctx == NULL) return BICO_E_NOMEM;
   memset(ctx, 0, sizeof *ctx);

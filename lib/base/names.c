@@ -189,7 +189,9 @@ static const name_entry bico_transfer_file_names[] = {
     {BICO_FILE_LORA, "source adapter"},
     {BICO_FILE_LORA_OUTPUT, "output adapter"},
     {BICO_FILE_SOURCE_CONFIG, "source config"},
-    {BICO_FILE_TARGET_CONFIG, "target config"}};
+    {BICO_FILE_TARGET_CONFIG, "target config"},
+    {BICO_FILE_BRIDGE, "bridge"},
+    {BICO_FILE_BRIDGE_OUTPUT, "bridge output"}};
 #define NFILE_NAMES (sizeof bico_transfer_file_names / sizeof *bico_transfer_file_names)
 
 const char *bico_transfer_file_name(int which) {

@@ -42,6 +42,7 @@ void bico_stfile_free(bico_stfile *f) {
 
 bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
                              bico_stfile **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL || path == NULL)

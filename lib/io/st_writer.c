@@ -127,6 +127,7 @@ bico_status bico__stwriter_create_at(bico_ctx *ctx, const char *path,
 
 bico_status bico_stwriter_create(bico_ctx *ctx, const char *path,
                                  bico_stwriter **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL || path == NULL)
@@ -702,6 +703,7 @@ bico_status bico_stwriter_create_folder(bico_ctx *ctx, const char *dir,
                                         const char *like,
                                         uint64_t max_shard_size,
                                         bico_stwriter **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL || dir == NULL)

@@ -219,8 +219,8 @@ bico_status bico__lora_push_module(bico_lora *l, char *name, int kind, size_t ra
 }
 
 bico_status bico_lora_add_module(bico_lora *l, const char *name, int kind,
-                                 size_t rank, double alpha, size_t d_out,
-                                 size_t d_in, const float *b, const float *a) {
+                                 size_t rank, size_t d_out, size_t d_in,
+                                 double alpha, const float *b, const float *a) {
   if (l == NULL) return BICO_E_NULL;
   bico_ctx *ctx = l->ctx;
   bico__clear(ctx);

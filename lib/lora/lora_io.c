@@ -3,6 +3,7 @@
  * atomically (both files committed together). */
 #include <errno.h>
 #include <math.h>
+#include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +32,16 @@ typedef struct config {
   size_t r;
   double alpha;
   const bico__json *rank_pattern, *alpha_pattern, *to_save;
+  /* target_modules (PEFT's rule for which modules get an adapter): a list
+   * of names, a regular expression (re compiled), "all-linear", or NULL
+   * (none given: every module with factors). */
+  const bico__json *targets;
+  int all_linear, have_re;
+  regex_t re;
+  bico__strindex tix; /* a list's entries, looked up by each dotted suffix
+                         of a module's name: linear in the modules (a
+                         scan of the list per module made an adapter of 40k
+                         modules, which lists them all, quadratic) */
 } config;
 
 /* Fields that describe training or provenance, not the weights. */
@@ -39,7 +50,6 @@ static const char *const HARMLESS[] = {
     "auto_mapping",    "layers_to_transform", "layers_pattern",
     "exclude_modules", "loftq_config",    "eva_config",    "corda_config",
     "megatron_config", "megatron_core",   "runtime_config", "peft_version",
-    "target_modules",
     /* only read with use_qalora, whose true value is refused */
     "qalora_group_size"};
 
@@ -85,6 +95,102 @@ static bico_status check_pattern(bico_ctx *ctx, const char *path,
                         path, field, m->key, integral ? "integer" : "number");
   }
   return BICO_OK;
+}
+
+/* target_modules as a string: PEFT takes it as a Python regular
+ * expression that must match a module's whole name (re.fullmatch), or as
+ * the shorthand "all-linear".  Read here as a POSIX extended expression
+ * anchored at both ends, which accepts the same names for the expressions
+ * both dialects share; Python's own syntax (\d, \w, \s, \b, (?...),
+ * lazy quantifiers) is refused rather than read otherwise. */
+static bico_status target_regex(bico_ctx *ctx, const char *path,
+                                const char *s, config *c) {
+  static const char *const PY[] = {"\\d", "\\D", "\\w", "\\W", "\\s",
+                                   "\\S", "\\b", "\\B", "\\A", "\\Z",
+                                   "(?",  "*?",  "+?",  "??",  "}?"};
+  if (strcmp(s, "all-linear") == 0) {
+    c->all_linear = 1;
+    return BICO_OK;
+  }
+  for (size_t i = 0; i < sizeof PY / sizeof *PY; i++)
+    if (strstr(s, PY[i]) != NULL)
+      return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                        "lora_open: %s: target_modules \"%s\" uses %s, a "
+                        "Python regular expression feature that POSIX "
+                        "extended expressions do not have; list the modules "
+                        "instead",
+                        path, s, PY[i]);
+  size_t n = strlen(s);
+  char *full = bico__alloc(ctx, n + 5);
+  if (full == NULL) return BICO_E_NOMEM;
+  snprintf(full, n + 5, "^(%s)$", s);
+  int e = regcomp(&c->re, full, REG_EXTENDED | REG_NOSUB);
+  bico__free(ctx, full);
+  if (e != 0) {
+    char why[128];
+    regerror(e, NULL, why, sizeof why);
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: target_modules \"%s\" is not a "
+                      "regular expression: %s",
+                      path, s, why);
+  }
+  c->have_re = 1;
+  return BICO_OK;
+}
+
+static const char *target_key(const void *owner, size_t i) {
+  return ((const bico__json *)owner)->u.items[i].u.s;
+}
+
+static bico_status parse_targets(bico_ctx *ctx, const char *path,
+                                 const bico__json *v, config *c) {
+  if (v->type == BICO__JSON_NULL) return BICO_OK;
+  if (v->type == BICO__JSON_STRING) {
+    c->targets = v;
+    return target_regex(ctx, path, v->u.s, c);
+  }
+  if (v->type != BICO__JSON_ARRAY)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: field target_modules should be a list "
+                      "of module names or a string, not %s",
+                      path, bico__json_type_name(v->type));
+  for (size_t j = 0; j < v->n; j++)
+    if (v->u.items[j].type != BICO__JSON_STRING || v->u.items[j].n == 0 ||
+        strlen(v->u.items[j].u.s) != v->u.items[j].n)
+      return bico__fail(ctx, BICO_E_FORMAT,
+                        "lora_open: %s: target_modules entry %zu is not a "
+                        "module name",
+                        path, j);
+  c->targets = v;
+  bico_status st = bico__strindex_reserve(ctx, &c->tix, v->n, target_key, v);
+  for (size_t j = 0; j < v->n && st == BICO_OK; j++)
+    if (bico__strindex_find(&c->tix, v->u.items[j].u.s, v->u.items[j].n,
+                            target_key, v) == SIZE_MAX)
+      bico__strindex_insert(&c->tix, j, target_key, v);
+  return st;
+}
+
+/* PEFT's rule (check_target_module_exists): a list names a module when
+ * an entry equals its name or is a dotted suffix of it; a string is a
+ * regular expression its whole name matches; "all-linear" names every
+ * linear module but the output layer (lm_head).  No target_modules: every
+ * module the file has factors for. */
+static int targeted(const config *c, const char *module, int kind) {
+  if (c->targets == NULL) return 1;
+  if (c->all_linear) {
+    const char *last = strrchr(module, '.');
+    return kind == BICO_LORA_LINEAR && strcmp(last ? last + 1 : module, "lm_head") != 0;
+  }
+  if (c->have_re) return regexec(&c->re, module, 0, NULL, 0) == 0;
+  /* the name itself, then each suffix after a dot */
+  for (const char *s = module; s != NULL;) {
+    if (bico__strindex_find(&c->tix, s, strlen(s), target_key, c->targets) !=
+        SIZE_MAX)
+      return 1;
+    s = strchr(s, '.');
+    if (s != NULL) s++;
+  }
+  return 0;
 }
 
 static bico_status parse_config(bico_lora *l, const char *path,
@@ -139,6 +245,8 @@ static bico_status parse_config(bico_lora *l, const char *path,
                           path, k);
       if (k[0] == 'u') l->rslora = v->u.b;
       else l->fifo = v->u.b;
+    } else if (strcmp(k, "target_modules") == 0) {
+      st = parse_targets(ctx, path, v, c);
     } else if (strcmp(k, "rank_pattern") == 0) {
       st = check_pattern(ctx, path, k, v, 1);
       c->rank_pattern = v;
@@ -314,6 +422,18 @@ static bico_status pair_factors(bico_lora *l, const char *path,
     const pending *e = &pend[p];
     const char *an = e->kind == BICO_LORA_LINEAR ? "lora_A" : "lora_embedding_A";
     const char *bn = e->kind == BICO_LORA_LINEAR ? "lora_B" : "lora_embedding_B";
+    if (!targeted(c, e->module, e->kind)) {
+      /* PEFT adapts only the modules target_modules names and passes over
+       * other factors; applying them would change what the adapter does,
+       * dropping them would lose weights without a word. */
+      st = bico__fail(ctx, BICO_E_FORMAT,
+                      "lora_open: %s: module %s has LoRA factors but "
+                      "target_modules does not name it (PEFT would not apply "
+                      "them): name it in target_modules, or remove its "
+                      "factors",
+                      path, e->module);
+      break;
+    }
     if (e->ia == SIZE_MAX || e->ib == SIZE_MAX) {
       st = bico__fail(ctx, BICO_E_FORMAT,
                       "lora_open: %s: module %s has %s but no %s", path,
@@ -474,6 +594,29 @@ static bico_status load_tensors(bico_lora *l, const char *path,
 
 #define join bico__path_join
 
+/* An adapter is a folder: a file given in its place (its weights file, its
+ * config, a checkpoint) is named with the folder to give instead. */
+static bico_status not_a_folder(bico_ctx *ctx, const char *dir) {
+  struct stat sb;
+  if (stat(dir, &sb) != 0 || S_ISDIR(sb.st_mode)) return BICO_OK;
+  const char *base = strrchr(dir, '/');
+  base = base ? base + 1 : dir;
+  if (strcmp(base, "adapter_model.safetensors") == 0 ||
+      strcmp(base, "adapter_config.json") == 0 ||
+      strcmp(base, "adapter_model.bin") == 0) {
+    size_t n = (size_t)(base - dir); /* "ad/x": the folder is "ad" */
+    return bico__fail(ctx, BICO_E_IO,
+                      "lora_open: %s is a file of an adapter: give its "
+                      "folder, %.*s",
+                      dir, (int)(n > 1 ? n - 1 : 1), n ? dir : ".");
+  }
+  return bico__fail(ctx, BICO_E_IO,
+                    "lora_open: %s is a file, not an adapter folder: give "
+                    "the folder that holds adapter_config.json and "
+                    "adapter_model.safetensors",
+                    dir);
+}
+
 bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
   if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
@@ -483,6 +626,8 @@ bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
                       dir == NULL ? "dir" : "out");
   if (dir[0] == '\0')
     return bico__fail(ctx, BICO_E_ARG, "lora_open: empty folder name");
+  bico_status bad = not_a_folder(ctx, dir);
+  if (bad != BICO_OK) return bad;
   bico_lora *l = NULL;
   bico_status st = bico_lora_create(ctx, &l);
   if (st != BICO_OK) return st;
@@ -493,6 +638,7 @@ bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
   bico__json_doc *doc = NULL;
   bico_stfile *f = NULL;
   config c;
+  memset(&c, 0, sizeof c);
   if (cpath == NULL || tpath == NULL) st = BICO_E_NOMEM;
   if (st == BICO_OK) st = read_text(ctx, cpath, &text, &len);
   if (st == BICO_OK) {
@@ -512,6 +658,8 @@ bico_status bico_lora_open(bico_ctx *ctx, const char *dir, bico_lora **out) {
     st = bico__fail(ctx, BICO_E_FORMAT,
                     "lora_open: %s holds no LoRA factors", tpath);
   bico_stfile_free(f);
+  if (c.have_re) regfree(&c.re);
+  bico__strindex_free(ctx, &c.tix);
   bico__json_doc_free(doc);
   bico__free(ctx, text);
   bico__free(ctx, cpath);

@@ -39,7 +39,7 @@ bico_status bico_lora_dense(const bico_lora *l, size_t i, float alpha,
 bico_status bico_lora_transport(bico_ctx *ctx, size_t rank, size_t k,
                                 size_t dout_a, size_t din_a, size_t dout_b,
                                 size_t din_b, float alpha, const float *b,
-                                const float *a, const float *const *r_outs,
+                                const float *a, float *const *r_outs,
                                 size_t ld_rout, const float *r_in,
                                 size_t ld_rin, float *b_out, float *a_out) {
   if (ctx == NULL) return BICO_E_NULL;
@@ -117,8 +117,8 @@ static int to_int(size_t v, int *out) {
 }
 
 bico_status bico_lora_truncate(bico_ctx *ctx, size_t d_out, size_t d_in,
-                               const float *dense, size_t ld, size_t rank,
-                               double scale, float *b_out, float *a_out,
+                               size_t rank, double scale, const float *dense,
+                               size_t ld, float *b_out, float *a_out,
                                double *energy) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);

@@ -45,7 +45,7 @@ static void top_k(const float *x, size_t n, size_t k, float *mag,
 }
 
 bico_status bico_merge_tensor(bico_ctx *ctx, int method, size_t ntasks,
-                              size_t n, const float *const *taus,
+                              size_t n, float *const *taus,
                               const double *weights, const double *densities,
                               int normalize, float *out) {
   if (ctx == NULL) return BICO_E_NULL;
@@ -209,8 +209,7 @@ bico_status bico_merge_set_file(bico_merge *m, int which, const char *path) {
 /* The option grammar (params.h, lib/base/params.c).  ALPHA is used as a
  * float. */
 static const bico__param_spec MPARAM[] = {
-    [BICO_MERGE_METHOD] = {"method", BICO_MERGE_LINEAR, BICO_MERGE_TIES,
-                           BICO_PARAM_INTEGER},
+    [BICO_MERGE_METHOD] = {"method", 0, BICO_MERGE_TIES, BICO_PARAM_INTEGER},
     [BICO_MERGE_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
     [BICO_MERGE_NORMALIZE] = {"normalize", -1, 1, BICO_PARAM_INTEGER},
     [BICO_MERGE_MAX_SHARD_SIZE] = {"max_shard_size", 0, 9007199254740992.0,
@@ -237,6 +236,8 @@ bico_status bico_merge_set_param(bico_merge *m, int param, double value) {
   bico_status st = bico__param_set(m->ctx, "merge_set_param", MPARAM, NMPARAM,
                                    param, value);
   if (st != BICO_OK) return st;
+  /* 0 is the default member (docs/api.md's enumeration rule). */
+  if (param == BICO_MERGE_METHOD && value == 0) value = BICO_MERGE_LINEAR;
   m->param[param] = value;
   return BICO_OK;
 }
@@ -664,7 +665,7 @@ static bico_status merge_one(bico_merge *m, const bico_stfile *base, size_t ti,
       }
     }
     if (st == BICO_OK && used > 0)
-      st = bico_merge_tensor(ctx, method, used, n, (const float *const *)sc->taus,
+      st = bico_merge_tensor(ctx, method, used, n, sc->taus,
                              sc->ws, sc->ds, normalize, out);
     if (st != BICO_OK && strstr(bico_ctx_errmsg(ctx), name) == NULL)
       st = bico__fail(ctx, st, "merge_run: tensor %s: %s", name,

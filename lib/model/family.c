@@ -82,6 +82,11 @@ const char *bico__family_name(int kind) {
   return n ? n->name : "none";
 }
 
+const char *bico__family_word(const bico__family *f, int kind) {
+  if (f != NULL && f->row != NULL) return f->row->model_type;
+  return bico__family_name(kind);
+}
+
 int bico__family_transposed(int kind, const char *tensor, size_t ndim) {
   return bico__naming_transposed(bico__family_naming(kind), tensor, ndim);
 }

@@ -116,6 +116,12 @@ const bico__naming *bico__family_naming(int kind);
 
 /* "gpt2", "clip", or "none". */
 const char *bico__family_name(int kind);
+/* The one name of a model's family, for every front end (bico inspect,
+ * bico_transfer_explain, a run's log): its config.json's row of the table
+ * when it has one ("llama", "qwen2", "gpt2", "clip", ...: the decoder
+ * families too, whose names read as any model's), else the naming kind
+ * its tensor names give away (bico__family_name). */
+const char *bico__family_word(const bico__family *f, int kind);
 /* 1 when the tensor is stored [in, out] under the kind's naming. */
 int bico__family_transposed(int kind, const char *tensor, size_t ndim);
 /* A role the kind's names settle (bico_tensor_role), or 0. */

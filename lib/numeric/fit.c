@@ -32,17 +32,17 @@ struct bico_fit {
                  double, d_out x a; NULL otherwise */
 };
 
-bico_status bico_fit_create(bico_ctx *ctx, size_t d_in, size_t d_out,
+bico_status bico_fit_create(bico_ctx *ctx, size_t d_out, size_t d_in,
                             unsigned flags, bico_fit **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL) return bico__fail(ctx, BICO_E_NULL, "fit_create: out is NULL");
-  *out = NULL;
   if (d_in == 0 || d_out == 0)
     return bico__fail(ctx, BICO_E_SHAPE,
-                      "fit_create: dimensions must be positive, got d_in = "
-                      "%zu, d_out = %zu",
-                      d_in, d_out);
+                      "fit_create: dimensions must be positive, got d_out = "
+                      "%zu, d_in = %zu",
+                      d_out, d_in);
   if (flags & ~FIT_FLAGS)
     return bico__fail(ctx, BICO_E_ARG,
                       "fit_create: unknown flags 0x%x (known: BICO_FIT_BIAS "
@@ -157,7 +157,7 @@ bico_status bico_fit_get_param(const bico_fit *f, int param, double *value) {
   return BICO_OK;
 }
 
-bico_status bico_fit_info(const bico_fit *f, size_t *d_in, size_t *d_out,
+bico_status bico_fit_info(const bico_fit *f, size_t *d_out, size_t *d_in,
                           uint64_t *rows, unsigned *flags) {
   if (f == NULL) return BICO_E_NULL;
   if (d_in) *d_in = f->d_in;

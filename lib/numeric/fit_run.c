@@ -50,7 +50,7 @@ static bico_status run_group(bico_ctx *ctx, const bico_fit_runner *r,
   for (size_t i = 0; i < count; i++) {
     member *q = &m[i];
     bico__clear(ctx);
-    st = r->layer(r->opaque, l + i, &q->d_in, &q->d_out, &q->w, &q->ld_w,
+    st = r->layer(r->opaque, l + i, &q->d_out, &q->d_in, &q->w, &q->ld_w,
                   &q->b);
     if (st != BICO_OK) {
       st = callback_failed(ctx, "layer", l + i, "layer", st);
@@ -62,7 +62,7 @@ static bico_status run_group(bico_ctx *ctx, const bico_fit_runner *r,
                       l + i);
       goto done;
     }
-    st = bico_fit_create(ctx, q->d_in, q->d_out,
+    st = bico_fit_create(ctx, q->d_out, q->d_in,
                          q->b != NULL ? BICO_FIT_BIAS : 0, &q->fit);
     if (st == BICO_OK) st = bico_fit_set_param(q->fit, BICO_FIT_RIDGE, ridge);
     /* Fewer outputs than inputs: the right-hand side for this W_B takes
@@ -79,7 +79,7 @@ static bico_status run_group(bico_ctx *ctx, const bico_fit_runner *r,
   }
   if (r->rows_group != NULL) {
     bico__clear(ctx);
-    st = r->rows_group(r->opaque, l, count, fits);
+    st = r->rows_group(r->opaque, l, fits, count);
     if (st != BICO_OK) {
       st = callback_failed(ctx, "layer", l, "rows_group", st);
       goto done;
@@ -177,7 +177,7 @@ bico_status bico_fit_run(bico_ctx *ctx, const bico_fit_runner *runner,
   if (runner->size < RUNNER_1_0)
     return bico__fail(ctx, BICO_E_ARG,
                       "fit_run: runner->size = %zu is below the %zu bytes of "
-                      "bico_fit_runner 1.0 (set it to sizeof(bico_fit_runner))",
+                      "bico_fit_runner 1.0: set it to sizeof(bico_fit_runner)",
                       runner->size, (size_t)RUNNER_1_0);
   /* The fields the caller's struct holds; the later ones read as zero. */
   bico_fit_runner r;

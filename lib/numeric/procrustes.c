@@ -39,6 +39,7 @@ struct bico_procrustes {
 };
 
 bico_status bico_procrustes_create(bico_ctx *ctx, bico_procrustes **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL)

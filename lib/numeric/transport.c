@@ -252,7 +252,7 @@ bico_status bico_transport_rows(bico_ctx *ctx, size_t n, size_t d_a,
 bico_status bico_transport_weight_split(
     bico_ctx *ctx, size_t k, size_t dout_a, size_t din_a, size_t dout_b,
     size_t din_b, float alpha, const float *tau, size_t ld_tau,
-    const float *const *r_outs, size_t ld_rout, const float *r_in,
+    float *const *r_outs, size_t ld_rout, const float *r_in,
     size_t ld_rin, float beta, float *out, size_t ld_out) {
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);

@@ -20,6 +20,7 @@ static bico_status check_room(const bico_votes *v, const char *fn,
 
 bico_status bico_votes_create(bico_ctx *ctx, size_t n, unsigned flags,
                               bico_votes **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL)

@@ -108,6 +108,7 @@ static bico_status make(bico_ctx *ctx, const char *fn, size_t d_a, size_t d_b,
 
 bico_status bico_xcov_create(bico_ctx *ctx, size_t d_a, size_t d_b,
                              unsigned flags, bico_xcov **out) {
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (out == NULL)
@@ -582,6 +583,7 @@ bico_status bico_xcov_serialize(const bico_xcov *xc, void *buf, size_t cap,
 bico_status bico_xcov_deserialize(bico_ctx *ctx, const void *buf, size_t len,
                                   bico_xcov **out) {
   static const char fn[] = "xcov_deserialize";
+  if (out != NULL) *out = NULL;
   if (ctx == NULL) return BICO_E_NULL;
   bico__clear(ctx);
   if (buf == NULL || out == NULL)

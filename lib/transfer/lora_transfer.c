@@ -23,8 +23,10 @@
  * merged checkpoint is written by the checkpoint path's writer
  * (bico__xfer_declare, bico__xfer_write_one: the target's metadata and
  * provenance, theta_B + update summed in double and rounded once). */
+#define _DEFAULT_SOURCE 1 /* realpath */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -56,7 +58,7 @@ static const char *file(const lrun *r, int which) {
  * output, k blocks), solved on first use (bico__xfer_need_side); *rm is
  * da x db row-major; *thin 1 when it was solved from the rows. */
 static bico_status map_of(bico__run *x, size_t mi, int side, size_t block,
-                          const float **rm, size_t *da, size_t *db,
+                          float **rm, size_t *da, size_t *db,
                           size_t *rank, int *thin) {
   bico__modstate *s = &x->mods[mi];
   if (s->src == BICO__NONE)
@@ -203,10 +205,10 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
                       m->lname, m->dout_a, m->dout_b, m->tm);
   int do_in = rt->need[0], do_out = rt->need[1];
   m->k = x->mods[m->mi].k;
-  const float *rin = NULL;
+  float *rin = NULL;
   size_t da, db, mr;
   int thin = 0;
-  const float **routs = bico__calloc(ctx, m->k, sizeof *routs);
+  float **routs = bico__calloc(ctx, m->k, sizeof *routs);
   if (routs == NULL) return BICO_E_NOMEM;
   bico_status st = BICO_OK;
   if (do_in) {
@@ -232,7 +234,7 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
   if (st == BICO_OK && !m->reason[0])
     st = bico_lora_transport(ctx, m->rank, m->k, m->dout_a, m->din_a, m->dout_b,
                              m->din_b, x->alpha, m->b, m->a,
-                             do_out ? (const float *const *)routs : NULL,
+                             do_out ? routs : NULL,
                              m->dout_b / m->k, rin, m->din_b, m->nb, m->na);
   bico__free(ctx, routs);
   return st;
@@ -244,7 +246,7 @@ static bico_status carry_linear(lrun *r, lmod *m, const bico__route *rt) {
 static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
   bico__run *x = r->x;
   bico_ctx *ctx = r->ctx;
-  const float *rr = NULL;
+  float *rr = NULL;
   size_t da = m->dout_a, db = m->dout_b, mr = 0;
   int thin = 0;
   bico_status st = BICO_OK;
@@ -270,7 +272,7 @@ static bico_status carry_embedding(lrun *r, lmod *m, const bico__route *rt) {
                     "adapter module %s: the map is %zu x %zu but the "
                     "embedding widths are %zu and %zu",
                     m->lname, da, db, m->dout_a, m->dout_b);
-  const float *rl[1] = {rr};
+  float *rl[1] = {rr};
   m->handling = m->reason[0] ? BICO__H_UNCHANGED : bico__xfer_route_handling(rt);
   if (st == BICO_OK && !m->reason[0])
     st = bico_lora_transport(ctx, m->rank, 1, m->dout_a, m->din_a, m->dout_b,
@@ -301,8 +303,8 @@ static bico_status carry_dense(lrun *r, lmod *m) {
       bico__xfer_transpose(upd, m->er_t, m->ec_t, tmp);
       fo = tmp;
     }
-    st = bico_lora_truncate(ctx, m->dout_b, m->din_b, fo, m->din_b, m->rank,
-                            m->scale, m->nb, m->na, &m->energy);
+    st = bico_lora_truncate(ctx, m->dout_b, m->din_b, m->rank, m->scale, fo,
+                            m->din_b, m->nb, m->na, &m->energy);
   }
   bico__free(ctx, tmp);
   bico__free(ctx, dense);
@@ -391,8 +393,8 @@ static bico_status do_module(lrun *r, size_t li, size_t mi) {
     st = bico__xfer_check_finite(ctx, m.na, m.rank * m.din_b,
                                  "adapter module", m.tm);
   if (st == BICO_OK && !dead)
-    st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.lalpha, m.dout_b,
-                              m.din_b, m.nb, m.na);
+    st = bico_lora_add_module(r->out, m.tm, m.kind, m.rank, m.dout_b, m.din_b,
+                              m.lalpha, m.nb, m.na);
   if (st == BICO_OK) {
     r->count[dead ? BICO__H_UNCHANGED : m.handling]++;
     if (dead) {
@@ -731,10 +733,19 @@ static void module_progress(const lrun *r, size_t mi, bico_progress *pg,
   x->t->progress(x->t->progress_opaque, pg);
 }
 
-static bico_status run_lora(lrun *r) {
-  bico__run *x = r->x;
+/* The source adapter opened, and the output adapter made with its
+ * switches, task type and dropout, and the target as its base. */
+static bico_status open_adapters(lrun *r) {
   bico_ctx *ctx = r->ctx;
-  bico_status st = bico_lora_open(ctx, file(r, BICO_FILE_LORA), &r->src);
+  const char *ad = file(r, BICO_FILE_LORA);
+  bico_status st = bico_lora_open(ctx, ad, &r->src);
+  /* A message about the folder itself ("ad is a file, not an adapter
+   * folder") names its slot; one about a file inside names that file. */
+  const char *m = strstr(bico_ctx_errmsg(ctx), ": ");
+  size_t n = strlen(ad);
+  if (st != BICO_OK && m != NULL && strncmp(m + 2, ad, n) == 0 &&
+      (m[2 + n] == ' ' || m[2 + n] == ':'))
+    st = bico__xfer_wrap_file(ctx, st, BICO_FILE_LORA, ad);
   if (st == BICO_OK) st = bico_lora_create(ctx, &r->out);
   if (st != BICO_OK) return st;
   double on = 0;
@@ -745,11 +756,24 @@ static bico_status run_lora(lrun *r) {
   const char *tt = NULL;
   bico_lora_get_string(r->src, BICO_LORA_TASK_TYPE, &tt);
   st = bico_lora_set_string(r->out, BICO_LORA_TASK_TYPE, tt);
-  /* The output adapter is for the target; it keeps the source's dropout. */
+  /* The output adapter is for the target: its base_model_name_or_path is
+   * the target base's absolute path (the same however the path was typed,
+   * from whatever folder, or taken from a bridge), never the source's.  It
+   * keeps the source's dropout. */
+  char *real = realpath(file(r, BICO_FILE_TARGET_BASE), NULL);
   if (st == BICO_OK)
     st = bico_lora_set_string(r->out, BICO_LORA_BASE_MODEL,
-                              file(r, BICO_FILE_TARGET_BASE));
+                              real ? real : file(r, BICO_FILE_TARGET_BASE));
+  free(real);
   bico__lora_set_dropout(r->out, bico__lora_dropout(r->src));
+  return st;
+}
+
+static bico_status run_lora(lrun *r) {
+  bico__run *x = r->x;
+  bico_ctx *ctx = r->ctx;
+  bico_status st = open_adapters(r);
+  if (st != BICO_OK) return st;
   size_t nl = bico__lora_nmodules(r->src), ns = bico__lora_nsaved(r->src);
   if (st == BICO_OK) st = check_adapter_names(r, nl, ns);
   if (st != BICO_OK) return st;

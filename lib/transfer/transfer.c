@@ -95,7 +95,7 @@ bico_status bico_transfer_get_file(const bico_transfer *t, int which,
 /* The option grammar (params.h, lib/base/params.c): each parameter's accepted
  * set. */
 static const bico__param_spec PARAM[BICO__NPARAMS] = {
-    [BICO_TRANSFER_METHOD] = {"method", 1, 6, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_METHOD] = {"method", 0, BICO_METHOD_PAD, BICO_PARAM_INTEGER},
     /* used as a float */
     [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
     [BICO_TRANSFER_NORM_MAP] = {"norm_map", 0, BICO_NORM_MAP_GRAD,
@@ -104,8 +104,8 @@ static const bico__param_spec PARAM[BICO__NPARAMS] = {
     [BICO_TRANSFER_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
     [BICO_TRANSFER_CENTER] = {"center", 0, 1, BICO_PARAM_INTEGER},
     [BICO_TRANSFER_WHITEN] = {"whiten", 0, 0.5, 0},
-    [BICO_TRANSFER_PROC_METHOD] = {"proc_method", BICO_PROC_SVD,
-                                   BICO_PROC_POLAR, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_PROC_METHOD] = {"proc_method", 0, BICO_PROC_POLAR,
+                                   BICO_PARAM_INTEGER},
     [BICO_TRANSFER_WORKERS] = {"workers", 1, 1024, BICO_PARAM_INTEGER},
     [BICO_TRANSFER_SOLVE_MEMORY] = {"solve_memory", 0, 9007199254740992.0,
                                     BICO_PARAM_INTEGER},
@@ -144,7 +144,19 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   bico_status st = bico__param_set(t->ctx, "transfer_set_param", PARAM,
                                    BICO__NPARAMS, param, value);
   if (st != BICO_OK) return st;
-  /* Choices: 0 is the default member (docs/api.md's enum rule). */
+  /* 0 asks for the default (a choice's, or config.json's for the
+   * structure overrides): with a bridge, the default is the bridge's. */
+  int zero_is_default =
+      param == BICO_TRANSFER_METHOD || param == BICO_TRANSFER_NORM_MAP ||
+      param == BICO_TRANSFER_NULL || param == BICO_TRANSFER_PROC_METHOD ||
+      param == BICO_TRANSFER_GRADFIX_MODE || param == BICO_TRANSFER_STRUCTURE ||
+      param == BICO_TRANSFER_ROPE || param == BICO_TRANSFER_HEADS ||
+      param == BICO_TRANSFER_KV_HEADS || param == BICO_TRANSFER_HEAD_DIM;
+  t->pset[param] = !(zero_is_default && value == 0);
+  /* Choices: 0 is the default member (docs/api.md's enum rule), for every
+   * choice with a default (ROPE's 0 is itself a setting: from config.json). */
+  if (param == BICO_TRANSFER_METHOD && value == 0) value = BICO_METHOD_BICO;
+  if (param == BICO_TRANSFER_PROC_METHOD && value == 0) value = BICO_PROC_EIG;
   if (param == BICO_TRANSFER_GRADFIX_MODE && value == 0)
     value = BICO_GRADFIX_MAJORITY;
   if (param == BICO_TRANSFER_NULL && value == 0) value = BICO_NULL_KEEP;
@@ -378,6 +390,10 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
                       "transfer_check: unknown level %d", level);
   bico__run r;
   bico__xfer_run_init(&r, t);
+  /* A handle with a bridge output is checked as bico_transfer_bridge
+   * would run it. */
+  int bridge = t->files[BICO_FILE_BRIDGE_OUTPUT] != NULL;
+  r.making_bridge = bridge;
   /* The options alone: which files go together, what the method reads;
    * no file opened. */
   bico_status st = bico__xfer_check_setup(&r);
@@ -388,8 +404,9 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
   if (st == BICO_OK && level != BICO_TRANSFER_CHECK_OPTIONS) {
     bico__xfer_run_free(&r);
     bico__xfer_run_init(&r, t);
+    r.making_bridge = bridge;
     st = bico__xfer_setup(&r);
-    if (st == BICO_OK) st = check_run(&r);
+    if (st == BICO_OK && !bridge) st = check_run(&r);
   }
   bico__xfer_run_free(&r);
   /* The run's own rules say "transfer_run:"; the caller asked for a check */
@@ -399,6 +416,27 @@ bico_status bico_transfer_check(bico_transfer *t, int level) {
     snprintf(rest, sizeof rest, "%s", msg + 14);
     st = bico__fail(t->ctx, st, "transfer_check: %s", rest);
   }
+  if (st != BICO_OK) st = bico__xfer_prefix(t->ctx, st, "transfer_check");
+  return st;
+}
+
+bico_status bico_transfer_bridge(bico_transfer *t) {
+  if (t == NULL) return BICO_E_NULL;
+  bico__clear(t->ctx);
+  bico__run r;
+  bico__xfer_run_init(&r, t);
+  r.making_bridge = 1;
+  bico_status st = bico__xfer_setup(&r);
+  if (st == BICO_OK) st = bico__bridge_write(&r);
+  bico__xfer_run_free(&r);
+  /* The run's steps say "transfer_run:"; the caller made a bridge. */
+  const char *msg = bico_ctx_errmsg(t->ctx);
+  if (st != BICO_OK && strncmp(msg, "transfer_run: ", 14) == 0) {
+    char rest[BICO_ERRMSG_CAP];
+    snprintf(rest, sizeof rest, "%s", msg + 14);
+    st = bico__fail(t->ctx, st, "transfer_bridge: %s", rest);
+  }
+  if (st != BICO_OK) st = bico__xfer_prefix(t->ctx, st, "transfer_bridge");
   return st;
 }
 
@@ -432,5 +470,6 @@ bico_status bico_transfer_run(bico_transfer *t) {
   }
   for (int k = 0; k < 3; k++) bico__lock_release(locks[k]);
   if (st == BICO_OK) t->ran = 1;
+  else st = bico__xfer_prefix(t->ctx, st, "transfer_run");
   return st;
 }

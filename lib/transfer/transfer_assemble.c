@@ -148,6 +148,12 @@ bico_status bico_transfer_assemble_begin(bico_transfer *t) {
     return bico__fail(ctx, BICO_E_STATE,
                       "transfer_assemble_begin: plan the run first "
                       "(bico_transfer_plan)");
+  if (t->files[BICO_FILE_SOURCE_BASE] == NULL ||
+      t->files[BICO_FILE_TARGET_BASE] == NULL)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_assemble_begin: set the source base and the "
+                      "target base (the assembler takes no bases from a "
+                      "bridge file)");
   struct bico__asm *a = bico__calloc(ctx, 1, sizeof *a);
   if (a == NULL) return BICO_E_NOMEM;
   t->as = a;

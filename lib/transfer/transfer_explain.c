@@ -164,7 +164,9 @@ static bico_status causal(bico__run *r, struct bico__explain *e, int k) {
 
 static bico_status explain(bico__run *r, struct bico__explain *e) {
   bico_ctx *ctx = r->ctx;
-  bico_status st = bico__xfer_open_file(r, BICO_FILE_SOURCE_BASE, &r->sb);
+  /* A bridge's bases and options, as a run would take them. */
+  bico_status st = bico__bridge_begin(r);
+  if (st == BICO_OK) st = bico__xfer_open_file(r, BICO_FILE_SOURCE_BASE, &r->sb);
   if (st == BICO_OK)
     st = bico__xfer_open_file(r, BICO_FILE_TARGET_BASE, &r->tb);
   if (st == BICO_OK && (r->sb == NULL || r->tb == NULL))
@@ -181,8 +183,16 @@ static bico_status explain(bico__run *r, struct bico__explain *e) {
   for (int k = 0; k < 2; k++) {
     const char *p;
     bico_model_blocks(ms[k], &p, &e->nblocks[k]);
-    e->family[k] = dup(ctx, bico__family_name(r->kind[k]));
-    e->from[k] = dup(ctx, r->kind_why[k]);
+    /* One family for inspect and a run: config.json's model_type when the
+     * library knows it (a decoder family too), else the tensor names'. */
+    char from[256];
+    if (r->fam[k].row != NULL)
+      snprintf(from, sizeof from, "config.json model_type \"%s\"",
+               r->fam[k].type);
+    else
+      snprintf(from, sizeof from, "%s", r->kind_why[k]);
+    e->family[k] = dup(ctx, bico__family_word(&r->fam[k], r->kind[k]));
+    e->from[k] = dup(ctx, from);
     e->blocks[k] = p ? dup(ctx, p) : NULL;
     e->tensors[k] = bico__model_ntensors(ms[k]);
     if (!e->family[k] || !e->from[k] || (p && !e->blocks[k]))

@@ -61,6 +61,8 @@ typedef struct bico__hentry {
   int attn;
   bico__map m[4]; /* attn: q, k, v, o; mlp: the one map in m[0] */
   unsigned taken; /* bit per role slot */
+  int fallback;   /* the layer has no structured form: its modules take
+                     free-form maps (decided, and logged, once per layer) */
 } hentry;
 
 typedef struct bico__hcache {
@@ -611,7 +613,8 @@ static bico_status get_entry(bico__run *r, const char *pt, size_t ptl,
   for (size_t i = 0; i < c->n; i++)
     if (c->e[i].attn == attn && strlen(c->e[i].prefix) == ptl &&
         memcmp(c->e[i].prefix, pt, ptl) == 0) {
-      *out = &c->e[i];
+      *fallback = c->e[i].fallback;
+      *out = c->e[i].fallback ? NULL : &c->e[i];
       return BICO_OK;
     }
   hentry *grown = bico__grow(ctx, c->e, c->n, &c->cap, 8, sizeof *c->e);
@@ -634,12 +637,19 @@ static bico_status get_entry(bico__run *r, const char *pt, size_t ptl,
   bico_status st = attn ? solve_attn(r, tp, sp, e, fallback)
                         : solve_mlp(r, tp, sp, e, fallback);
   bico__free(ctx, sp);
-  if (st != BICO_OK || *fallback) {
+  if (st != BICO_OK) {
     entry_free(ctx, e);
     return st;
   }
+  /* A fallback is kept too: the layer's other modules ask again, and the
+   * decision (and its log line) is made once. */
+  e->fallback = *fallback;
+  for (int i = 0; i < 4 && e->fallback; i++) {
+    bico__free(ctx, e->m[i].r);
+    e->m[i].r = NULL;
+  }
   c->n++;
-  *out = e;
+  *out = e->fallback ? NULL : e;
   return BICO_OK;
 }
 

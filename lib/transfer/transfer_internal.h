@@ -5,6 +5,8 @@
  * each section below declares what the file it names defines:
  *   transfer.c          the driver: the handle, its options,
  *                       bico_transfer_run and the LoRA branch's hand-over;
+ *   transfer_bridge.c   making a bridge file (bico_transfer_bridge): every
+ *                       map of the plan solved and written;
  *   lora_transfer.c     the LoRA route: an adapter's factors carried by the
  *                       maps; its saved tensors by bico__xfer_carry;
  *   transfer_assemble.c the multi-process plan (groups, costs) and the
@@ -18,7 +20,11 @@
  *                       one "carry this tensor by its route" step), and
  *                       row tables streamed in pieces;
  *   transfer_maps.c     solving maps: on demand in the calling thread or
- *                       ahead of need in the solver pool;
+ *                       ahead of need in the solver pool (or read from a
+ *                       bridge file);
+ *   bridge_file.c       reading a bridge file: its options adopted or
+ *                       compared, the bases' fingerprints and the plan
+ *                       verified, its maps loaded; what a bridge records;
  *   transfer_plan.c     checks of the setup, which module's maps each target
  *                       tensor takes (pairing, ties, splits, routes), and
  *                       the plan's costs;
@@ -49,7 +55,7 @@
 #include "report.h"
 
 #define BICO__NONE SIZE_MAX
-#define BICO__NFILES 16
+#define BICO__NFILES 18
 #define BICO__NPARAMS 20
 #define BICO__NSTRINGS 5
 
@@ -76,6 +82,9 @@ struct bico_transfer {
   /* The options (transfer.c's setters), read by every step. */
   char *files[BICO__NFILES];
   double param[BICO__NPARAMS];
+  unsigned char pset[BICO__NPARAMS]; /* set with bico_transfer_set_param
+                                        (a bridge's options apply to the
+                                        others) */
   char *strings[BICO__NSTRINGS];
   bico__split_rec *splits;
   size_t nsplits;
@@ -174,6 +183,10 @@ typedef struct bico__route {
 
 
 struct bico__pool;
+typedef struct bico__bridge bico__bridge;
+/* The format of bridge files this library writes and reads (metadata
+ * "bico.bridge"). */
+#define BICO__BRIDGE_FORMAT "1"
 
 typedef struct bico__run {
   bico_transfer *t;
@@ -204,6 +217,10 @@ typedef struct bico__run {
   char kind_why[2][192];
   struct bico__vocab *vocab; /* token rows by token string, or NULL */
   unsigned char *tie_rule;   /* per target tensor: bico__tie_rule */
+  /* Bridges: the one a run reads its maps from (bridge_file.c), or making
+   * one (bico_transfer_bridge: the setup's rules are a bridge's). */
+  bico__bridge *bridge;
+  int making_bridge;
 } bico__run;
 
 /* Which rule tied a token to its module (bico__xfer_plan). */
@@ -226,6 +243,10 @@ typedef struct bico__xfer_tensor {
 
 /* ---- transfer.c ---- */
 /* (only public entry points) */
+
+/* ---- transfer_bridge.c ---- */
+/* Solves every map the set-up run r plans and writes the bridge file. */
+bico_status bico__bridge_write(bico__run *r);
 
 /* ---- lora_transfer.c ---- */
 /* The LoRA route of a planned run (the source adapter set): the output
@@ -306,11 +327,6 @@ bico_status bico__xfer_update(bico__run *r, size_t ti, float *upd,
 bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,
                              const bico__route *rt, float **tau, float *upd,
                              bico__tinfo *info);
-/* The handling (bico_transfer_handling) a tensor carried by route rt
- * gets: linear (WEIGHT), vector (BIAS, or ROWS of a vector), tied (ROWS of
- * a token table); unchanged for no route.  The one rule for the checkpoint
- * path, the LoRA route's factors and bico_transfer_explain. */
-int bico__xfer_route_handling(const bico__route *rt);
 /* naive, pad or gradfix (the run's method) on task vector tau (source
  * tensor si's shape; a checkpoint's or the LoRA route's dense update) of
  * target tensor ti into upd (ti's numel floats), with the votes lent or
@@ -348,6 +364,32 @@ void bico__xfer_pool_stop(bico__run *r);
 /* Makes the maps of one side of target module mi available in r->mods. */
 bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
 
+/* ---- bridge_file.c ---- */
+/* Opens the bridge file the handle names (none: nothing to do) and takes
+ * its options and files for what the handle leaves unset, comparing the
+ * rest; r->method follows.  bico__bridge_end gives the handle back as it
+ * was (run_free calls it). */
+bico_status bico__bridge_begin(bico__run *r);
+void bico__bridge_end(bico__run *r);
+/* After the plan: both bases' fingerprints and the plan against the
+ * bridge's (BICO_E_ARG naming the file and what differs). */
+bico_status bico__bridge_verify(bico__run *r);
+/* The maps of one side of target module mi, read from the bridge (k of
+ * them for a split output), into a new array (*out). */
+bico_status bico__bridge_load(bico__run *r, size_t mi, int side,
+                              bico__map **out);
+/* What a bridge records (transfer_bridge.c writes them): the options that
+ * shape the maps, the plan (per target tensor [name, source, handling,
+ * module, maps]), a base's fingerprint (side 0 source, 1 target: its
+ * weights with the config.json and tokenizer.json the run reads), and the
+ * map tensors' names ("<module>:in", "<module>:out", ":rank" added for
+ * their ranks). */
+void bico__bridge_options(const bico_transfer *t, bico__jw *w);
+void bico__bridge_plan(const bico__run *r, bico__jw *w);
+bico_status bico__bridge_fingerprint(bico__run *r, int side, char hex[65]);
+void bico__bridge_key(char *buf, size_t cap, const char *module, int side,
+                      int rank);
+
 /* ---- transfer_plan.c ---- */
 bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f);
 bico_status bico__xfer_check_setup(bico__run *r);
@@ -359,6 +401,11 @@ bico_status bico__xfer_check_pairing(bico__run *r);
 /* Role dispatch: which maps carry target tensor ti (after
  * bico__xfer_plan; BiCo methods). */
 void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out);
+/* The handling (bico_transfer_handling) a tensor carried by route rt
+ * gets: linear (WEIGHT), vector (BIAS, or ROWS of a vector), tied (ROWS of
+ * a token table); unchanged for no route.  The one rule for the checkpoint
+ * path, the LoRA route's factors, bico_transfer_explain and bridges. */
+int bico__xfer_route_handling(const bico__route *rt);
 /* Which sides of which module target tensor ti will ask for (the pool
  * solves them ahead). */
 void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
@@ -408,6 +455,10 @@ size_t bico__xfer_mem_xcov(const bico_transfer *t, const char *module,
                            int side, const bico_xcov *const **blocks);
 const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
                                        const char *tensor);
+/* The lent statistics and votes against the target model (r->mt): names
+ * that are no module or tensor of it, accumulators without rows, votes
+ * without samples (bico_transfer_check's inputs level and every run). */
+bico_status bico__xfer_mem_check(bico__run *r);
 
 /* ---- transfer_base.c ---- */
 /* The log line (the names of file slots and handlings are
@@ -421,6 +472,15 @@ void bico__xfer_log(bico__run *r, const char *fmt, ...)
  * `name` already. */
 bico_status bico__xfer_wrap(bico_ctx *ctx, bico_status st, const char *what,
                             const char *name);
+/* A failure on the file of slot `which` (a BICO_FILE_*) named by its slot,
+ * "the source tuned file PATH: reason" (the message of the call that
+ * failed, without its function's name and the path it repeats). */
+bico_status bico__xfer_wrap_file(bico_ctx *ctx, bico_status st, int which,
+                                 const char *path);
+/* Every message of an entry point starts with its name ("transfer_run: "):
+ * a message that starts with another function's name gets fn's instead,
+ * one without a name gets fn's in front. */
+bico_status bico__xfer_prefix(bico_ctx *ctx, bico_status st, const char *fn);
 const char *bico__xfer_tname(const bico_model *m, size_t i);
 const char *bico__xfer_mname(const bico_model *m, size_t i);
 size_t bico__xfer_numel(size_t ndim, const size_t *shape);

@@ -278,8 +278,14 @@ static bico_status solve_side(bico__run *r, solver *sv, const sidejob *j,
       if (st == BICO_OK && (ndim != 2 || shape[0] != da || shape[1] != db))
         st = bico__fail(ctx, BICO_E_SHAPE,
                         "statistics file %s: tensor %s should be [%zu, %zu] "
-                        "(source %s x target %s widths)",
-                        path, key, da, db, sm, tm);
+                        "(source %s x target %s widths)%s",
+                        path, key, da, db, sm, tm,
+                        ndim == 2 && shape[0] == db && shape[1] == da
+                            ? "; it is [target, source]: made from "
+                              "calibration files given the wrong way round "
+                              "(bico stats --source-calib takes the source "
+                              "model's)?"
+                            : "");
     }
     for (size_t b = 0; b < k && st == BICO_OK; b++) {
       /* Block b's statistic is the diagonal block (b, b) of the full one,
@@ -494,7 +500,7 @@ bico_status bico__xfer_pool_start(bico__run *r, const unsigned char *select) {
   bico_ctx *ctx = r->ctx;
   size_t nw = (size_t)r->t->param[BICO_TRANSFER_WORKERS];
   size_t nt = bico__model_ntensors(r->mt), cap = 0;
-  if (nw < 2 || r->nm == 0) return BICO_OK;
+  if (nw < 2 || r->nm == 0 || r->bridge != NULL) return BICO_OK;
   pool *P = bico__calloc(ctx, 1, sizeof *P);
   if (P == NULL) return BICO_E_NOMEM;
   P->r = r;
@@ -572,6 +578,12 @@ static bico_status compute_side(bico__run *r, size_t mi, int side) {
 bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side) {
   bico__modstate *s = &r->mods[mi];
   if (side ? s->have_out : s->have_in) return BICO_OK;
+  if (r->bridge != NULL) { /* the maps were solved when the bridge was made */
+    bico__map *maps = NULL;
+    bico_status st = bico__bridge_load(r, mi, side, &maps);
+    if (st == BICO_OK) publish(r, mi, side, maps);
+    return st;
+  }
   if (bico__xfer_structured(r, mi, side)) {
     bico__map *maps = NULL;
     int fallback = 0;

@@ -9,6 +9,7 @@
  * the peak memory of a run that is bounded by exactly those matrices.  So
  * the handle keeps pointers, and the caller keeps the accumulators alive
  * and unchanged until the handle is freed (transfer.h says so). */
+#include <stdio.h>
 #include <string.h>
 
 #include "fileio.h"
@@ -81,8 +82,8 @@ static size_t find_votes(const struct bico__mem *m, const char *tensor) {
 }
 
 bico_status bico_transfer_set_xcov(bico_transfer *t, const char *module,
-                                   int side, size_t nblocks,
-                                   const bico_xcov *const *blocks) {
+                                   int side, bico_xcov *const *blocks,
+                                   size_t nblocks) {
   static const char fn[] = "transfer_set_xcov";
   if (t == NULL) return BICO_E_NULL;
   bico_ctx *ctx = t->ctx;
@@ -195,4 +196,72 @@ const bico_votes *bico__xfer_mem_votes(const bico_transfer *t,
                                        const char *tensor) {
   size_t i = find_votes(t->mem, tensor);
   return i == BICO__NONE ? NULL : t->mem->vs[i].v;
+}
+
+/* A lent name that is a tensor of the target ("M.weight") rather than its
+ * module: the hint for the message (buf gets "" when it is not). */
+static void tensor_hint(const bico_model *mt, const char *name, char *buf,
+                        size_t cap) {
+  size_t ti, mi;
+  const char *mod;
+  buf[0] = '\0';
+  if (bico_model_find_tensor(mt, name, &ti) == BICO_OK &&
+      bico_model_tensor_module(mt, ti, &mi, NULL) == BICO_OK &&
+      bico_model_module(mt, mi, &mod, NULL, NULL, NULL) == BICO_OK)
+    snprintf(buf, cap, " (%s is a tensor: lend its module's statistics as "
+                       "\"%s\")", name, mod);
+}
+
+/* What a run refuses in the lent statistics and votes before its first
+ * map (bico_transfer_check at the inputs level and every run): a name
+ * that is no module (no tensor) of the target base, which the run would
+ * otherwise never look up, and an accumulator without rows (no sample
+ * reached it: its map would be an arbitrary completion, every layer
+ * "dead").  Runs after the models are loaded. */
+bico_status bico__xfer_mem_check(bico__run *r) {
+  const struct bico__mem *m = r->t->mem;
+  bico_ctx *ctx = r->ctx;
+  const char *tb = r->t->files[BICO_FILE_TARGET_BASE];
+  char hint[320];
+  for (size_t i = 0; m && i < m->nx; i++) {
+    const mem_xcov *x = &m->xs[i];
+    const char *side = bico_transfer_side_name(x->side);
+    size_t mi;
+    if (bico_model_find_module(r->mt, x->module, &mi) != BICO_OK) {
+      tensor_hint(r->mt, x->module, hint, sizeof hint);
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "transfer_run: statistics lent for module %s (side "
+                        "%s) name no module of the target base %s%s",
+                        x->module, side, tb, hint);
+    }
+    for (size_t b = 0; b < x->n; b++) {
+      uint64_t rows = 0;
+      bico_xcov_info(x->x[b], NULL, NULL, &rows, NULL);
+      char block[40] = "";
+      if (x->n > 1) snprintf(block, sizeof block, ", block %zu", b);
+      if (rows == 0)
+        return bico__fail(ctx, BICO_E_STATE,
+                          "transfer_run: statistics lent for module %s (side "
+                          "%s%s) hold no rows: no sample reached the "
+                          "accumulator, and its map would be arbitrary",
+                          x->module, side, block);
+    }
+  }
+  for (size_t i = 0; m && i < m->nv; i++) {
+    const mem_votes *v = &m->vs[i];
+    size_t ti;
+    uint64_t samples = 0;
+    if (bico_model_find_tensor(r->mt, v->tensor, &ti) != BICO_OK)
+      return bico__fail(ctx, BICO_E_NOTFOUND,
+                        "transfer_run: votes lent for tensor %s name no "
+                        "tensor of the target base %s",
+                        v->tensor, tb);
+    bico_votes_info(v->v, NULL, &samples, NULL);
+    if (samples == 0)
+      return bico__fail(ctx, BICO_E_STATE,
+                        "transfer_run: votes lent for tensor %s hold no "
+                        "samples",
+                        v->tensor);
+  }
+  return BICO_OK;
 }

@@ -33,8 +33,7 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
   if (path == NULL) return BICO_OK;
   bico_status st = bico_stfile_open(r->ctx, path, f);
   if (st == BICO_OK) st = bico__xfer_rename_source(r->t, which, *f);
-  if (st != BICO_OK)
-    return bico__xfer_wrap(r->ctx, st, bico_transfer_file_name(which), path);
+  if (st != BICO_OK) return bico__xfer_wrap_file(r->ctx, st, which, path);
   return BICO_OK;
 }
 
@@ -201,18 +200,110 @@ bico_status bico__xfer_plan(bico__run *r) {
   return BICO_OK;
 }
 
+/* Where the maps come from (BiCo methods): both calibration files, a
+ * statistics file, or statistics lent from memory; or, for a run, a
+ * bridge file instead of all of them. */
+static bico_status check_statistics(bico__run *r) {
+  bico_transfer *t = r->t;
+  bico_ctx *ctx = r->ctx;
+  const char *const *f = (const char *const *)t->files;
+  int calib = f[BICO_FILE_SOURCE_CALIB] != NULL || f[BICO_FILE_TARGET_CALIB] != NULL;
+  int lent = bico__xfer_mem_nxcov(t) > 0;
+  if (f[BICO_FILE_BRIDGE] != NULL && (calib || f[BICO_FILE_STATS] || lent))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: the bridge file holds the maps: %s "
+                      "would not be read; drop it",
+                      f[BICO_FILE_SOURCE_CALIB] ? "the source calib file"
+                      : f[BICO_FILE_TARGET_CALIB] ? "the target calib file"
+                      : f[BICO_FILE_STATS] ? "the stats file"
+                                           : "the statistics held in memory");
+  if (f[BICO_FILE_BRIDGE] != NULL) return BICO_OK;
+  if (calib && (f[BICO_FILE_SOURCE_CALIB] == NULL ||
+                f[BICO_FILE_TARGET_CALIB] == NULL))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: missing the %s calib file (the source "
+                      "calib file and the target calib file go together)",
+                      f[BICO_FILE_SOURCE_CALIB] == NULL ? "source" : "target");
+  /* Statistics lent from memory (bico_transfer_set_xcov) stand in for
+   * both kinds of file. */
+  if (calib ? f[BICO_FILE_STATS] != NULL : f[BICO_FILE_STATS] == NULL && !lent)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: method %s needs either the source "
+                      "calib file and the target calib file, or the stats "
+                      "file%s",
+                      bico_transfer_method_name(r->method),
+                      calib ? ", not both"
+                            : " (or, from a program using the library, "
+                              "the statistics held in memory; or a bridge "
+                              "file)");
+  if (f[BICO_FILE_STATS] != NULL &&
+      (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: the %s parameter needs the source "
+                      "calib file and the target calib file; the stats file "
+                      "holds only the cross-covariances",
+                      t->param[BICO_TRANSFER_CENTER] != 0 ? "center"
+                                                          : "whiten");
+  return BICO_OK;
+}
+
+/* Making a bridge (bico_transfer_bridge): the inputs of a BiCo transfer
+ * without its fine-tune and outputs, and the bridge output. */
+static bico_status check_bridge_setup(bico__run *r) {
+  const char *const *f = (const char *const *)r->t->files;
+  static const int NOT[] = {BICO_FILE_SOURCE_TUNED, BICO_FILE_TASK_VECTOR,
+                            BICO_FILE_LORA,         BICO_FILE_TARGET_VOTES,
+                            BICO_FILE_OUTPUT,       BICO_FILE_DELTA_OUTPUT,
+                            BICO_FILE_LORA_OUTPUT,  BICO_FILE_REPORT,
+                            BICO_FILE_BRIDGE};
+  if (f[BICO_FILE_SOURCE_BASE] == NULL || f[BICO_FILE_TARGET_BASE] == NULL ||
+      f[BICO_FILE_BRIDGE_OUTPUT] == NULL)
+    return bico__fail(r->ctx, BICO_E_ARG, "transfer_run: missing the %s file",
+                      f[BICO_FILE_SOURCE_BASE] == NULL   ? "source base"
+                      : f[BICO_FILE_TARGET_BASE] == NULL ? "target base"
+                                                         : "bridge output");
+  for (size_t i = 0; i < sizeof NOT / sizeof *NOT; i++)
+    if (f[NOT[i]] != NULL)
+      return bico__fail(r->ctx, BICO_E_ARG,
+                        "transfer_run: the %s file does not apply to making "
+                        "a bridge (it holds the maps of the two bases, for "
+                        "any fine-tune: give the %s file to the transfers "
+                        "that read the bridge)",
+                        bico_transfer_file_name(NOT[i]),
+                        bico_transfer_file_name(NOT[i]));
+  if (!bico__xfer_is_bico(r->method))
+    return bico__fail(r->ctx, BICO_E_ARG,
+                      "transfer_run: method %s solves no maps: a bridge "
+                      "holds the maps of bico, bico-in or bico-out",
+                      bico_transfer_method_name(r->method));
+  return check_statistics(r);
+}
+
 bico_status bico__xfer_check_setup(bico__run *r) {
   bico_transfer *t = r->t;
   bico_ctx *ctx = r->ctx;
   const char *const *f = (const char *const *)t->files;
-  int lora = f[BICO_FILE_LORA] != NULL;
+  int lora = f[BICO_FILE_LORA] != NULL, bridge = f[BICO_FILE_BRIDGE] != NULL;
+  if (r->making_bridge) return check_bridge_setup(r);
   /* Files are named "the <slot> file" with the slot's name
    * (bico_transfer_file_name): a front end maps the phrase to its own
-   * spelling of the option (tools/bico/transfer.c). */
-  if (f[BICO_FILE_SOURCE_BASE] == NULL || f[BICO_FILE_TARGET_BASE] == NULL)
+   * spelling of the option (tools/bico/transfer.c).  A bridge file names
+   * the bases when the handle does not. */
+  if (!bridge &&
+      (f[BICO_FILE_SOURCE_BASE] == NULL || f[BICO_FILE_TARGET_BASE] == NULL))
     return bico__fail(ctx, BICO_E_ARG, "transfer_run: missing the %s file",
                       f[BICO_FILE_SOURCE_BASE] == NULL ? "source base"
                                                        : "target base");
+  if (f[BICO_FILE_BRIDGE_OUTPUT] != NULL)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: the bridge output file is written by "
+                      "bico_transfer_bridge (`bico bridge`), not by a "
+                      "transfer");
+  if (bridge && !bico__xfer_is_bico(r->method))
+    return bico__fail(ctx, BICO_E_ARG,
+                      "transfer_run: method %s reads no maps; the bridge "
+                      "file holds the maps of bico, bico-in or bico-out",
+                      bico_transfer_method_name(r->method));
   if (lora) {
     if (f[BICO_FILE_SOURCE_TUNED] != NULL || f[BICO_FILE_TASK_VECTOR] != NULL)
       return bico__fail(ctx, BICO_E_ARG,
@@ -242,36 +333,10 @@ bico_status bico__xfer_check_setup(bico__run *r) {
                       "transfer_run: give exactly one of the source tuned "
                       "file and the task vector file");
   }
-  int bico = r->method <= BICO_METHOD_BICO_OUT;
+  int bico = bico__xfer_is_bico(r->method);
   if (bico) {
-    int calib = f[BICO_FILE_SOURCE_CALIB] != NULL || f[BICO_FILE_TARGET_CALIB] != NULL;
-    if (calib && (f[BICO_FILE_SOURCE_CALIB] == NULL ||
-                  f[BICO_FILE_TARGET_CALIB] == NULL))
-      return bico__fail(ctx, BICO_E_ARG,
-                        "transfer_run: missing the %s calib file (the source "
-                        "calib file and the target calib file go together)",
-                        f[BICO_FILE_SOURCE_CALIB] == NULL ? "source" : "target");
-    /* Statistics lent from memory (bico_transfer_set_xcov) stand in for
-     * both kinds of file. */
-    int lent = bico__xfer_mem_nxcov(t) > 0;
-    if (calib ? f[BICO_FILE_STATS] != NULL
-              : f[BICO_FILE_STATS] == NULL && !lent)
-      return bico__fail(ctx, BICO_E_ARG,
-                        "transfer_run: method %s needs either the source "
-                        "calib file and the target calib file, or the stats "
-                        "file%s",
-                        bico_transfer_method_name(r->method),
-                        calib ? ", not both"
-                              : " (or, from a program using the library, "
-                                "the statistics held in memory)");
-    if (f[BICO_FILE_STATS] != NULL &&
-        (t->param[BICO_TRANSFER_CENTER] != 0 || t->param[BICO_TRANSFER_WHITEN] > 0))
-      return bico__fail(ctx, BICO_E_ARG,
-                        "transfer_run: the %s parameter needs the source "
-                        "calib file and the target calib file; the stats file "
-                        "holds only the cross-covariances",
-                        t->param[BICO_TRANSFER_CENTER] != 0 ? "center"
-                                                            : "whiten");
+    bico_status st = check_statistics(r);
+    if (st != BICO_OK) return st;
   }
   if (r->method == BICO_METHOD_GRADFIX && lora &&
       t->param[BICO_TRANSFER_GRADFIX_MODE] == BICO_GRADFIX_MEAN)
@@ -329,22 +394,22 @@ static size_t add_shards(bico__fileuse *u, size_t n, const char *what,
  * regular files in existing folders.  LoRA adapters count with both of
  * their files. */
 bico_status bico__xfer_check_outputs(bico__run *r) {
-  static const int ins[10] = {BICO_FILE_SOURCE_BASE,  BICO_FILE_SOURCE_TUNED,
+  static const int ins[11] = {BICO_FILE_SOURCE_BASE,  BICO_FILE_SOURCE_TUNED,
                               BICO_FILE_TASK_VECTOR,  BICO_FILE_TARGET_BASE,
                               BICO_FILE_SOURCE_CALIB, BICO_FILE_TARGET_CALIB,
                               BICO_FILE_STATS,        BICO_FILE_TARGET_VOTES,
                               BICO_FILE_SOURCE_CONFIG,
-                              BICO_FILE_TARGET_CONFIG};
-  static const int outs[3] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT,
-                              BICO_FILE_REPORT};
+                              BICO_FILE_TARGET_CONFIG, BICO_FILE_BRIDGE};
+  static const int outs[4] = {BICO_FILE_OUTPUT, BICO_FILE_DELTA_OUTPUT,
+                              BICO_FILE_REPORT, BICO_FILE_BRIDGE_OUTPUT};
   bico_ctx *ctx = r->ctx;
   const char *const *f = (const char *const *)r->t->files;
-  bico_stfile *fs[10] = {r->sb, r->sft, r->tv,    r->tb, r->sc,
-                         r->tc, r->stats, r->votes, NULL,  NULL};
-  size_t cap = 48;
-  for (int i = 0; i < 10; i++) cap += bico__stfile_ntensors(fs[i]);
+  bico_stfile *fs[11] = {r->sb, r->sft,   r->tv,    r->tb, r->sc, r->tc,
+                         r->stats, r->votes, NULL, NULL, NULL};
+  size_t cap = 52;
+  for (int i = 0; i < 11; i++) cap += bico__stfile_ntensors(fs[i]);
   bico__fileuse *u = bico__alloc(ctx, cap * sizeof *u);
-  char *lp[4] = {NULL, NULL, NULL, NULL}, *fo[3] = {NULL, NULL, NULL};
+  char *lp[4] = {NULL, NULL, NULL, NULL}, *fo[4] = {NULL, NULL, NULL, NULL};
   const char *ld[2] = {f[BICO_FILE_LORA], f[BICO_FILE_LORA_OUTPUT]};
   for (int k = 0; k < 2; k++)
     if (ld[k] != NULL) {
@@ -356,7 +421,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
     if (ld[k / 2] != NULL && lp[k] == NULL) st = BICO_E_NOMEM;
   size_t n = 0;
   if (st == BICO_OK) {
-    for (int i = 0; i < 10; i++) {
+    for (int i = 0; i < 11; i++) {
       if (f[ins[i]] == NULL) continue;
       const char *what = bico_transfer_file_name(ins[i]);
       u[n++] = (bico__fileuse){what, f[ins[i]], 0, 0, 0};
@@ -371,7 +436,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
       if (lp[k] != NULL) u[n++] = (bico__fileuse){lw[k], lp[k], k >= 2, 1, 0};
     if (ld[0] != NULL)
       u[n++] = (bico__fileuse){"source adapter", ld[0], 0, 0, 3};
-    for (int o = 0; o < 3 && st == BICO_OK; o++) {
+    for (int o = 0; o < 4 && st == BICO_OK; o++) {
       if (f[outs[o]] == NULL) continue;
       /* an output folder: its weights file stands for it */
       int dir = o < 2 && bico_stwriter_output_is_folder(f[outs[o]],
@@ -390,7 +455,7 @@ bico_status bico__xfer_check_outputs(bico__run *r) {
     }
     if (st == BICO_OK) st = bico__check_files(ctx, "transfer_run", u, n);
   }
-  for (int k = 0; k < 3; k++) bico__free(ctx, fo[k]);
+  for (int k = 0; k < 4; k++) bico__free(ctx, fo[k]);
   for (int k = 0; k < 4; k++) bico__free(ctx, lp[k]);
   bico__free(ctx, u);
   return st;
@@ -477,6 +542,19 @@ void bico__xfer_route(const bico__run *r, size_t ti, bico__route *out) {
  * for tensors with a source partner.  A wrong guess costs time, never
  * correctness: an unneeded job's result (or failure) is dropped, and a
  * side without a job is solved when asked. */
+int bico__xfer_route_handling(const bico__route *rt) {
+  switch (rt->kind) {
+  case BICO__ROUTE_WEIGHT:
+    return BICO__H_LINEAR;
+  case BICO__ROUTE_BIAS:
+    return BICO__H_VECTOR;
+  case BICO__ROUTE_ROWS:
+    return rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
+  default:
+    return BICO__H_UNCHANGED;
+  }
+}
+
 void bico__xfer_predict_sides(bico__run *r, size_t ti, size_t *mod,
                               int need[2]) {
   need[0] = need[1] = 0;

@@ -33,6 +33,62 @@ static bico_status open_inputs(bico__run *r) {
   return st;
 }
 
+/* The last dimension of calibration tensor `key` of f, or 0. */
+static size_t calib_width(const bico_stfile *f, const char *key) {
+  size_t i, ndim;
+  const size_t *shape;
+  if (f == NULL || bico_stfile_find(f, key, &i) != BICO_OK ||
+      bico_stfile_tensor_info(f, i, NULL, NULL, &ndim, &shape) != BICO_OK ||
+      ndim == 0)
+    return 0;
+  return shape[ndim - 1];
+}
+
+/* Calibration files given the wrong way round (the source's as the
+ * target's): the first paired linear module whose input widths differ
+ * between the models tells, before any map is solved, so the message can
+ * say what happened instead of a width mismatch deep in the run. */
+static bico_status check_calib_sides(bico__run *r) {
+  if (r->sc == NULL || r->tc == NULL) return BICO_OK;
+  int swapped = 0;
+  size_t at = BICO__NONE, w_src = 0, w_tgt = 0;
+  char ka[512], kb[512];
+  for (size_t mi = 0; mi < r->nm; mi++) {
+    size_t src = r->mods[mi].src, dout_a, din_a, dout_b, din_b;
+    int kind = 0;
+    if (src == BICO__NONE ||
+        bico_model_module(r->mt, mi, NULL, &kind, NULL, NULL) != BICO_OK ||
+        kind != BICO_MODULE_LINEAR ||
+        bico_model_module_dims(r->ms, src, &dout_a, &din_a) != BICO_OK ||
+        bico_model_module_dims(r->mt, mi, &dout_b, &din_b) != BICO_OK ||
+        din_a == din_b)
+      continue;
+    snprintf(ka, sizeof ka, "%s.input", bico__xfer_mname(r->ms, src));
+    snprintf(kb, sizeof kb, "%s.input", bico__xfer_mname(r->mt, mi));
+    size_t wa = calib_width(r->sc, ka), wb = calib_width(r->tc, kb);
+    size_t sa = calib_width(r->sc, kb), sb = calib_width(r->tc, ka);
+    /* The right files hold each side's width under its own name; swapped
+     * ones hold the other side's width (under either name). */
+    swapped = (wa == din_b || sa == din_b) && (wb == din_a || sb == din_a) &&
+              wa != din_a && wb != din_b;
+    at = mi;
+    w_src = din_a;
+    w_tgt = din_b;
+    break; /* one module with differing widths decides */
+  }
+  bico__clear(r->ctx); /* the lookups' misses are not the run's failure */
+  if (!swapped) return BICO_OK;
+  return bico__fail(r->ctx, BICO_E_SHAPE,
+                    "transfer_run: the source calib file %s and the target "
+                    "calib file %s look swapped: at module %s the source "
+                    "calib file's rows are %zu wide, the target model's "
+                    "width, and the target calib file's %zu, the source "
+                    "model's; give each model's calibration on its own side",
+                    r->t->files[BICO_FILE_SOURCE_CALIB],
+                    r->t->files[BICO_FILE_TARGET_CALIB],
+                    bico__xfer_mname(r->mt, at), w_tgt, w_src);
+}
+
 /* The two models, with their block containers as the options say. */
 bico_status bico__xfer_load_models(bico__run *r) {
   const bico_transfer *t = r->t;
@@ -92,9 +148,12 @@ static bico_status make_solver(bico__run *r) {
 }
 
 bico_status bico__xfer_setup(bico__run *r) {
-  bico_status st = bico__xfer_check_setup(r);
+  /* A bridge's options and bases count as set from here on. */
+  bico_status st = r->making_bridge ? BICO_OK : bico__bridge_begin(r);
+  if (st == BICO_OK) st = bico__xfer_check_setup(r);
   if (st == BICO_OK) st = open_inputs(r);
   if (st == BICO_OK) st = bico__xfer_load_models(r);
+  if (st == BICO_OK) st = bico__xfer_mem_check(r);
   if (st == BICO_OK && bico__xfer_is_bico(r->method)) st = make_solver(r);
   if (st == BICO_OK) st = bico__xfer_families(r);
   /* Token rows by token string when both folders have a tokenizer.json
@@ -111,6 +170,9 @@ bico_status bico__xfer_setup(bico__run *r) {
   }
   if (st == BICO_OK) st = bico__xfer_plan(r);
   if (st == BICO_OK) st = bico__xfer_check_pairing(r);
+  if (st == BICO_OK && bico__xfer_is_bico(r->method))
+    st = check_calib_sides(r);
+  if (st == BICO_OK) st = bico__bridge_verify(r);
   return st;
 }
 
@@ -142,5 +204,6 @@ void bico__xfer_run_free(bico__run *r) {
                         r->sc, r->tc, r->stats, r->votes};
   for (int i = 0; i < 8; i++) bico_stfile_free(fs[i]);
   bico__report_free(&r->rep);
+  bico__bridge_end(r); /* the handle's options and files as they were */
 }
 

@@ -234,7 +234,7 @@ static bico_status weight_update_oi(bico__run *r, const bico__route *rt,
                                din_a, rout, dout_b, rin, din_b, 0.0f, upd,
                                din_b);
   } else {
-    const float **routs = bico__calloc(ctx, s->k, sizeof *routs);
+    float **routs = bico__calloc(ctx, s->k, sizeof *routs);
     if (routs == NULL) return BICO_E_NOMEM;
     for (size_t b = 0; b < s->k; b++) routs[b] = do_out ? s->out[b].r : NULL;
     if (do_out) {
@@ -244,7 +244,7 @@ static bico_status weight_update_oi(bico__run *r, const bico__route *rt,
     st = bico_transport_weight_split(
         ctx, s->k, dout_a, din_a, dout_b, din_b,
         r->alpha, p->tau, din_a,
-        do_out ? (const float *const *)routs : NULL, dout_b / s->k, rin, din_b, 0.0f, upd, din_b);
+        do_out ? routs : NULL, dout_b / s->k, rin, din_b, 0.0f, upd, din_b);
     bico__free(ctx, routs);
   }
   info->handling = bico__xfer_route_handling(rt);
@@ -355,19 +355,6 @@ static void refuse_dead_maps(bico__tinfo *info) {
     dead = bico__map_dead(info->split_maps[b].rank, "out", info->reason,
                           sizeof info->reason);
   if (dead) info->handling = BICO__H_UNCHANGED;
-}
-
-int bico__xfer_route_handling(const bico__route *rt) {
-  switch (rt->kind) {
-  case BICO__ROUTE_WEIGHT:
-    return BICO__H_LINEAR;
-  case BICO__ROUTE_BIAS:
-    return BICO__H_VECTOR;
-  case BICO__ROUTE_ROWS:
-    return rt->role == BICO_ROLE_VECTOR ? BICO__H_VECTOR : BICO__H_TIED;
-  default:
-    return BICO__H_UNCHANGED;
-  }
 }
 
 bico_status bico__xfer_carry(bico__run *r, size_t ti, size_t si,

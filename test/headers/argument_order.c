@@ -15,7 +15,7 @@
 typedef bico_status (*lora_transport_fn)(bico_ctx *, size_t, size_t, size_t,
                                          size_t, size_t, size_t, float,
                                          const float *, const float *,
-                                         const float *const *, size_t,
+                                         float *const *, size_t,
                                          const float *, size_t, float *,
                                          float *);
 typedef bico_status (*read_f32_range_fn)(const bico_stfile *, size_t, size_t,

@@ -521,7 +521,8 @@ NO_ARRAYS = {
         "Transfer", "Transfer.set_file", "Transfer.set", "Transfer.get",
         "Transfer.add_split", "Transfer.add_tie", "Transfer.set_log",
         "Transfer.set_progress", "Transfer.run", "Transfer.counts",
-        "Transfer.check", "Transfer.set_xcov", "Transfer.set_votes",
+        "Transfer.check", "Transfer.bridge", "Transfer.set_xcov",
+        "Transfer.set_votes",
         "transfer_files")} | {
     "bico._stats:" + n for n in ("stats_from_calib", "stats_merge")} | {
     "bico.safetensors:" + n for n in (

@@ -11,6 +11,9 @@
 #define CLI_USAGE 2
 
 int cmd_transfer(int argc, char **argv);
+/* `bico bridge`: cmd_transfer's options without a fine-tune; --output is
+ * the bridge file (bico_transfer_bridge). */
+int cmd_bridge(int argc, char **argv);
 /* The command's dispatcher (main in tools/bico/bico.c calls it; bico-mpi
  * reuses it for the commands it does not divide). */
 int bico_cli_main(int argc, char **argv);

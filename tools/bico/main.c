@@ -41,13 +41,15 @@ int bico_cli_main(int argc, char **argv) {
     printf("bico %s\n", bico_version_string());
     return 0;
   }
-  if (strcmp(cmd, "transfer") == 0 || strcmp(cmd, "merge") == 0) {
+  if (strcmp(cmd, "transfer") == 0 || strcmp(cmd, "merge") == 0 ||
+      strcmp(cmd, "bridge") == 0) {
     int sub_argc = argc - 1;
     char **sub_argv = argv + 1;
     int r = cli_config_expand(cmd, &sub_argc, &sub_argv);
     if (r != 0) return r;
-    return strcmp(cmd, "merge") == 0 ? cmd_merge(sub_argc, sub_argv)
-                                     : cmd_transfer(sub_argc, sub_argv);
+    return strcmp(cmd, "merge") == 0    ? cmd_merge(sub_argc, sub_argv)
+           : strcmp(cmd, "bridge") == 0 ? cmd_bridge(sub_argc, sub_argv)
+                                        : cmd_transfer(sub_argc, sub_argv);
   }
   if (strcmp(cmd, "stats") == 0) return cmd_stats(argc - 1, argv + 1);
   if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc - 1, argv + 1);

@@ -1,4 +1,6 @@
-/* bico transfer: options -> bico_transfer -> run. */
+/* bico transfer and bico bridge: options -> bico_transfer -> run (or
+ * bico_transfer_bridge: the same options without a fine-tune, --output
+ * naming the bridge file). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,10 +9,14 @@
 #include "bico_help.h"
 #include "cli.h"
 
-static const char *const CMD = "transfer";
+static const char *CMD = "transfer";
+/* `bico bridge`: --output is the bridge file (BICO_FILE_BRIDGE_OUTPUT) and
+ * bico_transfer_bridge runs instead of bico_transfer_run. */
+static int bridge_mode;
 
 /* Generated from docs/bico.1.md (scripts/gen-help.py). */
 static const char HELP[] = BICO_HELP_TRANSFER;
+static const char HELP_BRIDGE[] = BICO_HELP_BRIDGE;
 
 static const struct {
   const char *opt;
@@ -31,6 +37,7 @@ static const struct {
     {"--output-lora", BICO_FILE_LORA_OUTPUT}, /* LoRA: index 12 */
     {"--source-config", BICO_FILE_SOURCE_CONFIG},
     {"--target-config", BICO_FILE_TARGET_CONFIG},
+    {"--bridge", BICO_FILE_BRIDGE},           /* index 15 */
 };
 #define NFILE_OPTS (sizeof FILES / sizeof FILES[0])
 
@@ -142,7 +149,7 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
     int r = 0, start = i;
     cli_arg_at = i;
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      fputs(HELP, stdout);
+      fputs(bridge_mode ? HELP_BRIDGE : HELP, stdout);
       return 0;
     }
     if (strcmp(a, "--center") == 0) {
@@ -253,6 +260,7 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
  * so (lora_cli_check, tools/bico/lora_opts.c).  GO_ON or a usage error. */
 static int check_files(const transfer_opts *o) {
   const char *const *files = o->files;
+  if (bridge_mode) return GO_ON; /* the library names what does not apply */
   if (files[BICO_FILE_LORA - 1] == NULL) {
     if (o->merge_into_base)
       return cli_error(CMD, CLI_USAGE, "--merge-into-base needs --lora");
@@ -262,18 +270,39 @@ static int check_files(const transfer_opts *o) {
   return rc ? rc : GO_ON;
 }
 
+/* The options `bico bridge` does not take (a bridge holds maps, not an
+ * update): a usage error naming the first given. */
+static int check_bridge_usage(const transfer_opts *o) {
+  const char *bad = o->alpha_set         ? "--alpha"
+                    : o->merge_into_base ? "--merge-into-base"
+                    : o->max_shard_text  ? "--max-shard-size"
+                                         : NULL;
+  if (bad != NULL)
+    return cli_error(CMD, CLI_USAGE,
+                     "%s does not apply to a bridge (give it to the `bico "
+                     "transfer --bridge` that reads it)",
+                     bad);
+  if (o->files[8] == NULL)
+    return cli_error(CMD, CLI_USAGE, "missing --output (the bridge file)");
+  return GO_ON;
+}
+
 /* Usage checks: what is missing or contradictory is a usage error (2).
  * Resolves names to enum values and the thread split. */
 static int check_usage(transfer_opts *o) {
-  if (o->method == NULL)
+  if (bridge_mode && check_bridge_usage(o) != GO_ON) return CLI_USAGE;
+  /* A bridge has its method (`bico bridge`: bico unless --method says) */
+  int from_bridge = bridge_mode || o->files[BICO_FILE_BRIDGE - 1] != NULL;
+  if (o->method == NULL && !from_bridge)
     return cli_error(CMD, CLI_USAGE, "missing --method");
   o->m = 0;
-  if (bico_transfer_method_from_name(o->method, &o->m) != BICO_OK)
+  if (o->method != NULL &&
+      bico_transfer_method_from_name(o->method, &o->m) != BICO_OK)
     return cli_error(CMD, CLI_USAGE,
                      "unknown method '%s' (bico, bico-in, bico-out, gradfix, "
                      "naive or pad)",
                      o->method);
-  o->bico = o->m <= BICO_METHOD_BICO_OUT;
+  o->bico = o->m <= BICO_METHOD_BICO_OUT; /* 0: the bridge's, a BiCo method */
   int rc = check_files(o);
   if (rc != GO_ON) return rc;
   o->nm = -1, o->nl = -1;
@@ -292,7 +321,8 @@ static int check_usage(transfer_opts *o) {
     return cli_error(CMD, CLI_USAGE,
                      "--proc-method %s: expected eig, svd or polar",
                      o->proc_method);
-  o->structure_v = BICO_STRUCTURE_FREE;
+  /* Unset (0): the library's default, or a bridge's value. */
+  o->structure_v = 0;
   o->rope_v = 0; /* from config.json */
   if (o->structure != NULL &&
       bico_transfer_structure_from_name(o->structure, &o->structure_v) != BICO_OK)
@@ -308,10 +338,10 @@ static int check_usage(transfer_opts *o) {
  * an adapter's run (the LoRA branch solves each module's maps in the
  * calling thread), keep N BLIS threads. */
 static void split_threads(transfer_opts *o) {
-  if (o->workers == 0)
-    o->workers = o->bico && o->files[BICO_FILE_LORA - 1] == NULL
-                     ? (double)o->threads
-                     : 1;
+  /* A run reading a bridge solves nothing; making one only solves. */
+  int solves = bridge_mode || (o->bico && o->files[BICO_FILE_LORA - 1] == NULL &&
+                               o->files[BICO_FILE_BRIDGE - 1] == NULL);
+  if (o->workers == 0) o->workers = solves ? (double)o->threads : 1;
   o->blas_threads = o->threads;
   if (o->workers > 1) {
     /* N threads in all: each solver (and the writing thread) runs BLIS with
@@ -332,9 +362,15 @@ static bico_status set_options(bico_transfer *t, const transfer_opts *o,
                                const char **bad) {
   bico_status st = BICO_OK;
   for (size_t f = 0; f < NFILE_OPTS && st == BICO_OK; f++)
-    if (o->files[f]) st = bico_transfer_set_file(t, FILES[f].file, o->files[f]);
-  if (st == BICO_OK) st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, o->m);
-  if (st == BICO_OK)
+    if (o->files[f])
+      st = bico_transfer_set_file(t, bridge_mode && FILES[f].file == BICO_FILE_OUTPUT
+                                         ? BICO_FILE_BRIDGE_OUTPUT
+                                         : FILES[f].file,
+                                  o->files[f]);
+  /* Only what the command line gives: a bridge supplies the rest. */
+  if (st == BICO_OK && o->method)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_METHOD, o->m);
+  if (st == BICO_OK && !bridge_mode)
     st = bico_transfer_set_param(t, BICO_TRANSFER_ALPHA, o->alpha);
   if (st == BICO_OK && o->nm >= 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_NORM_MAP, o->nm);
@@ -364,15 +400,15 @@ static bico_status set_options(bico_transfer *t, const transfer_opts *o,
       (st = bico_transfer_set_param(t, BICO_TRANSFER_SOLVE_MEMORY,
                                     o->solve_memory)) != BICO_OK)
     *bad = "--solve-memory";
-  if (st == BICO_OK)
+  if (st == BICO_OK && o->structure)
     st = bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, o->structure_v);
-  if (st == BICO_OK)
+  if (st == BICO_OK && o->rope)
     st = bico_transfer_set_param(t, BICO_TRANSFER_ROPE, o->rope_v);
-  if (st == BICO_OK)
+  if (st == BICO_OK && o->heads > 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_HEADS, o->heads);
-  if (st == BICO_OK)
+  if (st == BICO_OK && o->kv_heads > 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_KV_HEADS, o->kv_heads);
-  if (st == BICO_OK)
+  if (st == BICO_OK && o->head_dim > 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_HEAD_DIM, o->head_dim);
   return st;
 }
@@ -448,8 +484,10 @@ static int check_lm_alpha(bico_transfer *t, const transfer_opts *o) {
   /* Onto its own base (an adapter or fine-tune of that model, merged):
    * nothing is carried between models, alpha 1 is that fine-tune. */
   struct stat a, b;
-  if (stat(o->files[0], &a) == 0 && stat(o->files[3], &b) == 0 &&
-      a.st_dev == b.st_dev && a.st_ino == b.st_ino)
+  if (bridge_mode) return GO_ON; /* a bridge carries nothing yet */
+  if (o->files[0] && o->files[3] && stat(o->files[0], &a) == 0 &&
+      stat(o->files[3], &b) == 0 && a.st_dev == b.st_dev &&
+      a.st_ino == b.st_ino)
     return GO_ON;
   if (bico_transfer_explain(t) != BICO_OK) return GO_ON;
   bico_transfer_model_info mi;
@@ -516,17 +554,25 @@ static int run_transfer(const transfer_opts *o) {
   if (st == BICO_OK && !o->quiet)
     st = cli_progress_install(t, files[BICO_FILE_LORA - 1] != NULL);
   /* --output, --delta-output: files or model folders */
-  cli_cleanup_add(files[8], bico_stwriter_output_is_folder(files[8], files[3]));
+  cli_cleanup_add(files[8], !bridge_mode &&
+                                bico_stwriter_output_is_folder(files[8], files[3]));
   cli_cleanup_add(files[9], bico_stwriter_output_is_folder(files[9], files[3]));
   cli_cleanup_add(files[10], 0); /* --report */
   cli_cleanup_add(files[12], 1); /* --output-lora */
   cli_cleanup_install();
-  if (st == BICO_OK) st = bico_transfer_run(t);
+  if (st == BICO_OK) st = bridge_mode ? bico_transfer_bridge(t) : bico_transfer_run(t);
   cli_progress_finish();
   if (st != BICO_OK) {
+    /* A message that names a file by its slot ("the source tuned file X")
+     * says the option itself; else the option whose path it names. */
+    char msg[4096], words[4096];
+    cli_user_message(bico_ctx_errmsg(ctx), msg, sizeof msg);
+    option_words(msg, words, sizeof words);
     const char *opts[NFILE_OPTS];
     for (size_t f = 0; f < NFILE_OPTS; f++) opts[f] = FILES[f].opt;
-    code = cli_lib_error_files(CMD, ctx, st, opts, files, NFILE_OPTS);
+    code = strcmp(msg, words) != 0
+               ? cli_error(CMD, CLI_FAIL, "%s", words)
+               : cli_lib_error_files(CMD, ctx, st, opts, files, NFILE_OPTS);
   } else {
     code = 0;
     (void)cli_cleanup_warn_leftovers(CMD);
@@ -535,6 +581,12 @@ out:
   bico_transfer_free(t);
   bico_ctx_free(ctx);
   return code;
+}
+
+int cmd_bridge(int argc, char **argv) {
+  CMD = "bridge";
+  bridge_mode = 1;
+  return cmd_transfer(argc, argv);
 }
 
 int cmd_transfer(int argc, char **argv) {

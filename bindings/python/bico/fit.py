@@ -61,7 +61,7 @@ _UPDATE_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _vp, _sz, _vp, _sz)
 _BLOCK_BEGIN_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _sz, _P(_sz))
 _BLOCK_END_FN = ctypes.CFUNCTYPE(_S, _vp, _sz)
 _GROUP_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _P(_sz))
-_ROWS_GROUP_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _sz, _P(_vp))
+_ROWS_GROUP_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _P(_vp), _sz)
 _SOLVE_FN = ctypes.CFUNCTYPE(_S, _vp, _sz, _vp, _vp, _sz, _vp, _P(_sz))
 
 # BICO_FIT_NO_RANK: the rank update() receives when it was not asked for
@@ -145,7 +145,8 @@ class Fit(_Handle):
             raise ValueError("Fit: d_in and d_out must be positive, got %d, %d"
                              % (d_in, d_out))
         h = ctypes.c_void_p()
-        _check(_fn.create(self.ctx._alive(), d_in, d_out,
+        # The C call takes the weight's shape order, [d_out, d_in].
+        _check(_fn.create(self.ctx._alive(), d_out, d_in,
                           FIT_BIAS if bias else 0, ctypes.byref(h)), self.ctx)
         self._adopt(h.value, self.ctx)
         self.d_in, self.d_out, self.bias = d_in, d_out, bool(bias)
@@ -318,7 +319,7 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None, rank=False,
         return g
 
     @guard
-    def c_layer(_o, l, d_in, d_out, w_out, ld_out, b_out):
+    def c_layer(_o, l, d_out, d_in, w_out, ld_out, b_out):
         w, b = layer(l)
         wa = _f32(w, "w")
         do, di = wa.shape
@@ -344,7 +345,7 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None, rank=False,
         return 0
 
     @guard
-    def c_rows_group(_o, l, count, fptrs):
+    def c_rows_group(_o, l, fptrs, count):
         fs = [borrowed(l + i, fptrs[i]) for i in range(count)]
         try:
             rows_group(l, fs)

@@ -140,8 +140,9 @@ class Adapter(_Handle):
         b = _f32(b, "b")
         a = _f32(a, "a", shape=(b.shape[1], None), why="r, the columns of b")
         _check(fn.lora_add_module(self._alive(), nm, k, a.shape[0],
-                                  A.scalar_f64(alpha, "alpha"), b.shape[0],
-                                  a.shape[1], _p(b), _p(a)), self.ctx)
+                                  b.shape[0], a.shape[1],
+                                  A.scalar_f64(alpha, "alpha"), _p(b), _p(a)),
+               self.ctx)
 
     def add_saved(self, name, module, array):
         """Adds a modules_to_save tensor (any shape, stored as float32)."""
@@ -220,7 +221,7 @@ def truncate(dense, rank, scale=1.0, ctx=None):
     bo = np.empty((m, rank), np.float32)
     ao = np.empty((rank, n), np.float32)
     e = c_double()
-    _check(fn.lora_truncate(ctx._alive(), m, n, _p(d), max(n, 1), rank, scale,
+    _check(fn.lora_truncate(ctx._alive(), m, n, rank, scale, _p(d), max(n, 1),
                             _p(bo), _p(ao), ctypes.byref(e)), ctx)
     return bo, ao, e.value
 

@@ -163,7 +163,7 @@ class Transfer(_Handle):
                                 "got %s" % (module, type(x).__name__))
         arr = (c_void_p * max(len(xcovs), 1))(*[x._alive() for x in xcovs])
         _check(fn.transfer_set_xcov(self._alive(), _enc(module, "module"),
-                                    side, len(xcovs), arr), self.ctx)
+                                    side, arr, len(xcovs)), self.ctx)
         self._lent[("xcov", module, side)] = xcovs
 
     def set_votes(self, tensor, votes):
@@ -308,6 +308,21 @@ class Transfer(_Handle):
             raise err
         return self.counts()
 
+    def bridge(self):
+        """bico_transfer_bridge: solves every map a transfer between the
+        two bases uses and writes them to the "bridge_output" file, with
+        the plan, the map options and both bases' fingerprints (set the
+        bases and statistics as for run(), no fine-tune, no output).  A
+        later Transfer with set_file("bridge", path) and a fine-tune then
+        reads its maps from it: no statistics, the same output bit for
+        bit (docs/api.md, docs/formats.md)."""
+        self._progress_err = None
+        st = fn.transfer_bridge(self._alive())
+        err, self._progress_err = self._progress_err, None
+        _check(st, self.ctx)
+        if err is not None:
+            raise err
+
     def counts(self):
         """(updated, unchanged) target tensors of the last run."""
         u, n = c_size_t(), c_size_t()
@@ -435,14 +450,20 @@ def _as_xcov(v, key):
     return x
 
 
-def _lend_stats(t, stats):
-    """Lends every statistic of the dict to the handle t (bico.Transfer)."""
+def _lend_stats(t, stats, modules=None):
+    """Lends the statistics of the dict to the handle t (bico.Transfer):
+    every one, or (modules: the target's module names) those of modules
+    the target holds.  A collector hooks every module, including ones
+    whose weights the state dict does not keep (a tied lm_head); the
+    driver refuses statistics lent for a module it does not have."""
     for key, v in stats.items():
         module, _, side = key.rpartition(".")
         if side not in ("in_xcov", "out_xcov") or not module:
             raise BicoError(E_ARG, "transfer: statistics key %r is not "
                             "\"<module>.in_xcov\" or \"<module>.out_xcov\""
                             % (key,))
+        if modules is not None and module not in modules:
+            continue
         blocks = v if isinstance(v, (list, tuple)) else [v]
         t.set_xcov(module, side[:-5],
                    [_as_xcov(b, "%s[%d]" % (key, i))
@@ -525,7 +546,8 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
                 if isinstance(stats, str) or hasattr(stats, "__fspath__"):
                     t.set_file("stats", os.fspath(stats))
                 else:
-                    _lend_stats(t, stats or {})
+                    _lend_stats(t, stats or {},
+                                {k.rpartition(".")[0] for k in b0})
             if method == "gradfix":
                 _lend_votes(t, votes or {})
                 t.set("gradfix_mode", gradfix_mode)

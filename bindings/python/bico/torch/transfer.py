@@ -111,8 +111,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     batches that are not held out (bico.torch.distill; same outputs
     needed: one vocabulary or label set): Adam (distill_lr; default 1e-3
     dense, 5e-3 factors) on KL(teacher || target), one batch per step,
-    distill_steps steps (default: 40 passes over the batches, 300 to
-    1500), every distill_every steps the held-out loss (labels where the
+    distill_steps steps (default: 1500 with augmentation, else 40 passes
+    over the batches, 300 to 1500), every distill_every steps the held-out loss (labels where the
     batches carry them, else the KL to the teacher on the held-out
     batches); the best state, the untouched target among the candidates
     (kept unless another beats it by more than the standard error), is

@@ -1,0 +1,168 @@
+"""Peak memory of `python3 -m bico.llm --method distill --output-lora` on
+a Qwen2-0.5B-shaped target (hidden 896, 24 layers, MLP 4864, 14/2 heads,
+vocabulary 151936, tied head), the models computed in bfloat16.
+
+    python3 bench/llm_distill_memory.py WORK [--windows 16] [--window 64]
+        [--steps 2] [--rank 16]
+
+WORK receives three synthetic bf16 folders of that shape (A, A_ft = A
+plus a small task vector, B; random weights written tensor by tensor by
+bench/llm_scale_gen.py, about 1 GB each, kept for reruns) and random
+token ids.  The command runs as a child process; its peak resident set
+(getrusage of the child) is printed beside what the run must hold by
+arithmetic: the target in bf16, the LoRA factors with their gradients,
+Adam's two moments and the best state (float32), the teacher's compact
+entries, and the three models of the teacher's phase.  Random weights
+make a meaningless teacher: the figures are memory and time, not
+quality.  Run on a CPU here; the steps are few because a step of a 0.5B
+model on two cores takes minutes.
+"""
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import llm_scale_gen as gen  # noqa: E402
+
+SHAPE = dict(gen.SIZES["full"]["src"])     # Qwen2-0.5B
+MiB = float(1 << 20)
+
+
+def params(s):
+    return sum(int(np.prod(sh)) for sh in gen.shapes(s).values())
+
+
+def lora_params(s, r):
+    n = 0
+    for q in gen.PROJ:
+        dout, din = gen.proj_dims(s, q)
+        n += r * (dout + din)
+    return n * s["L"]
+
+
+def rss_mib(pid):
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def make(work):
+    made = []
+    for name, salt, tau in (("A", "A", 0.0), ("A_ft", "A", 0.01),
+                            ("B", "B", 0.0)):
+        path = os.path.join(work, name)
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            continue
+        t = time.time()
+        gen.folder(path, SHAPE, lambda n, sh, salt=salt, tau=tau: (
+            gen.weight(n, sh, salt) + (tau * gen.weight(n, sh, "tau")
+                                       if tau else 0.0)))
+        made.append("%s (%.0f s)" % (name, time.time() - t))
+    return made
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("work")
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--size", choices=("full", "quick"), default="full",
+                    help="quick: bench/llm_scale_gen.py's small shape, to "
+                    "try the script")
+    args = ap.parse_args()
+    SHAPE.update(gen.SIZES[args.size]["src"])
+    os.makedirs(args.work, exist_ok=True)
+    made = make(args.work)
+    if made:
+        print("wrote " + ", ".join(made), flush=True)
+    ids = os.path.join(args.work, "ids.npy")
+    rng = np.random.default_rng(0)
+    np.save(ids, rng.integers(0, SHAPE["V"], args.windows * args.window,
+                              dtype=np.int64))
+    out = os.path.join(args.work, "adapter")
+    cmd = [sys.executable, "-m", "bico.llm", "--source",
+           os.path.join(args.work, "A"), "--source-tuned",
+           os.path.join(args.work, "A_ft"), "--target",
+           os.path.join(args.work, "B"), "--ids", ids, "--output-lora", out,
+           "--replace", "--method", "distill", "--dtype", "bfloat16",
+           "--rank", str(args.rank), "--steps", str(args.steps),
+           "--windows", str(args.windows), "--window", str(args.window),
+           "--threads", str(args.threads)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(ROOT, "bindings", "python") + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    base = float(subprocess.run(
+        [sys.executable, "-c", "import resource, torch, bico.llm.command; "
+         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
+        env=env, capture_output=True, text=True, check=True).stdout) / 1024
+    t = time.time()
+    lines, phase = [], {"teacher": 0.0, "train": 0.0}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout))
+    reader.start()
+    while p.poll() is None:
+        # the resident set sampled, per phase: the training starts at the
+        # line "distill: LoRA rank ...", after the source pair is released
+        k = "train" if any(ln.startswith("distill: LoRA rank")
+                           for ln in lines) else "teacher"
+        phase[k] = max(phase[k], rss_mib(p.pid))
+        time.sleep(0.2)
+    reader.join()
+    secs = time.time() - t
+    if p.returncode != 0:
+        sys.exit("bico.llm failed (%d):\n%s" % (p.returncode,
+                                               "".join(lines)[-3000:]))
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+    n, nl = params(SHAPE), lora_params(SHAPE, args.rank)
+    tokens = args.windows * args.window
+    print("target: %s shape, %.0f M parameters; %d windows of %d "
+          "tokens, %d steps, rank %d, bfloat16, %d threads"
+          % ("Qwen2-0.5B" if args.size == "full" else "small", n / 1e6,
+             args.windows, args.window, args.steps, args.rank,
+             args.threads))
+    print("%-58s %9s" % ("", "MiB"))
+    rows = [
+        ("one model in bf16 (the target while it trains)", 2 * n),
+        ("three models in bf16 (the teacher's phase)", 6 * n),
+        ("LoRA factors, gradients, Adam moments, best state (f32)",
+         5 * 4 * nl),
+        ("teacher entries (top 64 + rest, f32 values, i32 indices)",
+         tokens * (64 * 8 + 4)),
+        ("one logits chunk of the vocabulary (f32, 64 tokens)",
+         64 * SHAPE["V"] * 4),
+    ]
+    for what, b in rows:
+        print("%-58s %9.0f" % (what, b / MiB))
+    print("%-58s %9.0f" % ("measured: the interpreter, PyTorch and bico loaded",
+                           base))
+    print("%-58s %9.0f" % ("measured: resident set, teacher phase (sampled)",
+                           phase["teacher"]))
+    print("%-58s %9.0f" % ("measured: resident set, training (sampled)",
+                           phase["train"]))
+    print("%-58s %9.0f" % ("measured: peak resident set of the command",
+                           peak))
+    print("wall time %.0f s" % secs)
+    for line in lines[-4:]:
+        print("  | " + line.rstrip())
+
+
+if __name__ == "__main__":
+    main()
