@@ -1431,7 +1431,7 @@ struct WideHost {
   std::vector<float> wf, bf, xnf, xof, df;
   Mat dw, db;
 };
-bico_status wide_layer(void *o, size_t, size_t *d_in, size_t *d_out,
+bico_status wide_layer(void *o, size_t, size_t *d_out, size_t *d_in,
                        const float **w, size_t *ld_w, const float **b) {
   auto *h = static_cast<WideHost *>(o);
   *d_in = h->w.c;
