@@ -399,6 +399,23 @@ def _gradfix():
 
 
 _SD = {"fc.weight": np.ones((2, 2), np.float32)}
+_WDIR = []
+
+
+def _w():
+    """A safetensors.Writer with one declared F32 [2, 2] tensor "t", in a
+    folder removed at exit (never committed: nothing is written there)."""
+    import atexit
+    import shutil
+    import tempfile
+    if not _WDIR:
+        _WDIR.append(tempfile.mkdtemp(prefix="bico-walk-"))
+        atexit.register(shutil.rmtree, _WDIR[0], True)
+    _WDIR.append(None)
+    w = bico.safetensors.Writer("%s/w%d.safetensors" % (_WDIR[0],
+                                                         len(_WDIR)))
+    w.declare("t", "F32", (2, 2))
+    return w
 
 
 # name -> {array argument: call taking that argument}; every other
@@ -488,6 +505,12 @@ ARRAY_CALLS = {
     "bico.safetensors:write": {
         "tensors": lambda x: bico.safetensors.write("/nonexistent/x", {
             "x": x})},
+    "bico._procrustes:Procrustes.solve_rows": {
+        "x_a": lambda x: bico.Procrustes().solve_rows(x, np.ones((2, 2))),
+        "x_b": lambda x: bico.Procrustes().solve_rows(np.ones((2, 2)), x)},
+    "bico.safetensors:Writer.write": {"t": lambda x: _w().write("t", x)},
+    "bico.safetensors:Writer.write_range": {
+        "t": lambda x: _w().write_range("t", 0, x)},
     "bico.model:Model.add_tensor": {
         "shape": lambda x: bico.model.Model().add_tensor("x", x)},
 }
@@ -522,12 +545,13 @@ NO_ARRAYS = {
         "Transfer.add_split", "Transfer.add_tie", "Transfer.set_log",
         "Transfer.set_progress", "Transfer.run", "Transfer.counts",
         "Transfer.check", "Transfer.bridge", "Transfer.set_xcov",
-        "Transfer.set_votes",
+        "Transfer.set_votes", "Transfer.set_partial",
         "transfer_files")} | {
     "bico._stats:" + n for n in ("stats_from_calib", "stats_merge")} | {
     "bico.safetensors:" + n for n in (
         "File", "File.keys", "File.info", "File.get", "File.check_finite",
-        "File.close", "open", "read", "dtype_name")}
+        "File.close", "File.get_range", "Writer", "Writer.declare",
+        "Writer.commit", "Writer.close", "open", "read", "dtype_name")}
 
 
 def test_census_every_public_wrapper_is_walked():

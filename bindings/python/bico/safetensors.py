@@ -276,7 +276,7 @@ class Writer(object):
                             % name)
         code = self._codes[name]
         nm = _enc(name, "tensor name")
-        a = _native(A.plain(t))
+        a = _native(A.real(t, name))
         a = a if a.flags.c_contiguous else np.array(a, order="C")
         w = self._alive()
         if code in _FLOATS and _FROM_NP.get(a.dtype) == code:
@@ -306,7 +306,7 @@ class Writer(object):
         if name not in self._codes:
             raise BicoError(E_ARG, "safetensors.Writer: %s was not declared"
                             % name)
-        a = _native(A.plain(t))
+        a = _native(A.real(t, name))
         nm = _enc(name, "tensor name")
         first = A.size(first, "first")
         if a.dtype == np.float64:
@@ -374,7 +374,7 @@ def write(path, tensors, metadata=None, dtypes=None, ctx=None, like=None,
         nm = _enc(name, "tensor name")
         want = dtypes.pop(name, None)
         is_bf16 = str(getattr(t, "dtype", "")) == "torch.bfloat16"
-        a = _native(A.plain(t))
+        a = _native(A.real(t, name))
         # (np.ascontiguousarray would turn a 0-d scalar into shape (1,))
         a = a if a.flags.c_contiguous else np.array(a, order="C")
         if want is not None:
