@@ -108,9 +108,12 @@ def main():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(ROOT, "bindings", "python") + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # the resident set after the imports (VmRSS: a child's high-water mark
+    # starts from the parent's at the fork)
     base = float(subprocess.run(
-        [sys.executable, "-c", "import resource, torch, bico.llm.command; "
-         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
+        [sys.executable, "-c", "import torch, bico.llm.command; "
+         "print([ln.split()[1] for ln in open('/proc/self/status') "
+         "if ln.startswith('VmRSS:')][0])"],
         env=env, capture_output=True, text=True, check=True).stdout) / 1024
     t = time.time()
     lines, phase = [], {"teacher": 0.0, "train": 0.0}

@@ -207,3 +207,28 @@ def test_route_options_are_checked_before_anything_runs(pair, tmp_path):
         assert r.returncode == 2 and msg in r.stderr and \
             len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)
         assert not os.path.exists(tmp_path / "x")
+
+
+def test_the_source_pair_is_freed_before_the_training(pair):
+    """run(release=...) drops every reference to the source pair once the
+    teacher is computed: when the training starts, neither model is
+    alive (weak references, after a collection)."""
+    import gc
+    import weakref
+    from bico.llm import distill as ld
+    d, _ = pair
+    models = {"source": bt.load_model(d / "A", dtype=torch.float32),
+              "tuned": bt.load_model(d / "A_ft", dtype=torch.float32)}
+    refs = [weakref.ref(m) for m in models.values()]
+    tgt = bt.load_model(d / "B", dtype=torch.float32)
+    cal = bt.text_batches(str(d / "task.txt"), 32, n=24,
+                          tokenizer=str(d / "B"))
+    alive = []
+
+    def log(msg):
+        if msg.startswith("distill: LoRA rank"):
+            gc.collect()
+            alive.append([r() is not None for r in refs])
+    ld.run(models["source"], models["tuned"], tgt, cal, log, rank=2,
+           steps=2, release=models.clear)
+    assert alive == [[False, False]]
