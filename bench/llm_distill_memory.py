@@ -149,8 +149,8 @@ def main():
          5 * 4 * nl),
         ("teacher entries (top 64 + rest, f32 values, i32 indices)",
          tokens * (64 * 8 + 4)),
-        ("one logits chunk of the vocabulary (f32, 64 tokens)",
-         64 * SHAPE["V"] * 4),
+        ("one chunk of logits (f32, at most distill.LOGIT_BYTES)",
+         min(64 << 20, 1024 * SHAPE["V"] * 4)),
     ]
     for what, b in rows:
         print("%-58s %9.0f" % (what, b / MiB))

@@ -328,3 +328,32 @@ def test_checkpointed_layers_give_the_same_gradients(tmp_path):
         assert torch.allclose(u, w, atol=1e-6)
     # the layers' own forward is back
     assert all("forward" not in vars(layer) for layer in m.model.layers)
+
+
+def test_chunks_shrink_with_the_vocabulary_and_change_nothing():
+    """A head of V outputs gets chunks whose float32 logits stay under
+    LOGIT_BYTES (110 tokens at 151 936 outputs; the whole TOKEN_CHUNK at
+    256), and the chunked per-window losses equal a direct computation."""
+    assert D._bounded(1024, nn.Linear(8, 151936, bias=False)) == 110
+    assert D._bounded(1024, nn.Linear(8, 256, bias=False)) == 1024
+    assert D._bounded(1024, nn.Identity()) == 1024
+
+    class LM(nn.Module):
+        def __init__(self, v):
+            super().__init__()
+            self.model = nn.Embedding(v, 4)
+            self.lm_head = nn.Linear(4, v, bias=False)
+
+        def forward(self, x):
+            return self.lm_head(self.model(x))
+    g = torch.Generator().manual_seed(5)
+    v = 70000                      # 239 tokens a chunk: 3 chunks below
+    m = LM(v)
+    assert D._bounded(D.TOKEN_CHUNK, m.lm_head) == 239
+    x = torch.randint(0, v, (3, 200), generator=g)
+    y = torch.randint(0, v, (3, 200), generator=g)
+    got = D.window_losses(m, [(x, y)])
+    with torch.no_grad():
+        want = F.cross_entropy(m(x).double().reshape(-1, v), y.reshape(-1),
+                               reduction="none").reshape(3, 200).mean(-1)
+    assert max(abs(a - b) for a, b in zip(got, want.tolist())) < 1e-5

@@ -232,3 +232,37 @@ def test_the_source_pair_is_freed_before_the_training(pair):
     ld.run(models["source"], models["tuned"], tgt, cal, log, rank=2,
            steps=2, release=models.clear)
     assert alive == [[False, False]]
+
+
+def test_the_command_holds_only_the_target_while_it_trains(pair, tmp_path,
+                                                           monkeypatch):
+    """Through python3 -m bico.llm (in process): when the training starts,
+    no decoder but the target is alive (the source pair was handed over
+    in a dict that run() empties: the command's own call must not keep it,
+    a 0.5B pair is 2 GB in bf16)."""
+    import gc
+    import bico.llm
+    from bico.llm import distill as ld
+    d, _ = pair
+    seen = []
+    train = ld._train
+
+    def spy(target, *args, **kw):
+        gc.collect()
+        seen.append([o is target for o in gc.get_objects()
+                     if isinstance(o, torch.nn.Module) and
+                     hasattr(o, "lm_head")])
+        return train(target, *args, **kw)
+    monkeypatch.setattr(ld, "_train", spy)
+    old = os.getcwd()
+    os.chdir(str(d))
+    try:
+        status = bico.llm.main([
+            "--source", "A", "--source-tuned", "A_ft", "--target", "B",
+            "--text", "task.txt", "--output-lora", str(tmp_path / "out"),
+            "--method", "distill", "--steps", "2", "--windows", "24",
+            "--window", "32", "--rank", "2", "--quiet"])
+    finally:
+        os.chdir(old)
+    assert status == 0
+    assert seen == [[True]]

@@ -563,13 +563,13 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
             init = _warm_pairs(a, tgt, fit, _distill.lora_modules(tgt, mods))
         saves = [s for s in a.modules_to_save.split(",") if s]
         res = _distill.run(
-            models["source"], models["tuned"], tgt, cal, log, mode=mode,
+            None, None, tgt, cal, log, pair=models, mode=mode,
             rank=a.rank, lora_alpha=a.lora_alpha, modules=mods,
             save=saves if mode == "lora" else (), init=init, steps=a.steps,
             lr=a.lr, teacher_k=a.teacher_k,
             budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
             seed=a.seed,
-            release=models.clear, text_weight=a.text_weight,
+            text_weight=a.text_weight,
             teacher_weight=a.teacher_weight)
         per[2] = res.per_window
     chosen, means = _choose_route(per, log)

@@ -114,7 +114,7 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         lora_alpha=None, modules=LINEAR_MODULES, save=(), init=None,
         steps=None, lr=None, every=25, teacher_k=64, budget=1 << 30,
         spill_dir=None, seed=0, chunk=_d.TOKEN_CHUNK, release=None,
-        text_weight=TEXT_WEIGHT, teacher_weight=1.0):
+        text_weight=TEXT_WEIGHT, teacher_weight=1.0, pair=None):
     """Distils target towards the proxy-tuned teacher on cal (a
     Calibration: batches of (ids, next ids), held_out the same).
 
@@ -124,6 +124,10 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     "dense": every floating parameter of the target.  steps / lr: None
     takes the measured defaults (docs/llm.md).  release(): called once
     the teacher is computed (the source pair is no longer needed).
+    pair: a dict {"source": model, "tuned": model} to take the pair from
+    (source and source_tuned None), emptied once the teacher is computed:
+    nothing of the caller's then holds the pair while the target trains
+    (arguments of a call can outlive the release).
     text_weight: the loss adds this times the windows' own next-token
     cross-entropy (0: the teacher alone); teacher_weight scales the
     teacher's KL (0: the text alone, a control).  Returns a Result; target is
@@ -133,6 +137,8 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         raise BicoError(E_ARG, "distill: mode must be 'lora' or 'dense', "
                         "got %r" % (mode,))
     t0 = time.time()
+    if pair is not None:
+        source, source_tuned = pair["source"], pair["tuned"]
     inputs = [x for x, _ in cal.batches]
     dev = next(target.parameters()).device
     inputs = [x.to(dev) for x in inputs]
@@ -150,6 +156,8 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
                                                         teacher.outputs)))
         if release is not None:
             release()
+        if pair is not None:
+            pair.clear()
         # this frame's own references too: the pair is freed only when no
         # one holds it (a 0.5B pair is 2 GB in bf16)
         del source, source_tuned
