@@ -17,6 +17,10 @@ def test_walkthrough_runs(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "B + tau_B accuracy" in out and "updated, unchanged" in out
     assert os.path.exists(os.path.join(env["work"], "B_ft.safetensors"))
+    # the walkthrough makes its folder with tempfile.mkdtemp, as a user's
+    # script would: removed here so that test runs leave nothing in /tmp
+    import shutil
+    shutil.rmtree(env["work"])
 
 
 def test_formats_snippets_use_the_project_writer(tmp_path, monkeypatch):
