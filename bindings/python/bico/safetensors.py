@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _args as A
 from ._ctx import Context
+from ._handle import _Handle
 from ._status import E_ARG, BicoError, check as _check
 from ._enums import (DTYPES as _NAMES, NP_OF_DTYPE as _NP,
                      DTYPE_OF_NP as _FROM_NP, FLOAT_DTYPES as _FLOATS)
@@ -209,7 +210,7 @@ def read(path, dtype=None, with_metadata=False, ctx=None):
     return (out, meta) if with_metadata else out
 
 
-class Writer(object):
+class Writer(_Handle):
     """A safetensors file or model folder written a tensor at a time
     (bico_stwriter): declare every tensor first, then write each once in
     any order, then commit; nothing appears at path until the commit (the
@@ -222,6 +223,8 @@ class Writer(object):
         w.write("model.norm.weight", array)    # converted to the dtype
         w.commit()
     """
+
+    _free = staticmethod(fn.stwriter_free)
 
     def __init__(self, path, like=None, metadata=None, max_shard_size=0,
                  ctx=None):
@@ -238,20 +241,15 @@ class Writer(object):
         else:
             _check(fn.stwriter_create(self.ctx._alive(), path_b,
                                       ctypes.byref(h)), self.ctx)
-        self._w = h.value
+        self._adopt(h.value, self.ctx)
         try:
             for k, v in (metadata or {}).items():
                 _check(fn.stwriter_add_metadata(
-                    self._w, A.cstr(str(k), "metadata key"),
+                    self._ptr, A.cstr(str(k), "metadata key"),
                     A.cstr(str(v), "metadata value")), self.ctx)
         except BaseException:
             self.close()
             raise
-
-    def _alive(self):
-        if not self._w:
-            raise ValueError("safetensors.Writer is closed")
-        return self._w
 
     def declare(self, name, dtype, shape):
         """A tensor: name, dtype ("F32", "BF16", ... or a code) and shape,
@@ -318,28 +316,11 @@ class Writer(object):
         _check(f(self._alive(), nm, first, b.ctypes.data, b.size), self.ctx)
 
     def commit(self):
-        """Renames (or swaps) the output into place; then close()."""
+        """Renames (or swaps) the output into place; then close().  close()
+        (or garbage collection) before a commit frees the writer and
+        removes what was written."""
         _check(fn.stwriter_commit(self._alive()), self.ctx)
         self.close()
-
-    def close(self):
-        """Frees the writer; before a commit, removes what was written."""
-        w, self._w = getattr(self, "_w", None), None
-        if w:
-            fn.stwriter_free(w)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def write(path, tensors, metadata=None, dtypes=None, ctx=None, like=None,
