@@ -20,6 +20,7 @@ import torch
 import bico.lora as bl
 import bico.safetensors as st
 import bico.torch as bt
+from bico._status import BicoError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
@@ -86,7 +87,8 @@ def test_trained_adapter_end_to_end(pair):
                 "--rank", "4", "--window", "32", "--method", "distill",
                 "--steps", "120")
     # every phase says its progress; the choice is printed
-    for phase in ("teacher (three models per window)", "distill steps:",
+    for phase in ("teacher (the three models a block at a time)",
+                  "distill steps:",
                   "distill: kept step"):
         assert phase in r.stderr, r.stderr
     assert "chosen: distill" in r.stdout, r.stdout
@@ -271,3 +273,83 @@ def test_the_command_holds_only_the_target_while_it_trains(pair, tmp_path,
         os.chdir(old)
     assert status == 0
     assert seen == [[True]]
+
+
+def test_the_teacher_from_the_folders_is_the_in_memory_teacher(pair):
+    """bico.llm.stream_teacher (each model run from its folder a block at
+    a time, the boundary states spilled to disk) gives the entries
+    build_teacher computes from the three whole models, bit for bit, at
+    every k (all outputs, top-k with the rest's mass)."""
+    from bico.llm import stream_teacher
+    from bico.torch import distill as D
+    d, _ = pair
+    cal = bt.text_batches(str(d / "task.txt"), 32, n=24,
+                          tokenizer=str(d / "B"), batch_size=5)
+    xs = [x for x, _ in cal.batches]
+    folders = [str(d / n) for n in ("A", "A_ft", "B")]
+    models = [bt.load_model(f, dtype=torch.float32) for f in folders]
+    for k in (None, 7):
+        ref = D.build_teacher(*models, xs, None, k=k)
+        got = stream_teacher.build(*folders, xs, dtype=torch.float32, k=k,
+                                   store_budget=0, chunk=13)
+        assert len(got) == len(ref) == len(xs)
+        for i in range(len(xs)):
+            e1, e2 = ref.get(i), got.get(i)
+            e1 = e1 if isinstance(e1, tuple) else (e1,)
+            e2 = e2 if isinstance(e2, tuple) else (e2,)
+            assert len(e1) == len(e2) == (1 if k is None else 3)
+            for t1, t2 in zip(e1, e2):
+                assert t1.shape == t2.shape and torch.equal(t1, t2)
+        ref.close()
+        got.close()
+
+
+def test_the_teacher_refuses_two_vocabularies(tmp_path):
+    """A source whose head has another vocabulary than the target's is
+    refused before any block runs, naming the folders and their sizes."""
+    import llama
+    from bico.llm import stream_teacher
+    g = torch.Generator().manual_seed(3)
+    for name, vocab in (("A", 64), ("A_ft", 64), ("B", 60)):
+        cfg = llama.default_config(vocab_size=vocab, hidden_size=16,
+                                   intermediate_size=24, num_hidden_layers=2,
+                                   num_attention_heads=4,
+                                   num_key_value_heads=2,
+                                   tie_word_embeddings=False)
+        llama.write_folder(str(tmp_path / name), cfg,
+                           llama.random_state(cfg, g))
+    x = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(BicoError) as e:
+        stream_teacher.build(*(str(tmp_path / n) for n in ("A", "A_ft", "B")),
+                             [x])
+    msg = str(e.value)
+    assert "one vocabulary" in msg and "has 60 outputs" in msg and \
+        str(tmp_path / "B") in msg, msg
+
+
+def test_distill_from_the_folders_equals_the_in_memory_run(pair, tmp_path):
+    """python3 -m bico.llm --method distill computes its teacher from the
+    folders and loads the target alone; --in-memory holds the three
+    models: the written adapters are the same bytes (the teacher's
+    entries are equal, the training is seeded)."""
+    d, _ = pair
+    outs = []
+    for extra in ((), ("--in-memory",)):
+        out = tmp_path / ("out%d" % len(outs))
+        r = command(d, "--source", "A/", "--source-tuned", "A_ft/",
+                    "--target", "B/", "--text", "task.txt", "--output-lora",
+                    str(out), "--rank", "2", "--window", "32", "--windows",
+                    "24", "--method", "distill", "--steps", "6", *extra)
+        want = "teacher (the three models a block at a time)" if not extra \
+            else "teacher (three models per window)"
+        assert want in r.stderr, r.stderr
+        outs.append(out)
+    f0 = st.open(str(outs[0] / "adapter_model.safetensors"))
+    f1 = st.open(str(outs[1] / "adapter_model.safetensors"))
+    assert sorted(f0.keys()) == sorted(f1.keys()) and len(f0.keys()) > 0
+    moved = 0
+    for k in f0.keys():
+        a, b = f0.get(k), f1.get(k)
+        assert np.array_equal(a, b), k
+        moved += int("lora_B" in k and np.abs(a).max() > 0)
+    assert moved > 0          # the factors trained (B starts at zero)

@@ -211,8 +211,11 @@ def _parser(prog):
                    help="--method fit: hold the models whole in memory (the "
                    "route before streaming); by default the fit runs the "
                    "models a block at a time from their folders, in memory "
-                   "that does not grow with their depth.  --method distill "
-                   "and auto always hold the models in memory")
+                   "that does not grow with their depth.  --method distill: "
+                   "hold the three models while the teacher is computed "
+                   "(by default each model runs from its folder a block at "
+                   "a time, then the target alone is loaded); --method auto "
+                   "always holds the models in memory")
     p.add_argument("--memory-budget", type=opts.nonnegative, default=64,
                    help="MiB of calibration states and fitted blocks the "
                    "streamed fit keeps in memory; beyond it they go to a "
@@ -228,8 +231,9 @@ def _parser(prog):
         "z_A) (an adapter's factors directly, or every weight for "
         "--output); auto: both, the one with the least held-out loss "
         "kept (the untouched target unless one beats it clearly).  The fit "
-        "streams the models from their folders a block at a time; "
-        "distill and auto hold the models whole in memory")
+        "streams the models from their folders a block at a time; distill "
+        "computes its teacher that way, then trains the target alone in "
+        "memory; auto holds the three models whole")
     d.add_argument("--method", choices=("fit", "distill", "auto"),
                    default="auto", help="route (auto)")
     d.add_argument("--trainable", choices=("lora", "dense"), default=None,
@@ -289,6 +293,20 @@ def _load(a, dt, tmp, q):
     src, srt, tgt = (_named(o, f, load, f, dtype=dt) for o, f in (
         ("--source", a.source), ("--lora" if a.lora else "--source-tuned",
                                  tuned), ("--target", a.target)))
+    return src, srt, tgt, _target_dtypes(a, dt)
+
+
+def _load_target(a, dt, q):
+    """(the target read, {target tensor: its files' dtype} or None): the
+    streamed teacher's route, which never holds the source pair."""
+    _log(q, "loading %s" % a.target)
+    tgt = _named("--target", a.target, load_model, a.target, dtype=dt)
+    return tgt, _target_dtypes(a, dt)
+
+
+def _target_dtypes(a, dt):
+    """{target tensor: its files' dtype} when the models are computed at
+    another dtype dt (the outputs keep the target's), else None."""
     tdtypes = None
     if dt is not None:
         tf = os.path.join(a.target, "model.safetensors.index.json")
@@ -299,7 +317,7 @@ def _load(a, dt, tmp, q):
         names = {"BF16": torch.bfloat16, "F16": torch.float16,
                  "F32": torch.float32, "F64": torch.float64}
         tdtypes = {k: names[v] for k, v in files.items() if v in names}
-    return src, srt, tgt, tdtypes
+    return tdtypes
 
 
 def _warn_tokenizers(a):
@@ -546,7 +564,7 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
     per-window held-out losses}, fit result or None, distillation result
     or None, the target's original state)."""
     log = lambda *m: _log(q, *m)  # noqa: E731
-    base = {k: v.detach().clone() for k, v in tgt.state_dict().items()}
+    base = _original_state(a, tgt)
     per = {0: _distill._d.window_losses(tgt, cal.held_out)}
     fit = res = None
     warm = a.init == "warm" and a.output_lora is not None
@@ -563,7 +581,9 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
             init = _warm_pairs(a, tgt, fit, _distill.lora_modules(tgt, mods))
         saves = [s for s in a.modules_to_save.split(",") if s]
         res = _distill.run(
-            None, None, tgt, cal, log, pair=models, mode=mode,
+            None, None, tgt, cal, log, mode=mode,
+            pair=models if "source" in models else None,
+            teacher=models.pop("teacher", None),
             rank=a.rank, lora_alpha=a.lora_alpha, modules=mods,
             save=saves if mode == "lora" else (), init=init, steps=a.steps,
             lr=a.lr, teacher_k=a.teacher_k,
@@ -574,6 +594,20 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
         per[2] = res.per_window
     chosen, means = _choose_route(per, log)
     return chosen, means, fit, res, base
+
+
+def _original_state(a, tgt):
+    """The target's weights that a restore after the routes needs: every
+    one, or only the saved tensors (--modules-to-save) when the only route
+    trains LoRA factors (the frozen weights never change): a 0.5B target
+    is 1 GB in bf16, not to be held twice."""
+    mode = a.trainable or ("lora" if a.output_lora else "dense")
+    if a.method == "distill" and mode == "lora":
+        saves = [s for s in a.modules_to_save.split(",") if s]
+        keep = set(_distill.saved_parameters(tgt, saves)) if saves else ()
+        return {k: v.detach().clone() for k, v in tgt.state_dict().items()
+                if k in keep}
+    return {k: v.detach().clone() for k, v in tgt.state_dict().items()}
 
 
 def _choose_route(per, log):
@@ -592,7 +626,7 @@ def _restore(tgt, res, base):
     """The target back to its original weights, the factors detached."""
     if res is not None and res.adapter is not None:
         res.adapter.remove()
-    tgt.load_state_dict(base)
+    tgt.load_state_dict(base, strict=False)   # base: what can have moved
 
 
 def _write_distill(a, tgt, res, base, cal, tdtypes, means):
@@ -756,6 +790,35 @@ def _streamed(a):
         a.device == "cpu"
 
 
+def _streamed_teacher(a):
+    """Whether --method distill computes its teacher from the folders a
+    block at a time (bico.llm.stream_teacher) and then loads the target
+    alone: on the CPU, without --in-memory or --transformers, and not for
+    a warm start (which runs the in-memory fit first)."""
+    warm = a.init == "warm" and a.output_lora is not None
+    return a.method == "distill" and not (a.in_memory or a.transformers or
+                                          warm) and a.device == "cpu"
+
+
+def _teacher_from_folders(a, dt, q, cal, tuned, spill, tmp):
+    """The distillation's teacher of the calibration windows, each model
+    run from its folder a block at a time (one model, one block in
+    memory), with progress lines."""
+    from .stream_teacher import build
+    log = lambda *m: _log(q, *m)  # noqa: E731
+    clock = []
+
+    def progress(i, n):
+        if not clock:
+            clock.append(_distill.Clock("teacher (the three models a block "
+                                        "at a time)", n, log))
+        clock[0](i)
+    return build(a.source, tuned, a.target, cal.batches, dtype=dt,
+                 k=a.teacher_k, budget=int(a.teacher_memory * (1 << 20)),
+                 spill_dir=tmp, store_budget=int(a.memory_budget * 2 ** 20),
+                 store_dir=spill, progress=progress)
+
+
 def _prepare_streamed(a, tmp, q):
     """_prepare without loading the models: the inputs checked, the output
     locked, the windows read, the folders' configs read (the ids checked
@@ -898,6 +961,20 @@ def main(argv=None, prog="python3 -m bico.llm"):
                 opts.say(prog, e)
                 return opts.exit_status(e)
             _run_streamed(a, dt, q, cal, tuned, spill, prog)
+        elif _streamed_teacher(a):
+            try:
+                cal, tuned, spill = _prepare_streamed(a, tmp, q)
+            except (opts.UsageError, BicoError, OSError, MemoryError) as e:
+                opts.say(prog, e)
+                return opts.exit_status(e)
+            models = {"teacher": _teacher_from_folders(a, dt, q, cal, tuned,
+                                                       spill, tmp)}
+            tgt, tdtypes = _load_target(a, dt, q)
+            _before_fit(a, None, tgt, cal, q, prog)
+            chosen, means, fit, res, base = _run_routes(
+                a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
+            _write_chosen(a, tgt, chosen, means, fit, res, base, cal,
+                          tdtypes)
         else:
             try:
                 src, srt, tgt, tdtypes, cal = _prepare(a, dt, tmp, q, prog)

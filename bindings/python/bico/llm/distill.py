@@ -114,7 +114,8 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         lora_alpha=None, modules=LINEAR_MODULES, save=(), init=None,
         steps=None, lr=None, every=25, teacher_k=64, budget=1 << 30,
         spill_dir=None, seed=0, chunk=_d.TOKEN_CHUNK, release=None,
-        text_weight=TEXT_WEIGHT, teacher_weight=1.0, pair=None):
+        text_weight=TEXT_WEIGHT, teacher_weight=1.0, pair=None,
+        teacher=None):
     """Distils target towards the proxy-tuned teacher on cal (a
     Calibration: batches of (ids, next ids), held_out the same).
 
@@ -128,6 +129,9 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     (source and source_tuned None), emptied once the teacher is computed:
     nothing of the caller's then holds the pair while the target trains
     (arguments of a call can outlive the release).
+    teacher: a Teacher of cal's batches already computed (for example
+    from the folders a block at a time, bico.llm.stream_teacher; source
+    and source_tuned are then not used), closed by this call.
     text_weight: the loss adds this times the windows' own next-token
     cross-entropy (0: the teacher alone); teacher_weight scales the
     teacher's KL (0: the text alone, a control).  Returns a Result; target is
@@ -142,11 +146,12 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     inputs = [x for x, _ in cal.batches]
     dev = next(target.parameters()).device
     inputs = [x.to(dev) for x in inputs]
-    clock = Clock("teacher (three models per window)", len(inputs), log)
-    teacher = _d.build_teacher(source, source_tuned, target, inputs, None,
-                               k=teacher_k, budget=budget,
-                               spill_dir=spill_dir, chunk=chunk,
-                               progress=lambda i, n: clock(i))
+    if teacher is None:
+        clock = Clock("teacher (three models per window)", len(inputs), log)
+        teacher = _d.build_teacher(source, source_tuned, target, inputs,
+                                   None, k=teacher_k, budget=budget,
+                                   spill_dir=spill_dir, chunk=chunk,
+                                   progress=lambda i, n: clock(i))
     try:
         log("teacher: %d batches, %.1f MB in memory, %.1f MB spilled%s" % (
             len(teacher), teacher.bytes_memory / 1e6,

@@ -42,6 +42,7 @@ from .._status import BicoError, E_ARG, E_SHAPE
 from .choose import pick
 
 __all__ = ["Teacher", "Adapter", "distill", "kl_to_teacher", "build_teacher",
+           "proxy_chunks",
            "distill_model", "window_losses", "mixup", "shift", "compose"]
 
 TOKEN_CHUNK = 1024
@@ -155,7 +156,23 @@ class Teacher(object):
 
     def put(self, i, logp):
         """Stores the teacher's log-probabilities of batch i."""
-        parts = self._compact(logp.detach())
+        self._store(i, self._compact(logp.detach()))
+
+    def put_chunks(self, i, chunks, lead):
+        """Stores batch i's log-probabilities given as chunks of rows
+        ([n_c, V] each, in order; lead: the batch's shape without V),
+        each kept compactly as it comes: the batch's whole [tokens, V]
+        never exists.  The entry is the one put() stores for the
+        concatenated rows (every kept value is a function of its row)."""
+        got = [self._compact(c.detach()) for c in chunks]
+        if not got:
+            raise BicoError(E_ARG, "distill: batch %d has no rows" % i)
+        parts = tuple(torch.cat(ps).reshape(tuple(lead) + ps[0].shape[1:])
+                      for ps in zip(*got))
+        del got
+        self._store(i, parts)
+
+    def _store(self, i, parts):
         size = sum(p.numel() * p.element_size() for p in parts)
         if self.bytes_memory + size <= self.budget:
             self._mem[i] = parts
@@ -223,22 +240,42 @@ def _plogp(logp, logq):
     return p * (safe - logq)
 
 
+def proxy_chunks(states, heads, chunk):
+    """log_softmax(z_B + z_A_ft - z_A) of final hidden states, a chunk of
+    rows at a time: states = (h_A, h_A_ft, h_B) [n, d_*] each, heads the
+    three output layers (callables, each h -> z); yields [rows, V] pieces
+    in order, at most `chunk` rows each."""
+    for s, e in _chunks(states[0].shape[0], chunk):
+        za, zt, zb = (hd(h[s:e]).float() for hd, h in zip(heads, states))
+        if not (za.shape == zt.shape == zb.shape):
+            raise BicoError(E_SHAPE, "distill: the teacher needs the three "
+                            "models' outputs on one vocabulary, got %d, %d "
+                            "and %d outputs" % (za.shape[-1], zt.shape[-1],
+                                                zb.shape[-1]))
+        yield torch.log_softmax(zb + zt - za, dim=-1)
+
+
+def _teacher_rows(models, x, chunk):
+    """(lead shape, chunks of proxy_chunks) of one batch of a decoder in
+    the Hugging Face layout, or None for another model."""
+    splits = [_split(m) for m in models]
+    if not all(s is not None for s in splits):
+        return None
+    hs = [_hidden(s[0], x) for s in splits]
+    flat = [h.reshape(-1, h.shape[-1]) for h in hs]
+    chunk = min(_bounded(chunk, sp[1]) for sp in splits)
+    return hs[0].shape[:-1], proxy_chunks(flat, [sp[1] for sp in splits],
+                                          chunk)
+
+
 def _teacher_logprobs(models, x, forward, chunk):
     """log_softmax(z_B + z_A_ft - z_A) of one batch: models = (source,
     source_tuned, target)."""
-    a, aft, b = models
-    splits = [_split(m) if forward is None else None for m in models]
     with torch.no_grad():
-        if all(s is not None for s in splits):
-            hs = [_hidden(s[0], x) for s in splits]
-            flat = [h.reshape(-1, h.shape[-1]) for h in hs]
-            out = []
-            chunk = min(_bounded(chunk, sp[1]) for sp in splits)
-            for s, e in _chunks(flat[0].shape[0], chunk):
-                za, zt, zb = (sp[1](f[s:e]).float() for sp, f in
-                              zip(splits, flat))
-                out.append(torch.log_softmax(zb + zt - za, dim=-1))
-            return torch.cat(out).reshape(*hs[0].shape[:-1], -1)
+        rows = _teacher_rows(models, x, chunk) if forward is None else None
+        if rows is not None:
+            lead, chunks = rows
+            return torch.cat(list(chunks)).reshape(*lead, -1)
         za, zt, zb = (_logits(forward(m, x) if forward is not None
                               else m(x)) for m in models)
         if not (za.shape == zt.shape == zb.shape):
@@ -261,7 +298,13 @@ def build_teacher(source, source_tuned, target, inputs, forward, k=None,
         m.eval()
     try:
         for i, x in enumerate(inputs):
-            t.put(i, _teacher_logprobs(models, x, forward, chunk))
+            with torch.no_grad():
+                rows = _teacher_rows(models, x, chunk) if forward is None \
+                    else None
+                if rows is not None:      # compacted a chunk at a time
+                    t.put_chunks(i, rows[1], rows[0])
+                else:
+                    t.put(i, _teacher_logprobs(models, x, forward, chunk))
             if progress is not None:
                 progress(i + 1, len(inputs))
     except BaseException:
