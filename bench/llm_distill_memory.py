@@ -12,7 +12,8 @@ token ids.  The command runs as a child process; its peak resident set
 (getrusage of the child) is printed beside what the run must hold by
 arithmetic: the target in bf16, the LoRA factors with their gradients,
 Adam's two moments and the best state (float32), the teacher's compact
-entries, and the three models of the teacher's phase.  Random weights
+entries, and what the teacher's phase holds (each model runs from its
+folder a block at a time, then the three heads make the entries).  Random weights
 make a meaningless teacher: the figures are memory and time, not
 quality.  Run on a CPU here; the steps are few because a step of a 0.5B
 model on two cores takes minutes.
@@ -39,6 +40,11 @@ MiB = float(1 << 20)
 
 def params(s):
     return sum(int(np.prod(sh)) for sh in gen.shapes(s).values())
+
+
+def block_params(s):
+    return sum(int(np.prod(sh)) for k, sh in gen.shapes(s).items()
+               if ".layers.0." in k)
 
 
 def lora_params(s, r):
@@ -144,7 +150,9 @@ def main():
     print("%-58s %9s" % ("", "MiB"))
     rows = [
         ("one model in bf16 (the target while it trains)", 2 * n),
-        ("three models in bf16 (the teacher's phase)", 6 * n),
+        ("teacher's phase: three heads and one block in bf16",
+         2 * (3 * SHAPE["V"] * SHAPE["d"] + block_params(SHAPE))),
+        ("(before: the three models in bf16)", 6 * n),
         ("LoRA factors, gradients, Adam moments, best state (f32)",
          5 * 4 * nl),
         ("teacher entries (top 64 + rest, f32 values, i32 indices)",

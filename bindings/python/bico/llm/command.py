@@ -35,6 +35,7 @@ import time
 import numpy as np
 import torch
 
+from .. import _heap
 from .._status import BicoError, E_ARG, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
@@ -950,6 +951,9 @@ def main(argv=None, prog="python3 -m bico.llm"):
     t0 = time.time()
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)
     _setup(a)
+    # the command's own process: freed tensors go back to the system at
+    # once (glibc otherwise keeps about a model's worth: bico._heap)
+    _heap.give_back_on_free()
     a.run = None
     _on_signals()
     tmp = _scratch()
@@ -969,7 +973,9 @@ def main(argv=None, prog="python3 -m bico.llm"):
                 return opts.exit_status(e)
             models = {"teacher": _teacher_from_folders(a, dt, q, cal, tuned,
                                                        spill, tmp)}
+            _heap.trim()
             tgt, tdtypes = _load_target(a, dt, q)
+            _heap.trim()
             _before_fit(a, None, tgt, cal, q, prog)
             chosen, means, fit, res, base = _run_routes(
                 a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)

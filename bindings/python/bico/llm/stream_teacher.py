@@ -17,6 +17,7 @@ in-memory teacher's (the same operations on the same tensors).
 import torch
 import torch.nn.functional as F
 
+from .. import _heap
 from .._status import BicoError, E_SHAPE
 from ..torch import distill as _d
 from . import families as _fam
@@ -53,6 +54,7 @@ def build(source, tuned, target, batches, dtype=None, k=None,
                 heads.append(f.tensor(f.head_name()))
             finally:
                 f.close()
+            _heap.trim()      # this model's blocks, before the next one
         return _entries(heads, xs, store, k, budget, spill_dir, chunk)
 
 

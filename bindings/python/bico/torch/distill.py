@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .. import _heap
 from .._status import BicoError, E_ARG, E_SHAPE
 from .choose import pick
 
@@ -581,6 +582,7 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
             value = _student_loss(model, x, teacher.get(i, dev), forward,
                                   chunk, y, text_weight, teacher_weight)
         opt.step()
+        _heap.trim()      # the step's freed tensors back to the system
         if sch is not None:
             sch.step()
         if it % every == 0 or it == steps:
