@@ -387,3 +387,37 @@ print(r1 - r0, rss() - r0)
     grown, left = (float(v) for v in r.stdout.split())
     assert grown > 900, grown                 # the tensors were resident
     assert left < grown / 2 + 64, (grown, left)   # the freed half is not
+
+
+def test_auto_from_the_folders_equals_the_in_memory_run(pair, tmp_path):
+    """--method auto at its defaults streams: the fit a block at a time,
+    the teacher one model at a time, the target alone loaded to train.
+    The in-memory run (--in-memory) makes the same choice on the same
+    held-out losses and writes the same adapter (the fit's equal to float
+    rounding, the distillation's bit for bit)."""
+    d, _ = pair
+    outs, lines = [], []
+    for extra in ((), ("--in-memory",)):
+        out = tmp_path / ("auto%d" % len(outs))
+        r = command(d, "--source", "A/", "--source-tuned", "A_ft/",
+                    "--target", "B/", "--text", "task.txt", "--output-lora",
+                    str(out), "--rank", "2", "--window", "32", "--windows",
+                    "24", "--steps", "30", *extra)
+        streamed = "teacher (the three models a block at a time)" in r.stderr
+        assert streamed == (not extra), r.stderr
+        chosen = [ln for ln in r.stdout.splitlines()
+                  if ln.startswith("chosen:") and " among " in ln]
+        assert len(chosen) == 1, r.stdout
+        lines.append((chosen[0], held_out(r.stderr)))
+        outs.append(out)
+    (c0, h0), (c1, h1) = lines
+    assert c0 == c1 and sorted(h0) == sorted(h1) == ["distill", "fit",
+                                                     "target"], lines
+    for k in h0:
+        assert abs(h0[k] - h1[k]) < 1e-3, (k, h0, h1)
+    f0 = st.open(str(outs[0] / "adapter_model.safetensors"))
+    f1 = st.open(str(outs[1] / "adapter_model.safetensors"))
+    assert sorted(f0.keys()) == sorted(f1.keys())
+    for k in f0.keys():
+        a, b = f0.get(k), f1.get(k)
+        assert np.allclose(a, b, rtol=1e-4, atol=1e-6), k

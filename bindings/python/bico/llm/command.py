@@ -212,11 +212,12 @@ def _parser(prog):
                    help="--method fit: hold the models whole in memory (the "
                    "route before streaming); by default the fit runs the "
                    "models a block at a time from their folders, in memory "
-                   "that does not grow with their depth.  --method distill: "
-                   "hold the three models while the teacher is computed "
-                   "(by default each model runs from its folder a block at "
-                   "a time, then the target alone is loaded); --method auto "
-                   "always holds the models in memory")
+                   "that does not grow with their depth.  --method distill "
+                   "and auto: hold the three models while the teacher is "
+                   "computed (by default each model runs from its folder a "
+                   "block at a time, then the target alone is loaded to "
+                   "train).  --init warm and a --device other than cpu "
+                   "imply it")
     p.add_argument("--memory-budget", type=opts.nonnegative, default=64,
                    help="MiB of calibration states and fitted blocks the "
                    "streamed fit keeps in memory; beyond it they go to a "
@@ -234,7 +235,7 @@ def _parser(prog):
         "kept (the untouched target unless one beats it clearly).  The fit "
         "streams the models from their folders a block at a time; distill "
         "computes its teacher that way, then trains the target alone in "
-        "memory; auto holds the three models whole")
+        "memory")
     d.add_argument("--method", choices=("fit", "distill", "auto"),
                    default="auto", help="route (auto)")
     d.add_argument("--trainable", choices=("lora", "dense"), default=None,
@@ -575,26 +576,39 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
         if a.method != "distill":
             per[1] = _fit_windows(tgt, base, fit, cal)
     if a.method in ("distill", "auto"):
-        mode = a.trainable or ("lora" if a.output_lora else "dense")
-        mods = [m for m in a.target_modules.split(",") if m]
         init = None
-        if warm and mode == "lora" and fit is not None:
-            init = _warm_pairs(a, tgt, fit, _distill.lora_modules(tgt, mods))
-        saves = [s for s in a.modules_to_save.split(",") if s]
-        res = _distill.run(
-            None, None, tgt, cal, log, mode=mode,
-            pair=models if "source" in models else None,
-            teacher=models.pop("teacher", None),
-            rank=a.rank, lora_alpha=a.lora_alpha, modules=mods,
-            save=saves if mode == "lora" else (), init=init, steps=a.steps,
-            lr=a.lr, teacher_k=a.teacher_k,
-            budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
-            seed=a.seed,
-            text_weight=a.text_weight,
-            teacher_weight=a.teacher_weight)
+        if warm and _mode(a) == "lora" and fit is not None:
+            init = _warm_pairs(a, tgt, fit, _distill.lora_modules(
+                tgt, [m for m in a.target_modules.split(",") if m]))
+        res = _distill_target(a, tgt, cal, log, tmp, init, models)
         per[2] = res.per_window
     chosen, means = _choose_route(per, log)
     return chosen, means, fit, res, base
+
+
+def _mode(a):
+    """What distillation trains: "lora" (factors) or "dense"."""
+    return a.trainable or ("lora" if a.output_lora else "dense")
+
+
+def _distill_target(a, tgt, cal, log, tmp, init, models):
+    """The distillation route on the loaded target (bico.llm.distill.run
+    with the command's options): the teacher given in models["teacher"]
+    (taken out of the dict), else computed from models["source"] and
+    ["tuned"] (the dict emptied once it is)."""
+    mode = _mode(a)
+    saves = [s for s in a.modules_to_save.split(",") if s]
+    return _distill.run(
+        None, None, tgt, cal, log, mode=mode,
+        pair=models if "source" in models else None,
+        teacher=models.pop("teacher", None),
+        rank=a.rank, lora_alpha=a.lora_alpha,
+        modules=[m for m in a.target_modules.split(",") if m],
+        save=saves if mode == "lora" else (), init=init, steps=a.steps,
+        lr=a.lr, teacher_k=a.teacher_k,
+        budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
+        seed=a.seed, text_weight=a.text_weight,
+        teacher_weight=a.teacher_weight)
 
 
 def _original_state(a, tgt):
@@ -602,8 +616,7 @@ def _original_state(a, tgt):
     one, or only the saved tensors (--modules-to-save) when the only route
     trains LoRA factors (the frozen weights never change): a 0.5B target
     is 1 GB in bf16, not to be held twice."""
-    mode = a.trainable or ("lora" if a.output_lora else "dense")
-    if a.method == "distill" and mode == "lora":
+    if a.method == "distill" and _mode(a) == "lora":
         saves = [s for s in a.modules_to_save.split(",") if s]
         keep = set(_distill.saved_parameters(tgt, saves)) if saves else ()
         return {k: v.detach().clone() for k, v in tgt.state_dict().items()
@@ -786,9 +799,11 @@ def _prepare(a, dt, tmp, q, prog):
 
 def _streamed(a):
     """Whether the run streams the models from their folders: --method
-    fit on the CPU, without --in-memory or --transformers."""
-    return a.method == "fit" and not (a.in_memory or a.transformers) and \
-        a.device == "cpu"
+    fit or auto on the CPU, without --in-memory or --transformers, and
+    not auto's warm start (the in-memory fit's pairs)."""
+    warm = a.init == "warm" and a.output_lora is not None
+    return a.method in ("fit", "auto") and not (
+        a.in_memory or a.transformers or warm) and a.device == "cpu"
 
 
 def _streamed_teacher(a):
@@ -873,11 +888,12 @@ def _st_modules(folder):
                       for k in range(1, n.count(".") + 1)))
 
 
-def _run_streamed(a, dt, q, cal, tuned, spill, prog):
-    """--method fit with the models run a block at a time from their
-    folders (bico.llm.stream_route): the same choices, lines and outputs
-    as the in-memory route (the recorded losses at the compute dtype),
-    in memory that does not grow with the models' depth."""
+def _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp=None):
+    """--method fit (and auto, with tmp: the distillation beside it) with
+    the models run a block at a time from their folders
+    (bico.llm.stream_route): the same choices, lines and outputs as the
+    in-memory route (the recorded losses at the compute dtype), in memory
+    that does not grow with the models' depth."""
     from .stream_route import StreamedFit, command_fit
     log = lambda *m: _log(q, *m)  # noqa: E731
     kind = "adapter" if a.output_lora else "model"
@@ -892,27 +908,54 @@ def _run_streamed(a, dt, q, cal, tuned, spill, prog):
                      log=log) as sf:
         best, per = command_fit(sf, a.ridge, a.alpha, GRID, kind, a.rank,
                                 saves, log, progress)
+        dist = None
+        if a.method == "auto":
+            dist = _streamed_distill(a, dt, q, cal, tuned, spill, tmp)
+            per[2] = dist[2].per_window
         chosen, means = _choose_route(per, log)
         w = opts.vocab_warning(means[0], sf.run.B.cfg["V"], (
             "--text %s" % a.text) if a.text else ("--ids %s" % a.ids), prog)
         if w:
             print(w, file=sys.stderr, flush=True)
         _say_chosen(chosen, means)
-        loss, ridge, al, res, _ = best
-        if not chosen:
-            loss, al = means[0], 0.0
-        meta = _fit_meta(a, al, ridge, loss, means[0], cal)
-        try:
-            if a.output_lora:
-                rep = sf.write_adapter(
-                    res, _adapter_folder(a), al, lora_alpha=a.lora_alpha,
-                    metadata=meta, base_model=a.base_model_name_or_path or
-                    os.path.abspath(a.target))
-            else:
-                dest = a.output if a.output.endswith("/") else a.output + "/"
-                sf.write_model(res, dest, al, dict(meta, format="pt"))
-        except (BicoError, OSError) as e:
-            raise _write_error(a, e)
+        if chosen == 2:
+            tgt, tdtypes, res = dist
+            return _write_distill(a, tgt, res, None, cal, tdtypes, means)
+        dist = None                       # the target is not written
+        _write_streamed_fit(a, sf, best, chosen, means, cal)
+
+
+def _streamed_distill(a, dt, q, cal, tuned, spill, tmp):
+    """The distillation route of a streamed run: the teacher from the
+    folders a block at a time, then the target loaded alone and trained;
+    (target, its files' dtypes, bico.llm.distill.Result)."""
+    log = lambda *m: _log(q, *m)  # noqa: E731
+    models = {"teacher": _teacher_from_folders(a, dt, q, cal, tuned, spill,
+                                               tmp)}
+    _heap.trim()
+    tgt, tdtypes = _load_target(a, dt, q)
+    _heap.trim()
+    return tgt, tdtypes, _distill_target(a, tgt, cal, log, tmp, None, models)
+
+
+def _write_streamed_fit(a, sf, best, chosen, means, cal):
+    """The streamed fit's output (the untouched target, alpha 0, when it
+    was not chosen)."""
+    loss, ridge, al, res, _ = best
+    if not chosen:
+        loss, al = means[0], 0.0
+    meta = _fit_meta(a, al, ridge, loss, means[0], cal)
+    try:
+        if a.output_lora:
+            rep = sf.write_adapter(
+                res, _adapter_folder(a), al, lora_alpha=a.lora_alpha,
+                metadata=meta, base_model=a.base_model_name_or_path or
+                os.path.abspath(a.target))
+        else:
+            dest = a.output if a.output.endswith("/") else a.output + "/"
+            sf.write_model(res, dest, al, dict(meta, format="pt"))
+    except (BicoError, OSError) as e:
+        raise _write_error(a, e)
     print(_summary(a, rep) if a.output_lora else "wrote %s" % a.output,
           flush=True)
 
@@ -964,7 +1007,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
             except (opts.UsageError, BicoError, OSError, MemoryError) as e:
                 opts.say(prog, e)
                 return opts.exit_status(e)
-            _run_streamed(a, dt, q, cal, tuned, spill, prog)
+            _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp)
         elif _streamed_teacher(a):
             try:
                 cal, tuned, spill = _prepare_streamed(a, tmp, q)
