@@ -206,8 +206,7 @@ static bico_status check_dest(bico_ctx *ctx, const char *fn,
   return BICO_OK;
 }
 
-/* path without its trailing '/'s ("/" stays), malloc'd. */
-static char *trim_slashes(const char *path) {
+char *bico__trim_slashes(const char *path) {
   size_t n = strlen(path);
   while (n > 1 && path[n - 1] == '/') n--;
   char *p = malloc(n + 1);
@@ -223,7 +222,7 @@ static char *trim_slashes(const char *path) {
  * leads into a folder lies in that folder).  malloc'd; NULL when out of
  * memory. */
 static char *real_parent(const char *path) {
-  char *t = trim_slashes(path);
+  char *t = bico__trim_slashes(path);
   if (t == NULL) return NULL;
   struct stat ls;
   if (lstat(t, &ls) == 0 && S_ISLNK(ls.st_mode)) {
@@ -279,7 +278,7 @@ static unsigned long within_new(const char *dir, const fid *const *fo,
   int any = 0;
   for (size_t k = 0; k < nfo; k++) any |= !fo[k]->exists;
   if (!any) return 0;
-  char *q = trim_slashes(dir);
+  char *q = bico__trim_slashes(dir);
   for (int depth = 0; q != NULL && depth < 256; depth++) {
     fid f;
     fid_of(q, &f);
@@ -294,7 +293,7 @@ static unsigned long within_new(const char *dir, const fid *const *fo,
     free(q);
     q = up;
     if (same) break;
-    char *t = q ? trim_slashes(q) : NULL;
+    char *t = q ? bico__trim_slashes(q) : NULL;
     free(q);
     q = t;
   }
@@ -480,7 +479,7 @@ bico_status bico__check_files(bico_ctx *ctx, const char *fn,
     if (u[i].path == NULL) continue;
     if (u[i].output && u[i].folder == 1) {
       /* a folder: "o/" is "o" (its name in its parent) */
-      if ((trim[i] = trim_slashes(u[i].path)) == NULL) st = BICO_E_NOMEM;
+      if ((trim[i] = bico__trim_slashes(u[i].path)) == NULL) st = BICO_E_NOMEM;
       else fid_of(trim[i], &ids[i]);
     } else {
       fid_of(u[i].path, &ids[i]);

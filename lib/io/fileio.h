@@ -42,6 +42,9 @@
  * failure on ctx. */
 char *bico__strdup(bico_ctx *ctx, const char *s);
 char *bico__strndup(bico_ctx *ctx, const char *s, size_t n);
+/* path without its trailing '/'s ("/" stays); plain malloc (free() it),
+ * NULL when out of memory. */
+char *bico__trim_slashes(const char *path);
 
 /* dir + "/" + file (no second '/' when dir ends in one). */
 char *bico__path_join(bico_ctx *ctx, const char *dir, const char *file);

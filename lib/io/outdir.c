@@ -30,18 +30,6 @@ struct bico__lock {
   char *path; /* the lock file */
 };
 
-/* path without its trailing '/'s ("/" stays), malloc'd. */
-static char *trimmed(const char *path) {
-  size_t n = strlen(path);
-  while (n > 1 && path[n - 1] == '/') n--;
-  char *p = malloc(n + 1);
-  if (p != NULL) {
-    memcpy(p, path, n);
-    p[n] = '\0';
-  }
-  return p;
-}
-
 /* parent (malloc'd) and base (inside t) of a trimmed path. */
 static char *parent_of(const char *t, const char **base) {
   const char *slash = strrchr(t, '/');
@@ -57,7 +45,7 @@ enum { OUT_NEW, OUT_DIR, OUT_OTHER, OUT_DANGLING };
  * (through links), else the real parent and the name.  *kind says what is
  * there.  NULL when the parent cannot be resolved or memory runs out. */
 static char *real_of(const char *dir, int *kind) {
-  char *t = trimmed(dir);
+  char *t = bico__trim_slashes(dir);
   if (t == NULL) return NULL;
   struct stat st;
   char *r = NULL;
