@@ -364,6 +364,10 @@ def test_the_heap_is_given_back_on_this_c_library():
     tensors from the heap and keeps the holes: measured here, the whole
     1 GiB stayed resident.)"""
     from bico import _heap
+    if "asan" in os.environ.get("LD_PRELOAD", ""):
+        # AddressSanitizer's allocator replaces glibc's: its mallopt does
+        # nothing and it keeps freed memory in quarantine by design
+        pytest.skip("the C library's allocator is AddressSanitizer's")
     assert _heap.trim() is True
     code = """
 import torch
