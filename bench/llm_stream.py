@@ -21,7 +21,8 @@ run on synthetic model folders in a child process under /usr/bin/time -v
 
 Each case prints one line: case, side, layers, wall s, peak RSS MB,
 checkpoint MB, RSS/ckpt.  Files are written once into --work (default
-build/llm_stream) and reused."""
+build/llm_stream) and reused.  The child runs the binding of
+bindings/python on the library of $BICO_BUILD (default build/)."""
 import argparse
 import json
 import os
@@ -88,7 +89,8 @@ def run(work, name, a, b, args, in_memory, threads):
     cmd = [c.replace("OUT", out) for c in cmd]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "bindings",
                                                    "python"),
-               BICO_BUILD=os.path.join(ROOT, "build"))
+               BICO_BUILD=os.environ.get("BICO_BUILD") or
+               os.path.join(ROOT, "build"))
     wall, peak, rc, err = measure(cmd, env)
     if rc != 0:
         print("# %s failed (%d): %s" % (name, rc, err), flush=True)
@@ -158,7 +160,7 @@ def scale(work, layers_b, windows, in_memory, threads):
 
 def block(work, layers, threads):
     print("## block: a 7B-shaped block (hidden 4096, MLP 14336, 32/8 heads "
-          "of 128) on both sides, vocabulary 2048, F32 files... bf16; 16 "
+          "of 128) on both sides, vocabulary 2048, bf16 folders; 16 "
           "windows of 128 tokens; --output")
     header()
     t = ids(os.path.join(work, "ids-2048.npy"), 16 * 128 + 1, 2048)
