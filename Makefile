@@ -493,7 +493,7 @@ bench: $(BENCH_BINS) $(TOOL)
 # 512 wide), at the whole 0.5B -> 1.5B shape (bf16), one 7B-shaped block's
 # cost, the arithmetic of what a run holds at 7B and 70B, and of what a run
 # across processes would move (docs/scale-out.md, designed).  Folders are
-# written once into $(LLM_BENCH_WORK) (about 12 GB) and reused.  Long: the
+# written once into $(LLM_BENCH_WORK) (about 13 GB) and reused.  Long: the
 # in-memory 0.5B -> 1.5B run holds the whole models in float32 (about
 # 16 GB of memory).  BENCH_THREADS as for `make bench`.
 LLM_BENCH_WORK ?= $(BUILD)/llm_stream
