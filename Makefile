@@ -484,6 +484,28 @@ $(BUILD)/bench/%: bench/%.c bench/common.h $(SHLIB)
 
 bench: $(BENCH_BINS) $(TOOL)
 	$(PYTHON) bench/run.py --bin $(BUILD)/bench --threads $(BENCH_THREADS) $(BENCH_FLAGS)
+	$(MAKE) --no-print-directory bench-llm
+
+# `make bench-llm` (run by `make bench`, after its tables): the LLM routes
+# streamed a block at a time from the model folders against the in-memory
+# route (docs/performance.md section 8): python3 -m bico.llm in a child under
+# /usr/bin/time -v (peak resident set, wall time) at depth (4 and 16 layers,
+# 512 wide), at the whole 0.5B -> 1.5B shape (bf16), one 7B-shaped block's
+# cost, the arithmetic of what a run holds at 7B and 70B, and of what a run
+# across processes would move (docs/scale-out.md, designed).  Folders are
+# written once into $(LLM_BENCH_WORK) (about 13 GB) and reused.  Long: the
+# in-memory 0.5B -> 1.5B run holds the whole models in float32 (about
+# 16 GB of memory).  BENCH_THREADS as for `make bench`.
+LLM_BENCH_WORK ?= $(BUILD)/llm_stream
+LLM_BENCH_ENV = BICO_BUILD=$(abspath $(BUILD)) PYTHONPATH=$(abspath bindings/python)
+LLM_BENCH = $(LLM_BENCH_ENV) $(PYTHON) bench/llm_stream.py
+.PHONY: bench-llm
+bench-llm: $(SHLIB)
+	$(LLM_BENCH) depth --in-memory --work $(LLM_BENCH_WORK) --threads $(BENCH_THREADS)
+	$(LLM_BENCH) scale --in-memory --work $(LLM_BENCH_WORK) --threads $(BENCH_THREADS)
+	$(LLM_BENCH) block --work $(LLM_BENCH_WORK) --threads $(BENCH_THREADS)
+	$(LLM_BENCH) arith
+	$(LLM_BENCH) scaleout
 
 # `make bench-quality`: how much of the zero-shot -> fine-tuned gap each
 # method closes on small Fashion-MNIST ViTs, over several seeds

@@ -19,9 +19,15 @@ run on synthetic model folders in a child process under /usr/bin/time -v
       both sides, vocabulary 2048, 16 windows of 128 tokens: the run at 1
       and 2 layers, the difference is one block's cost.
 
+  bench/llm_stream.py arith | scaleout
+      no runs: what a streamed run holds at each phase's peak
+      (docs/performance.md section 8); what the routes across ranks
+      would move per block (docs/scale-out.md, designed, not built).
+
 Each case prints one line: case, side, layers, wall s, peak RSS MB,
 checkpoint MB, RSS/ckpt.  Files are written once into --work (default
-build/llm_stream) and reused."""
+build/llm_stream) and reused.  The child runs the binding of
+bindings/python on the library of $BICO_BUILD (default build/)."""
 import argparse
 import json
 import os
@@ -88,7 +94,8 @@ def run(work, name, a, b, args, in_memory, threads):
     cmd = [c.replace("OUT", out) for c in cmd]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "bindings",
                                                    "python"),
-               BICO_BUILD=os.path.join(ROOT, "build"))
+               BICO_BUILD=os.environ.get("BICO_BUILD") or
+               os.path.join(ROOT, "build"))
     wall, peak, rc, err = measure(cmd, env)
     if rc != 0:
         print("# %s failed (%d): %s" % (name, rc, err), flush=True)
@@ -158,7 +165,7 @@ def scale(work, layers_b, windows, in_memory, threads):
 
 def block(work, layers, threads):
     print("## block: a 7B-shaped block (hidden 4096, MLP 14336, 32/8 heads "
-          "of 128) on both sides, vocabulary 2048, F32 files... bf16; 16 "
+          "of 128) on both sides, vocabulary 2048, bf16 folders; 16 "
           "windows of 128 tokens; --output")
     header()
     t = ids(os.path.join(work, "ids-2048.npy"), 16 * 128 + 1, 2048)
@@ -252,9 +259,96 @@ def arith():
             max(ph.values()) + 0.35))
 
 
+# ---- the scale-out design's arithmetic (docs/scale-out.md) ----
+
+_GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
+
+
+def _fit_bytes(o, i):
+    """A linear's fit statistics in double: G (a x a), E (a x o), and K
+    (a x a) or the right-hand side (o x a) when o < a; a = i + 1."""
+    a = i + 1
+    return (a * a + o * a + (o * a if o < a else a * a)) * 8
+
+
+def _collective(src, tgt):
+    """Bytes of one target block's sums over rows, and of its float32
+    updates and R_out maps."""
+    la, lb = _lin(src), _lin(tgt)
+    grp = {g: sum(_fit_bytes(o, i) for n, o, i in lb if n in g)
+           for g in _GROUPS}
+    one_g = sum(_fit_bytes(o, i) for n, o, i in lb) - sum(
+        (i + 1) ** 2 * 8 for g in _GROUPS for n, o, i in lb
+        if n in g and n != g[0])
+    return dict(norms=2 * src["d"] * tgt["d"] * 8,
+                rout=sum(oa * ob for (_, oa, _), (_, ob, _) in zip(la, lb))
+                * 8, grp=grp, fit=sum(grp.values()), one_g=one_g,
+                upd=sum(o * i for _, o, i in lb) * 4,
+                rmap=sum(oa * ob for (_, oa, _), (_, ob, _) in zip(la, lb))
+                * 4)
+
+
+def scaleout(n=2048):
+    """What the LLM routes across R processes would move per target block
+    (docs/scale-out.md: designed, not built), GB."""
+    G = 1e-9
+    print("## the LLM routes across ranks, per target block, GB (%d "
+          "calibration rows in all; statistics in double, updates and "
+          "maps float32)" % n)
+    for a, b in (("0.5B", "1.5B"), ("7B", "8B"), ("8B", "70B")):
+        src, tgt = SHAPES[a], SHAPES[b]
+        c = _collective(src, tgt)
+        tot = c["norms"] + c["rout"] + c["fit"]
+        print("# %s -> %s: norm statistics %.3f; R_out statistics %.2f; "
+              "fit statistics %.2f (%s; %.2f with one G per group); total "
+              "%.2f, x %d blocks = %.0f" % (
+                  a, b, c["norms"] * G, c["rout"] * G, c["fit"] * G,
+                  ", ".join("%s %.2f" % ("/".join(k), v * G)
+                            for k, v in c["grp"].items()),
+                  c["one_g"] * G, tot * G, tgt["L"], tot * tgt["L"] * G))
+        print("#   updates dW %.2f; R_out maps %.2f; the embedding's carried "
+              "update %.2f (once)" % (c["upd"] * G, c["rmap"] * G,
+                                      tgt["V"] * tgt["d"] * 4 * G))
+        for R in (2, 4, 8, 16):
+            print("#   R=%2d: ring all-reduce, per rank %.2f; reduce into "
+                  "rank 0 %.2f + broadcast of dW and R_out %.2f" % (
+                      R, 2.0 * (R - 1) / R * tot * G, (R - 1.0) / R * tot *
+                      G, (c["upd"] + c["rmap"]) * G))
+        hs = n * 4 * (2 * (src["L"] + 1) * src["d"] +
+                      2 * (tgt["L"] + 1) * tgt["d"])
+        print("#   boundary states and gradients (A: %d+1, B: %d+1 "
+              "boundaries): %.2f in all, %.2f per rank at R=8; one B "
+              "boundary per rank at R=8 %.3f" % (
+                  src["L"], tgt["L"], hs * G, hs / 8 * G,
+                  n / 8.0 * tgt["d"] * 4 * G))
+        _rows_and_flops(src, tgt, n)
+
+
+def _rows_and_flops(src, tgt, n):
+    G, la, lb = 1e-9, _lin(src), _lin(tgt)
+    for rows in (n, 8 * n):
+        fit = sum(rows * ((2 * (i + 1) if nm == g[0] else 0) + o) * 4
+                  for g in _GROUPS for nm, o, i in lb if nm in g)
+        grad = rows * (sum(o for _, o, _ in lb) +
+                       sum(o for _, o, _ in la)) * 4
+        print("#   %d rows: the block's fit rows (X', X_B once per group, "
+              "D R_out per linear) %.2f, gradient rows of both sides %.2f"
+              % (rows, fit * G, grad * G))
+    print("#   Cholesky a^3/3, Tflop: %s; block %.1f; the block's forward "
+          "at %d rows %.1f Tflop; accumulating its fit statistics %.1f "
+          "Tflop" % (
+              ", ".join("%s %.2f" % (nm, (i + 1) ** 3 / 3e12)
+                        for nm, o, i in lb),
+              sum((i + 1) ** 3 / 3e12 for _, o, i in lb), n,
+              2e-12 * n * _block_params(tgt),
+              sum(n * ((i + 1) ** 2 + 2 * o * (i + 1)) for _, o, i in lb)
+              * 1e-12))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("case", choices=("depth", "scale", "block", "arith"))
+    p.add_argument("case", choices=("depth", "scale", "block", "arith",
+                                      "scaleout"))
     p.add_argument("--work", default=os.path.join(ROOT, "build",
                                                   "llm_stream"))
     p.add_argument("--in-memory", action="store_true")
@@ -265,6 +359,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.case == "arith":
         return arith()
+    if a.case == "scaleout":
+        return scaleout()
     os.makedirs(a.work, exist_ok=True)
     print("# %s; load average %s; %d cores; threads %d" % (
         time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
