@@ -171,15 +171,15 @@ def test_alpha_0_writes_an_adapter_of_zero_factors(pair, tmp_path, capsys):
 def test_seed_and_threads(pair, tmp_path, capsys, monkeypatch):
     """--seed: one seed, one result (bit for bit), recorded; it orders
     the windows (text_batches).  --threads: PyTorch's threads and the
-    library's (transfer_model's threads)."""
-    import bico.llm.command as cmd
+    library's (the streamed fit's threads)."""
+    import bico.llm.stream_route as sr
     seen = []
-    orig = cmd.transfer_model
 
-    def spy(*a, **kw):
-        seen.append(kw.get("threads"))
-        return orig(*a, **kw)
-    monkeypatch.setattr(cmd, "transfer_model", spy)
+    class Spy(sr.StreamedFit):       # the default route streams the fit
+        def __init__(self, *a, **kw):
+            seen.append(kw.get("threads"))
+            super().__init__(*a, **kw)
+    monkeypatch.setattr(sr, "StreamedFit", Spy)
     before = torch.get_num_threads()
     outs = []
     try:

@@ -840,7 +840,7 @@ def _prepare_streamed(a, tmp, q):
     locked, the windows read, the folders' configs read (the ids checked
     against their vocabularies); (calibration, the tuned source folder, the
     spill folder)."""
-    from .families import model_config, _weights_path
+    from .families import _weights_path
     from .runtime import spill_folder
     opts.routes(a)
     ins = [("--source", a.source), ("--source-tuned", a.source_tuned),
@@ -860,9 +860,11 @@ def _prepare_streamed(a, tmp, q):
         tuned = _named("--lora", a.lora, _tuned_from_lora, a.source, a.lora,
                        tmp)
     cfg = {}
-    for o, f in (("--source", a.source), ("--target", a.target)):
-        cfg[o] = _named(o, f, model_config, f)
-        _named(o, f, _weights_path, f)
+    for o, f in (("--source", a.source), ("--source-tuned", a.source_tuned),
+                 ("--target", a.target)):
+        if f is not None:
+            _named(o, f, _weights_path, f)
+            cfg[o] = _named(o, f, _checked_config, f)
     _warn_tokenizers(a)
     what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
     opts.check_ids(ids, what, [(o, f, cfg[o].get("vocab_size")) for o, f in
@@ -876,6 +878,18 @@ def _prepare_streamed(a, tmp, q):
         spill = spill_folder(a.output or a.output_lora,
                              [f for _, f in ins], None)
     return cal, tuned, spill
+
+
+def _checked_config(folder):
+    """A folder's config.json, checked against its weights' headers as
+    load_model checks it (a hostile or inconsistent config is the user's
+    mistake, said before anything runs)."""
+    from .runtime import Folder
+    f = Folder(folder)
+    try:
+        return f.cfg["raw"]
+    finally:
+        f.close()
 
 
 def _st_modules(folder):
@@ -906,6 +920,7 @@ def _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp=None):
                      dtype=dt, threads=a.threads,
                      budget=int(a.memory_budget * 2 ** 20), spill_dir=spill,
                      log=log) as sf:
+        _streamed_estimate(a, q, sf, cal)
         best, per = command_fit(sf, a.ridge, a.alpha, GRID, kind, a.rank,
                                 saves, log, progress)
         dist = None
@@ -923,6 +938,21 @@ def _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp=None):
             return _write_distill(a, tgt, res, None, cal, tdtypes, means)
         dist = None                       # the target is not written
         _write_streamed_fit(a, sf, best, chosen, means, cal)
+
+
+def _streamed_estimate(a, q, sf, cal):
+    """The fit's time, extrapolated from the statistics' forward sweep
+    (both models, every fit window) as the in-memory route extrapolates
+    from the target's forward pass."""
+    if q:
+        return
+    per = sf.times.get("forward", 0.0) / max(1, cal.windows)
+    est = opts.estimate(per, cal, len(a.ridge), a.output_lora,
+                        a.alpha == "auto", len(GRID))
+    _log(q, "estimate: about %s for the fit of %d windows and %d held out "
+         "(%.3f s per window of the forward sweep; --windows sets how "
+         "many)" % (opts.duration(est), cal.windows,
+                    sum(len(x) for x, _ in cal.held_out), per))
 
 
 def _streamed_distill(a, dt, q, cal, tuned, spill, tmp):
