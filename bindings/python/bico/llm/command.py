@@ -1077,6 +1077,10 @@ def main(argv=None, prog="python3 -m bico.llm"):
         _distill.check_stop()
         raise
     except (BicoError, OSError, ValueError, MemoryError) as e:
+        # a signal's SystemExit raised inside a library callback (the
+        # streamed fit's) comes back as the call's error: ended as the
+        # signal asked
+        _distill.check_stop()
         opts.say(prog, e)
         return opts.FAILURE
     finally:
