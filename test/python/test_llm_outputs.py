@@ -231,3 +231,34 @@ def test_a_signal_inside_autograd_ends_as_the_signal(pair, tmp_path, capsys,
     with pytest.raises(RuntimeError):
         run(pair, capsys, "--source", "A", "--lora", "A_adapter", "--target",
             "B", "--text", "task.txt", "--output-lora", ad, *QUICK)
+
+
+@pytest.mark.parametrize("where,err", [
+    ("_prepare_streamed", "bico"), ("_teacher_from_folders", "bico"),
+    ("_run_routes", "os"), ("_run_routes", "key")])
+def test_a_signal_whose_exit_was_swallowed_still_ends_the_run(
+        pair, tmp_path, capsys, monkeypatch, where, err):
+    """A SIGTERM whose SystemExit Python dropped (raised inside a library
+    callback or a finalizer) and a call that then fails (a system call
+    interrupted by it, an error of the half-stopped run): the command
+    ends with 128 + the signal in every phase, not as that error, and
+    nothing is written."""
+    import bico.llm.command as cmd
+    import bico.llm.distill as dl
+    from bico._status import BicoError, E_IO
+    monkeypatch.setattr(dl, "STOP", [])
+    errors = {"bico": BicoError(E_IO, "read: Interrupted system call"),
+              "os": OSError(4, "Interrupted system call"),
+              "key": KeyError("half-stopped")}
+
+    def stopped(*a, **kw):
+        dl.STOP.append(signal.SIGTERM)
+        raise errors[err]
+    monkeypatch.setattr(cmd, where, stopped)
+    ad = tmp_path / "ad"
+    with pytest.raises(SystemExit) as e:
+        run(pair, capsys, "--source", "A", "--lora", "A_adapter", "--target",
+            "B", "--text", "task.txt", "--output-lora", ad, *QUICK)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert not ad.exists() and \
+        not [n for n in os.listdir(tmp_path) if n.startswith(".")]

@@ -1035,6 +1035,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
             try:
                 cal, tuned, spill = _prepare_streamed(a, tmp, q)
             except (opts.UsageError, BicoError, OSError, MemoryError) as e:
+                _distill.check_stop()    # a signal's, whatever became of it
                 opts.say(prog, e)
                 return opts.exit_status(e)
             _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp)
@@ -1042,6 +1043,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
             try:
                 cal, tuned, spill = _prepare_streamed(a, tmp, q)
             except (opts.UsageError, BicoError, OSError, MemoryError) as e:
+                _distill.check_stop()    # a signal's, whatever became of it
                 opts.say(prog, e)
                 return opts.exit_status(e)
             models = {"teacher": _teacher_from_folders(a, dt, q, cal, tuned,
@@ -1058,6 +1060,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
             try:
                 src, srt, tgt, tdtypes, cal = _prepare(a, dt, tmp, q, prog)
             except (opts.UsageError, BicoError, OSError, MemoryError) as e:
+                _distill.check_stop()    # a signal's, whatever became of it
                 opts.say(prog, e)
                 return opts.exit_status(e)
             _before_fit(a, src, tgt, cal, q, prog)
@@ -1083,6 +1086,11 @@ def main(argv=None, prog="python3 -m bico.llm"):
         _distill.check_stop()
         opts.say(prog, e)
         return opts.FAILURE
+    except Exception:
+        # any other error after a signal (its SystemExit swallowed where
+        # Python ignores exceptions: finalizers, callbacks) is the signal's
+        _distill.check_stop()
+        raise
     finally:
         if a.run is not None:       # nothing of the output changes
             a.run.__exit__(RuntimeError, RuntimeError("not done"), None)
