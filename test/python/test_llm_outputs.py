@@ -176,6 +176,13 @@ def test_another_run_writing_the_folder_is_named(pair, tmp_path):
                                       (signal.SIGKILL, 14.0)])
 def test_a_kill_at_any_moment_leaves_the_old_or_the_new_adapter(
         pair, tmp_path, capsys, sig, when):
+    if sig == signal.SIGTERM and "asan" in os.environ.get("LD_PRELOAD", ""):
+        # preloaded into an uninstrumented Python, AddressSanitizer's
+        # __cxa_throw interceptor has no real function to call: the C++
+        # exception PyTorch throws to carry the signal's SystemExit out
+        # of autograd (where the training is at that moment) aborts the
+        # process with a CHECK failure, exit 1.  The plain run checks it.
+        pytest.skip("a C++ exception under preloaded AddressSanitizer")
     ad = tmp_path / "ad"
     status, _, err = run(pair, capsys, "--source", "A", "--lora",
                          "A_adapter", "--target", "B", "--text", "task.txt",
