@@ -89,6 +89,9 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--method", choices=("distill", "auto"),
+                    default="distill", help="auto: the command's default "
+                    "route (the streamed fit, then the distillation)")
     ap.add_argument("--size", choices=("full", "quick"), default="full",
                     help="quick: bench/llm_scale_gen.py's small shape, to "
                     "try the script")
@@ -107,7 +110,7 @@ def main():
            os.path.join(args.work, "A"), "--source-tuned",
            os.path.join(args.work, "A_ft"), "--target",
            os.path.join(args.work, "B"), "--ids", ids, "--output-lora", out,
-           "--replace", "--method", "distill", "--dtype", "bfloat16",
+           "--replace", "--method", args.method, "--dtype", "bfloat16",
            "--rank", str(args.rank), "--steps", str(args.steps),
            "--windows", str(args.windows), "--window", str(args.window),
            "--threads", str(args.threads)]
@@ -122,16 +125,20 @@ def main():
          "if ln.startswith('VmRSS:')][0])"],
         env=env, capture_output=True, text=True, check=True).stdout) / 1024
     t = time.time()
-    lines, phase = [], {"teacher": 0.0, "train": 0.0}
+    lines, phase = [], {"fit": 0.0, "teacher": 0.0, "train": 0.0}
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     reader = threading.Thread(target=lambda: lines.extend(p.stdout))
     reader.start()
     while p.poll() is None:
-        # the resident set sampled, per phase: the training starts at the
-        # line "distill: LoRA rank ...", after the source pair is released
-        k = "train" if any(ln.startswith("distill: LoRA rank")
-                           for ln in lines) else "teacher"
+        # the resident set sampled, per phase: auto's streamed fit until
+        # the teacher's first line, the teacher's until the training's
+        # ("distill: LoRA rank ...", after the three models are released)
+        k = "fit" if args.method == "auto" else "teacher"
+        for marker, name in (("teacher (", "teacher"),
+                             ("distill: LoRA rank", "train")):
+            if any(ln.startswith(marker) for ln in lines):
+                k = name
         phase[k] = max(phase[k], rss_mib(p.pid))
         time.sleep(0.2)
     reader.join()
@@ -142,10 +149,10 @@ def main():
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
     n, nl = params(SHAPE), lora_params(SHAPE, args.rank)
     tokens = args.windows * args.window
-    print("target: %s shape, %.0f M parameters; %d windows of %d "
-          "tokens, %d steps, rank %d, bfloat16, %d threads"
+    print("target: %s shape, %.0f M parameters; --method %s, %d windows "
+          "of %d tokens, %d steps, rank %d, bfloat16, %d threads"
           % ("Qwen2-0.5B" if args.size == "full" else "small", n / 1e6,
-             args.windows, args.window, args.steps, args.rank,
+             args.method, args.windows, args.window, args.steps, args.rank,
              args.threads))
     print("%-58s %9s" % ("", "MiB"))
     rows = [
@@ -164,6 +171,9 @@ def main():
         print("%-58s %9.0f" % (what, b / MiB))
     print("%-58s %9.0f" % ("measured: the interpreter, PyTorch and bico loaded",
                            base))
+    if args.method == "auto":
+        print("%-58s %9.0f" % ("measured: resident set, streamed fit "
+                               "(sampled)", phase["fit"]))
     print("%-58s %9.0f" % ("measured: resident set, teacher phase (sampled)",
                            phase["teacher"]))
     print("%-58s %9.0f" % ("measured: resident set, training (sampled)",

@@ -211,52 +211,42 @@ def test_a_kill_at_any_moment_leaves_the_old_or_the_new_adapter(
     assert os.listdir(scratch) == []
 
 
-def test_a_signal_inside_autograd_ends_as_the_signal(pair, tmp_path, capsys,
-                                                     monkeypatch):
-    """A SIGTERM whose SystemExit is raised inside autograd's backward
-    comes back as a RuntimeError: the command still ends with 128 +
-    the signal (it was exit 1 with a traceback), the output untouched."""
+def test_a_runtime_error_without_a_signal_is_not_a_signal(
+        pair, tmp_path, capsys, monkeypatch):
+    """A RuntimeError of the run with no signal behind it is raised as it
+    is (a bug, with its traceback), not turned into a signal's end."""
     import bico.llm.command as cmd
     import bico.llm.distill as dl
     monkeypatch.setattr(dl, "STOP", [])
-
-    def stopped(*a, **kw):
-        dl.STOP.append(signal.SIGTERM)
-        raise RuntimeError("RuntimeError: SystemExit: 143")
-    monkeypatch.setattr(cmd, "_run_routes", stopped)
-    ad = tmp_path / "ad"
-    with pytest.raises(SystemExit) as e:
-        run(pair, capsys, "--source", "A", "--lora", "A_adapter", "--target",
-            "B", "--text", "task.txt", "--output-lora", ad, *QUICK)
-    assert e.value.code == 128 + signal.SIGTERM
-    assert not ad.exists() and \
-        not [n for n in os.listdir(tmp_path) if n.startswith(".")]
-    # any other RuntimeError is not a signal's
-    monkeypatch.setattr(dl, "STOP", [])
     monkeypatch.setattr(cmd, "_run_routes", lambda *a, **kw: (_ for _ in ())
                         .throw(RuntimeError("a bug")))
+    ad = tmp_path / "ad"
     with pytest.raises(RuntimeError):
         run(pair, capsys, "--source", "A", "--lora", "A_adapter", "--target",
             "B", "--text", "task.txt", "--output-lora", ad, *QUICK)
+    assert not ad.exists()
 
 
 @pytest.mark.parametrize("where,err", [
     ("_prepare_streamed", "bico"), ("_teacher_from_folders", "bico"),
-    ("_run_routes", "os"), ("_run_routes", "key")])
+    ("_run_routes", "os"), ("_run_routes", "key"),
+    ("_run_routes", "autograd")])
 def test_a_signal_whose_exit_was_swallowed_still_ends_the_run(
         pair, tmp_path, capsys, monkeypatch, where, err):
     """A SIGTERM whose SystemExit Python dropped (raised inside a library
     callback or a finalizer) and a call that then fails (a system call
-    interrupted by it, an error of the half-stopped run): the command
-    ends with 128 + the signal in every phase, not as that error, and
-    nothing is written."""
+    interrupted by it, an error of the half-stopped run), or whose
+    SystemExit came back as a RuntimeError (raised inside autograd's
+    backward): the command ends with 128 + the signal in every phase, not
+    as that error (exit 1 with a traceback), and nothing is written."""
     import bico.llm.command as cmd
     import bico.llm.distill as dl
     from bico._status import BicoError, E_IO
     monkeypatch.setattr(dl, "STOP", [])
     errors = {"bico": BicoError(E_IO, "read: Interrupted system call"),
               "os": OSError(4, "Interrupted system call"),
-              "key": KeyError("half-stopped")}
+              "key": KeyError("half-stopped"),
+              "autograd": RuntimeError("RuntimeError: SystemExit: 143")}
 
     def stopped(*a, **kw):
         dl.STOP.append(signal.SIGTERM)

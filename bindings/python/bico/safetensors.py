@@ -66,23 +66,23 @@ def _exact(a, code, name):
                        int(info.max), want)
 
 
-class File(object):
+class File(_Handle):
     """An open, validated safetensors file (or sharded checkpoint).
 
     Mapping-like: keys(), len(), `in`, f[name] (a NumPy copy), f.info(name)
     -> (dtype name, shape), f.metadata (dict).  close() or `with`.
     """
 
+    _free = staticmethod(fn.stfile_free)
+
     def __init__(self, path, ctx=None):
+        path_b = A.cstr(path, "path", path=True)
         self.ctx = Context() if ctx is None else ctx
-        self._ptr = None
         self.path = str(path)
         h = c_void_p()
-        _check(fn.stfile_open(self.ctx._alive(),
-                              A.cstr(path, "path", path=True),
-                              ctypes.byref(h)), self.ctx)
-        self._ptr = h.value
-        self.ctx._children += 1  # the context outlives the file
+        _check(fn.stfile_open(self.ctx._alive(), path_b, ctypes.byref(h)),
+               self.ctx)
+        self._adopt(h.value, self.ctx)   # the context outlives the file
         self._index = {}
         self._infos = []
         for i in range(_count(fn.stfile_count, self._ptr, self.ctx)):
@@ -102,25 +102,6 @@ class File(object):
             _check(fn.stfile_metadata_at(self._ptr, i, ctypes.byref(k),
                                          ctypes.byref(v)), self.ctx)
             self.metadata[k.value.decode("utf-8")] = v.value.decode("utf-8")
-
-    def close(self):
-        p, self._ptr = self._ptr, None
-        if p:
-            fn.stfile_free(p)
-            self.ctx._release()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def keys(self):
         return [n for n, _, _ in self._infos]

@@ -822,12 +822,13 @@ def _teacher_from_folders(a, dt, q, cal, tuned, spill, tmp):
     memory), with progress lines."""
     from .stream_teacher import build
     log = lambda *m: _log(q, *m)  # noqa: E731
+    what = "teacher (the three models a block at a time)"
+    log("%s: started on %d windows" % (what, cal.windows))
     clock = []
 
     def progress(i, n):
         if not clock:
-            clock.append(_distill.Clock("teacher (the three models a block "
-                                        "at a time)", n, log))
+            clock.append(_distill.Clock(what, n, log))
         clock[0](i)
     return build(a.source, tuned, a.target, cal.batches, dtype=dt,
                  k=a.teacher_k, budget=int(a.teacher_memory * (1 << 20)),
@@ -960,12 +961,20 @@ def _streamed_distill(a, dt, q, cal, tuned, spill, tmp):
     folders a block at a time, then the target loaded alone and trained;
     (target, its files' dtypes, bico.llm.distill.Result)."""
     log = lambda *m: _log(q, *m)  # noqa: E731
+    models, tgt, tdtypes = _teacher_then_target(a, dt, q, cal, tuned, spill,
+                                                tmp)
+    return tgt, tdtypes, _distill_target(a, tgt, cal, log, tmp, None, models)
+
+
+def _teacher_then_target(a, dt, q, cal, tuned, spill, tmp):
+    """The teacher computed from the folders, its models freed, then the
+    target loaded alone: ({"teacher": ...}, target, its files' dtypes)."""
     models = {"teacher": _teacher_from_folders(a, dt, q, cal, tuned, spill,
                                                tmp)}
     _heap.trim()
     tgt, tdtypes = _load_target(a, dt, q)
     _heap.trim()
-    return tgt, tdtypes, _distill_target(a, tgt, cal, log, tmp, None, models)
+    return models, tgt, tdtypes
 
 
 def _write_streamed_fit(a, sf, best, chosen, means, cal):
@@ -1011,6 +1020,57 @@ def _before_fit(a, src, tgt, cal, q, prog):
     return zero
 
 
+class _Refused(Exception):
+    """A route's preparation refused its inputs (error: what it raised);
+    main ends the run with that error's exit status."""
+
+    def __init__(self, error):
+        Exception.__init__(self, str(error))
+        self.error = error
+
+
+def _prepared(fn, *args):
+    """fn(*args), a route's preparation (the inputs checked, read and
+    loaded; every refusal there a user's mistake or an unreadable file,
+    before anything is written), its refusals raised as _Refused; after a
+    signal, whatever became of its exit, the signal's end."""
+    try:
+        return fn(*args)
+    except (opts.UsageError, BicoError, OSError, MemoryError) as e:
+        _distill.check_stop()
+        raise _Refused(e)
+
+
+def _route_streamed(a, dt, q, prog, tmp):
+    """--method fit or auto, the models streamed from their folders."""
+    cal, tuned, spill = _prepared(_prepare_streamed, a, tmp, q)
+    _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp)
+
+
+def _route_teacher_streamed(a, dt, q, prog, tmp):
+    """--method distill, the teacher streamed from the folders, the target
+    loaded alone after it."""
+    cal, tuned, spill = _prepared(_prepare_streamed, a, tmp, q)
+    models, tgt, tdtypes = _teacher_then_target(a, dt, q, cal, tuned, spill,
+                                                tmp)
+    _before_fit(a, None, tgt, cal, q, prog)
+    chosen, means, fit, res, base = _run_routes(
+        a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
+    _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes)
+
+
+def _route_in_memory(a, dt, q, prog, tmp):
+    """Every route with the three models loaded whole (--in-memory,
+    --transformers, --device cuda, a warm start)."""
+    src, srt, tgt, tdtypes, cal = _prepared(_prepare, a, dt, tmp, q, prog)
+    _before_fit(a, src, tgt, cal, q, prog)
+    models = {"source": src, "tuned": srt}
+    del src, srt
+    chosen, means, fit, res, base = _run_routes(
+        a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
+    _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes)
+
+
 def main(argv=None, prog="python3 -m bico.llm"):
     """The command; returns its exit status (docs in bico.llm.options:
     0 done, 2 a user mistake, 1 a failure while running)."""
@@ -1031,49 +1091,17 @@ def main(argv=None, prog="python3 -m bico.llm"):
     _on_signals()
     tmp = _scratch()
     try:
-        if _streamed(a):
-            try:
-                cal, tuned, spill = _prepare_streamed(a, tmp, q)
-            except (opts.UsageError, BicoError, OSError, MemoryError) as e:
-                _distill.check_stop()    # a signal's, whatever became of it
-                opts.say(prog, e)
-                return opts.exit_status(e)
-            _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp)
-        elif _streamed_teacher(a):
-            try:
-                cal, tuned, spill = _prepare_streamed(a, tmp, q)
-            except (opts.UsageError, BicoError, OSError, MemoryError) as e:
-                _distill.check_stop()    # a signal's, whatever became of it
-                opts.say(prog, e)
-                return opts.exit_status(e)
-            models = {"teacher": _teacher_from_folders(a, dt, q, cal, tuned,
-                                                       spill, tmp)}
-            _heap.trim()
-            tgt, tdtypes = _load_target(a, dt, q)
-            _heap.trim()
-            _before_fit(a, None, tgt, cal, q, prog)
-            chosen, means, fit, res, base = _run_routes(
-                a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
-            _write_chosen(a, tgt, chosen, means, fit, res, base, cal,
-                          tdtypes)
-        else:
-            try:
-                src, srt, tgt, tdtypes, cal = _prepare(a, dt, tmp, q, prog)
-            except (opts.UsageError, BicoError, OSError, MemoryError) as e:
-                _distill.check_stop()    # a signal's, whatever became of it
-                opts.say(prog, e)
-                return opts.exit_status(e)
-            _before_fit(a, src, tgt, cal, q, prog)
-            models = {"source": src, "tuned": srt}
-            del src, srt
-            chosen, means, fit, res, base = _run_routes(
-                a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
-            _write_chosen(a, tgt, chosen, means, fit, res, base, cal,
-                          tdtypes)
+        route = (_route_streamed if _streamed(a) else
+                 _route_teacher_streamed if _streamed_teacher(a) else
+                 _route_in_memory)
+        route(a, dt, q, prog, tmp)
         run, a.run = a.run, None
         run.__exit__(None, None, None)          # the output swapped in
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
+    except _Refused as r:
+        opts.say(prog, r.error)
+        return opts.exit_status(r.error)
     except RuntimeError:
         # a signal's SystemExit raised inside autograd's backward comes
         # back as a RuntimeError: ended as the signal asked
