@@ -25,7 +25,8 @@ run on synthetic model folders in a child process under /usr/bin/time -v
       would move per block (docs/scale-out.md, designed, not built).
 
 Each case prints one line: case, side, layers, wall s, peak RSS MB,
-checkpoint MB, RSS/ckpt.  Files are written once into --work (default
+checkpoint MB, RSS/ckpt; with --phases, before it, the highest resident
+set sampled in each phase of the run (its progress lines read).  Files are written once into --work (default
 build/llm_stream) and reused.  The child runs the binding of
 bindings/python on the library of $BICO_BUILD (default build/)."""
 import argparse
@@ -34,6 +35,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -83,6 +85,51 @@ def measure(cmd, env=None):
     return wall, peak, r.returncode, r.stderr[-1500:]
 
 
+def _vm(pid, key):
+    """A process's VmRSS or VmHWM from /proc, MB (0 once it is gone)."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for ln in f:
+                if ln.startswith(key + ":"):
+                    return int(ln.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def measure_phases(cmd, env=None, every=2.0):
+    """measure() with the command's progress lines read as they come: the
+    resident set sampled every `every` s and kept per phase (a line's text
+    before its first digit: "fit: layer ", "alpha ", ...), each phase's
+    highest sample and its start printed; (wall s, peak RSS MB from the
+    kernel's high-water mark, returncode, stderr tail)."""
+    t0 = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    lines = ["(start)"]
+    reader = threading.Thread(target=lambda: lines.extend(
+        ln.rstrip() for ln in p.stderr))
+    reader.start()
+    order, high, start, hwm = [], {}, {}, 0.0
+    while p.poll() is None:
+        key = re.split(r"\d", lines[-1], 1)[0].strip()[:40] or lines[-1][:40]
+        if key not in high:
+            order.append(key)
+            high[key], start[key] = 0.0, time.time() - t0
+        high[key] = max(high[key], _vm(p.pid, "VmRSS"))
+        hwm = max(hwm, _vm(p.pid, "VmHWM"))
+        time.sleep(every)
+    reader.join()
+    wall = time.time() - t0
+    for k in order:
+        print("#   phase %-40s from %7.0f s  RSS up to %6.0f MB"
+              % (k, start[k], high[k]), flush=True)
+    return wall, hwm, p.returncode, "\n".join(lines[-20:])
+
+
+PHASES = []     # --phases: run() samples the resident set per phase
+
+
 def run(work, name, a, b, args, in_memory, threads):
     out = os.path.join(work, "out-" + name)
     cmd = [PY, "-m", "bico.llm", "--method", "fit", "--source", a,
@@ -95,7 +142,11 @@ def run(work, name, a, b, args, in_memory, threads):
                                                    "python"),
                BICO_BUILD=os.environ.get("BICO_BUILD") or
                os.path.join(ROOT, "build"))
-    wall, peak, rc, err = measure(cmd, env)
+    if PHASES:
+        cmd.remove("--quiet")
+        wall, peak, rc, err = measure_phases(cmd, env)
+    else:
+        wall, peak, rc, err = measure(cmd, env)
     if rc != 0:
         print("# %s failed (%d): %s" % (name, rc, err), flush=True)
     return wall, peak
@@ -355,7 +406,12 @@ def main(argv=None):
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--layers", default="1,2")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--phases", action="store_true",
+                   help="print the resident set per phase of each run "
+                   "(its progress lines read; the peak from VmHWM)")
     a = p.parse_args(argv)
+    if a.phases:
+        PHASES.append(True)
     if a.case == "arith":
         return arith()
     if a.case == "scaleout":

@@ -273,6 +273,20 @@ def _shapes(path):
         return {name: f.info(name) for name in f.keys()}
 
 
+def _family_config(folder):
+    """A folder's config.json (raw, its path, its model_type), refused
+    unless the type is a family this module runs."""
+    raw = model_config(folder)
+    cpath = os.path.join(folder, "config.json")
+    mt = raw.get("model_type") if isinstance(raw, dict) else None
+    if isinstance(raw, dict) and mt not in FAMILIES:
+        raise BicoError(E_UNSUPPORTED, "load_model: %s: model_type %r is not "
+                        "a decoder family bico.torch.load_model knows (%s); "
+                        "load it with transformers' AutoModelForCausalLM "
+                        "instead" % (cpath, mt, ", ".join(FAMILIES)))
+    return raw, cpath, mt
+
+
 def load_model(folder, dtype=None):
     """The decoder of a Hugging Face model folder (config.json and
     model.safetensors, or shards with model.safetensors.index.json) as a
@@ -282,14 +296,7 @@ def load_model(folder, dtype=None):
     against itself and the tensors' shapes before any tensor is read
     (bico.llm.config.check_config: a BicoError naming the file and key)."""
     folder = str(folder)
-    raw = model_config(folder)
-    cpath = os.path.join(folder, "config.json")
-    mt = raw.get("model_type") if isinstance(raw, dict) else None
-    if isinstance(raw, dict) and mt not in FAMILIES:
-        raise BicoError(E_UNSUPPORTED, "load_model: %s: model_type %r is not "
-                        "a decoder family bico.torch.load_model knows (%s); "
-                        "load it with transformers' AutoModelForCausalLM "
-                        "instead" % (cpath, mt, ", ".join(FAMILIES)))
+    raw, cpath, mt = _family_config(folder)
     path = _weights_path(folder)
     info = _shapes(path)
     for name, (dt, _) in info.items():
@@ -325,14 +332,7 @@ def stream_config(folder, shapes):
     from config.json and the weights' headers alone ({tensor: shape}): for
     running the decoder a block at a time."""
     folder = str(folder)
-    raw = model_config(folder)
-    cpath = os.path.join(folder, "config.json")
-    mt = raw.get("model_type") if isinstance(raw, dict) else None
-    if isinstance(raw, dict) and mt not in FAMILIES:
-        raise BicoError(E_UNSUPPORTED, "load_model: %s: model_type %r is not "
-                        "a decoder family bico.torch.load_model knows (%s); "
-                        "load it with transformers' AutoModelForCausalLM "
-                        "instead" % (cpath, mt, ", ".join(FAMILIES)))
+    raw, cpath, mt = _family_config(folder)
     checked = check_config(raw, cpath, dict(shapes), _weights_path(folder),
                            tuple(_ACT))
     return dict(checked, raw=raw, path=folder, type=mt)

@@ -87,15 +87,20 @@ class SpillStore(object):
             self.mem[key] = t
             self.used += nb
             return
-        slots = self.free.get(nb)
-        off = slots.pop() if slots else None
-        if off is None:
-            off = self.end
-            self.end += nb
+        off = self._slot(nb)
         _pwrite_all(self._file(), _bytes_view(t), off)
         self.written += nb
-        self.peak_file = max(self.peak_file, self.end)
         self.disk[key] = (off, nb, t.dtype, tuple(t.shape))
+
+    def _slot(self, nb):
+        """The file offset of nb bytes: a freed slot of that size, else
+        the end of the file (which grows)."""
+        slots = self.free.get(nb)
+        if slots:
+            return slots.pop()
+        off, self.end = self.end, self.end + nb
+        self.peak_file = max(self.peak_file, self.end)
+        return off
 
     def reserve(self, key, shape, dtype):
         """Room for a tensor written a piece of rows at a time
@@ -108,13 +113,7 @@ class SpillStore(object):
             self.mem[key] = torch.empty(shape, dtype=dtype)
             self.used += nb
             return
-        slots = self.free.get(nb)
-        off = slots.pop() if slots else None
-        if off is None:
-            off = self.end
-            self.end += nb
-            self.peak_file = max(self.peak_file, self.end)
-        self.disk[key] = (off, nb, dtype, shape)
+        self.disk[key] = (self._slot(nb), nb, dtype, shape)
 
     def write_rows(self, key, r0, t):
         """Rows r0 .. r0+len(t) of a reserved (or stored) 2-D tensor."""
