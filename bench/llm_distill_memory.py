@@ -55,6 +55,18 @@ def lora_params(s, r):
     return n * s["L"]
 
 
+def saved_per_token(s, window):
+    """Elements autograd keeps for the backward of one decoder layer, per
+    token (an estimate from the layer's operations, not a measurement):
+    the inputs of the two norms and of the seven linears (the normed
+    input shared by q/k/v and by gate/up: 5 d with the attention's output
+    and the residuals), q, k, v after the rotation, the attention's
+    probabilities (heads x window), SiLU's input, its output and up's
+    (the product's two factors) and down's input (4 f)."""
+    d, f, H, KV, hd = s["d"], s["f"], s["H"], s["KV"], s["hd"]
+    return 5 * d + 4 * f + (H + 2 * KV) * hd + H * window
+
+
 def rss_mib(pid):
     try:
         with open("/proc/%d/status" % pid) as f:
@@ -166,6 +178,9 @@ def main():
          tokens * (64 * 8 + 4)),
         ("one chunk of logits (f32, at most distill.LOGIT_BYTES)",
          min(64 << 20, 1024 * SHAPE["V"] * 4)),
+        ("a step's saved activations (bf16, 8 windows; estimate)",
+         2 * 8 * args.window * SHAPE["L"] *
+         saved_per_token(SHAPE, args.window)),
     ]
     for what, b in rows:
         print("%-58s %9.0f" % (what, b / MiB))

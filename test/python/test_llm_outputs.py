@@ -259,3 +259,27 @@ def test_a_signal_whose_exit_was_swallowed_still_ends_the_run(
     assert e.value.code == 128 + signal.SIGTERM
     assert not ad.exists() and \
         not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_the_left_out_line_names_every_tensor_once_per_kind():
+    """The adapter summary's "left out" list: a name repeated over the
+    layers said once with its count (the counts add up to the names
+    given), the order of first appearance kept, a long list cut with how
+    many more."""
+    from bico.llm.command import _brief
+    names = ["model.embed_tokens.weight"] + [
+        "model.layers.%d.%s" % (i, k) for i in range(24)
+        for k in ("input_layernorm.weight", "self_attn.q_proj.bias")] + \
+        ["model.norm.weight"]
+    line = _brief(names)
+    assert line == ("model.embed_tokens.weight, "
+                    "model.layers.*.input_layernorm.weight x24, "
+                    "model.layers.*.self_attn.q_proj.bias x24, "
+                    "model.norm.weight")
+    many = ["model.layers.0.m%d.weight" % i for i in range(12)] + \
+        ["model.layers.1.m0.weight"]
+    cut = _brief(many, most=3).split(", ")
+    assert cut[:3] == ["model.layers.*.m0.weight x2",
+                       "model.layers.*.m1.weight", "model.layers.*.m2.weight"]
+    assert cut[3] == "9 more"        # m3 .. m11
+    assert _brief([]) == ""

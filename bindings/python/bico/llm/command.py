@@ -466,8 +466,24 @@ def _summary(a, rep):
                 else "", len(rep["saved"]),
                 " (lm_head.weight beside the tied model.embed_tokens.weight:"
                 " PEFT loads each saved module as its own copy)" if tied
-                else "", ", ".join(rep["left_out"]) or "nothing",
+                else "", _brief(rep["left_out"]) or "nothing",
                 100 * rep["left_out_norm"]))
+
+
+def _brief(names, most=8):
+    """names for one line: a name that repeats over the layers said once,
+    with the count ("model.layers.*.input_layernorm.weight x24"), in
+    the order they first come; at most `most` entries, then how many
+    more (the adapter's note keeps every name)."""
+    groups = {}
+    for n in names:
+        k = re.sub(r"\.layers\.\d+\.", ".layers.*.", n)
+        groups[k] = groups.get(k, 0) + 1
+    items = [k + (" x%d" % c if c > 1 else "") for k, c in groups.items()]
+    if len(items) > most:
+        rest = sum(list(groups.values())[most:])
+        items = items[:most] + ["%d more" % rest]
+    return ", ".join(items)
 
 
 def _write(a, tgt, base, best, cal, tdtypes):
