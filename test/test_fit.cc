@@ -2,11 +2,15 @@
 // independent reference: Householder QR least squares on the stacked ridge
 // system [X~'; sqrt(lambda) P] computed here, never the library's normal
 // equations.
+// The serialised form (experimental.h) is tested here too, against the
+// same references.
+#define BICO_EXPERIMENTAL
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -1067,6 +1071,8 @@ struct ParHost {
   long bad_group_at = -1;
   long fail_block_at = -1;
   bool own_solve = false;
+  bool via_bytes = false;  // solve a deserialised copy of each layer's fit
+  size_t theta_layers = 0;  // of those, fits serialised with their Theta
   std::vector<std::vector<float>> wbuf, bbuf;
   std::vector<std::string> events;
   std::vector<Mat> dw, db;
@@ -1216,6 +1222,42 @@ bico_status par_solve(void *o, size_t l, bico_fit *fit, float *dw, size_t ld,
   return BICO_OK;
 }
 
+// The host's solve through bytes: the layer's fit serialised, deserialised
+// on another context and solved there, bit for bit as the fit itself.
+bico_status par_solve_bytes(void *o, size_t l, bico_fit *fit, float *dw,
+                            size_t ld, float *db, size_t *rank) {
+  ParHost *h = static_cast<ParHost *>(o);
+  size_t n = 0, w = 0;
+  EXPECT_EQ(bico_fit_serialized_size(fit, &n), BICO_OK);
+  std::vector<unsigned char> bytes(n);
+  EXPECT_EQ(bico_fit_serialize(fit, bytes.data(), n, &w), BICO_OK);
+  EXPECT_EQ(w, n);
+  const size_t di = h->b.w[l].c, dout = h->b.w[l].r, a = di + 1;
+  if (n == 64 + 8 * (a * a + 2 * dout * a)) h->theta_layers++;
+  bt::Ctx other;
+  bico_fit *copy = nullptr;
+  bico_status st = bico_fit_deserialize(other, bytes.data(), n, &copy);
+  if (st != BICO_OK) return st;
+  std::vector<float> dw2(dout * di), db2(dout);
+  size_t r2 = 0;
+  st = bico_fit_solve(copy, h->wbuf[l].data(), di, h->bbuf[l].data(), dw,
+                      ld, db, rank);
+  EXPECT_EQ(st, BICO_OK);
+  EXPECT_EQ(bico_fit_solve(fit, h->wbuf[l].data(), di, h->bbuf[l].data(),
+                           dw2.data(), di, db2.data(), rank ? &r2 : nullptr),
+            BICO_OK);
+  for (size_t i = 0; i < dout; i++) {
+    EXPECT_EQ(std::memcmp(dw + i * ld, dw2.data() + i * di, di * 4), 0)
+        << "layer " << l << " row " << i;
+    EXPECT_EQ(std::memcmp(db + i, db2.data() + i, 4), 0) << "layer " << l;
+  }
+  if (rank != nullptr) {
+    EXPECT_EQ(*rank, r2);
+  }
+  bico_fit_free(copy);
+  return st;
+}
+
 bico_fit_runner par_runner(ParHost *h, bool blocks) {
   bico_fit_runner r;
   std::memset(&r, 0, sizeof r);
@@ -1237,6 +1279,7 @@ bico_fit_runner par_runner(ParHost *h, bool blocks) {
     r.rows = par_rows;
   }
   if (h->own_solve) r.solve = par_solve;
+  if (h->via_bytes) r.solve = par_solve_bytes;
   return r;
 }
 
@@ -1514,4 +1557,234 @@ TEST(FitRunTest, FewOutputsHoldNoInputCrossProduct) {
   EXPECT_GT(bt::fro(h.dw), 1e-3);  // a real update, not zeros
   bico_fit_free(f);
   bico_ctx_free(ctx);
+}
+
+// ---- the serialised form (experimental.h) ----
+
+namespace {
+
+std::vector<unsigned char> bytes_of(bico_fit *f) {
+  size_t n = 0, w = 0;
+  EXPECT_EQ(bico_fit_serialized_size(f, &n), BICO_OK);
+  std::vector<unsigned char> b(n);
+  EXPECT_EQ(bico_fit_serialize(f, b.data(), n, &w), BICO_OK);
+  EXPECT_EQ(w, n);
+  return b;
+}
+
+bool same_bits(const Mat &x, const Mat &y) {
+  if (x.r != y.r || x.c != y.c) return false;
+  for (size_t i = 0; i < x.v.size(); i++)
+    if ((float)x.v[i] != (float)y.v[i]) return false;
+  return true;
+}
+
+}  // namespace
+
+// Bytes and back: the same dimensions, rows and options, the same solve bit
+// for bit, the same bytes again; an empty fit (no K yet) too.
+TEST(FitBytesTest, RoundTripIsBitExact) {
+  bt::Ctx ctx, other;
+  bt::Rng g(61);
+  const size_t n = 300, di = 7, dout = 4;
+  Mat xo = rounded(bt::randn(g, n, di));
+  Mat xn = rounded(bt::add(xo, bt::randn(g, n, di, 0.3)));
+  Mat d = rounded(bt::randn(g, n, dout));
+  Mat w = bt::randn(g, dout, di), b = bt::randn(g, 1, dout);
+  for (bool bias : {true, false}) {
+    bico_fit *f = make_fit(ctx, di, dout, bias, 0.03);
+    ASSERT_EQ(bico_fit_set_param(f, BICO_FIT_RANK_TOL, 1e-7), BICO_OK);
+    bico_fit *empty = nullptr;
+    ASSERT_EQ(bico_fit_deserialize(other, bytes_of(f).data(),
+                                   bytes_of(f).size(), &empty),
+              BICO_OK);
+    Solved s0 = solve(empty, w, b, bias);
+    EXPECT_EQ(s0.rank, 0u);
+    EXPECT_EQ(bt::fro(s0.dw) + (bias ? bt::fro(s0.db) : 0.0), 0.0);
+    add(f, xn, xo, d);
+    std::vector<unsigned char> bytes = bytes_of(f);
+    const size_t a = di + (bias ? 1 : 0);
+    EXPECT_EQ(bytes.size(), 64 + 8 * (2 * a * a + dout * a));
+    bico_fit *back = nullptr;
+    ASSERT_EQ(bico_fit_deserialize(other, bytes.data(), bytes.size(), &back),
+              BICO_OK)
+        << bico_ctx_errmsg(other);
+    size_t d_out2 = 0, d_in2 = 0;
+    uint64_t rows = 0;
+    unsigned flags = 9;
+    ASSERT_EQ(bico_fit_info(back, &d_out2, &d_in2, &rows, &flags), BICO_OK);
+    EXPECT_EQ(d_out2, dout);
+    EXPECT_EQ(d_in2, di);
+    EXPECT_EQ(rows, n);
+    EXPECT_EQ(flags, bias ? (unsigned)BICO_FIT_BIAS : 0u);
+    double ridge = 0, tol = 0;
+    ASSERT_EQ(bico_fit_get_param(back, BICO_FIT_RIDGE, &ridge), BICO_OK);
+    ASSERT_EQ(bico_fit_get_param(back, BICO_FIT_RANK_TOL, &tol), BICO_OK);
+    EXPECT_EQ(ridge, 0.03);
+    EXPECT_EQ(tol, 1e-7);
+    Solved s1 = solve(f, w, b, bias), s2 = solve(back, w, b, bias);
+    EXPECT_TRUE(same_bits(s1.dw, s2.dw));
+    if (bias) {
+      EXPECT_TRUE(same_bits(s1.db, s2.db));
+    }
+    EXPECT_EQ(s1.rank, s2.rank);
+    EXPECT_EQ(bytes_of(back), bytes);
+    bico_fit_free(back);
+    bico_fit_free(empty);
+    bico_fit_free(f);
+  }
+}
+
+// A shard's rows carried as bytes merge as the shard itself would: the
+// merged solve is the in-process merge's bit for bit, and the one-pass
+// fit's to rounding (the statistics add over rows).
+TEST(FitBytesTest, ShardsThroughBytesMergeAsInProcess) {
+  bt::Ctx ctx, other;
+  bt::Rng g(62);
+  const size_t n = 500, di = 6, dout = 5, cut = 181;
+  Mat xo = rounded(bt::randn(g, n, di));
+  Mat xn = rounded(bt::add(xo, bt::randn(g, n, di, 0.3)));
+  Mat d = rounded(bt::randn(g, n, dout));
+  Mat w = bt::randn(g, dout, di), b = bt::randn(g, 1, dout);
+  std::vector<float> a = xn.f32(), o = xo.f32(), e = d.f32();
+  auto shard = [&](bico_ctx *c, size_t r0, size_t r1) {
+    bico_fit *f = make_fit(c, di, dout, true, 1e-2);
+    EXPECT_EQ(bico_fit_add(f, r1 - r0, a.data() + r0 * di, di,
+                           o.data() + r0 * di, di, e.data() + r0 * dout, dout),
+              BICO_OK);
+    return f;
+  };
+  bico_fit *all = shard(ctx, 0, n);
+  bico_fit *h1 = shard(ctx, 0, cut), *h1b = shard(ctx, 0, cut);
+  bico_fit *h2 = shard(other, cut, n);  // "another process"
+  std::vector<unsigned char> bytes = bytes_of(h2);
+  bico_fit *h2back = nullptr;
+  ASSERT_EQ(bico_fit_deserialize(ctx, bytes.data(), bytes.size(), &h2back),
+            BICO_OK);
+  ASSERT_EQ(bico_fit_merge(h1, h2back), BICO_OK);
+  ASSERT_EQ(bico_fit_merge(h1b, h2), BICO_OK);
+  Solved s_bytes = solve(h1, w, b, true), s_mem = solve(h1b, w, b, true);
+  Solved s_all = solve(all, w, b, true);
+  EXPECT_TRUE(same_bits(s_bytes.dw, s_mem.dw));
+  EXPECT_TRUE(same_bits(s_bytes.db, s_mem.db));
+  EXPECT_LT(bt::relerr(s_bytes.dw, s_all.dw), 1e-6);
+  EXPECT_LT(bt::relerr(s_bytes.db, s_all.db), 1e-6);
+  uint64_t rows = 0;
+  ASSERT_EQ(bico_fit_info(h1, nullptr, nullptr, &rows, nullptr), BICO_OK);
+  EXPECT_EQ(rows, n);
+  for (bico_fit *f : {all, h1, h1b, h2, h2back}) bico_fit_free(f);
+}
+
+// The driver's fits (Theta mode where a layer has fewer outputs than
+// inputs) go through bytes too: the run's host solves deserialised copies
+// (bit for bit the driver's fits' solves) and still recovers the plant.
+TEST(FitBytesTest, DriverFitsThroughBytesRecoverThePlant) {
+  bt::Ctx ctx;
+  bt::Rng g(63);
+  ParHost h = par_host(g);
+  h.via_bytes = true;
+  bico_fit_runner r = par_runner(&h, true);
+  r.want_rank = 1;
+  ASSERT_EQ(bico_fit_run(ctx, &r, 0.0), BICO_OK) << bico_ctx_errmsg(ctx);
+  ASSERT_EQ(h.dw.size(), 7u);
+  for (size_t l = 0; l < 7; l++) {
+    EXPECT_LT(bt::relerr(h.dw[l], h.u.w[l]), 1e-4) << "layer " << l;
+    EXPECT_LT(bt::relerr(h.db[l], h.u.b[l]), 1e-4) << "layer " << l;
+  }
+  // layers 2-6 have fewer outputs than inputs + 1: Theta mode
+  EXPECT_EQ(h.theta_layers, 5u);
+}
+
+// Malformed bytes are refused, naming what is wrong; nothing is built.
+TEST(FitBytesTest, MalformedBytesAreRefused) {
+  bt::Ctx ctx;
+  bt::Rng g(64);
+  const size_t n = 40, di = 3, dout = 2;
+  Mat xo = rounded(bt::randn(g, n, di)), d = rounded(bt::randn(g, n, dout));
+  bico_fit *f = make_fit(ctx, di, dout, true, 1e-2);
+  add(f, xo, xo, d);
+  const std::vector<unsigned char> good = bytes_of(f);
+  auto put64 = [](std::vector<unsigned char> &b, size_t at, uint64_t v) {
+    for (int i = 0; i < 8; i++) b[at + i] = (unsigned char)(v >> (8 * i));
+  };
+  auto put_f64 = [&](std::vector<unsigned char> &b, size_t at, double x) {
+    uint64_t bits;
+    std::memcpy(&bits, &x, 8);
+    put64(b, at, bits);
+  };
+  struct Case {
+    const char *name;
+    std::vector<unsigned char> bytes;
+    bico_status st;
+    const char *says;
+  };
+  std::vector<Case> cases;
+  auto with = [&](const char *name, bico_status st, const char *says,
+                  std::function<void(std::vector<unsigned char> &)> edit) {
+    std::vector<unsigned char> b = good;
+    edit(b);
+    cases.push_back({name, b, st, says});
+  };
+  with("three bytes", BICO_E_FORMAT, "truncated",
+       [](auto &b) { b.resize(3); });
+  with("magic", BICO_E_FORMAT, "bad magic", [](auto &b) { b[0] = 'X'; });
+  with("xcov bytes", BICO_E_FORMAT, "bad magic",
+       [](auto &b) { std::memcpy(b.data(), "BICOXCOV", 8); });
+  with("version", BICO_E_VERSION, "version 7", [](auto &b) { b[8] = 7; });
+  with("header cut", BICO_E_FORMAT, "truncated", [](auto &b) { b.resize(40); });
+  with("flags", BICO_E_FORMAT, "unknown flags", [](auto &b) { b[12] = 6; });
+  with("parts", BICO_E_FORMAT, "unknown parts", [](auto &b) { b[40] = 3; });
+  with("rows without K", BICO_E_FORMAT, "neither K nor Theta",
+       [&](auto &b) {
+         b[40] = 0;
+         b.resize(b.size() - 8 * 16);
+       });
+  with("reserved", BICO_E_FORMAT, "reserved", [](auto &b) { b[44] = 1; });
+  with("zero d_in", BICO_E_FORMAT, "dimensions",
+       [&](auto &b) { put64(b, 24, 0); });
+  with("huge d_out", BICO_E_FORMAT, "dimensions",
+       [&](auto &b) { put64(b, 16, (uint64_t)1 << 40); });
+  with("overflowing", BICO_E_FORMAT, "overflows",
+       [&](auto &b) { put64(b, 24, ((uint64_t)1 << 31) - 2); });
+  with("ridge", BICO_E_FORMAT, "ridge",
+       [&](auto &b) { put_f64(b, 48, -1.0); });
+  with("rank_tol", BICO_E_FORMAT, "rank_tol",
+       [&](auto &b) { put_f64(b, 56, 1.0); });
+  with("one byte short", BICO_E_FORMAT, "bytes",
+       [](auto &b) { b.pop_back(); });
+  with("a byte over", BICO_E_FORMAT, "bytes", [](auto &b) { b.push_back(0); });
+  with("NaN", BICO_E_FORMAT, "NaN",
+       [&](auto &b) { put_f64(b, 64 + 8 * 5, std::nan("")); });
+  with("Inf in K", BICO_E_FORMAT, "Inf", [&](auto &b) {
+    put_f64(b, b.size() - 8, std::numeric_limits<double>::infinity());
+  });
+  with("asymmetric G", BICO_E_FORMAT, "not symmetric",
+       [&](auto &b) { put_f64(b, 64 + 8 * 1, 12345.0); });
+  for (const Case &c : cases) {
+    bico_fit *out = reinterpret_cast<bico_fit *>(1);
+    EXPECT_EQ(bico_fit_deserialize(ctx, c.bytes.data(), c.bytes.size(), &out),
+              c.st)
+        << c.name;
+    EXPECT_EQ(out, nullptr) << c.name;
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "fit_deserialize")) << c.name;
+    EXPECT_TRUE(has(bico_ctx_errmsg(ctx), c.says))
+        << c.name << ": " << bico_ctx_errmsg(ctx);
+  }
+  bico_fit *ok = nullptr;
+  EXPECT_EQ(bico_fit_deserialize(ctx, good.data(), good.size(), &ok), BICO_OK);
+  bico_fit_free(ok);
+  // NULLs and a short buffer
+  size_t need = 0, w = 0;
+  std::vector<unsigned char> small(good.size() - 1);
+  EXPECT_EQ(bico_fit_serialized_size(nullptr, &need), BICO_E_NULL);
+  EXPECT_EQ(bico_fit_serialized_size(f, nullptr), BICO_E_NULL);
+  EXPECT_EQ(bico_fit_serialize(f, small.data(), small.size(), &w), BICO_E_ARG);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "too small"));
+  EXPECT_EQ(bico_fit_serialize(f, nullptr, 100, &w), BICO_E_NULL);
+  EXPECT_EQ(bico_fit_deserialize(ctx, nullptr, 64, &ok), BICO_E_NULL);
+  EXPECT_EQ(bico_fit_deserialize(ctx, good.data(), good.size(), nullptr),
+            BICO_E_NULL);
+  EXPECT_EQ(bico_fit_deserialize(nullptr, good.data(), good.size(), &ok),
+            BICO_E_NULL);
+  bico_fit_free(f);
 }

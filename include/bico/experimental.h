@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include "status.h"
 #include "procrustes.h"
+#include "fit.h"
 
 #endif /* BICO_EXPERIMENTAL_H */
 
@@ -50,6 +51,26 @@ BICO_API bico_status bico_procrustes_solve_blocks(
     bico_procrustes *p, size_t d_a, size_t d_b, bico_block_read_fn read,
     bico_block_release_fn release, void *opaque, float *r, size_t ld_r,
     size_t *rank);
+
+/* A fit's statistics as bytes, so that rows added in another process (a
+ * rank of a distributed run, a worker) reach the fit that solves:
+ * serialise there, deserialise here, bico_fit_merge.  The bytes hold G,
+ * the right-hand side, K (or the driver's Theta) and the row count,
+ * doubles bit for bit, and the options (ridge, rank_tol): a deserialised
+ * fit solves exactly as the original, and merging it equals merging the
+ * original.  Explicit little-endian, whatever the host.
+ * bico_fit_serialized_size gives the exact byte count (64 + 8 per double:
+ * about 16 (d_in + 1)^2 + 8 d_out (d_in + 1) bytes); bico_fit_serialize
+ * writes it into buf (cap bytes available; BICO_E_ARG when too small) and
+ * stores the count in *written.  bico_fit_deserialize validates everything
+ * (magic, version, flags, dimensions, length, finite values, a symmetric
+ * G: BICO_E_FORMAT or BICO_E_VERSION naming what) before building a new fit
+ * on ctx; *out is NULL on failure. */
+BICO_API bico_status bico_fit_serialized_size(const bico_fit *f, size_t *size);
+BICO_API bico_status bico_fit_serialize(const bico_fit *f, void *buf,
+                                        size_t cap, size_t *written);
+BICO_API bico_status bico_fit_deserialize(bico_ctx *ctx, const void *buf,
+                                          size_t len, bico_fit **out);
 
 #ifdef __cplusplus
 }

@@ -40,6 +40,25 @@ struct bico_votes {
 bico_status bico__fit_use_theta(bico_fit *f, const float *w, size_t ld_w,
                                 const float *b);
 
+/* Explicit little-endian bytes, whatever the host: the serialised forms of
+ * bico_xcov (xcov.c) and bico_fit (fit.c). */
+static inline void bico__put_u32(unsigned char *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static inline void bico__put_u64(unsigned char *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static inline uint32_t bico__get_u32(const unsigned char *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static inline uint64_t bico__get_u64(const unsigned char *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
 /* Memory through the context's allocator.  bico__alloc fails the call with
  * BICO_E_NOMEM and a message (naming `what`) when it returns NULL. */
 void *bico__alloc(bico_ctx *ctx, size_t size);

@@ -586,3 +586,241 @@ done:
   bico__free(ctx, amat);
   return st;
 }
+
+/* ---- serialisation (experimental.h): the statistics of one process's rows
+ * carried to another, where bico_fit_merge adds them ----
+ *
+ * magic 8, version u32, flags u32, d_out u64, d_in u64, rows u64, parts u32
+ * (bit 0: K, bit 1: Theta), reserved u32 (0), ridge f64, rank_tol f64; then
+ * G (a x a), E^T (d_out x a), K (a x a) if present, Theta^T (d_out x a) if
+ * present, doubles as their IEEE-754 bits, little-endian. */
+#define FIT_MAGIC "BICOFIT\0"
+#define FIT_FORMAT_VERSION 1u
+#define FIT_HEADER_BYTES 64u
+#define FIT_PART_K 1u
+#define FIT_PART_THETA 2u
+
+/* Doubles of the payload; 0 when they overflow size_t (with the header). */
+static size_t fit_doubles(size_t d_out, size_t a, unsigned parts) {
+  size_t aa, ea, n;
+  if (bico__mul(a, a, &aa) || bico__mul(d_out, a, &ea)) return 0;
+  n = aa;
+  if (ea > SIZE_MAX - n) return 0;
+  n += ea;
+  if (parts & FIT_PART_K) {
+    if (aa > SIZE_MAX - n) return 0;
+    n += aa;
+  }
+  if (parts & FIT_PART_THETA) {
+    if (ea > SIZE_MAX - n) return 0;
+    n += ea;
+  }
+  if (n > (SIZE_MAX - FIT_HEADER_BYTES) / 8) return 0;
+  return n;
+}
+
+static unsigned fit_parts(const bico_fit *f) {
+  return (f->k != NULL ? FIT_PART_K : 0u) | (f->th != NULL ? FIT_PART_THETA : 0u);
+}
+
+bico_status bico_fit_serialized_size(const bico_fit *f, size_t *size) {
+  if (f == NULL) return BICO_E_NULL;
+  if (size == NULL)
+    return bico__fail(f->ctx, BICO_E_NULL, "fit_serialized_size: size is NULL");
+  /* The fit exists, so its arrays fit in memory: no overflow here. */
+  *size = FIT_HEADER_BYTES + 8 * fit_doubles(f->d_out, f->a, fit_parts(f));
+  return BICO_OK;
+}
+
+static unsigned char *put_doubles(unsigned char *p, const double *x, size_t n) {
+  for (size_t i = 0; i < n; i++, p += 8) {
+    uint64_t bits;
+    memcpy(&bits, &x[i], 8);
+    bico__put_u64(p, bits);
+  }
+  return p;
+}
+
+bico_status bico_fit_serialize(const bico_fit *f, void *buf, size_t cap,
+                               size_t *written) {
+  if (f == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = f->ctx;
+  size_t need;
+  bico_status st = bico_fit_serialized_size(f, &need);
+  if (st != BICO_OK) return st;
+  if (buf == NULL || written == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "fit_serialize: %s is NULL",
+                      buf == NULL ? "buf" : "written");
+  if (cap < need)
+    return bico__fail(ctx, BICO_E_ARG,
+                      "fit_serialize: buffer of %zu bytes is too small, %zu "
+                      "needed",
+                      cap, need);
+  const size_t a = f->a, aa = a * a, ea = f->d_out * a;
+  const unsigned parts = fit_parts(f);
+  unsigned char *p = buf;
+  uint64_t bits;
+  memcpy(p, FIT_MAGIC, 8);
+  bico__put_u32(p + 8, FIT_FORMAT_VERSION);
+  bico__put_u32(p + 12, f->flags);
+  bico__put_u64(p + 16, (uint64_t)f->d_out);
+  bico__put_u64(p + 24, (uint64_t)f->d_in);
+  bico__put_u64(p + 32, f->rows);
+  bico__put_u32(p + 40, parts);
+  bico__put_u32(p + 44, 0);
+  memcpy(&bits, &f->ridge, 8);
+  bico__put_u64(p + 48, bits);
+  memcpy(&bits, &f->tol, 8);
+  bico__put_u64(p + 56, bits);
+  p += FIT_HEADER_BYTES;
+  p = put_doubles(p, f->g, aa);
+  p = put_doubles(p, f->et, ea);
+  if (parts & FIT_PART_K) p = put_doubles(p, f->k, aa);
+  if (parts & FIT_PART_THETA) p = put_doubles(p, f->th, ea);
+  *written = need;
+  return BICO_OK;
+}
+
+static double get_double(const unsigned char *p) {
+  uint64_t bits = bico__get_u64(p);
+  double x;
+  memcpy(&x, &bits, 8);
+  return x;
+}
+
+/* The header's checks of bico_fit_deserialize; *count gets the payload's
+ * doubles. */
+static bico_status fit_header(bico_ctx *ctx, const unsigned char *p,
+                              size_t len, size_t *count) {
+  static const char fn[] = "fit_deserialize";
+  if (len < 8 || memcmp(p, FIT_MAGIC, 8) != 0)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      len < 8 ? "%s: truncated: %zu bytes, the header alone "
+                                "has 64"
+                              : "%s: bad magic: the data is not a serialised "
+                                "fit (%zu bytes)",
+                      fn, len);
+  if (len < 12)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: truncated: %zu bytes, the header alone has %u", fn,
+                      len, FIT_HEADER_BYTES);
+  const uint32_t version = bico__get_u32(p + 8);
+  if (version != FIT_FORMAT_VERSION)
+    return bico__fail(ctx, BICO_E_VERSION,
+                      "%s: unknown format version %u (this library reads "
+                      "version %u)",
+                      fn, version, FIT_FORMAT_VERSION);
+  if (len < FIT_HEADER_BYTES)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: truncated: %zu bytes, the header alone has %u", fn,
+                      len, FIT_HEADER_BYTES);
+  const uint32_t flags = bico__get_u32(p + 12);
+  const uint32_t parts = bico__get_u32(p + 40);
+  const uint64_t d_out = bico__get_u64(p + 16), d_in = bico__get_u64(p + 24);
+  const double ridge = get_double(p + 48), tol = get_double(p + 56);
+  if (flags & ~FIT_FLAGS)
+    return bico__fail(ctx, BICO_E_FORMAT, "%s: unknown flags 0x%x", fn,
+                      (unsigned)(flags & ~FIT_FLAGS));
+  if ((parts & ~(FIT_PART_K | FIT_PART_THETA)) || parts == 3 ||
+      bico__get_u32(p + 44) != 0)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: unknown parts 0x%x (K, Theta or neither) or a "
+                      "reserved field set",
+                      fn, (unsigned)parts);
+  /* Every add of a fit without Theta makes K: rows without either are
+   * not a fit's. */
+  if (parts == 0 && bico__get_u64(p + 32) != 0)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: %llu rows but neither K nor Theta", fn,
+                      (unsigned long long)bico__get_u64(p + 32));
+  if (d_in == 0 || d_out == 0 || d_in >= (uint64_t)INT_MAX ||
+      d_out > (uint64_t)INT_MAX)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: dimensions d_out = %llu, d_in = %llu (each from 1 "
+                      "to %d)",
+                      fn, (unsigned long long)d_out, (unsigned long long)d_in,
+                      INT_MAX - 1);
+  if (!(ridge >= 0 && ridge < HUGE_VAL) || !(tol >= 0 && tol < 1))
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: options out of range: ridge %g (0 to inf), "
+                      "rank_tol %g (0 to 1)",
+                      fn, ridge, tol);
+  const size_t a = (size_t)d_in + ((flags & BICO_FIT_BIAS) ? 1 : 0);
+  const size_t n = fit_doubles((size_t)d_out, a, parts);
+  if (n == 0)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: a fit of %llu x %llu overflows the address space",
+                      fn, (unsigned long long)d_out, (unsigned long long)d_in);
+  if (len != FIT_HEADER_BYTES + 8 * n)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "%s: %zu bytes, a %llu x %llu fit (flags %u, parts %u) "
+                      "has %zu",
+                      fn, len, (unsigned long long)d_out,
+                      (unsigned long long)d_in, (unsigned)flags,
+                      (unsigned)parts, FIT_HEADER_BYTES + 8 * n);
+  *count = n;
+  return BICO_OK;
+}
+
+/* The payload's checks: finite, G symmetric (what every add leaves). */
+static bico_status fit_payload(bico_ctx *ctx, const unsigned char *q,
+                               size_t count, size_t a) {
+  static const char fn[] = "fit_deserialize";
+  for (size_t i = 0; i < count; i++) {
+    const double x = get_double(q + 8 * i);
+    if (!isfinite(x))
+      return bico__fail(ctx, BICO_E_FORMAT, "%s: value %zu of the payload is %s",
+                        fn, i, isnan(x) ? "NaN" : "Inf");
+  }
+  for (size_t i = 1; i < a; i++)
+    for (size_t j = 0; j < i; j++)
+      if (memcmp(q + 8 * (i * a + j), q + 8 * (j * a + i), 8) != 0)
+        return bico__fail(ctx, BICO_E_FORMAT,
+                          "%s: G is not symmetric (entry %zu, %zu)", fn, i, j);
+  return BICO_OK;
+}
+
+static const unsigned char *get_doubles(const unsigned char *q, double *x,
+                                        size_t n) {
+  for (size_t i = 0; i < n; i++, q += 8) x[i] = get_double(q);
+  return q;
+}
+
+bico_status bico_fit_deserialize(bico_ctx *ctx, const void *buf, size_t len,
+                                 bico_fit **out) {
+  if (out != NULL) *out = NULL;
+  if (ctx == NULL) return BICO_E_NULL;
+  bico__clear(ctx);
+  if (buf == NULL || out == NULL)
+    return bico__fail(ctx, BICO_E_NULL, "fit_deserialize: %s is NULL",
+                      buf == NULL ? "buf" : "out");
+  const unsigned char *p = buf;
+  size_t count = 0;
+  bico_status st = fit_header(ctx, p, len, &count);
+  if (st != BICO_OK) return st;
+  const unsigned flags = bico__get_u32(p + 12), parts = bico__get_u32(p + 40);
+  const size_t d_out = (size_t)bico__get_u64(p + 16);
+  const size_t d_in = (size_t)bico__get_u64(p + 24);
+  const size_t a = d_in + ((flags & BICO_FIT_BIAS) ? 1 : 0);
+  const unsigned char *q = p + FIT_HEADER_BYTES;
+  if ((st = fit_payload(ctx, q, count, a)) != BICO_OK) return st;
+  bico_fit *f = NULL;
+  if ((st = bico_fit_create(ctx, d_out, d_in, flags, &f)) != BICO_OK) return st;
+  const size_t aa = a * a, ea = d_out * a;
+  if (parts & FIT_PART_K) f->k = bico__alloc(ctx, aa * sizeof(double));
+  if (parts & FIT_PART_THETA) f->th = bico__alloc(ctx, ea * sizeof(double));
+  if (((parts & FIT_PART_K) && f->k == NULL) ||
+      ((parts & FIT_PART_THETA) && f->th == NULL)) {
+    bico_fit_free(f);
+    return BICO_E_NOMEM;
+  }
+  q = get_doubles(q, f->g, aa);
+  q = get_doubles(q, f->et, ea);
+  if (parts & FIT_PART_K) q = get_doubles(q, f->k, aa);
+  if (parts & FIT_PART_THETA) (void)get_doubles(q, f->th, ea);
+  f->rows = bico__get_u64(p + 32);
+  f->ridge = get_double(p + 48);
+  f->tol = get_double(p + 56);
+  *out = f;
+  return BICO_OK;
+}

@@ -519,23 +519,6 @@ bico_status bico_xcov_sums(const bico_xcov *xc, double *sum_a, double *sum_b) {
 
 /* ---- serialisation: explicit little-endian bytes, whatever the host ---- */
 
-static void put_u32(unsigned char *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static void put_u64(unsigned char *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static uint32_t get_u32(const unsigned char *p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-  return v;
-}
-static uint64_t get_u64(const unsigned char *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 bico_status bico_xcov_serialized_size(const bico_xcov *xc, size_t *size) {
   if (xc == NULL) return BICO_E_NULL;
   if (size == NULL)
@@ -565,16 +548,16 @@ bico_status bico_xcov_serialize(const bico_xcov *xc, void *buf, size_t cap,
                       cap, need);
   unsigned char *p = buf;
   memcpy(p, XCOV_MAGIC, 8);
-  put_u32(p + 8, XCOV_FORMAT_VERSION);
-  put_u64(p + 12, (uint64_t)xc->d_a);
-  put_u64(p + 20, (uint64_t)xc->d_b);
-  put_u64(p + 28, xc->rows);
-  put_u32(p + 36, (uint32_t)(xc->flags & XCOV_ALL_FLAGS));
+  bico__put_u32(p + 8, XCOV_FORMAT_VERSION);
+  bico__put_u64(p + 12, (uint64_t)xc->d_a);
+  bico__put_u64(p + 20, (uint64_t)xc->d_b);
+  bico__put_u64(p + 28, xc->rows);
+  bico__put_u32(p + 36, (uint32_t)(xc->flags & XCOV_ALL_FLAGS));
   p += XCOV_HEADER_BYTES;
   for (size_t i = 0; i < xc->count; i++, p += 8) {
     uint64_t bits;
     memcpy(&bits, &xc->data[i], 8);
-    put_u64(p, bits);
+    bico__put_u64(p, bits);
   }
   *written = need;
   return BICO_OK;
@@ -603,7 +586,7 @@ bico_status bico_xcov_deserialize(bico_ctx *ctx, const void *buf, size_t len,
     return bico__fail(ctx, BICO_E_FORMAT,
                       "%s: truncated: %zu bytes, the header alone has %u", fn,
                       len, XCOV_HEADER_BYTES);
-  uint32_t version = get_u32(p + 8);
+  uint32_t version = bico__get_u32(p + 8);
   if (version != XCOV_FORMAT_VERSION)
     return bico__fail(ctx, BICO_E_VERSION,
                       "%s: unknown format version %u (this library reads "
@@ -613,9 +596,9 @@ bico_status bico_xcov_deserialize(bico_ctx *ctx, const void *buf, size_t len,
     return bico__fail(ctx, BICO_E_FORMAT,
                       "%s: truncated: %zu bytes, the header alone has %u", fn,
                       len, XCOV_HEADER_BYTES);
-  uint64_t d_a64 = get_u64(p + 12), d_b64 = get_u64(p + 20);
-  uint64_t rows = get_u64(p + 28);
-  uint32_t flags = get_u32(p + 36);
+  uint64_t d_a64 = bico__get_u64(p + 12), d_b64 = bico__get_u64(p + 20);
+  uint64_t rows = bico__get_u64(p + 28);
+  uint32_t flags = bico__get_u32(p + 36);
   if (flags & ~XCOV_ALL_FLAGS)
     return bico__fail(ctx, BICO_E_FORMAT, "%s: unknown flags 0x%x", fn,
                       (unsigned)(flags & ~XCOV_ALL_FLAGS));
@@ -644,7 +627,7 @@ bico_status bico_xcov_deserialize(bico_ctx *ctx, const void *buf, size_t len,
                       fn, len - need, need);
   const unsigned char *q = p + XCOV_HEADER_BYTES;
   for (size_t i = 0; i < count; i++) {
-    uint64_t bits = get_u64(q + 8 * i);
+    uint64_t bits = bico__get_u64(q + 8 * i);
     double x;
     memcpy(&x, &bits, 8);
     if (!isfinite(x))
@@ -655,7 +638,7 @@ bico_status bico_xcov_deserialize(bico_ctx *ctx, const void *buf, size_t len,
   bico_status st = make(ctx, fn, (size_t)d_a64, (size_t)d_b64, flags, &xc);
   if (st != BICO_OK) return st;
   for (size_t i = 0; i < count; i++) {
-    uint64_t bits = get_u64(q + 8 * i);
+    uint64_t bits = bico__get_u64(q + 8 * i);
     memcpy(&xc->data[i], &bits, 8);
   }
   xc->rows = rows;

@@ -289,3 +289,72 @@ def test_rank_only_on_request_same_update(c, bias):
     np.testing.assert_array_equal(dw0, dw1)
     if bias:
         np.testing.assert_array_equal(db0, db1)
+
+
+_SHARD_CHILD = r"""
+import sys
+import numpy as np
+from bico.fit import Fit
+rng = np.random.default_rng(int(sys.argv[1]))
+n, di, do, cut = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+xo = rng.standard_normal((n, di)).astype(np.float32)
+xn = (xo * 1.1 + 0.05).astype(np.float32)
+d = rng.standard_normal((n, do)).astype(np.float32)
+f = Fit(di, do, ridge=0.02)
+f.add(xn[cut:], xo[cut:], d[cut:])
+sys.stdout.buffer.write(f.to_bytes())
+"""
+
+
+def test_a_shard_from_another_process_merges_as_in_process():
+    # The rows after `cut` are added in a child process and come back as
+    # bytes: merged here, the solve is the in-process merge's bit for bit,
+    # and the one-pass fit's to rounding (the statistics add over rows).
+    import os
+    import subprocess
+    import sys
+    seed, n, di, do, cut = 7, 400, 6, 4, 150
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(bico.__file__))]
+        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out = subprocess.run([sys.executable, "-c", _SHARD_CHILD] + [
+        str(v) for v in (seed, n, di, do, cut)], env=env, check=True,
+        stdout=subprocess.PIPE).stdout
+    rng = np.random.default_rng(seed)
+    xo = rng.standard_normal((n, di)).astype(np.float32)
+    xn = (xo * 1.1 + 0.05).astype(np.float32)
+    d = rng.standard_normal((n, do)).astype(np.float32)
+    w, b = randn(do, di), randn(do)
+    here, here2, there = Fit(di, do, ridge=0.02), Fit(di, do, ridge=0.02), \
+        Fit(di, do, ridge=0.02)
+    here.add(xn[:cut], xo[:cut], d[:cut])
+    here2.add(xn[:cut], xo[:cut], d[:cut])
+    there.add(xn[cut:], xo[cut:], d[cut:])
+    assert out == there.to_bytes()      # the same statistics, bit for bit
+    child = Fit.from_bytes(out)
+    assert (child.d_in, child.d_out, child.bias, child.rows) == \
+        (di, do, True, n - cut)
+    assert child.ridge == 0.02
+    here.merge(child)
+    here2.merge(there)
+    assert here.rows == n
+    a1, b1 = here.solve(w, b)
+    a2, b2 = here2.solve(w, b)
+    assert a1.tobytes() == a2.tobytes() and b1.tobytes() == b2.tobytes()
+    ra, rb = reference(xn, xo, d, w, b, 0.02)
+    assert rel(a1, ra) < 1e-5 and rel(b1, rb) < 1e-5
+
+
+def test_fit_bytes_are_checked():
+    f = Fit(3, 2, bias=False)
+    f.add(randn(10, 3), randn(10, 3), randn(10, 2))
+    good = f.to_bytes()
+    back = Fit.from_bytes(bytearray(good))
+    assert back.bias is False and back.rows == 10
+    for bad, says in ((good[:-1], "bytes"), (b"BICOXCOV" + good[8:], "magic"),
+                      (good[:64 + 8] + b"\xff" * 8 + good[80:], "NaN")):
+        with pytest.raises(bico.BicoError, match=says):
+            Fit.from_bytes(bad)
+    with pytest.raises(TypeError):
+        Fit.from_bytes("not bytes")

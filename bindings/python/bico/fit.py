@@ -51,6 +51,10 @@ _PROTOTYPES = {
                            _P(ctypes.c_uint)]),
     "bico_fit_solve": (_S, [_vp, _vp, _sz, _vp, _vp, _sz, _vp, _P(_sz)]),
     "bico_fit_run": (_S, [_vp, _vp, _d]),
+    # experimental.h (no ABI promise): the statistics as bytes
+    "bico_fit_serialized_size": (_S, [_vp, _P(_sz)]),
+    "bico_fit_serialize": (_S, [_vp, _vp, _sz, _P(_sz)]),
+    "bico_fit_deserialize": (_S, [_vp, ctypes.c_char_p, _sz, _P(_vp)]),
 }
 
 # bico_fit_runner's callbacks
@@ -134,6 +138,10 @@ class Fit(_Handle):
     X~'^T X~' at the last solve made with rank=True, else None: the rank is
     a pivoted Cholesky as costly as the solve, and the update is the same
     without it); rows; ridge and rank_tol (read/write).
+    to_bytes() / Fit.from_bytes(data, ctx=None): the statistics and
+    options as bytes (experimental.h, no ABI promise), so that rows added
+    in another process merge here: Fit.from_bytes(b) solves as the
+    original, bit for bit, and merges as it would.
     """
     _free = staticmethod(_fn.free)
 
@@ -249,6 +257,40 @@ class Fit(_Handle):
         if rank:
             self.rank = int(rk.value)
         return dw, db
+
+    def to_bytes(self):
+        """The statistics (G, the right-hand side, K, the row count) and
+        the options, bit for bit (bico_fit_serialize)."""
+        n = ctypes.c_size_t()
+        _check(_fn.serialized_size(self._alive(), ctypes.byref(n)), self.ctx)
+        buf = ctypes.create_string_buffer(n.value)
+        w = ctypes.c_size_t()
+        _check(_fn.serialize(self._ptr, buf, n.value, ctypes.byref(w)),
+               self.ctx)
+        return buf.raw[:w.value]
+
+    @classmethod
+    def from_bytes(cls, data, ctx=None):
+        """A new Fit from to_bytes()'s output (bico_fit_deserialize: every
+        field checked, BicoError naming what is wrong)."""
+        if isinstance(data, str) or not isinstance(
+                data, (bytes, bytearray, memoryview)):
+            raise TypeError("Fit.from_bytes takes bytes, got %s"
+                            % type(data).__name__)
+        data = bytes(data)
+        ctx = Context() if ctx is None else ctx
+        h = ctypes.c_void_p()
+        _check(_fn.deserialize(ctx._alive(), data, len(data),
+                               ctypes.byref(h)), ctx)
+        o = cls.__new__(cls)
+        o._adopt(h.value, ctx)
+        d_out, d_in = ctypes.c_size_t(), ctypes.c_size_t()
+        fl = ctypes.c_uint()
+        _check(_fn.info(h.value, ctypes.byref(d_out), ctypes.byref(d_in),
+                        None, ctypes.byref(fl)), ctx)
+        o.d_in, o.d_out = int(d_in.value), int(d_out.value)
+        o.bias, o.rank = bool(fl.value & FIT_BIAS), None
+        return o
 
     @staticmethod
     def param_bounds(param):
