@@ -243,5 +243,16 @@ def cstr(s, name, path=False):
     return b
 
 
+def byte_string(data, who):
+    """data (bytes, bytearray or a memoryview) as bytes; TypeError naming
+    who for anything else (a str included: text is not a serialised
+    handle)."""
+    if isinstance(data, str) or not isinstance(
+            data, (bytes, bytearray, memoryview)):
+        raise TypeError("%s takes bytes, got %s" % (who,
+                                                    type(data).__name__))
+    return bytes(data)
+
+
 def ptr(a):
     return a.ctypes.data if a is not None else None

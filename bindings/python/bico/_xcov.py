@@ -126,11 +126,7 @@ class XCov(_Handle):
 
     @classmethod
     def from_bytes(cls, data, ctx=None):
-        if isinstance(data, str) or not isinstance(
-                data, (bytes, bytearray, memoryview)):
-            raise TypeError("XCov.from_bytes takes bytes, got %s"
-                            % type(data).__name__)
-        data = bytes(data)
+        data = A.byte_string(data, "XCov.from_bytes")
         ctx = Context() if ctx is None else ctx
         h = c_void_p()
         _check(fn.xcov_deserialize(ctx._alive(), data, len(data),

@@ -22,7 +22,7 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from ._args import plain as _to_numpy
+from ._args import byte_string as _byte_string, plain as _to_numpy
 from ._ctx import Context
 from ._handle import _Handle
 from ._status import BicoError, check as _check
@@ -273,11 +273,7 @@ class Fit(_Handle):
     def from_bytes(cls, data, ctx=None):
         """A new Fit from to_bytes()'s output (bico_fit_deserialize: every
         field checked, BicoError naming what is wrong)."""
-        if isinstance(data, str) or not isinstance(
-                data, (bytes, bytearray, memoryview)):
-            raise TypeError("Fit.from_bytes takes bytes, got %s"
-                            % type(data).__name__)
-        data = bytes(data)
+        data = _byte_string(data, "Fit.from_bytes")
         ctx = Context() if ctx is None else ctx
         h = ctypes.c_void_p()
         _check(_fn.deserialize(ctx._alive(), data, len(data),
