@@ -50,6 +50,7 @@ import bico.torch as bt  # noqa: E402
 from bico.fit import Fit  # noqa: E402
 from bico.torch import distill as bt_distill  # noqa: E402
 
+HELD_GRID = [0.75, 1.0, 1.25, 1.5]
 ORACLE = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0]
 RESULTS_VERSION = 4
 
@@ -231,11 +232,21 @@ def cell(case, method, variant, calib):
         aug = variant.get("augment", "auto")
         if aug == "mixup+shift":
             aug = bt_distill.compose(bt_distill.mixup(), bt_distill.shift(2))
-        new = bt.transfer_model(A, Aft, B, calib_batches(case.task, calib, 25),
-                                method="distill", loss_fn=loss_fn,
-                                distill_augment=aug)
+        cb = calib_batches(case.task, calib, 25)
+        new = bt.transfer_model(A, Aft, B, cb, method="distill",
+                                loss_fn=loss_fn, distill_augment=aug,
+                                distill_steps=variant.get("steps"))
         delta = delta_of(new, case.b0)
         res["alpha"] = 1.0
+        # diagnostic: the scale of the distilled update chosen by the
+        # labels' loss on the batch transfer_model held out (the last)
+        xh, yh = cb[-1]
+        held = []
+        for a in HELD_GRID:
+            with torch.no_grad():
+                m = load_into(B, with_alpha(case.b0, delta, a))
+                held.append(float(loss_fn(m(xh), yh)))
+        res["alpha_heldout"] = HELD_GRID[int(np.argmin(held))]
     elif method == "proxy-tuning":
         # the reference: B + (A_ft - A) on the logits at test time (not a
         # transfer: the three models run on every image)
@@ -278,6 +289,8 @@ def cell(case, method, variant, calib):
             scored[a] = case.acc(with_alpha(case.b0, delta, a))
         return scored[a]
     res["acc"] = score(res["alpha"])
+    if "alpha_heldout" in res:
+        res["acc_heldout"] = score(res["alpha_heldout"])
     if "alpha_entropy" in res:
         res["acc_entropy"] = score(res["alpha_entropy"])
     ao = case.oracle(delta)
@@ -317,6 +330,8 @@ EXTRA_ROWS = [
     ("distill", "distill", {}, 100, "all"),
     ("distill mixup+shift", "distill", {"augment": "mixup+shift"}, 100,
      "all"),
+    ("distill mixup+shift 3000", "distill",
+     {"augment": "mixup+shift", "steps": 3000}, 100, "all"),
     ("proxy-tuning", "proxy-tuning", {}, 100, "all"),
 ]
 # the order of the work: these tiers of rows first, then the rest
@@ -649,6 +664,18 @@ def print_table(results, rows, tasks, targets, reps, code):
             ent.append("%s %.0f%%" % (label, 100 * np.mean(g)))
     print()
     print("mean gap closed with alpha by entropy: " + ", ".join(ent))
+    held = []
+    for label, *_ in rows:
+        g = [gap(r["acc_heldout"], results[c]["ends"][k])
+             for c in cids for k, r in results[c].get(label, {}).items()
+             if "acc_heldout" in r]
+        if g:
+            held.append("%s %.0f%% (%d cells)" % (label, 100 * np.mean(g),
+                                                  len(g)))
+    if held:
+        print("mean gap closed with the distilled update's scale chosen "
+              "by the labels' loss on the held-out calibration batch: "
+              + ", ".join(held))
     src = []
     for t in tasks:
         # the source is the same model for every target of a seed
