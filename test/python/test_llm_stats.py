@@ -74,11 +74,22 @@ def test_stats_then_bico_transfer_equals_the_python_route(pair, tmp_path):
     assert sorted(c) == sorted(p)
     base = st.read(str(pair / "B" / "model.safetensors.index.json"),
                    dtype=np.float64)
-    moved = 0
+    # The two files agree to 1e-9, not bit for bit (sums in another
+    # order), and the outputs are rounded to the target's bfloat16: where
+    # the exact value lies that close to a rounding boundary the two round
+    # apart, by one bfloat16 step (seen on one CPU: 1 element of 1536 in
+    # one tensor).  So: equal up to one step at the element's magnitude,
+    # and such elements rare.
+    moved = apart = total = 0
     for k in p:
-        np.testing.assert_allclose(c[k], p[k], rtol=0, atol=1e-6,
-                                   err_msg=k)
+        mag = np.maximum(np.abs(c[k]), np.abs(p[k]))
+        step = np.exp2(np.floor(np.log2(np.where(mag > 0, mag, 1.0))) - 7)
+        d = np.abs(c[k] - p[k])
+        assert (d <= step * (1 + 1e-12)).all(), (k, float(d.max()))
+        apart += int((d > 0).sum())
+        total += d.size
         moved += not np.array_equal(p[k], base[k])
+    assert apart <= max(2, total // 1000), (apart, total)
     assert moved >= 10   # the transfer carried the fine-tune
 
 
