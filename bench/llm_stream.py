@@ -116,6 +116,10 @@ def measure_phases(cmd, env=None, every=2.0):
         if key not in high:
             order.append(key)
             high[key], start[key] = 0.0, time.time() - t0
+            # said as it starts: a run stopped early still shows how far
+            # it came and what it held until then
+            print("#   ... %7.0f s: %-40s (peak so far %6.0f MB)"
+                  % (start[key], key, hwm), flush=True)
         high[key] = max(high[key], _vm(p.pid, "VmRSS"))
         hwm = max(hwm, _vm(p.pid, "VmHWM"))
         time.sleep(every)
