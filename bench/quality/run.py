@@ -669,9 +669,12 @@ def print_table(results, rows, tasks, targets, reps, code):
         g = [gap(r["acc_heldout"], results[c]["ends"][k])
              for c in cids for k, r in results[c].get(label, {}).items()
              if "acc_heldout" in r]
+        g1 = [gap(r["acc"], results[c]["ends"][k])
+              for c in cids for k, r in results[c].get(label, {}).items()
+              if "acc_heldout" in r]
         if g:
-            held.append("%s %.0f%% (%d cells)" % (label, 100 * np.mean(g),
-                                                  len(g)))
+            held.append("%s %.1f%% (at scale 1: %.1f%%; %d cells)" % (
+                label, 100 * np.mean(g), 100 * np.mean(g1), len(g)))
     if held:
         print("mean gap closed with the distilled update's scale chosen "
               "by the labels' loss on the held-out calibration batch: "
