@@ -165,6 +165,17 @@ bico_status bico__check_finite_f64(bico_ctx *ctx, const char *fn,
   return BICO_OK;
 }
 
+bico_status bico__check_finite_bytes(bico_ctx *ctx, const char *fn,
+                                     const unsigned char *q, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    const double x = bico__get_f64(q + 8 * i);
+    if (!isfinite(x))
+      return bico__fail(ctx, BICO_E_FORMAT, "%s: value %zu of the payload is %s",
+                        fn, i, isnan(x) ? "NaN" : "Inf");
+  }
+  return BICO_OK;
+}
+
 /* BLIS takes both strides of every operand, so a row-major matrix (row
  * stride ld, column stride 1) needs no copy or transpose; op(A) is expressed
  * through the trans flag. */

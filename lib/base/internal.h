@@ -4,6 +4,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 /* The library sees its experimental section (experimental.h). */
 #define BICO_EXPERIMENTAL
 #include "bico/bico.h"
@@ -58,6 +59,29 @@ static inline uint64_t bico__get_u64(const unsigned char *p) {
   for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
   return v;
 }
+/* Doubles as their IEEE-754 bits in those bytes; the array forms return
+ * the byte after the last. */
+static inline void bico__put_f64(unsigned char *p, double x) {
+  uint64_t bits;
+  memcpy(&bits, &x, 8);
+  bico__put_u64(p, bits);
+}
+static inline double bico__get_f64(const unsigned char *p) {
+  const uint64_t bits = bico__get_u64(p);
+  double x;
+  memcpy(&x, &bits, 8);
+  return x;
+}
+static inline unsigned char *bico__put_f64s(unsigned char *p, const double *x,
+                                            size_t n) {
+  for (size_t i = 0; i < n; i++, p += 8) bico__put_f64(p, x[i]);
+  return p;
+}
+static inline const unsigned char *bico__get_f64s(const unsigned char *q,
+                                                  double *x, size_t n) {
+  for (size_t i = 0; i < n; i++, q += 8) x[i] = bico__get_f64(q);
+  return q;
+}
 
 /* Memory through the context's allocator.  bico__alloc fails the call with
  * BICO_E_NOMEM and a message (naming `what`) when it returns NULL. */
@@ -103,6 +127,10 @@ bico_status bico__check_finite_f32(bico_ctx *ctx, const char *fn,
 bico_status bico__check_finite_f64(bico_ctx *ctx, const char *fn,
                                    const char *what, const double *x,
                                    size_t rows, size_t cols, size_t ld);
+/* n little-endian doubles of a serialised payload (bico__put_f64s' form):
+ * BICO_OK, or BICO_E_FORMAT naming the first value that is NaN or Inf. */
+bico_status bico__check_finite_bytes(bico_ctx *ctx, const char *fn,
+                                     const unsigned char *q, size_t n);
 
 /* Row-major GEMMs through BLIS with the context's thread count:
  * C = alpha op(A) op(B) + beta C, where op is a transpose when ta/tb != 0.

@@ -632,15 +632,6 @@ bico_status bico_fit_serialized_size(const bico_fit *f, size_t *size) {
   return BICO_OK;
 }
 
-static unsigned char *put_doubles(unsigned char *p, const double *x, size_t n) {
-  for (size_t i = 0; i < n; i++, p += 8) {
-    uint64_t bits;
-    memcpy(&bits, &x[i], 8);
-    bico__put_u64(p, bits);
-  }
-  return p;
-}
-
 bico_status bico_fit_serialize(const bico_fit *f, void *buf, size_t cap,
                                size_t *written) {
   if (f == NULL) return BICO_E_NULL;
@@ -659,7 +650,6 @@ bico_status bico_fit_serialize(const bico_fit *f, void *buf, size_t cap,
   const size_t a = f->a, aa = a * a, ea = f->d_out * a;
   const unsigned parts = fit_parts(f);
   unsigned char *p = buf;
-  uint64_t bits;
   memcpy(p, FIT_MAGIC, 8);
   bico__put_u32(p + 8, FIT_FORMAT_VERSION);
   bico__put_u32(p + 12, f->flags);
@@ -668,24 +658,15 @@ bico_status bico_fit_serialize(const bico_fit *f, void *buf, size_t cap,
   bico__put_u64(p + 32, f->rows);
   bico__put_u32(p + 40, parts);
   bico__put_u32(p + 44, 0);
-  memcpy(&bits, &f->ridge, 8);
-  bico__put_u64(p + 48, bits);
-  memcpy(&bits, &f->tol, 8);
-  bico__put_u64(p + 56, bits);
+  bico__put_f64(p + 48, f->ridge);
+  bico__put_f64(p + 56, f->tol);
   p += FIT_HEADER_BYTES;
-  p = put_doubles(p, f->g, aa);
-  p = put_doubles(p, f->et, ea);
-  if (parts & FIT_PART_K) p = put_doubles(p, f->k, aa);
-  if (parts & FIT_PART_THETA) p = put_doubles(p, f->th, ea);
+  p = bico__put_f64s(p, f->g, aa);
+  p = bico__put_f64s(p, f->et, ea);
+  if (parts & FIT_PART_K) p = bico__put_f64s(p, f->k, aa);
+  if (parts & FIT_PART_THETA) p = bico__put_f64s(p, f->th, ea);
   *written = need;
   return BICO_OK;
-}
-
-static double get_double(const unsigned char *p) {
-  uint64_t bits = bico__get_u64(p);
-  double x;
-  memcpy(&x, &bits, 8);
-  return x;
 }
 
 /* The header's checks of bico_fit_deserialize; *count gets the payload's
@@ -693,12 +674,10 @@ static double get_double(const unsigned char *p) {
 static bico_status fit_header(bico_ctx *ctx, const unsigned char *p,
                               size_t len, size_t *count) {
   static const char fn[] = "fit_deserialize";
-  if (len < 8 || memcmp(p, FIT_MAGIC, 8) != 0)
+  if (len >= 8 && memcmp(p, FIT_MAGIC, 8) != 0)
     return bico__fail(ctx, BICO_E_FORMAT,
-                      len < 8 ? "%s: truncated: %zu bytes, the header alone "
-                                "has 64"
-                              : "%s: bad magic: the data is not a serialised "
-                                "fit (%zu bytes)",
+                      "%s: bad magic: the data is not a serialised fit (%zu "
+                      "bytes)",
                       fn, len);
   if (len < 12)
     return bico__fail(ctx, BICO_E_FORMAT,
@@ -717,7 +696,7 @@ static bico_status fit_header(bico_ctx *ctx, const unsigned char *p,
   const uint32_t flags = bico__get_u32(p + 12);
   const uint32_t parts = bico__get_u32(p + 40);
   const uint64_t d_out = bico__get_u64(p + 16), d_in = bico__get_u64(p + 24);
-  const double ridge = get_double(p + 48), tol = get_double(p + 56);
+  const double ridge = bico__get_f64(p + 48), tol = bico__get_f64(p + 56);
   if (flags & ~FIT_FLAGS)
     return bico__fail(ctx, BICO_E_FORMAT, "%s: unknown flags 0x%x", fn,
                       (unsigned)(flags & ~FIT_FLAGS));
@@ -766,24 +745,14 @@ static bico_status fit_header(bico_ctx *ctx, const unsigned char *p,
 static bico_status fit_payload(bico_ctx *ctx, const unsigned char *q,
                                size_t count, size_t a) {
   static const char fn[] = "fit_deserialize";
-  for (size_t i = 0; i < count; i++) {
-    const double x = get_double(q + 8 * i);
-    if (!isfinite(x))
-      return bico__fail(ctx, BICO_E_FORMAT, "%s: value %zu of the payload is %s",
-                        fn, i, isnan(x) ? "NaN" : "Inf");
-  }
+  bico_status st = bico__check_finite_bytes(ctx, fn, q, count);
+  if (st != BICO_OK) return st;
   for (size_t i = 1; i < a; i++)
     for (size_t j = 0; j < i; j++)
       if (memcmp(q + 8 * (i * a + j), q + 8 * (j * a + i), 8) != 0)
         return bico__fail(ctx, BICO_E_FORMAT,
                           "%s: G is not symmetric (entry %zu, %zu)", fn, i, j);
   return BICO_OK;
-}
-
-static const unsigned char *get_doubles(const unsigned char *q, double *x,
-                                        size_t n) {
-  for (size_t i = 0; i < n; i++, q += 8) x[i] = get_double(q);
-  return q;
 }
 
 bico_status bico_fit_deserialize(bico_ctx *ctx, const void *buf, size_t len,
@@ -814,13 +783,13 @@ bico_status bico_fit_deserialize(bico_ctx *ctx, const void *buf, size_t len,
     bico_fit_free(f);
     return BICO_E_NOMEM;
   }
-  q = get_doubles(q, f->g, aa);
-  q = get_doubles(q, f->et, ea);
-  if (parts & FIT_PART_K) q = get_doubles(q, f->k, aa);
-  if (parts & FIT_PART_THETA) (void)get_doubles(q, f->th, ea);
+  q = bico__get_f64s(q, f->g, aa);
+  q = bico__get_f64s(q, f->et, ea);
+  if (parts & FIT_PART_K) q = bico__get_f64s(q, f->k, aa);
+  if (parts & FIT_PART_THETA) (void)bico__get_f64s(q, f->th, ea);
   f->rows = bico__get_u64(p + 32);
-  f->ridge = get_double(p + 48);
-  f->tol = get_double(p + 56);
+  f->ridge = bico__get_f64(p + 48);
+  f->tol = bico__get_f64(p + 56);
   *out = f;
   return BICO_OK;
 }

@@ -554,11 +554,7 @@ bico_status bico_xcov_serialize(const bico_xcov *xc, void *buf, size_t cap,
   bico__put_u64(p + 28, xc->rows);
   bico__put_u32(p + 36, (uint32_t)(xc->flags & XCOV_ALL_FLAGS));
   p += XCOV_HEADER_BYTES;
-  for (size_t i = 0; i < xc->count; i++, p += 8) {
-    uint64_t bits;
-    memcpy(&bits, &xc->data[i], 8);
-    bico__put_u64(p, bits);
-  }
+  bico__put_f64s(p, xc->data, xc->count);
   *written = need;
   return BICO_OK;
 }
@@ -626,21 +622,12 @@ bico_status bico_xcov_deserialize(bico_ctx *ctx, const void *buf, size_t len,
                       "describes",
                       fn, len - need, need);
   const unsigned char *q = p + XCOV_HEADER_BYTES;
-  for (size_t i = 0; i < count; i++) {
-    uint64_t bits = bico__get_u64(q + 8 * i);
-    double x;
-    memcpy(&x, &bits, 8);
-    if (!isfinite(x))
-      return bico__fail(ctx, BICO_E_FORMAT, "%s: value %zu of the payload is %s",
-                        fn, i, isnan(x) ? "NaN" : "Inf");
-  }
-  bico_xcov *xc = NULL;
-  bico_status st = make(ctx, fn, (size_t)d_a64, (size_t)d_b64, flags, &xc);
+  bico_status st = bico__check_finite_bytes(ctx, fn, q, count);
   if (st != BICO_OK) return st;
-  for (size_t i = 0; i < count; i++) {
-    uint64_t bits = bico__get_u64(q + 8 * i);
-    memcpy(&xc->data[i], &bits, 8);
-  }
+  bico_xcov *xc = NULL;
+  st = make(ctx, fn, (size_t)d_a64, (size_t)d_b64, flags, &xc);
+  if (st != BICO_OK) return st;
+  bico__get_f64s(q, xc->data, count);
   xc->rows = rows;
   *out = xc;
   return BICO_OK;
