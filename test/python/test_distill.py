@@ -357,3 +357,162 @@ def test_chunks_shrink_with_the_vocabulary_and_change_nothing():
         want = F.cross_entropy(m(x).double().reshape(-1, v), y.reshape(-1),
                                reduction="none").reshape(3, 200).mean(-1)
     assert max(abs(a - b) for a, b in zip(got, want.tolist())) < 1e-5
+
+
+# ---- transfer_model's route: the augmentation and the update's scale ----
+
+def _same_samples(shape, seed):
+    """A batch whose samples are all one random sample: mixup of it is
+    the sample itself, whatever the mixing weights."""
+    g = torch.Generator().manual_seed(seed)
+    one = torch.randn(1, *shape[1:], generator=g)
+    return one.expand(*shape).contiguous(), one
+
+
+def test_auto_augment_shifts_images_only():
+    """distill_augment="auto": a floating batch of 4 dimensions ([N, C, H,
+    W]) is mixed and rolled by at most 2 pixels along H and W; a floating
+    batch of 3 dimensions (sequences of features) is mixed only; token
+    ids are not augmented.  Checked on batches of one repeated sample,
+    where mixing changes nothing and the roll is visible."""
+    img, one = _same_samples((6, 2, 9, 11), 0)
+    rolls = [torch.roll(one, (dy, dx), (-2, -1))
+             for dy in range(-2, 3) for dx in range(-2, 3)]
+    moved = 0
+    for seed in range(20):
+        out = D.auto_augment((img, None))((img, None),
+                                          torch.Generator().manual_seed(seed))
+        x = out[0]
+        assert x.shape == img.shape and out[1] is None
+        hit = [r for r in rolls if torch.allclose(x, r.expand_as(x),
+                                                  atol=1e-6)]
+        assert len(hit) >= 1, "not a roll of the sample by <= 2 pixels"
+        moved += not torch.allclose(x, img, atol=1e-6)
+    assert moved > 0          # some draws do shift
+    seq, _ = _same_samples((6, 5, 7), 1)
+    for seed in range(5):
+        x = D.auto_augment(seq)(seq, torch.Generator().manual_seed(seed))
+        assert torch.allclose(x, seq, atol=1e-6)
+    # mixup does mix distinct samples: every output is within the convex
+    # hull's box of the batch, and not all equal to the inputs
+    g = torch.Generator().manual_seed(2)
+    feats = torch.randn(8, 5, 7, generator=g)
+    x = D.auto_augment(feats)(feats, torch.Generator().manual_seed(3))
+    assert not torch.allclose(x, feats)
+    assert (x <= feats.max(0).values + 1e-6).all()
+    assert (x >= feats.min(0).values - 1e-6).all()
+    ids = torch.randint(0, 10, (4, 6), generator=g)
+    assert D.auto_augment(ids) is None
+    assert D.auto_augment(torch.randn(1, 3, 4, 4)) is None   # nothing to mix
+    # "image": greyscale [N, H, W] batches are shifted too
+    grey, one = _same_samples((6, 9, 11), 4)
+    rolls = [torch.roll(one, (dy, dx), (-2, -1))
+             for dy in range(-2, 3) for dx in range(-2, 3)]
+    outs = [D._augmentation("image", grey)(
+        grey, torch.Generator().manual_seed(s)) for s in range(20)]
+    assert all(any(torch.allclose(x, r.expand_as(x), atol=1e-6)
+                   for r in rolls) for x in outs)
+    assert any(not torch.allclose(x, grey, atol=1e-6) for x in outs)
+
+
+def test_bad_augmentations_are_refused():
+    b = Net(0)
+    xs = [torch.randn(4, 6) for _ in range(4)]
+    for bad in ("mixp", "", 3, ["mixup"]):
+        with pytest.raises(bico.BicoError, match="distill_augment"):
+            D.distill_model(Net(1), Net(2), b, xs[:3], xs[3:],
+                            lambda m, x: m(x), None, steps=1,
+                            augment=bad)
+
+
+class _WithCount(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("count", torch.tensor(7, dtype=torch.long))
+
+
+def test_choose_scale_finds_the_planted_scale_and_keeps_one_otherwise():
+    """choose_scale moves the model to base + s (model - base) for the
+    scale s of least held-out loss: a loss whose minimum is planted at
+    1.25 x the update gives 1.25 and those weights; one at the update
+    itself keeps the model bit for bit; a gain within its standard error
+    over two batches does not move it; integer buffers stay the
+    model's."""
+    torch.manual_seed(0)
+    m = _WithCount()
+    base = {k: v.clone() for k, v in m.state_dict().items()}
+    base["count"] = torch.tensor(0, dtype=torch.long)
+    d = {k: torch.randn_like(v) for k, v in base.items()
+         if v.is_floating_point()}
+    with torch.no_grad():
+        m.lin.weight.add_(d["lin.weight"])
+        m.lin.bias.add_(d["lin.bias"])
+    trained = {k: v.clone() for k, v in m.state_dict().items()}
+
+    def planted(s):
+        want = base["lin.weight"].double() + s * d["lin.weight"].double()
+
+        def per(model):
+            return [float(((model.lin.weight.double() - want) ** 2).sum())]
+        return per
+    s, losses = D.choose_scale(m, base, planted(1.25))
+    assert s == 1.25 and set(losses) == {0.75, 1.0, 1.25, 1.5}
+    assert losses[1.25] == min(losses.values())
+    want = base["lin.weight"] + 1.25 * d["lin.weight"]
+    assert torch.allclose(m.lin.weight, want, atol=1e-6)
+    assert torch.allclose(m.lin.bias, base["lin.bias"] +
+                          1.25 * d["lin.bias"], atol=1e-6)
+    assert int(m.count) == 7
+
+    m.load_state_dict(trained)
+    s, _ = D.choose_scale(m, base, planted(1.0))
+    assert s == 1.0
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, trained[k])
+
+    # two batches: 1.5 gains on one and loses almost as much on the other
+    def noisy(model):
+        w = float(model.lin.weight[0, 0] - base["lin.weight"][0, 0])
+        s_ = w / float(d["lin.weight"][0, 0])
+        return [1.0 - 0.1 * s_, 1.0 + 0.1 * s_ - 0.01 * s_ * s_]
+    s, losses = D.choose_scale(m, base, noisy)
+    assert min(losses, key=losses.get) != 1.0 and s == 1.0
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, trained[k])
+
+
+def test_distill_model_reports_and_returns_the_chosen_scale():
+    """distill_model: the state returned has the held-out loss that its
+    report gives for the chosen scale, no more than the trained step's;
+    scales=() returns the trained state."""
+    b = Net(0)
+    a, aft = Net(1), Net(2)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(16, 6, generator=g) for _ in range(3)]
+    held = [(torch.randn(16, 6, generator=g), None)]
+    with torch.no_grad():   # labels: what the proxy-tuned teacher says
+        held = [(x, (b(x) + aft(x) - a(x)).argmax(-1)) for x, _ in held]
+
+    def loss(m, batch):
+        x, y = batch
+        with torch.no_grad():
+            return float(F.cross_entropy(m(x), y))
+    fwd = (lambda m, x: m(x[0]) if isinstance(x, tuple) else m(x))
+    rep = []
+    sd = D.distill_model(a, aft, b, xs, held, fwd, loss, steps=60, lr=1e-2,
+                         every=20, augment=None, report=rep)
+    r = rep[-1]
+    assert r["step"] > 0 and r["scale"] in D.SCALES
+    m = Net(0)
+    m.load_state_dict(sd)
+    got = loss(m, held[0])
+    assert abs(got - r["scale_losses"][r["scale"]]) < 1e-5
+    assert got <= r["losses"][r["step"]] + 1e-6
+    rep2 = []
+    sd2 = D.distill_model(a, aft, b, xs, held, fwd, loss, steps=60, lr=1e-2,
+                          every=20, augment=None, report=rep2, scales=())
+    assert rep2[-1]["scale"] == 1.0 and rep2[-1]["scale_losses"] == {}
+    m.load_state_dict(sd2)
+    assert abs(loss(m, held[0]) - rep2[-1]["losses"][rep2[-1]["step"]]) \
+        < 1e-5

@@ -244,8 +244,9 @@ def test_proxy_distill_keeps_the_best_held_out_state():
     """method="proxy-distill": the target trained towards the proxy-tuned
     distribution on the calibration batches that are not held out, the
     state with the least held-out loss kept (the untouched target is a
-    candidate): its held-out loss is the least reported and at most the
-    zero-shot's; on the planted pair (the proxy is A_ft's distribution
+    candidate), its update then scaled on the same batches: its held-out
+    loss is the one reported for that scale, at most the chosen step's
+    and the zero-shot's; on the planted pair (the proxy is A_ft's distribution
     exactly) it closes most of the gap on fresh windows."""
     a, aft, b, bft = planted(DecoderLayer)
     lb, lft = task_loss(b), task_loss(bft)
@@ -256,7 +257,10 @@ def test_proxy_distill_keeps_the_best_held_out_state():
                            distill_lr=1e-2, distill_every=20)
     r = [e for e in rep if e.get("rule") == "proxy-distill"][0]
     got = mean_loss(b, sd, cal[6:])
-    assert abs(got - min(r["losses"].values())) < 1e-4
+    # the chosen step's update at the scale chosen after it
+    assert abs(min(r["losses"].values()) - r["losses"][r["step"]]) < 1e-9
+    assert abs(got - r["scale_losses"][r["scale"]]) < 1e-4
+    assert got <= r["losses"][r["step"]] + 1e-4
     assert got <= r["zero_shot"] + 1e-6 and r["step"] > 0
     assert (lb - task_loss(b, sd)) / (lb - lft) >= 0.5
     assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]

@@ -147,5 +147,6 @@ def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
     sd = distill_model(source, source_tuned, target, list(fit_batches),
                        list(held_batches), logits_of,
                        lambda m, b: loss_of(m, [b])[0], steps=steps, lr=lr,
-                       every=every, augment=None, seed=seed, report=rep)
+                       every=every, augment=None, seed=seed, report=rep,
+                       scales=())
     return sd, rep[-1]["losses"]

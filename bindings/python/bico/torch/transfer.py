@@ -115,13 +115,18 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     over the batches, 300 to 1500), every distill_every steps the held-out loss (labels where the
     batches carry them, else the KL to the teacher on the held-out
     batches); the best state, the untouched target among the candidates
-    (kept unless another beats it by more than the standard error), is
-    returned.  distill_rank: None trains every floating parameter; an
-    integer trains LoRA factors of that rank on every nn.Linear (merged
-    into the result).  distill_augment: "auto" (mixup of the inputs when
-    they are floating tensors: images, features; none for token ids),
-    None, "mixup", or a callable(batch, torch.Generator) -> batch; the
-    teacher is computed on each augmented batch.
+    (kept unless another beats it by more than the standard error), then
+    its update scaled by the one of 0.75, 1, 1.25, 1.5 with the least
+    held-out loss (1 unless another beats it clearly), is returned.
+    distill_rank: None trains every floating parameter; an integer trains
+    LoRA factors of that rank on every nn.Linear (merged into the result).
+    distill_augment: "auto" (mixup and shifts of up to 2 pixels for
+    inputs of 4 dimensions, [N, C, H, W] images; mixup alone for other
+    floating inputs; none for token ids), "mixup", "image" (mixup and
+    shifts for any floating input whose last two dimensions are an
+    image's, [N, H, W] greyscale too), None, or a callable(batch,
+    torch.Generator) -> batch; the teacher is computed on each augmented
+    batch.
     threads (fit, bico*): the library's thread count (BICO_CTX_THREADS)
     for the statistics and the fit's solves; None (default): PyTorch's
     (torch.get_num_threads()).
