@@ -869,7 +869,8 @@ def _prepare_streamed(a, tmp, q):
     spill = _named("--spill-dir", a.spill_dir, spill_folder,
                    a.output or a.output_lora, [f for _, f in ins],
                    a.spill_dir) if a.spill_dir else None
-    a.run = _outputs(a)
+    # across ranks, rank 0 alone locks and writes the output
+    a.run = _outputs(a) if a.ranks.root else None
     cal, ids = _calibration(a, q)
     tuned = a.source_tuned
     if a.lora:
@@ -936,7 +937,11 @@ def _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp=None):
     with StreamedFit(a.source, tuned, a.target, cal.batches, cal.held_out,
                      dtype=dt, threads=a.threads,
                      budget=int(a.memory_budget * 2 ** 20), spill_dir=spill,
-                     log=log) as sf:
+                     log=log, ranks=a.ranks) as sf:
+        if a.ranks.size > 1:
+            _log(q, "ranks: %d processes (gloo), the %d calibration batches "
+                 "and %d held out shared among them; rank 0 writes"
+                 % (a.ranks.size, len(cal.batches), len(cal.held_out)))
         _streamed_estimate(a, q, sf, cal)
         best, per = command_fit(sf, a.ridge, a.alpha, GRID, kind, a.rank,
                                 saves, log, progress)
@@ -945,6 +950,8 @@ def _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp=None):
             dist = _streamed_distill(a, dt, q, cal, tuned, spill, tmp)
             per[2] = dist[2].per_window
         chosen, means = _choose_route(per, log)
+        if not a.ranks.root:      # the choice is the same on every rank
+            return
         w = opts.vocab_warning(means[0], sf.run.B.cfg["V"], (
             "--text %s" % a.text) if a.text else ("--ids %s" % a.ids), prog)
         if w:
@@ -1058,9 +1065,46 @@ def _prepared(fn, *args):
 
 
 def _route_streamed(a, dt, q, prog, tmp):
-    """--method fit or auto, the models streamed from their folders."""
-    cal, tuned, spill = _prepared(_prepare_streamed, a, tmp, q)
+    """--method fit or auto, the models streamed from their folders
+    (across the ranks of a.ranks: every rank's preparation must succeed
+    before any runs)."""
+    try:
+        cal, tuned, spill = _prepared(_prepare_streamed, a, tmp, q)
+    except _Refused as r:
+        a.ranks.agree(_outcome(r.error))
+        raise
+    other = a.ranks.agree(None)
+    if other is not None:      # another rank refused: the same end here
+        rank, (usage, status, msg) = other
+        msg = "rank %d: %s" % (rank, msg)
+        raise _Refused(opts.UsageError(msg) if usage else
+                       BicoError(status, msg))
     _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp)
+
+
+def _outcome(e):
+    """A refusal as the other ranks are told it: (a user's mistake,
+    status, message)."""
+    if isinstance(e, BicoError):
+        return False, e.status, e.message
+    return isinstance(e, opts.UsageError), E_IO, str(e)
+
+
+def _ranks(a):
+    """The ranks the run is shared among (bico.llm.ranks): one process,
+    or under torchrun (WORLD_SIZE > 1) a gloo process group, for the
+    streamed fit only."""
+    from .ranks import Ranks, world_size, join
+    n = world_size()
+    if n > 1:
+        if not (_streamed(a) and a.method == "fit"):
+            raise opts.UsageError(
+                "under torchrun (WORLD_SIZE %d) only the streamed fit runs "
+                "across processes: give --method fit (without --in-memory, "
+                "--transformers or --device cuda), or run in one process"
+                % n)
+        join()
+    return Ranks(world=n > 1)
 
 
 def _route_teacher_streamed(a, dt, q, prog, tmp):
@@ -1107,12 +1151,16 @@ def main(argv=None, prog="python3 -m bico.llm"):
     _on_signals()
     tmp = _scratch()
     try:
+        a.ranks = _prepared(_ranks, a)
+        if not a.ranks.root:     # rank 0 speaks for the run
+            a.quiet = q = True
         route = (_route_streamed if _streamed(a) else
                  _route_teacher_streamed if _streamed_teacher(a) else
                  _route_in_memory)
         route(a, dt, q, prog, tmp)
         run, a.run = a.run, None
-        run.__exit__(None, None, None)          # the output swapped in
+        if run is not None:                     # (rank 0 of several)
+            run.__exit__(None, None, None)      # the output swapped in
         _log(q, "done in %.1f s" % (time.time() - t0))
         return 0
     except _Refused as r:

@@ -171,6 +171,12 @@ class SpillStore(object):
     def keys(self):
         return list(self.mem) + list(self.disk)
 
+    def shape(self, key):
+        """The shape of a stored tensor (nothing read)."""
+        if key in self.mem:
+            return tuple(self.mem[key].shape)
+        return self.disk[key][3]
+
     def close(self):
         self.mem.clear()
         self.disk.clear()

@@ -55,7 +55,8 @@ def fit_blocks(run, ridge, alpha=1.0, sink=None, report=None, rank=False,
         _fit_run(0, host.layer, None, host.update, ridge=ridge, ctx=run.ctx,
                  rank=rank, blocks=run.B.L, block_begin=host.block_begin,
                  block_end=host.block_end, group=host.group,
-                 rows_group=host.rows_group)
+                 rows_group=host.rows_group,
+                 solve=host.solve if run.ranks.size > 1 else None)
     finally:
         host.close()
     return host
@@ -150,22 +151,37 @@ class _StreamHost(object):
         else the library's thin solve from the rows (never the d_A x d_B
         statistic, nor its solve's workspace: its identified part is the
         statistic's map, its completion the rows' QR basis)."""
-        n = sum(len(a) for a in ga)
+        ranks = self.run.ranks
+        n = ranks.total(sum(len(a) for a in ga))
         da, db = ga[0].shape[1], gb[0].shape[1]
         if n > min(da, db):
             xc = XCov(da, db, ctx=self.run.ctx)
             try:
                 for a, b in zip(ga, gb):
                     xc.add(a, b)
-                return _out_map32(self.proc.solve(xc)[0])
+                m = ranks.xcov_root(xc)   # the ranks' sum, on rank 0
+                return ranks.from_root(
+                    lambda: (_out_map32(self.proc.solve(m)[0]),))[0]
             finally:
                 xc.close()
-        xa, xb = np.concatenate(ga), np.concatenate(gb)
+        # every rank's rows, in the batches' order
+        pairs = ranks.gather(list(zip(self.run.batch_ids, zip(ga, gb))))
         del ga[:], gb[:]
-        return _out_map32(self.proc.solve_rows(xa, xb)[0])
+        xa = np.concatenate([a for a, _ in pairs])
+        xb = np.concatenate([b for _, b in pairs])
+        del pairs
+        return ranks.from_root(
+            lambda: (_out_map32(self.proc.solve_rows(xa, xb)[0]),))[0]
 
     def group(self, l):
         return self.cur["groups"][l]
+
+    def solve(self, l, fit, want_rank):
+        """The driver's solve across ranks: the ranks' statistics summed
+        and solved on rank 0, the update sent to every rank
+        (bico.llm.ranks)."""
+        it = self.info[l]
+        return self.run.ranks.fit_solve(fit, it["w"], it["b"], want_rank)
 
     def layer(self, l):
         cur = self.cur
@@ -200,7 +216,7 @@ class _StreamHost(object):
                 db_ = _carry(dd.numpy(), cur["r_out"][n], self.alpha)
                 f.add(np.ascontiguousarray(x1), np.ascontiguousarray(x0),
                       db_)
-            it["rows"] = int(f.rows)
+            it["rows"] = run.ranks.total(int(f.rows))   # every rank's
             it["group"] = g
             cur["d"][n] = None
             cur["r_out"][n] = None

@@ -67,7 +67,12 @@ class Result(object):
             ob = self.run.B.tensor(name + ".bias")
             self.ss[name + ".bias"] = float(
                 (info["bias"].double() - ob.double()).pow(2).sum())
-        b, a = balanced_pair(delta, self.rank, _gram(delta, info["inputs"]))
+        ranks = self.run.ranks
+        kind, g = _gram(delta, info["inputs"])
+        g = ranks.sum_root(g)   # over every rank's rows
+        b, a = ranks.from_root(lambda: tuple(
+            t.numpy() for t in balanced_pair(delta, self.rank, (kind, g))))
+        b, a = torch.from_numpy(b), torch.from_numpy(a)
         store.put(p + "pairB/" + name, b)
         store.put(p + "pairA/" + name, a)
         self.pairs[name] = (p + "pairB/" + name, p + "pairA/" + name)

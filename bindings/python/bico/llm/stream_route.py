@@ -38,14 +38,14 @@ class StreamedFit(object):
 
     def __init__(self, source, tuned, target, batches, held=(),
                  dtype=torch.float32, threads=None, budget=DEFAULT_BUDGET,
-                 spill_dir=None, log=None, alpha=1.0):
+                 spill_dir=None, log=None, alpha=1.0, ranks=None):
         if threads is None:
             threads = torch.get_num_threads()
         torch.set_num_threads(int(threads))
         self.log = log or (lambda line: None)
         self.run = Run(source, tuned, target, batches, held, dtype=dtype,
                        threads=threads, budget=budget, spill_dir=spill_dir,
-                       log=self.log, alpha=alpha)
+                       log=self.log, alpha=alpha, ranks=ranks)
         self.fits = 0
         self.times = {}
         try:
@@ -74,10 +74,29 @@ class StreamedFit(object):
 
     def score(self, result, grid, held=None, windows=None):
         """{alpha: [(mean next-token loss, tokens) per held-out batch]};
-        windows (a dict) gets each alpha's per-window losses."""
+        windows (a dict) gets each alpha's per-window losses.  Across
+        ranks, each scores its share of the batches and every rank gets
+        all of them, in order."""
         t0 = time.time()
-        out = _out.score(result, held if held is not None else self.run.held,
-                         grid, windows=windows)
+        ranks = self.run.ranks
+        if held is None:
+            ids, held = self.run.held_ids, self.run.held
+        else:
+            mine = ranks.share(held, "held-out batches")
+            ids, held = [i for i, _ in mine], [b for _, b in mine]
+        win = {}
+        out = _out.score(result, held, grid, windows=win)
+        for a in list(out):
+            out[a] = ranks.gather(list(zip(ids, out[a])))
+            # a batch's windows together, then in the batches' order
+            per, k = [], 0
+            for x, _ in held:
+                per.append(win[a][k:k + x.shape[0]])
+                k += x.shape[0]
+            win[a] = [w for part in ranks.gather(list(zip(ids, per)))
+                      for w in part]
+        if windows is not None:
+            windows.update(win)
         self.times["score"] = self.times.get("score", 0) + time.time() - t0
         return out
 

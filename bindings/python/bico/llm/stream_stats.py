@@ -46,13 +46,16 @@ LOGITS_BUDGET = 64 << 20
 class Run(object):
     """What every streamed sweep works with: the folders (A, At: the tuned
     source, B), their pairing and depth map, the batches ((ids, next ids)
-    pairs) and held-out batches, the spill store, the library's context
-    (threads), the compute dtype and a log function."""
+    pairs) and held-out batches (this rank's share, their indices in
+    batch_ids and held_ids: bico.llm.ranks), the spill store, the
+    library's context (threads), the compute dtype and a log function."""
 
     def __init__(self, source, tuned, target, batches, held=(),
                  dtype=torch.float32, threads=None, budget=None,
                  spill_dir=None, logits_budget=LOGITS_BUDGET, log=None,
-                 alpha=1.0):
+                 alpha=1.0, ranks=None):
+        from .ranks import Ranks
+        self.ranks = Ranks() if ranks is None else ranks
         self.dtype = dtype
         self.alpha = float(alpha)  # the scale BiCo carries norms etc. at
         self.A = Folder(source, dtype)
@@ -71,10 +74,18 @@ class Run(object):
             raise BicoError(E_ARG, "%s / %s: no decoder blocks found"
                             % (source, target))
         self.depth = self.pairing.depth
-        self.batches = [_check_batch(b, i) for i, b in enumerate(batches)]
-        self.held = [_check_batch(b, i) for i, b in enumerate(held)]
-        if not self.batches:
+        batches = [_check_batch(b, i) for i, b in enumerate(batches)]
+        held = [_check_batch(b, i) for i, b in enumerate(held)]
+        if not batches:
             raise BicoError(E_ARG, "no calibration batches")
+        # this rank's share (all of them in one process), with the
+        # batches' indices in the whole list
+        mine = self.ranks.share(batches)
+        self.batch_ids = [i for i, _ in mine]
+        self.batches = [b for _, b in mine]
+        mine = self.ranks.share(held, "held-out batches")
+        self.held_ids = [i for i, _ in mine]
+        self.held = [b for _, b in mine]
         kw = {} if budget is None else {"budget": budget}
         self.store = SpillStore(folder=spill_dir, **kw)
         self.threads = threads
@@ -171,6 +182,7 @@ def forward_sweep(run):
         if at == s:
             at += 1
         p = "model.layers.%d." % j
+        xin, xmid = run.ranks.xcov_all(xin), run.ranks.xcov_all(xmid)
         stats = {p + "input_layernorm": xin,
                  p + "post_attention_layernorm": xmid}
         names = [p + "input_layernorm.weight",
@@ -205,9 +217,10 @@ def _carry_tail(run):
             xn.add(_rows(ha), _rows(hb))
             if xh is not None:
                 xh.add(_rows(na(ha)), _rows(nb(hb)))
+    xn = run.ranks.xcov_all(xn)
     stats, names = {"model.norm": xn}, ["model.norm.weight"]
     if xh is not None:
-        stats["lm_head"] = xh
+        stats["lm_head"] = run.ranks.xcov_all(xh)
         names.append("lm_head.weight")
     carry(run, names, stats)
 
@@ -256,7 +269,23 @@ def carry(run, names, stats):
     finally:
         for xc in stats.values():
             xc.close()
+    if run.ranks.size > 1:   # carried from the same bytes on every rank
+        run.ranks.same("the carried values of %s" % ", ".join(sorted(got)),
+                       [x for n in sorted(got) for x in
+                        _pieces(run.store, run.carried[n])])
     return got
+
+
+def _pieces(store, key, rows=8192):
+    """A stored tensor a piece of rows at a time (a table is never read
+    whole)."""
+    shape = store.shape(key)
+    if len(shape) != 2:
+        yield store.get(key)
+        return
+    n = shape[0]
+    for r0 in range(0, n, rows):
+        yield store.slice(key, r0, min(n, r0 + rows))
 
 
 def _carry_rows(run, key, name, upd, chunk_bytes=64 << 20):
