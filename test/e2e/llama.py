@@ -27,6 +27,7 @@ exactly the same function, built only from true symmetries:
 `transform(sd, sym)` applies it to a state dict (a model or a task vector:
 the maps are linear)."""
 import math
+import os
 
 import torch
 
@@ -274,3 +275,23 @@ def write_folder(path, cfg, sd, dtype=torch.float32, config=True):
     """A Hugging Face model folder (planted.write_folder)."""
     import planted as pl
     pl.write_folder(path, cfg, sd, dtype, config)
+
+
+def random_pair(d, gen, V, a=(16, 24, 3), b=(24, 40, 2), tied=False,
+                batches=(6, 4, 17), scale=0.05):
+    """Folders d/A, d/A_ft (A plus scale x noise in every tensor) and d/B
+    of random Llama models (F32, GQA 4/2 heads, no biases; a and b:
+    hidden size, MLP size, layers), and calibration batches of random
+    ids (n batches x windows x tokens, as (ids, next ids) pairs)."""
+    cfg = [default_config(vocab_size=V, hidden_size=h, intermediate_size=f,
+                          num_hidden_layers=L, num_attention_heads=4,
+                          num_key_value_heads=2, tie_word_embeddings=tied)
+           for h, f, L in (a, b)]
+    sa = random_state(cfg[0], gen)
+    sft = {k: v + scale * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+           for k, v in sa.items()}
+    for name, c, sd in (("A", cfg[0], sa), ("A_ft", cfg[0], sft),
+                        ("B", cfg[1], random_state(cfg[1], gen))):
+        write_folder(os.path.join(str(d), name), c, sd)
+    ids = torch.randint(0, V, batches, generator=gen)
+    return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in ids]

@@ -33,23 +33,9 @@ GRID = [0.0, 0.5, 1.0]
 
 
 def _folders(d, tied, seed):
-    g = torch.Generator().manual_seed(seed)
-    ca = llama.default_config(vocab_size=48, hidden_size=16,
-                              intermediate_size=24, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2,
-                              tie_word_embeddings=tied)
-    cb = llama.default_config(vocab_size=48, hidden_size=24,
-                              intermediate_size=40, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=2,
-                              tie_word_embeddings=tied)
-    sa = llama.random_state(ca, g)
-    sft = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)
-           for k, v in sa.items()}
-    for name, cfg, sd in (("A", ca, sa), ("A_ft", ca, sft),
-                          ("B", cb, llama.random_state(cb, g))):
-        llama.write_folder(str(d / name), cfg, sd)
-    ids = torch.randint(0, 48, (8, 3, 13), generator=g)
-    return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in ids]
+    return llama.random_pair(d, torch.Generator().manual_seed(seed), 48,
+                             a=(16, 24, 2), b=(24, 40, 3), tied=tied,
+                             batches=(8, 3, 13))
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +73,25 @@ def _run(d, batches, size, tmp, kind="model", ridge=1e-2, n_held=2,
         procs.append(subprocess.Popen(
             [sys.executable, CHILD, str(d), spec, out], env=e,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    res = []
+    res = [(rc, e.decode()) for rc, _, e in _wait(procs, timeout)]
+    outs = [torch.load("%s.%d" % (out, r)) if os.path.exists(
+        "%s.%d" % (out, r)) else None for r in range(size)]
+    return res, outs
+
+
+def _wait(procs, timeout):
+    """[(exit status, stdout, stderr)] of the ranks' processes; all killed
+    if one takes longer than timeout seconds."""
+    out = []
     for p in procs:
         try:
-            o, err = p.communicate(timeout=timeout)
+            o, e = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             raise AssertionError("a rank did not finish in %d s" % timeout)
-        res.append((p.returncode, err.decode()))
-    outs = [torch.load("%s.%d" % (out, r)) if os.path.exists(
-        "%s.%d" % (out, r)) else None for r in range(size)]
-    return res, outs
+        out.append((p.returncode, o, e))
+    return out
 
 
 def _close(a, b, rel=1e-5):
@@ -275,16 +268,7 @@ def _launch(args, size, cwd, timeout=300):
             [sys.executable, "-m", "bico.llm"] + args, cwd=str(cwd),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True))
-    out = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank did not finish")
-        out.append((p.returncode, o, e))
-    return out
+    return _wait(procs, timeout)
 
 
 def _bf16_close(a, b):

@@ -55,23 +55,8 @@ def pair(tmp_path_factory):
 def untied(tmp_path_factory):
     """A Llama pair with untied heads (F32 folders, GQA, no biases)."""
     d = tmp_path_factory.mktemp("untied")
-    g = torch.Generator().manual_seed(5)
-    ca = llama.default_config(vocab_size=64, hidden_size=16,
-                              intermediate_size=24, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=2,
-                              tie_word_embeddings=False)
-    cb = llama.default_config(vocab_size=64, hidden_size=24,
-                              intermediate_size=40, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2,
-                              tie_word_embeddings=False)
-    sa = llama.random_state(ca, g)
-    sft = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)
-           for k, v in sa.items()}
-    for name, cfg, sd in (("A", ca, sa), ("A_ft", ca, sft),
-                          ("B", cb, llama.random_state(cb, g))):
-        llama.write_folder(str(d / name), cfg, sd)
-    ids = torch.randint(0, 64, (6, 4, 17), generator=g)
-    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in ids]
+    batches = llama.random_pair(d, torch.Generator().manual_seed(5), 64,
+                                a=(16, 24, 3), b=(24, 40, 2))
     return d, batches
 
 
