@@ -5,13 +5,19 @@
 # (test/fuzz/regressions/<t>/) are only read; new inputs go to
 # build/fuzz/<t>/corpus, crash files to build/fuzz/<t>/.  A summary line per
 # target goes to build/fuzz/summary.txt.  Exits 1 if any target crashed.
+# FUZZ_JOBS targets run at once (default: the number of CPUs), each on
+# one core for SECONDS.
 set -u
 secs=$1; shift
 summary=build/fuzz/summary.txt
 mkdir -p build/fuzz
 : > "$summary"
-failed=""
-for t in "$@"; do
+jobs_max=${FUZZ_JOBS:-$(nproc 2>/dev/null || echo 1)}
+[ "$jobs_max" -ge 1 ] 2>/dev/null || jobs_max=1
+
+# One target: its log, summary line and exit status under build/fuzz/<t>/.
+fuzz_one() {
+  t=$1
   bin=build/fuzz/bin/$t
   work=build/fuzz/$t
   rm -rf "$work"; mkdir -p "$work/corpus"
@@ -40,9 +46,23 @@ for t in "$@"; do
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log.txt" | tail -1)
   corpus=$(ls "$work/corpus" | wc -l)
   cov=$(grep -o 'cov: [0-9]*' "$work/log.txt" | tail -1 | sed 's/cov: //')
-  line="$t: rc=$rc seconds=$secs executions=${execs:-?} seeds=$seeds corpus_after=$corpus coverage_edges=${cov:-?}"
-  echo "$line" | tee -a "$summary"
-  if [ $rc -ne 0 ]; then
+  echo "$t: rc=$rc seconds=$secs executions=${execs:-?} seeds=$seeds corpus_after=$corpus coverage_edges=${cov:-?}" > "$work/summary"
+  echo $rc > "$work/rc"
+}
+
+n=0
+for t in "$@"; do
+  fuzz_one "$t" &
+  n=$((n + 1))
+  if [ $n -ge "$jobs_max" ]; then wait; n=0; fi
+done
+wait
+failed=""
+for t in "$@"; do
+  work=build/fuzz/$t
+  tee -a "$summary" < "$work/summary"
+  rc=$(cat "$work/rc" 2>/dev/null || echo 1)
+  if [ "$rc" -ne 0 ]; then
     failed="$failed $t"
     tail -n 60 "$work/log.txt"
     ls "$work"/crash-* "$work"/leak-* "$work"/oom-* "$work"/timeout-* 2>/dev/null
