@@ -745,31 +745,33 @@ def choose_scale(model, base, per, scales=SCALES):
     buffers) are the model's.  Leaves model in the chosen state; returns
     (s, {s: mean held-out loss})."""
     scales = sorted(set(float(s) for s in scales) | {1.0})
-    new = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    live = model.state_dict()     # the model's own tensors
+    new = {k: v.detach().clone() for k, v in live.items()
+           if v.is_floating_point()}
     per_s, means = {}, {}
     try:
         for s in scales:
-            if s != 1.0:
-                model.load_state_dict(_moved(base, new, s))
+            _move(live, base, new, s)
             per_s[s] = per(model)
             means[s] = sum(per_s[s]) / len(per_s[s])
         best = pick(means, per_s, rule="least-or-zero", zero=1.0)
     except BaseException:
-        model.load_state_dict(new)
+        _move(live, base, new, 1.0)
         raise
-    model.load_state_dict(new if best == 1.0 else _moved(base, new, best))
+    _move(live, base, new, best)
     return best, means
 
 
-def _moved(base, new, s):
-    out = {}
-    for k, v in new.items():
-        if v.is_floating_point():
+def _move(live, base, new, s):
+    """The model's floating tensors (live) set to base + s (new - base),
+    computed in double a tensor at a time (new itself at s = 1)."""
+    with torch.no_grad():
+        for k, v in new.items():
+            if s == 1.0:
+                live[k].copy_(v)
+                continue
             b = base[k].to(v.device, torch.float64)
-            out[k] = (b + s * (v.double() - b)).to(v.dtype)
-        else:
-            out[k] = v
-    return out
+            live[k].copy_((b + s * (v.double() - b)).to(v.dtype))
 
 
 class _Live(object):
