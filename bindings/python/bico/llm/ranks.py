@@ -34,7 +34,7 @@ import hashlib
 import numpy as np
 import torch
 
-from .._status import BicoError, E_ARG, E_NUMERIC, E_STATE
+from .._status import BicoError, E_ARG, E_IO, E_NUMERIC, E_STATE
 
 __all__ = ["Ranks", "world_size", "join"]
 
@@ -295,9 +295,32 @@ _TORCH = {np.dtype(np.float32).str: torch.float32,
 
 
 def _dist():
+    """torch.distributed, its calls' failures (a rank that stopped: the
+    peer's connection closed, a timeout) raised as BicoError; None
+    without it."""
     try:
         import torch.distributed as dist
     except ImportError:   # a PyTorch built without it
         return None
-    return dist if dist.is_available() else None
+    return _Guarded(dist) if dist.is_available() else None
+
+
+class _Guarded(object):
+    def __init__(self, mod):
+        self._mod = mod
+
+    def __getattr__(self, name):
+        f = getattr(self._mod, name)
+        if not callable(f):
+            return f
+
+        def call(*a, **kw):
+            try:
+                return f(*a, **kw)
+            except RuntimeError as e:
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise BicoError(E_IO, "torch.distributed %s across the "
+                                "ranks failed (another rank stopped?): %s"
+                                % (name, first))
+        return call
 
