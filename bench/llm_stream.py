@@ -19,6 +19,13 @@ run on synthetic model folders in a child process under /usr/bin/time -v
       both sides, vocabulary 2048, 16 windows of 128 tokens: the run at 1
       and 2 layers, the difference is one block's cost.
 
+  bench/llm_stream.py ranks [--ranks 1,2] [--layers-b N] [--windows W]
+      the depth case's pair (target of N layers, default 4) with --output
+      (a model folder), run as R processes of the streamed fit across
+      ranks (bico.llm.ranks; torchrun's variables set by this script),
+      each with threads/R threads, batches of 2 windows: the wall time,
+      each rank's peak and their sum, beside R = 1.
+
   bench/llm_stream.py arith | scaleout
       no runs: what a streamed run holds at each phase's peak
       (docs/performance.md section 8); what the routes across ranks
@@ -217,6 +224,58 @@ def scale(work, layers_b, windows, in_memory, threads):
         line("scale", side, layers_b, wall, peak, size)
 
 
+def ranks(work, counts, layers_b, windows, threads):
+    """The streamed fit across R ranks on one machine (see the doc)."""
+    import socket
+    print("## ranks: the depth pair (512 wide, MLP 1376, vocabulary 2048, "
+          "F32), source 4 layers, target %d; %d windows of 128 tokens in "
+          "batches of 2; --output (a model folder); %d threads in all"
+          % (layers_b, windows, threads))
+    print("%6s %9s %16s %13s %8s" % ("ranks", "wall s", "peak MB by rank",
+                                      "peak MB sum", "speedup"), flush=True)
+    t = ids(os.path.join(work, "ids-2048-%d.npy" % windows),
+            windows * 128 + 1, DEPTH["V"])
+    a, b, size = pair(work, "depth", dict(DEPTH, L=4), DEPTH, layers_b,
+                      "F32")
+    base = None
+    for R in counts:
+        out = os.path.join(work, "out-ranks%d" % R)
+        cmd = [PY, "-m", "bico.llm", "--method", "fit", "--source", a,
+               "--source-tuned", a + "_ft", "--target", b, "--ids", t,
+               "--output", out + "/", "--batch-size", "2", "--quiet",
+               "--threads", str(max(1, threads // R))]
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            port = so.getsockname()[1]
+        procs, t0 = [], time.time()
+        for r in range(R):
+            env = dict(os.environ, PYTHONPATH=os.path.join(
+                ROOT, "bindings", "python"), BICO_BUILD=os.environ.get(
+                "BICO_BUILD") or os.path.join(ROOT, "build"))
+            if R > 1:
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           RANK=str(r), LOCAL_RANK=str(r),
+                           WORLD_SIZE=str(R))
+            procs.append(subprocess.Popen(
+                ["/usr/bin/time", "-v"] + cmd, env=env, text=True,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        peaks, ok = [], True
+        for p in procs:
+            err = p.communicate()[1]
+            m = re.search(r"Maximum resident set size \(kbytes\): (\d+)",
+                          err)
+            peaks.append(int(m.group(1)) / 1024.0 if m else float("nan"))
+            if p.returncode != 0:
+                ok = False
+                print("# ranks %d failed (%d): %s" % (R, p.returncode,
+                                                      err[-1500:]))
+        wall = time.time() - t0
+        base = wall if base is None else base
+        print("%6d %9.1f %16s %13.0f %8.2f%s" % (
+            R, wall, "/".join("%.0f" % x for x in peaks), sum(peaks),
+            base / wall, "" if ok else "  (failed)"), flush=True)
+
+
 def block(work, layers, threads):
     print("## block: a 7B-shaped block (hidden 4096, MLP 14336, 32/8 heads "
           "of 128) on both sides, vocabulary 2048, bf16 folders; 16 "
@@ -402,7 +461,8 @@ def _rows_and_flops(src, tgt, n):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("case", choices=("depth", "scale", "block", "arith",
-                                      "scaleout"))
+                                      "scaleout", "ranks"))
+    p.add_argument("--ranks", default="1,2")
     p.add_argument("--work", default=os.path.join(ROOT, "build",
                                                   "llm_stream"))
     p.add_argument("--in-memory", action="store_true")
@@ -429,6 +489,9 @@ def main(argv=None):
         depth(a.work, a.in_memory, a.threads)
     elif a.case == "scale":
         scale(a.work, a.layers_b, a.windows, a.in_memory, a.threads)
+    elif a.case == "ranks":
+        ranks(a.work, [int(x) for x in a.ranks.split(",")],
+              4 if a.layers_b == 28 else a.layers_b, a.windows, a.threads)
     else:
         block(a.work, [int(x) for x in a.layers.split(",")], a.threads)
 

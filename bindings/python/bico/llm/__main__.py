@@ -8,4 +8,14 @@ except ImportError as e:
     from .._deps import missing
     missing(e, "python3 -m bico.llm")
 
-sys.exit(main())
+try:
+    status = main()
+except BaseException as e:
+    # a rank of several ends without the process group's teardown
+    # (bico.llm.ranks.leave); one process ends as Python ends it
+    from .ranks import leave
+    leave(e)
+    raise
+from .ranks import leave
+leave(status)
+sys.exit(status)

@@ -36,7 +36,7 @@ import torch
 
 from .._status import BicoError, E_ARG, E_IO, E_NUMERIC, E_STATE
 
-__all__ = ["Ranks", "world_size", "join"]
+__all__ = ["Ranks", "world_size", "join", "leave"]
 
 
 class Ranks(object):
@@ -287,6 +287,38 @@ def join():
                         "torch.distributed with gloo")
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+
+
+def leave(outcome):
+    """Ends a process that joined a process group of several ranks at once
+    (os._exit, after its output is flushed and an exception's traceback
+    printed): torch.distributed's threads, torn down by the interpreter's
+    exit while a peer is gone, can abort the process ("terminate called
+    without an active exception", seen once in CI after a refusal).
+    outcome: the exit status, or the exception that ends the command.
+    Returns (nothing done) in a process that did not join."""
+    import os
+    import sys
+    import traceback
+    dist = _dist()
+    if dist is None or not dist.is_initialized() or \
+            dist.get_world_size() < 2:
+        return
+    if isinstance(outcome, BaseException):
+        if isinstance(outcome, SystemExit):
+            code = outcome.code if isinstance(outcome.code, int) else 1
+        else:
+            traceback.print_exception(type(outcome), outcome,
+                                      outcome.__traceback__)
+            code = 1
+    else:
+        code = int(outcome or 0)
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 _TORCH = {np.dtype(np.float32).str: torch.float32,
