@@ -60,7 +60,8 @@ wait
 failed=""
 for t in "$@"; do
   work=build/fuzz/$t
-  tee -a "$summary" < "$work/summary"
+  if [ -f "$work/summary" ]; then tee -a "$summary" < "$work/summary"
+  else echo "$t: no result (its run did not finish)" | tee -a "$summary"; fi
   rc=$(cat "$work/rc" 2>/dev/null || echo 1)
   if [ "$rc" -ne 0 ]; then
     failed="$failed $t"

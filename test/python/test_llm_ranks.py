@@ -190,8 +190,11 @@ r = Ranks(world=True)
 R = r.size
 assert r.total(r.rank + 1) == R * (R + 1) // 2
 # gather: the values in the order of their global indices
-mine = r.share(list(range(10)), "items")
+mine = r.share(list(range(10)))
 assert r.gather([(i, x * x) for i, x in mine]) == [x * x for x in range(10)]
+g = r.gather_root([(i, -x) for i, x in mine])
+assert (g is None) == (r.rank != 0)
+assert g is None or g == [-x for x in range(10)]
 # from_root: rank 0's arrays everywhere
 a, none, b = r.from_root(lambda: (np.arange(6.0).reshape(2, 3), None,
                                   np.array([7], dtype=np.int64)))

@@ -4,18 +4,17 @@ import sys
 
 try:
     from .command import main
+    from .ranks import leave
 except ImportError as e:
     from .._deps import missing
     missing(e, "python3 -m bico.llm")
 
+# a rank of several ends without the process group's teardown
+# (bico.llm.ranks.leave); one process ends as Python ends it
 try:
     status = main()
 except BaseException as e:
-    # a rank of several ends without the process group's teardown
-    # (bico.llm.ranks.leave); one process ends as Python ends it
-    from .ranks import leave
     leave(e)
     raise
-from .ranks import leave
 leave(status)
 sys.exit(status)

@@ -63,12 +63,12 @@ class Ranks(object):
         prints)."""
         return self.rank == 0
 
-    def share(self, items, what="calibration batches"):
+    def share(self, items, need_one=False):
         """[(global index, item)] of this rank's share: every size-th item
-        from the rank's own index."""
+        from the rank's own index.  need_one: refused unless every rank
+        gets one (the calibration batches)."""
         items = list(items)
-        if self.size > 1 and what == "calibration batches" and \
-                len(items) < self.size:
+        if need_one and len(items) < self.size:
             raise BicoError(E_ARG, "%d calibration batches for %d ranks: "
                             "each rank needs at least one (more windows, "
                             "or fewer ranks)" % (len(items), self.size))
@@ -103,10 +103,18 @@ class Ranks(object):
     def gather(self, indexed):
         """[(global index, value)] of every rank -> the values in the order
         of their indices, on every rank."""
+        parts = [list(indexed)] if self.size == 1 else \
+            self._objects(list(indexed))
+        return _in_order(parts)
+
+    def gather_root(self, indexed):
+        """gather() on rank 0 only (None on the others: nothing sent to
+        them)."""
         if self.size == 1:
-            return [v for _, v in sorted(indexed, key=lambda p: p[0])]
-        allv = [p for part in self._objects(list(indexed)) for p in part]
-        return [v for _, v in sorted(allv, key=lambda p: p[0])]
+            return _in_order([list(indexed)])
+        out = [None] * self.size if self.root else None
+        _dist().gather_object(list(indexed), out, 0, group=self.group)
+        return _in_order(out) if self.root else None
 
     def _send_bytes(self, data, dst):
         d = _dist()
@@ -115,6 +123,17 @@ class Ranks(object):
         if data:
             d.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst,
                    group=self.group)
+
+    def _bcast_bytes(self, data):
+        """Rank 0's bytes (data there; ignored elsewhere) on every rank."""
+        d = _dist()
+        n = torch.tensor([len(data) if self.root else 0], dtype=torch.int64)
+        d.broadcast(n, src=0, group=self.group)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) \
+            if self.root else torch.empty(int(n[0]), dtype=torch.uint8)
+        if buf.numel():
+            d.broadcast(buf, src=0, group=self.group)
+        return data if self.root else buf.numpy().tobytes()
 
     def _recv_bytes(self, src):
         d = _dist()
@@ -192,21 +211,12 @@ class Ranks(object):
             return xc
         from .._xcov import XCov
         m = self.xcov_root(xc)
-        d = _dist()
-        if self.root:
-            data = m.to_bytes()
-            n = torch.tensor([len(data)], dtype=torch.int64)
-        else:
-            n = torch.zeros(1, dtype=torch.int64)
-        d.broadcast(n, src=0, group=self.group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) \
-            if self.root else torch.empty(int(n[0]), dtype=torch.uint8)
-        d.broadcast(buf, src=0, group=self.group)
+        data = self._bcast_bytes(m.to_bytes() if self.root else b"")
         if self.root:
             return m
         ctx = xc.ctx
         xc.close()
-        return XCov.from_bytes(buf.numpy().tobytes(), ctx)
+        return XCov.from_bytes(data, ctx)
 
     def fit_solve(self, fit, w, b, want_rank):
         """(dw, db, rank) of one layer from the sum of the ranks' fit
@@ -262,10 +272,6 @@ class Ranks(object):
                 return r, o
         return None
 
-    def barrier(self):
-        if self.size > 1:
-            _dist().barrier(group=self.group)
-
 
 def world_size():
     """The number of processes torchrun started (WORLD_SIZE; 1 without
@@ -319,6 +325,12 @@ def leave(outcome):
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _in_order(parts):
+    """The values of [(global index, value)] lists in index order."""
+    return [v for _, v in sorted((p for part in parts for p in part),
+                                 key=lambda p: p[0])]
 
 
 _TORCH = {np.dtype(np.float32).str: torch.float32,

@@ -164,14 +164,13 @@ class _StreamHost(object):
                     lambda: (_out_map32(self.proc.solve(m)[0]),))[0]
             finally:
                 xc.close()
-        # every rank's rows, in the batches' order
-        pairs = ranks.gather(list(zip(self.run.batch_ids, zip(ga, gb))))
+        # every rank's rows, in the batches' order, solved on rank 0
+        pairs = ranks.gather_root(list(zip(self.run.batch_ids,
+                                           zip(ga, gb))))
         del ga[:], gb[:]
-        xa = np.concatenate([a for a, _ in pairs])
-        xb = np.concatenate([b for _, b in pairs])
-        del pairs
-        return ranks.from_root(
-            lambda: (_out_map32(self.proc.solve_rows(xa, xb)[0]),))[0]
+        return ranks.from_root(lambda: (_out_map32(self.proc.solve_rows(
+            np.concatenate([a for a, _ in pairs]),
+            np.concatenate([b for _, b in pairs]))[0]),))[0]
 
     def group(self, l):
         return self.cur["groups"][l]

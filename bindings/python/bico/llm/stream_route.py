@@ -82,19 +82,19 @@ class StreamedFit(object):
         if held is None:
             ids, held = self.run.held_ids, self.run.held
         else:
-            mine = ranks.share(held, "held-out batches")
+            mine = ranks.share(held)
             ids, held = [i for i, _ in mine], [b for _, b in mine]
         win = {}
         out = _out.score(result, held, grid, windows=win)
         for a in list(out):
-            out[a] = ranks.gather(list(zip(ids, out[a])))
-            # a batch's windows together, then in the batches' order
+            # each batch's loss with its windows', in the batches' order
             per, k = [], 0
-            for x, _ in held:
-                per.append(win[a][k:k + x.shape[0]])
+            for loss, (x, _) in zip(out[a], held):
+                per.append((loss, win[a][k:k + x.shape[0]]))
                 k += x.shape[0]
-            win[a] = [w for part in ranks.gather(list(zip(ids, per)))
-                      for w in part]
+            per = ranks.gather(list(zip(ids, per)))
+            out[a] = [loss for loss, _ in per]
+            win[a] = [w for _, ws in per for w in ws]
         if windows is not None:
             windows.update(win)
         self.times["score"] = self.times.get("score", 0) + time.time() - t0

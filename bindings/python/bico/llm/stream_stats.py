@@ -80,10 +80,10 @@ class Run(object):
             raise BicoError(E_ARG, "no calibration batches")
         # this rank's share (all of them in one process), with the
         # batches' indices in the whole list
-        mine = self.ranks.share(batches)
+        mine = self.ranks.share(batches, need_one=True)
         self.batch_ids = [i for i, _ in mine]
         self.batches = [b for _, b in mine]
-        mine = self.ranks.share(held, "held-out batches")
+        mine = self.ranks.share(held)
         self.held_ids = [i for i, _ in mine]
         self.held = [b for _, b in mine]
         kw = {} if budget is None else {"budget": budget}

@@ -713,13 +713,18 @@ def auto_augment(batch):
     if not _float_input(batch):
         return None
     x = batch[0] if isinstance(batch, (tuple, list)) else batch
-    return compose(mixup(), shift(2)) if x.dim() == 4 else mixup()
+    return _image_augment() if x.dim() == 4 else mixup()
+
+
+def _image_augment():
+    """distill_augment="image": mixup, then shifts of up to 2 pixels."""
+    return compose(mixup(), shift(2))
 
 
 def _augmentation(augment, batch):
     """distill_model's augment as a callable or None (checked)."""
     named = {"auto": lambda: auto_augment(batch), "mixup": mixup,
-             "image": lambda: compose(mixup(), shift(2))}
+             "image": _image_augment}
     if isinstance(augment, str) and augment in named:
         return named[augment]()
     if augment is None or (callable(augment) and
