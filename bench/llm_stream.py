@@ -26,6 +26,12 @@ run on synthetic model folders in a child process under /usr/bin/time -v
       each with threads/R threads, batches of 2 windows: the wall time,
       each rank's peak and their sum, beside R = 1.
 
+  bench/llm_stream.py kernels [--layers-b N] [--repeat K]
+      the depth pair (target of N layers, default 4) with --output,
+      run as the command ran before it chose BLIS's kernels and threads
+      (bico._blis: BICO_BLIS_ARCH=auto BLIS_NUM_THREADS=1) and with its
+      choice, alternated K times (default 2): wall times and their ratio.
+
   bench/llm_stream.py arith | scaleout
       no runs: what a streamed run holds at each phase's peak
       (docs/performance.md section 8); what the routes across ranks
@@ -141,7 +147,14 @@ def measure_phases(cmd, env=None, every=2.0):
 PHASES = []     # --phases: run() samples the resident set per phase
 
 
-def run(work, name, a, b, args, in_memory, threads):
+BLIS_VARS = ("BLIS_ARCH_TYPE", "BLIS_NUM_THREADS", "OMP_NUM_THREADS",
+             "BICO_BLIS_ARCH", "BICO_BLIS_ARCH_CHOSEN")
+
+
+def run(work, name, a, b, args, in_memory, threads, blis=None):
+    """One run of the command; blis: None leaves BLIS's variables as this
+    process has them, else a dict that replaces all of them (the kernels
+    case)."""
     out = os.path.join(work, "out-" + name)
     cmd = [PY, "-m", "bico.llm", "--method", "fit", "--source", a,
            "--source-tuned",
@@ -153,6 +166,9 @@ def run(work, name, a, b, args, in_memory, threads):
                                                    "python"),
                BICO_BUILD=os.environ.get("BICO_BUILD") or
                os.path.join(ROOT, "build"))
+    if blis is not None:
+        env = {k: v for k, v in env.items() if k not in BLIS_VARS}
+        env.update(blis)
     if PHASES:
         cmd.remove("--quiet")
         wall, peak, rc, err = measure_phases(cmd, env)
@@ -294,6 +310,34 @@ def block(work, layers, threads):
         (l1, (w1, _)), (l2, (w2, _)) = sorted(got.items())
         print("# one 7B-shaped block: %.1f s (difference of the %d- and "
               "%d-layer runs)" % ((w2 - w1) / (l2 - l1), l1, l2), flush=True)
+
+
+def kernels(work, layers_b, repeat, threads):
+    """The command as it ran before it chose BLIS's kernels and threads
+    (BICO_BLIS_ARCH=auto: BLIS's own kernels; BLIS_NUM_THREADS=1: what
+    BLIS took when nobody set it) against its own choice (bico._blis),
+    on the depth pair, alternated `repeat` times."""
+    print("## kernels: the depth pair (512 wide, MLP 1376, vocabulary 2048, "
+          "F32), source 4 layers, target %d; 16 windows of 128 tokens; "
+          "--output (a model folder); 'before': BICO_BLIS_ARCH=auto "
+          "BLIS_NUM_THREADS=1, 'chosen': the command's choice" % layers_b)
+    header()
+    t = ids(os.path.join(work, "ids-2048.npy"), 16 * 128 + 1, DEPTH["V"])
+    a, b, size = pair(work, "depth", dict(DEPTH, L=4), DEPTH, layers_b,
+                      "F32")
+    sides = (("before", {"BICO_BLIS_ARCH": "auto",
+                         "BLIS_NUM_THREADS": "1"}), ("chosen", {}))
+    walls = {n: [] for n, _ in sides}
+    for _ in range(repeat):
+        for n, env in sides:
+            wall, peak = run(work, "kernels", a, b,
+                             ["--ids", t, "--output", "OUT/", "--replace"],
+                             False, threads, blis=env)
+            walls[n].append(wall)
+            line("kernels", n, layers_b, wall, peak, size)
+    r = sorted(x / y for x, y in zip(walls["before"], walls["chosen"]))
+    print("# before / chosen wall time, per pair of runs: %s (median %.2f)"
+          % (" ".join("%.2f" % x for x in r), r[len(r) // 2]), flush=True)
 
 
 # ---- the arithmetic: what a streamed run holds, by phase ----
@@ -461,7 +505,8 @@ def _rows_and_flops(src, tgt, n):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("case", choices=("depth", "scale", "block", "arith",
-                                      "scaleout", "ranks"))
+                                      "scaleout", "ranks", "kernels"))
+    p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--ranks", default="1,2")
     p.add_argument("--work", default=os.path.join(ROOT, "build",
                                                   "llm_stream"))
@@ -489,6 +534,9 @@ def main(argv=None):
         depth(a.work, a.in_memory, a.threads)
     elif a.case == "scale":
         scale(a.work, a.layers_b, a.windows, a.in_memory, a.threads)
+    elif a.case == "kernels":
+        kernels(a.work, 4 if a.layers_b == 28 else a.layers_b, a.repeat,
+                a.threads)
     elif a.case == "ranks":
         ranks(a.work, [int(x) for x in a.ranks.split(",")],
               4 if a.layers_b == 28 else a.layers_b, a.windows, a.threads)

@@ -1,8 +1,12 @@
 """python3 -m bico.llm: see bico.llm.command.  Without torch (or numpy)
-one line says which interpreter has them instead of a traceback."""
+one line says which interpreter has them instead of a traceback.  The
+command owns its process: BLIS's kernels and threads are chosen before
+anything starts BLIS (bico._blis; the process may be executed again)."""
 import sys
 
 try:
+    from .. import _blis
+    _blis.own_process(_blis.threads_arg(sys.argv[1:]))
     from .command import main
     from .ranks import leave
 except ImportError as e:

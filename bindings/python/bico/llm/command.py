@@ -35,7 +35,7 @@ import time
 import numpy as np
 import torch
 
-from .. import _heap
+from .. import _blis, _heap
 from .._status import BicoError, E_ARG, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
@@ -356,6 +356,7 @@ def _calibration(a, q):
             "give more text or a smaller --window" % (what, cal.windows,
                                                       a.window))
     held = sum(len(x) for x, _ in cal.held_out)
+    _blis.say(lambda m: _log(q, m))   # its first line, once checked
     _log(q, "calibration: %d windows of %d tokens (%d batches), %d held "
          "out%s" % (cal.windows, a.window, len(cal.batches), held,
                     "; %d of the %d windows the text makes (--windows "

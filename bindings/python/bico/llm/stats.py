@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from .. import _blis
 from .._status import BicoError, E_IO
 from ..torch.collect import collect_statistics
 from . import options as opts
@@ -105,6 +106,7 @@ def _prepare(a, q):
         raise BicoError(e.status, "%s: %s" % (what, e.message))
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)
     load = _transformers_loader() if a.transformers else load_model
+    _blis.say(lambda m: _log(q, m))   # its first line, once checked
     _log(q, "loading %s, %s" % (a.source, a.target))
     src, tgt = (_named(o, f, load, f, dtype=dt) for o, f in (
         ("--source", a.source), ("--target", a.target)))
