@@ -64,7 +64,8 @@ CHILD = textwrap.dedent("""
     with open(sys.argv[1], "a") as f:
         f.write("start\\n")
     from bico import _blis
-    _blis.own_process(int(sys.argv[2]) if sys.argv[2] != "-" else None)
+    _blis.own_process(["--threads", sys.argv[2]] if sys.argv[2] != "-"
+                      else [])
     lib = ctypes.CDLL(ctypes.util.find_library("blis"))
     lib.bli_init()   # (BLIS aborts on a query before it with BLIS_ARCH_TYPE)
     lib.bli_arch_query_id.restype = ctypes.c_int

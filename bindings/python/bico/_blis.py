@@ -123,42 +123,40 @@ def _reexec(env):
         return
 
 
-def own_process(threads=None):
-    """Called first by a command that owns its process: sets
-    BLIS_NUM_THREADS (threads, else the CPUs this process may run on) and
-    BLIS_ARCH_TYPE (the rule above) where the user set none of them, and
-    executes the process again with them so that every BLIS in it starts
-    with them.  Returns the line a command may print (which kernels and
-    why) or None; the process it returns in is the executed one."""
+def own_process(argv):
+    """Called first by a command that owns its process, with its arguments
+    (argv, without the program): sets BLIS_NUM_THREADS (the command's
+    --threads, else the CPUs this process may run on) and BLIS_ARCH_TYPE
+    (the rule above) where the user set none of them, and executes the
+    process again with them so that every BLIS in it starts with them.
+    Returns in the executed process, or where nothing was to change (or
+    exec failed: then unchanged); say() prints what was chosen."""
     env = os.environ
     if env.get(CHOSEN_ENV):
-        return env[CHOSEN_ENV]              # this is the executed process
+        return                              # this is the executed process
     new = {}
     if "BLIS_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in env:
-        n = threads or (len(os.sched_getaffinity(0))
-                        if hasattr(os, "sched_getaffinity") else
-                        os.cpu_count() or 1)
+        n = threads_arg(argv) or (len(os.sched_getaffinity(0))
+                                  if hasattr(os, "sched_getaffinity") else
+                                  os.cpu_count() or 1)
         new["BLIS_NUM_THREADS"] = str(n)
-    why = None
+    why = "BLIS kernels: BLIS's own choice"
     if "BLIS_ARCH_TYPE" not in env and env.get("BICO_BLIS_ARCH") != "auto":
         found = _blis()
         want = best(cpu_flags())
         if found is not None:
             det, names = found
-            dname = {i: n for n, i in names.items()}.get(det, str(det))
+            dname = next((n for n, i in names.items() if i == det), str(det))
             if upgrade(dname, want) and want in names:
                 new["BLIS_ARCH_TYPE"] = str(names[want])
                 why = ("BLIS kernels: '%s' (chosen by bico: BLIS detected "
                        "'%s' on a CPU that runs '%s'; BICO_BLIS_ARCH=auto "
                        "keeps BLIS's choice)" % (want, dname, want))
     if not new:
-        return None
-    if why is None:
-        why = "BLIS kernels: BLIS's own choice"
+        return
     if "BLIS_NUM_THREADS" in new:
         why += "; BLIS_NUM_THREADS=%s" % new["BLIS_NUM_THREADS"]
     _reexec(dict(env, **new, **{CHOSEN_ENV: why}))
-    return None                             # not executed again: unchanged
 
 
 def say(log):

@@ -6,7 +6,7 @@ import sys
 
 try:
     from .. import _blis
-    _blis.own_process(_blis.threads_arg(sys.argv[1:]))
+    _blis.own_process(sys.argv[1:])
     from .command import main
     from .ranks import leave
 except ImportError as e:
