@@ -321,12 +321,11 @@ EXTRA_ROWS = [
     # issue 30: the proxy-tuned teacher distilled into the target's weights
     # (transfer_model's defaults: mixup for these [N, H, W] images, 1500
     # steps, the update's scale chosen on the held-out batch), with the
-    # images also shifted ("image"), and the teacher itself as the
-    # reference
+    # images' augmentation ("image": mixup or cutmix, then shifts), and
+    # the teacher itself as the reference
     ("distill", "distill", {}, 100, "all"),
-    ("distill mixup+shift", "distill", {"augment": "image"}, 100,
-     "all"),
-    ("distill mixup+shift 3000", "distill",
+    ("distill image", "distill", {"augment": "image"}, 100, "all"),
+    ("distill image 3000", "distill",
      {"augment": "image", "steps": 3000}, 100, "all"),
     ("proxy-tuning", "proxy-tuning", {}, 100, "all"),
 ]

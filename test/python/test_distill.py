@@ -415,6 +415,80 @@ def test_auto_augment_shifts_images_only():
     assert any(not torch.allclose(x, grey, atol=1e-6) for x in outs)
 
 
+def test_cutmix_pastes_one_box_of_another_sample():
+    """cutmix: in every sample the changed pixels lie in one box, the same
+    for the whole batch, and inside it every pixel of sample i is the same
+    pixel of one other sample j(i), j a permutation; outside it nothing
+    moves.  Samples are distinct constants (k + 1 for sample k), so each
+    pasted pixel names its donor."""
+    n, c, H, W = 6, 2, 9, 11
+    x = (torch.arange(n, dtype=torch.float32) + 1).view(n, 1, 1, 1) \
+        .expand(n, c, H, W).contiguous()
+    areas = []
+    for seed in range(30):
+        y = D.cutmix()((x, "labels"), torch.Generator().manual_seed(seed))
+        assert y[1] == "labels"
+        y = y[0]
+        changed = (y != x).any(0).any(0)           # [H, W]
+        if not changed.any():
+            continue
+        rows = changed.any(1).nonzero().flatten()
+        cols = changed.any(0).nonzero().flatten()
+        box = torch.zeros(H, W, dtype=torch.bool)
+        box[rows.min():rows.max() + 1, cols.min():cols.max() + 1] = True
+        inside = y[:, :, box]                      # [n, c, cells]
+        donors = inside[:, 0, 0].round().long() - 1
+        assert sorted(donors.tolist()) == list(range(n))   # a permutation
+        assert torch.equal(inside, donors.view(n, 1, 1).float().add(1)
+                           .expand_as(inside))
+        assert torch.equal(y[:, :, ~box], x[:, :, ~box])
+        # changed pixels fill the box (a sample that drew itself keeps
+        # its pixels, others change all of them)
+        assert torch.equal(changed, box) or (donors == torch.arange(n)).all()
+        areas.append(int(box.sum()))
+    assert len(areas) >= 20 and len(set(areas)) > 3   # boxes of many sizes
+    assert max(areas) <= H * W
+
+
+def test_one_of_draws_each_augmentation():
+    """one_of: every call applies exactly one of its augmentations, each
+    drawn over calls, reproducibly for a given generator."""
+    add = [lambda b, g, k=k: b + k for k in (10.0, 20.0, 30.0)]
+    aug = D.one_of(*add)
+    x = torch.zeros(3)
+    got = [float(aug(x, torch.Generator().manual_seed(s))[0])
+           for s in range(60)]
+    assert set(got) == {10.0, 20.0, 30.0}
+    again = [float(aug(x, torch.Generator().manual_seed(s))[0])
+             for s in range(60)]
+    assert got == again
+
+
+def test_image_augment_is_mixup_or_cutmix_then_a_shift():
+    """"image" on greyscale [N, H, W] batches: for batches of one repeated
+    sample (mixing and pasting change nothing) a roll by at most 2 pixels;
+    for distinct constant samples, some draws paste boxes (values of one
+    sample exactly, in part of the image) and some mix (values between
+    samples' constants): both augmentations are used."""
+    grey, one = _same_samples((6, 9, 11), 5)
+    rolls = [torch.roll(one, (dy, dx), (-2, -1))
+             for dy in range(-2, 3) for dx in range(-2, 3)]
+    for s in range(10):
+        y = D._augmentation("image", grey)(grey,
+                                           torch.Generator().manual_seed(s))
+        assert any(torch.allclose(y, r.expand_as(y), atol=1e-6)
+                   for r in rolls)
+    x = (torch.arange(6, dtype=torch.float32) + 1).view(6, 1, 1) \
+        .expand(6, 9, 11).contiguous()
+    kinds = set()
+    for s in range(40):
+        torch.manual_seed(s)
+        y = D.image_augment()(x, torch.Generator().manual_seed(s))
+        whole = torch.isclose(y, y.round()).all()
+        kinds.add("cut" if whole else "mix")
+    assert kinds == {"cut", "mix"}
+
+
 def test_bad_augmentations_are_refused():
     b = Net(0)
     xs = [torch.randn(4, 6) for _ in range(4)]

@@ -120,11 +120,12 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     held-out loss (1 unless another beats it clearly), is returned.
     distill_rank: None trains every floating parameter; an integer trains
     LoRA factors of that rank on every nn.Linear (merged into the result).
-    distill_augment: "auto" (mixup and shifts of up to 2 pixels for
-    inputs of 4 dimensions, [N, C, H, W] images; mixup alone for other
-    floating inputs; none for token ids), "mixup", "image" (mixup and
-    shifts for any floating input whose last two dimensions are an
-    image's, [N, H, W] greyscale too), None, or a callable(batch,
+    distill_augment: "auto" (mixup or cutmix, drawn at every step, then
+    shifts of up to 2 pixels for inputs of 4 dimensions, [N, C, H, W]
+    images; mixup alone for other floating inputs; none for token ids),
+    "mixup", "image" (the images' augmentation for any floating input
+    whose last two dimensions are an image's, [N, H, W] greyscale too),
+    None, or a callable(batch,
     torch.Generator) -> batch; the teacher is computed on each augmented
     batch.
     threads (fit, bico*): the library's thread count (BICO_CTX_THREADS)
