@@ -681,9 +681,9 @@ def mixup(alpha=1.0):
 
 def cutmix(alpha=1.0):
     """An augmentation for image batches ([..., H, W] floating inputs):
-    one box of every sample replaced by the same box of a random other
-    sample of the batch (sample i takes sample j(i)'s pixels, j a random
-    permutation).  The box's sides are sqrt(1 - lam) of the image's, lam ~
+    one box of every sample replaced by the same box of a random sample
+    of the batch (sample i takes sample j(i)'s pixels, j a random
+    permutation, which may keep a sample its own).  The box's sides are sqrt(1 - lam) of the image's, lam ~
     Beta(alpha, alpha), its centre uniform over the image and the box
     clipped at the edges.  Like mixup, the teacher labels the pasted
     images, so no label is involved."""
@@ -698,7 +698,7 @@ def cutmix(alpha=1.0):
         y0, y1 = max(cy - h // 2, 0), min(cy + h // 2, H)
         x0, x1 = max(cx - w // 2, 0), min(cx + w // 2, W)
         xs = x.clone()
-        xs[..., y0:y1, x0:x1] = x[j][..., y0:y1, x0:x1]
+        xs[..., y0:y1, x0:x1] = x[..., y0:y1, x0:x1][j]
         return _with_input(batch, xs)
     return aug
 
@@ -736,7 +736,7 @@ def one_of(*augs):
 
 
 def _float_input(batch):
-    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    x = _input(batch)
     return isinstance(x, torch.Tensor) and x.is_floating_point() and \
         x.dim() >= 2 and x.shape[0] >= 2
 
