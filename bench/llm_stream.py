@@ -342,12 +342,19 @@ def kernels(work, layers_b, repeat, threads):
 
 # ---- the arithmetic: what a streamed run holds, by phase ----
 
+# Qwen2-0.5B/1.5B tie their heads; Llama-3-8B/70B (and the 7B-shaped
+# source) do not
 SHAPES = {
-    "0.5B": dict(d=896, f=4864, H=14, KV=2, hd=64, L=24, V=151936),
-    "1.5B": dict(d=1536, f=8960, H=12, KV=2, hd=128, L=28, V=151936),
-    "7B": dict(d=4096, f=14336, H=32, KV=8, hd=128, L=32, V=128256),
-    "8B": dict(d=4096, f=14336, H=32, KV=8, hd=128, L=32, V=128256),
-    "70B": dict(d=8192, f=28672, H=64, KV=8, hd=128, L=80, V=128256),
+    "0.5B": dict(d=896, f=4864, H=14, KV=2, hd=64, L=24, V=151936,
+                 tied=True),
+    "1.5B": dict(d=1536, f=8960, H=12, KV=2, hd=128, L=28, V=151936,
+                 tied=True),
+    "7B": dict(d=4096, f=14336, H=32, KV=8, hd=128, L=32, V=128256,
+               tied=False),
+    "8B": dict(d=4096, f=14336, H=32, KV=8, hd=128, L=32, V=128256,
+               tied=False),
+    "70B": dict(d=8192, f=28672, H=64, KV=8, hd=128, L=80, V=128256,
+                tied=False),
 }
 
 
@@ -362,9 +369,11 @@ def _block_params(s):
     return sum(o * i for _, o, i in _lin(s)) + 2 * s["d"]
 
 
-def phases(src, tgt, n, cbytes=4, tied=True):
+def phases(src, tgt, n, cbytes=4, logits_budget=64 << 20):
     """GB held at each phase's peak by the streamed run (beside the
-    process itself), n calibration rows, compute dtype of cbytes."""
+    process itself), n calibration rows, compute dtype of cbytes; an
+    untied target head adds the head's fit (bico.llm.stream_fit._HeadFit)
+    for a model folder and for an adapter."""
     G = 1e-9
     V = tgt["V"]
     blk = lambda s: _block_params(s) * cbytes
@@ -400,6 +409,22 @@ def phases(src, tgt, n, cbytes=4, tied=True):
         fit = max(fit, (hold + solve) * 8)
     out["fit, largest group"] = fit * G + (2 * blk(tgt) + n * tgt["f"] *
                                            4) * G
+    if not tgt.get("tied", True):
+        d, p = tgt["d"], max(1, min(V, logits_budget // (4 * max(n, tgt["d"]))))
+        a = d + 1
+        # the head before and after (compute dtype), the final norm's
+        # outputs of the four models' rows, one piece: its rows of the
+        # two source heads, its logits (two), its fit's statistics and
+        # solve (as a linear's above, d_out = p)
+        head = (2 * V * d * cbytes + 4 * n * d * cbytes +
+                2 * p * src["d"] * cbytes + 2 * n * p * 4 +
+                (2 * a * a + 4 * p * a + 256 * a) * 8) * G
+        out["head fit (folder)"] = head
+        # an adapter: the pair (rank 16, double) and three d x d
+        # matrices; the update is read a piece of rows at a time
+        # (bico.llm.adapters.tall_low_rank)
+        out["head fit (adapter)"] = head + (2 * V * 16 + 3 * d * d +
+                                            2 * 8192 * d) * 8 * G
     return out
 
 
@@ -410,7 +435,8 @@ def arith():
     for a, b in (("0.5B", "1.5B"), ("7B", "8B"), ("8B", "70B")):
         src, tgt = SHAPES[a], SHAPES[b]
         ph = phases(src, tgt, 2048)
-        ckpt = (tgt["L"] * _block_params(tgt) + tgt["V"] * tgt["d"]) * 2e-9
+        ckpt = (tgt["L"] * _block_params(tgt) + tgt["V"] * tgt["d"] *
+                (1 if tgt["tied"] else 2)) * 2e-9
         print("# %s -> %s: target checkpoint %.1f GB; %s; peak %.1f GB" % (
             a, b, ckpt, "; ".join("%s %.2f" % kv for kv in ph.items()),
             max(ph.values()) + 0.35))

@@ -169,6 +169,36 @@ def test_low_rank_is_reduced_rank_regression():
         np.testing.assert_allclose(b @ a, dw, atol=1e-9)
 
 
+def test_tall_low_rank_is_reduced_rank_regression_by_pieces():
+    """bico.llm.adapters.tall_low_rank (a head's pair, its update read a
+    piece of rows at a time) against the same independent reference: the
+    fitted values' top-r right singular vectors; a rank-deficient update
+    (rank 2 < r) gives the update itself; pieces of any size agree; the
+    pieces are read, never the whole."""
+    from bico.llm.adapters import tall_low_rank
+    g = torch.Generator().manual_seed(1)
+    d_out, d_in = 70, 9
+    x = torch.randn(300, d_in, generator=g, dtype=torch.float64) @ \
+        torch.randn(d_in, d_in, generator=g, dtype=torch.float64)
+    for dw in (torch.randn(d_out, d_in, generator=g, dtype=torch.float64),
+               torch.randn(d_out, 2, generator=g, dtype=torch.float64) @
+               torch.randn(2, d_in, generator=g, dtype=torch.float64)):
+        _, s, qh = torch.linalg.svd(x @ dw.T, full_matrices=False)
+        for r in (1, 3, 6):
+            k = min(r, int((s > 1e-9 * s[0]).sum()))
+            want = qh[:k].T @ qh[:k] @ dw
+            for step in (7, 70, 1000):
+                seen = []
+
+                def piece(r0, r1):
+                    seen.append((r0, r1))
+                    return dw[r0:r1].clone()
+                b, a = tall_low_rank(piece, d_out, r, x.T @ x, step=step)
+                assert b.shape == (d_out, k) and a.shape == (k, d_in)
+                np.testing.assert_allclose(b @ a, want, atol=1e-8)
+                assert all(r1 - r0 <= step for r0, r1 in seen)
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     d = tmp_path_factory.mktemp("tgt")

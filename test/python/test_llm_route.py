@@ -107,16 +107,18 @@ def test_a_tied_embedding_adapter_loads_in_peft_as_scored(pair, tmp_path,
     assert "chosen: alpha" in out and ("%.4f" % recorded) in out
 
 
+@pytest.mark.parametrize("route", ["--in-memory", "--streamed"])
 def test_an_untied_head_gets_a_pair_announced_and_counted(pair, tmp_path,
-                                                          capsys):
+                                                          capsys, route):
+    """Both fit routes fit an untied head and give it a pair (the
+    streamed one carried it by BiCo's row rule before, and the adapter
+    left it out); what PEFT loads is what the command scored."""
     ad = tmp_path / "ad"
     status, out, err = run(
         pair, capsys, "--source", "A", "--source-tuned", "A_full",
         "--target", "B_untied", "--text", "task.txt", "--output-lora", ad,
         "--method", "fit", "--rank", "8", "--window", "32",
-        # the in-memory fit fits an untied head; the streamed one carries
-        # it by BiCo's row rule (test_llm_stream)
-        "--in-memory")
+        *([route] if route == "--in-memory" else []))
     assert status == 0, err
     counts = [tuple(int(x) for x in line.split()[2].split("/"))
               for line in err.splitlines() if line.startswith("fit: layer ")]
@@ -128,6 +130,14 @@ def test_an_untied_head_gets_a_pair_announced_and_counted(pair, tmp_path,
     assert "22 LoRA pairs" in out and "one on the untied lm_head" in out
     f = st.open(str(ad / "adapter_model.safetensors"))
     assert f.info("base_model.model.lm_head.lora_A.weight")[0] == "F32"
+    recorded = float(f.metadata["bico_heldout_loss"])
+    zero = float(f.metadata["bico_heldout_loss_target"])
+    model = bt.load_model(pair / "B_untied", dtype=torch.float32)
+    done = peft_rules.load(model, str(ad))
+    assert "lm_head" in done["lora"] and len(done["lora"]) == 22
+    got = bt.lm_loss(model, held_out(pair, "B_untied"))
+    assert abs(got - recorded) < 1e-3 * max(1.0, recorded), (got, recorded)
+    assert got < zero - 1.0
 
 
 def test_ids_that_do_not_match_the_target_tokenizer_are_warned(

@@ -14,7 +14,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -271,10 +270,31 @@ def _metadata(path):
         return json.loads(f.read(n))["__metadata__"]
 
 
-def test_untied_heads_fit_blocks_as_in_memory(untied):
+def _head_io(model, batches):
+    """The rows of lm_head's input and of its output over batches
+    (float64), by a forward hook on the whole model."""
+    xs, ys = [], []
+    hook = model.lm_head.register_forward_hook(
+        lambda m, i, o: (xs.append(i[0].detach()), ys.append(o.detach())))
+    try:
+        with torch.no_grad():
+            for x, _ in batches:
+                model(x)
+    finally:
+        hook.remove()
+    rows = lambda t: torch.cat([v.reshape(-1, v.shape[-1]) for v in t])
+    return rows(xs).double(), rows(ys).double()
+
+
+def test_untied_head_is_fitted_by_token_id(untied):
     """Llama folders with untied heads: the blocks' fitted layers equal
-    the in-memory fit's; the head is carried by BiCo's row rule (its
-    input map) instead of fitted (no vocabulary x vocabulary statistic)."""
+    the in-memory fit's bit for bit; the head is fitted after them, its
+    output change kept by token id (the closed-form ridge solution with
+    the identity output map, computed here from whole models: X' the
+    head's inputs on the target with the streamed blocks, X_B on the
+    target, D the source pair's logit change); fitted in pieces of
+    vocabulary rows it is the one-piece fit; its report entry says so and
+    BiCo does not also carry it."""
     d, batches = untied
     src, srt, tgt = (bt.load_model(d / f, dtype=torch.float32)
                      for f in ("A", "A_ft", "B"))
@@ -286,10 +306,52 @@ def test_untied_heads_fit_blocks_as_in_memory(untied):
     for k in want:
         if k != "lm_head.weight":
             assert torch.equal(got[k], want[k]), k
-    head = [e for e in rep if e["name"] == "lm_head.weight"]
-    assert head and head[0]["handling"] == "linear" and \
-        "in" in head[0]["maps"] and "out" not in head[0]["maps"]
-    assert not torch.equal(got["lm_head.weight"], tgt.lm_head.weight)
+    w = tgt.lm_head.weight.detach().double()
+    work = bt.load_model(d / "B", dtype=torch.float32)
+    work.load_state_dict(dict(got, **{"lm_head.weight": tgt.lm_head.weight}))
+    x1, _ = _head_io(work, batches)
+    x0, _ = _head_io(tgt, batches)
+    d_out = _head_io(srt, batches)[1] - _head_io(src, batches)[1]
+    lam = 1e-2 * torch.trace(x1.T @ x1) / x1.shape[1]
+    dw = torch.linalg.solve(x1.T @ x1 + lam * torch.eye(x1.shape[1],
+                                                        dtype=torch.float64),
+                            x1.T @ (x0 @ w.T + d_out - x1 @ w.T)).T
+    ref = w + dw
+    err = (got["lm_head.weight"].double() - ref).abs().max()
+    assert err < 1e-5 * ref.abs().max(), err
+    assert dw.norm() > 0.1 * w.norm()   # the head moved: not a no-op
+    head = [e for e in rep if e["name"] in ("lm_head", "lm_head.weight")]
+    assert len(head) == 1 and head[0]["handling"] == "fit" and \
+        head[0]["outputs"] == "by id" and head[0]["name"] == "lm_head"
+    with StreamedFit(str(d / "A"), str(d / "A_ft"), str(d / "B"),
+                     batches) as sf:
+        sf.run.logits_budget = 4 * 24 * 10   # pieces of a few rows
+        res = sf.fit(1e-2)
+        key = res.new["lm_head.weight"]
+        assert torch.allclose(sf.run.store.get(key), got["lm_head.weight"],
+                              rtol=0, atol=1e-6)
+
+
+def test_untied_head_scores_as_the_loaded_model(untied):
+    """The held-out score of a fit with a fitted untied head, for every
+    candidate alpha, is the next-token loss of the target with that state
+    dict loaded whole (before, the score read the file's head and ignored
+    the fitted one)."""
+    d, batches = untied
+    cal, held = batches[:-2], batches[-2:]
+    with StreamedFit(str(d / "A"), str(d / "A_ft"), str(d / "B"), cal,
+                     held) as sf:
+        res = sf.fit(1e-2)
+        per = sf.score(res, [0.0, 0.5, 1.0])
+        from bico.llm.stream_route import _state_dict
+        states = {a: _state_dict(res, a) for a in per}
+    model = bt.load_model(d / "B", dtype=torch.float32)
+    for a, scores in per.items():
+        model.load_state_dict(states[a])
+        with torch.no_grad():
+            want = [float(bt.next_token_loss(model(x), y)) for x, y in held]
+        assert np.allclose([v for v, _ in scores], want, rtol=1e-5), a
+    assert per[1.0][0][0] != per[0.0][0][0]
 
 
 def test_threads_reach_the_library(pair, monkeypatch):

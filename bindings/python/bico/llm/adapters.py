@@ -220,6 +220,43 @@ def _matches(mod, pats):
     return any(mod == p or mod.endswith("." + p) for p in pats)
 
 
+def tall_low_rank(piece, rows, r, gram, step=8192):
+    """low_rank(delta, r, ("in", gram)) of a tall update (rows x d_in,
+    rows > d_in) that is never held whole: piece(r0, r1) gives its rows
+    r0:r1 (float64).  The top-r left singular vectors of M = delta
+    gram^(1/2) are M V_r / s_r, V_r and s_r^2 the top eigenpairs of
+    M^T M = gram^(1/2) (delta^T delta) gram^(1/2), a d_in x d_in matrix
+    summed over pieces; B = M V_r / s_r and A = B^T delta are built a
+    piece at a time.  B A is low_rank's (the projector on the same
+    subspace; the pair may differ from it in sign); directions of less
+    than 1e-6 of the largest singular value are dropped (their
+    eigenvalues are rounding there).  Memory: three d_in x d_in matrices, the pair, a piece."""
+    g = torch.as_tensor(gram).double()
+    w, v = torch.linalg.eigh((g + g.T) / 2)
+    half = (v * w.clamp_min(0).sqrt()) @ v.T
+    dtd = None
+    for r0 in range(0, rows, step):
+        p = piece(r0, min(rows, r0 + step))
+        dtd = p.T @ p if dtd is None else dtd.add_(p.T @ p)
+    m = half @ dtd @ half
+    s2, vr = torch.linalg.eigh((m + m.T) / 2)
+    top = torch.argsort(s2, descending=True)[:min(int(r), m.shape[0])]
+    s2, vr = s2[top], vr[:, top]
+    # a direction below 1e-6 of the largest in weight is rounding
+    # there (the eigenvalues' error is ~1e-16 of the largest)
+    keep = s2 > float(s2[0].clamp_min(0)) * 1e-12
+    s2, vr = s2[keep], vr[:, keep]
+    proj = half @ vr / s2.sqrt()   # d_in x r': delta @ proj = M V_r / s_r
+    b = torch.empty(rows, proj.shape[1], dtype=torch.float64)
+    a = torch.zeros(proj.shape[1], m.shape[0], dtype=torch.float64)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        p = piece(r0, r1)
+        b[r0:r1] = p @ proj
+        a += b[r0:r1].T @ p
+    return b, a
+
+
 def balanced_pair(dk, r, c=None):
     """The rank-r pair (B [d_out, r], A [r, d_in], float64) of update dk
     (low_rank with gram c), padded with zeros to rank r and balanced (B
@@ -227,7 +264,11 @@ def balanced_pair(dk, r, c=None):
     for a zero update (PEFT's no-op, B = 0)."""
     if not bool(dk.any()):
         return dk.new_zeros(dk.shape[0], r), dk.new_zeros(r, dk.shape[1])
-    b, a = low_rank(dk, r, c)
+    return balance(*low_rank(dk, r, c), r)
+
+
+def balance(b, a, r):
+    """A pair padded with zeros to rank r and balanced (balanced_pair)."""
     if b.shape[1] < r:  # pad to r (PEFT's rank is one number)
         b = torch.cat([b, b.new_zeros(b.shape[0], r - b.shape[1])], 1)
         a = torch.cat([a, a.new_zeros(r - a.shape[0], a.shape[1])], 0)

@@ -22,6 +22,19 @@ bico.torch.fit's _FitHost does for nn.Modules, block by block:
                the run's context (its thread count);
   block_end    B' runs its last stage: the next block's input.
 
+An untied head over the source's vocabulary (run.fit_head) is one more
+block after the decoder's: its inputs are the final norm's outputs (X'
+through the carried norm from B''s last states, X_B from B's), its
+output change the source pair's logits' (D = z_At - z_A), kept by token
+id (the output map the identity: the vocabulary is one coordinate system
+on both sides, as BiCo's row rule keeps the embedding's rows; a
+Procrustes map of vocabulary x vocabulary gradient statistics, which the
+in-memory route solves, is neither affordable at real vocabularies nor
+defined for the tokens the calibration text never shows).  The fit
+separates over output rows, so the head is fitted a piece of vocabulary
+rows at a time (run.logits_budget bytes of logits per batch): one piece's
+statistics and logits in memory, never tokens x vocabulary.
+
 B' is computed once per block, a stage per group (no group's input is
 recomputed), the source pair once per target block, the target twice
 (the forward of the statistics, with its backward, gives X_B).  Rows and
@@ -29,6 +42,7 @@ results are those of the in-memory host on the same batches: the fit's
 updates equal its updates bit for bit when the maps do."""
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .._procrustes import Procrustes
 from .._xcov import XCov
@@ -53,7 +67,8 @@ def fit_blocks(run, ridge, alpha=1.0, sink=None, report=None, rank=False,
     host = _StreamHost(run, alpha, sink, report, progress)
     try:
         _fit_run(0, host.layer, None, host.update, ridge=ridge, ctx=run.ctx,
-                 rank=rank, blocks=run.B.L, block_begin=host.block_begin,
+                 rank=rank, blocks=run.B.L + (1 if run.fit_head else 0),
+                 block_begin=host.block_begin,
                  block_end=host.block_end, group=host.group,
                  rows_group=host.rows_group,
                  solve=host.solve if run.ranks.size > 1 else None)
@@ -97,6 +112,9 @@ class _StreamHost(object):
             self.at += 1
 
     def block_begin(self, k, first):
+        if k == self.run.B.L:
+            self.cur = _HeadFit(self.run, first, self._advance_tuned)
+            return len(self.cur.pieces)
         run, A, At, B = self.run, self.run.A, self.run.At, self.run.B
         j, s = k, run.depth[k]
         self._advance_tuned(s)
@@ -173,6 +191,8 @@ class _StreamHost(object):
             np.concatenate([b for _, b in pairs]))[0]),))[0]
 
     def group(self, l):
+        if isinstance(self.cur, _HeadFit):
+            return 1
         return self.cur["groups"][l]
 
     def solve(self, l, fit, want_rank):
@@ -184,6 +204,9 @@ class _StreamHost(object):
 
     def layer(self, l):
         cur = self.cur
+        if isinstance(cur, _HeadFit):
+            self.info[l] = cur.layer(l)
+            return self.info[l]["w"], None
         n = LINEARS[l - cur["first"]]
         lin = cur["work"].get_submodule(n)
         w = lin.weight.detach().float().numpy()
@@ -195,6 +218,10 @@ class _StreamHost(object):
 
     def rows_group(self, l, fits):
         cur, run = self.cur, self.run
+        if isinstance(cur, _HeadFit):
+            cur.rows(fits[0], self.alpha)
+            self.info[l]["rows"] = run.ranks.total(int(fits[0].rows))
+            return
         g = [i for i, grp in enumerate(GROUPS)
              if LINEARS[l - cur["first"]] == grp[0]][0]
         with torch.no_grad():  # B' one stage further (this group's input)
@@ -225,6 +252,11 @@ class _StreamHost(object):
         test_point("fit", l)
         it = self.info.pop(l)
         cur = self.cur
+        if isinstance(cur, _HeadFit):
+            done = cur.update(it, dw, rk)
+            if done is not None:
+                self._head_done(it, done)
+            return
         lin = cur["work"].get_submodule(it["short"])
         old = lin.weight.detach()
         with torch.no_grad():
@@ -249,8 +281,28 @@ class _StreamHost(object):
         if self.progress is not None:
             self.progress(it["name"], dw, rk)
 
+    def _head_done(self, it, head):
+        """The head's pieces all fitted: the sink, the report and the
+        progress line see it as one layer."""
+        if self.sink is not None:
+            self.sink(it["name"], {"weight": head.new, "old": head.old,
+                                   "bias": None, "inputs": head.xw})
+        if self.report is not None:
+            self.report.append({
+                "name": it["name"], "source": it["source"], "handling": "fit",
+                "rows": it["rows"], "rank": head.rank, "outputs": "by id",
+                "update_norm": float(np.sqrt(head.ss))})
+        if self.progress is not None:
+            # the shape is what a progress line reads (no copy of dW)
+            self.progress(it["name"], np.broadcast_to(
+                np.float32(0), tuple(head.old.shape)), head.rank)
+        head.close()
+
     def block_end(self, k):
         cur, run = self.cur, self.run
+        if isinstance(cur, _HeadFit):
+            self.cur = {}
+            return
         with torch.no_grad():
             for b, (x, _) in enumerate(run.batches):
                 st = cur["st"][b]
@@ -259,6 +311,73 @@ class _StreamHost(object):
                     step(cur["work"], st, g, pe, mask)
                 run.store.put(("hW", b), st["out"])
         self.cur = {}
+
+
+class _HeadFit(object):
+    """The untied head's block of the fit (see the module's doc): its
+    pieces of vocabulary rows are the block's layers, a group each."""
+
+    def __init__(self, run, first, advance_tuned):
+        A, At, B = run.A, run.At, run.B
+        self.run, self.first = run, first
+        advance_tuned(A.L)   # the tuned source's final states
+        norm_of = lambda f, w=None: _fam.RMSNorm(  # noqa: E731
+            f.tensor("model.norm.weight") if w is None else w,
+            f.cfg["eps"], f.cfg["gemma"])
+        key = run.carried.get("model.norm.weight")
+        nw = norm_of(B, None if key is None else run.store.get(key))
+        nb, na, nt = norm_of(B), norm_of(A), norm_of(At)
+        self.xw, self.xb, self.ya, self.yt = [], [], [], []
+        with torch.no_grad():
+            for b in range(len(run.batches)):
+                self.xw.append(nw(run.store.get(("hW", b))))
+                self.xb.append(nb(run.store.get(("hB", B.L, b))))
+                self.ya.append(na(run.store.get(("hA", A.L, b))))
+                self.yt.append(nt(run.store.get(("hAt", b))))
+        self.name_a, self.name_t = A.head_name(), At.head_name()
+        self.old = B.tensor("lm_head.weight")
+        self.new = torch.empty_like(self.old)
+        V, d = self.old.shape
+        n = max([x.shape[0] * x.shape[1] for x, _ in run.batches] + [d])
+        step_rows = max(1, min(V, run.logits_budget // (4 * n)))
+        self.pieces = [(r0, min(V, r0 + step_rows))
+                       for r0 in range(0, V, step_rows)]
+        self.ss, self.rank, self.cur = 0.0, None, None
+
+    def layer(self, l):
+        r0, r1 = self.pieces[l - self.first]
+        self.cur = (r0, r1)
+        return {"name": "lm_head", "short": "lm_head",
+                "source": self.name_a[:-len(".weight")],
+                "w": self.old[r0:r1].float().numpy(), "b": None}
+
+    def rows(self, fit, alpha):
+        """One piece's rows: X', X_B and alpha (z_At - z_A) over the
+        piece's vocabulary rows, batch by batch."""
+        r0, r1 = self.cur
+        ids = torch.arange(r0, r1)
+        wa = self.run.A.rows(self.name_a, ids)
+        wt = self.run.At.rows(self.name_t, ids)
+        with torch.no_grad():
+            for b in range(len(self.xw)):
+                d = _rows(F.linear(self.yt[b], wt)) - \
+                    _rows(F.linear(self.ya[b], wa))
+                if alpha != 1.0:
+                    d = d * np.float32(alpha)
+                fit.add(np.ascontiguousarray(_rows(self.xw[b])),
+                        np.ascontiguousarray(_rows(self.xb[b])), d)
+
+    def update(self, it, dw, rk):
+        """The piece's new rows; the whole head when it was the last."""
+        r0, r1 = self.cur
+        self.new[r0:r1] = torch.from_numpy(it["w"] + dw).to(self.new.dtype)
+        self.ss += float(np.sum(np.square(dw, dtype=np.float64)))
+        if rk is not None:
+            self.rank = max(int(rk), self.rank or 0)
+        return self if r1 == self.pieces[-1][1] else None
+
+    def close(self):
+        self.xb = self.ya = self.yt = None
 
 
 def raise_rows(it, x1, dd, bi):

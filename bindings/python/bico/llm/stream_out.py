@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 from .. import safetensors as _st
 from . import families as _fam
-from .adapters import (balanced_pair, adapter_meta, adapter_config,
-                       adapter_note, write_adapter_json)
+from .adapters import (balanced_pair, balance, tall_low_rank,
+                       adapter_meta, adapter_config, adapter_note,
+                       write_adapter_json)
 from .runtime import LINEARS, test_point
 
 __all__ = ["Result", "score", "write_model", "write_adapter"]
@@ -61,6 +62,8 @@ class Result(object):
                 store.put(p + "new/" + name + ".bias", info["bias"])
                 self.new[name + ".bias"] = p + "new/" + name + ".bias"
             return
+        if name == "lm_head":
+            return self._tall_sink(name, w, old, info["inputs"])
         delta = w.double() - old.double()
         self.ss[name + ".weight"] = float(delta.pow(2).sum())
         if info["bias"] is not None:
@@ -73,6 +76,36 @@ class Result(object):
         b, a = ranks.from_root(lambda: tuple(
             t.numpy() for t in balanced_pair(delta, self.rank, (kind, g))))
         b, a = torch.from_numpy(b), torch.from_numpy(a)
+        store.put(p + "pairB/" + name, b)
+        store.put(p + "pairA/" + name, a)
+        self.pairs[name] = (p + "pairB/" + name, p + "pairA/" + name)
+
+    def _tall_sink(self, name, w, old, inputs):
+        """An untied head's pair (vocabulary x width): its update read a
+        piece of rows at a time, never whole in double
+        (adapters.tall_low_rank)."""
+        piece = lambda r0, r1: w[r0:r1].double() - old[r0:r1].double()
+        rows = w.shape[0]
+        self.ss[name + ".weight"] = sum(
+            float(piece(r0, min(rows, r0 + 8192)).pow(2).sum())
+            for r0 in range(0, rows, 8192))
+        ranks = self.run.ranks
+        g = None   # X^T X: _gram's "in" statistic (rows > width)
+        for x in inputs:
+            x = x.detach().reshape(-1, x.shape[-1]).double()
+            g = x.T @ x if g is None else g.add_(x.T @ x)
+        g = ranks.sum_root(g)
+
+        def pair():
+            if self.ss[name + ".weight"] == 0.0:   # PEFT's no-op
+                z = torch.zeros(rows, 0, dtype=torch.float64)
+                b, a = balance(z, z.new_zeros(0, w.shape[1]), self.rank)
+            else:
+                b, a = balance(*tall_low_rank(piece, rows, self.rank, g),
+                               self.rank)
+            return b.numpy(), a.numpy()
+        b, a = (torch.from_numpy(t) for t in ranks.from_root(pair))
+        store, p = self.run.store, self.prefix
         store.put(p + "pairB/" + name, b)
         store.put(p + "pairA/" + name, a)
         self.pairs[name] = (p + "pairB/" + name, p + "pairA/" + name)
@@ -225,18 +258,35 @@ def _head_at(result, name, a, chunk_rows):
     """The head at scale a (rows of the table built a piece at a time)."""
     B = result.run.B
     V, d = B.shapes[name]
-    if not _rowwise(result, name):
+    rows = _head_rows(result, name)
+    if rows is None:
         return B.tensor(name)
-    key = result.run.carried[name]
     want = B._want(name)
     out = torch.empty((V, d), dtype=want)
     for r0 in range(0, V, chunk_rows):
         r1 = min(V, r0 + chunk_rows)
         base = torch.from_numpy(B.file.get_range(
             name, r0 * d, (r1 - r0) * d)).reshape(r1 - r0, d).to(want)
-        new = result.run.store.slice(key, r0, r1)
-        out[r0:r1] = _at(base, new.double() - base.double(), a)
+        out[r0:r1] = _at(base, rows(r0, r1, base), a)
     return out
+
+
+def _head_rows(result, name):
+    """rows(r0, r1, base): the update of the head's rows r0:r1 (float64)
+    as Result.delta gives the whole (a fitted head's new value first,
+    then a carried one; an adapter's pair), or None (unchanged)."""
+    store = result.run.store
+    key = result.new.get(name)
+    if key is None and _rowwise(result, name):
+        key = result.run.carried[name]
+    if key is not None:
+        return lambda r0, r1, base: store.slice(key, r0, r1).double() - \
+            base.double()
+    mod = name.rsplit(".", 1)[0]
+    if result.kind == "adapter" and mod in result.pairs:
+        b, a = (store.get(k) for k in result.pairs[mod])
+        return lambda r0, r1, base: (b[r0:r1] * 1.0) @ a * 1.0
+    return None
 
 
 def _batch_loss(norm, w, h, y, budget, win):
@@ -321,7 +371,7 @@ def _to_file(v, dt):
 def _write_rows(result, w, name, alpha, chunk_rows):
     B, store = result.run.B, result.run.store
     V, d = B.shapes[name]
-    key = result.run.carried.get(name) or result.new.get(name)
+    key = result.new.get(name) or result.run.carried.get(name)
     want = B._want(name)
     for r0 in range(0, V, chunk_rows):
         r1 = min(V, r0 + chunk_rows)

@@ -148,7 +148,7 @@ def command_fit(sf, ridges, alpha, grid, kind, rank, saves, log,
     from ..torch.choose import pick
     auto = alpha == "auto"
     cands = list(grid) if auto else [alpha]
-    n_lin = 7 * sf.run.B.L
+    n_lin = 7 * sf.run.B.L + (1 if sf.run.fit_head else 0)
     best, losses = None, {}
     for j, ridge in enumerate(ridges):
         log("fit: ridge %g, %d layers" % (ridge, n_lin))

@@ -9,7 +9,8 @@ calibration windows, a block at a time from the model folders.
                   embedding with, norm_map "act") are accumulated and the
                   library carries that block's norms (and, at block 0,
                   the embedding; at the end the final norm, and an untied
-                  head by its input map) in a partial run on the folders.
+                  head the fit cannot take by its input map) in a partial
+                  run on the folders.
   backward_sweep  the loss gradient at the last block's output (the head
                   read whole, the logits a chunk of tokens at a time),
                   then down the blocks: each block's forward recomputed
@@ -93,6 +94,12 @@ class Run(object):
         self.logits_budget = int(logits_budget)
         self.log = log or (lambda *a: None)
         self._pe = {}
+        # an untied head over the source's vocabulary is fitted after the
+        # blocks (bico.llm.stream_fit, its rows kept by token id); else
+        # BiCo carries it by its input map (the row rule)
+        self.fit_head = not self.B.cfg["tied"] and \
+            self.A.shapes[self.A.head_name()][0] == \
+            self.B.shapes["lm_head.weight"][0]
         self.carried = {}  # target tensor -> store key of its carried value
         self.carry_report = []  # the library's report entries of those
 
@@ -200,11 +207,12 @@ def forward_sweep(run):
 
 def _carry_tail(run):
     """The final norm (its input statistic: the last boundary's states)
-    and, for an untied head, the head by its input map (the final norm's
-    outputs)."""
+    and an untied head the fit does not reach (run.fit_head false: the
+    vocabularies differ) by its input map (the final norm's outputs)."""
     A, B, store = run.A, run.B, run.store
     xn = XCov(A.d, B.d, ctx=run.ctx)
-    xh = None if B.cfg["tied"] else XCov(A.d, B.d, ctx=run.ctx)
+    xh = None if B.cfg["tied"] or run.fit_head else \
+        XCov(A.d, B.d, ctx=run.ctx)
     na = nb = None
     if xh is not None:
         na = _fam.RMSNorm(A.tensor("model.norm.weight"), A.cfg["eps"],
