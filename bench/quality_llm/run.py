@@ -142,8 +142,12 @@ def tool_key():
     lib = os.environ.get("BICO_LIBRARY",
                          os.path.join(ROOT, "build", "lib", "libbico.so"))
     h = hashlib.sha256()
+    # every module of the package (bico.llm and bico.torch too: before,
+    # only the top level's files were hashed, so a change to the command
+    # kept its cells)
     for p in [BICO, lib] + sorted(glob.glob(os.path.join(
-            ROOT, "bindings", "python", "bico", "*.py"))):
+            ROOT, "bindings", "python", "bico", "**", "*.py"),
+            recursive=True)):
         with open(os.path.realpath(p), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
