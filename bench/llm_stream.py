@@ -410,7 +410,8 @@ def phases(src, tgt, n, cbytes=4, logits_budget=64 << 20):
     out["fit, largest group"] = fit * G + (2 * blk(tgt) + n * tgt["f"] *
                                            4) * G
     if not tgt.get("tied", True):
-        d, p = tgt["d"], max(1, min(V, logits_budget // (4 * max(n, tgt["d"]))))
+        d = tgt["d"]
+        p = max(1, min(V, logits_budget // (4 * max(n, d))))
         a = d + 1
         # the head before and after (compute dtype), the final norm's
         # outputs of the four models' rows, one piece: its rows of the

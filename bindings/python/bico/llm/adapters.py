@@ -230,7 +230,8 @@ def tall_low_rank(piece, rows, r, gram, step=8192):
     piece at a time.  B A is low_rank's (the projector on the same
     subspace; the pair may differ from it in sign); directions of less
     than 1e-6 of the largest singular value are dropped (their
-    eigenvalues are rounding there).  Memory: three d_in x d_in matrices, the pair, a piece."""
+    eigenvalues are rounding there).  Memory: three d_in x d_in
+    matrices, the pair, a piece."""
     g = torch.as_tensor(gram).double()
     w, v = torch.linalg.eigh((g + g.T) / 2)
     half = (v * w.clamp_min(0).sqrt()) @ v.T
