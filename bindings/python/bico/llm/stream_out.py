@@ -90,11 +90,7 @@ class Result(object):
             float(piece(r0, min(rows, r0 + 8192)).pow(2).sum())
             for r0 in range(0, rows, 8192))
         ranks = self.run.ranks
-        g = None   # X^T X: _gram's "in" statistic (rows > width)
-        for x in inputs:
-            x = x.detach().reshape(-1, x.shape[-1]).double()
-            g = x.T @ x if g is None else g.add_(x.T @ x)
-        g = ranks.sum_root(g)
+        g = ranks.sum_root(_input_gram(inputs))   # _gram's "in" statistic
 
         def pair():
             if self.ss[name + ".weight"] == 0.0:   # PEFT's no-op
@@ -156,19 +152,26 @@ class Result(object):
 def _gram(delta, inputs):
     """update_grams' statistic of one layer from the rows the fit used:
     ("out", sum (dW x)(dW x)^T) when d_out <= d_in, else ("in", X^T X)."""
+    if delta.shape[0] > delta.shape[1]:
+        return "in", _input_gram(inputs)
     acc = None
     for x in inputs:
-        x = x.detach().reshape(-1, x.shape[-1]).double()
-        if delta.shape[0] <= delta.shape[1]:
-            y = x @ delta.T
-            c = ("out", y.T @ y)
-        else:
-            c = ("in", x.T @ x)
-        if acc is None:
-            acc = c
-        else:
-            acc[1].add_(c[1])
+        y = _rows64(x) @ delta.T
+        acc = y.T @ y if acc is None else acc.add_(y.T @ y)
+    return "out", acc
+
+
+def _input_gram(inputs):
+    """X^T X (float64) of a layer's input rows, batch by batch."""
+    acc = None
+    for x in inputs:
+        x = _rows64(x)
+        acc = x.T @ x if acc is None else acc.add_(x.T @ x)
     return acc
+
+
+def _rows64(x):
+    return x.detach().reshape(-1, x.shape[-1]).double()
 
 
 def _at(base, d, a):

@@ -683,10 +683,11 @@ def cutmix(alpha=1.0):
     """An augmentation for image batches ([..., H, W] floating inputs):
     one box of every sample replaced by the same box of a random sample
     of the batch (sample i takes sample j(i)'s pixels, j a random
-    permutation, which may keep a sample its own).  The box's sides are sqrt(1 - lam) of the image's, lam ~
-    Beta(alpha, alpha), its centre uniform over the image and the box
-    clipped at the edges.  Like mixup, the teacher labels the pasted
-    images, so no label is involved."""
+    permutation, which may keep a sample its own).  The box's sides are
+    sqrt(1 - lam) of the image's, lam ~ Beta(alpha, alpha), its centre
+    uniform over the image and the box clipped at the edges.  Like
+    mixup, the teacher labels the pasted images, so no label is
+    involved."""
     def aug(batch, g):
         x = _input(batch)
         H, W = x.shape[-2], x.shape[-1]
