@@ -10,6 +10,7 @@ run on synthetic model folders in a child process under /usr/bin/time -v
       the peaks must be within 10 % of each other (memory that does not
       grow with depth).
   bench/llm_stream.py scale [--layers-b N] [--windows W] [--in-memory]
+                            [--no-stream]
       the 0.5B -> 1.5B-shaped pair of bench/llm_scale_gen.py (bf16; the
       target's depth N, 28 for the whole 1.5B shape), W windows of 128
       tokens, --output (a model folder): peak against the target
@@ -222,7 +223,7 @@ def depth(work, in_memory, threads):
             side, p16 / p4), flush=True)
 
 
-def scale(work, layers_b, windows, in_memory, threads):
+def scale(work, layers_b, windows, in_memory, threads, stream=True):
     full = gen.SIZES["full"]
     print("## scale: Qwen2 0.5B-shaped (896 x 24, MLP 4864) -> 1.5B-shaped "
           "(1536 x %d, MLP 8960), vocabulary 151936, bf16; %d windows of "
@@ -232,8 +233,10 @@ def scale(work, layers_b, windows, in_memory, threads):
             windows * 128 + 1, full["tgt"]["V"])
     a, b, size = pair(work, "scale", full["src"], full["tgt"], layers_b,
                       "BF16")
-    for side in ("stream",) + (("in-memory",) if in_memory else ()):
-        wall, peak = run(work, "scale%d" % layers_b, a, b,
+    for side in (("stream",) if stream else ()) + \
+            (("in-memory",) if in_memory else ()):
+        wall, peak = run(work, "scale%d%s" % (
+            layers_b, "-mem" if side == "in-memory" else ""), a, b,
                          ["--ids", t, "--output", "OUT/", "--alpha", "auto",
                           "--dtype", "float32"], side == "in-memory",
                          threads)
@@ -538,6 +541,9 @@ def main(argv=None):
     p.add_argument("--work", default=os.path.join(ROOT, "build",
                                                   "llm_stream"))
     p.add_argument("--in-memory", action="store_true")
+    p.add_argument("--no-stream", action="store_true",
+                   help="scale: leave the streamed run out (with "
+                   "--in-memory: that run alone)")
     p.add_argument("--layers-b", type=int, default=28)
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--layers", default="1,2")
@@ -560,7 +566,8 @@ def main(argv=None):
     if a.case == "depth":
         depth(a.work, a.in_memory, a.threads)
     elif a.case == "scale":
-        scale(a.work, a.layers_b, a.windows, a.in_memory, a.threads)
+        scale(a.work, a.layers_b, a.windows, a.in_memory, a.threads,
+              not a.no_stream)
     elif a.case == "kernels":
         kernels(a.work, 4 if a.layers_b == 28 else a.layers_b, a.repeat,
                 a.threads)

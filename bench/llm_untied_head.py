@@ -1,8 +1,11 @@
 """The streamed fit on a target with an untied head: the head fitted after
 the blocks (its output change kept by token id, the rule since
 2026-12-05) beside the former rule (the head carried by BiCo's input
-map) and the in-memory route (the head fitted with a vocabulary x
-vocabulary Procrustes map of gradient statistics), on the same batches.
+map) and the in-memory route, its head kept by token id as well (its
+rule since the same day, from the model's get_output_embeddings()) and
+by its former vocabulary x vocabulary Procrustes map of gradient
+statistics (the model's get_output_embeddings hidden), on the same
+batches.
 
     python3 bench/llm_untied_head.py [WORK]
 
@@ -88,10 +91,12 @@ def loss(model, held):
     return tot / n
 
 
-def in_memory(work, cal, held):
+def in_memory(work, cal, held, by_id):
     src, srt, tgt = (bt.load_model(os.path.join(work, f),
                                    dtype=torch.float32)
                      for f in ("A", "A_full", "B_untied"))
+    if not by_id:   # transfer_model finds no head: BiCo's output map
+        tgt.get_output_embeddings = None
     base = {k: v.clone() for k, v in tgt.state_dict().items()}
     new = bt.transfer_model(src, srt, tgt, cal, method="fit",
                             loss_fn=bt.next_token_loss, alpha=1.0)
@@ -117,14 +122,16 @@ def main():
                                                            True)),
             ("streamed, head carried (former)", streamed(work, cal, held,
                                                          False))]
-    mem, src = in_memory(work, cal, held)
-    rows.append(("in-memory, head fitted (V x V map)", mem))
+    mem, src = in_memory(work, cal, held, True)
+    rows.append(("in-memory, head fitted by token id", mem))
+    rows.append(("in-memory, head by V x V map (former)",
+                 in_memory(work, cal, held, False)[0]))
     print("held-out next-token loss, %d calibration and %d held-out "
           "batches of 8 windows of 32 bytes; the tuned source (A_full): "
           "%.4f" % (len(cal), len(held), src))
-    print("%-36s %s" % ("route", "".join("  alpha %-4g" % a for a in GRID)))
+    print("%-38s %s" % ("route", "".join("  alpha %-4g" % a for a in GRID)))
     for name, r in rows:
-        print("%-36s %s" % (name, "".join("  %10.4f" % r[a] for a in GRID)))
+        print("%-38s %s" % (name, "".join("  %10.4f" % r[a] for a in GRID)))
 
 
 if __name__ == "__main__":

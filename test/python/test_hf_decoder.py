@@ -163,6 +163,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids):
         return self.lm_head(self.model(input_ids))
 
+    def get_output_embeddings(self):
+        return self.lm_head
+
 
 def build(cfg, sd, layer=DecoderLayer):
     m = CausalLM(cfg, layer).eval()
@@ -287,6 +290,111 @@ def test_tied_pair_is_one_tensor_in_every_method():
     with pytest.raises(bico.BicoError, match="tied"):
         bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
                           tied="train")
+
+
+def _untied(m, seed):
+    u = copy.deepcopy(m)
+    g = torch.Generator().manual_seed(seed)
+    w = u.lm_head.weight.detach().clone()
+    u.lm_head.weight = nn.Parameter(w + 0.01 * torch.randn(w.shape,
+                                                           generator=g))
+    return u
+
+
+def test_a_vocabulary_head_keeps_only_input_statistics():
+    """A head tied to the embedding and an untied one that
+    get_output_embeddings() names: the collector keeps their input
+    statistics only (an output statistic is V_A x V_B doubles, 185 GB at
+    Qwen2's vocabulary).  The library maps no vocabulary's rows
+    (docs/formats.md), so BiCo's result is the same to the bit as from
+    the statistics with the head's output statistic, which a model that
+    names no head still gets."""
+    a, aft, b, _ = planted(DecoderLayer)
+    bu = _untied(b, 3)
+    cal = calibration()
+
+    def stats(tgt):
+        return bt.collect_statistics(a, tgt, cal, ce,
+                                     show_progress=False).statistics()
+    for tgt in (b, bu):
+        st = stats(tgt)
+        assert "lm_head.in_xcov" in st and "lm_head.out_xcov" not in st
+        assert "model.layers.0.mlp.down_proj.out_xcov" in st
+    bare = copy.deepcopy(bu)
+    bare.get_output_embeddings = None
+    full = stats(bare)
+    assert full["lm_head.out_xcov"].rows > 0
+    sd = [bt.transfer_state_dict(a.state_dict(), aft.state_dict(),
+                                 bu.state_dict(), stats=st)
+          for st in (stats(bu), full)]
+    for k in sd[0]:
+        assert torch.equal(sd[0][k], sd[1][k]), k
+    assert not torch.equal(sd[0][HEAD], bu.state_dict()[HEAD])
+
+
+def test_the_vocabulary_names_are_the_librarys():
+    """bico._names.VOCABULARY_MODULES is the library's list: under each
+    of those names the head transfers with its input statistic alone
+    (its rows moved), under another name the driver asks for the output
+    statistic the collector would not have kept."""
+    from bico._names import VOCABULARY_MODULES
+    a, aft, b, _ = planted(DecoderLayer)
+    bu = _untied(b, 3)
+    st = bt.collect_statistics(a, bu, calibration(), ce,
+                               show_progress=False).statistics()
+    assert "lm_head.out_xcov" not in st
+    for name in VOCABULARY_MODULES + ("output",):
+        ren = lambda d: {k.replace("lm_head", name): v for k, v in d.items()}
+        sa, sf, sb = (ren(m.state_dict()) for m in (a, aft, bu))
+        if name == "output":
+            with pytest.raises(bico.BicoError, match="output.out_xcov"):
+                bt.transfer_state_dict(sa, sf, sb, stats=ren(st))
+            continue
+        out = bt.transfer_state_dict(sa, sf, sb, stats=ren(st))
+        assert not torch.equal(out[name + ".weight"], sb[name + ".weight"])
+
+
+def test_an_untied_head_is_fitted_by_id_or_carried():
+    """The in-memory fit of an untied vocabulary head: with the source's
+    vocabulary size, its rows fitted with the logit change kept by id (the
+    closed-form ridge solution with the identity output map, computed
+    here from the head's inputs and the source pair's logits); when the
+    model names no head, BiCo's output map (V x V) is used instead, and
+    the results differ."""
+    a, aft, b, _ = planted(DecoderLayer)
+    bu = _untied(b, 4)
+    cal = calibration()
+    got = bt.transfer_model(a, aft, bu, cal, method="fit", loss_fn=ce,
+                            alpha=1.0)
+    work = copy.deepcopy(bu)
+    work.load_state_dict(dict(got, **{HEAD: bu.lm_head.weight}))
+
+    def head_io(m):
+        xs, ys = [], []
+        h = m.lm_head.register_forward_hook(
+            lambda mod, i, o: (xs.append(i[0].reshape(-1, i[0].shape[-1])),
+                               ys.append(o.reshape(-1, o.shape[-1]))))
+        with torch.no_grad():
+            for x, _ in cal:
+                m(x)
+        h.remove()
+        return torch.cat(xs).double(), torch.cat(ys).double()
+    x1, _ = head_io(work)
+    x0, _ = head_io(bu)
+    d = head_io(aft)[1] - head_io(a)[1]
+    w = bu.lm_head.weight.detach().double()
+    lam = 1e-2 * torch.trace(x1.T @ x1) / x1.shape[1]
+    dw = torch.linalg.solve(x1.T @ x1 + lam * torch.eye(x1.shape[1],
+                                                        dtype=torch.float64),
+                            x1.T @ (x0 @ w.T + d - x1 @ w.T)).T
+    ref = w + dw
+    err = (got[HEAD].double() - ref).abs().max()
+    assert err < 1e-5 * ref.abs().max(), err
+    bare = copy.deepcopy(bu)
+    bare.get_output_embeddings = None
+    mapped = bt.transfer_model(a, aft, bare, cal, method="fit", loss_fn=ce,
+                               alpha=1.0)
+    assert (mapped[HEAD] - got[HEAD]).abs().max() > 1e-3
 
 
 def test_block_calls_are_captured_with_keyword_arguments():

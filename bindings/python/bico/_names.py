@@ -7,6 +7,19 @@ from ._depthmap import depthmap
 _INT = re.compile(r"^[0-9]+$")
 
 
+# Modules whose 2-D weights the library takes as a vocabulary's rows
+# (lib/model/vocab.c, bico__vocab_tensor): the rows are tokens, only an
+# input map applies, so no output statistic is ever read for them
+VOCABULARY_MODULES = ("embed_tokens", "wte", "word_embeddings",
+                      "token_embedding", "lm_head", "embed_in", "embed_out")
+
+
+def is_vocabulary(module):
+    """Whether the library takes module's weight rows as tokens (its last
+    name component, as the C driver matches it)."""
+    return module.rsplit(".", 1)[-1] in VOCABULARY_MODULES
+
+
 def split_for(module, split):
     """k when module ends in a suffix of split ({suffix: k}) at a dot
     boundary, as the C driver matches it; else 1."""

@@ -244,6 +244,11 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids, attention_mask=None):
         return self.lm_head(self.model(input_ids, attention_mask))
 
+    def get_output_embeddings(self):
+        """The head (transformers' name for it): what transfer_model's fit
+        keeps by token id when untied."""
+        return self.lm_head
+
 
 def model_config(folder):
     """config.json of a model folder as a dict (an error naming the file

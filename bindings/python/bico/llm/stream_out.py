@@ -129,24 +129,36 @@ class Result(object):
             return [name, "lm_head.weight"]
         return [name]
 
-    def delta(self, name, base):
+    def delta(self, name, base, rows=None):
         """The update of tensor name (float64) scored at alpha 1: the
         in-memory route's delta (model) or the adapter's effective update
         (its pair's product, a saved tensor's delta; None: left out or
-        unchanged)."""
+        unchanged).  rows (r0, r1): the update of those rows of a 2-D
+        tensor only, base those rows (read from the store's rows only:
+        a head or a table a piece at a time)."""
         store = self.run.store
+        get = store.get if rows is None else \
+            (lambda k: store.slice(k, rows[0], rows[1]))
         key = self.new.get(name) or self.run.carried.get(name)
         if self.kind == "adapter":
             mod = name.rsplit(".", 1)[0]
             if name.endswith(".weight") and mod in self.pairs:
-                b, a = (store.get(k) for k in self.pairs[mod])
-                return (b * 1.0) @ a * 1.0
+                kb, ka = self.pairs[mod]
+                return (get(kb) * 1.0) @ store.get(ka) * 1.0
             if name in self.run.carried and self.saved(name):
-                return store.get(key).double() - base.double()
+                return get(key).double() - base.double()
             return None
         if key is None:
             return None
-        return store.get(key).double() - base.double()
+        return get(key).double() - base.double()
+
+    def changes(self, name):
+        """Whether delta(name, ...) is an update (not None)."""
+        if self.kind == "adapter":
+            mod = name.rsplit(".", 1)[0]
+            return (name.endswith(".weight") and mod in self.pairs) or \
+                (name in self.run.carried and self.saved(name))
+        return name in self.new or name in self.run.carried
 
 
 def _gram(delta, inputs):
@@ -261,8 +273,7 @@ def _head_at(result, name, a, chunk_rows):
     """The head at scale a (rows of the table built a piece at a time)."""
     B = result.run.B
     V, d = B.shapes[name]
-    rows = _head_rows(result, name)
-    if rows is None:
+    if not result.changes(name):
         return B.tensor(name)
     want = B._want(name)
     out = torch.empty((V, d), dtype=want)
@@ -270,26 +281,8 @@ def _head_at(result, name, a, chunk_rows):
         r1 = min(V, r0 + chunk_rows)
         base = torch.from_numpy(B.file.get_range(
             name, r0 * d, (r1 - r0) * d)).reshape(r1 - r0, d).to(want)
-        out[r0:r1] = _at(base, rows(r0, r1, base), a)
+        out[r0:r1] = _at(base, result.delta(name, base, (r0, r1)), a)
     return out
-
-
-def _head_rows(result, name):
-    """rows(r0, r1, base): the update of the head's rows r0:r1 (float64)
-    as Result.delta gives the whole (a fitted head's new value first,
-    then a carried one; an adapter's pair), or None (unchanged)."""
-    store = result.run.store
-    key = result.new.get(name)
-    if key is None and _rowwise(result, name):
-        key = result.run.carried[name]
-    if key is not None:
-        return lambda r0, r1, base: store.slice(key, r0, r1).double() - \
-            base.double()
-    mod = name.rsplit(".", 1)[0]
-    if result.kind == "adapter" and mod in result.pairs:
-        b, a = (store.get(k) for k in result.pairs[mod])
-        return lambda r0, r1, base: (b[r0:r1] * 1.0) @ a * 1.0
-    return None
 
 
 def _batch_loss(norm, w, h, y, budget, win):
@@ -372,18 +365,17 @@ def _to_file(v, dt):
 
 
 def _write_rows(result, w, name, alpha, chunk_rows):
-    B, store = result.run.B, result.run.store
+    B = result.run.B
     V, d = B.shapes[name]
-    key = result.new.get(name) or result.run.carried.get(name)
     want = B._want(name)
     for r0 in range(0, V, chunk_rows):
         r1 = min(V, r0 + chunk_rows)
         base = torch.from_numpy(B.file.get_range(
             name, r0 * d, (r1 - r0) * d)).reshape(r1 - r0, d).to(want)
         out = base.double()
-        if key is not None:
-            out = out + (store.slice(key, r0, r1).double() -
-                         base.double()) * alpha
+        dw = result.delta(name, base, (r0, r1))
+        if dw is not None:
+            out = out + dw * alpha
         w.write_range(name, r0 * d, _to_file(out, B.dtypes[name]))
 
 

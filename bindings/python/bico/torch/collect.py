@@ -45,7 +45,7 @@ from .._xcov import XCov
 from .._names import Pairing
 from .. import safetensors as _st
 from .._enums import DEFAULT_SPLIT
-from .._names import split_for as _split_for
+from .._names import split_for as _split_for, is_vocabulary
 from ._common import progress, _to_device, _device, _default_step
 
 __all__ = ["Collector", "collect_statistics", "collect_votes", "save_votes",
@@ -88,6 +88,24 @@ def default_modules(model):
         if isinstance(m, (nn.Linear, nn.MultiheadAttention)) or _is_norm(m):
             out.append(name)
     return out
+
+
+def vocabulary_heads(model):
+    """Names of the model's nn.Linear modules whose outputs are a
+    vocabulary: the one its get_output_embeddings() returns (transformers'
+    convention) and any whose weight is an nn.Embedding's (a tied head).
+    Their rows are tokens on both sides.  Those the library also takes as
+    a vocabulary by name (lm_head, embed_out, ...: _names.is_vocabulary)
+    are never mapped there (docs/formats.md), so the collector takes only
+    their input statistics: an output statistic would be V_A x V_B
+    doubles, 185 GB at Qwen2's 151936 tokens."""
+    emb = set(id(m.weight) for m in model.modules()
+              if isinstance(m, nn.Embedding))
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return set(n for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and
+               (m is head or id(m.weight) in emb))
 
 
 def _kind(m):
@@ -307,6 +325,9 @@ class Collector(object):
         else:
             names = list(modules)
         self.sites = []
+        # input statistics only (vocabulary_heads)
+        self.vocabulary = set(n for n in vocabulary_heads(target)
+                              if is_vocabulary(n))
         mha = [n for n, m in mods_b.items()
                if isinstance(m, nn.MultiheadAttention)]
         for nb in names:
@@ -361,14 +382,16 @@ class Collector(object):
                 k = _split_for(s.name_b, self.split) if s.kind == "linear" \
                     else 1
                 self._add_stat(s.name_b, s.name_a, din_a, din_b, dout_a,
-                               dout_b, k)
+                               dout_b, k, out=s.name_b not in self.vocabulary)
 
     def _add_stat(self, mb, ma, din_a, din_b, dout_a, dout_b, k,
-                  pre_split=False):
+                  pre_split=False, out=True):
         mk = lambda a, b: XCov(a, b, ctx=self.ctx, **self.flags)
         xin = mk(din_a, din_b)
         self.acc[mb + ".in_xcov"] = xin
         self._taps[mb + ".in"] = (xin, ma + ".in", None)
+        if not out:
+            return
         if k > 1:
             if dout_a % k or dout_b % k:
                 raise BicoError(E_SHAPE, "collect: module %s splits into %d "
@@ -447,6 +470,8 @@ class Collector(object):
                                              "out": outs})
             hooks.append(mod.register_forward_hook(
                 lambda m, inp, out, fn=fn: fn("in", inp[0])))
+            if s.name_b in self.vocabulary:
+                continue    # no output statistic: no gradient rows kept
             hooks.append(mod.register_full_backward_hook(
                 lambda m, gin, gout, fn=fn: fn("out", gout[0])))
         return hooks, patched

@@ -317,6 +317,14 @@ def _carry(d, r, alpha=1.0):
     return out
 
 
+def _scaled(d, alpha):
+    """alpha D for outputs in the source's coordinates (shared_out): float32
+    as _carry's, without the identity map (out_features^2 entries: 185 GB
+    in double at a 151936-token vocabulary)."""
+    d = np.ascontiguousarray(d, dtype=np.float32)
+    return d * np.float32(alpha) if alpha != 1.0 else d
+
+
 def fit_model(source, source_tuned, target, batches, forward, maps,
               pairing, start_state, alpha, ridge, ctx, report,
               show_progress=False, shared_out=(), skip=(),
@@ -383,7 +391,8 @@ class _FitHost(object):
                        and pairing.source_name(n) in smods
                        and isinstance(smods[pairing.source_name(n)],
                                       nn.Linear)
-                       and n in maps and "out" in maps[n] and n not in skip]
+                       and n in maps and n not in skip and
+                       ("out" in maps[n] or n in self.shared_out)]
         pb, pa = pairing.prefix_b, pairing.prefix_a
         self.pb = pb
         self.runners = [_Runner(m, p, batches, forward) for m, p in
@@ -474,14 +483,15 @@ class _FitHost(object):
                                 "module %s has %d outputs, its source "
                                 "%s %d" % (name, lin.out_features, s,
                                            smods[s].out_features))
-            r_out = np.eye(lin.out_features)
+            r_out = None    # D as it is (no output map)
         else:
             r_out = _out_map(self.maps, name)
         w = lin.weight.detach().float().cpu().numpy()
         b = lin.bias.detach().float().cpu().numpy() \
             if lin.bias is not None else None
         self.info[l] = {"name": name, "source": s, "w": w, "b": b,
-                        "r_out": _out_map32(r_out)}
+                        "r_out": None if r_out is None
+                        else _out_map32(r_out)}
         return w, b
 
     def rows_group(self, l, fits):
@@ -516,7 +526,8 @@ class _FitHost(object):
                                         % (name, x1.shape[0], s, y0.shape[0],
                                            bi))
                     db_ = _carry((y1 - y0).float().numpy(), it["r_out"],
-                                 self.alpha)
+                                 self.alpha) if it["r_out"] is not None \
+                        else _scaled((y1 - y0).float().numpy(), self.alpha)
                     f.add(np.ascontiguousarray(x1.numpy()),
                           np.ascontiguousarray(x0.numpy()), db_)
             it["rows"] = int(f.rows)

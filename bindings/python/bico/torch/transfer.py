@@ -22,7 +22,8 @@ from .._status import BicoError, E_ARG, E_NOTFOUND, E_SHAPE, E_STATE
 from .._enums import METHODS as _C_METHODS
 from ..transfer import transfer_state_dict as _transfer_np
 from ._common import _default_forward, _output, _on, _device
-from .collect import Collector, collect_statistics, collect_votes
+from .collect import Collector, collect_statistics, collect_votes, \
+    vocabulary_heads
 from .choose import (choose_alpha, pick, _heldout_loss_fn, _resolve_heldout,
                      _loss_available,
                      _alpha_grid, _batch_losses, _mean_loss)
@@ -134,6 +135,14 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     shared_out (fit): target modules whose outputs are in the same
     coordinates as their source partner's (a classifier head over the same
     classes): D is used as it is, no output map.
+    A language model's vocabulary head (the nn.Linear its
+    get_output_embeddings() returns, as transformers' models and
+    bico.llm's decoders have, or one tied to an nn.Embedding) has rows
+    that are tokens on both sides: no output map is made for it (the
+    statistics keep only its inputs).  Untied over as many tokens as its
+    source partner's, the fit fits it with its logit change kept by
+    token id (as the streamed route does); over another vocabulary size
+    BiCo carries it (the rows both have, by id).
 
     Tied weights: state-dict entries of the target that are one tensor (an
     lm_head whose weight is embed_tokens.weight) are carried as one: every
@@ -141,8 +150,8 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     and the result holds the same tensor object under every name.  tied
     (fit): "carry" (default) leaves a tied nn.Linear to BiCo's carried
     embedding; "fit" fits it in its segment (tokens kept as tokens: no
-    output map when both vocabularies have the same size), and the fitted
-    weight is also the embedding's.
+    output map; when the vocabularies' sizes differ it stays carried),
+    and the fitted weight is also the embedding's.
     alpha: a positive number, "heldout", or "match" / "entropy" to choose
     it without labels (choose_alpha on the calibration batches; "match"
     and "entropy" not for fit, which scales the output change D by alpha
@@ -572,18 +581,27 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
     smods = dict(source.named_modules())
     skip, shared_out = set(), set(shared_out)
     fitted = set()
+    heads = vocabulary_heads(target)
     for n, m in target.named_modules():
         if not (isinstance(m, nn.Linear) and n in maps):
             continue
         keys = set((n + "." + p) if n else p
                    for p, _ in m.named_parameters(recurse=False))
-        if keys & tied_keys:
-            if tied == "carry":
+        if keys & tied_keys and tied == "carry":
+            skip.add(n)
+            continue
+        if keys & tied_keys or n in heads:
+            # a vocabulary's rows are tokens on both sides: fitted with
+            # its logit change kept by id when both vocabularies have one
+            # size, as the streamed route does; else left to BiCo's carry
+            # (the rows both have, by id, for the library's vocabulary
+            # names)
+            s = smods.get(pairing.source_name(n))
+            if not (isinstance(s, nn.Linear) and
+                    s.out_features == m.out_features):
                 skip.add(n)
                 continue
-            s = smods.get(pairing.source_name(n))
-            if isinstance(s, nn.Linear) and s.out_features == m.out_features:
-                shared_out.add(n)
+            shared_out.add(n)
         fitted.update(keys - tied_keys)
     start = {k: (b0[k] if k in fitted else new_bico[k].to(b0[k].device))
              for k in b0}
