@@ -40,7 +40,8 @@ def config(s):
             "num_hidden_layers": s["L"], "num_attention_heads": s["H"],
             "num_key_value_heads": s["KV"], "head_dim": s["hd"],
             "vocab_size": s["V"], "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-            "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+            "tie_word_embeddings": not s.get("untied"),
+            "torch_dtype": "bfloat16",
             "max_position_embeddings": 4096, "hidden_act": "silu"}
 
 
@@ -65,6 +66,8 @@ def shapes(s):
             if q == "self_attn.o_proj":
                 out[p + "post_attention_layernorm.weight"] = (s["d"],)
     out["model.norm.weight"] = (s["d"],)
+    if s.get("untied"):     # a head of its own (Llama-3's layout)
+        out["lm_head.weight"] = (s["V"], s["d"])
     return out
 
 

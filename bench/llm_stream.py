@@ -3,12 +3,14 @@
 run on synthetic model folders in a child process under /usr/bin/time -v
 (peak resident set, wall time), the in-memory route beside it on request.
 
-  bench/llm_stream.py depth [--in-memory] [--work DIR]
+  bench/llm_stream.py depth [--in-memory] [--untied] [--work DIR]
       random float32 Qwen2-shaped folders, 512 wide (MLP 1376, 8/4 heads
       of 64, vocabulary 2048), a 4-layer source, targets of 4 and of 16
       layers, 16 windows of 128 tokens, --output-lora at the defaults:
       the peaks must be within 10 % of each other (memory that does not
-      grow with depth).
+      grow with depth).  --untied: both models with a head of their own
+      (the target's fitted after the blocks, a piece of vocabulary rows
+      at a time).
   bench/llm_stream.py scale [--layers-b N] [--windows W] [--in-memory]
                             [--no-stream]
       the 0.5B -> 1.5B-shaped pair of bench/llm_scale_gen.py (bf16; the
@@ -202,17 +204,21 @@ def pair(work, tag, s_a, s_b, layers_b, dtype):
     return a, b, size
 
 
-def depth(work, in_memory, threads):
+def depth(work, in_memory, threads, untied=False):
     print("## depth: 512 wide, MLP 1376, vocabulary 2048, F32; source 4 "
-          "layers; 16 windows of 128 tokens; --output-lora at the defaults")
+          "layers; 16 windows of 128 tokens; --output-lora at the "
+          "defaults%s" % ("; untied heads (the target's fitted by token "
+                          "id)" if untied else ""))
     header()
     t = ids(os.path.join(work, "ids-2048.npy"), 16 * 128 + 1, DEPTH["V"])
-    src = dict(DEPTH, L=4)
+    spec = dict(DEPTH, untied=True) if untied else DEPTH
+    src = dict(spec, L=4)
+    tag = "depthu" if untied else "depth"
     peaks = {}
     for lb in (4, 16):
-        a, b, size = pair(work, "depth", src, DEPTH, lb, "F32")
+        a, b, size = pair(work, tag, src, spec, lb, "F32")
         for side in ("stream",) + (("in-memory",) if in_memory else ()):
-            wall, peak = run(work, "depth%d" % lb, a, b,
+            wall, peak = run(work, "%s%d" % (tag, lb), a, b,
                              ["--ids", t, "--output-lora", "OUT"],
                              side == "in-memory", threads)
             peaks[(side, lb)] = peak
@@ -541,6 +547,9 @@ def main(argv=None):
     p.add_argument("--work", default=os.path.join(ROOT, "build",
                                                   "llm_stream"))
     p.add_argument("--in-memory", action="store_true")
+    p.add_argument("--untied", action="store_true",
+                   help="depth: Llama-3-like folders whose heads are not "
+                   "tied to the embedding")
     p.add_argument("--no-stream", action="store_true",
                    help="scale: leave the streamed run out (with "
                    "--in-memory: that run alone)")
@@ -564,7 +573,7 @@ def main(argv=None):
         " ".join("%.2f" % x for x in os.getloadavg()), os.cpu_count(),
         a.threads), flush=True)
     if a.case == "depth":
-        depth(a.work, a.in_memory, a.threads)
+        depth(a.work, a.in_memory, a.threads, a.untied)
     elif a.case == "scale":
         scale(a.work, a.layers_b, a.windows, a.in_memory, a.threads,
               not a.no_stream)
