@@ -330,6 +330,85 @@ def test_the_command_across_ranks_writes_the_one_process_output(pair,
                         atol=1e-2 * float(np.abs(b[k]).max()) + 1e-12)
 
 
+def _transfer(pair, dest, size, tmp, timeout=300):
+    """ranks_transfer_child.py as `size` ranks: [(exit status, stderr)]
+    and each rank's return value (or {"error": message})."""
+    port = _port()
+    out = str(tmp / ("ret-%d-%s" % (size, "sd" if dest == "-" else
+                                    os.path.basename(dest.rstrip("/")))))
+    procs = []
+    for r in range(size):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                  "MASTER_PORT"):
+            env.pop(k, None)
+        if size > 1:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(size))
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "ranks_transfer_child.py"),
+             str(pair), dest, out], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE))
+    res = [(rc, e.decode()) for rc, _, e in _wait(procs, timeout)]
+    got = [torch.load("%s.%d" % (out, r)) for r in range(size)
+           if os.path.exists("%s.%d" % (out, r))]
+    assert len(got) == size, res
+    # under the launcher's variables every rank joined one group
+    assert all(g["joined"] == (size > 1) and g["size"] == size
+               for g in got), res
+    return res, [g["ret"] for g in got]
+
+
+def test_transfer_model_on_folders_across_ranks(pair, tmp_path):
+    """transfer_model on folders under torchrun's variables shares the
+    batches among the ranks: the state dict on every rank is the
+    one-process result to 1e-5 (the sums' order differs) and the same on
+    every rank bit for bit; with output=, rank 0 writes the one-process
+    folder (up to a BF16 rounding step in a few elements), every rank
+    returns the same choice; an output inside an input is refused on
+    every rank, the others naming rank 0."""
+    import bico.safetensors as st
+    (rc1, e1), = _transfer(pair, "-", 1, tmp_path)[0]
+    assert rc1 == 0, e1[-3000:]
+    one = torch.load(str(tmp_path / "ret-1-sd.0"))["ret"]
+    st2, outs = _transfer(pair, "-", 2, tmp_path)
+    for rc, e in st2:
+        assert rc == 0, e[-3000:]
+    assert set(outs[0]) == set(one) == set(outs[1])
+    for k, v in one.items():
+        assert _close(outs[0][k], v), k
+        assert torch.equal(outs[0][k], outs[1][k]), k
+    import bico.torch as bt
+    b = bt.load_model(pair / "B").state_dict()
+    moved = sum(not torch.equal(one[k], b[k]) for k in b)
+    assert moved > 10       # the fit moved the target: a real comparison
+    got = {}
+    for size in (1, 2):
+        dest = str(tmp_path / ("out%d" % size)) + "/"
+        rs, rets = _transfer(pair, dest, size, tmp_path)
+        for rc, e in rs:
+            assert rc == 0, e[-3000:]
+        assert all(r == rets[0] for r in rets), rets
+        got[size] = (dest, rets[0])
+    (d1, r1), (d2, r2) = got[1], got[2]
+    assert r1["alpha"] == r2["alpha"] and r1["ridge"] == r2["ridge"]
+    assert sorted(os.listdir(d1)) == sorted(os.listdir(d2))
+    files = [n for n in os.listdir(d1) if n.endswith(".safetensors")]
+    assert files
+    for n in files:
+        a2, a1 = st.read(d2 + n), st.read(d1 + n)
+        assert list(a1) == list(a2)
+        for k in a1:
+            assert _bf16_close(a2[k], a1[k]), k
+    rs, rets = _transfer(pair, str(pair / "B" / "inside") + "/", 2,
+                         tmp_path)
+    for rc, e in rs:
+        assert rc == 0, e[-3000:]
+    assert "output" in rets[0]["error"] and \
+        rets[1]["error"].startswith("rank 0: ")
+    assert not os.path.exists(str(pair / "B" / "inside"))
+
+
 def test_the_command_across_ranks_refuses_together(pair, tmp_path):
     """A refusal on rank 0 (an output inside an input) ends every rank
     with exit status 2, the others naming rank 0's reason; a route that

@@ -15,6 +15,7 @@ is scored (stream_out.score) and written.  Memory: the blocks in flight,
 one block's rows and statistics, the head while the loss is taken; the
 rest is in the store (its budget in memory, beyond it in a nameless
 temporary file)."""
+import sys
 import time
 
 import torch
@@ -209,25 +210,83 @@ def transfer_folders(kw):
     grid = _alpha_grid(kw["alpha_grid"])
     a = 1.0 if auto else alpha
     budget = kw["memory_budget"] or DEFAULT_BUDGET
+    ranks = _launcher_ranks()
     if kw["output"] is None:
         return _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a,
-                            budget)
-    from ..folder import Run
+                            budget, ranks)
     # the folder rules of the command: an output inside an input refused,
-    # the output locked before the inputs are read
-    with Run(inputs=[("source", kw["source"]),
-                     ("source_tuned", kw["source_tuned"]),
-                     ("target", kw["target"])],
-             outputs=[("output", kw["output"], "carry")]):
-        return _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a,
-                            budget)
+    # the output locked before the inputs are read (by rank 0, which
+    # writes it; every rank learns a refusal)
+    args = (kw, fit_b, held, ridges, auto, alpha, grid, a, budget, ranks)
+    if not ranks.root:
+        _agreed(ranks, None)        # rank 0 checked and locked the output
+        out = _folders_fit(*args)
+        _agreed(ranks, None)        # rank 0 wrote and committed it
+        return out
+    run = _locked(kw, ranks)
+    out, err = None, None
+    try:
+        try:
+            out = _folders_fit(*args)
+        except BaseException:
+            run.__exit__(*sys.exc_info())   # discarded, unlocked
+            raise
+        run.__exit__(None, None, None)      # committed, unlocked
+    except Exception as e:
+        err = e
+    _agreed(ranks, err)
+    return out
 
 
-def _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a, budget):
+def _launcher_ranks():
+    """bico.llm.ranks.Ranks of the processes torchrun started (WORLD_SIZE
+    > 1: the default gloo group, joined unless it is already), else one
+    process."""
+    from .ranks import Ranks, world_size, join
+    if world_size() > 1:
+        join()
+        return Ranks(world=True)
+    return Ranks()
+
+
+def _locked(kw, ranks):
+    """The output's folder.Run, entered (on rank 0); its refusal raised on
+    every rank."""
+    from ..folder import Run
+    run, err = Run(inputs=[("source", kw["source"]),
+                           ("source_tuned", kw["source_tuned"]),
+                           ("target", kw["target"])],
+                   outputs=[("output", kw["output"], "carry")]), None
+    try:
+        run.__enter__()
+    except Exception as e:
+        err = e
+    _agreed(ranks, err)
+    return run
+
+
+def _agreed(ranks, err):
+    """Raises err here, or another rank's failure (its status, its
+    message with its rank), after every rank has said how its step
+    ended (err None: this rank's went well)."""
+    from .._status import BicoError, E_IO
+    mine = None if err is None else (getattr(err, "status", E_IO),
+                                     getattr(err, "message", str(err)))
+    other = ranks.agree(mine)
+    if err is not None:
+        raise err
+    if other is not None:
+        rank, (status, msg) = other
+        raise BicoError(status, "rank %d: %s" % (rank, msg))
+
+
+def _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a, budget,
+                 ranks):
     from ..torch.choose import pick
     with StreamedFit(kw["source"], kw["source_tuned"], kw["target"], fit_b,
                      held, threads=kw["threads"], budget=budget,
-                     spill_dir=kw["spill_dir"], alpha=a) as sf:
+                     spill_dir=kw["spill_dir"], alpha=a,
+                     ranks=ranks) as sf:
         tried = []
         for ridge in ridges:
             frep = [] if kw["report"] is not None else None
@@ -246,10 +305,11 @@ def _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a, budget):
         _report(kw, sf, frep, scale, scores, ridge, ridges, tried, fit_b,
                 held)
         if kw["output"] is not None:
-            sf.write_model(res, kw["output"], scale, {
-                "format": "pt", "bico_transfer_method": "fit",
-                "bico_alpha": "%g" % (scale if auto else alpha),
-                "bico_ridge": "%g" % ridge})
+            if ranks.root:     # the others wait for it (transfer_folders)
+                sf.write_model(res, kw["output"], scale, {
+                    "format": "pt", "bico_transfer_method": "fit",
+                    "bico_alpha": "%g" % (scale if auto else alpha),
+                    "bico_ridge": "%g" % ridge})
             return {"output": kw["output"], "alpha": scale if auto else
                     alpha, "ridge": ridge, "losses": scores}
         return _state_dict(res, scale)

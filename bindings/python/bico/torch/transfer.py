@@ -184,6 +184,10 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     dict of what was chosen, else the new state dict as for modules.
     spill_dir / memory_budget (bytes): where and beyond how much the
     calibration states and fitted blocks go to a nameless temporary file.
+    Under torchrun (WORLD_SIZE > 1), called on every rank with the same
+    arguments, the streamed fit shares the batches among the ranks (a
+    gloo group, joined unless it is already; docs/scale-out.md): rank 0
+    writes output, every rank returns the same value once it is written.
     stream=False, or another method: the folders are loaded whole
     (load_model, float32) and run in memory.
     report: a list that receives one dict per target tensor (fit: one per
