@@ -494,14 +494,16 @@ bench: $(BENCH_BINS) $(TOOL)
 # cost, the arithmetic of what a run holds at 7B and 70B, and of what a run
 # across processes would move (docs/scale-out.md, designed).  Folders are
 # written once into $(LLM_BENCH_WORK) (about 13 GB) and reused.  Long: the
-# in-memory 0.5B -> 1.5B run holds the whole models in float32 (about
-# 16 GB of memory).  BENCH_THREADS as for `make bench`.
+# in-memory 0.5B -> 1.5B run holds the whole models in float32 and more
+# than 24 GB (the kernel killed it at 23.4 GB on a 24 GB machine: its line
+# then says "failed (-9)").  BENCH_THREADS as for `make bench`.
 LLM_BENCH_WORK ?= $(BUILD)/llm_stream
 LLM_BENCH_ENV = BICO_BUILD=$(abspath $(BUILD)) PYTHONPATH=$(abspath bindings/python)
 LLM_BENCH = $(LLM_BENCH_ENV) $(PYTHON) bench/llm_stream.py
 .PHONY: bench-llm
 bench-llm: $(SHLIB)
 	$(LLM_BENCH) depth --in-memory --work $(LLM_BENCH_WORK) --threads $(BENCH_THREADS)
+	$(LLM_BENCH) depth --untied --work $(LLM_BENCH_WORK) --threads $(BENCH_THREADS)
 	$(LLM_BENCH) scale --in-memory --work $(LLM_BENCH_WORK) --threads $(BENCH_THREADS)
 	$(LLM_BENCH) block --work $(LLM_BENCH_WORK) --threads $(BENCH_THREADS)
 	$(LLM_BENCH) arith
