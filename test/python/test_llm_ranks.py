@@ -261,20 +261,24 @@ def _launch(args, size, cwd, timeout=300):
     torchrun sets (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE): [(exit
     status, stdout, stderr)] by rank.  One process: no such variables."""
     port = _port()
-    procs = []
-    for r in range(size):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                  "MASTER_PORT"):
-            env.pop(k, None)
-        if size > 1:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(size))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "bico.llm"] + args, cwd=str(cwd),
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "bico.llm"] + args, cwd=str(cwd),
+        env=_rank_env(r, size, port), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for r in range(size)]
     return _wait(procs, timeout)
+
+
+def _rank_env(r, size, port):
+    """Rank r's environment of `size` as torchrun sets it (MASTER_ADDR/
+    PORT, RANK, LOCAL_RANK, WORLD_SIZE); one process: none of them."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+              "MASTER_PORT"):
+        env.pop(k, None)
+    if size > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(size))
+    return env
 
 
 def _bf16_close(a, b):
@@ -336,19 +340,10 @@ def _transfer(pair, dest, size, tmp, timeout=300):
     port = _port()
     out = str(tmp / ("ret-%d-%s" % (size, "sd" if dest == "-" else
                                     os.path.basename(dest.rstrip("/")))))
-    procs = []
-    for r in range(size):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                  "MASTER_PORT"):
-            env.pop(k, None)
-        if size > 1:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(size))
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "ranks_transfer_child.py"),
-             str(pair), dest, out], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE))
+    procs = [subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "ranks_transfer_child.py"),
+         str(pair), dest, out], env=_rank_env(r, size, port),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(size)]
     res = [(rc, e.decode()) for rc, _, e in _wait(procs, timeout)]
     got = [torch.load("%s.%d" % (out, r)) for r in range(size)
            if os.path.exists("%s.%d" % (out, r))]

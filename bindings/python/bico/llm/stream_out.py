@@ -136,29 +136,34 @@ class Result(object):
         unchanged).  rows (r0, r1): the update of those rows of a 2-D
         tensor only, base those rows (read from the store's rows only:
         a head or a table a piece at a time)."""
+        src = self._source(name)
+        if src is None:
+            return None
         store = self.run.store
         get = store.get if rows is None else \
             (lambda k: store.slice(k, rows[0], rows[1]))
+        if src[0] == "pair":
+            kb, ka = src[1]
+            return (get(kb) * 1.0) @ store.get(ka) * 1.0
+        return get(src[1]).double() - base.double()
+
+    def changes(self, name):
+        """Whether delta(name, ...) is an update (not None)."""
+        return self._source(name) is not None
+
+    def _source(self, name):
+        """Where the update of tensor name comes from: ("pair", (store key
+        of B, of A)) of an adapter's module, ("value", store key of the new
+        value), or None (left out or unchanged)."""
         key = self.new.get(name) or self.run.carried.get(name)
         if self.kind == "adapter":
             mod = name.rsplit(".", 1)[0]
             if name.endswith(".weight") and mod in self.pairs:
-                kb, ka = self.pairs[mod]
-                return (get(kb) * 1.0) @ store.get(ka) * 1.0
+                return "pair", self.pairs[mod]
             if name in self.run.carried and self.saved(name):
-                return get(key).double() - base.double()
+                return "value", key
             return None
-        if key is None:
-            return None
-        return get(key).double() - base.double()
-
-    def changes(self, name):
-        """Whether delta(name, ...) is an update (not None)."""
-        if self.kind == "adapter":
-            mod = name.rsplit(".", 1)[0]
-            return (name.endswith(".weight") and mod in self.pairs) or \
-                (name in self.run.carried and self.saved(name))
-        return name in self.new or name in self.run.carried
+        return None if key is None else ("value", key)
 
 
 def _gram(delta, inputs):

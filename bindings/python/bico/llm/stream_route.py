@@ -15,7 +15,7 @@ is scored (stream_out.score) and written.  Memory: the blocks in flight,
 one block's rows and statistics, the head while the loss is taken; the
 rest is in the store (its budget in memory, beyond it in a nameless
 temporary file)."""
-import sys
+import contextlib
 import time
 
 import torch
@@ -223,15 +223,12 @@ def transfer_folders(kw):
         out = _folders_fit(*args)
         _agreed(ranks, None)        # rank 0 wrote and committed it
         return out
-    run = _locked(kw, ranks)
+    run = _locked(kw, ranks)    # a refusal was raised on every rank
     out, err = None, None
     try:
-        try:
+        with contextlib.ExitStack() as stack:
+            stack.push(run)     # committed, or discarded on an error
             out = _folders_fit(*args)
-        except BaseException:
-            run.__exit__(*sys.exc_info())   # discarded, unlocked
-            raise
-        run.__exit__(None, None, None)      # committed, unlocked
     except Exception as e:
         err = e
     _agreed(ranks, err)

@@ -281,8 +281,8 @@ def _maps32(r):
 
 def _out_map32(r):
     """R_out as _carry takes it, made once per layer: a C-contiguous
-    float32 matrix, or a list of them per fused block."""
-    return _maps32(r)
+    float32 matrix, or a list of them per fused block (None: none)."""
+    return None if r is None else _maps32(r)
 
 
 def _carry(d, r, alpha=1.0):
@@ -292,8 +292,12 @@ def _carry(d, r, alpha=1.0):
     of the result's.  Each block's columns are read in place and written
     in place (the kernel's row strides), with no copy of a slice; r is
     converted to float32 only when it is not already (_out_map32 does it
-    once per layer)."""
+    once per layer); r None: outputs in the source's coordinates
+    (shared_out), alpha D without an identity map (out_features^2
+    entries: 185 GB in double at a 151936-token vocabulary)."""
     d = np.ascontiguousarray(d, dtype=np.float32)
+    if r is None:
+        return d * np.float32(alpha) if alpha != 1.0 else d
     rs = _maps32(r if isinstance(r, list) else [r])  # no copy if float32
     k = len(rs)
     n, da = d.shape
@@ -315,14 +319,6 @@ def _carry(d, r, alpha=1.0):
         _transport_rows_at(n, w, wb, alpha, d, i * w, da, rs[i], out,
                            i * wb, wb * k)
     return out
-
-
-def _scaled(d, alpha):
-    """alpha D for outputs in the source's coordinates (shared_out): float32
-    as _carry's, without the identity map (out_features^2 entries: 185 GB
-    in double at a 151936-token vocabulary)."""
-    d = np.ascontiguousarray(d, dtype=np.float32)
-    return d * np.float32(alpha) if alpha != 1.0 else d
 
 
 def fit_model(source, source_tuned, target, batches, forward, maps,
@@ -490,8 +486,7 @@ class _FitHost(object):
         b = lin.bias.detach().float().cpu().numpy() \
             if lin.bias is not None else None
         self.info[l] = {"name": name, "source": s, "w": w, "b": b,
-                        "r_out": None if r_out is None
-                        else _out_map32(r_out)}
+                        "r_out": _out_map32(r_out)}
         return w, b
 
     def rows_group(self, l, fits):
@@ -526,8 +521,7 @@ class _FitHost(object):
                                         % (name, x1.shape[0], s, y0.shape[0],
                                            bi))
                     db_ = _carry((y1 - y0).float().numpy(), it["r_out"],
-                                 self.alpha) if it["r_out"] is not None \
-                        else _scaled((y1 - y0).float().numpy(), self.alpha)
+                                 self.alpha)
                     f.add(np.ascontiguousarray(x1.numpy()),
                           np.ascontiguousarray(x0.numpy()), db_)
             it["rows"] = int(f.rows)
