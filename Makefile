@@ -323,10 +323,8 @@ PY_BINDING_TESTS = $(shell grep -l -E '^ *(import bico|from bico)|importorskip."
 .PHONY: check-python-asan
 ifeq ($(SANITIZE),1)
 check-python-asan: all
-	LD_PRELOAD=$(ASAN_RT) ASAN_OPTIONS=detect_leaks=0 \
-	  PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
-	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q -p no:cacheprovider \
-	  $(PY_BINDING_TESTS)
+	env LD_PRELOAD=$(ASAN_RT) ASAN_OPTIONS=detect_leaks=0 $(PYTEST_REACH) \
+	  $(PYTEST) $(PY_BINDING_TESTS)
 else
 check-python-asan:
 	$(MAKE) --no-print-directory SANITIZE=1 check-python-asan
@@ -560,7 +558,8 @@ $(FUZZ_BINS): build/fuzz/bin/%: test/fuzz/%.c $(wildcard test/fuzz/*.h) $(FUZZ_O
 
 fuzz-build: $(FUZZ_BINS)
 
-fuzz: $(FUZZ_BINS)
+fuzz:
+	$(MAKE) --no-print-directory -j$(JOBS) fuzz-build
 	sh scripts/fuzz.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 # make abi-check: the library's ABI (abidw, public types only) against the
@@ -581,7 +580,7 @@ ABIDW_FLAGS := --no-corpus-path --no-comp-dir-path --no-show-locs \
 # Recipes, not rules, build the library there: a rule for $(ABI_LIB) would
 # also match the sub-make's own $(SHLIB) and recurse.
 abi-dump:
-	$(MAKE) --no-print-directory BUILD=$(ABI_BUILD) SANITIZE= OPT='-O2 -g' lib
+	$(MAKE) --no-print-directory -j$(JOBS) BUILD=$(ABI_BUILD) SANITIZE= OPT='-O2 -g' lib
 	abidw $(ABIDW_FLAGS) --out-file $(ABI_BUILD)/libbico.abi $(ABI_LIB)
 
 abi-baseline: abi-dump
@@ -613,17 +612,18 @@ LEAK_FILTER ?= *
 VALGRIND ?= valgrind
 leak-check:
 	@if [ "$(SANITIZE)" = 1 ]; then echo "leak-check: run without SANITIZE=1"; exit 1; fi
-	$(MAKE) --no-print-directory $(TEST_BIN)
-	$(VALGRIND) --tool=memcheck --leak-check=full --errors-for-leak-kinds=definite \
-	  --error-exitcode=1 --suppressions=test/valgrind.supp --num-callers=30 \
-	  $(TEST_BIN) --gtest_filter='$(LEAK_FILTER)'
+	$(MAKE) --no-print-directory -j$(JOBS) $(TEST_BIN)
+	WRAP="$(VALGRIND) --tool=memcheck --leak-check=full --errors-for-leak-kinds=definite \
+	  --error-exitcode=1 --suppressions=$(abspath test/valgrind.supp) --num-callers=30" \
+	  LOGDIR=$(BUILD)/leak-check sh scripts/gtest-shards.sh $(TEST_BIN) $(JOBS) \
+	  --gtest_filter='$(LEAK_FILTER)'
 
 # make tsan-check: the thread tests under ThreadSanitizer (library and tests
 # built with -fsanitize=thread in build/tsan).  BLIS and libgomp are not
 # instrumented; test/tsan.supp names what of theirs is suppressed and why.
 TSAN_FILTER ?= RobustThreads.*:Planted.TwoContexts*:TransferPipeline.*
 tsan-check:
-	$(MAKE) --no-print-directory BUILD=build/tsan SANITIZE= OPT='-O1 -g' \
+	$(MAKE) --no-print-directory -j$(JOBS) BUILD=build/tsan SANITIZE= OPT='-O1 -g' \
 	  CFLAGS=-fsanitize=thread CXXFLAGS=-fsanitize=thread LDFLAGS=-fsanitize=thread \
 	  build/tsan/test/bico_tests
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66 suppressions=$(abspath test/tsan.supp)" \
@@ -645,25 +645,60 @@ check-layers: $(LIB_OBJS) $(TOOL)
 	$(PYTHON) scripts/check-layers.py $(BUILD)/obj/lib $(TOOL)
 
 # ---- make check ----
-# Every check `make check` runs, in this order: the GoogleTest suite, the
-# build, the installed library (pkg-config) and the example programs built
-# and run against it, the Python binding (installed
-# and pip-installed in a plain build; under AddressSanitizer with
-# SANITIZE=1), the demo, the MPI command (MPI=1), every public header
-# alone, the library's layers, and the robustness test.  The recipe then
-# runs the GoogleTest binary and the pytest suite.
-CHECK_PREREQS := $(TEST_BIN) all check-pkgconfig check-examples
+# `make check` runs its stages one after the other, each timed by
+# scripts/stage.sh; the table of stage times comes at the end, and a
+# stage that fails ends the run with the table so far and the failing
+# tests named last.  JOBS (default: the CPUs) is how many compilers, test
+# shards and pytest workers run at once.
+#   build           library, command, examples, tests (-j$(JOBS))
+#   c-tests         the GoogleTest suite in $(JOBS) shards
+#                   (scripts/gtest-shards.sh), its slowest tests listed
+#   installed       the installed library (pkg-config) and the example
+#                   programs built and run against it; the Python binding
+#                   installed and pip-installed (plain build), or the
+#                   binding's tests under AddressSanitizer (SANITIZE=1)
+#   demo-test, mpi  the demo's small configuration; the MPI command (MPI=1)
+#   headers         every public header alone, the library's layers (plain
+#                   build: neither runs code, so a sanitized tree adds
+#                   nothing to them)
+#   robust          nothing on disk is lost (check-robust)
+#   python-tests    the pytest suite on $(JOBS) workers (pytest-xdist, by
+#                   file), its slowest ten tests listed.  The plain run
+#                   records which tests reach the C library
+#                   (test/python/conftest.py); with SANITIZE=1 only those
+#                   run again, against the sanitized library and programs.
+JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+STAGE = sh scripts/stage.sh
+CHECK_LOG = $(BUILD)/check
+# The record of the tests that reach C: written by the plain run, read by
+# the sanitized one (a record of other Python sources, or none: all run).
+REACH_RECORD := $(abspath build)/python-reach-c.txt
+XDIST = $(shell [ "$(JOBS)" -gt 1 ] 2>/dev/null && $(PYTHON) -c 'import xdist' 2>/dev/null && echo -n $(JOBS) --dist loadfile)
+PYTEST = PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
+  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q -p no:cacheprovider \
+  --durations=10 $(XDIST)
 ifeq ($(SANITIZE),1)
-CHECK_PREREQS += check-python-asan
+PYTEST_REACH = BICO_REACH_ONLY=$(REACH_RECORD)
 else
-CHECK_PREREQS += check-python-install check-python-pip
+PYTEST_REACH = BICO_REACH_RECORD=$(REACH_RECORD)
 endif
-CHECK_PREREQS += demo-test
+check:
+	@$(STAGE) begin $(CHECK_LOG)
+	@$(STAGE) run $(CHECK_LOG) build $(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN)
+	@$(STAGE) run $(CHECK_LOG) c-tests sh scripts/gtest-shards.sh $(TEST_BIN) $(JOBS)
+	@$(STAGE) run $(CHECK_LOG) installed $(MAKE) --no-print-directory check-pkgconfig check-examples
+ifeq ($(SANITIZE),1)
+	@$(STAGE) run $(CHECK_LOG) python-asan $(MAKE) --no-print-directory check-python-asan
+else
+	@$(STAGE) run $(CHECK_LOG) python-install $(MAKE) --no-print-directory check-python-install check-python-pip
+endif
+	@$(STAGE) run $(CHECK_LOG) demo-test $(MAKE) --no-print-directory demo-test
 ifeq ($(MPI),1)
-CHECK_PREREQS += check-mpi
+	@$(STAGE) run $(CHECK_LOG) mpi $(MAKE) --no-print-directory check-mpi
 endif
-CHECK_PREREQS += header-check check-layers check-robust
-check: $(CHECK_PREREQS)
-	$(TEST_BIN)
-	PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
-	  BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q $(PYTEST_FILES)
+ifneq ($(SANITIZE),1)
+	@$(STAGE) run $(CHECK_LOG) headers $(MAKE) --no-print-directory header-check check-layers
+endif
+	@$(STAGE) run $(CHECK_LOG) robust $(MAKE) --no-print-directory check-robust
+	@$(STAGE) run $(CHECK_LOG) python-tests env $(PYTEST_REACH) $(PYTEST) $(PYTEST_FILES)
+	@$(STAGE) report $(CHECK_LOG) "make check$(if $(filter 1,$(SANITIZE)), SANITIZE=1)"

@@ -1,14 +1,29 @@
 #!/bin/sh
-# Runs each libFuzzer target for SECONDS over a copy of its seed corpus.
+# Runs each libFuzzer target over a copy of its seed corpus.
 # Usage: scripts/fuzz.sh SECONDS TARGET...   (binaries in build/fuzz/bin/)
+# SECONDS: every target's time, or a file of "target seconds" lines (its
+# other lines, comments and blank ones, ignored; a target it does not
+# name gets the file's "default" line, else 60).  libFuzzer replays the
+# whole corpus first (the committed seeds and regressions), then runs new
+# inputs for the rest of the time.
 # Committed corpora (test/fuzz/corpus/<t>/) and regressions
 # (test/fuzz/regressions/<t>/) are only read; new inputs go to
 # build/fuzz/<t>/corpus, crash files to build/fuzz/<t>/.  A summary line per
 # target goes to build/fuzz/summary.txt.  Exits 1 if any target crashed.
 # FUZZ_JOBS targets run at once (default: the number of CPUs), each on
-# one core for SECONDS.
+# one core: the longest first, each next one on the lane that frees first.
 set -u
-secs=$1; shift
+secs_arg=$1; shift
+# A target's seconds.
+secs_of() {
+  case $secs_arg in
+  *[!0-9]*)
+    v=$(awk -v t="$1" '$1 == t { print $2; f = 1; exit }
+                       $1 == "default" { d = $2 } END { if (!f) print (d ? d : 60) }' "$secs_arg")
+    echo "$v" ;;
+  *) echo "$secs_arg" ;;
+  esac
+}
 summary=build/fuzz/summary.txt
 mkdir -p build/fuzz
 : > "$summary"
@@ -18,6 +33,7 @@ jobs_max=${FUZZ_JOBS:-$(nproc 2>/dev/null || echo 1)}
 # One target: its log, summary line and exit status under build/fuzz/<t>/.
 fuzz_one() {
   t=$1
+  secs=$(secs_of "$t")
   bin=build/fuzz/bin/$t
   work=build/fuzz/$t
   rm -rf "$work"; mkdir -p "$work/corpus"
@@ -50,13 +66,20 @@ fuzz_one() {
   echo $rc > "$work/rc"
 }
 
-n=0
-for t in "$@"; do
-  fuzz_one "$t" &
-  n=$((n + 1))
-  if [ $n -ge "$jobs_max" ]; then wait; n=0; fi
-done
-wait
+# Lanes: targets longest first, each to the lane with the least time so
+# far (a lane runs its targets one after the other).
+lanes=$(for t in "$@"; do echo "$(secs_of "$t") $t"; done | sort -rn |
+  awk -v n="$jobs_max" '{ best = 0; for (i = 1; i < n; i++) if (load[i] < load[best]) best = i;
+                          load[best] += $1; lane[best] = lane[best] " " $2 }
+                        END { for (i = 0; i < n; i++) if (lane[i] != "") print lane[i] }')
+# (the loop reads a pipe, so it runs in a subshell: it waits for its lanes)
+echo "$lanes" | {
+  while read -r lane; do
+    [ -n "$lane" ] || continue
+    ( for t in $lane; do fuzz_one "$t"; done ) &
+  done
+  wait
+}
 failed=""
 for t in "$@"; do
   work=build/fuzz/$t
