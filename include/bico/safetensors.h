@@ -141,6 +141,18 @@ BICO_API bico_status bico_stfile_read_f64_range(const bico_stfile *f,
 BICO_API bico_status bico_stfile_check_finite(const bico_stfile *f,
                                               size_t index);
 
+/* Whether every file the handle reads is still the file it opened, for a
+ * front end that reads a model a tensor at a time over a long run (a shard
+ * rewritten in place meanwhile would give an output of two versions):
+ * each file's size and modification time (through the open descriptor),
+ * its path still naming that file (device and inode), and its header's
+ * bytes read again, all as when the handle opened it (the tensors' bytes
+ * are not read again: a rewrite that keeps the size, the header and the
+ * modification time goes unseen).  BICO_OK, or BICO_E_IO naming the file
+ * and what changed.  bico_transfer_run, bico_merge_run and
+ * bico_lora_transfer check their inputs so before they commit. */
+BICO_API bico_status bico_stfile_check_unchanged(const bico_stfile *f);
+
 /* The "__metadata__" entries, in header order.  For a sharded checkpoint:
  * the index's "metadata" object, strings as they are and numbers as their
  * JSON text (other values are skipped).  The count into *n (BICO_E_NULL for

@@ -111,6 +111,55 @@ bico_status bico_stfile_open(bico_ctx *ctx, const char *path,
   return BICO_OK;
 }
 
+bico_status bico_stfile_check_unchanged(const bico_stfile *f) {
+  if (f == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = f->ctx;
+  bico__clear(ctx);
+  for (size_t k = 0; k < f->nfiles; k++) {
+    const bico__st_file *m = &f->files[k];
+    if (m->fd < 0) continue;
+    struct stat now, there;
+    const char *what = NULL;
+    if (fstat(m->fd, &now) != 0)
+      return bico__fail(ctx, BICO_E_IO, "stfile_check_unchanged: %s: %s",
+                        m->path, strerror(errno));
+    if ((uint64_t)now.st_size != m->size)
+      what = "its size";
+    else if ((int64_t)now.st_mtim.tv_sec != m->mtime_sec ||
+             (int64_t)now.st_mtim.tv_nsec != m->mtime_nsec)
+      what = "its modification time (it was written to)";
+    else if (stat(m->path, &there) != 0 ||
+             (uint64_t)there.st_dev != m->dev ||
+             (uint64_t)there.st_ino != m->ino)
+      what = "the file its name leads to (it was replaced or removed)";
+    if (what == NULL) {
+      unsigned char lenb[8];
+      int e = bico__pread_all(m->fd, lenb, 8, 0);
+      uint64_t n = e == 0 ? bico__st_load_le(lenb, 8) : 0;
+      char *buf = NULL, hex[65];
+      if (e == 0 && n <= m->size - 8) {
+        buf = bico__alloc(ctx, (size_t)n + 1);
+        if (buf == NULL) return BICO_E_NOMEM;
+        e = bico__pread_all(m->fd, buf, (size_t)n, 8);
+      }
+      if (e != 0 || buf == NULL) {
+        what = "its header (it cannot be read again)";
+      } else {
+        bico__st_header_digest(lenb, buf, (size_t)n, hex);
+        if (strcmp(hex, m->head) != 0) what = "its header";
+      }
+      bico__free(ctx, buf);
+    }
+    if (what != NULL)
+      return bico__fail(ctx, BICO_E_IO,
+                        "%s changed while it was being read: %s is not what "
+                        "it was when it was opened; nothing was written "
+                        "(run again once nothing else writes it)",
+                        m->path, what);
+  }
+  return BICO_OK;
+}
+
 bico_status bico_stfile_count(const bico_stfile *f, size_t *n) {
   if (f == NULL) return BICO_E_NULL;
   if (n == NULL)

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "fileio.h"
+#include "sha256.h"
 #include "st_internal.h"
 
 #define HEADER_LIMIT BICO__ST_HEADER_LIMIT
@@ -259,6 +260,15 @@ static bico_status check_tiling(bico_stfile *f, const char *path, size_t first,
 }
 
 /* Reads the 8-byte length and the header text of files[file]. */
+void bico__st_header_digest(const unsigned char lenb[8], const char *json,
+                            size_t n, char hex[65]) {
+  bico__sha256 h;
+  bico__sha256_init(&h);
+  bico__sha256_update(&h, lenb, 8);
+  bico__sha256_update(&h, json, n);
+  bico__sha256_final_hex(&h, hex);
+}
+
 static bico_status read_header(bico_stfile *f, size_t file, char **text,
                                uint64_t *len) {
   bico_ctx *ctx = f->ctx;
@@ -296,6 +306,14 @@ static bico_status read_header(bico_stfile *f, size_t file, char **text,
                                : strerror(e));
   }
   buf[n] = '\0';
+  struct stat sb;
+  if (fstat(m->fd, &sb) == 0) {
+    m->dev = (uint64_t)sb.st_dev;
+    m->ino = (uint64_t)sb.st_ino;
+    m->mtime_sec = (int64_t)sb.st_mtim.tv_sec;
+    m->mtime_nsec = (int64_t)sb.st_mtim.tv_nsec;
+  }
+  bico__st_header_digest(lenb, buf, (size_t)n, m->head);
   if (n == 0 || buf[0] != '{') {
     bico__free(ctx, buf);
     return bico__fail(ctx, BICO_E_FORMAT,

@@ -31,6 +31,12 @@ typedef struct bico__st_file {
   char *path;
   int fd; /* -1 when not open */
   uint64_t size;
+  /* What bico_stfile_check_unchanged compares: the file's identity and
+   * modification time when opened, and a digest of its header's bytes
+   * (the length field and the JSON). */
+  uint64_t dev, ino;
+  int64_t mtime_sec, mtime_nsec;
+  char head[65];
 } bico__st_file;
 
 typedef struct bico__st_meta {
@@ -64,6 +70,11 @@ uint64_t bico__st_round(double x, int ebits, int mbits);
 /* One element of dtype d at p (little-endian, any alignment). */
 double bico__st_elem_f64(const unsigned char *p, int d);
 float bico__st_elem_f32(const unsigned char *p, int d);
+
+/* The digest of a header as bico_stfile_check_unchanged compares it:
+ * SHA-256 of the 8-byte length field and the n bytes of JSON. */
+void bico__st_header_digest(const unsigned char lenb[8], const char *json,
+                            size_t n, char hex[65]);
 
 /* Opens files[file] (its path already set) and validates its header,
  * appending its tensors; want_meta keeps "__metadata__". */

@@ -881,6 +881,10 @@ bico_status bico_merge_run(bico_merge *m) {
       st = bico__lock_take(ctx, o, 0, &locks[k]);
   }
   if (st == BICO_OK) st = merge_all(m, &base, &w, &wd, &rep);
+  /* the inputs read a tensor at a time are still the files opened */
+  if (st == BICO_OK && base != NULL) st = bico_stfile_check_unchanged(base);
+  for (size_t i = 0; i < m->nin && st == BICO_OK; i++)
+    if (m->in[i].f != NULL) st = bico_stfile_check_unchanged(m->in[i].f);
   /* Every output complete in its temporary file, then all destinations
    * checked and committed together (lib/io/fileio.c). */
   const char *rp = m->files[BICO_MERGE_FILE_REPORT];

@@ -425,3 +425,41 @@ def test_auto_from_the_folders_equals_the_in_memory_run(pair, tmp_path):
     for k in f0.keys():
         a, b = f0.get(k), f1.get(k)
         assert np.allclose(a, b, rtol=1e-4, atol=1e-6), k
+
+
+def test_a_source_weight_that_is_not_finite_stops_the_distillation(
+        pair, tmp_path):
+    """NaN in a weight of the source (issue 45): the teacher's logits
+    z_B + z_A_ft - z_A are NaN, and the distillation trained on them and
+    exited 0.  Now the teacher refuses them naming the model, exit 1, and
+    nothing is written."""
+    import glob
+    import shutil
+    d, _ = pair
+    nan = tmp_path / "A_nan"
+    shutil.copytree(d / "A", nan)
+    for shard in sorted(glob.glob(str(nan / "*.safetensors"))):
+        with st.open(shard) as f:
+            names = list(f.keys())
+            dtypes = {k: f.info(k)[0] for k in names}
+            tensors = {k: f.get(k, np.float32) for k in names}
+        ws = [k for k in names if k.endswith("proj.weight")]
+        if ws:
+            break
+    w = ws[0]
+    tensors[w] = tensors[w].copy()
+    tensors[w].flat[0] = np.nan
+    os.remove(shard)
+    st.write(shard, tensors, dtypes=dtypes)
+    out = tmp_path / "ad"
+    r = command(d, "--source", str(nan), "--source-tuned", "A_ft",
+                "--target", "B", "--text", "task.txt", "--output-lora",
+                str(out), "--method", "distill", "--window", "32",
+                "--windows", "24", "--steps", "5", "--rank", "2", "--quiet",
+                ok=False)
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "source model's outputs" in last and "finite" in last, last
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+

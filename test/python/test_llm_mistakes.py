@@ -149,6 +149,39 @@ MISTAKES = [
     ("--source left out", {"--source": None}, ["--source"]),
 ]
 
+# Every option that takes a number is bounded (issue 45): by the machine
+# where that is the sense (threads by the CPUs, memory by the machine's),
+# else far beyond any real use; beyond it, one line and exit 2, before
+# anything runs (before: thousands of threads started, tracebacks after
+# minutes of work, Inf or all-zero factors written with exit 0).
+BOUNDS = [
+    ("--threads above the CPUs", {"--threads": "1000000"},
+     ["--threads", "1000000", "CPUs"]),
+    ("--memory-budget 1e308", {"--memory-budget": "1e308"},
+     ["--memory-budget", "1e308", "memory"]),
+    ("--teacher-memory 1e308", {"--teacher-memory": "1e308"},
+     ["--teacher-memory", "1e308", "memory"]),
+    ("--rank 10**12", {"--rank": str(10 ** 12)}, ["--rank", str(10 ** 12)]),
+    ("--lr 1e308", {"--lr": "1e308"}, ["--lr", "1e308"]),
+    ("--lora-alpha 1e-300", {"--lora-alpha": "1e-300"},
+     ["--lora-alpha", "scale"]),
+    ("--lora-alpha 1e308", {"--lora-alpha": "1e308"},
+     ["--lora-alpha", "scale"]),
+    ("--wait 1e308", {"--wait": "1e308"}, ["--wait", "1e308"]),
+    ("--text-weight 1e308", {"--text-weight": "1e308"}, ["--text-weight"]),
+    ("--teacher-weight 1e308", {"--teacher-weight": "1e308"},
+     ["--teacher-weight"]),
+    ("--alpha 1e300", {"--alpha": "1e300"}, ["--alpha", "1e300"]),
+    ("--ridge 1e300", {"--ridge": "1e300"}, ["--ridge", "1e300"]),
+    ("--windows 10**12", {"--windows": str(10 ** 12)}, ["--windows"]),
+    ("--batch-size 10**12", {"--batch-size": str(10 ** 12)},
+     ["--batch-size"]),
+    ("--steps 10**12", {"--steps": str(10 ** 12)}, ["--steps"]),
+    ("--teacher-k 10**12", {"--teacher-k": str(10 ** 12)}, ["--teacher-k"]),
+    ("--window 10**12", {"--window": str(10 ** 12)}, ["--window"]),
+]
+MISTAKES += BOUNDS
+
 
 @pytest.mark.parametrize("case,change,words", MISTAKES,
                          ids=[m[0] for m in MISTAKES])
@@ -162,6 +195,112 @@ def test_a_user_mistake_is_one_line_exit_2_nothing_written(
     for w in words:
         assert w in lines[0], (w, lines[0])
     assert not os.path.exists(out)
+
+
+@pytest.fixture
+def deadline():
+    """A test that would block forever fails instead, after the seconds
+    given (SIGALRM's exception ends a blocking open() or read(): PEP
+    475 retries a system call only when the handler returns)."""
+    import signal
+
+    class Late(Exception):
+        pass
+
+    def late(sig, frame):
+        raise Late("still blocked after the deadline")
+    old = signal.signal(signal.SIGALRM, late)
+    yield lambda s: signal.alarm(s)
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _special(d):
+    """Inputs that are not regular files: FIFOs in every place a file is
+    read (with no writer, an open() for reading blocks forever), and the
+    endless /dev/zero."""
+    for name in ("text.fifo", "ids.fifo", "tok.fifo"):
+        if not os.path.exists(d / name):
+            os.mkfifo(d / name)
+    for name, inner in (("B_fifo_tok", "tokenizer.json"),
+                        ("B_fifo_cfg", "config.json")):
+        if not os.path.exists(d / name):
+            shutil.copytree(d / "B", d / name)
+            os.remove(d / name / inner)
+            os.mkfifo(d / name / inner)
+
+
+SPECIAL = [
+    ("--text a FIFO", {"--text": "text.fifo"}, ["--text", "text.fifo",
+                                                "FIFO"]),
+    ("--ids a FIFO", {"--ids": "ids.fifo"}, ["--ids", "ids.fifo", "FIFO"]),
+    ("--tokenizer a FIFO", {"--tokenizer": "tok.fifo"},
+     ["tok.fifo", "FIFO"]),
+    ("the target's tokenizer.json a FIFO", {"--target": "B_fifo_tok"},
+     ["tokenizer.json", "FIFO"]),
+    ("the target's config.json a FIFO", {"--target": "B_fifo_cfg"},
+     ["config.json", "FIFO"]),
+    ("--text /dev/zero", {"--text": "/dev/zero"},
+     ["--text", "/dev/zero", "character device"]),
+]
+
+
+@pytest.mark.parametrize("case,change,words", SPECIAL,
+                         ids=[m[0] for m in SPECIAL])
+@pytest.mark.parametrize("route", ["fit", "distill"])
+def test_an_input_that_is_not_a_regular_file_is_refused_at_once(
+        pair, tmp_path, capsys, deadline, case, change, words, route):
+    """Every input is opened without blocking and refused unless it is a
+    regular file (issue 45): a FIFO as --text, --ids, --tokenizer, a
+    folder's tokenizer.json or config.json blocked the command forever;
+    /dev/zero was read until the kernel's OOM killer came.  Now one line
+    naming the file and what it is, exit 2, nothing written, at once."""
+    _special(pair)
+    out = tmp_path / "out"
+    deadline(60)
+    status, lines = run(argv(pair, out, dict(change, **{
+        "--method": route})), capsys)
+    assert status == 2, (status, lines)
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert not os.path.exists(out)
+
+
+def test_a_huge_text_is_read_only_as_far_as_the_windows_need(
+        pair, tmp_path, capsys, monkeypatch):
+    """--text is read as a stream, up to what the windows need: a text
+    larger than the reader's limit is read as pieces spread over it
+    (bico.llm.text.read_text), never whole (before: read whole before
+    the window cap applied; 22 GB, then the OOM killer).  A sparse file of
+    64 GiB of NUL bytes with the task text at its start: the run reads a
+    bounded number of bytes and refuses nothing but what it must."""
+    import bico.llm.text as bt
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.write(open(pair / "task.txt", "rb").read())
+        f.truncate(64 << 30)
+    seen = []
+    real = bt.open_input
+
+    def counted(path, what=None):
+        f = real(path, what)
+        orig = f.read
+
+        def read(n=-1):
+            b = orig(n)
+            seen.append(len(b))
+            return b
+        f.read = read
+        return f
+    monkeypatch.setattr(bt, "open_input", counted)
+    text = bt.read_text(str(big), "--text", limit=1 << 20)
+    assert sum(seen) <= (1 << 20) + bt.PIECES and len(text) <= (1 << 20) + \
+        bt.PIECES
+    assert text.startswith(open(pair / "task.txt").read()[:100])
+    # a text within the limit is read whole, as before
+    small = bt.read_text(str(pair / "task.txt"), "--text")
+    assert small == open(pair / "task.txt", encoding="utf-8").read()
 
 
 def test_a_failure_while_running_is_exit_1(pair, tmp_path, capsys):

@@ -248,6 +248,7 @@ PROTOTYPES = {
     "bico_stfile_read_f64_range": (_S, [c_void_p, c_size_t, c_size_t,
                                         c_void_p, c_size_t]),
     "bico_stfile_check_finite": (_S, [c_void_p, c_size_t]),
+    "bico_stfile_check_unchanged": (_S, [c_void_p]),
     "bico_stfile_metadata_count": (c_int, [c_void_p, P(c_size_t)]),
     "bico_stfile_metadata_at": (_S, [c_void_p, c_size_t, P(c_char_p),
                                      P(c_char_p)]),

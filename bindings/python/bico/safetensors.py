@@ -179,6 +179,15 @@ class File(_Handle):
         _check(fn.stfile_check_finite(self._ptr, self._find(name)), self.ctx)
 
 
+    def check_unchanged(self):
+        """Refuses (BicoError E_IO naming the file and what changed) a
+        file that is no longer what it was when opened: its size,
+        modification time, identity or header (bico_stfile_check_unchanged:
+        a reader of tensors over a long run checks this before it writes
+        what it computed from them)."""
+        _check(fn.stfile_check_unchanged(self._alive()), self.ctx)
+
+
 def open(path, ctx=None):  # noqa: A001 (mirrors the C name)
     return File(path, ctx)
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .. import _blis, _heap
+from .._inputs import read_input
 from .._status import BicoError, E_ARG, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
@@ -160,10 +161,10 @@ def _parser(prog):
                    help="--output-lora may name a folder that holds files: "
                    "they are replaced by the new adapter (default: such a "
                    "folder is refused)")
-    p.add_argument("--wait", type=opts.nonnegative, default=0,
+    p.add_argument("--wait", type=opts.seconds, default=0,
                    help="seconds to wait for another run writing the "
                    "output folder (default 0: refused at once, naming it)")
-    p.add_argument("--rank", type=opts.count, default=16,
+    p.add_argument("--rank", type=opts.rank, default=16,
                    help="LoRA rank (16)")
     p.add_argument("--lora-alpha", type=opts.positive, default=None,
                    help="PEFT lora_alpha (default: the rank)")
@@ -175,7 +176,7 @@ def _parser(prog):
     p.add_argument("--base-model-name-or-path", default=None,
                    help="the adapter's base_model_name_or_path (default: "
                    "the absolute path of --target)")
-    p.add_argument("--window", type=opts.count, default=128,
+    p.add_argument("--window", type=opts.window, default=128,
                    help="tokens per calibration window (128; at most the "
                    "models' max_position_embeddings)")
     p.add_argument("--windows", type=opts.count,
@@ -189,7 +190,7 @@ def _parser(prog):
     p.add_argument("--ridge", type=opts.ridges, default=[0.01],
                    help="ridge c of the fit, or a comma list to choose "
                    "from on the held-out windows (0.01)")
-    p.add_argument("--threads", type=opts.count, default=None,
+    p.add_argument("--threads", type=opts.threads, default=None,
                    help="threads of PyTorch and of the library (default: "
                    "theirs)")
     p.add_argument("--seed", type=opts.seed, default=0,
@@ -218,7 +219,7 @@ def _parser(prog):
                    "block at a time, then the target alone is loaded to "
                    "train).  --init warm and a --device other than cpu "
                    "imply it")
-    p.add_argument("--memory-budget", type=opts.nonnegative, default=64,
+    p.add_argument("--memory-budget", type=opts.mebibytes, default=64,
                    help="MiB of calibration states and fitted blocks the "
                    "streamed fit keeps in memory; beyond it they go to a "
                    "temporary file that has no name (64)")
@@ -253,7 +254,7 @@ def _parser(prog):
     d.add_argument("--steps", type=opts.count, default=None,
                    help="distillation's optimiser steps (default: 20 "
                    "passes over the windows, 200 to 1200)")
-    d.add_argument("--lr", type=opts.positive, default=None,
+    d.add_argument("--lr", type=opts.learning_rate, default=None,
                    help="distillation's learning rate (5e-3 for factors, "
                    "2e-3 for dense weights)")
     d.add_argument("--text-weight", type=opts.nonnegative,
@@ -270,7 +271,7 @@ def _parser(prog):
                    help="teacher entries kept per token: the top k "
                    "log-probabilities and the rest's mass (64; all when "
                    "the vocabulary is not larger)")
-    d.add_argument("--teacher-memory", type=opts.nonnegative, default=1024,
+    d.add_argument("--teacher-memory", type=opts.mebibytes, default=1024,
                    help="MiB of teacher entries kept in memory; the rest "
                    "go to a temporary folder (1024)")
     d.add_argument("--device", default="cpu",
@@ -326,12 +327,13 @@ def _warn_tokenizers(a):
     toks = [os.path.join(f, "tokenizer.json") for f in (a.source,
                                                          a.target)]
     if all(os.path.exists(t) for t in toks):
-        with open(toks[0], "rb") as f1, open(toks[1], "rb") as f2:
-            if f1.read() != f2.read():
-                print("python3 -m bico.llm: warning: %s and %s differ; "
-                      "the fit assumes one tokenizer (token ids mean "
-                      "the same in both models)" % tuple(toks),
-                      file=sys.stderr)
+        from .text import TOKENIZER_LIMIT
+        if read_input(toks[0], limit=TOKENIZER_LIMIT) != \
+                read_input(toks[1], limit=TOKENIZER_LIMIT):
+            print("python3 -m bico.llm: warning: %s and %s differ; "
+                  "the fit assumes one tokenizer (token ids mean "
+                  "the same in both models)" % tuple(toks),
+                  file=sys.stderr)
 
 
 def _calibration(a, q):
@@ -1150,8 +1152,9 @@ def main(argv=None, prog="python3 -m bico.llm"):
     _heap.give_back_on_free()
     a.run = None
     _on_signals()
-    tmp = _scratch()
+    tmp = None
     try:
+        tmp = _prepared(_scratch_of, a)
         a.ranks = _prepared(_ranks, a)
         if not a.ranks.root:     # rank 0 speaks for the run
             a.quiet = q = True
@@ -1159,6 +1162,10 @@ def main(argv=None, prog="python3 -m bico.llm"):
                  _route_teacher_streamed if _streamed_teacher(a) else
                  _route_in_memory)
         route(a, dt, q, prog, tmp)
+        # a signal that came while the work ran (its exception possibly
+        # swallowed where Python drops exceptions) ends the run here,
+        # before the output is swapped in: the old output stays
+        _distill.check_stop()
         run, a.run = a.run, None
         if run is not None:                     # (rank 0 of several)
             run.__exit__(None, None, None)      # the output swapped in
@@ -1187,44 +1194,95 @@ def main(argv=None, prog="python3 -m bico.llm"):
     finally:
         if a.run is not None:       # nothing of the output changes
             a.run.__exit__(RuntimeError, RuntimeError("not done"), None)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _scratch():
-    """The run's temporary folder ($TMPDIR/bico-llm-<pid>-*: the merged
-    source of a LoRA, the teacher's spill), after removing those of runs
-    that were killed (their process gone: a SIGKILL leaves no time to
-    clean up)."""
-    root = tempfile.gettempdir()
+def _scratch_of(a):
+    """The run's scratch folder (the teacher's spill, the merged source of
+    a LoRA): in --spill-dir when given (checked as the streamed fit's
+    spill folder: it exists, lies in no input), else in $TMPDIR."""
+    root = None
+    if a.spill_dir is not None:
+        from .runtime import spill_folder
+        ins = [f for f in (a.source, a.source_tuned, a.lora, a.target) if f]
+        root = _named("--spill-dir", a.spill_dir, spill_folder,
+                      a.output or a.output_lora, ins, a.spill_dir)
+    try:
+        return _scratch(root)
+    except OSError as e:
+        raise BicoError(E_IO, "%s: cannot make the run's scratch folder "
+                        "there (%s)%s" % (root or tempfile.gettempdir(),
+                                          e.strerror or e,
+                                          "" if root else "; give "
+                                          "--spill-dir"))
+
+
+_LIVE = ".live"      # the lock file a run's scratch folder holds
+
+
+def _scratch(root=None):
+    """The run's temporary folder (<root>/bico-llm-<pid>-*, root: --spill-dir
+    or $TMPDIR: the merged source of a LoRA, the teacher's spill), after
+    removing those of runs that were killed (a SIGKILL leaves no time to
+    clean up).  A run holds an exclusive flock(2) on its folder's .live
+    file for as long as it runs; a leftover is a folder whose lock nobody
+    holds.  A process id is never trusted: a run in another PID namespace
+    (a container sharing the folder) has a pid this process cannot see,
+    or one that names another process here.  A folder without the lock
+    file (a run still starting) is left alone."""
+    import fcntl
+    root = root or tempfile.gettempdir()
     try:
         names = os.listdir(root)
     except OSError:
         names = []
     for n in names:
-        m = re.match(r"bico-llm-(\d+)-", n)
-        if not m or int(m.group(1)) == os.getpid():
+        if not re.match(r"bico-llm-\d+-", n):
             continue
+        d = os.path.join(root, n)
         try:
-            os.kill(int(m.group(1)), 0)
-            continue                        # its run goes on
-        except ProcessLookupError:
-            pass
+            fd = os.open(os.path.join(d, _LIVE), os.O_RDONLY | os.O_CLOEXEC |
+                         os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
-            continue                        # another user's
-        shutil.rmtree(os.path.join(root, n), ignore_errors=True)
-    return tempfile.mkdtemp(prefix="bico-llm-%d-" % os.getpid())
+            continue                   # starting, not ours, or not a run's
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue               # another user's
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue                   # its run goes on
+        finally:
+            os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+    d = tempfile.mkdtemp(prefix="bico-llm-%d-" % os.getpid(), dir=root)
+    # locked under another name, then named .live: a scan never finds the
+    # lock file of a live run unlocked
+    fd = os.open(os.path.join(d, _LIVE + ".new"), os.O_RDWR | os.O_CREAT |
+                 os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(os.path.join(d, _LIVE + ".new"), os.path.join(d, _LIVE))
+    _SCRATCH_LOCKS.append(fd)          # held until the process ends
+    return d
+
+
+_SCRATCH_LOCKS = []
 
 
 def _on_signals():
-    """SIGTERM and SIGHUP end the command as an exception would: the
-    output left as it was, the temporary folders (teacher spill, merged
-    source) removed."""
+    """SIGINT, SIGTERM and SIGHUP end the command as an exception would:
+    the output left as it was, the temporary folders (teacher spill,
+    merged source) removed, exit status 128 + the signal, no traceback.
+    The signal is remembered (bico.llm.distill.STOP) and raised again at
+    the next step and before the output is swapped in, since Python drops
+    an exception raised inside a finalizer or a library's callback (a
+    KeyboardInterrupt there let a run finish and replace its output)."""
     import signal
 
     def stop(sig, frame):
         _distill.STOP.append(sig)   # raised again at the next step
         raise SystemExit(128 + sig)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         try:
             signal.signal(sig, stop)
         except (ValueError, OSError):   # not the main thread

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._inputs import read_input
 from .._status import BicoError, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
 from .. import safetensors as _st
 from .config import check_config
@@ -32,6 +33,8 @@ from .config import check_config
 __all__ = ["load_model", "model_config", "DecoderLM"]
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma")
+# a config.json larger than this is no model's
+CONFIG_LIMIT = 64 << 20
 _TORCH_DT = {"BF16": torch.bfloat16, "F16": torch.float16,
              "F32": torch.float32, "F64": torch.float64}
 _ACT = {"silu": F.silu, "swish": F.silu,
@@ -255,8 +258,9 @@ def model_config(folder):
     when it is missing or unreadable)."""
     p = os.path.join(str(folder), "config.json")
     try:
-        with open(p) as f:
-            return json.load(f)
+        return json.loads(read_input(p, limit=CONFIG_LIMIT).decode("utf-8"))
+    except BicoError as e:
+        raise BicoError(e.status, "load_model: cannot read %s" % e.message)
     except (OSError, ValueError) as e:
         raise BicoError(E_NOTFOUND if isinstance(e, OSError) else E_FORMAT,
                         "load_model: cannot read %s (%s)" % (p, e))

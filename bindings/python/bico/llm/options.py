@@ -26,6 +26,7 @@ import sys
 import numpy as np
 import torch
 
+from .._inputs import read_input
 from .._status import BicoError, E_ARG, E_IO, E_NOMEM, E_INTERNAL
 
 __all__ = ["UsageError", "exit_status", "Parser", "check_inputs",
@@ -71,15 +72,75 @@ def _bad(what, s):
     return argparse.ArgumentTypeError("must be %s, got %r" % (what, s))
 
 
-def count(s):
-    """An integer >= 1 (--window, --windows, --batch-size, --rank,
-    --threads)."""
+# Every option that takes a number is bounded: by the machine where that
+# is its sense (threads by the CPUs this process may use, memory by the
+# machine's), else by a limit far beyond any real use that keeps the
+# arithmetic finite; beyond it, one line and exit 2 before anything runs.
+COUNT_LIMIT = 1 << 24       # windows, steps, batch size, teacher entries
+RANK_LIMIT = 1 << 16        # a LoRA rank (the target's widths bound it too)
+WINDOW_LIMIT = 1 << 20      # tokens per window
+WAIT_LIMIT = 7 * 86400.0    # seconds of --wait
+WEIGHT_LIMIT = 1e4          # --text-weight, --teacher-weight
+LR_LIMIT = 10.0             # --lr
+ALPHA_LIMIT = 1e4           # --alpha
+RIDGE_LIMIT = 1e12          # --ridge (relative: c times the inputs' scale)
+SCALE_RANGE = (2.0 ** -20, 2.0 ** 20)   # --lora-alpha / --rank
+
+
+def cpus():
+    """The CPUs this process may run on."""
     try:
-        v = int(s, 10)
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def memory_mib():
+    """The machine's memory in MiB (None where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") \
+            / float(1 << 20)
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _int(s, what):
+    try:
+        return int(s, 10)
     except (TypeError, ValueError):
-        raise _bad("a positive integer", s)
-    if v < 1:
-        raise _bad("a positive integer", s)
+        raise _bad(what, s)
+
+
+def count(s, limit=COUNT_LIMIT):
+    """An integer from 1 to limit (--windows, --batch-size, --steps,
+    --teacher-k)."""
+    what = "an integer from 1 to %d" % limit
+    v = _int(s, what)
+    if not 1 <= v <= limit:
+        raise _bad(what, s)
+    return v
+
+
+def rank(s):
+    """A LoRA rank: 1 to RANK_LIMIT (the target's widths are checked
+    once its config is read)."""
+    return count(s, RANK_LIMIT)
+
+
+def window(s):
+    """Tokens per window: 1 to WINDOW_LIMIT (and at most the models'
+    max_position_embeddings, checked with the inputs)."""
+    return count(s, WINDOW_LIMIT)
+
+
+def threads(s):
+    """1 to the CPUs this process may use (more threads than CPUs only
+    wait for each other)."""
+    n = cpus()
+    what = "an integer from 1 to %d (the CPUs this process may use)" % n
+    v = _int(s, what)
+    if not 1 <= v <= n:
+        raise _bad(what, s)
     return v
 
 
@@ -101,24 +162,59 @@ def _number(s):
 
 
 def positive(s):
-    """A finite number > 0 (--lora-alpha)."""
+    """A finite number > 0 (--lora-alpha: its ratio to --rank is checked
+    with the route's options)."""
     v = _number(s)
     if not (math.isfinite(v) and v > 0):
         raise _bad("a finite number above 0", s)
     return v
 
 
-def nonnegative(s):
-    """A finite number >= 0 (--text-weight, --teacher-weight,
-    --teacher-memory)."""
+def nonnegative(s, limit=WEIGHT_LIMIT):
+    """A finite number from 0 to limit (--text-weight,
+    --teacher-weight)."""
     v = _number(s)
-    if not (math.isfinite(v) and v >= 0):
-        raise _bad("a finite number >= 0", s)
+    if not (math.isfinite(v) and 0 <= v <= limit):
+        raise _bad("a number from 0 to %g" % limit, s)
+    return v
+
+
+def seconds(s):
+    """Seconds to wait: 0 to WAIT_LIMIT (--wait)."""
+    return nonnegative(s, WAIT_LIMIT)
+
+
+def learning_rate(s):
+    """A learning rate above 0, at most LR_LIMIT (--lr)."""
+    v = _number(s)
+    if not (math.isfinite(v) and 0 < v <= LR_LIMIT):
+        raise _bad("a number above 0 and at most %g" % LR_LIMIT, s)
+    return v
+
+
+def mebibytes(s):
+    """MiB of memory: 0 to the machine's memory (--memory-budget,
+    --teacher-memory)."""
+    mem = memory_mib()
+    limit = mem if mem is not None else float(1 << 40)
+    v = _number(s)
+    if not (math.isfinite(v) and 0 <= v <= limit):
+        raise _bad("a number of MiB from 0 to %d (the machine's memory)"
+                   % limit, s)
     return v
 
 
 def routes(a):
     """The route options of the command, checked together."""
+    if a.lora_alpha is not None:
+        lo, hi = SCALE_RANGE
+        sc = a.lora_alpha / a.rank
+        if not lo <= sc <= hi:
+            raise UsageError(
+                "--lora-alpha %g with --rank %d: the factors' scale "
+                "lora_alpha / r = %g is outside [2^-20, 2^20], where the "
+                "factors of a real update stay finite and nonzero in "
+                "float32" % (a.lora_alpha, a.rank, sc))
     if a.trainable == "dense" and a.output_lora:
         raise UsageError("--trainable dense trains every weight: it writes "
                          "a model folder (--output), not --output-lora")
@@ -142,23 +238,25 @@ def share(s):
 
 
 def alpha(s):
-    """"auto" or a finite number >= 0 (--alpha)."""
+    """"auto" or a number from 0 to ALPHA_LIMIT (--alpha)."""
     if s == "auto":
         return s
     v = _number(s)
-    if not (math.isfinite(v) and v >= 0):
-        raise _bad("auto or a finite number >= 0", s)
+    if not (math.isfinite(v) and 0 <= v <= ALPHA_LIMIT):
+        raise _bad("auto or a number from 0 to %g" % ALPHA_LIMIT, s)
     return v
 
 
 def ridges(s):
-    """A comma list of finite numbers >= 0, at least one (--ridge)."""
+    """A comma list of numbers from 0 to RIDGE_LIMIT, at least one
+    (--ridge)."""
     items = [x.strip() for x in str(s).split(",")]
     vals = [_number(x) for x in items if x]
-    if not vals or len(vals) != len(items) or \
-            not all(math.isfinite(v) and v >= 0 for v in vals):
-        raise _bad("a finite number >= 0 or a comma list of them "
-                   "(0.01 or 0.01,0.1)", s)
+    if not vals or len(vals) != len(items) or len(vals) > 64 or \
+            not all(math.isfinite(v) and 0 <= v <= RIDGE_LIMIT
+                    for v in vals):
+        raise _bad("a number from 0 to %g or a comma list of at most 64 "
+                   "(0.01 or 0.01,0.1)" % RIDGE_LIMIT, s)
     return vals
 
 
@@ -176,11 +274,12 @@ def _path(opt, path, kind):
 def _max_positions(folder):
     """config.json's max_position_embeddings when it is a usable integer
     (a bad one is refused by load_model, naming the file and key)."""
+    import json
     try:
-        import json
-        with open(os.path.join(folder, "config.json")) as f:
-            v = json.load(f).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
+        v = json.loads(read_input(os.path.join(folder, "config.json"),
+                                  limit=64 << 20).decode("utf-8")).get(
+                                      "max_position_embeddings")
+    except (BicoError, OSError, ValueError, AttributeError):
         return None
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 \
         else None
@@ -206,30 +305,38 @@ def check_inputs(a, folders, files):
                                                               opt, p))
 
 
+def text_limit(a):
+    """Bytes of --text read at most: what the windows need (a token is
+    rarely more than 16 bytes; 64 allowed), at least the reader's own
+    limit (bico.llm.text.TEXT_READ_LIMIT)."""
+    from .text import TEXT_READ_LIMIT
+    share = getattr(a, "holdout", 0.0) or 0.0
+    wins = int(a.windows / (1.0 - share)) + 2
+    return max(TEXT_READ_LIMIT, 64 * wins * (a.window + 1))
+
+
 def read_data(a):
     """(--text's text or --ids' ids, what): read and checked here, each
-    refusal naming the option."""
+    refusal naming the option.  Both are read as a stream: --text up to
+    what the windows need (bico.llm.text.read_text), --ids mapped (only
+    the windows used are copied); neither may be a FIFO, a device or a
+    socket (refused at once, never read)."""
+    from .text import read_ids, read_text
     if getattr(a, "text", None):
         what = "--text %s" % a.text
         try:
-            with open(a.text, "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise UsageError("%s: cannot read it (%s)" % (what, e.strerror
-                                                          or e))
-        try:
-            return raw.decode("utf-8"), what
-        except UnicodeDecodeError as e:
-            raise UsageError("%s: not UTF-8 text (byte 0x%02x at offset "
-                             "%d); convert it (iconv -t UTF-8) or pass "
-                             "token ids with --ids" % (what, raw[e.start],
-                                                        e.start))
+            return read_text(a.text, "--text", limit=text_limit(a)), what
+        except BicoError as e:
+            if e.status in _RUNTIME:
+                raise UsageError("%s: cannot read it (%s)" % (
+                    what, e.message.split(": ", 1)[-1]))
+            raise UsageError(e.message + ("; or pass token ids with --ids"
+                                          if "UTF-8" in e.message else ""))
     what = "--ids %s" % a.ids
     try:
-        ids = np.load(a.ids, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise UsageError("%s: not a .npy file of token ids (%s)"
-                         % (what, str(e).splitlines()[0][:200]))
+        ids = read_ids(a.ids, "--ids")
+    except BicoError as e:
+        raise UsageError(e.message)
     if ids.dtype.kind not in "iu":
         raise UsageError("%s: token ids must be integers, the file holds "
                          "%s" % (what, ids.dtype))
@@ -241,16 +348,20 @@ def check_ids(ids, what, models):
     size of each model (models: [(option, folder, vocabulary size)])."""
     if not ids.size:
         return
+    chunk = 1 << 20        # a piece at a time: ids may be a mapped file
     for opt, folder, vocab in models:
         if vocab is None:
             continue
-        bad = np.nonzero(ids >= vocab)[0]
-        if bad.size:
-            raise UsageError(
-                "%s: token id %d (at position %d) is not below the "
-                "vocabulary size %d of %s %s; the ids must come from that "
-                "model's tokenizer" % (what, int(ids[bad[0]]), int(bad[0]),
-                                       vocab, opt, folder))
+        for s in range(0, ids.size, chunk):
+            part = np.asarray(ids[s:s + chunk])
+            bad = np.nonzero(part >= vocab)[0]
+            if bad.size:
+                i = s + int(bad[0])
+                raise UsageError(
+                    "%s: token id %d (at position %d) is not below the "
+                    "vocabulary size %d of %s %s; the ids must come from "
+                    "that model's tokenizer" % (what, int(ids[i]), i, vocab,
+                                                opt, folder))
 
 
 def check_modules_to_save(names, model, target):

@@ -88,7 +88,7 @@ class SpillStore(object):
             self.used += nb
             return
         off = self._slot(nb)
-        _pwrite_all(self._file(), _bytes_view(t), off)
+        _pwrite_all(self._file(), _bytes_view(t), off, self.folder)
         self.written += nb
         self.disk[key] = (off, nb, t.dtype, tuple(t.shape))
 
@@ -123,7 +123,8 @@ class SpillStore(object):
         off, nb, dt, shape = self.disk[key]
         t = t.detach().to(dt).contiguous()
         width = shape[1] * t.element_size()
-        _pwrite_all(self._file(), _bytes_view(t), off + r0 * width)
+        _pwrite_all(self._file(), _bytes_view(t), off + r0 * width,
+                    self.folder)
         self.written += t.numel() * t.element_size()
 
     def slice(self, key, r0, r1):
@@ -203,12 +204,23 @@ def _bytes_view(t):
     return memoryview(buf).cast("B")
 
 
-def _pwrite_all(fd, view, off):
+def _pwrite_all(fd, view, off, folder=None):
     while len(view):
-        n = os.pwrite(fd, view, off)
+        try:
+            n = os.pwrite(fd, view, off)
+        except OSError as e:
+            n, err = -1, e
+        else:
+            err = OSError(errno.EIO, os.strerror(errno.EIO))
         if n <= 0:
-            raise BicoError(E_IO, "spill: write failed (%s)"
-                            % os.strerror(errno.EIO))
+            why = "no space left on the device" if err.errno == \
+                errno.ENOSPC else "the disk quota is used up" if \
+                err.errno == errno.EDQUOT else err.strerror or str(err)
+            raise BicoError(E_IO, "spill: the streamed run's data beyond "
+                            "its memory budget (--memory-budget) go to a "
+                            "temporary file in %s: %s; free space there, or "
+                            "give another folder (--spill-dir)"
+                            % (folder or tempfile.gettempdir(), why))
         view, off = view[n:], off + n
 
 
@@ -228,13 +240,19 @@ def spill_folder(output, inputs, given=None):
         p, folder = os.path.realpath(p), os.path.realpath(folder)
         return p == folder or p.startswith(folder.rstrip(os.sep) + os.sep)
     if given is not None:
+        if not os.path.exists(given):
+            raise BicoError(E_NOTFOUND, "no such folder (the spill folder "
+                            "must exist)")
         if not os.path.isdir(given):
-            raise BicoError(E_NOTFOUND, "spill folder %s does not exist"
-                            % given)
+            raise BicoError(E_ARG, "not a folder (the spill folder holds "
+                            "temporary files)")
+        if not os.access(given, os.W_OK | os.X_OK):
+            raise BicoError(E_ARG, "this user cannot write in it")
         for f in inputs:
             if f and inside(given, f):
-                raise BicoError(E_ARG, "spill folder %s is inside the input "
-                                "folder %s; give another" % (given, f))
+                raise BicoError(E_ARG, "lies inside the input folder %s: "
+                                "temporary files never go into an input; "
+                                "give another folder" % f)
         return given
     cands = []
     if output:
@@ -276,6 +294,13 @@ class Folder(object):
 
     def close(self):
         self.file.close()
+
+    def check_unchanged(self):
+        """Refuses (BicoError E_IO) a folder whose weight files changed
+        since they were opened (bico.safetensors.File.check_unchanged): a
+        run that reads them a block at a time checks this before it
+        writes what it computed from them."""
+        self.file.check_unchanged()
 
     def _want(self, name):
         dt = self.dtypes[name]

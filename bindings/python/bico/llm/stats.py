@@ -61,7 +61,7 @@ def _parser(prog):
                    "the target folder)")
     p.add_argument("--output", required=True,
                    help="statistics file to write (.safetensors)")
-    p.add_argument("--window", type=opts.count, default=128,
+    p.add_argument("--window", type=opts.window, default=128,
                    help="tokens per window (128)")
     p.add_argument("--windows", type=opts.count,
                    default=opts.DEFAULT_WINDOWS,
@@ -70,7 +70,7 @@ def _parser(prog):
     p.add_argument("--batch-size", type=opts.count, default=8)
     p.add_argument("--seed", type=opts.seed, default=0,
                    help="seed of the window order (0)")
-    p.add_argument("--threads", type=opts.count, default=None,
+    p.add_argument("--threads", type=opts.threads, default=None,
                    help="threads of PyTorch and of the library")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16",
                                        "float16"), default="float32",

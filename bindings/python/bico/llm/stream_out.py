@@ -359,6 +359,7 @@ def write_model(result, dest, alpha, metadata, chunk_rows=8192):
             d = result.delta(n, base)
             out = base.double() if d is None else base.double() + d * alpha
             w.write(n, _to_file(out, B.dtypes[n]))
+        result.run.check_unchanged()
         w.commit()
 
 
@@ -402,6 +403,7 @@ def write_adapter(result, folder, alpha, lora_alpha=None, metadata=None,
     path = os.path.join(str(folder), "adapter_model.safetensors")
     with _st.Writer(path, metadata=meta) as w:
         _adapter_tensors(result, w, mods, s, r / la, alpha)
+        result.run.check_unchanged()
         w.commit()
     short = sorted(set(m.rsplit(".", 1)[-1] for m in mods))
     saved_mods = set(k.rsplit(".", 1)[0] for k in report["saved"])

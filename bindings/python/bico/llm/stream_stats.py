@@ -108,6 +108,13 @@ class Run(object):
         for f in (self.A, self.At, self.B):
             f.close()
 
+    def check_unchanged(self):
+        """The three folders' weight files are still those the run opened
+        (runtime.Folder.check_unchanged), else BicoError E_IO naming the
+        file: checked before an output is committed."""
+        for f in (self.A, self.At, self.B):
+            f.check_unchanged()
+
     def pe(self, folder, T):
         """(position embeddings, mask) of a folder's model for T tokens."""
         key = (id(folder), T)

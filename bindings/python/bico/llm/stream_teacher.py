@@ -52,6 +52,8 @@ def build(source, tuned, target, batches, dtype=None, k=None,
             try:
                 _final_states(f, tag, xs, store, tick)
                 heads.append(f.tensor(f.head_name()))
+                # a block at a time: what was read is one version
+                f.check_unchanged()
             finally:
                 f.close()
             _heap.trim()      # this model's blocks, before the next one

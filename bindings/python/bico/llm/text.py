@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._inputs import check_input, open_input, read_input
 from .._status import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
 
 __all__ = ["tokenize", "text_batches", "Calibration", "next_token_loss",
@@ -77,17 +78,17 @@ def tokenize(text, tokenizer):
             from tokenizers import Tokenizer
         except ImportError:
             Tokenizer = None
+        raw = read_input(path, "tokenize:", limit=TOKENIZER_LIMIT)
         if Tokenizer is not None:
             try:
-                tk = Tokenizer.from_file(path)
+                tk = Tokenizer.from_str(raw.decode("utf-8"))
             except Exception as e:  # the package's own error type
                 raise BicoError(E_FORMAT, "tokenize: %s is not a tokenizer "
                                 "file the tokenizers package reads (%s)"
                                 % (path, str(e).splitlines()[0][:200]))
             return torch.tensor(tk.encode(text).ids, dtype=torch.int64)
         try:
-            with open(path, encoding="utf-8") as f:
-                spec = json.load(f)
+            spec = json.loads(raw.decode("utf-8"))
         except (OSError, ValueError) as e:
             raise BicoError(E_FORMAT, "tokenize: %s is not a JSON tokenizer "
                             "file (%s)" % (path, e))
@@ -113,6 +114,9 @@ def tokenize(text, tokenizer):
         out = out["input_ids"]
     return torch.as_tensor(np.asarray(out), dtype=torch.int64).reshape(-1)
 
+
+# a tokenizer.json larger than this is no tokenizer's
+TOKENIZER_LIMIT = 1 << 30
 
 _EXT = re.compile(r"\.[A-Za-z0-9_]{1,8}$")
 
@@ -154,19 +158,87 @@ def _read_file(p):
                         ".npy file" % p)
     try:
         if p.endswith(".npy"):
-            return np.load(p, allow_pickle=False)
-        with open(p, "rb") as f:
-            raw = f.read()
+            return read_ids(p, "text_batches:")
+        return read_text(p, "text_batches:")
     except (OSError, ValueError) as e:
         raise BicoError(E_NOTFOUND if isinstance(e, FileNotFoundError)
                         else E_ARG, "text_batches: cannot read %s (%s)"
                         % (p, e))
+
+
+# Text is read as a stream of at most this many bytes (or what the
+# windows need, when that is more): a larger file is read as PIECES
+# pieces spread evenly over it, so that its windows still come from the
+# whole text while memory stays bounded, and a huge file is never read
+# whole before the window cap applies.
+TEXT_READ_LIMIT = 64 << 20
+PIECES = 1024
+
+
+def _utf8_piece(raw, at, first, last):
+    """raw (bytes read at file offset `at`) cut to whole UTF-8 characters:
+    continuation bytes dropped at its start (unless first) and an
+    incomplete character at its end (unless last)."""
+    i = 0
+    if not first:
+        while i < min(4, len(raw)) and 0x80 <= raw[i] < 0xC0:
+            i += 1
+    j = len(raw)
+    if not last:
+        k = j
+        while k > max(i, j - 4) and 0x80 <= raw[k - 1] < 0xC0:
+            k -= 1
+        if k > i and raw[k - 1] >= 0xC0:
+            need = 2 if raw[k - 1] < 0xE0 else 3 if raw[k - 1] < 0xF0 else 4
+            if j - (k - 1) < need:
+                j = k - 1
+    return raw[i:j], at + i
+
+
+def read_text(path, what=None, limit=None):
+    """The UTF-8 text of a regular file (bico._inputs' rules: a FIFO, a
+    device or a socket is refused, never read), as a stream of at most
+    `limit` bytes (TEXT_READ_LIMIT): a file within it is read whole; a
+    larger one as PIECES pieces of limit / PIECES bytes spread evenly over
+    it, each cut at character boundaries, joined by newlines.  Bytes that
+    are not UTF-8 are refused naming their offset in the file
+    (BicoError E_ARG)."""
+    limit = TEXT_READ_LIMIT if limit is None else int(limit)
+    pre = "%s %s" % (what, path) if what else str(path)
+    with open_input(path, what) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= limit:
+            parts = [(f.read(limit + 1)[:limit], 0)]
+        else:
+            span = max(1, limit // PIECES)
+            parts = []
+            for k in range(PIECES):
+                at = (size - span) * k // (PIECES - 1)
+                f.seek(at)
+                parts.append(_utf8_piece(f.read(span), at, k == 0,
+                                         k == PIECES - 1))
+    out = []
+    for raw, at in parts:
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BicoError(E_ARG, "%s: not UTF-8 text (byte 0x%02x at "
+                            "offset %d); convert it (iconv -t UTF-8) or pass "
+                            "token ids" % (pre, raw[e.start], at + e.start))
+    return "\n".join(out)
+
+
+def read_ids(path, what=None):
+    """Token ids of a .npy file (a regular file: bico._inputs' rules),
+    mapped rather than read, so that only the windows used are ever read
+    (BicoError E_ARG for a file that is not a .npy array)."""
+    pre = "%s %s" % (what, path) if what else str(path)
+    check_input(path, what)
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BicoError(E_ARG, "text_batches: %s is not UTF-8 text (byte "
-                        "0x%02x at offset %d); convert it, e.g. iconv -t "
-                        "UTF-8" % (p, raw[e.start], e.start))
+        return np.load(path, allow_pickle=False, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise BicoError(E_ARG, "%s: not a .npy file of token ids (%s)"
+                        % (pre, str(e).splitlines()[0][:200]))
 
 
 def _as_ids(src):
@@ -181,12 +253,31 @@ def _as_ids(src):
     if a.dtype.kind not in "iu":
         raise BicoError(E_ARG, "text_batches: token ids must be integers, "
                         "got %s" % a.dtype)
-    ids = torch.from_numpy(a.astype(np.int64, copy=False)).reshape(-1)
-    if ids.numel() and int(ids.min()) < 0:
-        i = int(torch.nonzero(ids < 0)[0])
-        raise BicoError(E_ARG, "text_batches: token ids must be >= 0, got "
-                        "%d at position %d" % (int(ids[i]), i))
-    return ids
+    a = a.reshape(-1)
+    # a piece at a time: a mapped .npy file is read as a stream
+    for s in range(0, a.size, _CHUNK):
+        part = np.asarray(a[s:s + _CHUNK])
+        if part.size and part.min() < 0:
+            i = s + int(np.nonzero(part < 0)[0][0])
+            raise BicoError(E_ARG, "text_batches: token ids must be >= 0, "
+                            "got %d at position %d" % (int(a[i]), i))
+    if isinstance(a, np.memmap) or not a.flags.writeable:
+        return a          # windows are cut from it (_windows), not copied
+    return torch.from_numpy(a.astype(np.int64, copy=False))
+
+
+_CHUNK = 1 << 20
+
+
+def _windows(ids, window, idx):
+    """The windows idx (each window + 1 tokens from i * window) of ids (a
+    tensor, or a mapped array: only these windows are read)."""
+    rows = [np.asarray(ids[i * window:(i + 1) * window + 1], dtype=np.int64)
+            if not isinstance(ids, torch.Tensor) else
+            ids[i * window:(i + 1) * window + 1] for i in idx]
+    if rows and not isinstance(rows[0], torch.Tensor):
+        return torch.from_numpy(np.stack(rows))
+    return torch.stack(rows)
 
 
 Calibration = namedtuple("Calibration", "batches held_out windows")
@@ -226,14 +317,15 @@ def text_batches(ids_or_text, window, n=None, holdout=0.125, tokenizer=None,
         ids = tokenize(src, tokenizer)
     else:
         ids = _as_ids(src)
-    m = (ids.numel() - 1) // window
+    total = ids.numel() if isinstance(ids, torch.Tensor) else int(ids.size)
+    m = (total - 1) // window
     if m < 1:
         raise BicoError(E_ARG, "the text has %d tokens, too few for one "
-                        "window of %d (+1) tokens" % (ids.numel(), window))
-    wins = torch.stack([ids[i * window:(i + 1) * window + 1]
-                        for i in range(m)])
+                        "window of %d (+1) tokens" % (total, window))
+    sel = range(m)
     if n is not None and n < m:
-        wins = wins[np.linspace(0, m - 1, int(n)).round().astype(int)]
+        sel = np.linspace(0, m - 1, int(n)).round().astype(int).tolist()
+    wins = _windows(ids, window, sel)
     m = len(wins)
     k = 0 if holdout == 0 or m < 2 else max(1, int(round(m * holdout)))
     held_idx = set(np.linspace(0, m - 1, k).round().astype(int).tolist()) \

@@ -27,6 +27,7 @@ Nothing here calls numpy on a model's tensors in the training loop, and
 every tensor is created on the model's device.
 """
 import atexit
+import errno
 import math
 import os
 import shutil
@@ -39,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from .. import _heap
-from .._status import BicoError, E_ARG, E_SHAPE
+from .._status import BicoError, E_ARG, E_IO, E_NONFINITE, E_SHAPE
 from .choose import pick
 
 __all__ = ["Teacher", "Adapter", "distill", "kl_to_teacher", "build_teacher",
@@ -104,6 +105,15 @@ def _chunks(n, size):
 
 
 # ---- the teacher ----
+
+def _why(e):
+    """An OSError in words, a full disk said plainly."""
+    if getattr(e, "errno", None) == errno.ENOSPC:
+        return "no space left on the device"
+    if getattr(e, "errno", None) == errno.EDQUOT:
+        return "the disk quota is used up"
+    return e.strerror or str(e)
+
 
 class _Spill(object):
     """A temporary folder holding the spilled teacher entries; removed on
@@ -181,13 +191,23 @@ class Teacher(object):
             self._mem[i] = parts
             self.bytes_memory += size
             return
-        if self._spill is None:
-            self._spill = _Spill(self.spill_dir)
-        files = []
-        for j, p in enumerate(parts):
-            path = self._spill.path(i) + ".%d.npy" % j
-            np.save(path, p.numpy())
-            files.append(path)
+        where = self.spill_dir or tempfile.gettempdir()
+        try:
+            if self._spill is None:
+                self._spill = _Spill(self.spill_dir)
+            files = []
+            for j, p in enumerate(parts):
+                path = self._spill.path(i) + ".%d.npy" % j
+                np.save(path, p.numpy())
+                files.append(path)
+        except OSError as e:
+            raise BicoError(E_IO, "distill: the teacher's entries beyond its "
+                            "memory budget (%.0f MiB) go to %s: %s writing "
+                            "%.1f MiB there; free space there, give another "
+                            "folder (--spill-dir), or keep more in memory "
+                            "(--teacher-memory)" % (
+                                self.budget / 2 ** 20, where,
+                                _why(e), size / 2 ** 20))
         self._disk[i] = files
         self.bytes_disk += size
 
@@ -255,7 +275,24 @@ def proxy_chunks(states, heads, chunk):
                             "models' outputs on one vocabulary, got %d, %d "
                             "and %d outputs" % (za.shape[-1], zt.shape[-1],
                                                 zb.shape[-1]))
+        _finite_logits((za, zt, zb))
         yield torch.log_softmax(zb + zt - za, dim=-1)
+
+
+TEACHER_MODELS = ("source", "fine-tuned source", "target")
+
+
+def _finite_logits(zs):
+    """Refuses (BicoError E_NONFINITE, naming the model) logits of the
+    teacher's three models that hold NaN or Inf: a model whose weights are
+    not finite, which a teacher would pass on to every step."""
+    for name, z in zip(TEACHER_MODELS, zs):
+        if not bool(torch.isfinite(z).all()):
+            bad = z[~torch.isfinite(z)].flatten()[0].item()
+            raise BicoError(E_NONFINITE, "distill: the %s model's outputs "
+                            "hold %g: its weights are not all finite (or "
+                            "overflow in this dtype); nothing was trained"
+                            % (name, bad))
 
 
 def _teacher_rows(models, x, chunk):
@@ -287,6 +324,7 @@ def _teacher_logprobs(models, x, forward, chunk):
                             "vocabulary or label set), got %s, %s and %s"
                             % (tuple(za.shape), tuple(zt.shape),
                                tuple(zb.shape)))
+        _finite_logits((za, zt, zb))
         return torch.log_softmax(zb + zt - za, dim=-1)
 
 
@@ -583,6 +621,11 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         with _Checkpointed(model, checkpoint):
             value = _student_loss(model, x, teacher.get(i, dev), forward,
                                   chunk, y, text_weight, teacher_weight)
+        if not math.isfinite(value):
+            raise BicoError(E_NONFINITE, "distill: the loss at step %d is "
+                            "%g: the trained model's outputs are not finite "
+                            "(its weights, or a learning rate too large); "
+                            "nothing was kept" % (it, value))
         opt.step()
         _heap.trim()      # the step's freed tensors back to the system
         if sch is not None:
