@@ -179,6 +179,8 @@ BOUNDS = [
     ("--steps 10**12", {"--steps": str(10 ** 12)}, ["--steps"]),
     ("--teacher-k 10**12", {"--teacher-k": str(10 ** 12)}, ["--teacher-k"]),
     ("--window 10**12", {"--window": str(10 ** 12)}, ["--window"]),
+    ("--rank above the target's widths", {"--rank": "4096"},
+     ["--rank", "4096", "widest layer"]),
 ]
 MISTAKES += BOUNDS
 

@@ -810,6 +810,11 @@ def _prepare(a, dt, tmp, q, prog):
     what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
     opts.check_ids(ids, what, [(o, f, _vocab(m)) for o, f, m in (
         ("--source", a.source, src), ("--target", a.target, tgt))])
+    if a.output_lora or a.trainable == "lora":
+        opts.check_rank(a.rank, [w for m in tgt.modules()
+                                 if isinstance(m, torch.nn.Linear)
+                                 for w in (m.in_features, m.out_features)],
+                        a.target)
     if a.output_lora:
         opts.check_modules_to_save(
             [s for s in a.modules_to_save.split(",") if s], tgt, a.target)
@@ -891,6 +896,10 @@ def _prepare_streamed(a, tmp, q):
     opts.check_ids(ids, what, [(o, f, cfg[o].get("vocab_size")) for o, f in
                                (("--source", a.source),
                                 ("--target", a.target))])
+    if a.output_lora or a.trainable == "lora":
+        t = cfg["--target"]
+        opts.check_rank(a.rank, [t.get("hidden_size"),
+                                 t.get("intermediate_size")], a.target)
     if a.output_lora:
         opts.check_modules_to_save(
             [s for s in a.modules_to_save.split(",") if s],

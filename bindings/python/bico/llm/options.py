@@ -364,6 +364,19 @@ def check_ids(ids, what, models):
                                                 opt, folder))
 
 
+def check_rank(rank, widths, target):
+    """--rank at most the target's widest layer (widths: its linear
+    layers' widths, or its config's hidden and intermediate sizes): a
+    rank beyond every width gives factors no wider than the layers,
+    only larger; refused before anything runs."""
+    widths = [int(w) for w in widths if isinstance(w, int) and
+              not isinstance(w, bool) and w > 0]
+    if widths and rank > max(widths):
+        raise UsageError("--rank %d: above the widest layer of --target %s "
+                         "(%d); a LoRA rank is at most a layer's width"
+                         % (rank, target, max(widths)))
+
+
 def check_modules_to_save(names, model, target):
     """Each --modules-to-save entry names a module of the target (PEFT's
     rule: the name, or a dotted suffix of it); model: the target, or its
