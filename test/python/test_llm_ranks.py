@@ -424,9 +424,11 @@ def test_the_command_across_ranks_refuses_together(pair, tmp_path):
 
 def test_one_process_unless_asked(monkeypatch):
     """Ranks() is one process (the identity everywhere); Ranks(world=True)
-    without a process group, and a WORLD_SIZE that is not a number, are
-    refused by name."""
-    from bico._status import BicoError
+    without a process group, a launcher variable out of range (WORLD_SIZE
+    not a number, RANK missing or not below WORLD_SIZE, LOCAL_RANK
+    likewise) and a timeout setting that is not a number of seconds above
+    0 are refused by name."""
+    from bico._status import BicoError, E_ARG
     from bico.llm import ranks as R
     r = R.Ranks()
     assert (r.rank, r.size, r.root) == (0, 1, True)
@@ -437,8 +439,355 @@ def test_one_process_unless_asked(monkeypatch):
     if not dist.is_initialized():
         with pytest.raises(BicoError, match="not initialised"):
             R.Ranks(world=True)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "BICO_RANKS_TIMEOUT",
+              "BICO_RANKS_JOIN_TIMEOUT"):
+        monkeypatch.delenv(k, raising=False)
+    assert R.launcher() == (0, 1, 0)
+    assert R.timeouts() == (R.JOIN_TIMEOUT, R.TIMEOUT) == (300.0, 1800.0)
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(BicoError, match="WORLD_SIZE"):
         R.world_size()
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert R.world_size() == 3
+    with pytest.raises(BicoError, match="RANK is not set"):
+        R.world_size()
+    # the launcher's variables: integers, 0 <= RANK, LOCAL_RANK < 3
+    for var, val, ok in (("RANK", "2", True), ("RANK", "3", False),
+                         ("RANK", "-1", False), ("RANK", "1.0", False),
+                         ("LOCAL_RANK", "2", True),
+                         ("LOCAL_RANK", "3", False)):
+        monkeypatch.setenv(var, val)
+        if ok:
+            assert R.world_size() == 3
+        else:
+            with pytest.raises(BicoError, match="%s=" % var) as e:
+                R.world_size()
+            assert e.value.status == E_ARG
+            monkeypatch.setenv(var, "0")
+    assert R.launcher() == (0, 3, 0)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "1")          # RANK 1 of one process
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(BicoError, match="RANK='1'"):
+        R.world_size()
+    for var in ("BICO_RANKS_TIMEOUT", "BICO_RANKS_JOIN_TIMEOUT"):
+        monkeypatch.setenv(var, "2.5")
+        assert 2.5 in R.timeouts()
+        for bad in ("0", "-1", "x", "nan", "1e9"):
+            monkeypatch.setenv(var, bad)
+            with pytest.raises(BicoError, match=var):
+                R.timeouts()
+        monkeypatch.delenv(var)
+
+
+# ---- the same run on every rank; joining and exchanges bounded ----
+#
+# Each run below is bounded by a subprocess timeout, so that a rank that
+# waits forever (as before these checks) fails the test instead of
+# hanging it.  The settings are short: BICO_RANKS_JOIN_TIMEOUT for the
+# rendezvous, BICO_RANKS_TIMEOUT for each exchange.
+
+FIT = ["--method", "fit", "--source", "A/", "--source-tuned", "A_ft/",
+       "--target", "B/", "--window", "32", "--threads", "1"]
+JOIN_S = 3         # BICO_RANKS_JOIN_TIMEOUT of these tests
+STARTUP_S = 30     # a process's start (torch, bico) on a loaded machine
+
+
+def _start(argvs, cwds, ranks, size, env=None, envs=None):
+    """One `python3 -m bico.llm` per entry: argvs[i] run in cwds[i] as
+    rank ranks[i] of `size`, with env (and envs[i]: rank i's own);
+    [(Popen, start time)]."""
+    import time
+    port = _port()
+    out = []
+    for i, (argv, cwd, r) in enumerate(zip(argvs, cwds, ranks)):
+        e = _rank_env(r, size, port)
+        e.update(BICO_RANKS_JOIN_TIMEOUT=str(JOIN_S))
+        e.update(env or {})
+        e.update((envs or {}).get(i, {}))
+        out.append((subprocess.Popen(
+            [sys.executable, "-m", "bico.llm"] + argv, cwd=str(cwd), env=e,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            time.monotonic()))
+    return out
+
+
+def _ended(started, timeout):
+    """[(exit status, stderr, seconds it ran)] of _start's processes, each
+    bounded by timeout (all killed if one runs longer: the test fails)."""
+    import time
+    res = _wait([p for p, _ in started], timeout)
+    now = time.monotonic()
+    return [(rc, e, now - t0) for (rc, _, e), (_, t0) in zip(res, started)]
+
+
+def _one_line(err):
+    """The error line of a run that was refused or failed: the last line
+    of its stderr, with no traceback before it."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines, err
+    return lines[-1]
+
+
+def _copy(pair, dest):
+    import shutil
+    shutil.copytree(str(pair), str(dest))
+    return dest
+
+
+def test_ranks_given_different_text_stop_before_work(pair, tmp_path):
+    """Rank 1 given another --text (or the same path holding another
+    text, as a node's own copy can): every rank stops before any work
+    with exit status 2 and one line naming --text; nothing written."""
+    other = _copy(pair, tmp_path / "node1")
+    with open(str(other / "task.txt"), "a") as f:
+        f.write("one more line on this node only\n")
+    out = str(tmp_path / "out") + "/"
+    for argv1, cwd1 in ((["--text", "eval.txt"], pair),
+                        (["--text", "task.txt"], other)):
+        res = _ended(_start([FIT + ["--text", "task.txt", "--output", out],
+                             FIT + argv1 + ["--output", out]],
+                            [pair, cwd1], [0, 1], 2), 120)
+        for rc, err, _ in res:
+            line = _one_line(err)
+            assert rc == 2, err
+            assert "rank 1: --text differs from rank 0's" in line, line
+            assert "estimate" not in err and "fit:" not in err, err
+        assert not os.path.exists(out)
+
+
+def test_ranks_given_a_differing_model_file_stop(pair, tmp_path):
+    """The same paths on both ranks, but rank 1's copy of a target file
+    differs in one byte: every rank stops with exit status 2, naming
+    --target and the file; an option that differs (--ridge) likewise."""
+    other = _copy(pair, tmp_path / "node1")
+    name = sorted(n for n in os.listdir(str(other / "B"))
+                  if n.endswith(".safetensors"))[-1]
+    with open(str(other / "B" / name), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    out = str(tmp_path / "out") + "/"
+    argv = FIT + ["--text", "task.txt", "--output", out]
+    res = _ended(_start([argv, argv], [pair, other], [0, 1], 2), 120)
+    for rc, err, _ in res:
+        line = _one_line(err)
+        assert rc == 2, err
+        assert "rank 1: --target differs from rank 0's: B/%s has another "\
+            "size or content" % name in line, line
+    res = _ended(_start([argv, argv + ["--ridge", "0.1"]], [pair, pair],
+                        [0, 1], 2), 120)
+    for rc, err, _ in res:
+        assert rc == 2 and "rank 1: --ridge differs from rank 0's" in \
+            _one_line(err), err
+    assert not os.path.exists(out)
+
+
+def test_identical_copies_at_other_paths_run(pair, tmp_path):
+    """Rank 1 reads its own copy of the folders and the text at other
+    (absolute) paths, with its own --threads and --spill-dir: the same
+    content, so the run goes on and rank 0 writes the output."""
+    other = _copy(pair, tmp_path / "node1")
+    out = str(tmp_path / "out") + "/"
+    spill = tmp_path / "spill1"
+    spill.mkdir()
+    argv1 = ["--method", "fit", "--source", str(other / "A"),
+             "--source-tuned", str(other / "A_ft"), "--target",
+             str(other / "B"), "--window", "32", "--threads", "2",
+             "--text", str(other / "task.txt"), "--spill-dir", str(spill),
+             "--output", str(tmp_path / "ignored") + "/"]
+    res = _ended(_start([FIT + ["--text", "task.txt", "--output", out],
+                         argv1], [pair, tmp_path], [0, 1], 2), 300)
+    for rc, err, _ in res:
+        assert rc == 0, err[-3000:]
+    assert os.path.isdir(out) and not os.path.exists(
+        str(tmp_path / "ignored"))
+
+
+def test_a_missing_rank_ends_the_others_within_the_join_timeout(pair):
+    """Only rank 0 of 2 started: it ends with exit status 1 and one line
+    naming rank 1 and the setting, within BICO_RANKS_JOIN_TIMEOUT (3 s
+    here) of joining; only rank 1 started: it ends likewise, naming rank
+    0's rendezvous."""
+    argv = FIT + ["--text", "task.txt", "--output", "never/"]
+    for r, want in ((0, "rank 1 of WORLD_SIZE=2 did not join within 3 s "
+                        "(BICO_RANKS_JOIN_TIMEOUT)"),
+                    (1, "rank 0's rendezvous at 127.0.0.1:")):
+        (rc, err, took), = _ended(_start([argv], [pair], [r], 2), 120)
+        assert rc == 1, err
+        assert want in _one_line(err), err
+        assert len(err.strip().splitlines()) == 1, err
+        assert took < JOIN_S + STARTUP_S, took
+    assert not os.path.exists(str(pair / "never"))
+
+
+def test_misnumbered_ranks_are_refused(pair):
+    """RANK=5 of WORLD_SIZE=2 (and a RANK that is no number, a LOCAL_RANK
+    out of range) is refused at once with exit status 2 naming the
+    variable; two processes with RANK=1 of 2 (no rank 0) end within the
+    join timeout; ranks 0, 1, 1 of 3: RANK=1 is named as given twice."""
+    argv = FIT + ["--text", "task.txt", "--output", "never/"]
+    for var, val in (("RANK", "5"), ("RANK", "one"), ("LOCAL_RANK", "-1"),
+                     ("WORLD_SIZE", "0")):
+        (rc, err, _), = _ended(_start([argv], [pair], [0], 2,
+                                      env={var: val}), 120)
+        assert rc == 2, err
+        line = _one_line(err)
+        assert len(err.strip().splitlines()) == 1, err
+        assert "%s=%r: not an integer" % (var, val) in line, line
+    res = _ended(_start([argv, argv], [pair, pair], [1, 1], 2), 120)
+    for rc, err, took in res:
+        assert rc == 1 and "rank 0's rendezvous" in _one_line(err), err
+        assert took < JOIN_S + STARTUP_S, took
+    res = _ended(_start([argv] * 3, [pair] * 3, [0, 1, 1], 3), 120)
+    twice = "RANK=1: two processes of this run (WORLD_SIZE=3)"
+    assert res[0][0] == 2 and twice in _one_line(res[0][1]), res[0][1]
+    assert any(rc == 2 and twice in _one_line(e) for rc, e, _ in res[1:])
+    for rc, err, took in res:
+        assert rc != 0 and took < JOIN_S + STARTUP_S, (err, took)
+        _one_line(err)
+    assert not os.path.exists(str(pair / "never"))
+
+
+def _state(pid):
+    """The state letter of a process (/proc/PID/stat), "" once gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def test_a_stopped_rank_ends_the_other_within_the_timeout(pair, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at its second fitted layer: rank 0,
+    waiting for it in the fit's exchange, ends within BICO_RANKS_TIMEOUT
+    (15 s here) with exit status 1 and one line naming the setting, and
+    writes nothing; rank 1, continued (SIGCONT), ends too."""
+    import signal
+    import time
+    timeout = 15
+    out = str(tmp_path / "out") + "/"
+    argv = FIT + ["--text", "task.txt", "--output", out]
+    started = _start([argv, argv], [pair, pair], [0, 1], 2,
+                     env={"BICO_RANKS_TIMEOUT": str(timeout)},
+                     envs={1: {"BICO_STREAM_TEST_KILL": "fit:2:STOP"}})
+    p0, p1 = started[0][0], started[1][0]
+    try:
+        deadline = time.monotonic() + 240
+        while _state(p1.pid) != "T":
+            assert p1.poll() is None and p0.poll() is None, \
+                (p0.poll(), p1.poll())
+            assert time.monotonic() < deadline, "rank 1 never stopped"
+            time.sleep(0.1)
+        stopped = time.monotonic()
+        try:
+            _, e0 = p0.communicate(timeout=timeout + 60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("rank 0 still waits %d s after rank 1 "
+                                 "stopped" % (timeout + 60))
+        took = time.monotonic() - stopped
+        assert p0.returncode == 1, e0
+        assert "within %d s (BICO_RANKS_TIMEOUT)" % timeout in \
+            _one_line(e0), e0
+        assert took < timeout + 20, took
+        os.kill(p1.pid, signal.SIGCONT)
+        _, e1 = p1.communicate(timeout=60)
+        assert p1.returncode == 1, e1
+        assert "across the ranks failed" in _one_line(e1), e1
+    finally:
+        for p in (p0, p1):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait()
+    assert not os.path.exists(out)
+
+
+def test_transfer_model_ranks_given_different_inputs_stop(pair, tmp_path):
+    """transfer_model on folders across 2 ranks: rank 1's batches from
+    another text, or its copy of a target file differing in one byte,
+    stop every rank before any work (the BicoError naming the argument,
+    the same on both ranks)."""
+    texts = _copy(pair, tmp_path / "text1")
+    with open(str(texts / "task.txt"), "a") as f:
+        f.write("one more line on this node only\n")
+    files = _copy(pair, tmp_path / "files1")
+    name = sorted(n for n in os.listdir(str(files / "B"))
+                  if n.endswith(".safetensors"))[0]
+    with open(str(files / "B" / name), "r+b") as f:
+        f.seek(-2, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-2, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    for other, want in ((texts, "rank 1: batches differs from rank 0's"),
+                        (files, "rank 1: target differs from rank 0's: %s "
+                         "has another size or content" % os.path.join(
+                             str(files / "B"), name))):
+        port = _port()
+        out = str(tmp_path / ("ret-%s" % other.name))
+        procs = []
+        for r, d in enumerate((pair, other)):
+            e = _rank_env(r, 2, port)
+            e.update(BICO_RANKS_JOIN_TIMEOUT=str(JOIN_S))
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(HERE,
+                                              "ranks_transfer_child.py"),
+                 str(d), "-", out], env=e, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE))
+        for rc, _, err in _wait(procs, 120):
+            assert rc == 0, err.decode()[-3000:]
+        for r in range(2):
+            got = torch.load("%s.%d" % (out, r))["ret"]
+            assert want in got["error"], got["error"]
+
+
+def test_fingerprints_sample_what_they_say(tmp_path):
+    """fingerprint_file: the size, the first 64 KiB, 16 pieces of 256
+    bytes and the last 4 KiB; a byte elsewhere is not read.  A folder's:
+    its regular files by name (dot files and subfolders left out), the
+    same for a copy at another path; --text: every byte the run reads."""
+    from bico.llm import ranks as R
+    from bico.llm.text import text_spans
+    size = 1 << 20
+    data = bytearray(os.urandom(size))
+    a = tmp_path / "a" / "w.bin"
+    a.parent.mkdir()
+    a.write_bytes(bytes(data))
+    fa = R.fingerprint_file(str(a))
+    spans = R._sampled(size)
+    assert spans[0] == (0, 64 << 10) and spans[-1] == (size - 4096, 4096)
+    assert len(spans) == 18 and all(n == 256 for _, n in spans[1:-1])
+    sampled = set()
+    for at, n in spans:
+        sampled.update(range(at, at + n))
+    outside = next(i for i in range(65536, size) if i not in sampled)
+    for pos, caught in ((10, True), (spans[5][0] + 3, True),
+                        (size - 1, True), (outside, False)):
+        d = bytearray(data)
+        d[pos] ^= 0xFF
+        b = tmp_path / "b.bin"
+        b.write_bytes(bytes(d))
+        assert (R.fingerprint_file(str(b)) != fa) == caught, pos
+    b.write_bytes(bytes(data[:-1]))             # one byte shorter
+    assert R.fingerprint_file(str(b)) != fa
+    # a folder: by name and content; a copy elsewhere agrees
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "w.bin").write_bytes(bytes(data))
+    (c / ".hidden").write_bytes(b"x")
+    (c / "sub").mkdir()
+    (pa, da), (pc, dc) = R.fingerprint(str(a.parent)), R.fingerprint(str(c))
+    assert da == dc == {"w.bin": fa} and pa != pc
+    assert R.fingerprint(str(tmp_path / "none"))[1] == "missing"
+    assert R.fingerprint(None) is None
+    # --text: every byte read_text reads (here, past the sampled ones)
+    t = tmp_path / "t.txt"
+    t.write_bytes(bytes(data))
+    ft = R.text_fingerprint(str(t), size)
+    d = bytearray(data)
+    d[outside] ^= 0xFF
+    t.write_bytes(bytes(d))
+    assert R.text_fingerprint(str(t), size) != ft
+    assert text_spans(size, size) == [(0, size)]
+    assert len(text_spans(size, 1 << 16)) == 1024

@@ -140,7 +140,18 @@ def _parser(prog):
         "option's value, a missing or unusable input), one line naming the "
         "option or file, nothing written; 1 a failure while running.  "
         "'%s stats --help': the statistics file `bico transfer --stats` "
-        "reads, from the same folders and text." % prog,
+        "reads, from the same folders and text.  Across processes (--method "
+        "fit under torchrun, or any launcher that sets RANK, WORLD_SIZE, "
+        "MASTER_ADDR and MASTER_PORT; docs/scale-out.md): every rank must "
+        "be given the same options and inputs (compared before any work: "
+        "the options but --threads, --memory-budget, --teacher-memory, "
+        "--spill-dir and those of rank 0's output; the input files by "
+        "content, sampled for the model folders), else every rank stops "
+        "naming what differs; BICO_RANKS_JOIN_TIMEOUT (seconds, default "
+        "300) bounds the wait for every rank to join, BICO_RANKS_TIMEOUT "
+        "(default 1800) each exchange between ranks (rank 0's solves and "
+        "write included): a rank missing or stopped longer ends every "
+        "other with one line." % prog,
         description="Carry a decoder fine-tune to another decoder with the "
         "fit, from model folders and task text, to a PEFT adapter "
         "(--output-lora) or a model folder (--output).")
@@ -1104,19 +1115,54 @@ def _outcome(e):
 
 def _ranks(a):
     """The ranks the run is shared among (bico.llm.ranks): one process,
-    or under torchrun (WORLD_SIZE > 1) a gloo process group, for the
-    streamed fit only."""
+    or under a launcher (WORLD_SIZE > 1) a gloo process group, for the
+    streamed fit only.  The launcher's variables are checked before
+    joining; once joined, every rank's options and inputs are compared
+    with rank 0's (_same_run) before any work."""
     from .ranks import Ranks, world_size, join
     n = world_size()
-    if n > 1:
-        if not (_streamed(a) and a.method == "fit"):
-            raise opts.UsageError(
-                "under torchrun (WORLD_SIZE %d) only the streamed fit runs "
-                "across processes: give --method fit (without --in-memory, "
-                "--transformers or --device cuda), or run in one process"
-                % n)
-        join()
-    return Ranks(world=n > 1)
+    if n == 1:
+        return Ranks()
+    join()
+    ranks = Ranks(world=True)
+    ranks.same_run(_run_items(a))
+    if not (_streamed(a) and a.method == "fit"):
+        raise opts.UsageError(
+            "under torchrun (WORLD_SIZE %d) only the streamed fit runs "
+            "across processes: give --method fit (without --in-memory, "
+            "--transformers or --device cuda), or run in one process"
+            % n)
+    return ranks
+
+
+# Options that may differ between ranks: the node's own resources
+# (threads, memory, scratch) and what only rank 0 uses (it alone locks,
+# writes and prints the output).  The input paths are compared by their
+# content instead (node-local copies at other paths are fine).
+_PER_RANK = frozenset(("threads", "memory_budget", "teacher_memory",
+                       "spill_dir", "quiet", "wait", "replace", "output",
+                       "output_lora", "base_model_name_or_path"))
+_INPUTS = ("source", "source_tuned", "lora", "target", "tokenizer")
+
+
+def _run_items(a):
+    """What every rank of a run must agree on (Ranks.same_run): every
+    parsed option but _PER_RANK's and the inputs' paths, by value; which
+    output is written (--output or --output-lora); a fingerprint of each
+    input (bico.llm.ranks: the model folders, --lora, --tokenizer sampled
+    per file, node-independent; --text by every byte the run reads of it,
+    --ids read whole)."""
+    from . import ranks as R
+    skip = _PER_RANK | set(_INPUTS) | {"text", "ids", "run", "ranks"}
+    items = [("--" + k.replace("_", "-"), R.value_digest(v))
+             for k, v in sorted(vars(a).items()) if k not in skip]
+    items.append(("the output kind", "--output-lora" if a.output_lora
+                  else "--output"))
+    items += [("--" + k.replace("_", "-"), R.fingerprint(getattr(a, k)))
+              for k in _INPUTS]
+    items.append(("--text", R.text_fingerprint(a.text, opts.text_limit(a))))
+    items.append(("--ids", R.whole_fingerprint(a.ids)))
+    return items
 
 
 def _route_teacher_streamed(a, dt, q, prog, tmp):

@@ -28,15 +28,47 @@ with its message (no rank waits for a broadcast that never comes); a rank
 that dies makes the others' next collective fail (gloo).  With one process
 (no process group) every method is the identity and torch.distributed is
 not touched.  Results equal the one-process run's up to the order in which
-the sums add up."""
+the sums add up.
+
+Joining (join): the launcher's variables are checked first (launcher():
+RANK, WORLD_SIZE, LOCAL_RANK integers, 0 <= RANK < WORLD_SIZE; MASTER_ADDR
+and MASTER_PORT), then every rank checks in at rank 0's store, waiting at
+most BICO_RANKS_JOIN_TIMEOUT seconds (JOIN_TIMEOUT, 300) for all of them:
+a rank that never comes (not started, stopped, another port) ends every
+rank that came with one line naming it, and a RANK given to two processes
+is refused on every rank that sees it.  Only then is the gloo group made,
+its timeout BICO_RANKS_TIMEOUT (TIMEOUT, 1800 s), which bounds each
+collective (gloo's operations end with an error when a peer sends nothing
+for that long: a rank stopped by SIGSTOP, or one slower than that by more
+than the timeout).  torch 1.13's own init_process_group(timeout=t) waits
+about 2 t when a rank is missing (the store's wait for workers, then
+gloo's connection through the store) and one t bounds both joining and
+every collective; the check-in here gives each its own bound.
+
+The same run on every rank (Ranks.same_run, right after joining): the
+options that shape the result and a fingerprint of every input are
+gathered, and a difference stops every rank before any work, naming the
+rank and the option or input (fingerprint(), text_fingerprint(),
+whole_fingerprint(), value_digest())."""
+import contextlib
 import hashlib
+import os
+import stat
+import sys
+import time
 
 import numpy as np
 import torch
 
 from .._status import BicoError, E_ARG, E_IO, E_NUMERIC, E_STATE
 
-__all__ = ["Ranks", "world_size", "join", "leave"]
+__all__ = ["Ranks", "world_size", "launcher", "timeouts", "join", "leave",
+           "fingerprint", "fingerprint_file", "text_fingerprint",
+           "whole_fingerprint", "value_digest", "JOIN_TIMEOUT", "TIMEOUT"]
+
+JOIN_TIMEOUT = 300.0     # s: every rank joins (BICO_RANKS_JOIN_TIMEOUT)
+TIMEOUT = 1800.0         # s: each collective (BICO_RANKS_TIMEOUT)
+TIMEOUT_LIMIT = 7 * 86400.0
 
 
 class Ranks(object):
@@ -272,27 +304,244 @@ class Ranks(object):
                 return r, o
         return None
 
+    def same_run(self, items):
+        """Stops every rank (BicoError E_ARG, the same message on each)
+        unless every rank was given the same run; called right after
+        joining, before any work.  items: [(name, value)] in one order on
+        every rank, value an option's value (value_digest()) or an input's
+        fingerprint: a string, (path, digest) of a file (text_fingerprint,
+        whole_fingerprint, fingerprint of a file), or (path, {file name:
+        digest}) of a folder (fingerprint).  The items of every rank are
+        gathered on every rank, and each finds the same first difference:
+        the lowest rank r whose items differ from rank 0's, and there the
+        first item: "rank r: NAME differs from rank 0's: ..." (the file of
+        a folder that differs, or is on one rank only)."""
+        if self.size == 1:
+            return
+        items = [(str(n), v) for n, v in items]
+        got = self._objects(items)
+        for r in range(1, self.size):
+            why = _first_difference(got[r], got[0], r)
+            if why is not None:
+                raise BicoError(E_ARG, "rank %d: %s; every rank must be "
+                                "given the same options and inputs (copies "
+                                "of the same files on each node are fine; "
+                                "nothing was done)" % (r, why))
+
+
+def _variable(name, low, high, default=None):
+    """An integer launcher variable in [low, high) (high None: no upper
+    bound), or default when it is not set; BicoError E_ARG naming it."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        if default is None:
+            raise BicoError(E_ARG, "%s is not set: a launcher (torchrun) "
+                            "sets RANK, WORLD_SIZE, MASTER_ADDR and "
+                            "MASTER_PORT for each process of a run" % name)
+        return default
+    try:
+        v = int(raw.strip())
+    except ValueError:
+        v = None
+    if v is None or v < low or (high is not None and v >= high):
+        raise BicoError(E_ARG, "%s=%r: not an integer %s" % (
+            name, raw, "from %d to %d" % (low, high - 1) if high is not None
+            else "of at least %d" % low))
+    return v
+
+
+def launcher():
+    """(RANK, WORLD_SIZE, LOCAL_RANK) of this process as a launcher
+    (torchrun) set them, checked before anything joins: integers,
+    WORLD_SIZE >= 1 (unset: 1, one process), 0 <= RANK < WORLD_SIZE (RANK
+    needed when WORLD_SIZE > 1; set alone it must be 0), 0 <= LOCAL_RANK
+    < WORLD_SIZE.  A bad value: BicoError E_ARG naming the variable."""
+    size = _variable("WORLD_SIZE", 1, None, 1)
+    rank = _variable("RANK", 0, size, None if size > 1 else 0)
+    local = _variable("LOCAL_RANK", 0, size, 0)
+    return rank, size, local
+
 
 def world_size():
-    """The number of processes torchrun started (WORLD_SIZE; 1 without
-    torchrun)."""
-    import os
+    """The number of processes the launcher started (WORLD_SIZE; 1
+    without one), its variables checked (launcher())."""
+    return launcher()[1]
+
+
+def _seconds(name, default):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
     try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+        v = float(raw)
     except ValueError:
-        raise BicoError(E_ARG, "WORLD_SIZE=%r is not a number"
-                        % os.environ.get("WORLD_SIZE"))
+        v = float("nan")
+    if not 0 < v <= TIMEOUT_LIMIT:
+        raise BicoError(E_ARG, "%s=%r: not a number of seconds above 0 "
+                        "(at most %d)" % (name, raw, TIMEOUT_LIMIT))
+    return v
+
+
+def timeouts():
+    """(joining, each collective), in seconds, of a run across ranks:
+    BICO_RANKS_JOIN_TIMEOUT (JOIN_TIMEOUT, 300: every rank of the run
+    checks in at rank 0 within it, or every rank that came ends) and
+    BICO_RANKS_TIMEOUT (TIMEOUT, 1800: the gloo group's timeout, which
+    bounds each exchange between ranks; long enough for rank 0's solves
+    and write while the others wait at real model sizes).  A value that
+    is not a number above 0 (at most 7 days): BicoError E_ARG."""
+    return (_seconds("BICO_RANKS_JOIN_TIMEOUT", JOIN_TIMEOUT),
+            _seconds("BICO_RANKS_TIMEOUT", TIMEOUT))
+
+
+_JOINED = {}      # the timeouts this process joined with (join())
 
 
 def join():
-    """Joins the default process group (gloo, the rendezvous torchrun set
-    in the environment) unless already joined."""
+    """Joins the default process group (gloo, at the rendezvous the
+    launcher set in the environment) unless already joined: the
+    launcher's variables checked (launcher(), MASTER_ADDR, MASTER_PORT),
+    every rank checked in at rank 0's store within the joining timeout
+    (timeouts()), then the group made with the collectives' timeout.
+    Errors: BicoError, E_ARG for a bad variable or a RANK given twice,
+    E_IO for a rank that did not come in time or a rendezvous that
+    failed; one line each."""
     dist = _dist()
     if dist is None or not dist.is_gloo_available():
         raise BicoError(E_ARG, "WORLD_SIZE > 1 but this PyTorch has no "
                         "torch.distributed with gloo")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return
+    import datetime
+    import torch.distributed as raw
+    rank, size, _ = launcher()
+    wait, each = timeouts()
+    addr = os.environ.get("MASTER_ADDR", "").strip()
+    if not addr:
+        raise BicoError(E_ARG, "MASTER_ADDR is not set: a launcher "
+                        "(torchrun) sets it to rank 0's host")
+    port = _variable("MASTER_PORT", 1, 1 << 16)
+    end = time.monotonic() + wait
+    store = _store(raw, addr, port, rank, size, wait)
+    _check_in(store, rank, size, wait, end, addr, port)
+    try:
+        raw.init_process_group(
+            "gloo", store=raw.PrefixStore("default_pg", store), rank=rank,
+            world_size=size, timeout=datetime.timedelta(seconds=each))
+    except (RuntimeError, OSError, ValueError) as e:
+        raise BicoError(E_IO, "ranks: joining the gloo group failed (%s)"
+                        % _first_line(e))
+    _JOINED.update(join=wait, each=each)
+
+
+def _store(dist, addr, port, rank, size, wait):
+    """The rendezvous store: rank 0 serves it (unless a torchrun agent
+    does: TORCHELASTIC_USE_AGENT_STORE), the others connect within wait
+    seconds.  c10d's own log lines (written to fd 2 by its C++ logging:
+    "The client socket has timed out ...") are held back: the failure is
+    said in one line."""
+    import datetime
+    td = datetime.timedelta(seconds=wait)
+    try:
+        with _fd2_held():
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                st = dist.TCPStore(addr, port, size, False, td)
+                return dist.PrefixStore("/worker/attempt_%s" % os.environ.get(
+                    "TORCHELASTIC_RESTART_COUNT", "0"), st)
+            return dist.TCPStore(addr, port, size, rank == 0, td,
+                                 wait_for_workers=False, multi_tenant=True)
+    except (RuntimeError, OSError, ValueError) as e:
+        if rank == 0:
+            why = "address already in use" if "already in use" in str(e) \
+                else _first_line(e)[:160]
+            raise BicoError(E_IO, "ranks: rank 0 cannot serve the "
+                            "rendezvous at MASTER_PORT %d (%s): the port is "
+                            "taken (another run, or two processes with "
+                            "RANK=0?)" % (port, why))
+        raise BicoError(E_IO, "ranks: rank 0's rendezvous at %s:%d "
+                        "(MASTER_ADDR, MASTER_PORT) did not answer within "
+                        "%g s (BICO_RANKS_JOIN_TIMEOUT): rank 0 not started, "
+                        "stopped, or at another address" % (addr, port,
+                                                             wait))
+
+
+@contextlib.contextmanager
+def _fd2_held():
+    """What the process writes to fd 2 inside the block, dropped."""
+    import tempfile
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+_KEY = "bico/join/"
+_POLL = 0.05
+
+
+def _check_in(store, rank, size, wait, end, addr, port):
+    """Every rank checks in at the store (a key of its own RANK and a
+    count), then waits until all size ranks have, until end (monotonic
+    time).  A RANK that two processes have is seen by the second at once
+    (and then by every rank still waiting); a rank missing at end ends
+    this one naming the missing ranks."""
+    try:
+        if store.add(_KEY + "rank/%d" % rank, 1) > 1:
+            store.set(_KEY + "twice", str(rank))
+            store.add(_KEY + "dup", 1)
+            raise BicoError(E_ARG, _twice(rank, size))
+        store.add(_KEY + "count", 1)
+        while True:
+            if store.add(_KEY + "dup", 0):
+                twice = store.get(_KEY + "twice").decode()
+                if rank == 0:     # its store stays up while the others see
+                    time.sleep(20 * _POLL)
+                raise BicoError(E_ARG, _twice(twice, size))
+            if store.add(_KEY + "count", 0) >= size:
+                return
+            if time.monotonic() >= end:
+                gone = [r for r in range(size)
+                        if not store.add(_KEY + "rank/%d" % r, 0)]
+                raise BicoError(E_IO, "ranks: %s of WORLD_SIZE=%d did not "
+                                "join within %g s (BICO_RANKS_JOIN_TIMEOUT): "
+                                "not started, stopped, or given another "
+                                "MASTER_ADDR/MASTER_PORT than %s:%d" % (
+                                    _ranks_named(gone), size, wait, addr,
+                                    port))
+            time.sleep(_POLL)
+    except (RuntimeError, OSError) as e:
+        raise BicoError(E_IO, "ranks: rank 0's rendezvous at %s:%d went "
+                        "away while joining (%s): rank 0 ended" % (
+                            addr, port, _first_line(e)))
+
+
+def _twice(rank, size):
+    return ("RANK=%s: two processes of this run (WORLD_SIZE=%d) were given "
+            "it; each needs its own RANK from 0 to %d" % (rank, size,
+                                                          size - 1))
+
+
+def _ranks_named(ranks):
+    if len(ranks) == 1:
+        return "rank %d" % ranks[0]
+    shown = ", ".join(map(str, ranks[:8]))
+    return "ranks %s%s" % (shown, ", ..." if len(ranks) > 8 else "")
+
+
+def _first_line(e):
+    return " ".join((str(e).strip().splitlines() or [type(e).__name__])[0]
+                    .split())[:300]
 
 
 def leave(outcome):
@@ -325,6 +574,212 @@ def leave(outcome):
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+# ---- what every rank must agree on (Ranks.same_run) ----
+
+HEAD, PIECES, PIECE, TAIL = 64 << 10, 16, 256, 4 << 10
+
+
+def _open_regular(path):
+    """(fd, size) of a regular file opened without blocking (a FIFO is
+    never waited on), or (None, what it is instead)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, "missing"
+    except IsADirectoryError:
+        return None, "a folder"
+    except OSError:
+        return None, "unreadable"
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None, "not a regular file"
+    return fd, st.st_size
+
+
+def _hashed(path, spans):
+    """blake2b (hex) of a regular file's size and the bytes of spans(size)
+    ([(offset, length)]), each piece with the count read; a path that is
+    not a readable regular file: what it is ("missing", ...)."""
+    fd, size = _open_regular(path)
+    if fd is None:
+        return size
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"%d;" % size)
+    try:
+        for at, n in spans(size):
+            while n > 0:
+                got = os.pread(fd, min(n, 1 << 20), at)
+                if not got:
+                    break
+                h.update(got)
+                at, n = at + len(got), n - len(got)
+            h.update(b";%d;" % at)
+    except OSError:
+        return "unreadable"
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def _sampled(size):
+    """The spans of fingerprint_file: the first 64 KiB; beyond it 16
+    pieces of 256 bytes evenly spaced over the rest and the last 4 KiB."""
+    spans = [(0, min(size, HEAD))]
+    if size > HEAD:
+        spans += [(HEAD + (size - HEAD) // PIECES * k, PIECE)
+                  for k in range(PIECES)]
+        spans.append((max(0, size - TAIL), TAIL))
+    return [(at, max(0, min(n, size - at))) for at, n in spans]
+
+
+def fingerprint_file(path):
+    """A node-independent fingerprint of a regular file (hex; as
+    tools/bico-mpi/common.c's fingerprint_file for the MPI command): its
+    size, its first 64 KiB (a safetensors header, a config or a small file
+    whole), 16 pieces of 256 bytes evenly spaced over the rest and its
+    last 4 KiB.  The content is sampled, not read whole: a copy that
+    differs in size, in its first 64 KiB or in a sampled byte is caught,
+    one that differs only between samples is not; the device, inode,
+    times and path are left out, so that copies of the same file on each
+    node agree.  Not a readable regular file: "missing", "unreadable",
+    "a folder" or "not a regular file"."""
+    return _hashed(path, _sampled)
+
+
+def fingerprint(path):
+    """(path, fingerprint) of an input: a regular file's fingerprint_file,
+    or for a folder {name: fingerprint_file} of its regular files (links
+    followed; names starting with '.' and subfolders left out); else a
+    string saying what the path is ("missing", ...).  None: not given."""
+    if path is None:
+        return None
+    p = os.fspath(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return p, "missing"
+    except OSError:
+        return p, "unreadable"
+    if stat.S_ISREG(st.st_mode):
+        return p, fingerprint_file(p)
+    if not stat.S_ISDIR(st.st_mode):
+        return p, "not a regular file or folder"
+    try:
+        names = sorted(n for n in os.listdir(p) if not n.startswith("."))
+    except OSError:
+        return p, "an unreadable folder"
+    out = {}
+    for n in names:
+        f = os.path.join(p, n)
+        try:
+            if not stat.S_ISREG(os.stat(f).st_mode):
+                continue
+        except OSError:
+            continue
+        out[n] = fingerprint_file(f)
+    return p, out
+
+
+def text_fingerprint(path, limit):
+    """(path, digest) of --text: its size and every byte the run reads of
+    it (bico.llm.text.text_spans: the whole file within limit, else the
+    pieces read_text reads), so that any difference in the text the run
+    uses is caught.  None: not given."""
+    if path is None:
+        return None
+    from .text import text_spans
+    p = os.fspath(path)
+    return p, _hashed(p, lambda size: text_spans(size, limit))
+
+
+def whole_fingerprint(path):
+    """(path, digest) of a file read whole (--ids: the windows may come
+    from anywhere in it).  None: not given."""
+    if path is None:
+        return None
+    p = os.fspath(path)
+    return p, _hashed(p, lambda size: [(0, size)])
+
+
+def value_digest(v):
+    """A string that is the same on every rank exactly when an argument's
+    value is: numbers, strings and None by repr; tensors and arrays by
+    dtype, shape and a digest of their bytes; lists, tuples and dicts
+    item by item; a function by its module and name; another object by
+    its type and repr (an address in it left out)."""
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return repr(v)
+    if isinstance(v, torch.Tensor):
+        t = v.detach().cpu().contiguous()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.view(torch.int16)
+        return "tensor %s %s %s" % (v.dtype, tuple(v.shape), hashlib.blake2b(
+            t.numpy().tobytes(), digest_size=16).hexdigest())
+    if isinstance(v, np.ndarray):
+        a = np.ascontiguousarray(v)
+        return "array %s %s %s" % (a.dtype.str, a.shape, hashlib.blake2b(
+            a.tobytes(), digest_size=16).hexdigest())
+    if isinstance(v, (list, tuple)):
+        inner = [value_digest(x) for x in v]
+        d = hashlib.blake2b("\n".join(inner).encode(), digest_size=16)
+        if sum(map(len, inner)) > 200:
+            return "%s of %d items %s" % (type(v).__name__, len(v),
+                                          d.hexdigest())
+        return ("[%s]" if isinstance(v, list) else "(%s)") % ", ".join(inner)
+    if isinstance(v, dict):
+        return value_digest(sorted((repr(k), value_digest(x))
+                                   for k, x in v.items()))
+    if callable(v) and hasattr(v, "__qualname__"):
+        return "%s.%s" % (getattr(v, "__module__", "?"), v.__qualname__)
+    r = repr(v)
+    return type(v).__name__ if " at 0x" in r else r[:200]
+
+
+def _first_difference(mine, root, r):
+    """What differs between rank r's items and rank 0's (None: nothing)."""
+    names = [n for n, _ in root]
+    if [n for n, _ in mine] != names:
+        return "another kind of run than rank 0's (%s against %s)" % (
+            ", ".join(n for n, _ in mine)[:200], ", ".join(names)[:200])
+    for (name, v), (_, v0) in zip(mine, root):
+        if v == v0 or (isinstance(v, tuple) and isinstance(v0, tuple) and
+                       v[1] == v0[1]):      # the paths may differ
+            continue
+        if v is None or v0 is None:
+            return "%s is given on %s only" % (name, "rank 0" if v is None
+                                                else "rank %d" % r)
+        if not isinstance(v, tuple):     # an option's value
+            return "%s differs from rank 0's (%s against %s)" % (
+                name, _short(v), _short(v0))
+        (p, d), (p0, d0) = v, v0
+        if isinstance(d, dict) and isinstance(d0, dict):
+            for n in sorted(set(d) | set(d0)):
+                f, f0 = os.path.join(p, n), os.path.join(p0, n)
+                if n not in d0 or n not in d:
+                    return "%s differs from rank 0's: %s is on rank %d " \
+                        "only" % (name, f0 if n in d0 else f,
+                                  0 if n in d0 else r)
+                if d[n] != d0[n]:
+                    return "%s differs from rank 0's: %s has another size " \
+                        "or content%s (sampled: its size, first 64 KiB, 16 " \
+                        "pieces of 256 bytes, last 4 KiB)" % (
+                            name, f, "" if f == f0 else " than rank 0's %s"
+                            % f0)
+        for x, at in ((d0, 0), (d, r)):
+            if isinstance(x, str) and len(x) != 32:
+                return "%s differs from rank 0's: %s is %s on rank %d" % (
+                    name, p0 if at == 0 else p, x, at)
+        return "%s differs from rank 0's: %s has another size or content%s" \
+            % (name, p, "" if p == p0 else " than rank 0's %s" % p0)
+    return None
+
+
+def _short(v, n=120):
+    v = str(v)
+    return v if len(v) <= n else v[:n] + "..."
 
 
 def _in_order(parts):
@@ -362,7 +817,15 @@ class _Guarded(object):
             try:
                 return f(*a, **kw)
             except RuntimeError as e:
-                first = (str(e).strip().splitlines() or [""])[0]
+                first = _first_line(e)
+                if "timed out" in first.lower():
+                    each = _JOINED.get("each")
+                    raise BicoError(E_IO, "torch.distributed %s across the "
+                                    "ranks failed: no answer from another "
+                                    "rank within %s (BICO_RANKS_TIMEOUT): a "
+                                    "rank stopped, or slower than that (%s)"
+                                    % (name, "%g s" % each if each else
+                                       "the process group's timeout", first))
                 raise BicoError(E_IO, "torch.distributed %s across the "
                                 "ranks failed (another rank stopped?): %s"
                                 % (name, first))

@@ -184,6 +184,8 @@ def transfer_folders(kw):
     from ..torch.choose import _resolve_heldout, _alpha_grid
     from ..torch.transfer import _check_alpha, _check_fit_options
     from .text import next_token_loss
+    kw["batches"] = list(kw["batches"])      # an iterator read once
+    ranks = _launcher_ranks(kw)
     if kw["loss_fn"] not in (None, next_token_loss) or kw["step"] is not None:
         raise BicoError(E_ARG, "transfer_model: model folders run with the "
                         "next-token loss on token-id batches; pass "
@@ -210,7 +212,6 @@ def transfer_folders(kw):
     grid = _alpha_grid(kw["alpha_grid"])
     a = 1.0 if auto else alpha
     budget = kw["memory_budget"] or DEFAULT_BUDGET
-    ranks = _launcher_ranks()
     if kw["output"] is None:
         return _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a,
                             budget, ranks)
@@ -235,15 +236,45 @@ def transfer_folders(kw):
     return out
 
 
-def _launcher_ranks():
-    """bico.llm.ranks.Ranks of the processes torchrun started (WORLD_SIZE
-    > 1: the default gloo group, joined unless it is already), else one
-    process."""
+def _launcher_ranks(kw):
+    """bico.llm.ranks.Ranks of the processes the launcher started
+    (WORLD_SIZE > 1: the default gloo group, joined unless it is already;
+    then every rank's arguments compared with rank 0's, _run_items), else
+    one process."""
     from .ranks import Ranks, world_size, join
     if world_size() > 1:
         join()
-        return Ranks(world=True)
+        ranks = Ranks(world=True)
+        ranks.same_run(_run_items(kw))
+        return ranks
     return Ranks()
+
+
+# transfer_model's arguments that may differ between ranks: the node's
+# own resources, what only rank 0 uses (output's path: whether one is
+# given is compared), what receives the report, the progress display;
+# the folders are compared by their content.
+_PER_RANK = frozenset(("threads", "spill_dir", "memory_budget", "output",
+                       "report", "show_progress"))
+_FOLDERS = ("source", "source_tuned", "target")
+
+
+def _run_items(kw):
+    """What every rank of transfer_model on folders must agree on
+    (Ranks.same_run): every argument but _PER_RANK's and the folders' paths
+    by value (bico.llm.ranks.value_digest: the batches and held-out
+    batches by their tensors' bytes, functions by name), whether an output
+    is written, whether a report is asked for, and each folder's
+    fingerprint (each regular file's size, first 64 KiB, 16 evenly spaced
+    pieces of 256 bytes and last 4 KiB: node-local copies agree)."""
+    from . import ranks as R
+    skip = _PER_RANK | set(_FOLDERS)
+    items = [(k, R.value_digest(v)) for k, v in sorted(kw.items())
+             if k not in skip]
+    items.append(("output given", repr(kw.get("output") is not None)))
+    items.append(("report given", repr(kw.get("report") is not None)))
+    items += [(k, R.fingerprint(kw[k])) for k in _FOLDERS]
+    return items
 
 
 def _locked(kw, ranks):

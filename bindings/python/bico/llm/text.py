@@ -175,6 +175,18 @@ TEXT_READ_LIMIT = 64 << 20
 PIECES = 1024
 
 
+def text_spans(size, limit=TEXT_READ_LIMIT):
+    """[(offset, length)] of the bytes read_text reads of a file of `size`
+    bytes: the whole file within limit, else PIECES pieces of limit /
+    PIECES bytes spread evenly over it (before each is cut at character
+    boundaries).  bico.llm.ranks fingerprints --text by them."""
+    if size <= limit:
+        return [(0, size)]
+    span = max(1, limit // PIECES)
+    return [((size - span) * k // (PIECES - 1), span)
+            for k in range(PIECES)]
+
+
 def _utf8_piece(raw, at, first, last):
     """raw (bytes read at file offset `at`) cut to whole UTF-8 characters:
     continuation bytes dropped at its start (unless first) and an
@@ -207,13 +219,12 @@ def read_text(path, what=None, limit=None):
     pre = "%s %s" % (what, path) if what else str(path)
     with open_input(path, what) as f:
         size = os.fstat(f.fileno()).st_size
-        if size <= limit:
+        spans = text_spans(size, limit)
+        if len(spans) == 1:
             parts = [(f.read(limit + 1)[:limit], 0)]
         else:
-            span = max(1, limit // PIECES)
             parts = []
-            for k in range(PIECES):
-                at = (size - span) * k // (PIECES - 1)
+            for k, (at, span) in enumerate(spans):
                 f.seek(at)
                 parts.append(_utf8_piece(f.read(span), at, k == 0,
                                          k == PIECES - 1))

@@ -188,6 +188,14 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     arguments, the streamed fit shares the batches among the ranks (a
     gloo group, joined unless it is already; docs/scale-out.md): rank 0
     writes output, every rank returns the same value once it is written.
+    Right after joining, every rank's arguments (the batches by their
+    tensors' bytes; not threads, spill_dir, memory_budget, show_progress
+    or output's path) and a sampled fingerprint of each folder's files
+    (size, first 64 KiB, 16 pieces of 256 bytes, last 4 KiB: node-local
+    copies agree) are compared with rank 0's; a difference raises
+    BicoError (E_ARG) on every rank, naming it.  Joining waits at most
+    BICO_RANKS_JOIN_TIMEOUT seconds (300) for every rank, each exchange
+    BICO_RANKS_TIMEOUT (1800) for a peer (bico.llm.ranks.timeouts).
     stream=False, or another method: the folders are loaded whole
     (load_model, float32) and run in memory.
     report: a list that receives one dict per target tensor (fit: one per
