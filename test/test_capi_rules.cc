@@ -4,10 +4,14 @@
 // failed create writes NULL; merges across contexts; the staleness of
 // bico_ctx_errcode; messages that start with their entry point and name
 // file slots; and the bridge through the C API (made from lent
-// statistics, read back, the handle's settings untouched, refusals).
+// statistics, read back, the handle's settings untouched, refusals;
+// edited maps, ranks and descriptions refused by range and digest; the
+// full fingerprint of the bases).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -27,8 +31,8 @@ bool has(const char *msg, const char *needle) {
 struct Pair {
   stt::TempDir dir;
   std::string A, Aft, B;
-  size_t da = 4, db = 6;
-  Pair() {
+  size_t da, db;
+  explicit Pair(size_t da_ = 4, size_t db_ = 6) : da(da_), db(db_) {
     bt::Rng g(5);
     A = dir / "A.safetensors";
     Aft = dir / "Aft.safetensors";
@@ -423,6 +427,283 @@ TEST(CApiBridge, OtherModelsAndBadFilesAreRefused) {
   const char *path = nullptr;
   ASSERT_EQ(bico_transfer_get_file(t2.t, BICO_FILE_SOURCE_BASE, &path), BICO_OK);
   EXPECT_EQ(path, nullptr);  // the handle's slot stays unset
+}
+
+// ---- bridges that are not as written (issue 45) ----
+
+// A bridge of p's bases from lent statistics (rows rows per module side;
+// rows >= the widths: maps of full rank), with the fingerprint kind fp.
+void make_bridge(bico_ctx *ctx, const Pair &p, const std::string &br,
+                 size_t rows, int fp = 0) {
+  Lent lent;
+  Transfer tr(ctx);
+  ASSERT_EQ(bico_transfer_set_file(tr.t, BICO_FILE_SOURCE_BASE, p.A.c_str()), BICO_OK);
+  ASSERT_EQ(bico_transfer_set_file(tr.t, BICO_FILE_TARGET_BASE, p.B.c_str()), BICO_OK);
+  ASSERT_EQ(bico_transfer_set_file(tr.t, BICO_FILE_BRIDGE_OUTPUT, br.c_str()), BICO_OK);
+  ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_FINGERPRINT, fp), BICO_OK);
+  lent.all(ctx, tr.t, p, rows);
+  ASSERT_EQ(bico_transfer_bridge(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+}
+
+// What an edit does to a bridge: element `at` of tensor `tensor` set to
+// `value` (no tensor: none), the description's first `from` replaced by
+// `to` (empty: none), the digest dropped (a bridge made before bridges
+// had one) or kept as it was.
+struct Edit {
+  std::string tensor;
+  size_t at;
+  double value;
+  std::string from, to;
+  bool drop_digest;
+};
+
+// A copy of bridge `src` at `dst` with edit e, rewritten with the
+// library's writer: every tensor (name, dtype, shape, values) and every
+// metadata entry as they are but for the edit.
+void rewrite(const std::string &src, const std::string &dst, const Edit &e) {
+  bt::Ctx ctx;
+  bico_stfile *f = nullptr;
+  ASSERT_EQ(bico_stfile_open(ctx, src.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create(ctx, dst.c_str(), &w), BICO_OK);
+  size_t nmeta = 0, n = 0;
+  ASSERT_EQ(bico_stfile_metadata_count(f, &nmeta), BICO_OK);
+  for (size_t i = 0; i < nmeta; i++) {
+    const char *k, *v;
+    ASSERT_EQ(bico_stfile_metadata_at(f, i, &k, &v), BICO_OK);
+    std::string val = v;
+    if (e.drop_digest && std::strcmp(k, "bico.bridge.sha256") == 0) continue;
+    if (!e.from.empty() && std::strcmp(k, "bico.bridge.json") == 0) {
+      size_t at = val.find(e.from);
+      ASSERT_NE(at, std::string::npos) << e.from << " in " << val;
+      val.replace(at, e.from.size(), e.to);
+    }
+    ASSERT_EQ(bico_stwriter_add_metadata(w, k, val.c_str()), BICO_OK);
+  }
+  ASSERT_EQ(bico_stfile_count(f, &n), BICO_OK);
+  for (size_t i = 0; i < n; i++) {
+    const char *name;
+    int dt;
+    size_t nd;
+    const size_t *sh;
+    ASSERT_EQ(bico_stfile_tensor_info(f, i, &name, &dt, &nd, &sh), BICO_OK);
+    ASSERT_EQ(bico_stwriter_declare(w, name, dt, nd, sh), BICO_OK);
+  }
+  bool edited = e.tensor.empty();
+  for (size_t i = 0; i < n; i++) {
+    const char *name;
+    int dt;
+    size_t numel;
+    ASSERT_EQ(bico_stfile_tensor_info(f, i, &name, &dt, nullptr, nullptr), BICO_OK);
+    ASSERT_EQ(bico_stfile_tensor_size(f, i, &numel, nullptr), BICO_OK);
+    bool here = e.tensor == name;
+    edited = edited || here;
+    if (dt == BICO_DTYPE_F64) {  // ranks: (rank, thin) per block
+      std::vector<double> v(numel);
+      ASSERT_EQ(bico_stfile_read_f64(f, i, v.data(), numel), BICO_OK);
+      if (here) v.at(e.at) = e.value;
+      ASSERT_EQ(bico_stwriter_write_f64(w, name, v.data(), numel), BICO_OK);
+    } else {  // maps
+      ASSERT_EQ(dt, BICO_DTYPE_F32);
+      std::vector<float> v(numel);
+      ASSERT_EQ(bico_stfile_read_f32(f, i, v.data(), numel), BICO_OK);
+      if (here) v.at(e.at) = (float)e.value;
+      ASSERT_EQ(bico_stwriter_write_f32(w, name, v.data(), numel), BICO_OK);
+    }
+  }
+  ASSERT_TRUE(edited) << "no tensor " << e.tensor;
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter_free(w);
+  bico_stfile_free(f);
+}
+
+// A run of p's fine-tune through bridge br into out: its status.
+bico_status run_via(bico_ctx *ctx, const Pair &p, const std::string &br,
+                    const std::string &out, const std::string &target = "") {
+  Transfer tr(ctx);
+  tr.files(p, out);
+  if (!target.empty()) {
+    EXPECT_EQ(bico_transfer_set_file(tr.t, BICO_FILE_TARGET_BASE, target.c_str()),
+              BICO_OK);
+  }
+  EXPECT_EQ(bico_transfer_set_file(tr.t, BICO_FILE_BRIDGE, br.c_str()), BICO_OK);
+  return bico_transfer_run(tr.t);
+}
+
+// Each edit an attack made (a map entry of 1e30 gave q_proj weights of
+// 2e30, exit 0; a rank of 0 dropped a layer; a NaN or -1 rank was an
+// undefined cast, which the sanitized build aborts on; a thin flag of 7;
+// a NaN map entry): refused with BICO_E_FORMAT naming the bridge file and
+// the tensor, nothing written -- by the range checks, which hold for a
+// bridge without a digest too, or by the digest where the value is in
+// range (rank 0).
+TEST(CApiBridge, EditedMapsAndRanksAreRefused) {
+  Pair p;
+  bt::Ctx ctx;
+  std::string br = p.dir / "A_to_B.bridge", out = p.dir / "out.safetensors",
+              good = p.dir / "good.safetensors";
+  make_bridge(ctx, p, br, 8);
+  {  // the bridge records its digest: 64 hexadecimal digits
+    bico_stfile *f = nullptr;
+    ASSERT_EQ(bico_stfile_open(ctx, br.c_str(), &f), BICO_OK);
+    const char *d = nullptr;
+    ASSERT_EQ(bico_stfile_metadata_get(f, "bico.bridge.sha256", &d), BICO_OK);
+    EXPECT_EQ(std::strlen(d), 64u);
+    EXPECT_EQ(std::strspn(d, "0123456789abcdef"), 64u) << d;
+    bico_stfile_free(f);
+  }
+  ASSERT_EQ(run_via(ctx, p, br, good), BICO_OK) << bico_ctx_errmsg(ctx);
+  // rewritten as it was, digest and all: read, and the same output
+  std::string same = p.dir / "same.bridge";
+  rewrite(br, same, {"", 0, 0, "", "", false});
+  ASSERT_EQ(run_via(ctx, p, same, out), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(stt::read_bytes(out), stt::read_bytes(good));
+  std::remove(out.c_str());
+
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  struct Attack {
+    const char *what;
+    Edit edit;
+    const char *said;  // in the message of a bridge with its digest
+    const char *said_old;  // without it (nullptr: read, the edit in range)
+  } attacks[] = {
+      {"a map entry of 1e30", {"blocks.1.fc:in", 5, 1e30, "", "", false},
+       "tensor blocks.1.fc:in: element [0, 5] is 1e+30",
+       "tensor blocks.1.fc:in: element [0, 5] is 1e+30"},
+      {"a NaN map entry", {"blocks.0.fc:out", 7, nan, "", "", false},
+       "tensor blocks.0.fc:out: element [1, 1] is nan",
+       "tensor blocks.0.fc:out: element [1, 1] is nan"},
+      {"rank 0", {"blocks.2.fc:in:rank", 0, 0, "", "", false},
+       "changed after it was written", nullptr},
+      {"rank NaN", {"blocks.2.fc:in:rank", 0, nan, "", "", false},
+       "tensor blocks.2.fc:in:rank: element [0, 0] is nan, not a rank",
+       "tensor blocks.2.fc:in:rank: element [0, 0] is nan, not a rank"},
+      {"rank -1", {"blocks.0.fc:out:rank", 0, -1, "", "", false},
+       "tensor blocks.0.fc:out:rank: element [0, 0] is -1, not a rank",
+       "tensor blocks.0.fc:out:rank: element [0, 0] is -1, not a rank"},
+      {"rank above min(rows, columns)", {"blocks.0.fc:in:rank", 0, 5, "", "", false},
+       "element [0, 0] is 5, not a rank (an integer in [0, 4] for a 4 x 6 map)",
+       "element [0, 0] is 5, not a rank (an integer in [0, 4] for a 4 x 6 map)"},
+      {"thin 7", {"blocks.1.fc:out:rank", 1, 7, "", "", false},
+       "tensor blocks.1.fc:out:rank: element [0, 1] is 7, not a thin flag",
+       "tensor blocks.1.fc:out:rank: element [0, 1] is 7, not a thin flag"},
+      {"a map entry edited within range", {"blocks.1.fc:out", 3, 0.5, "", "", false},
+       "changed after it was written", nullptr},
+      {"the description edited", {"", 0, 0, "\"lent\":6", "\"lent\":5", false},
+       "changed after it was written", nullptr},
+      {"a recorded option outside its bounds",
+       {"", 0, 0, "\"method\":1", "\"method\":99", false},
+       "options: method 99 is outside that option's bounds",
+       "options: method 99 is outside that option's bounds"},
+  };
+  for (const Attack &a : attacks) {
+    for (bool old : {false, true}) {
+      SCOPED_TRACE(std::string(a.what) + (old ? ", no digest" : ", digest kept"));
+      std::string bad = p.dir / "bad.bridge";
+      Edit e = a.edit;
+      e.drop_digest = old;
+      rewrite(br, bad, e);
+      const char *said = old ? a.said_old : a.said;
+      bico_status st = run_via(ctx, p, bad, out);
+      if (said == nullptr) {  // in range, no digest: read as it says
+        EXPECT_EQ(st, BICO_OK) << bico_ctx_errmsg(ctx);
+        std::remove(out.c_str());
+        continue;
+      }
+      EXPECT_EQ(st, BICO_E_FORMAT) << bico_ctx_errmsg(ctx);
+      std::string m = bico_ctx_errmsg(ctx);
+      EXPECT_TRUE(has(m.c_str(), ("the bridge file " + bad).c_str())) << m;
+      EXPECT_TRUE(has(m.c_str(), said)) << m;
+      EXPECT_EQ(access(out.c_str(), F_OK), -1);  // nothing written
+      std::remove(out.c_str());
+      // the check a front end makes first says the same
+      Transfer tr(ctx);
+      tr.files(p, out);
+      ASSERT_EQ(bico_transfer_set_file(tr.t, BICO_FILE_BRIDGE, bad.c_str()), BICO_OK);
+      EXPECT_EQ(bico_transfer_check(tr.t, BICO_TRANSFER_CHECK_INPUTS), BICO_E_FORMAT);
+      EXPECT_TRUE(has(bico_ctx_errmsg(ctx), said)) << bico_ctx_errmsg(ctx);
+    }
+  }
+}
+
+// The sampled fingerprint (the default) reads 192 bytes of a tensor: a
+// target changed elsewhere passes it, as docs/formats.md says.  A bridge
+// made with BICO_FINGERPRINT_FULL fingerprints every byte, records so,
+// and a run recomputes the same kind: the same change is refused.
+TEST(CApiBridge, FullFingerprintTellsAByteTheSamplesMiss) {
+  Pair p(4, 16);  // target weights of 16 x 16 floats: 1024 bytes
+  bt::Ctx ctx;
+  // B2: B with bytes 200..203 of blocks.1.fc.weight changed (the samples
+  // are bytes 0..63, 480..543 and 960..1023)
+  std::string B2 = p.dir / "B2.safetensors";
+  {
+    bico_stfile *f = nullptr;
+    ASSERT_EQ(bico_stfile_open(ctx, p.B.c_str(), &f), BICO_OK);
+    size_t n = 0;
+    ASSERT_EQ(bico_stfile_count(f, &n), BICO_OK);
+    std::vector<ttu::Named> b;
+    for (size_t i = 0; i < n; i++) {
+      const char *name;
+      size_t nd, numel;
+      const size_t *sh;
+      ASSERT_EQ(bico_stfile_tensor_info(f, i, &name, nullptr, &nd, &sh), BICO_OK);
+      ASSERT_EQ(bico_stfile_tensor_size(f, i, &numel, nullptr), BICO_OK);
+      ttu::Named t{name, std::vector<size_t>(sh, sh + nd), std::vector<float>(numel)};
+      ASSERT_EQ(bico_stfile_read_f32(f, i, t.v.data(), numel), BICO_OK);
+      if (t.name == "blocks.1.fc.weight") t.v.at(50) += 1.0f;
+      b.push_back(t);
+    }
+    bico_stfile_free(f);
+    ttu::write_f32(B2, b);
+  }
+  std::string sampled = p.dir / "sampled.bridge", full = p.dir / "full.bridge",
+              out = p.dir / "out.safetensors", ref = p.dir / "ref.safetensors";
+  make_bridge(ctx, p, sampled, 20);
+  make_bridge(ctx, p, full, 20, BICO_FINGERPRINT_FULL);
+  // the kind is recorded with the options
+  {
+    bico_stfile *f = nullptr;
+    ASSERT_EQ(bico_stfile_open(ctx, full.c_str(), &f), BICO_OK);
+    const char *d = nullptr;
+    ASSERT_EQ(bico_stfile_metadata_get(f, "bico.bridge.json", &d), BICO_OK);
+    EXPECT_TRUE(has(d, "\"fingerprint\":2")) << d;
+    bico_stfile_free(f);
+  }
+  // the sampled fingerprint misses the change: the run reads the bridge
+  ASSERT_EQ(run_via(ctx, p, sampled, ref), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(run_via(ctx, p, sampled, out, B2), BICO_OK) << bico_ctx_errmsg(ctx);
+  std::remove(out.c_str());
+  // the full one tells it
+  EXPECT_EQ(run_via(ctx, p, full, out, B2), BICO_E_ARG);
+  std::string m = bico_ctx_errmsg(ctx);
+  EXPECT_TRUE(has(m.c_str(), "the target base file")) << m;
+  EXPECT_TRUE(has(m.c_str(), "fingerprint")) << m;
+  EXPECT_TRUE(has(m.c_str(), "every byte")) << m;
+  EXPECT_EQ(access(out.c_str(), F_OK), -1);
+  // ... and passes the unchanged bases, with the same maps' output
+  ASSERT_EQ(run_via(ctx, p, full, out), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(stt::read_bytes(out), stt::read_bytes(ref));
+  std::remove(out.c_str());
+  // the kind is the bridge's: another one set is refused, naming both
+  Transfer tr(ctx);
+  tr.files(p, out);
+  ASSERT_EQ(bico_transfer_set_file(tr.t, BICO_FILE_BRIDGE, full.c_str()), BICO_OK);
+  ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_FINGERPRINT,
+                                    BICO_FINGERPRINT_SAMPLED), BICO_OK);
+  EXPECT_EQ(bico_transfer_run(tr.t), BICO_E_ARG);
+  EXPECT_TRUE(has(bico_ctx_errmsg(ctx), "was made with fingerprint full; this "
+                                        "transfer sets sampled"))
+      << bico_ctx_errmsg(ctx);
+  // 0 asks for the default, with a bridge the bridge's; get_param reports
+  // what the handle set
+  ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_FINGERPRINT, 0), BICO_OK);
+  EXPECT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
+  double v = 0;
+  ASSERT_EQ(bico_transfer_get_param(tr.t, BICO_TRANSFER_FINGERPRINT, &v), BICO_OK);
+  EXPECT_EQ(v, BICO_FINGERPRINT_SAMPLED);
+  EXPECT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_FINGERPRINT, 3), BICO_E_ARG);
+  EXPECT_STREQ(bico_transfer_param_name(BICO_TRANSFER_FINGERPRINT), "fingerprint");
+  EXPECT_STREQ(bico_transfer_fingerprint_name(BICO_FINGERPRINT_FULL), "full");
 }
 
 }  // namespace

@@ -302,6 +302,8 @@ TEST(TransferNames, EveryEnumerationCountsFromOne) {
       {"norm_map", bico_transfer_norm_map_name, bico_transfer_norm_map_from_name, 2},
       {"structure", bico_transfer_structure_name, bico_transfer_structure_from_name, 2},
       {"rope", bico_transfer_rope_name, bico_transfer_rope_from_name, 3},
+      {"fingerprint", bico_transfer_fingerprint_name,
+       bico_transfer_fingerprint_from_name, 2},
       {"handling", bico_transfer_handling_name, bico_transfer_handling_from_name, 7},
       {"side", bico_transfer_side_name, bico_transfer_side_from_name, 2}};
   for (const E &e : enums) {

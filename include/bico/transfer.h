@@ -169,13 +169,19 @@ typedef enum bico_transfer_param {
                                      (absent there: the query heads) */
   BICO_TRANSFER_HEAD_DIM = 18,    /* head width; 0: from config.json
                                      (absent there: hidden / heads) */
-  BICO_TRANSFER_ROW_CHUNK = 19    /* rows per piece when a table of rows
+  BICO_TRANSFER_ROW_CHUNK = 19,   /* rows per piece when a table of rows
                                      carried row by row (a tied token
                                      embedding) is streamed through the
                                      output (whole runs, BiCo methods);
                                      0 (default): about 64 MiB of work
                                      space per piece.  Results do not
                                      depend on it */
+  BICO_TRANSFER_FINGERPRINT = 20  /* bico_transfer_fingerprint: how a
+                                     bridge fingerprints the two bases
+                                     (made and read: see "Bridges"
+                                     below); 0 = default (SAMPLED), with
+                                     a bridge the bridge's.  No effect
+                                     on a run without a bridge */
 } bico_transfer_param;
 
 /* Decoder families and structure-aware maps (BiCo methods).
@@ -229,6 +235,24 @@ BICO_API bico_status bico_transfer_structure_from_name(const char *name,
                                               int *structure);
 BICO_API const char *bico_transfer_rope_name(int rope);
 BICO_API bico_status bico_transfer_rope_from_name(const char *name, int *rope);
+
+/* How a bridge fingerprints a base (BICO_TRANSFER_FINGERPRINT; "Bridges"
+ * below, docs/formats.md "Bridge files"):
+ *   SAMPLED  every tensor's name, dtype, shape and byte size and 192 of
+ *            its bytes (64 at its start, middle and end; all of a tensor
+ *            of at most 192 bytes), and the config.json and
+ *            tokenizer.json: cheap, but a change confined to unsampled
+ *            bytes passes;
+ *   FULL     the same with every byte of every tensor: reads the whole
+ *            of both bases each time a bridge is made or read. */
+typedef enum bico_transfer_fingerprint { /* 0 = default: SAMPLED */
+  BICO_FINGERPRINT_SAMPLED = 1,
+  BICO_FINGERPRINT_FULL = 2
+} bico_transfer_fingerprint;
+/* Names: "sampled", "full" (NULL / BICO_E_NOTFOUND otherwise). */
+BICO_API const char *bico_transfer_fingerprint_name(int fingerprint);
+BICO_API bico_status bico_transfer_fingerprint_from_name(const char *name,
+                                                         int *fingerprint);
 
 /* Pipelining (BICO_TRANSFER_WORKERS > 1, BiCo methods on checkpoints;
  * LoRA adapters are solved in the calling thread): the maps are solved by that many threads, each with its own
@@ -288,11 +312,11 @@ BICO_API bico_status bico_transfer_get_param(const bico_transfer *t,
  * parameters' names ("method", "alpha", "norm_map", "null", "rank_tol",
  * "center", "whiten", "proc_method", "workers", "solve_memory",
  * "min_paired", "gradfix_mode", "max_shard_size", "structure", "rope",
- * "heads", "kv_heads", "head_dim", "row_chunk"; NULL / BICO_E_NOTFOUND
- * otherwise).  Every choice has a default and takes 0 for it (METHOD,
- * NORM_MAP, NULL, PROC_METHOD, GRADFIX_MODE, STRUCTURE), and get_param
- * reports the member it resolved to; ROPE's 0 stays 0 ("from
- * config.json"). */
+ * "heads", "kv_heads", "head_dim", "row_chunk", "fingerprint"; NULL /
+ * BICO_E_NOTFOUND otherwise).  Every choice has a default and takes 0 for
+ * it (METHOD, NORM_MAP, NULL, PROC_METHOD, GRADFIX_MODE, STRUCTURE,
+ * FINGERPRINT), and get_param reports the member it resolved to; ROPE's 0
+ * stays 0 ("from config.json"). */
 BICO_API bico_status bico_transfer_param_bounds(int param, double *lo,
                                                 double *hi, unsigned *flags);
 BICO_API const char *bico_transfer_param_name(int param);
@@ -436,10 +460,15 @@ BICO_API bico_status bico_transfer_check_level_from_name(const char *name,
  * STRUCTURE, ROPE, HEADS, KV_HEADS, HEAD_DIM, the block strings,
  * SOURCE_RENAME, the splits and ties) as for those transfers.
  * BICO_TRANSFER_WORKERS solves maps in parallel; the progress function
- * counts maps.  The source tuned, task vector, source adapter, target
- * votes, output, delta output, output adapter, report and bridge files do
- * not apply (BICO_E_ARG naming the file).  The file is written atomically
- * (nothing on failure).  Messages start with "transfer_bridge:".
+ * counts maps.  BICO_TRANSFER_FINGERPRINT says how the bases are
+ * fingerprinted (SAMPLED, the default, or FULL: every byte), and the
+ * bridge records which.  The bridge also records a SHA-256 digest of its
+ * maps and ranks (and of its description), so that a file changed after
+ * it was written is refused when read.  The source tuned, task vector,
+ * source adapter, target votes, output, delta output, output adapter,
+ * report and bridge files do not apply (BICO_E_ARG naming the file).  The
+ * file is written atomically (nothing on failure).  Messages start with
+ * "transfer_bridge:".
  * bico_transfer_check checks a handle whose bridge output is set as this
  * call would (a run refuses a bridge output).
  *
@@ -454,10 +483,22 @@ BICO_API bico_status bico_transfer_check_level_from_name(const char *name,
  * to 0 asks for the default, which with a bridge is the bridge's.  The handle's own settings are as before
  * after the call (bico_transfer_get_param reports what was set, not what
  * the bridge gave).  Before any map is read, a base whose fingerprint
- * differs from the bridge's, or a plan that differs (a target tensor with
- * another partner, handling or maps), is BICO_E_ARG naming the file and
- * the difference.  The assembler (bico_transfer_assemble_begin) takes no
- * bases from a bridge: a divided run sets them. */
+ * (of the kind the bridge recorded) differs from the bridge's, or a plan
+ * that differs (a target tensor with another partner, handling or maps),
+ * is BICO_E_ARG naming the file and the difference.  Then one pass over
+ * the bridge's maps checks them and its digest: a bridge whose digest
+ * does not match ("changed after it was written"), a map entry that is
+ * not finite or of magnitude above 1.001 (the maps are orthogonal, or
+ * semi-orthogonal: their entries are at most 1), a rank that is not an
+ * integer in [0, min(rows, columns)] of its map or a thin flag other than
+ * 0 or 1, or a recorded option outside its bounds is BICO_E_FORMAT naming
+ * the bridge file, the tensor and the element, and nothing is written.  A
+ * bridge without a digest (made before there was one) is read with the
+ * same range checks.  The digest is no signature: it tells a file changed
+ * by accident or by a tool that did not rewrite it, not one rewritten
+ * whole by someone who recomputed it.  The assembler
+ * (bico_transfer_assemble_begin) takes no bases from a bridge: a divided
+ * run sets them. */
 BICO_API bico_status bico_transfer_bridge(bico_transfer *t);
 
 /* After a successful run: counts of target tensors by handling; any

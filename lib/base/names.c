@@ -159,6 +159,10 @@ static const name_entry bico_transfer_rope_names[] = {
     {BICO_ROPE_NONE, "none"}};
 NAME_PAIR(bico_transfer_rope)
 
+static const name_entry bico_transfer_fingerprint_names[] = {
+    {BICO_FINGERPRINT_SAMPLED, "sampled"}, {BICO_FINGERPRINT_FULL, "full"}};
+NAME_PAIR(bico_transfer_fingerprint)
+
 static const name_entry bico_transfer_handling_names[] = {
     {BICO_HANDLING_UNCHANGED, "unchanged"}, {BICO_HANDLING_LINEAR, "linear"},
     {BICO_HANDLING_VECTOR, "vector"},       {BICO_HANDLING_TIED, "tied"},

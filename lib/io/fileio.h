@@ -342,9 +342,10 @@ int bico__copy_xattrs(int from, int to, char *name, size_t cap);
 /* The fingerprint of an open model f (docs/formats.md, "Bridge files"):
  * SHA-256, as 64 hexadecimal digits, of its tensors in name order (each
  * one's name, dtype, shape, byte size and the bytes at its start, middle
- * and end) and of nfiles whole files (files[k] with role roles[k], NULL
- * entries skipped: a config.json, a tokenizer.json). */
-bico_status bico__fingerprint(bico_ctx *ctx, const bico_stfile *f,
+ * and end; with full, all its bytes) and of nfiles whole files (files[k]
+ * with role roles[k], NULL entries skipped: a config.json, a
+ * tokenizer.json). */
+bico_status bico__fingerprint(bico_ctx *ctx, const bico_stfile *f, int full,
                               const char *const *files,
                               const char *const *roles, size_t nfiles,
                               char hex[65]);

@@ -148,4 +148,13 @@ bico_status bico__stwriter_provenance(bico_stwriter *w,
                                       const bico_stfile *base,
                                       const char *method, double alpha);
 
+/* A "__metadata__" value known only once the data is written (a digest
+ * of it): replaces the value of `key`, added before the first write with a
+ * placeholder of the same length, and rewrites the header(s) in place.
+ * Both values must be printable ASCII without '"' or '\\' (their JSON is
+ * themselves); else, or for a key never added, BICO_E_STATE.  Before the
+ * commit. */
+bico_status bico__stwriter_set_metadata(bico_stwriter *w, const char *key,
+                                        const char *value);
+
 #endif

@@ -655,6 +655,41 @@ static bico_status w_finish(bico_stwriter *w, const char *fn) {
   return st;
 }
 
+/* A value JSON writes as it is (printable ASCII, no quote or backslash):
+ * its length in the header is its length. */
+static int plain(const char *s) {
+  for (; *s; s++)
+    if (*s < 0x20 || *s > 0x7e || *s == '"' || *s == '\\') return 0;
+  return 1;
+}
+
+bico_status bico__stwriter_set_metadata(bico_stwriter *w, const char *key,
+                                        const char *value) {
+  const char *fn = "stwriter_set_metadata";
+  bico_status st = w_state(w, fn, 0);
+  if (st != BICO_OK) return st;
+  size_t k = 0;
+  while (k < w->nmeta && strcmp(w->meta[2 * k], key) != 0) k++;
+  char *old = k < w->nmeta ? w->meta[2 * k + 1] : NULL;
+  /* The header is written already: a value of another length would move
+   * the data under it. */
+  if (old == NULL || strlen(old) != strlen(value) || !plain(old) ||
+      !plain(value))
+    return bico__fail(w->ctx, BICO_E_STATE,
+                      "%s: %s: metadata '%s' was not added with a value of "
+                      "this length",
+                      fn, w->path, key);
+  memcpy(old, value, strlen(value));
+  for (size_t s = 0; w->laid_out && s < w->nsh && st == BICO_OK; s++) {
+    uint64_t start = w->sh[s].data_start;
+    st = w_header(w, fn, s);
+    if (st == BICO_OK && w->sh[s].data_start != start)
+      st = bico__fail(w->ctx, BICO_E_STATE, "%s: %s: the header moved", fn,
+                      w->path);
+  }
+  return st;
+}
+
 bico_status bico__stwriter_finish(bico_stwriter *w, bico__tmpfile **tf) {
   if (w == NULL) return BICO_E_NULL;
   if (w->folder != NULL)

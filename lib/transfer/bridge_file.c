@@ -1,10 +1,15 @@
 /* Bridge files (docs/formats.md, "Bridge files"): what a bridge records
  * and how a run reads one -- the options that shape the maps (adopted or
- * compared), the plan and the fingerprints of both bases (verified), and
- * the maps themselves (loaded where a run would solve them).  Making a
- * bridge is transfer_bridge.c's; it writes what this file reads, with the
- * same functions for the options, the plan and the fingerprints. */
+ * compared, each within its bounds), the plan and the fingerprints of
+ * both bases (verified), the maps' digest and ranges (checked in one pass
+ * before any map is used), and the maps themselves (loaded where a run
+ * would solve them, checked again as they are read).  A bridge is a file
+ * anyone may have edited: nothing read from it reaches the arithmetic (a
+ * cast of a rank, a map entry) unchecked.  Making a bridge is
+ * transfer_bridge.c's; it writes what this file reads, with the same
+ * functions for the options, the plan, the fingerprints and the digest. */
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,27 +18,35 @@
 #include "family.h"
 #include "fileio.h"
 #include "json.h"
+#include "sha256.h"
 #include "transfer_internal.h"
 
 /* The options that shape the maps or the plan: recorded by a bridge,
  * adopted by a run that sets none of them, compared when it sets one.
  * Their keys are the file format's (docs/formats.md), the words of
- * bico_transfer_param_name. */
+ * bico_transfer_param_name.  `absent`: the value of a key that bridges
+ * made before it lack (0: every bridge has it, its absence is a
+ * malformed bridge). */
 static const struct {
   int param;
   const char *key;
-} PARAMS[] = {{BICO_TRANSFER_METHOD, "method"},
-              {BICO_TRANSFER_NORM_MAP, "norm_map"},
-              {BICO_TRANSFER_NULL, "null"},
-              {BICO_TRANSFER_RANK_TOL, "rank_tol"},
-              {BICO_TRANSFER_CENTER, "center"},
-              {BICO_TRANSFER_WHITEN, "whiten"},
-              {BICO_TRANSFER_PROC_METHOD, "proc_method"},
-              {BICO_TRANSFER_STRUCTURE, "structure"},
-              {BICO_TRANSFER_ROPE, "rope"},
-              {BICO_TRANSFER_HEADS, "heads"},
-              {BICO_TRANSFER_KV_HEADS, "kv_heads"},
-              {BICO_TRANSFER_HEAD_DIM, "head_dim"}};
+  double absent;
+} PARAMS[] = {{BICO_TRANSFER_METHOD, "method", 0},
+              {BICO_TRANSFER_NORM_MAP, "norm_map", 0},
+              {BICO_TRANSFER_NULL, "null", 0},
+              {BICO_TRANSFER_RANK_TOL, "rank_tol", 0},
+              {BICO_TRANSFER_CENTER, "center", 0},
+              {BICO_TRANSFER_WHITEN, "whiten", 0},
+              {BICO_TRANSFER_PROC_METHOD, "proc_method", 0},
+              {BICO_TRANSFER_STRUCTURE, "structure", 0},
+              {BICO_TRANSFER_ROPE, "rope", 0},
+              {BICO_TRANSFER_HEADS, "heads", 0},
+              {BICO_TRANSFER_KV_HEADS, "kv_heads", 0},
+              {BICO_TRANSFER_HEAD_DIM, "head_dim", 0},
+              /* how the bases were fingerprinted: the reader recomputes
+               * the same kind */
+              {BICO_TRANSFER_FINGERPRINT, "fingerprint",
+               BICO_FINGERPRINT_SAMPLED}};
 #define NPARAMS (sizeof PARAMS / sizeof *PARAMS)
 static const int STRINGS[] = {BICO_TRANSFER_BLOCKS, BICO_TRANSFER_SOURCE_BLOCKS,
                               BICO_TRANSFER_TARGET_BLOCKS,
@@ -158,10 +171,19 @@ bico_status bico__bridge_fingerprint(bico__run *r, int side, char hex[65]) {
                                        : BICO_FILE_SOURCE_CONFIG];
   char *files[2] = {NULL, NULL};
   static const char *const ROLES[2] = {"config.json", "tokenizer.json"};
+  /* The kind the handle asks for when making a bridge, the bridge's when
+   * reading one (bico__bridge_begin adopted it). */
+  int full = r->t->param[BICO_TRANSFER_FINGERPRINT] == BICO_FINGERPRINT_FULL;
   bico_status st = bico__family_config(ctx, given, base, &files[0]);
   if (st == BICO_OK) files[1] = in_folder(ctx, base, "tokenizer.json");
+  if (st == BICO_OK && full)
+    bico__xfer_log(r, "bico: the full fingerprint of the %s file %s: "
+                      "reading all of it",
+                   bico_transfer_file_name(side ? BICO_FILE_TARGET_BASE
+                                                : BICO_FILE_SOURCE_BASE),
+                   base);
   if (st == BICO_OK)
-    st = bico__fingerprint(ctx, side ? r->tb : r->sb,
+    st = bico__fingerprint(ctx, side ? r->tb : r->sb, full,
                            (const char *const *)files, ROLES, 2, hex);
   bico__free(ctx, files[0]);
   bico__free(ctx, files[1]);
@@ -183,14 +205,36 @@ static bico_status malformed(bico__run *r, const char *what) {
                     "transfer_run: the bridge file %s: %s", path_of(r), what);
 }
 
+/* x within the bounds bico_transfer_set_param would accept for p. */
+static int in_bounds(int p, double x) {
+  double lo, hi;
+  unsigned fl;
+  if (bico_transfer_param_bounds(p, &lo, &hi, &fl) != BICO_OK) return 0;
+  return x >= lo && x <= hi && !((fl & BICO_PARAM_LO_OPEN) && x == lo) &&
+         !((fl & BICO_PARAM_HI_OPEN) && x == hi) &&
+         !((fl & BICO_PARAM_INTEGER) && x != floor(x));
+}
+
 /* A recorded option against the handle's: adopted when the handle left
- * it unset, else compared.  The values' words for the message. */
+ * it unset, else compared.  One outside the option's bounds (a method
+ * 99, a rank tolerance of 2) is a malformed bridge: an edited description
+ * must not set what bico_transfer_set_param would refuse.  `absent`: the
+ * value of a key older bridges lack (0: none).  The values' words for the
+ * message. */
 static bico_status take_param(bico__run *r, int p, const char *key,
-                              const bico__json *v) {
+                              const bico__json *v, double absent) {
   bico_transfer *t = r->t;
-  if (v == NULL || (v->type != BICO__JSON_INT && v->type != BICO__JSON_REAL))
-    return malformed(r, "options without a number for each map option");
-  double x = v->type == BICO__JSON_INT ? (double)v->u.i : v->u.d;
+  double x = absent; /* an older bridge: the value it was made with */
+  if (v != NULL || absent == 0) {
+    if (v == NULL || (v->type != BICO__JSON_INT && v->type != BICO__JSON_REAL))
+      return malformed(r, "options without a number for each map option");
+    x = v->type == BICO__JSON_INT ? (double)v->u.i : v->u.d;
+  }
+  if (!in_bounds(p, x))
+    return bico__fail(r->ctx, BICO_E_FORMAT,
+                      "transfer_run: the bridge file %s: options: %s %.17g "
+                      "is outside that option's bounds",
+                      path_of(r), key, x);
   if (!t->pset[p]) {
     r->bridge->saved[p] = t->param[p];
     r->bridge->took_param[p] = 1;
@@ -202,6 +246,9 @@ static bico_status take_param(bico__run *r, int p, const char *key,
   const char *na = NULL, *nb = NULL;
   if (p == BICO_TRANSFER_METHOD)
     na = bico_transfer_method_name((int)x), nb = bico_transfer_method_name((int)t->param[p]);
+  if (p == BICO_TRANSFER_FINGERPRINT)
+    na = bico_transfer_fingerprint_name((int)x),
+    nb = bico_transfer_fingerprint_name((int)t->param[p]);
   if (na == NULL) snprintf(a, sizeof a, "%.17g", x), na = a;
   if (nb == NULL) snprintf(b, sizeof b, "%.17g", t->param[p]), nb = b;
   return bico__fail(r->ctx, BICO_E_ARG,
@@ -348,7 +395,7 @@ bico_status bico__bridge_begin(bico__run *r) {
     st = malformed(r, "no options object");
   for (size_t i = 0; i < NPARAMS && st == BICO_OK; i++)
     st = take_param(r, PARAMS[i].param, PARAMS[i].key,
-                    bico__json_get(opt, PARAMS[i].key));
+                    bico__json_get(opt, PARAMS[i].key), PARAMS[i].absent);
   for (size_t i = 0; i < NSTRINGS && st == BICO_OK; i++)
     st = take_string(r, STRINGS[i],
                      bico__json_get(opt, bico_transfer_string_name(STRINGS[i])));
@@ -411,16 +458,245 @@ static bico_status verify_side(bico__run *r, int side) {
   if (strcmp(hex, fp->u.s) == 0) return BICO_OK;
   const bico__json *p = bico__json_get(m, "path");
   int which = side ? BICO_FILE_TARGET_BASE : BICO_FILE_SOURCE_BASE;
+  int full = r->t->param[BICO_TRANSFER_FINGERPRINT] == BICO_FINGERPRINT_FULL;
   return bico__fail(r->ctx, BICO_E_ARG,
                     "transfer_run: the %s file %s is not the model the "
                     "bridge file %s was made for (%s): its fingerprint is "
-                    "%.16s..., the bridge's %.16s... (the fingerprint covers "
-                    "the tensors' names, shapes, dtypes and sampled bytes, "
-                    "and its config.json and tokenizer.json)",
+                    "%.16s..., the bridge's %.16s... (the %s fingerprint "
+                    "covers the tensors' names, shapes, dtypes and %s, and "
+                    "its config.json and tokenizer.json)",
                     bico_transfer_file_name(which), r->t->files[which],
                     path_of(r),
                     p && p->type == BICO__JSON_STRING ? p->u.s : "?", hex,
-                    fp->u.s);
+                    fp->u.s, full ? "full" : "sampled",
+                    full ? "every byte"
+                         : "192 sampled bytes of each (make the bridge "
+                           "with the full fingerprint to compare every byte)");
+}
+
+/* ---- The maps' digest and ranges ---- */
+
+void bico__bridge_digest_begin(struct bico__sha256 *h, const char *desc) {
+  char line[64];
+  size_t len = strlen(desc);
+  int n = snprintf(line, sizeof line, "description\t%zu\n", len);
+  bico__sha256_init(h);
+  bico__sha256_update(h, "bico-bridge-digest 1\n", 21);
+  bico__sha256_update(h, line, (size_t)n);
+  bico__sha256_update(h, desc, len);
+}
+
+void bico__bridge_digest_tensor(struct bico__sha256 *h, const char *name,
+                                size_t nbytes) {
+  char line[64];
+  int n = snprintf(line, sizeof line, "%zu\n", nbytes);
+  bico__sha256_update(h, "tensor\t", 7);
+  bico__sha256_update(h, name, strlen(name) + 1); /* with its NUL */
+  bico__sha256_update(h, line, (size_t)n);
+}
+
+/* The values as the file stores them, little-endian whatever the host. */
+void bico__bridge_digest_f32(struct bico__sha256 *h, const float *x,
+                             size_t n) {
+  unsigned char buf[4096];
+  for (size_t i = 0; i < n;) {
+    size_t m = 0;
+    for (; i < n && m + 4 <= sizeof buf; i++, m += 4) {
+      uint32_t bits;
+      memcpy(&bits, &x[i], 4);
+      bico__put_u32(buf + m, bits);
+    }
+    bico__sha256_update(h, buf, m);
+  }
+}
+
+void bico__bridge_digest_f64(struct bico__sha256 *h, const double *x,
+                             size_t n) {
+  unsigned char buf[4096];
+  for (size_t i = 0; i < n;) {
+    size_t m = 0;
+    for (; i < n && m + 8 <= sizeof buf; i++, m += 8) bico__put_f64(buf + m, x[i]);
+    bico__sha256_update(h, buf, m);
+  }
+}
+
+/* A Procrustes map is orthogonal or semi-orthogonal (a partial isometry
+ * with BICO_NULL_DROP; 2x2 rotations and their blocks with structure):
+ * no entry exceeds 1 in magnitude.  MAP_TOL is room for float rounding
+ * (test/fuzz/fuzz_xcov.c's bound on the solver): an edited entry of 1e30
+ * (q_proj weights of 2e30, exit 0, before this check) is far outside. */
+#define MAP_TOL 1e-3f
+
+/* Entries [first, first + n) of map tensor `key` ([ba, bb], or [k, ba,
+ * bb] for a split output): finite and at most 1 + MAP_TOL in magnitude,
+ * else BICO_E_FORMAT naming the element and its value. */
+static bico_status check_entries(bico__run *r, const char *key,
+                                 const float *x, size_t n, size_t first,
+                                 size_t k, size_t ba, size_t bb) {
+  for (size_t i = 0; i < n; i++) {
+    if (fabsf(x[i]) <= 1.0f + MAP_TOL) continue; /* NaN fails here too */
+    size_t e = first + i, bs = ba * bb;
+    char at[96];
+    if (k > 1)
+      snprintf(at, sizeof at, "[%zu, %zu, %zu]", e / bs, e % bs / bb, e % bb);
+    else
+      snprintf(at, sizeof at, "[%zu, %zu]", e / bb, e % bb);
+    return bico__fail(r->ctx, BICO_E_FORMAT,
+                      "transfer_run: the bridge file %s: tensor %s: element "
+                      "%s is %g, not a map entry (a map is orthogonal: its "
+                      "entries are finite and at most 1 in magnitude)",
+                      path_of(r), key, at, (double)x[i]);
+  }
+  return BICO_OK;
+}
+
+/* The [k, 2] (rank, thin) pairs of rank tensor `key`, each block's map
+ * ba x bb: a rank is an integer in [0, min(ba, bb)] (it is cast to size_t,
+ * and rank 0 drops the layer), a thin flag 0 or 1. */
+static bico_status check_ranks(bico__run *r, const char *key,
+                               const double *rk, size_t k, size_t ba,
+                               size_t bb) {
+  size_t most = ba < bb ? ba : bb;
+  for (size_t b = 0; b < k; b++) {
+    double rank = rk[2 * b], thin = rk[2 * b + 1];
+    if (!(rank >= 0 && rank <= (double)most && rank == floor(rank)))
+      return bico__fail(r->ctx, BICO_E_FORMAT,
+                        "transfer_run: the bridge file %s: tensor %s: "
+                        "element [%zu, 0] is %g, not a rank (an integer in "
+                        "[0, %zu] for a %zu x %zu map)",
+                        path_of(r), key, b, rank, most, ba, bb);
+    if (thin != 0 && thin != 1)
+      return bico__fail(r->ctx, BICO_E_FORMAT,
+                        "transfer_run: the bridge file %s: tensor %s: "
+                        "element [%zu, 1] is %g, not a thin flag (0 or 1)",
+                        path_of(r), key, b, thin);
+  }
+  return BICO_OK;
+}
+
+/* The map tensor and rank tensor of one entry of the description's maps
+ * ([target module, side, source module, d_A, d_B, k]): found, of the
+ * shapes the entry gives, read, range-checked and added to the digest
+ * (map, then ranks).  buf holds cap floats. */
+static bico_status check_entry(bico__run *r, const bico__json *e,
+                               struct bico__sha256 *h, float *buf,
+                               size_t cap) {
+  const bico_stfile *f = r->bridge->f;
+  const bico__json *it = e->type == BICO__JSON_ARRAY && e->n == 6
+                             ? e->u.items
+                             : NULL;
+  if (it == NULL || it[0].type != BICO__JSON_STRING ||
+      it[1].type != BICO__JSON_STRING || it[3].type != BICO__JSON_INT ||
+      it[4].type != BICO__JSON_INT || it[5].type != BICO__JSON_INT ||
+      (strcmp(it[1].u.s, "in") != 0 && strcmp(it[1].u.s, "out") != 0) ||
+      it[3].u.i < 0 || it[4].u.i < 0 || it[5].u.i < 1 ||
+      it[3].u.i % it[5].u.i != 0 || it[4].u.i % it[5].u.i != 0)
+    return malformed(r, "a maps entry that is not [target module, side, "
+                        "source module, d_A, d_B, k] (k dividing both)");
+  size_t k = (size_t)it[5].u.i, ba = (size_t)it[3].u.i / k,
+         bb = (size_t)it[4].u.i / k;
+  int side = strcmp(it[1].u.s, "out") == 0;
+  size_t want[3] = {k, ba, bb}, rwant[2] = {k, 2}, idx, ridx, nd;
+  const size_t *sh;
+  int dt;
+  char key[1100], rkey[1100];
+  bico__bridge_key(key, sizeof key, it[0].u.s, side, 0);
+  bico__bridge_key(rkey, sizeof rkey, it[0].u.s, side, 1);
+  for (int t = 0; t < 2; t++) {
+    const char *name = t ? rkey : key;
+    size_t *at = t ? &ridx : &idx;
+    const size_t *w = t ? rwant : k > 1 ? want : want + 1;
+    size_t wn = t ? 2 : k > 1 ? 3 : 2;
+    if (bico_stfile_find(f, name, at) != BICO_OK ||
+        bico_stfile_tensor_info(f, *at, NULL, &dt, &nd, &sh) != BICO_OK ||
+        dt != (t ? BICO_DTYPE_F64 : BICO_DTYPE_F32) || nd != wn ||
+        memcmp(sh, w, wn * sizeof *sh) != 0) {
+      bico__clear(r->ctx); /* the lookup's miss is said below */
+      return bico__fail(r->ctx, BICO_E_FORMAT,
+                        "transfer_run: the bridge file %s: tensor %s is "
+                        "missing or not %s of the shape its description "
+                        "gives",
+                        path_of(r), name, t ? "F64" : "F32");
+    }
+  }
+  size_t total = k * ba * bb;
+  bico__bridge_digest_tensor(h, key, total * 4);
+  bico_status st = BICO_OK;
+  for (size_t at = 0; at < total && st == BICO_OK; at += cap) {
+    size_t n = total - at < cap ? total - at : cap;
+    st = bico_stfile_read_f32_range(f, idx, at, buf, n);
+    if (st == BICO_OK) st = check_entries(r, key, buf, n, at, k, ba, bb);
+    if (st == BICO_OK) bico__bridge_digest_f32(h, buf, n);
+  }
+  double *rk = st == BICO_OK ? bico__alloc(r->ctx, 2 * k * sizeof *rk) : NULL;
+  if (st == BICO_OK && rk == NULL) st = BICO_E_NOMEM;
+  if (st == BICO_OK) st = bico_stfile_read_f64(f, ridx, rk, 2 * k);
+  if (st == BICO_OK) st = check_ranks(r, rkey, rk, k, ba, bb);
+  if (st == BICO_OK) {
+    bico__bridge_digest_tensor(h, rkey, 2 * k * 8);
+    bico__bridge_digest_f64(h, rk, 2 * k);
+  }
+  bico__free(r->ctx, rk);
+  return st;
+}
+
+/* One pass over the bridge before any map is used: every map and rank
+ * tensor the description lists checked (check_entry), no other tensor in
+ * the file, and the digest of description, maps and ranks equal to the
+ * one recorded ("bico.bridge.sha256"; bridges made before it have none
+ * and get the range checks alone).  The digest catches what the ranges
+ * cannot: an entry or a rank edited within its range (a rank set to 0
+ * drops a layer). */
+static bico_status check_maps(bico__run *r) {
+  bico_ctx *ctx = r->ctx;
+  const bico_stfile *f = r->bridge->f;
+  const bico__json *maps = member(r->bridge, "maps");
+  const char *desc = NULL, *want = NULL;
+  size_t count = 0;
+  if (maps == NULL || maps->type != BICO__JSON_ARRAY)
+    return malformed(r, "no maps list");
+  bico_status st = bico_stfile_metadata_get(f, "bico.bridge.json", &desc);
+  if (st == BICO_OK) st = bico_stfile_count(f, &count);
+  if (st != BICO_OK) return st;
+  if (count != 2 * maps->n)
+    return bico__fail(ctx, BICO_E_FORMAT,
+                      "transfer_run: the bridge file %s holds %zu tensors; "
+                      "its description lists %zu maps (a map and its ranks "
+                      "each)",
+                      path_of(r), count, maps->n);
+  if (bico_stfile_metadata_get(f, BICO__BRIDGE_DIGEST_KEY, &want) != BICO_OK) {
+    bico__clear(ctx);
+    want = NULL;
+  }
+  struct bico__sha256 h;
+  bico__bridge_digest_begin(&h, desc);
+  size_t cap = (size_t)1 << 16;
+  float *buf = bico__alloc(ctx, cap * sizeof *buf);
+  if (buf == NULL) return BICO_E_NOMEM;
+  for (size_t i = 0; i < maps->n && st == BICO_OK; i++)
+    st = check_entry(r, &maps->u.items[i], &h, buf, cap);
+  bico__free(ctx, buf);
+  if (st != BICO_OK) return st;
+  if (want == NULL) {
+    bico__xfer_log(r, "bico: the bridge file %s records no digest (made "
+                      "before bridges had one): its maps are range-checked "
+                      "only",
+                   path_of(r));
+    return BICO_OK;
+  }
+  char got[65];
+  bico__sha256_final_hex(&h, got);
+  if (strcmp(got, want) == 0) return BICO_OK;
+  return bico__fail(ctx, BICO_E_FORMAT,
+                    "transfer_run: the bridge file %s changed after it was "
+                    "written: the digest of its description, maps and "
+                    "ranks is %.16s..., the one it records %.16s... (make "
+                    "the bridge again)",
+                    path_of(r), got, want);
+}
+
+const bico_stfile *bico__bridge_file(const bico__run *r) {
+  return r->bridge ? r->bridge->f : NULL;
 }
 
 static int same_str(const char *a, const bico__json *v) {
@@ -464,7 +740,7 @@ bico_status bico__bridge_verify(bico__run *r) {
                                                     : "none",
             got[k] ? got[k] : "none");
   }
-  return BICO_OK;
+  return check_maps(r);
 }
 
 /* The name of a map tensor: "<module>:in", "<module>:out", and with
@@ -523,6 +799,9 @@ bico_status bico__bridge_load(bico__run *r, size_t mi, int side,
   double *rank = bico__alloc(ctx, 2 * k * sizeof *rank);
   if (maps == NULL || rank == NULL) st = BICO_E_NOMEM;
   if (st == BICO_OK) st = bico_stfile_read_f64(r->bridge->f, ridx, rank, 2 * k);
+  /* check_maps saw these bytes; what is read now is checked again, so
+   * that no cast or product depends on the file staying as it was. */
+  if (st == BICO_OK) st = check_ranks(r, rkey, rank, k, ba, bb);
   for (size_t b = 0; b < k && st == BICO_OK; b++) {
     maps[b].da = ba;
     maps[b].db = bb;
@@ -533,6 +812,8 @@ bico_status bico__bridge_load(bico__run *r, size_t mi, int side,
     if (st == BICO_OK)
       st = bico_stfile_read_f32_range(r->bridge->f, idx, b * ba * bb,
                                       maps[b].r, ba * bb);
+    if (st == BICO_OK)
+      st = check_entries(r, key, maps[b].r, ba * bb, b * ba * bb, k, ba, bb);
   }
   bico__free(ctx, rank);
   if (st != BICO_OK) {

@@ -689,9 +689,10 @@ static bico_status lora_commit(lrun *r, size_t unused) {
     if (st == BICO_OK) outs[nout++] = &lo.st.t; /* the folder, whole */
   }
   if (st == BICO_OK && report) outs[nout++] = &rep;
-  /* the models read a tensor at a time are still the files opened */
-  const bico_stfile *read[] = {r->x->sb, r->x->tb};
-  for (size_t k = 0; k < 2 && st == BICO_OK; k++)
+  /* the models read a tensor at a time are still the files opened, and
+   * the bridge the maps came from the one whose digest was checked */
+  const bico_stfile *read[] = {r->x->sb, r->x->tb, bico__bridge_file(r->x)};
+  for (size_t k = 0; k < 3 && st == BICO_OK; k++)
     if (read[k] != NULL) st = bico_stfile_check_unchanged(read[k]);
   st = bico__commit_lists(ctx, "transfer_run", st, ck, nck, outs, nout, NULL);
   if (st == BICO_OK) bico__stwriter_committed(w);

@@ -10,7 +10,6 @@
  * tensor, or handed to the partial-run sink (transfer_output.c).  Maps are
  * computed when the first tensor that needs them comes up and freed after
  * the last, so memory stays near the largest module's needs. */
-#include <float.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -40,6 +39,7 @@ bico_status bico_transfer_create(bico_ctx *ctx, bico_transfer **out) {
   t->param[BICO_TRANSFER_STRUCTURE] = BICO_STRUCTURE_FREE;
   t->param[BICO_TRANSFER_GRADFIX_MODE] = BICO_GRADFIX_MAJORITY;
   t->param[BICO_TRANSFER_MAX_SHARD_SIZE] = 0;
+  t->param[BICO_TRANSFER_FINGERPRINT] = BICO_FINGERPRINT_SAMPLED;
   *out = t;
   return BICO_OK;
 }
@@ -92,57 +92,13 @@ bico_status bico_transfer_get_file(const bico_transfer *t, int which,
   return BICO_OK;
 }
 
-/* The option grammar (params.h, lib/base/params.c): each parameter's accepted
- * set. */
-static const bico__param_spec PARAM[BICO__NPARAMS] = {
-    [BICO_TRANSFER_METHOD] = {"method", 0, BICO_METHOD_PAD, BICO_PARAM_INTEGER},
-    /* used as a float */
-    [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
-    [BICO_TRANSFER_NORM_MAP] = {"norm_map", 0, BICO_NORM_MAP_GRAD,
-                                BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_NULL] = {"null", 0, BICO_NULL_DROP, BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
-    [BICO_TRANSFER_CENTER] = {"center", 0, 1, BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_WHITEN] = {"whiten", 0, 0.5, 0},
-    [BICO_TRANSFER_PROC_METHOD] = {"proc_method", 0, BICO_PROC_POLAR,
-                                   BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_WORKERS] = {"workers", 1, 1024, BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_SOLVE_MEMORY] = {"solve_memory", 0, 9007199254740992.0,
-                                    BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_MIN_PAIRED] = {"min_paired", 0, 1, 0},
-    [BICO_TRANSFER_GRADFIX_MODE] = {"gradfix_mode", 0, BICO_GRADFIX_MEAN,
-                                    BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_MAX_SHARD_SIZE] = {"max_shard_size", 0, 9007199254740992.0,
-                                      BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_STRUCTURE] = {"structure", 0, BICO_STRUCTURE_FREE,
-                                 BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_ROPE] = {"rope", 0, BICO_ROPE_NONE, BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_HEADS] = {"heads", 0, 1048576, BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_KV_HEADS] = {"kv_heads", 0, 1048576, BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_HEAD_DIM] = {"head_dim", 0, 1048576, BICO_PARAM_INTEGER},
-    [BICO_TRANSFER_ROW_CHUNK] = {"row_chunk", 0, 9007199254740992.0,
-                                 BICO_PARAM_INTEGER},
-};
-
-bico_status bico_transfer_param_bounds(int param, double *lo, double *hi,
-                                       unsigned *flags) {
-  return bico__param_bounds(PARAM, BICO__NPARAMS, param, lo, hi, flags);
-}
-
-const char *bico_transfer_param_name(int param) {
-  return bico__param_name(PARAM, BICO__NPARAMS, param);
-}
-
-bico_status bico_transfer_param_from_name(const char *name, int *param) {
-  return bico__param_from_name(PARAM, BICO__NPARAMS, name, param);
-}
-
 bico_status bico_transfer_set_param(bico_transfer *t, int param,
                                     double value) {
   if (t == NULL) return BICO_E_NULL;
   bico__clear(t->ctx);
-  bico_status st = bico__param_set(t->ctx, "transfer_set_param", PARAM,
-                                   BICO__NPARAMS, param, value);
+  bico_status st = bico__param_set(t->ctx, "transfer_set_param",
+                                   bico__xfer_params, BICO__NPARAMS, param,
+                                   value);
   if (st != BICO_OK) return st;
   /* 0 asks for the default (a choice's, or config.json's for the
    * structure overrides): with a bridge, the default is the bridge's. */
@@ -151,7 +107,8 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
       param == BICO_TRANSFER_NULL || param == BICO_TRANSFER_PROC_METHOD ||
       param == BICO_TRANSFER_GRADFIX_MODE || param == BICO_TRANSFER_STRUCTURE ||
       param == BICO_TRANSFER_ROPE || param == BICO_TRANSFER_HEADS ||
-      param == BICO_TRANSFER_KV_HEADS || param == BICO_TRANSFER_HEAD_DIM;
+      param == BICO_TRANSFER_KV_HEADS || param == BICO_TRANSFER_HEAD_DIM ||
+      param == BICO_TRANSFER_FINGERPRINT;
   t->pset[param] = !(zero_is_default && value == 0);
   /* Choices: 0 is the default member (docs/api.md's enum rule), for every
    * choice with a default (ROPE's 0 is itself a setting: from config.json). */
@@ -163,6 +120,8 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
   if (param == BICO_TRANSFER_NORM_MAP && value == 0) value = BICO_NORM_MAP_ACT;
   if (param == BICO_TRANSFER_STRUCTURE && value == 0)
     value = BICO_STRUCTURE_FREE;
+  if (param == BICO_TRANSFER_FINGERPRINT && value == 0)
+    value = BICO_FINGERPRINT_SAMPLED;
   t->param[param] = value;
   return BICO_OK;
 }
@@ -170,8 +129,9 @@ bico_status bico_transfer_set_param(bico_transfer *t, int param,
 bico_status bico_transfer_get_param(const bico_transfer *t, int param,
                                     double *value) {
   if (t == NULL || value == NULL) return BICO_E_NULL;
-  bico_status st = bico__param_get(t->ctx, "transfer_get_param", PARAM,
-                                   BICO__NPARAMS, param, value);
+  bico_status st = bico__param_get(t->ctx, "transfer_get_param",
+                                   bico__xfer_params, BICO__NPARAMS, param,
+                                   value);
   if (st != BICO_OK) return st;
   *value = t->param[param];
   return BICO_OK;

@@ -4,7 +4,10 @@
  * soon as it is solved (one module side in memory at a time; the solver
  * pool works ahead with BICO_TRANSFER_WORKERS > 1), with the description
  * bridge_file.c reads back: the options, the models and their
- * fingerprints, the statistics it came from, the maps and the plan. */
+ * fingerprints, the statistics it came from, the maps and the plan -- and
+ * a digest of the description and of every map and rank as written, put
+ * into the header (reserved at its length) once the last map is written,
+ * so that a reader can tell a file changed since. */
 #define _DEFAULT_SOURCE 1 /* realpath */
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +15,8 @@
 
 #include "fileio.h"
 #include "json.h"
+#include "sha256.h"
+#include "st_internal.h"
 #include "transfer_internal.h"
 
 /* One module side the plan uses: its target module, side and map shape. */
@@ -142,14 +147,20 @@ static bico_status describe(bico__run *r, const bside *s, size_t n,
 
 /* The file: metadata, then every map and its ranks declared, in order:
  * "<module>:in" [d_a, d_b] or "<module>:out" [d_a, d_b] (or [k, d_a/k,
- * d_b/k] for a split output), F32; "<...>:rank" [k, 2] F64 (rank, thin). */
+ * d_b/k] for a split output), F32; "<...>:rank" [k, 2] F64 (rank, thin).
+ * The digest's place is held by as many zeros as it has digits. */
 static bico_status declare(bico__run *r, bico_stwriter *w, const bside *s,
                            size_t n, const char *desc) {
+  char zeros[65];
+  memset(zeros, '0', 64);
+  zeros[64] = '\0';
   bico_status st = bico_stwriter_add_metadata(w, "bico.bridge",
                                               BICO__BRIDGE_FORMAT);
   if (st == BICO_OK)
     st = bico_stwriter_add_metadata(w, "bico.version", bico_version_string());
   if (st == BICO_OK) st = bico_stwriter_add_metadata(w, "bico.bridge.json", desc);
+  if (st == BICO_OK)
+    st = bico_stwriter_add_metadata(w, BICO__BRIDGE_DIGEST_KEY, zeros);
   char key[1100];
   for (size_t i = 0; i < n && st == BICO_OK; i++) {
     const char *tm = bico__xfer_mname(r->mt, s[i].mi);
@@ -168,8 +179,10 @@ static bico_status declare(bico__run *r, bico_stwriter *w, const bside *s,
   return st;
 }
 
-/* Solves (or takes from the pool) one module side, writes it, frees it. */
-static bico_status write_side(bico__run *r, bico_stwriter *w, const bside *s) {
+/* Solves (or takes from the pool) one module side, writes it (and adds
+ * it to the digest h, as written), frees it. */
+static bico_status write_side(bico__run *r, bico_stwriter *w, const bside *s,
+                              struct bico__sha256 *h) {
   bico_ctx *ctx = r->ctx;
   bico__modstate *m = &r->mods[s->mi];
   const char *tm = bico__xfer_mname(r->mt, s->mi);
@@ -180,14 +193,20 @@ static bico_status write_side(bico__run *r, bico_stwriter *w, const bside *s) {
   if (rk == NULL) return BICO_E_NOMEM;
   bico__bridge_key(key, sizeof key, tm, s->side, 0);
   size_t bs = (s->da / s->k) * (s->db / s->k);
+  bico__bridge_digest_tensor(h, key, s->k * bs * 4);
   for (size_t b = 0; b < s->k && st == BICO_OK; b++) {
     const bico__map *mp = s->side ? &m->out[b] : &m->in;
     rk[2 * b] = (double)mp->rank;
     rk[2 * b + 1] = mp->thin;
     st = bico_stwriter_write_f32_range(w, key, b * bs, mp->r, bs);
+    if (st == BICO_OK) bico__bridge_digest_f32(h, mp->r, bs);
   }
   bico__bridge_key(key, sizeof key, tm, s->side, 1);
   if (st == BICO_OK) st = bico_stwriter_write_f64(w, key, rk, 2 * s->k);
+  if (st == BICO_OK) {
+    bico__bridge_digest_tensor(h, key, 2 * s->k * 8);
+    bico__bridge_digest_f64(h, rk, 2 * s->k);
+  }
   if (rk != ranks) bico__free(ctx, rk);
   /* This side is written: its memory goes before the next is solved. */
   if (s->side) {
@@ -225,13 +244,22 @@ bico_status bico__bridge_write(bico__run *r) {
   if (st == BICO_OK) st = bico__xfer_pool_start(r, NULL);
   bico__xfer_log(r, "bico: bridge: %zu maps of %zu target modules to solve",
                  n, r->nm);
+  /* The digest follows the description's maps, which are s in order. */
+  struct bico__sha256 h;
+  bico__sha256_init(&h);
+  if (st == BICO_OK) bico__bridge_digest_begin(&h, desc.buf);
   for (size_t i = 0; i < n && st == BICO_OK; i++) {
-    st = write_side(r, w, &s[i]);
+    st = write_side(r, w, &s[i], &h);
     if (st == BICO_OK && r->t->progress) {
       bico_progress p = {sizeof p, (double)(i + 1), (double)n, i + 1, n, 0,
                          bico__xfer_mname(r->mt, s[i].mi)};
       r->t->progress(r->t->progress_opaque, &p);
     }
+  }
+  if (st == BICO_OK) {
+    char hex[65];
+    bico__sha256_final_hex(&h, hex);
+    st = bico__stwriter_set_metadata(w, BICO__BRIDGE_DIGEST_KEY, hex);
   }
   if (st == BICO_OK) {
     st = bico_stwriter_commit(w);

@@ -30,7 +30,8 @@
  *                       the plan's costs;
  *   transfer_heads.c    structure-aware maps for decoder blocks (heads,
  *                       RoPE) when both families are known;
- *   transfer_names.c    name diagnostics: the source rename, the prefix
+ *   transfer_names.c    the parameters' names and bounds; name
+ *                       diagnostics: the source rename, the prefix
  *                       offer, a checkpoint given as the task vector;
  *   transfer_mem.c      statistics and votes lent by the host
  *                       (bico_transfer_set_xcov, _set_votes);
@@ -56,7 +57,7 @@
 
 #define BICO__NONE SIZE_MAX
 #define BICO__NFILES 18
-#define BICO__NPARAMS 20
+#define BICO__NPARAMS 21
 #define BICO__NSTRINGS 5
 
 typedef struct bico__split_rec {
@@ -187,6 +188,9 @@ typedef struct bico__bridge bico__bridge;
 /* The format of bridge files this library writes and reads (metadata
  * "bico.bridge"). */
 #define BICO__BRIDGE_FORMAT "1"
+/* The metadata key of a bridge's digest (docs/formats.md, "Bridge
+ * files"): 64 hexadecimal digits; bridges made before it lack it. */
+#define BICO__BRIDGE_DIGEST_KEY "bico.bridge.sha256"
 
 typedef struct bico__run {
   bico_transfer *t;
@@ -372,8 +376,13 @@ bico_status bico__xfer_need_side(bico__run *r, size_t mi, int side);
 bico_status bico__bridge_begin(bico__run *r);
 void bico__bridge_end(bico__run *r);
 /* After the plan: both bases' fingerprints and the plan against the
- * bridge's (BICO_E_ARG naming the file and what differs). */
+ * bridge's (BICO_E_ARG naming the file and what differs); then one pass
+ * over the maps and ranks: their ranges and the bridge's digest
+ * (BICO_E_FORMAT naming the file, the tensor and the element). */
 bico_status bico__bridge_verify(bico__run *r);
+/* The open bridge file (NULL without one), for the check that it is
+ * unchanged before a commit. */
+const bico_stfile *bico__bridge_file(const bico__run *r);
 /* The maps of one side of target module mi, read from the bridge (k of
  * them for a split output), into a new array (*out). */
 bico_status bico__bridge_load(bico__run *r, size_t mi, int side,
@@ -389,6 +398,20 @@ void bico__bridge_plan(const bico__run *r, bico__jw *w);
 bico_status bico__bridge_fingerprint(bico__run *r, int side, char hex[65]);
 void bico__bridge_key(char *buf, size_t cap, const char *module, int side,
                       int rank);
+/* The digest (metadata BICO__BRIDGE_DIGEST_KEY), made by the writer as
+ * it writes and by the reader in its one pass: begun with the description
+ * (metadata "bico.bridge.json"), then per entry of the description's maps
+ * the map tensor and then its rank tensor, each as its name and byte size
+ * (_tensor) followed by its values as stored, little-endian (_f32 for a
+ * map, _f64 for ranks; any number of calls). */
+struct bico__sha256;
+void bico__bridge_digest_begin(struct bico__sha256 *h, const char *desc);
+void bico__bridge_digest_tensor(struct bico__sha256 *h, const char *name,
+                                size_t nbytes);
+void bico__bridge_digest_f32(struct bico__sha256 *h, const float *x,
+                             size_t n);
+void bico__bridge_digest_f64(struct bico__sha256 *h, const double *x,
+                             size_t n);
 
 /* ---- transfer_plan.c ---- */
 bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f);
@@ -437,6 +460,10 @@ bico_status bico__xfer_struct_solve(bico__run *r, size_t mi, int side,
 void bico__xfer_heads_free(bico__run *r);
 
 /* ---- transfer_names.c ---- */
+/* Each bico_transfer_param's name and accepted set (params.h's grammar):
+ * bico_transfer_set_param's, and the bounds a bridge's recorded options
+ * are checked against. */
+extern const bico__param_spec bico__xfer_params[BICO__NPARAMS];
 /* The source rename applied to an opened input (`which` a BICO_FILE_*;
  * only the source's files are renamed); the prefix offer for a pairing
  * message (buf gets "" or "; the names differ by a prefix: ..."); the

@@ -1,12 +1,65 @@
-/* The transfer driver's name diagnostics: the source rename
- * (BICO_TRANSFER_SOURCE_RENAME), the prefix offer when pairing falls short,
- * and the warning for a whole checkpoint given as the task vector. */
+/* The transfer driver's names: the parameters' names and bounds (the
+ * option grammar), the source rename (BICO_TRANSFER_SOURCE_RENAME), the
+ * prefix offer when pairing falls short, and the warning for a whole
+ * checkpoint given as the task vector. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "transfer_internal.h"
+
+/* ---- the parameters' names and bounds ----
+ *
+ * The option grammar (params.h, lib/base/params.c): each parameter's name
+ * and accepted set, for bico_transfer_set_param (transfer.c) and for the
+ * options a bridge records (bridge_file.c, which checks them). */
+const bico__param_spec bico__xfer_params[BICO__NPARAMS] = {
+    [BICO_TRANSFER_METHOD] = {"method", 0, BICO_METHOD_PAD, BICO_PARAM_INTEGER},
+    /* used as a float */
+    [BICO_TRANSFER_ALPHA] = {"alpha", 0, FLT_MAX, BICO_PARAM_LO_OPEN},
+    [BICO_TRANSFER_NORM_MAP] = {"norm_map", 0, BICO_NORM_MAP_GRAD,
+                                BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_NULL] = {"null", 0, BICO_NULL_DROP, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_RANK_TOL] = {"rank_tol", 0, 1, BICO_PARAM_HI_OPEN},
+    [BICO_TRANSFER_CENTER] = {"center", 0, 1, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_WHITEN] = {"whiten", 0, 0.5, 0},
+    [BICO_TRANSFER_PROC_METHOD] = {"proc_method", 0, BICO_PROC_POLAR,
+                                   BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_WORKERS] = {"workers", 1, 1024, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_SOLVE_MEMORY] = {"solve_memory", 0, 9007199254740992.0,
+                                    BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_MIN_PAIRED] = {"min_paired", 0, 1, 0},
+    [BICO_TRANSFER_GRADFIX_MODE] = {"gradfix_mode", 0, BICO_GRADFIX_MEAN,
+                                    BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_MAX_SHARD_SIZE] = {"max_shard_size", 0, 9007199254740992.0,
+                                      BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_STRUCTURE] = {"structure", 0, BICO_STRUCTURE_FREE,
+                                 BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_ROPE] = {"rope", 0, BICO_ROPE_NONE, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_HEADS] = {"heads", 0, 1048576, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_KV_HEADS] = {"kv_heads", 0, 1048576, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_HEAD_DIM] = {"head_dim", 0, 1048576, BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_ROW_CHUNK] = {"row_chunk", 0, 9007199254740992.0,
+                                 BICO_PARAM_INTEGER},
+    [BICO_TRANSFER_FINGERPRINT] = {"fingerprint", 0, BICO_FINGERPRINT_FULL,
+                                   BICO_PARAM_INTEGER},
+};
+
+bico_status bico_transfer_param_bounds(int param, double *lo, double *hi,
+                                       unsigned *flags) {
+  return bico__param_bounds(bico__xfer_params, BICO__NPARAMS, param, lo, hi,
+                            flags);
+}
+
+const char *bico_transfer_param_name(int param) {
+  return bico__param_name(bico__xfer_params, BICO__NPARAMS, param);
+}
+
+bico_status bico_transfer_param_from_name(const char *name, int *param) {
+  return bico__param_from_name(bico__xfer_params, BICO__NPARAMS, name, param);
+}
 
 bico_status bico__xfer_rename_source(const bico_transfer *t, int which,
                                      bico_stfile *f) {

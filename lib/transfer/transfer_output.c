@@ -396,8 +396,10 @@ bico_status bico__xfer_write_all(bico__run *r) {
   bico__xfer_report_tail_vocab(&r->rep, r->count, r->vocab);
   if (st == BICO_OK) st = bico__report_status(&r->rep);
   /* the inputs read a tensor at a time are still the files opened: a
-   * shard rewritten meanwhile would give an output of two versions */
-  const bico_stfile *read[] = {r->sb, r->sft, r->tv, r->tb};
+   * shard rewritten meanwhile would give an output of two versions (the
+   * bridge's maps, too, are the ones its digest was checked on) */
+  const bico_stfile *read[] = {r->sb, r->sft, r->tv, r->tb,
+                               bico__bridge_file(r)};
   for (size_t k = 0; k < sizeof read / sizeof *read && st == BICO_OK; k++)
     if (read[k] != NULL) st = bico_stfile_check_unchanged(read[k]);
   if (st == BICO_OK && !partial)

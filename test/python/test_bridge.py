@@ -6,7 +6,9 @@ llama.py): a direct run and a run through the bridge write the same bytes
 (adapters, a merged checkpoint, a full fine-tune; free-form and
 structure-aware maps); the bridge's recorded fingerprints equal the ones
 this file computes from the documented definition; bridges of another
-model, other options or no bridge at all are refused, nothing written."""
+model, other options or no bridge at all are refused, nothing written;
+`--fingerprint full` tells what the samples miss, and a bridge edited
+after it was written is refused (issue 45)."""
 import hashlib
 import json
 import os
@@ -85,12 +87,14 @@ def calib(t):
             "--target-calib", t / "calB.safetensors"]
 
 
-def fingerprint(folder, weights="model.safetensors"):
-    """docs/formats.md's definition, computed here from the files."""
+def fingerprint(folder, weights="model.safetensors", full=False):
+    """docs/formats.md's definition, computed here from the files (full:
+    every byte of each tensor instead of the samples)."""
     hd, start = header(os.path.join(folder, weights))
     hd.pop("__metadata__", None)
     raw = open(os.path.join(folder, weights), "rb").read()[start:]
-    h = hashlib.sha256(b"bico-fingerprint 1\n")
+    h = hashlib.sha256(b"bico-fingerprint full 1\n" if full
+                       else b"bico-fingerprint 1\n")
     for name in sorted(hd, key=lambda s: s.encode()):
         e = hd[name]
         b, end = e["data_offsets"]
@@ -100,7 +104,7 @@ def fingerprint(folder, weights="model.safetensors"):
                                         "".join("%d," % d for d in e["shape"]),
                                         n)).encode())
         data = raw[b:end]
-        if n <= 192:
+        if n <= 192 or full:
             h.update(data)
         else:
             mid = (n - 64) // 2
@@ -110,6 +114,22 @@ def fingerprint(folder, weights="model.safetensors"):
         if os.path.isfile(p):
             text = open(p, "rb").read()
             h.update(b"file\t%d\n" % len(text) + role.encode() + b"\0" + text)
+    return h.hexdigest()
+
+
+def bridge_digest(path):
+    """docs/formats.md's digest of a bridge ("bico.bridge.sha256"),
+    computed here from the file."""
+    hd, start = header(path)
+    desc = hd["__metadata__"]["bico.bridge.json"].encode()
+    raw = open(path, "rb").read()[start:]
+    h = hashlib.sha256(b"bico-bridge-digest 1\n")
+    h.update(b"description\t%d\n" % len(desc) + desc)
+    for m in json.loads(desc)["maps"]:
+        for key in (m[0] + ":" + m[1], m[0] + ":" + m[1] + ":rank"):
+            b, end = hd[key]["data_offsets"]
+            h.update(b"tensor\t" + key.encode() + b"\0" +
+                     b"%d\n" % (end - b) + raw[b:end])
     return h.hexdigest()
 
 
@@ -246,3 +266,64 @@ def test_bridge_through_the_python_binding(pair):
             assert x.get("method") == 1.0  # the handle's own setting
         outs.append(out)
     assert same_bytes(outs[0], outs[1])
+
+
+def test_bridge_full_fingerprint_and_digest_on_the_command_line(pair):
+    """Issue 45: `--fingerprint full` tells a target changed outside the
+    192 sampled bytes of a tensor, which the default (sampled) lets pass;
+    a bridge whose map bytes were edited in place is refused by its digest
+    ("changed after it was written"), and one whose rank is NaN by the
+    range check, both naming the file and nothing written."""
+    t = pair
+    full, sampled = t / "full.bridge", t / "sampled.bridge"
+    bico("bridge", "--source-base", t / "A", "--target-base", t / "B",
+         *calib(t), "--fingerprint", "full", "--output", full, "-q")
+    bico("bridge", "--source-base", t / "A", "--target-base", t / "B",
+         *calib(t), "--output", sampled, "-q")
+    desc = json.loads(header(full)[0]["__metadata__"]["bico.bridge.json"])
+    assert desc["options"]["fingerprint"] == 2
+    assert desc["models"]["target_base"]["fingerprint"] == \
+        fingerprint(t / "B", full=True)
+    for br in (full, sampled):  # the documented digest
+        assert bridge_digest(br) == \
+            header(br)[0]["__metadata__"]["bico.bridge.sha256"]
+    # B with byte 100 of its largest tensor changed: outside the samples
+    other = t / "B_unsampled"
+    other.mkdir()
+    for f in os.listdir(t / "B"):
+        (other / f).write_bytes((t / "B" / f).read_bytes())
+    hd, start = header(other / "model.safetensors")
+    big = max((e for k, e in hd.items() if k != "__metadata__"),
+              key=lambda e: e["data_offsets"][1] - e["data_offsets"][0])
+    assert big["data_offsets"][1] - big["data_offsets"][0] > 400
+    raw = bytearray((other / "model.safetensors").read_bytes())
+    raw[start + big["data_offsets"][0] + 100] ^= 1
+    (other / "model.safetensors").write_bytes(bytes(raw))
+    assert fingerprint(other) == fingerprint(t / "B")  # the samples miss it
+    assert fingerprint(other, full=True) != fingerprint(t / "B", full=True)
+    out = t / "fp_out"
+    run = ["--lora", t / "ad1", "--alpha", "1", "--output-lora", out]
+    bico("transfer", "--bridge", sampled, "--target-base", other, *run, "-q")
+    for f in out.iterdir():
+        f.unlink()
+    out.rmdir()
+    r = bico("transfer", "--bridge", full, "--target-base", other, *run,
+             ok=False)
+    assert r.returncode == 1 and "full fingerprint" in r.stderr, r.stderr
+    assert not out.exists()
+    # the bridge's own bytes: a map entry edited in place, a rank made NaN
+    hd, start = header(sampled)
+    raw = (t / "sampled.bridge").read_bytes()
+    name = next(k for k in hd if k.endswith(":in"))
+    for key, value, said in (
+            (name, struct.pack("<f", 0.25), "changed after it was written"),
+            (name + ":rank", struct.pack("<d", float("nan")),
+             "tensor %s:rank: element [0, 0] is nan, not a rank" % name)):
+        bad = bytearray(raw)
+        b = start + hd[key]["data_offsets"][0]
+        bad[b:b + len(value)] = value
+        (t / "bad.bridge").write_bytes(bytes(bad))
+        r = bico("transfer", "--bridge", t / "bad.bridge", *run, ok=False)
+        assert r.returncode == 1 and said in r.stderr, r.stderr
+        assert "bad.bridge" in r.stderr, r.stderr
+        assert not out.exists()

@@ -47,6 +47,7 @@ TABLES = {
     "bico_transfer_param": ("TRANSFER_PARAMS", "transfer_param"),
     "bico_transfer_structure": ("STRUCTURES", "transfer_structure"),
     "bico_transfer_rope": ("ROPES", "transfer_rope"),
+    "bico_transfer_fingerprint": ("FINGERPRINTS", "transfer_fingerprint"),
     "bico_transfer_string": ("TRANSFER_STRINGS", "transfer_string"),
     "bico_transfer_side": ("TRANSFER_SIDES", "transfer_side"),
     "bico_transfer_check_level": ("TRANSFER_CHECK_LEVELS",

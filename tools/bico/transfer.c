@@ -119,6 +119,10 @@ typedef struct {
   const char *structure, *rope;
   double heads, kv_heads, head_dim;
   int structure_v, rope_v; /* resolved by check_usage */
+  /* Bridges: how the bases are fingerprinted (NULL: the default, or the
+   * bridge's). */
+  const char *fingerprint;
+  int fingerprint_v; /* resolved by check_usage */
 } transfer_opts;
 
 /* Not an exit code: parsing went through and the command goes on. */
@@ -229,6 +233,7 @@ static int parse_loop(int argc, char **argv, transfer_opts *o,
           o->solve_memory_text = v)
     VALUE("--structure", o->structure = v)
     VALUE("--rope", o->rope = v)
+    VALUE("--fingerprint", o->fingerprint = v)
     /* 0 is the library's "from config.json", not a value to give */
 #define COUNT_OPT(name, param, var)                                        \
   VALUE(name, if (param_value(name, param, v, &var)) return CLI_USAGE;     \
@@ -331,6 +336,17 @@ static int check_usage(transfer_opts *o) {
   if (o->rope != NULL && bico_transfer_rope_from_name(o->rope, &o->rope_v) != BICO_OK)
     return cli_error(CMD, CLI_USAGE,
                      "--rope %s: expected half, interleaved or none", o->rope);
+  /* Only a bridge is fingerprinted: a plain transfer would ignore it. */
+  o->fingerprint_v = 0;
+  if (o->fingerprint != NULL && !from_bridge)
+    return cli_error(CMD, CLI_USAGE,
+                     "--fingerprint applies to a bridge (`bico bridge`, or "
+                     "`bico transfer --bridge`)");
+  if (o->fingerprint != NULL &&
+      bico_transfer_fingerprint_from_name(o->fingerprint, &o->fingerprint_v) !=
+          BICO_OK)
+    return cli_error(CMD, CLI_USAGE, "--fingerprint %s: expected sampled or full",
+                     o->fingerprint);
   return GO_ON;
 }
 
@@ -404,6 +420,8 @@ static bico_status set_options(bico_transfer *t, const transfer_opts *o,
     st = bico_transfer_set_param(t, BICO_TRANSFER_STRUCTURE, o->structure_v);
   if (st == BICO_OK && o->rope)
     st = bico_transfer_set_param(t, BICO_TRANSFER_ROPE, o->rope_v);
+  if (st == BICO_OK && o->fingerprint)
+    st = bico_transfer_set_param(t, BICO_TRANSFER_FINGERPRINT, o->fingerprint_v);
   if (st == BICO_OK && o->heads > 0)
     st = bico_transfer_set_param(t, BICO_TRANSFER_HEADS, o->heads);
   if (st == BICO_OK && o->kv_heads > 0)

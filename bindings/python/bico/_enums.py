@@ -102,6 +102,7 @@ METHODS = Names("transfer_method")
 NORM_MAPS = Names("transfer_norm_map")
 STRUCTURES = Names("transfer_structure")
 ROPES = Names("transfer_rope")
+FINGERPRINTS = Names("transfer_fingerprint")
 HANDLINGS = Names("transfer_handling")
 TRANSFER_FILES = Names("transfer_file")   # also takes "source_base"
 TRANSFER_PARAMS = Names("transfer_param")
@@ -114,7 +115,7 @@ MERGE_CHECK_LEVELS = TRANSFER_CHECK_LEVELS
 TRANSFER_ENUMS = {"method": METHODS, "norm_map": NORM_MAPS,
                   "null": PROC_NULL_NAMES, "proc_method": PROC_METHOD_NAMES,
                   "gradfix_mode": GRADFIX_MODES, "structure": STRUCTURES,
-                  "rope": ROPES}
+                  "rope": ROPES, "fingerprint": FINGERPRINTS}
 # The binding's default splits of fused projections (suffix: blocks); a
 # default of the Python front end, not a library table (the C driver
 # splits only what it is told to).

@@ -306,6 +306,8 @@ PROTOTYPES = {
     "bico_transfer_structure_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_transfer_rope_name": (c_char_p, [c_int]),
     "bico_transfer_rope_from_name": (_S, [c_char_p, P(c_int)]),
+    "bico_transfer_fingerprint_name": (c_char_p, [c_int]),
+    "bico_transfer_fingerprint_from_name": (_S, [c_char_p, P(c_int)]),
     "bico_transfer_create": (_S, [c_void_p, PP]),
     "bico_transfer_free": (None, [c_void_p]),
     "bico_transfer_set_file": (_S, [c_void_p, c_int, c_char_p]),

@@ -312,10 +312,13 @@ class Transfer(_Handle):
         """bico_transfer_bridge: solves every map a transfer between the
         two bases uses and writes them to the "bridge_output" file, with
         the plan, the map options and both bases' fingerprints (set the
-        bases and statistics as for run(), no fine-tune, no output).  A
-        later Transfer with set_file("bridge", path) and a fine-tune then
-        reads its maps from it: no statistics, the same output bit for
-        bit (docs/api.md, docs/formats.md)."""
+        bases and statistics as for run(), no fine-tune, no output;
+        set("fingerprint", "full") fingerprints every byte of the bases
+        instead of samples).  A later Transfer with set_file("bridge",
+        path) and a fine-tune then reads its maps from it: no
+        statistics, the same output bit for bit, after checking the
+        bases' fingerprints and the bridge's digest and ranges
+        (docs/api.md, docs/formats.md)."""
         self._progress_err = None
         st = fn.transfer_bridge(self._alive())
         err, self._progress_err = self._progress_err, None
