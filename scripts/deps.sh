@@ -3,7 +3,7 @@
 # As root it runs apt-get; otherwise it prints the one line to run.
 set -e
 PKGS="build-essential pkg-config pandoc libblis-dev liblapack-dev gfortran libgtest-dev \
-python3 python3-numpy python3-pytest python3-hypothesis python3-venv python3-torch dataset-fashion-mnist zlib1g-dev libyaml-dev \
+python3 python3-numpy python3-pytest python3-pytest-xdist python3-hypothesis python3-venv python3-torch dataset-fashion-mnist zlib1g-dev libyaml-dev \
 libopenmpi-dev openmpi-bin time valgrind clang libclang-rt-14-dev abigail-tools"
 missing=""
 for p in $PKGS; do
