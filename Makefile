@@ -670,7 +670,7 @@ check-layers: $(LIB_OBJS) $(TOOL)
 #                   (test/python/conftest.py); with SANITIZE=1 only those
 #                   run again, against the sanitized library and programs.
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
-STAGE = sh scripts/stage.sh
+STAGES = sh scripts/stage.sh
 CHECK_LOG = $(BUILD)/check
 # The record of the tests that reach C: written by the plain run, read by
 # the sanitized one (a record of other Python sources, or none: all run).
@@ -685,22 +685,22 @@ else
 PYTEST_REACH = BICO_REACH_RECORD=$(REACH_RECORD)
 endif
 check:
-	@$(STAGE) begin $(CHECK_LOG)
-	@$(STAGE) run $(CHECK_LOG) build $(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN)
-	@$(STAGE) run $(CHECK_LOG) c-tests sh scripts/gtest-shards.sh $(TEST_BIN) $(JOBS)
-	@$(STAGE) run $(CHECK_LOG) installed $(MAKE) --no-print-directory check-pkgconfig check-examples
+	@$(STAGES) begin $(CHECK_LOG)
+	@$(STAGES) run $(CHECK_LOG) build $(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN)
+	@$(STAGES) run $(CHECK_LOG) c-tests sh scripts/gtest-shards.sh $(TEST_BIN) $(JOBS)
+	@$(STAGES) run $(CHECK_LOG) installed $(MAKE) --no-print-directory check-pkgconfig check-examples
 ifeq ($(SANITIZE),1)
-	@$(STAGE) run $(CHECK_LOG) python-asan $(MAKE) --no-print-directory check-python-asan
+	@$(STAGES) run $(CHECK_LOG) python-asan $(MAKE) --no-print-directory check-python-asan
 else
-	@$(STAGE) run $(CHECK_LOG) python-install $(MAKE) --no-print-directory check-python-install check-python-pip
+	@$(STAGES) run $(CHECK_LOG) python-install $(MAKE) --no-print-directory check-python-install check-python-pip
 endif
-	@$(STAGE) run $(CHECK_LOG) demo-test $(MAKE) --no-print-directory demo-test
+	@$(STAGES) run $(CHECK_LOG) demo-test $(MAKE) --no-print-directory demo-test
 ifeq ($(MPI),1)
-	@$(STAGE) run $(CHECK_LOG) mpi $(MAKE) --no-print-directory check-mpi
+	@$(STAGES) run $(CHECK_LOG) mpi $(MAKE) --no-print-directory check-mpi
 endif
 ifneq ($(SANITIZE),1)
-	@$(STAGE) run $(CHECK_LOG) headers $(MAKE) --no-print-directory header-check check-layers
+	@$(STAGES) run $(CHECK_LOG) headers $(MAKE) --no-print-directory header-check check-layers
 endif
-	@$(STAGE) run $(CHECK_LOG) robust $(MAKE) --no-print-directory check-robust
-	@$(STAGE) run $(CHECK_LOG) python-tests env $(PYTEST_REACH) $(PYTEST) $(PYTEST_FILES)
-	@$(STAGE) report $(CHECK_LOG) "make check$(if $(filter 1,$(SANITIZE)), SANITIZE=1)"
+	@$(STAGES) run $(CHECK_LOG) robust $(MAKE) --no-print-directory check-robust
+	@$(STAGES) run $(CHECK_LOG) python-tests env $(PYTEST_REACH) $(PYTEST) $(PYTEST_FILES)
+	@$(STAGES) report $(CHECK_LOG) "make check$(if $(filter 1,$(SANITIZE)), SANITIZE=1)"
