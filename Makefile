@@ -675,7 +675,7 @@ CHECK_LOG = $(BUILD)/check
 # The record of the tests that reach C: written by the plain run, read by
 # the sanitized one (a record of other Python sources, or none: all run).
 REACH_RECORD := $(abspath build)/python-reach-c.txt
-XDIST = $(shell [ "$(JOBS)" -gt 1 ] 2>/dev/null && $(PYTHON) -c 'import xdist' 2>/dev/null && echo -n $(JOBS) --dist loadfile)
+XDIST = $(if $(shell [ "$(JOBS)" -gt 1 ] 2>/dev/null && $(PYTHON) -c 'import xdist' 2>/dev/null && echo yes),-n $(JOBS) --dist loadfile)
 PYTEST = PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
   BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q -p no:cacheprovider \
   --durations=10 $(XDIST)
