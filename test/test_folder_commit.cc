@@ -665,6 +665,96 @@ TEST(FolderApi, OutputsThatAreOrHoldAnInputAreRefusedWhateverTheSpelling) {
   EXPECT_FALSE(exists(d / "o"));
 }
 
+TEST(FolderApi, OutputFilesAreCheckedByTheRunsRuleAndNeverWritten) {
+  // bico_folder_add_file: a front end's output file (a statistics file)
+  // checked at begin against the inputs and output folders, whatever the
+  // spelling; the handle never creates it.
+  TempDir d;
+  std::string m = d / "m", shard = m + "/model-00001-of-00002.safetensors";
+  std::string idx = d / "n/model.safetensors.index.json";
+  ASSERT_EQ(mkdir(m.c_str(), 0755), 0);
+  ASSERT_EQ(mkdir((d / "n").c_str(), 0755), 0);
+  stt::write_bytes(shard, "shard");
+  stt::write_bytes(m + "/config.json", "{}");
+  stt::write_bytes(idx, "{}");
+  stt::write_bytes(d / "n/config.json", "{}");
+  std::string text = d / "task.txt", hard = d / "hard.txt";
+  stt::write_bytes(text, "text");
+  ASSERT_EQ(link(text.c_str(), hard.c_str()), 0);
+  ASSERT_EQ(symlink(shard.c_str(), (d / "shardlink").c_str()), 0);
+  ASSERT_EQ(mkfifo((d / "fifo").c_str(), 0600), 0);
+  ASSERT_EQ(mkdir((d / "afolder").c_str(), 0755), 0);
+  bt::Ctx ctx;
+  struct Case {
+    std::string file;
+    bico_status st;
+    const char *words;
+  };
+  const Case cases[] = {
+      {shard, BICO_E_ARG, "lies inside the model folder of the --target"},
+      {d / "shardlink", BICO_E_ARG, "inside the model folder of the --target"},
+      {d.path + "/m/../m/model-00001-of-00002.safetensors", BICO_E_ARG,
+       "inside the model folder of the --target"},
+      {m + "/config.json", BICO_E_ARG, "inside the model folder"},
+      {m + "/new.safetensors", BICO_E_ARG, "inside the model folder"},
+      {m + "/sub/deep.safetensors", BICO_E_ARG, "inside the --target folder"},
+      {d / "n/config.json", BICO_E_ARG, "model folder of the --source"},
+      {text, BICO_E_ARG, "is the same file as the --text"},
+      {hard, BICO_E_ARG, "is the same file as the --text"},
+      {d.path + "/./task.txt", BICO_E_ARG, "is the same file as the --text"},
+      {d / "fifo", BICO_E_ARG, "is a FIFO"},
+      {d / "afolder", BICO_E_ARG, "is a folder"},
+      {d / "out/stats.st", BICO_E_ARG, "lies inside the --output-lora folder"},
+      {d / "nowhere/stats.st", BICO_E_IO, "its folder does not exist"},
+  };
+  ASSERT_EQ(mkdir((m + "/sub").c_str(), 0755), 0);
+  for (const Case &c : cases) {
+    SCOPED_TRACE(c.file);
+    bico_folder *f = nullptr;
+    ASSERT_EQ(bico_folder_create(ctx, &f), BICO_OK);
+    ASSERT_EQ(bico_folder_add_input(f, "--target", m.c_str()), BICO_OK);
+    ASSERT_EQ(bico_folder_add_input(f, "--source", idx.c_str()), BICO_OK);
+    ASSERT_EQ(bico_folder_add_input(f, "--text", text.c_str()), BICO_OK);
+    ASSERT_EQ(bico_folder_add_output(f, "--output-lora", (d / "out").c_str(),
+                                     0, nullptr), BICO_OK);
+    ASSERT_EQ(bico_folder_add_file(f, "--output", c.file.c_str()), BICO_OK);
+    EXPECT_EQ(bico_folder_begin(f), c.st);
+    std::string msg = bico_ctx_errmsg(ctx);
+    EXPECT_TRUE(contains(msg, c.words)) << msg;
+    EXPECT_TRUE(contains(msg, c.file)) << msg;
+    EXPECT_TRUE(contains(msg, "nothing was written")) << msg;
+    bico_folder_free(f);
+  }
+  EXPECT_EQ(stt::read_bytes(shard), "shard");
+  EXPECT_EQ(stt::read_bytes(m + "/config.json"), "{}");
+  EXPECT_EQ(stt::read_bytes(text), "text");
+  // Two output files of one name.
+  bico_folder *f = nullptr;
+  ASSERT_EQ(bico_folder_create(ctx, &f), BICO_OK);
+  ASSERT_EQ(bico_folder_add_file(f, "--output", (d / "s.st").c_str()), BICO_OK);
+  ASSERT_EQ(bico_folder_add_file(f, "--report", (d.path + "/./s.st").c_str()),
+            BICO_OK);
+  EXPECT_EQ(bico_folder_begin(f), BICO_E_ARG);
+  EXPECT_TRUE(contains(bico_ctx_errmsg(ctx), "is the same file as the --report"))
+      << bico_ctx_errmsg(ctx);
+  bico_folder_free(f);
+  // A good one: begun and committed, never created by the handle; states.
+  ASSERT_EQ(bico_folder_create(ctx, &f), BICO_OK);
+  EXPECT_EQ(bico_folder_add_file(f, nullptr, nullptr), BICO_E_NULL);
+  EXPECT_EQ(bico_folder_add_file(f, nullptr, ""), BICO_E_ARG);
+  ASSERT_EQ(bico_folder_add_input(f, "--target", m.c_str()), BICO_OK);
+  ASSERT_EQ(bico_folder_add_file(f, nullptr, (d / "stats.st").c_str()),
+            BICO_OK);
+  ASSERT_EQ(bico_folder_begin(f), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(bico_folder_add_file(f, nullptr, (d / "t.st").c_str()),
+            BICO_E_STATE);
+  EXPECT_EQ(bico_folder_commit(f), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_folder_free(f);
+  EXPECT_FALSE(exists(d / "stats.st"));
+  EXPECT_EQ(leftovers(d.path), std::vector<std::string>{});
+  EXPECT_EQ(bico_folder_add_file(nullptr, nullptr, "x"), BICO_E_NULL);
+}
+
 TEST(FolderApi, PoliciesRefuseReplaceCarry) {
   TempDir d;
   std::string out = d / "out";

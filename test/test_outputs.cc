@@ -5,11 +5,13 @@
 // plan's group costs, computed by bico_transfer_plan on another handle.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -22,6 +24,7 @@
 namespace {
 
 using stt::TempDir;
+using stt::contains;
 
 std::string slurp(const std::string &p) {
   std::ifstream f(p, std::ios::binary);
@@ -548,6 +551,158 @@ TEST(MergeProgress, EveryTensorAndTheWorkIsItsElements) {
                             "blocks.0.fc.weight", "blocks.0.fc.bias",
                             "blocks.1.fc.weight", "blocks.1.fc.bias"}));
   EXPECT_EQ(bico_merge_set_progress(nullptr, Seen::fn, nullptr), BICO_E_NULL);
+}
+
+// ---- an input rewritten while the run reads it (issue 45) ----
+//
+// The runs read their inputs a tensor at a time; a file rewritten in place
+// meanwhile (a download or a save into the same folder) gave an output of
+// two versions, and the run said it succeeded.  Now the run checks every
+// file it reads before it commits (bico_stfile_check_unchanged): BICO_E_IO
+// naming the file, the old output left as it was.
+
+// write_chain's tensors as a model folder, one tensor or two per shard,
+// every file last written long ago (so that a rewrite moves its mtime,
+// whatever the file system's timestamp granularity).
+void write_chain_folder(const std::string &dir, double shift) {
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create_folder(ctx, dir.c_str(), nullptr, 64, &w), BICO_OK);
+  const char *names[4] = {"blocks.0.fc.weight", "blocks.0.fc.bias",
+                          "blocks.1.fc.weight", "blocks.1.fc.bias"};
+  size_t shapes[4][2] = {{5, 4}, {5, 0}, {3, 5}, {3, 0}};
+  for (int k = 0; k < 4; k++)
+    ASSERT_EQ(bico_stwriter_declare(w, names[k], BICO_DTYPE_F32, shapes[k][1] ? 2 : 1,
+                                    shapes[k]), BICO_OK);
+  for (int k = 0; k < 4; k++) {
+    size_t n = shapes[k][0] * (shapes[k][1] ? shapes[k][1] : 1);
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; i++) v[i] = (float)(0.1 * (double)(i + k) + shift);
+    ASSERT_EQ(bico_stwriter_write_f32(w, names[k], v.data(), n), BICO_OK);
+  }
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter_free(w);
+  struct timespec ts[2] = {{1000000000, 0}, {1000000000, 0}};
+  for (const std::string &n : names_in(dir))
+    ASSERT_EQ(utimensat(AT_FDCWD, (dir + "/" + n).c_str(), ts, 0), 0);
+}
+
+// Rewrites the last 4 bytes of a file in place (its size kept) at the
+// first progress call: after the run opened it, before it read it all.
+struct RewriteAtFirstTensor {
+  std::string path;
+  int calls = 0;
+  static void fn(void *o, const bico_progress *) {
+    auto *r = static_cast<RewriteAtFirstTensor *>(o);
+    if (r->calls++ != 0) return;
+    struct stat st;
+    int fd = open(r->path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || fstat(fd, &st) != 0) std::abort();
+    float v = 42.0f;
+    if (pwrite(fd, &v, 4, st.st_size - 4) != 4) std::abort();
+    close(fd);
+  }
+};
+
+TEST(TransferInputsChanged, ATargetShardRewrittenInPlaceFailsTheRun) {
+  TempDir d;
+  write_chain(d / "a.st", 0);
+  write_chain(d / "aft.st", 0.5);
+  std::string B = d / "B";
+  write_chain_folder(B, 0);
+  std::vector<std::string> shards;
+  for (const std::string &n : names_in(B))
+    if (n.rfind("model-", 0) == 0) shards.push_back(n);
+  ASSERT_GE(shards.size(), 3u);
+  std::string shard = B + "/" + shards.back();  // read last
+  std::string out = d / "o.st", outdir = d / "B_ft";
+  stt::write_bytes(out, "old output");
+  ASSERT_EQ(mkdir(outdir.c_str(), 0755), 0);
+  stt::write_bytes(outdir + "/old.txt", "old");
+  bt::Ctx ctx;
+  for (const std::string &o : {out, outdir + "/"}) {
+    SCOPED_TRACE(o);
+    RewriteAtFirstTensor rw{shard};
+    bico_transfer *t = nullptr;
+    ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, (d / "a.st").c_str());
+    bico_transfer_set_file(t, BICO_FILE_SOURCE_TUNED, (d / "aft.st").c_str());
+    bico_transfer_set_file(t, BICO_FILE_TARGET_BASE, B.c_str());
+    bico_transfer_set_file(t, BICO_FILE_OUTPUT, o.c_str());
+    bico_transfer_set_file(t, BICO_FILE_REPORT, (d / "r.json").c_str());
+    bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_NAIVE);
+    ASSERT_EQ(bico_transfer_set_progress(t, RewriteAtFirstTensor::fn, &rw), BICO_OK);
+    EXPECT_EQ(bico_transfer_run(t), BICO_E_IO) << "finished with a mixed output";
+    std::string m = bico_ctx_errmsg(ctx);
+    EXPECT_TRUE(contains(m, shards.back() + " changed while it was being read")) << m;
+    EXPECT_TRUE(contains(m, "nothing was written")) << m;
+    EXPECT_EQ(rw.calls, 4);
+    bico_transfer_free(t);
+    EXPECT_EQ(slurp(out), "old output");
+    EXPECT_EQ(names_in(outdir), std::vector<std::string>{"old.txt"});
+    EXPECT_FALSE(exists(d / "r.json"));
+    std::vector<std::string> left;
+    for (const std::string &n : names_in(d.path))
+      if (n.find(".bico-") != std::string::npos) left.push_back(n);
+    EXPECT_EQ(left, std::vector<std::string>{});
+    write_chain_folder(B, 0);  // as it was, for the next output
+  }
+}
+
+TEST(TransferInputsChanged, AStatisticsFileRewrittenInPlaceFailsTheRun) {
+  // The statistics are read in panels by the map solvers, module by
+  // module, not with the models: the check covers them (and the
+  // calibration, votes and bridge files) too.
+  TempDir d;
+  write_chain(d / "a.st", 0);
+  write_chain(d / "aft.st", 0.5);
+  std::string stats = d / "s.st";
+  {
+    bt::Ctx ctx;
+    bico_stwriter *w = nullptr;
+    ASSERT_EQ(bico_stwriter_create(ctx, stats.c_str(), &w), BICO_OK);
+    const char *names[4] = {"blocks.0.fc.in_xcov", "blocks.0.fc.out_xcov",
+                            "blocks.1.fc.in_xcov", "blocks.1.fc.out_xcov"};
+    size_t dims[4] = {4, 5, 5, 3};
+    for (int k = 0; k < 4; k++) {
+      size_t sh[2] = {dims[k], dims[k]};
+      ASSERT_EQ(bico_stwriter_declare(w, names[k], BICO_DTYPE_F64, 2, sh), BICO_OK);
+    }
+    for (int k = 0; k < 4; k++) {
+      size_t n = dims[k];
+      std::vector<double> v(n * n);
+      for (size_t i = 0; i < n; i++)
+        for (size_t j = 0; j < n; j++)
+          v[i * n + j] = (i == j ? 2.0 : 0.0) + 0.1 * std::sin(1.0 + (double)(3 * i + j + k));
+      ASSERT_EQ(bico_stwriter_write_f64(w, names[k], v.data(), n * n), BICO_OK);
+    }
+    ASSERT_EQ(bico_stwriter_commit(w), BICO_OK);
+    bico_stwriter_free(w);
+    struct timespec ts[2] = {{1000000000, 0}, {1000000000, 0}};
+    ASSERT_EQ(utimensat(AT_FDCWD, stats.c_str(), ts, 0), 0);
+  }
+  bt::Ctx ctx;
+  auto run = [&](RewriteAtFirstTensor *rw) {
+    bico_transfer *t = nullptr;
+    EXPECT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
+    bico_transfer_set_file(t, BICO_FILE_SOURCE_BASE, (d / "a.st").c_str());
+    bico_transfer_set_file(t, BICO_FILE_SOURCE_TUNED, (d / "aft.st").c_str());
+    bico_transfer_set_file(t, BICO_FILE_TARGET_BASE, (d / "a.st").c_str());
+    bico_transfer_set_file(t, BICO_FILE_STATS, stats.c_str());
+    bico_transfer_set_file(t, BICO_FILE_OUTPUT, (d / "o.st").c_str());
+    bico_transfer_set_param(t, BICO_TRANSFER_METHOD, BICO_METHOD_BICO);
+    if (rw) bico_transfer_set_progress(t, RewriteAtFirstTensor::fn, rw);
+    bico_status st = bico_transfer_run(t);
+    bico_transfer_free(t);
+    return st;
+  };
+  ASSERT_EQ(run(nullptr), BICO_OK) << bico_ctx_errmsg(ctx);
+  std::string before = slurp(d / "o.st");
+  RewriteAtFirstTensor rw{stats};
+  EXPECT_EQ(run(&rw), BICO_E_IO) << "finished with maps of two statistics";
+  std::string m = bico_ctx_errmsg(ctx);
+  EXPECT_TRUE(contains(m, stats + " changed while it was being read")) << m;
+  EXPECT_EQ(slurp(d / "o.st"), before);
 }
 
 TEST(TransferProgress, LoraRunsReportEveryTargetModule) {

@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -438,6 +440,149 @@ TEST(RobustTemporaries, StaleOnesOfDeadProcessesGoLiveOnesStay) {
   EXPECT_EQ(access(stale.c_str(), F_OK), -1);
   EXPECT_EQ(access(live.c_str(), F_OK), 0);
   EXPECT_EQ(access(other.c_str(), F_OK), 0) << "another output's temporaries";
+}
+
+namespace {
+
+// A pid no process has (a child that ended): what a live run in another
+// pid namespace looks like from here.
+pid_t dead_pid() {
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  waitpid(dead, nullptr, 0);
+  return dead;
+}
+
+// A child process that opens `path` (a file or a folder) and holds an
+// exclusive flock on it, as a live run holds its temporaries, until
+// release(); ready() once the lock is taken.
+struct LockHolder {
+  pid_t pid = -1;
+  int go[2] = {-1, -1}, up[2] = {-1, -1};
+  explicit LockHolder(const std::string &path) {
+    if (pipe(go) != 0 || pipe(up) != 0) return;
+    pid = fork();
+    if (pid == 0) {
+      int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      char c = fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) == 0 ? 'y' : 'n';
+      (void)!write(up[1], &c, 1);
+      (void)!read(go[0], &c, 1);  // until the parent lets go
+      _exit(0);
+    }
+  }
+  bool ready() {
+    char c = 0;
+    return pid > 0 && read(up[0], &c, 1) == 1 && c == 'y';
+  }
+  void release() {  // a byte, not an EOF: other children hold go[1] too
+    if (pid <= 0) return;
+    (void)!write(go[1], "x", 1);
+    waitpid(pid, nullptr, 0);
+    pid = -1;
+  }
+  ~LockHolder() {
+    release();
+    for (int fd : {go[0], go[1], up[0], up[1]})
+      if (fd >= 0) close(fd);
+  }
+};
+
+// Whether another open file description can take path's lock now.
+bool lockable(const std::string &path) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  bool ok = flock(fd, LOCK_EX | LOCK_NB) == 0;
+  close(fd);
+  return ok;
+}
+
+std::vector<std::string> temporaries_in(const std::string &dir) {
+  std::vector<std::string> v;
+  for (auto &e : std::filesystem::directory_iterator(dir))
+    if (e.path().filename().string().find(".bico-tmp.") != std::string::npos)
+      v.push_back(e.path().string());
+  return v;
+}
+
+}  // namespace
+
+TEST(RobustTemporaries, HeldOnesOfPidsThisProcessCannotSeeStay) {
+  // A run in another pid namespace (a container sharing the folder) names
+  // its temporaries with a pid that is no process here; what it holds
+  // (its flock) is what keeps them, a file or a folder.  The old scan
+  // trusted kill(pid, 0) and removed them mid-run.
+  stt::TempDir dir;
+  std::string pid = std::to_string(dead_pid());
+  std::string held = dir / (".o.st.bico-tmp." + pid + ".HeLdFi");
+  std::string heldd = dir / (".o.st.bico-tmp." + pid + ".HeLdDi");
+  std::string stale = dir / (".o.st.bico-tmp." + pid + ".StAlFi");
+  std::string staled = dir / (".o.st.bico-tmp." + pid + ".StAlDi");
+  for (auto &p : {held, stale}) stt::write_bytes(p, "half");
+  for (auto &p : {heldd, staled}) {
+    ASSERT_EQ(mkdir(p.c_str(), 0700), 0);
+    stt::write_bytes(p + "/model.safetensors", "half");
+  }
+  LockHolder a(held), b(heldd);
+  ASSERT_TRUE(a.ready());
+  ASSERT_TRUE(b.ready());
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create(ctx, (dir / "o.st").c_str(), &w), BICO_OK);
+  bico_stwriter_free(w);
+  EXPECT_EQ(stt::read_bytes(held), "half") << "a live run's file went";
+  EXPECT_EQ(stt::read_bytes(heldd + "/model.safetensors"), "half")
+      << "a live run's folder went";
+  EXPECT_EQ(access(stale.c_str(), F_OK), -1) << "nobody holds it";
+  EXPECT_EQ(access(staled.c_str(), F_OK), -1) << "nobody holds it";
+  // Once the holders are gone, the next run removes them.
+  a.release();
+  b.release();
+  ASSERT_EQ(bico_stwriter_create(ctx, (dir / "o.st").c_str(), &w), BICO_OK);
+  bico_stwriter_free(w);
+  EXPECT_EQ(access(held.c_str(), F_OK), -1);
+  EXPECT_EQ(access(heldd.c_str(), F_OK), -1);
+}
+
+TEST(RobustTemporaries, ARunHoldsTheLockOfItsOwnUntilTheCommit) {
+  // The writer's temporary file (and a folder writer's new folder) is
+  // locked from its creation until the commit or the free: seen from
+  // another run as a temporary of a pid it cannot see, it is kept.
+  stt::TempDir dir;
+  bt::Ctx ctx;
+  bico_stwriter *w = nullptr;
+  ASSERT_EQ(bico_stwriter_create(ctx, (dir / "o.st").c_str(), &w), BICO_OK);
+  size_t sh[1] = {2};
+  float v[2] = {1, 2};
+  ASSERT_EQ(bico_stwriter_declare(w, "t", BICO_DTYPE_F32, 1, sh), BICO_OK);
+  ASSERT_EQ(bico_stwriter_write_f32(w, "t", v, 2), BICO_OK);
+  auto tmps = temporaries_in(dir.path);
+  ASSERT_EQ(tmps.size(), 1u);
+  EXPECT_FALSE(lockable(tmps[0]));
+  // As another namespace's run would see it: a pid that is no process.
+  std::string moved = dir / (".o.st.bico-tmp." + std::to_string(dead_pid()) +
+                             ".MoVeD0");
+  ASSERT_EQ(rename(tmps[0].c_str(), moved.c_str()), 0);
+  bico_stwriter *w2 = nullptr;
+  ASSERT_EQ(bico_stwriter_create(ctx, (dir / "o.st").c_str(), &w2), BICO_OK);
+  bico_stwriter_free(w2);
+  EXPECT_EQ(access(moved.c_str(), F_OK), 0) << "a live writer's file went";
+  bico_stwriter_free(w);
+  EXPECT_TRUE(lockable(moved)) << "the lock goes with the writer";
+  unlink(moved.c_str());
+
+  // A folder writer's new folder: locked too, and let go at the commit.
+  ASSERT_EQ(bico_stwriter_create_folder(ctx, (dir / "m").c_str(), nullptr, 0,
+                                        &w),
+            BICO_OK);
+  ASSERT_EQ(bico_stwriter_declare(w, "t", BICO_DTYPE_F32, 1, sh), BICO_OK);
+  ASSERT_EQ(bico_stwriter_write_f32(w, "t", v, 2), BICO_OK);
+  tmps = temporaries_in(dir.path);
+  ASSERT_EQ(tmps.size(), 1u);
+  EXPECT_FALSE(lockable(tmps[0]));
+  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
+  bico_stwriter_free(w);
+  EXPECT_TRUE(temporaries_in(dir.path).empty());
+  EXPECT_TRUE(lockable(dir / "m"));
 }
 
 TEST(RobustTemporaries, LongBasenamesForTheReportToo) {

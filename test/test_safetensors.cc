@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -1208,4 +1209,157 @@ TEST(SafetensorsMalformed, RandomMutationsAreRejectedOrReadCleanly) {
   }
   EXPECT_GT(accepted, 0);  // some flips hit data bytes or padding
   EXPECT_LT(accepted, 3000);
+}
+
+// ---- bico_stfile_check_unchanged ----
+//
+// A reader of a model a tensor at a time over a long run checks, before it
+// commits what it computed, that every file is still the one it opened.
+// The files are composed here byte by byte; times are set with utimensat,
+// so that a change never hides in the file system's timestamp granularity.
+
+namespace {
+
+const std::string kHeader =
+    "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}";
+
+// Sets path's modification time to sec (nanoseconds 0).
+void set_mtime(const std::string &path, time_t sec) {
+  struct timespec ts[2] = {{sec, 0}, {sec, 0}};
+  ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), ts, 0), 0);
+}
+
+// Overwrites n bytes at offset off in place (no truncation).
+void poke(const std::string &path, off_t off, const std::string &bytes) {
+  int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(pwrite(fd, bytes.data(), bytes.size(), off), (ssize_t)bytes.size());
+  close(fd);
+}
+
+// A one-tensor file last written long ago (mtime 1e9).
+std::string old_file(const TempDir &d, const std::string &name) {
+  std::string p = d / name;
+  stt::write_bytes(p, stt::st_bytes(kHeader, stt::f32_bytes({1, 2})));
+  set_mtime(p, 1000000000);
+  return p;
+}
+
+// The check's status and message.
+std::pair<bico_status, std::string> check(bico_ctx *ctx, const bico_stfile *f) {
+  bico_status st = bico_stfile_check_unchanged(f);
+  return {st, st == BICO_OK ? std::string() : std::string(bico_ctx_errmsg(ctx))};
+}
+
+}  // namespace
+
+TEST(StfileUnchanged, AnUntouchedFileIsOkAndEveryChangeIsNamed) {
+  TempDir d;
+  bt::Ctx ctx;
+  EXPECT_EQ(bico_stfile_check_unchanged(nullptr), BICO_E_NULL);
+  const size_t data = 8 + ((kHeader.size() + 7) / 8) * 8;  // data's offset
+  struct Case {
+    const char *what;
+    std::function<void(const std::string &)> change;
+    const char *words;
+  };
+  const Case cases[] = {
+      {"nothing", [](const std::string &) {}, nullptr},
+      {"read again: unchanged",
+       [](const std::string &p) { (void)stt::read_bytes(p); }, nullptr},
+      {"rewritten in place, same size",
+       [&](const std::string &p) {
+         poke(p, (off_t)data, stt::f32_bytes({7}));
+         set_mtime(p, 1000000001);
+       },
+       "its modification time"},
+      {"data rewritten within the same second, mtime then put back",
+       // unseen by design (the tensors' bytes are not read again): the
+       // documented limit; the header and size are what they were
+       [&](const std::string &p) {
+         poke(p, (off_t)data, stt::f32_bytes({7}));
+         set_mtime(p, 1000000000);
+       },
+       nullptr},
+      {"truncated",
+       [&](const std::string &p) { ASSERT_EQ(truncate(p.c_str(), (off_t)data + 4), 0); },
+       "its size"},
+      {"extended",
+       [&](const std::string &p) {
+         ASSERT_EQ(truncate(p.c_str(), (off_t)data + 16), 0);
+         set_mtime(p, 1000000000);
+       },
+       "its size"},
+      {"replaced by rename, same bytes and time",
+       [&](const std::string &p) {
+         std::string n = p + ".new";
+         stt::write_bytes(n, stt::read_bytes(p));
+         set_mtime(n, 1000000000);
+         ASSERT_EQ(rename(n.c_str(), p.c_str()), 0);
+       },
+       "the file its name leads to"},
+      {"removed",
+       [&](const std::string &p) { ASSERT_EQ(unlink(p.c_str()), 0); },
+       "replaced or removed"},
+      {"header edited in place, mtime put back",
+       [&](const std::string &p) {
+         poke(p, 10, "b");  // tensor "a" is now "b": same length
+         set_mtime(p, 1000000000);
+       },
+       "its header"},
+  };
+  int k = 0;
+  for (const Case &c : cases) {
+    SCOPED_TRACE(c.what);
+    std::string p = old_file(d, "m" + std::to_string(k++) + ".safetensors");
+    stt::File f;
+    ASSERT_EQ(bico_stfile_open(ctx, p.c_str(), &f.f), BICO_OK) << bico_ctx_errmsg(ctx);
+    c.change(p);
+    auto r = check(ctx, f);
+    if (c.words == nullptr) {
+      EXPECT_EQ(r.first, BICO_OK) << r.second;
+      continue;
+    }
+    EXPECT_EQ(r.first, BICO_E_IO);
+    EXPECT_TRUE(contains(r.second, p)) << r.second;
+    EXPECT_TRUE(contains(r.second, c.words)) << r.second;
+    EXPECT_TRUE(contains(r.second, "changed while it was being read")) << r.second;
+    EXPECT_TRUE(contains(r.second, "nothing was written")) << r.second;
+  }
+}
+
+TEST(StfileUnchanged, AShardOfAnIndexIsNamed) {
+  TempDir d;
+  bt::Ctx ctx;
+  std::string s1 = old_file(d, "model-00001-of-00002.safetensors");
+  std::string s2 = d / "model-00002-of-00002.safetensors";
+  stt::write_bytes(
+      s2, stt::st_bytes("{\"c\":{\"dtype\":\"F32\",\"shape\":[1],"
+                        "\"data_offsets\":[0,4]}}",
+                        stt::f32_bytes({3})));
+  set_mtime(s2, 1000000000);
+  std::string idx = d / "model.safetensors.index.json";
+  stt::write_bytes(idx, "{\"weight_map\": {\"a\": \"model-00001-of-00002."
+                        "safetensors\", \"c\": \"model-00002-of-00002."
+                        "safetensors\"}}");
+  stt::File f;
+  ASSERT_EQ(bico_stfile_open(ctx, idx.c_str(), &f.f), BICO_OK) << bico_ctx_errmsg(ctx);
+  EXPECT_EQ(bico_stfile_check_unchanged(f), BICO_OK) << bico_ctx_errmsg(ctx);
+  // the folder stands for the index too
+  stt::File g;
+  ASSERT_EQ(bico_stfile_open(ctx, d.path.c_str(), &g.f), BICO_OK) << bico_ctx_errmsg(ctx);
+  // the second shard rewritten in place, its size kept
+  std::string bytes = stt::read_bytes(s2);
+  poke(s2, (off_t)bytes.size() - 4, stt::f32_bytes({9}));
+  for (bico_stfile *h : {f.f, g.f}) {
+    EXPECT_EQ(bico_stfile_check_unchanged(h), BICO_E_IO);
+    std::string m = bico_ctx_errmsg(ctx);
+    EXPECT_TRUE(contains(m, "model-00002-of-00002.safetensors changed while")) << m;
+    EXPECT_FALSE(contains(m, "00001")) << m;
+  }
+  // a file of the folder the reader does not read (the index) is not its
+  stt::write_bytes(idx, stt::read_bytes(idx) + " ");
+  stt::File h;
+  ASSERT_EQ(bico_stfile_open(ctx, s1.c_str(), &h.f), BICO_OK);
+  EXPECT_EQ(bico_stfile_check_unchanged(h), BICO_OK) << bico_ctx_errmsg(ctx);
 }

@@ -11,6 +11,7 @@
  *   size_t k;
  *   bico_folder_add_output(f, "output adapter", "out/ad",
  *                          BICO_FOLDER_REFUSE, &k);
+ *   bico_folder_add_file(f, "--report", "out/report.json");  (checked only)
  *   bico_folder_begin(f);     checks and locks, before anything is loaded
  *   ... load, compute ...
  *   const char *tmp;
@@ -26,10 +27,18 @@
  *     links): an output folder that is the same folder as an input or as
  *     another output, or that holds an input at any depth (by the real
  *     folder the input lies in, after following its final link), is
- *     BICO_E_ARG; an existing output that is not a folder is BICO_E_ARG.
- *     This is the rule of bico_transfer_run and bico_merge_run.  An output
- *     folder inside an input folder (models/src/adapter) stays allowed, as
- *     there;
+ *     BICO_E_ARG; an existing output that is not a folder is BICO_E_ARG;
+ *     an output folder or file inside an input folder at any depth
+ *     (models/src/adapter) is BICO_E_ARG.  Output files
+ *     (bico_folder_add_file) by the same rule: one that is the same file
+ *     as an input or another output (device and inode, or folder and
+ *     name), that lies inside an output folder, or directly in a model
+ *     folder an input names (the folder, or the folder of its
+ *     model.safetensors.index.json: a shard, config.json, the tokenizer)
+ *     is BICO_E_ARG; a destination that is not a regular file (a folder,
+ *     FIFO, device or socket, after following a symbolic link) is
+ *     BICO_E_ARG, one whose folder is missing BICO_E_IO.  This is the rule
+ *     of bico_transfer_run and bico_merge_run;
  *   - what no folder commit may replace: a dangling symbolic link
  *     (BICO_E_ARG, naming where it leads), a folder that cannot be written
  *     (BICO_E_IO), a mount point or a folder holding one at any depth
@@ -123,6 +132,15 @@ BICO_API void bico_folder_free(bico_folder *f);
  * BICO_E_STATE); an empty path is BICO_E_ARG. */
 BICO_API bico_status bico_folder_add_input(bico_folder *f, const char *what,
                                            const char *path);
+/* An output file of the run (it need not exist; its folder must by
+ * begin), checked at bico_folder_begin with the inputs and output folders
+ * by the rule above, and nothing more: the handle never writes, locks or
+ * commits it (the front end writes it, with bico_stwriter_create or
+ * another atomic writer, once begin succeeded).  what (NULL: "output
+ * file") names its role in messages ("--output").  Before begin only
+ * (else BICO_E_STATE); an empty path is BICO_E_ARG. */
+BICO_API bico_status bico_folder_add_file(bico_folder *f, const char *what,
+                                          const char *path);
 /* An output folder (it need not exist; its parent must by begin) with its
  * policy (bico_folder_policy; 0: BICO_FOLDER_REFUSE); *index (may be NULL)
  * gets its index for bico_folder_path and bico_folder_kept, counted from 0

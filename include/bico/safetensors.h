@@ -34,8 +34,12 @@
  * is never opened for writing, so on any failure an existing file there
  * stays byte-identical; freeing an uncommitted writer removes the temporary
  * file, and creating a writer removes the temporary files for the same
- * output that processes no longer running left behind (a kill -9, a power
- * cut).  A symbolic link at the output path is replaced by the new file,
+ * output that runs no longer running left behind (a kill -9, a power
+ * cut).  A writer holds an exclusive flock(2) on its temporary file until
+ * it is committed or freed, and only a temporary whose lock can be taken
+ * is removed: never by the pid in its name alone, which a run in another
+ * pid namespace (a container sharing the folder) does not share.  A
+ * symbolic link at the output path is replaced by the new file,
  * not followed; a folder, FIFO, device or socket there is refused.
  *
  * Signals: libbico installs no signal handlers.  A write beyond the process's

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -535,10 +536,44 @@ mode_t bico__umask(void) {
   return m;
 }
 
-/* Removes ".<base>.bico-tmp.<pid>.*" files and folders in dir whose
- * process is gone (kill(pid, 0) says ESRCH) and that belong to this user.
- * A pid that was reused keeps its files: they are removed by a later
- * run. */
+/* The leftover entry n of folder dfd (st: what fstatat saw), opened
+ * without following a link or blocking (O_DIRECTORY for a folder) and
+ * locked (flock LOCK_EX|LOCK_NB), its name still leading to what was
+ * opened: the descriptor, or -1 when it cannot be taken (a live run holds
+ * its lock, it cannot be opened, or it changed), and it stays. */
+static int take_leftover(int dfd, const char *n, const struct stat *st) {
+  int dir = S_ISDIR(st->st_mode);
+  int fl = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC |
+           (dir ? O_DIRECTORY : 0);
+  int fd = openat(dfd, n, fl);
+  if (fd < 0 && !dir && errno == EACCES) /* a file without read bits */
+    fd = openat(dfd, n, (fl & ~O_ACCMODE) | O_WRONLY);
+  if (fd < 0) return -1;
+  struct stat a, b;
+  int r;
+  while ((r = flock(fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+  }
+  if (r != 0 || fstat(fd, &a) != 0 || a.st_dev != st->st_dev ||
+      a.st_ino != st->st_ino ||
+      fstatat(dfd, n, &b, AT_SYMLINK_NOFOLLOW) != 0 ||
+      b.st_dev != a.st_dev || b.st_ino != a.st_ino) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* Removes ".<base>.bico-tmp.<pid>.*" files and folders in dir that belong
+ * to this user and that no live run holds: the run that makes a temporary
+ * holds an exclusive flock(2) on it (bico__tmp_create, bico__tmp_folder;
+ * the old folder of a folder swap too) until it is renamed or removed, so
+ * an entry is removed only when this scan can take that lock, and it is
+ * removed under it.  The pid in the name is never trusted alone: a run in
+ * another pid namespace (a container sharing the folder) has a pid this
+ * process cannot see, or one that names another process here.  It only
+ * adds a reason to keep: an entry whose pid is a live process here stays
+ * (a temporary of an older version of the library, which took no lock;
+ * a reused pid keeps its files for a later run to remove). */
 static void remove_stale(const char *dir, const char *base, size_t blen) {
   DIR *d = opendir(dir);
   if (d == NULL) return;
@@ -561,23 +596,57 @@ static void remove_stale(const char *dir, const char *base, size_t blen) {
     if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
     struct stat st;
     if (fstatat(dfd, n, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
-        st.st_uid != geteuid())
+        st.st_uid != geteuid() ||
+        (!S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode)))
       continue;
+    int fd = take_leftover(dfd, n, &st);
+    if (fd < 0) continue; /* a live run's */
     if (S_ISREG(st.st_mode)) {
       (void)unlinkat(dfd, n, 0);
-    } else if (S_ISDIR(st.st_mode)) {
+    } else {
       /* a folder commit's new or old folder (bico__tmp_folder) */
       size_t cap = strlen(dir) + strlen(n) + 2;
-      char *p = malloc(cap);
-      if (p != NULL) {
-        snprintf(p, cap, "%s/%s", dir, n);
-        (void)bico__remove_tree(p);
+      char *q = malloc(cap);
+      if (q != NULL) {
+        snprintf(q, cap, "%s/%s", dir, n);
+        (void)bico__remove_tree(q);
       }
-      free(p);
+      free(q);
     }
+    close(fd); /* the lock goes once the entry is gone */
   }
   closedir(d);
 }
+
+/* Locks the temporary just made at path (fd open on it) as its run's:
+ * 0 once locked with path still leading to it; EAGAIN when another
+ * process's scan (remove_stale) took it first (the temporary is then
+ * removed or left to that scan: the caller makes another); another errno
+ * when it cannot be locked for another reason.  A file system without
+ * flock (ENOLCK, EOPNOTSUPP, ...) gives 0 with *locked 0: the scans of
+ * other runs cannot lock it either, and keep it. */
+static int lock_new(int fd, const char *path, int isdir, int *locked) {
+  *locked = 0;
+  int r;
+  while ((r = flock(fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+  }
+  if (r != 0 && errno == EWOULDBLOCK) {
+    /* a scan holds it: it removes it; so does this run, in case */
+    if (isdir) (void)rmdir(path);
+    else (void)unlink(path);
+    return EAGAIN;
+  }
+  if (r != 0) return 0;
+  struct stat a, b;
+  if (fstat(fd, &a) != 0) return errno;
+  if (lstat(path, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino)
+    return EAGAIN; /* a scan removed it before the lock was taken */
+  *locked = 1;
+  return 0;
+}
+
+/* Tries of a new temporary name when scans keep taking them. */
+#define TMP_TRIES 16
 
 bico_status bico__tmp_create_in(bico_ctx *ctx, const char *fn,
                                 const char *what, const char *path,
@@ -628,10 +697,25 @@ bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
   }
   dir_of(path, dir, dcap);
   remove_stale(dir, base, blen); /* once per folder and run */
-  snprintf(t->tmp, tcap, "%s/.%.*s%s%ld.XXXXXX", dir, (int)blen, base,
-           BICO__TMP_MARK, (long)getpid());
-  if (mkdtemp(t->tmp) == NULL) {
-    int e = errno;
+  /* Made, then locked (held until the commit or the discard): a scan of
+   * another run that takes the lock first removes it, and another is
+   * made. */
+  int e = EAGAIN;
+  for (int tries = 0; tries < TMP_TRIES && e == EAGAIN; tries++) {
+    snprintf(t->tmp, tcap, "%s/.%.*s%s%ld.XXXXXX", dir, (int)blen, base,
+             BICO__TMP_MARK, (long)getpid());
+    if (mkdtemp(t->tmp) == NULL) {
+      e = errno;
+      break;
+    }
+    int fd = open(t->tmp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int locked = 0;
+    e = fd < 0 ? errno : lock_new(fd, t->tmp, 1, &locked);
+    if (e == 0 && locked) t->lock = fd + 1;
+    else if (fd >= 0) close(fd);
+    if (e != 0 && e != EAGAIN) (void)rmdir(t->tmp);
+  }
+  if (e != 0) {
     bico_status s = bico__fail(
         ctx, BICO_E_IO,
         "%s: cannot write the output folder %s: its parent folder %s: %s%s",
@@ -683,11 +767,34 @@ bico_status bico__tmp_create(bico_ctx *ctx, const char *fn, const char *what,
   }
   dir_of(path, dir, dcap);
   remove_stale(dir, base, blen);
-  snprintf(t->tmp, tcap, "%s/.%.*s%s%ld.XXXXXX", dir, (int)blen, base,
-           BICO__TMP_MARK, (long)getpid());
-  t->fd = mkstemp(t->tmp);
-  if (t->fd < 0) {
-    int e = errno;
+  /* Made, then locked on a second descriptor that outlives t->fd (closed
+   * by bico__tmp_finish) until the commit or the discard; a scan of
+   * another run that takes the lock first removes it, and another is
+   * made. */
+  int e = EAGAIN;
+  for (int tries = 0; tries < TMP_TRIES && e == EAGAIN; tries++) {
+    snprintf(t->tmp, tcap, "%s/.%.*s%s%ld.XXXXXX", dir, (int)blen, base,
+             BICO__TMP_MARK, (long)getpid());
+    t->fd = mkstemp(t->tmp);
+    if (t->fd < 0) {
+      e = errno;
+      break;
+    }
+    (void)fcntl(t->fd, F_SETFD, FD_CLOEXEC);
+    int locked = 0;
+    e = lock_new(t->fd, t->tmp, 0, &locked);
+    if (e == 0 && locked) {
+      int l = fcntl(t->fd, F_DUPFD_CLOEXEC, 0);
+      if (l < 0) e = errno;
+      else t->lock = l + 1;
+    }
+    if (e != 0) {
+      if (e != EAGAIN) (void)unlink(t->tmp);
+      close(t->fd);
+      t->fd = -1;
+    }
+  }
+  if (e != 0) {
     bico_status s = bico__fail(ctx, BICO_E_IO,
                                "%s: the %s %s: cannot create a temporary file "
                                "in folder '%s': %s",
@@ -699,7 +806,6 @@ bico_status bico__tmp_create(bico_ctx *ctx, const char *fn, const char *what,
     return s;
   }
   bico__free(ctx, dir);
-  (void)fcntl(t->fd, F_SETFD, FD_CLOEXEC);
   return BICO_OK;
 }
 
@@ -741,6 +847,12 @@ bico_status bico__tmp_finish(bico_ctx *ctx, const char *fn, bico__tmpfile *t) {
   return BICO_OK;
 }
 
+void bico__tmp_unlock(bico__tmpfile *t) {
+  if (t->lock > 0) close(t->lock - 1);
+  if (t->oldlock > 0) close(t->oldlock - 1);
+  t->lock = t->oldlock = 0;
+}
+
 void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t) {
   if (t->fd >= 0) close(t->fd);
   t->fd = -1;
@@ -748,6 +860,7 @@ void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t) {
     if (t->isdir) (void)bico__remove_tree(t->tmp);
     else unlink(t->tmp);
   }
+  bico__tmp_unlock(t); /* once it is gone */
   t->gone = 1;
   bico__free(ctx, t->tmp);
   bico__free(ctx, t->path);
@@ -882,6 +995,8 @@ bico_status bico__commit(bico_ctx *ctx, const char *fn, bico__tmpfile *const *t,
       else unlink(t[i]->tmp);
       t[i]->gone = 1;
     }
+    /* nothing of this run is left under a temporary name */
+    bico__tmp_unlock(t[i]);
   }
   return st;
 }

@@ -11,9 +11,16 @@
  * - Atomic multi-file commit: each output is written into a temporary file
  *   in its destination folder, named ".<base>.bico-tmp.<pid>.XXXXXX" (base
  *   cut to 200 bytes); bico__commit checks every destination, then renames
- *   each temporary file into place and fsyncs each folder.  Creating a
- *   temporary file removes the stale ones that dead processes left for the
- *   same destination (files, and folders with everything in them).
+ *   each temporary file into place and fsyncs each folder.  The run holds
+ *   an exclusive flock(2) on each of its temporaries (a file, or a
+ *   folder's descriptor; the old folder a swap moves to a temporary name
+ *   too) from just after it is made until it is renamed or removed.
+ *   Creating a temporary file removes the stale ones that runs left for
+ *   the same destination (files, and folders with everything in them):
+ *   this user's entries whose lock the scan can take (LOCK_EX|LOCK_NB),
+ *   never by the pid in the name alone (a run in another pid namespace
+ *   has a pid this process cannot see); an entry whose pid is a live
+ *   process here stays as well.
  * - Folder commit (lib/io/st_folder.c, lib/io/st_swap.c): a model folder is
  *   built complete as a sibling temporary folder of the same name form
  *   (".<folder>.bico-tmp.<pid>.XXXXXX", mode 0700 while it is built), the
@@ -132,21 +139,32 @@ typedef struct bico__tmpfile {
    * its first rename); kept is set once it went there. */
   char *keptname;
   int kept;
+  /* Descriptors holding the run's exclusive flock(2), plus 1 (0: none, so
+   * that a zeroed t holds none): lock on the temporary (the file, through
+   * a second descriptor that outlives fd; the new folder), oldlock on the
+   * old folder a swap moved to a temporary name.  Closed once nothing of
+   * the run is left under a temporary name (bico__commit,
+   * bico__tmp_discard): another run's scan removes only what it can
+   * lock. */
+  int lock, oldlock;
 } bico__tmpfile;
 
 /* Creates the temporary file for destination `path` (what names the role
- * for messages), after removing stale ones of dead processes.  A path that
- * ends in '/' or names a folder is BICO_E_ARG. */
+ * for messages), locked (t->lock), after removing the stale ones that no
+ * live run holds.  A path that ends in '/' or names a folder is
+ * BICO_E_ARG. */
 bico_status bico__tmp_create(bico_ctx *ctx, const char *fn, const char *what,
                              const char *path, bico__tmpfile *t);
 /* A temporary file at a chosen name `tmp` (inside a temporary folder of
- * this run: no stale scan, O_EXCL, mode 0600 until finished) for the
- * destination `path` (named in messages). */
+ * this run, which the folder's lock covers: no stale scan, no lock of its
+ * own, O_EXCL, mode 0600 until finished) for the destination `path`
+ * (named in messages). */
 bico_status bico__tmp_create_in(bico_ctx *ctx, const char *fn,
                                 const char *what, const char *path,
                                 const char *tmp, bico__tmpfile *t);
 /* The temporary folder for the folder `path` (its real path: a sibling in
- * the same parent), created mode 0700 after one scan for leftovers.
+ * the same parent), created mode 0700 after one scan for leftovers, and
+ * locked (t->lock, a descriptor of the folder).
  * BICO_E_IO naming `shown` (the user's spelling) when the parent folder
  * is missing or not writable. */
 bico_status bico__tmp_folder(bico_ctx *ctx, const char *fn, const char *shown,
@@ -163,7 +181,8 @@ int bico__remove_tree(const char *path);
  * one call for thousands of small files.  0 or an errno. */
 int bico__sync_folder(const char *path);
 /* Swaps the complete folder t->tmp in for t->path (lib/io/st_swap.c): 0 or
- * an errno, with t->oldtree set when an old folder was moved out. */
+ * an errno, with t->oldtree set when an old folder was moved out (locked
+ * first: t->oldlock). */
 int bico__swap_folder(bico__tmpfile *t);
 /* The process's umask, read without changing it (022 when unknown). */
 mode_t bico__umask(void);
@@ -175,8 +194,10 @@ bico_status bico__tmp_write(bico_ctx *ctx, const char *fn, bico__tmpfile *t,
  * closes it. */
 bico_status bico__tmp_finish(bico_ctx *ctx, const char *fn, bico__tmpfile *t);
 /* Removes the temporary file (unless gone; a folder with everything in
- * it) and frees the names; accepts a zeroed t. */
+ * it), lets its locks go and frees the names; accepts a zeroed t. */
 void bico__tmp_discard(bico_ctx *ctx, bico__tmpfile *t);
+/* Closes t's lock descriptors (lock, oldlock); accepts a zeroed t. */
+void bico__tmp_unlock(bico__tmpfile *t);
 
 /* Commits n finished temporary files: checks every destination first (a
  * folder or other non-regular file there is BICO_E_IO naming it, a file

@@ -1,7 +1,8 @@
 /* bico_folder (include/bico/folder.h): a front end's output folders,
  * checked by the identity rule of the runs (bico__check_files), locked,
  * built beside and committed in one step through the library's folder
- * commit (lib/io/outdir.c, lib/io/st_swap.c, bico__commit). */
+ * commit (lib/io/outdir.c, lib/io/st_swap.c, bico__commit); its output
+ * files checked by the same rule (the front end writes them). */
 #include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
@@ -33,6 +34,8 @@ struct bico_folder {
   int state;
   finput *in;
   size_t nin, incap;
+  finput *file; /* output files: checked, never written here */
+  size_t nfile, filecap;
   foutput out[MAX_OUTPUTS];
   size_t nout;
 };
@@ -65,6 +68,11 @@ void bico_folder_free(bico_folder *f) {
     bico__free(ctx, f->in[k].path);
   }
   bico__free(ctx, f->in);
+  for (size_t k = 0; k < f->nfile; k++) {
+    bico__free(ctx, f->file[k].what);
+    bico__free(ctx, f->file[k].path);
+  }
+  bico__free(ctx, f->file);
   for (size_t k = 0; k < f->nout; k++) {
     foutput *o = &f->out[k];
     if (o->opened) bico__stage_free(ctx, &o->st);
@@ -117,6 +125,24 @@ bico_status bico_folder_add_input(bico_folder *f, const char *what,
   return BICO_OK;
 }
 
+bico_status bico_folder_add_file(bico_folder *f, const char *what,
+                                 const char *path) {
+  if (f == NULL) return BICO_E_NULL;
+  bico_ctx *ctx = f->ctx;
+  bico__clear(ctx);
+  finput *g = bico__grow(ctx, f->file, f->nfile, &f->filecap, 4, sizeof *g);
+  if (g == NULL) return BICO_E_NOMEM;
+  f->file = g;
+  char *w = NULL, *p = NULL;
+  bico_status st = add_check(f, "folder_add_file", what, "output file", path,
+                             &w, &p);
+  if (st != BICO_OK) return st;
+  g[f->nfile].what = w;
+  g[f->nfile].path = p;
+  f->nfile++;
+  return BICO_OK;
+}
+
 bico_status bico_folder_add_output(bico_folder *f, const char *what,
                                    const char *dir, int policy,
                                    size_t *index) {
@@ -157,17 +183,22 @@ static void first_entry(const char *dir, char *buf, size_t cap) {
   if (d != NULL) closedir(d);
 }
 
-/* Identity of every output against every input and output (the runs'
- * rule), before any lock: what the caller gave, as given. */
+/* Identity of every output (folders and files) against every input and
+ * output (the runs' rule), before any lock: what the caller gave, as
+ * given.  An input folder (or a model's index) counts as a model folder
+ * the run reads: no output file lies directly in it. */
 static bico_status check_identity(bico_folder *f) {
   bico_ctx *ctx = f->ctx;
-  size_t n = f->nin + f->nout;
+  size_t n = f->nin + f->nout + f->nfile;
   bico__fileuse *u = bico__calloc(ctx, n ? n : 1, sizeof *u);
   if (u == NULL) return BICO_E_NOMEM;
   for (size_t k = 0; k < f->nin; k++)
-    u[k] = (bico__fileuse){f->in[k].what, f->in[k].path, 0, 0, 0};
+    u[k] = (bico__fileuse){f->in[k].what, f->in[k].path, 0, 0, 3};
   for (size_t k = 0; k < f->nout; k++)
     u[f->nin + k] = (bico__fileuse){f->out[k].what, f->out[k].dir, 1, 1, 1};
+  for (size_t k = 0; k < f->nfile; k++)
+    u[f->nin + f->nout + k] =
+        (bico__fileuse){f->file[k].what, f->file[k].path, 1, 0, 0};
   bico_status st = bico__check_files(ctx, "folder_begin", u, n);
   bico__free(ctx, u);
   return st;

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/xattr.h>
@@ -59,6 +60,16 @@ int bico__swap_folder(bico__tmpfile *t) {
   /* A folder that appeared while the run wrote (none was there when it
    * began): nothing of it is known, so nothing of it is replaced. */
   if (t->carried == NULL && !t->replace) return EEXIST;
+  /* The old folder is about to take a temporary name (the exchange, or
+   * aside) until the commit retires it: locked first, as the run's own
+   * temporaries are, so that another run's scan for leftovers
+   * (lib/io/fileio.c) leaves it.  Without a lock (none can be taken) the
+   * pid in the name still keeps it from the scans of this pid namespace. */
+  if (t->oldlock == 0) {
+    int fd = open(t->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) == 0) t->oldlock = fd + 1;
+    else if (fd >= 0) close(fd);
+  }
   /* One step: the old folder takes the temporary name. */
   if (rename2(t->tmp, t->path, RENAME_EXCHANGE) == 0) {
     t->oldtree = 1;

@@ -689,11 +689,9 @@ static bico_status lora_commit(lrun *r, size_t unused) {
     if (st == BICO_OK) outs[nout++] = &lo.st.t; /* the folder, whole */
   }
   if (st == BICO_OK && report) outs[nout++] = &rep;
-  /* the models read a tensor at a time are still the files opened, and
-   * the bridge the maps came from the one whose digest was checked */
-  const bico_stfile *read[] = {r->x->sb, r->x->tb, bico__bridge_file(r->x)};
-  for (size_t k = 0; k < 3 && st == BICO_OK; k++)
-    if (read[k] != NULL) st = bico_stfile_check_unchanged(read[k]);
+  /* the files read a tensor at a time are still the files opened (the
+   * bridge the maps came from the one whose digest was checked) */
+  if (st == BICO_OK) st = bico__xfer_check_unchanged(r->x);
   st = bico__commit_lists(ctx, "transfer_run", st, ck, nck, outs, nout, NULL);
   if (st == BICO_OK) bico__stwriter_committed(w);
   bico__lora_save_end(&lo, st == BICO_OK);

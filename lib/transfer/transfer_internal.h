@@ -415,6 +415,12 @@ void bico__bridge_digest_f64(struct bico__sha256 *h, const double *x,
 
 /* ---- transfer_plan.c ---- */
 bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f);
+/* Every file the run reads a tensor at a time (the bases, the tuned
+ * source, the statistics, calibration and votes files, the bridge) is
+ * still the file it opened (bico_stfile_check_unchanged): checked before
+ * the commit, so that an input rewritten during the run never gives an
+ * output of two versions.  BICO_E_IO naming the file otherwise. */
+bico_status bico__xfer_check_unchanged(bico__run *r);
 bico_status bico__xfer_check_setup(bico__run *r);
 bico_status bico__xfer_check_outputs(bico__run *r);
 bico_status bico__xfer_plan(bico__run *r);

@@ -398,10 +398,7 @@ bico_status bico__xfer_write_all(bico__run *r) {
   /* the inputs read a tensor at a time are still the files opened: a
    * shard rewritten meanwhile would give an output of two versions (the
    * bridge's maps, too, are the ones its digest was checked on) */
-  const bico_stfile *read[] = {r->sb, r->sft, r->tv, r->tb,
-                               bico__bridge_file(r)};
-  for (size_t k = 0; k < sizeof read / sizeof *read && st == BICO_OK; k++)
-    if (read[k] != NULL) st = bico_stfile_check_unchanged(read[k]);
+  if (st == BICO_OK) st = bico__xfer_check_unchanged(r);
   if (st == BICO_OK && !partial)
     st = bico__xfer_commit(r->ctx, &r->rep, t->files[BICO_FILE_REPORT], r->w,
                            r->wd);

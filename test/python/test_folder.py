@@ -90,6 +90,39 @@ def test_an_output_holding_an_input_or_an_input_file_is_refused(
     assert tree(src) == {"config.json": b"{}", "model.safetensors": b"weights"}
 
 
+def test_output_files_are_checked_by_the_rule_and_never_written(
+        tmp_path, inputs, monkeypatch):
+    # Run(files=...): bico_folder_add_file, checked at entry, before the
+    # block runs; the run never creates the file.
+    src, ad = inputs
+    monkeypatch.chdir(tmp_path)
+    os.symlink("src/model.safetensors", str(tmp_path / "wlink"))
+    os.mkfifo(str(tmp_path / "fifo"))
+    before = tree(tmp_path / "src")
+    for out, words in [
+            ("src/model.safetensors", "inside the model folder of the "
+             "--source src"),
+            ("wlink", "inside the model folder of the --source src"),
+            ("src/../src/config.json", "inside the model folder"),
+            ("ad/stats.safetensors", "inside the model folder of the --lora"),
+            ("fifo", "is a FIFO"),
+            ("out/s.safetensors", "inside the --output-lora folder out")]:
+        ran = []
+        with pytest.raises(bico.BicoError) as e:
+            with bf.Run(inputs=[("--source", "src"), ("--lora", "ad")],
+                        outputs=[("--output-lora", "out")],
+                        files=[("--stats", out)]):
+                ran.append(1)
+        assert not ran and e.value.status == bico.E_ARG, out
+        assert words in e.value.message and out in e.value.message, \
+            e.value.message
+    assert tree(tmp_path / "src") == before
+    with bf.Run(inputs=[("--source", "src")], files=["s.safetensors"]):
+        assert not os.path.exists("s.safetensors")
+        bst.write("s.safetensors", {"t": np.ones(2, np.float32)})
+    assert "s.safetensors" in listing(tmp_path) and leftovers(tmp_path) == []
+
+
 def test_a_non_empty_folder_is_refused_unless_replace_or_carry(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -122,3 +122,76 @@ def test_stats_mistakes_are_one_line_exit_2(pair, tmp_path, capsys, args,
     assert status == 2 and len(err) == 1 and word in err[0], err
     assert "stats" in err[0]
     assert not os.path.exists(tmp_path / "s.safetensors")
+
+
+def _run_stats(pair, argv):
+    """bico.llm.main in the pair's folder: (status, stderr lines)."""
+    old = os.getcwd()
+    os.chdir(str(pair))
+    try:
+        try:
+            status = bico.llm.main(["stats", "--quiet"] + argv)
+        except SystemExit as e:
+            status = e.code
+    finally:
+        os.chdir(old)
+    return status
+
+
+def _snapshot(pair):
+    """Every file of B and the task text: name -> bytes."""
+    out = {"task.txt": (pair / "task.txt").read_bytes()}
+    for n in sorted(os.listdir(pair / "B")):
+        out["B/" + n] = (pair / "B" / n).read_bytes()
+    return out
+
+
+def test_stats_output_that_is_an_input_is_refused(pair, tmp_path, capsys):
+    # issue 45: --output naming a shard of the target (however spelt),
+    # the task text or the target's config.json replaced it (exit 0); a
+    # FIFO was opened.  Now the library's rule for output files
+    # (bico_folder_add_file) refuses each before anything is loaded.
+    shard = sorted(n for n in os.listdir(pair / "B")
+                   if n.startswith("model-"))[0]
+    link = tmp_path / "link.safetensors"
+    os.symlink(str(pair / "B" / shard), str(link))
+    hard = tmp_path / "hard.txt"
+    os.link(str(pair / "task.txt"), str(hard))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(str(fifo))
+    before = _snapshot(pair)
+    cases = [("B/" + shard, ["--target", "B/" + shard]),
+             (str(link), ["--target", str(link)]),
+             ("B/../B/" + shard, ["--target", "B/../B/" + shard]),
+             ("task.txt", ["--text", "task.txt", "same file"]),
+             (str(hard), ["--text", str(hard), "same file"]),
+             ("B/config.json", ["--target", "B/config.json"]),
+             (str(fifo), [str(fifo), "FIFO"]),
+             (str(tmp_path), ["a folder"])]
+    for out, words in cases:
+        status = _run_stats(pair, ["--source", "A", "--target", "B", "--text",
+                                   "task.txt", "--window", "32", "--windows",
+                                   "2", "--output", out])
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert status == 2 and len(err) == 1, (out, status, err)
+        assert "--output" in err[0] and out in err[0], (out, err)
+        for w in words:
+            assert w in err[0], (out, w, err)
+        assert "nothing was written" in err[0], err
+        assert _snapshot(pair) == before, out
+    assert os.path.islink(str(link)) and stat_is_fifo(fifo)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "hard.txt",
+                                            "link.safetensors"]
+    # a good --output still works
+    status = _run_stats(pair, ["--source", "A", "--target", "B", "--text",
+                               "task.txt", "--window", "32", "--windows", "2",
+                               "--threads", "1", "--output",
+                               str(tmp_path / "s.safetensors")])
+    assert status == 0, capsys.readouterr().err
+    assert len(st.read(str(tmp_path / "s.safetensors"))) >= 2
+    assert _snapshot(pair) == before
+
+
+def stat_is_fifo(p):
+    import stat
+    return stat.S_ISFIFO(os.lstat(str(p)).st_mode)

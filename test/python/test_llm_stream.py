@@ -470,3 +470,62 @@ def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
     assert (out / "old.txt").read_text() == "old"
     assert _spill_like(tmp_path) == [] and os.listdir(spill) == []
     assert _stale_tmp() == []
+
+
+# ---- a target shard rewritten in place while the run reads it ----
+
+_REWRITE = r"""
+import os, runpy, sys
+import bico.llm.stream_fit as sf, bico.llm.stream_out as so
+point, k, shard = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def hook(p, i, _orig=so.test_point):
+    if p == point and i + 1 == k:
+        fd = os.open(shard, os.O_WRONLY)   # in place: size and header kept
+        os.pwrite(fd, b"\x80\x3f", os.fstat(fd).st_size - 2)
+        os.close(fd)
+    _orig(p, i)
+sf.test_point = so.test_point = hook
+sys.argv = ["bico.llm"] + sys.argv[4:]
+runpy.run_module("bico.llm", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["fit:2", "write:3"])
+def test_a_target_shard_rewritten_during_the_run_fails_it(pair, tmp_path,
+                                                          point):
+    """issue 45: a shard of the target rewritten in place while the
+    streamed fit reads it (during the fit, or while the output is
+    written) gave an output of two versions of B, exit 0.  The run checks
+    every weight file it reads before the commit: exit 1, one line naming
+    the shard, the old output folder as it was, no temporary left."""
+    import shutil
+    for f in ("A", "A_full", "B"):
+        shutil.copytree(str(pair / f), str(tmp_path / f))
+    shutil.copy(str(pair / "task.txt"), str(tmp_path / "task.txt"))
+    shards = sorted(n for n in os.listdir(tmp_path / "B")
+                    if n.startswith("model-"))
+    shard = tmp_path / "B" / shards[-1]
+    for n in shards:      # written long ago: a rewrite moves the time
+        os.utime(str(tmp_path / "B" / n), (1e9, 1e9))
+    out = tmp_path / "B_ft"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    env = dict(os.environ, OMP_NUM_THREADS="1", BICO_BLIS_ARCH="auto")
+    env.pop("BICO_STREAM_TEST_KILL", None)
+    p, k = point.split(":")
+    r = subprocess.run(
+        [sys.executable, "-c", _REWRITE, p, k, str(shard), "--method", "fit",
+         "--source", "A/", "--source-tuned", "A_full/", "--target", "B/",
+         "--text", "task.txt", "--window", "32", "--windows", "8",
+         "--output", str(out) + "/", "--alpha", "1", "--quiet"],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True,
+        timeout=300)
+    err = [x for x in r.stderr.splitlines()
+           if x.strip() and ": warning: " not in x]
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert len(err) == 1, r.stderr
+    assert shards[-1] in err[0] and "changed while it was being read" \
+        in err[0], err
+    assert os.listdir(out) == ["old.txt"] and \
+        (out / "old.txt").read_text() == "old"
+    assert _spill_like(tmp_path) == []

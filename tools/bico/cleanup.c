@@ -12,7 +12,7 @@
  * (".<folder>.bico-tmp.<pid>.XXXXXX", lib/io/fileio.h), so its parent is
  * registered too and a marked folder is removed with everything in it.
  * Files and folders left by a kill -9 are removed by the next run
- * (lib/io/fileio.c).  The lock file of an output folder
+ * (lib/io/fileio.c: those whose flock no live run holds).  The lock file of an output folder
  * (".<folder>.bico-lock" in its real parent, lib/io/outdir.c) is removed
  * too when it names this process as its holder; one that names another
  * process is that process's and stays.  Removal never enters a folder on

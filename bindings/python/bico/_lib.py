@@ -418,6 +418,7 @@ PROTOTYPES = {
     "bico_folder_create": (_S, [c_void_p, PP]),
     "bico_folder_free": (None, [c_void_p]),
     "bico_folder_add_input": (_S, [c_void_p, c_char_p, c_char_p]),
+    "bico_folder_add_file": (_S, [c_void_p, c_char_p, c_char_p]),
     "bico_folder_add_output": (_S, [c_void_p, c_char_p, c_char_p, c_int,
                                     P(c_size_t)]),
     "bico_folder_begin": (_S, [c_void_p]),

@@ -21,10 +21,21 @@ written through the library's own writers (which join the run's lock):
         bico.safetensors.write(out, tensors, like=tgt)   # under the lock
         save_adapter(run.path(1))                        # committed at exit
 
+Output files the caller writes itself (a statistics file), checked by
+the same rule before anything is loaded:
+
+    with bico.folder.Run(inputs=[("--target", tgt), ("--text", txt)],
+                         files=[("--output", "stats.safetensors")]):
+        ...
+        bico.safetensors.write("stats.safetensors", tensors)
+
 What is refused (BicoError with the library's message naming the role
 and path, nothing written; see folder.h): an output folder that is, or
 holds at any depth, an input or another output, whatever the spelling
-("./x", "x/", symbolic links); an existing output that is not a folder; a
+("./x", "x/", symbolic links); an output file that is an input or another
+output, lies inside an output folder or an input folder (a shard,
+config.json of a model folder the run reads), or is not a regular file
+(a folder, a FIFO); an existing output that is not a folder; a
 dangling link; a mount point or a folder holding one; the working
 directory or a folder holding it; an existing folder that holds anything
 under the policy "refuse" (the default: replace=True or "replace" drops the
@@ -66,6 +77,15 @@ class Folder(_Handle):
         _check(fn.folder_add_input(
             self._alive(), None if what is None else _enc(what, "what"),
             _enc(path, "input path")), self.ctx)
+
+    def add_file(self, path, what=None):
+        """An output file of the run: checked at begin by the same rule
+        (not an input, not inside an input model folder or an output
+        folder, a regular file or nothing), never written by the handle:
+        the caller writes it (bico.safetensors.write) once begun."""
+        _check(fn.folder_add_file(
+            self._alive(), None if what is None else _enc(what, "what"),
+            _enc(path, "output file path")), self.ctx)
 
     def add_output(self, path, what=None, policy="refuse"):
         """An output folder; policy "refuse" (default), "replace" or
@@ -121,6 +141,11 @@ class Run(object):
              messages: "--source", "source model").
     outputs: paths, or (what, path) / (what, path, policy) tuples; policy
              "refuse" (default), "replace" or "carry".
+    files:   output files, paths or (what, path) pairs: checked on entry
+             by the same rule (not an input, nor the same file as another
+             output, nor inside an output folder or directly in an input
+             model folder; a regular file or nothing), never written by
+             the run: the caller writes them (bico.safetensors.write).
     wait:    seconds to wait for another process writing an output folder
              (default 0: refuse at once, naming it).
     Inside the block, path(i) is the new folder of output i; an output
@@ -129,9 +154,10 @@ class Run(object):
     the run's lock).  After the block, kept[i] names output i's old tree
     when it had to be kept (else None)."""
 
-    def __init__(self, inputs=(), outputs=(), wait=0, ctx=None):
+    def __init__(self, inputs=(), outputs=(), wait=0, ctx=None, files=()):
         self._ctx = Context() if ctx is None else ctx
         self._inputs = [_pair(i, "input") for i in inputs]
+        self._files = [_pair(i, "output file") for i in files]
         self._outputs = []
         for o in outputs:
             if isinstance(o, (tuple, list)):
@@ -155,6 +181,8 @@ class Run(object):
                 f.add_input(path, what)
             for what, path, policy in self._outputs:
                 f.add_output(path, what, policy)
+            for what, path in self._files:
+                f.add_file(path, what)
             f.begin()
         except BaseException:
             f.close()

@@ -15,9 +15,13 @@ pretrained models run on each window with the next-token loss, and
 bico.torch.collect_statistics accumulates one cross-covariance per module
 pair (docs/formats.md, "Statistics file").  The same options, checks and
 exit status as the command (bico.llm.options: 2 a user mistake, 1 a
-failure while running).
+failure while running).  --output is checked against every input before
+anything is loaded, by the library's rule for output files
+(bico_folder_add_file): never an input, a file of an input model folder
+(a shard of --target, its config.json), nor anything but a regular file.
 """
 import os
+import re
 import sys
 import time
 
@@ -25,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import _blis
-from .._status import BicoError, E_IO
+from .._status import BicoError, E_ARG, E_IO
 from ..torch.collect import collect_statistics
 from . import options as opts
 from .options import (named as _named, setup as _setup,
@@ -82,6 +86,28 @@ def _parser(prog):
     return p
 
 
+def _check_output(a):
+    """--output against every input, by the library's rule for output
+    files (bico.folder.Run's files, bico_folder_add_file): the same file
+    as an input whatever the spelling (links, "B/../B/x", hard links), a
+    file directly in an input model folder (a shard, config.json or the
+    tokenizer of --target), a destination that is not a regular file (a
+    folder, a FIFO), a missing folder.  A user mistake, one line naming
+    both options and paths, before anything is loaded or written."""
+    from ..folder import Run
+    ins = [(o, v) for o, v in (("--source", a.source), ("--target", a.target),
+                               ("--text", a.text), ("--ids", a.ids),
+                               ("--tokenizer", a.tokenizer)) if v]
+    try:
+        with Run(inputs=ins, files=[("--output", a.output)]):
+            pass
+    except BicoError as e:
+        msg = re.sub(r"^[a-z_]+: ", "", e.message)    # the function's name
+        if e.status in (E_ARG, E_IO):
+            raise opts.UsageError(msg)
+        raise BicoError(e.status, msg)
+
+
 def _prepare(a, q):
     """(source, target, windows) read and checked: every refusal a user
     mistake."""
@@ -90,9 +116,7 @@ def _prepare(a, q):
     if a.tokenizer is not None and not os.path.exists(a.tokenizer):
         raise opts.UsageError("--tokenizer %s: no such file or folder"
                               % a.tokenizer)
-    if os.path.isdir(a.output):
-        raise opts.UsageError("--output %s: a folder; the statistics are "
-                              "one file" % a.output)
+    _check_output(a)
     data, what = opts.read_data(a)
     if a.text:
         tok = a.tokenizer or a.target
