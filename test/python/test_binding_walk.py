@@ -550,7 +550,7 @@ NO_ARRAYS = {
     "bico._stats:" + n for n in ("stats_from_calib", "stats_merge")} | {
     "bico.safetensors:" + n for n in (
         "File", "File.keys", "File.info", "File.get", "File.check_finite",
-        "File.get_range", "Writer", "Writer.declare",
+        "File.check_unchanged", "File.get_range", "Writer", "Writer.declare",
         "Writer.commit", "open", "read", "dtype_name")}
 
 

@@ -455,7 +455,10 @@ def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
                             -signal.SIGKILL), r.stderr[-2000:]
     assert os.listdir(out) == ["old.txt"] and \
         (out / "old.txt").read_text() == "old"
-    assert os.listdir(spill) == []
+    # the spill store's file never had a name; a SIGKILL leaves the run's
+    # scratch folder (in --spill-dir), which the next run removes
+    assert os.listdir(spill) == [] if sig == "TERM" else \
+        all(n.startswith("bico-llm-") for n in os.listdir(spill))
     left = _spill_like(tmp_path)
     assert left == [] if sig == "TERM" else \
         all(n.startswith(".B_ft.bico-tmp.") for n in left)
@@ -465,6 +468,7 @@ def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
     r = subprocess.run(cmd, cwd=str(pair), env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert os.listdir(spill) == []      # the killed run's scratch removed
     assert "model.safetensors.index.json" in os.listdir(out)
     # the folder commit carries the old folder's other files over
     assert (out / "old.txt").read_text() == "old"

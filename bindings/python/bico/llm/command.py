@@ -238,6 +238,14 @@ def _parser(prog):
                    help="folder of that temporary file (default: the "
                    "output's parent folder, else $TMPDIR; never an input "
                    "folder)")
+    _route_options(p)
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _route_options(p):
+    """The parser's "routes" group: the route and distillation's
+    options."""
     d = p.add_argument_group(
         "routes", "--method fit: the sequential fit (a dense update, an "
         "adapter by reduced-rank regression); distill: the target "
@@ -288,8 +296,6 @@ def _parser(prog):
     d.add_argument("--device", default="cpu",
                    help="torch device the models run on: cpu (default) or "
                    "cuda[:N] when present (implies --in-memory)")
-    p.add_argument("--quiet", action="store_true")
-    return p
 
 
 def _load(a, dt, tmp, q):
