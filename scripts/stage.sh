@@ -48,8 +48,10 @@ run)
   if [ "$rc" != 0 ]; then
     report "$(basename "$log")"
     echo "---- FAILED: stage $name (exit $rc); its whole output: $log.d/$name.log ----"
-    grep -a -E '^\[  FAILED  \] [A-Za-z_]|^(FAILED|ERROR) [^ ]|^SUMMARY: [A-Za-z]+Sanitizer|ERROR SUMMARY: [1-9]|definitely lost: [1-9]|^ThreadSanitizer|^==[0-9]+==ERROR|^fuzz: FAILED|^abi-check: FAILED|^[a-z-]+: FAILED|\*\*\* \[' \
-      "$log.d/$name.log" | sort -u | tail -n 60
+    named=$(grep -a -E '^\[  FAILED  \] [A-Za-z_]|^(FAILED|ERROR) [^ ]|^SUMMARY: [A-Za-z]+Sanitizer|ERROR SUMMARY: [1-9]|definitely lost: [1-9]|^ThreadSanitizer|^==[0-9]+==ERROR|^fuzz: FAILED|^abi-check: FAILED|^[a-z-]+: FAILED|broken rule|^cycle: |\*\*\* \[' \
+      "$log.d/$name.log" | sort -u | tail -n 60)
+    # nothing named: the end of the stage's output says what happened
+    if [ -n "$named" ]; then echo "$named"; else tail -n 25 "$log.d/$name.log"; fi
     exit "$rc"
   fi
   ;;

@@ -295,6 +295,20 @@ static bico_status one_tensor(bico__run *r, size_t ti) {
   return st;
 }
 
+bico_status bico__xfer_check_unchanged(bico__run *r) {
+  /* the statistics and calibration files are read in panels by the
+   * workers, the bridge's maps on demand: all of them, not only the
+   * models (the workers' own handles opened after these, so a change
+   * since is a change here too) */
+  const bico_stfile *read[] = {r->sb,    r->sft,   r->tv,
+                               r->tb,    r->sc,    r->tc,
+                               r->stats, r->votes, bico__bridge_file(r)};
+  bico_status st = BICO_OK;
+  for (size_t k = 0; k < sizeof read / sizeof *read && st == BICO_OK; k++)
+    if (read[k] != NULL) st = bico_stfile_check_unchanged(read[k]);
+  return st;
+}
+
 /* Every output complete in its temporary file, then all destinations
  * checked and committed together (lib/io/fileio.c): a failure before the
  * renames leaves nothing new. */

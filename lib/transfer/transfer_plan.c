@@ -37,20 +37,6 @@ bico_status bico__xfer_open_file(bico__run *r, int which, bico_stfile **f) {
   return BICO_OK;
 }
 
-bico_status bico__xfer_check_unchanged(bico__run *r) {
-  /* the statistics and calibration files are read in panels by the
-   * workers, the bridge's maps on demand: all of them, not only the
-   * models (the workers' own handles opened after these, so a change
-   * since is a change here too) */
-  const bico_stfile *read[] = {r->sb,    r->sft,   r->tv,
-                               r->tb,    r->sc,    r->tc,
-                               r->stats, r->votes, bico__bridge_file(r)};
-  bico_status st = BICO_OK;
-  for (size_t k = 0; k < sizeof read / sizeof *read && st == BICO_OK; k++)
-    if (read[k] != NULL) st = bico_stfile_check_unchanged(read[k]);
-  return st;
-}
-
 /* The module whose map carries a token tensor of the given width when the
  * user named none: the first module, in this order, whose map lives in the
  * space the token is added to:
