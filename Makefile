@@ -676,7 +676,9 @@ CHECK_LOG = $(BUILD)/check
 # the sanitized one (a record of other Python sources, or none: all run).
 REACH_RECORD := $(abspath build)/python-reach-c.txt
 XDIST = $(if $(shell [ "$(JOBS)" -gt 1 ] 2>/dev/null && $(PYTHON) -c 'import xdist' 2>/dev/null && echo yes),-n $(JOBS) --dist loadfile)
-PYTEST = PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
+# (each worker one thread of its own: JOBS workers, JOBS cores)
+PYTEST = $(if $(XDIST),OMP_NUM_THREADS=1) \
+  PYTHONPATH=$(abspath bindings/python) BICO_BUILD=$(abspath $(BUILD)) \
   BICO_LIBRARY=$(abspath $(SHLIB)) $(PYTHON) -m pytest -q -p no:cacheprovider \
   --durations=10 $(XDIST)
 ifeq ($(SANITIZE),1)

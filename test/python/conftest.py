@@ -128,10 +128,23 @@ def _digest():
 
 
 def pytest_configure(config):
+    worker = hasattr(config, "workerinput")
     # the controller (not an xdist worker) starts the record
-    if _RECORD and not hasattr(config, "workerinput"):
+    if _RECORD and not worker:
         with open(_RECORD, "w") as f:
             f.write(_digest() + "\n")
+    # and says what the record holds (its workers deselect)
+    if _ONLY and not worker:
+        try:
+            with open(_ONLY) as f:
+                lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+        except OSError:
+            lines = []
+        config._bico_reach = (
+            "the record lists %d tests that reach the C library; only "
+            "those run here" % (len(lines) - 1) if lines and
+            lines[0] == _digest() else
+            "no record of these Python sources: every test runs")
 
 
 @pytest.hookimpl(hookwrapper=True)
