@@ -125,6 +125,21 @@ CMD_METHODS = [
      "lora"),
     ("distill r16 k256 512", ["--method", "distill", "--teacher-k", "256"],
      512, "lora"),
+    # a few windows (issue 46): the teacher writes task text from prompts
+    # cut from them (--generate auto: up to 512 windows in all), against
+    # the same windows alone (--generate 0)
+    ("distill r16 32 nogen", ["--method", "distill", "--generate", "0"], 32,
+     "lora"),
+    ("distill r16 64 nogen", ["--method", "distill", "--generate", "0"], 64,
+     "lora"),
+    ("distill r16 gen 32", ["--method", "distill"], 32, "lora"),
+    ("distill r16 gen 64", ["--method", "distill"], 64, "lora"),
+    ("distill r16 gen 32 keep.5", ["--method", "distill", "--generate-keep",
+                                   "0.5", "--generate", "960"], 32, "lora"),
+    ("distill r16 gen 32 t.8", ["--method", "distill",
+                                "--generate-temperature", "0.8"], 32, "lora"),
+    ("cmd auto 32", [], 32, "lora"),
+    ("cmd auto 64", [], 64, "lora"),
     # the control: the target's factors trained on the calibration text
     # alone (its own next-token loss, no teacher): what the text gives
     # without the source's fine-tune

@@ -54,6 +54,9 @@ from .options import (named as _named, setup as _setup,  # noqa: F401
 from .text import text_batches, next_token_loss, lm_loss, tokenize
 
 GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+# --generate auto: the teacher writes windows until the distillation has
+# this many (docs/llm.md, "A few windows")
+GENERATE_TOTAL = 512
 
 
 def _log(quiet, *a):
@@ -293,6 +296,21 @@ def _route_options(p):
     d.add_argument("--teacher-memory", type=opts.mebibytes, default=1024,
                    help="MiB of teacher entries kept in memory; the rest "
                    "go to a temporary folder (1024)")
+    d.add_argument("--generate", type=opts.generate_count, default="auto",
+                   help="windows of task text the teacher writes for the "
+                   "distillation, from prompts cut from the fit windows "
+                   "(auto: enough to make %d windows with the user's; 0: "
+                   "none); the held-out windows stay the user's"
+                   % GENERATE_TOTAL)
+    d.add_argument("--generate-temperature", type=opts.temperature,
+                   default=1.0, help="the written text's sampling "
+                   "temperature (1)")
+    d.add_argument("--generate-top-p", type=opts.share_or_one, default=0.95,
+                   help="nucleus sampling: the fewest tokens whose "
+                   "probability adds up to this (0.95)")
+    d.add_argument("--generate-keep", type=opts.share_or_one, default=1.0,
+                   help="share of the written windows kept, the most "
+                   "likely under the fine-tuned source (1: all)")
     d.add_argument("--device", default="cpu",
                    help="torch device the models run on: cpu (default) or "
                    "cuda[:N] when present (implies --in-memory)")
@@ -597,10 +615,14 @@ def _warm_pairs(a, tgt, best, names):
     return out
 
 
-def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
+def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes,
+                cal_d=None):
     """Runs the routes --method names and returns (chosen route, {route:
     per-window held-out losses}, fit result or None, distillation result
-    or None, the target's original state)."""
+    or None, the target's original state).  cal_d: the distillation's
+    windows when its teacher was computed on other windows than cal's
+    (the user's and the written ones); by default the written ones are
+    added here when the source pair is in models."""
     log = lambda *m: _log(q, *m)  # noqa: E731
     base = _original_state(a, tgt)
     per = {0: _distill._d.window_losses(tgt, cal.held_out)}
@@ -616,7 +638,10 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes):
         if warm and _mode(a) == "lora" and fit is not None:
             init = _warm_pairs(a, tgt, fit, _distill.lora_modules(
                 tgt, [m for m in a.target_modules.split(",") if m]))
-        res = _distill_target(a, tgt, cal, log, tmp, init, models)
+        dcal = cal_d if cal_d is not None else _generated(
+            a, (models["source"], models["tuned"], tgt), cal, q) \
+            if "source" in models else cal
+        res = _distill_target(a, tgt, dcal, log, tmp, init, models)
         per[2] = res.per_window
     chosen, means = _choose_route(per, log)
     return chosen, means, fit, res, base
@@ -645,6 +670,54 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
         seed=a.seed, text_weight=a.text_weight,
         teacher_weight=a.teacher_weight)
+
+
+def _generate_count(a, cal):
+    """How many windows the teacher writes: --generate, or auto's
+    GENERATE_TOTAL less the user's fit windows (none beyond it)."""
+    if a.generate == "auto":
+        return max(0, GENERATE_TOTAL - cal.windows)
+    return a.generate
+
+
+def _generated(a, models, cal, q):
+    """cal with the windows the teacher (models: source, fine-tuned
+    source, target, loaded) writes appended to its fit batches (the
+    held-out batches unchanged), or cal itself when none are asked for."""
+    n = _generate_count(a, cal)
+    if not n:
+        return cal
+    from .generate import write
+    window = cal.batches[0][0].shape[1]
+    dev = next(models[2].parameters()).device
+    _log(q, "generate: the teacher writes %d windows of %d tokens from "
+         "prompts of the %d fit windows (temperature %g, top-p %g%s)"
+         % (n, window, cal.windows, a.generate_temperature,
+            a.generate_top_p, "" if a.generate_keep >= 1 else
+            ", the likeliest %g kept" % a.generate_keep))
+    gen = write(models, cal.batches, n, window,
+                temperature=a.generate_temperature, top_p=a.generate_top_p,
+                batch_size=a.batch_size, seed=a.seed, keep=a.generate_keep,
+                log=lambda m: _log(q, m), device=dev)
+    return cal._replace(batches=list(cal.batches) + gen)
+
+
+def _generated_from_folders(a, dt, q, cal, tuned):
+    """_generated with the three models read whole for the writing and
+    freed afterwards (the teacher is then computed from the folders a
+    block at a time, as without generation)."""
+    if not _generate_count(a, cal):
+        return cal
+    _log(q, "loading %s, %s, %s to write task text" % (
+        a.source, a.source_tuned or a.lora, a.target))
+    ms = tuple(_named(o, f, load_model, f, dtype=dt) for o, f in (
+        ("--source", a.source), ("--lora" if a.lora else "--source-tuned",
+                                 tuned), ("--target", a.target)))
+    try:
+        return _generated(a, ms, cal, q)
+    finally:
+        del ms
+        _heap.trim()
 
 
 def _original_state(a, tgt):
@@ -1013,20 +1086,24 @@ def _streamed_distill(a, dt, q, cal, tuned, spill, tmp):
     folders a block at a time, then the target loaded alone and trained;
     (target, its files' dtypes, bico.llm.distill.Result)."""
     log = lambda *m: _log(q, *m)  # noqa: E731
-    models, tgt, tdtypes = _teacher_then_target(a, dt, q, cal, tuned, spill,
-                                                tmp)
-    return tgt, tdtypes, _distill_target(a, tgt, cal, log, tmp, None, models)
+    models, tgt, tdtypes, dcal = _teacher_then_target(a, dt, q, cal, tuned,
+                                                      spill, tmp)
+    return tgt, tdtypes, _distill_target(a, tgt, dcal, log, tmp, None,
+                                         models)
 
 
 def _teacher_then_target(a, dt, q, cal, tuned, spill, tmp):
-    """The teacher computed from the folders, its models freed, then the
-    target loaded alone: ({"teacher": ...}, target, its files' dtypes)."""
-    models = {"teacher": _teacher_from_folders(a, dt, q, cal, tuned, spill,
+    """The windows the teacher writes added (--generate), the teacher
+    computed from the folders, its models freed, then the target loaded
+    alone: ({"teacher": ...}, target, its files' dtypes, the
+    distillation's windows)."""
+    dcal = _generated_from_folders(a, dt, q, cal, tuned)
+    models = {"teacher": _teacher_from_folders(a, dt, q, dcal, tuned, spill,
                                                tmp)}
     _heap.trim()
     tgt, tdtypes = _load_target(a, dt, q)
     _heap.trim()
-    return models, tgt, tdtypes
+    return models, tgt, tdtypes, dcal
 
 
 def _write_streamed_fit(a, sf, best, chosen, means, cal):
@@ -1175,11 +1252,11 @@ def _route_teacher_streamed(a, dt, q, prog, tmp):
     """--method distill, the teacher streamed from the folders, the target
     loaded alone after it."""
     cal, tuned, spill = _prepared(_prepare_streamed, a, tmp, q)
-    models, tgt, tdtypes = _teacher_then_target(a, dt, q, cal, tuned, spill,
-                                                tmp)
+    models, tgt, tdtypes, dcal = _teacher_then_target(a, dt, q, cal, tuned,
+                                                      spill, tmp)
     _before_fit(a, None, tgt, cal, q, prog)
     chosen, means, fit, res, base = _run_routes(
-        a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes)
+        a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes, dcal)
     _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes)
 
 

@@ -90,10 +90,15 @@ class Attention(nn.Module):
                                      self.v_proj(x), attention_mask,
                                      position_embeddings))
 
-    def core(self, q, k, v, attention_mask, position_embeddings):
+    def core(self, q, k, v, attention_mask, position_embeddings,
+             cache=None):
         """The attention between the projections: q, k, v (the q/k/v
         projections' outputs, [B, T, *]) -> o_proj's input [B, T, H hd]
-        (what forward computes; the streamed runner calls it by stage)."""
+        (what forward computes; the streamed runner calls it by stage).
+        cache: a list [keys, values] of the positions before these
+        ([B, KV, T0, hd] each after rotation, or None): the new keys and
+        values are appended to it, and attention_mask is then [T, T0 + T]
+        (DecoderLM.step: one token at a time with a key-value cache)."""
         B, T, _ = q.shape
         q = q.view(B, T, self.H, self.hd).transpose(1, 2)
         k = k.view(B, T, self.KV, self.hd).transpose(1, 2)
@@ -101,6 +106,11 @@ class Attention(nn.Module):
         cos, sin = position_embeddings
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            if cache[0] is not None:
+                k = torch.cat([cache[0], k], dim=2)
+                v = torch.cat([cache[1], v], dim=2)
+            cache[0], cache[1] = k, v
         rep = self.H // self.KV
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
@@ -167,16 +177,45 @@ class Model(nn.Module):
                             cfg["gemma"])
         self.register_buffer("inv_freq", _inv_freq(cfg), persistent=False)
 
-    def forward(self, input_ids, attention_mask=None):
+    def _embed(self, input_ids, start=0):
+        """(embeddings, (cos, sin)) of tokens at positions start, start +
+        1, ...: the stem and the rotary angles forward and step share."""
         h = self.embed_tokens(input_ids)
         if self.cfg["gemma"]:
             h = h * torch.tensor(self.cfg["d"] ** 0.5, dtype=h.dtype)
         T = input_ids.shape[-1]
         ft = torch.float64 if h.dtype == torch.float64 else torch.float32
-        pos = torch.arange(T, device=h.device, dtype=ft)
+        pos = torch.arange(start, start + T, device=h.device, dtype=ft)
         ang = pos[:, None] * self.inv_freq.to(h.device, ft)[None, :]
         emb = torch.cat([ang, ang], dim=-1)
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        return h, (emb.cos().to(h.dtype), emb.sin().to(h.dtype))
+
+    def step(self, input_ids, cache):
+        """The final hidden states of the tokens input_ids [B, T] that
+        follow the cache's positions (cache: one [keys, values] list a
+        layer, both None at first; filled as it goes): generation with
+        a key-value cache, each layer's operations those of forward."""
+        start = 0 if cache[0][0] is None else cache[0][0].shape[2]
+        h, pe = self._embed(input_ids, start)
+        T = input_ids.shape[-1]
+        i = torch.arange(start, start + T, device=h.device)[:, None]
+        j = torch.arange(start + T, device=h.device)[None, :]
+        bad = j > i
+        if self.cfg.get("window"):
+            bad = bad | (i - j >= self.cfg["window"])
+        mask = torch.zeros(T, start + T, dtype=h.dtype, device=h.device) \
+            .masked_fill(bad, float("-inf"))[None, None]
+        for layer, c in zip(self.layers, cache):
+            at = layer.self_attn
+            x = layer.input_layernorm(h)
+            h = h + at.o_proj(at.core(at.q_proj(x), at.k_proj(x),
+                                      at.v_proj(x), mask, pe, cache=c))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def forward(self, input_ids, attention_mask=None):
+        h, (cos, sin) = self._embed(input_ids)
+        T = input_ids.shape[-1]
         mask = _causal_mask(T, self.cfg.get("window"), h)
         if attention_mask is not None:  # [B, T] padding: 1 keep, 0 drop
             pad = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) \
@@ -246,6 +285,18 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids, attention_mask=None):
         return self.lm_head(self.model(input_ids, attention_mask))
+
+    def new_cache(self):
+        """An empty key-value cache for step()."""
+        return [[None, None] for _ in self.model.layers]
+
+    def step(self, input_ids, cache):
+        """The logits of the last of the tokens input_ids [B, T], which
+        follow the positions cache holds (new_cache(), filled as it goes):
+        one forward over the new tokens only, the earlier ones' keys and
+        values read from the cache.  The same logits as forward() over the
+        whole sequence."""
+        return self.lm_head(self.model.step(input_ids, cache)[:, -1])
 
     def get_output_embeddings(self):
         """The head (transformers' name for it): what transfer_model's fit

@@ -237,6 +237,34 @@ def share(s):
     return v
 
 
+def generate_count(s):
+    """"auto" or an integer from 0 to COUNT_LIMIT (--generate)."""
+    if s == "auto":
+        return s
+    what = "auto or an integer from 0 to %d" % COUNT_LIMIT
+    v = _int(s, what)
+    if not 0 <= v <= COUNT_LIMIT:
+        raise _bad(what, s)
+    return v
+
+
+def temperature(s):
+    """A sampling temperature from 0 (the most likely token) to 100."""
+    v = _number(s)
+    if not (math.isfinite(v) and 0 <= v <= 100):
+        raise _bad("a number from 0 to 100", s)
+    return v
+
+
+def share_or_one(s):
+    """A number above 0 and at most 1 (--generate-top-p,
+    --generate-keep)."""
+    v = _number(s)
+    if not 0 < v <= 1:
+        raise _bad("a number above 0 and at most 1", s)
+    return v
+
+
 def alpha(s):
     """"auto" or a number from 0 to ALPHA_LIMIT (--alpha)."""
     if s == "auto":
