@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import bico
 from bico.torch import distill as D
+from bico._status import BicoError
 
 torch.set_num_threads(1)
 
@@ -232,6 +233,36 @@ def test_a_teacher_that_only_hurts_leaves_the_target_untouched():
     assert step == 0 and rep[0]["step"] == 0
     for k, v in b.state_dict().items():
         assert torch.equal(v, w0[k])
+
+
+def test_patience_stops_when_the_held_out_loss_stops_improving():
+    """A harmful teacher: no check ever beats the untouched target, so
+    with patience 3 training stops after three checks (60 steps of 200),
+    keeping the untouched target; without patience every step runs.  A
+    check that improves resets the count (a planted sequence of held-out
+    losses)."""
+    b = Net(0)
+    a, aft = Net(1), Net(2)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(16, 6, generator=g) for _ in range(4)]
+    t = D.build_teacher(a, aft, b, xs, lambda m, x: m(x))
+    params = [p for p in b.parameters()]
+    rep = []
+    D.distill(b, t, xs, 1, lambda m: [1.0], params=params, steps=200,
+              lr=1e-2, every=20, report=rep, patience=3)
+    assert rep[0]["steps_run"] == 60 and rep[0]["step"] == 0
+    rep = []
+    D.distill(b, t, xs, 1, lambda m: [1.0], params=params, steps=200,
+              lr=1e-2, every=20, report=rep)
+    assert rep[0]["steps_run"] == 200
+    seq = iter([5.0, 4.0, 4.5, 3.0, 3.5, 3.6, 3.7, 0.1])
+    rep = []
+    D.distill(b, t, xs, 1, lambda m: [next(seq)], params=params, steps=200,
+              lr=1e-2, every=20, report=rep, patience=3)
+    # checks at 20 (4.0 best), 40 (4.5), 60 (3.0 best), 80, 100, 120: stop
+    assert rep[0]["steps_run"] == 120 and rep[0]["step"] == 60
+    with pytest.raises(BicoError, match="patience"):
+        D.distill(b, t, xs, 1, lambda m: [1.0], params=params, patience=0)
 
 
 class TinyLM(nn.Module):

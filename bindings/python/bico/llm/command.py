@@ -57,6 +57,9 @@ GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 # --generate auto: the teacher writes windows until the distillation has
 # this many (docs/llm.md, "A few windows")
 GENERATE_TOTAL = 512
+# --patience: held-out checks without a better loss before distillation
+# stops (docs/llm.md, "A few windows")
+PATIENCE = 4
 
 
 def _log(quiet, *a):
@@ -296,6 +299,10 @@ def _route_options(p):
     d.add_argument("--teacher-memory", type=opts.mebibytes, default=1024,
                    help="MiB of teacher entries kept in memory; the rest "
                    "go to a temporary folder (1024)")
+    d.add_argument("--patience", type=opts.count_or_zero, default=PATIENCE,
+                   help="distillation stops once this many held-out checks "
+                   "(every 25 steps) in a row found nothing better (%d; 0: "
+                   "every step runs)" % PATIENCE)
     d.add_argument("--generate", type=opts.generate_count, default="auto",
                    help="windows of task text the teacher writes for the "
                    "distillation, from prompts cut from the fit windows "
@@ -669,7 +676,7 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         lr=a.lr, teacher_k=a.teacher_k,
         budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
         seed=a.seed, text_weight=a.text_weight,
-        teacher_weight=a.teacher_weight)
+        teacher_weight=a.teacher_weight, patience=a.patience or None)
 
 
 def _generate_count(a, cal):

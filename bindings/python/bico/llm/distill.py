@@ -115,7 +115,7 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         steps=None, lr=None, every=25, teacher_k=64, budget=1 << 30,
         spill_dir=None, seed=0, chunk=_d.TOKEN_CHUNK, release=None,
         text_weight=TEXT_WEIGHT, teacher_weight=1.0, pair=None,
-        teacher=None):
+        teacher=None, patience=None):
     """Distils target towards the proxy-tuned teacher on cal (a
     Calibration: batches of (ids, next ids), held_out the same).
 
@@ -134,7 +134,9 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     and source_tuned are then not used), closed by this call.
     text_weight: the loss adds this times the windows' own next-token
     cross-entropy (0: the teacher alone); teacher_weight scales the
-    teacher's KL (0: the text alone, a control).  Returns a Result; target is
+    teacher's KL (0: the text alone, a control).  patience: training
+    stops once that many held-out checks (every `every` steps) in a row
+    found nothing better (None: every step runs).  Returns a Result; target is
     left in the chosen state (the factors still attached in mode "lora":
     result.adapter.remove() detaches)."""
     if mode not in ("lora", "dense"):
@@ -170,7 +172,7 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         return _train(target, teacher, inputs, cal, log, mode, rank,
                       lora_alpha, modules, save, init, steps, lr, every,
                       seed, chunk, t0, targets, (text_weight,
-                                                  teacher_weight))
+                                                  teacher_weight), patience)
     finally:
         teacher.close()
 
@@ -188,7 +190,7 @@ def _defaults(mode, steps, lr, n_batches):
 
 def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
            modules, save, init, steps, lr, every, seed, chunk, t0, targets,
-           weights):
+           weights, patience=None):
     steps, lr = _defaults(mode, steps, lr, len(inputs))
     adapter, params, trained = None, None, {}
     if mode == "lora":
@@ -219,17 +221,21 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
         step, losses = _with_saved(target, teacher, inputs, nwin,
                                    held_losses, adapter, trained, steps, lr,
                                    every, seed, chunk, clock, rep, targets,
-                                   weights)
+                                   weights, patience)
     else:
         step, losses = _d.distill(
             target, teacher, inputs, nwin, held_losses, params=params,
             adapter=adapter, steps=steps, lr=lr, every=every, seed=seed,
             chunk=chunk, progress=lambda i, n, v: clock(i, "loss %.4f" % v),
             report=rep, targets=targets, text_weight=weights[0],
-            teacher_weight=weights[1], checkpoint=True)
+            teacher_weight=weights[1], checkpoint=True, patience=patience)
     per = _d.window_losses(target, cal.held_out, chunk)
+    ran = max(losses)
     log("distill: kept step %d of %d (held-out loss %.4f; untouched "
-        "target %.4f)" % (step, steps, losses[step], losses[0]))
+        "target %.4f)%s" % (step, steps, losses[step], losses[0],
+                            "" if ran >= steps else
+                            "; stopped at step %d: %d checks without a "
+                            "better held-out loss" % (ran, patience)))
     state = adapter.state() if adapter is not None else None
     return Result(step, losses, nwin, per, state, adapter,
                   {k: p.detach().clone() for k, p in trained.items()},
@@ -237,7 +243,8 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
 
 
 def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
-                steps, lr, every, seed, chunk, clock, rep, targets, weights):
+                steps, lr, every, seed, chunk, clock, rep, targets, weights,
+                patience=None):
     """distill with the factors and whole saved tensors training together
     (one Adam over both; the saved tensors' state kept with the
     factors')."""
@@ -261,7 +268,8 @@ def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
                      seed=seed, chunk=chunk,
                      progress=lambda i, n, v: clock(i, "loss %.4f" % v),
                      report=rep, targets=targets, text_weight=weights[0],
-                     teacher_weight=weights[1], checkpoint=True)
+                     teacher_weight=weights[1], checkpoint=True,
+                     patience=patience)
     return out
 
 

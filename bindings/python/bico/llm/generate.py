@@ -24,6 +24,7 @@ import time
 import torch
 
 from .._status import BicoError, E_ARG, E_SHAPE
+from ..torch.distill import check_finite_logits
 
 __all__ = ["write", "prompts", "sample_next", "Writer"]
 
@@ -132,6 +133,7 @@ class Writer(object):
                                     "%d, %d and %d outputs" % (
                                         za.shape[-1], zt.shape[-1],
                                         zb.shape[-1]))
+                check_finite_logits((za, zt, zb))
                 nxt = sample_next(zb + zt - za, self.temperature,
                                   self.top_p, self.g)
                 new = nxt[:, None].to(prompt.device)

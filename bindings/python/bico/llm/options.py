@@ -237,6 +237,15 @@ def share(s):
     return v
 
 
+def count_or_zero(s):
+    """An integer from 0 to COUNT_LIMIT (--patience)."""
+    what = "an integer from 0 to %d" % COUNT_LIMIT
+    v = _int(s, what)
+    if not 0 <= v <= COUNT_LIMIT:
+        raise _bad(what, s)
+    return v
+
+
 def generate_count(s):
     """"auto" or an integer from 0 to COUNT_LIMIT (--generate)."""
     if s == "auto":

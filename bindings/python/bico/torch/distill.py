@@ -44,7 +44,7 @@ from .._status import BicoError, E_ARG, E_IO, E_NONFINITE, E_SHAPE
 from .choose import pick
 
 __all__ = ["Teacher", "Adapter", "distill", "kl_to_teacher", "build_teacher",
-           "proxy_chunks",
+           "proxy_chunks", "check_finite_logits",
            "distill_model", "window_losses", "mixup", "cutmix", "shift",
            "compose", "one_of", "auto_augment", "image_augment",
            "choose_scale", "SCALES"]
@@ -275,14 +275,14 @@ def proxy_chunks(states, heads, chunk):
                             "models' outputs on one vocabulary, got %d, %d "
                             "and %d outputs" % (za.shape[-1], zt.shape[-1],
                                                 zb.shape[-1]))
-        _finite_logits((za, zt, zb))
+        check_finite_logits((za, zt, zb))
         yield torch.log_softmax(zb + zt - za, dim=-1)
 
 
 TEACHER_MODELS = ("source", "fine-tuned source", "target")
 
 
-def _finite_logits(zs):
+def check_finite_logits(zs):
     """Refuses (BicoError E_NONFINITE, naming the model) logits of the
     teacher's three models that hold NaN or Inf: a model whose weights are
     not finite, which a teacher would pass on to every step."""
@@ -324,7 +324,7 @@ def _teacher_logprobs(models, x, forward, chunk):
                             "vocabulary or label set), got %s, %s and %s"
                             % (tuple(za.shape), tuple(zt.shape),
                                tuple(zb.shape)))
-        _finite_logits((za, zt, zb))
+        check_finite_logits((za, zt, zb))
         return torch.log_softmax(zb + zt - za, dim=-1)
 
 
@@ -553,7 +553,7 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
             adapter=None, steps=1200, lr=5e-3, every=25, schedule="cosine",
             warmup=0, seed=0, forward=None, chunk=TOKEN_CHUNK,
             progress=None, report=None, targets=None, text_weight=0.0,
-            teacher_weight=1.0, checkpoint=False):
+            teacher_weight=1.0, checkpoint=False, patience=None):
     """Trains model towards the teacher (a Teacher whose batch i is
     inputs[i]) and leaves it in the best held-out state.
 
@@ -570,7 +570,9 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     one batch per step in a seeded random order; every `every` steps and
     at the last, the held-out losses; the state kept is chosen by
     bico.torch.choose.pick (rule "least-or-zero": the least mean loss,
-    unless it does not beat the untouched target clearly).  progress(step,
+    unless it does not beat the untouched target clearly).  patience:
+    training stops once that many held-out checks in a row found no loss
+    below the least so far (None: it runs every step).  progress(step,
     steps, loss) after each step.  Returns (chosen step, {step: mean
     held-out loss})."""
     if (params is None) == (adapter is None):
@@ -592,6 +594,11 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         raise BicoError(E_ARG, "distill: teacher_weight must be a number "
                         ">= 0, and not 0 with text_weight 0, got %r"
                         % (teacher_weight,))
+    if patience is not None and not (isinstance(patience, int) and
+                                     not isinstance(patience, bool) and
+                                     patience >= 1):
+        raise BicoError(E_ARG, "distill: patience must be an integer >= 1 "
+                        "or None, got %r" % (patience,))
     if text_weight and (targets is None or len(targets) != len(inputs)):
         raise BicoError(E_ARG, "distill: text_weight needs the next tokens "
                         "of every input (targets)")
@@ -611,6 +618,7 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     states = {0: snap()}
     g = torch.Generator().manual_seed(seed)
     order, t0 = [], time.time()
+    stale = 0
     for it in range(1, steps + 1):
         if not order:
             order = torch.randperm(len(inputs), generator=g).tolist()
@@ -637,8 +645,12 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
             # keep only the best state and the untouched one
             if best == it:
                 states = {0: states[0], it: snap()}
+            stale = 0 if m[it] < min(v for s, v in m.items() if s != it) \
+                else stale + 1
         if progress is not None:
             progress(it, steps, value)
+        if patience is not None and stale >= patience:
+            break
     means = {s: sum(v) / len(v) for s, v in per.items()}
     chosen = pick(means, per, rule="least-or-zero", zero=0)
     state = states[chosen] if chosen in states else states[0]
@@ -652,6 +664,7 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         p.requires_grad_(False)
     if report is not None:
         report.append({"rule": "distill", "step": chosen, "steps": steps,
+                       "steps_run": max(per),
                        "text_weight": text_weight,
                        "teacher_weight": teacher_weight,
                        "losses": means, "zero_shot": means[0],
