@@ -154,14 +154,15 @@ def loss(cfg, sd, ids, T=32):
                                      w[:, 1:].reshape(-1)))
 
 
-def write_model(path, cfg, sd, shard_bytes=6000):
+def write_model(path, cfg, sd, shard_bytes=6000, tokenizer=None):
     """A sharded BF16 Hugging Face folder (tied head: no lm_head.weight),
-    with the byte-level tokenizer.json."""
+    with the byte-level tokenizer.json (or the tokenizer.json dict
+    given)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(dict(cfg, torch_dtype="bfloat16"), f, indent=2)
     with open(os.path.join(path, "tokenizer.json"), "w") as f:
-        json.dump(tokenizer_json(), f)
+        json.dump(tokenizer or tokenizer_json(), f)
     names = [k for k in sd if k != "lm_head.weight"]
     shards, cur, size = [], {}, 0
     for k in names:
@@ -261,3 +262,44 @@ def train_full(cfg, sd, ids, steps=150, lr=3e-3, seed=4, T=32):
         loss.backward()
         opt.step()
     return {k: v.detach() for k, v in cur.items()}
+
+
+def grown_target(folder, info, extra=8):
+    """folder/B_grown: B with a vocabulary that grew past the source's, as
+    Mistral's 32 000 -> 32 768: the byte-level tokenizer plus `extra`
+    added tokens (ids 256 ...), and extra random embedding rows; on the
+    shared ids it computes B's function exactly."""
+    cfg = dict(CFG_B, vocab_size=V + extra)
+    sd = dict(info["sb"])
+    g = torch.Generator().manual_seed(11)
+    emb = sd["model.embed_tokens.weight"]
+    sd["model.embed_tokens.weight"] = torch.cat(
+        [emb, 0.1 * torch.randn(extra, emb.shape[1], generator=g,
+                                dtype=emb.dtype)])
+    tok = tokenizer_json()
+    tok["added_tokens"] = [{"id": V + k, "content": "<|extra_%d|>" % k,
+                            "single_word": False, "lstrip": False,
+                            "rstrip": False, "normalized": False,
+                            "special": True} for k in range(extra)]
+    write_model(os.path.join(folder, "B_grown"), cfg, bf16(sd), tokenizer=tok)
+    return cfg
+
+
+def bpe_target(folder, merges=64, seed=12):
+    """folder/B_bpe: a target with a byte-level BPE tokenizer of its own
+    (trained on other text than the task's: general English-like words)
+    of 256 + `merges` tokens, its weights random (B's shape): the
+    tokenizers differ, the task text tokenizes to other ids."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "python"))
+    from bico.llm.bpe import train
+    g = np.random.default_rng(seed)
+    words = ["the", "of", "and", "to", "in", "key", "value", "record",
+             "line", "shift", "letter", "model", "text", "data"]
+    general = " ".join(words[int(i)] for i in g.integers(0, len(words), 4000))
+    tok = train(general + "\n" + task_text(50, seed), V + merges)
+    cfg = dict(CFG_B, vocab_size=len(tok))
+    sd = llama.random_state(cfg, torch.Generator().manual_seed(seed))
+    sd.pop("lm_head.weight", None)
+    write_model(os.path.join(folder, "B_bpe"), cfg, bf16(sd),
+                tokenizer=tok.spec())
+    return tok

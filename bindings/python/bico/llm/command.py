@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from .. import _blis, _heap
-from .._inputs import read_input
 from .._status import BicoError, E_ARG, E_IO
 from .. import safetensors as _st
 from ..torch.choose import pick
@@ -366,26 +365,68 @@ def _target_dtypes(a, dt):
 
 
 def _warn_tokenizers(a):
-    toks = [os.path.join(f, "tokenizer.json") for f in (a.source,
-                                                         a.target)]
-    if all(os.path.exists(t) for t in toks):
-        from .text import TOKENIZER_LIMIT
-        if read_input(toks[0], limit=TOKENIZER_LIMIT) != \
-                read_input(toks[1], limit=TOKENIZER_LIMIT):
-            print("python3 -m bico.llm: warning: %s and %s differ; "
-                  "the fit assumes one tokenizer (token ids mean "
-                  "the same in both models)" % tuple(toks),
-                  file=sys.stderr)
+    """The fit (and BiCo) take token ids to mean the same in both models:
+    said when the tokenizers differ and a route of theirs runs."""
+    if a.vocab.kind != "same" and a.method in ("fit", "auto"):
+        print("python3 -m bico.llm: warning: %s and %s differ; the fit "
+              "assumes one tokenizer (token ids mean the same in both "
+              "models)" % (a.vocab.source, a.vocab.target),
+              file=sys.stderr)
+
+
+def _relation(a, text, q):
+    """How the source's and the target's tokenizers relate
+    (bico.llm.vocab.relation), said when they differ; "different" with
+    --ids is the user's mistake (ids of one tokenizer mean nothing to the
+    other)."""
+    from .vocab import relation
+    tok = a.tokenizer or a.target
+    rel = _named("--tokenizer" if a.tokenizer else "--target", tok,
+                 relation, a.source, tok, text)
+    if rel.kind == "grown":
+        _log(q, "tokenizers: %s extends %s (its first %d ids are the "
+             "source's, and the task text tokenizes the same with both): "
+             "the teacher on the shared ids, the new ones left to the "
+             "text" % (rel.target, rel.source, rel.shared))
+    elif rel.kind == "different":
+        if not a.text:
+            raise opts.UsageError(
+                "--ids %s: the source's and the target's tokenizers differ "
+                "(%s, %s): ids of one mean nothing to the other; give the "
+                "task as --text" % (a.ids, rel.source, rel.target))
+        _log(q, "tokenizers: %s and %s differ: the teacher's logits have "
+             "no common axis; the fine-tuned source writes task text in "
+             "its own tokens and the target learns it with its own "
+             "(sequence-level distillation)" % (rel.source, rel.target))
+    return rel
+
+
+def _source_windows(a, text):
+    """The task text in the source's tokens, as windows (text_batches of
+    the command's options): the fine-tuned source's prompts when the
+    tokenizers differ."""
+    ids = _named("--source", a.source, tokenize, text, a.source)
+    try:
+        return text_batches(ids, a.window, n=a.windows, holdout=a.holdout,
+                            batch_size=a.batch_size, seed=a.seed)
+    except BicoError as e:
+        raise BicoError(e.status, "--text %s in the source's tokens: %s"
+                        % (a.text, e.message))
 
 
 def _calibration(a, q):
     """(the windows of --text / --ids (text_batches), some held out, at
     most --windows of them, in --seed's order; all the token ids)."""
     data, what = opts.read_data(a)
+    a.vocab = _relation(a, data if a.text else None, q)
+    a.source_cal = None
     if a.text:
         tok = a.tokenizer or a.target
+        text = data
         data = _named("--tokenizer" if a.tokenizer else "--target", tok,
-                      tokenize, data, tok)
+                      tokenize, text, tok)
+        if a.vocab.kind == "different":     # the source's own windows
+            a.source_cal = _source_windows(a, text)
     ids = np.asarray(data).reshape(-1)
     total = (int(ids.size) - 1) // a.window
     try:
@@ -675,8 +716,18 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         save=saves if mode == "lora" else (), init=init, steps=a.steps,
         lr=a.lr, teacher_k=a.teacher_k,
         budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
-        seed=a.seed, text_weight=a.text_weight,
-        teacher_weight=a.teacher_weight, patience=a.patience or None)
+        seed=a.seed, **_losses(a), patience=a.patience or None,
+        shared=a.vocab.shared)
+
+
+def _losses(a):
+    """The distillation's weights: the command's, or, when the tokenizers
+    differ, the text alone (the source wrote it: sequence-level
+    distillation; the logits have no common axis for a teacher)."""
+    if a.vocab.kind == "different":
+        return {"text_weight": 1.0, "teacher_weight": 0.0}
+    return {"text_weight": a.text_weight,
+            "teacher_weight": a.teacher_weight}
 
 
 def _generate_count(a, cal):
@@ -690,23 +741,56 @@ def _generate_count(a, cal):
 def _generated(a, models, cal, q):
     """cal with the windows the teacher (models: source, fine-tuned
     source, target, loaded) writes appended to its fit batches (the
-    held-out batches unchanged), or cal itself when none are asked for."""
+    held-out batches unchanged), or cal itself when none are asked for.
+    Tokenizers that differ: models[1], the fine-tuned source, writes in
+    its own tokens from prompts of the text in them (a.source_cal), and
+    the text is tokenized again with the target's tokenizer."""
     n = _generate_count(a, cal)
     if not n:
         return cal
     from .generate import write
     window = cal.batches[0][0].shape[1]
-    dev = next(models[2].parameters()).device
-    _log(q, "generate: the teacher writes %d windows of %d tokens from "
-         "prompts of the %d fit windows (temperature %g, top-p %g%s)"
-         % (n, window, cal.windows, a.generate_temperature,
-            a.generate_top_p, "" if a.generate_keep >= 1 else
+    diff = a.vocab.kind == "different"
+    src_cal = a.source_cal if diff else cal
+    ms = (models[1],) if diff else models
+    dev = next(ms[-1].parameters()).device
+    _log(q, "generate: the %s writes %d windows of %d tokens from prompts "
+         "of the %d fit windows (temperature %g, top-p %g%s)"
+         % ("fine-tuned source" if diff else "teacher", n, window,
+            src_cal.windows, a.generate_temperature, a.generate_top_p,
+            "" if a.generate_keep >= 1 else
             ", the likeliest %g kept" % a.generate_keep))
-    gen = write(models, cal.batches, n, window,
+    gen = write(ms, src_cal.batches, n, window,
                 temperature=a.generate_temperature, top_p=a.generate_top_p,
                 batch_size=a.batch_size, seed=a.seed, keep=a.generate_keep,
-                log=lambda m: _log(q, m), device=dev)
+                log=lambda m: _log(q, m), device=dev,
+                shared=a.vocab.shared)
+    if diff:
+        gen = _in_target_tokens(a, gen, window)
+        _log(q, "generate: %d windows of the target's tokens from the "
+             "written text" % sum(len(x) for x, _ in gen))
     return cal._replace(batches=list(cal.batches) + gen)
+
+
+def _in_target_tokens(a, gen, window):
+    """The windows the source wrote (its token ids), decoded to text and
+    tokenized again with the target's tokenizer, cut into windows of
+    `window` + 1 target tokens, in batches of --batch-size."""
+    from .text import detokenize, load_tokenizer
+    tok_a = load_tokenizer(a.source)
+    tok_b = load_tokenizer(a.tokenizer or a.target)
+    texts = [detokenize(torch.cat([x[i], y[i, -1:]]), tok_a)
+             for x, y in gen for i in range(len(x))]
+    ids = torch.as_tensor(np.asarray(tok_b.encode("\n".join(texts)),
+                                     dtype=np.int64))
+    m = (len(ids) - 1) // window
+    if m < 1:
+        return []
+    wins = torch.stack([ids[k * window:(k + 1) * window + 1]
+                        for k in range(m)])
+    bs = a.batch_size
+    return [(wins[s:s + bs, :-1].contiguous(), wins[s:s + bs, 1:]
+             .contiguous()) for s in range(0, m, bs)]
 
 
 def _generated_from_folders(a, dt, q, cal, tuned):
@@ -715,11 +799,16 @@ def _generated_from_folders(a, dt, q, cal, tuned):
     block at a time, as without generation)."""
     if not _generate_count(a, cal):
         return cal
-    _log(q, "loading %s, %s, %s to write task text" % (
-        a.source, a.source_tuned or a.lora, a.target))
-    ms = tuple(_named(o, f, load_model, f, dtype=dt) for o, f in (
-        ("--source", a.source), ("--lora" if a.lora else "--source-tuned",
-                                 tuned), ("--target", a.target)))
+    which = (("--source", a.source), ("--lora" if a.lora else
+                                      "--source-tuned", tuned),
+             ("--target", a.target))
+    if a.vocab.kind == "different":     # the fine-tuned source alone
+        which = which[1:2] * 2
+    _log(q, "loading %s to write task text" % ", ".join(
+        sorted(set(f for _, f in which), key=[f for _, f in which].index)))
+    loaded = {}
+    ms = tuple(loaded.setdefault(f, _named(o, f, load_model, f, dtype=dt))
+               if f not in loaded else loaded[f] for o, f in which)
     try:
         return _generated(a, ms, cal, q)
     finally:
@@ -906,7 +995,8 @@ def _prepare(a, dt, tmp, q, prog):
         m.to(dev)
     what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
     opts.check_ids(ids, what, [(o, f, _vocab(m)) for o, f, m in (
-        ("--source", a.source, src), ("--target", a.target, tgt))])
+        ("--source", a.source, src), ("--target", a.target, tgt))
+        if o == "--target" or a.vocab.kind != "different"])
     if a.output_lora or a.trainable == "lora":
         opts.check_rank(a.rank, [w for m in tgt.modules()
                                  if isinstance(m, torch.nn.Linear)
@@ -954,7 +1044,7 @@ def _teacher_from_folders(a, dt, q, cal, tuned, spill, tmp):
     return build(a.source, tuned, a.target, cal.batches, dtype=dt,
                  k=a.teacher_k, budget=int(a.teacher_memory * (1 << 20)),
                  spill_dir=tmp, store_budget=int(a.memory_budget * 2 ** 20),
-                 store_dir=spill, progress=progress)
+                 store_dir=spill, progress=progress, shared=a.vocab.shared)
 
 
 def _prepare_streamed(a, tmp, q):
@@ -992,7 +1082,9 @@ def _prepare_streamed(a, tmp, q):
     what = ("--text %s" % a.text) if a.text else ("--ids %s" % a.ids)
     opts.check_ids(ids, what, [(o, f, cfg[o].get("vocab_size")) for o, f in
                                (("--source", a.source),
-                                ("--target", a.target))])
+                                ("--target", a.target))
+                               if o == "--target" or
+                               a.vocab.kind != "different"])
     if a.output_lora or a.trainable == "lora":
         t = cfg["--target"]
         opts.check_rank(a.rank, [t.get("hidden_size"),
@@ -1105,8 +1197,8 @@ def _teacher_then_target(a, dt, q, cal, tuned, spill, tmp):
     alone: ({"teacher": ...}, target, its files' dtypes, the
     distillation's windows)."""
     dcal = _generated_from_folders(a, dt, q, cal, tuned)
-    models = {"teacher": _teacher_from_folders(a, dt, q, dcal, tuned, spill,
-                                               tmp)}
+    models = {} if a.vocab.kind == "different" else {
+        "teacher": _teacher_from_folders(a, dt, q, dcal, tuned, spill, tmp)}
     _heap.trim()
     tgt, tdtypes = _load_target(a, dt, q)
     _heap.trim()

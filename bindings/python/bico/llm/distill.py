@@ -115,7 +115,7 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         steps=None, lr=None, every=25, teacher_k=64, budget=1 << 30,
         spill_dir=None, seed=0, chunk=_d.TOKEN_CHUNK, release=None,
         text_weight=TEXT_WEIGHT, teacher_weight=1.0, pair=None,
-        teacher=None, patience=None):
+        teacher=None, patience=None, shared=None):
     """Distils target towards the proxy-tuned teacher on cal (a
     Calibration: batches of (ids, next ids), held_out the same).
 
@@ -136,7 +136,9 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     cross-entropy (0: the teacher alone); teacher_weight scales the
     teacher's KL (0: the text alone, a control).  patience: training
     stops once that many held-out checks (every `every` steps) in a row
-    found nothing better (None: every step runs).  Returns a Result; target is
+    found nothing better (None: every step runs).  shared: the source's
+    vocabulary when the target's grew past it (the teacher over those
+    ids, bico.llm.vocab "grown").  Returns a Result; target is
     left in the chosen state (the factors still attached in mode "lora":
     result.adapter.remove() detaches)."""
     if mode not in ("lora", "dense"):
@@ -148,19 +150,27 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     inputs = [x for x, _ in cal.batches]
     dev = next(target.parameters()).device
     inputs = [x.to(dev) for x in inputs]
+    if teacher is None and not teacher_weight:   # the text alone
+        teacher = _d.NoTeacher(len(inputs))
     if teacher is None:
         clock = Clock("teacher (three models per window)", len(inputs), log)
         teacher = _d.build_teacher(source, source_tuned, target, inputs,
                                    None, k=teacher_k, budget=budget,
                                    spill_dir=spill_dir, chunk=chunk,
-                                   progress=lambda i, n: clock(i))
+                                   progress=lambda i, n: clock(i),
+                                   shared=shared)
     try:
-        log("teacher: %d batches, %.1f MB in memory, %.1f MB spilled%s" % (
-            len(teacher), teacher.bytes_memory / 1e6,
-            teacher.bytes_disk / 1e6, "" if teacher.k is None or
-            teacher.k >= (teacher.outputs or 0) else
-            " (top %d of %d outputs kept per token)" % (teacher.k,
-                                                        teacher.outputs)))
+        if isinstance(teacher, _d.NoTeacher):
+            log("teacher: none: %d batches learnt by their own next-token "
+                "loss" % len(teacher))
+        else:
+            log("teacher: %d batches, %.1f MB in memory, %.1f MB "
+                "spilled%s" % (
+                    len(teacher), teacher.bytes_memory / 1e6,
+                    teacher.bytes_disk / 1e6, "" if teacher.k is None or
+                    teacher.k >= (teacher.outputs or 0) else
+                    " (top %d of %d outputs kept per token)" % (
+                        teacher.k, teacher.outputs)))
         if release is not None:
             release()
         if pair is not None:

@@ -105,9 +105,13 @@ def _takes_past(model):
 
 class Writer(object):
     """Windows written by the teacher softmax(z_B + z_A_ft - z_A):
-    models = (source, fine-tuned source, target) on one vocabulary."""
+    models = (source, fine-tuned source, target) on one vocabulary (shared:
+    the source's, when the target's grew past it: the target's first
+    `shared` columns); or models = (fine-tuned source,) alone, the source
+    side writing in its own tokens when the tokenizers differ."""
 
-    def __init__(self, models, temperature=1.0, top_p=0.95, seed=0):
+    def __init__(self, models, temperature=1.0, top_p=0.95, seed=0,
+                 shared=None):
         if not (isinstance(temperature, (int, float)) and
                 0 <= temperature <= 100):
             raise BicoError(E_ARG, "generate: temperature must be a number "
@@ -115,7 +119,7 @@ class Writer(object):
         if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
             raise BicoError(E_ARG, "generate: top_p must be above 0 and at "
                             "most 1, got %r" % (top_p,))
-        self.models = models
+        self.models, self.shared = models, shared
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.g = torch.Generator().manual_seed(seed)
 
@@ -126,7 +130,16 @@ class Writer(object):
         new = prompt
         with torch.no_grad():
             for _ in range(total - prompt.shape[1]):
+                if len(steppers) == 1:          # the source side alone
+                    zt = steppers[0](new).float()
+                    check_finite_logits((zt,), ("fine-tuned source",))
+                    new = sample_next(zt, self.temperature, self.top_p,
+                                      self.g)[:, None].to(prompt.device)
+                    out.append(new)
+                    continue
                 za, zt, zb = (s(new).float() for s in steppers)
+                if self.shared is not None:
+                    zb = zb[..., :self.shared]
                 if not (za.shape == zt.shape == zb.shape):
                     raise BicoError(E_SHAPE, "generate: the teacher needs "
                                     "the three models on one vocabulary, got "
@@ -143,13 +156,15 @@ class Writer(object):
 
 def write(models, batches, n, window, prompt_tokens=None, temperature=1.0,
           top_p=0.95, batch_size=16, seed=0, keep=1.0, log=None,
-          device=None):
+          device=None, shared=None):
     """n windows of window + 1 tokens written by the teacher (Writer),
     from prompts of prompt_tokens (default: a quarter of the window)
     cut from batches (the user's fit windows), as batches of (ids, next
     ids) of batch_size windows.  keep < 1: every window scored by the
     fine-tuned source's mean next-token log-likelihood, the least likely
-    share dropped (n * keep windows kept).  log(line): progress."""
+    share dropped (n * keep windows kept).  log(line): progress.
+    models: as Writer takes them (one model: the fine-tuned source
+    writing alone); shared: Writer's."""
     if not (isinstance(n, int) and n >= 0):
         raise BicoError(E_ARG, "generate: n must be an integer >= 0, got %r"
                         % (n,))
@@ -162,7 +177,7 @@ def write(models, batches, n, window, prompt_tokens=None, temperature=1.0,
     pr = prompts(batches, n, P, seed)
     if device is not None:
         pr = pr.to(device)
-    w = Writer(models, temperature, top_p, seed + 1)
+    w = Writer(models, temperature, top_p, seed + 1, shared)
     t0, done, rows = time.time(), 0, []
     for s in range(0, n, batch_size):
         rows.append(w.batch(pr[s:s + batch_size], window + 1))
@@ -173,7 +188,8 @@ def write(models, batches, n, window, prompt_tokens=None, temperature=1.0,
                 "%.0f s left" % (done, n, el, el / done * (n - done)))
     wins = torch.cat(rows)
     if keep < 1:
-        wins = _filtered(models[1], wins, keep, batch_size)
+        wins = _filtered(models[1 if len(models) > 1 else 0], wins, keep,
+                         batch_size)
     return [(wins[s:s + batch_size, :-1].contiguous(),
              wins[s:s + batch_size, 1:].contiguous())
             for s in range(0, len(wins), batch_size)]

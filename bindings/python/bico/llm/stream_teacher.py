@@ -28,16 +28,18 @@ __all__ = ["build"]
 
 def build(source, tuned, target, batches, dtype=None, k=None,
           budget=256 << 20, spill_dir=None, store_budget=DEFAULT_BUDGET,
-          store_dir=None, chunk=_d.TOKEN_CHUNK, progress=None):
+          store_dir=None, chunk=_d.TOKEN_CHUNK, progress=None, shared=None):
     """A bico.torch.distill.Teacher of the windows `batches` ((ids, next
     ids) pairs, or ids alone) from the folders source, tuned (the tuned
     source) and target, run at `dtype` (None: the files').  k, budget,
     spill_dir: the Teacher's (entries kept, bytes in memory, folder of
     the spilled entries); store_budget, store_dir: the boundary states'
-    spill store.  progress(done, total): after each block run."""
+    spill store.  progress(done, total): after each block run.  shared:
+    the source's vocabulary when the target's grew past it (the target's
+    head is read for those ids only)."""
     xs = [b[0] if isinstance(b, (tuple, list)) else b for b in batches]
     paths = (source, tuned, target)
-    vocab = _vocabularies(paths)
+    vocab = _vocabularies(paths, shared)
     total = sum(v[1] for v in vocab)
     done = [0]
 
@@ -51,7 +53,8 @@ def build(source, tuned, target, batches, dtype=None, k=None,
             f = Folder(path, dtype)
             try:
                 _final_states(f, tag, xs, store, tick)
-                heads.append(f.tensor(f.head_name()))
+                head = f.tensor(f.head_name())
+                heads.append(head[:shared] if shared is not None else head)
                 # a block at a time: what was read is one version
                 f.check_unchanged()
             finally:
@@ -60,9 +63,10 @@ def build(source, tuned, target, batches, dtype=None, k=None,
         return _entries(heads, xs, store, k, budget, spill_dir, chunk)
 
 
-def _vocabularies(paths):
+def _vocabularies(paths, shared=None):
     """[(head rows, layers)] of the three folders (headers only), refused
-    unless the heads share one vocabulary."""
+    unless the heads share one vocabulary (shared: the source's, which the
+    target's head extends)."""
     out = []
     for p in paths:
         f = Folder(p)
@@ -73,6 +77,8 @@ def _vocabularies(paths):
                 p, f.head_name()))
         finally:
             f.close()
+    if shared is not None and out[2][0] >= shared == out[0][0] == out[1][0]:
+        return out
     if len(set(v for v, _ in out)) != 1:
         raise BicoError(E_SHAPE, "distill: the teacher needs one vocabulary: "
                         "%s" % ", ".join("%s has %d outputs" % (p, v) for p,

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from .._inputs import check_input, open_input, read_input
 from .._status import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
 
-__all__ = ["tokenize", "text_batches", "Calibration", "next_token_loss",
-           "lm_loss", "path_like"]
+__all__ = ["tokenize", "detokenize", "load_tokenizer", "text_batches",
+           "Calibration", "next_token_loss", "lm_loss", "path_like",
+           "read_text", "read_ids"]
 
 
 def _bytes_to_unicode():
@@ -64,45 +65,97 @@ def _byte_level(spec, path):
     return table, bool(pre.get("add_prefix_space"))
 
 
+class _Bytes(object):
+    """The byte-level tokenizer whose vocabulary is the 256 bytes and has
+    no merges, read natively (a table)."""
+
+    def __init__(self, table, prefix):
+        self.table, self.prefix = table, prefix
+        self.inv = {int(i): b for b, i in enumerate(table)}
+
+    def encode(self, text):
+        if self.prefix and text and not text.startswith(" "):
+            text = " " + text
+        raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        return self.table[raw].copy()
+
+    def decode(self, ids):
+        return bytes(self.inv[int(i)] for i in ids if int(i) in self.inv) \
+            .decode("utf-8", errors="replace")
+
+
+class _Hugging(object):
+    """A tokenizer of Hugging Face's `tokenizers` package."""
+
+    def __init__(self, tk):
+        self.tk = tk
+
+    def encode(self, text):
+        return np.asarray(self.tk.encode(text).ids, dtype=np.int64)
+
+    def decode(self, ids):
+        return self.tk.decode([int(i) for i in ids])
+
+
+def load_tokenizer(tokenizer):
+    """A tokenizer.json file (or the model folder holding it) as an object
+    with encode(text) -> ids and decode(ids) -> text: Hugging Face's
+    `tokenizers` package when it is installed; without it, natively, the
+    byte-level tokenizer without merges (a table) and byte-level BPE
+    (bico.llm.bpe); any other is refused (tokenize with your own tokenizer
+    and pass the ids)."""
+    path = _tokenizer_file(tokenizer)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        Tokenizer = None
+    raw = read_input(path, "tokenize:", limit=TOKENIZER_LIMIT)
+    if Tokenizer is not None:
+        try:
+            return _Hugging(Tokenizer.from_str(raw.decode("utf-8")))
+        except Exception as e:  # the package's own error type
+            raise BicoError(E_FORMAT, "tokenize: %s is not a tokenizer "
+                            "file the tokenizers package reads (%s)"
+                            % (path, str(e).splitlines()[0][:200]))
+    try:
+        spec = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise BicoError(E_FORMAT, "tokenize: %s is not a JSON tokenizer "
+                        "file (%s)" % (path, e))
+    bl = _byte_level(spec, path) if isinstance(spec, dict) else None
+    if bl is not None and not spec.get("added_tokens"):
+        return _Bytes(*bl)
+    if isinstance(spec, dict) and ((spec.get("model") or {}).get("merges")
+                                   or bl is not None):
+        from .bpe import ByteLevelBPE
+        try:
+            return ByteLevelBPE.from_spec(spec, path)
+        except BicoError:
+            pass
+    raise BicoError(E_UNSUPPORTED, "tokenize: %s needs Hugging Face's "
+                    "`tokenizers` package (pip install tokenizers), "
+                    "or pass token ids (--ids ids.npy in python3 -m "
+                    "bico.llm)" % path)
+
+
+def detokenize(ids, tokenizer):
+    """The text of token ids (tokenizer: as tokenize takes it, or an
+    object load_tokenizer returned)."""
+    tk = tokenizer if hasattr(tokenizer, "decode") else \
+        load_tokenizer(tokenizer)
+    return tk.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+
 def tokenize(text, tokenizer):
     """Token ids (a 1-D int64 tensor) of text.  tokenizer: a callable (text
     -> ids, or an object with .encode(text) giving ids or .ids), or a
-    tokenizer.json file / model folder: read with Hugging Face's
-    `tokenizers` package when it is installed; without it, the byte-level
-    tokenizer whose vocabulary is the 256 bytes and has no merges is read
-    natively, and any other is refused (tokenize with your own tokenizer
-    and pass the ids)."""
+    tokenizer.json file / model folder (load_tokenizer: Hugging Face's
+    `tokenizers` package when it is installed; natively, byte-level
+    tokenizers with or without merges; any other refused: tokenize with
+    your own tokenizer and pass the ids)."""
     if isinstance(tokenizer, (str, os.PathLike)):
-        path = _tokenizer_file(tokenizer)
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            Tokenizer = None
-        raw = read_input(path, "tokenize:", limit=TOKENIZER_LIMIT)
-        if Tokenizer is not None:
-            try:
-                tk = Tokenizer.from_str(raw.decode("utf-8"))
-            except Exception as e:  # the package's own error type
-                raise BicoError(E_FORMAT, "tokenize: %s is not a tokenizer "
-                                "file the tokenizers package reads (%s)"
-                                % (path, str(e).splitlines()[0][:200]))
-            return torch.tensor(tk.encode(text).ids, dtype=torch.int64)
-        try:
-            spec = json.loads(raw.decode("utf-8"))
-        except (OSError, ValueError) as e:
-            raise BicoError(E_FORMAT, "tokenize: %s is not a JSON tokenizer "
-                            "file (%s)" % (path, e))
-        bl = _byte_level(spec, path) if isinstance(spec, dict) else None
-        if bl is None:
-            raise BicoError(E_UNSUPPORTED, "tokenize: %s needs Hugging Face's "
-                            "`tokenizers` package (pip install tokenizers), "
-                            "or pass token ids (--ids ids.npy in python3 -m "
-                            "bico.llm)" % path)
-        table, prefix = bl
-        if prefix and text and not text.startswith(" "):
-            text = " " + text
-        raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-        return torch.from_numpy(table[raw].copy())
+        tk = load_tokenizer(tokenizer)
+        return torch.as_tensor(np.asarray(tk.encode(text), dtype=np.int64))
     if tokenizer is None:
         raise BicoError(E_ARG, "tokenize: text needs a tokenizer (a "
                         "callable, or a tokenizer.json file or folder)")

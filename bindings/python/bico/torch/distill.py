@@ -43,7 +43,7 @@ from .. import _heap
 from .._status import BicoError, E_ARG, E_IO, E_NONFINITE, E_SHAPE
 from .choose import pick
 
-__all__ = ["Teacher", "Adapter", "distill", "kl_to_teacher", "build_teacher",
+__all__ = ["Teacher", "NoTeacher", "Adapter", "distill", "kl_to_teacher", "build_teacher",
            "proxy_chunks", "check_finite_logits",
            "distill_model", "window_losses", "mixup", "cutmix", "shift",
            "compose", "one_of", "auto_augment", "image_augment",
@@ -232,6 +232,27 @@ class Teacher(object):
         return None if self._spill is None else self._spill.dir
 
 
+class NoTeacher(object):
+    """No teacher: n batches whose entries are None, for a distillation
+    on the text's own next-token loss alone (teacher_weight 0: the
+    sequence-level distillation across tokenizers, where the source wrote
+    the text, and the text-only control)."""
+    k = outputs = None
+    bytes_memory = bytes_disk = 0
+
+    def __init__(self, n):
+        self.n = int(n)
+
+    def __len__(self):
+        return self.n
+
+    def get(self, i, device=None):
+        return None
+
+    def close(self):
+        pass
+
+
 def _log_rest(logp, idx):
     """log of the mass outside the kept entries idx, from full
     log-probabilities (stable: a log-sum-exp over the others)."""
@@ -239,12 +260,17 @@ def _log_rest(logp, idx):
     return torch.logsumexp(others, dim=-1)
 
 
-def kl_to_teacher(z, entry):
+def kl_to_teacher(z, entry, outputs=None):
     """Mean over tokens of KL(p || softmax(z)), p the teacher entry (all
     log-probabilities, or top-k with the rest's mass: then the KL of the
     two distributions coarsened to {the k kept outputs, the rest}, exact
-    for the kept part).  z: logits [..., V]."""
+    for the kept part).  z: logits [..., V].  outputs: the teacher's
+    vocabulary when the student's is wider (a vocabulary that grew: the
+    first `outputs` ids shared): the student's distribution over those
+    ids, renormalized, is compared (its other ids are left to the text)."""
     z = z.float()
+    if outputs is not None and z.shape[-1] > outputs:
+        z = z[..., :outputs]
     logq = torch.log_softmax(z, dim=-1)
     if isinstance(entry, torch.Tensor):
         return _plogp(entry, logq).sum(-1).mean()
@@ -263,13 +289,16 @@ def _plogp(logp, logq):
     return p * (safe - logq)
 
 
-def proxy_chunks(states, heads, chunk):
+def proxy_chunks(states, heads, chunk, shared=None):
     """log_softmax(z_B + z_A_ft - z_A) of final hidden states, a chunk of
     rows at a time: states = (h_A, h_A_ft, h_B) [n, d_*] each, heads the
     three output layers (callables, each h -> z); yields [rows, V] pieces
-    in order, at most `chunk` rows each."""
+    in order, at most `chunk` rows each.  shared: the source's vocabulary
+    when the target's grew past it (its first `shared` columns taken)."""
     for s, e in _chunks(states[0].shape[0], chunk):
         za, zt, zb = (hd(h[s:e]).float() for hd, h in zip(heads, states))
+        if shared is not None:
+            zb = zb[..., :shared]
         if not (za.shape == zt.shape == zb.shape):
             raise BicoError(E_SHAPE, "distill: the teacher needs the three "
                             "models' outputs on one vocabulary, got %d, %d "
@@ -282,11 +311,11 @@ def proxy_chunks(states, heads, chunk):
 TEACHER_MODELS = ("source", "fine-tuned source", "target")
 
 
-def check_finite_logits(zs):
+def check_finite_logits(zs, names=TEACHER_MODELS):
     """Refuses (BicoError E_NONFINITE, naming the model) logits of the
     teacher's three models that hold NaN or Inf: a model whose weights are
     not finite, which a teacher would pass on to every step."""
-    for name, z in zip(TEACHER_MODELS, zs):
+    for name, z in zip(names, zs):
         if not bool(torch.isfinite(z).all()):
             bad = z[~torch.isfinite(z)].flatten()[0].item()
             raise BicoError(E_NONFINITE, "distill: the %s model's outputs "
@@ -295,7 +324,7 @@ def check_finite_logits(zs):
                             % (name, bad))
 
 
-def _teacher_rows(models, x, chunk):
+def _teacher_rows(models, x, chunk, shared=None):
     """(lead shape, chunks of proxy_chunks) of one batch of a decoder in
     the Hugging Face layout, or None for another model."""
     splits = [_split(m) for m in models]
@@ -305,19 +334,22 @@ def _teacher_rows(models, x, chunk):
     flat = [h.reshape(-1, h.shape[-1]) for h in hs]
     chunk = min(_bounded(chunk, sp[1]) for sp in splits)
     return hs[0].shape[:-1], proxy_chunks(flat, [sp[1] for sp in splits],
-                                          chunk)
+                                          chunk, shared)
 
 
-def _teacher_logprobs(models, x, forward, chunk):
+def _teacher_logprobs(models, x, forward, chunk, shared=None):
     """log_softmax(z_B + z_A_ft - z_A) of one batch: models = (source,
     source_tuned, target)."""
     with torch.no_grad():
-        rows = _teacher_rows(models, x, chunk) if forward is None else None
+        rows = _teacher_rows(models, x, chunk, shared) if forward is None \
+            else None
         if rows is not None:
             lead, chunks = rows
             return torch.cat(list(chunks)).reshape(*lead, -1)
         za, zt, zb = (_logits(forward(m, x) if forward is not None
                               else m(x)) for m in models)
+        if shared is not None:
+            zb = zb[..., :shared]
         if not (za.shape == zt.shape == zb.shape):
             raise BicoError(E_SHAPE, "distill: the teacher needs the three "
                             "models' outputs on one set of outputs (one "
@@ -330,9 +362,11 @@ def _teacher_logprobs(models, x, forward, chunk):
 
 def build_teacher(source, source_tuned, target, inputs, forward, k=None,
                   budget=256 << 20, spill_dir=None, chunk=TOKEN_CHUNK,
-                  progress=None):
+                  progress=None, shared=None):
     """A Teacher holding log_softmax(z_B + z_A_ft - z_A) for each input of
-    `inputs` (what forward(model, x) takes).  progress(i, n) after each."""
+    `inputs` (what forward(model, x) takes).  progress(i, n) after each.
+    shared: the source's vocabulary when the target's grew past it (the
+    teacher is over those ids)."""
     t = Teacher(k=k, budget=budget, spill_dir=spill_dir)
     models = (source, source_tuned, target)
     for m in models:
@@ -340,12 +374,13 @@ def build_teacher(source, source_tuned, target, inputs, forward, k=None,
     try:
         for i, x in enumerate(inputs):
             with torch.no_grad():
-                rows = _teacher_rows(models, x, chunk) if forward is None \
-                    else None
+                rows = _teacher_rows(models, x, chunk, shared) \
+                    if forward is None else None
                 if rows is not None:      # compacted a chunk at a time
                     t.put_chunks(i, rows[1], rows[0])
                 else:
-                    t.put(i, _teacher_logprobs(models, x, forward, chunk))
+                    t.put(i, _teacher_logprobs(models, x, forward, chunk,
+                                               shared))
             if progress is not None:
                 progress(i + 1, len(inputs))
     except BaseException:
@@ -449,7 +484,7 @@ class Adapter(object):
 # ---- training ----
 
 def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
-                  teacher_weight=1.0):
+                  teacher_weight=1.0, outputs=None):
     """KL(teacher || model) on one batch, plus text_weight times the
     next-token cross-entropy against y (the text's own next tokens) when
     given, backpropagated; returns its value.  A decoder called on token
@@ -460,7 +495,8 @@ def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
     if sp is None:
         z = _logits_keep(forward(model, x) if forward is not None
                          else model(x))
-        loss = teacher_weight * kl_to_teacher(z, entry)
+        loss = teacher_weight * kl_to_teacher(z, entry, outputs) \
+            if entry is not None else z.sum() * 0.0
         if y is not None and text_weight:
             loss = loss + text_weight * torch.nn.functional.cross_entropy(
                 z.reshape(-1, z.shape[-1]).float(), y.reshape(-1))
@@ -472,11 +508,13 @@ def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
     n = flat.shape[0]
     hd = flat.detach().requires_grad_(True)
     total = 0.0
-    flat_entry = _flat_entry(entry, n)
+    flat_entry = _flat_entry(entry, n) if entry is not None else None
     yf = None if y is None or not text_weight else y.reshape(-1)
     for s, e in _chunks(n, _bounded(chunk, head)):
         z = head(hd[s:e])
-        loss = teacher_weight * kl_to_teacher(z, _rows(flat_entry, s, e))
+        loss = teacher_weight * kl_to_teacher(
+            z, _rows(flat_entry, s, e), outputs) if entry is not None \
+            else z.sum() * 0.0
         if yf is not None:
             loss = loss + text_weight * torch.nn.functional.cross_entropy(
                 z.float(), yf[s:e])
@@ -602,6 +640,10 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     if text_weight and (targets is None or len(targets) != len(inputs)):
         raise BicoError(E_ARG, "distill: text_weight needs the next tokens "
                         "of every input (targets)")
+    if isinstance(teacher, NoTeacher) and (teacher_weight or not
+                                           text_weight):
+        raise BicoError(E_ARG, "distill: without a teacher, teacher_weight "
+                        "must be 0 and text_weight above 0")
     if len(teacher) != len(inputs) or not inputs:
         raise BicoError(E_ARG, "distill: %d fit batches for %d teacher "
                         "entries" % (len(inputs), len(teacher)))
@@ -628,7 +670,8 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         y = None if targets is None else targets[i].to(dev)
         with _Checkpointed(model, checkpoint):
             value = _student_loss(model, x, teacher.get(i, dev), forward,
-                                  chunk, y, text_weight, teacher_weight)
+                                  chunk, y, text_weight, teacher_weight,
+                                  getattr(teacher, "outputs", None))
         if not math.isfinite(value):
             raise BicoError(E_NONFINITE, "distill: the loss at step %d is "
                             "%g: the trained model's outputs are not finite "
