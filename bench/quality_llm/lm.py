@@ -272,8 +272,8 @@ class LM(nn.Module):
         return h @ self.model.embed_tokens.weight.T
 
 
-def config(width, depth, ffn, heads=4, kv=2, ctx=64):
-    return llama.default_config(vocab_size=256, hidden_size=width,
+def config(width, depth, ffn, heads=4, kv=2, ctx=64, vocab=256):
+    return llama.default_config(vocab_size=vocab, hidden_size=width,
                                 intermediate_size=ffn,
                                 num_hidden_layers=depth,
                                 num_attention_heads=heads,
@@ -298,15 +298,30 @@ def loss_sum(logits, y):
                            y.reshape(-1), reduction="sum")
 
 
-def mean_loss(model, win, batch=32):
-    """Mean next-byte cross-entropy (nats) over windows [n, T+1]."""
+def mean_loss(model, win, batch=32, nbytes=None):
+    """Mean next-byte cross-entropy (nats) over windows [n, T+1]: of a
+    token, with nbytes (each token id's length in bytes) the windows'
+    summed loss over the bytes their next tokens cover (nats per byte, so
+    that models of other tokenizers compare)."""
     tot, n = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(win), batch):
             w = win[i:i + batch]
             tot += float(loss_sum(model(w[:, :-1]), w[:, 1:]))
-            n += w[:, 1:].numel()
+            n += w[:, 1:].numel() if nbytes is None else \
+                int(nbytes[w[:, 1:]].sum())
     return tot / n
+
+
+def grown_tokenizer_json(extra):
+    """The byte tokenizer with `extra` added (special) tokens after the
+    256 bytes: a vocabulary that grew (the text tokenizes the same)."""
+    tok = tokenizer_json()
+    tok["added_tokens"] = [{"id": 256 + k, "content": "<|extra_%d|>" % k,
+                            "single_word": False, "lstrip": False,
+                            "rstrip": False, "normalized": False,
+                            "special": True} for k in range(extra)]
+    return tok
 
 
 def train(model, params, data, steps, lr, batch, T, seed, log=None,

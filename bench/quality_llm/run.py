@@ -67,7 +67,17 @@ TARGETS = {
     # the architecture, test/e2e/llama.py), its fine-tunes carried the same
     # way; a correct pipeline closes nearly all of the gap here
     "planted": dict(width=96, depth=3, ffn=256, seed=1, planted=7),
+    # targets of other tokenizers (issue 46; the command rows only, as
+    # every other row needs one vocabulary): a byte-level BPE of the
+    # target's own, trained on its pretraining text (512 tokens), and the
+    # source's bytes plus 64 added tokens (a vocabulary that grew)
+    "bpe": dict(width=96, depth=3, ffn=256, seed=5, tokenizer="bpe",
+                vocab=512),
+    "grown": dict(width=96, depth=3, ffn=256, seed=6, tokenizer="grown",
+                  extra=64),
 }
+# the targets a run takes by default (--targets): those of one vocabulary
+DEFAULT_TARGETS = ("same", "wide", "narrow", "planted")
 # calibration windows: 64-byte windows of the task's training text in a
 # seeded random order (the first n of them; held-out ones are the last of
 # those n), so that they sample every license text
@@ -138,6 +148,26 @@ CMD_METHODS = [
                                    "0.5", "--generate", "960"], 32, "lora"),
     ("distill r16 gen 32 t.8", ["--method", "distill",
                                 "--generate-temperature", "0.8"], 32, "lora"),
+    ("distill r16 gen 32 p0", ["--method", "distill", "--patience", "0"], 32,
+     "lora"),
+    ("distill r16 gen 32 n1024", ["--method", "distill", "--generate", "992",
+                                  "--patience", "0"], 32, "lora"),
+    ("distill r16 gen 32 t.8 p0", ["--method", "distill",
+                                   "--generate-temperature", "0.8",
+                                   "--patience", "0"], 32, "lora"),
+    ("distill r16 gen 32 keep.5 p0", ["--method", "distill",
+                                      "--generate-keep", "0.5", "--generate",
+                                      "960", "--patience", "0"], 32, "lora"),
+    ("distill r16 gen 32 tw0 p0", ["--method", "distill", "--text-weight",
+                                   "0", "--patience", "0"], 32, "lora"),
+    ("distill r16 gen 32 n1024 s2400", ["--method", "distill", "--generate",
+                                        "992", "--patience", "0", "--steps",
+                                        "2400"], 32, "lora"),
+    ("distill r16 gen 32 n2048 s2400", ["--method", "distill", "--generate",
+                                        "2016", "--patience", "0", "--steps",
+                                        "2400"], 32, "lora"),
+    ("distill r16 gen 64 p0", ["--method", "distill", "--patience", "0"], 64,
+     "lora"),
     ("cmd auto 32", [], 32, "lora"),
     ("cmd auto 64", [], 64, "lora"),
     # the control: the target's factors trained on the calibration text
@@ -194,6 +224,7 @@ class Bench(object):
         self.calib_all = allw[perm]
         self.calib = self.calib_all[:CALIB["windows"]]
         self.tok = lm.tokenizer_json()
+        self._views = {}
         self.log("text: general %d files %d bytes (train %d, held out %d); "
                  "task %d files %d bytes (train %d, held out %d)"
                  % (self.n_general, len(g), len(self.gtr), len(self.gte),
@@ -201,6 +232,59 @@ class Bench(object):
 
     def path(self, *parts):
         return os.path.join(CACHE, *parts)
+
+    def view(self, spec):
+        """The text as a target's tokenizer sees it: (tokenizer.json
+        dict, vocabulary size, train/held-out token arrays of the general
+        and task text, evaluation windows, each id's length in bytes or
+        None for bytes).  Bytes for the source and the byte-level
+        targets; "bpe": a byte-level BPE trained on the general training
+        text (the target's own pretraining text); "grown": the bytes plus
+        added tokens."""
+        kind = spec.get("tokenizer")
+        if kind is None:
+            return dict(tok=self.tok, vocab=256, gtr=self.gtr, gte=self.gte,
+                        ttr=self.ttr, tte=self.tte, eval_task=self.eval_task,
+                        eval_gen=self.eval_gen, nbytes=None)
+        key = key_of(self.text_key, "tokenizer", spec)
+        if key in self._views:
+            return self._views[key]
+        if kind == "grown":
+            v = dict(tok=lm.grown_tokenizer_json(spec["extra"]),
+                     vocab=256 + spec["extra"], gtr=self.gtr, gte=self.gte,
+                     ttr=self.ttr, tte=self.tte, eval_task=self.eval_task,
+                     eval_gen=self.eval_gen, nbytes=None)
+        else:
+            from bico.llm.bpe import ByteLevelBPE, train
+            p = self.path("models", "tokenizer-%s.json" % key)
+            if not os.path.exists(p):
+                self.log("training a byte-level BPE of %d tokens on the "
+                         "general training text" % spec["vocab"])
+                tk = train(self.gtr.tobytes().decode("latin-1"),
+                           spec["vocab"])
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                with open(p + ".tmp", "w") as f:
+                    json.dump(tk.spec(), f)
+                os.replace(p + ".tmp", p)
+            with open(p) as f:
+                spec_json = json.load(f)
+            tk = ByteLevelBPE.from_spec(spec_json)
+
+            def ids(a):
+                return np.asarray(tk.encode(a.tobytes().decode("latin-1")),
+                                  dtype=np.int32)
+            arr = {k: ids(getattr(self, k)) for k in ("gtr", "gte", "ttr",
+                                                      "tte")}
+            nb = np.zeros(len(tk), dtype=np.int64)
+            for i in range(len(tk)):
+                nb[i] = len(tk.decode([i]).encode("latin-1", "replace"))
+            T = DATA["ctx"]
+            v = dict(tok=spec_json, vocab=len(tk), eval_task=lm.windows(
+                arr["tte"], T, EVAL["windows"]), eval_gen=lm.windows(
+                arr["gte"], T, EVAL["windows"]), nbytes=torch.from_numpy(nb),
+                **arr)
+        self._views[key] = v
+        return v
 
     # ---- models (folders in the cache) ----
 
@@ -227,13 +311,15 @@ class Bench(object):
         if not os.path.exists(os.path.join(d, "model.safetensors")):
             self.log("pretraining width %d depth %d seed %d"
                      % (spec["width"], spec["depth"], spec["seed"]))
+            v = self.view(spec)
             m = lm.LM(lm.config(spec["width"], spec["depth"], spec["ffn"],
-                                ctx=DATA["ctx"]), spec["seed"])
+                                ctx=DATA["ctx"], vocab=v["vocab"]),
+                      spec["seed"])
             lm.check_forward(m)
-            lm.train(m, list(m.parameters()), self.gtr, PRE["steps"],
+            lm.train(m, list(m.parameters()), v["gtr"], PRE["steps"],
                      PRE["lr"], PRE["batch"], DATA["ctx"], spec["seed"],
                      self.log)
-            lm.write_model_folder(d + ".tmp", m, self.tok)
+            lm.write_model_folder(d + ".tmp", m, v["tok"])
             os.replace(d + ".tmp", d)
         return d
 
@@ -253,10 +339,11 @@ class Bench(object):
             self.log("fine-tuning width %d depth %d on the task"
                      % (spec["width"], spec["depth"]))
             m = self.model(base)
-            lm.train(m, list(m.parameters()), self.ttr, FT["steps"],
+            v = self.view(spec)
+            lm.train(m, list(m.parameters()), v["ttr"], FT["steps"],
                      FT["lr"], FT["batch"], DATA["ctx"], spec["seed"] + 100,
                      self.log, warmup=20)
-            lm.write_model_folder(d + ".tmp", m, self.tok)
+            lm.write_model_folder(d + ".tmp", m, v["tok"])
             os.replace(d + ".tmp", d)
         return d
 
@@ -272,8 +359,9 @@ class Bench(object):
             self.log("LoRA fine-tuning width %d depth %d on the task"
                      % (spec["width"], spec["depth"]))
             m = self.model(base)
+            v = self.view(spec)
             params = lm.add_lora(m, LORA["r"], LORA["alpha"], spec["seed"])
-            lm.train(m, params, self.ttr, LORA["steps"], LORA["lr"],
+            lm.train(m, params, v["ttr"], LORA["steps"], LORA["lr"],
                      LORA["batch"], DATA["ctx"], spec["seed"] + 200,
                      self.log, warmup=20)
             tensors, merged = lm.lora_tensors(m)
@@ -287,7 +375,7 @@ class Bench(object):
                     {k2: v.numpy().astype(np.float32)
                      for k2, v in tensors.items()}, {"format": "pt"})
             mm = lm.load(m.cfg, merged)
-            lm.write_model_folder(os.path.join(tmp, "merged"), mm, self.tok)
+            lm.write_model_folder(os.path.join(tmp, "merged"), mm, v["tok"])
             os.replace(tmp, d)
         return os.path.join(d, "adapter"), os.path.join(d, "merged")
 
@@ -335,9 +423,13 @@ class Bench(object):
 
     # ---- scoring ----
 
-    def score(self, m):
-        return {"task": lm.mean_loss(m, self.eval_task),
-                "general": lm.mean_loss(m, self.eval_gen)}
+    def score(self, m, spec=SOURCE):
+        """Nats per byte on the held-out task and general text, in the
+        tokens of spec's tokenizer."""
+        v = self.view(spec)
+        return {"task": lm.mean_loss(m, v["eval_task"], nbytes=v["nbytes"]),
+                "general": lm.mean_loss(m, v["eval_gen"],
+                                        nbytes=v["nbytes"])}
 
     def score_delta(self, spec, sd):
         """Scores of the target with the carried update at alpha = 1, and at
@@ -448,6 +540,16 @@ class Bench(object):
             os.makedirs(os.path.dirname(ids), exist_ok=True)
             np.save(ids + ".tmp.npy", self.ttr.astype(np.int64))
             os.replace(ids + ".tmp.npy", ids)
+        # a target of another tokenizer: the task text itself (the command
+        # tokenizes it with each model's tokenizer)
+        data = ["--ids", ids]
+        if spec.get("tokenizer"):
+            txt = self.path("calib", "task_train-%s.txt" % self.text_key)
+            if not os.path.exists(txt):
+                with open(txt + ".tmp", "wb") as f:
+                    f.write(self.ttr.tobytes())
+                os.replace(txt + ".tmp", txt)
+            data = ["--text", txt]
         out = self.path("out", "cmd-%s-%s-%s" % (
             tname, kind, hashlib.sha256(label.encode()).hexdigest()[:8]))
         subprocess.run(["rm", "-rf", out])
@@ -455,7 +557,7 @@ class Bench(object):
             else ["--lora", self.lora(SOURCE)[0]]
         cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "bico.llm",
                "--source", self.pretrained(SOURCE)] + src + [
-               "--target", self.pretrained(spec), "--ids", ids,
+               "--target", self.pretrained(spec)] + data + [
                "--window", str(DATA["ctx"]), "--windows", str(n),
                "--threads", "1", "--quiet",
                "--output-lora" if out_kind == "lora" else "--output",
@@ -485,7 +587,7 @@ class Bench(object):
         else:
             got, _, _ = pl.load(os.path.join(out, "model.safetensors"))
             sd = {k: torch.as_tensor(np.asarray(got[k])).float() for k in sd}
-        res = self.score(lm.load(b.cfg, sd))
+        res = self.score(lm.load(b.cfg, sd), spec)
         res["seconds"] = secs
         res["peak_mb"] = peak[0] / 1024.0 if peak else None
         # the command chooses for itself: no alpha of the bench's own
@@ -536,9 +638,9 @@ class Bench(object):
 
     def ends(self, tname, kind):
         spec = TARGETS[tname]
-        zs = self.score(self.model(self.pretrained(spec)))
+        zs = self.score(self.model(self.pretrained(spec)), spec)
         ft = self.score(self.model(self.finetuned(spec) if kind == "full"
-                                   else self.lora(spec)[1]))
+                                   else self.lora(spec)[1]), spec)
         sz = self.score(self.model(self.pretrained(SOURCE)))
         sf = self.score(self.model(self.finetuned(SOURCE) if kind == "full"
                                    else self.lora(SOURCE)[1]))
@@ -547,7 +649,9 @@ class Bench(object):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                    help="comma list of %s (default %s)" % (
+                        ", ".join(TARGETS), ",".join(DEFAULT_TARGETS)))
     ap.add_argument("--kinds", default="full,lora")
     ap.add_argument("--methods", default=",".join(m[0] for m in METHODS))
     ap.add_argument("--commands", default="",
@@ -614,7 +718,8 @@ def main():
             same = TARGETS[tname]["width"] == SOURCE["width"] and \
                 TARGETS[tname]["depth"] == SOURCE["depth"]
             for label, method, shapes, n in METHODS:
-                if label not in methods or (shapes == "same" and not same):
+                if label not in methods or (shapes == "same" and not same) \
+                        or TARGETS[tname].get("tokenizer"):
                     continue
                 fl = extra if method in ("bico", "bico-in", "bico-out",
                                          "bico-default") \
