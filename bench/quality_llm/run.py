@@ -168,6 +168,15 @@ CMD_METHODS = [
                                         "2400"], 32, "lora"),
     ("distill r16 gen 64 p0", ["--method", "distill", "--patience", "0"], 64,
      "lora"),
+    # the text loss on the user's windows only (since 2026-12-07)
+    ("distill own 32 p0", ["--method", "distill", "--patience", "0"], 32,
+     "lora"),
+    ("distill own 32 n1024 p0", ["--method", "distill", "--generate", "992",
+                                 "--patience", "0"], 32, "lora"),
+    ("distill own 32 P32 p0", ["--method", "distill", "--generate-prompt",
+                               "32", "--patience", "0"], 32, "lora"),
+    ("distill own 32 P8 p0", ["--method", "distill", "--generate-prompt",
+                              "8", "--patience", "0"], 32, "lora"),
     ("cmd auto 32", [], 32, "lora"),
     ("cmd auto 64", [], 64, "lora"),
     # the control: the target's factors trained on the calibration text

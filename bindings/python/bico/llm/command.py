@@ -308,6 +308,9 @@ def _route_options(p):
                    "(auto: enough to make %d windows with the user's; 0: "
                    "none); the held-out windows stay the user's"
                    % GENERATE_TOTAL)
+    d.add_argument("--generate-prompt", type=opts.count, default=None,
+                   help="tokens of the user's text each written window "
+                   "starts from (default: a quarter of --window)")
     d.add_argument("--generate-temperature", type=opts.temperature,
                    default=1.0, help="the written text's sampling "
                    "temperature (1)")
@@ -717,7 +720,7 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         lr=a.lr, teacher_k=a.teacher_k,
         budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
         seed=a.seed, **_losses(a), patience=a.patience or None,
-        shared=a.vocab.shared)
+        shared=a.vocab.shared, own=getattr(a, "own_batches", None))
 
 
 def _losses(a):
@@ -749,6 +752,7 @@ def _generated(a, models, cal, q):
     if not n:
         return cal
     from .generate import write
+    a.own_batches = len(cal.batches)    # the text loss: these alone
     window = cal.batches[0][0].shape[1]
     diff = a.vocab.kind == "different"
     src_cal = a.source_cal if diff else cal
@@ -761,6 +765,7 @@ def _generated(a, models, cal, q):
             "" if a.generate_keep >= 1 else
             ", the likeliest %g kept" % a.generate_keep))
     gen = write(ms, src_cal.batches, n, window,
+                prompt_tokens=a.generate_prompt,
                 temperature=a.generate_temperature, top_p=a.generate_top_p,
                 batch_size=a.batch_size, seed=a.seed, keep=a.generate_keep,
                 log=lambda m: _log(q, m), device=dev,

@@ -115,7 +115,7 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         steps=None, lr=None, every=25, teacher_k=64, budget=1 << 30,
         spill_dir=None, seed=0, chunk=_d.TOKEN_CHUNK, release=None,
         text_weight=TEXT_WEIGHT, teacher_weight=1.0, pair=None,
-        teacher=None, patience=None, shared=None):
+        teacher=None, patience=None, shared=None, own=None):
     """Distils target towards the proxy-tuned teacher on cal (a
     Calibration: batches of (ids, next ids), held_out the same).
 
@@ -138,7 +138,11 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     stops once that many held-out checks (every `every` steps) in a row
     found nothing better (None: every step runs).  shared: the source's
     vocabulary when the target's grew past it (the teacher over those
-    ids, bico.llm.vocab "grown").  Returns a Result; target is
+    ids, bico.llm.vocab "grown").  own: how many of cal's batches, the
+    first ones, are the user's own text, whose next tokens the text loss
+    learns (None: all); the others (the teacher's written text, its next
+    tokens samples) are learnt from the teacher's KL alone, unless there
+    is no teacher.  Returns a Result; target is
     left in the chosen state (the factors still attached in mode "lora":
     result.adapter.remove() detaches)."""
     if mode not in ("lora", "dense"):
@@ -178,7 +182,9 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         # this frame's own references too: the pair is freed only when no
         # one holds it (a 0.5B pair is 2 GB in bf16)
         del source, source_tuned
-        targets = [y.to(dev) for _, y in cal.batches]
+        targets = [y.to(dev) if own is None or i < own or
+                   isinstance(teacher, _d.NoTeacher) else None
+                   for i, (_, y) in enumerate(cal.batches)]
         return _train(target, teacher, inputs, cal, log, mode, rank,
                       lora_alpha, modules, save, init, steps, lr, every,
                       seed, chunk, t0, targets, (text_weight,

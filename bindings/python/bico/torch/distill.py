@@ -600,7 +600,9 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     -> per-batch held-out losses (the criterion; held: how many batches,
     for the report).  targets: the next tokens of each input (decoders'
     windows) and text_weight > 0: the loss adds text_weight times their
-    cross-entropy (the task text's own tokens besides the teacher);
+    cross-entropy (the task text's own tokens besides the teacher; an
+    input whose entry is None has none: text the teacher wrote, whose
+    next tokens are samples);
     teacher_weight scales the KL (0: the text alone, a control).
     checkpoint: a decoder's layers recompute their forward in the
     backward pass (gradient checkpointing: one layer's activations held
@@ -667,7 +669,8 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         i = order.pop()
         opt.zero_grad(set_to_none=True)
         x = teacher.draw(i) if hasattr(teacher, "draw") else inputs[i]
-        y = None if targets is None else targets[i].to(dev)
+        y = None if targets is None or targets[i] is None else \
+            targets[i].to(dev)
         with _Checkpointed(model, checkpoint):
             value = _student_loss(model, x, teacher.get(i, dev), forward,
                                   chunk, y, text_weight, teacher_weight,
