@@ -84,6 +84,11 @@ void demo_mlp_forward(const demo_mlp *m, demo_work *w, size_t n,
  * summed softmax cross-entropy with labels y; returns the summed loss. */
 double demo_mlp_backward(const demo_mlp *m, demo_work *w, size_t n,
                          const uint8_t *y);
+/* The same with soft targets p ([n, classes], rows summing to 1): the
+ * gradient w.r.t. the logits is softmax(z) - p; returns the summed
+ * cross-entropy -sum p log softmax(z). */
+double demo_mlp_backward_soft(const demo_mlp *m, demo_work *w, size_t n,
+                              const float *p);
 /* After backward: g = gradient w.r.t. the parameters, scaled by `scale`
  * (g has m's shape). */
 void demo_mlp_param_grad(const demo_mlp *m, const demo_work *w, size_t n,
@@ -105,6 +110,19 @@ typedef struct demo_train_cfg {
   float momentum; /* heavy-ball momentum */
   uint64_t seed;  /* minibatch order */
 } demo_train_cfg;
+
+/* The optimizer state of one model: heavy-ball SGD (v = beta1 v + g,
+ * x -= lr v) or Adam (beta1, beta2 = 0.999, eps = 1e-8, bias-corrected). */
+typedef struct demo_opt {
+  int adam;
+  float beta1, beta2, eps;
+  size_t t;        /* steps taken */
+  demo_mlp m1, m2; /* velocity / first moment; second moment (Adam) */
+} demo_opt;
+int demo_opt_init(demo_opt *o, const demo_mlp *m, int adam, float beta1);
+void demo_opt_free(demo_opt *o);
+/* m -= the step for gradient g at learning rate lr. */
+void demo_opt_step(demo_opt *o, demo_mlp *m, const demo_mlp *g, float lr);
 
 /* Minibatch SGD with momentum on softmax cross-entropy.  `label` prefixes the
  * progress lines. */
@@ -129,11 +147,13 @@ int demo_task_apply(int task, const demo_data *d, demo_data *out);
 /* ---- transfer.c ---- */
 
 enum { DEMO_M_ZERO, DEMO_M_NAIVE, DEMO_M_PAD, DEMO_M_GRADFIX, DEMO_M_BICO,
-       DEMO_M_BICO_IN, DEMO_M_BICO_OUT, DEMO_M_FIT, DEMO_M_FT, DEMO_NMETHODS };
+       DEMO_M_BICO_IN, DEMO_M_BICO_OUT, DEMO_M_FIT, DEMO_M_DISTILL, DEMO_M_FT,
+       DEMO_NMETHODS };
 const char *demo_method_name(int method);
 
 /* The update each method proposes for target b: upd[method] gets b's shape
- * (valid[method] = 0 where a method does not apply).  a, a_ft: source
+ * (valid[method] = 0 where a method does not apply; always for distill and
+ * fine-tuned, which are trained, not transferred).  a, a_ft: source
  * pretrained and fine-tuned; cal: calibration samples of the task.
  * ranks gets a short text with the numerical rank of each map.  bico_only:
  * skip the baselines and the fit (the exact-case check needs BiCo alone).
@@ -151,6 +171,45 @@ int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
                   double fit_ridge, int fit_orig_inputs, demo_updates *out);
 void demo_updates_free(demo_updates *u);
 
+/* ---- distill.c ---- */
+
+/* For the report only: z_A_ft - z_A on every row of d (out: [d->n,
+ * DEMO_CLASSES]), the same for every target; then the teacher's accuracy
+ * (percent), that of argmax(z_B + shift), on the labelled set d. */
+int demo_proxy_shift(const demo_mlp *a, const demo_mlp *a_ft,
+                     const demo_data *d, float *out);
+double demo_proxy_accuracy(const demo_mlp *b, demo_work *w, const demo_data *d,
+                           const float *shift);
+
+#define DEMO_DISTILL_MAXEPOCHS 64
+typedef struct demo_distill_cfg {
+  int epochs;       /* checkpoints: the held-out KL is measured after each */
+  size_t per_epoch; /* images an epoch draws, cycling through the training
+                     * part of the calibration set (all once at least) */
+  int shift;        /* augmentation: random shifts of up to this many pixels */
+  size_t batch;
+  float lr;         /* cosine-decayed to zero over all epochs */
+  int adam;         /* 1: Adam, 0: SGD with `momentum` */
+  float momentum;
+  int holdout;      /* every holdout-th calibration image is held out */
+  uint64_t seed;    /* order and shifts */
+} demo_distill_cfg;
+
+typedef struct demo_distill_info {
+  size_t ntrain, nheld;
+  int epochs;
+  int epoch; /* the state kept: 0 is the untouched target */
+  double kl[DEMO_DISTILL_MAXEPOCHS + 1];   /* held-out KL after each epoch */
+  double loss[DEMO_DISTILL_MAXEPOCHS + 1]; /* mean training cross-entropy */
+} demo_distill_info;
+
+/* out = b trained toward softmax(z_B + z_A_ft - z_A) on the calibration
+ * images (labels unused), the epoch with the least held-out KL to the
+ * teacher (b itself when none beats it).  Returns 0 or -1. */
+int demo_distill(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
+                 const demo_data *cal, const demo_distill_cfg *cfg,
+                 demo_mlp *out, demo_distill_info *info);
+
 /* ---- report.c ---- */
 
 #define DEMO_MAXTARGETS 6
@@ -164,6 +223,9 @@ typedef struct demo_result {
   double acc[DEMO_MAXTARGETS][DEMO_NTASKS][DEMO_NMETHODS];
   double alpha[DEMO_MAXTARGETS][DEMO_NTASKS][DEMO_NMETHODS];
   double source_ft[DEMO_NTASKS]; /* A fine-tuned on each task */
+  /* distill: the proxy-tuned teacher's test accuracy, the epoch kept */
+  double teacher[DEMO_MAXTARGETS][DEMO_NTASKS];
+  int distill_epoch[DEMO_MAXTARGETS][DEMO_NTASKS];
   char source_shape[64];
 } demo_result;
 

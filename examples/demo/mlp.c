@@ -1,7 +1,7 @@
 /* A small multilayer-perceptron trainer over BLIS: forward and backward for
- * ReLU MLPs, softmax cross-entropy, minibatch SGD with momentum, and model
- * files.  Deterministic: a seeded RNG and sequential reductions (BLIS runs
- * with one thread, set in main). */
+ * ReLU MLPs, softmax cross-entropy (hard or soft targets), minibatch SGD
+ * with momentum or Adam, and model files.  Deterministic: a seeded RNG and
+ * sequential reductions (BLIS runs with one thread, set in main). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -185,6 +185,17 @@ void demo_mlp_forward(const demo_mlp *m, demo_work *w, size_t n,
   }
 }
 
+/* dz[l] for l < last from dz[last]: back through the layers and ReLUs. */
+static void backward_hidden(const demo_mlp *m, demo_work *w, size_t n) {
+  for (int l = m->nl - 1; l > 0; l--) {
+    size_t din = m->dims[l], dout = m->dims[l + 1];
+    sgemm(0, 0, n, din, dout, 1.f, w->dz[l], dout, m->w[l], din, 0.f, w->da, din);
+    const float *zp = w->z[l - 1];
+    float *dzp = w->dz[l - 1];
+    for (size_t i = 0; i < n * din; i++) dzp[i] = zp[i] > 0.f ? w->da[i] : 0.f;
+  }
+}
+
 double demo_mlp_backward(const demo_mlp *m, demo_work *w, size_t n,
                          const uint8_t *y) {
   int last = m->nl - 1;
@@ -201,13 +212,29 @@ double demo_mlp_backward(const demo_mlp *m, demo_work *w, size_t n,
     g[y[i]] -= 1.f;
     loss += log(s) - (double)(z[y[i]] - mx);
   }
-  for (int l = last; l > 0; l--) {
-    size_t din = m->dims[l], dout = m->dims[l + 1];
-    sgemm(0, 0, n, din, dout, 1.f, w->dz[l], dout, m->w[l], din, 0.f, w->da, din);
-    const float *zp = w->z[l - 1];
-    float *dzp = w->dz[l - 1];
-    for (size_t i = 0; i < n * din; i++) dzp[i] = zp[i] > 0.f ? w->da[i] : 0.f;
+  backward_hidden(m, w, n);
+  return loss;
+}
+
+double demo_mlp_backward_soft(const demo_mlp *m, demo_work *w, size_t n,
+                              const float *p) {
+  int last = m->nl - 1;
+  size_t c = m->dims[m->nl];
+  double loss = 0;
+  for (size_t i = 0; i < n; i++) {
+    const float *z = w->z[last] + i * c, *pi = p + i * c;
+    float *g = w->dz[last] + i * c;
+    float mx = z[0];
+    for (size_t j = 1; j < c; j++) mx = z[j] > mx ? z[j] : mx;
+    double s = 0;
+    for (size_t j = 0; j < c; j++) s += exp((double)(z[j] - mx));
+    double ls = log(s);
+    for (size_t j = 0; j < c; j++) {
+      g[j] = (float)(exp((double)(z[j] - mx)) / s) - pi[j];
+      loss -= (double)pi[j] * ((double)(z[j] - mx) - ls);
+    }
   }
+  backward_hidden(m, w, n);
   return loss;
 }
 
@@ -306,6 +333,63 @@ int demo_mlp_line_accuracy(const demo_mlp *m, const demo_mlp *u,
   return 0;
 }
 
+/* ---- optimizers ---- */
+
+int demo_opt_init(demo_opt *o, const demo_mlp *m, int adam, float beta1) {
+  memset(o, 0, sizeof *o);
+  o->adam = adam;
+  o->beta1 = beta1;
+  o->beta2 = 0.999f;
+  o->eps = 1e-8f;
+  if (demo_mlp_alloc(&o->m1, m->nl, m->dims) != 0) return -1;
+  if (adam && demo_mlp_alloc(&o->m2, m->nl, m->dims) != 0) {
+    demo_mlp_free(&o->m1);
+    return -1;
+  }
+  return 0;
+}
+
+void demo_opt_free(demo_opt *o) {
+  demo_mlp_free(&o->m1);
+  demo_mlp_free(&o->m2);
+  memset(o, 0, sizeof *o);
+}
+
+/* One tensor: heavy-ball SGD (v = beta1 v + g; x -= lr v) or Adam with bias
+ * correction c1 = 1 - beta1^t, c2 = 1 - beta2^t. */
+static void opt_tensor(const demo_opt *o, size_t n, float *x, const float *g,
+                       float *m1, float *m2, float lr, float c1, float c2) {
+  if (!o->adam) {
+    for (size_t i = 0; i < n; i++) {
+      m1[i] = o->beta1 * m1[i] + g[i];
+      x[i] -= lr * m1[i];
+    }
+    return;
+  }
+  const float b1 = o->beta1, b2 = o->beta2, step = lr / c1, rc2 = 1.f / c2;
+  for (size_t i = 0; i < n; i++) {
+    m1[i] = b1 * m1[i] + (1.f - b1) * g[i];
+    m2[i] = b2 * m2[i] + (1.f - b2) * g[i] * g[i];
+    x[i] -= step * m1[i] / (sqrtf(m2[i] * rc2) + o->eps);
+  }
+}
+
+void demo_opt_step(demo_opt *o, demo_mlp *m, const demo_mlp *g, float lr) {
+  o->t++;
+  float c1 = 1.f, c2 = 1.f;
+  if (o->adam) {
+    c1 = 1.f - (float)pow((double)o->beta1, (double)o->t);
+    c2 = 1.f - (float)pow((double)o->beta2, (double)o->t);
+  }
+  for (int l = 0; l < m->nl; l++) {
+    size_t nw = m->dims[l + 1] * m->dims[l], nb = m->dims[l + 1];
+    opt_tensor(o, nw, m->w[l], g->w[l], o->m1.w[l], o->adam ? o->m2.w[l] : NULL,
+               lr, c1, c2);
+    opt_tensor(o, nb, m->b[l], g->b[l], o->m1.b[l], o->adam ? o->m2.b[l] : NULL,
+               lr, c1, c2);
+  }
+}
+
 static double now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -316,7 +400,8 @@ int demo_mlp_train(demo_mlp *m, const demo_data *d, const demo_train_cfg *cfg,
                    const char *label) {
   size_t bs = cfg->batch, c = m->dims[m->nl];
   demo_work w;
-  demo_mlp g, v;
+  demo_mlp g;
+  demo_opt opt;
   size_t *order = malloc(d->n * sizeof *order);
   float *xb = malloc(bs * DEMO_PIX * sizeof *xb);
   uint8_t *yb = malloc(bs);
@@ -325,7 +410,7 @@ int demo_mlp_train(demo_mlp *m, const demo_data *d, const demo_train_cfg *cfg,
     demo_work_free(&w);
     ok = 0;
   }
-  if (ok && demo_mlp_alloc(&v, m->nl, m->dims) != 0) {
+  if (ok && demo_opt_init(&opt, m, 0, cfg->momentum) != 0) {
     demo_work_free(&w);
     demo_mlp_free(&g);
     ok = 0;
@@ -360,17 +445,7 @@ int demo_mlp_train(demo_mlp *m, const demo_data *d, const demo_train_cfg *cfg,
       /* cosine decay: large steps early, settling at the end */
       float lr = cfg->lr * 0.5f *
                  (1.f + (float)cos(3.141592653589793 * (double)step / (double)total));
-      for (int l = 0; l < m->nl; l++) {
-        size_t nw = m->dims[l + 1] * m->dims[l], nb = m->dims[l + 1];
-        for (size_t i = 0; i < nw; i++) {
-          v.w[l][i] = cfg->momentum * v.w[l][i] + g.w[l][i];
-          m->w[l][i] -= lr * v.w[l][i];
-        }
-        for (size_t i = 0; i < nb; i++) {
-          v.b[l][i] = cfg->momentum * v.b[l][i] + g.b[l][i];
-          m->b[l][i] -= lr * v.b[l][i];
-        }
-      }
+      demo_opt_step(&opt, m, &g, lr);
     }
     fprintf(stderr, "  %-28s epoch %d/%d  loss %.4f  train acc %5.2f%%  (%.1f s)\n",
             label, e + 1, cfg->epochs, loss / (double)d->n,
@@ -378,7 +453,7 @@ int demo_mlp_train(demo_mlp *m, const demo_data *d, const demo_train_cfg *cfg,
   }
   demo_work_free(&w);
   demo_mlp_free(&g);
-  demo_mlp_free(&v);
+  demo_opt_free(&opt);
   free(order);
   free(xb);
   free(yb);

@@ -74,13 +74,22 @@ void demo_report_text(FILE *f, const demo_result *r, int md) {
     }
     /* the alpha each method got on the validation split */
     fprintf(f, md ? "\nalpha chosen on the validation split:" : "alpha:");
+    int first = 1;
     for (int m = DEMO_M_NAIVE; m < DEMO_M_FT; m++) {
-      if (r->acc[t][0][m] < 0) continue;
-      fprintf(f, " %s", demo_method_name(m));
+      if (r->acc[t][0][m] < 0 || m == DEMO_M_DISTILL) continue;
+      fprintf(f, "%s %s", first ? "" : ";", demo_method_name(m));
       for (int k = 0; k < r->ntasks; k++)
         fprintf(f, "%s%g", k ? "/" : " ", r->alpha[t][k][m]);
-      fprintf(f, m + 1 < DEMO_M_FT ? ";" : "");
+      first = 0;
     }
+    fprintf(f, md ? "\n\n" : "\n");
+    /* the distillation has no alpha: its state is chosen label-free */
+    fprintf(f, "distill: epoch kept by the held-out KL");
+    for (int k = 0; k < r->ntasks; k++)
+      fprintf(f, "%s%d", k ? "/" : " ", r->distill_epoch[t][k]);
+    fprintf(f, "; teacher softmax(z_B + z_A_ft - z_A)");
+    for (int k = 0; k < r->ntasks; k++)
+      fprintf(f, "%s%.1f", k ? "/" : " ", r->teacher[t][k]);
     fprintf(f, "\n");
   }
   fprintf(f, md ? "\nSource A fine-tuned on each task (the task vectors):" :
@@ -92,7 +101,7 @@ void demo_report_text(FILE *f, const demo_result *r, int md) {
 
 static const char *const COLORS[DEMO_NMETHODS] = {
     "#9e9e9e", "#8d6e63", "#ffb300", "#7cb342", "#1e88e5", "#64b5f6",
-    "#3949ab", "#8e24aa", "#e53935"};
+    "#3949ab", "#8e24aa", "#00897b", "#e53935"};
 
 int demo_report_svg(const demo_result *r, const char *path) {
   FILE *f = fopen(path, "w");
@@ -100,9 +109,12 @@ int demo_report_svg(const demo_result *r, const char *path) {
     fprintf(stderr, "demo: cannot write %s\n", path);
     return -1;
   }
-  const int panel_h = 230, top = 50, left = 50, group_w = 160, bar_w = 16;
+  const int panel_h = 230, top = 50, left = 50, bar_w = 16;
+  const int group_w = DEMO_NMETHODS * bar_w + 16, legend_w = 88;
   int groups = r->ntasks + 1;
   int width = left + groups * group_w + 20;
+  if (width < left + DEMO_NMETHODS * legend_w + 20)
+    width = left + DEMO_NMETHODS * legend_w + 20;
   int height = top + r->ntargets * (panel_h + 40) + 20;
   fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" "
              "height=\"%d\" font-family=\"sans-serif\" font-size=\"12\">\n"
@@ -113,7 +125,8 @@ int demo_report_svg(const demo_result *r, const char *path) {
   for (int m = 0; m < DEMO_NMETHODS; m++) /* legend */
     fprintf(f, "<rect x=\"%d\" y=\"28\" width=\"10\" height=\"10\" "
                "fill=\"%s\"/><text x=\"%d\" y=\"37\">%s</text>\n",
-            left + m * 88, COLORS[m], left + m * 88 + 14, demo_method_name(m));
+            left + m * legend_w, COLORS[m], left + m * legend_w + 14,
+            demo_method_name(m));
   for (int t = 0; t < r->ntargets; t++) {
     int y0 = top + t * (panel_h + 40) + 30; /* panel top */
     int yb = y0 + panel_h - 20;             /* axis */

@@ -11,7 +11,7 @@
 
 static const char *const NAMES[DEMO_NMETHODS] = {
     "zero-shot", "naive", "pad", "gradfix", "bico", "bico-in", "bico-out",
-    "fit", "fine-tuned"};
+    "fit", "distill", "fine-tuned"};
 
 const char *demo_method_name(int method) {
   return method >= 0 && method < DEMO_NMETHODS ? NAMES[method] : "?";
@@ -259,8 +259,9 @@ int demo_transfer(const demo_mlp *a, const demo_mlp *a_ft, const demo_mlp *b,
   if (pair_layers(ctx, a, b, src) != 0) goto fail;
   if (demo_mlp_copy(&tau, a_ft) != 0) goto fail;
   demo_mlp_axpy(&tau, &tau, -1.f, a, NULL); /* tau = A_ft - A */
-  for (int k = 0; k < DEMO_NMETHODS; k++)
-    if (k != DEMO_M_FT && demo_mlp_alloc(&out->upd[k], b->nl, b->dims) != 0)
+  for (int k = 0; k < DEMO_NMETHODS; k++) /* distill: trained (distill.c) */
+    if (k != DEMO_M_DISTILL && k != DEMO_M_FT &&
+        demo_mlp_alloc(&out->upd[k], b->nl, b->dims) != 0)
       goto fail;
   int same = demo_mlp_same_shape(a, b);
   out->valid[DEMO_M_ZERO] = 1; /* the zero update */
