@@ -177,6 +177,11 @@ CMD_METHODS = [
                                "32", "--patience", "0"], 32, "lora"),
     ("distill own 32 P8 p0", ["--method", "distill", "--generate-prompt",
                               "8", "--patience", "0"], 32, "lora"),
+    ("distill own 32 tuned P8 p0", ["--method", "distill", "--generate-by",
+                                    "tuned", "--generate-prompt", "8",
+                                    "--patience", "0"], 32, "lora"),
+    ("distill own 32 P4 p0", ["--method", "distill", "--generate-prompt",
+                              "4", "--patience", "0"], 32, "lora"),
     ("cmd auto 32", [], 32, "lora"),
     ("cmd auto 64", [], 64, "lora"),
     # the control: the target's factors trained on the calibration text

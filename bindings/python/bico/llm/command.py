@@ -308,6 +308,11 @@ def _route_options(p):
                    "(auto: enough to make %d windows with the user's; 0: "
                    "none); the held-out windows stay the user's"
                    % GENERATE_TOTAL)
+    d.add_argument("--generate-by", choices=("teacher", "tuned"),
+                   default="teacher",
+                   help="who writes: the teacher softmax(z_B + z_A_ft - z_A) "
+                   "(default) or the fine-tuned source alone (always, when "
+                   "the tokenizers differ)")
     d.add_argument("--generate-prompt", type=opts.count, default=None,
                    help="tokens of the user's text each written window "
                    "starts from (default: a quarter of --window)")
@@ -756,11 +761,11 @@ def _generated(a, models, cal, q):
     window = cal.batches[0][0].shape[1]
     diff = a.vocab.kind == "different"
     src_cal = a.source_cal if diff else cal
-    ms = (models[1],) if diff else models
+    ms = (models[1],) if diff or a.generate_by == "tuned" else models
     dev = next(ms[-1].parameters()).device
     _log(q, "generate: the %s writes %d windows of %d tokens from prompts "
          "of the %d fit windows (temperature %g, top-p %g%s)"
-         % ("fine-tuned source" if diff else "teacher", n, window,
+         % ("fine-tuned source" if len(ms) == 1 else "teacher", n, window,
             src_cal.windows, a.generate_temperature, a.generate_top_p,
             "" if a.generate_keep >= 1 else
             ", the likeliest %g kept" % a.generate_keep))
@@ -807,8 +812,8 @@ def _generated_from_folders(a, dt, q, cal, tuned):
     which = (("--source", a.source), ("--lora" if a.lora else
                                       "--source-tuned", tuned),
              ("--target", a.target))
-    if a.vocab.kind == "different":     # the fine-tuned source alone
-        which = which[1:2] * 2
+    if a.vocab.kind == "different" or a.generate_by == "tuned":
+        which = which[1:2] * 2          # the fine-tuned source alone
     _log(q, "loading %s to write task text" % ", ".join(
         sorted(set(f for _, f in which), key=[f for _, f in which].index)))
     loaded = {}

@@ -154,13 +154,18 @@ class Writer(object):
         return torch.cat(out, dim=1)
 
 
+# windows written at once (the three models' forward passes over a batch
+# of new tokens: larger batches use the matrix products better)
+WRITE_BATCH = 64
+
+
 def write(models, batches, n, window, prompt_tokens=None, temperature=1.0,
           top_p=0.95, batch_size=16, seed=0, keep=1.0, log=None,
-          device=None, shared=None):
+          device=None, shared=None, write_batch=WRITE_BATCH):
     """n windows of window + 1 tokens written by the teacher (Writer),
     from prompts of prompt_tokens (default: a quarter of the window)
-    cut from batches (the user's fit windows), as batches of (ids, next
-    ids) of batch_size windows.  keep < 1: every window scored by the
+    cut from batches (the user's fit windows), write_batch at a time, as
+    batches of (ids, next ids) of batch_size windows.  keep < 1: every window scored by the
     fine-tuned source's mean next-token log-likelihood, the least likely
     share dropped (n * keep windows kept).  log(line): progress.
     models: as Writer takes them (one model: the fine-tuned source
@@ -179,8 +184,8 @@ def write(models, batches, n, window, prompt_tokens=None, temperature=1.0,
         pr = pr.to(device)
     w = Writer(models, temperature, top_p, seed + 1, shared)
     t0, done, rows = time.time(), 0, []
-    for s in range(0, n, batch_size):
-        rows.append(w.batch(pr[s:s + batch_size], window + 1))
+    for s in range(0, n, write_batch):
+        rows.append(w.batch(pr[s:s + write_batch], window + 1))
         done += len(rows[-1])
         if log is not None:
             el = time.time() - t0
@@ -189,7 +194,7 @@ def write(models, batches, n, window, prompt_tokens=None, temperature=1.0,
     wins = torch.cat(rows)
     if keep < 1:
         wins = _filtered(models[1 if len(models) > 1 else 0], wins, keep,
-                         batch_size)
+                         write_batch)
     return [(wins[s:s + batch_size, :-1].contiguous(),
              wins[s:s + batch_size, 1:].contiguous())
             for s in range(0, len(wins), batch_size)]
