@@ -308,6 +308,15 @@ def _route_options(p):
                    "(auto: enough to make %d windows with the user's; 0: "
                    "none); the held-out windows stay the user's"
                    % GENERATE_TOTAL)
+    d.add_argument("--generate-mode", choices=("write", "perturb", "both"),
+                   default="write",
+                   help="how the windows are made: written from prompts "
+                   "(write), the user's windows with --perturb-share of their "
+                   "tokens resampled from the teacher (perturb), or half of "
+                   "each (both)")
+    d.add_argument("--perturb-share", type=opts.share_or_one, default=0.15,
+                   help="perturb: the share of a window's tokens resampled "
+                   "(0.15)")
     d.add_argument("--generate-by", choices=("teacher", "tuned"),
                    default="teacher",
                    help="who writes: the teacher softmax(z_B + z_A_ft - z_A) "
@@ -769,12 +778,19 @@ def _generated(a, models, cal, q):
             src_cal.windows, a.generate_temperature, a.generate_top_p,
             "" if a.generate_keep >= 1 else
             ", the likeliest %g kept" % a.generate_keep))
-    gen = write(ms, src_cal.batches, n, window,
+    from .generate import perturb
+    nw = {"write": n, "perturb": 0, "both": n - n // 2}[a.generate_mode]
+    gen = write(ms, src_cal.batches, nw, window,
                 prompt_tokens=a.generate_prompt,
                 temperature=a.generate_temperature, top_p=a.generate_top_p,
                 batch_size=a.batch_size, seed=a.seed, keep=a.generate_keep,
                 log=lambda m: _log(q, m), device=dev,
-                shared=a.vocab.shared)
+                shared=a.vocab.shared) if nw else []
+    if n - nw:
+        gen += perturb(ms, src_cal.batches, n - nw, a.perturb_share,
+                       temperature=a.generate_temperature,
+                       top_p=a.generate_top_p, batch_size=a.batch_size,
+                       seed=a.seed, shared=a.vocab.shared, device=dev)
     if diff:
         gen = _in_target_tokens(a, gen, window)
         _log(q, "generate: %d windows of the target's tokens from the "

@@ -26,7 +26,7 @@ import torch
 from .._status import BicoError, E_ARG, E_SHAPE
 from ..torch.distill import check_finite_logits
 
-__all__ = ["write", "prompts", "sample_next", "Writer"]
+__all__ = ["write", "perturb", "prompts", "sample_next", "Writer"]
 
 
 def prompts(batches, n, length, seed=0):
@@ -198,6 +198,55 @@ def write(models, batches, n, window, prompt_tokens=None, temperature=1.0,
     return [(wins[s:s + batch_size, :-1].contiguous(),
              wins[s:s + batch_size, 1:].contiguous())
             for s in range(0, len(wins), batch_size)]
+
+
+def perturb(models, batches, n, share, temperature=1.0, top_p=0.95,
+            batch_size=16, seed=0, write_batch=WRITE_BATCH, shared=None,
+            device=None):
+    """n windows that are the user's fit windows (taken in turn) with a
+    share of their tokens (each but the first, independently) replaced by
+    the teacher's sample there given the window's own text before it (the
+    three models run once over each window): text that stays close to the
+    user's while every window is a new one.  Batches of (ids, next ids) of
+    batch_size windows."""
+    if not 0 <= share <= 1:
+        raise BicoError(E_ARG, "generate: share must be from 0 to 1, got %r"
+                        % (share,))
+    wins = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in batches])
+    if device is not None:
+        wins = wins.to(device)
+    g = torch.Generator().manual_seed(seed + 2)
+    w = Writer(models, temperature, top_p, seed + 3, shared)
+    order = torch.randperm(len(wins), generator=g)
+    rows = []
+    with torch.no_grad():
+        for s in range(0, n, write_batch):
+            k = min(write_batch, n - s)
+            src = wins[order[torch.arange(s, s + k) % len(wins)]]
+            z = [_logits(m, src[:, :-1]) for m in models]
+            if len(z) == 1:
+                zt = z[0].float()
+            else:
+                za, zt, zb = (t.float() for t in z)
+                if shared is not None:
+                    zb = zb[..., :shared]
+                zt = zb + zt - za
+            flat = zt.reshape(-1, zt.shape[-1])
+            new = sample_next(flat, w.temperature, w.top_p, w.g) \
+                .view(k, -1).to(src.device)
+            hit = torch.rand(new.shape, generator=g) < share
+            out = src.clone()
+            out[:, 1:] = torch.where(hit.to(src.device), new, src[:, 1:])
+            rows.append(out)
+    wins = torch.cat(rows)
+    return [(wins[s:s + batch_size, :-1].contiguous(),
+             wins[s:s + batch_size, 1:].contiguous())
+            for s in range(0, len(wins), batch_size)]
+
+
+def _logits(model, x):
+    out = model(x)
+    return getattr(out, "logits", out)
 
 
 def _filtered(tuned, wins, keep, batch_size):
