@@ -16,7 +16,7 @@ import torch
 
 import bico.llm.families as fam
 from bico._status import BicoError
-from bico.llm.generate import Writer, prompts, sample_next, write
+from bico.llm.generate import Writer, perturb, prompts, sample_next, write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
@@ -117,6 +117,30 @@ def test_written_windows_are_batches_of_the_calibration_shape(tmp_path):
     assert all(torch.equal(x, x2) for (x, _), (x2, _) in zip(out, again))
     kept = write((m, m, m), fit, 10, 9, batch_size=4, seed=0, keep=0.5)
     assert sum(len(x) for x, _ in kept) == 5
+
+
+def test_perturbed_windows_keep_the_users_text_but_a_share(tmp_path):
+    """perturb: each window is a fit window with about `share` of its
+    tokens (never the first) resampled; share 0 gives the windows back;
+    a teacher that puts all its mass on one token writes that token at
+    every resampled place."""
+    m = _model(tmp_path)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randint(0, 50, (6, 41), generator=g)
+    fit = [(w[:3, :-1], w[:3, 1:]), (w[3:, :-1], w[3:, 1:])]
+    same = perturb((m, m, m), fit, 6, 0.0, batch_size=6)
+    got = torch.cat([same[0][0], same[0][1][:, -1:]], 1)
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, w.tolist()))
+    out = perturb((m, m, m), fit, 60, 0.3, batch_size=60, seed=1)
+    x, y = out[0]
+    full = torch.cat([x, y[:, -1:]], 1)
+    changed = 0
+    for r in full:
+        src = w[int((w == r).sum(1).argmax())]   # the window it came from
+        assert src[0] == r[0]                    # never the first token
+        changed += int((r != src).sum())
+    frac = changed / (60 * 40)
+    assert 0.2 < frac < 0.35, frac          # about 0.3 (some draws agree)
 
 
 @pytest.fixture(scope="module")
