@@ -130,14 +130,37 @@ def test_text_batches_windows_and_holdout(tmp_path):
 
 
 def test_tokenizer_other_than_bytes_needs_the_tokenizers_package(tmp_path):
+    # a SentencePiece-style BPE (Metaspace, no byte symbols): not read natively
     spec = llm_pair.tokenizer_json()
-    spec["model"]["merges"] = ["a b"]
+    spec["model"]["vocab"] = {"\u2581a": 0, "b": 1, "\u2581ab": 2}
+    spec["model"]["merges"] = ["\u2581a b"]
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581"}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     import importlib.util
     if importlib.util.find_spec("tokenizers") is not None:
         pytest.skip("tokenizers is installed")
-    with pytest.raises(bico.BicoError, match="tokenizers"):
+    with pytest.raises(bico.BicoError, match="tokenizers") as e:
         bt.tokenize("ab", str(tmp_path / "tokenizer.json"))
+    assert str(tmp_path / "tokenizer.json") in str(e.value)
+
+
+@pytest.mark.parametrize("merges, needs", [(["a b"], "'ab'"),
+                                           (["a zz"], "'zz'"),
+                                           (["a"], "not a pair")])
+def test_a_malformed_byte_level_bpe_is_refused_naming_the_merge(
+        tmp_path, merges, needs):
+    spec = llm_pair.tokenizer_json()  # the 256 byte symbols, no merges
+    spec["model"]["type"] = "BPE"
+    spec["model"]["merges"] = merges
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    import importlib.util
+    if importlib.util.find_spec("tokenizers") is not None:
+        pytest.skip("tokenizers is installed")
+    with pytest.raises(bico.BicoError, match="merge 0") as e:
+        bt.tokenize("ab", str(tmp_path / "tokenizer.json"))
+    assert needs in str(e.value)
+    assert str(tmp_path / "tokenizer.json") in str(e.value)
+    assert e.value.status == bico.E_FORMAT
 
 
 # ---------------------------------------------------------------- adapters

@@ -17,7 +17,7 @@ bico.llm.text uses it instead: it is the reference.
 import re
 from collections import Counter
 
-from .._status import BicoError, E_FORMAT
+from .._status import BicoError, E_FORMAT, E_UNSUPPORTED
 
 __all__ = ["ByteLevelBPE", "bytes_to_unicode", "train", "PATTERN"]
 
@@ -73,7 +73,7 @@ class ByteLevelBPE(object):
         alone or in a Sequence); BicoError E_FORMAT naming path otherwise."""
         model = spec.get("model") or {}
         if model.get("type") != "BPE":
-            raise BicoError(E_FORMAT, "bpe: %s: model type %r, not BPE"
+            raise BicoError(E_UNSUPPORTED, "bpe: %s: model type %r, not BPE"
                             % (path, model.get("type")))
         pre = spec.get("pre_tokenizer") or {}
         items = pre.get("pretokenizers", [pre]) if pre.get("type") == \
@@ -81,7 +81,8 @@ class ByteLevelBPE(object):
         bl = [p for p in items if isinstance(p, dict) and
               p.get("type") == "ByteLevel"]
         if not bl:
-            raise BicoError(E_FORMAT, "bpe: %s: no ByteLevel pre-tokenizer: "
+            raise BicoError(E_UNSUPPORTED, "bpe: %s: no ByteLevel "
+                            "pre-tokenizer: "
                             "not a byte-level BPE" % path)
         split = any(p.get("type") == "Split" for p in items
                     if isinstance(p, dict))
@@ -89,9 +90,28 @@ class ByteLevelBPE(object):
                   for m in model.get("merges") or []]
         added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []
                  if isinstance(t, dict) and "content" in t and "id" in t}
-        return cls(model.get("vocab") or {}, merges, added,
-                   use_regex=bool(bl[0].get("use_regex", True)) or split,
-                   prefix_space=bool(bl[0].get("add_prefix_space")))
+        vocab = model.get("vocab") or {}
+        if not isinstance(vocab, dict) or not all(
+                isinstance(t, str) and isinstance(i, int) and
+                not isinstance(i, bool) and i >= 0 for t, i in vocab.items()):
+            raise BicoError(E_FORMAT, "bpe: %s: model.vocab is not a map of "
+                            "token strings to ids >= 0" % path)
+        for k, m in enumerate(merges):
+            if len(m) != 2 or not all(isinstance(x, str) for x in m):
+                raise BicoError(E_FORMAT, "bpe: %s: merge %d (%r) is not a "
+                                "pair of symbols" % (path, k, m))
+            for x in (m[0], m[1], m[0] + m[1]):
+                if x not in vocab:
+                    raise BicoError(E_FORMAT, "bpe: %s: merge %d (%r %r) "
+                                    "needs %r, which is not in the "
+                                    "vocabulary" % (path, k, m[0], m[1], x))
+        try:
+            return cls(vocab, merges, added,
+                       use_regex=bool(bl[0].get("use_regex", True)) or split,
+                       prefix_space=bool(bl[0].get("add_prefix_space")))
+        except BicoError as e:
+            raise BicoError(e.status, e.message.replace(
+                "bpe: ", "bpe: %s: " % path, 1))
 
     def spec(self):
         """The tokenizer.json dict of this tokenizer."""

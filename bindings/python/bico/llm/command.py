@@ -45,7 +45,7 @@ from . import adapters as _adapters
 from .adapters import save_adapter, update_grams, low_rank, write_pairs
 from . import distill as _distill
 from .distill import LINEAR_MODULES
-from .families import load_model
+from .families import load_model, _weights_path
 from . import options as opts
 from .options import (named as _named, setup as _setup,  # noqa: F401
                       vocab_size as _vocab,
@@ -780,6 +780,9 @@ def _generated(a, models, cal, q):
             ", the likeliest %g kept" % a.generate_keep))
     from .generate import perturb
     nw = {"write": n, "perturb": 0, "both": n - n // 2}[a.generate_mode]
+    _distill_estimate(a, ms, models[2] if len(models) > 2 and
+                      models[2] is not models[1] else None, src_cal, cal,
+                      n, nw, window, q)
     gen = write(ms, src_cal.batches, nw, window,
                 prompt_tokens=a.generate_prompt,
                 temperature=a.generate_temperature, top_p=a.generate_top_p,
@@ -796,6 +799,57 @@ def _generated(a, models, cal, q):
         _log(q, "generate: %d windows of the target's tokens from the "
              "written text" % sum(len(x) for x, _ in gen))
     return cal._replace(batches=list(cal.batches) + gen)
+
+
+def _forward_seconds(models, x):
+    """Seconds per token of a forward of each model over x, timed (after
+    a first pass that warms the caches)."""
+    out = []
+    with torch.no_grad():
+        for m in models:
+            m(x[:1, :8])
+            t = time.time()
+            m(x)
+            out.append((time.time() - t) / x.numel())
+    return out
+
+
+def _folder_weights(folder):
+    """The number of weights in a model folder's safetensors headers."""
+    with _st.open(_weights_path(folder)) as f:
+        return sum(int(np.prod(f.info(n)[1])) for n in f.keys())
+
+
+def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
+    """The distillation's time, printed before it starts (writing the
+    windows, the teacher on them and the user's, the training at most:
+    --patience may end it sooner), extrapolated from a forward of each
+    writer over a batch of its fit windows (opts.distill_estimate), the
+    target's cost timed the same way when it is loaded, else scaled from
+    a writer's by the weights in the folders; recorded in the output's
+    note (bico_estimate_seconds)."""
+    dev = next(writers[0].parameters()).device
+    f = _forward_seconds(writers, src_cal.batches[0][0].to(dev))
+    f_all = sum(f)
+    if target is not None:
+        f_tgt = _forward_seconds([target], cal.batches[0][0].to(dev))[0]
+    else:
+        mine = sum(p.numel() for p in writers[0].parameters())
+        f_tgt = f[0] * _folder_weights(a.target) / max(1, mine)
+    total = len(cal.batches) + -(-n // a.batch_size)
+    steps, _ = _distill._defaults(_mode(a), a.steps, a.lr, total)
+    held = sum(y.numel() for _, y in cal.held_out)
+    P = a.generate_prompt or max(1, window // 4)
+    w, t, tr = opts.distill_estimate(
+        f_all, f_tgt, nw, window + 1 - P, cal.windows + n, window, steps,
+        a.batch_size, held)
+    if a.vocab.kind == "different":
+        t = 0.0                      # the text alone: no teacher
+    a.estimate = w + t + tr
+    _log(q, "estimate: about %s for the distillation: %s writing %d "
+         "windows, %s the teacher, at most %s training %d steps" % (
+             opts.duration(w + t + tr), opts.duration(w), n,
+             opts.duration(t), opts.duration(tr), steps))
 
 
 def _in_target_tokens(a, gen, window):
@@ -877,6 +931,7 @@ def _restore(tgt, res, base):
 def _write_distill(a, tgt, res, base, cal, tdtypes, means):
     meta = {"bico_transfer_method": "distill",
             "bico_distill_step": str(res.step),
+            "bico_estimate_seconds": "%.0f" % getattr(a, "estimate", 0),
             "bico_seed": str(a.seed),
             "bico_heldout_loss": "%.6g" % means[2],
             "bico_heldout_loss_target": "%.6g" % means[0],
@@ -1078,7 +1133,6 @@ def _prepare_streamed(a, tmp, q):
     locked, the windows read, the folders' configs read (the ids checked
     against their vocabularies); (calibration, the tuned source folder, the
     spill folder)."""
-    from .families import _weights_path
     from .runtime import spill_folder
     opts.routes(a)
     ins = [("--source", a.source), ("--source-tuned", a.source_tuned),
@@ -1140,7 +1194,6 @@ def _checked_config(folder):
 def _st_modules(folder):
     """The module names of a model folder's tensors (every dotted prefix
     of a tensor's name), for check_modules_to_save."""
-    from .families import _weights_path
     with _st.open(_weights_path(folder)) as f:
         names = list(f.keys())
     return sorted(set(n.rsplit(".", k)[0] for n in names

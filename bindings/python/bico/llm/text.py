@@ -130,8 +130,9 @@ def load_tokenizer(tokenizer):
         from .bpe import ByteLevelBPE
         try:
             return ByteLevelBPE.from_spec(spec, path)
-        except BicoError:
-            pass
+        except BicoError as e:
+            if e.status != E_UNSUPPORTED:
+                raise  # a byte-level BPE, malformed: say where
     raise BicoError(E_UNSUPPORTED, "tokenize: %s needs Hugging Face's "
                     "`tokenizers` package (pip install tokenizers), "
                     "or pass token ids (--ids ids.npy in python3 -m "
