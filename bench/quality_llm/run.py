@@ -623,6 +623,12 @@ class Bench(object):
             got, _, _ = pl.load(os.path.join(out, "model.safetensors"))
             sd = {k: torch.as_tensor(np.asarray(got[k])).float() for k in sd}
         res = self.score(lm.load(b.cfg, sd), spec)
+        # the distillation's estimate, printed before it ran (issue 46)
+        _, meta, _ = pl.load(os.path.join(out, "adapter_model.safetensors"
+                                          if out_kind == "lora" else
+                                          "model.safetensors"))
+        if meta.get("bico_estimate_seconds"):
+            res["estimate"] = float(meta["bico_estimate_seconds"])
         res["seconds"] = secs
         res["peak_mb"] = peak[0] / 1024.0 if peak else None
         # the command chooses for itself: no alpha of the bench's own
@@ -790,9 +796,12 @@ def main():
                         r = {"error": " / ".join(str(e).splitlines())[:300]}
                     log("%s %s: %s" % (cid, label, r.get("error") or
                                        "task %.4f general %.4f, %.0f s, "
-                                       "%.0f MB" % (r["task"], r["general"],
-                                                    r["seconds"],
-                                                    r["peak_mb"] or 0)))
+                                       "%.0f MB%s" % (
+                                           r["task"], r["general"],
+                                           r["seconds"], r["peak_mb"] or 0,
+                                           ", estimate %.0f s" %
+                                           r["estimate"] if "estimate" in r
+                                           else "")))
                     if "error" not in r:
                         store[k] = r
                         save()

@@ -826,8 +826,9 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     --patience may end it sooner), extrapolated from a forward of each
     writer over a batch of its fit windows (opts.distill_estimate), the
     target's cost timed the same way when it is loaded, else scaled from
-    a writer's by the weights in the folders; recorded in the output's
-    note (bico_estimate_seconds)."""
+    a writer's by the weights in the folders; the run's whole time (what
+    ran so far and this) recorded in the output's metadata
+    (bico_estimate_seconds)."""
     dev = next(writers[0].parameters()).device
     f = _forward_seconds(writers, src_cal.batches[0][0].to(dev))
     f_all = sum(f)
@@ -845,11 +846,14 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
         a.batch_size, held)
     if a.vocab.kind == "different":
         t = 0.0                      # the text alone: no teacher
-    a.estimate = w + t + tr
+    so_far = time.time() - getattr(a, "t0", time.time())
+    a.estimate = so_far + w + t + tr
     _log(q, "estimate: about %s for the distillation: %s writing %d "
-         "windows, %s the teacher, at most %s training %d steps" % (
+         "windows, %s the teacher, at most %s training %d steps (the run: "
+         "about %s in all, %s so far)" % (
              opts.duration(w + t + tr), opts.duration(w), n,
-             opts.duration(t), opts.duration(tr), steps))
+             opts.duration(t), opts.duration(tr), steps,
+             opts.duration(a.estimate), opts.duration(so_far)))
 
 
 def _in_target_tokens(a, gen, window):
@@ -931,7 +935,6 @@ def _restore(tgt, res, base):
 def _write_distill(a, tgt, res, base, cal, tdtypes, means):
     meta = {"bico_transfer_method": "distill",
             "bico_distill_step": str(res.step),
-            "bico_estimate_seconds": "%.0f" % getattr(a, "estimate", 0),
             "bico_seed": str(a.seed),
             "bico_heldout_loss": "%.6g" % means[2],
             "bico_heldout_loss_target": "%.6g" % means[0],
@@ -940,6 +943,8 @@ def _write_distill(a, tgt, res, base, cal, tdtypes, means):
             "bico_source": a.source,
             "bico_source_tuned": a.source_tuned or "",
             "bico_lora": a.lora or ""}
+    if getattr(a, "estimate", None) is not None:
+        meta["bico_estimate_seconds"] = "%.4g" % a.estimate
     bm = a.base_model_name_or_path or os.path.abspath(a.target)
     if a.output_lora and res.adapter is not None:
         cfg = write_pairs(_adapter_folder(a), res.state, res.adapter.r,
@@ -1460,7 +1465,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
     p = _parser(prog)
     a = p.parse_args(argv)
     q = a.quiet
-    t0 = time.time()
+    t0 = a.t0 = time.time()
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)
     _setup(a)
     # the command's own process: freed tensors go back to the system at
