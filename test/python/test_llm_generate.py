@@ -180,7 +180,7 @@ def test_the_command_distils_on_the_written_windows_too(pair, tmp_path):
     # the estimate comes before the writing and is kept with the output
     est = [x for x in some.splitlines() if "for the distillation" in x][-1]
     assert some.index(est) < some.index("teacher:")
-    assert "writing 16 windows" in est and "training 20 steps" in est
+    assert "writing 16 windows" in est and "for all 20 steps" in est
     import bico.safetensors as bst
     with bst.open(str(tmp_path / "ad16" / "adapter_model.safetensors")) as f:
         meta = f.metadata

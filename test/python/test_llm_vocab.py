@@ -86,11 +86,12 @@ def test_a_grown_vocabulary_gives_the_shared_teacher(pair):
     assert t2.outputs == 256
 
 
-def _command(d, target, *extra):
+def _command(d, target, *extra, method="distill"):
     return subprocess.run(
         [sys.executable, "-m", "bico.llm", "--source", "A", "--lora",
          "A_adapter", "--target", target, "--window", "32", "--windows",
-         "24", "--method", "distill", "--rank", "4", "--steps", "150",
+         "24"] + (["--method", method] if method else []) + [
+         "--rank", "4", "--steps", "150",
          "--generate", "48"] + list(extra), cwd=str(d),
         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
         text=True, timeout=600)
@@ -112,9 +113,10 @@ def test_across_different_tokenizers_end_to_end(pair, tmp_path):
     d, _, _ = pair
     out = tmp_path / "ad"
     r = _command(d, "B_bpe", "--text", "task.txt", "--output-lora",
-                 str(out))
+                 str(out), method=None)     # --method auto, the default
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tokenizers: " in r.stderr and "differ" in r.stderr
+    assert "--method auto: the tokenizers differ" in r.stderr
     assert "the fine-tuned source writes 48 windows" in r.stderr
     assert "teacher: none" in r.stderr
     model = bt.load_model(d / "B_bpe", dtype=torch.float32)
@@ -131,6 +133,25 @@ def test_across_different_tokenizers_end_to_end(pair, tmp_path):
     assert r.returncode == 2 and "--ids" in r.stderr and "--text" in \
         r.stderr, r.stderr
     assert not (tmp_path / "ad2").exists()
+
+
+@pytest.mark.parametrize("extra", [("--method", "fit"),
+                                   ("--method", "distill", "--init", "warm")])
+def test_the_fit_across_different_tokenizers_is_refused(pair, tmp_path,
+                                                        extra):
+    """The fit takes token ids to mean the same in both models: with two
+    tokenizers it (and the warm start that runs it) is refused at once,
+    exit 2, naming both files and the route that works, nothing
+    written."""
+    d, _, _ = pair
+    out = tmp_path / "ad"
+    r = _command(d, "B_bpe", "--text", "task.txt", "--output-lora",
+                 str(out), *extra[2:], method=extra[1])
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert extra[-2] + " " + extra[-1] in line
+    assert "tokenizer.json" in line and "--method distill" in line
+    assert "Traceback" not in r.stderr and not out.exists()
 
 
 def test_a_grown_vocabulary_end_to_end(pair, tmp_path):

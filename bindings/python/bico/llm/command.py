@@ -391,6 +391,32 @@ def _warn_tokenizers(a):
               file=sys.stderr)
 
 
+def _method_for_tokenizers(a, q):
+    """The routes two tokenizers leave: the fit (and the warm start that
+    runs it) takes token ids to mean the same in both models, so with
+    tokenizers that differ --method auto runs the distillation alone
+    (said), and --method fit or --init warm is refused (exit 2); decided
+    before a route is chosen, from the tokenizer files alone."""
+    if a.method == "distill" and a.init != "warm":
+        return
+    from .vocab import relation
+    tok = a.tokenizer or a.target
+    rel = _named("--tokenizer" if a.tokenizer else "--target", tok,
+                 relation, a.source, tok)
+    if rel.kind != "different":
+        return
+    if a.method == "fit" or a.init == "warm":
+        raise opts.UsageError(
+            "%s: the tokenizers differ (%s, %s): the fit needs one "
+            "tokenizer (token ids that mean the same in both models); "
+            "--method distill carries the task as text"
+            % ("--method fit" if a.method == "fit" else "--init warm",
+               rel.source, rel.target))
+    a.method = "distill"
+    _log(q, "--method auto: the tokenizers differ (%s, %s) and the fit "
+         "needs one: the distillation alone" % (rel.source, rel.target))
+
+
 def _relation(a, text, q):
     """How the source's and the target's tokenizers relate
     (bico.llm.vocab.relation), said when they differ; "different" with
@@ -406,6 +432,13 @@ def _relation(a, text, q):
              "the teacher on the shared ids, the new ones left to the "
              "text" % (rel.target, rel.source, rel.shared))
     elif rel.kind == "different":
+        if a.method != "distill" or a.init == "warm":
+            # the tokenizers alone looked alike (_method_for_tokenizers),
+            # the text tokenizes otherwise with each
+            raise opts.UsageError(
+                "--text %s tokenizes differently with %s and %s: the fit "
+                "needs one tokenizer; --method distill carries the task "
+                "as text" % (a.text, rel.source, rel.target))
         if not a.text:
             raise opts.UsageError(
                 "--ids %s: the source's and the target's tokenizers differ "
@@ -847,13 +880,15 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     if a.vocab.kind == "different":
         t = 0.0                      # the text alone: no teacher
     so_far = time.time() - getattr(a, "t0", time.time())
-    a.estimate = so_far + w + t + tr
+    likely = tr * (opts.STOP_SHARE if a.patience else 1.0)
+    a.estimate = so_far + w + t + likely
     _log(q, "estimate: about %s for the distillation: %s writing %d "
-         "windows, %s the teacher, at most %s training %d steps (the run: "
-         "about %s in all, %s so far)" % (
-             opts.duration(w + t + tr), opts.duration(w), n,
-             opts.duration(t), opts.duration(tr), steps,
-             opts.duration(a.estimate), opts.duration(so_far)))
+         "windows, %s the teacher, about %s training (at most %s for all "
+         "%d steps; --patience stops it once the held-out loss stops "
+         "improving); the run: about %s in all, %s so far" % (
+             opts.duration(w + t + likely), opts.duration(w), n,
+             opts.duration(t), opts.duration(likely), opts.duration(tr),
+             steps, opts.duration(a.estimate), opts.duration(so_far)))
 
 
 def _in_target_tokens(a, gen, window):
@@ -1475,6 +1510,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
     _on_signals()
     tmp = None
     try:
+        _prepared(_method_for_tokenizers, a, q)
         tmp = _prepared(_scratch_of, a)
         a.ranks = _prepared(_ranks, a)
         if not a.ranks.root:     # rank 0 speaks for the run
