@@ -603,8 +603,10 @@ class Bench(object):
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         secs = time.time() - t0
         if r.returncode != 0:
+            err = "\n".join(x for x in r.stderr.splitlines()   # not time's
+                            if x.strip() and not x.startswith("\t"))
             raise RuntimeError("bico.llm failed (%d): %s" % (
-                r.returncode, r.stderr.strip()[-600:]))
+                r.returncode, err.strip()[-600:]))
         peak = [int(x.split(":")[1]) for x in r.stderr.splitlines()
                 if "Maximum resident set size" in x]
         b = self.model(self.pretrained(spec))
