@@ -462,6 +462,7 @@ def _source_windows(a, text):
     the command's options): the fine-tuned source's prompts when the
     tokenizers differ."""
     ids = _named("--source", a.source, tokenize, text, a.source)
+    a.source_tokens = max(1, int(ids.numel()))
     try:
         return text_batches(ids, a.window, n=a.windows, holdout=a.holdout,
                             batch_size=a.batch_size, seed=a.seed)
@@ -483,6 +484,9 @@ def _calibration(a, q):
                       tokenize, text, tok)
         if a.vocab.kind == "different":     # the source's own windows
             a.source_cal = _source_windows(a, text)
+            # target tokens per source token of the text: the written
+            # windows' count once tokenized again (the estimate)
+            a.token_ratio = int(np.asarray(data).size) / a.source_tokens
     ids = np.asarray(data).reshape(-1)
     total = (int(ids.size) - 1) // a.window
     try:
@@ -842,15 +846,19 @@ def _generated(a, models, cal, q):
 
 
 def _forward_seconds(models, x):
-    """Seconds per token of a forward of each model over x, timed (after
-    a first pass that warms the caches)."""
+    """Seconds per token of a forward of each model over x, timed (the
+    faster of two, after a first pass that warms the caches)."""
     out = []
     with torch.no_grad():
         for m in models:
             m(x[:1, :8])
-            t = time.time()
-            m(x)
-            out.append((time.time() - t) / x.numel())
+            best = None
+            for _ in range(2):          # the faster of two: less noise
+                t = time.time()
+                m(x)
+                el = time.time() - t
+                best = el if best is None else min(best, el)
+            out.append(best / x.numel())
     return out
 
 
@@ -877,14 +885,18 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     else:
         mine = sum(p.numel() for p in writers[0].parameters())
         f_tgt = f[0] * _folder_weights(a.target) / max(1, mine)
-    total = len(cal.batches) + -(-n // a.batch_size)
+    diff = a.vocab.kind == "different"
+    # the written windows in the target's tokens (fewer or more windows
+    # when the tokenizers differ)
+    n_t = int(n * getattr(a, "token_ratio", 1.0)) if diff else n
+    total = len(cal.batches) + -(-n_t // a.batch_size)
     steps, _ = _distill._defaults(_mode(a), a.steps, a.lr, total)
     held = sum(y.numel() for _, y in cal.held_out)
     P = a.generate_prompt or max(1, window // 4)
     w, t, tr = opts.distill_estimate(
         f_all, f_tgt, nw, window + 1 - P, cal.windows + n, window, steps,
-        a.batch_size, held)
-    if a.vocab.kind == "different":
+        a.batch_size, held, text_only=diff)
+    if diff:
         t = 0.0                      # the text alone: no teacher
     so_far = time.time() - getattr(a, "t0", time.time())
     likely = tr * (opts.STOP_SHARE if a.patience else 1.0)

@@ -468,23 +468,27 @@ def estimate(per, cal, ridges, lora, auto, grid):
 # teacher's KL and the text loss, Adam) against a forward one
 WRITE_STEP = 3.0
 TRAIN_PASSES = 8.0
+# the same with the text alone (tokenizers that differ: no teacher's KL)
+TEXT_PASSES = 5.0
 # the share of its steps a distillation runs before --patience stops it
 # (the mean over the table's cells at the defaults: 0.17 to 0.65 of them)
 STOP_SHARE = 0.4
 
 
 def distill_estimate(f_all, f_target, written, new_tokens, windows, window,
-                     steps, batch, held_tokens, every=25):
+                     steps, batch, held_tokens, every=25, text_only=False):
     """Seconds the distillation will take, from f_all / f_target: seconds
     per token of a forward of the writing models together / of the
     target alone (timed on a batch of fit windows): (writing, teacher,
     training) for `written` windows of `new_tokens` sampled tokens, the
     teacher on `windows` windows of `window` tokens, `steps` steps of
     `batch` windows and the held-out checks every `every` steps (all the
-    steps: --patience usually stops sooner, STOP_SHARE)."""
+    steps: --patience usually stops sooner, STOP_SHARE); text_only: no
+    teacher (the text's loss alone)."""
     write = written * new_tokens * f_all * WRITE_STEP
     teacher = windows * window * f_all
-    train = steps * batch * window * f_target * TRAIN_PASSES + \
+    passes = TEXT_PASSES if text_only else TRAIN_PASSES
+    train = steps * batch * window * f_target * passes + \
         (steps // every + 1) * held_tokens * f_target
     return write, teacher, train
 
