@@ -899,7 +899,8 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     if diff:
         t = 0.0                      # the text alone: no teacher
     so_far = time.time() - getattr(a, "t0", time.time())
-    likely = tr * (opts.STOP_SHARE if a.patience else 1.0)
+    likely = tr * (opts.stop_share(cal.windows, cal.windows + n_t)
+                   if a.patience else 1.0)
     a.estimate = so_far + w + t + likely
     _log(q, "estimate: about %s for the distillation: %s writing %d "
          "windows, %s the teacher, about %s training (at most %s for all "
