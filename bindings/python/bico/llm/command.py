@@ -1474,7 +1474,8 @@ def _run_items(a):
     per file, node-independent; --text by every byte the run reads of it,
     --ids read whole)."""
     from . import ranks as R
-    skip = _PER_RANK | set(_INPUTS) | {"text", "ids", "run", "ranks"}
+    skip = _PER_RANK | set(_INPUTS) | {"text", "ids", "run", "ranks",
+                                       "t0"}     # the start: per process
     items = [("--" + k.replace("_", "-"), R.value_digest(v))
              for k, v in sorted(vars(a).items()) if k not in skip]
     items.append(("the output kind", "--output-lora" if a.output_lora
