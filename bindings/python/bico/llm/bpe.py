@@ -42,6 +42,19 @@ def bytes_to_unicode():
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+def _merged(syms, a, b):
+    """syms with every adjacent (a, b), left to right, made one symbol."""
+    out, k = [], 0
+    while k < len(syms):
+        if k < len(syms) - 1 and syms[k] == a and syms[k + 1] == b:
+            out.append(a + b)
+            k += 2
+        else:
+            out.append(syms[k])
+            k += 1
+    return out
+
+
 class ByteLevelBPE(object):
     """A byte-level BPE tokenizer: vocab {token string: id}, merges [(a,
     b)] in rank order, added {special token: id}."""
@@ -156,16 +169,7 @@ class ByteLevelBPE(object):
                     best, at = r, k
             if best is None:
                 break
-            a, b = syms[at], syms[at + 1]
-            out, k = [], 0
-            while k < len(syms):
-                if k < len(syms) - 1 and syms[k] == a and syms[k + 1] == b:
-                    out.append(a + b)
-                    k += 2
-                else:
-                    out.append(syms[k])
-                    k += 1
-            syms = out
+            syms = _merged(syms, syms[at], syms[at + 1])
         ids = [self.vocab[s] for s in syms]
         if len(self._cache) < 100000 and len(piece) <= 256:
             self._cache[piece] = ids
@@ -232,15 +236,7 @@ def train(text, vocab_size, added=(), order=None):
         vocab[a + b] = len(vocab)
         nw = {}
         for w, c in words.items():
-            out, k = [], 0
-            while k < len(w):
-                if k < len(w) - 1 and w[k] == a and w[k + 1] == b:
-                    out.append(a + b)
-                    k += 2
-                else:
-                    out.append(w[k])
-                    k += 1
-            t = tuple(out)
+            t = tuple(_merged(w, a, b))
             nw[t] = nw.get(t, 0) + c
         words = nw
     adds = {t: len(vocab) + k for k, t in enumerate(added)}

@@ -17,23 +17,11 @@ import torch.nn.functional as F
 
 from .._inputs import check_input, open_input, read_input
 from .._status import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
+from .bpe import bytes_to_unicode
 
 __all__ = ["tokenize", "detokenize", "load_tokenizer", "text_batches",
            "Calibration", "next_token_loss", "lm_loss", "path_like",
            "read_text", "read_ids"]
-
-
-def _bytes_to_unicode():
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD))
-          + list(range(0xAE, 0x100)))
-    cs = list(bs)
-    k = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + k)
-            k += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def _tokenizer_file(tok):
@@ -57,7 +45,7 @@ def _byte_level(spec, path):
             pre.get("type") != "ByteLevel":
         return None
     vocab = model.get("vocab") or {}
-    m = _bytes_to_unicode()
+    m = bytes_to_unicode()
     try:
         table = np.array([vocab[m[b]] for b in range(256)], dtype=np.int64)
     except (KeyError, TypeError, ValueError, OverflowError):
