@@ -1468,16 +1468,16 @@ _INPUTS = ("source", "source_tuned", "lora", "target", "tokenizer")
 
 def _run_items(a):
     """What every rank of a run must agree on (Ranks.same_run): every
-    parsed option but _PER_RANK's and the inputs' paths, by value; which
+    parsed option (a.parsed: not what the run sets on a) but _PER_RANK's
+    and the inputs' paths, by value; which
     output is written (--output or --output-lora); a fingerprint of each
     input (bico.llm.ranks: the model folders, --lora, --tokenizer sampled
     per file, node-independent; --text by every byte the run reads of it,
     --ids read whole)."""
     from . import ranks as R
-    skip = _PER_RANK | set(_INPUTS) | {"text", "ids", "run", "ranks",
-                                       "t0"}     # the start: per process
-    items = [("--" + k.replace("_", "-"), R.value_digest(v))
-             for k, v in sorted(vars(a).items()) if k not in skip]
+    skip = _PER_RANK | set(_INPUTS) | {"text", "ids"}
+    items = [("--" + k.replace("_", "-"), R.value_digest(getattr(a, k)))
+             for k in a.parsed if k not in skip]
     items.append(("the output kind", "--output-lora" if a.output_lora
                   else "--output"))
     items += [("--" + k.replace("_", "-"), R.fingerprint(getattr(a, k)))
@@ -1520,6 +1520,7 @@ def main(argv=None, prog="python3 -m bico.llm"):
         return stats_main(argv[1:], prog + " stats")
     p = _parser(prog)
     a = p.parse_args(argv)
+    a.parsed = tuple(sorted(vars(a)))   # the options; the rest is the run's
     q = a.quiet
     t0 = a.t0 = time.time()
     dt = None if a.dtype == "auto" else getattr(torch, a.dtype)
