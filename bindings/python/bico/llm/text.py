@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .._inputs import check_input, open_input, read_input
 from .._status import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
-from .bpe import bytes_to_unicode
+from .bpe import bytes_to_unicode as _bytes_to_unicode  # (bico.hf names it)
 
 __all__ = ["tokenize", "detokenize", "load_tokenizer", "text_batches",
            "Calibration", "next_token_loss", "lm_loss", "path_like",
@@ -45,7 +45,7 @@ def _byte_level(spec, path):
             pre.get("type") != "ByteLevel":
         return None
     vocab = model.get("vocab") or {}
-    m = bytes_to_unicode()
+    m = _bytes_to_unicode()
     try:
         table = np.array([vocab[m[b]] for b in range(256)], dtype=np.int64)
     except (KeyError, TypeError, ValueError, OverflowError):
