@@ -208,6 +208,10 @@ CMD_METHODS = [
     # a quarter held out (8 of 32 windows, not 4): patience and the final
     # choice on a less noisy held-out loss, 24 windows to learn from
     ("cmd auto 32 h.25", ["--holdout", "0.25"], 32, "lora"),
+    # tokenizers that differ: the written text alone (before 2026-12-07's
+    # first-byte teacher, --across byte, the default since)
+    ("cmd auto 32 text", ["--across", "text"], 32, "lora"),
+    ("cmd auto 64 text", ["--across", "text"], 64, "lora"),
     # the control: the target's factors trained on the calibration text
     # alone (its own next-token loss, no teacher): what the text gives
     # without the source's fine-tune

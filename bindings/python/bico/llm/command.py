@@ -340,6 +340,11 @@ def _route_options(p):
     d.add_argument("--generate-keep", type=opts.share_or_one, default=1.0,
                    help="share of the written windows kept, the most "
                    "likely under the fine-tuned source (1: all)")
+    d.add_argument("--across", choices=("byte", "text"), default="byte",
+                   help="tokenizers that differ: the teacher on the next "
+                   "token's first byte (the axis both vocabularies share) "
+                   "beside the text the fine-tuned source writes (byte, "
+                   "default), or that text alone (text)")
     d.add_argument("--device", default="cpu",
                    help="torch device the models run on: cpu (default) or "
                    "cuda[:N] when present (implies --in-memory)")
@@ -767,6 +772,11 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
     ["tuned"] (the dict emptied once it is)."""
     mode = _mode(a)
     saves = [s for s in a.modules_to_save.split(",") if s]
+    if _byte_teacher_wanted(a) and "source" in models:
+        models["teacher"] = _byte_teacher(a, models["source"],
+                                          models["tuned"], cal, log)
+        for k in ("source", "tuned"):
+            models.pop(k, None)
     return _distill.run(
         None, None, tgt, cal, log, mode=mode,
         pair=models if "source" in models else None,
@@ -778,7 +788,26 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         mode != "lora" else TEXT_ONLY_LR, teacher_k=a.teacher_k,
         budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
         seed=a.seed, **_losses(a), patience=a.patience or None,
-        shared=a.vocab.shared, own=getattr(a, "own_batches", None))
+        shared=a.vocab.shared, own=None if a.vocab.kind == "different"
+        else getattr(a, "own_batches", None))
+
+
+def _byte_teacher_wanted(a):
+    return a.vocab.kind == "different" and a.across == "byte" and \
+        a.teacher_weight > 0
+
+
+def _byte_teacher(a, source, tuned, cal, log):
+    """The first-byte teacher (bico.llm.across) of cal's fit batches, the
+    source pair run over each window's text in the source's tokens."""
+    from . import across
+    from .text import load_tokenizer
+    clock = _distill.Clock("teacher (the source pair on the first byte)",
+                           len(cal.batches), log)
+    tok_a = load_tokenizer(a.source)
+    tok_b = load_tokenizer(a.tokenizer or a.target)
+    return across.build(source, tuned, tok_a, tok_b, cal.batches, a.window,
+                        progress=lambda i, n: clock(i))
 
 
 def _losses(a):
@@ -786,7 +815,8 @@ def _losses(a):
     differ, the text alone (the source wrote it: sequence-level
     distillation; the logits have no common axis for a teacher)."""
     if a.vocab.kind == "different":
-        return {"text_weight": 1.0, "teacher_weight": 0.0}
+        return {"text_weight": 1.0, "teacher_weight":
+                a.teacher_weight if _byte_teacher_wanted(a) else 0.0}
     return {"text_weight": a.text_weight,
             "teacher_weight": a.teacher_weight}
 

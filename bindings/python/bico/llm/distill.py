@@ -167,6 +167,14 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         if isinstance(teacher, _d.NoTeacher):
             log("teacher: none: %d batches learnt by their own next-token "
                 "loss" % len(teacher))
+        elif hasattr(teacher, "complete"):      # bico.llm.across
+            teacher.complete(target, inputs, chunk)
+            log("teacher: the next token's first byte (the tokenizers "
+                "differ), at %d of %d positions (%.0f %%: where both "
+                "tokenizations start a token), %.1f MB" % (
+                    teacher.aligned, teacher.positions,
+                    100.0 * teacher.aligned / max(1, teacher.positions),
+                    teacher.bytes_memory / 1e6))
         else:
             log("teacher: %d batches, %.1f MB in memory, %.1f MB "
                 "spilled%s" % (

@@ -28,6 +28,7 @@ every tensor is created on the model's device.
 """
 import atexit
 import errno
+from collections import namedtuple
 import math
 import os
 import shutil
@@ -43,7 +44,7 @@ from .. import _heap
 from .._status import BicoError, E_ARG, E_IO, E_NONFINITE, E_SHAPE
 from .choose import pick
 
-__all__ = ["Teacher", "NoTeacher", "Adapter", "distill", "kl_to_teacher", "build_teacher",
+__all__ = ["Teacher", "NoTeacher", "Grouped", "Adapter", "distill", "kl_to_teacher", "build_teacher",
            "proxy_chunks", "check_finite_logits",
            "distill_model", "window_losses", "mixup", "cutmix", "shift",
            "compose", "one_of", "auto_augment", "image_augment",
@@ -253,6 +254,29 @@ class NoTeacher(object):
         pass
 
 
+# A teacher over groups of the outputs rather than the outputs: logp
+# [..., G] the teacher's log-probabilities of G groups, mask [...] the
+# rows it speaks for (the others learn nothing from it), group [V] each
+# output's group (0 .. G-1).  The student's distribution is summed over
+# each group before the KL (bico.llm.across: the next token's first byte,
+# the axis two tokenizers share).
+Grouped = namedtuple("Grouped", "logp mask group")
+
+
+def grouped_kl(z, entry):
+    """Sum over the rows entry.mask keeps of KL(p || q_grouped), divided
+    by all the rows: q_grouped the student's softmax(z) summed over each
+    group of entry.group.  z: logits [..., V]."""
+    logp, mask, group = entry
+    p = torch.softmax(z.float(), dim=-1)
+    q = torch.zeros(p.shape[:-1] + (logp.shape[-1],), dtype=p.dtype,
+                    device=p.device).index_add_(-1, group.long(), p)
+    logq = torch.log(q.clamp_min(1e-30))
+    kl = _plogp(logp.float(), logq).sum(-1)
+    kl = torch.where(mask, kl, torch.zeros_like(kl))
+    return kl.sum() / max(1, kl.numel())
+
+
 def _log_rest(logp, idx):
     """log of the mass outside the kept entries idx, from full
     log-probabilities (stable: a log-sum-exp over the others)."""
@@ -268,6 +292,8 @@ def kl_to_teacher(z, entry, outputs=None):
     vocabulary when the student's is wider (a vocabulary that grew: the
     first `outputs` ids shared): the student's distribution over those
     ids, renormalized, is compared (its other ids are left to the text)."""
+    if isinstance(entry, Grouped):
+        return grouped_kl(z, entry)
     z = z.float()
     if outputs is not None and z.shape[-1] > outputs:
         z = z[..., :outputs]
@@ -563,6 +589,9 @@ def _flat_entry(entry, n):
     """A teacher entry with its token dimensions flattened to n rows."""
     if isinstance(entry, torch.Tensor):
         return entry.reshape(n, entry.shape[-1])
+    if isinstance(entry, Grouped):
+        return Grouped(entry.logp.reshape(n, entry.logp.shape[-1]),
+                       entry.mask.reshape(n), entry.group)
     vals, idx, rest = entry
     return (vals.reshape(n, vals.shape[-1]), idx.reshape(n, idx.shape[-1]),
             rest.reshape(n))
@@ -571,6 +600,8 @@ def _flat_entry(entry, n):
 def _rows(entry, s, e):
     if isinstance(entry, torch.Tensor):
         return entry[s:e]
+    if isinstance(entry, Grouped):
+        return Grouped(entry.logp[s:e], entry.mask[s:e], entry.group)
     return tuple(t[s:e] for t in entry)
 
 
