@@ -985,6 +985,26 @@ def _generated_from_folders(a, dt, q, cal, tuned):
         _heap.trim()
 
 
+def _across_from_folders(a, dt, q, cal, tuned):
+    """Tokenizers that differ, the first-byte teacher asked for: the source
+    pair read whole once, the fine-tuned source writing task text
+    (_generated) and the pair then giving the teacher of every window
+    (_byte_teacher), both freed afterwards: (the distillation's windows,
+    {"teacher": ...})."""
+    _log(q, "loading %s and %s for the written text and the first-byte "
+         "teacher" % (a.source, tuned))
+    src = _named("--source", a.source, load_model, a.source, dtype=dt)
+    tun = _named("--lora" if a.lora else "--source-tuned", tuned,
+                 load_model, tuned, dtype=dt)
+    try:
+        dcal = _generated(a, (tun, tun), cal, q)
+        return dcal, {"teacher": _byte_teacher(
+            a, src, tun, dcal, lambda *m: _log(q, *m))}
+    finally:
+        del src, tun
+        _heap.trim()
+
+
 def _original_state(a, tgt):
     """The target's weights that a restore after the routes needs: every
     one, or only the saved tensors (--modules-to-save) when the only route
@@ -1365,9 +1385,13 @@ def _teacher_then_target(a, dt, q, cal, tuned, spill, tmp):
     computed from the folders, its models freed, then the target loaded
     alone: ({"teacher": ...}, target, its files' dtypes, the
     distillation's windows)."""
-    dcal = _generated_from_folders(a, dt, q, cal, tuned)
-    models = {} if a.vocab.kind == "different" else {
-        "teacher": _teacher_from_folders(a, dt, q, dcal, tuned, spill, tmp)}
+    if _byte_teacher_wanted(a):
+        dcal, models = _across_from_folders(a, dt, q, cal, tuned)
+    else:
+        dcal = _generated_from_folders(a, dt, q, cal, tuned)
+        models = {} if a.vocab.kind == "different" else {
+            "teacher": _teacher_from_folders(a, dt, q, dcal, tuned, spill,
+                                             tmp)}
     _heap.trim()
     tgt, tdtypes = _load_target(a, dt, q)
     _heap.trim()
