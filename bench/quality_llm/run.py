@@ -212,6 +212,14 @@ CMD_METHODS = [
     # first-byte teacher, --across byte, the default since)
     ("cmd auto 32 text", ["--across", "text"], 32, "lora"),
     ("cmd auto 64 text", ["--across", "text"], 64, "lora"),
+    ("cmd auto 32 tw1 lr2e-3", ["--text-weight", "1", "--lr", "2e-3"], 32,
+     "lora"),
+    ("cmd auto 64 tw1 lr2e-3", ["--text-weight", "1", "--lr", "2e-3"], 64,
+     "lora"),
+    ("cmd auto 32 tw1", ["--text-weight", "1"], 32, "lora"),
+    ("cmd auto 64 tw1", ["--text-weight", "1"], 64, "lora"),
+    ("cmd auto 32 p0", ["--patience", "0"], 32, "lora"),
+    ("cmd auto 64 p0", ["--patience", "0"], 64, "lora"),
     # the control: the target's factors trained on the calibration text
     # alone (its own next-token loss, no teacher): what the text gives
     # without the source's fine-tune

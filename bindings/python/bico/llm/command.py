@@ -785,7 +785,8 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         modules=[m for m in a.target_modules.split(",") if m],
         save=saves if mode == "lora" else (), init=init, steps=a.steps,
         lr=a.lr if a.lr is not None or a.vocab.kind != "different" or
-        mode != "lora" else TEXT_ONLY_LR, teacher_k=a.teacher_k,
+        mode != "lora" or _byte_teacher_wanted(a) else TEXT_ONLY_LR,
+        teacher_k=a.teacher_k,
         budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
         seed=a.seed, **_losses(a), patience=a.patience or None,
         shared=a.vocab.shared, own=None if a.vocab.kind == "different"
@@ -814,9 +815,8 @@ def _losses(a):
     """The distillation's weights: the command's, or, when the tokenizers
     differ, the text alone (the source wrote it: sequence-level
     distillation; the logits have no common axis for a teacher)."""
-    if a.vocab.kind == "different":
-        return {"text_weight": 1.0, "teacher_weight":
-                a.teacher_weight if _byte_teacher_wanted(a) else 0.0}
+    if a.vocab.kind == "different" and not _byte_teacher_wanted(a):
+        return {"text_weight": 1.0, "teacher_weight": 0.0}
     return {"text_weight": a.text_weight,
             "teacher_weight": a.teacher_weight}
 
