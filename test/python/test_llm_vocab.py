@@ -3,13 +3,15 @@ relation of two tokenizers is told and said (one, a vocabulary that grew,
 or two different ones), never silently refused.  A grown vocabulary's
 teacher is exact on the shared ids (planted: B_grown is B with rows added,
 its teacher equals B's); across different tokenizers the fine-tuned
-source writes the text and the target learns it in its own tokens, end to
-end through the command, its adapter loaded as PEFT loads it and its
+source writes the text and the target learns it in its own tokens, with
+the teacher on the next token's first byte, end to end through the
+command, its adapter loaded as PEFT loads it and its
 held-out loss below the untouched target's.  The native byte-level BPE
 runs text both ways (decode(encode(t)) = t) and learns merges that make a
 frequent word one token.  Tiny folders of test/e2e/llm_pair.py."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -118,13 +120,24 @@ def test_across_different_tokenizers_end_to_end(pair, tmp_path):
     assert "tokenizers: " in r.stderr and "differ" in r.stderr
     assert "--method auto: the tokenizers differ" in r.stderr
     assert "the fine-tuned source writes 48 windows" in r.stderr
-    assert "teacher: none" in r.stderr
+    # the teacher on the next token's first byte (bico.llm.across): the
+    # source's tokenizer has every byte a token, so every position but
+    # those of a character a window's end cuts
+    got = re.search(r"teacher: the next token's first byte .*, at (\d+) "
+                    r"of (\d+) positions", r.stderr)
+    assert got and int(got.group(1)) >= 0.9 * int(got.group(2)), \
+        r.stderr[-3000:]
     model = bt.load_model(d / "B_bpe", dtype=torch.float32)
     zero = _eval_loss(model, d, d / "B_bpe")
     got = peft_rules.load(model, str(out))
     assert len(got["lora"]) == 21
     tuned = _eval_loss(model, d, d / "B_bpe")
     assert tuned < zero - 0.5, (tuned, zero)
+    # --across text: the written text alone, no teacher
+    r = _command(d, "B_bpe", "--text", "task.txt", "--output-lora",
+                 str(tmp_path / "ad_text"), "--across", "text", method=None)
+    assert r.returncode == 0 and "teacher: none" in r.stderr and \
+        "(sequence-level distillation)" in r.stderr, r.stderr[-3000:]
     # token ids of one tokenizer mean nothing to the other: --ids refused
     np.save(tmp_path / "ids.npy", np.frombuffer(
         open(d / "task.txt", "rb").read(), np.uint8).astype(np.int64))

@@ -46,8 +46,8 @@ def token_bytes(tk, size=None):
         out = {int(i): bytes([b]) for i, b in tk.inv.items()}
     elif hasattr(tk, "unbyte"):                       # byte-level BPE
         for i, t in tk.inv.items():
-            if t not in tk.added:
-                out[int(i)] = bytes(tk.unbyte[c] for c in t)
+            out[int(i)] = None if t in tk.added else \
+                bytes(tk.unbyte[c] for c in t)
     elif hasattr(tk, "tk"):                           # `tokenizers`
         out = _hugging_bytes(tk.tk)
     else:
@@ -66,6 +66,7 @@ def _hugging_bytes(tk):
     out = {}
     for t, i in vocab.items():
         if i in special:
+            out[i] = None
             continue
         if byte_level:
             try:
@@ -193,7 +194,8 @@ class ByteTeacher(object):
     outputs = None
     bytes_disk = 0
 
-    def __init__(self, entries, group, aligned, positions):
+    def __init__(self, entries, group, aligned, positions, lift=False):
+        self.lift = lift
         self.entries, self.group = entries, group
         self.aligned, self.positions = aligned, positions
         self.done = False
@@ -203,8 +205,8 @@ class ByteTeacher(object):
 
     @property
     def bytes_memory(self):
-        return sum(d.numel() * d.element_size() + m.numel()
-                   for d, m in self.entries)
+        return sum(e[0].numel() * e[0].element_size() + e[1].numel()
+                   for e in self.entries if e is not None)
 
     def complete(self, target, inputs, chunk=_d.TOKEN_CHUNK):
         """The teacher from the untouched target's own first-byte
@@ -212,8 +214,22 @@ class ByteTeacher(object):
         if self.done:
             return
         target.eval()
+        if self.lift:
+            self.full = _d.Teacher(k=None if len(self.group) <= 4096 else 64)
         for i, x in enumerate(inputs):
             d, m = self.entries[i]
+            if self.lift:
+                with torch.no_grad():
+                    z = _d._logits(target(x)).cpu()
+                g = _pad(self.group, z.shape[-1])
+                lp = torch.log_softmax(z, -1)
+                q = torch.zeros(lp.shape[:-1] + (GROUPS,)).index_add_(
+                    -1, g, lp.exp())
+                mb = torch.log(q.clamp_min(_TINY))
+                t = torch.log_softmax(mb + d, dim=-1)
+                self.full.put(i, lp + (t - mb)[..., g])
+                self.entries[i] = None
+                continue
             mb = _model_marginals(target, x, self.group, chunk).cpu()
             self.entries[i] = (torch.log_softmax(mb + d, dim=-1), m)
         self.group = _pad(self.group, _outputs(target, inputs[0]))
@@ -222,6 +238,8 @@ class ByteTeacher(object):
     def get(self, i, device=None):
         if not self.done:
             raise RuntimeError("ByteTeacher.get before complete()")
+        if self.lift:
+            return self.full.get(i, device)
         d, m = self.entries[i]
         return _d.Grouped(d.to(device), m.to(device), self.group.to(device))
 
@@ -238,7 +256,7 @@ def _outputs(model, x):
 
 
 def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
-          chunk=_d.TOKEN_CHUNK, size_a=None, size_b=None):
+          chunk=_d.TOKEN_CHUNK, size_a=None, size_b=None, lift=False):
     """A ByteTeacher of the target's fit batches ([(ids, next ids)]),
     the source pair (source, tuned: decoders of tok_a's ids) run over
     each window's text in the source's tokens, in pieces of at most
@@ -289,4 +307,4 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
         entries.append((delta, mask))
         if progress is not None:
             progress(bi + 1, len(batches))
-    return ByteTeacher(entries, g_b, aligned, positions)
+    return ByteTeacher(entries, g_b, aligned, positions, lift)

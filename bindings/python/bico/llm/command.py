@@ -340,7 +340,8 @@ def _route_options(p):
     d.add_argument("--generate-keep", type=opts.share_or_one, default=1.0,
                    help="share of the written windows kept, the most "
                    "likely under the fine-tuned source (1: all)")
-    d.add_argument("--across", choices=("byte", "text"), default="byte",
+    d.add_argument("--across", choices=("byte", "lift", "text"),
+                   default="byte",
                    help="tokenizers that differ: the teacher on the next "
                    "token's first byte (the axis both vocabularies share) "
                    "beside the text the fine-tuned source writes (byte, "
@@ -455,10 +456,14 @@ def _relation(a, text, q):
                 "--ids %s: the source's and the target's tokenizers differ "
                 "(%s, %s): ids of one mean nothing to the other; give the "
                 "task as --text" % (a.ids, rel.source, rel.target))
-        _log(q, "tokenizers: %s and %s differ: the teacher's logits have "
-             "no common axis; the fine-tuned source writes task text in "
-             "its own tokens and the target learns it with its own "
-             "(sequence-level distillation)" % (rel.source, rel.target))
+        _log(q, "tokenizers: %s and %s differ: the fine-tuned source "
+             "writes task text in its own tokens and the target learns it "
+             "with its own%s" % (rel.source, rel.target,
+                                 ", with the teacher on the next token's "
+                                 "first byte (the axis both vocabularies "
+                                 "share)" if a.across != "text" and
+                                 a.teacher_weight > 0 else
+                                 " (sequence-level distillation)"))
     return rel
 
 
@@ -794,7 +799,7 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
 
 
 def _byte_teacher_wanted(a):
-    return a.vocab.kind == "different" and a.across == "byte" and \
+    return a.vocab.kind == "different" and a.across != "text" and \
         a.teacher_weight > 0
 
 
@@ -808,7 +813,8 @@ def _byte_teacher(a, source, tuned, cal, log):
     tok_a = load_tokenizer(a.source)
     tok_b = load_tokenizer(a.tokenizer or a.target)
     return across.build(source, tuned, tok_a, tok_b, cal.batches, a.window,
-                        progress=lambda i, n: clock(i))
+                        progress=lambda i, n: clock(i),
+                        lift=a.across == "lift")
 
 
 def _losses(a):
@@ -923,10 +929,17 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     steps, _ = _distill._defaults(_mode(a), a.steps, a.lr, total)
     held = sum(y.numel() for _, y in cal.held_out)
     P = a.generate_prompt or max(1, window // 4)
+    byte = _byte_teacher_wanted(a)
     w, t, tr = opts.distill_estimate(
         f_all, f_tgt, nw, window + 1 - P, cal.windows + n, window, steps,
-        a.batch_size, held, text_only=diff)
-    if diff:
+        a.batch_size, held, text_only=diff and not byte)
+    if byte:
+        # the source pair over every fit window's text in its tokens, the
+        # target once over the windows in its own (bico.llm.across)
+        ratio = getattr(a, "token_ratio", 1.0)
+        t = 2 * f_all * (n + cal.windows / ratio) * window + \
+            f_tgt * (cal.windows + n_t) * window
+    elif diff:
         t = 0.0                      # the text alone: no teacher
     so_far = time.time() - getattr(a, "t0", time.time())
     likely = tr * (opts.stop_share(cal.windows, cal.windows + n_t)

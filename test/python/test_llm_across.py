@@ -1,0 +1,171 @@
+"""The teacher across two tokenizers (bico.llm.across): the next token's
+first byte is the axis both vocabularies share.  Checked against
+independent computations: with one tokenizer on both sides the first-byte
+teacher is the proxy teacher softmax(z_B + z_A_ft - z_A) itself, summed
+by first byte (computed here from the three models' logits); the
+student's grouped KL is the KL of the two distributions summed by group
+(numpy, float64); where the alignment says two tokens start together,
+the bytes before them are the same in both tokenizations (the bytes
+decoded independently of the alignment), including text cut inside a
+UTF-8 character and a tokenizer that adds a leading space.  Tiny folders
+of test/e2e/llm_pair.py."""
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import bico.torch as bt
+from bico.llm import across
+from bico.llm.bpe import train
+from bico.llm.text import _Bytes, load_tokenizer
+from bico.torch.distill import Grouped, kl_to_teacher
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import llm_pair  # noqa: E402
+
+torch.set_num_threads(1)
+
+TEXT = ("naïve café: the cat sat on the mat, 日本語 — x=1; y=22;\n" * 6 +
+        "the end of the text, with ümlauts and ß.\n")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("across")
+    info = llm_pair.make(str(d))
+    llm_pair.bpe_target(str(d))
+    return d, info
+
+
+def _bytes_of(tb, ids):
+    return b"".join(tb[int(i)] or b"" for i in ids)
+
+
+def test_token_bytes_give_the_text_back(pair):
+    d, _ = pair
+    bpe = train(TEXT * 3, 300, added=["<|end|>"])
+    for tk in (bpe, load_tokenizer(d / "A"), load_tokenizer(d / "B_bpe")):
+        tb = across.token_bytes(tk)
+        t = TEXT + "tail"
+        assert _bytes_of(tb, tk.encode(t)) == t.encode("utf-8")
+    tb = across.token_bytes(bpe)
+    assert tb[bpe.added["<|end|>"]] is None      # a special token: no bytes
+    g = across.groups(tb, len(tb) + 3)
+    assert g[bpe.added["<|end|>"]] == 256 and (g[-3:] == 256).all()
+    assert all(g[i] == tb[i][0] for i in range(len(tb)) if tb[i])
+
+
+def _rows(ids, W, n):
+    return torch.stack([ids[k * W:(k + 1) * W + 1] for k in range(n)])
+
+
+@pytest.mark.parametrize("b_is_bpe,cut", [(True, 0), (False, 0),
+                                          (False, 3), (False, 4)])
+def test_aligned_tokens_start_after_the_same_bytes(pair, b_is_bpe, cut):
+    """The target's window and the source's tokens of its text, one the
+    byte tokenizer (every byte a token), the other a BPE: where a pair
+    says two tokens start together, the bytes before them agree; with the
+    source the byte tokenizer, every position whose next token has bytes
+    is paired.  A window of bytes that starts `cut` bytes into the text
+    (3: inside "ï", 4: just after it) drops the cut character's piece."""
+    d, _ = pair
+    by, bpe = load_tokenizer(d / "A"), load_tokenizer(d / "B_bpe")
+    tb_, ta_ = (bpe, by) if b_is_bpe else (by, bpe)
+    bb, ba = across.token_bytes(tb_), across.token_bytes(ta_)
+    raw = TEXT.encode("utf-8")
+    if b_is_bpe:
+        row = torch.as_tensor(bpe.encode(TEXT))[:41]
+    else:                                # the byte ids of raw[cut:]
+        inv = {b: i for i, b in enumerate(bb) if b is not None}
+        row = torch.tensor([inv[raw[k:k + 1]] for k in
+                            range(cut, cut + 61)])
+    got = across.align(row.tolist(), bb, ta_, ba)
+    assert got is not None
+    ids_a, pairs = got
+    raw_row, text_a = _bytes_of(bb, row), _bytes_of(ba, ids_a)
+    # where the source's text starts in the window: after the pieces of
+    # a character cut at the start (UTF-8 continuation bytes)
+    s = 0
+    while 0x80 <= raw_row[s] < 0xC0:
+        s += 1
+    assert s == (1 if cut == 3 else 0)
+    assert raw_row[s:].startswith(text_a) and len(raw_row) - len(text_a) \
+        - s <= 3
+    assert pairs
+    for t, j in pairs:
+        assert j >= 1
+        assert _bytes_of(bb, row[:t + 1])[s:] == _bytes_of(ba, ids_a[:j])
+    if not b_is_bpe:
+        return
+    starts = [len(_bytes_of(bb, row[:t + 1])) for t in range(len(row) - 1)]
+    assert [t for t, _ in pairs] == [t for t in range(len(row) - 1)
+                                     if 0 < starts[t] < len(text_a)]
+
+
+def test_a_leading_space_tokenizer_still_aligns():
+    """A tokenizer that adds a space before the text (add_prefix_space):
+    its first token's space is not the window's, the rest meet."""
+    table = np.arange(256, dtype=np.int64)
+    plain, spaced = _Bytes(table, False), _Bytes(table, True)
+    tb = across.token_bytes(plain)
+    row = plain.encode("abc def")[:8].tolist()
+    ids_a, pairs = across.align(row, tb, spaced, tb)
+    assert _bytes_of(tb, ids_a) == b" abc def"
+    assert pairs == [(t, t + 2) for t in range(len(row) - 1)]
+
+
+def test_the_grouped_kl_sums_the_student_by_group():
+    g = torch.Generator().manual_seed(0)
+    n, V, G = 7, 13, 5
+    z = torch.randn(n, V, generator=g, dtype=torch.float64) * 2
+    group = torch.randint(0, G, (V,), generator=g)
+    logp = torch.log_softmax(torch.randn(n, G, generator=g,
+                                         dtype=torch.float64), -1)
+    mask = torch.tensor([1, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
+    got = float(kl_to_teacher(z, Grouped(logp, mask, group)))
+    p = np.exp(logp.numpy())
+    q = np.exp(z.numpy() - z.numpy().max(1, keepdims=True))
+    q /= q.sum(1, keepdims=True)
+    qg = np.stack([q[:, group.numpy() == c].sum(1) for c in range(G)], 1)
+    kl = (p * (np.log(p) - np.log(qg))).sum(1) * mask.numpy()
+    assert got == pytest.approx(kl.sum() / n, rel=1e-5)
+    # one output a group: the ordinary KL of the whole distributions
+    full = torch.log_softmax(torch.randn(n, V, generator=g,
+                                         dtype=torch.float64), -1)
+    one = Grouped(full, torch.ones(n, dtype=torch.bool), torch.arange(V))
+    assert float(kl_to_teacher(z, one)) == pytest.approx(
+        float(kl_to_teacher(z, full)), rel=1e-5)
+
+
+def test_one_tokenizer_gives_the_proxy_teacher_by_first_byte(pair):
+    """Source and target of one byte tokenizer: every position aligned,
+    and the first-byte teacher is softmax(z_B + z_A_ft - z_A) with each
+    id's probability under its byte."""
+    d, _ = pair
+    tk = load_tokenizer(d / "A")
+    A = bt.load_model(d / "A", dtype=torch.float64)
+    Aft = bt.load_model(d / "A_ft", dtype=torch.float64)
+    B = bt.load_model(d / "B", dtype=torch.float64)
+    # ASCII: no window ends inside a character (those positions wait)
+    ids = torch.as_tensor(tk.encode(TEXT.encode("ascii", "ignore")
+                                    .decode()))
+    W = 24
+    rows = _rows(ids, W, 4)
+    batches = [(rows[:2, :-1], rows[:2, 1:]), (rows[2:, :-1], rows[2:, 1:])]
+    t = across.build(A, Aft, tk, tk, batches, W)
+    assert (t.aligned, t.positions) == (4 * W, 4 * W)
+    t.complete(B, [x for x, _ in batches])
+    group = across.groups(across.token_bytes(tk))
+    with torch.no_grad():
+        for i, (x, _) in enumerate(batches):
+            z = sum(s * getattr(m(x), "logits", m(x))
+                    for s, m in ((1, B), (1, Aft), (-1, A)))
+            p = torch.softmax(z.double(), -1)
+            want = torch.zeros(p.shape[:-1] + (257,), dtype=p.dtype)
+            want.index_add_(-1, group, p)
+            e = t.get(i)
+            assert e.mask.all()
+            assert torch.allclose(e.logp.exp().double(), want, atol=2e-5)
