@@ -78,8 +78,29 @@ GTEST_LIBS := $(shell $(PKG_CONFIG) --libs gtest_main 2>/dev/null || echo -lgtes
 
 RPATH := -Wl,-rpath,$(abspath $(BUILD)/lib)
 
-.PHONY: all lib check test install uninstall clean deps examples demo
+.PHONY: all lib check test install uninstall clean deps examples demo help
 all: lib $(TOOL) examples
+
+# `make help`: what each target does (the first the default)
+help:
+	@echo 'libbico $(VERSION): make [target] [VARIABLE=value ...]'
+	@echo ''
+	@echo '  all (default)   the shared and static library, the bico tool, the examples'
+	@echo '  check           every test (C, Python, installed library, demo); test: the same'
+	@echo '  demo            the main job end to end: a fine-tune carried between two classifiers'
+	@echo '  install         library, headers, pkg-config file, tools, man pages, Python package'
+	@echo '  uninstall       removes what install wrote'
+	@echo '  deps            installs the Debian packages the build and tests need (root)'
+	@echo '  man             the man pages (pandoc)'
+	@echo '  bench           benchmarks that print figures beside the competitor'
+	@echo '  fuzz            the fuzz targets under libFuzzer (clang), FUZZ_SECONDS=60'
+	@echo '  abi-check       the exported ABI against abi/ (the 1.x baseline)'
+	@echo '  leak-check      the C tests under valgrind; tsan-check: under ThreadSanitizer'
+	@echo '  clean           removes $(BUILD)'
+	@echo ''
+	@echo '  SANITIZE=1      build and test with AddressSanitizer and UBSan (-O1)'
+	@echo '  PREFIX, DESTDIR, LIBDIR, INCLUDEDIR, BINDIR, PKGCONFIGDIR, MANDIR, DOCDIR: install paths'
+	@echo '  JOBS            parallel build and test jobs (default: the cores)'
 
 lib: $(SHLIB) $(STLIB) $(BUILD)/lib/bico.pc
 
@@ -189,7 +210,7 @@ check-examples: check-pkgconfig
 	  name=$$(basename $${src%.*}); bin=$(EXAMPLE_STAGE)/$$name; \
 	  case $$src in \
 	    *.cpp) PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CXX) -std=c++17 -Wall -Wextra -Werror $(LDSAN) -o '$$bin' '$$src' $$($(PKG_CONFIG) --cflags --libs bico)';; \
-	    *) PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CC) -Wall -Wextra -Werror $(LDSAN) -o '$$bin' '$$src' $$($(PKG_CONFIG) --cflags --libs bico) -lm -pthread';; \
+	    *) PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig sh -c '$(CC) -std=c99 -Wall -Wextra -Werror $(LDSAN) -o '$$bin' '$$src' $$($(PKG_CONFIG) --cflags --libs bico) -lm -pthread';; \
 	  esac; \
 	  LD_LIBRARY_PATH=$(STAGE)/lib $$bin > $$bin.out 2>&1 || { cat $$bin.out; echo "check-examples: $$name failed"; exit 1; }; \
 	  tail -n 1 $$bin.out | grep -qx "$$name: ok" || { cat $$bin.out; echo "check-examples: $$name did not end with '$$name: ok'"; exit 1; }; \

@@ -8,6 +8,8 @@
  * (ctx) the status (test it, not the text).  Outputs are written to a
  * temporary file and renamed into place only when complete, so a failed
  * run leaves an existing output byte for byte as it was. */
+/* mkdtemp is POSIX.1-2008, not C99: ask for it before any header */
+#define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -8,6 +8,8 @@
  * (width 6) sees the source's (width 4) rows as x P and gradients as g S,
  * P and S with orthonormal rows, so the carried update must be
  * S^T (s B A) P, in the output adapter and in the merged checkpoint. */
+/* mkdtemp is POSIX.1-2008, not C99: ask for it before any header */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -8,6 +8,8 @@
  * by the weighted sum, and average the entries that agree with it.  The
  * handle runs over files and writes the result atomically, with a report;
  * bico_merge_tensor is the kernel for one tensor. */
+/* mkdtemp is POSIX.1-2008, not C99: ask for it before any header */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -9,6 +9,8 @@
  * norm), and the repeated blocks are the prefix P of most names "P.<i>.".
  * The program writes its two models (a file and a Hugging Face folder with
  * config.json) in a temporary folder, so it needs no file of yours. */
+/* mkdtemp is POSIX.1-2008, not C99: ask for it before any header */
+#define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

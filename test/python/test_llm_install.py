@@ -50,6 +50,13 @@ def test_the_script_runs_the_command(tmp_path):
         "--output-lora" in r.stdout, r.stderr
     r = run([script, "stats", "--help"])
     assert r.returncode == 0 and "bico-llm stats" in r.stdout, r.stderr
+    # every installed command answers --version, alone (no other option
+    # asked for), with the library's version (the C tool's `bico
+    # --version` says the same number)
+    import bico
+    r = run([script, "--version"])
+    assert r.returncode == 0 and r.stdout.strip() == \
+        "bico-llm (libbico) %s" % bico.__version__, (r.stdout, r.stderr)
     r = run([script, "--batch-size", "0"])
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
 

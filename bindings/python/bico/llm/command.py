@@ -165,6 +165,9 @@ def _parser(prog):
         description="Carry a decoder fine-tune to another decoder with the "
         "fit, from model folders and task text, to a PEFT adapter "
         "(--output-lora) or a model folder (--output).")
+    from .._version import version
+    p.add_argument("--version", action="version",
+                   version="%(prog)s (libbico) " + version())
     p.add_argument("--source", required=True, help="source base folder")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--source-tuned", help="source fine-tuned folder")
