@@ -97,6 +97,8 @@ help:
 	@echo '  abi-check       the exported ABI against abi/ (the 1.x baseline)'
 	@echo '  leak-check      the C tests under valgrind; tsan-check: under ThreadSanitizer'
 	@echo '  clean           removes $(BUILD)'
+	@echo '  dist            libbico-$(VERSION).tar.gz, the source release (distcheck: it builds,'
+	@echo '                  tests and installs on its own, unpacked in a fresh folder)'
 	@echo ''
 	@echo '  SANITIZE=1      build and test with AddressSanitizer and UBSan (-O1)'
 	@echo '  PREFIX, DESTDIR, LIBDIR, INCLUDEDIR, BINDIR, PKGCONFIGDIR, MANDIR, DOCDIR: install paths'
@@ -274,6 +276,30 @@ deps:
 
 clean:
 	rm -rf build
+
+# The source release: libbico-$(VERSION).tar.gz of the tracked files (a
+# MANIFEST in it lists them), reproducible.  distcheck, autotools' model:
+# the archive unpacked in a fresh folder builds, passes the C tests and
+# the installed-library checks, installs under DESTDIR, and makes the
+# same archive again.
+DIST := $(BUILD)/dist/libbico-$(VERSION).tar.gz
+.PHONY: dist distcheck
+dist:
+	sh scripts/dist.sh $(VERSION) .
+distcheck:
+	sh scripts/dist.sh $(VERSION) $(BUILD)/dist
+	rm -rf $(BUILD)/distcheck && mkdir -p $(BUILD)/distcheck
+	tar -xzf $(DIST) -C $(BUILD)/distcheck
+	cd $(BUILD)/distcheck/libbico-$(VERSION) && \
+	  test ! -e .git && \
+	  $(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN) && \
+	  sh scripts/gtest-shards.sh $(TEST_BIN) $(JOBS) && \
+	  $(MAKE) --no-print-directory check-pkgconfig check-examples && \
+	  $(MAKE) --no-print-directory install DESTDIR=$(abspath $(BUILD))/distcheck/inst PREFIX=/usr/local >/dev/null && \
+	  test -f $(abspath $(BUILD))/distcheck/inst/usr/local/include/bico/bico.h && \
+	  sh scripts/dist.sh $(VERSION) ../again >/dev/null && \
+	  cmp $(abspath $(DIST)) ../again/libbico-$(VERSION).tar.gz
+	@echo "distcheck: $(DIST) builds, tests, installs and makes itself again"
 
 # ---- safetensors/JSON interop helpers (test/st_tool.c, test/json_tool.c) ----
 # A small driver of the safetensors API that the Python interop tests
