@@ -18,7 +18,9 @@ part="$out/.$name.tar.gz.tmp"
 trap 'rm -rf "$tmp" "$part"' EXIT
 trap 'exit 130' INT TERM
 
-if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+# git's list only when this folder is a checkout's top (an unpacked
+# release inside another checkout, as distcheck's, is not one)
+if [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
   git ls-files > "$tmp/list"
   : "${SOURCE_DATE_EPOCH:=$(git log -1 --format=%ct)}"
 elif [ -f MANIFEST ]; then
