@@ -194,8 +194,7 @@ class ByteTeacher(object):
     outputs = None
     bytes_disk = 0
 
-    def __init__(self, entries, group, aligned, positions, lift=False):
-        self.lift = lift
+    def __init__(self, entries, group, aligned, positions):
         self.entries, self.group = entries, group
         self.aligned, self.positions = aligned, positions
         self.done = False
@@ -205,8 +204,8 @@ class ByteTeacher(object):
 
     @property
     def bytes_memory(self):
-        return sum(e[0].numel() * e[0].element_size() + e[1].numel()
-                   for e in self.entries if e is not None)
+        return sum(d.numel() * d.element_size() + m.numel()
+                   for d, m in self.entries)
 
     def complete(self, target, inputs, chunk=_d.TOKEN_CHUNK):
         """The teacher from the untouched target's own first-byte
@@ -214,22 +213,8 @@ class ByteTeacher(object):
         if self.done:
             return
         target.eval()
-        if self.lift:
-            self.full = _d.Teacher(k=None if len(self.group) <= 4096 else 64)
         for i, x in enumerate(inputs):
             d, m = self.entries[i]
-            if self.lift:
-                with torch.no_grad():
-                    z = _d._logits(target(x)).cpu()
-                g = _pad(self.group, z.shape[-1])
-                lp = torch.log_softmax(z, -1)
-                q = torch.zeros(lp.shape[:-1] + (GROUPS,)).index_add_(
-                    -1, g, lp.exp())
-                mb = torch.log(q.clamp_min(_TINY))
-                t = torch.log_softmax(mb + d, dim=-1)
-                self.full.put(i, lp + (t - mb)[..., g])
-                self.entries[i] = None
-                continue
             mb = _model_marginals(target, x, self.group, chunk).cpu()
             self.entries[i] = (torch.log_softmax(mb + d, dim=-1), m)
         self.group = _pad(self.group, _outputs(target, inputs[0]))
@@ -238,8 +223,6 @@ class ByteTeacher(object):
     def get(self, i, device=None):
         if not self.done:
             raise RuntimeError("ByteTeacher.get before complete()")
-        if self.lift:
-            return self.full.get(i, device)
         d, m = self.entries[i]
         return _d.Grouped(d.to(device), m.to(device), self.group.to(device))
 
@@ -256,7 +239,7 @@ def _outputs(model, x):
 
 
 def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
-          chunk=_d.TOKEN_CHUNK, size_a=None, size_b=None, lift=False):
+          chunk=_d.TOKEN_CHUNK, size_a=None, size_b=None):
     """A ByteTeacher of the target's fit batches ([(ids, next ids)]),
     the source pair (source, tuned: decoders of tok_a's ids) run over
     each window's text in the source's tokens, in pieces of at most
@@ -307,4 +290,4 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
         entries.append((delta, mask))
         if progress is not None:
             progress(bi + 1, len(batches))
-    return ByteTeacher(entries, g_b, aligned, positions, lift)
+    return ByteTeacher(entries, g_b, aligned, positions)

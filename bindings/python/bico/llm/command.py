@@ -25,6 +25,7 @@ output: the safetensors metadata of --output, bico_adapter.json beside
 the adapter of --output-lora (PEFT refuses unknown keys in
 adapter_config.json).  Both models must share the tokenizer.
 """
+import math
 import os
 import re
 import shutil
@@ -343,8 +344,7 @@ def _route_options(p):
     d.add_argument("--generate-keep", type=opts.share_or_one, default=1.0,
                    help="share of the written windows kept, the most "
                    "likely under the fine-tuned source (1: all)")
-    d.add_argument("--across", choices=("byte", "lift", "text"),
-                   default="byte",
+    d.add_argument("--across", choices=("byte", "text"), default="byte",
                    help="tokenizers that differ: the teacher on the next "
                    "token's first byte (the axis both vocabularies share) "
                    "beside the text the fine-tuned source writes (byte, "
@@ -816,8 +816,7 @@ def _byte_teacher(a, source, tuned, cal, log):
     tok_a = load_tokenizer(a.source)
     tok_b = load_tokenizer(a.tokenizer or a.target)
     return across.build(source, tuned, tok_a, tok_b, cal.batches, a.window,
-                        progress=lambda i, n: clock(i),
-                        lift=a.across == "lift")
+                        progress=lambda i, n: clock(i))
 
 
 def _losses(a):
@@ -832,9 +831,16 @@ def _losses(a):
 
 def _generate_count(a, cal):
     """How many windows the teacher writes: --generate, or auto's
-    GENERATE_TOTAL less the user's fit windows (none beyond it)."""
+    GENERATE_TOTAL less the user's fit windows (none beyond it), counted
+    in the target's tokens: when the tokenizers differ, the source writes
+    windows of its own tokens, as many more as the target's tokenizer
+    makes fewer tokens of the same text (a.token_ratio; at most 4 times
+    as many; docs/llm.md, "Across tokenizers": measured)."""
     if a.generate == "auto":
-        return max(0, GENERATE_TOTAL - cal.windows)
+        n = max(0, GENERATE_TOTAL - cal.windows)
+        if a.vocab.kind == "different":
+            n = int(math.ceil(n / min(1.0, max(0.25, a.token_ratio))))
+        return n
     return a.generate
 
 
@@ -935,7 +941,7 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     byte = _byte_teacher_wanted(a)
     w, t, tr = opts.distill_estimate(
         f_all, f_tgt, nw, window + 1 - P, cal.windows + n, window, steps,
-        a.batch_size, held, text_only=diff and not byte)
+        a.batch_size, held, text_only=diff)
     if byte:
         # the source pair over every fit window's text in its tokens, the
         # target once over the windows in its own (bico.llm.across)
@@ -945,7 +951,8 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     elif diff:
         t = 0.0                      # the text alone: no teacher
     so_far = time.time() - getattr(a, "t0", time.time())
-    likely = tr * (opts.stop_share(cal.windows, cal.windows + n_t)
+    likely = tr * (opts.stop_share(cal.windows, cal.windows + n_t) *
+                   (opts.ACROSS_STOP if byte else 1.0)
                    if a.patience else 1.0)
     a.estimate = so_far + w + t + likely
     _log(q, "estimate: about %s for the distillation: %s writing %d "

@@ -468,8 +468,14 @@ def estimate(per, cal, ridges, lora, auto, grid):
 # teacher's KL and the text loss, Adam) against a forward one
 WRITE_STEP = 3.0
 TRAIN_PASSES = 8.0
-# the same with the text alone (tokenizers that differ: no teacher's KL)
+# the same with the text alone (tokenizers that differ: no teacher's KL),
+# and with the first-byte teacher (bico.llm.across: its KL is over 257
+# groups, as cheap as the text's loss)
 TEXT_PASSES = 5.0
+# the first-byte teacher's distillation stops sooner than stop_share
+# says: at 0.19-0.24 of its steps where stop_share gives 0.34 (the bpe
+# cells of the LLM table, 64 windows)
+ACROSS_STOP = 0.6
 
 
 def stop_share(own, total):
