@@ -19,6 +19,10 @@ import bico.torch.fit
 import bico.torch.proxy
 import bico.torch.transfer
 import bico.llm
+import bico.llm.across
+import bico.llm.bpe
+import bico.llm.generate
+import bico.llm.vocab
 import bico.llm.adapters
 import bico.llm.config
 import bico.llm.families
@@ -55,7 +59,9 @@ def test_every_public_name_is_in_python_md():
                          bico.torch.proxy, bico.llm, bico.llm.families,
                          bico.llm.text, bico.llm.adapters,
                          bico.llm.runtime, bico.llm.stream_route,
-                         bico.llm.config, bico.llm.options, bico.llm.stats)
+                         bico.llm.config, bico.llm.options, bico.llm.stats,
+                         bico.llm.across, bico.llm.bpe, bico.llm.generate,
+                         bico.llm.vocab)
                for n in public(m) if "`%s" % n not in doc and
                ".%s" % n not in doc]
     assert not missing, "docs/python.md does not name: " + ", ".join(missing)
