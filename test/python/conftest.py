@@ -24,8 +24,14 @@ is decided by behaviour, not by a list kept by hand.
 """
 import os
 import subprocess
+import sys
 
 import pytest
+
+# the end-to-end helpers every test file may import by name (llm_pair,
+# planted, peft_rules, cli, ...): test/e2e on the path, once, here
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "e2e"))
 
 _BUILD = os.path.realpath(os.environ.get("BICO_BUILD") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "build"))

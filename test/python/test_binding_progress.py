@@ -2,14 +2,12 @@
 source_rename, checked against what the run did (the output's tensors,
 the counts) rather than against the binding's own arithmetic."""
 import os
-import sys
 
 import numpy as np
 import pytest
 
 bico = pytest.importorskip("bico")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 NAMES = ["blocks.%d.fc.weight" % i for i in range(3)] + ["head.weight"]

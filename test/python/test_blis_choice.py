@@ -156,7 +156,6 @@ def test_the_users_variables_win(tmp_path):
 
 @needs_blis
 def test_the_llm_command_says_what_it_chose(tmp_path):
-    sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
     import llm_pair
     e = {k: v for k, v in os.environ.items()
          if k not in ("BLIS_ARCH_TYPE", "BLIS_NUM_THREADS",

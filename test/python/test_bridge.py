@@ -13,14 +13,12 @@ import hashlib
 import json
 import os
 import struct
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 import planted as pl  # noqa: E402
 from cli import bico, same_bytes  # noqa: E402

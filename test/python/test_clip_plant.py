@@ -8,13 +8,11 @@ same maps, and towers of different depths on each side, so that each tower
 must use its own depth map.  Expected values come from the plant."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 from cli import bico  # noqa: E402
 

@@ -3,13 +3,11 @@ the command's own options.  The reference is the same run spelled out with
 flags: outputs must be byte-identical.  Bad files are usage errors (exit 2)
 that name the file and the line."""
 import os
-import sys
 
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 from cli import bico, same_bytes  # noqa: E402

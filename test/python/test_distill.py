@@ -325,8 +325,6 @@ def test_checkpointed_layers_give_the_same_gradients(tmp_path):
     arguments, a tied head), LoRA factors the only trainable tensors, a
     chunked loss with the text's own tokens: the same loss and factor
     gradients as without."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
     import llm_pair
     import bico.torch as bt
     llm_pair.write_model(str(tmp_path / "B"), llm_pair.CFG_B,

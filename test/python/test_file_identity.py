@@ -6,13 +6,11 @@ instead of the folder).  Each refusal leaves every folder byte for byte as
 it was."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 from cli import bico  # noqa: E402

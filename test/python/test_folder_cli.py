@@ -5,14 +5,12 @@ build/bin/bico as a user would and looks at the folder afterwards."""
 import os
 import shutil
 import subprocess
-import sys
 import threading
 
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 from cli import BICO, bico  # noqa: E402

@@ -6,14 +6,12 @@ adapter on c_attn (fan_in_fan_out).  The expected results come from the
 plant, not from libbico."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import gpt2  # noqa: E402
 import planted as pl  # noqa: E402
 from cli import bico  # noqa: E402

@@ -5,13 +5,11 @@ import os
 import pty
 import re
 import subprocess
-import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 from cli import BICO, bico  # noqa: E402

@@ -9,7 +9,6 @@ A_ft's logits.  Gap closed, on fresh tokens:
 import copy
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ import bico.torch as bt
 from test_binding_models import float32_default  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 
 torch.set_num_threads(1)

@@ -6,7 +6,6 @@ libbico's own LoRA reader and merge (`bico transfer --method naive --lora
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ import bico.safetensors as st
 import bico.torch as bt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 import llm_pair  # noqa: E402
 
@@ -321,7 +319,6 @@ def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
     adapter's effective update, head included.  (Saved under the
     embedding's name alone, as before, PEFT moved the embedding copy and
     left the head: the scored model was not the loaded one.)"""
-    sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
     import peft_rules
     folder, cfg = target
     model = bt.load_model(folder)

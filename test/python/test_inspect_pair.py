@@ -10,7 +10,6 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 sys.path.insert(0, HERE)
 from cli import bico  # noqa: E402
 import test_gpt2_plant as g2  # noqa: E402

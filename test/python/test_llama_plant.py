@@ -4,13 +4,11 @@ A's logits; so does B + transform(tau) against A + tau.  Checked against
 the model's own forward pass, independent of libbico."""
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 
 

@@ -7,14 +7,12 @@ copies; the RoPE-layout override; bad config.json files."""
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 import planted as pl  # noqa: E402
 from cli import bico  # noqa: E402

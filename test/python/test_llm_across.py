@@ -10,7 +10,6 @@ decoded independently of the alignment), including text cut inside a
 UTF-8 character and a tokenizer that adds a leading space.  Tiny folders
 of test/e2e/llm_pair.py."""
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -23,7 +22,6 @@ from bico.llm.text import _Bytes, load_tokenizer
 from bico.torch.distill import Grouped, kl_to_teacher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llm_pair  # noqa: E402
 
 torch.set_num_threads(1)

@@ -20,7 +20,6 @@ import bico.safetensors as st
 import bico.torch as bt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 
 torch.set_num_threads(1)

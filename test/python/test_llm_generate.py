@@ -19,7 +19,6 @@ from bico._status import BicoError
 from bico.llm.generate import Writer, perturb, prompts, sample_next, write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 import llm_pair  # noqa: E402
 

@@ -7,7 +7,6 @@ tiny folders of test/e2e/llm_pair.py."""
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +15,6 @@ import torch
 import bico.llm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llm_pair  # noqa: E402
 
 torch.set_num_threads(1)

@@ -19,7 +19,6 @@ import bico.torch as bt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llm_pair  # noqa: E402
 
 BUILD = os.path.abspath(os.environ.get("BICO_BUILD",

@@ -9,7 +9,6 @@ adapter; text_batches and path-like names."""
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ import bico.safetensors as st
 import bico.torch as bt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llm_pair  # noqa: E402
 import peft_rules  # noqa: E402
 

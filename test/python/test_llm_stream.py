@@ -27,7 +27,6 @@ from bico.llm import runtime as rt
 from bico.llm.stream_route import StreamedFit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 import llm_pair  # noqa: E402
 

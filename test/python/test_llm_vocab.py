@@ -25,7 +25,6 @@ from bico.llm.text import load_tokenizer
 from bico.llm.vocab import relation
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llm_pair  # noqa: E402
 import peft_rules  # noqa: E402
 

@@ -8,14 +8,12 @@ not a causal LM keeps the default alpha 1."""
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 import planted as pl  # noqa: E402
 

@@ -8,13 +8,11 @@ import json
 import os
 import re
 import struct
-import sys
 
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 from cli import bico  # noqa: E402
 P = "base_model.model."
 

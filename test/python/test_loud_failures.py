@@ -5,12 +5,10 @@ both shapes in shape errors, no temporary path in any message."""
 import os
 import resource
 import signal
-import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 from cli import BICO, bico  # noqa: E402

@@ -58,10 +58,7 @@ def test_each_rule_is_refused_by_check_and_run(tmp_path, case):
 # `bico merge` leaves these rules to the library (bico_merge_check) and
 # says them in its option words: a usage error (exit 2), nothing written,
 # the option named and no library function's name.
-import sys  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                "..", "e2e"))
 from cli import bico as run_bico  # noqa: E402
 
 

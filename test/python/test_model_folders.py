@@ -3,14 +3,12 @@ accepts the folder (config.json + model.safetensors, or the sharded index);
 folders and files that hold something else are named for what they are."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 from cli import bico, same_bytes  # noqa: E402

@@ -6,12 +6,10 @@ adapter's base_model_name_or_path is the target's absolute path, however
 it was typed."""
 import json
 import os
-import sys
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import llama  # noqa: E402
 import planted as pl  # noqa: E402
 from cli import BICO, bico  # noqa: E402

@@ -4,12 +4,10 @@ tensor entry) and single-precision numbers in their shortest form."""
 import json
 import os
 import re
-import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 from cli import bico  # noqa: E402

@@ -6,12 +6,9 @@ KiB, MiB, GiB or KB, MB, GB), and their range is the library's
 count and a count out of the library's bounds are usage errors (exit 2)
 naming the option and the value as given, never the library's function."""
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                "..", "e2e"))
 from cli import bico  # noqa: E402
 
 

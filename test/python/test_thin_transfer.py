@@ -6,13 +6,11 @@ that a statistics file (the full solve) gives, with --null drop.
 Run by `make check` (BICO_BUILD names the build tree)."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import planted as pl  # noqa: E402
 
 from cli import bico  # noqa: E402

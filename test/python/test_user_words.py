@@ -4,11 +4,7 @@ those: a user's file named like one (lowercase words joined by "_", no
 dot: "task_a") stays in the message, with the option that named it.  And
 no `bico transfer` message speaks of the library's lending calls (a
 command line lends nothing)."""
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                "..", "e2e"))
 from cli import BICO  # noqa: E402
 
 import subprocess  # noqa: E402

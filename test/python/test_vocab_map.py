@@ -4,13 +4,11 @@ a permutation of the source's plus new tokens (test/e2e/gpt2.py for the
 model, the expected rows from the plant, not from libbico)."""
 import json
 import os
-import sys
 
 import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import gpt2  # noqa: E402
 import planted as pl  # noqa: E402
 from cli import bico  # noqa: E402
