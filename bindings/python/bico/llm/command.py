@@ -60,6 +60,12 @@ GENERATE_TOTAL = 512
 # --patience: held-out checks without a better loss before distillation
 # stops (docs/llm.md, "A few windows")
 PATIENCE = 4
+# the distillation's steps when the teacher wrote windows (--steps not
+# given): the held-out loss is best after 100-350 steps whatever the
+# schedule's length, and a 400-step cosine reaches the 1200-step one's
+# quality while patience stops it at a steadier share of its steps (a
+# time the estimate can foresee; docs/llm.md, "A few windows")
+WRITTEN_STEPS = 400
 # the factors' learning rate when the tokenizers differ and the text is
 # the only loss (no teacher): 5e-3, the teacher's, overshot on the LLM
 # table's BPE cell (no held-out gain at the first check); 2e-3 gained
@@ -791,7 +797,7 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         teacher=models.pop("teacher", None),
         rank=a.rank, lora_alpha=a.lora_alpha,
         modules=[m for m in a.target_modules.split(",") if m],
-        save=saves if mode == "lora" else (), init=init, steps=a.steps,
+        save=saves if mode == "lora" else (), init=init, steps=_steps(a),
         lr=a.lr if a.lr is not None or a.vocab.kind != "different" or
         mode != "lora" or _byte_teacher_wanted(a) else TEXT_ONLY_LR,
         teacher_k=a.teacher_k,
@@ -799,6 +805,14 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         seed=a.seed, **_losses(a), patience=a.patience or None,
         shared=a.vocab.shared, own=None if a.vocab.kind == "different"
         else getattr(a, "own_batches", None))
+
+
+def _steps(a):
+    """--steps, or WRITTEN_STEPS when the teacher wrote windows, or None
+    (bico.llm.distill's default from the number of batches)."""
+    if a.steps is None and getattr(a, "own_batches", None) is not None:
+        return WRITTEN_STEPS
+    return a.steps
 
 
 def _byte_teacher_wanted(a):
@@ -935,7 +949,7 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     # when the tokenizers differ)
     n_t = int(n * getattr(a, "token_ratio", 1.0)) if diff else n
     total = len(cal.batches) + -(-n_t // a.batch_size)
-    steps, _ = _distill._defaults(_mode(a), a.steps, a.lr, total)
+    steps, _ = _distill._defaults(_mode(a), _steps(a), a.lr, total)
     held = sum(y.numel() for _, y in cal.held_out)
     P = a.generate_prompt or max(1, window // 4)
     byte = _byte_teacher_wanted(a)
@@ -951,9 +965,13 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     elif diff:
         t = 0.0                      # the text alone: no teacher
     so_far = time.time() - getattr(a, "t0", time.time())
-    likely = tr * (opts.stop_share(cal.windows, cal.windows + n_t) *
-                   (opts.ACROSS_STOP if byte else 1.0)
-                   if a.patience else 1.0)
+    if not a.patience:
+        share = 1.0
+    elif a.steps is None:               # WRITTEN_STEPS: n > 0 here
+        share = opts.WRITTEN_STOP * (opts.ACROSS_STOP if byte else 1.0)
+    else:
+        share = opts.stop_share(cal.windows, cal.windows + n_t)
+    likely = tr * share
     a.estimate = so_far + w + t + likely
     _log(q, "estimate: about %s for the distillation: %s writing %d "
          "windows, %s the teacher, about %s training (at most %s for all "

@@ -472,10 +472,13 @@ TRAIN_PASSES = 8.0
 # and with the first-byte teacher (bico.llm.across: its KL is over 257
 # groups, as cheap as the text's loss)
 TEXT_PASSES = 5.0
-# the first-byte teacher's distillation stops sooner than stop_share
-# says: at 0.19-0.24 of its steps where stop_share gives 0.34 (the bpe
-# cells of the LLM table, 64 windows)
-ACROSS_STOP = 0.6
+# The share of its WRITTEN_STEPS (400) a distillation on written text
+# runs before --patience stops it (its best step 100-350, then 100 steps
+# of patience: 0.56-1 on the LLM table's one-tokenizer cells from 32
+# windows), and the first-byte teacher's, sooner (best at 75-225 steps
+# on its BPE cells)
+WRITTEN_STOP = 0.75
+ACROSS_STOP = 0.8
 
 
 def stop_share(own, total):
