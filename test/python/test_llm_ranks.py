@@ -746,7 +746,7 @@ def test_fingerprints_sample_what_they_say(tmp_path):
     bytes and the last 4 KiB; a byte elsewhere is not read.  A folder's:
     its regular files by name (dot files and subfolders left out), the
     same for a copy at another path; --text: every byte the run reads."""
-    from bico.llm import ranks as R
+    from bico.llm import agree as R
     from bico.llm.text import text_spans
     size = 1 << 20
     data = bytearray(os.urandom(size))

@@ -1566,10 +1566,10 @@ def _run_items(a):
     parsed option (a.parsed: not what the run sets on a) but _PER_RANK's
     and the inputs' paths, by value; which
     output is written (--output or --output-lora); a fingerprint of each
-    input (bico.llm.ranks: the model folders, --lora, --tokenizer sampled
+    input (bico.llm.agree: the model folders, --lora, --tokenizer sampled
     per file, node-independent; --text by every byte the run reads of it,
     --ids read whole)."""
-    from . import ranks as R
+    from . import agree as R
     skip = _PER_RANK | set(_INPUTS) | {"text", "ids"}
     items = [("--" + k.replace("_", "-"), R.value_digest(getattr(a, k)))
              for k in a.parsed if k not in skip]

@@ -262,12 +262,12 @@ _FOLDERS = ("source", "source_tuned", "target")
 def _run_items(kw):
     """What every rank of transfer_model on folders must agree on
     (Ranks.same_run): every argument but _PER_RANK's and the folders' paths
-    by value (bico.llm.ranks.value_digest: the batches and held-out
+    by value (bico.llm.agree.value_digest: the batches and held-out
     batches by their tensors' bytes, functions by name), whether an output
     is written, whether a report is asked for, and each folder's
     fingerprint (each regular file's size, first 64 KiB, 16 evenly spaced
     pieces of 256 bytes and last 4 KiB: node-local copies agree)."""
-    from . import ranks as R
+    from . import agree as R
     skip = _PER_RANK | set(_FOLDERS)
     items = [(k, R.value_digest(v)) for k, v in sorted(kw.items())
              if k not in skip]

@@ -221,7 +221,7 @@ def text_spans(size, limit=TEXT_READ_LIMIT):
     """[(offset, length)] of the bytes read_text reads of a file of `size`
     bytes: the whole file within limit, else PIECES pieces of limit /
     PIECES bytes spread evenly over it (before each is cut at character
-    boundaries).  bico.llm.ranks fingerprints --text by them."""
+    boundaries).  bico.llm.agree fingerprints --text by them."""
     if size <= limit:
         return [(0, size)]
     span = max(1, limit // PIECES)
