@@ -447,7 +447,7 @@ def say(prog, err):
 
 
 # the fit's cost per fit window, in forward passes of the target over one
-# window (measured: docs/llm-quickstart.md, "How long it takes")
+# window (measured: docs/llm.md, "The one command in detail")
 FIT_PASSES = 22.0
 GRAM_PASSES = 1.5
 
