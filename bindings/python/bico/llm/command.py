@@ -931,7 +931,8 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     """The distillation's time, printed before it starts (writing the
     windows, the teacher on them and the user's, the training at most:
     --patience may end it sooner), extrapolated from a forward of each
-    writer over a batch of its fit windows (opts.distill_estimate), the
+    writer over a batch of its fit windows (opts.distill_estimate) and
+    the writing from a timed start of it (generate.writing_seconds), the
     target's cost timed the same way when it is loaded, else scaled from
     a writer's by the weights in the folders; the run's whole time (what
     ran so far and this) recorded in the output's metadata
@@ -951,11 +952,14 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     total = len(cal.batches) + -(-n_t // a.batch_size)
     steps, _ = _distill._defaults(_mode(a), _steps(a), a.lr, total)
     held = sum(y.numel() for _, y in cal.held_out)
-    P = a.generate_prompt or max(1, window // 4)
     byte = _byte_teacher_wanted(a)
-    w, t, tr = opts.distill_estimate(
-        f_all, f_tgt, nw, window + 1 - P, cal.windows + n, window, steps,
-        a.batch_size, held, text_only=diff)
+    t, tr = opts.distill_estimate(
+        f_all, f_tgt, cal.windows + n, window, steps, a.batch_size, held,
+        text_only=diff)
+    from .generate import writing_seconds
+    w = writing_seconds(writers, src_cal.batches, nw, window,
+                        prompt_tokens=a.generate_prompt, device=dev,
+                        shared=a.vocab.shared)
     if byte:
         # the source pair over every fit window's text in its tokens, the
         # target once over the windows in its own (bico.llm.across)
@@ -968,7 +972,7 @@ def _distill_estimate(a, writers, target, src_cal, cal, n, nw, window, q):
     if not a.patience:
         share = 1.0
     elif a.steps is None:               # WRITTEN_STEPS: n > 0 here
-        share = opts.WRITTEN_STOP * (opts.ACROSS_STOP if byte else 1.0)
+        share = opts.WRITTEN_STOP
     else:
         share = opts.stop_share(cal.windows, cal.windows + n_t)
     likely = tr * share

@@ -26,7 +26,8 @@ import torch
 from .._status import BicoError, E_ARG, E_SHAPE
 from ..torch.distill import check_finite_logits
 
-__all__ = ["write", "perturb", "prompts", "sample_next", "Writer"]
+__all__ = ["write", "perturb", "prompts", "sample_next", "Writer",
+           "writing_seconds"]
 
 
 def prompts(batches, n, length, seed=0):
@@ -157,6 +158,33 @@ class Writer(object):
 # windows written at once (the three models' forward passes over a batch
 # of new tokens: larger batches use the matrix products better)
 WRITE_BATCH = 64
+
+
+def writing_seconds(models, batches, n, window, prompt_tokens=None,
+                    device=None, shared=None, write_batch=WRITE_BATCH):
+    """Seconds write() will take for n windows, timed: the writers
+    continue write_batch prompts by 2 and by 8 tokens, and the
+    difference is six steps (the prompts' own pass cancels), each step
+    then counted for every token of every batch (a model's per-step
+    overhead included: what a forward over whole windows does not show
+    on small models).  The prompts are as long as the written windows'
+    middle (a step's attention grows with what precedes it).  Nothing of
+    the run's sampling is touched (a Writer of its own)."""
+    if n <= 0:
+        return 0.0
+    P = prompt_tokens or max(1, window // 4)
+    mid = max(1, min(window - 7, (P + window) // 2))
+    pr = prompts(batches, min(n, write_batch), mid, seed=0)
+    if device is not None:
+        pr = pr.to(device)
+    w = Writer(models, seed=0, shared=shared)
+    times = []
+    for k in (2, 8):
+        t = time.time()
+        w.batch(pr, mid + k)
+        times.append(time.time() - t)
+    step = max(0.0, times[1] - times[0]) / 6
+    return math.ceil(n / write_batch) * (window + 1 - P) * step
 
 
 def write(models, batches, n, window, prompt_tokens=None, temperature=1.0,

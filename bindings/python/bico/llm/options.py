@@ -462,23 +462,20 @@ def estimate(per, cal, ridges, lora, auto, grid):
 
 
 # the distillation's costs in forward passes (measured on the LLM table's
-# cells, docs/performance.md "The distillation's phases"): a written token
-# (one step of the three models with their caches) against a token of a
-# forward over a window, and a training token (forward, backward, the
-# teacher's KL and the text loss, Adam) against a forward one
-WRITE_STEP = 3.0
+# cells, docs/performance.md "The distillation's phases"): a training
+# token (forward, backward, the teacher's KL and the text loss, Adam)
+# against a forward one (the writing is timed itself:
+# bico.llm.generate.writing_seconds)
 TRAIN_PASSES = 8.0
 # the same with the text alone (tokenizers that differ: no teacher's KL),
 # and with the first-byte teacher (bico.llm.across: its KL is over 257
 # groups, as cheap as the text's loss)
 TEXT_PASSES = 5.0
 # The share of its WRITTEN_STEPS (400) a distillation on written text
-# runs before --patience stops it (its best step 100-350, then 100 steps
-# of patience: 0.56-1 on the LLM table's one-tokenizer cells from 32
-# windows), and the first-byte teacher's, sooner (best at 75-225 steps
-# on its BPE cells)
-WRITTEN_STOP = 0.75
-ACROSS_STOP = 0.8
+# runs before --patience stops it: its best step 100-400 on the LLM
+# table's ten cells at the defaults (2026-12-07), then 100 steps of
+# patience: 0.5-1, 0.85 on average
+WRITTEN_STOP = 0.85
 
 
 def stop_share(own, total):
@@ -492,22 +489,20 @@ def stop_share(own, total):
     return min(1.0, 0.25 + 0.8 * own / max(1, total))
 
 
-def distill_estimate(f_all, f_target, written, new_tokens, windows, window,
-                     steps, batch, held_tokens, every=25, text_only=False):
+def distill_estimate(f_all, f_target, windows, window, steps, batch,
+                     held_tokens, every=25, text_only=False):
     """Seconds the distillation will take, from f_all / f_target: seconds
-    per token of a forward of the writing models together / of the
-    target alone (timed on a batch of fit windows): (writing, teacher,
-    training) for `written` windows of `new_tokens` sampled tokens, the
-    teacher on `windows` windows of `window` tokens, `steps` steps of
-    `batch` windows and the held-out checks every `every` steps (all the
-    steps: --patience usually stops sooner, stop_share); text_only: no
-    teacher (the text's loss alone)."""
-    write = written * new_tokens * f_all * WRITE_STEP
+    per token of a forward of the teacher's models together / of the
+    target alone (timed on a batch of fit windows): (teacher, training)
+    for the teacher on `windows` windows of `window` tokens, `steps`
+    steps of `batch` windows and the held-out checks every `every` steps
+    (all the steps: --patience usually stops sooner, stop_share);
+    text_only: no teacher's KL (the text's loss, or the first byte's)."""
     teacher = windows * window * f_all
     passes = TEXT_PASSES if text_only else TRAIN_PASSES
     train = steps * batch * window * f_target * passes + \
         (steps // every + 1) * held_tokens * f_target
-    return write, teacher, train
+    return teacher, train
 
 
 def duration(sec):
