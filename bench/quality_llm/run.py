@@ -225,6 +225,10 @@ CMD_METHODS = [
     ("cmd auto 64 tw1", ["--text-weight", "1"], 64, "lora"),
     ("cmd auto 32 p0", ["--patience", "0"], 32, "lora"),
     ("cmd auto 64 p0", ["--patience", "0"], 64, "lora"),
+    # 512 of the user's windows (1200 steps): every step, and a patience
+    # of 12 checks (300 steps) beside the default's 4
+    ("cmd auto 512 p0", ["--patience", "0"], 512, "lora"),
+    ("cmd auto 512 p12", ["--patience", "12"], 512, "lora"),
     # the control: the target's factors trained on the calibration text
     # alone (its own next-token loss, no teacher): what the text gives
     # without the source's fine-tune
