@@ -348,6 +348,8 @@ install-python:
 	chmod 755 $(DESTDIR)$(BINDIR)/bico-llm.tmp
 	mv $(DESTDIR)$(BINDIR)/bico-llm.tmp $(DESTDIR)$(BINDIR)/bico-llm
 	install -d $(DESTDIR)$(PYTHONDIR)/bico
+	# modules removed before 1.0 (CHANGELOG.md), gone from an older install
+	rm -f $(DESTDIR)$(PYTHONDIR)/bico/hf.py $(DESTDIR)$(PYTHONDIR)/bico/torch_fit.py
 	install -m 644 $(filter-out %/_install.py,$(PY_SRCS)) $(DESTDIR)$(PYTHONDIR)/bico/
 	# a sub-package replaces the module of its name an older install left
 	for p in $(PY_SUBPKGS); do \

@@ -12,7 +12,7 @@ tied embedding move too) under build/llm-adapter-rank.  --text and --eval
 take text files or .npy token ids.  The fit runs once (transfer_model,
 method "fit", at its defaults: ridge 1e-2, alpha chosen on a quarter of the
 calibration batches held out); each adapter is
-bico.torch.save_adapter's reduced-rank regression of that dense update,
+bico.llm.save_adapter's reduced-rank regression of that dense update,
 weighted by each layer's inputs in the fitted target (update_grams).
 Prints the loss on the evaluation text and the share of the dense fit's
 gain (zero-shot loss - loss) each keeps; docs/llm-quickstart.md has the
@@ -70,6 +70,7 @@ def main():
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    import bico.llm as bl
     import bico.torch as bt
     if not a.source:
         d = os.path.join(ROOT, "build", "llm-adapter-rank")
@@ -78,22 +79,22 @@ def main():
                                               ("A", "A_ft", "B"))
         a.text, a.eval = (os.path.join(d, n) for n in ("task.txt",
                                                        "eval.txt"))
-    src, srt, tgt = (bt.load_model(f, dtype=torch.float32)
+    src, srt, tgt = (bl.load_model(f, dtype=torch.float32)
                      for f in (a.source, a.source_tuned, a.target))
-    cal = bt.text_batches(a.text, a.window, n=a.windows, holdout=0,
+    cal = bl.text_batches(a.text, a.window, n=a.windows, holdout=0,
                           tokenizer=a.target, batch_size=a.batch_size,
                           seed=a.seed)
-    ev = bt.text_batches(a.eval, a.window, n=a.eval_windows, holdout=0,
+    ev = bl.text_batches(a.eval, a.window, n=a.eval_windows, holdout=0,
                          tokenizer=a.target)
     print("calibration: %d windows of %d tokens in %d batches; evaluation: "
           "%d batches" % (cal.windows, a.window, len(cal.batches),
                           len(ev.batches)))
     base = {k: v.detach().clone() for k, v in tgt.state_dict().items()}
-    zero = bt.lm_loss(tgt, ev.batches)
-    src_gain = bt.lm_loss(src, ev.batches) - bt.lm_loss(srt, ev.batches)
+    zero = bl.lm_loss(tgt, ev.batches)
+    src_gain = bl.lm_loss(src, ev.batches) - bl.lm_loss(srt, ev.batches)
     rep = []
     new = bt.transfer_model(src, srt, tgt, cal.batches, method="fit",
-                            loss_fn=bt.next_token_loss, report=rep)
+                            loss_fn=bl.next_token_loss, report=rep)
     for e in rep:
         if "rule" in e or "ridge" in e:
             print("fit chose: %s" % {k: v for k, v in e.items()
@@ -103,7 +104,7 @@ def main():
     def loss_with(d):
         tgt.load_state_dict({k: (v.double() + d[k]).to(v.dtype) if k in d
                              else v for k, v in base.items()})
-        out = bt.lm_loss(tgt, ev.batches)
+        out = bl.lm_loss(tgt, ev.batches)
         tgt.load_state_dict(base)
         return out
     dense = loss_with(delta)
@@ -117,7 +118,7 @@ def main():
         print("dense fit, %s: %.4f (%.1f %% of the gain)"
               % (what, got, 100 * (zero - got) / gain))
     tgt.load_state_dict(new)  # each layer's inputs as the fit saw them
-    grams = bt.update_grams(tgt, cal.batches, delta)
+    grams = bl.update_grams(tgt, cal.batches, delta)
     tgt.load_state_dict(base)
     extras = ["norm", "input_layernorm", "post_attention_layernorm",
               "embed_tokens"]
@@ -126,7 +127,7 @@ def main():
     for r in [int(x) for x in a.ranks.split(",")]:
         for saves in ([], extras):
             with tempfile.TemporaryDirectory() as t:
-                rep = bt.save_adapter(t, tgt, delta, r, is_delta=True,
+                rep = bl.save_adapter(t, tgt, delta, r, is_delta=True,
                                       covariance=grams,
                                       modules_to_save=saves,
                                       return_effective=True)

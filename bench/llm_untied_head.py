@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 sys.path.insert(0, os.path.join(ROOT, "test", "e2e"))
 
 import bico.safetensors as st  # noqa: E402
+import bico.llm as bl  # noqa: E402
 import bico.torch as bt  # noqa: E402
 import bico.llm.stream_stats as ss  # noqa: E402
 from bico.llm.stream_route import StreamedFit, lm_loss_of  # noqa: E402
@@ -49,7 +50,7 @@ def make(work):
     ft = llm_pair.bf16(llm_pair.train_full(llm_pair.CFG_A, info["sa"],
                                            llm_pair.byte_ids(text)))
     llm_pair.write_model(os.path.join(work, "A_full"), llm_pair.CFG_A, ft)
-    m = bt.load_model(os.path.join(work, "B"), dtype=torch.float32)
+    m = bl.load_model(os.path.join(work, "B"), dtype=torch.float32)
     sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
     g = torch.Generator().manual_seed(5)
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"] + 0.01 * \
@@ -86,20 +87,20 @@ def loss(model, held):
     tot = n = 0
     with torch.no_grad():
         for x, y in held:
-            tot += float(bt.next_token_loss(model(x), y)) * y.numel()
+            tot += float(bl.next_token_loss(model(x), y)) * y.numel()
             n += y.numel()
     return tot / n
 
 
 def in_memory(work, cal, held, by_id):
-    src, srt, tgt = (bt.load_model(os.path.join(work, f),
+    src, srt, tgt = (bl.load_model(os.path.join(work, f),
                                    dtype=torch.float32)
                      for f in ("A", "A_full", "B_untied"))
     if not by_id:   # transfer_model finds no head: BiCo's output map
         tgt.get_output_embeddings = None
     base = {k: v.clone() for k, v in tgt.state_dict().items()}
     new = bt.transfer_model(src, srt, tgt, cal, method="fit",
-                            loss_fn=bt.next_token_loss, alpha=1.0)
+                            loss_fn=bl.next_token_loss, alpha=1.0)
     out = {}
     for a in GRID:
         tgt.load_state_dict({k: base[k] + a * (new[k].float() -
@@ -114,7 +115,7 @@ def main():
         os.path.join(tempfile.gettempdir(), "bico-untied-head")
     torch.set_num_threads(1)
     make(work)
-    c = bt.text_batches(os.path.join(work, "task.txt"), 32,
+    c = bl.text_batches(os.path.join(work, "task.txt"), 32,
                         tokenizer=os.path.join(work, "B"), batch_size=8,
                         holdout=0.25)
     cal, held = list(c.batches), list(c.held_out)

@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "python"))
 import config  # noqa: E402
 import vit  # noqa: E402
 
+import bico  # noqa: E402
 import bico.torch as bt  # noqa: E402
 from bico.fit import Fit  # noqa: E402
 
@@ -113,7 +114,7 @@ def per_layer_scale(case, delta, batches):
     """Each linear layer's transported update rescaled so that its output
     change on the calibration inputs, ||X_B dW^T + db||, equals the source
     layer's, ||Y_A_ft - Y_A|| (a label-free per-layer alpha)."""
-    pairing = bt.Pairing([n for n, _ in case.A.named_parameters()],
+    pairing = bico.Pairing([n for n, _ in case.A.named_parameters()],
                          [n for n, _ in case.B.named_parameters()])
     lin = [n for n, m in case.B.named_modules()
            if isinstance(m, torch.nn.Linear)]

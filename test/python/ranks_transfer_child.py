@@ -12,19 +12,19 @@ import sys
 import torch
 
 import bico
-import bico.torch as bt
+import bico.llm as bl
 from bico.llm.ranks import leave
 
 
 def main():
     d, dest, out = sys.argv[1:4]
     torch.set_num_threads(1)
-    cal = bt.text_batches(os.path.join(d, "task.txt"), 32,
+    cal = bl.text_batches(os.path.join(d, "task.txt"), 32,
                           tokenizer=os.path.join(d, "B"), batch_size=4)
     batches = list(cal.batches) + list(cal.held_out)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        got = bt.transfer_model(
+        got = bl.transfer_model(
             os.path.join(d, "A"), os.path.join(d, "A_ft"),
             os.path.join(d, "B"), batches, method="fit", alpha="heldout",
             holdout=list(cal.held_out), threads=1,

@@ -14,6 +14,7 @@ import pytest
 bico = pytest.importorskip("bico")
 
 PKG = os.path.dirname(bico.__file__)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INCLUDE = os.path.join(os.path.dirname(__file__), "..", "..", "include",
                        "bico")
 
@@ -194,7 +195,7 @@ def test_every_module_imports():
     for m in sorted(package_modules(PKG)):
         if m in ("", "llm.__main__"):  # the package; the command's run
             continue
-        if m.split(".")[0] in ("torch", "torch_fit", "hf", "llm"):
+        if m.split(".")[0] in ("torch", "llm"):
             pytest.importorskip("torch")
         importlib.import_module("bico." + m)
 
@@ -244,6 +245,57 @@ def _ancestors(name):
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
+def _dotted(name, here, pkg_name):
+    """A module name as a string names it (absolute "bico.llm.text" or
+    relative ".text" / "..llm.text", from the package here) -> its name
+    under the package, or None."""
+    if name == pkg_name or name.startswith(pkg_name + "."):
+        return name[len(pkg_name) + 1:]
+    dots = len(name) - len(name.lstrip("."))
+    if not dots:
+        return None
+    up = here.split(".") if here else []
+    if dots - 1 > len(up):
+        return None
+    base = ".".join(up[:len(up) - (dots - 1)])
+    rest = name[dots:]
+    return (base + "." if base and rest else base) + rest
+
+
+def _named_modules(path, here, pkg_name, mods):
+    """The package's modules a module reaches by name rather than by an
+    import statement: importlib.import_module("...") / __import__("...")
+    with a string, and, in a module that imports importlib at all, every
+    string constant that names one of the package's modules (a table of
+    names fed to import_module, as a lazy re-export keeps one)."""
+    tree = ast.parse(open(path).read())
+    uses = any(isinstance(n, (ast.Import, ast.ImportFrom)) and any(
+        a.name == "importlib" or a.name.startswith("importlib.")
+        for a in n.names) or (isinstance(n, ast.ImportFrom) and
+                              (n.module or "").startswith("importlib"))
+        for n in ast.walk(tree))
+    found = set()
+    for node in ast.walk(tree):
+        strings = []
+        if isinstance(node, ast.Call):
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else \
+                getattr(f, "id", None)
+            if fname in ("import_module", "__import__") and node.args and \
+                    isinstance(node.args[0], ast.Constant):
+                strings.append(node.args[0].value)
+        elif uses and isinstance(node, ast.Constant):
+            strings.append(node.value)
+        for v in strings:
+            if not isinstance(v, str) or not re.match(
+                    r"^(\.+|%s\.)?[A-Za-z_][\w.]*$" % re.escape(pkg_name), v):
+                continue
+            m = _dotted(v, here, pkg_name)
+            if m is not None and m in mods:
+                found.add(m)
+    return found
+
+
 def full_import_graph(pkg_dir, pkg_name="bico"):
     """{module: {modules it imports}} over package_modules (names as
     there), from every import statement at any level of a module.
@@ -276,6 +328,7 @@ def full_import_graph(pkg_dir, pkg_name="bico"):
             elif isinstance(node, ast.Import):
                 targets.update(a.name[len(pkg_name) + 1:] for a in node.names
                                if a.name.startswith(pkg_name + "."))
+        targets.update(_named_modules(path, here, pkg_name, mods))
         own = set(_ancestors(m)) | {m, ""}
         deps = set()
         for t in targets & set(mods):
@@ -285,19 +338,15 @@ def full_import_graph(pkg_dir, pkg_name="bico"):
 
 
 def layer_of(m):
-    """binding (the wrappers and the package), torch, llm, or shim (the
-    former modules bico.hf and bico.torch_fit, re-exports only)."""
+    """binding (the wrappers and the package), torch or llm."""
     top = m.split(".")[0]
-    if top in ("torch", "llm"):
-        return top
-    return "shim" if top in ("hf", "torch_fit") else "binding"
+    return top if top in ("torch", "llm") else "binding"
 
 
 # what each layer may import: bico.llm builds on bico.torch (the transfer,
 # the held-out choice, tied weights), never the other way round
 MAY_IMPORT = {"binding": {"binding"}, "torch": {"binding", "torch"},
-              "llm": {"binding", "torch", "llm"},
-              "shim": {"binding", "torch", "llm"}}
+              "llm": {"binding", "torch", "llm"}}
 
 
 def layer_breaches(graph):
@@ -322,13 +371,20 @@ def test_sub_packages_import_one_way_without_cycles():
 
 @pytest.mark.parametrize("plant,line,breach,cycle", [
     ("torch/collect.py", "def _f():\n    from ..llm import text\n",
-     ("torch.collect", "llm.text"), False),           # lazy, wrong way
+     ("torch.collect", "llm.text"), True),   # lazy, wrong way (a circle
+    # through bico.llm's package, whose names reach its modules lazily)
     ("torch/choose.py", "from .transfer import transfer_model\n",
      None, True),                                      # a circle inside
     ("torch/tied.py", "import bico.llm.adapters\n",
      ("torch.tied", "llm.adapters"), True),            # across
     ("_xcov.py", "from .torch import tied\n",
      ("_xcov", "torch.tied"), True),  # a wrapper upwards (torch uses it)
+    ("torch/tied.py", "def _g():\n    import importlib\n    return "
+     "importlib.import_module('bico.llm.text')\n",
+     ("torch.tied", "llm.text"), True),                # by name, absolute
+    ("torch/collect.py", "import importlib\n_WHERE = {'x': '..llm.text'}\n"
+     "def _h(n):\n    return importlib.import_module(_WHERE[n], "
+     "__package__)\n", ("torch.collect", "llm.text"), True),  # a table
 ])
 def test_a_planted_breach_or_cycle_is_found(tmp_path, plant, line, breach,
                                             cycle):
@@ -355,103 +411,83 @@ def _fresh(code):
 
 
 def test_bico_torch_does_not_load_bico_llm():
-    """bico.torch's re-exports of bico.llm's functions are resolved on
-    first use: importing bico.torch loads no bico.llm module."""
+    """Importing bico.torch, and running its transfer on modules, loads no
+    bico.llm module; bico.llm's names are not bico.torch's."""
     pytest.importorskip("torch")
-    out = _fresh("import sys, bico.torch as bt\n"
-                 "print(sorted(m for m in sys.modules if 'llm' in m))\n"
-                 "bt.load_model\n"
-                 "print(sorted(m for m in sys.modules if 'llm' in m))\n")
-    before, after = out.splitlines()
-    assert before == "[]" and "bico.llm.families" in after, out
+    out = _fresh("import sys, torch, bico.torch as bt\n"
+                 "m = [torch.nn.Linear(3, 2) for _ in range(3)]\n"
+                 "x = [(torch.randn(4, 3), torch.randn(4, 2))]\n"
+                 "bt.transfer_model(*m, x, method='naive', alpha=1.0)\n"
+                 "print(sorted(n for n in sys.modules if 'llm' in n))\n"
+                 "print(hasattr(bt, 'load_model'))\n")
+    assert out.splitlines() == ["[]", "False"], out
 
 
 @pytest.mark.parametrize("first", [
     "bico.llm.adapters", "bico.llm.command", "bico.llm.families",
-    "bico.hf", "bico.torch_fit", "bico.torch.tied", "bico.torch.fit"])
+    "bico.llm.folders", "bico.torch.tied", "bico.torch.fit"])
 def test_any_module_may_be_imported_first(first):
     """Imported first in a fresh interpreter, each module loads (no
     half-initialised module on the way)."""
     pytest.importorskip("torch")
     _fresh("import %s\nimport bico.torch as bt, bico.llm as bl\n"
-           "assert callable(bt.save_adapter) and callable(bl.main)\n"
+           "assert callable(bl.save_adapter) and callable(bl.main)\n"
            % first)
 
 
-# every name the former modules bico/torch.py, torch_fit.py, hf.py and
-# llm.py held (their imports of other packages aside), and its new home
-OLD_NAMES = {
+# the public names of the former homes that 1.0 removed (re-exports of
+# bico.llm's names from bico.torch, the shim modules bico.hf and
+# bico.torch_fit, the command's grid at the package level): old path ->
+# {new home: names}
+REMOVED = {
     "bico.torch": {
-        "torch.collect": "BicoError Collector Context DEFAULT_SPLIT E_ARG "
-        "E_NOTFOUND E_SHAPE E_STATE Pairing Procrustes Votes XCov _GradMode "
-        "_NOT_LAST_DIM _Site _dims _grads _is_norm _kind _mha_forward "
-        "_norm_width _rows_np _samples _split_for collect_statistics "
-        "collect_votes default_modules save_votes",
-        "torch._common": "_default_forward _default_step _device _on _output "
-        "_plain _to_device progress",
-        "torch.choose": "HELDOUT_GRID _HELDOUT_METHODS _HOLDOUT_AUTO "
-        "_alpha_grid _as_numpy _batch_losses _choose_heldout "
-        "_heldout_loss_fn _loss_available _mean_loss _naive "
-        "_resolve_heldout _scaled _token_ids choose_alpha",
-        "torch.tied": "_report_tied _retied _tied_groups _untied",
-        "torch.transfer": "MODEL_METHODS _C_METHODS _PROCRUSTES_KEYS _apply "
-        "_fit _transfer_np transfer_model transfer_state_dict",
-        "torch.fit": "_input_moments",
-        "llm.families": "load_model",
-        "llm.text": "lm_loss next_token_loss text_batches tokenize",
-        "llm.adapters": "input_covariances low_rank save_adapter "
-        "update_grams"},
+        "bico.llm": "load_model tokenize text_batches next_token_loss "
+        "lm_loss save_adapter input_covariances update_grams low_rank",
+        "bico": "BicoError Context E_ARG E_NOTFOUND E_SHAPE E_STATE Pairing "
+        "Procrustes Votes XCov",
+        "bico.torch.collect": "DEFAULT_SPLIT"},
     "bico.torch_fit": {
-        "torch.fit": "BicoError E_ARG E_SHAPE E_STATE GCV_GRID RidgeFit "
-        "_CACHE_ARGS _Runner _Stop _carry _catch_call _first _hidden _maps32 "
-        "_materialize _one_input _out_map _out_map32 _replayable _rows "
-        "_segment_of _shallow_copy _stem_linears _transport_rows_at "
-        "_with_hidden fit_model",
-        "torch.proxy": "PROXY_GRID _proxy_logprobs proxy_distill proxy_fit",
-        "torch.choose": "_helps"},
+        "bico.torch.fit": "GCV_GRID RidgeFit fit_model",
+        "bico.torch.proxy": "PROXY_GRID proxy_distill proxy_fit"},
     "bico.hf": {
-        "llm.families": "Attention BicoError DecoderLM DecoderLayer "
-        "E_FORMAT E_NOTFOUND E_UNSUPPORTED FAMILIES Mlp Model RMSNorm _ACT "
-        "_TORCH_DT _causal_mask _inv_freq _linear _rotate_half _weights_path "
-        "load_model model_config",
-        "llm.text": "Calibration E_ARG _byte_level _bytes_to_unicode "
-        "_tokenizer_file lm_loss namedtuple next_token_loss text_batches "
-        "tokenize",
-        "llm.adapters": "_module_names _short _tied input_covariances "
-        "low_rank save_adapter update_grams"},
-    "bico.llm": {
-        "llm.command": "GRID _FitProgress _apply _choose_alpha _log "
-        "_transformers_loader _tuned_from_lora main"},
+        "bico.llm": "load_model model_config DecoderLM tokenize "
+        "text_batches Calibration next_token_loss lm_loss save_adapter "
+        "input_covariances update_grams low_rank",
+        "bico.llm.families": "FAMILIES Attention DecoderLayer Mlp Model "
+        "RMSNorm"},
+    "bico.llm": {"bico.llm.command": "GRID"},
 }
 
 
-@pytest.mark.parametrize("old", sorted(OLD_NAMES))
-def test_old_paths_of_the_split_modules_still_work(old):
-    """Every name of the former single modules resolves from its old path
-    (import bico.torch as bt; bt.X, from bico.hf import X, ...) to the
-    object in its new home, and the public lists are the same."""
+def _release_notes():
+    """The newest release's entries (one string each, a sub-entry its
+    own, lines joined)."""
+    text = open(os.path.join(ROOT, "CHANGELOG.md")).read()
+    section = text.split("\n## ")[1]
+    return [" ".join(e.split()) for e in re.split(r"\n *- ", section)]
+
+
+@pytest.mark.parametrize("old", sorted(REMOVED))
+def test_removed_names_are_gone_and_the_release_notes_say_where(old):
+    """Each public name of a removed home is gone from there, lives in its
+    new home, and the newest release's notes name both (the line that
+    names `old.name` names its new home)."""
     pytest.importorskip("torch")
-    mod = importlib.import_module(old)
-    for home, names in OLD_NAMES[old].items():
-        new = importlib.import_module("bico." + home)
+    notes = _release_notes()
+    try:
+        mod = importlib.import_module(old)
+    except ImportError:
+        mod = None
+    for home, names in REMOVED[old].items():
+        new = importlib.import_module(home)
         for n in names.split():
-            assert getattr(mod, n) is getattr(new, n), (old, n, home)
-            ns = {}
-            exec("from %s import %s" % (old, n), ns)
-            assert ns[n] is getattr(new, n)
-            assert n in dir(mod), (old, n)
-    with pytest.raises(AttributeError):
-        getattr(mod, "no_such_name")
-    all_before = {
-        "bico.torch": "Collector collect_statistics collect_votes save_votes "
-        "transfer_state_dict transfer_model choose_alpha default_modules "
-        "progress load_model tokenize text_batches next_token_loss lm_loss "
-        "save_adapter input_covariances update_grams low_rank",
-        "bico.hf": "load_model model_config DecoderLM tokenize text_batches "
-        "Calibration next_token_loss lm_loss save_adapter input_covariances "
-        "update_grams low_rank"}
-    if old in all_before:
-        assert mod.__all__ == all_before[old].split()
-        ns = {}
-        exec("from %s import *" % old, ns)
-        assert set(all_before[old].split()) <= set(ns)
+            assert hasattr(new, n), (home, n)
+            if mod is not None:
+                assert not hasattr(mod, n), (old, n)
+            lines = [ln for ln in notes
+                     if "`%s.%s`" % (old, n) in ln or
+                     ("`%s`" % old in ln and "`%s`" % n in ln)]
+            assert lines, "release notes do not name %s.%s" % (old, n)
+            assert any(home in ln for ln in lines), (old, n, home, lines)
+    if old in ("bico.hf", "bico.torch_fit"):
+        assert mod is None

@@ -500,7 +500,7 @@ def test_shape_mismatch_naive_transfer():
 
 
 def test_plain_progress_lines(capsys):
-    items = list(bt._plain(range(20), None, "calib"))
+    items = list(bico.torch._common._plain(range(20), None, "calib"))
     assert items == list(range(20))
     err = capsys.readouterr().err
     assert "calib: 10/20 batches" in err and "calib: 20/20 batches" in err

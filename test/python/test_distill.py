@@ -326,10 +326,10 @@ def test_checkpointed_layers_give_the_same_gradients(tmp_path):
     chunked loss with the text's own tokens: the same loss and factor
     gradients as without."""
     import llm_pair
-    import bico.torch as bt
+    import bico.llm as bl
     llm_pair.write_model(str(tmp_path / "B"), llm_pair.CFG_B,
                          llm_pair.target_of(llm_pair.source()))
-    m = bt.load_model(tmp_path / "B", dtype=torch.float32)
+    m = bl.load_model(tmp_path / "B", dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, llm_pair.V, (2, 12), generator=g)
     y = torch.randint(0, llm_pair.V, (2, 12), generator=g)

@@ -1,4 +1,4 @@
-"""The fit's carried output change alpha D R_out (torch_fit._carry) and
+"""The fit's carried output change alpha D R_out (bico.torch.fit._carry) and
 choose_alpha's candidate update theta + alpha delta (torch._scaled) go
 through the library's kernels (bico_transport_rows, bico_baseline_naive),
 and give what the NumPy / torch expressions give."""
@@ -8,8 +8,8 @@ import torch
 
 import bico._lib as core
 from bico._status import BicoError
-from bico.torch import _scaled
-from bico.torch_fit import _carry
+from bico.torch.choose import _scaled
+from bico.torch.fit import _carry
 
 
 def counting(monkeypatch, name):

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import bico
-import bico.torch_fit as tf
+import bico.torch.fit as tf
 from bico._names import Pairing
 
 torch.set_num_threads(1)

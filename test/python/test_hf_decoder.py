@@ -399,7 +399,7 @@ def test_block_calls_are_captured_with_keyword_arguments():
     """The capture used by the fit sees a block's positional and keyword
     arguments on this PyTorch (1.13: the forward is wrapped for the time
     of the capture and put back), and a cache argument is not replayed."""
-    from bico.torch_fit import _catch_call, _replayable
+    from bico.torch.fit import _catch_call, _replayable
     layer = DecoderLayer(CFG)
     seen = []
     remove = _catch_call(layer, lambda a, k: seen.append((a, k)))
@@ -457,7 +457,7 @@ def test_capture_through_a_keyword_pre_hook():
     """The path PyTorch >= 2.0 takes (a with_kwargs pre-hook), run on this
     PyTorch through a layer that offers that contract: the same capture,
     the hook removed afterwards, and the fit closes the planted gap."""
-    from bico.torch_fit import _catch_call
+    from bico.torch.fit import _catch_call
     layer = KwHookLayer(CFG)
     seen = []
     remove = _catch_call(layer, lambda a, k: seen.append((a, k)))

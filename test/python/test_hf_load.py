@@ -1,4 +1,4 @@
-"""bico.torch.load_model, text_batches and save_adapter against
+"""bico.llm.load_model, text_batches and save_adapter against
 independent computations: the logits of test/e2e/llama.py's forward on the
 same tensors, byte counts of text, an SVD of the fitted values, and
 libbico's own LoRA reader and merge (`bico transfer --method naive --lora
@@ -14,7 +14,7 @@ import torch
 import bico
 import bico.lora as bl
 import bico.safetensors as st
-import bico.torch as bt
+import bico.llm as llm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import llama  # noqa: E402
@@ -56,7 +56,7 @@ def test_logits_match_the_independent_forward(tmp_path, case):
     assert os.path.exists(tmp_path / "m" / "model.safetensors.index.json")
     ids = torch.randint(0, cfg["vocab_size"], (2, 12),
                         generator=torch.Generator().manual_seed(4))
-    m64 = bt.load_model(tmp_path / "m", dtype=torch.float64)
+    m64 = llm.load_model(tmp_path / "m", dtype=torch.float64)
     assert set(m64.state_dict()) == set(sd) | {"lm_head.weight"}
     if cfg["tie_word_embeddings"]:
         assert m64.lm_head.weight is m64.model.embed_tokens.weight
@@ -65,7 +65,7 @@ def test_logits_match_the_independent_forward(tmp_path, case):
         # logits as without; with 4, a different result
         cfg2 = dict(cfg, sliding_window=None)
         write(tmp_path / "nw", cfg2, sd, torch.bfloat16)
-        full = bt.load_model(tmp_path / "nw", dtype=torch.float64)
+        full = llm.load_model(tmp_path / "nw", dtype=torch.float64)
         assert (m64(ids) - full(ids)).abs().max() > 1e-3
         ref = llama.forward(dict(cfg, model_type="llama"), sd, ids)
         np.testing.assert_allclose(full(ids).detach(), ref.detach(),
@@ -74,7 +74,7 @@ def test_logits_match_the_independent_forward(tmp_path, case):
     ref = reference(cfg, sd, ids).detach()
     np.testing.assert_allclose(m64(ids).detach(), ref, rtol=0, atol=1e-10)
     # the files' dtype kept (BF16), logits within BF16 tolerance
-    mb = bt.load_model(tmp_path / "m")
+    mb = llm.load_model(tmp_path / "m")
     assert all(v.dtype == torch.bfloat16 for v in mb.state_dict().values())
     err = (mb(ids).double() - ref).abs().max() / ref.abs().max()
     assert err < 0.05, err
@@ -84,17 +84,17 @@ def test_float32_file_and_unknown_type(tmp_path):
     cfg = llama.default_config(tie_word_embeddings=False)
     sd = llama.random_state(cfg, torch.Generator().manual_seed(5))
     write(tmp_path / "m", cfg, sd, torch.float32)
-    m = bt.load_model(tmp_path / "m")
+    m = llm.load_model(tmp_path / "m")
     assert m.lm_head.weight.dtype == torch.float32
     assert m.lm_head.weight is not m.model.embed_tokens.weight
     with open(tmp_path / "m" / "config.json", "w") as f:
         json.dump(dict(cfg, model_type="gpt_bigcode"), f)
     with pytest.raises(bico.BicoError) as e:
-        bt.load_model(tmp_path / "m")
+        llm.load_model(tmp_path / "m")
     assert "config.json" in str(e.value) and "gpt_bigcode" in str(e.value)
     os.remove(tmp_path / "m" / "config.json")
     with pytest.raises(bico.BicoError, match="config.json"):
-        bt.load_model(tmp_path / "m")
+        llm.load_model(tmp_path / "m")
 
 
 # ---------------------------------------------------------------- text
@@ -103,9 +103,9 @@ def test_text_batches_windows_and_holdout(tmp_path):
     text = llm_pair.task_text(60)
     tok = tmp_path / "tokenizer.json"
     tok.write_text(json.dumps(llm_pair.tokenizer_json()))
-    ids = bt.tokenize(text, str(tok))
+    ids = llm.tokenize(text, str(tok))
     assert ids.tolist() == list(text.encode("utf-8"))
-    cal = bt.text_batches(text, 16, holdout=0.25, tokenizer=str(tmp_path),
+    cal = llm.text_batches(text, 16, holdout=0.25, tokenizer=str(tmp_path),
                           batch_size=4)
     m = (len(ids) - 1) // 16
     fit = torch.cat([x for x, _ in cal.batches])
@@ -121,9 +121,9 @@ def test_text_batches_windows_and_holdout(tmp_path):
     np.save(tmp_path / "ids.npy", ids.numpy())
     for src, kw in ((ids.tolist(), {}), (str(tmp_path / "ids.npy"), {}),
                     (text, {"tokenizer": lambda s: list(s.encode())})):
-        c2 = bt.text_batches(src, 16, holdout=0.25, batch_size=4, **kw)
+        c2 = llm.text_batches(src, 16, holdout=0.25, batch_size=4, **kw)
         assert torch.equal(torch.cat([x for x, _ in c2.batches]), fit)
-    c3 = bt.text_batches(ids, 16, n=10, holdout=0.2)
+    c3 = llm.text_batches(ids, 16, n=10, holdout=0.2)
     assert c3.windows + sum(len(x) for x, _ in c3.held_out) == 10
 
 
@@ -138,7 +138,7 @@ def test_tokenizer_other_than_bytes_needs_the_tokenizers_package(tmp_path):
     if importlib.util.find_spec("tokenizers") is not None:
         pytest.skip("tokenizers is installed")
     with pytest.raises(bico.BicoError, match="tokenizers") as e:
-        bt.tokenize("ab", str(tmp_path / "tokenizer.json"))
+        llm.tokenize("ab", str(tmp_path / "tokenizer.json"))
     assert str(tmp_path / "tokenizer.json") in str(e.value)
 
 
@@ -155,7 +155,7 @@ def test_a_malformed_byte_level_bpe_is_refused_naming_the_merge(
     if importlib.util.find_spec("tokenizers") is not None:
         pytest.skip("tokenizers is installed")
     with pytest.raises(bico.BicoError, match="merge 0") as e:
-        bt.tokenize("ab", str(tmp_path / "tokenizer.json"))
+        llm.tokenize("ab", str(tmp_path / "tokenizer.json"))
     assert needs in str(e.value)
     assert str(tmp_path / "tokenizer.json") in str(e.value)
     assert e.value.status == bico.E_FORMAT
@@ -173,20 +173,20 @@ def test_low_rank_is_reduced_rank_regression():
         _, _, qh = torch.linalg.svd(x @ dw.T, full_matrices=False)
         for r in (1, 3):
             want = qh[:r].T @ qh[:r] @ dw
-            b, a = bt.low_rank(dw, r, x.T @ x)
+            b, a = llm.low_rank(dw, r, x.T @ x)
             assert b.shape == (d_out, r) and a.shape == (r, d_in)
             np.testing.assert_allclose(b @ a, want, atol=1e-9)
             # the output route of update_grams gives the same answer
             if d_out <= d_in:
                 y = x @ dw.T
-                b2, a2 = bt.low_rank(dw, r, ("out", y.T @ y))
+                b2, a2 = llm.low_rank(dw, r, ("out", y.T @ y))
                 np.testing.assert_allclose(b2 @ a2, want, atol=1e-9)
             # no weighting: the truncated SVD
             u, s, vh = torch.linalg.svd(dw)
-            b3, a3 = bt.low_rank(dw, r)
+            b3, a3 = llm.low_rank(dw, r)
             np.testing.assert_allclose(b3 @ a3, (u[:, :r] * s[:r]) @ vh[:r],
                                        atol=1e-9)
-        b, a = bt.low_rank(dw, 64, x.T @ x)  # full rank: the update itself
+        b, a = llm.low_rank(dw, 64, x.T @ x)  # full rank: the update itself
         np.testing.assert_allclose(b @ a, dw, atol=1e-9)
 
 
@@ -245,7 +245,7 @@ def merged_by_bico(tmp_path, target_folder, adapter):
 def test_save_adapter_loads_and_merges_to_the_truncated_update(tmp_path,
                                                                target):
     folder, cfg = target
-    model = bt.load_model(folder)
+    model = llm.load_model(folder)
     base = {k: v.double() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(8)
     delta = {}
@@ -261,7 +261,7 @@ def test_save_adapter_loads_and_merges_to_the_truncated_update(tmp_path,
               for k in base}
     for r, save in ((2, []), (64, ["norm"])):
         ad = tmp_path / ("ad%d" % r)
-        rep = bt.save_adapter(ad, model, fitted, r, lora_alpha=2 * r,
+        rep = llm.save_adapter(ad, model, fitted, r, lora_alpha=2 * r,
                               modules_to_save=save,
                               base_model_name_or_path="B")
         cfgj = json.load(open(ad / "adapter_config.json"))
@@ -295,7 +295,7 @@ def test_save_adapter_loads_and_merges_to_the_truncated_update(tmp_path,
         merged = merged_by_bico(tmp_path, folder, ad)
         for m in rep["modules"]:
             w = m + ".weight"
-            b, a = bt.low_rank(delta[w], r)
+            b, a = llm.low_rank(delta[w], r)
             want = base[w] + b @ a
             got = torch.as_tensor(merged[w])
             # BF16 factors and merged weights: relative to the update
@@ -321,7 +321,7 @@ def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
     left the head: the scored model was not the loaded one.)"""
     import peft_rules
     folder, cfg = target
-    model = bt.load_model(folder)
+    model = llm.load_model(folder)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     emb = "model.embed_tokens.weight"
     d = {emb: 0.05 * torch.randn(model.model.embed_tokens.weight.shape,
@@ -329,7 +329,7 @@ def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
                                  dtype=torch.float64)}
     q = "model.layers.0.self_attn.q_proj.weight"
     d[q] = 0.05 * torch.ones(model.state_dict()[q].shape, dtype=torch.float64)
-    rep = bt.save_adapter(tmp_path / "ad", model, d, 4, is_delta=True,
+    rep = llm.save_adapter(tmp_path / "ad", model, d, 4, is_delta=True,
                           modules_to_save=["embed_tokens"],
                           return_effective=True)
     assert rep["saved"] == [emb, "lm_head.weight"] and not rep["left_out"]
@@ -344,21 +344,21 @@ def test_saved_tied_embedding_moves_the_head_too(tmp_path, target):
                        .double() - model.model.embed_tokens.weight.double())
     ids = torch.randint(0, cfg["vocab_size"], (2, 10),
                         generator=torch.Generator().manual_seed(3))
-    want = bt.load_model(folder, dtype=torch.float64)
+    want = llm.load_model(folder, dtype=torch.float64)
     sd = want.state_dict()
     for k, v in rep["effective"].items():
         sd[k] = sd[k] + v
     want.load_state_dict(sd)   # tied: one tensor, moved once
-    got = bt.load_model(folder, dtype=torch.float64)
+    got = llm.load_model(folder, dtype=torch.float64)
     done = peft_rules.load(got, str(tmp_path / "ad"))
     assert sorted(done["saved"]) == ["lm_head", "model.embed_tokens"]
     with torch.no_grad():
         assert torch.allclose(got(ids), want(ids), atol=1e-9)
-    rep = bt.save_adapter(tmp_path / "ad2", model, d, 4, is_delta=True)
+    rep = llm.save_adapter(tmp_path / "ad2", model, d, 4, is_delta=True)
     assert rep["left_out"] == [emb] and q not in rep["left_out"]
     assert 0 < rep["left_out_norm"] < 1
     with pytest.raises(bico.BicoError, match="no linear"):
-        bt.save_adapter(tmp_path / "ad3", model, {emb: d[emb]}, 4,
+        llm.save_adapter(tmp_path / "ad3", model, {emb: d[emb]}, 4,
                         is_delta=True)
 
 
@@ -380,10 +380,10 @@ def test_formats_recipe_records_rmsnorm_for_bico_transfer(tmp_path):
         write(tmp_path / n, cfg, sd, torch.float32)
     ids = torch.randint(0, 48, (64 * 9,),
                         generator=torch.Generator().manual_seed(4))
-    cal = bt.text_batches(ids, 8, holdout=0)
+    cal = llm.text_batches(ids, 8, holdout=0)
     for n in ("A", "B"):
-        m = bt.load_model(tmp_path / n)
-        env["calibration_file"](m, cal.batches, bt.next_token_loss,
+        m = llm.load_model(tmp_path / n)
+        env["calibration_file"](m, cal.batches, llm.next_token_loss,
                                 str(tmp_path / (n + ".calib.safetensors")))
     got = st.open(str(tmp_path / "B.calib.safetensors"))
     assert "model.layers.0.input_layernorm.input" in got

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-import bico.torch as bt
+import bico.llm as bl
 from bico.llm import across
 from bico.llm.bpe import train
 from bico.llm.text import _Bytes, load_tokenizer
@@ -144,9 +144,9 @@ def test_one_tokenizer_gives_the_proxy_teacher_by_first_byte(pair):
     id's probability under its byte."""
     d, _ = pair
     tk = load_tokenizer(d / "A")
-    A = bt.load_model(d / "A", dtype=torch.float64)
-    Aft = bt.load_model(d / "A_ft", dtype=torch.float64)
-    B = bt.load_model(d / "B", dtype=torch.float64)
+    A = bl.load_model(d / "A", dtype=torch.float64)
+    Aft = bl.load_model(d / "A_ft", dtype=torch.float64)
+    B = bl.load_model(d / "B", dtype=torch.float64)
     # ASCII: no window ends inside a character (those positions wait)
     ids = torch.as_tensor(tk.encode(TEXT.encode("ascii", "ignore")
                                     .decode()))

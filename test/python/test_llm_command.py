@@ -16,7 +16,7 @@ import torch
 
 import bico.lora as bl
 import bico.safetensors as st
-import bico.torch as bt
+import bico.llm as llm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import llm_pair  # noqa: E402
@@ -44,9 +44,9 @@ def command(d, *args):
 
 
 def eval_loss(model, d):
-    cal = bt.text_batches(str(d / "eval.txt"), 32, holdout=0,
+    cal = llm.text_batches(str(d / "eval.txt"), 32, holdout=0,
                           tokenizer=str(d / "B"))
-    return bt.lm_loss(model, cal.batches)
+    return llm.lm_loss(model, cal.batches)
 
 
 def test_adapter_from_a_lora_and_text(pair):
@@ -66,7 +66,7 @@ def test_adapter_from_a_lora_and_text(pair):
     assert meta["bico_alpha"] == note["bico_alpha"]
     # PEFT's names and shapes for every target linear of B; factors in
     # float32 (PEFT's convention, the one dtype rule of both routes)
-    tgt = bt.load_model(d / "B")
+    tgt = llm.load_model(d / "B")
     f = st.open(str(ad / "adapter_model.safetensors"))
     lin = [n for n, m in tgt.named_modules()
            if isinstance(m, torch.nn.Linear) and n != "lm_head"]
@@ -103,14 +103,14 @@ def test_full_folder_from_a_tuned_folder_and_ids(pair):
     assert "chosen: alpha" in r.stdout
     assert os.path.exists(d / "B_ft" / "model.safetensors.index.json")
     assert os.path.exists(d / "B_ft" / "tokenizer.json")
-    new = bt.load_model(d / "B_ft")
+    new = llm.load_model(d / "B_ft")
     assert new.lm_head.weight is new.model.embed_tokens.weight
     assert all(v.dtype == torch.bfloat16 for v in new.state_dict().values())
     shard = sorted(n for n in os.listdir(d / "B_ft")
                    if n.startswith("model-"))[0]
     meta = st.open(str(d / "B_ft" / shard)).metadata
     assert meta["bico_ridge"] in ("0.01", "0.1") and "bico_alpha" in meta
-    zero = eval_loss(bt.load_model(d / "B", dtype=torch.float32), d)
+    zero = eval_loss(llm.load_model(d / "B", dtype=torch.float32), d)
     got = eval_loss(new.float(), d)
     assert got < zero - 0.3 * (zero - info["loss_ft"]), (got, zero)
 

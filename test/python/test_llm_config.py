@@ -1,4 +1,4 @@
-"""bico.torch.load_model on hostile config.json files (issue 32): a table
+"""bico.llm.load_model on hostile config.json files (issue 32): a table
 of edits to a valid llama folder's config.json, each refused at load with
 a BicoError naming config.json and the key (never a raw KeyError,
 TypeError, AttributeError or MemoryError, never a 4 TB allocation), and
@@ -17,7 +17,7 @@ import torch
 
 import bico
 import bico.safetensors as st
-import bico.torch as bt
+import bico.llm as bl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import llama  # noqa: E402
@@ -182,7 +182,7 @@ def test_hostile_config_is_refused_naming_file_and_key(tmp_path, case, base,
     folder(tmp_path / "m", cfg, raw)
     path = str(tmp_path / "m" / "config.json")
     with pytest.raises(bico.BicoError) as e:
-        bt.load_model(tmp_path / "m")
+        bl.load_model(tmp_path / "m")
     msg = str(e.value)
     assert path in msg, msg
     if key is not None:
@@ -196,7 +196,7 @@ def test_the_table_counts_the_issues_cases():
 def test_config_that_is_not_json(tmp_path):
     folder(tmp_path / "m", llama.default_config(), raw="{\"hidden_size\": ")
     with pytest.raises(bico.BicoError, match="config.json"):
-        bt.load_model(tmp_path / "m")
+        bl.load_model(tmp_path / "m")
 
 
 def test_a_4_tb_head_dim_allocates_nothing(tmp_path):
@@ -209,8 +209,8 @@ def test_a_4_tb_head_dim_allocates_nothing(tmp_path):
     folder(tmp_path / "m", cfg, dict(cfg, head_dim=10 ** 12))
     limit = ("" if "asan" in os.environ.get("LD_PRELOAD", "") else
              "resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n")
-    code = ("import resource, sys, bico, bico.torch as bt\n" + limit +
-            "try:\n    bt.load_model(sys.argv[1])\n"
+    code = ("import resource, sys, bico, bico.llm as bl\n" + limit +
+            "try:\n    bl.load_model(sys.argv[1])\n"
             "except bico.BicoError as e:\n    print(e); sys.exit(3)\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")],
                        capture_output=True, text=True, timeout=120)
@@ -266,7 +266,7 @@ def test_accepted_edge_case_runs_finite(tmp_path, case, base, edit):
     cfg = llama.default_config(**base)
     raw = edit(dict(cfg)) if edit else cfg
     sd = folder(tmp_path / "m", cfg, raw)
-    m = bt.load_model(tmp_path / "m", dtype=torch.float64)
+    m = bl.load_model(tmp_path / "m", dtype=torch.float64)
     ids = torch.randint(0, cfg["vocab_size"], (2, 12),
                         generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

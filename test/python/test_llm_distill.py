@@ -19,7 +19,7 @@ import torch
 
 import bico.lora as bl
 import bico.safetensors as st
-import bico.torch as bt
+import bico.llm as llm
 from bico._status import BicoError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,9 +50,9 @@ def command(d, *args, env=None, ok=True):
 
 
 def eval_loss(model, d):
-    cal = bt.text_batches(str(d / "eval.txt"), 32, holdout=0,
+    cal = llm.text_batches(str(d / "eval.txt"), 32, holdout=0,
                           tokenizer=str(d / "B"))
-    return bt.lm_loss(model, cal.batches)
+    return llm.lm_loss(model, cal.batches)
 
 
 def merged_loss(d, adapter):
@@ -63,7 +63,7 @@ def merged_loss(d, adapter):
                     "--output-lora", "carried-" + adapter,
                     "--merge-into-base", "--output", str(out), "--quiet"],
                    cwd=str(d), check=True)
-    tgt = bt.load_model(d / "B", dtype=torch.float32)
+    tgt = llm.load_model(d / "B", dtype=torch.float32)
     sd = tgt.state_dict()
     sd.update({k: torch.from_numpy(v) for k, v in
                st.read(str(out), dtype=np.float32).items()})
@@ -100,7 +100,7 @@ def test_trained_adapter_end_to_end(pair):
     note = json.load(open(ad / "bico_adapter.json"))
     assert note["bico_transfer_method"] == "distill"
     # PEFT's names, float32 factors of rank 4 on every linear but the head
-    tgt = bt.load_model(d / "B")
+    tgt = llm.load_model(d / "B")
     f = st.open(str(ad / "adapter_model.safetensors"))
     lin = [n for n, m in tgt.named_modules()
            if isinstance(m, torch.nn.Linear) and n != "lm_head"]
@@ -112,7 +112,7 @@ def test_trained_adapter_end_to_end(pair):
             ("F32", (w.shape[0], 4))
     assert sorted(bl.Adapter.open(str(ad)).modules()) == sorted(lin)
     # merged by libbico: the held-out task loss well below zero-shot
-    zero = eval_loss(bt.load_model(d / "B", dtype=torch.float32), d)
+    zero = eval_loss(llm.load_model(d / "B", dtype=torch.float32), d)
     got = merged_loss(d, "B_distilled")
     assert got < zero - 0.3 * (zero - info["loss_ft"]), (got, zero)
     losses = held_out(r.stderr)
@@ -138,10 +138,10 @@ def test_dense_distillation_writes_a_model_folder(pair):
                 "B", "--text", "task.txt", "--output", "B_dense",
                 "--window", "32", "--method", "distill", "--steps", "80")
     assert "every weight of the target" in r.stderr
-    new = bt.load_model(d / "B_dense")
+    new = llm.load_model(d / "B_dense")
     assert new.lm_head.weight is new.model.embed_tokens.weight
     assert all(v.dtype == torch.bfloat16 for v in new.state_dict().values())
-    zero = eval_loss(bt.load_model(d / "B", dtype=torch.float32), d)
+    zero = eval_loss(llm.load_model(d / "B", dtype=torch.float32), d)
     got = eval_loss(new.float(), d)
     assert got < zero - 0.3 * (zero - info["loss_ft"]), (got, zero)
 
@@ -168,7 +168,7 @@ def test_a_harmful_teacher_leaves_the_target_unchanged(pair, tmp_path):
     untouched target clearly on the held-out windows, and the adapter
     written is PEFT's no-op (zero factors)."""
     d, _ = pair
-    sd = bt.load_model(d / "A").state_dict()
+    sd = llm.load_model(d / "A").state_dict()
     g = torch.Generator().manual_seed(0)
     noisy = {k: (v.float() + 2.0 * torch.randn(v.shape, generator=g))
              for k, v in sd.items() if k != "lm_head.weight"}
@@ -218,11 +218,11 @@ def test_the_source_pair_is_freed_before_the_training(pair):
     import weakref
     from bico.llm import distill as ld
     d, _ = pair
-    models = {"source": bt.load_model(d / "A", dtype=torch.float32),
-              "tuned": bt.load_model(d / "A_ft", dtype=torch.float32)}
+    models = {"source": llm.load_model(d / "A", dtype=torch.float32),
+              "tuned": llm.load_model(d / "A_ft", dtype=torch.float32)}
     refs = [weakref.ref(m) for m in models.values()]
-    tgt = bt.load_model(d / "B", dtype=torch.float32)
-    cal = bt.text_batches(str(d / "task.txt"), 32, n=24,
+    tgt = llm.load_model(d / "B", dtype=torch.float32)
+    cal = llm.text_batches(str(d / "task.txt"), 32, n=24,
                           tokenizer=str(d / "B"))
     alive = []
 
@@ -282,11 +282,11 @@ def test_the_teacher_from_the_folders_is_the_in_memory_teacher(pair):
     from bico.llm import stream_teacher
     from bico.torch import distill as D
     d, _ = pair
-    cal = bt.text_batches(str(d / "task.txt"), 32, n=24,
+    cal = llm.text_batches(str(d / "task.txt"), 32, n=24,
                           tokenizer=str(d / "B"), batch_size=5)
     xs = [x for x, _ in cal.batches]
     folders = [str(d / n) for n in ("A", "A_ft", "B")]
-    models = [bt.load_model(f, dtype=torch.float32) for f in folders]
+    models = [llm.load_model(f, dtype=torch.float32) for f in folders]
     for k in (None, 7):
         ref = D.build_teacher(*models, xs, None, k=k)
         got = stream_teacher.build(*folders, xs, dtype=torch.float32, k=k,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import bico.lora as bl
-import bico.torch as bt
+import bico.llm as llm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
@@ -63,11 +63,11 @@ def test_quickstart_runs(tmp_path, monkeypatch, capsys):
         cfg = json.load(open(tmp_path / ad / "adapter_config.json"))
         assert cfg["peft_type"] == "LORA"
         assert bl.Adapter.open(str(tmp_path / ad)).modules()
-    cal = bt.text_batches(str(tmp_path / "eval.txt"), 32, holdout=0,
+    cal = llm.text_batches(str(tmp_path / "eval.txt"), 32, holdout=0,
                           tokenizer=str(tmp_path / "B"))
 
     def loss(folder):
-        return bt.lm_loss(bt.load_model(tmp_path / folder,
+        return llm.lm_loss(llm.load_model(tmp_path / folder,
                                         dtype=torch.float32), cal.batches)
     zero = loss("B")
     gap = zero - info["loss_ft"]
@@ -106,7 +106,7 @@ def test_the_ids_one_liner_uses_the_targets_tokenizer(tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     got = np.load(tmp_path / "ids.npy")
-    want = bt.tokenize(text, str(tmp_path / "B")).numpy()
+    want = llm.tokenize(text, str(tmp_path / "B")).numpy()
     assert got.dtype.kind == "i" and np.array_equal(got, want)
     raw = np.frombuffer(text.encode(), np.uint8)
     assert not np.array_equal(want, raw)

@@ -372,8 +372,8 @@ def test_transfer_model_on_folders_across_ranks(pair, tmp_path):
     for k, v in one.items():
         assert _close(outs[0][k], v), k
         assert torch.equal(outs[0][k], outs[1][k]), k
-    import bico.torch as bt
-    b = bt.load_model(pair / "B").state_dict()
+    import bico.llm as bl
+    b = bl.load_model(pair / "B").state_dict()
     moved = sum(not torch.equal(one[k], b[k]) for k in b)
     assert moved > 10       # the fit moved the target: a real comparison
     got = {}

@@ -17,7 +17,7 @@ import torch
 import bico
 import bico.llm
 import bico.safetensors as st
-import bico.torch as bt
+import bico.llm as bl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import llm_pair  # noqa: E402
@@ -36,7 +36,7 @@ def pair(tmp_path_factory):
     ft = llm_pair.bf16(llm_pair.train_full(llm_pair.CFG_A, info["sa"],
                                            llm_pair.byte_ids(text)))
     llm_pair.write_model(str(d / "A_full"), llm_pair.CFG_A, ft)
-    m = bt.load_model(d / "B", dtype=torch.float32)
+    m = bl.load_model(d / "B", dtype=torch.float32)
     sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
     g = torch.Generator().manual_seed(5)
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"] + 0.01 * \
@@ -66,7 +66,7 @@ def run(d, capsys, *args):
 
 def held_out(d, target, window=32, windows=256):
     """The command's held-out windows (same text, window, cap, share)."""
-    return bt.text_batches(str(d / "task.txt"), window, n=windows,
+    return bl.text_batches(str(d / "task.txt"), window, n=windows,
                            tokenizer=str(d / target)).held_out
 
 
@@ -94,10 +94,10 @@ def test_a_tied_embedding_adapter_loads_in_peft_as_scored(pair, tmp_path,
     meta = st.open(str(ad / "adapter_model.safetensors")).metadata
     recorded = float(meta["bico_heldout_loss"])
     zero = float(meta["bico_heldout_loss_target"])
-    model = bt.load_model(pair / "B", dtype=torch.float32)
+    model = bl.load_model(pair / "B", dtype=torch.float32)
     done = peft_rules.load(model, str(ad))
     assert "lm_head" in done["saved"] and len(done["lora"]) == 21
-    got = bt.lm_loss(model, held_out(pair, "B"))
+    got = bl.lm_loss(model, held_out(pair, "B"))
     # what PEFT loads is what was scored and recorded (before: 5.07
     # loaded against 2.57 recorded: the head did not move in PEFT)
     assert abs(got - recorded) < tol * max(1.0, recorded), (got, recorded)
@@ -131,10 +131,10 @@ def test_an_untied_head_gets_a_pair_announced_and_counted(pair, tmp_path,
     assert f.info("base_model.model.lm_head.lora_A.weight")[0] == "F32"
     recorded = float(f.metadata["bico_heldout_loss"])
     zero = float(f.metadata["bico_heldout_loss_target"])
-    model = bt.load_model(pair / "B_untied", dtype=torch.float32)
+    model = bl.load_model(pair / "B_untied", dtype=torch.float32)
     done = peft_rules.load(model, str(ad))
     assert "lm_head" in done["lora"] and len(done["lora"]) == 22
-    got = bt.lm_loss(model, held_out(pair, "B_untied"))
+    got = bl.lm_loss(model, held_out(pair, "B_untied"))
     assert abs(got - recorded) < 1e-3 * max(1.0, recorded), (got, recorded)
     assert got < zero - 1.0
 
@@ -212,9 +212,9 @@ def test_seed_and_threads(pair, tmp_path, capsys, monkeypatch):
     assert all(np.array_equal(outs[0][k], outs[1][k]) for k in outs[0])
     meta = st.open(str(tmp_path / "s0" / "adapter_model.safetensors"))
     assert meta.metadata["bico_seed"] == "7"
-    a = bt.text_batches(str(pair / "task.txt"), 32, tokenizer=str(
+    a = bl.text_batches(str(pair / "task.txt"), 32, tokenizer=str(
         pair / "B"), seed=7)
-    b = bt.text_batches(str(pair / "task.txt"), 32, tokenizer=str(
+    b = bl.text_batches(str(pair / "task.txt"), 32, tokenizer=str(
         pair / "B"), seed=8)
     assert not all(torch.equal(x[0], y[0]) for x, y in zip(a.batches,
                                                           b.batches))
@@ -256,20 +256,20 @@ def test_base_model_name_or_path(pair, tmp_path, capsys):
 def test_path_like_names_are_read_or_refused(pair, tmp_path):
     tok = str(pair / "B")
     (tmp_path / "task.md").write_text("abc=bcd;\n" * 20)
-    cal = bt.text_batches(str(tmp_path / "task.md"), 8, holdout=0,
+    cal = bl.text_batches(str(tmp_path / "task.md"), 8, holdout=0,
                           tokenizer=tok)
     assert cal.windows == (180 - 1) // 8     # the file's bytes, not its name
     os.chdir(str(tmp_path))
     try:
-        assert bt.text_batches("task.md", 8, holdout=0,
+        assert bl.text_batches("task.md", 8, holdout=0,
                                tokenizer=tok).windows == cal.windows
         for name in ("notes.md", "data/task", "tsak.txt", "x.jsonl"):
             with pytest.raises(bico.BicoError, match=name.replace(".", r"\.")):
-                bt.text_batches(name, 2, holdout=0, tokenizer=tok)
+                bl.text_batches(name, 2, holdout=0, tokenizer=tok)
         # text, not names: spaces, lines, no "/" nor extension
         for text in ("see notes.md for more", "abc=bcd;\nx.md",
                      "abcdefghijklmnopq"):
-            assert bt.text_batches(text, 2, holdout=0, tokenizer=tok).windows
+            assert bl.text_batches(text, 2, holdout=0, tokenizer=tok).windows
     finally:
         os.chdir(HERE)
     from bico.llm.text import path_like

@@ -15,6 +15,7 @@ import torch
 import bico
 import bico.llm
 import bico.safetensors as st
+import bico.llm as bl
 import bico.torch as bt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,11 +46,11 @@ def test_stats_then_bico_transfer_equals_the_python_route(pair, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "bico transfer --method bico" in r.stdout
     # the Python route on the same windows (all of them, none held out)
-    src, tgt = (bt.load_model(pair / f, dtype=torch.float32)
+    src, tgt = (bl.load_model(pair / f, dtype=torch.float32)
                 for f in ("A", "B"))
-    cal = bt.text_batches(str(pair / "task.txt"), 32, n=256, holdout=0,
+    cal = bl.text_batches(str(pair / "task.txt"), 32, n=256, holdout=0,
                           tokenizer=str(pair / "B"), seed=0)
-    col = bt.collect_statistics(src, tgt, cal.batches, bt.next_token_loss,
+    col = bt.collect_statistics(src, tgt, cal.batches, bl.next_token_loss,
                                 path=str(tmp_path / "ref.safetensors"),
                                 show_progress=False)
     col.close()

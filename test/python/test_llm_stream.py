@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import bico.safetensors as st
+import bico.llm as bl
 import bico.torch as bt
 from bico._status import BicoError
 from bico.llm import families as fam
@@ -59,12 +60,12 @@ def untied(tmp_path_factory):
 
 
 def cal_of(d, **kw):
-    return bt.text_batches(str(d / "task.txt"), 32, tokenizer=str(d / "B"),
+    return bl.text_batches(str(d / "task.txt"), 32, tokenizer=str(d / "B"),
                            batch_size=8, **kw)
 
 
 def models(d, tuned="A_full"):
-    return tuple(bt.load_model(d / f, dtype=torch.float32)
+    return tuple(bl.load_model(d / f, dtype=torch.float32)
                  for f in ("A", tuned, "B"))
 
 
@@ -72,7 +73,7 @@ def models(d, tuned="A_full"):
 
 def test_stages_and_config_equal_load_model(pair, untied):
     for folder in (pair / "B", untied[0] / "B"):
-        m = bt.load_model(folder, dtype=torch.float32)
+        m = bl.load_model(folder, dtype=torch.float32)
         f = rt.Folder(folder, torch.float32)
         assert f.cfg == m.model.cfg
         x = torch.randint(0, f.shapes[f.embed_name()][0], (3, 9))
@@ -92,7 +93,7 @@ def test_stages_and_config_equal_load_model(pair, untied):
 
 def test_folder_reads_rows_and_refuses_bad_ids(pair):
     f = rt.Folder(pair / "B", torch.float32)
-    table = bt.load_model(pair / "B", dtype=torch.float32) \
+    table = bl.load_model(pair / "B", dtype=torch.float32) \
         .model.embed_tokens.weight.detach()
     ids = torch.tensor([5, 3, 3, 200, 4, 0])
     assert torch.equal(f.rows(f.embed_name(), ids), table[ids])
@@ -153,9 +154,9 @@ def test_fit_equals_in_memory_bit_for_bit(pair):
     for kw in (dict(alpha=0.8), dict(ridge=[0.01, 0.1])):
         r_mem, r_str = [], []
         want = bt.transfer_model(src, srt, tgt, cal.batches, method="fit",
-                                 loss_fn=bt.next_token_loss, report=r_mem,
+                                 loss_fn=bl.next_token_loss, report=r_mem,
                                  **kw)
-        got = bt.transfer_model(*paths, cal.batches, method="fit",
+        got = bl.transfer_model(*paths, cal.batches, method="fit",
                                 report=r_str, memory_budget=1 << 14, **kw)
         assert set(got) == set(want)
         for k in want:
@@ -187,9 +188,9 @@ def test_transfer_model_output_follows_the_folder_rules(pair, tmp_path):
     and nothing appears there."""
     cal = cal_of(pair, holdout=0)
     paths = [str(pair / f) for f in ("A", "A_full", "B")]
-    want = bt.transfer_model(*paths, cal.batches, method="fit", alpha=0.8)
+    want = bl.transfer_model(*paths, cal.batches, method="fit", alpha=0.8)
     out = tmp_path / "B_ft"
-    got = bt.transfer_model(*paths, cal.batches, method="fit", alpha=0.8,
+    got = bl.transfer_model(*paths, cal.batches, method="fit", alpha=0.8,
                             output=str(out) + "/")
     assert got["output"] == str(out) + "/" and got["alpha"] == 0.8
     files = st.read(str(out) + "/")
@@ -206,7 +207,7 @@ def test_transfer_model_output_follows_the_folder_rules(pair, tmp_path):
         assert not np.array_equal(v, old[k]) or np.array_equal(w, v), k
     inside = pair / "B" / "sub"
     with pytest.raises(BicoError) as e:
-        bt.transfer_model(*paths, cal.batches, method="fit", alpha=0.8,
+        bl.transfer_model(*paths, cal.batches, method="fit", alpha=0.8,
                           output=str(inside) + "/")
     assert "B" in e.value.message and not inside.exists()
 
@@ -297,12 +298,12 @@ def test_untied_head_is_fitted_by_token_id(untied):
     vocabulary rows it is the one-piece fit; its report entry says so and
     BiCo does not also carry it."""
     d, batches = untied
-    src, srt, tgt = (bt.load_model(d / f, dtype=torch.float32)
+    src, srt, tgt = (bl.load_model(d / f, dtype=torch.float32)
                      for f in ("A", "A_ft", "B"))
     want = bt.transfer_model(src, srt, tgt, batches, method="fit",
-                             loss_fn=bt.next_token_loss, alpha=1.0)
+                             loss_fn=bl.next_token_loss, alpha=1.0)
     rep = []
-    got = bt.transfer_model(str(d / "A"), str(d / "A_ft"), str(d / "B"),
+    got = bl.transfer_model(str(d / "A"), str(d / "A_ft"), str(d / "B"),
                             batches, method="fit", alpha=1.0, report=rep)
     for k in want:
         if k != "lm_head.weight":
@@ -310,7 +311,7 @@ def test_untied_head_is_fitted_by_token_id(untied):
     w = tgt.lm_head.weight.detach().double()
     assert torch.allclose(got["lm_head.weight"], want["lm_head.weight"],
                           rtol=0, atol=1e-6 * float(w.abs().max()))
-    work = bt.load_model(d / "B", dtype=torch.float32)
+    work = bl.load_model(d / "B", dtype=torch.float32)
     work.load_state_dict(dict(got, **{"lm_head.weight": tgt.lm_head.weight}))
     x1, _ = _head_io(work, batches)
     x0, _ = _head_io(tgt, batches)
@@ -348,11 +349,11 @@ def test_untied_head_scores_as_the_loaded_model(untied):
         per = sf.score(res, [0.0, 0.5, 1.0])
         from bico.llm.stream_route import _state_dict
         states = {a: _state_dict(res, a) for a in per}
-    model = bt.load_model(d / "B", dtype=torch.float32)
+    model = bl.load_model(d / "B", dtype=torch.float32)
     for a, scores in per.items():
         model.load_state_dict(states[a])
         with torch.no_grad():
-            want = [float(bt.next_token_loss(model(x), y)) for x, y in held]
+            want = [float(bl.next_token_loss(model(x), y)) for x, y in held]
         assert np.allclose([v for v, _ in scores], want, rtol=1e-5), a
     assert per[1.0][0][0] != per[0.0][0][0]
 
@@ -375,7 +376,7 @@ def test_threads_reach_the_library(pair, monkeypatch):
     try:
         torch.set_num_threads(2)
         bt.transfer_model(src, srt, tgt, cal.batches[:2], method="fit",
-                          loss_fn=bt.next_token_loss, alpha=1.0)
+                          loss_fn=bl.next_token_loss, alpha=1.0)
         with StreamedFit(*(str(pair / f) for f in ("A", "A_full", "B")),
                          cal.batches[:2], threads=3) as sf:
             assert sf.run.ctx.threads == 3 and torch.get_num_threads() == 3
@@ -387,12 +388,19 @@ def test_threads_reach_the_library(pair, monkeypatch):
 
 def test_bad_inputs_are_refused(pair, untied):
     cal = cal_of(pair, holdout=0)
-    src = bt.load_model(pair / "A")
+    src = bl.load_model(pair / "A")
     with pytest.raises(BicoError, match="model folders but target"):
-        bt.transfer_model(str(pair / "A"), str(pair / "A_full"), src,
+        bl.transfer_model(str(pair / "A"), str(pair / "A_full"), src,
                           cal.batches, method="fit")
-    with pytest.raises(BicoError, match="next-token loss"):
+    with pytest.raises(BicoError, match="bico.llm.transfer_model takes "
+                       "model folders"):
         bt.transfer_model(*(str(pair / f) for f in ("A", "A_full", "B")),
+                          cal.batches, method="fit")
+    with pytest.raises(BicoError, match="output= is the streamed fit's"):
+        bl.transfer_model(src, src, src, cal.batches, method="fit",
+                          output=str(pair / "out"))
+    with pytest.raises(BicoError, match="next-token loss"):
+        bl.transfer_model(*(str(pair / f) for f in ("A", "A_full", "B")),
                           cal.batches, method="fit",
                           loss_fn=lambda o, y: o.sum())
     with pytest.raises(BicoError, match="tuned source must have"):

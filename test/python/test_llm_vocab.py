@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-import bico.torch as bt
+import bico.llm as bl
 from bico.llm.bpe import ByteLevelBPE, train
 from bico.llm.text import load_tokenizer
 from bico.llm.vocab import relation
@@ -101,8 +101,8 @@ def _command(d, target, *extra, method="distill"):
 def _eval_loss(model, d, tok):
     ids = torch.as_tensor(np.asarray(load_tokenizer(tok).encode(
         open(d / "eval.txt").read()), dtype=np.int64))
-    cal = bt.text_batches(ids, 32, holdout=0)
-    return bt.lm_loss(model, cal.batches)
+    cal = bl.text_batches(ids, 32, holdout=0)
+    return bl.lm_loss(model, cal.batches)
 
 
 def test_across_different_tokenizers_end_to_end(pair, tmp_path):
@@ -126,7 +126,7 @@ def test_across_different_tokenizers_end_to_end(pair, tmp_path):
                     r"of (\d+) positions", r.stderr)
     assert got and int(got.group(1)) >= 0.9 * int(got.group(2)), \
         r.stderr[-3000:]
-    model = bt.load_model(d / "B_bpe", dtype=torch.float32)
+    model = bl.load_model(d / "B_bpe", dtype=torch.float32)
     zero = _eval_loss(model, d, d / "B_bpe")
     got = peft_rules.load(model, str(out))
     assert len(got["lora"]) == 21
@@ -173,7 +173,7 @@ def test_a_grown_vocabulary_end_to_end(pair, tmp_path):
                  str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "extends" in r.stderr and "top 64 of 256 outputs" in r.stderr
-    model = bt.load_model(d / "B_grown", dtype=torch.float32)
+    model = bl.load_model(d / "B_grown", dtype=torch.float32)
     zero = _eval_loss(model, d, d / "B_grown")
     peft_rules.load(model, str(out))
     assert _eval_loss(model, d, d / "B_grown") < zero - 0.3 * (

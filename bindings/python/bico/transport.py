@@ -164,7 +164,7 @@ def _rows_at(n, d_a, d_b, alpha, t, t_off, ld_t, r, out, out_off, ld_out,
     float32 arrays read and written in place: t's block starts at element
     t_off with row stride ld_t, out's at out_off with row stride ld_out; r
     a C-contiguous float32 d_a x d_b map (the fit's fused-block carry,
-    bico.torch_fit._carry; no checks beyond the library's)."""
+    bico.torch.fit._carry; no checks beyond the library's)."""
     ctx = _or_default(ctx)
     _check(fn.transport_rows(ctx._alive(), n, d_a, d_b, float(alpha),
                              t.ctypes.data + 4 * t_off, ld_t,

@@ -17,26 +17,45 @@ bico.torch.
   stats.py     its `stats` subcommand: the statistics file of `bico
                transfer --stats` from folders and text
 
-bico.llm may import bico.torch's modules (the transfer, the held-out
-choice, tied weights); bico.torch never imports bico.llm (its re-exports
-of load_model, text_batches, save_adapter, ... are resolved on first
-use).  The command is imported on first use of its names too (from
-bico.llm import main), so that reading a folder does not load it.
+  folders.py   transfer_model on model folders (streamed fit, output=)
+
+The names users call are reachable from the package, each imported from
+its module on first use (reading a folder does not load the command):
+
+    import bico.llm as bl
+    model = bl.load_model("B/")
+    cal = bl.text_batches("B/", "task.txt")
+    bl.transfer_model("A/", "A_ft/", "B/", cal.batches, output="B_ft/")
+
+bico.llm builds on bico.torch (the transfer, the held-out choice, tied
+weights); bico.torch imports nothing of bico.llm.
 """
 import importlib
 
-__all__ = ["main"]
+# public name -> its module in this package
+_PUBLIC = {}
+for _where, _names in (
+        (".families", ("load_model", "model_config", "DecoderLM")),
+        (".text", ("tokenize", "detokenize", "load_tokenizer", "text_batches",
+                   "Calibration", "next_token_loss", "lm_loss")),
+        (".adapters", ("save_adapter", "input_covariances", "update_grams",
+                       "low_rank")),
+        (".folders", ("transfer_model",)),
+        (".command", ("main",))):
+    for _n in _names:
+        _PUBLIC[_n] = _where
+del _where, _names, _n
 
-# the former single module bico/llm.py's names, now in bico.llm.command
-_COMMAND = ("main", "GRID", "_log", "_FitProgress", "_apply",
-            "_choose_alpha", "_transformers_loader", "_tuned_from_lora")
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name):  # PEP 562
-    if name in _COMMAND:
-        return getattr(importlib.import_module(".command", __name__), name)
-    raise AttributeError("module 'bico.llm' has no attribute %r" % (name,))
+    where = _PUBLIC.get(name)
+    if where is None:
+        raise AttributeError("module 'bico.llm' has no attribute %r"
+                             % (name,))
+    return getattr(importlib.import_module(where, __name__), name)
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_COMMAND))
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -3,7 +3,7 @@
 update (low_rank) weighted by the layer's inputs (input_covariances,
 update_grams).
 
-    bt.save_adapter("tgt_adapter/", tgt, new_sd, r=16, covariance=...)
+    bl.save_adapter("tgt_adapter/", tgt, new_sd, r=16, covariance=...)
 """
 import json
 import math

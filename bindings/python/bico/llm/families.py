@@ -2,7 +2,7 @@
 (config.json -> DecoderLM).
 
     import bico.torch as bt          # or: from bico.llm.families import ...
-    src = bt.load_model("Qwen2-0.5B/")              # nn.Module, HF names
+    src = bl.load_model("Qwen2-0.5B/")              # nn.Module, HF names
 
 load_model knows the decoder families of test/e2e/llama.py: Llama,
 Mistral, Qwen2 and Gemma (config.json's model_type), with RMSNorm (Gemma's
@@ -341,7 +341,7 @@ def _family_config(folder):
     mt = raw.get("model_type") if isinstance(raw, dict) else None
     if isinstance(raw, dict) and mt not in FAMILIES:
         raise BicoError(E_UNSUPPORTED, "load_model: %s: model_type %r is not "
-                        "a decoder family bico.torch.load_model knows (%s); "
+                        "a decoder family bico.llm.load_model knows (%s); "
                         "load it with transformers' AutoModelForCausalLM "
                         "instead" % (cpath, mt, ", ".join(FAMILIES)))
     return raw, cpath, mt

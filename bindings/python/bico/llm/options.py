@@ -521,7 +521,7 @@ def transformers_loader():
         raise BicoError(E_ARG, "--transformers: the transformers package "
                         "is not installed (pip install transformers), or "
                         "leave the option out to read the folders with "
-                        "bico.torch.load_model")
+                        "bico.llm.load_model")
 
     def load(folder, dtype=None):
         return AutoModelForCausalLM.from_pretrained(

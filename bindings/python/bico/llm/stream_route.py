@@ -1,5 +1,5 @@
 """bico.llm.stream_route: the streamed runner as the routes use it
-(python3 -m bico.llm --method fit, and bico.torch.transfer_model given
+(python3 -m bico.llm --method fit, and bico.llm.transfer_model given
 model folders).
 
     sf = StreamedFit("A/", "A_ft/", "B/", cal.batches, cal.held_out)
@@ -175,7 +175,7 @@ def command_fit(sf, ridges, alpha, grid, kind, rank, saves, log,
 
 
 def transfer_folders(kw):
-    """bico.torch.transfer_model(method="fit") on model folders (kw: its
+    """bico.llm.transfer_model(method="fit") on model folders (kw: its
     arguments): the streamed fit, alpha and ridge chosen on held-out
     batches as transfer_model chooses them (pick, rule "clear", the mean
     of the per-batch losses), the result returned as a state dict or

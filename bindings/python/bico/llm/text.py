@@ -2,9 +2,9 @@
 (tokenizer.json read natively for byte-level tokenizers, or by Hugging
 Face's `tokenizers`), and the next-token loss.
 
-    cal = bt.text_batches("task.txt", window=256, tokenizer="Qwen2-0.5B/")
+    cal = bl.text_batches("task.txt", window=256, tokenizer="Qwen2-0.5B/")
     new_sd = bt.transfer_model(src, src_ft, tgt, cal.batches, method="fit",
-                               loss_fn=bt.next_token_loss)
+                               loss_fn=bl.next_token_loss)
 """
 import json
 import os
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .._inputs import check_input, open_input, read_input
 from .._status import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
-from .bpe import bytes_to_unicode as _bytes_to_unicode  # (bico.hf names it)
+from .bpe import bytes_to_unicode as _bytes_to_unicode
 
 __all__ = ["tokenize", "detokenize", "load_tokenizer", "text_batches",
            "Calibration", "next_token_loss", "lm_loss", "path_like",

@@ -24,15 +24,11 @@ By concern, one module each:
   tied.py      tied weights (a head sharing the embedding), found once
   _common.py   progress, batches to a device, the default step / forward
 
-The decoders read from model folders, text windows and adapters live in
-bico.llm (families, text, adapters); their functions are also reachable
-here (bt.load_model, bt.text_batches, bt.save_adapter, ...), imported on
-first use so that bico.torch does not import bico.llm (bico.llm builds on
-bico.torch, not the other way round).  Names of the former single module
-bico/torch.py, private ones included, resolve to their new homes.
+Model folders, tokenizers, text windows and adapters are bico.llm's
+(bico.llm.load_model, text_batches, save_adapter, transfer_model on
+folders): bico.llm builds on bico.torch, and bico.torch imports nothing
+of bico.llm, by statement or by name.
 """
-import importlib
-
 from ._common import progress
 from .collect import (Collector, collect_statistics, collect_votes,
                       save_votes, default_modules)
@@ -42,48 +38,4 @@ from .transfer import (transfer_state_dict, transfer_model,  # noqa: F401
 
 __all__ = ["Collector", "collect_statistics", "collect_votes", "save_votes",
            "transfer_state_dict", "transfer_model", "choose_alpha",
-           "default_modules", "progress",
-           "load_model", "tokenize", "text_batches", "next_token_loss",
-           "lm_loss", "save_adapter", "input_covariances", "update_grams",
-           "low_rank"]
-
-# name -> the module (relative to this package) that holds it now
-_MOVED = {}
-for _where, _names in (
-        ("..llm.families", ("load_model",)),
-        ("..llm.text", ("tokenize", "text_batches", "next_token_loss",
-                        "lm_loss")),
-        ("..llm.adapters", ("save_adapter", "input_covariances",
-                            "update_grams", "low_rank")),
-        # the former bico/torch.py's other names, for code that reached in
-        (".collect", ("_GradMode", "_NOT_LAST_DIM", "_Site", "_dims",
-                      "_grads", "_is_norm", "_kind", "_mha_forward",
-                      "_norm_width", "_rows_np", "_samples", "_split_for",
-                      "Context", "Procrustes", "Votes", "XCov", "Pairing",
-                      "DEFAULT_SPLIT", "BicoError", "E_ARG", "E_NOTFOUND",
-                      "E_SHAPE", "E_STATE")),
-        ("._common", ("_plain", "_to_device", "_device", "_default_step",
-                      "_default_forward", "_output", "_on")),
-        (".choose", ("_HELDOUT_METHODS", "_HOLDOUT_AUTO", "_alpha_grid",
-                     "_batch_losses", "_choose_heldout", "_heldout_loss_fn",
-                     "_loss_available", "_mean_loss", "_resolve_heldout",
-                     "_scaled", "_token_ids", "_naive", "_as_numpy")),
-        (".tied", ("_tied_groups", "_untied", "_retied", "_report_tied")),
-        (".transfer", ("_PROCRUSTES_KEYS", "_apply", "_fit", "_C_METHODS",
-                       "_transfer_np")),
-        (".fit", ("_input_moments",))):
-    for _n in _names:
-        _MOVED[_n] = _where
-del _where, _names, _n
-
-
-def __getattr__(name):  # PEP 562: the names above, on first use
-    where = _MOVED.get(name)
-    if where is None:
-        raise AttributeError("module 'bico.torch' has no attribute %r"
-                             % (name,))
-    return getattr(importlib.import_module(where, __name__), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_MOVED))
+           "default_modules", "progress"]

@@ -137,7 +137,7 @@ def proxy_distill(source, source_tuned, target, fit_batches, held_batches,
                   logits_of, loss_of, steps, lr, every, report=None,
                   seed=0):
     """The target trained towards the proxy-tuned distribution (kept for
-    the old path bico.torch_fit.proxy_distill): bico.torch.distill's
+XX
     engine (distill_model) on the batches as they are, no augmentation,
     every floating parameter trained.  logits_of(model, batch) -> logits;
     loss_of(model, batches) -> per-batch held-out losses.  Returns (state

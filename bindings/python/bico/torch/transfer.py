@@ -68,8 +68,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                    distill_steps=None, distill_lr=None, distill_every=25,
                    threads=None, ridge_prior="zero", general_batches=None,
                    distill_rank=None, distill_augment="auto",
-                   output=None, stream=True, spill_dir=None,
-                   memory_budget=None, **options):
+                   **options):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
 
@@ -173,43 +172,15 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     alpha_grid: the candidate scales for alpha="heldout" (numbers >= 0).
     The other options (split, ties, norm_map, source_blocks, target_blocks,
     rank_tol, null, center, whiten, ...) are those of transfer_state_dict.
-    Model folders (paths) instead of nn.Modules: method "fit" runs the
-    models a block at a time from the folders (bico.llm.stream_route: the
-    statistics, the fit and the held-out choice never hold a whole model;
-    Llama, Mistral, Qwen2 and Gemma folders, batches of token ids, the
-    next-token loss); the fit equals the in-memory one's bit for bit on
-    the same batches.  output: a folder to write the result to (the
-    library's folder writer, committed in one step; theta_B + alpha
-    delta rounded once to each file's dtype); then the return value is a
-    dict of what was chosen, else the new state dict as for modules.
-    spill_dir / memory_budget (bytes): where and beyond how much the
-    calibration states and fitted blocks go to a nameless temporary file.
-    Under torchrun (WORLD_SIZE > 1), called on every rank with the same
-    arguments, the streamed fit shares the batches among the ranks (a
-    gloo group, joined unless it is already; docs/scale-out.md): rank 0
-    writes output, every rank returns the same value once it is written.
-    Right after joining, every rank's arguments (the batches by their
-    tensors' bytes; not threads, spill_dir, memory_budget, show_progress
-    or output's path) and a sampled fingerprint of each folder's files
-    (size, first 64 KiB, 16 pieces of 256 bytes, last 4 KiB: node-local
-    copies agree) are compared with rank 0's; a difference raises
-    BicoError (E_ARG) on every rank, naming it.  Joining waits at most
-    BICO_RANKS_JOIN_TIMEOUT seconds (300) for every rank, each exchange
-    BICO_RANKS_TIMEOUT (1800) for a peer (bico.llm.ranks.timeouts).
-    stream=False, or another method: the folders are loaded whole
-    (load_model, float32) and run in memory.
+    Model folders: bico.llm.transfer_model (the same options, and the
+    streamed fit, output=, spill_dir=, memory_budget=, ranks).
     report: a list that receives one dict per target tensor (fit: one per
     fitted layer, with rows, rank and update_norm; and a dict with "alpha"
     and "rule" when it was chosen; for "heldout" also "losses" {candidate:
     held-out loss}, "zero_shot" (the untouched target's held-out loss),
     "heldout_batches" and "fit_batches").
     """
-    if any(_is_folder(m) for m in (source, source_tuned, target)):
-        kw = dict(locals())
-        kw.update(kw.pop("options"))
-        source, source_tuned, target, done = _folders(kw)
-        if done is not None:
-            return done
+    _no_folders(source, source_tuned, target)
     batches = _check_models(method, source, source_tuned, target, batches)
     grid = _check_steps(method, alpha_grid, proxy_steps, distill_steps,
                         distill_every, distill_lr)
@@ -254,26 +225,18 @@ def _is_folder(m):
     return isinstance(m, (str, os.PathLike))
 
 
-def _folders(kw):
-    """(source, source_tuned, target, result): method "fit" on folders
-    runs streamed (result: its return value); otherwise the folders are
-    loaded (result None) for the in-memory routes.  bico.llm is resolved
-    here, on first use, as the package's re-exports are: bico.torch does
-    not import it."""
-    import importlib
-    names = ("source", "source_tuned", "target")
-    if not all(_is_folder(kw[n]) for n in names):
-        raise BicoError(E_ARG, "transfer_model: %s are model folders but %s "
-                        "not: give three folders or three nn.Modules"
-                        % (", ".join(n for n in names if _is_folder(kw[n])),
-                           ", ".join(n for n in names
-                                     if not _is_folder(kw[n]))))
-    if kw["method"] == "fit" and kw["stream"]:
-        route = importlib.import_module("bico.llm.stream_route")
-        return None, None, None, route.transfer_folders(kw)
-    fam = importlib.import_module("bico.llm.families")
-    return tuple(fam.load_model(kw[n], dtype=torch.float32)
-                 for n in names) + (None,)
+def _no_folders(source, source_tuned, target):
+    """bico.torch takes nn.Modules; model folders are bico.llm's."""
+    named = [n for n, m in (("source", source), ("source_tuned",
+                                                 source_tuned),
+                            ("target", target)) if _is_folder(m)]
+    if named:
+        raise BicoError(E_ARG, "transfer_model: %s %s a model folder: "
+                        "bico.torch.transfer_model takes nn.Modules; "
+                        "bico.llm.transfer_model takes model folders (the "
+                        "same options)" % (", ".join(named),
+                                           "is" if len(named) == 1
+                                           else "are each"))
 
 
 # ---- the options, checked (in transfer_model's order) ----

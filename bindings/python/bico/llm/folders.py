@@ -1,0 +1,95 @@
+"""bico.llm.folders: transfer_model on Hugging Face model folders.
+
+    import bico.llm as bl
+    cal = bl.text_batches("B/", "task.txt")
+    bl.transfer_model("A/", "A_ft/", "B/", cal.batches, method="fit",
+                      output="B_ft/")
+
+bico.torch.transfer_model takes nn.Modules; this one takes model folders
+too (bico.torch imports nothing of bico.llm, so the folders are read
+here): method "fit" streams the models from the folders a block at a
+time (stream_route), any other method, or stream=False, loads them whole
+(load_model, float32) and runs bico.torch.transfer_model on them.
+"""
+import inspect
+import os
+
+from .._status import BicoError, E_ARG
+
+__all__ = ["transfer_model"]
+
+_MODELS = ("source", "source_tuned", "target")
+
+
+def _is_folder(m):
+    return isinstance(m, (str, os.PathLike))
+
+
+def transfer_model(source, source_tuned, target, batches, method="fit",
+                   output=None, stream=True, spill_dir=None,
+                   memory_budget=None, **options):
+    """bico.torch.transfer_model (its options, documented there) with
+    model folders for source, source_tuned and target.
+
+    method "fit" on folders (stream=True, the default) runs the models a
+    block at a time from the folders: the statistics, the fit and the
+    held-out choice never hold a whole model (Llama, Mistral, Qwen2 and
+    Gemma folders, batches of token ids, the next-token loss); the fit
+    equals the in-memory one's bit for bit on the same batches.
+    output: a folder to write the result to (the library's folder writer,
+    committed in one step; theta_B + alpha delta rounded once to each
+    file's dtype); then the return value is a dict of what was chosen,
+    else the new state dict, as bico.torch.transfer_model returns it.
+    spill_dir / memory_budget (bytes): where and beyond how much the
+    calibration states and fitted blocks go to a nameless temporary file.
+    Under torchrun (WORLD_SIZE > 1), called on every rank with the same
+    arguments, the streamed fit shares the batches among the ranks (a
+    gloo group, joined unless it is already; docs/scale-out.md): rank 0
+    writes output, every rank returns the same value once it is written.
+    Right after joining, every rank's arguments (the batches by their
+    tensors' bytes; not threads, spill_dir, memory_budget, show_progress
+    or output's path) and a sampled fingerprint of each folder's files
+    are compared with rank 0's; a difference raises BicoError (E_ARG) on
+    every rank, naming it (bico.llm.ranks.timeouts for the waits).
+    stream=False, or another method: the folders are loaded whole
+    (load_model, float32) and run in memory; output= is then refused
+    (the state dict is returned).  nn.Modules for all three: the same as
+    bico.torch.transfer_model."""
+    from ..torch.transfer import transfer_model as modules_route
+    folders = [n for n, m in zip(_MODELS, (source, source_tuned, target))
+               if _is_folder(m)]
+    streamed = method == "fit" and stream
+    if folders and len(folders) != len(_MODELS):
+        raise BicoError(E_ARG, "transfer_model: %s %s model folders but %s "
+                        "not: give three folders or three nn.Modules"
+                        % (", ".join(folders),
+                           "is a" if len(folders) == 1 else "are",
+                           ", ".join(n for n in _MODELS
+                                     if n not in folders)))
+    if not streamed or not folders:
+        for name, v in (("output", output), ("spill_dir", spill_dir),
+                        ("memory_budget", memory_budget)):
+            if v is not None:
+                raise BicoError(E_ARG, "transfer_model: %s= is the "
+                                "streamed fit's (method 'fit' on model "
+                                "folders, stream=True); this run is in "
+                                "memory" % name)
+    if folders and streamed:
+        from .stream_route import transfer_folders
+        call = inspect.signature(modules_route).bind(
+            source, source_tuned, target, batches, method=method,
+            **options)
+        call.apply_defaults()
+        kw = dict(call.arguments)
+        kw.update(kw.pop("options"))
+        kw.update(output=output, stream=stream, spill_dir=spill_dir,
+                  memory_budget=memory_budget)
+        return transfer_folders(kw)
+    if folders:
+        import torch
+        from .families import load_model
+        source, source_tuned, target = (
+            load_model(m, dtype=torch.float32)
+            for m in (source, source_tuned, target))
+    return modules_route(source, source_tuned, target, batches,
+                         method=method, **options)
