@@ -328,7 +328,7 @@ $(TEST_BIN): | $(ST_TOOL) $(JSON_TOOL)
 PYTHONDIR ?= $(shell $(PYTHON) scripts/pythondir.py $(PREFIX))
 PY_SRCS := $(wildcard bindings/python/bico/*.py)
 # the sub-packages (bico.torch, bico.llm): folders with an __init__.py
-PY_SUBPKGS := $(patsubst bindings/python/bico/%/__init__.py,%,$(wildcard bindings/python/bico/*/__init__.py))
+PY_SUBPKGS := $(patsubst bindings/python/bico/%/__init__.py,%,$(wildcard bindings/python/bico/*/__init__.py) $(wildcard bindings/python/bico/*/*/__init__.py))
 
 .PHONY: install-python uninstall-python check-python-install
 install: install-python

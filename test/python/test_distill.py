@@ -11,6 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import bico
+from bico.torch import logits as _lg
+from bico.torch import teacher as _t
+from bico.torch import augment as _aug
 from bico.torch import distill as D
 from bico._status import BicoError
 
@@ -37,14 +40,14 @@ def test_kl_full_entry_is_the_kl():
     z = torch.randn(4, 5, 11, generator=torch.Generator().manual_seed(1))
     want = F.kl_div(torch.log_softmax(z.double(), -1), p.double(),
                     log_target=True, reduction="none").sum(-1).mean()
-    assert abs(float(D.kl_to_teacher(z, p)) - float(want)) < 1e-6
+    assert abs(float(_t.kl_to_teacher(z, p)) - float(want)) < 1e-6
 
 
 def test_kl_top_k_is_the_kl_of_the_coarsened_distributions():
     V, k = 13, 4
     p = _logp((3, 7), V, 2)
     z = torch.randn(3, 7, V, generator=torch.Generator().manual_seed(3))
-    t = D.Teacher(k=k)
+    t = _t.Teacher(k=k)
     t.put(0, p)
     entry = t.get(0)
     assert isinstance(entry, tuple) and entry[0].shape == (3, 7, k)
@@ -59,16 +62,16 @@ def test_kl_top_k_is_the_kl_of_the_coarsened_distributions():
             pk, qk = pd[i, j][mask], qd[i, j][mask]
             pr, qr = pd[i, j][~mask].sum(), qd[i, j][~mask].sum()
             tot += float((pk * (pk / qk).log()).sum() + pr * (pr / qr).log())
-    assert abs(float(D.kl_to_teacher(z, entry)) - tot / 21) < 1e-5
+    assert abs(float(_t.kl_to_teacher(z, entry)) - tot / 21) < 1e-5
     # the coarsened KL never exceeds the full one (data processing)
-    assert float(D.kl_to_teacher(z, entry)) <= \
-        float(D.kl_to_teacher(z, p)) + 1e-6
+    assert float(_t.kl_to_teacher(z, entry)) <= \
+        float(_t.kl_to_teacher(z, p)) + 1e-6
 
 
 def test_k_at_least_the_outputs_keeps_everything():
     p = _logp((2, 3), 6, 4)
     for k in (6, 10, None):
-        t = D.Teacher(k=k)
+        t = _t.Teacher(k=k)
         t.put(0, p)
         assert torch.equal(t.get(0), p)
 
@@ -77,22 +80,22 @@ def test_a_teacher_that_puts_no_mass_outside_the_top_k_gives_no_nan():
     p = torch.full((2, 8), float("-inf"))
     p[:, 0] = 0.0                        # all mass on output 0
     z = torch.randn(2, 8, requires_grad=True)
-    t = D.Teacher(k=2)
+    t = _t.Teacher(k=2)
     t.put(0, p)
-    loss = D.kl_to_teacher(z, t.get(0))
+    loss = _t.kl_to_teacher(z, t.get(0))
     loss.backward()
     assert math.isfinite(float(loss)) and torch.isfinite(z.grad).all()
 
 
 def test_spilled_entries_come_back_equal_and_the_folder_goes(tmp_path):
-    t = D.Teacher(k=3, budget=0, spill_dir=str(tmp_path))
+    t = _t.Teacher(k=3, budget=0, spill_dir=str(tmp_path))
     ps = [_logp((2, 4), 9, s) for s in range(3)]
     for i, p in enumerate(ps):
         t.put(i, p)
     assert t.bytes_memory == 0 and t.bytes_disk > 0
     folder = t.spill_folder
     assert os.path.dirname(folder) == str(tmp_path) and os.listdir(folder)
-    ref = D.Teacher(k=3)
+    ref = _t.Teacher(k=3)
     for i, p in enumerate(ps):
         ref.put(i, p)
         for a, b in zip(t.get(i), ref.get(i)):
@@ -100,7 +103,7 @@ def test_spilled_entries_come_back_equal_and_the_folder_goes(tmp_path):
     t.close()
     assert not os.path.exists(folder)
     # dropped without close: removed when collected
-    t2 = D.Teacher(budget=0, spill_dir=str(tmp_path))
+    t2 = _t.Teacher(budget=0, spill_dir=str(tmp_path))
     t2.put(0, ps[0])
     folder2 = t2.spill_folder
     del t2
@@ -111,7 +114,7 @@ def test_spilled_entries_come_back_equal_and_the_folder_goes(tmp_path):
 def test_a_budget_keeps_the_first_batches_in_memory(tmp_path):
     p = _logp((2, 4), 5, 0)
     size = p.numel() * 4
-    t = D.Teacher(budget=2 * size, spill_dir=str(tmp_path))
+    t = _t.Teacher(budget=2 * size, spill_dir=str(tmp_path))
     for i in range(4):
         t.put(i, p)
     assert t.bytes_memory == 2 * size and t.bytes_disk == 2 * size
@@ -120,8 +123,8 @@ def test_a_budget_keeps_the_first_batches_in_memory(tmp_path):
 
 def test_bad_teacher_settings_are_refused():
     with pytest.raises(bico.BicoError, match="teacher_k"):
-        D.Teacher(k=0)
-    t = D.Teacher()
+        _t.Teacher(k=0)
+    t = _t.Teacher()
     t.put(0, _logp((2,), 5, 0))
     with pytest.raises(bico.BicoError, match="outputs"):
         t.put(1, _logp((2,), 6, 0))
@@ -192,12 +195,12 @@ def test_lora_distillation_recovers_a_planted_low_rank_update():
     g = torch.Generator().manual_seed(9)
     xs = [torch.randn(32, 6, generator=g) for _ in range(8)]
     held = [torch.randn(32, 6, generator=g) for _ in range(2)]
-    t = D.build_teacher(a, aft, b, xs, lambda m, x: m(x))
-    th = D.build_teacher(a, aft, b, held, lambda m, x: m(x))
+    t = _t.build_teacher(a, aft, b, xs, lambda m, x: m(x))
+    th = _t.build_teacher(a, aft, b, held, lambda m, x: m(x))
 
     def held_losses(m):
         with torch.no_grad():
-            return [float(D.kl_to_teacher(m(x), th.get(i)))
+            return [float(_t.kl_to_teacher(m(x), th.get(i)))
                     for i, x in enumerate(held)]
     start = held_losses(b)
     ad = D.Adapter(b, ["fc1"], r=2, seed=1)
@@ -221,7 +224,7 @@ def test_a_teacher_that_only_hurts_leaves_the_target_untouched():
     with torch.no_grad():
         held = [(x, b(x).argmax(-1)) for x, _ in held]
     w0 = {k: v.clone() for k, v in b.state_dict().items()}
-    t = D.build_teacher(a, aft, b, xs, lambda m, x: m(x))
+    t = _t.build_teacher(a, aft, b, xs, lambda m, x: m(x))
 
     def held_losses(m):
         with torch.no_grad():
@@ -245,7 +248,7 @@ def test_patience_stops_when_the_held_out_loss_stops_improving():
     a, aft = Net(1), Net(2)
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(16, 6, generator=g) for _ in range(4)]
-    t = D.build_teacher(a, aft, b, xs, lambda m, x: m(x))
+    t = _t.build_teacher(a, aft, b, xs, lambda m, x: m(x))
     params = [p for p in b.parameters()]
     rep = []
     D.distill(b, t, xs, 1, lambda m: [1.0], params=params, steps=200,
@@ -284,16 +287,16 @@ def test_chunked_loss_gives_the_whole_loss_and_gradients():
     a, aft, b = TinyLM(0), TinyLM(1), TinyLM(2)
     x = torch.randint(0, 37, (3, 11), generator=torch.Generator()
                       .manual_seed(0))
-    p = D._teacher_logprobs((a, aft, b), x, None, 5)      # chunked
+    p = _t._teacher_logprobs((a, aft, b), x, None, 5)      # chunked
     with torch.no_grad():
         want = torch.log_softmax(b(x) + aft(x) - a(x), -1)
     assert torch.allclose(p, want, atol=1e-5)
     for k in (None, 7):
-        t = D.Teacher(k=k)
+        t = _t.Teacher(k=k)
         t.put(0, p)
         e = t.get(0)
         b.zero_grad()
-        whole = D.kl_to_teacher(b(x), e)
+        whole = _t.kl_to_teacher(b(x), e)
         whole.backward()
         g1 = [q.grad.clone() for q in b.parameters()]
         b.zero_grad()
@@ -306,7 +309,7 @@ def test_chunked_loss_gives_the_whole_loss_and_gradients():
 
 def test_distill_refuses_bad_options():
     b = Net(0)
-    t = D.Teacher()
+    t = _t.Teacher()
     t.put(0, torch.log_softmax(torch.randn(2, 5), -1))
     xs = [torch.randn(2, 6)]
     ps = list(b.parameters())
@@ -333,7 +336,7 @@ def test_checkpointed_layers_give_the_same_gradients(tmp_path):
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, llm_pair.V, (2, 12), generator=g)
     y = torch.randint(0, llm_pair.V, (2, 12), generator=g)
-    t = D.Teacher(k=8)
+    t = _t.Teacher(k=8)
     t.put(0, torch.log_softmax(torch.randn(2, 12, llm_pair.V,
                                            generator=g), -1))
     names = [n for n, mm in m.named_modules()
@@ -363,9 +366,9 @@ def test_chunks_shrink_with_the_vocabulary_and_change_nothing():
     """A head of V outputs gets chunks whose float32 logits stay under
     LOGIT_BYTES (110 tokens at 151 936 outputs; the whole TOKEN_CHUNK at
     256), and the chunked per-window losses equal a direct computation."""
-    assert D._bounded(1024, nn.Linear(8, 151936, bias=False)) == 110
-    assert D._bounded(1024, nn.Linear(8, 256, bias=False)) == 1024
-    assert D._bounded(1024, nn.Identity()) == 1024
+    assert _lg._bounded(1024, nn.Linear(8, 151936, bias=False)) == 110
+    assert _lg._bounded(1024, nn.Linear(8, 256, bias=False)) == 1024
+    assert _lg._bounded(1024, nn.Identity()) == 1024
 
     class LM(nn.Module):
         def __init__(self, v):
@@ -378,7 +381,7 @@ def test_chunks_shrink_with_the_vocabulary_and_change_nothing():
     g = torch.Generator().manual_seed(5)
     v = 70000                      # 239 tokens a chunk: 3 chunks below
     m = LM(v)
-    assert D._bounded(D.TOKEN_CHUNK, m.lm_head) == 239
+    assert _lg._bounded(_lg.TOKEN_CHUNK, m.lm_head) == 239
     x = torch.randint(0, v, (3, 200), generator=g)
     y = torch.randint(0, v, (3, 200), generator=g)
     got = D.window_losses(m, [(x, y)])
@@ -409,7 +412,7 @@ def test_auto_augment_shifts_images_only():
              for dy in range(-2, 3) for dx in range(-2, 3)]
     moved = 0
     for seed in range(20):
-        out = D.auto_augment((img, None))((img, None),
+        out = _aug.auto_augment((img, None))((img, None),
                                           torch.Generator().manual_seed(seed))
         x = out[0]
         assert x.shape == img.shape and out[1] is None
@@ -420,24 +423,24 @@ def test_auto_augment_shifts_images_only():
     assert moved > 0          # some draws do shift
     seq, _ = _same_samples((6, 5, 7), 1)
     for seed in range(5):
-        x = D.auto_augment(seq)(seq, torch.Generator().manual_seed(seed))
+        x = _aug.auto_augment(seq)(seq, torch.Generator().manual_seed(seed))
         assert torch.allclose(x, seq, atol=1e-6)
     # mixup does mix distinct samples: every output is within the convex
     # hull's box of the batch, and not all equal to the inputs
     g = torch.Generator().manual_seed(2)
     feats = torch.randn(8, 5, 7, generator=g)
-    x = D.auto_augment(feats)(feats, torch.Generator().manual_seed(3))
+    x = _aug.auto_augment(feats)(feats, torch.Generator().manual_seed(3))
     assert not torch.allclose(x, feats)
     assert (x <= feats.max(0).values + 1e-6).all()
     assert (x >= feats.min(0).values - 1e-6).all()
     ids = torch.randint(0, 10, (4, 6), generator=g)
-    assert D.auto_augment(ids) is None
-    assert D.auto_augment(torch.randn(1, 3, 4, 4)) is None   # nothing to mix
+    assert _aug.auto_augment(ids) is None
+    assert _aug.auto_augment(torch.randn(1, 3, 4, 4)) is None   # nothing to mix
     # "image": greyscale [N, H, W] batches are shifted too
     grey, one = _same_samples((6, 9, 11), 4)
     rolls = [torch.roll(one, (dy, dx), (-2, -1))
              for dy in range(-2, 3) for dx in range(-2, 3)]
-    outs = [D._augmentation("image", grey)(
+    outs = [_aug._augmentation("image", grey)(
         grey, torch.Generator().manual_seed(s)) for s in range(20)]
     assert all(any(torch.allclose(x, r.expand_as(x), atol=1e-6)
                    for r in rolls) for x in outs)
@@ -455,7 +458,7 @@ def test_cutmix_pastes_one_box_of_another_sample():
         .expand(n, c, H, W).contiguous()
     areas = []
     for seed in range(30):
-        y = D.cutmix()((x, "labels"), torch.Generator().manual_seed(seed))
+        y = _aug.cutmix()((x, "labels"), torch.Generator().manual_seed(seed))
         assert y[1] == "labels"
         y = y[0]
         changed = (y != x).any(0).any(0)           # [H, W]
@@ -483,7 +486,7 @@ def test_one_of_draws_each_augmentation():
     """one_of: every call applies exactly one of its augmentations, each
     drawn over calls, reproducibly for a given generator."""
     add = [lambda b, g, k=k: b + k for k in (10.0, 20.0, 30.0)]
-    aug = D.one_of(*add)
+    aug = _aug.one_of(*add)
     x = torch.zeros(3)
     got = [float(aug(x, torch.Generator().manual_seed(s))[0])
            for s in range(60)]
@@ -503,7 +506,7 @@ def test_image_augment_is_mixup_or_cutmix_then_a_shift():
     rolls = [torch.roll(one, (dy, dx), (-2, -1))
              for dy in range(-2, 3) for dx in range(-2, 3)]
     for s in range(10):
-        y = D._augmentation("image", grey)(grey,
+        y = _aug._augmentation("image", grey)(grey,
                                            torch.Generator().manual_seed(s))
         assert any(torch.allclose(y, r.expand_as(y), atol=1e-6)
                    for r in rolls)
@@ -512,7 +515,7 @@ def test_image_augment_is_mixup_or_cutmix_then_a_shift():
     kinds = set()
     for s in range(40):
         torch.manual_seed(s)
-        y = D.image_augment()(x, torch.Generator().manual_seed(s))
+        y = _aug.image_augment()(x, torch.Generator().manual_seed(s))
         whole = torch.isclose(y, y.round()).all()
         kinds.add("cut" if whole else "mix")
     assert kinds == {"cut", "mix"}

@@ -19,7 +19,7 @@ import bico.llm as bl
 from bico.llm import across
 from bico.llm.bpe import train
 from bico.llm.text import _Bytes, load_tokenizer
-from bico.torch.distill import Grouped, kl_to_teacher
+from bico.torch.teacher import Grouped, kl_to_teacher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import llm_pair  # noqa: E402

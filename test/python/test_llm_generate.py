@@ -193,7 +193,7 @@ def test_the_schedule_is_the_short_one_only_when_most_text_is_written(
     schedule (20 passes over the batches, at least 200 steps) when the
     user's windows are the most (measured: 400 steps lost 12 points of
     the gap from 512 windows).  --patience 1 ends both runs early."""
-    from bico.llm.command import WRITTEN_STEPS
+    from bico.llm.command.arguments import WRITTEN_STEPS
 
     def steps(n):
         r = subprocess.run(

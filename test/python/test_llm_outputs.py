@@ -5,6 +5,7 @@ files is refused unless --replace; the adapter is built whole and swapped
 in, so a failure or a kill at any moment leaves the old folder or the
 complete new one; another run writing the folder is named.  Folders of
 test/e2e/llm_pair.py."""
+import importlib
 import json
 import os
 import signal
@@ -250,7 +251,12 @@ def test_a_signal_whose_exit_was_swallowed_still_ends_the_run(
     def stopped(*a, **kw):
         dl.STOP.append(signal.SIGTERM)
         raise errors[err]
-    monkeypatch.setattr(cmd, where, stopped)
+    # patched where it is looked up: the package (main's dispatch) or
+    # --method auto's module
+    home = cmd if hasattr(cmd, where) else \
+        importlib.import_module("bico.llm.command.method_auto")
+    assert hasattr(home, where), where
+    monkeypatch.setattr(home, where, stopped)
     ad = tmp_path / "ad"
     with pytest.raises(SystemExit) as e:
         run(pair, capsys, "--source", "A", "--lora", "A_adapter", "--target",
@@ -280,14 +286,14 @@ def test_an_interrupt_whose_exception_is_dropped_never_replaces_the_output(
     the handler in force runs at a training step and its exception is
     dropped as Python drops it: the command still ends as SIGINT asks
     (exit 130), the old adapter byte for byte, nothing else left."""
-    import bico.llm.command as cmd
     import bico.llm.distill as dl
     monkeypatch.setattr(dl, "STOP", [])
     ad = tmp_path / "ad"
     ad.mkdir()
     (ad / "adapter_config.json").write_text('{"old": true}')
     before = snapshot(ad)
-    real = cmd._distill_target
+    import bico.llm.command.method_auto as auto
+    real = auto._distill_target
 
     def distill_interrupted(a, tgt, cal, log, tmp, init, models):
         handler = signal.getsignal(signal.SIGINT)
@@ -296,7 +302,7 @@ def test_an_interrupt_whose_exception_is_dropped_never_replaces_the_output(
         except BaseException:
             pass
         return real(a, tgt, cal, log, tmp, init, models)
-    monkeypatch.setattr(cmd, "_distill_target", distill_interrupted)
+    monkeypatch.setattr(auto, "_distill_target", distill_interrupted)
     try:
         status, o, err = run(pair, capsys, "--source", "A", "--lora",
                              "A_adapter", "--target", "B", "--text",
@@ -354,7 +360,7 @@ def test_the_scratch_of_a_live_run_is_kept_whatever_its_pid(
     folder whose lock nobody holds is a leftover: here a live holder's
     folder named by a pid that does not exist stays, a dead run's goes."""
     import tempfile
-    import bico.llm.command as cmd
+    import bico.llm.command.scratch as scratch
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     live = tmp_path / "bico-llm-999999-live"
     dead = tmp_path / "bico-llm-999998-dead"
@@ -370,7 +376,7 @@ def test_the_scratch_of_a_live_run_is_kept_whatever_its_pid(
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        mine = cmd._scratch()
+        mine = scratch._scratch()
         assert live.exists() and (live / "spill.npy").exists()
         assert not dead.exists()
         assert os.path.dirname(mine) == str(tmp_path)
@@ -378,7 +384,7 @@ def test_the_scratch_of_a_live_run_is_kept_whatever_its_pid(
         holder.kill()
         holder.wait()
     # the holder gone, the next run's scan removes its folder
-    cmd._scratch()
+    scratch._scratch()
     assert not live.exists()
 
 
@@ -387,12 +393,12 @@ def test_spill_dir_holds_every_temporary_file_of_the_run(
     """--spill-dir (issue 45): the teacher's spilled entries and the
     source merged with --lora went to $TMPDIR whatever it said.  Now the
     run's scratch folder is made in it."""
-    import bico.llm.command as cmd
-    import bico.torch.distill as td
+    import bico.torch.teacher as td
     spill = tmp_path / "spill"
     spill.mkdir()
     seen = {}
-    real_spill, real_merge = td._Spill.__init__, cmd._tuned_from_lora
+    import bico.llm.command.inputs as inputs
+    real_spill, real_merge = td._Spill.__init__, inputs._tuned_from_lora
 
     def spill_init(self, parent):
         seen["teacher"] = str(parent)
@@ -402,7 +408,7 @@ def test_spill_dir_holds_every_temporary_file_of_the_run(
         seen["merged"] = str(tmp)
         return real_merge(source, adapter, tmp)
     monkeypatch.setattr(td._Spill, "__init__", spill_init)
-    monkeypatch.setattr(cmd, "_tuned_from_lora", merge)
+    monkeypatch.setattr(inputs, "_tuned_from_lora", merge)
     status, o, err = run(pair, capsys, "--source", "A", "--lora",
                          "A_adapter", "--target", "B", "--text", "task.txt",
                          "--output-lora", tmp_path / "ad", "--spill-dir",
@@ -421,7 +427,7 @@ def test_spill_messages_say_what_is_wrong(tmp_path):
     import numpy as np
     from bico._status import BicoError
     from bico.llm.runtime import SpillStore, spill_folder
-    import bico.torch.distill as td
+    import bico.torch.teacher as td
     (tmp_path / "f").write_text("x")
     for given, words in ((tmp_path / "f", "not a folder"),
                          (tmp_path / "none", "no such folder")):
@@ -460,7 +466,7 @@ def test_the_left_out_line_names_every_tensor_once_per_kind():
     layers said once with its count (the counts add up to the names
     given), the order of first appearance kept, a long list cut with how
     many more."""
-    from bico.llm.command import _brief
+    from bico.llm.command.method_fit import _brief
     names = ["model.embed_tokens.weight"] + [
         "model.layers.%d.%s" % (i, k) for i in range(24)
         for k in ("input_layernorm.weight", "self_attn.q_proj.bias")] + \

@@ -12,11 +12,10 @@ bico.torch.
                low_rank, update_grams, input_covariances
   options.py   what the command checks, and its exit status rule (2 a
                user mistake, 1 a failure while running)
-  command.py   the command `python3 -m bico.llm` (main), installed as
+  command/     the command `python3 -m bico.llm` (main), installed as
                bico-llm by make install
   stats.py     its `stats` subcommand: the statistics file of `bico
                transfer --stats` from folders and text
-
   folders.py   transfer_model on model folders (streamed fit, output=)
 
 The names users call are reachable from the package, each imported from

@@ -12,7 +12,7 @@ moved as fine-tuning moved the source's,
 
 proxy tuning on the one axis the two vocabularies share.  The student
 (the target with its adapter) learns it through its own distribution
-summed the same way (bico.torch.distill.Grouped); positions where the
+summed the same way (bico.torch.teacher.Grouped); positions where the
 tokenizations do not meet learn from the text alone.
 
 The source's side is computed once per window of the target's tokens
@@ -25,7 +25,8 @@ models at once.
 """
 import torch
 
-from ..torch import distill as _d
+from ..torch import logits as _lg
+from ..torch import teacher as _t
 from .bpe import bytes_to_unicode
 
 __all__ = ["token_bytes", "groups", "marginals", "align", "ByteTeacher",
@@ -161,19 +162,19 @@ def align(row, tb_b, tok_a, tb_a):
 def _model_marginals(model, x, group, chunk):
     """marginals of a decoder's logits over ids x [n, L], a chunk of rows
     through the head at a time (a large vocabulary's logits never whole)."""
-    sp = _d._split(model)
+    sp = _lg._split(model)
     with torch.no_grad():
         if sp is None:
-            z = _d._logits(model(x))
+            z = _lg._logits(model(x))
             return marginals(z, group[:z.shape[-1]] if z.shape[-1] <=
                              group.numel() else _pad(group, z.shape[-1]))
-        h = _d._hidden(sp[0], x)
+        h = _lg._hidden(sp[0], x)
         flat = h.reshape(-1, h.shape[-1])
         V = sp[1].weight.shape[0]
         g = _pad(group, V)
         out = [marginals(sp[1](flat[s:e]), g)
-               for s, e in _d._chunks(flat.shape[0],
-                                      _d._bounded(chunk, sp[1]))]
+               for s, e in _lg._chunks(flat.shape[0],
+                                      _lg._bounded(chunk, sp[1]))]
         return torch.cat(out).reshape(h.shape[:-1] + (GROUPS,))
 
 
@@ -189,7 +190,7 @@ class ByteTeacher(object):
     """The first-byte teacher of each batch of the target's windows:
     entry i is (log m_A_ft - log m_A [rows, L, 257], mask [rows, L]) until
     complete() adds the untouched target's own log m_B and normalizes;
-    get(i, device) gives a bico.torch.distill.Grouped."""
+    get(i, device) gives a bico.torch.teacher.Grouped."""
     k = None
     outputs = None
     bytes_disk = 0
@@ -207,7 +208,7 @@ class ByteTeacher(object):
         return sum(d.numel() * d.element_size() + m.numel()
                    for d, m in self.entries)
 
-    def complete(self, target, inputs, chunk=_d.TOKEN_CHUNK):
+    def complete(self, target, inputs, chunk=_lg.TOKEN_CHUNK):
         """The teacher from the untouched target's own first-byte
         distributions on inputs (the batches' ids, in order)."""
         if self.done:
@@ -224,22 +225,22 @@ class ByteTeacher(object):
         if not self.done:
             raise RuntimeError("ByteTeacher.get before complete()")
         d, m = self.entries[i]
-        return _d.Grouped(d.to(device), m.to(device), self.group.to(device))
+        return _t.Grouped(d.to(device), m.to(device), self.group.to(device))
 
     def close(self):
         self.entries = []
 
 
 def _outputs(model, x):
-    sp = _d._split(model)
+    sp = _lg._split(model)
     if sp is not None:
         return sp[1].weight.shape[0]
     with torch.no_grad():
-        return _d._logits(model(x[:1, :1])).shape[-1]
+        return _lg._logits(model(x[:1, :1])).shape[-1]
 
 
 def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
-          chunk=_d.TOKEN_CHUNK, size_a=None, size_b=None):
+          chunk=_lg.TOKEN_CHUNK, size_a=None, size_b=None):
     """A ByteTeacher of the target's fit batches ([(ids, next ids)]),
     the source pair (source, tuned: decoders of tok_a's ids) run over
     each window's text in the source's tokens, in pieces of at most

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 
 from .._status import BicoError, E_ARG
+from ..torch import logits as _lg
+from ..torch import teacher as _t
 from ..torch import distill as _d
 from ..torch.tied import _tied_groups
 
@@ -113,7 +115,7 @@ def saved_parameters(model, names):
 def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         lora_alpha=None, modules=LINEAR_MODULES, save=(), init=None,
         steps=None, lr=None, every=25, teacher_k=64, budget=1 << 30,
-        spill_dir=None, seed=0, chunk=_d.TOKEN_CHUNK, release=None,
+        spill_dir=None, seed=0, chunk=_lg.TOKEN_CHUNK, release=None,
         text_weight=TEXT_WEIGHT, teacher_weight=1.0, pair=None,
         teacher=None, patience=None, shared=None, own=None):
     """Distils target towards the proxy-tuned teacher on cal (a
@@ -155,16 +157,16 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     dev = next(target.parameters()).device
     inputs = [x.to(dev) for x in inputs]
     if teacher is None and not teacher_weight:   # the text alone
-        teacher = _d.NoTeacher(len(inputs))
+        teacher = _t.NoTeacher(len(inputs))
     if teacher is None:
         clock = Clock("teacher (three models per window)", len(inputs), log)
-        teacher = _d.build_teacher(source, source_tuned, target, inputs,
+        teacher = _t.build_teacher(source, source_tuned, target, inputs,
                                    None, k=teacher_k, budget=budget,
                                    spill_dir=spill_dir, chunk=chunk,
                                    progress=lambda i, n: clock(i),
                                    shared=shared)
     try:
-        if isinstance(teacher, _d.NoTeacher):
+        if isinstance(teacher, _t.NoTeacher):
             log("teacher: none: %d batches learnt by their own next-token "
                 "loss" % len(teacher))
         elif hasattr(teacher, "complete"):      # bico.llm.across
@@ -191,7 +193,7 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
         # one holds it (a 0.5B pair is 2 GB in bf16)
         del source, source_tuned
         targets = [y.to(dev) if own is None or i < own or
-                   isinstance(teacher, _d.NoTeacher) else None
+                   isinstance(teacher, _t.NoTeacher) else None
                    for i, (_, y) in enumerate(cal.batches)]
         return _train(target, teacher, inputs, cal, log, mode, rank,
                       lora_alpha, modules, save, init, steps, lr, every,

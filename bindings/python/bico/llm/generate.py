@@ -24,7 +24,7 @@ import time
 import torch
 
 from .._status import BicoError, E_ARG, E_SHAPE
-from ..torch.distill import check_finite_logits
+from ..torch.teacher import check_finite_logits
 
 __all__ = ["write", "perturb", "prompts", "sample_next", "Writer",
            "writing_seconds"]

@@ -138,7 +138,7 @@ def mean_loss_of(per):
 def command_fit(sf, ridges, alpha, grid, kind, rank, saves, log,
                 progress):
     """python3 -m bico.llm --method fit's choices on a StreamedFit, as the
-    in-memory route makes them (bico.llm.command._fit_and_choose and
+    in-memory route makes them (bico.llm.command.method_fit._fit_and_choose and
     _run_routes): one fit per ridge, its alpha the held-out choice among
     grid (pick) or the given number, the ridge of the least held-out
     loss; then the untouched target kept unless the fit beats it clearly

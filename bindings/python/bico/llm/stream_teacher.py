@@ -8,7 +8,7 @@ block's tensors read when it runs, the windows' hidden states kept at
 the block boundary in a spill store), its final normalised states are
 kept, and the model is closed before the next one runs.  The three heads
 then turn those states into the teacher's entries a chunk of tokens at
-a time (bico.torch.distill.proxy_chunks), each chunk compacted as it
+a time (bico.torch.teacher.proxy_chunks), each chunk compacted as it
 comes (top-k and the rest's mass).  Peak: one block, the boundary
 states (in memory up to a budget, then on disk), the three heads while
 the entries are made, one chunk of logits; the entries equal the
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from .. import _heap
 from .._status import BicoError, E_SHAPE
-from ..torch import distill as _d
+from ..torch import logits as _lg
+from ..torch import teacher as _t
 from . import families as _fam
 from .runtime import Folder, SpillStore, embed, DEFAULT_BUDGET
 
@@ -28,8 +29,8 @@ __all__ = ["build"]
 
 def build(source, tuned, target, batches, dtype=None, k=None,
           budget=256 << 20, spill_dir=None, store_budget=DEFAULT_BUDGET,
-          store_dir=None, chunk=_d.TOKEN_CHUNK, progress=None, shared=None):
-    """A bico.torch.distill.Teacher of the windows `batches` ((ids, next
+          store_dir=None, chunk=_lg.TOKEN_CHUNK, progress=None, shared=None):
+    """A bico.torch.teacher.Teacher of the windows `batches` ((ids, next
     ids) pairs, or ids alone) from the folders source, tuned (the tuned
     source) and target, run at `dtype` (None: the files').  k, budget,
     spill_dir: the Teacher's (entries kept, bytes in memory, folder of
@@ -123,16 +124,16 @@ def _final_states(f, tag, xs, store, tick):
 
 def _entries(heads, xs, store, k, budget, spill_dir, chunk):
     """The Teacher from the three models' final states and heads."""
-    t = _d.Teacher(k=k, budget=budget, spill_dir=spill_dir)
+    t = _t.Teacher(k=k, budget=budget, spill_dir=spill_dir)
     V = heads[0].shape[0]
-    rows = max(1, min(chunk, _d.LOGIT_BYTES // (4 * V)))
+    rows = max(1, min(chunk, _lg.LOGIT_BYTES // (4 * V)))
     fns = [(lambda h, w=w: F.linear(h, w)) for w in heads]
     try:
         with torch.no_grad():
             for b, x in enumerate(xs):
                 hs = [_take(store, (tag, "n", b)) for tag in range(3)]
                 flat = [h.reshape(-1, h.shape[-1]) for h in hs]
-                t.put_chunks(b, _d.proxy_chunks(flat, fns, rows),
+                t.put_chunks(b, _t.proxy_chunks(flat, fns, rows),
                              hs[0].shape[:-1])
     except BaseException:
         t.close()

@@ -21,6 +21,11 @@ By concern, one module each:
   fit.py       the host of the library's sequential fit (bico_fit_run):
                fit_model, RidgeFit
   proxy.py     proxy-fit and proxy-distill (the proxy-tuned distribution)
+  distill.py   method "distill": LoRA factors (Adapter), the training loop
+               with the held-out choice, distill_model
+  teacher.py   the proxy-tuned teacher kept compactly, the KL to it
+  augment.py   the augmentations a classifier's distillation draws
+  logits.py    a model's logits a chunk of tokens at a time
   tied.py      tied weights (a head sharing the embedding), found once
   _common.py   progress, batches to a device, the default step / forward
 
