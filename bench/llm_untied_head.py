@@ -100,7 +100,8 @@ def in_memory(work, cal, held, by_id):
         tgt.get_output_embeddings = None
     base = {k: v.clone() for k, v in tgt.state_dict().items()}
     new = bt.transfer_model(src, srt, tgt, cal, method="fit",
-                            loss_fn=bl.next_token_loss, alpha=1.0)
+                            options=bt.FitOptions(alpha=1.0),
+                            loss_fn=bl.next_token_loss)
     out = {}
     for a in GRID:
         tgt.load_state_dict({k: base[k] + a * (new[k].float() -

@@ -221,8 +221,9 @@ def cell(case, method, variant, calib):
     if method == "fit":
         ridge = variant.get("ridge", 1e-2)
         new = bt.transfer_model(A, Aft, B, batches, method="fit",
-                                loss_fn=loss_fn, ridge=ridge, alpha=1.0,
-                                shared_out=variant.get("shared_out", ()))
+                                options=bt.FitOptions(ridge=ridge, alpha=1.0,
+                                                      shared_out=variant.get("shared_out", ())),
+                                loss_fn=loss_fn)
         delta = delta_of(new, case.b0)
         res["alpha"] = 1.0
     elif method == "distill":
@@ -233,9 +234,9 @@ def cell(case, method, variant, calib):
         cb = calib_batches(case.task, calib, 25)
         rep = []
         new = bt.transfer_model(A, Aft, B, cb, method="distill",
-                                loss_fn=loss_fn, distill_augment=aug,
-                                distill_steps=variant.get("steps"),
-                                report=rep)
+                                options=bt.DistillOptions(augment=aug,
+                                                          steps=variant.get("steps")),
+                                loss_fn=loss_fn, report=rep)
         delta = delta_of(new, case.b0)
         res["alpha"] = 1.0
         # diagnostic: the update as trained (before its held-out scale)
@@ -256,11 +257,13 @@ def cell(case, method, variant, calib):
         delta = head_fit(case, batches, variant.get("ridge", 1e-2))
         res["alpha"] = 1.0
     else:
-        opts = {}
+        lib = {}
         if variant.get("whiten"):
-            opts["whiten"] = variant["whiten"]
+            lib["whiten"] = variant["whiten"]
         new = bt.transfer_model(A, Aft, B, batches, method=method,
-                                loss_fn=loss_fn, alpha=1.0, **opts)
+                                options=bt.options_for(method, alpha=1.0,
+                                                       library=lib),
+                                loss_fn=loss_fn)
         delta = delta_of(new, case.b0)
         if variant.get("mask"):
             delta = sign_mask(case, delta, batches)

@@ -572,8 +572,9 @@ class Bench(object):
                                        for w in gw.split(8)]
         new = bt.transfer_model(a, aft, b, batches,
                                 method=PY_METHODS[method],
-                                loss_fn=lm.loss_sum, report=rep,
-                                **opts)
+                                options=bt.options_for(PY_METHODS[method],
+                                                       **opts),
+                                loss_fn=lm.loss_sum, report=rep)
         for e in rep:
             if e.get("rule") == "proxy-distill" and info is not None:
                 info["distill_step"] = e["step"]

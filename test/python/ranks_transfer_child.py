@@ -13,6 +13,7 @@ import torch
 
 import bico
 import bico.llm as bl
+import bico.torch as bt
 from bico.llm.ranks import leave
 
 
@@ -24,11 +25,12 @@ def main():
     batches = list(cal.batches) + list(cal.held_out)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        got = bl.transfer_model(
-            os.path.join(d, "A"), os.path.join(d, "A_ft"),
-            os.path.join(d, "B"), batches, method="fit", alpha="heldout",
-            holdout=list(cal.held_out), threads=1,
-            output=None if dest == "-" else dest)
+        got = bl.transfer_model(os.path.join(d, "A"), os.path.join(d, "A_ft"),
+                                os.path.join(d, "B"), batches, method="fit",
+                                options=bt.FitOptions(alpha="heldout",
+                                                      holdout=list(cal.held_out),
+                                                      threads=1),
+                                output=None if dest == "-" else dest)
     except bico.BicoError as e:
         got = {"error": e.message}
     import torch.distributed as dist

@@ -417,7 +417,8 @@ def test_bico_torch_does_not_load_bico_llm():
     out = _fresh("import sys, torch, bico.torch as bt\n"
                  "m = [torch.nn.Linear(3, 2) for _ in range(3)]\n"
                  "x = [(torch.randn(4, 3), torch.randn(4, 2))]\n"
-                 "bt.transfer_model(*m, x, method='naive', alpha=1.0)\n"
+                 "bt.transfer_model(*m, x, method='naive',\n"
+                 "                  options=bt.MapOptions(alpha=1.0))\n"
                  "print(sorted(n for n in sys.modules if 'llm' in n))\n"
                  "print(hasattr(bt, 'load_model'))\n")
     assert out.splitlines() == ["[]", "False"], out

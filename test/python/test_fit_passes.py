@@ -38,10 +38,11 @@ def counted(monkeypatch, share):
     return runs
 
 
-def fit(model, data=None, **kw):
+def fit(model, data=None, report=None, **kw):
     a, aft, b, _ = model
     return bt.transfer_model(a, aft, b, data or calibration(), method="fit",
-                             loss_fn=ce, alpha=1.0, **kw)
+                             options=bt.FitOptions(alpha=1.0, **kw),
+                             loss_fn=ce, report=report)
 
 
 def test_shared_passes_same_update_fewer_passes(monkeypatch):
@@ -117,9 +118,9 @@ def test_inplace_change_is_not_a_shared_input(monkeypatch):
     for share in (False, True):
         with monkeypatch.context() as mp:
             runs = counted(mp, share)
-            got[share] = bt.transfer_model(
-                a, aft, b, data, method="fit", alpha=1.0,
-                loss_fn=lambda o, y: F.mse_loss(o, y))
+            got[share] = bt.transfer_model(a, aft, b, data, method="fit",
+                                           options=bt.FitOptions(alpha=1.0),
+                                           loss_fn=lambda o, y: F.mse_loss(o, y))
             counts[share] = len(runs)
     assert counts[False] - counts[True] == 2, counts
     for k, v in got[False].items():

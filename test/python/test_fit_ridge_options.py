@@ -142,13 +142,15 @@ def test_transfer_model_ridge_towards_bico_falls_back_to_bico():
     b = build(CFG, llama.random_state(CFG, torch.Generator().manual_seed(8)))
     cal = calibration()
     rep = []
-    fit = bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                            alpha=1.0, ridge=1e12, ridge_prior="bico",
-                            report=rep)
-    zero = bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                             alpha=1.0, ridge=1e12)
-    bico_sd = bt.transfer_model(a, aft, b, cal, method="bico", loss_fn=ce,
-                                alpha=1.0)
+    fit = bt.transfer_model(a, aft, b, cal, method="fit",
+                            options=bt.FitOptions(alpha=1.0, ridge=1e12,
+                                                  ridge_prior="bico"),
+                            loss_fn=ce, report=rep)
+    zero = bt.transfer_model(a, aft, b, cal, method="fit",
+                             options=bt.FitOptions(alpha=1.0, ridge=1e12),
+                             loss_fn=ce)
+    bico_sd = bt.transfer_model(a, aft, b, cal, method="bico",
+                                options=bt.MapOptions(alpha=1.0), loss_fn=ce)
     names = [e["name"] for e in rep if e.get("handling") == "fit"]
     assert names
     base = b.state_dict()
@@ -164,19 +166,23 @@ def test_transfer_model_gcv_and_general_batches_run_and_report():
     cal = calibration()
     gen = [task(8, 900 + i) for i in range(2)]
     rep = []
-    sd = bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                           alpha=1.0, ridge="gcv", ridge_prior="bico",
-                           general_batches=gen, report=rep)
+    sd = bt.transfer_model(a, aft, b, cal, method="fit",
+                           options=bt.FitOptions(alpha=1.0, ridge="gcv",
+                                                 ridge_prior="bico",
+                                                 general_batches=gen),
+                           loss_fn=ce, report=rep)
     fits = [e for e in rep if e.get("handling") == "fit"]
     assert fits and all(e["ridge"] in bico.torch.fit.GCV_GRID for e in fits)
     assert all(torch.isfinite(v).all() for v in sd.values()
                if v.is_floating_point())
     # the options' defaults are the plain fit
-    plain = bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                              alpha=1.0, ridge=1e-2, ridge_prior="zero",
-                              general_batches=None)
-    default = bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                                alpha=1.0)
+    plain = bt.transfer_model(a, aft, b, cal, method="fit",
+                              options=bt.FitOptions(alpha=1.0, ridge=1e-2,
+                                                    ridge_prior="zero",
+                                                    general_batches=None),
+                              loss_fn=ce)
+    default = bt.transfer_model(a, aft, b, cal, method="fit",
+                                options=bt.FitOptions(alpha=1.0), loss_fn=ce)
     for k in plain:
         assert torch.equal(plain[k], default[k]), k
 
@@ -185,14 +191,23 @@ def test_bad_fit_options_are_refused_naming_the_option():
     a, aft, b, _ = planted(DecoderLayer)
     cal = calibration()
     with pytest.raises(bico.BicoError, match="ridge_prior"):
-        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                          ridge_prior="source")
-    with pytest.raises(bico.BicoError, match="ridge_prior"):
-        bt.transfer_model(a, aft, b, cal, method="bico", loss_fn=ce,
-                          ridge_prior="bico")
+        bt.transfer_model(a, aft, b, cal, method="fit",
+                          options=bt.FitOptions(ridge_prior="source"),
+                          loss_fn=ce)
+    # a fit's option given to another method: refused, naming its family
+    with pytest.raises(bico.BicoError, match="ridge_prior is not an option "
+                       "of method 'bico' .MapOptions.; it is FitOptions's"):
+        bt.transfer_model(a, aft, b, cal, method="bico",
+                          options=dict(ridge_prior="bico"), loss_fn=ce)
     with pytest.raises(bico.BicoError, match="general_batches"):
-        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                          general_batches=[])
-    with pytest.raises(bico.BicoError, match="gcv"):
-        bt.transfer_model(a, aft, b, cal, method="bico", loss_fn=ce,
-                          ridge="gcv")
+        bt.transfer_model(a, aft, b, cal, method="fit",
+                          options=bt.FitOptions(general_batches=[]),
+                          loss_fn=ce)
+    with pytest.raises(bico.BicoError, match="ridge is not an option"):
+        bt.transfer_model(a, aft, b, cal, method="bico",
+                          options=bt.options_for("bico", ridge="gcv"),
+                          loss_fn=ce)
+    with pytest.raises(bico.BicoError, match="method 'fit' takes "
+                       "FitOptions, got DistillOptions"):
+        bt.transfer_model(a, aft, b, cal, method="fit",
+                          options=bt.DistillOptions(), loss_fn=ce)

@@ -69,8 +69,9 @@ def test_default_is_never_worse_than_zero_shot_on_held_out_batches(method):
     cal = [other_task(8, 60 + i) for i in range(4)]
     held = cal[-1:]
     zero = mean_loss(b, None, held)
-    one = bt.transfer_model(a, aft, b, cal[:-1], method=method, loss_fn=ce,
-                            alpha=1.0)
+    one = bt.transfer_model(a, aft, b, cal[:-1], method=method,
+                            options=bt.options_for(method, alpha=1.0),
+                            loss_fn=ce)
     assert mean_loss(b, one, held) > zero + 0.05  # alpha 1 hurts here
     rep = []
     sd = bt.transfer_model(a, aft, b, cal, method=method, loss_fn=ce,
@@ -117,8 +118,10 @@ def test_explicit_held_out_batches_and_token_id_batches():
     ids = [task(8, 70 + i)[0] for i in range(2)]
     rep = []
     sd = bt.transfer_model(a, aft, b, ids[:1], method="naive",
-                           holdout=ids[1:], alpha="heldout", report=rep,
-                           alpha_grid=[0, 0.5, 1])
+                           options=bt.MapOptions(holdout=ids[1:],
+                                                 alpha="heldout",
+                                                 alpha_grid=[0, 0.5, 1]),
+                           report=rep)
     c = rep[-1]
     assert c["rule"] == "heldout" and c["fit_batches"] == 1
     assert set(c["losses"]) == {0.0, 0.5, 1.0}
@@ -149,13 +152,15 @@ def test_ridge_list_is_chosen_with_alpha_on_held_out_batches():
     b = build(CFG, llama.random_state(CFG, torch.Generator().manual_seed(8)))
     cal = [task(8, 80 + i) for i in range(4)]
     rep = []
-    sd = bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                           ridge=[1e-2, 10.0], report=rep)
+    sd = bt.transfer_model(a, aft, b, cal, method="fit",
+                           options=bt.FitOptions(ridge=[1e-2, 10.0]),
+                           loss_fn=ce, report=rep)
     c = [e for e in rep if e.get("rule") == "heldout"][0]
     assert set(c["ridge_losses"]) == {1e-2, 10.0}
     assert c["ridge_losses"][c["ridge"]] == min(c["ridge_losses"].values())
-    one = bt.transfer_model(a, aft, b, cal[:-1], method="fit", loss_fn=ce,
-                            alpha=1.0, ridge=c["ridge"])
+    one = bt.transfer_model(a, aft, b, cal[:-1], method="fit",
+                            options=bt.FitOptions(alpha=1.0, ridge=c["ridge"]),
+                            loss_fn=ce)
     base = b.state_dict()
     for k in base:
         assert torch.allclose(sd[k], base[k] + c["alpha"] * (one[k] -
@@ -175,39 +180,44 @@ def test_bad_heldout_options_are_refused_naming_the_option():
     cal = calibration()
     for bad in (1.0, 1.5, -0.1, float("nan"), "half", True, []):
         with pytest.raises(bico.BicoError, match="holdout"):
-            bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                              holdout=bad)
+            bt.transfer_model(a, aft, b, cal, method="fit",
+                              options=bt.FitOptions(holdout=bad), loss_fn=ce)
     for bad in ([], [-1.0], [0.5, float("inf")], ["a"], 3):
         with pytest.raises(bico.BicoError, match="alpha_grid"):
-            bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                              alpha_grid=bad)
+            bt.transfer_model(a, aft, b, cal, method="fit",
+                              options=bt.FitOptions(alpha_grid=bad),
+                              loss_fn=ce)
     with pytest.raises(bico.BicoError, match="holdout=0.9 leaves no"):
-        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                          holdout=0.9)
+        bt.transfer_model(a, aft, b, cal, method="fit",
+                          options=bt.FitOptions(holdout=0.9), loss_fn=ce)
     with pytest.raises(bico.BicoError, match="holdout applies to"):
-        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                          alpha=1.0, holdout=0.5)
+        bt.transfer_model(a, aft, b, cal, method="fit",
+                          options=bt.FitOptions(alpha=1.0, holdout=0.5),
+                          loss_fn=ce)
     with pytest.raises(bico.BicoError, match="alpha_grid applies to"):
-        bt.transfer_model(a, aft, b, cal, method="bico", loss_fn=ce,
-                          alpha=1.0, alpha_grid=[0, 1])
+        bt.transfer_model(a, aft, b, cal, method="bico",
+                          options=bt.MapOptions(alpha=1.0, alpha_grid=[0, 1]),
+                          loss_fn=ce)
     with pytest.raises(bico.BicoError, match="holdout is 0"):
-        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                          alpha="heldout", holdout=0)
+        bt.transfer_model(a, aft, b, cal, method="fit",
+                          options=bt.FitOptions(alpha="heldout", holdout=0),
+                          loss_fn=ce)
     for bad in ([], [0.1, -1.0], [0.1, float("nan")]):
         with pytest.raises(bico.BicoError, match="ridge"):
-            bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                              ridge=bad)
+            bt.transfer_model(a, aft, b, cal, method="fit",
+                              options=bt.FitOptions(ridge=bad), loss_fn=ce)
     with pytest.raises(bico.BicoError, match="list of ridge"):
-        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                          ridge=[0.1, 1.0], alpha=1.0)
-    with pytest.raises(bico.BicoError, match="list of ridge"):
-        bt.transfer_model(a, aft, b, cal, method="bico", loss_fn=ce,
-                          ridge=[0.1, 1.0])
+        bt.transfer_model(a, aft, b, cal, method="fit",
+                          options=bt.FitOptions(ridge=[0.1, 1.0], alpha=1.0),
+                          loss_fn=ce)
+    with pytest.raises(bico.BicoError, match="ridge is not an option"):
+        bt.transfer_model(a, aft, b, cal, method="bico",
+                          options=dict(ridge=[0.1, 1.0]), loss_fn=ce)
     lin = torch.nn.Linear(3, 3)
     data = [(torch.randn(4, 3), torch.randn(4, 3)) for _ in range(3)]
     with pytest.raises(bico.BicoError, match="loss_fn"):
         bt.transfer_model(lin, lin, lin, data, method="naive",
-                          alpha="heldout")
+                          options=bt.MapOptions(alpha="heldout"))
 
 
 def test_proxy_fit_refines_the_fit_and_never_loses_on_held_out():
@@ -234,10 +244,11 @@ def test_proxy_fit_refines_the_fit_and_never_loses_on_held_out():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(bico.BicoError, match="proxy_steps"):
             bt.transfer_model(a, aft, b, cal, method="proxy-fit",
-                              loss_fn=ce, proxy_steps=bad)
+                              options=bt.FitOptions(proxy_steps=bad),
+                              loss_fn=ce)
     with pytest.raises(bico.BicoError, match="proxy-fit chooses"):
-        bt.transfer_model(a, aft, b, cal, method="proxy-fit", loss_fn=ce,
-                          alpha=1.0)
+        bt.transfer_model(a, aft, b, cal, method="proxy-fit",
+                          options=bt.FitOptions(alpha=1.0), loss_fn=ce)
 
 
 def test_proxy_distill_keeps_the_best_held_out_state():
@@ -253,8 +264,9 @@ def test_proxy_distill_keeps_the_best_held_out_state():
     cal = [task(8, 40 + i) for i in range(8)]
     rep = []
     sd = bt.transfer_model(a, aft, b, cal, method="proxy-distill",
-                           loss_fn=ce, report=rep, distill_steps=200,
-                           distill_lr=1e-2, distill_every=20)
+                           options=bt.DistillOptions(steps=200, lr=1e-2,
+                                                     every=20),
+                           loss_fn=ce, report=rep)
     r = [e for e in rep if e.get("rule") == "proxy-distill"][0]
     got = mean_loss(b, sd, cal[6:])
     # the chosen step's update at the scale chosen after it
@@ -264,14 +276,15 @@ def test_proxy_distill_keeps_the_best_held_out_state():
     assert got <= r["zero_shot"] + 1e-6 and r["step"] > 0
     assert (lb - task_loss(b, sd)) / (lb - lft) >= 0.5
     assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
-    for opt, bad in (("distill_steps", 0), ("distill_every", 1.5),
-                     ("distill_lr", -1.0), ("distill_lr", float("nan"))):
-        with pytest.raises(bico.BicoError, match=opt):
+    for opt, bad in (("steps", 0), ("every", 1.5), ("lr", -1.0),
+                     ("lr", float("nan"))):
+        with pytest.raises(bico.BicoError, match="DistillOptions." + opt):
             bt.transfer_model(a, aft, b, cal, method="proxy-distill",
-                              loss_fn=ce, **{opt: bad})
+                              options=bt.DistillOptions(**{opt: bad}),
+                              loss_fn=ce)
     with pytest.raises(bico.BicoError, match="proxy-distill chooses"):
         bt.transfer_model(a, aft, b, cal, method="proxy-distill",
-                          loss_fn=ce, holdout=0)
+                          options=bt.DistillOptions(holdout=0), loss_fn=ce)
 
 
 def test_heldout_choice_needs_a_gain_beyond_its_standard_error():

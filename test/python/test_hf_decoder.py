@@ -273,8 +273,10 @@ def test_tied_pair_is_one_tensor_in_every_method():
         rep = []
         # holdout=0: alpha 1, the carried update itself (the default
         # would choose alpha on held-out batches, 0 on this unrelated pair)
-        sd = bt.transfer_model(a, aft, b, cal, method=method, loss_fn=ce,
-                               report=rep, holdout=0, **kw)
+        sd = bt.transfer_model(a, aft, b, cal, method=method,
+                               options=bt.options_for(method, holdout=0,
+                                                      **kw),
+                               loss_fn=ce, report=rep)
         assert sd[HEAD] is sd[EMB], (method, kw)
         assert not torch.equal(sd[EMB], b.state_dict()[EMB]), (method, kw)
         assert {"name": HEAD, "handling": "shared", "shares": EMB} in rep
@@ -286,8 +288,8 @@ def test_tied_pair_is_one_tensor_in_every_method():
     assert not torch.allclose(got["fit{'tied': 'fit'}"], got["bico{}"],
                               atol=1e-4)
     with pytest.raises(bico.BicoError, match="tied"):
-        bt.transfer_model(a, aft, b, cal, method="fit", loss_fn=ce,
-                          tied="train")
+        bt.transfer_model(a, aft, b, cal, method="fit",
+                          options=bt.FitOptions(tied="train"), loss_fn=ce)
 
 
 def _untied(m, seed):
@@ -362,8 +364,8 @@ def test_an_untied_head_is_fitted_by_id_or_carried():
     a, aft, b, _ = planted(DecoderLayer)
     bu = _untied(b, 4)
     cal = calibration()
-    got = bt.transfer_model(a, aft, bu, cal, method="fit", loss_fn=ce,
-                            alpha=1.0)
+    got = bt.transfer_model(a, aft, bu, cal, method="fit",
+                            options=bt.FitOptions(alpha=1.0), loss_fn=ce)
     work = copy.deepcopy(bu)
     work.load_state_dict(dict(got, **{HEAD: bu.lm_head.weight}))
 
@@ -390,8 +392,8 @@ def test_an_untied_head_is_fitted_by_id_or_carried():
     assert err < 1e-5 * ref.abs().max(), err
     bare = copy.deepcopy(bu)
     bare.get_output_embeddings = None
-    mapped = bt.transfer_model(a, aft, bare, cal, method="fit", loss_fn=ce,
-                               alpha=1.0)
+    mapped = bt.transfer_model(a, aft, bare, cal, method="fit",
+                               options=bt.FitOptions(alpha=1.0), loss_fn=ce)
     assert (mapped[HEAD] - got[HEAD]).abs().max() > 1e-3
 
 

@@ -154,10 +154,11 @@ def test_fit_equals_in_memory_bit_for_bit(pair):
     for kw in (dict(alpha=0.8), dict(ridge=[0.01, 0.1])):
         r_mem, r_str = [], []
         want = bt.transfer_model(src, srt, tgt, cal.batches, method="fit",
-                                 loss_fn=bl.next_token_loss, report=r_mem,
-                                 **kw)
+                                 options=bt.FitOptions(**kw),
+                                 loss_fn=bl.next_token_loss, report=r_mem)
         got = bl.transfer_model(*paths, cal.batches, method="fit",
-                                report=r_str, memory_budget=1 << 14, **kw)
+                                options=bt.FitOptions(**kw), report=r_str,
+                                stream=bl.Streaming(memory_budget=1 << 14))
         assert set(got) == set(want)
         for k in want:
             assert torch.equal(got[k], want[k]), (kw, k)
@@ -188,9 +189,11 @@ def test_transfer_model_output_follows_the_folder_rules(pair, tmp_path):
     and nothing appears there."""
     cal = cal_of(pair, holdout=0)
     paths = [str(pair / f) for f in ("A", "A_full", "B")]
-    want = bl.transfer_model(*paths, cal.batches, method="fit", alpha=0.8)
+    want = bl.transfer_model(*paths, cal.batches, method="fit",
+                             options=bt.FitOptions(alpha=0.8))
     out = tmp_path / "B_ft"
-    got = bl.transfer_model(*paths, cal.batches, method="fit", alpha=0.8,
+    got = bl.transfer_model(*paths, cal.batches, method="fit",
+                            options=bt.FitOptions(alpha=0.8),
                             output=str(out) + "/")
     assert got["output"] == str(out) + "/" and got["alpha"] == 0.8
     files = st.read(str(out) + "/")
@@ -207,7 +210,8 @@ def test_transfer_model_output_follows_the_folder_rules(pair, tmp_path):
         assert not np.array_equal(v, old[k]) or np.array_equal(w, v), k
     inside = pair / "B" / "sub"
     with pytest.raises(BicoError) as e:
-        bl.transfer_model(*paths, cal.batches, method="fit", alpha=0.8,
+        bl.transfer_model(*paths, cal.batches, method="fit",
+                          options=bt.FitOptions(alpha=0.8),
                           output=str(inside) + "/")
     assert "B" in e.value.message and not inside.exists()
 
@@ -301,10 +305,12 @@ def test_untied_head_is_fitted_by_token_id(untied):
     src, srt, tgt = (bl.load_model(d / f, dtype=torch.float32)
                      for f in ("A", "A_ft", "B"))
     want = bt.transfer_model(src, srt, tgt, batches, method="fit",
-                             loss_fn=bl.next_token_loss, alpha=1.0)
+                             options=bt.FitOptions(alpha=1.0),
+                             loss_fn=bl.next_token_loss)
     rep = []
     got = bl.transfer_model(str(d / "A"), str(d / "A_ft"), str(d / "B"),
-                            batches, method="fit", alpha=1.0, report=rep)
+                            batches, method="fit",
+                            options=bt.FitOptions(alpha=1.0), report=rep)
     for k in want:
         if k != "lm_head.weight":
             assert torch.equal(got[k], want[k]), k
@@ -376,7 +382,8 @@ def test_threads_reach_the_library(pair, monkeypatch):
     try:
         torch.set_num_threads(2)
         bt.transfer_model(src, srt, tgt, cal.batches[:2], method="fit",
-                          loss_fn=bl.next_token_loss, alpha=1.0)
+                          options=bt.FitOptions(alpha=1.0),
+                          loss_fn=bl.next_token_loss)
         with StreamedFit(*(str(pair / f) for f in ("A", "A_full", "B")),
                          cal.batches[:2], threads=3) as sf:
             assert sf.run.ctx.threads == 3 and torch.get_num_threads() == 3

@@ -46,7 +46,8 @@ def test_fit_on_itself_reproduces_the_tuned_model():
     and the result computes A_ft's function on unseen inputs."""
     a, aft, b = models()
     sd = bt.transfer_model(a, aft, b, batches(), method="fit",
-                           loss_fn=mse_loss, ridge=0.0, holdout=0)
+                           options=bt.FitOptions(ridge=0.0, holdout=0),
+                           loss_fn=mse_loss)
     want = aft.state_dict()
     for k, v in sd.items():
         scale = float(want[k].abs().max()) + 1e-6
@@ -67,19 +68,23 @@ def test_shared_out_head_takes_the_change_as_it_is():
     b = Tiny().eval()
     b.load_state_dict(T(a.state_dict()))
     sd = bt.transfer_model(a, aft, b, batches(), method="fit",
-                           loss_fn=mse_loss, ridge=0.0, shared_out=["head"],
-                           holdout=0)
+                           options=bt.FitOptions(ridge=0.0,
+                                                 shared_out=["head"],
+                                                 holdout=0),
+                           loss_fn=mse_loss)
     fresh = batches(seed=12)
     got, want = outputs(b, sd, fresh), outputs(aft, aft.state_dict(), fresh)
     assert float((got - want).abs().max()) <= 1e-3 * float(
         want.abs().max())
     with pytest.raises(bico.BicoError, match="no nn.Linear"):
         bt.transfer_model(a, aft, b, batches(), method="fit",
-                          loss_fn=mse_loss, shared_out=["norm"])
+                          options=bt.FitOptions(shared_out=["norm"]),
+                          loss_fn=mse_loss)
     wide = Tiny(d=12, heads=2, hidden=24).eval()
     with pytest.raises(bico.BicoError, match="shared_out"):
         bt.transfer_model(a, aft, wide, batches(), method="fit",
-                          loss_fn=mse_loss, shared_out=["patch_embed"])
+                          options=bt.FitOptions(shared_out=["patch_embed"]),
+                          loss_fn=mse_loss)
 
 
 def test_fit_follows_a_change_of_coordinates():
@@ -90,7 +95,8 @@ def test_fit_follows_a_change_of_coordinates():
     b = Tiny().eval()
     b.load_state_dict(T(a.state_dict()))
     sd = bt.transfer_model(a, aft, b, batches(), method="fit",
-                           loss_fn=mse_loss, ridge=0.0, holdout=0)
+                           options=bt.FitOptions(ridge=0.0, holdout=0),
+                           loss_fn=mse_loss)
     fresh = batches(seed=11)
     got = outputs(b, sd, fresh)
     want = outputs(aft, aft.state_dict(), fresh)
@@ -172,8 +178,9 @@ def test_block_sequential_fit_equals_layer_by_layer_reference(ridge):
     block-at-a-time engine gives what whole-model reruns per layer give."""
     a, aft, b = models(d=12, heads=2, hidden=24, depth=3)
     data = batches()
-    sd = bt.transfer_model(a, aft, b, data, method="fit", loss_fn=mse_loss,
-                           ridge=ridge, holdout=0)
+    sd = bt.transfer_model(a, aft, b, data, method="fit",
+                           options=bt.FitOptions(ridge=ridge, holdout=0),
+                           loss_fn=mse_loss)
     want = reference_fit(a, aft, b, data, ridge, 2, 3)
     assert set(sd) == set(want)
     for k, v in sd.items():
@@ -188,8 +195,9 @@ def test_fit_report_and_ridge_shrinks_the_update():
     norms = []
     for c in (1e-3, 1e-1, 10.0):
         rep = []
-        bt.transfer_model(a, aft, b, data, method="fit", loss_fn=mse_loss,
-                          ridge=c, report=rep, holdout=0)
+        bt.transfer_model(a, aft, b, data, method="fit",
+                          options=bt.FitOptions(ridge=c, holdout=0),
+                          loss_fn=mse_loss, report=rep)
         fits = {e["name"]: e for e in rep if e.get("handling") == "fit"}
         assert set(fits) == set(n for n, m in b.named_modules()
                                 if isinstance(m, nn.Linear))
@@ -205,7 +213,8 @@ def test_other_methods_delegate_to_transfer_state_dict(method):
     a, aft, b = models(d=12, heads=2, hidden=24, depth=3)
     data = batches()
     got = bt.transfer_model(a, aft, b, data, method=method,
-                            loss_fn=mse_loss, alpha=1.5)
+                            options=bt.options_for(method, alpha=1.5),
+                            loss_fn=mse_loss)
     col = bt.collect_statistics(a, b, data, mse_loss, show_progress=False)
     want = bt.transfer_state_dict(a.state_dict(), aft.state_dict(),
                                   b.state_dict(), col, method=method,
@@ -220,7 +229,8 @@ def test_naive_and_gradfix_on_a_same_shape_target():
     data = batches()
     tau = {k: aft.state_dict()[k] - a.state_dict()[k]
            for k in a.state_dict()}
-    got = bt.transfer_model(a, aft, b, data, method="naive", alpha=0.5)
+    got = bt.transfer_model(a, aft, b, data, method="naive",
+                            options=bt.MapOptions(alpha=0.5))
     for k, v in got.items():
         assert torch.allclose(v, b.state_dict()[k] + 0.5 * tau[k],
                               atol=1e-6), k
@@ -248,8 +258,8 @@ def test_match_alpha_finds_the_planted_scale():
     assert scores[2.0] < 1e-4 < min(v for g, v in scores.items() if g != 2)
     # through transfer_model: naive with alpha="match" is A_ft
     rep = []
-    sd = bt.transfer_model(a, aft, b, data, method="naive", alpha="match",
-                           report=rep)
+    sd = bt.transfer_model(a, aft, b, data, method="naive",
+                           options=bt.MapOptions(alpha="match"), report=rep)
     assert rep[-1]["rule"] == "match" and abs(rep[-1]["alpha"] - 1) < 0.1
 
 
@@ -272,18 +282,21 @@ def test_bad_input():
     with pytest.raises(bico.BicoError, match="unknown method"):
         bt.transfer_model(a, aft, b, data, method="theseus")
     with pytest.raises(bico.BicoError, match="positive"):
-        bt.transfer_model(a, aft, b, data, method="naive", alpha=-1)
+        bt.transfer_model(a, aft, b, data, method="naive",
+                          options=bt.MapOptions(alpha=-1))
     with pytest.raises(bico.BicoError, match="positive"):
         bt.transfer_model(a, aft, b, data, method="naive",
-                          alpha=float("nan"))
+                          options=bt.MapOptions(alpha=float("nan")))
     with pytest.raises(bico.BicoError, match="alpha"):
-        bt.transfer_model(a, aft, b, data, method="naive", alpha="labels")
+        bt.transfer_model(a, aft, b, data, method="naive",
+                          options=bt.MapOptions(alpha="labels"))
     with pytest.raises(bico.BicoError, match="fit takes a numeric"):
-        bt.transfer_model(a, aft, b, data, method="fit", alpha="match",
+        bt.transfer_model(a, aft, b, data, method="fit",
+                          options=bt.FitOptions(alpha="match"),
                           loss_fn=mse_loss)
     with pytest.raises(bico.BicoError, match="ridge"):
-        bt.transfer_model(a, aft, b, data, method="fit", ridge=-1,
-                          loss_fn=mse_loss)
+        bt.transfer_model(a, aft, b, data, method="fit",
+                          options=bt.FitOptions(ridge=-1), loss_fn=mse_loss)
     with pytest.raises(bico.BicoError, match="nn.Module"):
         bt.transfer_model(a.state_dict(), aft, b, data)
     with pytest.raises(bico.BicoError, match="no calibration"):
@@ -291,8 +304,10 @@ def test_bad_input():
     with pytest.raises(bico.BicoError, match="different parameters"):
         bt.transfer_model(a, Tiny(d=12, heads=2, hidden=24), b, data)
     with pytest.raises(bico.BicoError, match="norm"):
-        bt.transfer_model(a, aft, b, data, loss_fn=mse_loss,
-                          source_blocks="blocks", target_blocks="norm")
+        bt.transfer_model(a, aft, b, data,
+                          options=bt.FitOptions(source_blocks="blocks",
+                                                target_blocks="norm"),
+                          loss_fn=mse_loss)
     with pytest.raises(bico.BicoError, match="rule"):
         bt.choose_alpha(a, aft, b, {}, data, rule="labels")
     with pytest.raises(bico.BicoError, match="grid"):
@@ -305,15 +320,18 @@ def test_centering_and_whitening_options_reach_the_statistics():
     built with them."""
     a, aft, b = models(d=12, heads=2, hidden=24, depth=3)
     data = batches()
-    got = bt.transfer_model(a, aft, b, data, method="bico", loss_fn=mse_loss,
-                            whiten=0.5, center=True, holdout=0)
+    got = bt.transfer_model(a, aft, b, data, method="bico",
+                            options=bt.MapOptions(holdout=0,
+                                                  library={"whiten": 0.5, "center": True}),
+                            loss_fn=mse_loss)
     col = bt.collect_statistics(a, b, data, mse_loss, sums=True, grams=True,
                                 show_progress=False)
     want = bt.transfer_state_dict(a.state_dict(), aft.state_dict(),
                                   b.state_dict(), col, method="bico",
                                   whiten=0.5, center=True)
     plain = bt.transfer_model(a, aft, b, data, method="bico",
-                              loss_fn=mse_loss, holdout=0)
+                              options=bt.MapOptions(holdout=0),
+                              loss_fn=mse_loss)
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert any(not torch.allclose(got[k], plain[k]) for k in want)

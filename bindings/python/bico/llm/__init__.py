@@ -39,7 +39,7 @@ for _where, _names in (
                    "Calibration", "next_token_loss", "lm_loss")),
         (".adapters", ("save_adapter", "input_covariances", "update_grams",
                        "low_rank")),
-        (".folders", ("transfer_model",)),
+        (".folders", ("transfer_model", "Streaming")),
         (".command", ("main",))):
     for _n in _names:
         _PUBLIC[_n] = _where

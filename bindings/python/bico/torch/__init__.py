@@ -26,6 +26,7 @@ By concern, one module each:
   teacher.py   the proxy-tuned teacher kept compactly, the KL to it
   augment.py   the augmentations a classifier's distillation draws
   logits.py    a model's logits a chunk of tokens at a time
+  options.py   transfer_model's options, a dataclass per route family
   tied.py      tied weights (a head sharing the embedding), found once
   _common.py   progress, batches to a device, the default step / forward
 
@@ -40,7 +41,10 @@ from .collect import (Collector, collect_statistics, collect_votes,
 from .choose import choose_alpha, HELDOUT_GRID  # noqa: F401
 from .transfer import (transfer_state_dict, transfer_model,  # noqa: F401
                        MODEL_METHODS)
+from .options import (TransferOptions, MapOptions, FitOptions,
+                      DistillOptions, options_for)
 
 __all__ = ["Collector", "collect_statistics", "collect_votes", "save_votes",
            "transfer_state_dict", "transfer_model", "choose_alpha",
-           "default_modules", "progress"]
+           "default_modules", "progress", "TransferOptions", "MapOptions",
+           "FitOptions", "DistillOptions", "options_for"]

@@ -29,6 +29,7 @@ from .choose import (choose_alpha, pick, _heldout_loss_fn, _resolve_heldout,
                      _alpha_grid, _batch_losses, _mean_loss)
 from .tied import _tied_groups, _untied, _retied, _report_tied
 from . import fit as _host
+from . import options as _opts
 from . import proxy as _proxy
 from .proxy import PROXY_GRID
 
@@ -59,18 +60,19 @@ _PROCRUSTES_KEYS = ("rank_tol", "null", "center", "whiten", "method",
 
 
 def transfer_model(source, source_tuned, target, batches, method="fit",
-                   loss_fn=None, alpha=None, step=None, forward=None,
-                   modules=None, split=None, ties=None, norm_map="act",
-                   votes=None, gradfix_mode="majority", source_blocks=None,
-                   target_blocks=None, ridge=1e-2, shared_out=(),
-                   tied="carry", report=None, show_progress=False,
-                   holdout="auto", alpha_grid=None, proxy_steps=8,
-                   distill_steps=None, distill_lr=None, distill_every=25,
-                   threads=None, ridge_prior="zero", general_batches=None,
-                   distill_rank=None, distill_augment="auto",
-                   **options):
+                   options=None, loss_fn=None, step=None, forward=None,
+                   report=None, show_progress=False):
     """A new state dict for target (torch tensors, the target's names and
     dtypes) carrying the fine-tune source -> source_tuned to target.
+
+    options: the method's options (bico.torch.options): FitOptions for
+    fit and proxy-fit, MapOptions for the library's methods (bico,
+    bico-in, bico-out, gradfix, naive, pad), DistillOptions for distill
+    and proxy-distill; None for the family's defaults, or a dict of its
+    fields.  Below, each field by its name (ridge, alpha, holdout, ...;
+    DistillOptions' steps, lr, every, rank, augment are the
+    distill_steps, distill_lr, ... named there; MapOptions' library holds
+    transfer_state_dict's other options).
 
     source, source_tuned, target: nn.Modules (source and source_tuned of one
     architecture).  batches: the calibration batches, iterated several
@@ -182,6 +184,20 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     """
     _no_folders(source, source_tuned, target)
     batches = _check_models(method, source, source_tuned, target, batches)
+    o = _opts.resolve(method, options)
+    alpha, holdout, alpha_grid, threads = (o.alpha, o.holdout, o.alpha_grid,
+                                           o.threads)
+    m = o if isinstance(o, _opts.MapOptions) else _opts.MapOptions()
+    modules, split, ties, norm_map = m.modules, m.split, m.ties, m.norm_map
+    source_blocks, target_blocks = m.source_blocks, m.target_blocks
+    votes, gradfix_mode, options = m.votes, m.gradfix_mode, dict(m.library)
+    f = o if isinstance(o, _opts.FitOptions) else _opts.FitOptions()
+    ridge, ridge_prior, general_batches = f.ridge, f.ridge_prior, \
+        f.general_batches
+    tied, shared_out, proxy_steps = f.tied, f.shared_out, f.proxy_steps
+    d = o if isinstance(o, _opts.DistillOptions) else _opts.DistillOptions()
+    distill_steps, distill_lr, distill_every, distill_rank, \
+        distill_augment = d.steps, d.lr, d.every, d.rank, d.augment
     grid = _check_steps(method, alpha_grid, proxy_steps, distill_steps,
                         distill_every, distill_lr)
     loss_of = _heldout_loss_fn(loss_fn, step, forward or _default_forward)
@@ -269,19 +285,19 @@ def _check_steps(method, alpha_grid, proxy_steps, distill_steps,
             and proxy_steps >= 1):
         raise BicoError(E_ARG, "transfer_model: proxy_steps must be an "
                         "integer >= 1, got %r" % (proxy_steps,))
-    for name, v, lo in (("distill_steps", distill_steps, 1),
-                        ("distill_every", distill_every, 1)):
-        if v is None and name == "distill_steps":
+    for name, v, lo in (("steps", distill_steps, 1),
+                        ("every", distill_every, 1)):
+        if v is None and name == "steps":
             continue
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
-            raise BicoError(E_ARG, "transfer_model: %s must be an integer "
-                            ">= %d, got %r" % (name, lo, v))
+            raise BicoError(E_ARG, "transfer_model: DistillOptions.%s must "
+                            "be an integer >= %d, got %r" % (name, lo, v))
     if distill_lr is not None and not (
             isinstance(distill_lr, (int, float)) and not isinstance(
                 distill_lr, bool) and math.isfinite(distill_lr)
             and distill_lr > 0):
-        raise BicoError(E_ARG, "transfer_model: distill_lr must be a "
-                        "positive number, got %r" % (distill_lr,))
+        raise BicoError(E_ARG, "transfer_model: DistillOptions.lr must be "
+                        "a positive number, got %r" % (distill_lr,))
     return grid
 
 
@@ -384,12 +400,14 @@ def _route_proxy_fit(r):
     # the start: the fit at its held-out alpha (same batches)
     start = transfer_model(
         r.source, r.source_tuned, r.target, r.fit_b, method="fit",
-        loss_fn=r.loss_fn, step=r.step, forward=r.forward,
-        modules=r.modules, split=r.split, ties=r.ties, norm_map=r.norm_map,
-        source_blocks=r.source_blocks, target_blocks=r.target_blocks,
-        ridge=r.ridges[0], shared_out=r.shared_out, tied=r.tied,
-        report=r.rep, show_progress=r.show_progress, holdout=r.held_b,
-        threads=r.threads, **r.options)
+        options=_opts.FitOptions(
+            modules=r.modules, split=r.split, ties=r.ties,
+            norm_map=r.norm_map, source_blocks=r.source_blocks,
+            target_blocks=r.target_blocks, ridge=r.ridges[0],
+            shared_out=r.shared_out, tied=r.tied, holdout=r.held_b,
+            threads=r.threads, library=dict(r.options)),
+        loss_fn=r.loss_fn, step=r.step, forward=r.forward, report=r.rep,
+        show_progress=r.show_progress)
     new = _proxy.proxy_fit(
         r.source, r.source_tuned, r.target, r.fit_b, r.held_b, None,
         lambda m, b: _output(_on(r.forward, _device(m))(m, b)),

@@ -11,6 +11,7 @@ from ..._status import BicoError, E_IO
 from ... import safetensors as _st
 from ...torch.choose import pick
 from ...torch.tied import _tied_groups
+from ...torch.options import FitOptions
 from ...torch.transfer import transfer_model
 from .. import adapters as _adapters
 from ..adapters import save_adapter, update_grams, low_rank
@@ -100,13 +101,14 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q,
     for j, ridge in enumerate(ridges):
         _log(q, "fit: ridge %g, %d layers" % (ridge, n_lin))
         with _FitProgress(n_lin, q):
+            # the scale is chosen below, on the text's own held-out
+            # windows
             new = transfer_model(src, srt, tgt, cal.batches,
-                                 method="fit",
-                                 loss_fn=next_token_loss, ridge=ridge,
-                                 # the scale is chosen below, on
-                                 # the text's own held-out windows
-                                 alpha=1.0, holdout=0,
-                                 show_progress=not q, threads=a.threads)
+                                 method="fit", options=FitOptions(
+                                     ridge=ridge, alpha=1.0, holdout=0,
+                                     threads=a.threads),
+                                 loss_fn=next_token_loss,
+                                 show_progress=not q)
         delta = {k: new[k].double() - base[k].double() for k in base
                  if k in new}
         eff, rep = delta, None
