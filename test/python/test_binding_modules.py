@@ -448,7 +448,8 @@ REMOVED = {
         "Procrustes Votes XCov",
         "bico.torch.collect": "DEFAULT_SPLIT"},
     "bico.torch_fit": {
-        "bico.torch.fit": "GCV_GRID RidgeFit fit_model",
+        "bico.torch.fit": "fit_model",
+        "bico.torch.ridge": "GCV_GRID RidgeFit",
         "bico.torch.proxy": "PROXY_GRID proxy_distill proxy_fit"},
     "bico.hf": {
         "bico.llm": "load_model model_config DecoderLM tokenize "

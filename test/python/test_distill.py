@@ -205,7 +205,8 @@ def test_lora_distillation_recovers_a_planted_low_rank_update():
     start = held_losses(b)
     ad = D.Adapter(b, ["fc1"], r=2, seed=1)
     step, losses = D.distill(b, t, xs, len(held), held_losses, adapter=ad,
-                             steps=1500, lr=2e-2, every=50)
+                             training=D.Training(steps=1500, lr=2e-2,
+                                                 every=50))
     assert step > 0 and losses[step] < 1e-3 * sum(start) / len(start)
     # the function of the planted student: logits equal on new inputs
     x = torch.randn(64, 6, generator=g)
@@ -231,8 +232,9 @@ def test_a_teacher_that_only_hurts_leaves_the_target_untouched():
             return [float(F.cross_entropy(m(x), y)) for x, y in held]
     params = [p for p in b.parameters()]
     rep = []
-    step, _ = D.distill(b, t, xs, 4, held_losses, params=params, steps=200,
-                        lr=1e-2, every=20, report=rep)
+    step, _ = D.distill(b, t, xs, 4, held_losses, params=params,
+                        training=D.Training(steps=200, lr=1e-2, every=20),
+                        report=rep)
     assert step == 0 and rep[0]["step"] == 0
     for k, v in b.state_dict().items():
         assert torch.equal(v, w0[k])
@@ -251,21 +253,24 @@ def test_patience_stops_when_the_held_out_loss_stops_improving():
     t = _t.build_teacher(a, aft, b, xs, lambda m, x: m(x))
     params = [p for p in b.parameters()]
     rep = []
-    D.distill(b, t, xs, 1, lambda m: [1.0], params=params, steps=200,
-              lr=1e-2, every=20, report=rep, patience=3)
+    D.distill(b, t, xs, 1, lambda m: [1.0], params=params,
+              training=D.Training(steps=200, lr=1e-2, every=20, patience=3),
+              report=rep)
     assert rep[0]["steps_run"] == 60 and rep[0]["step"] == 0
     rep = []
-    D.distill(b, t, xs, 1, lambda m: [1.0], params=params, steps=200,
-              lr=1e-2, every=20, report=rep)
+    D.distill(b, t, xs, 1, lambda m: [1.0], params=params,
+              training=D.Training(steps=200, lr=1e-2, every=20), report=rep)
     assert rep[0]["steps_run"] == 200
     seq = iter([5.0, 4.0, 4.5, 3.0, 3.5, 3.6, 3.7, 0.1])
     rep = []
-    D.distill(b, t, xs, 1, lambda m: [next(seq)], params=params, steps=200,
-              lr=1e-2, every=20, report=rep, patience=3)
+    D.distill(b, t, xs, 1, lambda m: [next(seq)], params=params,
+              training=D.Training(steps=200, lr=1e-2, every=20, patience=3),
+              report=rep)
     # checks at 20 (4.0 best), 40 (4.5), 60 (3.0 best), 80, 100, 120: stop
     assert rep[0]["steps_run"] == 120 and rep[0]["step"] == 60
     with pytest.raises(BicoError, match="patience"):
-        D.distill(b, t, xs, 1, lambda m: [1.0], params=params, patience=0)
+        D.distill(b, t, xs, 1, lambda m: [1.0], params=params,
+                  training=D.Training(patience=0))
 
 
 class TinyLM(nn.Module):
@@ -316,7 +321,8 @@ def test_distill_refuses_bad_options():
     for kw, msg in ((dict(steps=0), "steps"), (dict(every=0), "every"),
                     (dict(lr=float("nan")), "lr"), (dict(lr=-1.0), "lr")):
         with pytest.raises(bico.BicoError, match=msg):
-            D.distill(b, t, xs, 1, lambda m: [0.0], params=ps, **kw)
+            D.distill(b, t, xs, 1, lambda m: [0.0], params=ps,
+                      training=D.Training(**kw))
     with pytest.raises(bico.BicoError, match="params"):
         D.distill(b, t, xs, 1, lambda m: [0.0])
     with pytest.raises(bico.BicoError, match="teacher entries"):

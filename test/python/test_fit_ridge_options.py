@@ -2,7 +2,7 @@
 (ridge_prior="bico"), a ridge chosen per layer by generalised
 cross-validation (ridge="gcv") and a penalty in the metric of the layer's
 inputs on general text (general_batches).  Planted answers and identities:
-bico.torch.fit.RidgeFit against bico.fit.Fit and against the normal equations
+bico.torch.ridge.RidgeFit against bico.fit.Fit and against the normal equations
 written out in NumPy; transfer_model's options against BiCo's update."""
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import torch
 import bico
 import bico.torch as bt
 from bico.fit import Fit
-from bico.torch.fit import RidgeFit
+from bico.torch.ridge import RidgeFit
 from test_binding_models import float32_default  # noqa: F401
 from test_hf_decoder import (CFG, DecoderLayer, build, calibration, ce,
                              llama, planted, task)
@@ -172,7 +172,7 @@ def test_transfer_model_gcv_and_general_batches_run_and_report():
                                                  general_batches=gen),
                            loss_fn=ce, report=rep)
     fits = [e for e in rep if e.get("handling") == "fit"]
-    assert fits and all(e["ridge"] in bico.torch.fit.GCV_GRID for e in fits)
+    assert fits and all(e["ridge"] in bico.torch.ridge.GCV_GRID for e in fits)
     assert all(torch.isfinite(v).all() for v in sd.values()
                if v.is_floating_point())
     # the options' defaults are the plain fit

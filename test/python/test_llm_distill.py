@@ -230,8 +230,11 @@ def test_the_source_pair_is_freed_before_the_training(pair):
         if msg.startswith("distill: LoRA rank"):
             gc.collect()
             alive.append([r() is not None for r in refs])
-    ld.run(models["source"], models["tuned"], tgt, cal, log, rank=2,
-           steps=2, release=models.clear)
+    from bico.torch.distill import Training
+    ld.run(models["source"], models["tuned"], tgt, cal, log,
+           student=ld.Student(rank=2),
+           training=Training(steps=2, text_weight=ld.TEXT_WEIGHT),
+           release=models.clear)
     assert alive == [[False, False]]
 
 

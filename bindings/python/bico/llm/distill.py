@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from collections import namedtuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -112,20 +113,45 @@ def saved_parameters(model, names):
     return out
 
 
-def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
-        lora_alpha=None, modules=LINEAR_MODULES, save=(), init=None,
-        steps=None, lr=None, every=25, teacher_k=64, budget=1 << 30,
-        spill_dir=None, seed=0, chunk=_lg.TOKEN_CHUNK, release=None,
-        text_weight=TEXT_WEIGHT, teacher_weight=1.0, pair=None,
-        teacher=None, patience=None, shared=None, own=None):
+@dataclass
+class Student(object):
+    """What the distillation trains: mode "lora", factors of rank `rank`
+    (lora_alpha: PEFT's scale, None: rank) on the linear layers `modules`
+    (PEFT names; init: {module: (B, A)} warm-start pairs, None for PEFT's
+    start) and the parameters of the `save` modules trained whole; mode
+    "dense": every floating parameter of the target."""
+    mode: str = "lora"
+    rank: int = 16
+    lora_alpha: object = None
+    modules: tuple = tuple(LINEAR_MODULES)
+    save: tuple = ()
+    init: object = None
+
+
+@dataclass
+class TeacherStore(object):
+    """How the teacher is kept: the top k log-probabilities a token, up
+    to budget bytes in memory, beyond it in a nameless file in spill_dir;
+    logits chunk tokens at a time; shared: the source's vocabulary when
+    the target's grew past it (the teacher over those ids,
+    bico.llm.vocab "grown")."""
+    k: int = 64
+    budget: int = 1 << 30
+    spill_dir: object = None
+    chunk: int = _lg.TOKEN_CHUNK
+    shared: object = None
+
+
+def run(source, source_tuned, target, cal, log, student=None,
+        training=None, store=None, release=None, pair=None, teacher=None,
+        own=None):
     """Distils target towards the proxy-tuned teacher on cal (a
     Calibration: batches of (ids, next ids), held_out the same).
 
-    mode "lora": factors of rank `rank` on the linear layers `modules`
-    (PEFT names; init: {module: (B, A)} warm-start pairs, None for PEFT's
-    start) and the parameters of the `save` modules trained whole; mode
-    "dense": every floating parameter of the target.  steps / lr: None
-    takes the measured defaults (docs/llm.md).  release(): called once
+    student: a Student (what trains; None: rank-16 factors on the linear
+    layers); training: a bico.torch.distill.Training (steps / lr None:
+    the measured defaults, docs/llm.md; None: text_weight TEXT_WEIGHT);
+    store: a TeacherStore (how the teacher is kept).  release(): called once
     the teacher is computed (the source pair is no longer needed).
     pair: a dict {"source": model, "tuned": model} to take the pair from
     (source and source_tuned None), emptied once the teacher is computed:
@@ -134,19 +160,28 @@ def run(source, source_tuned, target, cal, log, mode="lora", rank=16,
     teacher: a Teacher of cal's batches already computed (for example
     from the folders a block at a time, bico.llm.stream_teacher; source
     and source_tuned are then not used), closed by this call.
-    text_weight: the loss adds this times the windows' own next-token
-    cross-entropy (0: the teacher alone); teacher_weight scales the
-    teacher's KL (0: the text alone, a control).  patience: training
-    stops once that many held-out checks (every `every` steps) in a row
-    found nothing better (None: every step runs).  shared: the source's
-    vocabulary when the target's grew past it (the teacher over those
-    ids, bico.llm.vocab "grown").  own: how many of cal's batches, the
+    training.text_weight: the loss adds this times the windows' own
+    next-token cross-entropy (0: the teacher alone); teacher_weight scales
+    the teacher's KL (0: the text alone, a control).  training.patience:
+    training stops once that many held-out checks (every `every` steps)
+    in a row found nothing better (None: every step runs).  own: how many of cal's batches, the
     first ones, are the user's own text, whose next tokens the text loss
     learns (None: all); the others (the teacher's written text, its next
     tokens samples) are learnt from the teacher's KL alone, unless there
     is no teacher.  Returns a Result; target is
     left in the chosen state (the factors still attached in mode "lora":
     result.adapter.remove() detaches)."""
+    st = Student() if student is None else student
+    tr = _d.Training(text_weight=TEXT_WEIGHT) if training is None \
+        else training
+    ts = TeacherStore() if store is None else store
+    mode, rank, lora_alpha, modules, save, init = (
+        st.mode, st.rank, st.lora_alpha, st.modules, st.save, st.init)
+    steps, lr, every, seed, patience = tr.steps, tr.lr, tr.every, tr.seed, \
+        tr.patience
+    text_weight, teacher_weight = tr.text_weight, tr.teacher_weight
+    teacher_k, budget, spill_dir, chunk, shared = (
+        ts.k, ts.budget, ts.spill_dir, ts.chunk, ts.shared)
     if mode not in ("lora", "dense"):
         raise BicoError(E_ARG, "distill: mode must be 'lora' or 'dense', "
                         "got %r" % (mode,))
@@ -251,10 +286,12 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
     else:
         step, losses = _d.distill(
             target, teacher, inputs, nwin, held_losses, params=params,
-            adapter=adapter, steps=steps, lr=lr, every=every, seed=seed,
+            adapter=adapter, training=_d.Training(
+                steps=steps, lr=lr, every=every, seed=seed,
+                patience=patience, text_weight=weights[0],
+                teacher_weight=weights[1]),
             chunk=chunk, progress=lambda i, n, v: clock(i, "loss %.4f" % v),
-            report=rep, targets=targets, text_weight=weights[0],
-            teacher_weight=weights[1], checkpoint=True, patience=patience)
+            report=rep, targets=targets, checkpoint=True)
     per = _d.window_losses(target, cal.held_out, chunk)
     ran = max(losses)
     log("distill: kept step %d of %d (held-out loss %.4f; untouched "
@@ -290,12 +327,13 @@ def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
                     p.copy_(v)
     both = _Both()
     out = _d.distill(target, teacher, inputs, nwin, held_losses,
-                     adapter=both, steps=steps, lr=lr, every=every,
-                     seed=seed, chunk=chunk,
+                     adapter=both, training=_d.Training(
+                         steps=steps, lr=lr, every=every, seed=seed,
+                         patience=patience, text_weight=weights[0],
+                         teacher_weight=weights[1]),
+                     chunk=chunk,
                      progress=lambda i, n, v: clock(i, "loss %.4f" % v),
-                     report=rep, targets=targets, text_weight=weights[0],
-                     teacher_weight=weights[1], checkpoint=True,
-                     patience=patience)
+                     report=rep, targets=targets, checkpoint=True)
     return out
 
 

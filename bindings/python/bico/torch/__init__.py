@@ -19,7 +19,9 @@ By concern, one module each:
                per-batch losses, pick (with the standard-error rule),
                choose_alpha
   fit.py       the host of the library's sequential fit (bico_fit_run):
-               fit_model, RidgeFit
+               fit_model
+  ridge.py     the fit's ridge in PyTorch: a prior, a penalty metric, a
+               GCV choice (RidgeFit, GCV_GRID)
   proxy.py     proxy-fit and proxy-distill (the proxy-tuned distribution)
   distill.py   method "distill": LoRA factors (Adapter), the training loop
                with the held-out choice, distill_model

@@ -22,6 +22,7 @@ Nothing here calls numpy on a model's tensors in the training loop, and
 every tensor is created on the model's device.
 """
 import math
+from dataclasses import dataclass
 import time
 
 import torch
@@ -36,8 +37,8 @@ from .logits import (TOKEN_CHUNK, _bounded, _chunks, _hidden, _logits,
 from .teacher import (Grouped, NoTeacher, _teacher_logprobs, build_teacher,
                       kl_to_teacher)
 
-__all__ = ["Adapter", "distill", "distill_model", "window_losses",
-           "choose_scale", "SCALES"]
+__all__ = ["Adapter", "Training", "distill", "distill_model",
+           "window_losses", "choose_scale", "SCALES"]
 
 
 class Adapter(object):
@@ -239,11 +240,28 @@ def _schedule(opt, steps, kind, warmup):
     return torch.optim.lr_scheduler.LambdaLR(opt, f)
 
 
+@dataclass
+class Training(object):
+    """How distill() trains: steps (None: 1200), lr (None: 5e-3), every
+    (held-out checks every that many steps), schedule ("cosine" or
+    "constant"), warmup (steps), seed (the batches' order, the factors'
+    start), patience (checks without a better held-out loss before it
+    stops; None: every step runs), text_weight (the next-token loss's
+    weight, targets needed), teacher_weight (the teacher's KL's)."""
+    steps: object = None
+    lr: object = None
+    every: int = 25
+    schedule: str = "cosine"
+    warmup: int = 0
+    seed: int = 0
+    patience: object = None
+    text_weight: float = 0.0
+    teacher_weight: float = 1.0
+
+
 def distill(model, teacher, inputs, held, held_losses, params=None,
-            adapter=None, steps=1200, lr=5e-3, every=25, schedule="cosine",
-            warmup=0, seed=0, forward=None, chunk=TOKEN_CHUNK,
-            progress=None, report=None, targets=None, text_weight=0.0,
-            teacher_weight=1.0, checkpoint=False, patience=None):
+            adapter=None, training=None, forward=None, chunk=TOKEN_CHUNK,
+            progress=None, report=None, targets=None, checkpoint=False):
     """Trains model towards the teacher (a Teacher whose batch i is
     inputs[i]) and leaves it in the best held-out state.
 
@@ -270,6 +288,15 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     held-out loss})."""
     if (params is None) == (adapter is None):
         raise BicoError(E_ARG, "distill: give params (dense) or an adapter")
+    t = Training() if training is None else training
+    if not isinstance(t, Training):
+        raise BicoError(E_ARG, "distill: training must be a Training, got "
+                        "%s" % type(t).__name__)
+    steps = 1200 if t.steps is None else t.steps
+    lr = 5e-3 if t.lr is None else t.lr
+    every, schedule, warmup, seed = t.every, t.schedule, t.warmup, t.seed
+    patience, text_weight, teacher_weight = t.patience, t.text_weight, \
+        t.teacher_weight
     for name, v in (("steps", steps), ("every", every)):
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             raise BicoError(E_ARG, "distill: %s must be an integer >= 1, "
@@ -533,8 +560,10 @@ def distill_model(source, source_tuned, target, fit_b, held_b, forward,
     rep = []
     try:
         step, _ = distill(work, teacher, fit_b, len(held_b), per,
-                          params=params, adapter=adapter, steps=steps, lr=lr,
-                          every=every, seed=seed, forward=forward, report=rep)
+                          params=params, adapter=adapter,
+                          training=Training(steps=steps, lr=lr, every=every,
+                                            seed=seed),
+                          forward=forward, report=rep)
     finally:
         if hasattr(teacher, "close"):
             teacher.close()

@@ -29,6 +29,7 @@ from .choose import (choose_alpha, pick, _heldout_loss_fn, _resolve_heldout,
                      _alpha_grid, _batch_losses, _mean_loss)
 from .tied import _tied_groups, _untied, _retied, _report_tied
 from . import fit as _host
+from . import ridge as _ridge
 from . import options as _opts
 from . import proxy as _proxy
 from .proxy import PROXY_GRID
@@ -610,7 +611,7 @@ def _fit(source, source_tuned, target, batches, forward, col, a0, a1, b0,
                             - b0[k].detach().double().cpu()).numpy()
     metric = None
     if general_batches is not None:
-        metric = _host._input_moments(target, general_batches,
+        metric = _ridge._input_moments(target, general_batches,
                                       _on(forward, _device(target)))
     # one context for the layers' fits (made and solved one at a time, on
     # this thread), at the caller's thread count

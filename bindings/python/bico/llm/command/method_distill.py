@@ -10,6 +10,7 @@ import torch
 
 from ... import _heap
 from ... import safetensors as _st
+from ...torch.distill import Training
 from .. import distill as _distill
 from ..families import load_model, _weights_path
 from .. import options as opts
@@ -34,19 +35,23 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
                                           models["tuned"], cal, log)
         for k in ("source", "tuned"):
             models.pop(k, None)
-    return _distill.run(
-        None, None, tgt, cal, log, mode=mode,
-        pair=models if "source" in models else None,
-        teacher=models.pop("teacher", None),
-        rank=a.rank, lora_alpha=a.lora_alpha,
-        modules=[m for m in a.target_modules.split(",") if m],
-        save=saves if mode == "lora" else (), init=init, steps=_steps(a),
+    student = _distill.Student(
+        mode=mode, rank=a.rank, lora_alpha=a.lora_alpha,
+        modules=tuple(m for m in a.target_modules.split(",") if m),
+        save=tuple(saves) if mode == "lora" else (), init=init)
+    training = Training(
+        steps=_steps(a), seed=a.seed, patience=a.patience or None,
         lr=a.lr if a.lr is not None or a.vocab.kind != "different" or
         mode != "lora" or _byte_teacher_wanted(a) else TEXT_ONLY_LR,
-        teacher_k=a.teacher_k,
-        budget=int(a.teacher_memory * (1 << 20)), spill_dir=tmp,
-        seed=a.seed, **_losses(a), patience=a.patience or None,
-        shared=a.vocab.shared, own=None if a.vocab.kind == "different"
+        **_losses(a))
+    store = _distill.TeacherStore(
+        k=a.teacher_k, budget=int(a.teacher_memory * (1 << 20)),
+        spill_dir=tmp, shared=a.vocab.shared)
+    return _distill.run(
+        None, None, tgt, cal, log, student=student, training=training,
+        store=store, pair=models if "source" in models else None,
+        teacher=models.pop("teacher", None),
+        own=None if a.vocab.kind == "different"
         else getattr(a, "own_batches", None))
 
 
