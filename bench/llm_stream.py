@@ -381,7 +381,7 @@ def _block_params(s):
 def phases(src, tgt, n, cbytes=4, logits_budget=64 << 20):
     """GB held at each phase's peak by the streamed run (beside the
     process itself), n calibration rows, compute dtype of cbytes; an
-    untied target head adds the head's fit (bico.llm.stream_fit._HeadFit)
+    untied target head adds the head's fit (bico.llm.stream.fit._HeadFit)
     for a model folder and for an adapter."""
     G = 1e-9
     V = tgt["V"]

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.join(ROOT, "test", "e2e"))
 import bico.safetensors as st  # noqa: E402
 import bico.llm as bl  # noqa: E402
 import bico.torch as bt  # noqa: E402
-import bico.llm.stream_stats as ss  # noqa: E402
-from bico.llm.stream_route import StreamedFit, lm_loss_of  # noqa: E402
+import bico.llm.stream.stats as ss  # noqa: E402
+from bico.llm.stream.route import StreamedFit, lm_loss_of  # noqa: E402
 import llm_pair  # noqa: E402
 
 GRID = [0.0, 0.5, 1.0]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from bico.llm.ranks import Ranks, leave
-from bico.llm.stream_route import StreamedFit
+from bico.llm.stream.route import StreamedFit
 
 
 def main():

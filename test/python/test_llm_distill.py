@@ -278,11 +278,11 @@ def test_the_command_holds_only_the_target_while_it_trains(pair, tmp_path,
 
 
 def test_the_teacher_from_the_folders_is_the_in_memory_teacher(pair):
-    """bico.llm.stream_teacher (each model run from its folder a block at
+    """bico.llm.stream.teacher (each model run from its folder a block at
     a time, the boundary states spilled to disk) gives the entries
     build_teacher computes from the three whole models, bit for bit, at
     every k (all outputs, top-k with the rest's mass)."""
-    from bico.llm import stream_teacher
+    from bico.llm.stream import teacher as stream_teacher
     from bico.torch import distill as D
     d, _ = pair
     cal = llm.text_batches(str(d / "task.txt"), 32, n=24,
@@ -310,7 +310,7 @@ def test_the_teacher_refuses_two_vocabularies(tmp_path):
     """A source whose head has another vocabulary than the target's is
     refused before any block runs, naming the folders and their sizes."""
     import llama
-    from bico.llm import stream_teacher
+    from bico.llm.stream import teacher as stream_teacher
     g = torch.Generator().manual_seed(3)
     for name, vocab in (("A", 64), ("A_ft", 64), ("B", 60)):
         cfg = llama.default_config(vocab_size=vocab, hidden_size=16,

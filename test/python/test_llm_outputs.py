@@ -130,7 +130,7 @@ def test_a_failure_while_writing_leaves_the_old_adapter(pair, tmp_path,
     assert snapshot(ad) == old
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
     # the streamed fit (the default): its adapter writer fails the same way
-    import bico.llm.stream_out as so
+    import bico.llm.stream.out as so
     real_json = so.write_adapter_json
 
     def half_json(folder, cfg, note):

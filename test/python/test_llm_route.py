@@ -181,7 +181,7 @@ def test_seed_and_threads(pair, tmp_path, capsys, monkeypatch):
     """--seed: one seed, one result (bit for bit), recorded; it orders
     the windows (text_batches).  --threads: PyTorch's threads and the
     library's (the streamed fit's threads)."""
-    import bico.llm.stream_route as sr
+    import bico.llm.stream.route as sr
     seen = []
 
     class Spy(sr.StreamedFit):       # the default route streams the fit

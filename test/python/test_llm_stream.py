@@ -1,5 +1,5 @@
-"""The streamed runner (bico.llm.runtime, stream_stats, stream_fit,
-stream_out, stream_route): decoders run a block at a time from their
+"""The streamed runner (bico.llm.runtime, stream.stats, stream.fit,
+stream.out, stream.route): decoders run a block at a time from their
 folders give the in-memory route's results, hold what grows with depth in
 a spill store that leaves nothing behind, and leave no partial output
 when killed.
@@ -25,7 +25,7 @@ import bico.torch as bt
 from bico._status import BicoError
 from bico.llm import families as fam
 from bico.llm import runtime as rt
-from bico.llm.stream_route import StreamedFit
+from bico.llm.stream.route import StreamedFit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import llama  # noqa: E402
@@ -353,7 +353,7 @@ def test_untied_head_scores_as_the_loaded_model(untied):
                      held) as sf:
         res = sf.fit(1e-2)
         per = sf.score(res, [0.0, 0.5, 1.0])
-        from bico.llm.stream_route import _state_dict
+        from bico.llm.stream.route import _state_dict
         states = {a: _state_dict(res, a) for a in per}
     model = bl.load_model(d / "B", dtype=torch.float32)
     for a, scores in per.items():
@@ -494,7 +494,7 @@ def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
 
 _REWRITE = r"""
 import os, runpy, sys
-import bico.llm.stream_fit as sf, bico.llm.stream_out as so
+import bico.llm.stream.fit as sf, bico.llm.stream.out as so
 point, k, shard = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def hook(p, i, _orig=so.test_point):
     if p == point and i + 1 == k:

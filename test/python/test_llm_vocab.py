@@ -73,7 +73,7 @@ def test_a_grown_vocabulary_gives_the_shared_teacher(pair):
     """B_grown is B with embedding rows added: the teacher over the
     source's 256 ids from (A, A_ft, B_grown) equals the one from (A, A_ft,
     B), computed from the folders a block at a time."""
-    from bico.llm.stream_teacher import build
+    from bico.llm.stream.teacher import build
     d, _, _ = pair
     ids = llm_pair.byte_ids(open(d / "task.txt").read())[:4 * 33]
     wins = ids.view(4, 33)

@@ -30,7 +30,7 @@ import bico.llm.options
 import bico.llm.stats
 import bico.llm.text
 import bico.llm.runtime
-import bico.llm.stream_route
+import bico.llm.stream.route
 import bico.transfer
 import bico.transport
 
@@ -58,7 +58,7 @@ def test_every_public_name_is_in_python_md():
                          bico.torch.choose, bico.torch.fit,
                          bico.torch.proxy, bico.llm, bico.llm.families,
                          bico.llm.text, bico.llm.adapters,
-                         bico.llm.runtime, bico.llm.stream_route,
+                         bico.llm.runtime, bico.llm.stream.route,
                          bico.llm.config, bico.llm.options, bico.llm.stats,
                          bico.llm.across, bico.llm.bpe, bico.llm.generate,
                          bico.llm.vocab)

@@ -158,7 +158,7 @@ def run(source, source_tuned, target, cal, log, student=None,
     nothing of the caller's then holds the pair while the target trains
     (arguments of a call can outlive the release).
     teacher: a Teacher of cal's batches already computed (for example
-    from the folders a block at a time, bico.llm.stream_teacher; source
+    from the folders a block at a time, bico.llm.stream.teacher; source
     and source_tuned are then not used), closed by this call.
     training.text_weight: the loss adds this times the windows' own
     next-token cross-entropy (0: the teacher alone); teacher_weight scales

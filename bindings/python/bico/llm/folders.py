@@ -8,7 +8,7 @@
 bico.torch.transfer_model takes nn.Modules; this one takes model folders
 too (bico.torch imports nothing of bico.llm, so the folders are read
 here): method "fit" streams the models from the folders a block at a
-time (stream_route), any other method, or stream=False, loads them whole
+time (stream.route), any other method, or stream=False, loads them whole
 (load_model, float32) and runs bico.torch.transfer_model on them.
 """
 import os
@@ -90,7 +90,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
                         "fit's (method 'fit' on model folders, stream on); "
                         "this run is in memory")
     if folders and streamed:
-        from .stream_route import transfer_folders
+        from .stream.route import transfer_folders
         o = _opts.resolve(method, options)
         kw = dict(source=source, source_tuned=source_tuned, target=target,
                   batches=batches, method=method, loss_fn=loss_fn,

@@ -1,6 +1,6 @@
 """bico.llm.runtime: decoders run a block at a time from their folders.
 
-The pieces every streamed route (bico.llm.stream_fit) is made of:
+The pieces every streamed route (bico.llm.stream.fit) is made of:
 
   Folder      a model folder opened with libbico's reader: config, tensor
               names and shapes, one block's tensors read when the block

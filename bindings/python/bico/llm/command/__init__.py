@@ -8,7 +8,7 @@ target folder, with the fit.
         --ids ids.npy --output B_ft/
 
 --method fit (on the CPU, without --in-memory or --transformers) runs
-the models a block at a time from their folders (bico.llm.stream_route:
+the models a block at a time from their folders (bico.llm.stream.route:
 memory that does not grow with their depth); --method distill and auto
 (the default), and --in-memory, read them whole with bico.llm.load_model
 (Llama, Mistral, Qwen2, Gemma folders; one file or shards). --text is

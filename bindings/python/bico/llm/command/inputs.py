@@ -297,7 +297,7 @@ def _streamed(a):
 
 def _streamed_teacher(a):
     """Whether --method distill computes its teacher from the folders a
-    block at a time (bico.llm.stream_teacher) and then loads the target
+    block at a time (bico.llm.stream.teacher) and then loads the target
     alone: on the CPU, without --in-memory or --transformers, and not for
     a warm start (which runs the in-memory fit first)."""
     warm = a.init == "warm" and a.output_lora is not None

@@ -177,10 +177,10 @@ def _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes):
 def _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp=None):
     """--method fit (and auto, with tmp: the distillation beside it) with
     the models run a block at a time from their folders
-    (bico.llm.stream_route): the same choices, lines and outputs as the
+    (bico.llm.stream.route): the same choices, lines and outputs as the
     in-memory route (the recorded losses at the compute dtype), in memory
     that does not grow with the models' depth."""
-    from ..stream_route import StreamedFit, command_fit
+    from ..stream.route import StreamedFit, command_fit
     log = lambda *m: _log(q, *m)  # noqa: E731
     kind = "adapter" if a.output_lora else "model"
     saves = [x for x in a.modules_to_save.split(",") if x]

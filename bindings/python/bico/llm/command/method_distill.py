@@ -305,7 +305,7 @@ def _teacher_from_folders(a, dt, q, cal, tuned, spill, tmp):
     """The distillation's teacher of the calibration windows, each model
     run from its folder a block at a time (one model, one block in
     memory), with progress lines."""
-    from ..stream_teacher import build
+    from ..stream.teacher import build
     log = lambda *m: _log(q, *m)  # noqa: E731
     what = "teacher (the three models a block at a time)"
     log("%s: started on %d windows" % (what, cal.windows))

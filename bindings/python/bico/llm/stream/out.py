@@ -1,4 +1,4 @@
-"""bico.llm.stream_out: what the streamed fit produced, scored and written a
+"""bico.llm.stream.out: what the streamed fit produced, scored and written a
 block at a time.
 
 A Result holds one fit's outcome in the run's spill store: for a model
@@ -26,12 +26,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .. import safetensors as _st
-from . import families as _fam
-from .adapters import (balanced_pair, balance, tall_low_rank,
+from ... import safetensors as _st
+from .. import families as _fam
+from ..adapters import (balanced_pair, balance, tall_low_rank,
                        adapter_meta, adapter_config, adapter_note,
                        write_adapter_json)
-from .runtime import LINEARS, test_point
+from ..runtime import LINEARS, test_point
 
 __all__ = ["Result", "score", "write_model", "write_adapter"]
 
@@ -52,7 +52,7 @@ class Result(object):
         self.ss = {}     # tensor -> sum of squared update (adapter)
 
     def sink(self, name, info):
-        """bico.llm.stream_fit's sink: one fitted layer."""
+        """bico.llm.stream.fit's sink: one fitted layer."""
         store, p = self.run.store, self.prefix
         w, old = info["weight"], info["old"]
         if self.kind == "model":
@@ -247,7 +247,7 @@ def _rows_delta(result, name, ids, base):
 
 
 def _fam_embed(B, rows, x):
-    from .runtime import embed
+    from ..runtime import embed
     return embed(B.cfg, rows.reshape(x.shape[0], x.shape[1], -1))
 
 

@@ -1,17 +1,17 @@
-"""bico.llm.stream_route: the streamed runner as the routes use it
+"""bico.llm.stream.route: the streamed runner as the routes use it
 (python3 -m bico.llm --method fit, and bico.llm.transfer_model given
 model folders).
 
     sf = StreamedFit("A/", "A_ft/", "B/", cal.batches, cal.held_out)
-    res = sf.fit(1e-2)                       # a stream_out.Result
+    res = sf.fit(1e-2)                       # a stream.out.Result
     per = sf.score(res, [0, 0.5, 1])         # {alpha: [(loss, tokens)]}
     sf.write_model(res, "B_ft/", 0.5, {"k": "v"})
     sf.close()
 
-StreamedFit runs the two statistics sweeps once (stream_stats: boundary
+StreamedFit runs the two statistics sweeps once (stream.stats: boundary
 states, norms and embedding carried by BiCo, gradients), then each fit is
-a third sweep (stream_fit) whose result stays in the spill store until it
-is scored (stream_out.score) and written.  Memory: the blocks in flight,
+a third sweep (stream.fit) whose result stays in the spill store until it
+is scored (stream.out.score) and written.  Memory: the blocks in flight,
 one block's rows and statistics, the head while the loss is taken; the
 rest is in the store (its budget in memory, beyond it in a nameless
 temporary file)."""
@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from .runtime import DEFAULT_BUDGET
-from . import stream_out as _out
-from .stream_fit import fit_blocks
-from .stream_stats import Run, forward_sweep, backward_sweep
+from ..runtime import DEFAULT_BUDGET
+from . import out as _out
+from .fit import fit_blocks
+from .stats import Run, forward_sweep, backward_sweep
 
 __all__ = ["StreamedFit", "lm_loss_of", "mean_loss_of", "command_fit"]
 
@@ -63,7 +63,7 @@ class StreamedFit(object):
     def fit(self, ridge, alpha=1.0, kind="model", rank=16, saves=(),
             report=None, progress=None):
         """One fit (ridge c, the output change scaled by alpha) kept as a
-        stream_out.Result: new tensors (kind "model") or rank-r pairs
+        stream.out.Result: new tensors (kind "model") or rank-r pairs
         ("adapter", with the modules_to_save `saves`)."""
         res = _out.Result(self.run, "fit%d/" % self.fits, kind, rank, saves)
         self.fits += 1
@@ -146,7 +146,7 @@ def command_fit(sf, ridges, alpha, grid, kind, rank, saves, log,
     loss, ridge, alpha, Result, {alpha: loss}) of the fit kept and {0:
     the target's per-window losses, 1: the fit's}; the other fits are
     dropped from the store."""
-    from ..torch.choose import pick
+    from ...torch.choose import pick
     auto = alpha == "auto"
     cands = list(grid) if auto else [alpha]
     n_lin = 7 * sf.run.B.L + (1 if sf.run.fit_head else 0)
@@ -180,10 +180,10 @@ def transfer_folders(kw):
     batches as transfer_model chooses them (pick, rule "clear", the mean
     of the per-batch losses), the result returned as a state dict or
     written to kw["output"]."""
-    from .._status import BicoError, E_ARG
-    from ..torch.choose import _resolve_heldout, _alpha_grid
-    from ..torch.transfer import _check_alpha, _check_fit_options
-    from .text import next_token_loss
+    from ..._status import BicoError, E_ARG
+    from ...torch.choose import _resolve_heldout, _alpha_grid
+    from ...torch.transfer import _check_alpha, _check_fit_options
+    from ..text import next_token_loss
     kw["batches"] = list(kw["batches"])      # an iterator read once
     ranks = _launcher_ranks(kw)
     if kw["loss_fn"] not in (None, next_token_loss) or kw["step"] is not None:
@@ -241,7 +241,7 @@ def _launcher_ranks(kw):
     (WORLD_SIZE > 1: the default gloo group, joined unless it is already;
     then every rank's arguments compared with rank 0's, _run_items), else
     one process."""
-    from .ranks import Ranks, world_size, join
+    from ..ranks import Ranks, world_size, join
     if world_size() > 1:
         join()
         ranks = Ranks(world=True)
@@ -267,7 +267,7 @@ def _run_items(kw):
     is written, whether a report is asked for, and each folder's
     fingerprint (each regular file's size, first 64 KiB, 16 evenly spaced
     pieces of 256 bytes and last 4 KiB: node-local copies agree)."""
-    from . import agree as R
+    from .. import agree as R
     skip = _PER_RANK | set(_FOLDERS)
     items = [(k, R.value_digest(v)) for k, v in sorted(kw.items())
              if k not in skip]
@@ -280,7 +280,7 @@ def _run_items(kw):
 def _locked(kw, ranks):
     """The output's folder.Run, entered (on rank 0); its refusal raised on
     every rank."""
-    from ..folder import Run
+    from ...folder import Run
     run, err = Run(inputs=[("source", kw["source"]),
                            ("source_tuned", kw["source_tuned"]),
                            ("target", kw["target"])],
@@ -297,7 +297,7 @@ def _agreed(ranks, err):
     """Raises err here, or another rank's failure (its status, its
     message with its rank), after every rank has said how its step
     ended (err None: this rank's went well)."""
-    from .._status import BicoError, E_IO
+    from ..._status import BicoError, E_IO
     mine = None if err is None else (getattr(err, "status", E_IO),
                                      getattr(err, "message", str(err)))
     other = ranks.agree(mine)
@@ -310,7 +310,7 @@ def _agreed(ranks, err):
 
 def _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a, budget,
                  ranks):
-    from ..torch.choose import pick
+    from ...torch.choose import pick
     with StreamedFit(kw["source"], kw["source_tuned"], kw["target"], fit_b,
                      held, threads=kw["threads"], budget=budget,
                      spill_dir=kw["spill_dir"], alpha=a,
@@ -371,7 +371,7 @@ def _state_dict(res, scale):
     """The target's state dict moved by scale times the result (compute
     dtype; a tied head the same tensor as the embedding), in float32 as
     transfer_model's in-memory routes apply a chosen scale (_apply)."""
-    from .stream_out import _order
+    from .out import _order
     B = res.run.B
     out = {}
     for n in _order(B):

@@ -1,4 +1,4 @@
-"""bico.llm.stream_teacher: the distillation's teacher computed from the
+"""bico.llm.stream.teacher: the distillation's teacher computed from the
 model folders, one model and one block in memory at a time.
 
 The proxy-tuned teacher log_softmax(z_B + z_A_ft - z_A) needs the three
@@ -17,12 +17,12 @@ in-memory teacher's (the same operations on the same tensors).
 import torch
 import torch.nn.functional as F
 
-from .. import _heap
-from .._status import BicoError, E_SHAPE
-from ..torch import logits as _lg
-from ..torch import teacher as _t
-from . import families as _fam
-from .runtime import Folder, SpillStore, embed, DEFAULT_BUDGET
+from ... import _heap
+from ..._status import BicoError, E_SHAPE
+from ...torch import logits as _lg
+from ...torch import teacher as _t
+from .. import families as _fam
+from ..runtime import Folder, SpillStore, embed, DEFAULT_BUDGET
 
 __all__ = ["build"]
 

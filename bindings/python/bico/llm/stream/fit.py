@@ -1,4 +1,4 @@
-"""bico.llm.stream_fit: the sequential fit over decoders streamed a block at
+"""bico.llm.stream.fit: the sequential fit over decoders streamed a block at
 a time from their folders (the third sweep of the streamed runner).
 
 The library's driver (bico.fit.run, i.e. bico_fit_run) runs the loop: a
@@ -9,7 +9,7 @@ bico.torch.fit's _FitHost does for nn.Modules, block by block:
   block_begin  reads target block j, its source block i(j) and the tuned
                source's; recomputes the source's and the target's block
                forward and backward from the saved boundary states and
-               output gradients (bico.llm.stream_stats) for BiCo's output
+               output gradients (bico.llm.stream.stats) for BiCo's output
                statistics of the block's seven linears, solves their maps
                (R_out) and frees the statistics; keeps the block's rows:
                X_B (the target's inputs) per group and D = Y_At - Y_A
@@ -44,12 +44,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._procrustes import Procrustes
-from .._xcov import XCov
-from ..torch.fit import _carry, _out_map32
-from . import families as _fam
-from .runtime import GROUPS, LINEARS, NORMS, step, test_point
-from .stream_stats import _rows, block_backward
+from ..._procrustes import Procrustes
+from ..._xcov import XCov
+from ...torch.fit import _carry, _out_map32
+from .. import families as _fam
+from ..runtime import GROUPS, LINEARS, NORMS, step, test_point
+from .stats import _rows, block_backward
 
 __all__ = ["fit_blocks"]
 
@@ -57,13 +57,13 @@ __all__ = ["fit_blocks"]
 def fit_blocks(run, ridge, alpha=1.0, sink=None, report=None, rank=False,
                progress=None):
     """The sequential fit of every target block's linears (bico.fit.run
-    over the folders of run, a bico.llm.stream_stats.Run whose sweeps have
+    over the folders of run, a bico.llm.stream.stats.Run whose sweeps have
     run).  sink(name, info) receives each layer's result: info holds
     "weight" (the new weight, compute dtype), "bias" (or None), "old"
     (the weight before), "inputs" (the X' rows the fit used, per batch,
     float32 tensors).  report: a list receiving one dict per layer (as
     transfer_model's).  progress(name, dw, rank) after each layer."""
-    from ..fit import run as _fit_run
+    from ...fit import run as _fit_run
     host = _StreamHost(run, alpha, sink, report, progress)
     try:
         _fit_run(0, host.layer, None, host.update, ridge=ridge, ctx=run.ctx,
@@ -381,7 +381,7 @@ class _HeadFit(object):
 
 
 def raise_rows(it, x1, dd, bi):
-    from .._status import BicoError, E_SHAPE
+    from ..._status import BicoError, E_SHAPE
     raise BicoError(E_SHAPE, "streamed fit: %s has %d rows in the target, "
                     "its source %s %d (batch %d): source and target must "
                     "see the same tokens" % (it["name"], x1.shape[0],

@@ -1,4 +1,4 @@
-"""bico.llm.stream_stats: the streamed runner's first two sweeps over the
+"""bico.llm.stream.stats: the streamed runner's first two sweeps over the
 calibration windows, a block at a time from the model folders.
 
   forward_sweep   the source A and the target B run bottom-up in
@@ -19,7 +19,7 @@ calibration windows, a block at a time from the model folders.
                   checkpointing), every boundary's gradient to the store.
 
 The output-gradient statistics themselves are accumulated later, block by
-block, as the fit reaches each block (bico.llm.stream_fit): they need the
+block, as the fit reaches each block (bico.llm.stream.fit): they need the
 gradients at a block's output, which these sweeps leave in the store.
 Everything matches the in-memory route (bico.torch.collect): the same
 rows, added to the same accumulators in the same order."""
@@ -30,13 +30,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._ctx import Context
-from .._names import Pairing
-from .._status import BicoError, E_ARG, E_SHAPE
-from .._xcov import XCov
-from ..transfer import Transfer
-from . import families as _fam
-from .runtime import Folder, SpillStore, embed, stages
+from ..._ctx import Context
+from ..._names import Pairing
+from ..._status import BicoError, E_ARG, E_SHAPE
+from ..._xcov import XCov
+from ...transfer import Transfer
+from .. import families as _fam
+from ..runtime import Folder, SpillStore, embed, stages
 
 __all__ = ["Run", "forward_sweep", "backward_sweep"]
 
@@ -55,7 +55,7 @@ class Run(object):
                  dtype=torch.float32, threads=None, budget=None,
                  spill_dir=None, logits_budget=LOGITS_BUDGET, log=None,
                  alpha=1.0, ranks=None):
-        from .ranks import Ranks
+        from ..ranks import Ranks
         self.ranks = Ranks() if ranks is None else ranks
         self.dtype = dtype
         self.alpha = float(alpha)  # the scale BiCo carries norms etc. at
@@ -95,7 +95,7 @@ class Run(object):
         self.log = log or (lambda *a: None)
         self._pe = {}
         # an untied head over the source's vocabulary is fitted after the
-        # blocks (bico.llm.stream_fit, its rows kept by token id); else
+        # blocks (bico.llm.stream.fit, its rows kept by token id); else
         # BiCo carries it by its input map (the row rule)
         self.fit_head = not self.B.cfg["tied"] and \
             self.A.shapes[self.A.head_name()][0] == \
