@@ -458,6 +458,7 @@ REMOVED = {
         "bico.llm.families": "FAMILIES Attention DecoderLayer Mlp Model "
         "RMSNorm"},
     "bico.llm": {"bico.llm.command": "GRID"},
+    "bico.llm.stream_route": {"bico.llm.stream.route": "StreamedFit"},
     "bico.torch.distill": {
         "bico.torch.teacher": "Teacher NoTeacher Grouped kl_to_teacher "
         "build_teacher proxy_chunks check_finite_logits",
