@@ -502,3 +502,49 @@ def test_removed_names_are_gone_and_the_release_notes_say_where(old):
             assert any(home in ln for ln in lines), (old, n, home, lines)
     if old in ("bico.hf", "bico.torch_fit"):
         assert mod is None
+
+
+# ---- the package's size limits before 1.0 freezes its names ----
+
+def _public_functions(pkg_dir):
+    """(parameter count, module, name) of every public function and method
+    (no leading underscore) of the package's modules; self / cls not
+    counted, *args and **kwargs one each."""
+    out = []
+    for m, path in package_modules(pkg_dir).items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and not node.name.startswith("_"):
+                a = node.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + \
+                    (a.vararg is not None) + (a.kwarg is not None)
+                if a.args and a.args[0].arg in ("self", "cls"):
+                    n -= 1
+                out.append((n, m, node.name))
+    return out
+
+
+def test_no_public_function_over_20_parameters_and_no_module_over_800():
+    """Signatures a user can hold: no public function over 20 parameters,
+    transfer_model (both homes) at most 12 with its options grouped; no
+    module of the package over 800 lines."""
+    funcs = _public_functions(PKG)
+    assert len(funcs) > 200, len(funcs)
+    over = [f for f in funcs if f[0] > 20]
+    assert not over, over
+    tm = [f for f in funcs if f[2] == "transfer_model"]
+    assert {m for _, m, _ in tm} == {"torch.transfer", "llm.folders"}, tm
+    assert all(n <= 12 for n, _, _ in tm), tm
+    long = [(m, n) for m, p in package_modules(PKG).items()
+            for n in [sum(1 for _ in open(p))] if n > 800]
+    assert not long, long
+
+
+def test_the_size_checks_fail_on_a_planted_breach(tmp_path):
+    pkg = tmp_path / "bico"
+    shutil.copytree(PKG, str(pkg),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(str(pkg / "fit.py"), "a") as out:
+        out.write("\n\ndef wide(%s):\n    pass\n"
+                  % ", ".join("a%d" % i for i in range(21)))
+    assert (21, "fit", "wide") in _public_functions(str(pkg))
