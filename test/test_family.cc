@@ -15,41 +15,11 @@
 #include <vector>
 
 #include "testutil.h"
+#include "transfer_testutil.h"
 
 namespace {
 
 using bt::Mat;
-
-void write(const std::string &path,
-           const std::vector<std::pair<std::string, Mat>> &ts) {
-  bt::Ctx ctx;
-  bico_stwriter *w = nullptr;
-  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK) << bico_ctx_errmsg(ctx);
-  for (auto &e : ts) {
-    size_t shape[2] = {e.second.r, e.second.c};
-    ASSERT_EQ(bico_stwriter_declare(w, e.first.c_str(), BICO_DTYPE_F32, 2, shape), BICO_OK);
-  }
-  for (auto &e : ts) {
-    std::vector<float> v = e.second.f32();
-    ASSERT_EQ(bico_stwriter_write_f32(w, e.first.c_str(), v.data(), v.size()), BICO_OK);
-  }
-  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
-  bico_stwriter_free(w);
-}
-
-Mat read(const std::string &path, const std::string &name, size_t r, size_t c) {
-  bt::Ctx ctx;
-  bico_stfile *f = nullptr;
-  Mat m(r, c);
-  EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
-  size_t i;
-  EXPECT_EQ(bico_stfile_find(f, name.c_str(), &i), BICO_OK) << name;
-  std::vector<float> v(r * c);
-  EXPECT_EQ(bico_stfile_read_f32(f, i, v.data(), v.size()), BICO_OK);
-  for (size_t k = 0; k < r * c; k++) m.v[k] = v[k];
-  bico_stfile_free(f);
-  return m;
-}
 
 void put(const std::string &path, const std::string &text) {
   std::ofstream f(path);
@@ -140,11 +110,11 @@ struct Layer {
       cal_b.push_back({mod(k) + ".input", bt::matmul(X, bt::transpose(*inm[k]))});
       cal_b.push_back({mod(k) + ".output_grad", bt::matmul(G, bt::transpose(*outm[k]))});
     }
-    write(dir + "/A/model.safetensors", wa);
-    write(dir + "/B/model.safetensors", wb);
-    write(dir + "/tau.safetensors", tau);
-    write(dir + "/calA.safetensors", cal_a);
-    write(dir + "/calB.safetensors", cal_b);
+    ttu::write_mats(dir + "/A/model.safetensors", wa);
+    ttu::write_mats(dir + "/B/model.safetensors", wb);
+    ttu::write_mats(dir + "/tau.safetensors", tau);
+    ttu::write_mats(dir + "/calA.safetensors", cal_a);
+    ttu::write_mats(dir + "/calB.safetensors", cal_b);
     std::string cfg =
         "{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 6, "
         "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
@@ -256,7 +226,7 @@ TEST(Family, PlantedLayerRecoveredWithStructure) {
     size_t r, c;
     shape(k, &r, &c);
     Mat want = bt::matmul(bt::matmul(*outm[k], L.tauA[k]), bt::transpose(*inm[k]));
-    Mat got = read(L.dir + "/delta.safetensors", mod(k) + ".weight", r, c);
+    Mat got = ttu::read_mat(L.dir + "/delta.safetensors", mod(k) + ".weight", r, c);
     EXPECT_LT(bt::relerr(got, want), 1e-4) << mod(k);
   }
 }

@@ -23,57 +23,16 @@
 
 #include "st_testutil.h"
 #include "testutil.h"
+#include "transfer_testutil.h"
 
 namespace {
 
 using bt::Mat;
+using ttu::File;
+using ttu::Tensor;
 
-struct Tensor {
-  std::vector<size_t> shape;
-  std::vector<float> v;
-};
-using File = std::vector<std::pair<std::string, Tensor>>;
-
-Tensor T(const Mat &m) { return Tensor{{m.r, m.c}, m.f32()}; }
-Tensor V(const Mat &m) { return Tensor{{m.r * m.c}, m.f32()}; }
-
-void write_st(const std::string &path, const File &f) {
-  bt::Ctx ctx;
-  bico_stwriter *w = nullptr;
-  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK) << bico_ctx_errmsg(ctx);
-  for (auto &e : f)
-    ASSERT_EQ(bico_stwriter_declare(w, e.first.c_str(), BICO_DTYPE_F32,
-                                    e.second.shape.size(), e.second.shape.data()),
-              BICO_OK);
-  for (auto &e : f) {
-    if (e.second.v.empty()) continue;
-    ASSERT_EQ(bico_stwriter_write_f32(w, e.first.c_str(), e.second.v.data(),
-                                      e.second.v.size()),
-              BICO_OK);
-  }
-  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
-  bico_stwriter_free(w);
-}
-
-std::map<std::string, Tensor> read_st(const std::string &path) {
-  bt::Ctx ctx;
-  bico_stfile *f = nullptr;
-  std::map<std::string, Tensor> out;
-  EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
-  if (f == nullptr) return out;
-  for (size_t i = 0; i < bt::count(bico_stfile_count, f); i++) {
-    const char *name;
-    size_t ndim, numel;
-    const size_t *shape;
-    bico_stfile_tensor_info(f, i, &name, nullptr, &ndim, &shape);
-    bico_stfile_tensor_size(f, i, &numel, nullptr);
-    Tensor t{std::vector<size_t>(shape, shape + ndim), std::vector<float>(numel)};
-    EXPECT_EQ(bico_stfile_read_f32(f, i, t.v.data(), numel), BICO_OK);
-    out[name] = t;
-  }
-  bico_stfile_free(f);
-  return out;
-}
+Tensor T(const Mat &m) { return ttu::as_matrix(m); }
+Tensor V(const Mat &m) { return ttu::as_vector(m); }
 
 Mat as_mat(const float *p, size_t r, size_t c) { return Mat::from(p, r, c, c); }
 Mat as_mat(const Tensor &t, size_t r, size_t c) { return as_mat(t.v.data(), r, c); }
@@ -107,7 +66,7 @@ void write_adapter(const std::string &dir, const std::string &config,
   stt::write_bytes(dir + "/adapter_config.json", config);
   File f;
   for (auto &e : tensors) f.push_back({"base_model.model." + e.first, e.second});
-  write_st(dir + "/adapter_model.safetensors", f);
+  ttu::write_file(dir + "/adapter_model.safetensors", f);
 }
 
 bool mentions(bico_ctx *ctx, const std::string &what) {
@@ -493,7 +452,7 @@ TEST(LoraRead, MissingConfigRankMismatchAndUnpairedFactor) {
   bt::Ctx ctx;
   bico_lora *l = nullptr;
   // Missing config.
-  write_st(fx.dir / "adapter_model.safetensors",
+  ttu::write_file(fx.dir / "adapter_model.safetensors",
            {{"base_model.model.x.lora_A.weight", T(fx.qA)}});
   EXPECT_EQ(bico_lora_open(ctx, fx.dir.path.c_str(), &l), BICO_E_IO);
   EXPECT_TRUE(mentions(ctx, fx.dir / "adapter_config.json")) << bico_ctx_errmsg(ctx);
@@ -656,12 +615,12 @@ struct LoraChain {
     calA = dir / "calA.safetensors";
     calB = dir / "calB.safetensors";
     ad = dir / "adapter";
-    write_st(A, {{"blocks.0.fc.weight", T(W0)}, {"blocks.1.fc.weight", T(W1)}});
-    write_st(B, {{"blocks.0.fc.weight", T(bt::matmul(Q, W0))},
+    ttu::write_file(A, {{"blocks.0.fc.weight", T(W0)}, {"blocks.1.fc.weight", T(W1)}});
+    ttu::write_file(B, {{"blocks.0.fc.weight", T(bt::matmul(Q, W0))},
                  {"blocks.1.fc.weight", T(bt::matmul(W1, Qt))}});
-    write_st(calA, {{"blocks.0.fc.input", T(X)}, {"blocks.0.fc.output_grad", T(G0)},
+    ttu::write_file(calA, {{"blocks.0.fc.input", T(X)}, {"blocks.0.fc.output_grad", T(G0)},
                     {"blocks.1.fc.input", T(H)}, {"blocks.1.fc.output_grad", T(Z)}});
-    write_st(calB, {{"blocks.0.fc.input", T(X)},
+    ttu::write_file(calB, {{"blocks.0.fc.input", T(X)},
                     {"blocks.0.fc.output_grad", T(bt::matmul(G0, Qt))},
                     {"blocks.1.fc.input", T(bt::matmul(H, Qt))},
                     {"blocks.1.fc.output_grad", T(Z)}});
@@ -717,7 +676,7 @@ TEST(LoraTransfer, RotatedChainGivesTheRotatedAdapterAndCheckpoint) {
   }
   bico_lora_free(l);
   // --merge-into-base: the target base plus the same updates.
-  auto m = read_st(ckpt), b = read_st(c.B);
+  auto m = ttu::read_file(ckpt), b = ttu::read_file(c.B);
   EXPECT_LT(bt::relerr(bt::sub(as_mat(m["blocks.0.fc.weight"], c.d, c.d),
                                as_mat(b["blocks.0.fc.weight"], c.d, c.d)),
                        want0),
@@ -753,15 +712,15 @@ TEST(LoraTransfer, DeadLayerIsLeftUnchangedAsTheCheckpointPathLeavesIt) {
   Mat H = bt::matmul(X, bt::transpose(c.W0)), Qt = bt::transpose(c.Q);
   Mat Z0(c.n, c.d);
   std::string calA = c.dir / "deadA.safetensors", calB = c.dir / "deadB.safetensors";
-  write_st(calA, {{"blocks.0.fc.input", T(X)}, {"blocks.0.fc.output_grad", T(G0)},
+  ttu::write_file(calA, {{"blocks.0.fc.input", T(X)}, {"blocks.0.fc.output_grad", T(G0)},
                   {"blocks.1.fc.input", T(H)}, {"blocks.1.fc.output_grad", T(Z0)}});
-  write_st(calB, {{"blocks.0.fc.input", T(X)},
+  ttu::write_file(calB, {{"blocks.0.fc.input", T(X)},
                   {"blocks.0.fc.output_grad", T(bt::matmul(G0, Qt))},
                   {"blocks.1.fc.input", T(bt::matmul(H, Qt))},
                   {"blocks.1.fc.output_grad", T(Z0)}});
   const double s = 2.0;
   Mat d0 = scaled(bt::matmul(c.B0, c.A0), s), d1 = scaled(bt::matmul(c.B1, c.A1), s);
-  auto b = read_st(c.B);
+  auto b = ttu::read_file(c.B);
   bt::Ctx ctx;
   auto run = [&](int slot, const std::string &in, const std::string &out,
                  const std::string &ckpt, const std::string &rep) {
@@ -785,11 +744,11 @@ TEST(LoraTransfer, DeadLayerIsLeftUnchangedAsTheCheckpointPathLeavesIt) {
   // block 1 unchanged, block 0 carried, the report says why.
   std::string tuned = c.dir / "tuned.safetensors", o1 = c.dir / "o1.safetensors",
               r1 = c.dir / "r1.json";
-  write_st(tuned, {{"blocks.0.fc.weight", T(bt::add(c.W0, d0))},
+  ttu::write_file(tuned, {{"blocks.0.fc.weight", T(bt::add(c.W0, d0))},
                    {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
   auto res = run(BICO_FILE_SOURCE_TUNED, tuned, "", o1, r1);
   ASSERT_EQ(res.first, BICO_OK) << bico_ctx_errmsg(ctx);
-  auto o = read_st(o1);
+  auto o = ttu::read_file(o1);
   EXPECT_EQ(o["blocks.1.fc.weight"].v, b["blocks.1.fc.weight"].v);
   EXPECT_NE(o["blocks.0.fc.weight"].v, b["blocks.0.fc.weight"].v);
   EXPECT_NE(stt::read_bytes(r1).find("dead layer"), std::string::npos);
@@ -810,7 +769,7 @@ TEST(LoraTransfer, DeadLayerIsLeftUnchangedAsTheCheckpointPathLeavesIt) {
   ASSERT_EQ(bico_lora_dense(l, i, 1.0f, 0.0f, dense.data(), c.d), BICO_OK);
   EXPECT_LT(bt::relerr(as_mat(dense.data(), c.d, c.d), bt::matmul(c.Q, d0)), 1e-4);
   bico_lora_free(l);
-  auto m = read_st(ckpt);
+  auto m = ttu::read_file(ckpt);
   EXPECT_EQ(m["blocks.1.fc.weight"].v, b["blocks.1.fc.weight"].v);
   std::string r = stt::read_bytes(rep);
   EXPECT_NE(r.find("\"handling\": \"unchanged\""), std::string::npos) << r;
@@ -863,7 +822,7 @@ TEST(LoraTransfer, SavedTensorIsCarriedAsTheCheckpointPathCarriesIt) {
     return st;
   };
   std::string tuned = c.dir / "tuned.safetensors", o1 = c.dir / "o1.safetensors";
-  write_st(tuned, {{"blocks.0.fc.weight", T(c.W0)},
+  ttu::write_file(tuned, {{"blocks.0.fc.weight", T(c.W0)},
                    {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
   ASSERT_EQ(run(BICO_FILE_SOURCE_TUNED, tuned, BICO_FILE_OUTPUT, o1), BICO_OK)
       << bico_ctx_errmsg(ctx);
@@ -885,7 +844,7 @@ TEST(LoraTransfer, SavedTensorIsCarriedAsTheCheckpointPathCarriesIt) {
   bico_lora_saved(l, 0, nullptr, nullptr, nullptr, nullptr, &data);
   Mat saved = as_mat(data, c.d, c.d);
   bico_lora_free(l);
-  auto o = read_st(o1), b = read_st(c.B);
+  auto o = ttu::read_file(o1), b = ttu::read_file(c.B);
   Mat ck = as_mat(o["blocks.1.fc.weight"], c.d, c.d);
   EXPECT_LT(bt::relerr(saved, ck), 1e-6);
   Mat base = as_mat(b["blocks.1.fc.weight"], c.d, c.d);
@@ -939,7 +898,7 @@ TEST(LoraTransfer, MergedCheckpointIsWrittenByTheCheckpointPathsWriter) {
   };
   // Only block 1 changes in the checkpoint run, as the saved tensor.
   std::string tuned = c.dir / "tuned.safetensors", o1 = c.dir / "o1.safetensors";
-  write_st(tuned, {{"blocks.0.fc.weight", T(c.W0)},
+  ttu::write_file(tuned, {{"blocks.0.fc.weight", T(c.W0)},
                    {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
   ASSERT_EQ(run(BICO_FILE_SOURCE_TUNED, tuned, o1), BICO_OK) << bico_ctx_errmsg(ctx);
   std::string sv = c.dir / "saved", merged = c.dir / "merged.safetensors";
@@ -1029,9 +988,9 @@ TEST(LoraTransfer, EmbeddingAdapterFollowsItsTiedMap) {
   const size_t V = 5;
   Mat E = bt::randn(g, V, c.d), eA = bt::randn(g, c.r, V), eB = bt::randn(g, c.d, c.r);
   std::string A2 = c.dir / "A2.safetensors", B2 = c.dir / "B2.safetensors", ad = c.dir / "emb";
-  write_st(A2, {{"embed.weight", T(E)}, {"blocks.0.fc.weight", T(c.W0)},
+  ttu::write_file(A2, {{"embed.weight", T(E)}, {"blocks.0.fc.weight", T(c.W0)},
                 {"blocks.1.fc.weight", T(c.W1)}});
-  write_st(B2, {{"embed.weight", T(bt::matmul(E, bt::transpose(c.Q)))},
+  ttu::write_file(B2, {{"embed.weight", T(bt::matmul(E, bt::transpose(c.Q)))},
                 {"blocks.0.fc.weight", T(bt::matmul(c.Q, c.W0))},
                 {"blocks.1.fc.weight", T(bt::matmul(c.W1, bt::transpose(c.Q)))}});
   mkdir(ad.c_str(), 0700);
@@ -1079,7 +1038,7 @@ TEST(LoraTransfer, EmbeddingAdapterFollowsItsTiedMap) {
   EXPECT_LT(bt::relerr(bt::transpose(as_mat(dense.data(), c.d, V)), want), 1e-5);
   bico_lora_free(l);
   // Merged: the table delta is the transpose of the factor product.
-  auto m = read_st(ckpt), b = read_st(B2);
+  auto m = ttu::read_file(ckpt), b = ttu::read_file(B2);
   EXPECT_LT(bt::relerr(bt::sub(as_mat(m["embed.weight"], V, c.d), as_mat(b["embed.weight"], V, c.d)), want),
             1e-5);
 }
@@ -1102,7 +1061,7 @@ TEST(LoraTransfer, GradfixMasksTheDenseUpdateAndTruncates) {
     return v;
   };
   std::string votes = c.dir / "votes.safetensors", out = c.dir / "out", rep = c.dir / "r.json";
-  write_st(votes, {{"blocks.0.fc.weight", T(signs(d0, 3))},
+  ttu::write_file(votes, {{"blocks.0.fc.weight", T(signs(d0, 3))},
                    {"blocks.1.fc.weight", T(signs(rv, 1))}});
   bico_transfer *t = nullptr;
   ASSERT_EQ(bico_transfer_create(ctx, &t), BICO_OK);
@@ -1147,9 +1106,9 @@ TEST(LoraTransfer, GradfixSavedTensorTakesTheCheckpointPathsVotes) {
     return v;
   };
   std::string votes = c.dir / "votes.safetensors", tuned = c.dir / "tuned.safetensors";
-  write_st(votes, {{"blocks.0.fc.weight", T(signs(file_v))},
+  ttu::write_file(votes, {{"blocks.0.fc.weight", T(signs(file_v))},
                    {"blocks.1.fc.weight", T(signs(file_v))}});
-  write_st(tuned, {{"blocks.0.fc.weight", T(c.W0)},
+  ttu::write_file(tuned, {{"blocks.0.fc.weight", T(c.W0)},
                    {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
   std::string sv = c.dir / "saved";
   mkdir(sv.c_str(), 0700);
@@ -1194,7 +1153,7 @@ TEST(LoraTransfer, GradfixSavedTensorTakesTheCheckpointPathsVotes) {
   bico_lora_saved(l, 0, nullptr, nullptr, nullptr, nullptr, &data);
   Mat saved = as_mat(data, c.d, c.d);
   bico_lora_free(l);
-  auto o = read_st(o1), a = read_st(c.A);
+  auto o = ttu::read_file(o1), a = ttu::read_file(c.A);
   Mat ck = as_mat(o["blocks.1.fc.weight"], c.d, c.d);
   EXPECT_LT(bt::relerr(saved, ck), 1e-6);
   // The planted mask: the lent votes' signs keep d1 where they agree.
@@ -1213,7 +1172,7 @@ TEST(LoraTransfer, MergedFolderIsShardedAsTheCheckpointPathShardsIt) {
   bt::Ctx ctx;
   Mat d0 = scaled(bt::matmul(c.B0, c.A0), 2.0), d1 = scaled(bt::matmul(c.B1, c.A1), 2.0);
   std::string tuned = c.dir / "tuned.safetensors";
-  write_st(tuned, {{"blocks.0.fc.weight", T(bt::add(c.W0, d0))},
+  ttu::write_file(tuned, {{"blocks.0.fc.weight", T(bt::add(c.W0, d0))},
                    {"blocks.1.fc.weight", T(bt::add(c.W1, d1))}});
   auto run = [&](int slot, const std::string &in, const std::string &out) {
     bico_transfer *t = nullptr;

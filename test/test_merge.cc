@@ -17,6 +17,7 @@
 
 #include "st_testutil.h"
 #include "testutil.h"
+#include "transfer_testutil.h"
 
 namespace {
 
@@ -143,45 +144,8 @@ TEST(MergeTensor, BadInputIsRefused) {
 // ---------------------------------------------------------------------------
 // Whole checkpoints
 
-struct Tensor {
-  std::vector<size_t> shape;
-  Vec v;
-};
-using File = std::vector<std::pair<std::string, Tensor>>;
-
-void write_st(const std::string &path, const File &f) {
-  bt::Ctx ctx;
-  bico_stwriter *w = nullptr;
-  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK);
-  for (auto &e : f)
-    ASSERT_EQ(bico_stwriter_declare(w, e.first.c_str(), BICO_DTYPE_F32,
-                                    e.second.shape.size(), e.second.shape.data()),
-              BICO_OK);
-  for (auto &e : f)
-    ASSERT_EQ(bico_stwriter_write_f32(w, e.first.c_str(), e.second.v.data(), e.second.v.size()),
-              BICO_OK);
-  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK);
-  bico_stwriter_free(w);
-}
-
-std::map<std::string, Vec> read_st(const std::string &path) {
-  bt::Ctx ctx;
-  bico_stfile *f = nullptr;
-  std::map<std::string, Vec> out;
-  EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
-  if (!f) return out;
-  for (size_t i = 0; i < bt::count(bico_stfile_count, f); i++) {
-    const char *name;
-    size_t n;
-    bico_stfile_tensor_info(f, i, &name, nullptr, nullptr, nullptr);
-    bico_stfile_tensor_size(f, i, &n, nullptr);
-    Vec v(n);
-    bico_stfile_read_f32(f, i, v.data(), n);
-    out[name] = v;
-  }
-  bico_stfile_free(f);
-  return out;
-}
+using ttu::File;
+using ttu::Tensor;
 
 Vec randv(bt::Rng &g, size_t n, double s = 1.0) {
   Vec v(n);
@@ -199,17 +163,17 @@ struct Checkpoints {
               tv2 = dir / "tv2.safetensors", ft = dir / "ft.safetensors",
               ad = dir / "adapter", out = dir / "out.safetensors";
   Checkpoints() {
-    write_st(base, {{"fc.weight", {{3, 4}, W}}, {"fc.bias", {{3}, b}}});
-    write_st(tv1, {{"fc.weight", {{3, 4}, t1W}}, {"fc.bias", {{3}, t1b}}});
-    write_st(tv2, {{"fc.weight", {{3, 4}, t2W}}});  // no bias: zero for this task
+    ttu::write_file(base, {{"fc.weight", {{3, 4}, W}}, {"fc.bias", {{3}, b}}});
+    ttu::write_file(tv1, {{"fc.weight", {{3, 4}, t1W}}, {"fc.bias", {{3}, t1b}}});
+    ttu::write_file(tv2, {{"fc.weight", {{3, 4}, t2W}}});  // no bias: zero for this task
     Vec ftw(12), ftbv(3);
     for (size_t i = 0; i < 12; i++) ftw[i] = W[i] + ftW[i];
     for (size_t i = 0; i < 3; i++) ftbv[i] = b[i] + ftb[i];
-    write_st(ft, {{"fc.weight", {{3, 4}, ftw}}, {"fc.bias", {{3}, ftbv}}});
+    ttu::write_file(ft, {{"fc.weight", {{3, 4}, ftw}}, {"fc.bias", {{3}, ftbv}}});
     mkdir(ad.c_str(), 0700);
     stt::write_bytes(ad + "/adapter_config.json",
                      "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 3}");
-    write_st(ad + "/adapter_model.safetensors",
+    ttu::write_file(ad + "/adapter_model.safetensors",
              {{"base_model.model.fc.lora_A.weight", {{2, 4}, loA}},
               {"base_model.model.fc.lora_B.weight", {{3, 2}, loB}}});
   }
@@ -250,7 +214,7 @@ TEST(MergeRun, EveryInputKindAgainstTheReference) {
     ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_TUNED, c.ft.c_str(), 0.7, d), BICO_OK);
     ASSERT_EQ(bico_merge_add_input(mg.m, BICO_MERGE_LORA, c.ad.c_str(), 1.2, d), BICO_OK);
     ASSERT_EQ(bico_merge_run(mg.m), BICO_OK) << bico_ctx_errmsg(ctx);
-    auto o = read_st(c.out), dl = read_st(delta);
+    auto o = ttu::read_file(c.out), dl = ttu::read_file(delta);
     // Weight: four tasks; bias: tv1 and ft only (tv2 and the adapter lack it).
     std::vector<Vec> tw = {c.t1W, c.t2W, c.ftW, c.lora_dense()};
     std::vector<double> ww = {1.0, 0.5, 0.7, 1.2}, dw(4, d);
@@ -266,11 +230,11 @@ TEST(MergeRun, EveryInputKindAgainstTheReference) {
       for (size_t i = 0; i < 3; i++) mb[i] = (float)(c.t1b[i] + 0.7 * c.ftb[i]);
     }
     for (size_t i = 0; i < 12; i++) {
-      EXPECT_NEAR(o["fc.weight"][i], c.W[i] + 0.8 * mw[i], 1e-5) << method << " " << i;
-      EXPECT_NEAR(dl["fc.weight"][i], 0.8 * mw[i], 1e-5) << method << " " << i;
+      EXPECT_NEAR(o["fc.weight"].v[i], c.W[i] + 0.8 * mw[i], 1e-5) << method << " " << i;
+      EXPECT_NEAR(dl["fc.weight"].v[i], 0.8 * mw[i], 1e-5) << method << " " << i;
     }
     for (size_t i = 0; i < 3; i++)
-      EXPECT_NEAR(o["fc.bias"][i], c.b[i] + 0.8 * mb[i], 1e-5) << method << " " << i;
+      EXPECT_NEAR(o["fc.bias"].v[i], c.b[i] + 0.8 * mb[i], 1e-5) << method << " " << i;
     std::string r = stt::read_bytes(rep);
     EXPECT_NE(r.find("\"tasks\": 4"), std::string::npos) << r;
     EXPECT_NE(r.find("\"tasks\": 2"), std::string::npos) << r;
@@ -292,9 +256,9 @@ TEST(MergeRun, RefusalsNameTheProblemAndWriteNothing) {
   };
   std::string extra = c.dir / "extra.safetensors", shape = c.dir / "shape.safetensors",
               nan = c.dir / "nan.safetensors";
-  write_st(extra, {{"head.weight", {{2}, {1, 2}}}});
-  write_st(shape, {{"fc.bias", {{4}, {1, 2, 3, 4}}}});
-  write_st(nan, {{"fc.bias", {{3}, {1, NAN, 3}}}});
+  ttu::write_file(extra, {{"head.weight", {{2}, {1, 2}}}});
+  ttu::write_file(shape, {{"fc.bias", {{4}, {1, 2, 3, 4}}}});
+  ttu::write_file(nan, {{"fc.bias", {{3}, {1, NAN, 3}}}});
   EXPECT_EQ(run(extra, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_NOTFOUND);
   EXPECT_TRUE(mentions(ctx, "head.weight is not in the base")) << bico_ctx_errmsg(ctx);
   EXPECT_EQ(run(shape, BICO_MERGE_TASK_VECTOR, 1, BICO_MERGE_LINEAR, c.out), BICO_E_SHAPE);
@@ -433,7 +397,7 @@ TEST(MergeCheck, RulesOfTheRunWithoutTheRun) {
   // shape than the base's, an output that is an input), writing nothing
   // and leaving the inputs as they were.
   std::string odd = c.dir / "odd.safetensors";
-  write_st(odd, {{"fc.weight", {{4, 3}, c.W}}});
+  ttu::write_file(odd, {{"fc.weight", {{4, 3}, c.W}}});
   std::string ft_bytes = stt::read_bytes(c.ft);
   struct FileCase {
     std::string input, output;

@@ -16,55 +16,17 @@
 #include <vector>
 
 #include "testutil.h"
+#include "transfer_testutil.h"
 
 namespace {
 
 using bt::Mat;
+using ttu::File;
+using ttu::Tensor;
 
-struct Tensor {
-  std::vector<size_t> shape;
-  std::vector<float> v;
-};
-using File = std::vector<std::pair<std::string, Tensor>>;
+Tensor T(const Mat &m) { return ttu::as_matrix(m); }
+Tensor V(const Mat &m) { return ttu::as_vector(m); }  // a vector
 
-Tensor T(const Mat &m) { return Tensor{{m.r, m.c}, m.f32()}; }
-Tensor V(const Mat &m) { return Tensor{{m.r * m.c}, m.f32()}; }  // a vector
-
-void write(const std::string &path, const File &f) {
-  bt::Ctx ctx;
-  bico_stwriter *w = nullptr;
-  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK) << bico_ctx_errmsg(ctx);
-  for (auto &e : f)
-    ASSERT_EQ(bico_stwriter_declare(w, e.first.c_str(), BICO_DTYPE_F32,
-                                    e.second.shape.size(), e.second.shape.data()),
-              BICO_OK);
-  for (auto &e : f)
-    ASSERT_EQ(bico_stwriter_write_f32(w, e.first.c_str(), e.second.v.data(),
-                                      e.second.v.size()),
-              BICO_OK);
-  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
-  bico_stwriter_free(w);
-}
-
-std::map<std::string, Tensor> read(const std::string &path) {
-  bt::Ctx ctx;
-  bico_stfile *f = nullptr;
-  std::map<std::string, Tensor> out;
-  EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << bico_ctx_errmsg(ctx);
-  if (f == nullptr) return out;
-  for (size_t i = 0; i < bt::count(bico_stfile_count, f); i++) {
-    const char *name;
-    size_t ndim, numel;
-    const size_t *shape;
-    bico_stfile_tensor_info(f, i, &name, nullptr, &ndim, &shape);
-    bico_stfile_tensor_size(f, i, &numel, nullptr);
-    Tensor t{std::vector<size_t>(shape, shape + ndim), std::vector<float>(numel)};
-    EXPECT_EQ(bico_stfile_read_f32(f, i, t.v.data(), numel), BICO_OK);
-    out[name] = t;
-  }
-  bico_stfile_free(f);
-  return out;
-}
 
 Mat as_mat(const Tensor &t, size_t r, size_t c) {
   Mat m(r, c);
@@ -112,21 +74,21 @@ struct Chain {
     calA = dir + "/calA.safetensors";
     calB = dir + "/calB.safetensors";
     tau = dir + "/tau.safetensors";
-    write(A, {{"blocks.0.fc.weight", T(W0)}, {"blocks.0.fc.bias", V(b0)},
+    ttu::write_file(A, {{"blocks.0.fc.weight", T(W0)}, {"blocks.0.fc.bias", V(b0)},
               {"blocks.1.fc.weight", T(W1)}, {"blocks.1.fc.bias", V(b1)}});
-    write(Aft, {{"blocks.0.fc.weight", T(bt::add(W0, tau0))},
+    ttu::write_file(Aft, {{"blocks.0.fc.weight", T(bt::add(W0, tau0))},
                 {"blocks.0.fc.bias", V(bt::add(b0, taub0))},
                 {"blocks.1.fc.weight", T(bt::add(W1, tau1))},
                 {"blocks.1.fc.bias", V(bt::add(b1, taub1))}});
-    write(tau, {{"blocks.0.fc.weight", T(tau0)}, {"blocks.0.fc.bias", V(taub0)},
+    ttu::write_file(tau, {{"blocks.0.fc.weight", T(tau0)}, {"blocks.0.fc.bias", V(taub0)},
                 {"blocks.1.fc.weight", T(tau1)}, {"blocks.1.fc.bias", V(taub1)}});
-    write(B, {{"blocks.0.fc.weight", T(bt::matmul(Q, W0))},
+    ttu::write_file(B, {{"blocks.0.fc.weight", T(bt::matmul(Q, W0))},
               {"blocks.0.fc.bias", V(bt::matmul(Q, b0))},
               {"blocks.1.fc.weight", T(bt::matmul(W1, Qt))},
               {"blocks.1.fc.bias", V(b1)}});
-    write(calA, {{"blocks.0.fc.input", T(X)}, {"blocks.0.fc.output_grad", T(G0)},
+    ttu::write_file(calA, {{"blocks.0.fc.input", T(X)}, {"blocks.0.fc.output_grad", T(G0)},
                  {"blocks.1.fc.input", T(H)}, {"blocks.1.fc.output_grad", T(Z)}});
-    write(calB, {{"blocks.0.fc.input", T(X)},
+    ttu::write_file(calB, {{"blocks.0.fc.input", T(X)},
                  {"blocks.0.fc.output_grad", T(bt::matmul(G0, Qt))},
                  {"blocks.1.fc.input", T(bt::matmul(H, Qt))},
                  {"blocks.1.fc.output_grad", T(Z)}});
@@ -142,8 +104,8 @@ struct Chain {
 
   // Checks out = B + alpha * (Q tau0, Q taub0, tau1 Q^T, taub1).
   void expect_exact(const std::string &out, double alpha = 1.0) {
-    auto o = read(out);
-    auto b = read(B);
+    auto o = ttu::read_file(out);
+    auto b = ttu::read_file(B);
     ASSERT_EQ(o.size(), 4u);
     Mat want0 = bt::matmul(Q, tau0), wantb0 = bt::matmul(Q, taub0);
     Mat want1 = bt::matmul(tau1, bt::transpose(Q));
@@ -213,8 +175,8 @@ TEST(TransferPlanted, StatisticsFileAndTaskVectorGiveTheSame) {
             BICO_OK)
       << bico_ctx_errmsg(ctx);
   // The statistic is X_A^T X_B, computed here independently.
-  auto s = read(stats);
-  auto ca = read(c.calA), cb = read(c.calB);
+  auto s = ttu::read_file(stats);
+  auto ca = ttu::read_file(c.calA), cb = ttu::read_file(c.calB);
   ASSERT_EQ(s["blocks.1.fc.in_xcov"].shape, (std::vector<size_t>{c.d, c.d}));
   Mat want = bt::matmul(bt::transpose(as_mat(ca["blocks.1.fc.input"], c.n, c.d)),
                         as_mat(cb["blocks.1.fc.input"], c.n, c.d));
@@ -224,7 +186,7 @@ TEST(TransferPlanted, StatisticsFileAndTaskVectorGiveTheSame) {
   std::string merged = c.dir + "/delta.safetensors";
   const char *ins[2] = {stats.c_str(), stats.c_str()};
   ASSERT_EQ(bico_stats_merge(ctx, ins, 2, merged.c_str()), BICO_OK) << bico_ctx_errmsg(ctx);
-  auto m = read(merged);
+  auto m = ttu::read_file(merged);
   Mat twice = as_mat(s["blocks.0.fc.out_xcov"], c.d, c.d);
   for (auto &x : twice.v) x *= 2;
   EXPECT_LT(bt::relerr(as_mat(m["blocks.0.fc.out_xcov"], c.d, c.d), twice), 1e-6);
@@ -252,8 +214,8 @@ TEST(TransferPlanted, NaiveIsNotExactHere) {
   ASSERT_EQ(bico_transfer_set_param(tr.t, BICO_TRANSFER_METHOD, BICO_METHOD_NAIVE),
             BICO_OK);
   ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
-  auto o = read(c.dir + "/out.safetensors");
-  auto b = read(c.B);
+  auto o = ttu::read_file(c.dir + "/out.safetensors");
+  auto b = ttu::read_file(c.B);
   Mat upd = bt::sub(as_mat(o["blocks.0.fc.weight"], c.d, c.d),
                     as_mat(b["blocks.0.fc.weight"], c.d, c.d));
   EXPECT_LT(bt::relerr(upd, c.tau0), 1e-6);
@@ -320,13 +282,13 @@ TEST(TransferErrors, BadInputsNameTheCulpritAndWriteNothing) {
   }
   {
     // Rows mismatch between the calibration files: names the module.
-    auto cb = read(c.calB);
+    auto cb = ttu::read_file(c.calB);
     cb["blocks.1.fc.input"].shape[0] -= 1;
     cb["blocks.1.fc.input"].v.resize((c.n - 1) * c.d);
     File f;
     for (auto &e : cb) f.push_back(e);
     std::string bad = c.dir + "/stats.safetensors";
-    write(bad, f);
+    ttu::write_file(bad, f);
     Transfer tr(ctx);
     base(tr);
     tr.file(BICO_FILE_TARGET_CALIB, bad);
@@ -337,9 +299,9 @@ TEST(TransferErrors, BadInputsNameTheCulpritAndWriteNothing) {
     // A missing module's calibration: NOTFOUND naming the key.
     cb.erase("blocks.1.fc.output_grad");
     File g;
-    for (auto &e : read(c.calB))
+    for (auto &e : ttu::read_file(c.calB))
       if (e.first != "blocks.0.fc.output_grad") g.push_back(e);
-    write(bad, g);
+    ttu::write_file(bad, g);
     Transfer tr2(ctx);
     base(tr2);
     tr2.file(BICO_FILE_TARGET_CALIB, bad);
@@ -529,7 +491,7 @@ TEST(TransferPipeline, WorkerFailuresNameTheCulprit) {
                                   stats.c_str()),
             BICO_OK);
   std::string out = c.dir + "/out.safetensors";
-  auto s = read(stats);
+  auto s = ttu::read_file(stats);
   for (int variant : {0, 1}) {
     File f;
     for (auto &e : s) {
@@ -542,7 +504,7 @@ TEST(TransferPipeline, WorkerFailuresNameTheCulprit) {
       }
       f.push_back(e);
     }
-    write(bad, f);
+    ttu::write_file(bad, f);
     std::string serial_msg;
     for (double workers : {1.0, 3.0}) {
       SCOPED_TRACE(testing::Message() << "variant " << variant << " workers " << workers);
@@ -645,7 +607,7 @@ struct ChainRows {
   Mat in0a, in0b, out0a, out0b, in1a, in1b, out1a, out1b;
   explicit ChainRows(const Chain &c) {
     auto m = [](const Tensor &t) { return as_mat(t, t.shape[0], t.shape[1]); };
-    auto a = read(c.calA), b = read(c.calB);
+    auto a = ttu::read_file(c.calA), b = ttu::read_file(c.calB);
     in0a = m(a["blocks.0.fc.input"]);
     in0b = m(b["blocks.0.fc.input"]);
     out0a = m(a["blocks.0.fc.output_grad"]);
@@ -688,7 +650,7 @@ void set_inputs(Transfer &tr, const Chain &c, const std::string &out) {
 }
 
 double max_rel(const std::string &p, const std::string &q) {
-  auto a = read(p), b = read(q);
+  auto a = ttu::read_file(p), b = ttu::read_file(q);
   double worst = 0;
   for (auto &e : a) {
     const auto &u = e.second.v, &v = b[e.first].v;
@@ -823,7 +785,7 @@ TEST(TransferLent, SplitSideFromOneOrPerBlockAccumulators) {
     EXPECT_LT(max_rel(out, want), 1e-5);
   }
   // the split changes the answer (block maps are not the planted rotation)
-  auto o = read(want), b = read(c.B);
+  auto o = ttu::read_file(want), b = ttu::read_file(c.B);
   Mat upd = bt::sub(as_mat(o["blocks.0.fc.weight"], c.d, c.d),
                     as_mat(b["blocks.0.fc.weight"], c.d, c.d));
   EXPECT_GT(bt::relerr(upd, bt::matmul(c.Q, c.tau0)), 1e-3);
@@ -898,7 +860,7 @@ TEST(TransferLent, GradfixVotesFromMemoryInBothModes) {
   Chain c;
   bt::Ctx ctx;
   std::string out = c.dir + "/out.safetensors";
-  auto a = read(c.A), aft = read(c.Aft);
+  auto a = ttu::read_file(c.A), aft = ttu::read_file(c.Aft);
   bt::Rng g(7);
   std::map<std::string, std::vector<std::vector<float>>> grads;
   std::vector<bico_votes *> all;
@@ -940,7 +902,7 @@ TEST(TransferLent, GradfixVotesFromMemoryInBothModes) {
       want[e.first] = w;
     }
     ASSERT_EQ(bico_transfer_run(tr.t), BICO_OK) << bico_ctx_errmsg(ctx);
-    auto o = read(out);
+    auto o = ttu::read_file(out);
     for (auto &e : want)
       for (size_t i = 0; i < e.second.size(); i++)
         EXPECT_NEAR(o[e.first].v[i], e.second[i], 1e-6) << e.first << " " << i;

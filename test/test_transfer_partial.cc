@@ -14,27 +14,16 @@
 
 #include "st_testutil.h"
 #include "testutil.h"
+#include "transfer_testutil.h"
 
 namespace {
 
 using bt::Mat;
 
+// This suite's files: a matrix of one column is a bias vector.
 void write(const std::string &path,
            const std::vector<std::pair<std::string, Mat>> &f) {
-  bt::Ctx ctx;
-  bico_stwriter *w = nullptr;
-  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK);
-  for (auto &e : f) {
-    size_t shape[2] = {e.second.r, e.second.c};
-    size_t nd = e.second.c == 1 ? 1 : 2;  // a column is a bias vector
-    ASSERT_EQ(bico_stwriter_declare(w, e.first.c_str(), BICO_DTYPE_F32, nd, shape), BICO_OK);
-  }
-  for (auto &e : f) {
-    std::vector<float> v = e.second.f32();
-    ASSERT_EQ(bico_stwriter_write_f32(w, e.first.c_str(), v.data(), v.size()), BICO_OK);
-  }
-  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
-  bico_stwriter_free(w);
+  ttu::write_mats(path, f, true);
 }
 
 struct Planted {

@@ -15,6 +15,7 @@
 
 #include "st_testutil.h"
 #include "testutil.h"
+#include "transfer_testutil.h"
 
 namespace {
 
@@ -113,34 +114,6 @@ TEST(StWriterRange, OutOfOrderGapsOverrunsAndEarlyCommitsAreRefused) {
   bico_stfile_free(f);
 }
 
-void write(const std::string &path, const std::vector<std::pair<std::string, Mat>> &f) {
-  bt::Ctx ctx;
-  bico_stwriter *w = nullptr;
-  ASSERT_EQ(bico_stwriter_create(ctx, path.c_str(), &w), BICO_OK);
-  for (auto &e : f) {
-    size_t shape[2] = {e.second.r, e.second.c};
-    ASSERT_EQ(bico_stwriter_declare(w, e.first.c_str(), BICO_DTYPE_F32, 2, shape), BICO_OK);
-  }
-  for (auto &e : f) {
-    std::vector<float> v = e.second.f32();
-    ASSERT_EQ(bico_stwriter_write_f32(w, e.first.c_str(), v.data(), v.size()), BICO_OK);
-  }
-  ASSERT_EQ(bico_stwriter_commit(w), BICO_OK) << bico_ctx_errmsg(ctx);
-  bico_stwriter_free(w);
-}
-
-Mat read(const std::string &path, const char *name, size_t rows, size_t cols) {
-  bt::Ctx ctx;
-  bico_stfile *f = nullptr;
-  EXPECT_EQ(bico_stfile_open(ctx, path.c_str(), &f), BICO_OK) << path;
-  size_t i = 0;
-  EXPECT_EQ(bico_stfile_find(f, name, &i), BICO_OK) << name;
-  std::vector<float> v(rows * cols);
-  EXPECT_EQ(bico_stfile_read_f32(f, i, v.data(), v.size()), BICO_OK);
-  bico_stfile_free(f);
-  return Mat::from(v.data(), rows, cols, cols);
-}
-
 // A stem (outside the blocks, named "stem"), a token table tied to it
 // (pos_embed, V rows), one block; B is A with its hidden space rotated by
 // Q: stem_B = Q stem_A, pos_B = pos_A Q^T, fc_B = fc_A Q^T.
@@ -160,14 +133,14 @@ struct Tied {
         Z = bt::randn(g, n, dm);
     A = d.path + "/A.st"; B = d.path + "/B.st"; tau = d.path + "/tau.st";
     calA = d.path + "/calA.st"; calB = d.path + "/calB.st";
-    write(A, {{"pos_embed", P}, {"stem.weight", S}, {"blocks.0.fc.weight", F}});
-    write(tau, {{"pos_embed", tpos}, {"stem.weight", ts}, {"blocks.0.fc.weight", tf}});
-    write(B, {{"pos_embed", bt::matmul(P, Qt)},
+    ttu::write_mats(A, {{"pos_embed", P}, {"stem.weight", S}, {"blocks.0.fc.weight", F}});
+    ttu::write_mats(tau, {{"pos_embed", tpos}, {"stem.weight", ts}, {"blocks.0.fc.weight", tf}});
+    ttu::write_mats(B, {{"pos_embed", bt::matmul(P, Qt)},
               {"stem.weight", bt::matmul(Q, S)},
               {"blocks.0.fc.weight", bt::matmul(F, Qt)}});
-    write(calA, {{"stem.input", X}, {"stem.output_grad", G},
+    ttu::write_mats(calA, {{"stem.input", X}, {"stem.output_grad", G},
                  {"blocks.0.fc.input", H}, {"blocks.0.fc.output_grad", Z}});
-    write(calB, {{"stem.input", X}, {"stem.output_grad", bt::matmul(G, Qt)},
+    ttu::write_mats(calB, {{"stem.input", X}, {"stem.output_grad", bt::matmul(G, Qt)},
                  {"blocks.0.fc.input", bt::matmul(H, Qt)},
                  {"blocks.0.fc.output_grad", Z}});
   }
@@ -197,9 +170,9 @@ TEST(TransferStream, TokenTablesStreamedInAnyPieceSizeCarryThePlantedUpdate) {
     bico_transfer *t = s.make(ctx, out, delta, chunk);
     ASSERT_EQ(bico_transfer_run(t), BICO_OK) << bico_ctx_errmsg(ctx);
     bico_transfer_free(t);
-    Mat got = read(delta, "pos_embed", s.V, s.dm);
+    Mat got = ttu::read_mat(delta, "pos_embed", s.V, s.dm);
     EXPECT_LT(max_abs_diff(got, want), 1e-5) << "chunk " << chunk;
-    Mat base = read(s.B, "pos_embed", s.V, s.dm), full = read(out, "pos_embed", s.V, s.dm);
+    Mat base = ttu::read_mat(s.B, "pos_embed", s.V, s.dm), full = ttu::read_mat(out, "pos_embed", s.V, s.dm);
     EXPECT_LT(max_abs_diff(full, bt::add(base, want)), 1e-5) << "chunk " << chunk;
     if (chunk == 0.0) {
       first_out = stt::read_bytes(out);
@@ -236,7 +209,7 @@ TEST(TransferStream, PartialRunsWholeUpdateEqualsTheStreamedOne) {
   ASSERT_EQ(bico_transfer_run(p), BICO_OK) << bico_ctx_errmsg(ctx);
   bico_transfer_free(p);
   ASSERT_EQ(k.upd.size(), s.V * s.dm);
-  Mat streamed = read(delta, "pos_embed", s.V, s.dm);
+  Mat streamed = ttu::read_mat(delta, "pos_embed", s.V, s.dm);
   EXPECT_LT(max_abs_diff(Mat::from(k.upd.data(), s.V, s.dm, s.dm), streamed), 1e-6);
 }
 

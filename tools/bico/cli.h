@@ -106,9 +106,11 @@ void cli_progress_clear(void); /* erases a drawn bar before other text */
 void cli_progress_text(const bico_progress *p, int bar, const char *unit,
                        char *buf, size_t cap);
 
-/* Where the expanded arguments came from (tools/bico/config.c): the
- * --config file, or NULL when none was given; cli_from_config(i) is 1 when
- * argument i (of the subcommand's expanded argv) came from that file. */
+/* Where the expanded arguments came from (tools/bico/argsource.c, set by
+ * config.c's expansion): the --config file, or NULL when none was given;
+ * cli_from_config(i) is 1 when argument i (of the subcommand's expanded
+ * argv) came from that file, the arguments [lo, hi). */
+void cli_args_from_config(const char *file, int lo, int hi);
 const char *cli_config_file(void);
 int cli_from_config(int i);
 

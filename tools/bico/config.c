@@ -434,15 +434,9 @@ static int load(argbuf *b, const char *path) {
 }
 
 static argbuf expanded;
-static int from_lo = -1, from_hi = -1; /* the file's arguments: [lo, hi) */
-
-const char *cli_config_file(void) { return expanded.file; }
-
-int cli_from_config(int i) {
-  return expanded.file != NULL && i >= from_lo && i < from_hi;
-}
 
 static void release(void) {
+  cli_args_from_config(NULL, -1, -1);
   for (size_t i = 0; i < expanded.n; i++) free(expanded.v[i]);
   free(expanded.v);
   expanded.v = NULL;
@@ -473,12 +467,13 @@ int cli_config_expand(const char *cmd, int *argc, char ***argv) {
   /* argv[0], the options before --config, the file's, then the rest. */
   int ok = 1;
   for (int i = 0; i < first && ok; i++) ok = push(b, (*argv)[i]) == 0;
-  from_lo = (int)b->n;
+  int from_lo = (int)b->n;
+  cli_args_from_config(path, from_lo, -1); /* the file named, no range */
   if (ok && load(b, path) != 0) {
     if (!b->failed) cli_error(cmd, CLI_FAIL, "--config %s: out of memory", path);
     return b->failed ? CLI_USAGE : CLI_FAIL;
   }
-  from_hi = (int)b->n;
+  cli_args_from_config(path, from_lo, (int)b->n);
   for (int i = at + 1; i < *argc && ok; i++) ok = push(b, (*argv)[i]) == 0;
   if (!ok) return cli_error(cmd, CLI_FAIL, "--config %s: out of memory", path);
   *argc = (int)b->n;
