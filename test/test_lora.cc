@@ -1541,6 +1541,18 @@ TEST(LoraOpen, TargetModulesByPeftsRules) {
       {"\".*\\\\.(q|up)_proj\\\\d*|lm_head\"", BICO_E_UNSUPPORTED, "\\d"},
       {"\"(?:.*q_proj)|.*\"", BICO_E_UNSUPPORTED, "(?"},
       {"\"[\"", BICO_E_FORMAT, "not a regular expression"},
+      // expressions whose compiled form would be exponential in their
+      // length (glibc's regcomp copies x for x+ and x{n}): refused first
+      {"\"ti+++++++++++++++++++++++++++++++ny\"", BICO_E_UNSUPPORTED,
+       "a repetition of a repetition"},
+      {"\"(.*q_proj){9}{9}|lm_head\"", BICO_E_UNSUPPORTED,
+       "a repetition of a repetition"},
+      {"\"((((((((((((((((((.*_proj+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+|lm_head\"",
+       BICO_E_UNSUPPORTED, "too large once compiled"},
+      {"\"((.*(q|up)_proj|x){300}){300}|lm_head\"", BICO_E_UNSUPPORTED,
+       "too large once compiled"},
+      // a bound, a bracket and a nested plus of a sane size are read
+      {"\".*(q|up)_pro[j]{1}(_[0-9]+)?|lm_he{1,2}ad\"", BICO_OK, nullptr},
       {"42", BICO_E_FORMAT, "target_modules"},
   };
   int k = 0;

@@ -97,6 +97,89 @@ static bico_status check_pattern(bico_ctx *ctx, const char *path,
   return BICO_OK;
 }
 
+/* The size of a target_modules expression once compiled, estimated the
+ * way glibc's regcomp builds it: `x+` holds x twice, `x{m,n}` n times,
+ * `*` and `?` once; an expression over REGEX_NODES (a nested `((a+)+)+`,
+ * a bounded repeat of a bounded repeat) would take memory exponential in
+ * its length, so it is refused before regcomp sees it.  A quantifier
+ * that follows another (`a++`, `a*{2}`) is refused too: Python reads it
+ * as a possessive quantifier or refuses it ("multiple repeat"), POSIX
+ * leaves it undefined.  Returns NULL, or what is wrong. */
+#define REGEX_NODES (1 << 16)
+#define REGEX_DEPTH 64
+
+/* At p, a bound {m}, {m,} or {m,n}: the most times it repeats (m + 1 for
+ * {m,}: one more copy and a star), its closing brace in *end; 0 when p is
+ * no bound (a literal brace). */
+static double bound(const char *p, const char **end) {
+  if (*p != '{') return 0;
+  char *e;
+  const char *q = p + 1;
+  if (*q < '0' || *q > '9') return 0;
+  double m = (double)strtoul(q, &e, 10), n = m;
+  if (*e == ',') {
+    if (e[1] == '}') {
+      n = m + 1;
+      e++;
+    } else if (e[1] >= '0' && e[1] <= '9') {
+      n = (double)strtoul(e + 1, &e, 10);
+    } else {
+      return 0;
+    }
+  }
+  if (*e != '}') return 0;
+  if (end != NULL) *end = e;
+  return n > m ? n : (m > 0 ? m : 1);
+}
+
+static const char *regex_too_large(const char *s) {
+  double size[REGEX_DEPTH + 1] = {0}; /* each open group's size so far */
+  double last = 0;                    /* the last atom's size; 0: none */
+  int depth = 0, quantified = 0;
+  for (const char *p = s; *p; p++) {
+    double add = 0;
+    int quant = 0;
+    if (*p == '\\') {
+      if (p[1]) p++;
+      last = 1, add = 1;
+    } else if (*p == '[') { /* a bracket expression is one atom */
+      const char *q = p + 1;
+      if (*q == '^') q++;
+      if (*q == ']') q++;
+      while (*q && *q != ']') q++;
+      if (*q == '\0') return NULL; /* regcomp reports the missing ] */
+      p = q;
+      last = 1, add = 1;
+    } else if (*p == '(') {
+      if (depth == REGEX_DEPTH) return "groups nested too deep";
+      size[++depth] = 0;
+      last = 0;
+    } else if (*p == ')' && depth > 0) {
+      last = size[depth--] + 1, add = last;
+    } else if (*p == '|') {
+      last = 0, add = 1;
+    } else if (*p == '*' || *p == '?' || *p == '+' || bound(p, NULL)) {
+      double times = *p == '+' ? 2 : 1;
+      if (*p == '{') {
+        const char *end;
+        times = bound(p, &end);
+        p = end;
+      }
+      if (quantified) return "a repetition of a repetition";
+      quant = 1;
+      add = last * (times - 1);
+      last *= times;
+    } else {
+      last = 1, add = 1;
+    }
+    quantified = quant;
+    size[depth] += add;
+    if (size[depth] > REGEX_NODES || last > REGEX_NODES)
+      return "too large once compiled";
+  }
+  return NULL;
+}
+
 /* target_modules as a string: PEFT takes it as a Python regular
  * expression that must match a module's whole name (re.fullmatch), or as
  * the shorthand "all-linear".  Read here as a POSIX extended expression
@@ -120,6 +203,13 @@ static bico_status target_regex(bico_ctx *ctx, const char *path,
                         "extended expressions do not have; list the modules "
                         "instead",
                         path, s, PY[i]);
+  const char *large = regex_too_large(s);
+  if (large != NULL)
+    return bico__fail(ctx, BICO_E_UNSUPPORTED,
+                      "lora_open: %s: target_modules \"%.200s%s\": %s (at "
+                      "most %d pieces); list the modules instead",
+                      path, s, strlen(s) > 200 ? "..." : "", large,
+                      REGEX_NODES);
   size_t n = strlen(s);
   char *full = bico__alloc(ctx, n + 5);
   if (full == NULL) return BICO_E_NOMEM;
