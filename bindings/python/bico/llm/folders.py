@@ -11,7 +11,6 @@ here): method "fit" streams the models from the folders a block at a
 time (stream.route), any other method, or stream=False, loads them whole
 (load_model, float32) and runs bico.torch.transfer_model on them.
 """
-import os
 from dataclasses import dataclass
 
 from .._status import BicoError, E_ARG
@@ -28,10 +27,6 @@ class Streaming(object):
     (a nameless temporary file; None: $TMPDIR and the default budget)."""
     spill_dir: object = None
     memory_budget: object = None
-
-
-def _is_folder(m):
-    return isinstance(m, (str, os.PathLike))
 
 
 def transfer_model(source, source_tuned, target, batches, method="fit",
@@ -68,7 +63,7 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     (the state dict is returned).  nn.Modules for all three: the same as
     bico.torch.transfer_model."""
     from ..torch import options as _opts
-    from ..torch.transfer import transfer_model as modules_route
+    from ..torch.transfer import _is_folder, transfer_model as modules_route
     folders = [n for n, m in zip(_MODELS, (source, source_tuned, target))
                if _is_folder(m)]
     if stream is True:

@@ -22,6 +22,7 @@ meaning is documented at bico.torch.transfer_model."""
 import dataclasses
 from dataclasses import dataclass, field
 
+from .._enums import METHODS as _C_METHODS
 from .._status import BicoError, E_ARG
 
 __all__ = ["TransferOptions", "MapOptions", "FitOptions", "DistillOptions",
@@ -88,12 +89,12 @@ class DistillOptions(TransferOptions):
     augment: object = "auto"
 
 
-# method -> its family
-FAMILIES = {"bico": MapOptions, "bico-in": MapOptions,
-            "bico-out": MapOptions, "gradfix": MapOptions,
-            "naive": MapOptions, "pad": MapOptions, "fit": FitOptions,
-            "proxy-fit": FitOptions, "distill": DistillOptions,
-            "proxy-distill": DistillOptions}
+# method -> its family: the library's methods (its enumeration's names)
+# take MapOptions
+FAMILIES = dict({m: MapOptions for m in _C_METHODS},
+                **{"fit": FitOptions, "proxy-fit": FitOptions,
+                   "distill": DistillOptions,
+                   "proxy-distill": DistillOptions})
 
 
 def family_of(method):

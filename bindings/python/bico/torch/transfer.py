@@ -19,7 +19,6 @@ import torch.nn as nn
 from .._ctx import Context
 from .._names import Pairing
 from .._status import BicoError, E_ARG, E_NOTFOUND, E_SHAPE, E_STATE
-from .._enums import METHODS as _C_METHODS
 from ..transfer import transfer_state_dict as _transfer_np
 from ._common import _default_forward, _output, _on, _device
 from .collect import Collector, collect_statistics, collect_votes, \
@@ -54,8 +53,7 @@ def transfer_state_dict(source_base, source_tuned, target_base, stats=None,
 
 
 # the library's methods, then the fits this module adds
-MODEL_METHODS = tuple(_C_METHODS) + ("fit", "proxy-fit", "distill",
-                                     "proxy-distill")
+MODEL_METHODS = tuple(_opts.FAMILIES)
 _PROCRUSTES_KEYS = ("rank_tol", "null", "center", "whiten", "method",
                     "completion")
 
