@@ -149,22 +149,29 @@ def pair(tmp_path_factory):
     return d
 
 
+def _distil(pair, out, *extra):
+    """python3 -m bico.llm --method distill on the pair's folders (24
+    windows of 32 tokens, rank 2, the adapter to out) with extra options;
+    its stderr."""
+    r = subprocess.run(
+        [sys.executable, "-m", "bico.llm", "--source", "A", "--lora",
+         "A_adapter", "--target", "B", "--text", "task.txt", "--output-lora",
+         str(out), "--window", "32", "--windows", "24", "--method",
+         "distill", "--rank", "2"] + list(extra), cwd=str(pair),
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+        text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stderr
+
+
 def test_the_command_distils_on_the_written_windows_too(pair, tmp_path):
     """--generate N: N windows written by the teacher join the fit
     windows (the teacher's batches grow by N / batch size), the held-out
     windows stay the user's (the untouched target's held-out loss is the
     same as without them), and the adapter is written."""
     def run(n):
-        r = subprocess.run(
-            [sys.executable, "-m", "bico.llm", "--source", "A", "--lora",
-             "A_adapter", "--target", "B", "--text", "task.txt",
-             "--output-lora", str(tmp_path / ("ad%d" % n)), "--window",
-             "32", "--windows", "24", "--method", "distill", "--steps", "20",
-             "--rank", "2", "--generate", str(n)], cwd=str(pair),
-            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-            text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return r.stderr
+        return _distil(pair, tmp_path / ("ad%d" % n), "--steps", "20",
+                       "--generate", str(n))
     none, some = run(0), run(16)
 
     def line(err, start):
@@ -196,16 +203,9 @@ def test_the_schedule_is_the_short_one_only_when_most_text_is_written(
     from bico.llm.command.arguments import WRITTEN_STEPS
 
     def steps(n):
-        r = subprocess.run(
-            [sys.executable, "-m", "bico.llm", "--source", "A", "--lora",
-             "A_adapter", "--target", "B", "--text", "task.txt",
-             "--output-lora", str(tmp_path / ("ad%d" % n)), "--window",
-             "32", "--windows", "24", "--method", "distill", "--rank", "2",
-             "--patience", "1", "--generate", str(n)], cwd=str(pair),
-            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-            text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        head = [x for x in r.stderr.splitlines()
+        err = _distil(pair, tmp_path / ("ad%d" % n), "--patience", "1",
+                      "--generate", str(n))
+        head = [x for x in err.splitlines()
                 if x.startswith("distill: LoRA rank")][-1]
         return int(head.split(", ")[-1].split()[0])
     assert WRITTEN_STEPS == 400
