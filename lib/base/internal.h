@@ -211,7 +211,7 @@ size_t bico__lora_nsaved(const bico_lora *l);
 void bico__stfile_drop(const bico_stfile *f, size_t index);
 
 /* "[4, 3]" for a shape, into buf (cut with "..." when cap is short);
- * returns buf.  For messages that state both shapes (lib/io/fileio.c). */
+ * returns buf.  For messages that state both shapes (lib/io/strings.c). */
 const char *bico__shape_text(char *buf, size_t cap, size_t ndim,
                              const size_t *shape);
 

@@ -1,14 +1,18 @@
-/* File plumbing shared by every reader and writer of the library (internal).
+/* File plumbing shared by every reader and writer of the library (internal),
+ * one concept a file:
  *
- * - Strings: bico__strdup / bico__strndup through the context's allocator.
- * - Inputs: bico__open_input opens without blocking (a FIFO would hang a
+ * - Strings (lib/io/strings.c): bico__strdup / bico__strndup through the
+ *   context's allocator, paths and their parts, a file's kind, a shape.
+ * - Inputs (lib/io/input.c): bico__open_input opens without blocking (a FIFO would hang a
  *   plain open) and refuses anything but a regular file after following
  *   symbolic links; bico__read_file reads a whole small file through it.
- * - Identity: two paths name the same file when they lead to the same
+ * - Identity (lib/io/identity.c): two paths name the same file when they lead to the same
  *   device and inode (what exists) or to the same folder and name (what a
  *   commit will create or replace); bico__check_files applies that rule
  *   across every input and output of a run.
- * - Atomic multi-file commit: each output is written into a temporary file
+ * - Atomic multi-file commit (lib/io/tmpfile.c: the temporaries, their
+ *   locks and the stale ones' removal; lib/io/commit.c: the commit): each
+ *   output is written into a temporary file
  *   in its destination folder, named ".<base>.bico-tmp.<pid>.XXXXXX" (base
  *   cut to 200 bytes); bico__commit checks every destination, then renames
  *   each temporary file into place and fsyncs each folder.  The run holds
@@ -21,7 +25,10 @@
  *   never by the pid in the name alone (a run in another pid namespace
  *   has a pid this process cannot see); an entry whose pid is a live
  *   process here stays as well.
- * - Folder commit (lib/io/st_folder.c, lib/io/st_swap.c): a model folder is
+ * - Folder commit (lib/io/folder_guard.c: the lock, the checks and the new
+ *   folder's attributes; lib/io/folder_swap.c: the swap, the user's files
+ *   carried, the old tree retired; lib/io/st_folder.c builds a model
+ *   folder, lib/lora/lora_io.c an adapter's): a model folder is
  *   built complete as a sibling temporary folder of the same name form
  *   (".<folder>.bico-tmp.<pid>.XXXXXX", mode 0700 while it is built), the
  *   user's own files of the old folder carried into it by hard link; its
@@ -55,6 +62,13 @@ char *bico__trim_slashes(const char *path);
 
 /* dir + "/" + file (no second '/' when dir ends in one). */
 char *bico__path_join(bico_ctx *ctx, const char *dir, const char *file);
+
+/* The folder part of path ("." when none; "/" for "/x") into buf. */
+void bico__dir_of(const char *path, char *buf, size_t cap);
+/* The last component of path (inside it). */
+const char *bico__base_of(const char *path);
+/* A file mode's kind for messages: "a file", "a folder", "a FIFO", ... */
+const char *bico__kind_of(mode_t m);
 
 /* Opens `path` read-only (O_CLOEXEC) without blocking and checks that it
  * is a regular file; *fd gets the descriptor (blocking again) and *size its
@@ -180,7 +194,7 @@ int bico__remove_tree(const char *path);
  * (syncfs of its file system, fsync of the folder where that is missing):
  * one call for thousands of small files.  0 or an errno. */
 int bico__sync_folder(const char *path);
-/* Swaps the complete folder t->tmp in for t->path (lib/io/st_swap.c): 0 or
+/* Swaps the complete folder t->tmp in for t->path (lib/io/folder_swap.c): 0 or
  * an errno, with t->oldtree set when an old folder was moved out (locked
  * first: t->oldlock). */
 int bico__swap_folder(bico__tmpfile *t);
@@ -231,7 +245,7 @@ bico_status bico__commit_lists(bico_ctx *ctx, const char *fn, bico_status st,
  * folder's real parent (base cut to 200 bytes). */
 #define BICO__LOCK_SUFFIX ".bico-lock"
 
-/* ---- output folders (lib/io/outdir.c) ----
+/* ---- output folders (lib/io/folder_guard.c) ----
  *
  * The run's lock: one writer of an output folder at a time, between
  * processes.  The lock is an exclusive flock(2) on the hidden file
@@ -282,7 +296,7 @@ typedef struct bico__carried {
 } bico__carried;
 void bico__carried_free(bico_ctx *ctx, bico__carried *r);
 
-/* lib/io/st_swap.c: carries the entries of folder `from` for which keep(arg,
+/* lib/io/folder_swap.c: carries the entries of folder `from` for which keep(arg,
  * name) says 1 (every entry of its sub-folders) into the folder `to`: a
  * hard link for each file and link (a copy with its mode, times and
  * extended attributes when linking is refused: EXDEV, EPERM, ...), each
@@ -298,7 +312,7 @@ bico_status bico__carry_files(bico_ctx *ctx, const char *fn,
                               const char *shown, const char *from,
                               const char *to, bico__keep_fn keep, void *arg,
                               bico__carried *rec);
-/* After the swap (lib/io/fileio.c's commit): removes the old tree `old` of
+/* After the swap (lib/io/commit.c): removes the old tree `old` of
  * t (t->carried set) entry by entry, and only what was carried or dropped
  * on purpose: a top-level entry that t->carried's keep rule refuses (the
  * weights the new folder replaces), an entry whose new folder holds the
@@ -311,7 +325,7 @@ bico_status bico__carry_files(bico_ctx *ctx, const char *fn,
 void bico__retire_tree(bico__tmpfile *t, const char *old);
 
 /* A folder commit: the output folder resolved and checked, the run's lock,
- * the new folder built beside it (lib/io/outdir.c). */
+ * the new folder built beside it (lib/io/folder_guard.c). */
 typedef struct bico__stage {
   char *dir;  /* as the caller spelt it, trailing '/'s removed */
   char *real; /* its real path: what the commit replaces */

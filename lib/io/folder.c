@@ -1,7 +1,7 @@
 /* bico_folder (include/bico/folder.h): a front end's output folders,
  * checked by the identity rule of the runs (bico__check_files), locked,
  * built beside and committed in one step through the library's folder
- * commit (lib/io/outdir.c, lib/io/st_swap.c, bico__commit); its output
+ * commit (lib/io/folder_guard.c, lib/io/folder_swap.c, bico__commit); its output
  * files checked by the same rule (the front end writes them). */
 #include <dirent.h>
 #include <errno.h>

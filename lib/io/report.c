@@ -1,5 +1,5 @@
 /* The reports' vocabulary over lib/base/json.c's writer, and their temporary
- * file for the run's commit (lib/io/fileio.c). */
+ * file for the run's commit (lib/io/commit.c). */
 #include <string.h>
 
 #include "fileio.h"

@@ -1,7 +1,7 @@
 /* safetensors writer: Hugging Face model folders as outputs (the shard
  * plan, the index, the target's other files copied, the user's files of
  * the old folder carried over), built in a temporary sibling folder that
- * the commit swaps in whole (lib/io/fileio.h, lib/io/st_swap.c).  The tensor
+ * the commit swaps in whole (lib/io/fileio.h, lib/io/folder_swap.c).  The tensor
  * side lives in lib/io/st_writer.c; this file owns the folder. */
 #define _DEFAULT_SOURCE 1 /* realpath */
 #include <dirent.h>

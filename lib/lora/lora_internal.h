@@ -13,7 +13,7 @@ void bico__lora_set_dropout(bico_lora *l, double dropout);
 /* bico_lora_save in two steps, so that a run commits the adapter together
  * with its other outputs (lib/io/fileio.h): begin checks both destinations,
  * takes the folder's lock (joining a run's) and builds the whole adapter
- * folder beside it (lib/io/outdir.c: adapter_model.safetensors,
+ * folder beside it (lib/io/folder_guard.c: adapter_model.safetensors,
  * adapter_config.json, the old folder's other entries carried); the caller
  * passes &o->st.t (one folder, swapped in whole) to bico__commit, then
  * calls end (which removes the new folder unless committed and lets the

@@ -21,7 +21,7 @@
 /* ==================================================================== */
 /* Reading                                                                */
 
-/* adapter_config.json: small, and never a FIFO (lib/io/fileio.c). */
+/* adapter_config.json: small, and never a FIFO (lib/io/input.c). */
 static bico_status read_text(bico_ctx *ctx, const char *path, char **out,
                              size_t *len) {
   return bico__read_file(ctx, "lora_open", "adapter config", path,

@@ -554,7 +554,7 @@ static bico_status provenance(bico_merge *m, const bico_stfile *base,
 }
 
 /* Every input (base, checkpoints with their shards, adapters with both
- * files) and every output compared by identity (lib/io/fileio.c). */
+ * files) and every output compared by identity (lib/io/identity.c). */
 static bico_status check_files(bico_merge *m, const char *fn,
                                const bico_stfile *base) {
   bico_ctx *ctx = m->ctx;
@@ -886,7 +886,7 @@ bico_status bico_merge_run(bico_merge *m) {
   for (size_t i = 0; i < m->nin && st == BICO_OK; i++)
     if (m->in[i].f != NULL) st = bico_stfile_check_unchanged(m->in[i].f);
   /* Every output complete in its temporary file, then all destinations
-   * checked and committed together (lib/io/fileio.c). */
+   * checked and committed together (lib/io/commit.c). */
   const char *rp = m->files[BICO_MERGE_FILE_REPORT];
   bico__tmpfile rt = {.fd = -1}, **l1 = NULL, **l2 = NULL;
   size_t n1 = 0, n2 = 0;

@@ -663,7 +663,7 @@ static bico_status check_adapter_names(lrun *r, size_t nl, size_t ns) {
 }
 
 /* Outputs: every file complete in its temporary file first, then all
- * destinations checked and committed together (lib/io/fileio.c); a failure
+ * destinations checked and committed together (lib/io/commit.c); a failure
  * before leaves nothing new. */
 static bico_status lora_commit(lrun *r, size_t unused) {
   bico_ctx *ctx = r->ctx;

@@ -310,7 +310,7 @@ bico_status bico__xfer_check_unchanged(bico__run *r) {
 }
 
 /* Every output complete in its temporary file, then all destinations
- * checked and committed together (lib/io/fileio.c): a failure before the
+ * checked and committed together (lib/io/commit.c): a failure before the
  * renames leaves nothing new. */
 bico_status bico__xfer_commit(bico_ctx *ctx, const bico__report *rep,
                               const char *report, bico_stwriter *w,

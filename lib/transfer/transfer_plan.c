@@ -389,7 +389,7 @@ static size_t add_shards(bico__fileuse *u, size_t n, const char *what,
   return n;
 }
 
-/* Every input and output of the run compared by identity (lib/io/fileio.c):
+/* Every input and output of the run compared by identity (lib/io/identity.c):
  * "ad/", "./ad", links and hard links are the same file; outputs must be
  * regular files in existing folders.  LoRA adapters count with both of
  * their files. */

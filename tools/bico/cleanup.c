@@ -12,8 +12,8 @@
  * (".<folder>.bico-tmp.<pid>.XXXXXX", lib/io/fileio.h), so its parent is
  * registered too and a marked folder is removed with everything in it.
  * Files and folders left by a kill -9 are removed by the next run
- * (lib/io/fileio.c: those whose flock no live run holds).  The lock file of an output folder
- * (".<folder>.bico-lock" in its real parent, lib/io/outdir.c) is removed
+ * (lib/io/tmpfile.c: those whose flock no live run holds).  The lock file of an output folder
+ * (".<folder>.bico-lock" in its real parent, lib/io/folder_guard.c) is removed
  * too when it names this process as its holder; one that names another
  * process is that process's and stays.  Removal never enters a folder on
  * another file system (a mount point). */
@@ -42,7 +42,7 @@ static int nlocks;
 
 /* The lock file the library takes for output folder path: the real
  * parent of the folder (through a link) and ".<name>.bico-lock", the name
- * cut to 200 bytes (lib/io/outdir.c). */
+ * cut to 200 bytes (lib/io/folder_guard.c). */
 static void add_lock(const char *path) {
   if (nlocks == MAX_DIRS) return;
   char real[DIR_CAP];
@@ -252,7 +252,7 @@ void cli_cleanup_install(void) {
  * what could not be removed (the previous folder's tree, moved aside by
  * the swap, holding a protected file); a kept tree holds entries of the
  * previous output that appeared or changed during the run and could not
- * be placed in the new folder (lib/io/st_swap.c).  The new output is
+ * be placed in the new folder (lib/io/folder_swap.c).  The new output is
  * complete; the user is told where the old files wait, and why. */
 int cli_cleanup_warn_leftovers(const char *cmd) {
   int left = 0;

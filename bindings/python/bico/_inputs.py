@@ -1,5 +1,5 @@
 """bico._inputs: input files opened as the library opens them
-(bico__open_input, lib/io/fileio.c): without blocking, and only regular
+(bico__open_input, lib/io/input.c): without blocking, and only regular
 files, so that a FIFO, a socket or a device given as an input (a
 tokenizer.json, a config.json, --text, --ids) is refused at once with a
 message naming it, instead of hanging the process on open() or read(), or

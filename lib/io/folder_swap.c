@@ -63,7 +63,7 @@ int bico__swap_folder(bico__tmpfile *t) {
   /* The old folder is about to take a temporary name (the exchange, or
    * aside) until the commit retires it: locked first, as the run's own
    * temporaries are, so that another run's scan for leftovers
-   * (lib/io/fileio.c) leaves it.  Without a lock (none can be taken) the
+   * (lib/io/tmpfile.c) leaves it.  Without a lock (none can be taken) the
    * pid in the name still keeps it from the scans of this pid namespace. */
   if (t->oldlock == 0) {
     int fd = open(t->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
