@@ -243,7 +243,7 @@ def scale(work, layers_b, windows, in_memory, threads, stream=True):
             (("in-memory",) if in_memory else ()):
         wall, peak = run(work, "scale%d%s" % (
             layers_b, "-mem" if side == "in-memory" else ""), a, b,
-                         ["--ids", t, "--output", "OUT/", "--alpha", "auto",
+                         ["--ids", t, "--output", "OUT/", "--alpha", "heldout",
                           "--dtype", "float32"], side == "in-memory",
                          threads)
         line("scale", side, layers_b, wall, peak, size)

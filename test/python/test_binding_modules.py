@@ -438,7 +438,7 @@ def test_any_module_may_be_imported_first(first):
 
 # the public names of the former homes that 1.0 removed (re-exports of
 # bico.llm's names from bico.torch, the shim modules bico.hf and
-# bico.torch_fit, the command's grid at the package level): old path ->
+# bico.torch_fit, the command's grid: a name of its own, below): old path ->
 # {new home: names}
 REMOVED = {
     "bico.torch": {
@@ -457,7 +457,6 @@ REMOVED = {
         "input_covariances update_grams low_rank",
         "bico.llm.families": "FAMILIES Attention DecoderLayer Mlp Model "
         "RMSNorm"},
-    "bico.llm": {"bico.llm.command": "GRID"},
     "bico.llm.stream_route": {"bico.llm.stream.route": "StreamedFit"},
     "bico.torch.distill": {
         "bico.torch.teacher": "Teacher NoTeacher Grouped kl_to_teacher "

@@ -275,12 +275,12 @@ def share_or_one(s):
 
 
 def alpha(s):
-    """"auto" or a number from 0 to ALPHA_LIMIT (--alpha)."""
-    if s == "auto":
+    """"heldout" or a number from 0 to ALPHA_LIMIT (--alpha)."""
+    if s == "heldout":
         return s
     v = _number(s)
     if not (math.isfinite(v) and 0 <= v <= ALPHA_LIMIT):
-        raise _bad("auto or a number from 0 to %g" % ALPHA_LIMIT, s)
+        raise _bad("heldout or a number from 0 to %g" % ALPHA_LIMIT, s)
     return v
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .._inputs import check_input, open_input, read_input
 from .._status import BicoError, E_ARG, E_FORMAT, E_NOTFOUND, E_UNSUPPORTED
+from ..torch.choose import HOLDOUT, held_out_count
 from .bpe import bytes_to_unicode as _bytes_to_unicode
 
 __all__ = ["tokenize", "detokenize", "load_tokenizer", "text_batches",
@@ -336,7 +337,7 @@ def _windows(ids, window, idx):
 Calibration = namedtuple("Calibration", "batches held_out windows")
 
 
-def text_batches(ids_or_text, window, n=None, holdout=0.125, tokenizer=None,
+def text_batches(ids_or_text, window, n=None, holdout=HOLDOUT, tokenizer=None,
                  batch_size=8, seed=0):
     """Calibration batches for a decoder from token ids or text.
 
@@ -350,7 +351,8 @@ def text_batches(ids_or_text, window, n=None, holdout=0.125, tokenizer=None,
     (ids [b, window], next ids [b, window]), for model(x) and
     next_token_loss(logits, y).  n: at most this many windows (spread
     evenly over the text); holdout: the share of windows held out (every
-    k-th window, at least one when there are two or more) for the choices
+    k-th window, at least one when there are two or more; default
+    bico.torch.choose.HOLDOUT, an eighth, as every held-out choice) for the choices
     a fit makes (scale, ridge): never use them for the fit itself, nor your
     evaluation text for either.  Returns Calibration(batches, held_out,
     windows) with windows the number of fit windows."""
@@ -380,7 +382,7 @@ def text_batches(ids_or_text, window, n=None, holdout=0.125, tokenizer=None,
         sel = np.linspace(0, m - 1, int(n)).round().astype(int).tolist()
     wins = _windows(ids, window, sel)
     m = len(wins)
-    k = 0 if holdout == 0 or m < 2 else max(1, int(round(m * holdout)))
+    k = held_out_count(m, holdout)
     held_idx = set(np.linspace(0, m - 1, k).round().astype(int).tolist()) \
         if k else set()
     g = torch.Generator().manual_seed(seed)

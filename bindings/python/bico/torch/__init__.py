@@ -40,7 +40,8 @@ of bico.llm, by statement or by name.
 from ._common import progress
 from .collect import (Collector, collect_statistics, collect_votes,
                       save_votes, default_modules)
-from .choose import choose_alpha, HELDOUT_GRID  # noqa: F401
+from .choose import (choose_alpha, choose_on_heldout, Choice,
+                     HELDOUT, HOLDOUT, ALPHA_GRID)
 from .transfer import (transfer_state_dict, transfer_model,  # noqa: F401
                        MODEL_METHODS)
 from .options import (TransferOptions, MapOptions, FitOptions,
@@ -49,4 +50,5 @@ from .options import (TransferOptions, MapOptions, FitOptions,
 __all__ = ["Collector", "collect_statistics", "collect_votes", "save_votes",
            "transfer_state_dict", "transfer_model", "choose_alpha",
            "default_modules", "progress", "TransferOptions", "MapOptions",
-           "FitOptions", "DistillOptions", "options_for"]
+           "FitOptions", "DistillOptions", "options_for",
+           "choose_on_heldout", "Choice", "HELDOUT", "HOLDOUT", "ALPHA_GRID"]

@@ -13,6 +13,7 @@ cross-entropy on token ids), the per-batch losses of a model
 (_batch_losses), and choose_alpha, the scale of an update chosen on
 batches ("heldout", "match", "entropy")."""
 import math
+from collections import namedtuple
 
 import numpy as np
 import torch
@@ -24,7 +25,15 @@ from .._status import BicoError, E_ARG
 from ._common import (_to_device, _device, _default_step, _default_forward,
                       _output, _on)
 
-__all__ = ["choose_alpha", "pick"]
+__all__ = ["choose_alpha", "pick", "choose_on_heldout", "Choice",
+           "HELDOUT", "HOLDOUT", "ALPHA_GRID", "held_out_count"]
+
+# The held-out choice's one spelling, share and grid: transfer_model's
+# alpha="heldout" and holdout, the command's --alpha heldout and
+# --holdout, text_batches' holdout, every route's scale candidates.
+HELDOUT = "heldout"
+HOLDOUT = 0.125
+ALPHA_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 
 
 # ---- the choice ----
@@ -51,12 +60,12 @@ def pick(losses, per=None, rule="least", zero=0.0):
     rule "least": the least loss, the earlier candidate on a tie.
     "clear": the same among zero and the candidates whose per-batch losses
     beat zero's clearly (_helps: a mean gain larger than its standard
-    error); without zero among the candidates, "least".
+    error); without zero among the candidates (or without per), "least".
     "least-or-zero": the least loss, replaced by zero unless it beats
     zero clearly."""
     cands = list(losses)
     if rule == "clear":
-        cands = [c for c in cands if zero not in per or c == zero
+        cands = [c for c in cands if not per or zero not in per or c == zero
                  or _helps(per[zero], per[c])]
     elif rule not in ("least", "least-or-zero"):
         raise BicoError(E_ARG, "pick: rule must be 'least', 'clear' or "
@@ -68,21 +77,65 @@ def pick(losses, per=None, rule="least", zero=0.0):
     return best
 
 
+Choice = namedtuple("Choice", "loss ridge alpha result losses per "
+                    "ridge_losses")
+Choice.__doc__ = """The held-out choice of choose_on_heldout: loss (the
+mean held-out loss at the chosen scale), ridge, alpha, result (what
+fit(ridge) returned), losses ({alpha: mean held-out loss}), per ({alpha:
+per-batch or per-window losses}), ridge_losses ({ridge: loss at its
+chosen alpha})."""
+
+
+def choose_on_heldout(ridges, fit, score, alphas, drop=None, log=None):
+    """The held-out choice every route and the command make: for each
+    ridge (in order) result = fit(ridge); means, per = score(result,
+    alphas), the mean and the per-batch (or per-window) held-out losses at
+    each scale; the scale by pick(rule "clear", zero 0.0: a scale other
+    than 0 must beat the untouched target clearly where 0 is a
+    candidate), the ridge by the least loss at its scale (the earlier on
+    a tie).  drop(result) is called on each result not kept; log(line)
+    gets each scale's loss.  alphas: the candidates (ALPHA_GRID), or one
+    given scale.  Returns a Choice."""
+    best, tried = None, {}
+    for ridge in ridges:
+        res = fit(ridge)
+        means, per = score(res, list(alphas))
+        if log is not None and len(alphas) > 1:
+            for a in alphas:
+                log("alpha %-5g held-out loss %.4f" % (a, means[a]))
+        al = pick({a: means[a] for a in alphas}, per, rule="clear",
+                  zero=0.0)
+        tried[ridge] = means[al]
+        if best is None or means[al] < best.loss:
+            if best is not None and drop is not None:
+                drop(best.result)
+            best = Choice(means[al], ridge, al, res, means, per, None)
+        elif drop is not None:
+            drop(res)
+    return best._replace(ridge_losses=tried)
+
+
+def held_out_count(n, share):
+    """How many of n calibration items (windows, batches) a share holds
+    out: none for share 0 or fewer than 2 items, else at least one."""
+    if share == 0 or n < 2:
+        return 0
+    return max(1, int(round(n * share)))
+
+
 # ---- the held-out batches and their losses ----
 
-HELDOUT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 _HELDOUT_METHODS = ("fit", "bico", "bico-in", "bico-out", "proxy-fit",
                     "proxy-distill", "distill")
 # these choose on held-out batches even without a loss there (the KL to
 # the teacher then)
 _TEACHER_METHODS = ("distill", "proxy-distill")
-_HOLDOUT_AUTO = 0.25
 
 
 def _alpha_grid(grid):
     """alpha_grid checked: numbers >= 0, sorted, without repeats."""
     if grid is None:
-        return list(HELDOUT_GRID)
+        return list(ALPHA_GRID)
     try:
         g = [float(x) for x in grid if not isinstance(x, bool)]
         ok = len(g) == len(list(grid)) and len(g) > 0
@@ -146,35 +199,38 @@ def _loss_available(loss_of, batch):
 
 def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
     """(alpha, batches for the update, held-out batches) from the options
-    alpha, holdout and alpha_grid (see transfer_model)."""
+    alpha, holdout and alpha_grid (see transfer_model).  holdout: None
+    (HOLDOUT of the batches where the scale is chosen), a share in [0,
+    1), or a list of held-out batches."""
     explicit_list = isinstance(holdout, list)
     if explicit_list:
         if not holdout:
             raise BicoError(E_ARG, "transfer_model: holdout is an empty "
                             "list of batches")
-    elif holdout != "auto" and not (
+    elif holdout is not None and not (
             isinstance(holdout, (int, float)) and not isinstance(holdout, bool)
             and math.isfinite(holdout) and 0 <= holdout < 1):
-        raise BicoError(E_ARG, "transfer_model: holdout must be 'auto', a "
-                        "fraction of the calibration batches in [0, 1) or "
-                        "a list of held-out batches, got %r" % (holdout,))
-    off = not explicit_list and holdout != "auto" and holdout == 0
-    given = explicit_list or (holdout != "auto" and not off)
+        raise BicoError(E_ARG, "transfer_model: holdout must be None (an "
+                        "eighth of the batches), a share of the "
+                        "calibration batches in [0, 1) or a list of "
+                        "held-out batches, got %r" % (holdout,))
+    off = not explicit_list and holdout is not None and holdout == 0
+    given = explicit_list or (holdout is not None and not off)
     if alpha is None:
         if off:
             alpha = 1.0
         elif given or (method in _HELDOUT_METHODS and len(batches) >= 3
                        and (_loss_available(loss_of, batches[0])
                             or method in _TEACHER_METHODS)):
-            alpha = "heldout"
+            alpha = HELDOUT
         else:
             alpha = 1.0
     if (method.startswith("proxy") or method in _TEACHER_METHODS) and \
-            alpha != "heldout":
+            alpha != HELDOUT:
         raise BicoError(E_ARG, "transfer_model: %s chooses its steps "
                         "on held-out batches: alpha must be 'heldout' "
                         "(default) and holdout not 0, with a loss" % method)
-    if alpha != "heldout":
+    if alpha != HELDOUT:
         if given:
             raise BicoError(E_ARG, "transfer_model: holdout applies to "
                             "alpha='heldout' (default), not to alpha=%r"
@@ -190,12 +246,14 @@ def _resolve_heldout(method, alpha, holdout, batches, loss_of, grid):
     if explicit_list:
         held, fit_b = holdout, batches
     else:
-        frac = _HOLDOUT_AUTO if holdout == "auto" else holdout
-        k = max(1, int(round(frac * len(batches))))
-        if len(batches) - k < 1:
+        k = held_out_count(len(batches),
+                           HOLDOUT if holdout is None else holdout)
+        if k < 1 or len(batches) - k < 1:
             raise BicoError(E_ARG, "transfer_model: holdout=%r leaves no "
-                            "calibration batch for the update (%d batches)"
-                            % (holdout, len(batches)))
+                            "%s (%d batches)" % (
+                                holdout, "held-out batch" if k < 1 else
+                                "calibration batch for the update",
+                                len(batches)))
         fit_b, held = batches[:-k], batches[-k:]
     if not _loss_available(loss_of, held[0]) and \
             method not in _TEACHER_METHODS:
@@ -272,14 +330,14 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
     token ids) among 0 and the candidates whose mean gain over 0 exceeds
     its standard error over the batches (any gain with one batch); the
     smaller alpha wins a tie.  grid:
-    the candidates (default 0.1 .. 8, geometric; "heldout": 0, 0.25, 0.5,
-    0.75, 1, 1.5, 2)."""
-    if rule not in ("match", "entropy", "heldout"):
+    the candidates (default 0.1 .. 8, geometric; "heldout": ALPHA_GRID,
+    0 to 2)."""
+    if rule not in ("match", "entropy", HELDOUT):
         raise BicoError(E_ARG, "choose_alpha: rule must be 'match', "
                         "'entropy' or 'heldout', got %r" % (rule,))
     forward = forward or _default_forward
     batches = list(batches)
-    if rule == "heldout":
+    if rule == HELDOUT:
         return _choose_heldout(target, delta, batches, _alpha_grid(grid),
                                _heldout_loss_fn(loss_fn, step, forward))
     grid = list(grid) if grid is not None else \
@@ -328,6 +386,18 @@ def choose_alpha(source, source_tuned, target, delta, batches, rule="match",
 
 
 def _choose_heldout(target, delta, batches, grid, loss_of):
+    """(alpha, {alpha: mean held-out loss}) of one update: the held-out
+    choice (choose_on_heldout) among the scales of grid."""
+    c = choose_on_heldout([None], lambda _: delta,
+                          lambda d, alphas: heldout_scores(
+                              target, d, batches, alphas, loss_of), grid)
+    return c.alpha, c.losses
+
+
+def heldout_scores(target, delta, batches, grid, loss_of):
+    """({alpha: mean loss}, {alpha: per-batch losses}) on the held-out
+    batches of target moved by alpha times delta, for each alpha of
+    grid."""
     import copy
     if not batches:
         raise BicoError(E_ARG, "choose_alpha: no held-out batches")
@@ -339,6 +409,4 @@ def _choose_heldout(target, delta, batches, grid, loss_of):
         work.load_state_dict(sd)
         per[g] = _batch_losses(work, batches, loss_of)
         scores[g] = float(sum(per[g]) / len(per[g]))
-    # with 0 among the candidates, another one must beat it clearly
-    best = pick(scores, per, rule="clear")
-    return best, scores
+    return scores, per

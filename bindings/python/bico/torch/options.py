@@ -33,12 +33,13 @@ __all__ = ["TransferOptions", "MapOptions", "FitOptions", "DistillOptions",
 class TransferOptions(object):
     """alpha: a number > 0, "heldout", "match" or "entropy" (None: the
     route's default, "heldout" where a held-out loss exists); holdout:
-    which calibration batches the held-out choice holds out ("auto", a
-    fraction in (0, 1), or a list of batches); alpha_grid: the candidate
-    scales (numbers >= 0; None: the route's grid); threads: the
+    which calibration batches the held-out choice holds out (None:
+    bico.torch.choose.HOLDOUT, an eighth; a share in (0, 1), or a list of
+    batches); alpha_grid: the candidate scales (numbers >= 0; None:
+    bico.torch.choose.ALPHA_GRID); threads: the
     library's and torch's threads (None: torch's current count)."""
     alpha: object = None
-    holdout: object = "auto"
+    holdout: object = None
     alpha_grid: object = None
     threads: object = None
 

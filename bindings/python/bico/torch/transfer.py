@@ -23,9 +23,9 @@ from ..transfer import transfer_state_dict as _transfer_np
 from ._common import _default_forward, _output, _on, _device
 from .collect import Collector, collect_statistics, collect_votes, \
     vocabulary_heads
-from .choose import (choose_alpha, pick, _heldout_loss_fn, _resolve_heldout,
-                     _loss_available,
-                     _alpha_grid, _batch_losses, _mean_loss)
+from .choose import (choose_alpha, pick, choose_on_heldout, heldout_scores,
+                     HELDOUT, _heldout_loss_fn, _resolve_heldout,
+                     _loss_available, _alpha_grid, _batch_losses, _mean_loss)
 from .tied import _tied_groups, _untied, _retied, _report_tied
 from . import fit as _host
 from . import ridge as _ridge
@@ -157,18 +157,19 @@ def transfer_model(source, source_tuned, target, batches, method="fit",
     and "entropy" not for fit, which scales the output change D by alpha
     and sets its own size).  "heldout": the update is computed from the
     calibration batches that are not held out (holdout=), then scaled by
-    the candidate of alpha_grid (default 0, 0.25, 0.5, 0.75, 1, 1.5, 2)
-    with the least loss on the held-out batches; 0 (the untouched target)
-    is a candidate, so the result is never worse there than doing nothing.
+    the candidate of alpha_grid (default ALPHA_GRID: 0, 0.25, ..., 1.5, 2)
+    chosen on the held-out batches (choose_on_heldout: the least loss
+    among 0, the untouched target, and the scales that beat it clearly),
+    so the result is never worse there than doing nothing.
     Default (None): "heldout" for fit, bico, bico-in, bico-out,
     proxy-fit and proxy-distill (which need it) when
     there are at least 3 batches and a held-out loss can be computed
     (loss_fn, step, a dict batch with labels, or token ids: next-token
     cross-entropy of the logits); 1 otherwise.
     holdout: which calibration batches alpha="heldout" holds out: a
-    fraction in (0, 1) of them, the last ones (default "auto": 0.25, at
-    least one), or a list of batches to hold out (then every batch of
-    batches computes the update).  Held-out batches never compute the
+    share in (0, 1) of them, the last ones (default None: HOLDOUT, an
+    eighth, at least one), or a list of batches to hold out (then every
+    batch of batches computes the update).  Held-out batches never compute the
     update.
     alpha_grid: the candidate scales for alpha="heldout" (numbers >= 0).
     The other options (split, ties, norm_map, source_blocks, target_blocks,
@@ -304,7 +305,7 @@ def _check_alpha(method, alpha):
     """The rule alpha names ("match", "entropy", "heldout"), or None for a
     number."""
     auto = alpha if isinstance(alpha, str) else None
-    if auto is not None and auto not in ("match", "entropy", "heldout"):
+    if auto is not None and auto not in ("match", "entropy", HELDOUT):
         raise BicoError(E_ARG, "transfer_model: alpha must be a positive "
                         "number, 'heldout', 'match' or 'entropy', got %r"
                         % (alpha,))
@@ -350,7 +351,7 @@ def _check_fit_options(method, auto, tied, ridge, ridge_prior,
             raise BicoError(E_ARG, "transfer_model: general_batches is "
                             "empty (give general-text batches, or None for "
                             "the identity penalty)")
-    if len(ridges) > 1 and (method != "fit" or auto != "heldout"):
+    if len(ridges) > 1 and (method != "fit" or auto != HELDOUT):
         raise BicoError(E_ARG, "transfer_model: a list of ridge values is "
                         "chosen among on held-out batches: it needs "
                         "method='fit' and alpha='heldout'")
@@ -450,32 +451,27 @@ def _route_fit(r):
 
 def _fit_ridges(r, col, a):
     """Each ridge fitted, (ridge, alpha) chosen together on the held-out
-    batches."""
-    tried = []
-    for ridge in r.ridges:
+    batches (choose_on_heldout)."""
+    def fit(ridge):
         frep = [] if r.report is not None else None
         new = _fit(r.source, r.source_tuned, r.target, r.fit_b, r.forward,
                    col, r.a0, r.a1, r.b0, a, ridge, r.topts, frep,
                    r.show_progress, tuple(r.shared_out or ()), r.groups,
                    r.tied, r.threads, **r.fopts)
-        delta = _delta(new, r.b0)
-        best, scores = choose_alpha(
-            r.source, r.source_tuned, r.target, delta, r.held_b,
-            rule="heldout", forward=r.forward, grid=r.grid,
-            loss_fn=r.loss_fn, step=r.step)
-        tried.append((scores[best], ridge, best, scores, delta, frep))
-    i = pick({j: t[0] for j, t in enumerate(tried)})
-    _, ridge, best, scores, delta, frep = tried[i]
+        return _delta(new, r.b0), frep
+
+    c = choose_on_heldout(r.ridges, fit, lambda res, alphas: heldout_scores(
+        r.target, res[0], r.held_b, alphas, r.loss_of), r.grid)
+    delta, frep = c.result
     if r.report is not None:
         r.report.extend(frep)
-    r.rep.append({"alpha": best, "rule": "heldout", "losses": scores,
-                  "zero_shot": scores.get(0.0, _mean_loss(
+    r.rep.append({"alpha": c.alpha, "rule": HELDOUT, "losses": c.losses,
+                  "zero_shot": c.losses.get(0.0, _mean_loss(
                       r.target, r.held_b, r.loss_of)),
-                  "ridge": ridge, "ridge_losses": {
-                      t[1]: t[0] for t in tried},
+                  "ridge": c.ridge, "ridge_losses": c.ridge_losses,
                   "heldout_batches": len(r.held_b),
                   "fit_batches": len(r.fit_b)})
-    return _retied(_apply(r.b0, delta, best), r.b0, r.groups)
+    return _retied(_apply(r.b0, delta, c.alpha), r.b0, r.groups)
 
 
 def _route_library(r):
@@ -505,14 +501,14 @@ def _route_library(r):
 def _scale_chosen(r, delta):
     """The target moved by delta at the scale the rule r.auto chooses
     (choose_alpha), the choice reported."""
-    if r.auto == "heldout":
+    if r.auto == HELDOUT:
         best, scores = choose_alpha(r.source, r.source_tuned, r.target,
-                                    delta, r.held_b, rule="heldout",
+                                    delta, r.held_b, rule=HELDOUT,
                                     forward=r.forward, grid=r.grid,
                                     loss_fn=r.loss_fn, step=r.step)
         zero = scores[0.0] if 0.0 in scores else \
             _mean_loss(r.target, r.held_b, r.loss_of)
-        r.rep.append({"alpha": best, "rule": "heldout",
+        r.rep.append({"alpha": best, "rule": HELDOUT,
                       "losses": scores, "zero_shot": zero,
                       "heldout_batches": len(r.held_b),
                       "fit_batches": len(r.fit_b)})

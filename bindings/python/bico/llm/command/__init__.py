@@ -48,7 +48,7 @@ from ..._status import BicoError, E_IO
 from .. import distill as _distill
 from .. import options as opts
 from ..options import setup as _setup
-from .arguments import GRID, _log, _parser  # noqa: F401 (GRID: public)
+from .arguments import _log, _parser
 from .inputs import (_method_for_tokenizers, _prepare, _prepare_streamed,
                      _streamed, _streamed_teacher)
 from .method_auto import (_before_fit, _run_routes, _run_streamed,

@@ -6,9 +6,9 @@ import sys
 from .. import distill as _distill
 from ..distill import LINEAR_MODULES
 from .. import options as opts
+from ...torch.choose import ALPHA_GRID, HELDOUT, HOLDOUT
 
 
-GRID = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 # --generate auto: the teacher writes windows until the distillation has
 # this many (docs/llm.md, "A few windows")
 GENERATE_TOTAL = 512
@@ -101,8 +101,9 @@ def _parser(prog):
                    help="at most this many windows, spread evenly over the "
                    "text (%d; the time grows with it: the command prints "
                    "an estimate before the fit)" % opts.DEFAULT_WINDOWS)
-    p.add_argument("--holdout", type=opts.share, default=0.125,
-                   help="share of windows held out for alpha/ridge (0.125)")
+    p.add_argument("--holdout", type=opts.share, default=HOLDOUT,
+                   help="share of windows held out for every choice: "
+                   "alpha, ridge, route, step (%g)" % HOLDOUT)
     p.add_argument("--batch-size", type=opts.count, default=8)
     p.add_argument("--ridge", type=opts.ridges, default=[0.01],
                    help="ridge c of the fit, or a comma list to choose "
@@ -113,10 +114,10 @@ def _parser(prog):
     p.add_argument("--seed", type=opts.seed, default=0,
                    help="seed of the window order and of any randomness "
                    "(0): one seed, one result")
-    p.add_argument("--alpha", type=opts.alpha, default="auto",
-                   help="scale of the carried update: auto (held-out "
-                   "choice among %s) or a number" % ", ".join(
-                       "%g" % a for a in GRID))
+    p.add_argument("--alpha", type=opts.alpha, default=HELDOUT,
+                   help="scale of the carried update: heldout (the "
+                   "held-out choice among %s) or a number" % ", ".join(
+                       "%g" % a for a in ALPHA_GRID))
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16",
                                        "float16"), default="float32",
                    help="dtype the models are computed in (float32); "

@@ -18,7 +18,8 @@ from .. import distill as _distill
 from .. import options as opts
 from ..options import vocab_size as _vocab
 from ..text import lm_loss
-from .arguments import GRID, _log
+from ...torch.choose import ALPHA_GRID, HELDOUT
+from .arguments import _log
 from .inputs import _adapter_folder, _load_target
 from .method_distill import (_across_from_folders, _byte_teacher_wanted,
                              _distill_target, _generated,
@@ -197,7 +198,7 @@ def _run_streamed(a, dt, q, cal, tuned, spill, prog, tmp=None):
                  "and %d held out shared among them; rank 0 writes"
                  % (a.ranks.size, len(cal.batches), len(cal.held_out)))
         _streamed_estimate(a, q, sf, cal)
-        best, per = command_fit(sf, a.ridge, a.alpha, GRID, kind, a.rank,
+        best, per = command_fit(sf, a.ridge, a.alpha, kind, a.rank,
                                 saves, log, progress)
         dist = None
         if a.method == "auto":
@@ -226,7 +227,7 @@ def _streamed_estimate(a, q, sf, cal):
         return
     per = sf.times.get("forward", 0.0) / max(1, cal.windows)
     est = opts.estimate(per, cal, len(a.ridge), a.output_lora,
-                        a.alpha == "auto", len(GRID))
+                        a.alpha == HELDOUT, len(ALPHA_GRID))
     _log(q, "estimate: about %s for the fit of %d windows and %d held out "
          "(%.3f s per window of the forward sweep; --windows sets how "
          "many)" % (opts.duration(est), cal.windows,
@@ -297,7 +298,7 @@ def _before_fit(a, src, tgt, cal, q, prog):
         print(w, file=sys.stderr, flush=True)
     if not q:
         est = opts.estimate(per, cal, len(a.ridge), a.output_lora,
-                            a.alpha == "auto", len(GRID))
+                            a.alpha == HELDOUT, len(ALPHA_GRID))
         _log(q, "estimate: about %s for %d fit windows and %d held out "
              "(%.3f s per window of the target's forward pass; --windows "
              "sets how many)" % (opts.duration(est), cal.windows,

@@ -9,7 +9,7 @@ import torch
 
 from ..._status import BicoError, E_IO
 from ... import safetensors as _st
-from ...torch.choose import pick
+from ...torch.choose import choose_on_heldout, ALPHA_GRID, HELDOUT
 from ...torch.tied import _tied_groups
 from ...torch.options import FitOptions
 from ...torch.transfer import transfer_model
@@ -17,7 +17,7 @@ from .. import adapters as _adapters
 from ..adapters import save_adapter, update_grams, low_rank
 from .. import distill as _distill
 from ..text import next_token_loss, lm_loss
-from .arguments import GRID, _log
+from .arguments import _log
 from .inputs import _adapter_folder
 
 
@@ -69,17 +69,6 @@ def _apply(model, base, delta, a):
     model.load_state_dict(sd)
 
 
-def _choose_alpha(model, base, delta, held, grid, quiet):
-    scores = {}
-    for a in grid:
-        _apply(model, base, delta, a)
-        scores[a] = lm_loss(model, held)
-        _log(quiet, "alpha %-5g held-out loss %.4f" % (a, scores[a]))
-    model.load_state_dict(base)
-    best = pick(scores)
-    return best, scores
-
-
 def _fitted_layers(model):
     """The nn.Linear layers the fit updates, one progress line each: all
     but a head tied to the embedding (an untied lm_head is fitted)."""
@@ -93,12 +82,13 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q,
                     tdtypes=None):
     """(the target's state dict, the chosen (held-out loss, ridge, alpha,
     update, adapter report, {alpha: loss}, covariances)): one fit per
-    ridge, each scaled by its alpha (chosen on the held-out windows, or
-    --alpha), the ridge chosen on them too (pick)."""
+    ridge, each scaled by its alpha (--alpha, or the held-out choice among
+    ALPHA_GRID), the ridge chosen on the held-out windows too: the one
+    held-out choice (bico.torch.choose.choose_on_heldout)."""
     base = {k: v.detach().clone() for k, v in tgt.state_dict().items()}
     n_lin = _fitted_layers(tgt)
-    best, losses = None, {}
-    for j, ridge in enumerate(ridges):
+
+    def fit(ridge):
         _log(q, "fit: ridge %g, %d layers" % (ridge, n_lin))
         with _FitProgress(n_lin, q):
             # the scale is chosen below, on the text's own held-out
@@ -111,7 +101,7 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q,
                                  show_progress=not q)
         delta = {k: new[k].double() - base[k].double() for k in base
                  if k in new}
-        eff, rep = delta, None
+        eff, rep, cov = delta, None, None
         if a.output_lora:
             saves = [s for s in a.modules_to_save.split(",") if s]
             # each layer's inputs as the fit saw them (the earlier
@@ -126,20 +116,23 @@ def _fit_and_choose(a, src, srt, tgt, cal, ridges, alpha_arg, tmp, q,
                                return_effective=True,
                                target_dtypes=tdtypes)
             eff = rep["effective"]
-        if alpha_arg == "auto":
-            al, scores = _choose_alpha(tgt, base, eff, cal.held_out,
-                                       GRID, q)
-        else:
-            al = alpha_arg
-            _apply(tgt, base, eff, al)
-            scores = {al: lm_loss(tgt, cal.held_out)}
-            tgt.load_state_dict(base)
-        cand = (scores[al], ridge, al, delta, rep, scores,
-                cov if a.output_lora else None)
-        losses[j] = cand[0]
-        if pick(losses) == j:   # the least held-out loss so far
-            best = cand
-    return base, best
+        return delta, rep, cov, eff
+
+    def score(res, alphas):
+        means, per = {}, {}
+        for al in alphas:
+            _apply(tgt, base, res[3], al)
+            # the windows are of one length: their mean is lm_loss's
+            per[al] = _distill._d.window_losses(tgt, cal.held_out)
+            means[al] = sum(per[al]) / len(per[al])
+        tgt.load_state_dict(base)
+        return means, per
+
+    alphas = ALPHA_GRID if alpha_arg == HELDOUT else (alpha_arg,)
+    c = choose_on_heldout(ridges, fit, score, alphas,
+                          log=lambda m: _log(q, m))
+    delta, rep, cov, _ = c.result
+    return base, (c.loss, c.ridge, c.alpha, delta, rep, c.losses, cov)
 
 
 def _adapter(a, tgt, scaled, cov, rep, tdtypes):

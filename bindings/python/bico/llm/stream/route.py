@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from ...torch.choose import HELDOUT
 from ..runtime import DEFAULT_BUDGET
 from . import out as _out
 from .fit import fit_blocks
@@ -135,49 +136,41 @@ def mean_loss_of(per):
     return float(sum(v for v, _ in per) / len(per))
 
 
-def command_fit(sf, ridges, alpha, grid, kind, rank, saves, log,
-                progress):
+def command_fit(sf, ridges, alpha, kind, rank, saves, log, progress):
     """python3 -m bico.llm --method fit's choices on a StreamedFit, as the
-    in-memory route makes them (bico.llm.command.method_fit._fit_and_choose and
-    _run_routes): one fit per ridge, its alpha the held-out choice among
-    grid (pick) or the given number, the ridge of the least held-out
-    loss; then the untouched target kept unless the fit beats it clearly
-    on the held-out windows (pick, rule "clear").  Returns (held-out
-    loss, ridge, alpha, Result, {alpha: loss}) of the fit kept and {0:
-    the target's per-window losses, 1: the fit's}; the other fits are
+    in-memory route makes them (bico.llm.command.method_fit): the one
+    held-out choice (bico.torch.choose.choose_on_heldout) of alpha (among
+    ALPHA_GRID, or the given number) and ridge.  Returns (held-out loss,
+    ridge, alpha, Result, {alpha: loss}) of the fit kept and {0: the
+    target's per-window losses, 1: the fit's}; the other fits are
     dropped from the store."""
-    from ...torch.choose import pick
-    auto = alpha == "auto"
-    cands = list(grid) if auto else [alpha]
+    from ...torch.choose import choose_on_heldout, ALPHA_GRID, HELDOUT
     n_lin = 7 * sf.run.B.L + (1 if sf.run.fit_head else 0)
-    best, losses = None, {}
-    for j, ridge in enumerate(ridges):
+
+    def fit(ridge):
         log("fit: ridge %g, %d layers" % (ridge, n_lin))
-        res = sf.fit(ridge, kind=kind, rank=rank, saves=saves,
-                     progress=progress(n_lin))
+        return sf.fit(ridge, kind=kind, rank=rank, saves=saves,
+                      progress=progress(n_lin))
+
+    def score(res, alphas):
         win = {}
-        scores = {al: lm_loss_of(v) for al, v in
-                  sf.score(res, sorted(set(cands) | {0.0}),
-                           windows=win).items()}
-        for al in (cands if auto else ()):
-            log("alpha %-5g held-out loss %.4f" % (al, scores[al]))
-        al = pick({g: scores[g] for g in cands}) if auto else alpha
-        losses[j] = scores[al]
-        if pick(losses) == j:   # the least held-out loss so far
-            if best is not None:
-                best[0][3].drop()
-            best = ((scores[al], ridge, al, res,
-                     {g: scores[g] for g in cands}),
-                    {0: win[0.0], 1: win[al]})
-        else:
-            res.drop()
-    return best
+        means = {al: lm_loss_of(v) for al, v in
+                 sf.score(res, sorted(set(alphas) | {0.0}),
+                          windows=win).items()}
+        return means, win
+
+    alphas = ALPHA_GRID if alpha == HELDOUT else (alpha,)
+    c = choose_on_heldout(ridges, fit, score, alphas,
+                          drop=lambda res: res.drop(), log=log)
+    return ((c.loss, c.ridge, c.alpha, c.result,
+             {g: c.losses[g] for g in alphas}),
+            {0: c.per[0.0], 1: c.per[c.alpha]})
 
 
 def transfer_folders(kw):
     """bico.llm.transfer_model(method="fit") on model folders (kw: its
     arguments): the streamed fit, alpha and ridge chosen on held-out
-    batches as transfer_model chooses them (pick, rule "clear", the mean
+    batches as transfer_model chooses them (choose_on_heldout, the mean
     of the per-batch losses), the result returned as a state dict or
     written to kw["output"]."""
     from ..._status import BicoError, E_ARG
@@ -310,41 +303,42 @@ def _agreed(ranks, err):
 
 def _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a, budget,
                  ranks):
-    from ...torch.choose import pick
+    from ...torch.choose import choose_on_heldout
     with StreamedFit(kw["source"], kw["source_tuned"], kw["target"], fit_b,
                      held, threads=kw["threads"], budget=budget,
                      spill_dir=kw["spill_dir"], alpha=a,
                      ranks=ranks) as sf:
-        tried = []
-        for ridge in ridges:
+        def fit(ridge):
             frep = [] if kw["report"] is not None else None
-            res = sf.fit(ridge, alpha=a, report=frep)
-            scale, scores, per = 1.0, None, None
-            if auto:
-                per = {g: [v for v, _ in pb] for g, pb in
-                       sf.score(res, grid).items()}
-                scores = {g: mean_loss_of([(v, 0) for v in per[g]])
-                          for g in grid}
-                scale = pick(scores, per, rule="clear")
-            tried.append((scores[scale] if scores else 0.0, ridge, scale,
-                          scores, res, frep))
-        i = pick({j: t[0] for j, t in enumerate(tried)}) if auto else 0
-        _, ridge, scale, scores, res, frep = tried[i]
-        _report(kw, sf, frep, scale, scores, ridge, ridges, tried, fit_b,
-                held)
+            return sf.fit(ridge, alpha=a, report=frep), frep
+
+        def score(res, alphas):
+            if not auto:      # the given scale: nothing to score
+                return {al: 0.0 for al in alphas}, None
+            per = {g: [v for v, _ in pb] for g, pb in
+                   sf.score(res[0], alphas).items()}
+            return ({g: mean_loss_of([(v, 0) for v in per[g]])
+                     for g in alphas}, per)
+
+        c = choose_on_heldout(ridges if auto else ridges[:1], fit, score,
+                              grid if auto else [1.0])
+        res, frep = c.result
+        scale, scores = c.alpha, (c.losses if auto else None)
+        _report(kw, sf, frep, scale, scores, c.ridge, ridges,
+                c.ridge_losses, res, fit_b, held)
         if kw["output"] is not None:
             if ranks.root:     # the others wait for it (transfer_folders)
                 sf.write_model(res, kw["output"], scale, {
                     "format": "pt", "bico_transfer_method": "fit",
                     "bico_alpha": "%g" % (scale if auto else alpha),
-                    "bico_ridge": "%g" % ridge})
+                    "bico_ridge": "%g" % c.ridge})
             return {"output": kw["output"], "alpha": scale if auto else
-                    alpha, "ridge": ridge, "losses": scores}
+                    alpha, "ridge": c.ridge, "losses": scores}
         return _state_dict(res, scale)
 
 
-def _report(kw, sf, frep, scale, scores, ridge, ridges, tried, fit_b,
-            held):
+def _report(kw, sf, frep, scale, scores, ridge, ridges, ridge_losses,
+            res, fit_b, held):
     rep = kw["report"]
     if rep is None:
         return
@@ -358,12 +352,12 @@ def _report(kw, sf, frep, scale, scores, ridge, ridges, tried, fit_b,
         return
     zero = scores.get(0.0)
     if zero is None:
-        zero = mean_loss_of(sf.score(tried[0][4], [0.0])[0.0])
-    entry = {"alpha": scale, "rule": "heldout", "losses": scores,
+        zero = mean_loss_of(sf.score(res, [0.0])[0.0])
+    entry = {"alpha": scale, "rule": HELDOUT, "losses": scores,
              "zero_shot": zero, "heldout_batches": len(held),
              "fit_batches": len(fit_b)}
     if len(ridges) > 1:
-        entry.update(ridge=ridge, ridge_losses={t[1]: t[0] for t in tried})
+        entry.update(ridge=ridge, ridge_losses=ridge_losses)
     rep.append(entry)
 
 
