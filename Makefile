@@ -95,6 +95,7 @@ help:
 	@echo '  bench           benchmarks that print figures beside the competitor'
 	@echo '  fuzz            the fuzz targets under libFuzzer (clang), FUZZ_SECONDS=60'
 	@echo '  abi-check       the exported ABI against abi/ (the 1.x baseline)'
+	@echo '  python-api-check  the Python package'"'"'s names and signatures against abi/ (1.x)'
 	@echo '  leak-check      the C tests under valgrind; tsan-check: under ThreadSanitizer'
 	@echo '  clean           removes $(BUILD)'
 	@echo '  dist            libbico-$(VERSION).tar.gz, the source release (distcheck: it builds,'
@@ -581,7 +582,7 @@ bench-quality: all
 # ---- robustness ----
 # Fuzzing, the ABI gate, header hygiene, leak and thread checking, and the
 # no-data-lost test of the command (docs/reliability.md).
-.PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump header-check leak-check check-robust tsan-check
+.PHONY: fuzz fuzz-build abi-check abi-baseline abi-dump python-api-check python-api-baseline header-check leak-check check-robust tsan-check
 
 # make fuzz FUZZ_SECONDS=N: each libFuzzer target in test/fuzz/ runs N seconds
 # over a copy of its seed corpus (new inputs and crash files go to
@@ -648,6 +649,19 @@ abi-check: abi-dump
 	if [ $$rc -ne 0 ]; then cat $(ABI_BUILD)/additions.txt; \
 	  echo "abi-check: additions only (each needs a version-script node and a CHANGELOG line)"; \
 	else echo "abi-check: ABI identical to $(ABI_BASELINE)"; fi
+
+# make python-api-check: the Python package's public names and signatures
+# against the frozen listing (abi/python-$(VERSION_MAJOR).txt; the rule:
+# scripts/python-api.py); make python-api-baseline rewrites it.  make check
+# runs the same comparison (test/python/test_python_api.py).
+PY_API_BASELINE := abi/python-$(VERSION_MAJOR).txt
+python-api-check: $(SHLIB)
+	PYTHONPATH=bindings/python BICO_LIBRARY=$(CURDIR)/$(SHLIB) $(PYTHON) scripts/python-api.py --check $(PY_API_BASELINE)
+
+python-api-baseline: $(SHLIB)
+	PYTHONPATH=bindings/python BICO_LIBRARY=$(CURDIR)/$(SHLIB) $(PYTHON) scripts/python-api.py > $(PY_API_BASELINE).tmp
+	mv $(PY_API_BASELINE).tmp $(PY_API_BASELINE)
+	@echo "python-api-baseline: wrote $(PY_API_BASELINE); commit it"
 
 # make header-check: every public header alone as C99 and C++11 (pedantic,
 # -Werror), with $(CC)/$(CXX) and with clang when present; exports bico_* only.
