@@ -11,7 +11,7 @@ change), random but deterministic (bench/benchdata.py), by
          accumulated in double, Cholesky solve of (G + lambda P) Delta =
          (K - G) Theta + E; the rank only on request, as bico.torch's fit
          asks for it only with a report);
-  lib+rank  the same with the rank asked for (solve(rank=True): a pivoted
+  lib+rank  the same with the rank asked for (solve(want_rank=True): a pivoted
          Cholesky of G more, the library's cost before issue 23's change),
          run beside the others for a paired comparison;
   torch  a plain PyTorch fit of the same mathematics in float64 (the
@@ -101,7 +101,7 @@ def child_lib(work, s, ridge, out, threads, rank=False):
         del xn, xb, de
         w = load(work, g, "w")
         b = load(work, g, "b") if bias else None
-        dw, db = f.solve(w, b, rank=rank)
+        dw, db = f.solve(w, b, want_rank=rank)
         f.close()
         np.save(os.path.join(out, g + ".dw.npy"), dw)
         if bias:

@@ -48,7 +48,7 @@ def test_sequential_fit_matches_lstsq(bias, c, di, do):
     d, w, b = randn(n, do), randn(do, di), randn(do)
     f = Fit(di, do, bias=bias, ridge=c)
     f.add(xn, xo, d)
-    dw, db = f.solve(w, b if bias else None, rank=True)
+    dw, db = f.solve(w, b if bias else None, want_rank=True)
     assert dw.dtype == np.float32 and dw.shape == (do, di)
     rdw, rdb = reference(xn, xo, d, w, b if bias else None, c)
     assert rel(dw, rdw) < 1e-5
@@ -110,7 +110,7 @@ def test_merged_shards_equal_one_pass():
     assert rel(a2, a1) < 1e-6 and rel(b2, b1) < 1e-6
     s1.reset()
     assert s1.rows == 0
-    z, zb = s1.solve(w, b, rank=True)
+    z, zb = s1.solve(w, b, want_rank=True)
     assert not z.any() and not zb.any() and s1.rank == 0
 
 
@@ -121,13 +121,13 @@ def test_rank_deficient_rows_report_rank():
     x[:, 5] = 0
     f = Fit(di, do, bias=False, ridge=0.0)
     f.add(x, x, randn(n, do))
-    dw, _ = f.solve(randn(do, di), rank=True)
+    dw, _ = f.solve(randn(do, di), want_rank=True)
     assert f.rank == 4
     np.testing.assert_allclose(dw[:, 0], dw[:, 3], atol=1e-5)
     np.testing.assert_allclose(dw[:, 5], 0, atol=1e-6)
     few = Fit(10, 2)
     few.add(randn(3, 10), randn(3, 10), randn(3, 2))
-    few.solve(randn(2, 10), randn(2), rank=True)
+    few.solve(randn(2, 10), randn(2), want_rank=True)
     assert few.rank == 3
 
 
@@ -209,7 +209,7 @@ def test_run_recovers_planted_update_of_a_relu_net():
         cur_b[l] = cur_b[l] + db
 
     bico.fit.run(3, lambda l: (cur_w[l], cur_b[l]), rows, update, ridge=0.0,
-                 rank=True)
+                 want_rank=True)
     for l in range(3):
         assert rel(got[l][0], uw[l]) < 1e-4, l
         assert rel(got[l][1], ub[l]) < 1e-4, l
@@ -272,7 +272,7 @@ def test_every_array_argument_refuses_bad_arrays(kind):
 @pytest.mark.parametrize("c", [1e-2, 0.0])
 @pytest.mark.parametrize("bias", [True, False])
 def test_rank_only_on_request_same_update(c, bias):
-    """The rank is computed only with solve(rank=True); the update is
+    """The rank is computed only with solve(want_rank=True); the update is
     bit-identical either way, and the rank is the planted one."""
     n, di, do, r = 150, 8, 3, 3
     m = randn(r, di)
@@ -284,7 +284,7 @@ def test_rank_only_on_request_same_update(c, bias):
     w, b = randn(do, di), (randn(do) if bias else None)
     dw0, db0 = f.solve(w, b)
     assert f.rank is None
-    dw1, db1 = f.solve(w, b, rank=True)
+    dw1, db1 = f.solve(w, b, want_rank=True)
     assert f.rank == r + bias
     np.testing.assert_array_equal(dw0, dw1)
     if bias:

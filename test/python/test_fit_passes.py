@@ -137,7 +137,7 @@ def recorded(monkeypatch):
 
     def rec(*a, **kw):
         seen["threads"].append(kw["ctx"].threads)
-        seen["rank"].append(kw.get("rank", False))
+        seen["rank"].append(kw.get("want_rank", False))
         upd = a[3]
 
         def update(l, dw, db, rank):

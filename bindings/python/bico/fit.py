@@ -5,7 +5,7 @@ sequential functional fit.
     f = Fit(d_in, d_out, bias=True, ridge=1e-2)
     f.add(x_new, x_orig, delta)      # [n, d_in], [n, d_in], [n, d_out]
     dw, db = f.solve(w, b)           # w [d_out, d_in], b [d_out] or None
-    f.solve(w, b, rank=True); f.rank # the rank only on request
+    f.solve(w, b, want_rank=True); f.rank # the rank only on request
     f.rows
 
 x_new are the layer's inputs on the target with the earlier layers'
@@ -134,8 +134,8 @@ class Fit(_Handle):
 
     Fit(d_in, d_out, bias=True, ridge=1e-2, rank_tol=None, ctx=None).
     add(x_new, x_orig, delta); merge(other); reset(); solve(w, b,
-    rank=False) -> (dw, db) (float32; db is None without bias); rank (of
-    X~'^T X~' at the last solve made with rank=True, else None: the rank is
+    want_rank=False) -> (dw, db) (float32; db is None without bias); rank (of
+    X~'^T X~' at the last solve made with want_rank=True, else None: the rank is
     a pivoted Cholesky as costly as the solve, and the update is the same
     without it); rows; ridge and rank_tol (read/write).
     to_bytes() / Fit.from_bytes(data, ctx=None): the statistics and
@@ -228,9 +228,9 @@ class Fit(_Handle):
         self.rank = None
         return self
 
-    def solve(self, w, b=None, rank=False):
+    def solve(self, w, b=None, want_rank=False):
         """(dw, db): float32 [d_out, d_in] and [d_out] (None without bias)
-        for the layer's current weight w [d_out, d_in] and bias b.  rank:
+        for the layer's current weight w [d_out, d_in] and bias b.  want_rank:
         also compute the numerical rank of X~'^T X~' into self.rank (else
         self.rank is None); dw and db do not depend on it."""
         wa = _f32(w, "w", self.d_in)
@@ -253,8 +253,8 @@ class Fit(_Handle):
                          ba.ctypes.data if self.bias else None,
                          dw.ctypes.data, self.d_in,
                          db.ctypes.data if self.bias else None,
-                         ctypes.byref(rk) if rank else None), self.ctx)
-        if rank:
+                         ctypes.byref(rk) if want_rank else None), self.ctx)
+        if want_rank:
             self.rank = int(rk.value)
         return dw, db
 
@@ -313,7 +313,7 @@ class _Borrowed(Fit):
         self._ptr = None
 
 
-def run(layers, layer, rows, update, ridge=1e-2, ctx=None, rank=False,
+def run(layers, layer, rows, update, ridge=1e-2, ctx=None, want_rank=False,
         blocks=0, block_begin=None, block_end=None, group=None,
         rows_group=None, solve=None):
     """The sequential driver (bico_fit_run) over a model the caller runs.
@@ -328,7 +328,7 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None, rank=False,
         set fit.ridge for this layer); may be None when rows_group is given;
     update(l, dw, db, rank): applies the update (float32 arrays, copies)
         before the next layer's rows are asked for; rank is the numerical
-        rank of X~'^T X~' when rank=True, else None (it costs as much as
+        rank of X~'^T X~' when want_rank=True, else None (it costs as much as
         the solve).
     Optional (fit.h's appended runner fields):
     blocks, block_begin(k, first) -> count, block_end(k): the layers come
@@ -448,7 +448,7 @@ def run(layers, layer, rows, update, ridge=1e-2, ctx=None, rank=False,
     put("layer", _LAYER_FN, c_layer)
     put("rows", _ROWS_FN, c_rows if rows is not None else None)
     put("update", _UPDATE_FN, c_update)
-    r.want_rank = 1 if rank else 0
+    r.want_rank = 1 if want_rank else 0
     r.blocks = int(blocks)
     put("block_begin", _BLOCK_BEGIN_FN,
         c_block_begin if block_begin is not None else None)

@@ -253,14 +253,14 @@ class Ranks(object):
         statistics, solved on rank 0 and sent to every rank (the driver's
         solve callback)."""
         if self.size == 1:
-            dw, db = fit.solve(w, b, rank=want_rank)
+            dw, db = fit.solve(w, b, want_rank=want_rank)
             return dw, db, fit.rank
         from ..fit import Fit
         merged = self._merged_on_root(
             fit, lambda data: Fit.from_bytes(data, fit.ctx))
 
         def solve():
-            dw, db = merged.solve(w, b, rank=want_rank)
+            dw, db = merged.solve(w, b, want_rank=want_rank)
             rk = None if merged.rank is None else \
                 np.array([merged.rank], dtype=np.int64)
             return dw, db, rk

@@ -324,7 +324,7 @@ def _carry(d, r, alpha=1.0):
 def fit_model(source, source_tuned, target, batches, forward, maps,
               pairing, start_state, alpha, ridge, ctx, report,
               show_progress=False, shared_out=(), skip=(),
-              share_passes=True, rank=None, prior=None, metric=None):
+              share_passes=True, want_rank=None, prior=None, metric=None):
     """Returns the working target's state dict after the fit.  maps: from
     Collector.maps() (R_out per target module); start_state: the target
     state dict to start from (BiCo's carried norms/tokens, original linear
@@ -333,7 +333,7 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
     share_passes: layers fitted one after the other that read one input
     tensor (q/k/v, gate/up) take their working-target inputs X' from one
     forward pass (the earlier ones' updates cannot change that input).
-    rank: compute each layer's rank for the report (default: when there
+    want_rank: compute each layer's rank for the report (default: when there
     is a report).  prior {name: dW0} (the ridge's centre), metric {name: M}
     (the penalty's metric) or ridge="gcv": each layer is solved by RidgeFit
     instead of the library's solve.
@@ -346,15 +346,15 @@ def fit_model(source, source_tuned, target, batches, forward, maps,
     update() writing W + dW into the working target (_FitHost's
     callbacks)."""
     from ..fit import run as _fit_run
-    if rank is None:
-        rank = report is not None
+    if want_rank is None:
+        want_rank = report is not None
     host = _FitHost(source, source_tuned, target, batches, forward, maps,
                     pairing, start_state, alpha, ridge, report, shared_out,
                     skip, share_passes, prior, metric)
     c_ridge = 1e-2 if ridge == "gcv" else ridge
     use_ridgefit = host.use_ridgefit
     _fit_run(0, host.layer, None, host.update, ridge=c_ridge, ctx=ctx,
-             rank=rank and not use_ridgefit, blocks=len(host.segments),
+             want_rank=want_rank and not use_ridgefit, blocks=len(host.segments),
              block_begin=host.block_begin, block_end=host.block_end,
              group=host.group, rows_group=host.rows_group,
              solve=host.solve if use_ridgefit else None)

@@ -54,7 +54,7 @@ from .stats import _rows, block_backward
 __all__ = ["fit_blocks"]
 
 
-def fit_blocks(run, ridge, alpha=1.0, sink=None, report=None, rank=False,
+def fit_blocks(run, ridge, alpha=1.0, sink=None, report=None, want_rank=False,
                progress=None):
     """The sequential fit of every target block's linears (bico.fit.run
     over the folders of run, a bico.llm.stream.stats.Run whose sweeps have
@@ -67,7 +67,7 @@ def fit_blocks(run, ridge, alpha=1.0, sink=None, report=None, rank=False,
     host = _StreamHost(run, alpha, sink, report, progress)
     try:
         _fit_run(0, host.layer, None, host.update, ridge=ridge, ctx=run.ctx,
-                 rank=rank, blocks=run.B.L + (1 if run.fit_head else 0),
+                 want_rank=want_rank, blocks=run.B.L + (1 if run.fit_head else 0),
                  block_begin=host.block_begin,
                  block_end=host.block_end, group=host.group,
                  rows_group=host.rows_group,

@@ -70,7 +70,7 @@ class StreamedFit(object):
         self.fits += 1
         t0 = time.time()
         fit_blocks(self.run, ridge, alpha, sink=res.sink, report=report,
-                   rank=report is not None, progress=progress)
+                   want_rank=report is not None, progress=progress)
         self.times["fit"] = self.times.get("fit", 0) + time.time() - t0
         return res
 
