@@ -216,6 +216,33 @@ def test_transfer_model_output_follows_the_folder_rules(pair, tmp_path):
     assert "B" in e.value.message and not inside.exists()
 
 
+def test_transfer_model_spill_dir_follows_the_commands_rule(pair, tmp_path):
+    """spill_dir= on folders is checked as the command's --spill-dir: a
+    folder inside an input, a missing one and a file are refused before
+    anything is read, naming the option and the reason; nothing is left
+    in the input."""
+    cal = cal_of(pair, holdout=0)
+    paths = [str(pair / f) for f in ("A", "A_full", "B")]
+    sub = pair / "B" / "spill"
+    sub.mkdir()
+    try:
+        a_file = tmp_path / "a_file"
+        a_file.write_text("x")
+        for bad, why in ((sub, "inside the input folder"),
+                         (tmp_path / "none", "no such folder"),
+                         (a_file, "not a folder")):
+            before = sorted(os.listdir(sub))
+            with pytest.raises(BicoError) as e:
+                bl.transfer_model(*paths, cal.batches, method="fit",
+                                  options=bt.FitOptions(alpha=0.8),
+                                  stream=bl.Streaming(spill_dir=str(bad)))
+            assert "spill_dir" in e.value.message and \
+                why in e.value.message, e.value.message
+            assert sorted(os.listdir(sub)) == before
+    finally:
+        sub.rmdir()
+
+
 def test_command_outputs_equal_the_in_memory_route(pair, tmp_path):
     """python3 -m bico.llm streamed and --in-memory: the model folders
     are byte for byte the same; the adapters hold the same tensors."""

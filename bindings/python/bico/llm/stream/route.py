@@ -187,6 +187,16 @@ def transfer_folders(kw):
     batches = list(kw["batches"])
     if not batches:
         raise BicoError(E_ARG, "transfer_model: no calibration batches")
+    if kw["spill_dir"] is not None:
+        # the command's rule (--spill-dir): a folder that exists, that
+        # this user can write in, inside no input
+        from ..runtime import spill_folder
+        try:
+            spill_folder(kw["output"], [kw[k] for k in _FOLDERS],
+                         str(kw["spill_dir"]))
+        except BicoError as e:
+            raise BicoError(e.status, "transfer_model: spill_dir %s: %s"
+                            % (kw["spill_dir"], e.message))
 
     def loss_of(m, b):
         return None
