@@ -37,7 +37,8 @@ PUBLIC_MODULES = (
     "bico.torch.options", "bico.torch.distill", "bico.torch.teacher",
     "bico.torch.augment",
     "bico.llm", "bico.llm.across", "bico.llm.adapters", "bico.llm.bpe",
-    "bico.llm.config", "bico.llm.families", "bico.llm.generate",
+    "bico.llm.config", "bico.llm.distill", "bico.llm.families",
+    "bico.llm.generate",
     "bico.llm.options", "bico.llm.runtime", "bico.llm.stats",
     "bico.llm.text", "bico.llm.vocab", "bico.llm.stream.route",
 )

@@ -144,7 +144,7 @@ class TeacherStore(object):
 
 def run(source, source_tuned, target, cal, log, student=None,
         training=None, store=None, release=None, pair=None, teacher=None,
-        own=None):
+        own=None, ranks=None):
     """Distils target towards the proxy-tuned teacher on cal (a
     Calibration: batches of (ids, next ids), held_out the same).
 
@@ -168,7 +168,13 @@ def run(source, source_tuned, target, cal, log, student=None,
     first ones, are the user's own text, whose next tokens the text loss
     learns (None: all); the others (the teacher's written text, its next
     tokens samples) are learnt from the teacher's KL alone, unless there
-    is no teacher.  Returns a Result; target is
+    is no teacher.  ranks: a bico.llm.ranks.Ranks of several processes
+    (every one making this call on the same cal): each keeps its rows of
+    every batch (bico.llm.shard) and computes the teacher of those alone
+    (a teacher given is then that of its rows: RowShard(ranks,
+    cal.batches).local), the gradients summed over the ranks: every rank
+    ends with the factors one process trains on cal, to float rounding;
+    the held-out losses are every window's, gathered.  Returns a Result; target is
     left in the chosen state (the factors still attached in mode "lora":
     result.adapter.remove() detaches)."""
     st = Student() if student is None else student
@@ -188,8 +194,15 @@ def run(source, source_tuned, target, cal, log, student=None,
     t0 = time.time()
     if pair is not None:
         source, source_tuned = pair["source"], pair["tuned"]
-    inputs = [x for x, _ in cal.batches]
     dev = next(target.parameters()).device
+    shard = held = None
+    if ranks is not None and ranks.size > 1:
+        from .shard import RowShard
+        shard, held = RowShard(ranks, cal.batches), \
+            RowShard(ranks, cal.held_out)
+        inputs = [x for x, _ in shard.local]
+    else:
+        inputs = [x for x, _ in cal.batches]
     inputs = [x.to(dev) for x in inputs]
     if teacher is None and not teacher_weight:   # the text alone
         teacher = _t.NoTeacher(len(inputs))
@@ -227,13 +240,21 @@ def run(source, source_tuned, target, cal, log, student=None,
         # this frame's own references too: the pair is freed only when no
         # one holds it (a 0.5B pair is 2 GB in bf16)
         del source, source_tuned
-        targets = [y.to(dev) if own is None or i < own or
-                   isinstance(teacher, _t.NoTeacher) else None
-                   for i, (_, y) in enumerate(cal.batches)]
+        ys = [y for _, y in cal.batches] if shard is None else \
+            shard.targets()
+        targets = [y.to(dev) if y is not None and (
+            own is None or i < own or isinstance(teacher, _t.NoTeacher))
+            else None for i, y in enumerate(ys)]
+        if shard is not None:
+            from .shard import ShardedTeacher
+            teacher = ShardedTeacher(teacher, shard)
+            inputs = [None if x is None else x.to(dev)
+                      for x in shard.inputs()]
         return _train(target, teacher, inputs, cal, log, mode, rank,
                       lora_alpha, modules, save, init, steps, lr, every,
                       seed, chunk, t0, targets, (text_weight,
-                                                  teacher_weight), patience)
+                                                  teacher_weight), patience,
+                      (shard, held))
     finally:
         teacher.close()
 
@@ -251,7 +272,7 @@ def _defaults(mode, steps, lr, n_batches):
 
 def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
            modules, save, init, steps, lr, every, seed, chunk, t0, targets,
-           weights, patience=None):
+           weights, patience=None, shards=(None, None)):
     steps, lr = _defaults(mode, steps, lr, len(inputs))
     adapter, params, trained = None, None, {}
     if mode == "lora":
@@ -271,9 +292,16 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
             % (len(params), steps))
     nwin = sum(len(x) for x, _ in cal.held_out)
     per_window = {}
+    shard, held = shards
+
+    def windows(m):
+        if held is None:
+            return _d.window_losses(m, cal.held_out, chunk)
+        from .shard import window_losses
+        return window_losses(m, held, chunk)
 
     def held_losses(m):
-        v = _d.window_losses(m, cal.held_out, chunk)
+        v = windows(m)
         per_window[len(per_window)] = v
         return v
     clock = Clock("distill steps", steps, log)
@@ -282,7 +310,7 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
         step, losses = _with_saved(target, teacher, inputs, nwin,
                                    held_losses, adapter, trained, steps, lr,
                                    every, seed, chunk, clock, rep, targets,
-                                   weights, patience)
+                                   weights, patience, shard)
     else:
         step, losses = _d.distill(
             target, teacher, inputs, nwin, held_losses, params=params,
@@ -290,9 +318,9 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
                 steps=steps, lr=lr, every=every, seed=seed,
                 patience=patience, text_weight=weights[0],
                 teacher_weight=weights[1]),
-            chunk=chunk, progress=lambda i, n, v: clock(i, "loss %.4f" % v),
-            report=rep, targets=targets, checkpoint=True)
-    per = _d.window_losses(target, cal.held_out, chunk)
+            chunk=chunk, progress=lambda i, n, v: _stepped(clock, i, v),
+            report=rep, targets=targets, checkpoint=True, parallel=shard)
+    per = windows(target)
     ran = max(losses)
     log("distill: kept step %d of %d (held-out loss %.4f; untouched "
         "target %.4f)%s" % (step, steps, losses[step], losses[0],
@@ -305,9 +333,17 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
                   rep[0] if rep else None, time.time() - t0)
 
 
+def _stepped(clock, i, value):
+    """After training step i (from 1): the progress line, and the test
+    hook's point "step" (bico.llm.runtime.test_point)."""
+    from .runtime import test_point
+    test_point("step", i - 1)
+    clock(i, "loss %.4f" % value)
+
+
 def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
                 steps, lr, every, seed, chunk, clock, rep, targets, weights,
-                patience=None):
+                patience=None, shard=None):
     """distill with the factors and whole saved tensors training together
     (one Adam over both; the saved tensors' state kept with the
     factors')."""
@@ -332,8 +368,9 @@ def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
                          patience=patience, text_weight=weights[0],
                          teacher_weight=weights[1]),
                      chunk=chunk,
-                     progress=lambda i, n, v: clock(i, "loss %.4f" % v),
-                     report=rep, targets=targets, checkpoint=True)
+                     progress=lambda i, n, v: _stepped(clock, i, v),
+                     report=rep, targets=targets, checkpoint=True,
+                     parallel=shard)
     return out
 
 

@@ -115,6 +115,21 @@ class Ranks(object):
         _dist().all_reduce(t, group=self.group)
         return int(t[0])
 
+    def sum_all(self, tensors):
+        """Each float tensor of the list replaced in place by its sum over
+        the ranks (one all-reduce of them laid end to end: the same sums,
+        bit for bit, on every rank); returns the list."""
+        if self.size == 1 or not tensors:
+            return tensors
+        flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+        _dist().all_reduce(flat, group=self.group)
+        k = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[k:k + n].reshape(t.shape).to(t.dtype))
+            k += n
+        return tensors
+
     def sum_root(self, t):
         """The sum over the ranks of a float64 tensor, on rank 0 (None on
         the others)."""

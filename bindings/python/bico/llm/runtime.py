@@ -437,7 +437,7 @@ def test_point(point, i):
     BICO_STREAM_TEST_KILL=POINT:K[:SIGNAL] in the environment, the
     process sends itself SIGNAL (KILL by default, or TERM) at the K-th
     (from 1) passage of POINT ("fit": a layer's update, "write": a
-    tensor written), so that tests can stop a run where they want."""
+    tensor written, "step": a distillation step), so that tests can stop a run where they want."""
     spec = os.environ.get("BICO_STREAM_TEST_KILL")
     if not spec:
         return

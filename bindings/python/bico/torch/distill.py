@@ -132,10 +132,11 @@ class Adapter(object):
 
 
 def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
-                  teacher_weight=1.0, outputs=None):
+                  teacher_weight=1.0, outputs=None, scale=1.0):
     """KL(teacher || model) on one batch, plus text_weight times the
     next-token cross-entropy against y (the text's own next tokens) when
-    given, backpropagated; returns its value.  A decoder called on token
+    given, times scale (this process's share of a batch divided among
+    ranks), backpropagated; returns its value.  A decoder called on token
     ids (forward None) has its logits computed chunk by chunk: the hidden
     states' gradient is gathered over the chunks, then sent through the
     body once."""
@@ -148,6 +149,7 @@ def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
         if y is not None and text_weight:
             loss = loss + text_weight * torch.nn.functional.cross_entropy(
                 z.reshape(-1, z.shape[-1]).float(), y.reshape(-1))
+        loss = loss * scale
         loss.backward()
         return float(loss)
     body, head = sp
@@ -166,7 +168,7 @@ def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
         if yf is not None:
             loss = loss + text_weight * torch.nn.functional.cross_entropy(
                 z.float(), yf[s:e])
-        loss = loss * ((e - s) / n)
+        loss = loss * ((e - s) / n * scale)
         loss.backward()
         total += float(loss)
     flat.backward(hd.grad)
@@ -261,7 +263,8 @@ class Training(object):
 
 def distill(model, teacher, inputs, held, held_losses, params=None,
             adapter=None, training=None, forward=None, chunk=TOKEN_CHUNK,
-            progress=None, report=None, targets=None, checkpoint=False):
+            progress=None, report=None, targets=None, checkpoint=False,
+            parallel=None):
     """Trains model towards the teacher (a Teacher whose batch i is
     inputs[i]) and leaves it in the best held-out state.
 
@@ -276,7 +279,13 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     teacher_weight scales the KL (0: the text alone, a control).
     checkpoint: a decoder's layers recompute their forward in the
     backward pass (gradient checkpointing: one layer's activations held
-    at a time; the same gradients, about a third more compute).  Adam
+    at a time; the same gradients, about a third more compute).
+    parallel: the batches divided among processes (bico.llm.shard: each
+    holds some rows of every batch; inputs[i] None where it holds none):
+    parallel.weight(i) is this process's share of batch i's loss,
+    parallel.reduce(grads) sums the gradients over the processes in
+    place, parallel.total(value) the loss; every process then takes the
+    same step, the one a single process takes on whole batches.  Adam
     (lr) with a cosine schedule (or "constant"), one batch per step in a
     seeded random order; every `every` steps and at the last, the
     held-out losses; the state kept is chosen by bico.torch.choose.pick
@@ -351,10 +360,20 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         x = teacher.draw(i) if hasattr(teacher, "draw") else inputs[i]
         y = None if targets is None or targets[i] is None else \
             targets[i].to(dev)
-        with _Checkpointed(model, checkpoint):
-            value = _student_loss(model, x, teacher.get(i, dev), forward,
-                                  chunk, y, text_weight, teacher_weight,
-                                  getattr(teacher, "outputs", None))
+        value = 0.0
+        if x is not None:      # (None: another process holds the batch)
+            with _Checkpointed(model, checkpoint):
+                value = _student_loss(
+                    model, x, teacher.get(i, dev), forward, chunk, y,
+                    text_weight, teacher_weight,
+                    getattr(teacher, "outputs", None),
+                    1.0 if parallel is None else parallel.weight(i))
+        if parallel is not None:
+            for p in train:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            parallel.reduce([p.grad for p in train])
+            value = parallel.total(value)
         if not math.isfinite(value):
             raise BicoError(E_NONFINITE, "distill: the loss at step %d is "
                             "%g: the trained model's outputs are not finite "

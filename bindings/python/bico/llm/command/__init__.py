@@ -106,7 +106,8 @@ def _outcome(e):
 def _ranks(a):
     """The ranks the run is shared among (bico.llm.ranks): one process,
     or under a launcher (WORLD_SIZE > 1) a gloo process group, for the
-    streamed fit only.  The launcher's variables are checked before
+    streamed routes (the fit, the distillation with its teacher from the
+    folders, both) with one tokenizer.  The launcher's variables are checked before
     joining; once joined, every rank's options and inputs are compared
     with rank 0's (_same_run) before any work."""
     from ..ranks import Ranks, world_size, join
@@ -116,13 +117,22 @@ def _ranks(a):
     join()
     ranks = Ranks(world=True)
     ranks.same_run(_run_items(a))
-    if not (_streamed(a) and a.method == "fit"):
+    if not (_streamed(a) or _streamed_teacher(a)):
         raise opts.UsageError(
-            "under torchrun (WORLD_SIZE %d) only the streamed fit runs "
-            "across processes: give --method fit (without --in-memory, "
-            "--transformers or --device cuda), or run in one process"
-            % n)
+            "under torchrun (WORLD_SIZE %d) only the streamed routes run "
+            "across processes: give --method fit, distill or auto without "
+            "--in-memory, --transformers, --device cuda or --init warm, or "
+            "run in one process" % n)
+    if a.method != "fit" and _tokenizers_differ(a):
+        raise opts.UsageError(
+            "under torchrun (WORLD_SIZE %d): the tokenizers differ, and the "
+            "distillation across tokenizers runs in one process" % n)
     return ranks
+
+
+def _tokenizers_differ(a):
+    from ..vocab import relation
+    return relation(a.source, a.tokenizer or a.target).kind == "different"
 
 
 # Options that may differ between ranks: the node's own resources
@@ -165,7 +175,8 @@ def _route_teacher_streamed(a, dt, q, prog, tmp):
     _before_fit(a, None, tgt, cal, q, prog)
     chosen, means, fit, res, base = _run_routes(
         a, models, tgt, cal, a.ridge, a.alpha, tmp, q, tdtypes, dcal)
-    _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes)
+    if a.ranks.root:        # the choice is the same on every rank
+        _write_chosen(a, tgt, chosen, means, fit, res, base, cal, tdtypes)
 
 
 def _route_in_memory(a, dt, q, prog, tmp):

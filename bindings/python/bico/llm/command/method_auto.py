@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 from ... import _heap
@@ -43,7 +44,7 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes,
     added here when the source pair is in models."""
     log = lambda *m: _log(q, *m)  # noqa: E731
     base = _original_state(a, tgt)
-    per = {0: _distill._d.window_losses(tgt, cal.held_out)}
+    per = {0: _held_windows(a, tgt, cal)}
     fit = res = None
     warm = a.init == "warm" and a.output_lora is not None
     if a.method in ("fit", "auto") or (warm and a.method == "distill"):
@@ -63,6 +64,15 @@ def _run_routes(a, models, tgt, cal, ridges, alpha_arg, tmp, q, tdtypes,
         per[2] = res.per_window
     chosen, means = _choose_route(per, log)
     return chosen, means, fit, res, base
+
+
+def _held_windows(a, model, cal):
+    """model's loss on every held-out window; across ranks each scores
+    its rows and every rank gets them all, in order (bico.llm.shard)."""
+    if a.ranks.size == 1:
+        return _distill._d.window_losses(model, cal.held_out)
+    from ..shard import RowShard, window_losses
+    return window_losses(model, RowShard(a.ranks, cal.held_out))
 
 
 def _original_state(a, tgt):
@@ -252,6 +262,9 @@ def _teacher_then_target(a, dt, q, cal, tuned, spill, tmp):
     distillation's windows)."""
     if _byte_teacher_wanted(a):
         dcal, models = _across_from_folders(a, dt, q, cal, tuned)
+    elif a.ranks.size > 1:
+        dcal, models = _teacher_across_ranks(a, dt, q, cal, tuned, spill,
+                                             tmp)
     else:
         dcal = _generated_from_folders(a, dt, q, cal, tuned)
         models = {} if a.vocab.kind == "different" else {
@@ -261,6 +274,43 @@ def _teacher_then_target(a, dt, q, cal, tuned, spill, tmp):
     tgt, tdtypes = _load_target(a, dt, q)
     _heap.trim()
     return models, tgt, tdtypes, dcal
+
+
+def _teacher_across_ranks(a, dt, q, cal, tuned, spill, tmp):
+    """The distillation's windows and teacher across ranks: rank 0
+    writes the task text (--generate) and sends it to every rank; each
+    rank computes the teacher of its rows of every batch
+    (bico.llm.shard.RowShard) from the folders, a block at a time:
+    (the distillation's windows, {"teacher": this rank's})."""
+    from ..shard import RowShard
+
+    def written():
+        d = _generated_from_folders(a, dt, q, cal, tuned)
+        gen = d.batches[len(cal.batches):]
+        w = cal.batches[0][0].shape[1]
+        xs = [x.numpy() for x, _ in gen] or [np.zeros((0, w), np.int64)]
+        ys = [y.numpy() for _, y in gen] or [np.zeros((0, w), np.int64)]
+        return (np.concatenate(xs), np.concatenate(ys),
+                np.array([x.shape[0] for x, _ in gen], np.int64),
+                np.array([getattr(a, "own_batches", -1),
+                          int(getattr(a, "written_most", False))], np.int64))
+    xs, ys, sizes, flags = a.ranks.from_root(written)
+    gen, k = [], 0
+    for n in sizes.tolist():
+        gen.append((torch.from_numpy(np.array(xs[k:k + n])),
+                    torch.from_numpy(np.array(ys[k:k + n]))))
+        k += n
+    if gen:
+        a.own_batches, a.written_most = int(flags[0]), bool(flags[1])
+    dcal = cal._replace(batches=list(cal.batches) + gen)
+    local = RowShard(a.ranks, dcal.batches).local
+    _log(q, "ranks: %d processes (gloo): each keeps its rows of the %d "
+         "batches (their teacher, their gradients, summed); rank 0 writes"
+         % (a.ranks.size, len(dcal.batches)))
+    teacher = _teacher_from_folders(
+        a, dt, q, dcal._replace(batches=local, windows=sum(
+            x.shape[0] for x, _ in local)), tuned, spill, tmp)
+    return dcal, {"teacher": teacher}
 
 
 def _write_streamed_fit(a, sf, best, chosen, means, cal):

@@ -52,7 +52,7 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         store=store, pair=models if "source" in models else None,
         teacher=models.pop("teacher", None),
         own=None if a.vocab.kind == "different"
-        else getattr(a, "own_batches", None))
+        else getattr(a, "own_batches", None), ranks=a.ranks)
 
 
 def _steps(a):
