@@ -542,7 +542,8 @@ bench: $(BENCH_BINS) $(TOOL)
 # /usr/bin/time -v (peak resident set, wall time) at depth (4 and 16 layers,
 # 512 wide), at the whole 0.5B -> 1.5B shape (bf16), one 7B-shaped block's
 # cost, the arithmetic of what a run holds at 7B and 70B, and of what a run
-# across processes would move (docs/scale-out.md, designed).  Folders are
+# across processes would move (docs/scale-out.md, designed); the
+# distillation's step beside a plain PyTorch loop (bench/llm_distill_step.py).  Folders are
 # written once into $(LLM_BENCH_WORK) (about 13 GB) and reused.  Long: the
 # in-memory 0.5B -> 1.5B run holds the whole models in float32 and more
 # than 24 GB (the kernel killed it at 23.4 GB on a 24 GB machine: its line
@@ -558,6 +559,8 @@ bench-llm: $(SHLIB)
 	$(LLM_BENCH) block --work $(LLM_BENCH_WORK) --threads $(BENCH_THREADS)
 	$(LLM_BENCH) arith
 	$(LLM_BENCH) scaleout
+	$(LLM_BENCH_ENV) $(PYTHON) bench/llm_distill_step.py --threads $(BENCH_THREADS) \
+	  --work $(LLM_BENCH_WORK)/distill_step
 
 # `make bench-quality`: how much of the zero-shot -> fine-tuned gap each
 # method closes on small Fashion-MNIST ViTs, over several seeds

@@ -465,3 +465,27 @@ def test_a_source_weight_that_is_not_finite_stops_the_distillation(
     assert "Traceback" not in r.stderr
     assert not out.exists()
 
+
+
+def test_the_layers_are_checkpointed_only_where_activations_are_large():
+    """bico.llm.distill checkpoints the target's layers when a step's
+    activations (4 bytes x tokens x layers x (12 d + 4 f)) would pass
+    CHECKPOINT_BYTES: not a 128-wide 4-layer decoder's 8 x 64 tokens
+    (24 MB), a Qwen2-0.5B shape's 8 x 128 (3.0 GB) yes, and a model
+    without such a config (unknown size) always."""
+    import torch
+    from bico.llm import distill as ld
+
+    class M(object):
+        def __init__(self, cfg):
+            self.config = cfg
+    small = {"hidden_size": 128, "intermediate_size": 344,
+             "num_hidden_layers": 4}
+    half = {"hidden_size": 896, "intermediate_size": 4864,
+            "num_hidden_layers": 24}
+    x8 = [torch.zeros(8, 64, dtype=torch.long), None]
+    assert 4 * 512 * 4 * (12 * 128 + 4 * 344) < ld.CHECKPOINT_BYTES
+    assert not ld._checkpointed(M(small), x8)
+    assert ld._checkpointed(M(half), [torch.zeros(8, 128,
+                                                  dtype=torch.long)])
+    assert ld._checkpointed(M(None), x8)

@@ -310,7 +310,8 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
         step, losses = _with_saved(target, teacher, inputs, nwin,
                                    held_losses, adapter, trained, steps, lr,
                                    every, seed, chunk, clock, rep, targets,
-                                   weights, patience, shard)
+                                   weights, patience, shard,
+                                   _checkpointed(target, inputs))
     else:
         step, losses = _d.distill(
             target, teacher, inputs, nwin, held_losses, params=params,
@@ -319,7 +320,8 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
                 patience=patience, text_weight=weights[0],
                 teacher_weight=weights[1]),
             chunk=chunk, progress=lambda i, n, v: _stepped(clock, i, v),
-            report=rep, targets=targets, checkpoint=True, parallel=shard)
+            report=rep, targets=targets,
+            checkpoint=_checkpointed(target, inputs), parallel=shard)
     per = windows(target)
     ran = max(losses)
     log("distill: kept step %d of %d (held-out loss %.4f; untouched "
@@ -333,6 +335,31 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
                   rep[0] if rep else None, time.time() - t0)
 
 
+# Above this many bytes of a step's activations (autograd's saved tensors,
+# estimated), the layers are checkpointed (each keeps its input and
+# recomputes its forward in the backward pass: one layer's activations
+# held, about a third more compute); below, memory is not the constraint
+# and the step runs without (docs/performance.md, "The distillation's
+# step").
+CHECKPOINT_BYTES = 256 << 20
+
+
+def _checkpointed(target, inputs):
+    """Whether the distillation checkpoints the target's layers: when a
+    step's activations (about 12 d + 4 f floats per token per layer,
+    d the width, f the MLP's) would pass CHECKPOINT_BYTES."""
+    cfg = getattr(target, "config", None)
+
+    def field(k):       # a config.json dict, or transformers' config
+        return cfg.get(k) if isinstance(cfg, dict) else getattr(cfg, k, None)
+    d, f = field("hidden_size"), field("intermediate_size")
+    layers = field("num_hidden_layers")
+    if not (d and f and layers):
+        return True
+    tokens = max((x.numel() for x in inputs if x is not None), default=0)
+    return 4 * tokens * layers * (12 * d + 4 * f) > CHECKPOINT_BYTES
+
+
 def _stepped(clock, i, value):
     """After training step i (from 1): the progress line, and the test
     hook's point "step" (bico.llm.runtime.test_point)."""
@@ -343,7 +370,7 @@ def _stepped(clock, i, value):
 
 def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
                 steps, lr, every, seed, chunk, clock, rep, targets, weights,
-                patience=None, shard=None):
+                patience=None, shard=None, checkpoint=True):
     """distill with the factors and whole saved tensors training together
     (one Adam over both; the saved tensors' state kept with the
     factors')."""
@@ -369,7 +396,7 @@ def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
                          teacher_weight=weights[1]),
                      chunk=chunk,
                      progress=lambda i, n, v: _stepped(clock, i, v),
-                     report=rep, targets=targets, checkpoint=True,
+                     report=rep, targets=targets, checkpoint=checkpoint,
                      parallel=shard)
     return out
 

@@ -380,10 +380,12 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
                             "(its weights, or a learning rate too large); "
                             "nothing was kept" % (it, value))
         opt.step()
-        _heap.trim()      # the step's freed tensors back to the system
         if sch is not None:
             sch.step()
         if it % every == 0 or it == steps:
+            # the steps' freed tensors back to the system (a trim costs
+            # about a tenth of a small model's step: not after each)
+            _heap.trim()
             per[it] = held_losses(model)
             m = {s: sum(v) / len(v) for s, v in per.items()}
             best = pick(m, per, rule="least")
