@@ -25,7 +25,10 @@ run, at two sizes: the 128-wide 4-layer decoder of the benchmark's table
 151 936; random weights in float32: the figures are time, not quality).
 
     python3 bench/llm_distill_step.py [--sizes small,0.5b] [--steps 8]
-        [--batch 8] [--window 64] [--threads N]
+        [--batch B] [--window 64] [--threads N] [--work DIR]
+
+The batch is 8 windows at the small size and 2 at 0.5B (a step there
+takes seconds on two cores), unless --batch says.
 """
 import argparse
 import math
@@ -53,6 +56,7 @@ SIZES = {
     "small": dict(d=128, L=4, f=344, H=4, KV=2, hd=32, V=256),
     "0.5b": dict(gen.SIZES["full"]["src"]),
 }
+BATCH = {"small": 8, "0.5b": 2}
 RANK, TEXT_WEIGHT, LR = 16, 0.5, 5e-3
 
 
@@ -152,7 +156,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="small,0.5b")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--work", default=None,
@@ -165,20 +169,20 @@ def main(argv=None):
     if a.work is None:
         tmp = tempfile.TemporaryDirectory(prefix="bico-distill-step-")
         a.work = tmp.name
-    print("distillation step, rank-%d adapter on every linear layer, batch "
-          "%d x %d tokens, %d threads, torch %s" % (
-              RANK, a.batch, a.window, torch.get_num_threads(),
-              torch.__version__))
+    print("distillation step, rank-%d adapter on every linear layer, "
+          "windows of %d tokens, %d threads, torch %s" % (
+              RANK, a.window, torch.get_num_threads(), torch.__version__))
     for size in a.sizes.split(","):
         s = SIZES[size]
+        batch = a.batch or BATCH[size]
         src, tun, tgt = _models(s, os.path.join(a.work, size))
         g = torch.Generator().manual_seed(0)
         n_batches = 4
-        ids = torch.randint(0, s["V"], (n_batches, a.batch, a.window + 1),
+        ids = torch.randint(0, s["V"], (n_batches, batch, a.window + 1),
                             generator=g)
         batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous())
                    for w in ids]
-        tokens = a.batch * a.window
+        tokens = batch * a.window
         names = lora_modules(tgt)
         t = time.perf_counter()
         with torch.no_grad():
@@ -190,8 +194,9 @@ def main(argv=None):
                                 k=64)
         t_bico_teacher = (time.perf_counter() - t) / n_batches
         del src, tun
-        print("\n%s (d %d, %d layers, vocabulary %d): %d LoRA layers"
-              % (size, s["d"], s["L"], s["V"], len(names)))
+        print("\n%s (d %d, %d layers, vocabulary %d): %d LoRA layers, "
+              "batches of %d x %d tokens" % (size, s["d"], s["L"], s["V"],
+                                             len(names), batch, a.window))
         print("%-34s %11s %12s" % ("", "per step", "per 1k tokens"))
         plain = _plain(tgt, names, batches, logp, a.steps)
         print(_row("plain loop", plain, tokens), flush=True)

@@ -117,11 +117,15 @@ class Ranks(object):
 
     def sum_all(self, tensors):
         """Each float tensor of the list replaced in place by its sum over
-        the ranks (one all-reduce of them laid end to end: the same sums,
-        bit for bit, on every rank); returns the list."""
+        the ranks (one all-reduce of them laid end to end, in float32 when
+        they all are, else in double: the same sums, bit for bit, on every
+        rank, since each piece is added up once and then copied); returns
+        the list."""
         if self.size == 1 or not tensors:
             return tensors
-        flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+        dt = torch.float32 if all(t.dtype == torch.float32
+                                  for t in tensors) else torch.float64
+        flat = torch.cat([t.detach().reshape(-1).to(dt) for t in tensors])
         _dist().all_reduce(flat, group=self.group)
         k = 0
         for t in tensors:
