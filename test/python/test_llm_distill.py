@@ -467,25 +467,35 @@ def test_a_source_weight_that_is_not_finite_stops_the_distillation(
 
 
 
-def test_the_layers_are_checkpointed_only_where_activations_are_large():
-    """bico.llm.distill checkpoints the target's layers when a step's
-    activations (4 bytes x tokens x layers x (12 d + 4 f)) would pass
-    CHECKPOINT_BYTES: not a 128-wide 4-layer decoder's 8 x 64 tokens
-    (24 MB), a Qwen2-0.5B shape's 8 x 128 (3.0 GB) yes, and a model
-    without such a config (unknown size) always."""
+def test_the_layers_are_checkpointed_only_where_activations_are_large(
+        monkeypatch):
+    """Student(checkpoint="auto") checkpoints the target's layers when a
+    step's activations (4 bytes x tokens x layers x (12 d + 4 f)) would
+    pass a quarter of the memory available, at least CHECKPOINT_BYTES:
+    a 128-wide 4-layer decoder's 8 x 64 tokens (24 MB) never; a
+    Qwen2-0.5B shape's 8 x 128 (3.0 GB) with 4 GB available, or with
+    the memory unknown, yes, with 20 GB available no; a model of unknown
+    size always; True and False as given."""
     import torch
     from bico.llm import distill as ld
 
     class M(object):
         def __init__(self, cfg):
             self.config = cfg
-    small = {"hidden_size": 128, "intermediate_size": 344,
-             "num_hidden_layers": 4}
-    half = {"hidden_size": 896, "intermediate_size": 4864,
-            "num_hidden_layers": 24}
+    small = M({"hidden_size": 128, "intermediate_size": 344,
+               "num_hidden_layers": 4})
+    half = M({"hidden_size": 896, "intermediate_size": 4864,
+              "num_hidden_layers": 24})
     x8 = [torch.zeros(8, 64, dtype=torch.long), None]
+    x8b = [torch.zeros(8, 128, dtype=torch.long)]
     assert 4 * 512 * 4 * (12 * 128 + 4 * 344) < ld.CHECKPOINT_BYTES
-    assert not ld._checkpointed(M(small), x8)
-    assert ld._checkpointed(M(half), [torch.zeros(8, 128,
-                                                  dtype=torch.long)])
-    assert ld._checkpointed(M(None), x8)
+    for avail, want in ((None, True), (4 << 30, True), (20 << 30, False)):
+        monkeypatch.setattr(ld, "_available", lambda dev, v=avail: v)
+        assert not ld._checkpointed(small, x8)
+        assert ld._checkpointed(half, x8b) == want, avail
+        assert ld._checkpointed(M(None), x8)
+        assert ld._checkpointed(small, x8, True)
+        assert not ld._checkpointed(half, x8b, False)
+    with pytest.raises(BicoError, match="checkpoint"):
+        ld.run(None, None, None, None, print,
+               student=ld.Student(checkpoint="yes"))

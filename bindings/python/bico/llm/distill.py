@@ -119,13 +119,18 @@ class Student(object):
     (lora_alpha: PEFT's scale, None: rank) on the linear layers `modules`
     (PEFT names; init: {module: (B, A)} warm-start pairs, None for PEFT's
     start) and the parameters of the `save` modules trained whole; mode
-    "dense": every floating parameter of the target."""
+    "dense": every floating parameter of the target.  checkpoint: whether
+    the target's layers recompute their forward in the backward pass
+    (one layer's activations held, about 40 % more time a step): True,
+    False, or "auto" (when a step's activations would pass a quarter of
+    the memory available, at least CHECKPOINT_BYTES; _checkpointed)."""
     mode: str = "lora"
     rank: int = 16
     lora_alpha: object = None
     modules: tuple = tuple(LINEAR_MODULES)
     save: tuple = ()
     init: object = None
+    checkpoint: object = "auto"
 
 
 @dataclass
@@ -183,6 +188,9 @@ def run(source, source_tuned, target, cal, log, student=None,
     ts = TeacherStore() if store is None else store
     mode, rank, lora_alpha, modules, save, init = (
         st.mode, st.rank, st.lora_alpha, st.modules, st.save, st.init)
+    if st.checkpoint not in ("auto", True, False):
+        raise BicoError(E_ARG, "distill: Student.checkpoint must be 'auto', "
+                        "True or False, got %r" % (st.checkpoint,))
     steps, lr, every, seed, patience = tr.steps, tr.lr, tr.every, tr.seed, \
         tr.patience
     text_weight, teacher_weight = tr.text_weight, tr.teacher_weight
@@ -254,7 +262,7 @@ def run(source, source_tuned, target, cal, log, student=None,
                       lora_alpha, modules, save, init, steps, lr, every,
                       seed, chunk, t0, targets, (text_weight,
                                                   teacher_weight), patience,
-                      (shard, held))
+                      (shard, held), st.checkpoint)
     finally:
         teacher.close()
 
@@ -272,8 +280,9 @@ def _defaults(mode, steps, lr, n_batches):
 
 def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
            modules, save, init, steps, lr, every, seed, chunk, t0, targets,
-           weights, patience=None, shards=(None, None)):
+           weights, patience=None, shards=(None, None), checkpoint="auto"):
     steps, lr = _defaults(mode, steps, lr, len(inputs))
+    ck = _checkpointed(target, inputs, checkpoint)
     adapter, params, trained = None, None, {}
     if mode == "lora":
         names = lora_modules(target, modules)
@@ -310,8 +319,7 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
         step, losses = _with_saved(target, teacher, inputs, nwin,
                                    held_losses, adapter, trained, steps, lr,
                                    every, seed, chunk, clock, rep, targets,
-                                   weights, patience, shard,
-                                   _checkpointed(target, inputs))
+                                   weights, patience, shard, ck)
     else:
         step, losses = _d.distill(
             target, teacher, inputs, nwin, held_losses, params=params,
@@ -320,8 +328,7 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
                 patience=patience, text_weight=weights[0],
                 teacher_weight=weights[1]),
             chunk=chunk, progress=lambda i, n, v: _stepped(clock, i, v),
-            report=rep, targets=targets,
-            checkpoint=_checkpointed(target, inputs), parallel=shard)
+            report=rep, targets=targets, checkpoint=ck, parallel=shard)
     per = windows(target)
     ran = max(losses)
     log("distill: kept step %d of %d (held-out loss %.4f; untouched "
@@ -335,19 +342,42 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
                   rep[0] if rep else None, time.time() - t0)
 
 
-# Above this many bytes of a step's activations (autograd's saved tensors,
-# estimated), the layers are checkpointed (each keeps its input and
-# recomputes its forward in the backward pass: one layer's activations
-# held, about a third more compute); below, memory is not the constraint
-# and the step runs without (docs/performance.md, "The distillation's
-# step").
+# Student(checkpoint="auto"): the layers are checkpointed (each keeps its
+# input and recomputes its forward in the backward pass: one layer's
+# activations held, about 40 % more time a step) when a step's activations
+# (autograd's saved tensors, estimated) would pass a quarter of the memory
+# available (the device's free memory, or the system's MemAvailable), and
+# at least CHECKPOINT_BYTES; below, memory is not the constraint and the
+# step runs as fast as a plain loop's (docs/performance.md, "The
+# distillation's step").
 CHECKPOINT_BYTES = 256 << 20
 
 
-def _checkpointed(target, inputs):
-    """Whether the distillation checkpoints the target's layers: when a
-    step's activations (about 12 d + 4 f floats per token per layer,
-    d the width, f the MLP's) would pass CHECKPOINT_BYTES."""
+def _available(device):
+    """Bytes of memory available to the step: the accelerator's free
+    memory, or the system's MemAvailable; None when unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        pass
+    return None
+
+
+def _checkpointed(target, inputs, mode="auto"):
+    """Whether the distillation checkpoints the target's layers: mode
+    True or False, or "auto": when a step's activations (about 12 d + 4 f
+    floats per token per layer, d the width, f the MLP's) would pass
+    max(CHECKPOINT_BYTES, a quarter of the memory available); a model
+    whose size is not known is checkpointed."""
+    if mode is not True and mode is not False:
+        mode = None
+    if mode is not None:
+        return mode
     cfg = getattr(target, "config", None)
 
     def field(k):       # a config.json dict, or transformers' config
@@ -357,7 +387,12 @@ def _checkpointed(target, inputs):
     if not (d and f and layers):
         return True
     tokens = max((x.numel() for x in inputs if x is not None), default=0)
-    return 4 * tokens * layers * (12 * d + 4 * f) > CHECKPOINT_BYTES
+    ps = getattr(target, "parameters", None)
+    p = next(ps(), None) if ps is not None else None
+    avail = _available(p.device) if p is not None else \
+        _available(torch.device("cpu"))
+    limit = max(CHECKPOINT_BYTES, (avail or 0) // 4)
+    return 4 * tokens * layers * (12 * d + 4 * f) > limit
 
 
 def _stepped(clock, i, value):

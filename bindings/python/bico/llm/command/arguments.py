@@ -205,6 +205,12 @@ def _route_options(p):
                    help="distillation stops once this many held-out checks "
                    "(every 25 steps) in a row found nothing better (%d; 0: "
                    "every step runs)" % PATIENCE)
+    d.add_argument("--checkpoint", choices=("auto", "on", "off"),
+                   default="auto",
+                   help="recompute the target's layers in the backward pass "
+                   "(one layer's activations held, about 40 %% more time a "
+                   "step): on, off, or auto (when a step's activations would "
+                   "pass a quarter of the memory available)")
     d.add_argument("--generate", type=opts.generate_count, default="auto",
                    help="windows of task text the teacher writes for the "
                    "distillation, from prompts cut from the fit windows "

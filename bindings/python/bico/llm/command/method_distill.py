@@ -38,7 +38,8 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
     student = _distill.Student(
         mode=mode, rank=a.rank, lora_alpha=a.lora_alpha,
         modules=tuple(m for m in a.target_modules.split(",") if m),
-        save=tuple(saves) if mode == "lora" else (), init=init)
+        save=tuple(saves) if mode == "lora" else (), init=init,
+        checkpoint={"on": True, "off": False}.get(a.checkpoint, "auto"))
     training = Training(
         steps=_steps(a), seed=a.seed, patience=a.patience or None,
         lr=a.lr if a.lr is not None or a.vocab.kind != "different" or
