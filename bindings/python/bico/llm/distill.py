@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .. import _heap
 from .._status import BicoError, E_ARG
 from ..torch import logits as _lg
 from ..torch import teacher as _t
@@ -67,6 +68,24 @@ class Clock(object):
         self.log("%s: %d/%d, %s elapsed, about %s left%s" % (
             self.what, done, self.total, _secs(el), _secs(eta),
             (" (" + extra + ")") if extra else ""))
+
+
+def memory():
+    """"resident N MB, peak M MB": this process's resident set now and its
+    peak so far (Linux's VmRSS and VmHWM), for the phases' log lines (what
+    remains after each phase); "" where /proc does not say."""
+    got = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k = line.split(":")[0]
+                if k in ("VmRSS", "VmHWM"):
+                    got[k] = int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        return ""
+    if len(got) < 2:
+        return ""
+    return "resident %.0f MB, peak %.0f MB" % (got["VmRSS"], got["VmHWM"])
 
 
 def _secs(s):
@@ -248,6 +267,9 @@ def run(source, source_tuned, target, cal, log, student=None,
         # this frame's own references too: the pair is freed only when no
         # one holds it (a 0.5B pair is 2 GB in bf16)
         del source, source_tuned
+        _heap.trim()
+        log("memory before training (the teacher kept, the source pair "
+            "released): %s" % memory())
         ys = [y for _, y in cal.batches] if shard is None else \
             shard.targets()
         targets = [y.to(dev) if y is not None and (
@@ -336,6 +358,9 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
                             "" if ran >= steps else
                             "; stopped at step %d: %d checks without a "
                             "better held-out loss" % (ran, patience)))
+    log("memory after training (%s): %s" % (
+        "layers checkpointed" if ck else "layers not checkpointed",
+        memory()))
     state = adapter.state() if adapter is not None else None
     return Result(step, losses, nwin, per, state, adapter,
                   {k: p.detach().clone() for k, p in trained.items()},

@@ -271,8 +271,11 @@ def _teacher_then_target(a, dt, q, cal, tuned, spill, tmp):
             "teacher": _teacher_from_folders(a, dt, q, dcal, tuned, spill,
                                              tmp)}
     _heap.trim()
+    _log(q, "memory after the teacher (its models freed): %s"
+         % _distill.memory())
     tgt, tdtypes = _load_target(a, dt, q)
     _heap.trim()
+    _log(q, "memory with the target loaded: %s" % _distill.memory())
     return models, tgt, tdtypes, dcal
 
 
