@@ -33,6 +33,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import llm_scale_gen as gen  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+from bico.torch.logits import LOGIT_BYTES  # noqa: E402
 
 SHAPE = dict(gen.SIZES["full"]["src"])     # Qwen2-0.5B
 MiB = float(1 << 20)
@@ -176,8 +178,8 @@ def main():
          5 * 4 * nl),
         ("teacher entries (top 64 + rest, f32 values, i32 indices)",
          tokens * (64 * 8 + 4)),
-        ("one chunk of logits (f32, at most distill.LOGIT_BYTES)",
-         min(64 << 20, 1024 * SHAPE["V"] * 4)),
+        ("one chunk of logits (f32, at most bico.torch.logits.LOGIT_BYTES)",
+         min(LOGIT_BYTES, 1024 * SHAPE["V"] * 4)),
         ("a step's saved activations (bf16, 8 windows; estimate)",
          2 * 8 * args.window * SHAPE["L"] *
          saved_per_token(SHAPE, args.window)),

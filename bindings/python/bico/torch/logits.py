@@ -43,8 +43,12 @@ def _logits(out):
 
 
 # the logits of one chunk stay under this many bytes (float32): at a
-# 151 936-token vocabulary 110 tokens a chunk, at 256 the whole TOKEN_CHUNK
-LOGIT_BYTES = 64 << 20
+# 151 936-token vocabulary 55 tokens a chunk, at 256 the whole TOKEN_CHUNK.
+# 32 MiB: a distillation step holds a few such tensors (the logits, their
+# log-softmax, the gradient); at 64 MiB a 1.5B-shaped target's step peaked
+# 217 MiB higher, past 1.2 x the target and its factors' state
+# (docs/performance.md, section 11), for no gain in time.
+LOGIT_BYTES = 32 << 20
 
 
 def _bounded(chunk, head):
