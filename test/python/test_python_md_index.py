@@ -1,7 +1,6 @@
 """docs/python.md names every public function and class of the binding:
 each module's __all__ (or, without one, its own public functions and
 classes)."""
-import inspect
 import os
 
 import bico
@@ -38,13 +37,19 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs",
                    "python.md")
 
 
-def public(mod):
-    names = getattr(mod, "__all__", None)
-    if names is not None:
-        return list(names)
-    return [n for n, v in vars(mod).items() if not n.startswith("_") and
-            (inspect.isfunction(v) or inspect.isclass(v)) and
-            getattr(v, "__module__", "") == mod.__name__]
+def _public():
+    """scripts/python-api.py's rule for a module's public names (the one
+    the frozen listing uses)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "python_api", os.path.join(os.path.dirname(DOC), "..", "scripts",
+                                   "python-api.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.public
+
+
+public = _public()
 
 
 def test_every_public_name_is_in_python_md():

@@ -60,12 +60,12 @@ def pick(losses, per=None, rule="least", zero=0.0):
     rule "least": the least loss, the earlier candidate on a tie.
     "clear": the same among zero and the candidates whose per-batch losses
     beat zero's clearly (_helps: a mean gain larger than its standard
-    error); without zero among the candidates (or without per), "least".
+    error); without zero among the candidates, "least".
     "least-or-zero": the least loss, replaced by zero unless it beats
     zero clearly."""
     cands = list(losses)
     if rule == "clear":
-        cands = [c for c in cands if not per or zero not in per or c == zero
+        cands = [c for c in cands if zero not in per or c == zero
                  or _helps(per[zero], per[c])]
     elif rule not in ("least", "least-or-zero"):
         raise BicoError(E_ARG, "pick: rule must be 'least', 'clear' or "

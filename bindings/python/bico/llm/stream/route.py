@@ -323,27 +323,28 @@ def _folders_fit(kw, fit_b, held, ridges, auto, alpha, grid, a, budget,
             return sf.fit(ridge, alpha=a, report=frep), frep
 
         def score(res, alphas):
-            if not auto:      # the given scale: nothing to score
-                return {al: 0.0 for al in alphas}, None
             per = {g: [v for v, _ in pb] for g, pb in
                    sf.score(res[0], alphas).items()}
             return ({g: mean_loss_of([(v, 0) for v in per[g]])
                      for g in alphas}, per)
 
-        c = choose_on_heldout(ridges if auto else ridges[:1], fit, score,
-                              grid if auto else [1.0])
-        res, frep = c.result
-        scale, scores = c.alpha, (c.losses if auto else None)
-        _report(kw, sf, frep, scale, scores, c.ridge, ridges,
-                c.ridge_losses, res, fit_b, held)
+        if auto:
+            c = choose_on_heldout(ridges, fit, score, grid)
+            (res, frep), scale, scores = c.result, c.alpha, c.losses
+            ridge, ridge_losses = c.ridge, c.ridge_losses
+        else:           # the given scale, applied by the fit: one ridge
+            (res, frep), scale, scores = fit(ridges[0]), 1.0, None
+            ridge, ridge_losses = ridges[0], None
+        _report(kw, sf, frep, scale, scores, ridge, ridges, ridge_losses,
+                res, fit_b, held)
         if kw["output"] is not None:
             if ranks.root:     # the others wait for it (transfer_folders)
                 sf.write_model(res, kw["output"], scale, {
                     "format": "pt", "bico_transfer_method": "fit",
                     "bico_alpha": "%g" % (scale if auto else alpha),
-                    "bico_ridge": "%g" % c.ridge})
+                    "bico_ridge": "%g" % ridge})
             return {"output": kw["output"], "alpha": scale if auto else
-                    alpha, "ridge": c.ridge, "losses": scores}
+                    alpha, "ridge": ridge, "losses": scores}
         return _state_dict(res, scale)
 
 
