@@ -3,7 +3,7 @@ a Qwen2-0.5B-shaped target (hidden 896, 24 layers, MLP 4864, 14/2 heads,
 vocabulary 151936, tied head), the models computed in bfloat16.
 
     python3 bench/llm_distill_memory.py WORK [--windows 16] [--window 64]
-        [--steps 2] [--rank 16]
+        [--steps 2] [--rank 16] [--target 0.5b|1.5b] [--device cuda]
 
 WORK receives three synthetic bf16 folders of that shape (A, A_ft = A
 plus a small task vector, B; random weights written tensor by tensor by
@@ -17,9 +17,17 @@ folder a block at a time, then the three heads make the entries).  Random weight
 make a meaningless teacher: the figures are memory and time, not
 quality.  Run on a CPU here; the steps are few because a step of a 0.5B
 model on two cores takes minutes.
+
+--target 1.5b: the target (B) has Qwen2-1.5B's shape (hidden 1536, 28
+layers, MLP 8960, 12/2 heads), the source pair keeps 0.5B's.  --device
+cuda: the command runs there (the teacher streamed to the device a block
+at a time, the target trained there); the device's peak (PyTorch's
+allocated memory, from the command's own memory lines) is printed
+beside the host's.
 """
 import argparse
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -37,6 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 from bico.torch.logits import LOGIT_BYTES  # noqa: E402
 
 SHAPE = dict(gen.SIZES["full"]["src"])     # Qwen2-0.5B
+TARGET = SHAPE                             # --target 1.5b: Qwen2-1.5B
 MiB = float(1 << 20)
 
 
@@ -80,15 +89,16 @@ def rss_mib(pid):
     return 0.0
 
 
-def make(work):
+def make(work, target_name):
     made = []
     for name, salt, tau in (("A", "A", 0.0), ("A_ft", "A", 0.01),
-                            ("B", "B", 0.0)):
+                            (target_name, "B", 0.0)):
         path = os.path.join(work, name)
         if os.path.exists(os.path.join(path, "model.safetensors")):
             continue
         t = time.time()
-        gen.folder(path, SHAPE, lambda n, sh, salt=salt, tau=tau: (
+        shape = TARGET if name == target_name else SHAPE
+        gen.folder(path, shape, lambda n, sh, salt=salt, tau=tau: (
             gen.weight(n, sh, salt) + (tau * gen.weight(n, sh, "tau")
                                        if tau else 0.0)))
         made.append("%s (%.0f s)" % (name, time.time() - t))
@@ -109,10 +119,21 @@ def main():
     ap.add_argument("--size", choices=("full", "quick"), default="full",
                     help="quick: bench/llm_scale_gen.py's small shape, to "
                     "try the script")
+    ap.add_argument("--target", choices=("0.5b", "1.5b"), default="0.5b",
+                    help="the target's shape (1.5b: Qwen2-1.5B's; the "
+                    "source pair is 0.5B-shaped either way)")
+    ap.add_argument("--device", default="cpu",
+                    help="the command's --device (cuda: a GPU)")
+    ap.add_argument("--checkpoint", choices=("auto", "on", "off"),
+                    default="auto")
     args = ap.parse_args()
+    global TARGET
     SHAPE.update(gen.SIZES[args.size]["src"])
+    TARGET = dict(gen.SIZES[args.size]["tgt"]) if args.target == "1.5b" \
+        else SHAPE
+    tname = "B" if args.target == "0.5b" else "B15"
     os.makedirs(args.work, exist_ok=True)
-    made = make(args.work)
+    made = make(args.work, tname)
     if made:
         print("wrote " + ", ".join(made), flush=True)
     ids = os.path.join(args.work, "ids.npy")
@@ -123,7 +144,8 @@ def main():
     cmd = [sys.executable, "-m", "bico.llm", "--source",
            os.path.join(args.work, "A"), "--source-tuned",
            os.path.join(args.work, "A_ft"), "--target",
-           os.path.join(args.work, "B"), "--ids", ids, "--output-lora", out,
+           os.path.join(args.work, tname), "--ids", ids, "--output-lora",
+           out, "--device", args.device, "--checkpoint", args.checkpoint,
            "--replace", "--method", args.method, "--dtype", "bfloat16",
            "--rank", str(args.rank), "--steps", str(args.steps),
            "--windows", str(args.windows), "--window", str(args.window),
@@ -161,19 +183,23 @@ def main():
         sys.exit("bico.llm failed (%d):\n%s" % (p.returncode,
                                                "".join(lines)[-3000:]))
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
-    n, nl = params(SHAPE), lora_params(SHAPE, args.rank)
+    n, nl = params(TARGET), lora_params(TARGET, args.rank)
     tokens = args.windows * args.window
     print("target: %s shape, %.0f M parameters; --method %s, %d windows "
-          "of %d tokens, %d steps, rank %d, bfloat16, %d threads"
-          % ("Qwen2-0.5B" if args.size == "full" else "small", n / 1e6,
-             args.method, args.windows, args.window, args.steps, args.rank,
-             args.threads))
+          "of %d tokens, %d steps, rank %d, bfloat16, %d threads, --device "
+          "%s, --checkpoint %s"
+          % ("Qwen2-%s" % args.target.upper() if args.size == "full"
+             else "small", n / 1e6, args.method, args.windows, args.window,
+             args.steps, args.rank, args.threads, args.device,
+             args.checkpoint))
     print("%-58s %9s" % ("", "MiB"))
     rows = [
         ("one model in bf16 (the target while it trains)", 2 * n),
         ("teacher's phase: three heads and one block in bf16",
-         2 * (3 * SHAPE["V"] * SHAPE["d"] + block_params(SHAPE))),
-        ("(before: the three models in bf16)", 6 * n),
+         2 * (SHAPE["V"] * (2 * SHAPE["d"] + TARGET["d"]) +
+              max(block_params(SHAPE), block_params(TARGET)))),
+        ("(before: the three models in bf16)",
+         2 * (n + 2 * params(SHAPE))),
         ("LoRA factors, gradients, Adam moments, best state (f32)",
          5 * 4 * nl),
         ("teacher entries (top 64 + rest, f32 values, i32 indices)",
@@ -181,8 +207,8 @@ def main():
         ("one chunk of logits (f32, at most bico.torch.logits.LOGIT_BYTES)",
          min(LOGIT_BYTES, 1024 * SHAPE["V"] * 4)),
         ("a step's saved activations (bf16, 8 windows; estimate)",
-         2 * 8 * args.window * SHAPE["L"] *
-         saved_per_token(SHAPE, args.window)),
+         2 * 8 * args.window * TARGET["L"] *
+         saved_per_token(TARGET, args.window)),
     ]
     for what, b in rows:
         print("%-58s %9.0f" % (what, b / MiB))
@@ -197,6 +223,13 @@ def main():
                            phase["train"]))
     print("%-58s %9.0f" % ("measured: peak resident set of the command",
                            peak))
+    dev = [float(m.group(1)) for ln in lines for m in [re.search(
+        r"on cuda:\d+ now \d+ MB, peak (\d+) MB", ln)] if m]
+    if dev:
+        print("%-58s %9.0f" % ("measured: peak of the device's tensors "
+                               "(the command's lines)", max(dev)))
+    elif args.device != "cpu":
+        print("the device's peak: not in the command's lines")
     print("wall time %.0f s" % secs)
     for line in lines[-4:]:
         print("  | " + line.rstrip())

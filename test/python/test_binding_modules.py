@@ -467,10 +467,10 @@ REMOVED = {
 
 
 def _release_notes():
-    """The newest release's entries (one string each, a sub-entry its
-    own, lines joined)."""
+    """The 1.0.0 release's entries (one string each, a sub-entry its own,
+    lines joined): the release that removed these names."""
     text = open(os.path.join(ROOT, "CHANGELOG.md")).read()
-    section = text.split("\n## ")[1]
+    section = [s for s in text.split("\n## ") if s.startswith("1.0.0 ")][0]
     return [" ".join(e.split()) for e in re.split(r"\n *- ", section)]
 
 

@@ -58,10 +58,14 @@ class Clock(object):
         self.t0 = self.last = time.time()
 
     def __call__(self, done, extra=""):
+        """extra: a string, or a function giving it (called only when the
+        line is printed)."""
         check_stop()
         now = time.time()
         if done < self.total and now - self.last < self.every:
             return
+        if callable(extra):
+            extra = extra()
         self.last = now
         el = now - self.t0
         eta = el / done * (self.total - done) if done else float("nan")
@@ -73,7 +77,25 @@ class Clock(object):
 def memory():
     """"resident N MB, peak M MB": this process's resident set now and its
     peak so far (Linux's VmRSS and VmHWM), for the phases' log lines (what
-    remains after each phase); "" where /proc does not say."""
+    remains after each phase); "" where /proc does not say.  Once the
+    process has used a GPU, ", on cuda:N now N MB, peak M MB" follows:
+    the memory PyTorch's tensors hold there (allocated, not its cache)."""
+    return _host_memory() + _device_memory()
+
+
+def _device_memory():
+    try:
+        if not torch.cuda.is_initialized():
+            return ""
+        i = torch.cuda.current_device()
+        return ", on cuda:%d now %.0f MB, peak %.0f MB" % (
+            i, torch.cuda.memory_allocated(i) / 2 ** 20,
+            torch.cuda.max_memory_allocated(i) / 2 ** 20)
+    except (RuntimeError, AttributeError):
+        return ""
+
+
+def _host_memory():
     got = {}
     try:
         with open("/proc/self/status") as f:
@@ -425,7 +447,8 @@ def _stepped(clock, i, value):
     hook's point "step" (bico.llm.runtime.test_point)."""
     from .runtime import test_point
     test_point("step", i - 1)
-    clock(i, "loss %.4f" % value)
+    # read from the device only when the line is printed
+    clock(i, lambda: "loss %.4f" % float(value))
 
 
 def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,

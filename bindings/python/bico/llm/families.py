@@ -113,14 +113,22 @@ class Attention(nn.Module):
             cache[0], cache[1] = k, v
         rep = self.H // self.KV
         if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
+            k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
         s = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
         if attention_mask is not None:
             s = s + attention_mask.to(s.dtype)
         a = torch.softmax(s.float() if s.dtype != torch.float64 else s,
                           dim=-1).to(v.dtype)
         return (a @ v).transpose(1, 2).reshape(B, T, self.H * self.hd)
+
+
+def _repeat_kv(t, rep):
+    """[B, KV, T, hd] -> [B, KV * rep, T, hd], each head repeated rep
+    times in place (repeat_interleave's result, by a view and one copy:
+    repeat_interleave reads its repeat count back from the device)."""
+    B, KV, T, hd = t.shape
+    return t[:, :, None].expand(B, KV, rep, T, hd).reshape(B, KV * rep, T,
+                                                           hd)
 
 
 class Mlp(nn.Module):

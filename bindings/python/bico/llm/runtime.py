@@ -40,15 +40,16 @@ DEFAULT_BUDGET = 64 << 20
 # ---- the spill store ----
 
 class SpillStore(object):
-    """put(key, tensor) / get(key) / pop(key): tensors (CPU, any dtype)
-    kept in memory while the total stays within budget bytes, the rest in
+    """put(key, tensor) / get(key) / pop(key): tensors (any dtype) kept
+    in memory while the total stays within budget bytes (a device's
+    tensor on its device: get returns it there), the rest in
     one temporary file in `folder` (None: $TMPDIR) that never has a name:
     opened with O_TMPFILE where the file system allows it, else created
     and unlinked at once (tempfile.TemporaryFile), so nothing is left
     behind by a success, a failure or any signal.  Space freed by pop is
     reused by the next entry of the same size.  get returns a tensor the
     caller owns (a new one for a spilled entry; the stored one otherwise:
-    do not modify it in place)."""
+    do not modify it in place; a spilled entry comes back on the CPU)."""
 
     def __init__(self, budget=DEFAULT_BUDGET, folder=None):
         self.budget = int(budget)
@@ -88,7 +89,7 @@ class SpillStore(object):
             self.used += nb
             return
         off = self._slot(nb)
-        _pwrite_all(self._file(), _bytes_view(t), off, self.folder)
+        _pwrite_all(self._file(), _bytes_view(t.cpu()), off, self.folder)
         self.written += nb
         self.disk[key] = (off, nb, t.dtype, tuple(t.shape))
 
@@ -121,7 +122,7 @@ class SpillStore(object):
             self.mem[key][r0:r0 + len(t)] = t
             return
         off, nb, dt, shape = self.disk[key]
-        t = t.detach().to(dt).contiguous()
+        t = t.detach().to("cpu", dt).contiguous()
         width = shape[1] * t.element_size()
         _pwrite_all(self._file(), _bytes_view(t), off + r0 * width,
                     self.folder)

@@ -136,7 +136,9 @@ def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
     """KL(teacher || model) on one batch, plus text_weight times the
     next-token cross-entropy against y (the text's own next tokens) when
     given, times scale (this process's share of a batch divided among
-    ranks), backpropagated; returns its value.  A decoder called on token
+    ranks), backpropagated; returns its value as a detached 0-dim tensor
+    on the model's device (read it with float() where the host needs it:
+    nothing here waits for the device).  A decoder called on token
     ids (forward None) has its logits computed chunk by chunk: the hidden
     states' gradient is gathered over the chunks, then sent through the
     body once."""
@@ -151,13 +153,13 @@ def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
                 z.reshape(-1, z.shape[-1]).float(), y.reshape(-1))
         loss = loss * scale
         loss.backward()
-        return float(loss)
+        return loss.detach()
     body, head = sp
     h = _hidden(body, x)
     flat = h.reshape(-1, h.shape[-1])
     n = flat.shape[0]
     hd = flat.detach().requires_grad_(True)
-    total = 0.0
+    total = None
     flat_entry = _flat_entry(entry, n) if entry is not None else None
     yf = None if y is None or not text_weight else y.reshape(-1)
     for s, e in _chunks(n, _bounded(chunk, head)):
@@ -170,7 +172,7 @@ def _student_loss(model, x, entry, forward, chunk, y=None, text_weight=0.0,
                 z.float(), yf[s:e])
         loss = loss * ((e - s) / n * scale)
         loss.backward()
-        total += float(loss)
+        total = loss.detach() if total is None else total + loss.detach()
     flat.backward(hd.grad)
     return total
 
@@ -293,8 +295,12 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     the untouched target clearly).  patience:
     training stops once that many held-out checks in a row found no loss
     below the least so far (None: it runs every step).  progress(step,
-    steps, loss) after each step.  Returns (chosen step, {step: mean
-    held-out loss})."""
+    steps, loss) after each step, loss a 0-dim tensor on the model's
+    device (float(loss) reads it, waiting for the device: a progress
+    function that prints now and then should read it only then).  The
+    steps between held-out checks read nothing back from the device (a
+    loss that is not finite is refused at the next check, naming its
+    step).  Returns (chosen step, {step: mean held-out loss})."""
     if (params is None) == (adapter is None):
         raise BicoError(E_ARG, "distill: give params (dense) or an adapter")
     t = Training() if training is None else training
@@ -352,37 +358,30 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     g = torch.Generator().manual_seed(seed)
     order, t0 = [], time.time()
     stale = 0
+    # the first step whose loss was not finite and that loss, kept on the
+    # device and read at the held-out checks: a step never waits for it
+    bad = _Nonfinite(dev)
     for it in range(1, steps + 1):
         if not order:
             order = torch.randperm(len(inputs), generator=g).tolist()
         i = order.pop()
         opt.zero_grad(set_to_none=True)
-        x = teacher.draw(i) if hasattr(teacher, "draw") else inputs[i]
-        y = None if targets is None or targets[i] is None else \
-            targets[i].to(dev)
-        value = 0.0
-        if x is not None:      # (None: another process holds the batch)
-            with _Checkpointed(model, checkpoint):
-                value = _student_loss(
-                    model, x, teacher.get(i, dev), forward, chunk, y,
-                    text_weight, teacher_weight,
-                    getattr(teacher, "outputs", None),
-                    1.0 if parallel is None else parallel.weight(i))
+        value = _step(model, teacher, inputs, targets, i, dev, forward,
+                      chunk, checkpoint, text_weight, teacher_weight,
+                      parallel)
         if parallel is not None:
             for p in train:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             parallel.reduce([p.grad for p in train])
-            value = parallel.total(value)
-        if not math.isfinite(value):
-            raise BicoError(E_NONFINITE, "distill: the loss at step %d is "
-                            "%g: the trained model's outputs are not finite "
-                            "(its weights, or a learning rate too large); "
-                            "nothing was kept" % (it, value))
+            value = torch.as_tensor(parallel.total(float(value)),
+                                    dtype=torch.float32, device=dev)
+        bad.note(it, value)
         opt.step()
         if sch is not None:
             sch.step()
         if it % every == 0 or it == steps:
+            bad.check()
             # the steps' freed tensors back to the system (a trim costs
             # about a tenth of a small model's step: not after each)
             _heap.trim()
@@ -419,6 +418,47 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
                        "fit_batches": len(inputs),
                        "seconds": time.time() - t0})
     return chosen, means
+
+
+def _step(model, teacher, inputs, targets, i, dev, forward, chunk,
+           checkpoint, text_weight, teacher_weight, parallel):
+    """One training step's forward and backward on batch i (the gradients
+    accumulated into the trained tensors): its loss, a detached 0-dim
+    tensor on dev.  Nothing here reads a value back to the host: on a GPU
+    the step is queued whole."""
+    x = teacher.draw(i) if hasattr(teacher, "draw") else inputs[i]
+    if x is None:          # another process holds this batch's rows
+        return torch.zeros((), dtype=torch.float32, device=dev)
+    y = None if targets is None or targets[i] is None else \
+        targets[i].to(dev, non_blocking=True)
+    with _Checkpointed(model, checkpoint):
+        return _student_loss(
+            model, x, teacher.get(i, dev), forward, chunk, y, text_weight,
+            teacher_weight, getattr(teacher, "outputs", None),
+            1.0 if parallel is None else parallel.weight(i)).float()
+
+
+class _Nonfinite(object):
+    """The first training step whose loss is not finite, noted on the
+    device (note: no host read) and refused at check (one read)."""
+
+    def __init__(self, dev):
+        self.step = torch.zeros((), dtype=torch.int64, device=dev)
+        self.value = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def note(self, it, value):
+        first = (~torch.isfinite(value)) & (self.step == 0)
+        self.step = torch.where(first, torch.full_like(self.step, it),
+                                self.step)
+        self.value = torch.where(first, value, self.value)
+
+    def check(self):
+        it = int(self.step)
+        if it:
+            raise BicoError(E_NONFINITE, "distill: the loss at step %d is "
+                            "%g: the trained model's outputs are not finite "
+                            "(its weights, or a learning rate too large); "
+                            "nothing was kept" % (it, float(self.value)))
 
 
 def window_losses(model, batches, chunk=TOKEN_CHUNK):

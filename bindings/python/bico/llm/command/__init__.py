@@ -7,11 +7,14 @@ target folder, with the fit.
     python3 -m bico.llm --source A/ --lora A_adapter/ --target B/ \\
         --ids ids.npy --output B_ft/
 
---method fit (on the CPU, without --in-memory or --transformers) runs
-the models a block at a time from their folders (bico.llm.stream.route:
-memory that does not grow with their depth); --method distill and auto
-(the default), and --in-memory, read them whole with bico.llm.load_model
-(Llama, Mistral, Qwen2, Gemma folders; one file or shards). --text is
+--method fit and auto (the default; on the CPU, without --in-memory or
+--transformers) run the models a block at a time from their folders
+(bico.llm.stream.route: memory that does not grow with their depth);
+--method distill computes its teacher from the folders a block at a
+time, on the CPU or on --device, then trains the target alone there;
+--in-memory (and fit or auto on --device cuda) read them whole with
+bico.llm.load_model (Llama, Mistral, Qwen2, Gemma folders; one file or
+shards). --text is
 tokenized with the target folder's tokenizer.json (or --tokenizer): by
 Hugging Face's `tokenizers` when installed, natively for a byte-level
 tokenizer without merges; --ids takes token ids (.npy) from any
@@ -121,8 +124,14 @@ def _ranks(a):
         raise opts.UsageError(
             "under torchrun (WORLD_SIZE %d) only the streamed routes run "
             "across processes: give --method fit, distill or auto without "
-            "--in-memory, --transformers, --device cuda or --init warm, or "
+            "--in-memory, --transformers or --init warm (and fit or auto "
+            "without --device cuda), or "
             "run in one process" % n)
+    if a.device != "cpu":
+        raise opts.UsageError(
+            "under torchrun (WORLD_SIZE %d): --device %s: the runs across "
+            "processes are on the CPU (gloo); run on one device in one "
+            "process" % (n, a.device))
     if a.method != "fit" and _tokenizers_differ(a):
         raise opts.UsageError(
             "under torchrun (WORLD_SIZE %d): the tokenizers differ, and the "
@@ -181,7 +190,7 @@ def _route_teacher_streamed(a, dt, q, prog, tmp):
 
 def _route_in_memory(a, dt, q, prog, tmp):
     """Every route with the three models loaded whole (--in-memory,
-    --transformers, --device cuda, a warm start)."""
+    --transformers, fit or auto on --device cuda, a warm start)."""
     src, srt, tgt, tdtypes, cal = _prepared(_prepare, a, dt, tmp, q, prog)
     _before_fit(a, src, tgt, cal, q, prog)
     models = {"source": src, "tuned": srt}

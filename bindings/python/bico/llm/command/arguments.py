@@ -250,4 +250,7 @@ def _route_options(p):
                    "default), or that text alone (text)")
     d.add_argument("--device", default="cpu",
                    help="torch device the models run on: cpu (default) or "
-                   "cuda[:N] when present (implies --in-memory)")
+                   "cuda[:N] when present; --method distill streams its "
+                   "teacher there a block at a time and trains the target "
+                   "there alone; fit and auto load the three models whole "
+                   "there (as --in-memory)")

@@ -52,11 +52,14 @@ def _load(a, dt, tmp, q):
 
 
 def _load_target(a, dt, q):
-    """(the target read, {target tensor: its files' dtype} or None): the
-    streamed teacher's route, which never holds the source pair."""
-    _log(q, "loading %s" % a.target)
+    """(the target read and moved to --device, {target tensor: its files'
+    dtype} or None): the streamed teacher's route, which never holds the
+    source pair."""
+    dev = _device(a)
+    _log(q, "loading %s%s" % (a.target, "" if dev.type == "cpu" else
+                              " onto %s" % dev))
     tgt = _named("--target", a.target, load_model, a.target, dtype=dt)
-    return tgt, _target_dtypes(a, dt)
+    return tgt.to(dev), _target_dtypes(a, dt)
 
 
 def _target_dtypes(a, dt):
@@ -298,11 +301,12 @@ def _streamed(a):
 def _streamed_teacher(a):
     """Whether --method distill computes its teacher from the folders a
     block at a time (bico.llm.stream.teacher) and then loads the target
-    alone: on the CPU, without --in-memory or --transformers, and not for
-    a warm start (which runs the in-memory fit first)."""
+    alone: on any --device (the blocks, then the target, moved there),
+    without --in-memory or --transformers, and not for a warm start
+    (which runs the in-memory fit first)."""
     warm = a.init == "warm" and a.output_lora is not None
     return a.method == "distill" and not (a.in_memory or a.transformers or
-                                          warm) and a.device == "cpu"
+                                          warm)
 
 
 def _prepare_streamed(a, tmp, q):
@@ -312,6 +316,7 @@ def _prepare_streamed(a, tmp, q):
     spill folder)."""
     from ..runtime import spill_folder
     opts.routes(a)
+    _device(a)
     ins = [("--source", a.source), ("--source-tuned", a.source_tuned),
            ("--lora", a.lora), ("--target", a.target)]
     opts.check_inputs(a, ins, [("--text", a.text), ("--ids", a.ids)])

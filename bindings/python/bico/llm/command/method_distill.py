@@ -16,6 +16,7 @@ from ..families import load_model, _weights_path
 from .. import options as opts
 from ..options import named as _named
 from .arguments import GENERATE_TOTAL, TEXT_ONLY_LR, WRITTEN_STEPS, _log
+from .inputs import _device
 
 
 def _mode(a):
@@ -260,9 +261,9 @@ def _in_target_tokens(a, gen, window):
 
 
 def _generated_from_folders(a, dt, q, cal, tuned):
-    """_generated with the three models read whole for the writing and
-    freed afterwards (the teacher is then computed from the folders a
-    block at a time, as without generation)."""
+    """_generated with the three models read whole for the writing (on
+    --device) and freed afterwards (the teacher is then computed from the
+    folders a block at a time, as without generation)."""
     if not _generate_count(a, cal):
         return cal
     which = (("--source", a.source), ("--lora" if a.lora else
@@ -272,8 +273,9 @@ def _generated_from_folders(a, dt, q, cal, tuned):
         which = which[1:2] * 2          # the fine-tuned source alone
     _log(q, "loading %s to write task text" % ", ".join(
         sorted(set(f for _, f in which), key=[f for _, f in which].index)))
-    loaded = {}
-    ms = tuple(loaded.setdefault(f, _named(o, f, load_model, f, dtype=dt))
+    loaded, dev = {}, _device(a)
+    ms = tuple(loaded.setdefault(f, _named(o, f, load_model, f, dtype=dt)
+                                 .to(dev))
                if f not in loaded else loaded[f] for o, f in which)
     try:
         return _generated(a, ms, cal, q)
@@ -290,9 +292,11 @@ def _across_from_folders(a, dt, q, cal, tuned):
     {"teacher": ...})."""
     _log(q, "loading %s and %s for the written text and the first-byte "
          "teacher" % (a.source, tuned))
-    src = _named("--source", a.source, load_model, a.source, dtype=dt)
+    dev = _device(a)
+    src = _named("--source", a.source, load_model, a.source,
+                 dtype=dt).to(dev)
     tun = _named("--lora" if a.lora else "--source-tuned", tuned,
-                 load_model, tuned, dtype=dt)
+                 load_model, tuned, dtype=dt).to(dev)
     try:
         dcal = _generated(a, (tun, tun), cal, q)
         return dcal, {"teacher": _byte_teacher(
@@ -316,7 +320,16 @@ def _teacher_from_folders(a, dt, q, cal, tuned, spill, tmp):
         if not clock:
             clock.append(_distill.Clock(what, n, log))
         clock[0](i)
+    dev = _device(a)
+    states = int(a.memory_budget * 2 ** 20)
+    if dev.type != "cpu":
+        # the boundary states stay in the device's memory up to half of
+        # what it has free (the blocks run beside them), not in the
+        # host's budget
+        states = max(states, (_distill._available(dev) or 0) // 2)
+        log("teacher: on %s, the boundary states kept there up to %.0f MiB "
+            "(beyond it in the spill file)" % (dev, states / 2 ** 20))
     return build(a.source, tuned, a.target, cal.batches, dtype=dt,
                  k=a.teacher_k, budget=int(a.teacher_memory * (1 << 20)),
-                 spill_dir=tmp, store_budget=int(a.memory_budget * 2 ** 20),
-                 store_dir=spill, progress=progress, shared=a.vocab.shared)
+                 spill_dir=tmp, store_budget=states, store_dir=spill,
+                 progress=progress, shared=a.vocab.shared, device=dev)

@@ -13,6 +13,13 @@ comes (top-k and the rest's mass).  Peak: one block, the boundary
 states (in memory up to a budget, then on disk), the three heads while
 the entries are made, one chunk of logits; the entries equal the
 in-memory teacher's (the same operations on the same tensors).
+
+On a device (a GPU) the same code runs there: each block's tensors are
+read on the host and moved to the device when the block runs, the
+boundary states stay on the device within the store's budget (beyond it
+they go to the host's spill file), the heads and logits are the
+device's, and the compacted entries (top-k and the rest's mass) come
+back to the host once, chunk by chunk, where the Teacher keeps them.
 """
 import torch
 import torch.nn.functional as F
@@ -29,7 +36,8 @@ __all__ = ["build"]
 
 def build(source, tuned, target, batches, dtype=None, k=None,
           budget=256 << 20, spill_dir=None, store_budget=DEFAULT_BUDGET,
-          store_dir=None, chunk=_lg.TOKEN_CHUNK, progress=None, shared=None):
+          store_dir=None, chunk=_lg.TOKEN_CHUNK, progress=None, shared=None,
+          device=None):
     """A bico.torch.teacher.Teacher of the windows `batches` ((ids, next
     ids) pairs, or ids alone) from the folders source, tuned (the tuned
     source) and target, run at `dtype` (None: the files').  k, budget,
@@ -37,7 +45,9 @@ def build(source, tuned, target, batches, dtype=None, k=None,
     the spilled entries); store_budget, store_dir: the boundary states'
     spill store.  progress(done, total): after each block run.  shared:
     the source's vocabulary when the target's grew past it (the target's
-    head is read for those ids only)."""
+    head is read for those ids only).  device: where the blocks run
+    (None: the CPU)."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
     xs = [b[0] if isinstance(b, (tuple, list)) else b for b in batches]
     paths = (source, tuned, target)
     vocab = _vocabularies(paths, shared)
@@ -53,9 +63,12 @@ def build(source, tuned, target, batches, dtype=None, k=None,
         for tag, path in enumerate(paths):
             f = Folder(path, dtype)
             try:
-                _final_states(f, tag, xs, store, tick)
+                _final_states(f, tag, xs, store, tick, dev)
                 head = f.tensor(f.head_name())
-                heads.append(head[:shared] if shared is not None else head)
+                head = (head[:shared] if shared is not None else
+                        head).to(dev)
+                heads.append(head)
+                del head
                 # a block at a time: what was read is one version
                 f.check_unchanged()
             finally:
@@ -94,20 +107,21 @@ def _take(store, key):
     return t
 
 
-def _final_states(f, tag, xs, store, tick):
+def _final_states(f, tag, xs, store, tick, dev):
     """Runs folder f's decoder on every batch, a block at a time: the
-    final norm's output of batch b kept in store under (tag, "n", b)."""
+    final norm's output of batch b kept in store under (tag, "n", b).
+    The blocks run on dev (each moved there when it runs)."""
     cfg = f.cfg
     with torch.no_grad():
         for b, x in enumerate(xs):
             rows = f.rows(f.embed_name(), x.reshape(-1))
             store.put((tag, 0, b), embed(cfg, rows.reshape(
-                x.shape[0], x.shape[1], -1)))
+                x.shape[0], x.shape[1], -1).to(dev)))
         pos = {}
         for i in range(f.L):
-            layer = f.layer(i)
+            layer = f.layer(i).to(dev)
             for b, x in enumerate(xs):
-                h = _take(store, (tag, i, b))
+                h = _take(store, (tag, i, b)).to(dev)
                 T = x.shape[1]
                 if T not in pos:
                     pos[T] = _fam.positions(cfg, T, h)
@@ -116,10 +130,11 @@ def _final_states(f, tag, xs, store, tick):
                     h, attention_mask=mask, position_embeddings=pe)[0])
             del layer
             tick()
-        norm = _fam.RMSNorm(f.tensor("model.norm.weight"), cfg["eps"],
-                            cfg["gemma"])
+        norm = _fam.RMSNorm(f.tensor("model.norm.weight").to(dev),
+                            cfg["eps"], cfg["gemma"])
         for b in range(len(xs)):
-            store.put((tag, "n", b), norm(_take(store, (tag, f.L, b))))
+            store.put((tag, "n", b), norm(_take(store, (tag, f.L, b))
+                                          .to(dev)))
 
 
 def _entries(heads, xs, store, k, budget, spill_dir, chunk):
@@ -131,7 +146,8 @@ def _entries(heads, xs, store, k, budget, spill_dir, chunk):
     try:
         with torch.no_grad():
             for b, x in enumerate(xs):
-                hs = [_take(store, (tag, "n", b)) for tag in range(3)]
+                hs = [_take(store, (tag, "n", b)).to(heads[0].device)
+                      for tag in range(3)]
                 flat = [h.reshape(-1, h.shape[-1]) for h in hs]
                 t.put_chunks(b, _t.proxy_chunks(flat, fns, rows),
                              hs[0].shape[:-1])
