@@ -191,6 +191,14 @@ def test_the_command_distils_on_the_written_windows_too(pair, tmp_path):
     with bst.open(str(tmp_path / "ad16" / "adapter_model.safetensors")) as f:
         meta = f.metadata
     assert float(meta["bico_estimate_seconds"]) > 0
+    # without written windows, the distillation's own estimate (not the
+    # fit's) before its steps, kept with the output too
+    est = [x for x in none.splitlines() if x.startswith("estimate:")]
+    assert len(est) == 1 and "for the distillation" in est[0], none
+    assert "at most" in est[0] and "(20 steps" in est[0]
+    assert none.index(est[0]) < none.index("distill steps:")
+    with bst.open(str(tmp_path / "ad0" / "adapter_model.safetensors")) as f:
+        assert float(f.metadata["bico_estimate_seconds"]) > 0
 
 
 def test_the_schedule_is_the_short_one_only_when_most_text_is_written(

@@ -490,16 +490,17 @@ def stop_share(own, total):
 
 
 def distill_estimate(f_all, f_target, windows, window, steps, batch,
-                     held_tokens, every=25, text_only=False):
+                     held_tokens, every=25, text_only=False, extra_passes=0):
     """Seconds the distillation will take, from f_all / f_target: seconds
     per token of a forward of the teacher's models together / of the
     target alone (timed on a batch of fit windows): (teacher, training)
     for the teacher on `windows` windows of `window` tokens, `steps`
     steps of `batch` windows and the held-out checks every `every` steps
     (all the steps: --patience usually stops sooner, stop_share);
-    text_only: no teacher's KL (the text's loss, or the first byte's)."""
+    text_only: no teacher's KL (the text's loss, or the first byte's);
+    extra_passes: forwards a step adds (1: its layers checkpointed)."""
     teacher = windows * window * f_all
-    passes = TEXT_PASSES if text_only else TRAIN_PASSES
+    passes = (TEXT_PASSES if text_only else TRAIN_PASSES) + extra_passes
     train = steps * batch * window * f_target * passes + \
         (steps // every + 1) * held_tokens * f_target
     return teacher, train

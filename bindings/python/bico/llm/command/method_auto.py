@@ -349,7 +349,7 @@ def _before_fit(a, src, tgt, cal, q, prog):
     w = opts.vocab_warning(zero, _vocab(tgt), what, prog)
     if w:
         print(w, file=sys.stderr, flush=True)
-    if not q:
+    if not q and a.method != "distill":     # (its own: _training_estimate)
         est = opts.estimate(per, cal, len(a.ridge), a.output_lora,
                             a.alpha == HELDOUT, len(ALPHA_GRID))
         _log(q, "estimate: about %s for %d fit windows and %d held out "

@@ -49,6 +49,8 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
     store = _distill.TeacherStore(
         k=a.teacher_k, budget=int(a.teacher_memory * (1 << 20)),
         spill_dir=tmp, shared=a.vocab.shared)
+    if a.method == "distill" and getattr(a, "estimate", None) is None:
+        _training_estimate(a, tgt, cal, log, models, student)
     return _distill.run(
         None, None, tgt, cal, log, student=student, training=training,
         store=store, pair=models if "source" in models else None,
@@ -155,6 +157,38 @@ def _generated(a, models, cal, q):
         _log(q, "generate: %d windows of the target's tokens from the "
              "written text" % sum(len(x) for x, _ in gen))
     return cal._replace(batches=list(cal.batches) + gen)
+
+
+def _training_estimate(a, tgt, cal, log, models, student):
+    """--method distill with no written windows (whose estimate,
+    _distill_estimate, covers the whole run): the time left, printed
+    before the distillation starts: the teacher when it is still to be
+    computed (the source pair loaded) and the training, extrapolated
+    from a timed forward of each model over a fit batch
+    (opts.distill_estimate; a checkpointed step recomputes one forward
+    more); recorded as the run's whole time (bico_estimate_seconds)."""
+    dev = next(tgt.parameters()).device
+    x = cal.batches[0][0].to(dev)
+    pair = [models[k] for k in ("source", "tuned") if k in models]
+    f = _forward_seconds(pair + [tgt], x)
+    held = sum(y.numel() for _, y in cal.held_out)
+    per_batch = cal.windows / max(1, len(cal.batches)) / a.ranks.size
+    steps, _ = _distill._defaults(_mode(a), _steps(a), a.lr,
+                                  len(cal.batches))
+    window = x.shape[1]
+    ck = _distill._checkpointed(tgt, [x], student.checkpoint)
+    t, tr = opts.distill_estimate(sum(f), f[-1], cal.windows, window, steps,
+                                  per_batch, held, extra_passes=int(ck))
+    t = t / a.ranks.size if pair else 0.0
+    so_far = time.time() - getattr(a, "t0", time.time())
+    a.estimate = so_far + t + tr
+    log("estimate: about %s for the distillation: %sat most %s training "
+        "(%d steps, %.3g ms per token of the target's forward%s; --patience "
+        "may stop it sooner); the run: about %s in all, %s so far" % (
+            opts.duration(t + tr), ("%s the teacher, " % opts.duration(t))
+            if pair else "", opts.duration(tr), steps, 1e3 * f[-1],
+            ", layers checkpointed" if ck else "",
+            opts.duration(a.estimate), opts.duration(so_far)))
 
 
 def _forward_seconds(models, x):
