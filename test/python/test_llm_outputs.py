@@ -148,8 +148,8 @@ def test_a_failure_while_writing_leaves_the_old_adapter(pair, tmp_path,
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 
-def _command(d, out, extra=(), tmp=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _command(d, out, extra=(), tmp=None, env_extra=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     if tmp is not None:
         env["TMPDIR"] = str(tmp)
     return subprocess.Popen(
@@ -172,10 +172,15 @@ def test_another_run_writing_the_folder_is_named(pair, tmp_path):
 
 
 @pytest.mark.parametrize("sig,when", [(signal.SIGKILL, 4.0),
-                                      (signal.SIGTERM, 8.0),
+                                      (signal.SIGTERM, "step:100:TERM"),
                                       (signal.SIGKILL, 14.0)])
 def test_a_kill_at_any_moment_leaves_the_old_or_the_new_adapter(
         pair, tmp_path, capsys, sig, when):
+    """A kill at a moment (seconds after the start: in whatever phase the
+    run is then, possibly after its end), or SIGTERM at the 100th
+    distillation step (the process sends it itself, through
+    BICO_STREAM_TEST_KILL: a moment in the training whatever the
+    machine's speed, where a fixed delay could come after the end)."""
     if sig == signal.SIGTERM and "asan" in os.environ.get("LD_PRELOAD", ""):
         # preloaded into an uninstrumented Python, AddressSanitizer's
         # __cxa_throw interceptor has no real function to call: the C++
@@ -191,9 +196,13 @@ def test_a_kill_at_any_moment_leaves_the_old_or_the_new_adapter(
     old = snapshot(ad)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    p = _command(pair, ad, ["--teacher-memory", "0"], tmp=scratch)
-    time.sleep(when)
-    p.send_signal(sig)
+    if isinstance(when, str):
+        p = _command(pair, ad, ["--teacher-memory", "0"], tmp=scratch,
+                     env_extra={"BICO_STREAM_TEST_KILL": when})
+    else:
+        p = _command(pair, ad, ["--teacher-memory", "0"], tmp=scratch)
+        time.sleep(when)
+        p.send_signal(sig)
     p.communicate(timeout=600)
     now = snapshot(ad)
     if now != old:      # the new adapter, complete and consistent
