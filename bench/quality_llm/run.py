@@ -208,10 +208,23 @@ CMD_METHODS = [
     # a quarter held out (8 of 32 windows, not 4): patience and the final
     # choice on a less noisy held-out loss, 24 windows to learn from
     ("cmd auto 32 h.25", ["--holdout", "0.25"], 32, "lora"),
+    # the fine-tuned source writes the text alone (no proxy sampling)
+    ("cmd auto 32 tuned", ["--generate-by", "tuned"], 32, "lora"),
+    ("cmd auto 64 tuned", ["--generate-by", "tuned"], 64, "lora"),
     # tokenizers that differ: the written text alone (before 2026-12-07's
     # first-byte teacher, --across byte, the default since)
     ("cmd auto 32 text", ["--across", "text"], 32, "lora"),
     ("cmd auto 64 text", ["--across", "text"], 64, "lora"),
+    # the teacher across tokenizers on the first byte alone (depth 1,
+    # before 2026-12-07's levels along the text), and two levels
+    ("cmd auto 32 d1", ["--across-depth", "1"], 32, "lora"),
+    ("cmd auto 64 d1", ["--across-depth", "1"], 64, "lora"),
+    ("cmd auto 32 d3", ["--across-depth", "3"], 32, "lora"),
+    ("cmd auto 64 d3", ["--across-depth", "3"], 64, "lora"),
+    # no moving average (--ema 0, before 2026-12-07's default)
+    ("cmd auto 32 e0", ["--ema", "0"], 32, "lora"),
+    ("cmd auto 64 e0", ["--ema", "0"], 64, "lora"),
+    ("cmd auto 64 g1800", ["--generate", "1800"], 64, "lora"),
     ("cmd auto 32 g950", ["--generate", "950"], 32, "lora"),
     ("cmd auto 64 g900", ["--generate", "900"], 64, "lora"),
     ("cmd auto 32 s400", ["--steps", "400"], 32, "lora"),

@@ -1,6 +1,7 @@
 """bico.torch.distill: the teacher's compact form, the LoRA factors on
 frozen layers, the chunked loss and the held-out choice, each against an
 independent computation or a planted answer."""
+import copy
 import gc
 import math
 import os
@@ -271,6 +272,52 @@ def test_patience_stops_when_the_held_out_loss_stops_improving():
     with pytest.raises(BicoError, match="patience"):
         D.distill(b, t, xs, 1, lambda m: [1.0], params=params,
                   training=D.Training(patience=0))
+
+
+def test_ema_keeps_the_moving_average_of_the_same_trajectory():
+    """Training(ema=d): the steps train the same weights as without it
+    (the average only watches), and the state kept at a check is the
+    average d * avg + (1 - d) * weights after each step, computed here
+    from the weights a run without it went through; the held-out losses
+    are the average's.  Bad decays are refused."""
+    a, aft, b0, _ = _planted()
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(32, 6, generator=g) for _ in range(4)]
+    t = _t.build_teacher(a, aft, b0, xs, lambda m, x: m(x))
+    d, steps = 0.9, 30
+    runs = {}
+    for ema in (None, d):
+        b = copy.deepcopy(b0)
+        ad = D.Adapter(b, ["fc1"], r=2, seed=1)
+        seen = []
+
+        def progress(i, n, v, ad=ad, seen=seen):
+            seen.append([p.detach().clone() for p in ad.parameters()])
+        # the held-out loss falls with the step count: the last check wins
+        checks = iter([5.0, 2.0, 1.0])
+        step, _ = D.distill(b, t, xs, 1, lambda m: [next(checks)],
+                            adapter=ad, progress=progress,
+                            training=D.Training(steps=steps, lr=1e-2,
+                                                every=15, ema=ema))
+        assert step == steps
+        runs[ema] = ([p.detach().clone() for p in ad.parameters()], seen)
+    plain, ema_run = runs[None], runs[d]
+    for u, v in zip(plain[1], ema_run[1]):        # the same trajectory
+        for x, y in zip(u, v):
+            assert torch.allclose(x, y, atol=1e-6)
+    avg = [p.detach().clone() for p in
+           D.Adapter(copy.deepcopy(b0), ["fc1"], r=2, seed=1).parameters()]
+    for w in plain[1]:
+        avg = [d * m + (1 - d) * x for m, x in zip(avg, w)]
+    for x, y in zip(ema_run[0], avg):
+        assert torch.allclose(x, y, atol=1e-6)
+    assert not all(torch.allclose(x, y, atol=1e-4)
+                   for x, y in zip(ema_run[0], plain[0]))
+    for bad in (0, 1, 1.5, -0.1, True, "0.9"):
+        with pytest.raises(BicoError, match="ema"):
+            D.distill(b0, t, xs, 1, lambda m: [1.0],
+                      params=list(b0.parameters()),
+                      training=D.Training(ema=bad))
 
 
 class TinyLM(nn.Module):

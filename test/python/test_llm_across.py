@@ -167,3 +167,205 @@ def test_one_tokenizer_gives_the_proxy_teacher_by_first_byte(pair):
             e = t.get(i)
             assert e.mask.all()
             assert torch.allclose(e.logp.exp().double(), want, atol=2e-5)
+
+
+def _z(m, x):
+    out = m(x)
+    return getattr(out, "logits", out)
+
+
+def _vocab(g, n, none=3):
+    """n distinct byte strings of 1-4 bytes over a small alphabet (so that
+    prefixes are shared), and `none` outputs without bytes."""
+    seen, out = set(), []
+    while len(out) < n:
+        k = int(g.integers(1, 5))
+        b = bytes(int(c) for c in g.choice([97, 98, 99, 200], k))
+        if b not in seen:
+            seen.add(b)
+            out.append(b)
+    return out + [None] * none
+
+
+def _level_groups(tb, prefix):
+    """Brute force: level len(prefix) + 1's groups, {group: [ids]}: 0 the
+    output that is exactly prefix, 1 + c the outputs with prefix + c."""
+    out = {}
+    for i, b in enumerate(tb):
+        if b is None or not b.startswith(prefix):
+            continue
+        out.setdefault(0 if len(b) == len(prefix) else b[len(prefix)] + 1,
+                       []).append(i)
+    return out
+
+
+def test_path_logmass_sums_each_level_by_brute_force():
+    """bico.torch.teacher.path_logmass (sorted keys, cumulative sums,
+    searchsorted) against the outputs grouped one by one in Python."""
+    from bico.torch.teacher import path_logmass
+    g = np.random.default_rng(3)
+    depth = 4
+    tb = _vocab(g, 60)
+    index = across.path_index(tb, depth)
+    n = 9
+    p = torch.softmax(torch.randn(n, len(tb), dtype=torch.float64,
+                                  generator=torch.Generator().manual_seed(2))
+                      * 2, -1)
+    paths = [bytes(int(c) for c in g.choice([97, 98, 99, 200], depth))
+             for _ in range(n)]
+    base = torch.tensor([across._bases(list(pa), depth) for pa in paths])
+    lm, lw = path_logmass(p.float(), base, index)
+    for r, pa in enumerate(paths):
+        for k in range(depth - 1):
+            grp = _level_groups(tb, pa[:k + 1])
+            whole = sum(float(p[r, i]) for ids in grp.values() for i in ids)
+            assert int(lw[r, k]) == sum(len(v) for v in grp.values())
+            if not grp:
+                continue
+            for c in range(257):
+                m = sum(float(p[r, i]) for i in grp.get(c, []))
+                if whole > 0 and m > 0:
+                    assert float(lm[r, k, c].exp()) == pytest.approx(
+                        m / whole, rel=1e-4)
+                else:
+                    assert float(lm[r, k, c].exp()) < 1e-20
+
+
+def test_the_levels_add_up_to_the_kl_over_the_finer_partition():
+    """Grouped with a Path: the first byte's KL plus each level's
+    conditional KL weighted by the teacher's probability of its prefix is
+    the KL of the teacher and the student over the partition the path
+    refines (the first byte's groups, the path's group split by its next
+    byte, and so on), computed here cell by cell."""
+    from bico.torch.teacher import Path
+    g = np.random.default_rng(5)
+    depth = 3
+    tb = _vocab(g, 50)
+    V = len(tb)
+    index = across.path_index(tb, depth)
+    group = across.groups(tb)
+    n = 6
+    paths = [bytes(int(c) for c in g.choice([97, 98, 99, 200], depth))
+             for _ in range(n)]
+    base = torch.tensor([across._bases(list(pa), depth) for pa in paths])
+    gen = torch.Generator().manual_seed(1)
+    l1 = torch.log_softmax(torch.randn(n, 257, generator=gen,
+                                       dtype=torch.float64), -1)
+    ld = torch.log_softmax(torch.randn(n, depth - 1, 257, generator=gen,
+                                       dtype=torch.float64), -1)
+    # the teacher's levels only where the target has outputs: its groups
+    # with no output get no mass (as complete() makes them)
+    for r, pa in enumerate(paths):
+        for k in range(depth - 1):
+            grp = _level_groups(tb, pa[:k + 1])
+            for c in range(257):
+                if c not in grp:
+                    ld[r, k, c] = -1e4
+        ld[r] = torch.log_softmax(ld[r], -1)
+    for r in range(n):
+        for c in range(257):
+            if not (group == c).any():
+                l1[r, c] = -1e4
+        l1[r] = torch.log_softmax(l1[r], -1)
+    reach = l1.gather(-1, torch.tensor([[pa[0]] for pa in paths])).exp()
+    w = [reach[:, 0]]
+    for k in range(depth - 2):
+        reach = reach * ld[:, k].gather(-1, torch.tensor(
+            [[pa[k + 1] + 1] for pa in paths])).exp()
+        w.append(reach[:, 0])
+    w = torch.stack(w, -1)
+    z = torch.randn(n, V, generator=gen, dtype=torch.float64) * 2
+    e = Grouped(l1, torch.ones(n, dtype=torch.bool), group,
+                Path(ld, w, base, index))
+    got = float(kl_to_teacher(z, e))
+    q = torch.softmax(z, -1).numpy()
+    total = 0.0
+    for r, pa in enumerate(paths):
+        # each output's cell and the teacher's probability of each cell
+        cell, pt = {}, {}
+        for c in range(257):
+            pt[(1, c)] = float(l1[r, c].exp())
+        for i, b in enumerate(tb):
+            cell[i] = (1, 256 if b is None else b[0])
+        for k in range(depth - 1):
+            prefix = pa[:k + 1]
+            key = (k + 1, prefix[-1] if k == 0 else prefix[-1] + 1)
+            mass = pt.pop(key)
+            for c, ids in _level_groups(tb, prefix).items():
+                pt[(k + 2, c)] = mass * float(ld[r, k, c].exp())
+                for i in ids:
+                    cell[i] = (k + 2, c)
+        qs = {}
+        for i in range(V):
+            qs[cell[i]] = qs.get(cell[i], 0.0) + q[r, i]
+        total += sum(v * (np.log(v) - np.log(qs[c]))
+                     for c, v in pt.items() if v > 1e-300 and c in qs)
+    assert got == pytest.approx(total / n, rel=1e-5)
+
+
+def test_the_levels_move_the_target_as_the_source_moved(pair):
+    """A byte-level source pair and a BPE target: at every aligned
+    position and level, the teacher is the target's own probabilities of
+    the level's groups (the outputs that begin with the text's next
+    bytes), each byte's group times the source pair's ratio of that byte
+    read where the text has it (the output that ends at the prefix
+    unmoved), normalized; its weight the teacher's probability of the
+    prefix.  Computed here from the three models' outputs on the text,
+    group by group."""
+    d, _ = pair
+    by, bpe = load_tokenizer(d / "A"), load_tokenizer(d / "B_bpe")
+    A = bl.load_model(d / "A", dtype=torch.float64)
+    Aft = bl.load_model(d / "A_ft", dtype=torch.float64)
+    B = bl.load_model(d / "B_bpe", dtype=torch.float64)
+    text = TEXT.encode("ascii", "ignore").decode()
+    ids = torch.as_tensor(bpe.encode(text))
+    W, depth = 20, 3
+    rows = _rows(ids, W, 4)
+    batches = [(rows[:, :-1], rows[:, 1:])]
+    t = across.build(A, Aft, by, bpe, batches, 64, depth=depth)
+    t.complete(B, [x for x, _ in batches])
+    e = t.get(0)
+    tb_b, tb_a = across.token_bytes(bpe), across.token_bytes(by)
+    inv = {b[0]: i for i, b in enumerate(tb_a) if b}     # byte -> id
+    checked = 0
+    with torch.no_grad():
+        for r in range(rows.shape[0]):
+            raw = _bytes_of(tb_b, rows[r])
+            src = torch.as_tensor(by.encode(raw.decode()))[None]
+            la = torch.log_softmax(_z(A, src)[0], -1)
+            lt = torch.log_softmax(_z(Aft, src)[0], -1)
+            pb = torch.softmax(_z(B, rows[r:r + 1, :-1])[0], -1)
+            for tpos in range(W):
+                o = len(_bytes_of(tb_b, rows[r, :tpos + 1]))
+                if not e.mask[r, tpos] or o + depth > len(raw):
+                    continue
+                first = e.logp[r, tpos].double()
+                reach = float(first[raw[o]].exp())
+                for k in range(depth - 1):
+                    prefix = raw[o:o + k + 1]
+                    if not reach:
+                        assert float(e.path.weight[r, tpos, k]) == 0
+                        continue
+                    grp = _level_groups(tb_b[:pb.shape[-1]], prefix)
+                    # the source's ratio of the byte after the prefix,
+                    # read at the byte-level source's position before it
+                    pos = o + k           # predicts byte o + k + 1
+                    ratio = {c: float((lt[pos, inv[c - 1]] -
+                                       la[pos, inv[c - 1]]).exp())
+                             if c else 1.0 for c in grp}
+                    raw_m = {c: float(pb[tpos, grp[c]].sum()) * ratio[c]
+                             for c in grp}
+                    tot = sum(raw_m.values())
+                    for c, v in raw_m.items() if reach else ():
+                        assert float(e.path.logp[r, tpos, k, c].exp()) == \
+                            pytest.approx(v / tot, rel=1e-3, abs=1e-6)
+                    # a level of fewer than two outputs teaches nothing,
+                    # nor do the levels after it
+                    if sum(len(v) for v in grp.values()) < 2:
+                        reach = 0.0
+                    assert float(e.path.weight[r, tpos, k]) == \
+                        pytest.approx(reach, rel=1e-3, abs=1e-7)
+                    reach *= float(e.path.logp[r, tpos, k,
+                                               raw[o + k + 1] + 1].exp())
+                    checked += reach > 0
+    assert checked >= 30

@@ -15,6 +15,19 @@ proxy tuning on the one axis the two vocabularies share.  The student
 summed the same way (bico.torch.teacher.Grouped); positions where the
 tokenizations do not meet learn from the text alone.
 
+Levels along the text (depth > 1): the first byte leaves the rest of the
+next token to the text.  Where the source also starts a token at the
+next byte (a byte-level source: everywhere), its distribution there says
+how fine-tuning moved the byte after the first one, given the text's
+first byte.  Level d (2 .. depth) takes the target's outputs that begin
+with the text's next d - 1 bytes, in 257 groups (the output that is
+exactly those bytes, and one group per byte after them); the teacher of
+a level is the target's own distribution over them (conditional on the
+prefix) with each byte's group moved by the source pair's difference at
+that byte, the output that ends there unmoved, and it weighs in the KL
+by the teacher's probability of the prefix, so that the levels add up
+to the KL over the partition they refine (bico.torch.teacher.Path).
+
 The source's side is computed once per window of the target's tokens
 (the window's bytes tokenized again by the source, the source pair run
 over them in pieces of its context), kept as the difference
@@ -23,18 +36,24 @@ added by complete(), run on the untouched target when the distillation
 starts (bico.llm.distill.run), so the teacher never needs the three
 models at once.
 """
+import math
+
+import numpy as np
 import torch
 
 from ..torch import logits as _lg
 from ..torch import teacher as _t
 from .bpe import bytes_to_unicode
 
-__all__ = ["token_bytes", "groups", "marginals", "align", "ByteTeacher",
-           "build", "GROUPS"]
+__all__ = ["token_bytes", "groups", "marginals", "align", "path_index",
+           "ByteTeacher", "build", "GROUPS", "DEPTH"]
 
 # 256 byte values and one group for tokens without bytes
 GROUPS = 257
 _TINY = 1e-30
+# levels of the teacher along the text: the first byte, then the next
+# bytes while the source reads them (bico.torch.teacher.Path)
+DEPTH = 2
 
 
 def token_bytes(tk, size=None):
@@ -130,6 +149,14 @@ def align(row, tb_b, tok_a, tb_a):
     the source's position j - 1 predicts) start at the same byte.  None
     when the window's bytes are not text the source's tokenizer gives
     back byte for byte."""
+    got = _align(row, tb_b, tok_a, tb_a)
+    return None if got is None else got[:2]
+
+
+def _align(row, tb_b, tok_a, tb_a):
+    """align's answer and (the window's bytes, {byte offset: the source's
+    token starting there}, the byte offset of each target token, the
+    text's span (start, end) in the bytes)."""
     parts = [tb_b[int(i)] if int(i) < len(tb_b) else None for i in row]
     starts, o = [], 0
     for p in parts:
@@ -156,7 +183,41 @@ def align(row, tb_b, tok_a, tb_a):
         o += len(p)
     pairs = [(t, at[starts[t + 1]]) for t in range(len(row) - 1)
              if parts[t + 1] and starts[t + 1] in at]
-    return torch.tensor(ids_a, dtype=torch.int64), pairs
+    return (torch.tensor(ids_a, dtype=torch.int64), pairs, raw, at, starts,
+            (s, e))
+
+
+def path_index(tbytes, depth, outputs=None):
+    """bico.torch.teacher.PathIndex of a vocabulary (token_bytes'
+    list) for levels 2 .. depth: each output's key, its first `depth`
+    bytes b as the base-257 digits b + 1 (0 past its end; -1 for an
+    output without bytes), the outputs sorted by key."""
+    n = len(tbytes) if outputs is None else int(outputs)
+    keys = []
+    for i in range(n):
+        b = tbytes[i] if i < len(tbytes) else None
+        if not b:
+            keys.append(-1)
+            continue
+        k = 0
+        for d in range(depth):
+            k = k * 257 + (b[d] + 1 if d < len(b) else 0)
+        keys.append(k)
+    keys = torch.tensor(keys, dtype=torch.int64)
+    order = torch.from_numpy(np.argsort(keys.numpy(), kind="stable"))
+    steps = torch.tensor([257 ** (depth - d) for d in range(2, depth + 1)],
+                         dtype=torch.int64)
+    return _t.PathIndex(order, keys[order].contiguous(), steps)
+
+
+def _bases(path, depth):
+    """Each level's base key (levels 2 .. depth) for the text's next bytes
+    `path` (as many as known, at least depth - 1 for every level)."""
+    out, k = [], 0
+    for d in range(2, depth + 1):
+        k += (path[d - 2] + 1) * 257 ** (depth - d + 1)
+        out.append(k)
+    return out
 
 
 def _model_marginals(model, x, group, chunk):
@@ -188,16 +249,25 @@ def _pad(group, n):
 
 class ByteTeacher(object):
     """The first-byte teacher of each batch of the target's windows:
-    entry i is (log m_A_ft - log m_A [rows, L, 257], mask [rows, L]) until
-    complete() adds the untouched target's own log m_B and normalizes;
-    get(i, device) gives a bico.torch.teacher.Grouped."""
+    entry i is (log m_A_ft - log m_A [rows, L, 257], mask [rows, L],
+    deeper levels or None) until complete() adds the untouched target's
+    own masses and normalizes; get(i, device) gives a
+    bico.torch.teacher.Grouped (with its Path when depth > 1).  The
+    deeper levels' entry: (the source's difference at each level
+    [rows, L, D, 257], which levels it speaks for [rows, L, D], each
+    level's base key [rows, L, D], the text's next byte at each level
+    [rows, L, D + 1])."""
     k = None
     outputs = None
     bytes_disk = 0
 
-    def __init__(self, entries, group, aligned, positions):
+    def __init__(self, entries, group, aligned, positions, index=None,
+                 deep=0):
         self.entries, self.group = entries, group
         self.aligned, self.positions = aligned, positions
+        self.index, self.deep = index, deep
+        # positions with a teacher at each deeper level (after complete)
+        self.levels = []
         self.done = False
 
     def __len__(self):
@@ -205,30 +275,90 @@ class ByteTeacher(object):
 
     @property
     def bytes_memory(self):
-        return sum(d.numel() * d.element_size() + m.numel()
-                   for d, m in self.entries)
+        total = 0
+        for e in self.entries:
+            for t in e[:2] + tuple(e[2] or ()):
+                total += t.numel() * t.element_size()
+        return total
 
     def complete(self, target, inputs, chunk=_lg.TOKEN_CHUNK):
-        """The teacher from the untouched target's own first-byte
-        distributions on inputs (the batches' ids, in order)."""
+        """The teacher from the untouched target's own distributions on
+        inputs (the batches' ids, in order)."""
         if self.done:
             return
         target.eval()
+        V = _outputs(target, inputs[0])
+        self.group = _pad(self.group, V)
+        if self.index is not None and self.index.order.numel() != V:
+            self.index = _repad_index(self.index, V)
         for i, x in enumerate(inputs):
-            d, m = self.entries[i]
-            mb = _model_marginals(target, x, self.group, chunk).cpu()
-            self.entries[i] = (torch.log_softmax(mb + d, dim=-1), m)
-        self.group = _pad(self.group, _outputs(target, inputs[0]))
+            d, m, deep = self.entries[i]
+            base = None if deep is None else deep[2]
+            mb, lb = _model_levels(target, x, self.group, base, self.index,
+                                   chunk)
+            first = torch.log_softmax(mb + d, dim=-1)
+            if deep is not None:
+                delta, avail, base, nxt = deep
+                deep = _deep_teacher(first, lb, delta, avail, base, nxt)
+            self.entries[i] = (first, m, deep)
+            if deep is not None:
+                got = (deep[1] > 0).flatten(0, -2).sum(0).tolist()
+                self.levels = [a + b for a, b in
+                               zip(self.levels or [0] * len(got), got)]
         self.done = True
 
     def get(self, i, device=None):
         if not self.done:
             raise RuntimeError("ByteTeacher.get before complete()")
-        d, m = self.entries[i]
-        return _t.Grouped(d.to(device), m.to(device), self.group.to(device))
+        d, m, deep = self.entries[i]
+        path = None
+        if deep is not None:
+            lp, w, base = deep
+            path = _t.Path(lp.to(device), w.to(device), base.to(device),
+                           _t.PathIndex(*(v.to(device) for v in self.index)))
+        return _t.Grouped(d.to(device), m.to(device), self.group.to(device),
+                          path)
 
     def close(self):
         self.entries = []
+
+
+def _repad_index(index, V):
+    """The index over V outputs: ids past the tokenizer's (a padded
+    vocabulary) have no bytes (key -1); ids past V dropped."""
+    keys = torch.empty_like(index.keys)
+    keys[index.order] = index.keys
+    keys = torch.cat([keys, torch.full((max(0, V - keys.numel()),), -1,
+                                       dtype=keys.dtype)])[:V]
+    order = torch.from_numpy(np.argsort(keys.numpy(), kind="stable"))
+    return _t.PathIndex(order, keys[order].contiguous(), index.steps)
+
+
+def _deep_teacher(first, lb, delta, avail, base, nxt):
+    """The deeper levels' teacher: at level d the target's own masses of
+    the level's groups (lb: log, conditional on the level's prefix) moved
+    by the source's difference (the byte groups; the output that ends at
+    the prefix unmoved), normalized; each level's weight the teacher's
+    probability of the level's prefix (the first byte's, then each
+    level's group of the text's next byte), 0 where the level has no
+    teacher.  Returns (logp [.., D, 257], weight [.., D], base)."""
+    D = delta.shape[-2]
+    shift = torch.cat([torch.zeros(delta.shape[:-1] + (1,)),
+                       delta[..., :256]], dim=-1)
+    lp = torch.log_softmax(lb + shift, dim=-1)
+    # the prefix's log-probability: level 1's group of the next byte, then
+    # each level's group of the byte after
+    reach = first.gather(-1, nxt[..., :1]).squeeze(-1)
+    w = []
+    ok = torch.ones_like(avail[..., 0])
+    empty = torch.isnan(lb[..., 0])
+    lp = torch.where(empty[..., None], torch.zeros_like(lp), lp)
+    for k in range(D):
+        ok = ok & avail[..., k] & ~empty[..., k]
+        w.append(torch.where(ok, reach.exp(), torch.zeros_like(reach)))
+        reach = reach + lp[..., k, :].gather(
+            -1, nxt[..., k + 1:k + 2] + 1).squeeze(-1)
+    return lp, torch.stack(w, dim=-1), base
 
 
 def _outputs(model, x):
@@ -239,14 +369,56 @@ def _outputs(model, x):
         return _lg._logits(model(x[:1, :1])).shape[-1]
 
 
+def _model_levels(model, x, group, base, index, chunk):
+    """The target's first-byte log-marginals [n, L, 257] over ids x, and
+    with base [n, L, D] its deeper levels' conditional log-masses
+    [n, L, D, 257] (bico.torch.teacher.path_logmass), a chunk of rows
+    through the head at a time."""
+    if base is None:
+        return _model_marginals(model, x, group, chunk), None
+    sp = _lg._split(model)
+    with torch.no_grad():
+        if sp is None:
+            zs = [_lg._logits(model(x)).reshape(-1, group.numel())]
+            bounds = [(0, zs[0].shape[0])]
+        else:
+            h = _lg._hidden(sp[0], x)
+            flat = h.reshape(-1, h.shape[-1])
+            bounds = list(_lg._chunks(flat.shape[0],
+                                      _lg._bounded(chunk, sp[1])))
+            zs = (sp[1](flat[s:e]) for s, e in bounds)
+        bf = base.reshape(-1, base.shape[-1])
+        firsts, deeps = [], []
+        for (s, e), z in zip(bounds, zs):
+            firsts.append(marginals(z, group.to(z.device)).cpu())
+            p = torch.softmax(z.float(), dim=-1)
+            lm, count = _t.path_logmass(
+                p, bf[s:e].to(p.device),
+                _t.PathIndex(*(v.to(p.device) for v in index)))
+            # a level of fewer than two outputs teaches nothing
+            deeps.append(torch.where(count[..., None] >= 2, lm,
+                                     torch.full_like(lm, math.nan)).cpu())
+        lead = tuple(x.shape)
+        return (torch.cat(firsts).reshape(lead + (GROUPS,)),
+                torch.cat(deeps).reshape(lead + tuple(base.shape[-1:]) +
+                                         (GROUPS,)))
+
+
 def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
-          chunk=_lg.TOKEN_CHUNK, size_a=None, size_b=None):
+          chunk=_lg.TOKEN_CHUNK, size_a=None, size_b=None, depth=DEPTH):
     """A ByteTeacher of the target's fit batches ([(ids, next ids)]),
     the source pair (source, tuned: decoders of tok_a's ids) run over
     each window's text in the source's tokens, in pieces of at most
-    `window` tokens.  progress(i, n) after each batch."""
+    `window` tokens.  depth > 1: levels 2 .. depth along the text too,
+    wherever the source starts a token at each of the next bytes (a
+    byte-level source: everywhere).  progress(i, n) after each batch."""
+    if not (isinstance(depth, int) and depth >= 1):
+        raise ValueError("across.build: depth must be an integer >= 1, "
+                         "got %r" % (depth,))
     tb_a, tb_b = token_bytes(tok_a, size_a), token_bytes(tok_b, size_b)
     g_a, g_b = groups(tb_a), groups(tb_b)
+    D = depth - 1
+    index = path_index(tb_b, depth) if D else None
     dev = next(source.parameters()).device
     for m in (source, tuned):
         m.eval()
@@ -255,7 +427,12 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
         rows = torch.cat([x, y[:, -1:]], dim=1)
         delta = torch.zeros(x.shape + (GROUPS,))
         mask = torch.zeros(x.shape, dtype=torch.bool)
-        found = [align(r.tolist(), tb_b, tok_a, tb_a) for r in rows]
+        if D:
+            ddelta = torch.zeros(x.shape + (D, GROUPS))
+            avail = torch.zeros(x.shape + (D,), dtype=torch.bool)
+            base = torch.zeros(x.shape + (D,), dtype=torch.int64)
+            nxt = torch.zeros(x.shape + (D + 1,), dtype=torch.int64)
+        found = [_align(r.tolist(), tb_b, tok_a, tb_a) for r in rows]
         pieces, where = [], []
         for r, f in enumerate(found):
             if f is None or not f[1]:
@@ -278,17 +455,36 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
             first = {}
             for k, (r, s) in enumerate(where):
                 first.setdefault(r, []).append((s, k))
+
+            def row_of(r, j):
+                """The source's difference before its token j."""
+                s = (j - 1) // window * window
+                return d[dict(first[r])[s], j - 1 - s]
             for r, f in enumerate(found):
                 if f is None:
                     continue
-                for t, j in f[1]:
-                    s = (j - 1) // window * window
-                    k = dict(first[r])[s]
-                    delta[r, t] = d[k, j - 1 - s]
+                _, pairs, raw, at, starts, span = f
+                for t, j in pairs:
+                    delta[r, t] = row_of(r, j)
                     mask[r, t] = True
+                    if not D:
+                        continue
+                    o = starts[t + 1]
+                    nb = list(raw[o:min(o + D + 1, span[1])])
+                    nxt[r, t, :len(nb)] = torch.tensor(nb, dtype=torch.int64)
+                    if len(nb) < D:
+                        continue      # base keys need D bytes: level off
+                    base[r, t] = torch.tensor(_bases(nb, depth))
+                    for k in range(D):
+                        jk = at.get(o + k + 1)
+                        if jk is None or o + k + 1 >= span[1]:
+                            break
+                        ddelta[r, t, k] = row_of(r, jk)
+                        avail[r, t, k] = True
         aligned += int(mask.sum())
         positions += mask.numel()
-        entries.append((delta, mask))
+        entries.append((delta, mask, (ddelta, avail, base, nxt)
+                        if D else None))
         if progress is not None:
             progress(bi + 1, len(batches))
-    return ByteTeacher(entries, g_b, aligned, positions)
+    return ByteTeacher(entries, g_b, aligned, positions, index, D)

@@ -14,7 +14,7 @@ import math
 import sys
 import time
 from collections import namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -232,8 +232,7 @@ def run(source, source_tuned, target, cal, log, student=None,
     if st.checkpoint not in ("auto", True, False):
         raise BicoError(E_ARG, "distill: Student.checkpoint must be 'auto', "
                         "True or False, got %r" % (st.checkpoint,))
-    steps, lr, every, seed, patience = tr.steps, tr.lr, tr.every, tr.seed, \
-        tr.patience
+    steps, lr, every, seed = tr.steps, tr.lr, tr.every, tr.seed
     text_weight, teacher_weight = tr.text_weight, tr.teacher_weight
     teacher_k, budget, spill_dir, chunk, shared = (
         ts.k, ts.budget, ts.spill_dir, ts.chunk, ts.shared)
@@ -268,11 +267,15 @@ def run(source, source_tuned, target, cal, log, student=None,
                 "loss" % len(teacher))
         elif hasattr(teacher, "complete"):      # bico.llm.across
             teacher.complete(target, inputs, chunk)
+            deeper = getattr(teacher, "levels", [])
             log("teacher: the next token's first byte (the tokenizers "
                 "differ), at %d of %d positions (%.0f %%: where both "
-                "tokenizations start a token), %.1f MB" % (
+                "tokenizations start a token)%s, %.1f MB" % (
                     teacher.aligned, teacher.positions,
                     100.0 * teacher.aligned / max(1, teacher.positions),
+                    "".join("; its byte %d at %d (where the target has "
+                            "outputs to tell apart there)" % (k + 2, c)
+                            for k, c in enumerate(deeper)),
                     teacher.bytes_memory / 1e6))
         else:
             log("teacher: %d batches, %.1f MB in memory, %.1f MB "
@@ -305,7 +308,7 @@ def run(source, source_tuned, target, cal, log, student=None,
         return _train(target, teacher, inputs, cal, log, mode, rank,
                       lora_alpha, modules, save, init, steps, lr, every,
                       seed, chunk, t0, targets, (text_weight,
-                                                  teacher_weight), patience,
+                                                  teacher_weight), tr,
                       (shard, held), st.checkpoint)
     finally:
         teacher.close()
@@ -324,8 +327,14 @@ def _defaults(mode, steps, lr, n_batches):
 
 def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
            modules, save, init, steps, lr, every, seed, chunk, t0, targets,
-           weights, patience=None, shards=(None, None), checkpoint="auto"):
+           weights, training=None, shards=(None, None), checkpoint="auto"):
+    """training: the caller's Training (its patience and ema; steps, lr
+    and the weights as resolved here)."""
     steps, lr = _defaults(mode, steps, lr, len(inputs))
+    tr = replace(training or _d.Training(), steps=steps, lr=lr,
+                 every=every, seed=seed, text_weight=weights[0],
+                 teacher_weight=weights[1])
+    patience = tr.patience
     ck = _checkpointed(target, inputs, checkpoint)
     adapter, params, trained = None, None, {}
     if mode == "lora":
@@ -361,17 +370,12 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
     rep = []
     if adapter is not None and trained:
         step, losses = _with_saved(target, teacher, inputs, nwin,
-                                   held_losses, adapter, trained, steps, lr,
-                                   every, seed, chunk, clock, rep, targets,
-                                   weights, patience, shard, ck)
+                                   held_losses, adapter, trained, tr,
+                                   chunk, clock, rep, targets, shard, ck)
     else:
         step, losses = _d.distill(
             target, teacher, inputs, nwin, held_losses, params=params,
-            adapter=adapter, training=_d.Training(
-                steps=steps, lr=lr, every=every, seed=seed,
-                patience=patience, text_weight=weights[0],
-                teacher_weight=weights[1]),
-            chunk=chunk, progress=lambda i, n, v: _stepped(clock, i, v),
+            adapter=adapter, training=tr, chunk=chunk, progress=lambda i, n, v: _stepped(clock, i, v),
             report=rep, targets=targets, checkpoint=ck, parallel=shard)
     per = windows(target)
     ran = max(losses)
@@ -452,8 +456,8 @@ def _stepped(clock, i, value):
 
 
 def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
-                steps, lr, every, seed, chunk, clock, rep, targets, weights,
-                patience=None, shard=None, checkpoint=True):
+                training, chunk, clock, rep, targets, shard=None,
+                checkpoint=True):
     """distill with the factors and whole saved tensors training together
     (one Adam over both; the saved tensors' state kept with the
     factors')."""
@@ -473,11 +477,7 @@ def _with_saved(target, teacher, inputs, nwin, held_losses, adapter, saved,
                     p.copy_(v)
     both = _Both()
     out = _d.distill(target, teacher, inputs, nwin, held_losses,
-                     adapter=both, training=_d.Training(
-                         steps=steps, lr=lr, every=every, seed=seed,
-                         patience=patience, text_weight=weights[0],
-                         teacher_weight=weights[1]),
-                     chunk=chunk,
+                     adapter=both, training=training, chunk=chunk,
                      progress=lambda i, n, v: _stepped(clock, i, v),
                      report=rep, targets=targets, checkpoint=checkpoint,
                      parallel=shard)

@@ -237,6 +237,20 @@ def share(s):
     return v
 
 
+def decay(s):
+    """A number from 0 (off) to below 1 (--ema)."""
+    v = _number(s)
+    if not (math.isfinite(v) and 0 <= v < 1):
+        raise _bad("a number from 0 to below 1", s)
+    return v
+
+
+def across_depth(s):
+    """An integer from 1 to 7 (--across-depth: the teacher's sort keys
+    hold that many bytes in 64 bits)."""
+    return count(s, 7)
+
+
 def count_or_zero(s):
     """An integer from 0 to COUNT_LIMIT (--patience)."""
     what = "an integer from 0 to %d" % COUNT_LIMIT

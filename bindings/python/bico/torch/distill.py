@@ -216,8 +216,13 @@ def _flat_entry(entry, n):
     if isinstance(entry, torch.Tensor):
         return entry.reshape(n, entry.shape[-1])
     if isinstance(entry, Grouped):
+        pt = entry.path
+        if pt is not None:
+            pt = pt._replace(logp=pt.logp.reshape((n,) + pt.logp.shape[-2:]),
+                             weight=pt.weight.reshape(n, -1),
+                             base=pt.base.reshape(n, -1))
         return Grouped(entry.logp.reshape(n, entry.logp.shape[-1]),
-                       entry.mask.reshape(n), entry.group)
+                       entry.mask.reshape(n), entry.group, pt)
     vals, idx, rest = entry
     return (vals.reshape(n, vals.shape[-1]), idx.reshape(n, idx.shape[-1]),
             rest.reshape(n))
@@ -227,7 +232,11 @@ def _rows(entry, s, e):
     if isinstance(entry, torch.Tensor):
         return entry[s:e]
     if isinstance(entry, Grouped):
-        return Grouped(entry.logp[s:e], entry.mask[s:e], entry.group)
+        pt = entry.path
+        if pt is not None:
+            pt = pt._replace(logp=pt.logp[s:e], weight=pt.weight[s:e],
+                             base=pt.base[s:e])
+        return Grouped(entry.logp[s:e], entry.mask[s:e], entry.group, pt)
     return tuple(t[s:e] for t in entry)
 
 
@@ -251,7 +260,10 @@ class Training(object):
     "constant"), warmup (steps), seed (the batches' order, the factors'
     start), patience (checks without a better held-out loss before it
     stops; None: every step runs), text_weight (the next-token loss's
-    weight, targets needed), teacher_weight (the teacher's KL's)."""
+    weight, targets needed), teacher_weight (the teacher's KL's), ema
+    (None, or a decay in (0, 1): the held-out checks score and keep the
+    trained tensors' exponential moving average, ema * average + (1 -
+    ema) * weights after each step, not the weights of that step)."""
     steps: object = None
     lr: object = None
     every: int = 25
@@ -261,6 +273,7 @@ class Training(object):
     patience: object = None
     text_weight: float = 0.0
     teacher_weight: float = 1.0
+    ema: object = None
 
 
 def distill(model, teacher, inputs, held, held_losses, params=None,
@@ -329,6 +342,12 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         raise BicoError(E_ARG, "distill: teacher_weight must be a number "
                         ">= 0, and not 0 with text_weight 0, got %r"
                         % (teacher_weight,))
+    decay = t.ema
+    if decay is not None and not (isinstance(decay, (int, float)) and
+                                  not isinstance(decay, bool) and
+                                  0 < decay < 1):
+        raise BicoError(E_ARG, "distill: ema must be None or a decay "
+                        "above 0 and below 1, got %r" % (decay,))
     if patience is not None and not (isinstance(patience, int) and
                                      not isinstance(patience, bool) and
                                      patience >= 1):
@@ -361,6 +380,9 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     # the first step whose loss was not finite and that loss, kept on the
     # device and read at the held-out checks: a step never waits for it
     bad = _Nonfinite(dev)
+    # the weights' exponential moving average, the state every check
+    # scores and keeps (the live weights train on)
+    ema = [p.detach().clone() for p in train] if decay else None
     for it in range(1, steps + 1):
         if not order:
             order = torch.randperm(len(inputs), generator=g).tolist()
@@ -380,17 +402,22 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
         opt.step()
         if sch is not None:
             sch.step()
+        if ema is not None:
+            _average(ema, train, decay)
         if it % every == 0 or it == steps:
             bad.check()
             # the steps' freed tensors back to the system (a trim costs
             # about a tenth of a small model's step: not after each)
             _heap.trim()
+            live = _swap(train, ema) if ema is not None else None
             per[it] = held_losses(model)
             m = {s: sum(v) / len(v) for s, v in per.items()}
             best = pick(m, per, rule="least")
             # keep only the best state and the untouched one
             if best == it:
                 states = {0: states[0], it: snap()}
+            if live is not None:
+                _swap(train, live)
             stale = 0 if m[it] < min(v for s, v in m.items() if s != it) \
                 else stale + 1
         if progress is not None:
@@ -418,6 +445,23 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
                        "fit_batches": len(inputs),
                        "seconds": time.time() - t0})
     return chosen, means
+
+
+def _average(ema, train, decay):
+    """ema <- decay * ema + (1 - decay) * the trained tensors (on their
+    device: nothing read back)."""
+    with torch.no_grad():
+        for e, p in zip(ema, train):
+            e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+
+def _swap(train, values):
+    """Puts values into the trained tensors; returns what they held."""
+    old = [p.detach().clone() for p in train]
+    with torch.no_grad():
+        for p, v in zip(train, values):
+            p.copy_(v)
+    return old
 
 
 def _step(model, teacher, inputs, targets, i, dev, forward, chunk,

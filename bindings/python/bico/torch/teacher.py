@@ -22,7 +22,8 @@ import torch
 from .._status import BicoError, E_ARG, E_IO, E_NONFINITE, E_SHAPE
 from .logits import TOKEN_CHUNK, _bounded, _chunks, _hidden, _logits, _split
 
-__all__ = ["Teacher", "NoTeacher", "Grouped", "kl_to_teacher", "build_teacher",
+__all__ = ["Teacher", "NoTeacher", "Grouped", "Path", "PathIndex",
+           "path_logmass", "kl_to_teacher", "build_teacher",
            "proxy_chunks", "check_finite_logits"]
 
 
@@ -178,20 +179,72 @@ class NoTeacher(object):
 # rows it speaks for (the others learn nothing from it), group [V] each
 # output's group (0 .. G-1).  The student's distribution is summed over
 # each group before the KL (bico.llm.across: the next token's first byte,
-# the axis two tokenizers share).
-Grouped = namedtuple("Grouped", "logp mask group")
+# the axis two tokenizers share).  path (optional, a Path): the groups
+# refined along each row's own text, level by level.
+Grouped = namedtuple("Grouped", "logp mask group path", defaults=(None,))
+
+# Deeper levels of a Grouped teacher, along each row's text (bico.llm.
+# across): at level d (2, 3, ..) the outputs whose first d - 1 bytes are
+# the text's next d - 1 bytes, in 257 groups: the output that is exactly
+# those bytes (group 0), and by its d-th byte (groups 1 .. 256).  logp
+# [..., D, 257] the teacher's log-probabilities of each level's groups
+# (conditional on the level's prefix), weight [..., D] each level's
+# weight in the KL (the teacher's probability of the prefix: the chain
+# rule, so that the levels add up to the KL over the finer partition; 0
+# where a level has no teacher), base [..., D] int64 each level's first
+# key (PathIndex).
+Path = namedtuple("Path", "logp weight base index")
+
+# The outputs sorted by their bytes: order [V] the outputs in that order,
+# keys [V] int64 their sort keys (the first `depth` bytes b as the digits
+# b + 1 of a base-257 number, 0 past the output's end; -1: no bytes),
+# steps [D] each level's group width in keys.  Every level's groups are
+# then runs of the sorted outputs: a group's mass is a difference of two
+# cumulative sums, found by searchsorted.
+PathIndex = namedtuple("PathIndex", "order keys steps")
+
+
+def path_logmass(p, base, index):
+    """log of softmax mass p [n, V] summed over each level's 257 groups,
+    divided by the level's whole ([n, D, 257]), and how many outputs each
+    level holds ([n, D]; a level of none has no distribution: its values
+    mean nothing): base [n, D] each row's level bases (Path.base)."""
+    n, D = base.shape
+    ps = p.index_select(-1, index.order).double()
+    cs = torch.cat([torch.zeros(n, 1, dtype=ps.dtype, device=ps.device),
+                    torch.cumsum(ps, -1)], dim=-1)
+    j = torch.arange(258, device=base.device, dtype=torch.int64)
+    edges = base[..., None] + j * index.steps[:, None]
+    at = torch.searchsorted(index.keys, edges.reshape(n, -1))
+    c = cs.gather(-1, at).reshape(n, D, 258)
+    mass = (c[..., 1:] - c[..., :-1]).clamp_min(0)
+    whole = (c[..., -1] - c[..., 0]).clamp_min(1e-30)
+    return (torch.log(mass.clamp_min(1e-30)) - torch.log(whole)[..., None]
+            ).float(), at.reshape(n, D, 258)[..., -1] - \
+        at.reshape(n, D, 258)[..., 0]
 
 
 def grouped_kl(z, entry):
     """Sum over the rows entry.mask keeps of KL(p || q_grouped), divided
     by all the rows: q_grouped the student's softmax(z) summed over each
-    group of entry.group.  z: logits [..., V]."""
-    logp, mask, group = entry
+    group of entry.group; with entry.path, each deeper level's KL of its
+    groups' conditional distributions, times the level's weight, added
+    (the KL over the partition the levels refine).  z: logits [..., V]."""
+    logp, mask, group = entry.logp, entry.mask, entry.group
     p = torch.softmax(z.float(), dim=-1)
     q = torch.zeros(p.shape[:-1] + (logp.shape[-1],), dtype=p.dtype,
                     device=p.device).index_add_(-1, group.long(), p)
     logq = torch.log(q.clamp_min(1e-30))
     kl = _plogp(logp.float(), logq).sum(-1)
+    if entry.path is not None:
+        pt = entry.path
+        lead = p.shape[:-1]
+        flat = p.reshape(-1, p.shape[-1])
+        base = pt.base.reshape(flat.shape[0], -1)
+        lq, _ = path_logmass(flat, base, pt.index)
+        deep = _plogp(pt.logp.float().reshape(lq.shape), lq).sum(-1)
+        kl = kl + (deep * pt.weight.float().reshape(deep.shape)).sum(-1) \
+            .reshape(lead)
     kl = torch.where(mask, kl, torch.zeros_like(kl))
     return kl.sum() / max(1, kl.numel())
 

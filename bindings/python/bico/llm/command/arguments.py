@@ -5,6 +5,7 @@ import sys
 
 from .. import distill as _distill
 from ..distill import LINEAR_MODULES
+from .. import across as _across
 from .. import options as opts
 from ...torch.choose import ALPHA_GRID, HELDOUT, HOLDOUT
 
@@ -15,6 +16,9 @@ GENERATE_TOTAL = 512
 # --patience: held-out checks without a better loss before distillation
 # stops (docs/llm.md, "A few windows")
 PATIENCE = 4
+# --ema: the decay of the factors' moving average that the held-out
+# checks score and keep (docs/llm.md, "A few windows")
+EMA = 0.99
 # the distillation's steps when the teacher wrote most of its windows
 # (--steps not given): the held-out loss is best after 100-350 steps
 # whatever the schedule's length, and a 400-step cosine reaches the
@@ -205,6 +209,11 @@ def _route_options(p):
                    help="distillation stops once this many held-out checks "
                    "(every 25 steps) in a row found nothing better (%d; 0: "
                    "every step runs)" % PATIENCE)
+    d.add_argument("--ema", type=opts.decay, default=EMA, metavar="DECAY",
+                   help="the held-out checks score and keep the factors' "
+                   "moving average (each step: DECAY x average + (1 - "
+                   "DECAY) x factors), not the last step's factors (%g; "
+                   "0: the factors themselves)" % EMA)
     d.add_argument("--checkpoint", choices=("auto", "on", "off"),
                    default="auto",
                    help="recompute the target's layers in the backward pass "
@@ -245,9 +254,17 @@ def _route_options(p):
                    "likely under the fine-tuned source (1: all)")
     d.add_argument("--across", choices=("byte", "text"), default="byte",
                    help="tokenizers that differ: the teacher on the next "
-                   "token's first byte (the axis both vocabularies share) "
+                   "token's bytes (the axis both vocabularies share: its "
+                   "first byte, and the next ones to --across-depth) "
                    "beside the text the fine-tuned source writes (byte, "
                    "default), or that text alone (text)")
+    d.add_argument("--across-depth", type=opts.across_depth,
+                   default=_across.DEPTH,
+                   metavar="N",
+                   help="tokenizers that differ, --across byte: the "
+                   "teacher's levels along the text (1: the next token's "
+                   "first byte; N: its next N - 1 bytes too, where the "
+                   "source reads them; default %d)" % _across.DEPTH)
     d.add_argument("--device", default="cpu",
                    help="torch device the models run on: cpu (default) or "
                    "cuda[:N] when present; --method distill streams its "

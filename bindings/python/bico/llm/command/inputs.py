@@ -145,7 +145,7 @@ def _relation(a, text, q):
              "writes task text in its own tokens and the target learns it "
              "with its own%s" % (rel.source, rel.target,
                                  ", with the teacher on the next token's "
-                                 "first byte (the axis both vocabularies "
+                                 "bytes (the axis both vocabularies "
                                  "share)" if a.across != "text" and
                                  a.teacher_weight > 0 else
                                  " (sequence-level distillation)"))

@@ -43,6 +43,7 @@ def _distill_target(a, tgt, cal, log, tmp, init, models):
         checkpoint={"on": True, "off": False}.get(a.checkpoint, "auto"))
     training = Training(
         steps=_steps(a), seed=a.seed, patience=a.patience or None,
+        ema=a.ema or None,
         lr=a.lr if a.lr is not None or a.vocab.kind != "different" or
         mode != "lora" or _byte_teacher_wanted(a) else TEXT_ONLY_LR,
         **_losses(a))
@@ -83,7 +84,8 @@ def _byte_teacher(a, source, tuned, cal, log):
     tok_a = load_tokenizer(a.source)
     tok_b = load_tokenizer(a.tokenizer or a.target)
     return across.build(source, tuned, tok_a, tok_b, cal.batches, a.window,
-                        progress=lambda i, n: clock(i))
+                        progress=lambda i, n: clock(i),
+                        depth=a.across_depth)
 
 
 def _losses(a):
