@@ -11,8 +11,8 @@ bench/llm_scale_gen.py, about 1 GB each, kept for reruns) and random
 token ids.  The command runs as a child process; its peak resident set
 (getrusage of the child) is printed beside what the run must hold by
 arithmetic: the target in bf16, the LoRA factors with their gradients,
-Adam's two moments and the best state (float32), the teacher's compact
-entries, and what the teacher's phase holds (each model runs from its
+Adam's two moments, the best state and the moving average (float32;
+--ema), the teacher's compact entries, and what the teacher's phase holds (each model runs from its
 folder a block at a time, then the three heads make the entries).  Random weights
 make a meaningless teacher: the figures are memory and time, not
 quality.  Run on a CPU here; the steps are few because a step of a 0.5B
@@ -200,8 +200,8 @@ def main():
               max(block_params(SHAPE), block_params(TARGET)))),
         ("(before: the three models in bf16)",
          2 * (n + 2 * params(SHAPE))),
-        ("LoRA factors, gradients, Adam moments, best state (f32)",
-         5 * 4 * nl),
+        ("LoRA factors, grads, Adam moments, best, --ema avg (f32)",
+         6 * 4 * nl),
         ("teacher entries (top 64 + rest, f32 values, i32 indices)",
          tokens * (64 * 8 + 4)),
         ("one chunk of logits (f32, at most bico.torch.logits.LOGIT_BYTES)",

@@ -409,15 +409,16 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
             # the steps' freed tensors back to the system (a trim costs
             # about a tenth of a small model's step: not after each)
             _heap.trim()
-            live = _swap(train, ema) if ema is not None else None
+            if ema is not None:          # the average scored and kept
+                _swap(train, ema)
             per[it] = held_losses(model)
             m = {s: sum(v) / len(v) for s, v in per.items()}
             best = pick(m, per, rule="least")
             # keep only the best state and the untouched one
             if best == it:
                 states = {0: states[0], it: snap()}
-            if live is not None:
-                _swap(train, live)
+            if ema is not None:          # the weights back to train on
+                _swap(train, ema)
             stale = 0 if m[it] < min(v for s, v in m.items() if s != it) \
                 else stale + 1
         if progress is not None:
@@ -455,13 +456,11 @@ def _average(ema, train, decay):
             e.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
 
-def _swap(train, values):
-    """Puts values into the trained tensors; returns what they held."""
-    old = [p.detach().clone() for p in train]
-    with torch.no_grad():
-        for p, v in zip(train, values):
-            p.copy_(v)
-    return old
+def _swap(train, held):
+    """Exchanges the trained tensors' storage with held's tensors (no
+    copy: the optimizer's state stays with the parameters)."""
+    for i, p in enumerate(train):
+        held[i], p.data = p.data, held[i]
 
 
 def _step(model, teacher, inputs, targets, i, dev, forward, chunk,
