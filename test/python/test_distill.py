@@ -277,9 +277,10 @@ def test_patience_stops_when_the_held_out_loss_stops_improving():
 def test_ema_keeps_the_moving_average_of_the_same_trajectory():
     """Training(ema=d): the steps train the same weights as without it
     (the average only watches), and the state kept at a check is the
-    average d * avg + (1 - d) * weights after each step, computed here
-    from the weights a run without it went through; the held-out losses
-    are the average's.  Bad decays are refused."""
+    average d * avg + (1 - d) * weights after each step from zero,
+    divided by 1 - d^step, computed here from the weights a run without
+    it went through; the held-out losses are the average's.  Bad decays
+    are refused."""
     a, aft, b0, _ = _planted()
     g = torch.Generator().manual_seed(9)
     xs = [torch.randn(32, 6, generator=g) for _ in range(4)]
@@ -305,14 +306,28 @@ def test_ema_keeps_the_moving_average_of_the_same_trajectory():
     for u, v in zip(plain[1], ema_run[1]):        # the same trajectory
         for x, y in zip(u, v):
             assert torch.allclose(x, y, atol=1e-6)
-    avg = [p.detach().clone() for p in
-           D.Adapter(copy.deepcopy(b0), ["fc1"], r=2, seed=1).parameters()]
+    avg = [torch.zeros_like(p) for p in ema_run[0]]
     for w in plain[1]:
         avg = [d * m + (1 - d) * x for m, x in zip(avg, w)]
+    # from zero, divided by 1 - d^steps: the weights' own average, the
+    # start not in it (a constant trajectory would be kept as it is)
     for x, y in zip(ema_run[0], avg):
-        assert torch.allclose(x, y, atol=1e-6)
+        assert torch.allclose(x, y / (1 - d ** steps), atol=1e-6)
     assert not all(torch.allclose(x, y, atol=1e-4)
                    for x, y in zip(ema_run[0], plain[0]))
+    # a short run at a slow decay keeps what it learnt: an average of the
+    # steps' weights (an average from the start would hold 0.99^20 = 82 %
+    # of the untouched factors)
+    b = copy.deepcopy(b0)
+    ad = D.Adapter(b, ["fc1"], r=2, seed=1)
+    ref = copy.deepcopy(b0)
+    ad_ref = D.Adapter(ref, ["fc1"], r=2, seed=1)
+    for model, adapter, ema in ((b, ad, 0.99), (ref, ad_ref, None)):
+        checks = iter([5.0, 1.0])
+        D.distill(model, t, xs, 1, lambda m: [next(checks)], adapter=adapter,
+                  training=D.Training(steps=20, lr=1e-2, every=20, ema=ema))
+    kept, live = ad.factors["fc1"][0], ad_ref.factors["fc1"][0]  # B
+    assert float(kept.norm()) > 0.3 * float(live.norm()) > 0
     for bad in (0, 1, 1.5, -0.1, True, "0.9"):
         with pytest.raises(BicoError, match="ema"):
             D.distill(b0, t, xs, 1, lambda m: [1.0],

@@ -263,7 +263,9 @@ class Training(object):
     weight, targets needed), teacher_weight (the teacher's KL's), ema
     (None, or a decay in (0, 1): the held-out checks score and keep the
     trained tensors' exponential moving average, ema * average + (1 -
-    ema) * weights after each step, not the weights of that step)."""
+    ema) * weights after each step from an average of zero, divided by
+    1 - ema^step: the steps' weights averaged, recent ones weighing
+    more, not the weights of that step)."""
     steps: object = None
     lr: object = None
     every: int = 25
@@ -381,8 +383,11 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
     # device and read at the held-out checks: a step never waits for it
     bad = _Nonfinite(dev)
     # the weights' exponential moving average, the state every check
-    # scores and keeps (the live weights train on)
-    ema = [p.detach().clone() for p in train] if decay else None
+    # scores and keeps (the live weights train on); it starts at zero and
+    # is divided by 1 - decay^step when scored (as Adam's moments are):
+    # an average of the steps' weights alone, not pulled towards the
+    # start, so a run of a few steps keeps what it learnt
+    ema = [torch.zeros_like(p) for p in train] if decay else None
     for it in range(1, steps + 1):
         if not order:
             order = torch.randperm(len(inputs), generator=g).tolist()
@@ -410,6 +415,7 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
             # about a tenth of a small model's step: not after each)
             _heap.trim()
             if ema is not None:          # the average scored and kept
+                _scale(ema, 1.0 / (1.0 - decay ** it))
                 _swap(train, ema)
             per[it] = held_losses(model)
             m = {s: sum(v) / len(v) for s, v in per.items()}
@@ -419,6 +425,7 @@ def distill(model, teacher, inputs, held, held_losses, params=None,
                 states = {0: states[0], it: snap()}
             if ema is not None:          # the weights back to train on
                 _swap(train, ema)
+                _scale(ema, 1.0 - decay ** it)
             stale = 0 if m[it] < min(v for s, v in m.items() if s != it) \
                 else stale + 1
         if progress is not None:
@@ -454,6 +461,12 @@ def _average(ema, train, decay):
     with torch.no_grad():
         for e, p in zip(ema, train):
             e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+
+def _scale(tensors, c):
+    with torch.no_grad():
+        for t in tensors:
+            t.mul_(c)
 
 
 def _swap(train, held):
