@@ -375,7 +375,8 @@ def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
     else:
         step, losses = _d.distill(
             target, teacher, inputs, nwin, held_losses, params=params,
-            adapter=adapter, training=tr, chunk=chunk, progress=lambda i, n, v: _stepped(clock, i, v),
+            adapter=adapter, training=tr, chunk=chunk,
+            progress=lambda i, n, v: _stepped(clock, i, v),
             report=rep, targets=targets, checkpoint=ck, parallel=shard)
     per = windows(target)
     ran = max(losses)
