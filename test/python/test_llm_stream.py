@@ -447,21 +447,12 @@ def test_bad_inputs_are_refused(pair, untied):
 
 # ---- a kill at any moment ----
 
-def _stale_tmp():
-    """The command's temporary folders ($TMPDIR/bico-llm-PID-*) of
-    processes that no longer run."""
-    base = os.environ.get("TMPDIR", "/tmp")
-    out = []
-    for n in os.listdir(base):
-        pid = n[len("bico-llm-"):].split("-", 1)[0]
-        if n.startswith("bico-llm-") and pid.isdigit():
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                out.append(n)
-            except PermissionError:
-                pass
-    return out
+def _left_tmp(base):
+    """The command's temporary folders (bico-llm-PID-*) left in `base`,
+    the runs' private $TMPDIR: every run there has ended, so any such
+    folder is a leftover.  (A private folder, not /tmp: another test
+    running beside this one may leave a killed run's folder there.)"""
+    return sorted(n for n in os.listdir(base) if n.startswith("bico-llm-"))
 
 
 def _spill_like(folder):
@@ -483,7 +474,9 @@ def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
     (out / "old.txt").write_text("old")
     spill = tmp_path / "spill"
     spill.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp),
                BICO_STREAM_TEST_KILL="%s:%s" % (point, sig))
     cmd = PY + ["--source", "A/", "--source-tuned", "A_full/", "--target",
                 "B/", "--text", "task.txt", "--window", "32", "--output",
@@ -504,7 +497,7 @@ def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
     assert left == [] if sig == "TERM" else \
         all(n.startswith(".B_ft.bico-tmp.") for n in left)
     if sig == "TERM":
-        assert _stale_tmp() == []
+        assert _left_tmp(tmp) == []
     env.pop("BICO_STREAM_TEST_KILL")
     r = subprocess.run(cmd, cwd=str(pair), env=env, capture_output=True,
                        text=True, timeout=300)
@@ -514,7 +507,7 @@ def test_killed_run_leaves_the_old_output_and_no_spill(pair, tmp_path, point,
     # the folder commit carries the old folder's other files over
     assert (out / "old.txt").read_text() == "old"
     assert _spill_like(tmp_path) == [] and os.listdir(spill) == []
-    assert _stale_tmp() == []
+    assert _left_tmp(tmp) == []
 
 
 # ---- a target shard rewritten in place while the run reads it ----

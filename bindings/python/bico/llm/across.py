@@ -220,23 +220,19 @@ def _bases(path, depth):
     return out
 
 
-def _model_marginals(model, x, group, chunk):
-    """marginals of a decoder's logits over ids x [n, L], a chunk of rows
-    through the head at a time (a large vocabulary's logits never whole)."""
+def _head_logits(model, x, chunk):
+    """A decoder's logits over ids x [n, L] as flat rows [rows, V], a
+    chunk of rows through the head at a time (a large vocabulary's logits
+    never whole).  Call under torch.no_grad()."""
     sp = _lg._split(model)
-    with torch.no_grad():
-        if sp is None:
-            z = _lg._logits(model(x))
-            return marginals(z, group[:z.shape[-1]] if z.shape[-1] <=
-                             group.numel() else _pad(group, z.shape[-1]))
-        h = _lg._hidden(sp[0], x)
-        flat = h.reshape(-1, h.shape[-1])
-        V = sp[1].weight.shape[0]
-        g = _pad(group, V)
-        out = [marginals(sp[1](flat[s:e]), g)
-               for s, e in _lg._chunks(flat.shape[0],
-                                      _lg._bounded(chunk, sp[1]))]
-        return torch.cat(out).reshape(h.shape[:-1] + (GROUPS,))
+    if sp is None:
+        z = _lg._logits(model(x))
+        yield z.reshape(-1, z.shape[-1])
+        return
+    h = _lg._hidden(sp[0], x)
+    flat = h.reshape(-1, h.shape[-1])
+    for s, e in _lg._chunks(flat.shape[0], _lg._bounded(chunk, sp[1])):
+        yield sp[1](flat[s:e])
 
 
 def _pad(group, n):
@@ -266,6 +262,7 @@ class ByteTeacher(object):
         self.entries, self.group = entries, group
         self.aligned, self.positions = aligned, positions
         self.index, self.deep = index, deep
+        self._index_at = {}       # the index on each device get() used
         # positions with a teacher at each deeper level (after complete)
         self.levels = []
         self.done = False
@@ -291,11 +288,12 @@ class ByteTeacher(object):
         self.group = _pad(self.group, V)
         if self.index is not None and self.index.order.numel() != V:
             self.index = _repad_index(self.index, V)
+            self._index_at = {}
         for i, x in enumerate(inputs):
             d, m, deep = self.entries[i]
             base = None if deep is None else deep[2]
-            mb, lb = _model_levels(target, x, self.group, base, self.index,
-                                   chunk)
+            mb, lb = _model_levels(target, x, self.group, chunk, base,
+                                   self.index)
             first = torch.log_softmax(mb + d, dim=-1)
             if deep is not None:
                 delta, avail, base, nxt = deep
@@ -314,8 +312,12 @@ class ByteTeacher(object):
         path = None
         if deep is not None:
             lp, w, base = deep
+            key = str(torch.device(device or "cpu"))
+            if key not in self._index_at:   # moved once, not every step
+                self._index_at[key] = _t.PathIndex(
+                    *(v.to(device) for v in self.index))
             path = _t.Path(lp.to(device), w.to(device), base.to(device),
-                           _t.PathIndex(*(v.to(device) for v in self.index)))
+                           self._index_at[key])
         return _t.Grouped(d.to(device), m.to(device), self.group.to(device),
                           path)
 
@@ -369,39 +371,35 @@ def _outputs(model, x):
         return _lg._logits(model(x[:1, :1])).shape[-1]
 
 
-def _model_levels(model, x, group, base, index, chunk):
-    """The target's first-byte log-marginals [n, L, 257] over ids x, and
-    with base [n, L, D] its deeper levels' conditional log-masses
-    [n, L, D, 257] (bico.torch.teacher.path_logmass), a chunk of rows
-    through the head at a time."""
-    if base is None:
-        return _model_marginals(model, x, group, chunk), None
-    sp = _lg._split(model)
+def _model_levels(model, x, group, chunk, base=None, index=None):
+    """The first-byte log-marginals [n, L, 257] of a decoder's logits
+    over ids x [n, L], and with base [n, L, D] (else None) its deeper
+    levels' conditional log-masses [n, L, D, 257]
+    (bico.torch.teacher.path_logmass over the PathIndex `index`), on the
+    CPU.  The group (one per output) is cut or padded to the logits'
+    width (ids past it: the no-bytes group)."""
+    bf = None if base is None else base.reshape(-1, base.shape[-1])
+    firsts, deeps, hi, idx = [], [], 0, None
     with torch.no_grad():
-        if sp is None:
-            zs = [_lg._logits(model(x)).reshape(-1, group.numel())]
-            bounds = [(0, zs[0].shape[0])]
-        else:
-            h = _lg._hidden(sp[0], x)
-            flat = h.reshape(-1, h.shape[-1])
-            bounds = list(_lg._chunks(flat.shape[0],
-                                      _lg._bounded(chunk, sp[1])))
-            zs = (sp[1](flat[s:e]) for s, e in bounds)
-        bf = base.reshape(-1, base.shape[-1])
-        firsts, deeps = [], []
-        for (s, e), z in zip(bounds, zs):
-            firsts.append(marginals(z, group.to(z.device)).cpu())
+        for z in _head_logits(model, x, chunk):
+            firsts.append(marginals(z, _pad(group, z.shape[-1])
+                                    .to(z.device)).cpu())
+            lo, hi = hi, hi + z.shape[0]
+            if bf is None:
+                continue
             p = torch.softmax(z.float(), dim=-1)
-            lm, count = _t.path_logmass(
-                p, bf[s:e].to(p.device),
-                _t.PathIndex(*(v.to(p.device) for v in index)))
+            if idx is None:
+                idx = _t.PathIndex(*(v.to(p.device) for v in index))
+            lm, count = _t.path_logmass(p, bf[lo:hi].to(p.device), idx)
             # a level of fewer than two outputs teaches nothing
             deeps.append(torch.where(count[..., None] >= 2, lm,
                                      torch.full_like(lm, math.nan)).cpu())
-        lead = tuple(x.shape)
-        return (torch.cat(firsts).reshape(lead + (GROUPS,)),
-                torch.cat(deeps).reshape(lead + tuple(base.shape[-1:]) +
-                                         (GROUPS,)))
+    lead = tuple(x.shape)
+    first = torch.cat(firsts).reshape(lead + (GROUPS,))
+    if bf is None:
+        return first, None
+    return first, torch.cat(deeps).reshape(lead + tuple(base.shape[-1:]) +
+                                           (GROUPS,))
 
 
 def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
@@ -447,19 +445,19 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
             for k, p in enumerate(pieces):
                 xs[k, :len(p)] = p        # right-padded: causal
             d = torch.cat([
-                _model_marginals(tuned, xs[s:s + len(x)].to(dev), g_a,
-                                 chunk) -
-                _model_marginals(source, xs[s:s + len(x)].to(dev), g_a,
-                                 chunk)
-                for s in range(0, len(pieces), len(x))]).cpu()
-            first = {}
+                _model_levels(tuned, xs[s:s + len(x)].to(dev), g_a,
+                              chunk)[0] -
+                _model_levels(source, xs[s:s + len(x)].to(dev), g_a,
+                              chunk)[0]
+                for s in range(0, len(pieces), len(x))])
+            first = {}          # row -> {piece's start: piece}
             for k, (r, s) in enumerate(where):
-                first.setdefault(r, []).append((s, k))
+                first.setdefault(r, {})[s] = k
 
             def row_of(r, j):
                 """The source's difference before its token j."""
                 s = (j - 1) // window * window
-                return d[dict(first[r])[s], j - 1 - s]
+                return d[first[r][s], j - 1 - s]
             for r, f in enumerate(found):
                 if f is None:
                     continue

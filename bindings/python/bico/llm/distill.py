@@ -209,31 +209,28 @@ def run(source, source_tuned, target, cal, log, student=None,
     training.text_weight: the loss adds this times the windows' own
     next-token cross-entropy (0: the teacher alone); teacher_weight scales
     the teacher's KL (0: the text alone, a control).  training.patience:
-    training stops once that many held-out checks (every `every` steps)
-    in a row found nothing better (None: every step runs).  own: how many of cal's batches, the
-    first ones, are the user's own text, whose next tokens the text loss
-    learns (None: all); the others (the teacher's written text, its next
-    tokens samples) are learnt from the teacher's KL alone, unless there
-    is no teacher.  ranks: a bico.llm.ranks.Ranks of several processes
-    (every one making this call on the same cal): each keeps its rows of
-    every batch (bico.llm.shard) and computes the teacher of those alone
-    (a teacher given is then that of its rows: RowShard(ranks,
-    cal.batches).local), the gradients summed over the ranks: every rank
-    ends with the factors one process trains on cal, to float rounding;
-    the held-out losses are every window's, gathered.  Returns a Result; target is
-    left in the chosen state (the factors still attached in mode "lora":
-    result.adapter.remove() detaches)."""
+    training stops once that many held-out checks (every `every` steps) in
+    a row found nothing better (None: every step runs).  own: how many of
+    cal's batches, the first ones, are the user's own text, whose next
+    tokens the text loss learns (None: all); the others (the teacher's
+    written text, its next tokens samples) are learnt from the teacher's KL
+    alone, unless there is no teacher.  ranks: a bico.llm.ranks.Ranks of
+    several processes (every one making this call on the same cal): each
+    keeps its rows of every batch (bico.llm.shard) and computes the teacher
+    of those alone (a teacher given is then that of its rows:
+    RowShard(ranks, cal.batches).local), the gradients summed over the
+    ranks: every rank ends with the factors one process trains on cal, to
+    float rounding; the held-out losses are every window's, gathered.
+    Returns a Result; target is left in the chosen state (the factors still
+    attached in mode "lora": result.adapter.remove() detaches)."""
     st = Student() if student is None else student
     tr = _d.Training(text_weight=TEXT_WEIGHT) if training is None \
         else training
     ts = TeacherStore() if store is None else store
-    mode, rank, lora_alpha, modules, save, init = (
-        st.mode, st.rank, st.lora_alpha, st.modules, st.save, st.init)
+    mode = st.mode
     if st.checkpoint not in ("auto", True, False):
         raise BicoError(E_ARG, "distill: Student.checkpoint must be 'auto', "
                         "True or False, got %r" % (st.checkpoint,))
-    steps, lr, every, seed = tr.steps, tr.lr, tr.every, tr.seed
-    text_weight, teacher_weight = tr.text_weight, tr.teacher_weight
     teacher_k, budget, spill_dir, chunk, shared = (
         ts.k, ts.budget, ts.spill_dir, ts.chunk, ts.shared)
     if mode not in ("lora", "dense"):
@@ -252,7 +249,7 @@ def run(source, source_tuned, target, cal, log, student=None,
     else:
         inputs = [x for x, _ in cal.batches]
     inputs = [x.to(dev) for x in inputs]
-    if teacher is None and not teacher_weight:   # the text alone
+    if teacher is None and not tr.teacher_weight:   # the text alone
         teacher = _t.NoTeacher(len(inputs))
     if teacher is None:
         clock = Clock("teacher (three models per window)", len(inputs), log)
@@ -305,11 +302,8 @@ def run(source, source_tuned, target, cal, log, student=None,
             teacher = ShardedTeacher(teacher, shard)
             inputs = [None if x is None else x.to(dev)
                       for x in shard.inputs()]
-        return _train(target, teacher, inputs, cal, log, mode, rank,
-                      lora_alpha, modules, save, init, steps, lr, every,
-                      seed, chunk, t0, targets, (text_weight,
-                                                  teacher_weight), tr,
-                      (shard, held), st.checkpoint)
+        return _train(target, teacher, inputs, cal, log, st, tr, chunk, t0,
+                      targets, (shard, held))
     finally:
         teacher.close()
 
@@ -325,23 +319,23 @@ def _defaults(mode, steps, lr, n_batches):
     return steps, lr
 
 
-def _train(target, teacher, inputs, cal, log, mode, rank, lora_alpha,
-           modules, save, init, steps, lr, every, seed, chunk, t0, targets,
-           weights, training=None, shards=(None, None), checkpoint="auto"):
-    """training: the caller's Training (its patience and ema; steps, lr
-    and the weights as resolved here)."""
-    steps, lr = _defaults(mode, steps, lr, len(inputs))
-    tr = replace(training or _d.Training(), steps=steps, lr=lr,
-                 every=every, seed=seed, text_weight=weights[0],
-                 teacher_weight=weights[1])
+def _train(target, teacher, inputs, cal, log, student, training, chunk, t0,
+           targets, shards=(None, None)):
+    """The training of run(): the Student's adapter (or its dense
+    weights) trained as the Training says, its steps and lr resolved
+    here (_defaults) when None."""
+    mode, rank, seed = student.mode, student.rank, training.seed
+    steps, lr = _defaults(mode, training.steps, training.lr, len(inputs))
+    tr = replace(training, steps=steps, lr=lr)
     patience = tr.patience
-    ck = _checkpointed(target, inputs, checkpoint)
+    ck = _checkpointed(target, inputs, student.checkpoint)
     adapter, params, trained = None, None, {}
     if mode == "lora":
-        names = lora_modules(target, modules)
+        names = lora_modules(target, student.modules)
+        save, init = student.save, student.init
         trained = saved_parameters(target, save) if save else {}
-        adapter = _d.Adapter(target, names, rank, lora_alpha, init=init,
-                             seed=seed)
+        adapter = _d.Adapter(target, names, rank, student.lora_alpha,
+                             init=init, seed=seed)
         extra = list(trained.values())
         for p in extra:
             p.requires_grad_(True)
