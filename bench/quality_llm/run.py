@@ -75,7 +75,22 @@ TARGETS = {
                 vocab=512),
     "grown": dict(width=96, depth=3, ffn=256, seed=6, tokenizer="grown",
                   extra=64),
+    # the other way: the "bpe" model's fine-tunes (a BPE source, as Llama
+    # 2's and 3's tokenizers both are) carried to the byte-level source's
+    # own pretrained model (its own fine-tunes the upper bound)
+    "from-bpe": dict(width=96, depth=3, ffn=256, seed=1, source="bpe"),
 }
+
+
+def own(spec):
+    """A cell's spec as the model it names (its source pair aside)."""
+    return {k: v for k, v in spec.items() if k != "source"}
+
+
+def source_of(spec):
+    """The spec of a cell's source pair: the table's source, or the
+    target named by "source"."""
+    return TARGETS[spec["source"]] if "source" in spec else SOURCE
 # the targets a run takes by default (--targets): those of one vocabulary
 DEFAULT_TARGETS = ("same", "wide", "narrow", "planted")
 # calibration windows: 64-byte windows of the task's training text in a
@@ -313,6 +328,7 @@ class Bench(object):
         targets; "bpe": a byte-level BPE trained on the general training
         text (the target's own pretraining text); "grown": the bytes plus
         added tokens."""
+        spec = own(spec)
         kind = spec.get("tokenizer")
         if kind is None:
             return dict(tok=self.tok, vocab=256, gtr=self.gtr, gte=self.gte,
@@ -363,6 +379,7 @@ class Bench(object):
     def planted(self, spec, folder, name):
         """The source model in folder carried to the planted coordinates of
         spec (a model folder under name)."""
+        spec = own(spec)
         k = key_of(self.text_key, name, spec, PRE, FT, LORA)
         d = self.path("models", "%s-%s" % (name, k))
         if not os.path.exists(os.path.join(d, "model.safetensors")):
@@ -376,6 +393,7 @@ class Bench(object):
         return d
 
     def pretrained(self, spec):
+        spec = own(spec)
         if "planted" in spec:
             return self.planted(spec, self.pretrained(SOURCE), "planted-pre")
         k = key_of(self.text_key, "pre", spec, PRE)
@@ -402,6 +420,7 @@ class Bench(object):
         return lm.load(cfg, sd)
 
     def finetuned(self, spec):
+        spec = own(spec)
         if "planted" in spec:
             return self.planted(spec, self.finetuned(SOURCE), "planted-ft")
         base = self.pretrained(spec)
@@ -421,6 +440,7 @@ class Bench(object):
 
     def lora(self, spec):
         """(adapter folder, merged model folder) of a LoRA fine-tune."""
+        spec = own(spec)
         if "planted" in spec:
             return None, self.planted(spec, self.lora(SOURCE)[1],
                                       "planted-lora")
@@ -452,6 +472,7 @@ class Bench(object):
         return os.path.join(d, "adapter"), os.path.join(d, "merged")
 
     def calib_file(self, spec, n):
+        spec = own(spec)
         k = key_of(self.text_key, "calib", spec, PRE, n, CALIB)
         p = self.path("calib", "%s.safetensors" % k)
         if not os.path.exists(p):
@@ -616,7 +637,7 @@ class Bench(object):
         # a target of another tokenizer: the task text itself (the command
         # tokenizes it with each model's tokenizer)
         data = ["--ids", ids]
-        if spec.get("tokenizer"):
+        if spec.get("tokenizer") or source_of(spec).get("tokenizer"):
             txt = self.path("calib", "task_train-%s.txt" % self.text_key)
             if not os.path.exists(txt):
                 with open(txt + ".tmp", "wb") as f:
@@ -626,10 +647,11 @@ class Bench(object):
         out = self.path("out", "cmd-%s-%s-%s" % (
             tname, kind, hashlib.sha256(label.encode()).hexdigest()[:8]))
         subprocess.run(["rm", "-rf", out])
-        src = ["--source-tuned", self.finetuned(SOURCE)] if kind == "full" \
-            else ["--lora", self.lora(SOURCE)[0]]
+        ss = source_of(spec)
+        src = ["--source-tuned", self.finetuned(ss)] if kind == "full" \
+            else ["--lora", self.lora(ss)[0]]
         cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "bico.llm",
-               "--source", self.pretrained(SOURCE)] + src + [
+               "--source", self.pretrained(ss)] + src + [
                "--target", self.pretrained(spec)] + data + [
                "--window", str(DATA["ctx"]), "--windows", str(n),
                "--threads", "1", "--quiet",
@@ -722,9 +744,10 @@ class Bench(object):
         zs = self.score(self.model(self.pretrained(spec)), spec)
         ft = self.score(self.model(self.finetuned(spec) if kind == "full"
                                    else self.lora(spec)[1]), spec)
-        sz = self.score(self.model(self.pretrained(SOURCE)))
-        sf = self.score(self.model(self.finetuned(SOURCE) if kind == "full"
-                                   else self.lora(SOURCE)[1]))
+        ss = source_of(spec)
+        sz = self.score(self.model(self.pretrained(ss)), ss)
+        sf = self.score(self.model(self.finetuned(ss) if kind == "full"
+                                   else self.lora(ss)[1]), ss)
         return {"zs": zs, "ft": ft, "src_zs": sz, "src_ft": sf}
 
 
@@ -800,7 +823,8 @@ def main():
                 TARGETS[tname]["depth"] == SOURCE["depth"]
             for label, method, shapes, n in METHODS:
                 if label not in methods or (shapes == "same" and not same) \
-                        or TARGETS[tname].get("tokenizer"):
+                        or TARGETS[tname].get("tokenizer") \
+                        or "source" in TARGETS[tname]:
                     continue
                 fl = extra if method in ("bico", "bico-in", "bico-out",
                                          "bico-default") \

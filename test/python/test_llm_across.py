@@ -369,3 +369,106 @@ def test_the_levels_move_the_target_as_the_source_moved(pair):
                                                raw[o + k + 1] + 1].exp())
                     checked += reach > 0
     assert checked >= 30
+
+
+def test_a_bpe_source_moves_the_levels_inside_its_own_tokens(
+        pair, tmp_path):
+    """A BPE source pair and a target of another BPE: where the source
+    starts a token at the byte a level reads, the level moves as above
+    (the source's first-byte ratio there); where the byte falls inside
+    the source's token that starts at sk, the source's own outputs that
+    begin with the text's bytes from sk say how fine-tuning moved it:
+    each byte's group of the target's level times the source pair's
+    ratio of the conditional masses of that byte's group, over the
+    ratio of the output that ends there (a group neither model has:
+    ratio 1).  Computed here from the three models' outputs, group by
+    group; both kinds of level are met."""
+    d, _ = pair
+    tok_a = load_tokenizer(d / "B_bpe")
+    llm_pair.bpe_target(str(tmp_path), merges=40, seed=13)
+    tok_b = load_tokenizer(tmp_path / "B_bpe")
+    A = bl.load_model(d / "B_bpe", dtype=torch.float64)
+    Aft = bl.load_model(d / "B_bpe", dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in Aft.parameters():          # a fine-tune's stand-in
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=g,
+                                               dtype=p.dtype))
+    B = bl.load_model(tmp_path / "B_bpe", dtype=torch.float64)
+    tb_a, tb_b = across.token_bytes(tok_a), across.token_bytes(tok_b)
+    assert tb_a != tb_b
+    text = TEXT.encode("ascii", "ignore").decode()
+    ids = torch.as_tensor(tok_b.encode(text))
+    W, depth = 20, 3
+    rows = _rows(ids, W, 4)
+    batches = [(rows[:, :-1], rows[:, 1:])]
+    t = across.build(A, Aft, tok_a, tok_b, batches, 512, depth=depth)
+    t.complete(B, [x for x, _ in batches])
+    e = t.get(0)
+    first_of = across.groups(tb_a)
+    kinds = {"start": 0, "inside": 0}
+    with torch.no_grad():
+        for r in range(rows.shape[0]):
+            raw = _bytes_of(tb_b, rows[r])
+            src = tok_a.encode(raw.decode())
+            at, o2 = {}, 0
+            for j, i in enumerate(src):
+                if j >= 1:
+                    at[o2] = j
+                o2 += len(tb_a[i])
+            x = torch.as_tensor(src)[None]
+            pa = torch.softmax(_z(A, x)[0], -1)
+            pt = torch.softmax(_z(Aft, x)[0], -1)
+            pb = torch.softmax(_z(B, rows[r:r + 1, :-1])[0], -1)
+            for tpos in range(W):
+                o = len(_bytes_of(tb_b, rows[r, :tpos + 1]))
+                if not e.mask[r, tpos] or o + depth > len(raw):
+                    continue
+                reach = float(e.logp[r, tpos].double()[raw[o]].exp())
+                for k in range(depth - 1):
+                    b = o + k + 1
+                    grp = _level_groups(tb_b[:pb.shape[-1]], raw[o:b])
+                    if b in at:                  # the source starts there
+                        pos, kind = at[b] - 1, "start"
+                        m = {c: (float(pt[pos][first_of == c - 1].sum()),
+                                 float(pa[pos][first_of == c - 1].sum()))
+                             for c in grp if c}
+                        ratio = {c: m[c][0] / m[c][1] if c else 1.0
+                                 for c in grp}
+                    else:                        # inside its token at sk
+                        sk = max(q for q in at if o <= q < b)
+                        pos, kind = at[sk] - 1, "inside"
+                        sg = _level_groups(tb_a, raw[sk:b])
+                        if sum(len(v) for v in sg.values()) < 2:
+                            reach = 0.0          # the source says nothing
+                        wt = sum(float(pt[pos, v].sum()) for v in
+                                 sg.values())
+                        wa = sum(float(pa[pos, v].sum()) for v in
+                                 sg.values())
+
+                        def cond(c):
+                            if c not in sg:
+                                return 1.0
+                            return (float(pt[pos, sg[c]].sum()) / wt) / \
+                                (float(pa[pos, sg[c]].sum()) / wa)
+                        ratio = {c: cond(c) / cond(0) if c else 1.0
+                                 for c in grp}
+                    if sum(len(v) for v in grp.values()) < 2:
+                        reach = 0.0
+                    if reach:
+                        raw_m = {c: float(pb[tpos, grp[c]].sum()) *
+                                 ratio[c] for c in grp}
+                        tot = sum(raw_m.values())
+                        for c, v in raw_m.items():
+                            assert float(e.path.logp[r, tpos, k, c]
+                                         .exp()) == pytest.approx(
+                                v / tot, rel=1e-3, abs=1e-6), (kind, k)
+                        kinds[kind] += 1
+                    assert float(e.path.weight[r, tpos, k]) == \
+                        pytest.approx(reach, rel=1e-3, abs=1e-7), (kind, k)
+                    if not reach:
+                        continue                 # later levels: weight 0
+                    reach *= float(e.path.logp[r, tpos, k,
+                                               raw[b] + 1].exp())
+    print(kinds)
+    assert kinds["start"] >= 10 and kinds["inside"] >= 10, kinds

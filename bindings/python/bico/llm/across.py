@@ -27,6 +27,12 @@ prefix) with each byte's group moved by the source pair's difference at
 that byte, the output that ends there unmoved, and it weighs in the KL
 by the teacher's probability of the prefix, so that the levels add up
 to the KL over the partition they refine (bico.torch.teacher.Path).
+Where the byte a level reads falls inside one of the source's tokens (a
+BPE source: Llama 2's, carried to Llama 3), the source's own outputs
+that begin with the text's bytes from that token's start say it: the
+source pair's ratio of each byte's group of them (conditional on the
+prefix), over the ratio of the output that ends there, moves the
+target's group of that byte against the target's output that ends there.
 
 The source's side is computed once per window of the target's tokens
 (the window's bytes tokenized again by the source, the source pair run
@@ -51,6 +57,8 @@ __all__ = ["token_bytes", "groups", "marginals", "align", "path_index",
 # 256 byte values and one group for tokens without bytes
 GROUPS = 257
 _TINY = 1e-30
+# a level's group below this log conditional mass holds no outputs
+_EMPTY = -60.0
 # levels of the teacher along the text: the first byte, then the next
 # bytes while the source reads them (bico.torch.teacher.Path)
 DEPTH = 2
@@ -402,6 +410,28 @@ def _model_levels(model, x, group, chunk, base=None, index=None):
                                            (GROUPS,))
 
 
+def _source_bases(found, where, shape, D):
+    """The source's level bases [pieces, L, D] for its pieces (where:
+    each piece's (row, first token)): at the position before the
+    source's token j, the bases of the text's bytes from where j starts
+    (missing bytes past the text read as 0: only the levels whose prefix
+    the text holds are used)."""
+    out = torch.zeros(tuple(shape) + (D,), dtype=torch.int64)
+    starts_of = {}
+    for k, (r, s0) in enumerate(where):
+        if r not in starts_of:
+            starts_of[r] = {j: o for o, j in found[r][3].items()}
+        raw, span = found[r][2], found[r][5]
+        for p in range(shape[1]):
+            o = starts_of[r].get(s0 + p + 1)
+            if o is None:
+                continue
+            nb = list(raw[o:min(o + D, span[1])])
+            out[k, p] = torch.tensor(_bases(nb + [0] * (D - len(nb)),
+                                            D + 1))
+    return out
+
+
 def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
           chunk=_lg.TOKEN_CHUNK, size_a=None, size_b=None, depth=DEPTH):
     """A ByteTeacher of the target's fit batches ([(ids, next ids)]),
@@ -409,7 +439,9 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
     each window's text in the source's tokens, in pieces of at most
     `window` tokens.  depth > 1: levels 2 .. depth along the text too,
     wherever the source starts a token at each of the next bytes (a
-    byte-level source: everywhere).  progress(i, n) after each batch."""
+    byte-level source: everywhere) or reads it inside its own token
+    (a source of tokens of several bytes).  progress(i, n) after each
+    batch."""
     if not (isinstance(depth, int) and depth >= 1):
         raise ValueError("across.build: depth must be an integer >= 1, "
                          "got %r" % (depth,))
@@ -418,6 +450,11 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
     D = depth - 1
     index = path_index(tb_b, depth) if D else None
     dev = next(source.parameters()).device
+    # a source with tokens of several bytes carries the deeper levels
+    # inside its own tokens too (where it starts no token at the byte)
+    index_a = None
+    if D and any(b is not None and len(b) > 1 for b in tb_a):
+        index_a = path_index(tb_a, depth)
     for m in (source, tuned):
         m.eval()
     entries, aligned, positions = [], 0, 0
@@ -444,20 +481,36 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
             xs = torch.zeros(len(pieces), L, dtype=torch.int64)
             for k, p in enumerate(pieces):
                 xs[k, :len(p)] = p        # right-padded: causal
-            d = torch.cat([
-                _model_levels(tuned, xs[s:s + len(x)].to(dev), g_a,
-                              chunk)[0] -
-                _model_levels(source, xs[s:s + len(x)].to(dev), g_a,
-                              chunk)[0]
-                for s in range(0, len(pieces), len(x))])
+            sb = None
+            if index_a is not None:
+                sb = _source_bases(found, where, xs.shape, D)
+                V_a = _outputs(source, xs[:1].to(dev))
+                if index_a.order.numel() != V_a:
+                    index_a = _repad_index(index_a, V_a)
+            d, dd = [], []
+            for s in range(0, len(pieces), len(x)):
+                xb = xs[s:s + len(x)].to(dev)
+                bb = None if sb is None else sb[s:s + len(x)]
+                ft, ftd = _model_levels(tuned, xb, g_a, chunk, bb, index_a)
+                at0, at0d = _model_levels(source, xb, g_a, chunk, bb,
+                                          index_a)
+                d.append(ft - at0)
+                if bb is not None:
+                    # a group neither model gives mass to says nothing
+                    # (its conditional held, not moved by the whole's)
+                    dd.append(torch.where((ftd < _EMPTY) & (at0d < _EMPTY),
+                                          torch.zeros_like(ftd),
+                                          ftd - at0d))
+            d = torch.cat(d)
+            dd = torch.cat(dd) if dd else None
             first = {}          # row -> {piece's start: piece}
             for k, (r, s) in enumerate(where):
                 first.setdefault(r, {})[s] = k
 
-            def row_of(r, j):
+            def row_of(r, j, of=d):
                 """The source's difference before its token j."""
                 s = (j - 1) // window * window
-                return d[first[r][s], j - 1 - s]
+                return of[first[r][s], j - 1 - s]
             for r, f in enumerate(found):
                 if f is None:
                     continue
@@ -474,10 +527,25 @@ def build(source, tuned, tok_a, tok_b, batches, window, progress=None,
                         continue      # base keys need D bytes: level off
                     base[r, t] = torch.tensor(_bases(nb, depth))
                     for k in range(D):
-                        jk = at.get(o + k + 1)
-                        if jk is None or o + k + 1 >= span[1]:
+                        b = o + k + 1           # the byte level k + 2 reads
+                        if b >= span[1]:
                             break
-                        ddelta[r, t, k] = row_of(r, jk)
+                        jk = at.get(b)
+                        if jk is not None:      # the source starts a token
+                            ddelta[r, t, k] = row_of(r, jk)
+                            avail[r, t, k] = True
+                            continue
+                        if dd is None:
+                            break
+                        # inside the source's token that starts at sk
+                        # (o at the latest): its level b - sk + 1
+                        sk = max(q for q in range(o, b) if q in at)
+                        v = row_of(r, at[sk], dd)[b - sk - 1]
+                        if bool(torch.isnan(v).any()):
+                            break
+                        # the pair's difference on [ends there, bytes],
+                        # as the byte groups' shift against the end's
+                        ddelta[r, t, k, :256] = v[1:] - v[0]
                         avail[r, t, k] = True
         aligned += int(mask.sum())
         positions += mask.numel()
