@@ -79,6 +79,10 @@ TARGETS = {
     # 2's and 3's tokenizers both are) carried to the byte-level source's
     # own pretrained model (its own fine-tunes the upper bound)
     "from-bpe": dict(width=96, depth=3, ffn=256, seed=1, source="bpe"),
+    # and to a model of another BPE (1024 tokens, seed 7): the two
+    # tokenizers' tokens of several bytes meet (Llama 2 -> Llama 3)
+    "bpe-bpe": dict(width=96, depth=3, ffn=256, seed=7, tokenizer="bpe",
+                    vocab=1024, source="bpe"),
 }
 
 
@@ -242,6 +246,10 @@ CMD_METHODS = [
     ("cmd auto 64 g1800", ["--generate", "1800"], 64, "lora"),
     ("cmd auto 32 g950", ["--generate", "950"], 32, "lora"),
     ("cmd auto 64 g900", ["--generate", "900"], 64, "lora"),
+    # twice the windows a step (16): half the gradient's noise, twice a
+    # step's work
+    ("cmd auto 32 b16", ["--batch-size", "16"], 32, "lora"),
+    ("cmd auto 64 b16", ["--batch-size", "16"], 64, "lora"),
     ("cmd auto 32 s400", ["--steps", "400"], 32, "lora"),
     ("cmd auto 64 s400", ["--steps", "400"], 64, "lora"),
     ("cmd auto 32 warm", ["--init", "warm"], 32, "lora"),
