@@ -203,7 +203,7 @@ def test_the_command_distils_on_the_written_windows_too(pair, tmp_path):
 
 def test_the_schedule_is_the_short_one_only_when_most_text_is_written(
         pair, tmp_path):
-    """Without --steps, the distillation runs WRITTEN_STEPS (800) when
+    """Without --steps, the distillation runs WRITTEN_STEPS (400) when
     the teacher wrote more windows than the user gave, and the default
     schedule (20 passes over the batches, at least 200 steps) when the
     user's windows are the most (measured: 400 steps lost 12 points of
@@ -216,6 +216,6 @@ def test_the_schedule_is_the_short_one_only_when_most_text_is_written(
         head = [x for x in err.splitlines()
                 if x.startswith("distill: LoRA rank")][-1]
         return int(head.split(", ")[-1].split()[0])
-    assert WRITTEN_STEPS == 800
+    assert WRITTEN_STEPS == 400
     assert steps(16) == 200          # 21 fit windows of the user's, 16
-    assert steps(48) == 800          # 21 of the user's, 48 written
+    assert steps(48) == 400          # 21 of the user's, 48 written

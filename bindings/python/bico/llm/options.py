@@ -485,11 +485,11 @@ TRAIN_PASSES = 8.0
 # and with the first-byte teacher (bico.llm.across: its KL is over 257
 # groups, as cheap as the text's loss)
 TEXT_PASSES = 5.0
-# The share of its WRITTEN_STEPS (800) a distillation on written text
-# runs before --patience stops it: on four of the LLM table's cells at
-# 800 steps (2026-12-08) the best step was 450-800 and the runs ended
-# at 550-800 (0.69-1, 0.92 on average); at 400 steps (2026-12-07) 0.85
-WRITTEN_STOP = 0.9
+# The share of its WRITTEN_STEPS (400) a distillation on written text
+# runs before --patience stops it: its best step 100-400 on the LLM
+# table's ten cells at the defaults (2026-12-07), then 100 steps of
+# patience: 0.5-1, 0.85 on average
+WRITTEN_STOP = 0.85
 
 
 def stop_share(own, total):
