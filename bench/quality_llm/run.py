@@ -250,6 +250,10 @@ CMD_METHODS = [
     # step's work
     ("cmd auto 32 b16", ["--batch-size", "16"], 32, "lora"),
     ("cmd auto 64 b16", ["--batch-size", "16"], 64, "lora"),
+    # 800 and 1200 steps with the moving average (2026-12-08)
+    ("cmd auto 32 s800", ["--steps", "800"], 32, "lora"),
+    ("cmd auto 64 s800", ["--steps", "800"], 64, "lora"),
+    ("cmd auto 32 s1200", ["--steps", "1200"], 32, "lora"),
     ("cmd auto 32 s400", ["--steps", "400"], 32, "lora"),
     ("cmd auto 64 s400", ["--steps", "400"], 64, "lora"),
     ("cmd auto 32 warm", ["--init", "warm"], 32, "lora"),
