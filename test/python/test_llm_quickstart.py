@@ -56,7 +56,7 @@ def test_quickstart_runs(tmp_path, monkeypatch, capsys):
         else:
             r = subprocess.run(["bash", "-euo", "pipefail", "-c", code],
                                cwd=str(tmp_path), env=env,
-                               capture_output=True, text=True, timeout=300)
+                               capture_output=True, text=True, timeout=1200)
             assert r.returncode == 0, (code, r.stderr[-3000:])
     capsys.readouterr()
     for ad in ("B_adapter", "B_adapter_py", "B_bico_adapter"):
