@@ -303,6 +303,19 @@ def test_the_levels_add_up_to_the_kl_over_the_finer_partition():
     assert got == pytest.approx(total / n, rel=1e-5)
 
 
+def _levels_teacher(A, Aft, B, tok_a, tok_b, window):
+    """The depth-3 teacher of 4 windows of 20 target tokens of TEXT's
+    ASCII: (rows, the batch's entry, W, depth)."""
+    text = TEXT.encode("ascii", "ignore").decode()
+    ids = torch.as_tensor(tok_b.encode(text))
+    W, depth = 20, 3
+    rows = _rows(ids, W, 4)
+    batches = [(rows[:, :-1], rows[:, 1:])]
+    t = across.build(A, Aft, tok_a, tok_b, batches, window, depth=depth)
+    t.complete(B, [x for x, _ in batches])
+    return rows, t.get(0), W, depth
+
+
 def test_the_levels_move_the_target_as_the_source_moved(pair):
     """A byte-level source pair and a BPE target: at every aligned
     position and level, the teacher is the target's own probabilities of
@@ -317,14 +330,7 @@ def test_the_levels_move_the_target_as_the_source_moved(pair):
     A = bl.load_model(d / "A", dtype=torch.float64)
     Aft = bl.load_model(d / "A_ft", dtype=torch.float64)
     B = bl.load_model(d / "B_bpe", dtype=torch.float64)
-    text = TEXT.encode("ascii", "ignore").decode()
-    ids = torch.as_tensor(bpe.encode(text))
-    W, depth = 20, 3
-    rows = _rows(ids, W, 4)
-    batches = [(rows[:, :-1], rows[:, 1:])]
-    t = across.build(A, Aft, by, bpe, batches, 64, depth=depth)
-    t.complete(B, [x for x, _ in batches])
-    e = t.get(0)
+    rows, e, W, depth = _levels_teacher(A, Aft, B, by, bpe, 64)
     tb_b, tb_a = across.token_bytes(bpe), across.token_bytes(by)
     inv = {b[0]: i for i, b in enumerate(tb_a) if b}     # byte -> id
     checked = 0
@@ -397,14 +403,7 @@ def test_a_bpe_source_moves_the_levels_inside_its_own_tokens(
     B = bl.load_model(tmp_path / "B_bpe", dtype=torch.float64)
     tb_a, tb_b = across.token_bytes(tok_a), across.token_bytes(tok_b)
     assert tb_a != tb_b
-    text = TEXT.encode("ascii", "ignore").decode()
-    ids = torch.as_tensor(tok_b.encode(text))
-    W, depth = 20, 3
-    rows = _rows(ids, W, 4)
-    batches = [(rows[:, :-1], rows[:, 1:])]
-    t = across.build(A, Aft, tok_a, tok_b, batches, 512, depth=depth)
-    t.complete(B, [x for x, _ in batches])
-    e = t.get(0)
+    rows, e, W, depth = _levels_teacher(A, Aft, B, tok_a, tok_b, 512)
     first_of = across.groups(tb_a)
     kinds = {"start": 0, "inside": 0}
     with torch.no_grad():
@@ -470,5 +469,4 @@ def test_a_bpe_source_moves_the_levels_inside_its_own_tokens(
                         continue                 # later levels: weight 0
                     reach *= float(e.path.logp[r, tpos, k,
                                                raw[b] + 1].exp())
-    print(kinds)
     assert kinds["start"] >= 10 and kinds["inside"] >= 10, kinds
